@@ -1,0 +1,1 @@
+"""datastates: lazy asynchronous checkpointing for PyTorch."""
