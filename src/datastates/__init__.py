@@ -1,1 +1,41 @@
-"""datastates: lazy asynchronous checkpointing for PyTorch."""
+"""datastates: lazy asynchronous checkpointing of PyTorch training state.
+
+Quick start::
+
+    import datastates
+    with datastates.Checkpointer("ckpts") as ckpt:
+        handle = ckpt.save({"model": model, "optimizer": opt, "rng": datastates.RNGState()}, step=10)
+        ...                       # training continues; opt.step() waits only for the capture
+        ckpt.restore({"model": model, "optimizer": opt, "rng": datastates.RNGState()})
+"""
+from .checkpointer import Checkpointer
+from .commit import CheckpointInfo
+from .config import CheckpointConfig
+from .engine import SaveHandle, SaveStats
+from .errors import (CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError,
+                     CommitError, CommitTimeoutError, ConfigError, CorruptCheckpointError,
+                     DatastatesError, ReshardError, SerializationError, StateMismatchError,
+                     UnsafeObjectError, UnsupportedFormatError)
+from .providers import (Capture, ModuleProvider, OptimizerProvider, ProviderRegistry, RNGState,
+                        RNGStateProvider, StatefulProvider, StateProvider, eager, lazy)
+from .restore import RestoreReport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Capture", "CheckpointConfig", "CheckpointExistsError", "CheckpointInfo",
+    "CheckpointNotFoundError", "CheckpointWriteError", "Checkpointer", "CommitError",
+    "CommitTimeoutError", "ConfigError", "CorruptCheckpointError", "DatastatesError",
+    "ModuleProvider", "OptimizerProvider", "ProviderRegistry", "RNGState", "RNGStateProvider",
+    "ReshardError", "RestoreReport", "SaveHandle", "SaveStats", "SerializationError",
+    "StateMismatchError", "StateProvider", "StatefulProvider", "UnsafeObjectError",
+    "UnsupportedFormatError", "eager", "lazy", "CheckpointEngine",
+]
+
+
+def __getattr__(name):
+    # DeepSpeed does `from datastates import CheckpointEngine`; import its adapter only then.
+    if name == "CheckpointEngine":
+        from .integrations.deepspeed import CheckpointEngine
+        return CheckpointEngine
+    raise AttributeError(f"module 'datastates' has no attribute {name!r}")

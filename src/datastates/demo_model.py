@@ -73,7 +73,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def synthetic_batch(cfg: GPTConfig, batch_size: int, generator: torch.Generator,

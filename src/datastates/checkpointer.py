@@ -1,0 +1,270 @@
+"""The public entry point: a Checkpointer owns the host cache and threads for one directory."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+import weakref
+from typing import Any, Iterable
+
+import torch
+
+from . import commit as commit_mod
+from . import format as fmt
+from .config import CheckpointConfig
+from .dist import LocalCommunicator, StoreCommunicator
+from .engine import Job, Pipeline, SaveHandle
+from .errors import CheckpointExistsError
+from .flatten import ObjectItem, TensorItem, flatten
+from .planning import assign_replicated, plan_layout
+from .providers import ProviderRegistry
+from .restore import Reader, RestoreReport
+
+
+class Checkpointer:
+    """Saves and restores training state in one directory of checkpoints.
+
+    Thread model: call ``save``/``restore``/``load`` from the training thread. Background threads
+    capture and write; they never touch the training process group. Multi-rank: construct it on
+    every rank after ``torch.distributed.init_process_group`` (one collective at construction);
+    every rank then calls ``save`` with the same step/tag in the same order.
+
+    Resources (host cache, threads) are released by ``close()`` or the ``with`` block, which first
+    waits for in-flight saves to commit.
+    """
+
+    def __init__(self, directory: str | os.PathLike, config: CheckpointConfig | None = None, *,
+                 registry: ProviderRegistry | None = None, communicator=None):
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.config = config or CheckpointConfig()
+        self.registry = registry or ProviderRegistry.default()
+        self.comm = communicator or _default_communicator()
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        if self.rank == 0:
+            os.makedirs(self.directory, exist_ok=True)
+            commit_mod.clean_stale(self.directory, self.config.stale_tmp_age_s)
+        self._pipeline = Pipeline(self.config, self.comm, self._after_commit)
+        self._seq = 0
+        self._pending: list[SaveHandle] = []
+        self._dropped: list[SaveHandle] = []  # finished with a failure nobody looked at
+        self._guarded: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Any]" = \
+            weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------ save
+    def save(self, state: Any, step: int | None = None, *, tag: str | None = None,
+             metadata: dict | None = None, overwrite: bool = False,
+             replicated: bool | Iterable[str] = False) -> SaveHandle:
+        """Start a checkpoint of ``state`` and return its handle after planning.
+
+        ``state`` is any nesting of dicts/lists/tuples, tensors, modules, optimizers, objects
+        with ``state_dict()``, :class:`RNGState` and picklable Python objects. The name is ``tag``
+        or ``step-<step>``. Lazy tensors (parameters, optimizer state) are copied in the
+        background; the next step of a guarded optimizer waits for that copy. Eager state
+        (buffers, Python objects) is captured before this returns. ``replicated`` declares
+        tensors identical on every rank (True for all, or key prefixes): they are written once.
+        """
+        t0 = time.perf_counter()
+        self._check_open()
+        if step is None and tag is None:
+            raise ValueError("save() needs a step or a tag")
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise ValueError(f"step must be a non-negative int, found {step!r}")
+        name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
+        if metadata is not None and not isinstance(metadata, dict):
+            raise TypeError(f"metadata must be a dict, found {type(metadata).__qualname__}")
+        metadata = dict(metadata or {})
+        fmt.encode_manifest(metadata)  # not JSON-serializable: fail now, not in the background
+        self._report_dropped_failures()
+        self._bound_pending()
+        if not overwrite and os.path.exists(os.path.join(self.directory, name)):
+            raise CheckpointExistsError(f"checkpoint {name!r} already exists in "
+                                        f"{self.directory}; pass overwrite=True to replace it")
+        flat = flatten(state, self.registry)
+        for opt in flat.optimizers:
+            self.guard(opt)
+        tensors = [i for i, it in enumerate(flat.items) if isinstance(it, TensorItem)]
+        _mark_replicated(flat.items, tensors, replicated)
+        writes = self._tensors_to_write(flat.items, tensors)
+        objects = [i for i, it in enumerate(flat.items) if isinstance(it, ObjectItem)]
+        layout = plan_layout([flat.items[i].nbytes for i in writes],
+                             [flat.items[i].nbytes for i in objects], self.config.unit_bytes)
+        ready = self._pipeline.copier.record_ready([flat.items[i].tensor for i in writes])
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+        job = Job(seq=seq, name=name, step=step, root=self.directory,
+                  tmp=commit_mod.tmp_dir(self.directory, name, self.comm.run_id, seq),
+                  rank=self.rank, flat=flat, layout=layout, write_tensors=writes,
+                  objects=objects, metadata=metadata, overwrite=overwrite, ready=ready, t0=t0)
+        handle = SaveHandle(job)
+        self._pending.append(handle)
+        self._pipeline.submit(job)
+        lazy = any(flat.items[i].lazy for i in writes)
+        if lazy and (self.config.lazy == "never" or
+                     (self.config.lazy == "auto" and not self._guarded)):
+            job.captured.wait()
+        job.stats.blocked_s = time.perf_counter() - t0
+        return handle
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step()`` wait until in-flight snapshots are captured (idempotent).
+
+        Done automatically for optimizers found in a saved state. Installs a step pre-hook; no
+        framework code is patched. The hook never raises: a failed save surfaces on its handle.
+        """
+        if optimizer in self._guarded:
+            return
+        self._guarded[optimizer] = optimizer.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, *_args) -> None:
+        for handle in list(self._pending):
+            handle._job.captured.wait()
+
+    def wait(self) -> list[commit_mod.CheckpointInfo]:
+        """Wait for every in-flight save; raise the first failure."""
+        pending, errors, infos = list(self._pending), [], []
+        for handle in pending:
+            try:
+                infos.append(handle.wait())
+            except BaseException as exc:
+                errors.append(exc)
+        self._prune()
+        if errors:
+            raise errors[0]
+        return infos
+
+    # ------------------------------------------------------------ restore
+    def restore(self, state: Any, step: int | None = None, *, tag: str | None = None,
+                keys=None, strict: bool = True, verify: bool | None = None,
+                trusted: bool = False, safe_globals: Iterable[Any] = (),
+                rank_policy: str = "strict") -> RestoreReport:
+        """Restore a committed checkpoint (the latest if no step/tag) into the live ``state``.
+
+        Tensors are filled in place on their own devices; providers apply the rest (optimizer
+        state, RNG, schedulers). Strict by default: keys, shapes and dtypes must match, and a
+        mismatch raises StateMismatchError before anything is modified. ``keys`` restricts the
+        restore to key prefixes such as ``"model"``. Python objects load safely unless
+        ``trusted=True`` (or their classes are in ``safe_globals``).
+        """
+        with self._reader(step, tag, verify, trusted, safe_globals, None, rank_policy) as reader:
+            return reader.restore_into(state, keys=keys, strict=strict)
+
+    def load(self, step: int | None = None, *, tag: str | None = None, keys=None,
+             map_location: Any = None, verify: bool | None = None, trusted: bool = False,
+             safe_globals: Iterable[Any] = (), rank_policy: str = "strict") -> Any:
+        """Load a committed checkpoint into new objects: the structure that was saved, with
+        modules and optimizers as their state dicts (what ``torch.load`` of them would give)."""
+        with self._reader(step, tag, verify, trusted, safe_globals, map_location,
+                          rank_policy) as reader:
+            return reader.load(keys=keys)
+
+    def _reader(self, step, tag, verify, trusted, safe_globals, map_location, rank_policy):
+        self._check_open()
+        info = commit_mod.resolve(self.directory, step, tag)
+        return Reader(info.path, registry=self.registry, rank=self.rank,
+                      world_size=self.world_size, threads=self.config.reader_threads,
+                      verify=self.config.verify if verify is None else verify, trusted=trusted,
+                      safe_globals=safe_globals, map_location=map_location,
+                      rank_policy=rank_policy)
+
+    # ------------------------------------------------------------ listing
+    def list(self) -> list[commit_mod.CheckpointInfo]:
+        """Committed checkpoints, oldest first."""
+        return commit_mod.list_checkpoints(self.directory)
+
+    def latest(self) -> commit_mod.CheckpointInfo | None:
+        """The most recently committed checkpoint, or None."""
+        return commit_mod.latest(self.directory)
+
+    def delete(self, step: int | None = None, *, tag: str | None = None) -> None:
+        """Delete a committed checkpoint (rank 0 only does the work)."""
+        name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
+        if self.rank == 0:
+            commit_mod.delete(self.directory, name, self.config.fsync)
+
+    # ------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Wait for in-flight saves, stop the threads, free the host cache (idempotent).
+
+        Failures of saves nobody awaited are re-issued as warnings, never lost."""
+        if self._closed:
+            return
+        for handle in list(self._pending):
+            handle._job.finished.wait()
+        self._report_dropped_failures()
+        self._closed = True
+        for hook in list(self._guarded.values()):
+            hook.remove()
+        self._guarded.clear()
+        self._pipeline.close()
+        self.comm.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ internals
+    def _after_commit(self, job: Job) -> None:
+        """Rank 0, commit thread, after the checkpoint became visible."""
+        commit_mod.set_latest(self.directory, job.name, self.config.fsync)
+        commit_mod.apply_retention(self.directory, self.config.keep_last, self.config.keep_every,
+                                   protect=job.name, fsync=self.config.fsync)
+
+    def _tensors_to_write(self, items, tensors: list[int]) -> list[int]:
+        replicated = {items[i].key: items[i].nbytes for i in tensors if items[i].replicated}
+        if not replicated or self.world_size == 1:
+            return tensors
+        owner = assign_replicated(replicated, self.world_size)
+        return [i for i in tensors if not items[i].replicated or owner[items[i].key] == self.rank]
+
+    def _bound_pending(self) -> None:
+        self._prune()
+        while len(self._pending) >= self.config.max_pending_saves:
+            self._pending[0]._job.finished.wait()
+            self._prune()
+
+    def _prune(self) -> None:
+        keep = []
+        for h in self._pending:
+            if not h.done():
+                keep.append(h)
+            elif h._unobserved_error() is not None:
+                self._dropped.append(h)
+        self._pending = keep
+
+    def _report_dropped_failures(self) -> None:
+        self._prune()
+        while self._dropped:
+            handle = self._dropped.pop(0)
+            err = handle.exception()
+            if err is not None:
+                warnings.warn(f"datastates: an earlier checkpoint {handle.name!r} failed: {err!r}",
+                              RuntimeWarning, stacklevel=3)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Checkpointer is closed")
+
+
+def _mark_replicated(items, tensors: list[int], replicated) -> None:
+    if replicated is False or replicated is None:
+        return
+    prefixes = None if replicated is True else [p.strip("/") for p in replicated]
+    for i in tensors:
+        item = items[i]
+        if item.global_shape is not None:
+            continue
+        if prefixes is None or any(item.key == p or item.key.startswith(p + "/") for p in prefixes):
+            item.replicated = True
+
+
+def _default_communicator():
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return StoreCommunicator.from_process_group()
+    return LocalCommunicator()

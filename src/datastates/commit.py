@@ -1,0 +1,290 @@
+"""The commit protocol on a directory: manifest assembly, atomic visibility, ``latest``, retention,
+listing and cleanup of stale temporaries (docs/format.md, "Commit protocol")."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import format as fmt
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .storage import fsync_dir, remove_tree, write_file_atomic
+
+_OWNER = "owner.json"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint."""
+
+    name: str
+    path: str
+    step: int | None
+    created_unix: float
+    world_size: int
+    nbytes: int
+    metadata: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- manifest assembly (pure)
+
+def build_manifest(payloads: list[dict], *, name: str, step: int | None,
+                   metadata: dict) -> dict:
+    """Merge every rank's report into one manifest.
+
+    Replicated tensors (same key, declared replicated) become one entry written by their owner;
+    shards of one global tensor become one entry with several shards; anything else stays per
+    rank, so two ranks holding different tensors under one key never collapse into one.
+    """
+    files, entries, ranks = [], [], []
+    grouped: dict[tuple, int] = {}
+    for payload in sorted(payloads, key=lambda p: p["rank"]):
+        file_id = len(files)
+        files.append({"rank": payload["rank"], **payload["file"]})
+        local_to_global = []
+        for e in payload["entries"]:
+            local_to_global.append(_merge_entry(e, file_id, payload["rank"], entries, grouped))
+        ranks.append({"rank": payload["rank"], "tree": _remap(payload["tree"], local_to_global)})
+    for e in entries:
+        if e["kind"] == "tensor" and e.get("replicated") and not e["shards"]:
+            raise CorruptCheckpointError(f"replicated tensor {e['key']!r} was written by no rank")
+    return {"format": fmt.CHECKPOINT_FORMAT, "version": fmt.VERSION, "name": name, "step": step,
+            "created_unix": time.time(), "world_size": len(payloads), "metadata": metadata,
+            "files": files, "entries": entries, "ranks": ranks}
+
+
+def _merge_entry(e: dict, file_id: int, rank: int, entries: list, grouped: dict) -> int:
+    if e["kind"] == "object":
+        entries.append({"kind": "object", "key": e["key"], "file": file_id, "offset": e["offset"],
+                        "nbytes": e["nbytes"], "crc32": e["crc32"]})
+        return len(entries) - 1
+    shard = None
+    if e.get("written", True):
+        shard = {"file": file_id, "offset": e["offset"], "nbytes": e["nbytes"],
+                 "global_offset": e.get("global_offset") or [0] * len(e["shape"]),
+                 "shape": e["shape"], "checksums": e["checksums"]}
+    sharded = e.get("global_shape") is not None
+    group = None
+    if sharded:
+        group = ("sharded", e["key"])
+    elif e.get("replicated"):
+        group = ("replicated", e["key"])
+    if group is not None and group in grouped:
+        target = entries[grouped[group]]
+        if target["dtype"] != e["dtype"] or target["shape"] != (e.get("global_shape") or e["shape"]):
+            raise CorruptCheckpointError(
+                f"rank {rank} holds {e['key']!r} as {e['dtype']}{e.get('global_shape') or e['shape']}"
+                f" but another rank as {target['dtype']}{target['shape']}")
+        if shard is not None and not any(s["global_offset"] == shard["global_offset"] and
+                                         s["shape"] == shard["shape"] for s in target["shards"]):
+            target["shards"].append(shard)
+        return grouped[group]
+    entry = {"kind": "tensor", "key": e["key"], "dtype": e["dtype"],
+             "shape": e.get("global_shape") or e["shape"], "shards": [shard] if shard else []}
+    if e.get("replicated"):
+        entry["replicated"] = True
+    if not sharded and not e.get("replicated"):
+        entry["rank"] = rank
+    entries.append(entry)
+    if group is not None:
+        grouped[group] = len(entries) - 1
+    return len(entries) - 1
+
+
+def _remap(node: Any, table: list[int]) -> Any:
+    t = node["t"]
+    if t in ("tensor", "object"):
+        return {**node, "e": table[node["e"]]}
+    if t in ("dict", "odict"):
+        return {"t": t, "items": [[k, _remap(v, table)] for k, v in node["items"]]}
+    if t in ("list", "tuple"):
+        return {"t": t, "items": [_remap(v, table) for v in node["items"]]}
+    if t == "provider":
+        return {**node, "state": _remap(node["state"], table)}
+    return node
+
+
+# ---------------------------------------------------------------- directory operations
+
+def tmp_dir(root: str, name: str, run_id: str, seq: int) -> str:
+    return os.path.join(root, f".tmp.{name}.{run_id}-{seq}")
+
+
+def claim_tmp(path: str) -> None:
+    """Record who writes this temporary, so a later process can tell a stale one."""
+    data = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()})
+    with open(os.path.join(path, _OWNER), "w") as f:
+        f.write(data)
+
+
+def publish(root: str, tmp: str, name: str, manifest: dict, *, overwrite: bool,
+            fsync: bool) -> str:
+    """Make ``tmp`` the committed checkpoint ``root/name`` atomically. Returns its path."""
+    final = os.path.join(root, name)
+    try:
+        os.remove(os.path.join(tmp, _OWNER))
+    except FileNotFoundError:
+        pass
+    write_file_atomic(os.path.join(tmp, fmt.MANIFEST), fmt.encode_manifest(manifest), fsync)
+    old = None
+    if os.path.exists(final):
+        if not overwrite:
+            from .errors import CheckpointExistsError
+            raise CheckpointExistsError(f"{final} already exists (committed meanwhile); pass "
+                                        "overwrite=True to replace it")
+        old = os.path.join(root, f".old.{name}.{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    if fsync:
+        fsync_dir(root)
+    if old is not None:
+        remove_tree(old)
+    return final
+
+
+def set_latest(root: str, name: str, fsync: bool) -> None:
+    write_file_atomic(os.path.join(root, fmt.LATEST), name.encode(), fsync)
+
+
+def info_of(path: str, manifest: dict) -> CheckpointInfo:
+    return CheckpointInfo(name=os.path.basename(path), path=path, step=manifest.get("step"),
+                          created_unix=float(manifest.get("created_unix", 0.0)),
+                          world_size=int(manifest["world_size"]),
+                          nbytes=sum(int(f.get("nbytes", 0)) for f in manifest["files"]),
+                          metadata=manifest.get("metadata") or {})
+
+
+def list_checkpoints(root: str) -> list[CheckpointInfo]:
+    """Committed checkpoints in ``root``, oldest first (by step, then creation time)."""
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"checkpoint directory {root!r} does not exist")
+    found = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.startswith(".") or not os.path.isfile(os.path.join(path, fmt.MANIFEST)):
+            continue
+        try:
+            found.append(info_of(path, fmt.read_manifest(path)))
+        except (CorruptCheckpointError, CheckpointNotFoundError, OSError):
+            continue
+    return sorted(found, key=_order)
+
+
+def _order(info: CheckpointInfo):
+    return (info.step if info.step is not None else -1, info.created_unix, info.name)
+
+
+def latest(root: str) -> CheckpointInfo | None:
+    """The checkpoint ``latest`` names if it is committed, else the newest committed one."""
+    try:
+        with open(os.path.join(root, fmt.LATEST), "rb") as f:
+            name = f.read().decode("utf-8", "replace").strip()
+        path = os.path.join(root, fmt.check_name(name))
+        return info_of(path, fmt.read_manifest(path))
+    except (OSError, ValueError, CorruptCheckpointError):
+        pass
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def resolve(root: str, step: int | None = None, tag: str | None = None) -> CheckpointInfo:
+    """Find a committed checkpoint by tag, by step, or the latest."""
+    if tag is not None or step is not None:
+        name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
+        path = os.path.join(root, name)
+        if not os.path.isdir(path) and tag is None:
+            matches = [i for i in list_checkpoints(root) if i.step == step]
+            if matches:
+                return matches[-1]
+        if not os.path.isdir(path):
+            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}")
+        return info_of(path, fmt.read_manifest(path))
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"checkpoint directory {root!r} does not exist")
+    found = latest(root)
+    if found is None:
+        raise CheckpointNotFoundError(f"no committed checkpoint in {root!r}")
+    return found
+
+
+def delete(root: str, name: str, fsync: bool = True) -> None:
+    """Remove a checkpoint atomically: rename it away first, then delete the files."""
+    path = os.path.join(root, fmt.check_name(name))
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}")
+    trash = os.path.join(root, f".trash.{name}.{uuid.uuid4().hex[:8]}")
+    os.rename(path, trash)
+    if fsync:
+        fsync_dir(root)
+    remove_tree(trash)
+
+
+def apply_retention(root: str, keep_last: int | None, keep_every: int | None,
+                    protect: str, fsync: bool) -> list[str]:
+    """Delete committed checkpoints beyond the policy; never ``protect`` or what latest names."""
+    if keep_last is None:
+        return []
+    found = list_checkpoints(root)
+    keep = {i.name for i in found[-keep_last:]} | {protect}
+    current = latest(root)
+    if current is not None:
+        keep.add(current.name)
+    removed = []
+    for info in found:
+        if info.name in keep:
+            continue
+        if keep_every and info.step is not None and info.step % keep_every == 0:
+            continue
+        delete(root, info.name, fsync)
+        removed.append(info.name)
+    return removed
+
+
+def clean_stale(root: str, max_age_s: float) -> list[str]:
+    """Remove temporaries left by dead writers: those owned by a dead process on this host, those
+    older than ``max_age_s``, and interrupted deletions. Restores a checkpoint whose replacement
+    was interrupted between the two renames."""
+    removed = []
+    now = time.time()
+    host = socket.gethostname()
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.startswith(".old."):
+            original = os.path.join(root, name[5:].rsplit(".", 1)[0])
+            if not os.path.exists(original):
+                os.rename(path, original)
+                continue
+        if not name.startswith((".tmp.", ".trash.", ".old.")) or not os.path.isdir(path):
+            continue
+        stale = name.startswith((".trash.", ".old."))
+        try:
+            with open(os.path.join(path, _OWNER)) as f:
+                owner = json.load(f)
+            if owner.get("host") == host and not _alive(int(owner.get("pid", -1))):
+                stale = True
+        except (OSError, ValueError):
+            pass
+        try:
+            stale = stale or now - os.stat(path).st_mtime > max_age_s
+        except OSError:
+            continue
+        if stale:
+            remove_tree(path)
+            removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

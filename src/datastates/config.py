@@ -1,0 +1,85 @@
+"""One frozen configuration object, passed explicitly (nothing is read from the environment here)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+_ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """How a :class:`~datastates.Checkpointer` stages, writes, commits and restores.
+
+    Sizes are in bytes. Every field has a default that suits a single GPU or CPU process.
+    """
+
+    #: Size of the host cache (pinned on CUDA) allocated once and reused by every save.
+    #: A state larger than the cache streams through it with backpressure.
+    host_cache_bytes: int = 1 << 30
+    #: Largest unit copied into the cache and written with one request; tensors larger than
+    #: this are split. Rounded down to a multiple of 4096.
+    chunk_bytes: int = 64 << 20
+    #: Threads writing cache units to the file (each computes the checksums of its units).
+    writer_threads: int = 2
+    #: Threads reading on restore.
+    reader_threads: int = 4
+    #: "auto" uses O_DIRECT where the file system accepts it, else buffered writes;
+    #: "direct" requires it; "buffered" never uses it.
+    io_mode: str = "auto"
+    #: fsync every file and directory before commit (disable only for throwaway benchmarks).
+    fsync: bool = True
+    #: Uncommitted saves allowed in flight; a further save() waits for the oldest to commit.
+    max_pending_saves: int = 2
+    #: Retention: keep the newest ``keep_last`` committed checkpoints (None keeps all) ...
+    keep_last: int | None = None
+    #: ... and additionally every checkpoint whose step is a multiple of ``keep_every``.
+    keep_every: int | None = None
+    #: Verify checksums on restore.
+    verify: bool = True
+    #: Seconds a rank waits for the others to report during a commit before failing it.
+    commit_timeout_s: float = 300.0
+    #: Temporaries older than this are removed when a Checkpointer opens the directory.
+    stale_tmp_age_s: float = 24 * 3600.0
+    #: "auto": lazy items are captured in the background only when an optimizer guard protects
+    #: them (an optimizer in the saved state, or one passed to guard()); otherwise save()
+    #: returns after the snapshot. "always": always lazy (the caller promises to call
+    #: wait_snapshot() before mutating). "never": capture everything before save() returns.
+    lazy: str = "auto"
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, what: str) -> None:
+            if not cond:
+                raise ConfigError(f"CheckpointConfig: expected {what}")
+
+        need(isinstance(self.host_cache_bytes, int) and self.host_cache_bytes >= 2 * _ALIGN,
+             f"host_cache_bytes >= {2 * _ALIGN}, found {self.host_cache_bytes!r}")
+        need(isinstance(self.chunk_bytes, int) and self.chunk_bytes >= _ALIGN,
+             f"chunk_bytes >= {_ALIGN}, found {self.chunk_bytes!r}")
+        need(isinstance(self.writer_threads, int) and self.writer_threads >= 1,
+             f"writer_threads >= 1, found {self.writer_threads!r}")
+        need(isinstance(self.reader_threads, int) and self.reader_threads >= 1,
+             f"reader_threads >= 1, found {self.reader_threads!r}")
+        need(self.io_mode in ("auto", "direct", "buffered"),
+             f"io_mode in ('auto', 'direct', 'buffered'), found {self.io_mode!r}")
+        need(isinstance(self.max_pending_saves, int) and self.max_pending_saves >= 1,
+             f"max_pending_saves >= 1, found {self.max_pending_saves!r}")
+        need(self.keep_last is None or (isinstance(self.keep_last, int) and self.keep_last >= 1),
+             f"keep_last None or >= 1, found {self.keep_last!r}")
+        need(self.keep_every is None or (isinstance(self.keep_every, int) and self.keep_every >= 1),
+             f"keep_every None or >= 1, found {self.keep_every!r}")
+        need(self.commit_timeout_s > 0, f"commit_timeout_s > 0, found {self.commit_timeout_s!r}")
+        need(self.lazy in ("auto", "always", "never"),
+             f"lazy in ('auto', 'always', 'never'), found {self.lazy!r}")
+
+    @property
+    def unit_bytes(self) -> int:
+        """The cache slot size: chunk_bytes aligned down, and at most half the cache."""
+        unit = min(self.chunk_bytes, self.host_cache_bytes // 2)
+        return max(_ALIGN, unit - unit % _ALIGN)
+
+    def replace(self, **changes) -> "CheckpointConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,403 @@
+"""The save pipeline: capture thread → writer threads → commit thread, and the handle.
+
+Threads (one set per Checkpointer, started once):
+- capture: for each job in order, copies units of lazy/eager tensors into host-cache slots
+  (blocking on free slots: backpressure), then marks the snapshot complete;
+- writers: checksum each unit's pieces and write the unit at its file offset, release the slot;
+- commit: opens nothing on the training thread; writes the object blobs while tensor units are in
+  flight (metadata overlaps bulk I/O), then index + header + fsync, then runs the commit protocol.
+Any exception fails only its job: it reaches the handle, the process keeps running.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import commit as commit_mod
+from . import format as fmt
+from .config import CheckpointConfig
+from .errors import CheckpointWriteError, CommitError, DatastatesError
+from .flatten import Flattened, TensorItem
+from .planning import Layout
+from .staging import DeviceCopier, HostCache
+from .storage import ShardWriter, remove_tree
+
+log = logging.getLogger("datastates")
+
+
+@dataclass
+class SaveStats:
+    """Timings of one save, in seconds from the moment ``save()`` was entered."""
+
+    blocked_s: float = 0.0   #: how long save() blocked the caller
+    snapshot_s: float = 0.0  #: until the state was captured in host memory
+    commit_s: float = 0.0    #: until the checkpoint was durable and committed
+    nbytes: int = 0          #: tensor and object bytes of this rank
+    files: int = 1           #: shard files written by this rank
+
+
+class Job:
+    """One save of one rank, shared by the pipeline threads."""
+
+    def __init__(self, *, seq: int, name: str, step: int | None, root: str, tmp: str,
+                 rank: int, flat: Flattened, layout: Layout, write_tensors: list[int],
+                 objects: list[int], metadata: dict, overwrite: bool, ready, t0: float):
+        self.seq, self.name, self.step, self.root, self.tmp = seq, name, step, root, tmp
+        self.rank, self.flat, self.layout = rank, flat, layout
+        #: Flat item indices of the tensors this rank writes (layout order) and of the objects.
+        self.write_tensors, self.objects = write_tensors, objects
+        self.metadata, self.overwrite, self.ready, self.t0 = metadata, overwrite, ready, t0
+        self.stats = SaveStats(nbytes=sum(i.nbytes for i in flat.items))
+        self.captured = threading.Event()
+        self.opened = threading.Event()
+        self.finished = threading.Event()
+        self.cancelled = threading.Event()
+        self.error: BaseException | None = None
+        self.info: commit_mod.CheckpointInfo | None = None
+        self.writer: ShardWriter | None = None
+        self.crcs: dict[tuple[int, int], int] = {}
+        self._lock = threading.Lock()
+        self._outstanding = 0
+        self._capture_over = False
+        self.all_written = threading.Event()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = exc
+        self.cancelled.set()
+
+    def unit_queued(self) -> None:
+        with self._lock:
+            self._outstanding += 1
+
+    def unit_done(self) -> None:
+        with self._lock:
+            self._outstanding -= 1
+            done = self._capture_over and self._outstanding == 0
+        if done:
+            self.all_written.set()
+
+    def capture_over(self) -> None:
+        self.stats.snapshot_s = time.perf_counter() - self.t0
+        for item in self.flat.items:  # hold no reference to live state after the snapshot
+            if isinstance(item, TensorItem):
+                item.tensor = None
+        self.captured.set()
+        with self._lock:
+            self._capture_over = True
+            done = self._outstanding == 0
+        if done:
+            self.all_written.set()
+
+    def finish(self) -> None:
+        self.stats.commit_s = time.perf_counter() - self.t0
+        self.finished.set()
+
+
+class SaveHandle:
+    """The future of one ``save()``. Thread-safe; every method may be called any number of times.
+
+    ``wait()`` re-raises a background failure. A handle whose failure was never looked at warns
+    when it is garbage-collected, and the next ``save()`` warns too: errors are never lost.
+    """
+
+    def __init__(self, job: Job):
+        self._job = job
+        self._observed = False
+
+    @property
+    def name(self) -> str:
+        return self._job.name
+
+    @property
+    def step(self) -> int | None:
+        return self._job.step
+
+    @property
+    def stats(self) -> SaveStats:
+        return self._job.stats
+
+    def snapshot_done(self) -> bool:
+        """True once the state is captured in host memory (or the save failed)."""
+        return self._job.captured.is_set()
+
+    def done(self) -> bool:
+        """True once the checkpoint is committed or has failed."""
+        return self._job.finished.is_set()
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Block until the state is captured; after that the live state may change freely."""
+        if not self._job.captured.wait(timeout):
+            raise TimeoutError(f"snapshot of {self.name!r} not complete after {timeout} s")
+        if self._job.error is not None and self._job.finished.is_set():
+            self._raise()
+
+    def wait(self, timeout: float | None = None) -> commit_mod.CheckpointInfo:
+        """Block until committed; return its info or raise its error."""
+        if not self._job.finished.wait(timeout):
+            raise TimeoutError(f"checkpoint {self.name!r} not committed after {timeout} s")
+        if self._job.error is not None:
+            self._raise()
+        self._observed = True
+        return self._job.info
+
+    result = wait
+
+    def exception(self) -> BaseException | None:
+        """The failure of a finished save, or None (also None while still running)."""
+        if self._job.finished.is_set():
+            self._observed = True
+            return self._job.error
+        return None
+
+    def _raise(self):
+        self._observed = True
+        raise self._job.error
+
+    def _unobserved_error(self) -> BaseException | None:
+        if self._job.finished.is_set() and self._job.error is not None and not self._observed:
+            return self._job.error
+        return None
+
+    def __del__(self):
+        try:
+            err = self._unobserved_error()
+        except Exception:  # interpreter shutdown
+            return
+        if err is not None:
+            warnings.warn(f"datastates: checkpoint {self.name!r} failed and its handle was "
+                          f"dropped without wait(): {err!r}", RuntimeWarning, stacklevel=2)
+
+
+class Pipeline:
+    """The background threads and the host cache of one Checkpointer."""
+
+    def __init__(self, config: CheckpointConfig, comm, on_commit: Callable[[Job], None]):
+        self.config = config
+        self.comm = comm
+        self.on_commit = on_commit
+        pin = torch.cuda.is_available()
+        self.cache = HostCache(config.host_cache_bytes, config.unit_bytes, pin)
+        self.copier = DeviceCopier()
+        self._capture_q: queue.Queue = queue.Queue()
+        self._write_q: queue.Queue = queue.Queue()
+        self._commit_q: queue.Queue = queue.Queue()
+        self._threads = [threading.Thread(target=self._capture_loop, name="datastates-capture",
+                                          daemon=True),
+                         threading.Thread(target=self._commit_loop, name="datastates-commit",
+                                          daemon=True)]
+        self._threads += [threading.Thread(target=self._write_loop, name=f"datastates-writer-{i}",
+                                           daemon=True) for i in range(config.writer_threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, job: Job) -> None:
+        self._capture_q.put(job)
+        self._commit_q.put(job)
+
+    def close(self) -> None:
+        self._capture_q.put(None)
+        self._commit_q.put(None)
+        for _ in range(self.config.writer_threads):
+            self._write_q.put(None)
+        for t in self._threads:
+            t.join()
+        self.cache.close()
+
+    # ------------------------------------------------------------ capture thread
+    def _capture_loop(self) -> None:
+        while (job := self._capture_q.get()) is not None:
+            try:
+                self._open(job)
+                self._capture(job)
+            except BaseException as exc:
+                job.fail(exc)
+            finally:
+                job.opened.set()
+                job.capture_over()
+
+    def _open(self, job: Job) -> None:
+        os.makedirs(job.tmp, exist_ok=True)
+        if job.rank == 0:
+            commit_mod.claim_tmp(job.tmp)
+        job.writer = ShardWriter(os.path.join(job.tmp, fmt.shard_file_name(job.rank)),
+                                 self.config.io_mode)
+        job.opened.set()
+
+    def _capture(self, job: Job) -> None:
+        items, copier = job.flat.items, self.copier
+        remaining = {}
+        for unit in job.layout.units:
+            for piece in unit.pieces:
+                remaining[piece.item] = remaining.get(piece.item, 0) + 1
+        flat_cache: dict[int, torch.Tensor] = {}
+        copier.begin(job.ready)
+        sources = []
+        for unit in job.layout.units:
+            slot = self.cache.acquire(job.cancelled)
+            if slot < 0:
+                return
+            job.unit_queued()
+            try:
+                dst, pos = self.cache.tensor(slot), 0
+                for piece in unit.pieces:
+                    if piece.unit_offset > pos:
+                        dst[pos:piece.unit_offset].zero_()
+                    src = flat_cache.get(piece.item)
+                    if src is None:
+                        src = copier.flat(items[job.write_tensors[piece.item]].tensor)
+                    remaining[piece.item] -= 1
+                    if remaining[piece.item]:
+                        flat_cache[piece.item] = src
+                    else:
+                        flat_cache.pop(piece.item, None)
+                    end = piece.unit_offset + piece.nbytes
+                    copier.copy(dst[piece.unit_offset:end],
+                                src[piece.item_offset:piece.item_offset + piece.nbytes])
+                    sources.append(src)
+                    pos = end
+                padded = fmt.align_up(pos, fmt.UNIT_ALIGN)
+                if padded > pos:
+                    dst[pos:padded].zero_()
+                fence = copier.fence(sources)
+                if fence is not None:
+                    fence.synchronize()
+                sources.clear()
+            except BaseException:
+                self.cache.release(slot)
+                job.unit_done()
+                raise
+            self._write_q.put((job, unit, slot))
+
+    # ------------------------------------------------------------ writer threads
+    def _write_loop(self) -> None:
+        while (work := self._write_q.get()) is not None:
+            job, unit, slot = work
+            try:
+                if not job.cancelled.is_set():
+                    view = self.cache.view(slot)
+                    for piece in unit.pieces:
+                        end = piece.unit_offset + piece.nbytes
+                        job.crcs[(piece.item, piece.item_offset)] = \
+                            fmt.crc32(view[piece.unit_offset:end])
+                    padded = fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN)
+                    job.writer.write(view[:unit.nbytes], unit.file_offset, view[:padded])
+            except BaseException as exc:
+                error = CheckpointWriteError(
+                    f"rank {job.rank}: writing {job.writer.path if job.writer else job.tmp} at "
+                    f"offset {unit.file_offset} failed: {exc}")
+                error.__cause__ = exc
+                job.fail(error)
+            finally:
+                self.cache.release(slot)
+                job.unit_done()
+
+    # ------------------------------------------------------------ commit thread
+    def _commit_loop(self) -> None:
+        while (job := self._commit_q.get()) is not None:
+            try:
+                payload = self._finish_file(job)
+            except BaseException as exc:
+                job.fail(exc if isinstance(exc, DatastatesError) else CheckpointWriteError(
+                    f"rank {job.rank}: finishing {job.tmp} failed: {exc}"))
+                payload = None
+            finally:
+                job.all_written.wait()
+                if job.writer is not None:
+                    job.writer.close()
+            try:
+                self._agree(job, payload)
+            except BaseException as exc:
+                job.fail(exc)
+            if job.error is not None and job.rank == 0:
+                remove_tree(job.tmp)
+            job.finish()
+
+    def _finish_file(self, job: Job) -> dict | None:
+        job.opened.wait()
+        items = job.flat.items
+        entries: list[dict | None] = [None] * len(items)
+        for i, offset in zip(job.objects, job.layout.blob_offsets):
+            if job.writer is None or job.error is not None:
+                break
+            data = items[i].data  # written while the tensor units are in flight
+            job.writer.write(memoryview(data), offset)
+            entries[i] = {"key": items[i].key, "kind": "object", "offset": offset,
+                          "nbytes": len(data), "crc32": fmt.crc32(data)}
+        job.all_written.wait()
+        if job.error is not None:
+            return None
+        position = {flat_i: t_i for t_i, flat_i in enumerate(job.write_tensors)}
+        pieces = job.layout.pieces_by_item()
+        for i, item in enumerate(items):
+            if isinstance(item, TensorItem):
+                entries[i] = self._tensor_entry(job, item, position.get(i), pieces)
+        index = fmt.encode_index(job.rank, [e for e in entries if e.get("written", True)])
+        job.writer.write(memoryview(index), job.layout.index_offset)
+        job.writer.write(memoryview(fmt.pack_header(job.layout.index_offset, index)), 0)
+        size = job.layout.index_offset + len(index)
+        job.writer.finish(self.config.fsync, size)
+        return {"rank": job.rank, "entries": entries, "tree": job.flat.tree,
+                "file": {"name": fmt.shard_file_name(job.rank), "nbytes": size,
+                         "index_crc32": fmt.crc32(index)}}
+
+    @staticmethod
+    def _tensor_entry(job: Job, item: TensorItem, t_i: int | None, pieces: dict) -> dict:
+        entry = {"key": item.key, "kind": "tensor", "dtype": fmt.dtype_name(item.dtype),
+                 "shape": list(item.shape)}
+        if item.global_shape is not None:
+            entry["global_shape"] = list(item.global_shape)
+            entry["global_offset"] = list(item.global_offset)
+        if item.replicated:
+            entry["replicated"] = True
+        if t_i is None:
+            entry["written"] = False
+            return entry
+        entry.update(offset=job.layout.tensor_offsets[t_i], nbytes=item.nbytes,
+                     checksums=[[p.nbytes, job.crcs[(t_i, p.item_offset)]]
+                                for p in pieces.get(t_i, [])])
+        return entry
+
+    def _agree(self, job: Job, payload: dict | None) -> None:
+        timeout = self.config.commit_timeout_s
+        report = payload if payload is not None else {"rank": job.rank, "error": repr(job.error)}
+        reports = self.comm.gather(job.seq, report, timeout)
+        decision = None
+        if reports is not None:  # coordinator
+            failed = {r["rank"]: r["error"] for r in reports if "error" in r}
+            if failed:
+                decision = {"error": f"checkpoint {job.name!r} failed on rank(s) "
+                                     f"{sorted(failed)}; nothing was committed",
+                            "causes": failed}
+            else:
+                try:
+                    manifest = commit_mod.build_manifest(reports, name=job.name, step=job.step,
+                                                         metadata=job.metadata)
+                    path = commit_mod.publish(job.root, job.tmp, job.name, manifest,
+                                              overwrite=job.overwrite, fsync=self.config.fsync)
+                    job.info = commit_mod.info_of(path, manifest)
+                    self.on_commit(job)
+                    decision = {"ok": True}
+                except BaseException as exc:
+                    decision = {"error": f"committing {job.name!r} failed on rank 0: {exc}",
+                                "causes": {0: repr(exc)}}
+                    if job.error is None:
+                        job.fail(exc)
+        decision = self.comm.broadcast(job.seq, decision, timeout)
+        if "error" in decision:
+            causes = {int(k): v for k, v in decision["causes"].items()}
+            if self.comm.world_size > 1 or job.error is None:
+                job.error = CommitError(decision["error"] + ": " + "; ".join(
+                    f"rank {r}: {c}" for r, c in sorted(causes.items())), causes)
+        elif job.info is None:
+            path = os.path.join(job.root, job.name)
+            job.info = commit_mod.info_of(path, fmt.read_manifest(path))

@@ -1,0 +1,66 @@
+"""The one error tree of datastates.
+
+Every class also subclasses the matching built-in exception, so code that already catches
+``FileNotFoundError`` or ``ValueError`` keeps working. Messages say what was expected, what was found
+and where (file, offset, rank, key).
+"""
+from __future__ import annotations
+
+
+class DatastatesError(Exception):
+    """Base class of every error raised by datastates."""
+
+
+class ConfigError(DatastatesError, ValueError):
+    """A configuration value is invalid."""
+
+
+class CheckpointNotFoundError(DatastatesError, FileNotFoundError):
+    """The directory, the checkpoint or one of its files does not exist."""
+
+
+class CheckpointExistsError(DatastatesError, FileExistsError):
+    """A committed checkpoint with that name exists and overwriting was not requested."""
+
+
+class CorruptCheckpointError(DatastatesError, ValueError):
+    """A file is truncated, has a wrong magic number, an invalid index or a checksum mismatch."""
+
+
+class UnsupportedFormatError(CorruptCheckpointError):
+    """The checkpoint was written by a newer format version than this reader understands."""
+
+
+class StateMismatchError(DatastatesError, ValueError):
+    """The live state does not match the checkpoint (keys, shapes or dtypes) on a strict restore."""
+
+
+class SerializationError(DatastatesError, TypeError):
+    """A Python object cannot be serialized at save time, or cannot be loaded safely."""
+
+
+class UnsafeObjectError(SerializationError):
+    """A checkpoint holds a Python object whose type is not allowed by safe loading."""
+
+
+class CheckpointWriteError(DatastatesError, OSError):
+    """The background pipeline failed to write or commit a checkpoint (disk full, permission...)."""
+
+
+class CommitError(DatastatesError, RuntimeError):
+    """One or more ranks failed a checkpoint; it was not committed.
+
+    ``causes`` maps each failed rank to the text of its error; every rank raises the same error.
+    """
+
+    def __init__(self, message: str, causes: dict[int, str] | None = None):
+        super().__init__(message)
+        self.causes = dict(causes or {})
+
+
+class CommitTimeoutError(CommitError, TimeoutError):
+    """Some ranks did not report within the commit timeout (a rank died or hangs)."""
+
+
+class ReshardError(DatastatesError, ValueError):
+    """Per-rank state cannot be mapped onto a different world size without the user saying how."""

@@ -1,0 +1,323 @@
+"""Path-addressed checkpoints: what the frameworks that think in files (DeepSpeed, Lightning) need.
+
+A framework asks to save a state "to the file ``dir/name``". Here that becomes the datastates
+checkpoint ``name`` in the directory ``dir``: a directory ``dir/name/`` that appears atomically
+(temp dir + fsync + rename, done by the core), so a crash never leaves a partial checkpoint at
+that path. A later save to the same path replaces it through the core's overwrite commit.
+
+Threads and ownership:
+- every public method runs on the caller's (training) thread;
+- one :class:`datastates.Checkpointer` per directory, created on first use and owned here;
+  at most ``max_open`` stay open (the least recently used one is closed once its saves are done);
+- a background failure is kept and raised by the next :meth:`PathCheckpoints.save`,
+  :meth:`PathCheckpoints.wait` or :meth:`PathCheckpoints.close` (never lost, never a crash of
+  the training process).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Iterable
+
+import torch
+
+log = logging.getLogger("datastates.integrations")
+
+
+def _core():
+    import datastates  # the public API only; imported late so the module loads without it
+    return datastates
+
+
+def split_path(path) -> tuple[str, str]:
+    """``"dir/name"`` → (absolute dir, name)."""
+    path = os.path.abspath(os.fspath(path))
+    root, name = os.path.split(path.rstrip(os.sep))
+    if not name or name.startswith(".") or name == "latest":
+        raise ValueError(f"cannot checkpoint to {path!r}: the last path component must not be "
+                         "empty, start with '.', or be 'latest'")
+    return root, name
+
+
+def is_checkpoint_dir(path) -> bool:
+    """True if ``path`` is a committed datastates checkpoint."""
+    return os.path.isfile(os.path.join(os.fspath(path), "manifest.json"))
+
+
+def storage_key(t: torch.Tensor) -> tuple:
+    return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
+
+
+def protected_storages(modules: Iterable[torch.nn.Module] = (),
+                       optimizers: Iterable[Any] = ()) -> set:
+    """Storages that change only inside an optimizer step: parameters of ``modules``, and the
+    parameters and state tensors of ``optimizers`` (torch optimizers, or wrappers exposing
+    ``.optimizer``). Tensors on these storages may be captured lazily behind a step guard."""
+    keys = set()
+    for module in modules:
+        for p in module.parameters():
+            keys.add(storage_key(p))
+    for opt in optimizers:
+        opt = base_optimizer(opt)
+        if opt is None:
+            continue
+        for group in opt.param_groups:
+            for p in group["params"]:
+                keys.add(storage_key(p))
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    keys.add(storage_key(v))
+    return keys
+
+
+def base_optimizer(opt: Any) -> torch.optim.Optimizer | None:
+    """The ``torch.optim.Optimizer`` inside framework wrappers (accelerate, DeepSpeed ZeRO,
+    LightningOptimizer), found through their ``.optimizer`` attribute."""
+    seen = 0
+    while opt is not None and not isinstance(opt, torch.optim.Optimizer) and seen < 8:
+        opt = getattr(opt, "optimizer", None)
+        seen += 1
+    return opt if isinstance(opt, torch.optim.Optimizer) else None
+
+
+def mark_capture(state: Any, lazy_storages: set | None) -> Any:
+    """Wrap the tensors of a plain state so the core captures them without device clones.
+
+    ``lazy_storages=None``: everything lazy (the caller waits for the snapshot before returning,
+    so nothing can change meanwhile). Otherwise tensors on those storages are lazy and every
+    other tensor (buffers such as BatchNorm statistics, user tensors) is eager: copied inside
+    ``save()``, because it may change before the next optimizer step.
+    """
+    ds = _core()
+    if lazy_storages is None:
+        return ds.lazy(state)
+
+    def walk(obj):
+        if isinstance(obj, torch.Tensor):
+            return ds.lazy(obj) if storage_key(obj) in lazy_storages else ds.eager(obj)
+        if type(obj) in (dict, OrderedDict):
+            return type(obj)((k, walk(v)) for k, v in obj.items())
+        if type(obj) in (list, tuple):
+            return type(obj)(walk(v) for v in obj)
+        return obj
+    return walk(state)
+
+
+class _Pending:
+    __slots__ = ("handle", "path", "done")
+
+    def __init__(self, handle, path: str):
+        self.handle, self.path = handle, path
+        self.done = threading.Event()
+
+
+class PathCheckpoints:
+    """Saves, loads and removes checkpoints addressed by file-like paths (see module docstring)."""
+
+    def __init__(self, config=None, *, max_open: int = 2, trusted: bool = True,
+                 on_commit: Callable[[str, Any], None] | None = None):
+        ds = _core()
+        config = config if config is not None else ds.CheckpointConfig()
+        # Capture is steered per tensor by lazy()/eager() markers and by our own snapshot waits.
+        self.config = config.replace(lazy="always")
+        self.max_open = max(1, int(max_open))
+        self.trusted = trusted
+        self.on_commit = on_commit
+        self._ckpts: OrderedDict[str, Any] = OrderedDict()
+        self._pending: dict[str, _Pending] = {}
+        self._errors: list[BaseException] = []
+        self._lock = threading.RLock()
+        self._closed_event = threading.Condition(self._lock)
+        self._finisher = _Finisher(self)
+
+    # ------------------------------------------------------------ save / load / remove
+    def save(self, state: Any, path, *, snapshot: bool, metadata: dict | None = None):
+        """Start saving ``state`` to ``path``; return its handle.
+
+        ``snapshot=True`` returns only after the state is captured in the host cache (nothing the
+        caller does afterwards can change the checkpoint); ``False`` leaves lazy tensors to be
+        captured in the background, so the caller must hold a step guard (:meth:`wait_snapshots`).
+        """
+        self.raise_errors()
+        root, name = split_path(path)
+        full = os.path.join(root, name)
+        self._wait_path(full)
+        if os.path.isfile(full) or os.path.islink(full):
+            os.remove(full)  # a plain file from another engine: replaced by the new checkpoint
+        os.makedirs(root, exist_ok=True)
+        ckpt = self._checkpointer(root)
+        handle = ckpt.save(state, tag=name, metadata=metadata or {}, overwrite=True)
+        pending = _Pending(handle, full)
+        with self._lock:
+            self._pending[full] = pending
+        self._finisher.submit(pending)
+        if snapshot:
+            handle.wait_snapshot()
+        return handle
+
+    def load(self, path, map_location=None, *, trusted: bool | None = None):
+        """What ``torch.load(path)`` would return for the state saved to ``path``; a plain file
+        (written by the framework's default engine) is read with ``torch.load``."""
+        root, name = split_path(path)
+        full = os.path.join(root, name)
+        self._wait_path(full)
+        trusted = self.trusted if trusted is None else trusted
+        if os.path.isfile(full):
+            return torch.load(full, map_location=map_location, weights_only=not trusted)
+        ckpt = self._checkpointer(root)
+        return ckpt.load(tag=name, map_location=map_location, trusted=trusted)
+
+    def exists(self, path) -> bool:
+        root, name = split_path(path)
+        full = os.path.join(root, name)
+        with self._lock:
+            if full in self._pending:
+                return True
+        return os.path.isfile(full) or is_checkpoint_dir(full)
+
+    def remove(self, path) -> None:
+        """Delete the checkpoint at ``path`` (waiting first for a save of it still in flight)."""
+        root, name = split_path(path)
+        full = os.path.join(root, name)
+        self._wait_path(full)
+        if os.path.islink(full) or os.path.isfile(full):
+            os.remove(full)
+        elif is_checkpoint_dir(full):
+            self._checkpointer(root).delete(tag=name)
+        elif os.path.isdir(full):
+            shutil.rmtree(full, ignore_errors=True)
+
+    # ------------------------------------------------------------ synchronization
+    def wait_snapshots(self) -> None:
+        """Block until every in-flight save has captured its state (the step guard)."""
+        with self._lock:
+            pending = list(self._pending.values())
+        for p in pending:
+            p.handle.wait_snapshot()
+
+    def wait(self) -> None:
+        """Block until every save is committed (or failed); raise the first failure."""
+        with self._lock:
+            pending = list(self._pending.values())
+        for p in pending:
+            p.done.wait()
+        self.raise_errors()
+
+    def raise_errors(self) -> None:
+        """Raise (once) the first background failure recorded since the last call."""
+        with self._lock:
+            if not self._errors:
+                return
+            first, rest = self._errors[0], self._errors[1:]
+            self._errors.clear()
+        for other in rest:
+            log.error("datastates: another checkpoint also failed: %r", other)
+        raise first
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def close(self) -> None:
+        """Wait for every save, close every Checkpointer, raise the first failure. Reusable:
+        a later save opens what it needs again."""
+        try:
+            self.wait()
+        finally:
+            with self._lock:
+                ckpts = list(self._ckpts.values())
+                self._ckpts.clear()
+            for ckpt in ckpts:
+                ckpt.close()
+            self._finisher.stop()
+
+    # ------------------------------------------------------------ internals
+    def _wait_path(self, full: str) -> None:
+        with self._lock:
+            pending = self._pending.get(full)
+        if pending is not None:
+            pending.done.wait()
+
+    def _checkpointer(self, root: str):
+        with self._lock:
+            ckpt = self._ckpts.get(root)
+            if ckpt is not None:
+                self._ckpts.move_to_end(root)
+                return ckpt
+            ckpt = _core().Checkpointer(root, self.config)
+            self._ckpts[root] = ckpt
+            evict = []
+            while len(self._ckpts) > self.max_open:
+                evict.append(self._ckpts.popitem(last=False))
+        for old_root, old in evict:
+            self._finisher.close_later(old_root, old)
+        return ckpt
+
+    def _finished(self, pending: _Pending, error: BaseException | None, info: Any) -> None:
+        if error is None and self.on_commit is not None:
+            try:
+                self.on_commit(pending.path, info)
+            except BaseException as exc:  # a post-commit action failing is a failure too
+                error = exc
+        with self._lock:
+            if error is not None:
+                self._errors.append(error)
+            if self._pending.get(pending.path) is pending:
+                del self._pending[pending.path]
+        pending.done.set()
+
+
+class _Finisher:
+    """One daemon thread that waits for handles in order, runs post-commit actions and closes
+    evicted Checkpointers once their saves are over."""
+
+    def __init__(self, owner: PathCheckpoints):
+        import queue
+        self._owner = owner
+        self._q: "queue.Queue" = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _ensure(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="datastates-finisher",
+                                                daemon=True)
+                self._thread.start()
+
+    def submit(self, pending: _Pending) -> None:
+        self._ensure()
+        self._q.put(("wait", pending))
+
+    def close_later(self, root: str, ckpt) -> None:
+        self._ensure()
+        self._q.put(("close", (root, ckpt)))
+
+    def stop(self) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._q.put(None)
+            thread.join()
+
+    def _run(self) -> None:
+        while (work := self._q.get()) is not None:
+            kind, arg = work
+            if kind == "wait":
+                error, info = None, None
+                try:
+                    info = arg.handle.wait()
+                except BaseException as exc:
+                    error = exc
+                self._owner._finished(arg, error, info)
+            else:
+                root, ckpt = arg
+                try:
+                    ckpt.close()
+                except BaseException as exc:
+                    log.error("datastates: closing the checkpointer of %s failed: %r", root, exc)

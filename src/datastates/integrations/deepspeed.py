@@ -1,0 +1,288 @@
+"""DeepSpeed: the engine behind DeepSpeed's built-in ``"datastates_ckpt"`` config key.
+
+DeepSpeed 0.19 ships ``DataStatesCheckpointEngine``; when the config holds
+``"datastates_ckpt": {...}`` it does ``from datastates import CheckpointEngine`` and calls, on
+every rank (``deepspeed/runtime/checkpoint_engine/datastates_checkpoint_engine.py``)::
+
+    CheckpointEngine(deepspeed_config, rank)   # once, in DeepSpeedEngine.__init__
+    save(state_dict, path)                    # per file of a tag, inside save_checkpoint()
+    load(path, map_location)                  # per file, inside load_checkpoint()
+    wait(persist=True)                        # from its commit() and cleanup()
+
+``datastates.CheckpointEngine`` is :class:`DeepSpeedCheckpointEngine`.
+
+What DeepSpeed does *not* do for this engine, and how the contract still holds:
+
+- Its ``is_decoupled()`` is True but ``get_commit_info()`` is the base class's ``None``, so
+  ``DeepSpeedEngine._commit_decoupled_checkpoint()`` returns at once: nothing waits before the
+  optimizer step, and ``commit()``/``wait()`` run only at ``destroy()``. Therefore every
+  ``save(path)`` here commits *on its own* in the background (atomic per path), and by default
+  ``save()`` returns only once its state is copied into the host cache (no device clone; the
+  write, fsync and commit overlap training). Call :func:`enable_lazy_snapshots` with the engine to
+  go fully lazy: ``save()`` returns after planning and the optimizer step waits (a step pre-hook
+  on the engine's torch optimizer) until the snapshot is complete.
+- It never writes ``save_dir/latest`` for this engine. Global rank 0 writes it here (atomically,
+  naming the tag) once all of its own files of that tag are committed. With several ranks
+  ``latest`` therefore trusts the other ranks' files of the tag; disable with
+  ``"update_latest": false``.
+- A "file" DeepSpeed names (``save_dir/tag/mp_rank_00_model_states.pt``) is a datastates
+  checkpoint directory of that name; ``load()`` reads it (and still reads plain ``torch.save``
+  files, so a run can switch engines). Offline tools that ``torch.load`` the files (such as
+  ``zero_to_fp32.py``) need :func:`export_torch_files` first.
+
+Config keys (all optional): ``host_cache_size`` (GB, default 1), ``parser_threads`` (alias of
+``writer_threads``), ``update_latest`` (default true), ``trusted_load`` (default true: DeepSpeed's
+own engine unpickles its files with ``weights_only=False``; set false to refuse arbitrary
+classes), and any :class:`datastates.CheckpointConfig` field by name.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from ._paths import PathCheckpoints, base_optimizer, mark_capture, protected_storages
+
+log = logging.getLogger("datastates.integrations.deepspeed")
+
+__all__ = ["DeepSpeedCheckpointEngine", "enable_lazy_snapshots", "export_torch_files",
+           "config_from_deepspeed"]
+
+_GB = 1 << 30
+
+
+def config_from_deepspeed(deepspeed_config: Any):
+    """Build a :class:`datastates.CheckpointConfig` and the adapter options from what DeepSpeed
+    passes: its ``DeepSpeedConfig`` (``.datastates_config.config``), or a plain dict."""
+    import datastates
+    raw = deepspeed_config
+    if hasattr(raw, "datastates_config"):
+        raw = raw.datastates_config.config
+    if raw is None or raw is True:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise TypeError(f"datastates_ckpt: expected a dict of options, found {type(raw).__name__}")
+    raw = dict(raw)
+    options = {"update_latest": bool(raw.pop("update_latest", True)),
+               "trusted_load": bool(raw.pop("trusted_load", True))}
+    fields = {f.name for f in dataclasses.fields(datastates.CheckpointConfig)}
+    kwargs = {}
+    if "host_cache_size" in raw:
+        kwargs["host_cache_bytes"] = int(float(raw.pop("host_cache_size")) * _GB)
+    if "parser_threads" in raw:
+        kwargs["writer_threads"] = int(raw.pop("parser_threads"))
+    for key in ("pin_host_cache", "fast_cache_init", "engine_type", "profile_engine"):
+        raw.pop(key, None)  # prototype keys with no meaning here
+    for key in list(raw):
+        if key in fields:
+            kwargs[key] = raw.pop(key)
+    if raw:
+        raise ValueError(f"datastates_ckpt: unknown option(s) {sorted(raw)}; known: "
+                         f"host_cache_size, parser_threads, update_latest, trusted_load, "
+                         f"{', '.join(sorted(fields))}")
+    return datastates.CheckpointConfig(**kwargs), options
+
+
+class DeepSpeedCheckpointEngine:
+    """``datastates.CheckpointEngine``: what DeepSpeed's ``DataStatesCheckpointEngine`` drives.
+
+    All methods run on the training thread of one rank; each rank has its own instance and
+    writes only the files DeepSpeed gives it (no collective is called here).
+    """
+
+    def __init__(self, config_params: Any = None, rank: int = 0):
+        config, options = config_from_deepspeed(config_params)
+        self.rank = int(rank)
+        self.update_latest = options["update_latest"]
+        self._paths = PathCheckpoints(config, max_open=2, trusted=options["trusted_load"],
+                                      on_commit=self._committed)
+        self._guard_modules: list = []
+        self._guard_optimizers: list = []
+        self._hooks: list = []
+        self._tags: dict[str, int] = {}      # tag dir -> saves not yet committed
+        self._open_tag: str | None = None     # tag dir whose save() calls may still come
+        self._sealed: set[str] = set()
+        self._tag_lock = threading.Lock()
+        self._closed = False
+        atexit.register(_wait_at_exit, weakref.ref(self))
+
+    # ------------------------------------------------------------ DeepSpeed's calls
+    def save(self, state_dict: dict, path: str) -> bool:
+        """Checkpoint ``state_dict`` to ``path`` (a new datastates checkpoint of that name).
+
+        Returns once the state is captured (default) or planned (after
+        :func:`enable_lazy_snapshots`); raises a failure of an earlier save."""
+        tag_dir = os.path.dirname(os.path.abspath(path))
+        self._seal_if_new(tag_dir)
+        if self._guard_optimizers:
+            lazy = protected_storages(self._guard_modules, self._guard_optimizers)
+            state = mark_capture(state_dict, lazy)
+        else:
+            state = mark_capture(state_dict, None)
+        with self._tag_lock:
+            self._tags[tag_dir] = self._tags.get(tag_dir, 0) + 1
+            self._open_tag = tag_dir
+        try:
+            self._paths.save(state, path, snapshot=not self._guard_optimizers,
+                             metadata={"framework": "deepspeed", "rank": self.rank})
+        except BaseException:
+            with self._tag_lock:
+                self._tags[tag_dir] -= 1
+            raise
+        return True
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """What ``torch.load(path, map_location)`` returned for the state saved to ``path``."""
+        if callable(map_location) or isinstance(map_location, dict):
+            map_location = None  # DeepSpeed's `lambda storage, loc: storage`: stay on the CPU
+        return self._paths.load(path, map_location=map_location)
+
+    def wait(self, persist: bool = True) -> None:
+        """``persist=False``: until every save is captured; ``True``: until every save is
+        committed (and ``latest`` written). Raises the first background failure."""
+        if persist:
+            self._seal_if_new(None)
+            self._paths.wait()
+        else:
+            self._paths.wait_snapshots()
+            self._paths.raise_errors()
+
+    def commit(self, tag: Any = None) -> bool:
+        """The prototype's ``commit(tag)``: everything saved so far is durable."""
+        self.wait(persist=True)
+        return True
+
+    def close(self) -> None:
+        """Wait for every save, release the host cache and threads, remove the step guards."""
+        if self._closed:
+            return
+        self._closed = True
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self._seal_if_new(None)
+        self._paths.close()
+
+    shutdown = close
+
+    # ------------------------------------------------------------ lazy snapshots
+    def guard(self, optimizer: Any, modules: Any = ()) -> None:
+        """Make saves lazy: ``optimizer.step()`` (a torch optimizer, or a wrapper exposing
+        ``.optimizer``) waits until every in-flight save has captured its state. Tensors on the
+        storages of ``modules``' parameters and of the optimizer's parameters and state are then
+        captured in the background; any other tensor (buffers, client state) is copied inside
+        ``save()`` because forward may change it."""
+        opt = base_optimizer(optimizer)
+        if opt is None:
+            raise TypeError(f"guard(): {type(optimizer).__qualname__} is not a torch optimizer "
+                            "and has no .optimizer attribute that is one")
+        if isinstance(modules, torch.nn.Module):
+            modules = [modules]
+        self._guard_modules.extend(modules)
+        self._guard_optimizers.append(opt)
+        self._hooks.append(opt.register_step_pre_hook(self._before_step))
+
+    def _before_step(self, *_args) -> None:
+        self._seal_if_new(None)
+        self._paths.wait_snapshots()
+
+    # ------------------------------------------------------------ latest
+    def _seal_if_new(self, tag_dir: str | None) -> None:
+        """No more save() will come for the open tag (a new tag started, a step or wait came):
+        its ``latest`` may be written once its files are committed."""
+        with self._tag_lock:
+            open_tag = self._open_tag
+            if open_tag is None or open_tag == tag_dir:
+                return
+            self._open_tag = None
+            self._sealed.add(open_tag)
+            ready = self._tags.get(open_tag, 0) == 0
+        if ready:
+            self._write_latest(open_tag)
+
+    def _committed(self, path: str, info: Any) -> None:
+        tag_dir = os.path.dirname(path)
+        with self._tag_lock:
+            self._tags[tag_dir] = self._tags.get(tag_dir, 1) - 1
+            ready = self._tags[tag_dir] == 0 and tag_dir in self._sealed
+        if ready:
+            self._write_latest(tag_dir)
+
+    def _write_latest(self, tag_dir: str) -> None:
+        with self._tag_lock:
+            if tag_dir not in self._sealed:
+                return
+            self._sealed.discard(tag_dir)
+            self._tags.pop(tag_dir, None)
+        if not self.update_latest or self.rank != 0:
+            return
+        save_dir, tag = os.path.split(tag_dir)
+        tmp = os.path.join(save_dir, f".latest.tmp.{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(save_dir, "latest"))
+        fd = os.open(save_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def enable_lazy_snapshots(engine: Any) -> DeepSpeedCheckpointEngine:
+    """Make the datastates saves of a ``DeepSpeedEngine`` fully lazy.
+
+    ``save_checkpoint()`` then returns after planning; forward and backward overlap the copy
+    into the host cache, and the engine's optimizer step waits for it (a step pre-hook on the
+    torch optimizer inside ``engine.optimizer``: ZeRO 1/2, bf16/fp16 wrappers and plain
+    optimizers all update parameters and state through it). Returns the datastates engine.
+    """
+    wrapper = getattr(engine, "checkpoint_engine", None)
+    ours = getattr(wrapper, "ckpt_engine", wrapper)
+    if not isinstance(ours, DeepSpeedCheckpointEngine):
+        raise TypeError("enable_lazy_snapshots(): this DeepSpeed engine does not checkpoint "
+                        "through datastates; add \"datastates_ckpt\": {...} to its config")
+    if engine.optimizer is None:
+        raise ValueError("enable_lazy_snapshots(): the engine has no optimizer")
+    ours.guard(engine.optimizer, modules=[engine.module])
+    return ours
+
+
+def export_torch_files(tag_dir: str, out_dir: str | None = None) -> list[str]:
+    """Write every datastates "file" of a DeepSpeed tag directory as a ``torch.save`` file (for
+    offline tools such as ``zero_to_fp32.py``), into ``out_dir`` (default: ``tag_dir`` + ``.torch``).
+    Returns the paths written."""
+    from ._paths import is_checkpoint_dir
+    out_dir = out_dir or tag_dir.rstrip(os.sep) + ".torch"
+    os.makedirs(out_dir, exist_ok=True)
+    paths = PathCheckpoints(max_open=1)
+    written = []
+    try:
+        for name in sorted(os.listdir(tag_dir)):
+            src = os.path.join(tag_dir, name)
+            if not is_checkpoint_dir(src):
+                continue
+            dst = os.path.join(out_dir, name)
+            torch.save(paths.load(src, map_location="cpu"), dst + ".tmp")
+            os.replace(dst + ".tmp", dst)
+            written.append(dst)
+    finally:
+        paths.close()
+    return written
+
+
+def _wait_at_exit(ref) -> None:
+    engine = ref()
+    if engine is None or engine._closed:
+        return
+    try:
+        engine.close()
+    except BaseException as exc:  # at exit: report, never raise
+        log.error("datastates: a DeepSpeed checkpoint failed before exit: %r", exc)

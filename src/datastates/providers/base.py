@@ -1,0 +1,125 @@
+"""The state provider contract and the registry that holds providers.
+
+A provider knows one kind of object and turns it into a *state*: nested dicts/lists/tuples of
+tensors and plain values (usually its ``state_dict()``). The engine walks that state, captures its
+tensors (lazily or eagerly, as the provider says) and serializes the rest. On restore the provider
+gets the loaded state back and applies it to the live object.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Iterable
+
+import torch
+
+LAZY = "lazy"
+EAGER = "eager"
+
+
+class StateProvider(ABC):
+    """Turns one kind of object into a capturable state and back.
+
+    Contract:
+    - ``can_handle`` and ``state`` run on the training thread inside ``save()``: keep them cheap,
+      return references to the live tensors (no copies); the engine copies them.
+    - Tensors whose provider says ``lazy`` must not change until the guarded optimizer step (or an
+      explicit ``wait_snapshot()``); anything that may change during forward/backward is ``eager``.
+    - ``load`` runs on the caller's thread inside ``restore()`` after every tensor of the state was
+      read; tensors that matched live tensors were already filled in place.
+    - ``name`` is recorded in the manifest and looked up on load: keep it stable.
+    """
+
+    #: Stable identifier recorded in the manifest.
+    name: str = ""
+    #: Default capture of this provider's tensors: "lazy" or "eager".
+    capture: str = EAGER
+    #: Whether a restore may create tensors for keys the live object does not hold yet
+    #: (an optimizer before its first step); False makes such keys an error on a strict restore.
+    allow_new_keys: bool = True
+
+    @abstractmethod
+    def can_handle(self, obj: Any) -> bool:
+        """Whether this provider captures ``obj``."""
+
+    @abstractmethod
+    def state(self, obj: Any) -> Any:
+        """The object's state: nested containers of tensors and plain values."""
+
+    @abstractmethod
+    def load(self, obj: Any, state: Any) -> None:
+        """Apply a loaded ``state`` to the live ``obj``."""
+
+    def rebuild(self, state: Any) -> Any:
+        """What ``Checkpointer.load()`` returns for this object when no live object is given."""
+        return state
+
+    def capture_of(self, tensor: torch.Tensor) -> str:
+        """Capture policy of one of this provider's tensors (default: the provider's ``capture``)."""
+        return self.capture
+
+
+class Capture:
+    """Marker that overrides the capture policy of a subtree (see :func:`lazy` and :func:`eager`)."""
+
+    __slots__ = ("value", "policy")
+
+    def __init__(self, value: Any, policy: str):
+        if policy not in (LAZY, EAGER):
+            raise ValueError(f"capture policy must be 'lazy' or 'eager', found {policy!r}")
+        self.value = value
+        self.policy = policy
+
+
+def lazy(value: Any) -> Capture:
+    """Capture the tensors of ``value`` lazily: the caller promises they stay unchanged until the
+    guarded optimizer step or ``wait_snapshot()``."""
+    return Capture(value, LAZY)
+
+
+def eager(value: Any) -> Capture:
+    """Capture the tensors of ``value`` inside ``save()`` (for state that changes during forward)."""
+    return Capture(value, EAGER)
+
+
+class ProviderRegistry:
+    """An ordered set of providers, asked in order; passed explicitly (no global registry)."""
+
+    def __init__(self, providers: Iterable[StateProvider] = ()):
+        self._providers: list[StateProvider] = []
+        for provider in providers:
+            self.register(provider, first=False)
+
+    @classmethod
+    def default(cls) -> "ProviderRegistry":
+        """A new registry with the built-in providers."""
+        from .builtin import builtin_providers
+        return cls(builtin_providers())
+
+    def register(self, provider: StateProvider, *, first: bool = True) -> "ProviderRegistry":
+        """Add ``provider``; by default ahead of the others so user providers win."""
+        if not isinstance(provider, StateProvider):
+            raise TypeError(f"expected a StateProvider, found {type(provider).__qualname__}")
+        if not provider.name:
+            raise ValueError(f"{type(provider).__qualname__} has no name")
+        if any(p.name == provider.name for p in self._providers):
+            raise ValueError(f"a provider named {provider.name!r} is already registered")
+        if first:
+            self._providers.insert(0, provider)
+        else:
+            self._providers.append(provider)
+        return self
+
+    def find(self, obj: Any) -> StateProvider | None:
+        for provider in self._providers:
+            if provider.can_handle(obj):
+                return provider
+        return None
+
+    def get(self, name: str) -> StateProvider | None:
+        for provider in self._providers:
+            if provider.name == name:
+                return provider
+        return None
+
+    def __iter__(self):
+        return iter(list(self._providers))

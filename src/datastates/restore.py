@@ -1,0 +1,423 @@
+"""Restore: parallel, coalesced reads straight into the live tensors (or into new ones).
+
+``Reader`` plans every read first (matching the checkpoint tree against the live state through
+the providers), validates everything — a strict mismatch raises before one byte of live state is
+touched — then reads with a thread pool, verifies checksums and lets providers apply the result.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from . import format as fmt
+from . import serialization
+from .errors import (CheckpointNotFoundError, CorruptCheckpointError, ReshardError,
+                     StateMismatchError)
+from .flatten import key_of
+from .providers import Capture, ProviderRegistry, StateProvider
+from .storage import buffer_of, pread_into
+
+_COALESCE_GAP = 256 << 10
+_MAX_READ = 64 << 20
+
+
+@dataclass
+class RestoreReport:
+    """What an in-place restore did. On a strict restore the lists other than ``restored`` are
+    empty (a mismatch raises instead)."""
+
+    name: str
+    step: int | None
+    restored: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)      #: in the live state, not in the checkpoint
+    unexpected: list[str] = field(default_factory=list)   #: in the checkpoint, not in the live state
+    mismatched: list[str] = field(default_factory=list)   #: shape or dtype differs (skipped)
+    nbytes: int = 0
+
+
+@dataclass
+class _Read:
+    file: int
+    offset: int
+    nbytes: int
+    dest: torch.Tensor        # flat uint8 CPU tensor receiving the bytes
+    checksums: list           # [[length, crc], ...] over [offset, offset + nbytes)
+    key: str
+
+
+class _Files:
+    """Open shard files on demand, validate their headers against the manifest once."""
+
+    def __init__(self, ckpt_dir: str, manifest: dict):
+        self.dir, self.manifest = ckpt_dir, manifest
+        self._fds: dict[int, tuple[int, int]] = {}
+        self._lock = threading.Lock()
+
+    def path(self, file_id: int) -> str:
+        return os.path.join(self.dir, self.manifest["files"][file_id]["name"])
+
+    def open(self, file_id: int) -> tuple[int, int]:
+        """(fd, index offset) of a validated file."""
+        with self._lock:
+            if file_id in self._fds:
+                return self._fds[file_id]
+            path = self.path(file_id)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(f"{path}: shard file listed in the manifest is "
+                                              "missing") from None
+            try:
+                index_offset, _, index_crc = fmt.read_header(fd, path, os.fstat(fd).st_size)
+                expected = self.manifest["files"][file_id].get("index_crc32")
+                if expected is not None and index_crc != expected:
+                    raise CorruptCheckpointError(f"{path}: index checksum {index_crc} differs from "
+                                                 f"the manifest's {expected} (file replaced?)")
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fds[file_id] = (fd, index_offset)
+            return self._fds[file_id]
+
+    def close(self) -> None:
+        with self._lock:
+            for fd, _ in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+class Reader:
+    """Reads one committed checkpoint. Use as a context manager (it owns file descriptors)."""
+
+    def __init__(self, ckpt_dir: str, *, registry: ProviderRegistry, rank: int = 0,
+                 world_size: int = 1, threads: int = 4, verify: bool = True,
+                 trusted: bool = False, safe_globals: Iterable[Any] = (),
+                 map_location: Any = None, rank_policy: str = "strict"):
+        self.dir = ckpt_dir
+        self.manifest = fmt.read_manifest(ckpt_dir)
+        self.registry, self.verify, self.threads = registry, verify, threads
+        self.trusted, self.safe_globals = trusted, list(safe_globals)
+        self.map_location = map_location
+        self.rank, self.world_size = rank, world_size
+        self.files = _Files(ckpt_dir, self.manifest)
+        self.entries = self.manifest["entries"]
+        self.tree = self._tree_for(rank, world_size, rank_policy)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.files.close()
+
+    # ------------------------------------------------------------ tree selection
+    def _tree_for(self, rank: int, world_size: int, policy: str) -> dict:
+        saved = self.manifest["world_size"]
+        trees = {r["rank"]: r["tree"] for r in self.manifest["ranks"]}
+        if saved == world_size:
+            return trees[rank]
+        source = rank if rank < saved else 0
+        if policy == "strict":
+            per_rank = sorted({e["key"] for e in self.entries
+                               if e["kind"] == "tensor" and "rank" in e and saved > 1})
+            if per_rank:
+                shown = ", ".join(per_rank[:5]) + (" ..." if len(per_rank) > 5 else "")
+                raise ReshardError(
+                    f"{self.dir}: saved by {saved} ranks, loading on {world_size}; per-rank state "
+                    f"cannot be remapped ({shown}). Pass rank_policy='rank0' to give every rank "
+                    "rank 0's per-rank state, 'same' to map rank r to saved rank r where it exists")
+        if policy == "rank0":
+            source = 0
+        return trees[source]
+
+    # ------------------------------------------------------------ public operations
+    def restore_into(self, state: Any, *, keys=None, strict: bool = True) -> RestoreReport:
+        plan = _Plan(self, keys, strict, in_place=True)
+        value = plan.match(state, self.tree, (), None)
+        plan.check()
+        self._execute(plan)
+        for load, live, loaded in plan.finalizers:
+            load(live, loaded)
+        plan.report.nbytes = sum(r.nbytes for r in plan.reads)
+        del value
+        return plan.report
+
+    def load(self, *, keys=None) -> Any:
+        plan = _Plan(self, keys, strict=False, in_place=False)
+        value = plan.match(None, self.tree, (), None)
+        self._execute(plan)
+        if self.map_location is not None:
+            value = _move(value, self.map_location)
+        return value
+
+    # ------------------------------------------------------------ reading
+    def read_object(self, entry: dict) -> Any:
+        fd, index_offset = self.files.open(entry["file"])
+        path = self.files.path(entry["file"])
+        if entry["offset"] + entry["nbytes"] > index_offset:
+            raise CorruptCheckpointError(f"{path}: object {entry['key']!r} extends past the data")
+        buf = bytearray(entry["nbytes"])
+        self._pread(fd, memoryview(buf), entry["offset"], path)
+        if self.verify and fmt.crc32(buf) != entry["crc32"]:
+            raise CorruptCheckpointError(f"{path}: checksum mismatch for object {entry['key']!r} "
+                                         f"at offset {entry['offset']}")
+        return serialization.loads(buf, entry["key"], trusted=self.trusted,
+                                   safe_globals=self.safe_globals)
+
+    def _execute(self, plan: "_Plan") -> None:
+        groups = _coalesce(plan.reads)
+        if len(groups) <= 1 or self.threads == 1:
+            for g in groups:
+                self._read_group(g)
+        else:
+            with ThreadPoolExecutor(min(self.threads, len(groups)),
+                                    thread_name_prefix="datastates-reader") as pool:
+                for f in [pool.submit(self._read_group, g) for g in groups]:
+                    f.result()
+        for fix in plan.post_copies:
+            fix()
+
+    def _read_group(self, group: list[_Read]) -> None:
+        fd, index_offset = self.files.open(group[0].file)
+        path = self.files.path(group[0].file)
+        start, end = group[0].offset, group[-1].offset + group[-1].nbytes
+        if end > index_offset:
+            raise CorruptCheckpointError(f"{path}: {group[-1].key!r} at [{group[-1].offset}, "
+                                         f"{end}) extends past the data ending at {index_offset}")
+        views, pos = [], start
+        for r in group:
+            if r.offset > pos:
+                views.append(memoryview(bytearray(r.offset - pos)))
+            views.append(buffer_of(r.dest))
+            pos = r.offset + r.nbytes
+        offset = start
+        for view in views:
+            self._pread(fd, view, offset, path)
+            offset += view.nbytes
+        if self.verify:
+            for r in group:
+                _verify(r, path)
+
+    @staticmethod
+    def _pread(fd: int, view: memoryview, offset: int, path: str) -> None:
+        try:
+            pread_into(fd, view, offset, path)
+        except EOFError as exc:
+            raise CorruptCheckpointError(f"{exc} (file truncated)") from None
+
+
+def _verify(r: _Read, path: str) -> None:
+    view, pos = buffer_of(r.dest), 0
+    for length, crc in r.checksums:
+        if fmt.crc32(view[pos:pos + length]) != crc:
+            raise CorruptCheckpointError(
+                f"{path}: checksum mismatch for {r.key!r} in bytes [{pos}, {pos + length}) of the "
+                f"tensor (file offset {r.offset + pos})")
+        pos += length
+    if pos != r.nbytes:
+        raise CorruptCheckpointError(f"{path}: checksums of {r.key!r} cover {pos} of "
+                                     f"{r.nbytes} bytes")
+
+
+def _coalesce(reads: list[_Read]) -> list[list[_Read]]:
+    """Group reads of one file that are close together into single sequential requests."""
+    groups: list[list[_Read]] = []
+    for r in sorted(reads, key=lambda r: (r.file, r.offset)):
+        if r.nbytes == 0:
+            continue
+        last = groups[-1][-1] if groups else None
+        if (last is not None and last.file == r.file and 0 <= r.offset - (last.offset + last.nbytes)
+                <= _COALESCE_GAP and r.offset + r.nbytes - groups[-1][0].offset <= _MAX_READ):
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return groups
+
+
+def _move(value: Any, device: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (dict, OrderedDict)):
+        return type(value)((k, _move(v, device)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_move(v, device) for v in value)
+    return value
+
+
+class _Plan:
+    """Matches the checkpoint tree with the live state; collects reads, errors and finalizers."""
+
+    def __init__(self, reader: Reader, keys, strict: bool, in_place: bool):
+        self.reader, self.strict, self.in_place = reader, strict, in_place
+        self.keys = None if keys is None else [k.strip("/") for k in
+                                               ([keys] if isinstance(keys, str) else keys)]
+        self.reads: list[_Read] = []
+        self.post_copies: list = []
+        self.finalizers: list = []
+        self.fresh: dict[int, torch.Tensor] = {}
+        m = reader.manifest
+        self.report = RestoreReport(name=os.path.basename(reader.dir), step=m.get("step"))
+
+    def wanted(self, path: tuple) -> str | None:
+        if self.keys is None:
+            return "all"
+        key = key_of(path)
+        if any(key == k or key.startswith(k + "/") or not k for k in self.keys):
+            return "all"
+        if not path or any(k.startswith(key + "/") for k in self.keys):
+            return "some"
+        return None
+
+    def check(self) -> None:
+        r = self.report
+        if self.strict and (r.missing or r.unexpected or r.mismatched):
+            def show(xs):
+                return ", ".join(xs[:10]) + (f" ... ({len(xs)} in all)" if len(xs) > 10 else "")
+            parts = []
+            if r.missing:
+                parts.append(f"missing from the checkpoint: {show(r.missing)}")
+            if r.unexpected:
+                parts.append(f"in the checkpoint but not in the live state: {show(r.unexpected)}")
+            if r.mismatched:
+                parts.append(f"shape/dtype differ: {show(r.mismatched)}")
+            raise StateMismatchError(f"{self.reader.dir}: the live state does not match the "
+                                     f"checkpoint; {'; '.join(parts)}. Nothing was modified. "
+                                     "Pass strict=False to restore what matches, or keys=[...]")
+
+    def match(self, live: Any, node: dict, path: tuple, provider: StateProvider | None) -> Any:
+        if isinstance(live, Capture):
+            live = live.value
+        t = node["t"]
+        if t == "value":
+            return node["v"]
+        if t == "object":
+            return self.reader.read_object(self.reader.entries[node["e"]])
+        if t == "tensor":
+            return self.tensor(live, node, path)
+        if t == "provider":
+            return self.provider(live, node, path)
+        if t in ("dict", "odict"):
+            return self.mapping(live, node, path, provider)
+        if t in ("list", "tuple"):
+            return self.sequence(live, node, path, provider)
+        raise CorruptCheckpointError(f"{self.reader.dir}: unknown tree node {t!r} at "
+                                     f"{key_of(path)!r}")
+
+    def provider(self, live: Any, node: dict, path: tuple) -> Any:
+        prov = self.reader.registry.get(node["name"])
+        if prov is None:
+            raise CorruptCheckpointError(
+                f"{self.reader.dir}: {key_of(path)!r} was saved by provider {node['name']!r}, "
+                "which is not registered here; register it in the ProviderRegistry you pass")
+        if live is not None and self.in_place:
+            if not prov.can_handle(live):
+                raise StateMismatchError(f"{key_of(path)!r}: the checkpoint holds a "
+                                         f"{node['name']} state, the live object is a "
+                                         f"{type(live).__qualname__}")
+            loaded = self.match(prov.state(live), node["state"], path, prov)
+            self.finalizers.append((prov.load, live, loaded))
+            return live
+        return prov.rebuild(self.match(None, node["state"], path, prov))
+
+    def _strict_here(self, provider: StateProvider | None) -> bool:
+        return provider is None or not provider.allow_new_keys
+
+    def mapping(self, live: Any, node: dict, path: tuple, provider) -> Any:
+        out = OrderedDict() if node["t"] == "odict" else {}
+        live_map = live if isinstance(live, dict) else None
+        seen = set()
+        for k, child in node["items"]:
+            sub = path + (k,)
+            if self.wanted(sub) is None:
+                continue
+            seen.add(k)
+            if live_map is not None and k not in live_map and self._strict_here(provider):
+                self.report.unexpected.append(key_of(sub))
+                continue
+            out[k] = self.match(live_map.get(k) if live_map is not None else None, child, sub,
+                                provider)
+        if live_map is not None and self._strict_here(provider):
+            for k in live_map:
+                if k not in seen and self.wanted(path + (k,)) == "all":
+                    self.report.missing.append(key_of(path + (k,)))
+        return out
+
+    def sequence(self, live: Any, node: dict, path: tuple, provider) -> Any:
+        live_seq = live if isinstance(live, (list, tuple)) else None
+        out = []
+        for i, child in enumerate(node["items"]):
+            if self.wanted(path + (i,)) is None:
+                continue
+            lv = live_seq[i] if live_seq is not None and i < len(live_seq) else None
+            out.append(self.match(lv, child, path + (i,), provider))
+        return tuple(out) if node["t"] == "tuple" else out
+
+    def tensor(self, live: Any, node: dict, path: tuple) -> torch.Tensor:
+        entry = self.reader.entries[node["e"]]
+        key = key_of(path)
+        dtype = fmt.dtype_from_name(entry["dtype"], f"{self.reader.dir}: {key!r}")
+        shape = tuple(entry["shape"])
+        if self.in_place and isinstance(live, torch.Tensor):
+            if tuple(live.shape) != shape or live.dtype != dtype:
+                self.report.mismatched.append(
+                    f"{key} (checkpoint {entry['dtype']}{list(shape)}, live "
+                    f"{fmt.dtype_name(live.dtype) if live.dtype in fmt._DTYPE_NAMES else live.dtype}"
+                    f"{list(live.shape)})")
+                return live
+            self.report.restored.append(key)
+            self._fill(live.detach(), entry, key)
+            return live
+        if node["e"] in self.fresh:  # shared storage: one tensor for every key
+            return self.fresh[node["e"]]
+        fresh = torch.empty(shape, dtype=dtype)
+        self._fill(fresh, entry, key)
+        self.fresh[node["e"]] = fresh
+        if node.get("param"):
+            fresh = torch.nn.Parameter(fresh, requires_grad=fresh.is_floating_point() or
+                                       fresh.is_complex())
+            self.fresh[node["e"]] = fresh
+        return fresh
+
+    def _fill(self, dest: torch.Tensor, entry: dict, key: str) -> None:
+        """Schedule reads of every saved shard of ``entry`` into ``dest`` (the full tensor)."""
+        direct = dest.device.type == "cpu" and dest.is_contiguous()
+        target = dest if direct else torch.empty(dest.shape, dtype=dest.dtype)
+        if not direct:
+            self.post_copies.append(lambda d=dest, s=target: d.copy_(s))
+        flat = target.reshape(-1).view(torch.uint8) if target.numel() else None
+        covered = 0
+        for shard in entry["shards"]:
+            n = shard["nbytes"]
+            if list(shard["shape"]) == list(dest.shape):
+                if n != (flat.numel() if flat is not None else 0):
+                    raise CorruptCheckpointError(f"{self.reader.dir}: {key!r} holds {n} bytes, "
+                                                 f"expected {flat.numel()}")
+                self.reads.append(_Read(shard["file"], shard["offset"], n, flat, shard["checksums"],
+                                        key))
+                return
+            covered += self._fill_box(target, shard, key)
+        if target.numel() and covered != target.numel():
+            raise CorruptCheckpointError(f"{self.reader.dir}: the shards of {key!r} cover "
+                                         f"{covered} of {target.numel()} elements")
+
+    def _fill_box(self, target: torch.Tensor, shard: dict, key: str) -> int:
+        """A shard covering a box of the global tensor: read it, copy the box in afterwards."""
+        shape, offset = shard["shape"], shard["global_offset"]
+        box = torch.empty(shape, dtype=target.dtype)
+        nbytes = box.numel() * box.element_size()
+        if nbytes != shard["nbytes"]:
+            raise CorruptCheckpointError(f"{self.reader.dir}: shard of {key!r} at {offset} holds "
+                                         f"{shard['nbytes']} bytes, expected {nbytes}")
+        if box.numel():
+            self.reads.append(_Read(shard["file"], shard["offset"], nbytes,
+                                    box.reshape(-1).view(torch.uint8), shard["checksums"], key))
+        region = target
+        for dim, (start, size) in enumerate(zip(offset, shape)):
+            region = region.narrow(dim, start, size)
+        self.post_copies.insert(0, lambda r=region, b=box: r.copy_(b))
+        return box.numel()
