@@ -249,7 +249,8 @@ class PathCheckpoints:
             if ckpt is not None:
                 self._ckpts.move_to_end(root)
                 return ckpt
-            ckpt = _core().Checkpointer(root, self.config)
+            from datastates.dist import LocalCommunicator  # each path has one writer process
+            ckpt = _core().Checkpointer(root, self.config, communicator=LocalCommunicator())
             self._ckpts[root] = ckpt
             evict = []
             while len(self._ckpts) > self.max_open:

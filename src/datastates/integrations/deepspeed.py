@@ -9,7 +9,8 @@ every rank (``deepspeed/runtime/checkpoint_engine/datastates_checkpoint_engine.p
     load(path, map_location)                  # per file, inside load_checkpoint()
     wait(persist=True)                        # from its commit() and cleanup()
 
-``datastates.CheckpointEngine`` is :class:`DeepSpeedCheckpointEngine`.
+``datastates.CheckpointEngine`` is :class:`CheckpointEngine` (alias
+:data:`DeepSpeedCheckpointEngine`).
 
 What DeepSpeed does *not* do for this engine, and how the contract still holds:
 
@@ -51,7 +52,7 @@ from ._paths import PathCheckpoints, base_optimizer, mark_capture, protected_sto
 
 log = logging.getLogger("datastates.integrations.deepspeed")
 
-__all__ = ["DeepSpeedCheckpointEngine", "enable_lazy_snapshots", "export_torch_files",
+__all__ = ["CheckpointEngine", "DeepSpeedCheckpointEngine", "enable_lazy_snapshots",
            "config_from_deepspeed"]
 
 _GB = 1 << 30
@@ -89,7 +90,7 @@ def config_from_deepspeed(deepspeed_config: Any):
     return datastates.CheckpointConfig(**kwargs), options
 
 
-class DeepSpeedCheckpointEngine:
+class CheckpointEngine:
     """``datastates.CheckpointEngine``: what DeepSpeed's ``DataStatesCheckpointEngine`` drives.
 
     All methods run on the training thread of one rank; each rank has its own instance and
@@ -236,7 +237,11 @@ class DeepSpeedCheckpointEngine:
             os.close(fd)
 
 
-def enable_lazy_snapshots(engine: Any) -> DeepSpeedCheckpointEngine:
+#: The same class under a descriptive name.
+DeepSpeedCheckpointEngine = CheckpointEngine
+
+
+def enable_lazy_snapshots(engine: Any) -> "CheckpointEngine":
     """Make the datastates saves of a ``DeepSpeedEngine`` fully lazy.
 
     ``save_checkpoint()`` then returns after planning; forward and backward overlap the copy
@@ -246,7 +251,7 @@ def enable_lazy_snapshots(engine: Any) -> DeepSpeedCheckpointEngine:
     """
     wrapper = getattr(engine, "checkpoint_engine", None)
     ours = getattr(wrapper, "ckpt_engine", wrapper)
-    if not isinstance(ours, DeepSpeedCheckpointEngine):
+    if not isinstance(ours, CheckpointEngine):
         raise TypeError("enable_lazy_snapshots(): this DeepSpeed engine does not checkpoint "
                         "through datastates; add \"datastates_ckpt\": {...} to its config")
     if engine.optimizer is None:

@@ -1,0 +1,137 @@
+"""Lightning: a ``CheckpointIO`` plug-in that writes datastates checkpoints asynchronously.
+
+Usage::
+
+    io = DatastatesCheckpointIO()                        # or DatastatesCheckpointIO(config)
+    trainer = Trainer(plugins=[io], callbacks=[io.lazy_snapshots(), ModelCheckpoint(...)])
+
+Lightning calls, on global rank 0 only (``Strategy.save_checkpoint`` / ``remove_checkpoint``):
+``save_checkpoint(checkpoint, path)`` from ``trainer.save_checkpoint`` (ModelCheckpoint,
+``last.ckpt``, user code), ``remove_checkpoint(path)`` for top-k rotation, and on every rank
+``load_checkpoint(path, map_location, weights_only)`` for ``fit(ckpt_path=...)`` and
+``teardown()`` at the end of ``fit``/``validate``/``test``.
+
+Compared with Lightning's ``AsyncCheckpointIO``:
+
+- no clone of the state on the device: tensors are copied once, into the bounded host cache
+  that is reused by every save; only module buffers (which forward changes) are copied eagerly
+  when lazy snapshots are on;
+- lazy: with the :meth:`DatastatesCheckpointIO.lazy_snapshots` callback, ``save_checkpoint``
+  returns after planning, forward and backward overlap the copy, and Lightning's
+  ``on_before_optimizer_step`` (after the closure ran backward, before the weights change) waits
+  for it. Without the callback ``save_checkpoint`` returns once the state is in the host cache;
+  writing, fsync and commit still run in the background;
+- a failure in the background is raised by the next ``save_checkpoint`` at the latest (and by
+  ``teardown``), never swallowed;
+- each path is a datastates checkpoint directory that appears atomically; a crash never leaves
+  a partial ``.ckpt`` visible, and ``last.ckpt`` is replaced atomically.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.callbacks import Callback
+
+from ._paths import PathCheckpoints, mark_capture, protected_storages
+
+__all__ = ["DatastatesCheckpointIO", "DatastatesSnapshotCallback"]
+
+
+class DatastatesCheckpointIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` writing datastates checkpoints (see module docstring).
+
+    ``config`` is a :class:`datastates.CheckpointConfig` (host cache size, writer threads, ...).
+    One instance may serve several ``Trainer`` runs in sequence.
+    """
+
+    def __init__(self, config: Any = None, *, max_open: int = 2):
+        self._paths = PathCheckpoints(config, max_open=max_open, trusted=False)
+        self._guard: Optional["DatastatesSnapshotCallback"] = None
+
+    # ------------------------------------------------------------ CheckpointIO
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
+                        storage_options: Optional[Any] = None) -> None:
+        """Start saving; see the module docstring for when it returns. Raises an earlier
+        background failure."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not take storage_options; configure "
+                            "it through its datastates.CheckpointConfig")
+        guard = self._guard
+        if guard is not None and guard.active:
+            state = mark_capture(checkpoint, protected_storages(guard.modules(), guard.optimizers()))
+            self._paths.save(state, path, snapshot=False, metadata={"framework": "lightning"})
+        else:
+            self._paths.save(mark_capture(checkpoint, None), path, snapshot=True,
+                             metadata={"framework": "lightning"})
+
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """The checkpoint dict, as ``torch.load`` returned it for ``TorchCheckpointIO``.
+
+        ``weights_only`` keeps its ``torch.load`` meaning: unless it is ``False``, Python objects
+        of classes outside PyTorch's safe list are refused."""
+        if not self._paths.exists(path):
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        if callable(map_location) or isinstance(map_location, dict):
+            map_location = None  # Lightning's default `lambda storage, loc: storage`
+        return self._paths.load(path, map_location=map_location, trusted=weights_only is False)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete the checkpoint (after its save, if still in flight, has finished)."""
+        self._paths.remove(path)
+
+    def teardown(self) -> None:
+        """Wait until every checkpoint is committed; raise the first failure."""
+        self._paths.close()
+
+    # ------------------------------------------------------------ extras
+    def lazy_snapshots(self) -> "DatastatesSnapshotCallback":
+        """The callback that makes saves lazy (add it to ``Trainer(callbacks=[...])``)."""
+        return DatastatesSnapshotCallback(self)
+
+    def wait(self) -> None:
+        """Block until every checkpoint is committed; raise the first failure."""
+        self._paths.wait()
+
+    @property
+    def in_flight(self) -> int:
+        """Saves started and not yet committed."""
+        return self._paths.in_flight
+
+
+class DatastatesSnapshotCallback(Callback):
+    """Makes :class:`DatastatesCheckpointIO` saves lazy: parameters and optimizer state are
+    captured in the background while the next forward/backward runs, and
+    ``on_before_optimizer_step`` waits until the capture is complete."""
+
+    def __init__(self, io: DatastatesCheckpointIO):
+        self.io = io
+        self._trainer = None
+        self._module = None
+
+    @property
+    def active(self) -> bool:
+        return self._trainer is not None
+
+    def modules(self) -> list:
+        return [self._module] if self._module is not None else []
+
+    def optimizers(self) -> list:
+        return list(self._trainer.optimizers) if self._trainer is not None else []
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if trainer.strategy.checkpoint_io is not self.io:
+            raise ValueError("DatastatesSnapshotCallback: the Trainer does not use its "
+                             "DatastatesCheckpointIO; pass it in Trainer(plugins=[io])")
+        self._trainer, self._module = trainer, pl_module
+        self.io._guard = self
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.io._paths.wait_snapshots()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.io._paths.wait_snapshots()
+        if self.io._guard is self:
+            self.io._guard = None
+        self._trainer = self._module = None
