@@ -52,8 +52,8 @@ from ._paths import PathCheckpoints, base_optimizer, mark_capture, protected_sto
 
 log = logging.getLogger("datastates.integrations.deepspeed")
 
-__all__ = ["CheckpointEngine", "DeepSpeedCheckpointEngine", "enable_lazy_snapshots",
-           "config_from_deepspeed"]
+__all__ = ["CheckpointEngine", "DeepSpeedCheckpointEngine", "config_from_deepspeed",
+           "enable_lazy_snapshots", "export_torch_files"]
 
 _GB = 1 << 30
 
