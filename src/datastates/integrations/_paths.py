@@ -108,11 +108,12 @@ def mark_capture(state: Any, lazy_storages: set | None) -> Any:
 
 
 class _Pending:
-    __slots__ = ("handle", "path", "done")
+    __slots__ = ("handle", "path", "done", "reported")
 
     def __init__(self, handle, path: str):
         self.handle, self.path = handle, path
         self.done = threading.Event()
+        self.reported = False
 
 
 class PathCheckpoints:
@@ -208,8 +209,12 @@ class PathCheckpoints:
         self.raise_errors()
 
     def raise_errors(self) -> None:
-        """Raise (once) the first background failure recorded since the last call."""
+        """Raise (once) the first background failure of a save that has finished by now."""
         with self._lock:
+            for p in self._pending.values():
+                if not p.reported and p.handle.done() and p.handle.exception() is not None:
+                    p.reported = True
+                    self._errors.append(p.handle.exception())
             if not self._errors:
                 return
             first, rest = self._errors[0], self._errors[1:]
@@ -266,7 +271,8 @@ class PathCheckpoints:
             except BaseException as exc:  # a post-commit action failing is a failure too
                 error = exc
         with self._lock:
-            if error is not None:
+            if error is not None and not pending.reported:
+                pending.reported = True
                 self._errors.append(error)
             if self._pending.get(pending.path) is pending:
                 del self._pending[pending.path]

@@ -1,0 +1,156 @@
+"""Runs a real DeepSpeed engine on the CPU (one process, gloo) for test_deepspeed.py.
+
+Usage: python ds_worker.py OUT_DIR MODE   where MODE is
+  "zero1-lazy"  : ZeRO-1 + bf16, datastates engine, enable_lazy_snapshots()
+  "fp32-default": no ZeRO, fp32, a BatchNorm buffer, datastates engine without the step guard
+Writes OUT_DIR/result.json; any assertion failure exits non-zero with a traceback.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("RANK", "0")
+os.environ.setdefault("LOCAL_RANK", "0")
+os.environ.setdefault("WORLD_SIZE", "1")
+
+import torch  # noqa: E402
+
+STEPS_BEFORE, STEPS_AFTER = 3, 3
+
+
+def model_for(mode: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 32), torch.nn.ReLU()]
+    if mode == "fp32-default":
+        layers.append(torch.nn.BatchNorm1d(32))
+    layers.append(torch.nn.Linear(32, 8))
+    return torch.nn.Sequential(*layers)
+
+
+def config_for(mode: str, datastates: bool) -> dict:
+    cfg = {"train_batch_size": 4, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+    if mode == "zero1-lazy":
+        cfg["zero_optimization"] = {"stage": 1}
+        cfg["bf16"] = {"enabled": True}
+    if datastates:
+        cfg["datastates_ckpt"] = {"host_cache_size": 0.01, "writer_threads": 1}
+    return cfg
+
+
+def batch(step: int, mode: str):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(4, 16, generator=g)
+    return x.bfloat16() if mode == "zero1-lazy" else x
+
+
+def make_engine(mode: str, datastates: bool):
+    import deepspeed
+    model = model_for(mode)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config_for(mode, datastates))
+    return engine
+
+
+def train(engine, mode: str, steps: range) -> None:
+    for step in steps:
+        loss = engine(batch(step, mode)).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+
+
+def params(engine) -> dict:
+    return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+
+
+def main(out: str, mode: str) -> None:
+    import deepspeed
+    from datastates.integrations.deepspeed import CheckpointEngine, enable_lazy_snapshots
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    ds_dir, torch_dir = os.path.join(out, "ds"), os.path.join(out, "torch")
+    result = {"mode": mode}
+
+    # 1. The reference: DeepSpeed's own torch.save engine, same trajectory, same save point.
+    ref = make_engine(mode, datastates=False)
+    train(ref, mode, range(STEPS_BEFORE))
+    ref.save_checkpoint(torch_dir)
+    train(ref, mode, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+    continuous = params(ref)
+    ref.destroy()
+
+    # 2. datastates: save, keep training at once (the step must not corrupt the capture).
+    eng = make_engine(mode, datastates=True)
+    ours = eng.checkpoint_engine.ckpt_engine
+    assert isinstance(ours, CheckpointEngine), type(ours)
+    if mode == "zero1-lazy":
+        enable_lazy_snapshots(eng)
+    train(eng, mode, range(STEPS_BEFORE))
+    eng.save_checkpoint(ds_dir)
+    train(eng, mode, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+    result["same_trajectory"] = all(torch.equal(a, continuous[k]) for k, a in params(eng).items())
+    eng.destroy()  # DataStatesCheckpointEngine.cleanup() -> wait(persist=True)
+
+    tag = "global_step%d" % STEPS_BEFORE
+    with open(os.path.join(ds_dir, "latest")) as f:
+        result["latest"] = f.read()
+    result["files"] = sorted(os.listdir(os.path.join(ds_dir, tag)))
+    result["files_are_checkpoints"] = all(
+        os.path.isfile(os.path.join(ds_dir, tag, n, "manifest.json"))
+        for n in result["files"] if n.endswith(".pt"))
+
+    # 3. load() returns what torch.load returned for the same file.
+    reader = CheckpointEngine({"host_cache_size": 0.01})
+    mismatches = []
+    for name in sorted(os.listdir(os.path.join(torch_dir, tag))):
+        want = torch.load(os.path.join(torch_dir, tag, name), map_location="cpu",
+                          weights_only=False)
+        got = reader.load(os.path.join(ds_dir, tag, name), map_location=lambda s, loc: s)
+        compare(want, got, name, mismatches)
+    reader.close()
+    result["torch_equivalent_mismatches"] = mismatches[:20]
+
+    # 4. Resume in a fresh engine from `latest` and continue: bit-exact with the continuous run.
+    eng2 = make_engine(mode, datastates=True)
+    load_path, _ = eng2.load_checkpoint(ds_dir)
+    result["loaded"] = load_path is not None
+    result["global_steps"] = eng2.global_steps
+    train(eng2, mode, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+    result["resumed_bit_exact"] = {k: bool(torch.equal(a, continuous[k]))
+                                   for k, a in params(eng2).items()}
+    eng2.destroy()
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump(result, f)
+
+
+_SKIP_KEYS = {"ds_config"}  # holds the datastates_ckpt key in one run and not in the other
+
+
+def compare(a, b, path: str, out: list) -> None:
+    if type(a) is not type(b):
+        out.append(f"{path}: type {type(a).__name__} != {type(b).__name__}")
+    elif isinstance(a, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            out.append(f"{path}: tensor differs")
+    elif isinstance(a, dict):
+        if list(a) != list(b):
+            out.append(f"{path}: keys {list(a)} != {list(b)}")
+        for k in a:
+            if k in b and k not in _SKIP_KEYS:
+                compare(a[k], b[k], f"{path}/{k}", out)
+    elif isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            out.append(f"{path}: length {len(a)} != {len(b)}")
+        for i, (x, y) in enumerate(zip(a, b)):
+            compare(x, y, f"{path}[{i}]", out)
+    elif hasattr(a, "__dict__") and not isinstance(a, type):
+        compare(vars(a), vars(b), f"{path}.__dict__", out)
+    elif a != b:
+        out.append(f"{path}: {a!r} != {b!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

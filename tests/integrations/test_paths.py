@@ -1,0 +1,115 @@
+"""Path-addressed checkpoints (the layer under the DeepSpeed and Lightning adapters), and the
+name DeepSpeed imports. No framework needed."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import datastates
+from datastates.integrations._paths import PathCheckpoints, mark_capture
+
+from integration_helpers import assert_same, subprocess_env
+
+SMALL = datastates.CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=1 << 18,
+                                    writer_threads=1)
+
+
+def test_deepspeed_imports_our_engine():
+    from datastates.integrations.deepspeed import CheckpointEngine
+    assert datastates.CheckpointEngine is CheckpointEngine
+
+
+def test_core_imports_without_frameworks():
+    code = textwrap.dedent("""
+        import sys
+        import datastates, datastates.integrations
+        bad = [m for m in ("deepspeed", "lightning", "transformers", "accelerate")
+               if m in sys.modules]
+        assert not bad, bad
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env())
+
+
+def _state():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    return {"module": m.state_dict(), "optimizer": opt.state_dict(), "step": 7,
+            "size": torch.Size([2, 3]), "names": ("a", "b")}
+
+
+def test_save_load_equals_torch_load(tmp_path):
+    state = _state()
+    torch.save(state, tmp_path / "ref.pt")
+    paths = PathCheckpoints(SMALL)
+    paths.save(mark_capture(state, None), tmp_path / "x.ckpt", snapshot=True)
+    paths.wait()
+    assert os.path.isfile(tmp_path / "x.ckpt" / "manifest.json")
+    assert_same(torch.load(tmp_path / "ref.pt", weights_only=False),
+                paths.load(tmp_path / "x.ckpt"))
+    paths.close()
+
+
+def test_snapshot_is_taken_at_save_time(tmp_path):
+    t = torch.arange(300_000, dtype=torch.float32)  # larger than the host cache: backpressure
+    want = t.clone()
+    paths = PathCheckpoints(SMALL)
+    paths.save(mark_capture({"t": t}, None), tmp_path / "a", snapshot=True)
+    t.add_(1)  # the caller mutates right after save() returned
+    paths.wait()
+    assert torch.equal(paths.load(tmp_path / "a")["t"], want)
+    paths.close()
+
+
+def test_overwrite_and_remove(tmp_path):
+    paths = PathCheckpoints(SMALL)
+    for v in range(3):
+        paths.save(mark_capture({"v": torch.full((4,), v)}, None), tmp_path / "last.ckpt",
+                   snapshot=True)
+    assert paths.load(tmp_path / "last.ckpt")["v"].tolist() == [2, 2, 2, 2]
+    paths.remove(tmp_path / "last.ckpt")
+    assert not os.path.exists(tmp_path / "last.ckpt")
+    paths.close()
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
+
+
+def test_background_failure_raised_by_next_save(tmp_path):
+    paths = PathCheckpoints(SMALL)
+    bad = {"t": torch.empty(16, device="meta")}  # fails in the background capture
+    paths.save(mark_capture(bad, None), tmp_path / "bad", snapshot=False)
+    with pytest.raises(NotImplementedError):
+        paths.wait()
+    assert not os.path.exists(tmp_path / "bad")  # nothing partial is visible
+    handle = paths.save(mark_capture(bad, None), tmp_path / "bad", snapshot=False)
+    with pytest.raises(NotImplementedError):
+        handle.wait()
+    with pytest.raises(NotImplementedError):  # the next save reports it
+        paths.save(mark_capture({"t": torch.ones(2)}, None), tmp_path / "ok", snapshot=True)
+    paths.close()
+
+
+def test_crash_never_exposes_a_partial_checkpoint(tmp_path):
+    code = textwrap.dedent(f"""
+        import os, torch, datastates
+        from datastates.integrations._paths import PathCheckpoints, mark_capture
+        cfg = datastates.CheckpointConfig(host_cache_bytes=1 << 22, chunk_bytes=1 << 20)
+        p = PathCheckpoints(cfg)
+        p.save(mark_capture({{"t": torch.ones(8 << 20)}}, None), {str(tmp_path / "x.pt")!r},
+               snapshot=False)
+        os._exit(0)  # die with the save in flight
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env())
+    target = tmp_path / "x.pt"
+    if os.path.exists(target):  # the commit won the race: then it must be complete
+        paths = PathCheckpoints(SMALL)
+        assert torch.equal(paths.load(target)["t"], torch.ones(8 << 20))
+        paths.close()
+    visible = [n for n in os.listdir(tmp_path) if not n.startswith(".")]
+    assert visible in ([], ["x.pt"], ["latest", "x.pt"])
