@@ -1,0 +1,31 @@
+"""One adapter per checkpointing method, all behind :class:`~benchmarks.methods.base.Method`.
+
+``REGISTRY`` maps the command-line names to the classes, in report order; ``datastates`` is the
+reference every ratio is computed against.
+"""
+from __future__ import annotations
+
+from .base import Checkpoint, Method, Pending
+from .datastates_method import Datastates
+from .dcp import DcpAsync, DcpAsyncStager, DcpAsyncStagerBackground, DcpSave, ensure_process_group
+from .safetensors_method import Safetensors
+from .torch_save import TorchSave
+from .torchsnapshot_method import SnapshotAsyncTake, SnapshotTake
+
+REFERENCE = "datastates"
+
+REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (
+    Datastates, TorchSave, DcpSave, DcpAsync, DcpAsyncStager, DcpAsyncStagerBackground,
+    SnapshotTake, SnapshotAsyncTake, Safetensors)}
+
+
+def make_methods(names: list[str], options: dict) -> list[Method]:
+    """Instantiate the named methods (unknown names raise ValueError listing the valid ones)."""
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(REGISTRY)}")
+    return [REGISTRY[n](options) for n in REGISTRY if n in names]
+
+
+__all__ = ["Checkpoint", "Method", "Pending", "REFERENCE", "REGISTRY", "make_methods",
+           "ensure_process_group"]
