@@ -1,0 +1,116 @@
+"""Lightning 2.x end to end: DatastatesCheckpointIO under ModelCheckpoint (top-k, last.ckpt),
+resume with fit(ckpt_path=...), bit-exact against an uninterrupted run and against the
+checkpoint Lightning's own TorchCheckpointIO writes at the same point."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+import datastates  # noqa: E402
+from datastates.integrations.lightning import DatastatesCheckpointIO  # noqa: E402
+
+from integration_helpers import assert_same  # noqa: E402
+
+CFG = datastates.CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=1 << 18,
+                                  writer_threads=1)
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
+                                       torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+    def training_step(self, batch, _):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 2)}
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g),
+                                              torch.randn(32, 1, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)
+
+
+def trainer(root, epochs, plugins=(), callbacks=()):
+    return pl.Trainer(default_root_dir=str(root), max_epochs=epochs, accelerator="cpu",
+                      devices=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, plugins=list(plugins),
+                      callbacks=list(callbacks), deterministic=True)
+
+
+def params(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _clean(ckpt: dict) -> dict:
+    ckpt = dict(ckpt)
+    ckpt.pop("callbacks", None)  # ModelCheckpoint state holds this run's own paths
+    return ckpt
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+def test_lightning_fit_resume_bit_exact(tmp_path, lazy):
+    # Uninterrupted run: 4 epochs; its epoch-2 checkpoint written by TorchCheckpointIO.
+    ref_ckpt = ModelCheckpoint(dirpath=tmp_path / "ref", save_top_k=-1,
+                               filename="{epoch}-{step}")
+    ref = Tiny()
+    trainer(tmp_path, 4, callbacks=[ref_ckpt]).fit(ref)
+    continuous = params(ref)
+
+    # Interrupted run: 2 epochs through datastates, keeping the best 2 by step, plus last.
+    io = DatastatesCheckpointIO(CFG)
+    extra = [io.lazy_snapshots()] if lazy else []
+    ckpt_cb = ModelCheckpoint(dirpath=tmp_path / "ds", monitor="step", mode="max",
+                              save_top_k=1, save_last=True, filename="{epoch}-{step}")
+    first = Tiny()
+    trainer(tmp_path, 2, plugins=[io], callbacks=[ckpt_cb, *extra]).fit(first)
+    names = sorted(n for n in os.listdir(tmp_path / "ds") if not n.startswith("."))
+    assert "last.ckpt" in names and "epoch=1-step=8.ckpt" in names
+    assert "epoch=0-step=4.ckpt" not in names  # top-k removed it through remove_checkpoint
+    for n in ("last.ckpt", "epoch=1-step=8.ckpt"):
+        assert os.path.isfile(tmp_path / "ds" / n / "manifest.json")
+
+    # load_checkpoint returns what TorchCheckpointIO's torch.load returned at the same step.
+    want = torch.load(tmp_path / "ref" / "epoch=1-step=8.ckpt", weights_only=False)
+    got = io.load_checkpoint(tmp_path / "ds" / "epoch=1-step=8.ckpt")
+    assert_same(_clean(want), _clean(got))
+
+    # Resume from last.ckpt in a fresh module and Trainer; finish the 4 epochs.
+    io2 = DatastatesCheckpointIO(CFG)
+    resumed = Tiny()
+    with torch.no_grad():
+        for p in resumed.parameters():
+            p.add_(1.0)  # the restore must overwrite everything
+    extra2 = [io2.lazy_snapshots()] if lazy else []
+    trainer(tmp_path, 4, plugins=[io2],
+            callbacks=[ModelCheckpoint(dirpath=tmp_path / "ds2"), *extra2]).fit(
+        resumed, ckpt_path=str(tmp_path / "ds" / "last.ckpt"))
+    assert_same(continuous, params(resumed))
+    assert os.path.isfile(tmp_path / "ds2" / "epoch=3-step=16.ckpt" / "manifest.json")
+
+
+def test_lightning_background_error_surfaces_at_next_save(tmp_path):
+    io = DatastatesCheckpointIO(CFG)
+    handle = io._paths.save({"t": torch.empty(4, device="meta")}, tmp_path / "bad.ckpt",
+                            snapshot=False)
+    with pytest.raises(NotImplementedError):
+        handle.wait()
+    with pytest.raises(NotImplementedError):
+        io.save_checkpoint({"x": torch.ones(2)}, tmp_path / "next.ckpt")
+    io.teardown()
+    assert not os.path.exists(tmp_path / "bad.ckpt")
