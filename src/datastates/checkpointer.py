@@ -121,7 +121,11 @@ class Checkpointer:
 
     def _before_step(self, *_args) -> None:
         for handle in list(self._pending):
-            handle._job.captured.wait()
+            job = handle._job
+            if not job.captured.is_set():
+                t0 = time.perf_counter()
+                job.captured.wait()
+                job.stats.step_wait_s += time.perf_counter() - t0
 
     def wait(self) -> list[commit_mod.CheckpointInfo]:
         """Wait for every in-flight save; raise the first failure."""

@@ -40,6 +40,7 @@ class SaveStats:
     blocked_s: float = 0.0   #: how long save() blocked the caller
     snapshot_s: float = 0.0  #: until the state was captured in host memory
     commit_s: float = 0.0    #: until the checkpoint was durable and committed
+    step_wait_s: float = 0.0  #: time guarded optimizer steps waited for this snapshot
     nbytes: int = 0          #: tensor and object bytes of this rank
     files: int = 1           #: shard files written by this rank
 
