@@ -75,12 +75,14 @@ def protected_storages(modules: Iterable[torch.nn.Module] = (),
 
 
 def base_optimizer(opt: Any) -> torch.optim.Optimizer | None:
-    """The ``torch.optim.Optimizer`` inside framework wrappers (accelerate, DeepSpeed ZeRO,
-    LightningOptimizer), found through their ``.optimizer`` attribute."""
-    seen = 0
-    while opt is not None and not isinstance(opt, torch.optim.Optimizer) and seen < 8:
-        opt = getattr(opt, "optimizer", None)
-        seen += 1
+    """The innermost ``torch.optim.Optimizer`` of framework wrappers (accelerate's
+    ``AcceleratedOptimizer`` subclasses Optimizer without its hooks, DeepSpeed ZeRO wrappers,
+    ``LightningOptimizer``), found through their ``.optimizer`` attribute."""
+    for _ in range(8):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or inner is opt:
+            break
+        opt = inner
     return opt if isinstance(opt, torch.optim.Optimizer) else None
 
 

@@ -1,0 +1,300 @@
+"""Hugging Face ``transformers.Trainer`` whose checkpoints are datastates checkpoints.
+
+Usage (replace ``Trainer`` by ``DatastatesTrainer``; everything else stays)::
+
+    trainer = DatastatesTrainer(model=model, args=TrainingArguments(output_dir="out",
+                                save_steps=100, save_total_limit=3), train_dataset=ds)
+    trainer.train()                               # checkpoints: out/checkpoint-<step>/
+    trainer.train(resume_from_checkpoint=True)    # newest *committed* checkpoint
+
+The extension points are the ones ``Trainer`` documents for overriding and DLRover's
+``FlashCkptTrainer`` uses: ``_save_checkpoint`` and the ``_load_*`` methods; ``train`` is wrapped
+to pick the checkpoint to resume from and to wait for in-flight saves at the end. No Trainer code
+is patched.
+
+What changes for the user:
+
+- ``checkpoint-N`` is written asynchronously: model (parameters lazily, buffers eagerly),
+  optimizer (lazily; its next ``step()`` waits for the capture, through a step pre-hook that the
+  core installs), scheduler, grad scaler, RNG state and ``trainer_state.json``. Training goes on
+  while it is copied, written and fsynced.
+- ``checkpoint-N`` appears atomically (temp dir + fsync + rename): a crash never leaves a partial
+  ``checkpoint-N`` that ``resume_from_checkpoint=True`` could pick, as stock Trainer can
+  (transformers#35782). ``trainer_state.json`` is added inside it after the commit (it is also
+  stored in the checkpoint and rewritten on resume if a crash lost it).
+- ``save_total_limit`` is applied only after the new checkpoint is committed, never deleting the
+  best checkpoint (``load_best_model_at_end``).
+- A ``checkpoint-N`` holds datastates files, not ``model.safetensors``: export the final model with
+  ``trainer.save_model()`` as usual. Stock checkpoints in the same ``output_dir`` still resume.
+- DeepSpeed and FSDP runs keep Trainer's own checkpointing (use DeepSpeed's ``"datastates_ckpt"``
+  key for DeepSpeed).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from typing import Any
+
+import torch
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ._paths import base_optimizer, is_checkpoint_dir
+
+log = logging.getLogger("datastates.integrations.hf")
+
+__all__ = ["DatastatesTrainer"]
+
+TRAINER_STATE = "trainer_state.json"
+_STEP = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+class DatastatesTrainer(Trainer):
+    """``transformers.Trainer`` with asynchronous, atomic datastates checkpoints.
+
+    ``datastates_config`` is a :class:`datastates.CheckpointConfig`; all other arguments are
+    Trainer's. Save and load run on the training thread of each rank; with several ranks every
+    rank calls the core's collective ``save`` with the same name (replicated model and optimizer
+    tensors are written once, the RNG state per rank).
+    """
+
+    def __init__(self, *args, datastates_config: Any = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        import datastates
+        self.datastates_config = datastates_config or datastates.CheckpointConfig()
+        self._ds = None
+        self._ds_root: str | None = None
+        self._ds_threads: list[threading.Thread] = []
+        self._ds_errors: list[BaseException] = []
+        self._ds_lock = threading.Lock()
+
+    # ------------------------------------------------------------ saving
+    def _save_checkpoint(self, model, trial) -> None:
+        if self._ds_unsupported():
+            return super()._save_checkpoint(model, trial)
+        self._ds_raise()
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        ckpt = self._datastates(run_dir)
+        if self.state.best_global_step:
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if os.path.exists(best) or self.state.best_global_step == self.state.global_step:
+                self.state.best_model_checkpoint = best
+        self._update_stateful_callbacks()
+        handle = ckpt.save(self._ds_state(), step=self.state.global_step, tag=name,
+                           overwrite=True, replicated=self._ds_replicated(),
+                           metadata={"framework": "transformers",
+                                     "global_step": self.state.global_step})
+        thread = threading.Thread(target=self._ds_after_commit, name="datastates-hf-commit",
+                                  args=(handle, run_dir, _state_json(self.state),
+                                        self.state.best_model_checkpoint), daemon=True)
+        thread.start()
+        self._ds_threads.append(thread)
+        if self.args.push_to_hub:
+            log.warning("datastates: push_to_hub of intermediate checkpoints is not supported; "
+                        "the final model is pushed by save_model()/push_to_hub() as usual")
+
+    def _ds_state(self, for_restore: bool = False) -> dict:
+        import datastates
+        state: dict[str, Any] = {"model": self.model}
+        if not self.args.save_only_model or for_restore:
+            opt = base_optimizer(self.optimizer)
+            if opt is not None:
+                state["optimizer"] = opt
+            if self.lr_scheduler is not None:
+                state["scheduler"] = self.lr_scheduler
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None:
+                state["scaler"] = scaler
+            state["rng"] = datastates.RNGState()
+        if not for_restore:
+            state["trainer_state"] = _state_json(self.state)
+        return state
+
+    def _ds_replicated(self):
+        if self.args.world_size <= 1:
+            return False
+        return ["model", "optimizer"]  # plain DDP: identical on every rank
+
+    def _ds_after_commit(self, handle, run_dir: str, state_json: str, best: str | None) -> None:
+        """Own thread: after the commit, write trainer_state.json and apply save_total_limit."""
+        try:
+            info = handle.wait()
+            with self._ds_lock:
+                if self.args.should_save:
+                    _write_atomic(os.path.join(info.path, TRAINER_STATE), state_json)
+                    self._ds_rotate(run_dir, best)
+        except BaseException as exc:
+            with self._ds_lock:
+                self._ds_errors.append(exc)
+
+    def _ds_rotate(self, run_dir: str, best: str | None) -> None:
+        limit = self.args.save_total_limit
+        if limit is None or limit <= 0:
+            return
+        ours = sorted((int(_STEP.match(i.name).group(1)), i.name)
+                      for i in self._ds.list() if _STEP.match(i.name))
+        protected = {ours[-1][1]} if ours else set()
+        if best:
+            protected.add(os.path.basename(best.rstrip(os.sep)))
+        keep = max(limit, len(protected))
+        for _, name in ours:
+            if len(ours) <= keep:
+                break
+            if name not in protected:
+                self._ds.delete(tag=name)
+                ours = [o for o in ours if o[1] != name]
+
+    def _update_stateful_callbacks(self) -> None:
+        from transformers.trainer_callback import ExportableState
+        for cb in [cb for cb in self.callback_handler.callbacks + [self.control]
+                   if isinstance(cb, ExportableState)]:
+            name = cb.__class__.__name__
+            if isinstance(self.state.stateful_callbacks.get(name), list):
+                self.state.stateful_callbacks[name].append(cb.state())
+            else:
+                self.state.stateful_callbacks[name] = cb.state()
+
+    # ------------------------------------------------------------ resuming
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None,
+              **kwargs):
+        """Trainer.train; ``resume_from_checkpoint=True`` picks the newest committed
+        checkpoint, and in-flight saves are committed before this returns."""
+        if resume_from_checkpoint is True and not self._ds_unsupported():
+            resume_from_checkpoint = self.latest_checkpoint()
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory "
+                                 f"({self.args.output_dir})")
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)) and \
+                is_checkpoint_dir(resume_from_checkpoint):
+            self._ds_materialize_state(os.fspath(resume_from_checkpoint))
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        finally:
+            self.wait_for_checkpoints()
+
+    def latest_checkpoint(self) -> str | None:
+        """The committed ``checkpoint-N`` with the highest N in ``output_dir`` (datastates or
+        stock); partial checkpoints are never considered."""
+        root = self.args.output_dir
+        if not os.path.isdir(root):
+            return None
+        best = None
+        for entry in os.listdir(root):
+            m = _STEP.match(entry)
+            path = os.path.join(root, entry)
+            if m is None or not os.path.isdir(path):
+                continue
+            if is_checkpoint_dir(path) or os.path.isfile(os.path.join(path, TRAINER_STATE)):
+                if best is None or int(m.group(1)) > best[0]:
+                    best = (int(m.group(1)), path)
+        return best[1] if best else None
+
+    def wait_for_checkpoints(self) -> None:
+        """Block until every checkpoint started so far is committed; raise the first failure."""
+        for thread in list(self._ds_threads):
+            thread.join()
+        self._ds_threads.clear()
+        self._ds_raise()
+
+    def _ds_materialize_state(self, path: str) -> None:
+        """Rewrite ``trainer_state.json`` from the checkpoint if a crash lost it."""
+        target = os.path.join(path, TRAINER_STATE)
+        if os.path.isfile(target):
+            return
+        root, name = os.path.split(os.path.abspath(path))
+        state_json = self._datastates(root).load(tag=name, keys="trainer_state")["trainer_state"]
+        _write_atomic(target, state_json)
+
+    def _ds_restore(self, checkpoint: str, keys: list[str]) -> None:
+        root, name = os.path.split(os.path.abspath(checkpoint))
+        full = self._ds_state(for_restore=True)
+        state = {k: v for k, v in full.items() if k in keys}
+        self._datastates(root).restore(state, tag=name, keys=list(state))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if not is_checkpoint_dir(resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        root, name = os.path.split(os.path.abspath(resume_from_checkpoint))
+        target = model if model is not None else self.model
+        self._datastates(root).restore({"model": target}, tag=name, keys="model")
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None or not is_checkpoint_dir(checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        self._ds_restore(checkpoint, ["optimizer", "scheduler"])
+
+    def _load_scaler(self, checkpoint):
+        if checkpoint is None or not is_checkpoint_dir(checkpoint):
+            return super()._load_scaler(checkpoint)
+        if getattr(self.accelerator, "scaler", None) is not None:
+            self._ds_restore(checkpoint, ["scaler"])
+
+    def _load_rng_state(self, checkpoint):
+        if checkpoint is None or not is_checkpoint_dir(checkpoint):
+            return super()._load_rng_state(checkpoint)
+        self._ds_restore(checkpoint, ["rng"])
+
+    def _load_best_model(self):
+        best = self.state.best_model_checkpoint
+        if best is None or not is_checkpoint_dir(best):
+            return super()._load_best_model()
+        self.wait_for_checkpoints()
+        self._load_from_checkpoint(best)
+
+    # ------------------------------------------------------------ internals
+    def _datastates(self, root: str):
+        import datastates
+        root = os.path.abspath(root)
+        if self._ds is not None and self._ds_root != root:
+            self.wait_for_checkpoints()
+            self._ds.close()
+            self._ds = None
+        if self._ds is None:
+            self._ds = datastates.Checkpointer(root, self.datastates_config)
+            self._ds_root = root
+        return self._ds
+
+    def _ds_unsupported(self) -> bool:
+        return bool(self.is_deepspeed_enabled or self.is_fsdp_enabled)
+
+    def _ds_raise(self) -> None:
+        with self._ds_lock:
+            if not self._ds_errors:
+                return
+            first = self._ds_errors[0]
+            self._ds_errors.clear()
+        raise first
+
+    def close_checkpointer(self) -> None:
+        """Wait for in-flight checkpoints and release the host cache and threads."""
+        self.wait_for_checkpoints()
+        if self._ds is not None:
+            self._ds.close()
+            self._ds = None
+
+
+def _state_json(state) -> str:
+    """``trainer_state.json`` exactly as ``TrainerState.save_to_json`` writes it."""
+    import dataclasses
+    import json
+    return json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
