@@ -30,12 +30,11 @@ def _err(summary: dict | None) -> tuple[float, float, float]:
     return m, m - summary["min"], summary["max"] - m
 
 
-def _hbar_groups(ax, groups: dict[str, dict[str, dict | None]], xlabel: str, log: bool = False,
-                 limit: float | None = None, limit_label: str = "") -> None:
-    """Horizontal bars: one row per method, one colour per group (e.g. per state or per k)."""
-    methods: list[str] = []
-    for series in groups.values():
-        methods += [m for m in series if m not in methods]
+def _hbar_groups(ax, groups: dict[str, dict[str, dict | None]], xlabel: str, order: list[str],
+                 log: bool = False, limit: float | None = None, limit_label: str = "") -> None:
+    """Horizontal bars: one row per method (in ``order``), one colour per group (a state, a k)."""
+    present = {m for series in groups.values() for m, v in series.items() if v}
+    methods = [m for m in order if m in present] + sorted(present - set(order))
     n = max(1, len(groups))
     height = 0.8 / n
     for gi, (gname, series) in enumerate(groups.items()):
@@ -66,6 +65,7 @@ def draw_all(results: dict, out: Path) -> list[str]:
     files: list[str] = []
     phases = {k: v for k, v in results.get("phases", {}).items() if v.get("save")}
     limits = results.get("limits", {}).get("summary", {})
+    order = list(results.get("methods", {}))
 
     def save_fig(fig, name: str) -> None:
         fig.tight_layout()
@@ -77,9 +77,10 @@ def draw_all(results: dict, out: Path) -> list[str]:
         fig, axes = plt.subplots(1, 2, figsize=(13, 0.45 * _rows(phases) + 2.5))
         _hbar_groups(axes[0], {f"{k} blocked": {m: s["blocked_s"] for m, s in v["save"].items()}
                                for k, v in phases.items()}, "caller blocked per save (s, log)",
-                     log=True)
+                     order, log=True)
         _hbar_groups(axes[1], {f"{k} snapshot": {m: s["snapshot_s"] for m, s in v["save"].items()}
-                               for k, v in phases.items()}, "time until captured (s, log)", log=True)
+                               for k, v in phases.items()}, "time until captured (s, log)", order,
+                     log=True)
         fig.suptitle("Stall per checkpoint (save micro-benchmark)")
         save_fig(fig, "stall.png")
 
@@ -87,7 +88,7 @@ def draw_all(results: dict, out: Path) -> list[str]:
         write = limits.get("write")
         _hbar_groups(ax, {k: {m: s["committed_gbps"] for m, s in v["save"].items()}
                           for k, v in phases.items()}, "committed throughput (GB/s of state)",
-                     limit=write["median"] if write else None, limit_label="disk write limit")
+                     order, limit=write["median"] if write else None, limit_label="disk write limit")
         ax.set_title("Save until durable and committed")
         save_fig(fig, "committed_throughput.png")
 
@@ -97,22 +98,22 @@ def draw_all(results: dict, out: Path) -> list[str]:
         groups = {f"every {k} steps": {m: per.get(k, {}).get("slowdown")
                                        for m, per in e2e["methods"].items()} for k in ks}
         fig, ax = plt.subplots(figsize=(9, 0.5 * len(e2e["methods"]) * max(1, len(ks)) / 2 + 2.5))
-        _hbar_groups(ax, groups, "training time / time without checkpoints", limit=1.0,
+        _hbar_groups(ax, groups, "training time / time without checkpoints", order, limit=1.0,
                      limit_label="no checkpoint")
         ax.set_title("End-to-end slowdown")
         save_fig(fig, "e2e_slowdown.png")
 
     loads = {k: v["load"] for k, v in results.get("phases", {}).items() if v.get("load")}
     if loads:
-        groups = {}
-        for k, per in loads.items():
-            groups[f"{k} cold"] = {m: s["cold_gbps"] for m, s in per.items()}
-            groups[f"{k} warm"] = {m: s["warm_gbps"] for m, s in per.items()}
-        fig, ax = plt.subplots(figsize=(9, 0.45 * len(groups) * 2 + 2.5))
-        cold = limits.get("read_cold")
-        _hbar_groups(ax, groups, "load throughput into the live state (GB/s)",
-                     limit=cold["median"] if cold else None, limit_label="cold read limit")
-        ax.set_title("Restore (in place)")
+        rows = len({m for per in loads.values() for m in per})
+        fig, axes = plt.subplots(1, 2, figsize=(13, 0.35 * rows * len(loads) + 2.5))
+        for ax, temp, lim in ((axes[0], "cold", "read_cold"), (axes[1], "warm", "read_warm")):
+            _hbar_groups(ax, {k: {m: s[f"{temp}_gbps"] for m, s in per.items()}
+                              for k, per in loads.items()},
+                         f"{temp} load into the live state (GB/s)", order,
+                         limit=(limits.get(lim) or {}).get("median"),
+                         limit_label=f"{temp} read limit")
+        fig.suptitle("Restore in place (cold: files dropped from the page cache)")
         save_fig(fig, "load_throughput.png")
     return files
 
