@@ -21,8 +21,8 @@ import threading
 
 import torch
 
-# The big state is 48 MiB of tensors; the small one ~4 MiB.
-BIG_FLOATS = 12 << 20
+# The big state is 24 MiB of tensors (384 units of 64 KiB); the small one ~4 MiB.
+BIG_FLOATS = 6 << 20
 SMALL_FLOATS = 1 << 20
 
 

@@ -1,6 +1,6 @@
 """Crash safety: a process SIGKILLed anywhere in a save leaves only committed, bit-exact checkpoints.
 
-Each test runs ``_crash_child.py``: it commits step 1, then dies while saving step 2 (48 MiB of
+Each test runs ``_crash_child.py``: it commits step 1, then dies while saving step 2 (24 MiB of
 tensors streamed through a 256 KiB host cache, so hundreds of writes). Most kill points are injected
 in the child (it SIGKILLs itself at an exact event: the n-th write, a torn write, an fsync, a rename
 of the commit protocol, the update of ``latest``); some are real SIGKILLs sent by this process at a
@@ -89,10 +89,9 @@ def check_after_crash(root, states, *, keep_last=None, overwrite=False) -> set[s
 INJECTED = [
     ("claim", 1, None, "the .tmp directory made, its owner not yet recorded"),
     ("pwrite", 1, None, "before the first data write of step 2"),
-    ("pwrite", 3, None, "after two unit writes"),
-    ("pwrite", 300, None, "in the middle of the tensor data"),
+    ("pwrite", 150, None, "in the middle of the tensor data"),
     ("torn", 2, None, "a torn unit write (half of it on disk)"),
-    ("torn", 700, None, "a torn write near the end of the data"),
+    ("torn", 370, None, "a torn write near the end of the data"),
     ("commitwrite", 1, None, "before the object blob"),
     ("commitwrite", 2, None, "before the shard index"),
     ("commitwrite", 3, None, "before the shard header (the index is written)"),
@@ -186,7 +185,7 @@ def _expect_line(proc: subprocess.Popen, marker: str) -> None:
     raise AssertionError(f"child ended (rc {proc.wait(WAIT_S)}) before printing {marker!r}")
 
 
-@pytest.mark.parametrize("n", [1, 40, 600])
+@pytest.mark.parametrize("n", [1, 300])
 def test_external_sigkill_at_paused_write(tmp_path, states, n):
     """A real SIGKILL from outside while a writer thread is inside its n-th write."""
     proc = _start(tmp_path, "gate", n)
@@ -198,8 +197,7 @@ def test_external_sigkill_at_paused_write(tmp_path, states, n):
     assert names == {STEP1}
 
 
-@pytest.mark.parametrize("trigger", ["saving", "tmp-claimed", "shard-4MiB", "shard-32MiB",
-                                     "random"])
+@pytest.mark.parametrize("trigger", ["saving", "tmp-claimed", "shard-16MiB", "random"])
 def test_external_sigkill_free_running(tmp_path, states, trigger):
     """A real SIGKILL at a moment picked from the outside: when save() returned, when the .tmp
     directory appears, when the shard file has grown, or after a random delay. The save may even
@@ -218,7 +216,7 @@ def test_external_sigkill_free_running(tmp_path, states, trigger):
             except subprocess.TimeoutExpired:
                 pass
         else:
-            threshold = {"tmp-claimed": -1, "shard-4MiB": 4 << 20, "shard-32MiB": 32 << 20}[trigger]
+            threshold = {"tmp-claimed": -1, "shard-16MiB": 16 << 20}[trigger]
             poll = threading.Event()  # a polling interval, not a synchronization
             while proc.poll() is None and not _shard_bigger_than(tmp_path, threshold):
                 poll.wait(0.002)
