@@ -17,6 +17,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -33,7 +34,8 @@ import torch  # noqa: E402
 from benchmarks import analysis, charts, limits, phases, report, states  # noqa: E402
 from benchmarks.common import GiB, MiB, fmt_bytes, log  # noqa: E402
 from benchmarks.memory import InsufficientMemory, MemoryPlan, available_bytes  # noqa: E402
-from benchmarks.methods import REFERENCE, REGISTRY, ensure_process_group, make_methods  # noqa: E402
+from benchmarks.methods import (DEFAULT_METHODS, REFERENCE, REGISTRY,  # noqa: E402
+                                ensure_process_group, make_methods)
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_const", dest="preset", const="quick",
                    help="same as --preset quick: tiny state, 2 rounds, short e2e loop")
     p.add_argument("--reps", type=int, help="rounds per experiment (default from the preset)")
-    p.add_argument("--methods", default=",".join(REGISTRY),
-                   help=f"comma-separated subset of: {', '.join(REGISTRY)}")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help=f"comma-separated subset of: {', '.join(REGISTRY)}\n"
+                        f"(default: all but dcp_async_stager, which holds one more copy)")
     p.add_argument("--out", type=Path, help="results directory (default results/bench-<time>)")
     p.add_argument("--skip-e2e", action="store_true", help="no end-to-end training loops")
     p.add_argument("--skip-load", action="store_true", help="no load measurements")
@@ -276,7 +279,12 @@ def _reanalyze(results: dict) -> None:
         phase["load"] = analysis.analyze_load(phase["raw"], lim, REFERENCE)
 
 
+def _terminate(_signum, _frame) -> None:
+    raise KeyboardInterrupt("SIGTERM")
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _terminate)     # clean up and report on kill, as on Ctrl-C
     parser = build_parser()
     args = parser.parse_args(argv)
     unknown = [n for n in args.methods.split(",") if n.strip() and n.strip() not in REGISTRY]

@@ -19,6 +19,12 @@ REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (
     SnapshotTake, SnapshotAsyncTake, Safetensors)}
 
 
+#: Run when --methods is not given. ``dcp_async_stager`` (persistent stager, staging on the caller)
+#: is left out by default because it holds a second full copy of the state beside
+#: ``dcp_async_stager_bg``; ask for it explicitly.
+DEFAULT_METHODS = [n for n in REGISTRY if n != "dcp_async_stager"]
+
+
 def make_methods(names: list[str], options: dict) -> list[Method]:
     """Instantiate the named methods (unknown names raise ValueError listing the valid ones)."""
     unknown = [n for n in names if n not in REGISTRY]
@@ -27,5 +33,6 @@ def make_methods(names: list[str], options: dict) -> list[Method]:
     return [REGISTRY[n](options) for n in REGISTRY if n in names]
 
 
-__all__ = ["Checkpoint", "Method", "Pending", "REFERENCE", "REGISTRY", "make_methods",
+__all__ = ["Checkpoint", "DEFAULT_METHODS", "Method", "Pending", "REFERENCE", "REGISTRY",
+           "make_methods",
            "ensure_process_group"]
