@@ -220,6 +220,7 @@ class Checkpointer:
                                    protect=job.name, fsync=self.config.fsync)
 
     def _tensors_to_write(self, items, tensors: list[int]) -> list[int]:
+        tensors = [i for i in tensors if items[i].primary]
         replicated = {items[i].key: items[i].nbytes for i in tensors if items[i].replicated}
         if not replicated or self.world_size == 1:
             return tensors

@@ -317,8 +317,12 @@ class Pipeline:
                     job.writer.close()
             try:
                 self._agree(job, payload)
-            except BaseException as exc:
-                job.fail(exc)
+            except CommitError as exc:
+                job.error = exc
+            except BaseException as exc:  # the store went away (a rank died): never hang or crash
+                job.error = CommitError(f"checkpoint {job.name!r}: coordination with the other "
+                                        f"ranks failed ({exc}); nothing was committed",
+                                        {job.rank: repr(exc)})
             if job.error is not None and job.rank == 0:
                 remove_tree(job.tmp)
             job.finish()

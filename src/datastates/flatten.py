@@ -30,6 +30,8 @@ class TensorItem:
     global_offset: tuple[int, ...] | None = None
     #: For replicated tensors: identical on every rank, written once.
     replicated: bool = False
+    #: False when another rank writes this very shard (a shard replicated over a mesh dim).
+    primary: bool = True
 
     def __post_init__(self) -> None:
         # Kept after the snapshot drops the reference to the tensor.
@@ -56,6 +58,57 @@ class Flattened:
     optimizers: list = field(default_factory=list)
 
 
+class TensorShard:
+    """A local piece of a larger logical tensor, in the "local shard + global offset" form that
+    ZeRO, FSDP and Megatron use: ``local`` is the box of the global tensor (of ``global_shape``)
+    starting at ``global_offset``. ``primary=False`` when another rank holds and writes the same
+    box (a data-parallel replica of the shard). Restore fills ``local`` in place, reading only the
+    saved shards that overlap it, whatever the sharding was at save time."""
+
+    __slots__ = ("local", "global_shape", "global_offset", "primary")
+
+    def __init__(self, local: torch.Tensor, global_shape, global_offset, primary: bool = True):
+        self.local = local
+        self.global_shape = tuple(int(x) for x in global_shape)
+        self.global_offset = tuple(int(x) for x in global_offset)
+        self.primary = primary
+        if len(self.global_shape) != local.dim() or len(self.global_offset) != local.dim():
+            raise ValueError(f"TensorShard: local tensor has {local.dim()} dims, global_shape "
+                             f"{self.global_shape} and global_offset {self.global_offset} must too")
+        for size, off, full in zip(local.shape, self.global_offset, self.global_shape):
+            if off < 0 or off + size > full:
+                raise ValueError(f"TensorShard: local box {tuple(local.shape)} at "
+                                 f"{self.global_offset} exceeds the global shape {self.global_shape}")
+
+    @property
+    def requires_grad(self):
+        return self.local.requires_grad
+
+
+def sharding_of(t) -> TensorShard | None:
+    """The local box of a DTensor or TensorShard (None for an ordinary tensor)."""
+    if isinstance(t, TensorShard):
+        return t
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:
+        return None
+    if not isinstance(t, DTensor):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    mesh, placements = t.device_mesh, t.placements
+    _, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    coordinate = mesh.get_coordinate() or []
+    primary = True
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, Replicate):
+            primary = primary and coordinate[dim] == 0
+        elif not isinstance(placement, Shard):
+            raise TypeError(f"DTensor placement {placement} cannot be checkpointed; "
+                            "redistribute partial tensors first")
+    return TensorShard(t.to_local(), tuple(t.shape), offset, primary)
+
+
 def key_of(path: tuple) -> str:
     return "/".join(str(p) for p in path)
 
@@ -71,7 +124,7 @@ class _Walker:
              provider: StateProvider | None) -> dict:
         if isinstance(obj, Capture):
             return self.node(obj.value, path, obj.policy, provider)
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, (torch.Tensor, TensorShard)):
             return self.tensor(obj, path, policy, provider)
         if isinstance(obj, _SCALARS) or (type(obj) is float and math.isfinite(obj)):
             return {"t": "value", "v": obj}
@@ -98,7 +151,8 @@ class _Walker:
         param = isinstance(t, torch.nn.Parameter)
         if policy is None:
             policy = provider.capture_of(t) if provider is not None else (LAZY if param else EAGER)
-        t = t.detach()
+        shard = sharding_of(t)
+        t = shard.local.detach() if shard is not None else t.detach()
         view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
                 t.dtype, t.device) if t.numel() else None
         if view is not None and view in self._views:  # the same view saved under two keys
@@ -110,7 +164,11 @@ class _Walker:
         if policy == EAGER:
             t = t.clone(memory_format=torch.contiguous_format)
         index = len(self.out.items)
-        self.out.items.append(TensorItem(key, t, policy == LAZY, replicated=self.replicated))
+        item = TensorItem(key, t, policy == LAZY, replicated=self.replicated)
+        if shard is not None:
+            item.global_shape, item.global_offset = shard.global_shape, shard.global_offset
+            item.primary, item.replicated = shard.primary, False
+        self.out.items.append(item)
         if view is not None:
             self._views[view] = index
         return {"t": "tensor", "e": index, "param": param}

@@ -19,7 +19,7 @@ from . import format as fmt
 from . import serialization
 from .errors import (CheckpointNotFoundError, CorruptCheckpointError, ReshardError,
                      StateMismatchError)
-from .flatten import key_of
+from .flatten import TensorShard, key_of, sharding_of
 from .providers import Capture, ProviderRegistry, StateProvider
 from .storage import buffer_of, pread_into
 
@@ -379,70 +379,96 @@ class _Plan:
             out.append(self.match(lv, child, path + (i,), provider))
         return tuple(out) if node["t"] == "tuple" else out
 
-    def tensor(self, live: Any, node: dict, path: tuple) -> torch.Tensor:
+    def tensor(self, live: Any, node: dict, path: tuple) -> Any:
         entry = self.reader.entries[node["e"]]
         key = key_of(path)
         dtype = fmt.dtype_from_name(entry["dtype"], f"{self.reader.dir}: {key!r}")
         shape = tuple(entry["shape"])
-        if self.in_place and isinstance(live, torch.Tensor):
-            if tuple(live.shape) != shape or live.dtype != dtype:
+        if self.in_place and isinstance(live, (torch.Tensor, TensorShard)):
+            shard = sharding_of(live)
+            local = shard.local if shard is not None else live
+            global_shape = shard.global_shape if shard is not None else tuple(live.shape)
+            if global_shape != shape or local.dtype != dtype:
                 self.report.mismatched.append(
                     f"{key} (checkpoint {entry['dtype']}{list(shape)}, live "
-                    f"{fmt.dtype_name(live.dtype) if live.dtype in fmt._DTYPE_NAMES else live.dtype}"
-                    f"{list(live.shape)})")
+                    f"{str(local.dtype).replace('torch.', '')}{list(global_shape)})")
                 return live
             self.report.restored.append(key)
-            target = (node["e"], live.data_ptr())
+            target = (node["e"], local.data_ptr())
             if target not in self.filled:  # tied weights: one read for every key
                 self.filled.add(target)
-                self._fill(live.detach(), entry, key)
+                self._fill(local.detach(), entry, key,
+                           shard.global_offset if shard is not None else None)
             return live
         if node["e"] in self.fresh:  # shared storage: one tensor for every key
             return self.fresh[node["e"]]
         fresh = torch.empty(shape, dtype=dtype)
         self._fill(fresh, entry, key)
-        self.fresh[node["e"]] = fresh
         if node.get("param"):
             fresh = torch.nn.Parameter(fresh, requires_grad=fresh.is_floating_point() or
                                        fresh.is_complex())
-            self.fresh[node["e"]] = fresh
+        self.fresh[node["e"]] = fresh
         return fresh
 
-    def _fill(self, dest: torch.Tensor, entry: dict, key: str) -> None:
-        """Schedule reads of every saved shard of ``entry`` into ``dest`` (the full tensor)."""
+    def _fill(self, dest: torch.Tensor, entry: dict, key: str, box_offset=None) -> None:
+        """Schedule reads filling ``dest``, the box of the global tensor at ``box_offset``
+        (the whole tensor by default), from every saved shard that overlaps it."""
+        box_offset = tuple(box_offset) if box_offset is not None else (0,) * dest.dim()
         direct = dest.device.type == "cpu" and dest.is_contiguous()
         target = dest if direct else torch.empty(dest.shape, dtype=dest.dtype)
         if not direct:
             self.post_copies.append(lambda d=dest, s=target: d.copy_(s))
-        flat = target.reshape(-1).view(torch.uint8) if target.numel() else None
         covered = 0
         for shard in entry["shards"]:
-            n = shard["nbytes"]
-            if list(shard["shape"]) == list(dest.shape):
-                if n != (flat.numel() if flat is not None else 0):
-                    raise CorruptCheckpointError(f"{self.reader.dir}: {key!r} holds {n} bytes, "
-                                                 f"expected {flat.numel()}")
-                self.reads.append(_Read(shard["file"], shard["offset"], n, flat, shard["checksums"],
-                                        key))
-                return
-            covered += self._fill_box(target, shard, key)
-        if target.numel() and covered != target.numel():
-            raise CorruptCheckpointError(f"{self.reader.dir}: the shards of {key!r} cover "
-                                         f"{covered} of {target.numel()} elements")
+            covered += self._fill_from(target, box_offset, shard, key)
+        if covered != target.numel():
+            raise CorruptCheckpointError(
+                f"{self.reader.dir}: the saved shards of {key!r} cover {covered} of the "
+                f"{target.numel()} elements needed at {list(box_offset)}")
 
-    def _fill_box(self, target: torch.Tensor, shard: dict, key: str) -> int:
-        """A shard covering a box of the global tensor: read it, copy the box in afterwards."""
-        shape, offset = shard["shape"], shard["global_offset"]
-        box = torch.empty(shape, dtype=target.dtype)
-        nbytes = box.numel() * box.element_size()
-        if nbytes != shard["nbytes"]:
-            raise CorruptCheckpointError(f"{self.reader.dir}: shard of {key!r} at {offset} holds "
-                                         f"{shard['nbytes']} bytes, expected {nbytes}")
-        if box.numel():
-            self.reads.append(_Read(shard["file"], shard["offset"], nbytes,
-                                    box.reshape(-1).view(torch.uint8), shard["checksums"], key))
-        region = target
-        for dim, (start, size) in enumerate(zip(offset, shape)):
-            region = region.narrow(dim, start, size)
-        self.post_copies.insert(0, lambda r=region, b=box: r.copy_(b))
-        return box.numel()
+    def _fill_from(self, target: torch.Tensor, box_offset: tuple, shard: dict, key: str) -> int:
+        """Read the part of one saved shard that overlaps the target box; return its elements."""
+        s_off, s_shape = tuple(shard["global_offset"]), tuple(shard["shape"])
+        lo = [max(a, b) for a, b in zip(s_off, box_offset)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(s_off, s_shape, box_offset, target.shape)]
+        if any(h <= l for l, h in zip(lo, hi)) and target.dim():
+            return 0
+        elem = target.element_size()
+        numel = 1
+        for n in s_shape:
+            numel *= n
+        if numel * elem != shard["nbytes"]:
+            raise CorruptCheckpointError(f"{self.reader.dir}: shard of {key!r} at {list(s_off)} "
+                                         f"holds {shard['nbytes']} bytes, expected {numel * elem}")
+        if s_off == box_offset and s_shape == tuple(target.shape):  # the same box: read in place
+            if numel:
+                self.reads.append(_Read(shard["file"], shard["offset"], shard["nbytes"],
+                                        target.reshape(-1).view(torch.uint8), shard["checksums"],
+                                        key))
+            return numel
+        # Rows [r0, r1) of the shard along dim 0 are one contiguous byte range: read only those,
+        # widened to whole checksum pieces so that what is read is verified.
+        row = shard["nbytes"] // s_shape[0] if s_shape[0] else 0
+        r0, r1 = lo[0] - s_off[0], hi[0] - s_off[0]
+        first, last, pieces, pos = None, None, [], 0
+        for length, crc in shard["checksums"]:
+            if pos + length > r0 * row and pos < r1 * row:
+                first = pos if first is None else first
+                last = pos + length
+                pieces.append([length, crc])
+            pos += length
+        buf = torch.empty(last - first, dtype=torch.uint8)
+        self.reads.append(_Read(shard["file"], shard["offset"] + first, last - first, buf, pieces,
+                                key))
+        rows = buf[r0 * row - first:r1 * row - first].view(target.dtype)
+        rows = rows.reshape((r1 - r0,) + s_shape[1:])
+        src, dst = rows, target
+        for dim in range(target.dim()):
+            if dim:
+                src = src.narrow(dim, lo[dim] - s_off[dim], hi[dim] - lo[dim])
+            dst = dst.narrow(dim, lo[dim] - box_offset[dim], hi[dim] - lo[dim])
+        self.post_copies.insert(0, lambda d=dst, s=src: d.copy_(s))
+        count = 1
+        for l, h in zip(lo, hi):
+            count *= h - l
+        return count
