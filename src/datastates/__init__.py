@@ -12,6 +12,7 @@ from .checkpointer import Checkpointer
 from .commit import CheckpointInfo
 from .config import CheckpointConfig
 from .engine import SaveHandle, SaveStats
+from .flatten import TensorShard
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError,
                      CommitError, CommitTimeoutError, ConfigError, CorruptCheckpointError,
                      DatastatesError, ReshardError, SerializationError, StateMismatchError,
@@ -28,7 +29,7 @@ __all__ = [
     "CommitTimeoutError", "ConfigError", "CorruptCheckpointError", "DatastatesError",
     "ModuleProvider", "OptimizerProvider", "ProviderRegistry", "RNGState", "RNGStateProvider",
     "ReshardError", "RestoreReport", "SaveHandle", "SaveStats", "SerializationError",
-    "StateMismatchError", "StateProvider", "StatefulProvider", "UnsafeObjectError",
+    "StateMismatchError", "StateProvider", "StatefulProvider", "TensorShard", "UnsafeObjectError",
     "UnsupportedFormatError", "eager", "lazy", "CheckpointEngine",
 ]
 
