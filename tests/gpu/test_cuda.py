@@ -1,0 +1,85 @@
+"""CUDA paths: pinned host cache, side-stream copies ordered after the compute stream, in-place
+restore on the device. Skipped without CUDA; run by scripts/gpu_check.sh on a GPU machine."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import datastates
+from datastates import CheckpointConfig, Checkpointer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(1024, 4096), nn.BatchNorm1d(4096), nn.Linear(4096, 1024)).cuda()
+
+
+def _step(model, opt):
+    model(torch.randn(64, 1024, device="cuda")).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_host_cache_is_pinned(tmp_path):
+    with Checkpointer(tmp_path, CheckpointConfig(host_cache_bytes=8 << 20, chunk_bytes=1 << 20)) as ckpt:
+        ckpt.save({"x": torch.ones(10, device="cuda")}, step=1).wait()
+        cache = ckpt._pipeline.cache
+        assert cache.pinned and cache.tensor(0).is_pinned()
+
+
+@pytest.mark.parametrize("cache", [1 << 30, 4 << 20], ids=["big-cache", "small-cache"])
+def test_lazy_snapshot_on_cuda_is_exact(tmp_path, cache):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _step(model, opt)
+    config = CheckpointConfig(host_cache_bytes=cache, chunk_bytes=min(cache // 2, 64 << 20))
+    with Checkpointer(tmp_path, config) as ckpt:
+        reference = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        opt_ref = {i: {k: v.cpu().clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
+        handle = ckpt.save({"model": model, "opt": opt}, step=1)
+        _step(model, opt)  # forward mutates BN stats, the step mutates params and moments
+        _step(model, opt)
+        handle.wait()
+        loaded = ckpt.load()
+    for k, v in reference.items():
+        assert torch.equal(loaded["model"][k], v), k
+    for i, s in opt_ref.items():
+        for k, v in s.items():
+            assert torch.equal(loaded["opt"]["state"][i][k].cpu(), v), (i, k)
+
+
+def test_copy_stream_waits_for_pending_kernels(tmp_path):
+    """A kernel still running on the compute stream when save() is called must finish before the
+    copy reads the tensor: the captured values are the post-kernel ones."""
+    x = torch.zeros(4096, 4096, device="cuda")
+    a = torch.randn(4096, 4096, device="cuda")
+    with Checkpointer(tmp_path, CheckpointConfig(lazy="always")) as ckpt:
+        for _ in range(20):  # queue a lot of work on the compute stream
+            x.add_(a @ a * 0)
+        x.fill_(3.0)
+        handle = ckpt.save({"x": datastates.lazy(x)}, step=1)
+        handle.wait_snapshot()
+        handle.wait()
+        assert torch.equal(ckpt.load()["x"], torch.full((4096, 4096), 3.0))
+
+
+def test_restore_in_place_on_device_and_map_location(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _step(model, opt)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save({"model": model, "opt": opt}, step=1).wait()
+        fresh = _model()
+        with torch.no_grad():
+            for p in fresh.parameters():
+                p.zero_()
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+        ckpt.restore({"model": fresh, "opt": fresh_opt})
+        assert all(p.is_cuda for p in fresh.parameters())
+        for (k, v), (_, w) in zip(model.state_dict().items(), fresh.state_dict().items()):
+            assert torch.equal(v, w), k
+        loaded = ckpt.load(map_location="cuda")
+        assert all(t.is_cuda for t in loaded["model"].values())
