@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: install, run the CUDA tests, then a short GPU benchmark.
-# Usage (device tool): bash scripts/gpu_check.sh   -- results land in $OUT (or ./gpu-results).
+# One call on a GPU machine (no network there; its python3 already has torch+CUDA, pytest, numpy):
+# run the CUDA tests and the unit tests on that torch, then a short GPU benchmark.
+# With the device tool: run(command="bash scripts/gpu_check.sh", timeout_s=540); results in $OUT.
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
-python3 -m venv /tmp/ds-venv && . /tmp/ds-venv/bin/activate
-pip install -q torch numpy pytest psutil 2>&1 | tail -2   # the machine's CUDA build of torch
-pip install -q --no-deps -e . 2>&1 | tail -2
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi -L | tee "$OUT/gpu.txt"
-python -m pytest tests/gpu tests/unit -q -x 2>&1 | tee "$OUT/tests.txt" | tail -15
-python benchmarks/gpu_bench.py --out "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -30
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee -a "$OUT/gpu.txt"
+timeout 300 python3 -m pytest tests/gpu tests/unit -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -15
+timeout 200 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -30
