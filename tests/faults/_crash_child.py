@@ -49,8 +49,13 @@ def config(keep_last: int | None):
 
 
 def _die() -> None:
-    sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def marker(text: str) -> None:
+    """One line on stdout in one write(2): markers come from several threads, and sys.stdout
+    (a TextIOWrapper) may lose a line written concurrently from two threads."""
+    os.write(1, (text + "\n").encode())
 
 
 def _install(mode: str, n: int) -> None:
@@ -97,7 +102,7 @@ def _install(mode: str, n: int) -> None:
                     except OSError:
                         pass
                 elif mode == "gate":
-                    print("PAUSED", flush=True)
+                    marker("PAUSED")
                     threading.Event().wait()  # until the parent's SIGKILL
                 _die()
             return real_pwrite(fd, data, offset)
@@ -166,14 +171,14 @@ def main() -> None:
         mode = mode[len("overwrite-"):]
     ck = datastates.Checkpointer(directory, config(keep_last))
     ck.save(make_state(1), step=1).wait()
-    print("COMMITTED 1", flush=True)
+    marker("COMMITTED 1")
     _install(mode, n)
     second = make_state(2)
     handle = ck.save(second, step=1 if overwrite else 2, overwrite=overwrite)
-    print("SAVING", flush=True)
+    marker("SAVING")
     handle.wait()
     ck.close()
-    print("COMMITTED 2", flush=True)
+    marker("COMMITTED 2")
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 import threading
+import time
 
 import pytest
 
@@ -168,31 +170,49 @@ def test_kill_while_overwriting(tmp_path, states, mode, n):
     check_after_crash(tmp_path, states, overwrite=True)
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(WAIT_S)
-    assert proc.returncode == -signal.SIGKILL
+class Child:
+    """The crash child run in the background, with its stdout markers read with a deadline."""
 
+    def __init__(self, root, mode="external", n=0):
+        self.proc = subprocess.Popen(child_command(root, mode, n), stdout=subprocess.PIPE,
+                                     bufsize=0)
+        self._buf = b""
 
-def _start(root, mode="external", n=0) -> subprocess.Popen:
-    return subprocess.Popen(child_command(root, mode, n), stdout=subprocess.PIPE, text=True)
+    def expect(self, marker: str) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            lines = self._buf.split(b"\n")
+            for i, line in enumerate(lines[:-1]):
+                if line.decode() == marker:
+                    self._buf = b"\n".join(lines[i + 1:])
+                    return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {marker!r} from the child within {WAIT_S} s")
+            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            chunk = os.read(self.proc.stdout.fileno(), 4096) if ready else b""
+            if ready and not chunk:
+                raise AssertionError(f"child ended (rc {self.proc.wait(WAIT_S)}) before "
+                                     f"printing {marker!r}")
+            self._buf += chunk
 
-
-def _expect_line(proc: subprocess.Popen, marker: str) -> None:
-    for line in proc.stdout:
-        if line.strip() == marker:
-            return
-    raise AssertionError(f"child ended (rc {proc.wait(WAIT_S)}) before printing {marker!r}")
+    def kill(self) -> None:
+        """SIGKILL it if it still runs; reap it."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(WAIT_S)
+        self.proc.stdout.close()
 
 
 @pytest.mark.parametrize("n", [1, 300])
 def test_external_sigkill_at_paused_write(tmp_path, states, n):
     """A real SIGKILL from outside while a writer thread is inside its n-th write."""
-    proc = _start(tmp_path, "gate", n)
+    child = Child(tmp_path, "gate", n)
     try:
-        _expect_line(proc, "PAUSED")
+        child.expect("PAUSED")
     finally:
-        _kill(proc)
+        child.kill()
+    assert child.proc.returncode == -signal.SIGKILL
     names = check_after_crash(tmp_path, states)
     assert names == {STEP1}
 
@@ -203,28 +223,24 @@ def test_external_sigkill_free_running(tmp_path, states, trigger):
     directory appears, when the shard file has grown, or after a random delay. The save may even
     have committed by then; either way the directory must be consistent. (The window between the
     creation of the .tmp directory and its claim is test_kill_at_injected_point[claim-...].)"""
-    proc = _start(tmp_path)
+    child = Child(tmp_path)
     try:
-        _expect_line(proc, "COMMITTED 1")
-        if trigger == "saving":
-            _expect_line(proc, "SAVING")
-        elif trigger == "random":
-            _expect_line(proc, "SAVING")
+        child.expect("COMMITTED 1")
+        if trigger in ("saving", "random"):
+            child.expect("SAVING")
+        if trigger == "random":
             # The delay only varies where the kill lands; nothing asserted depends on it.
             try:
-                proc.wait(timeout=random.uniform(0.0, 0.3))
+                child.proc.wait(timeout=random.uniform(0.0, 0.3))
             except subprocess.TimeoutExpired:
                 pass
-        else:
+        elif trigger != "saving":
             threshold = {"tmp-claimed": -1, "shard-16MiB": 16 << 20}[trigger]
             poll = threading.Event()  # a polling interval, not a synchronization
-            while proc.poll() is None and not _shard_bigger_than(tmp_path, threshold):
+            while child.proc.poll() is None and not _shard_bigger_than(tmp_path, threshold):
                 poll.wait(0.002)
     finally:
-        if proc.poll() is None:
-            _kill(proc)
-        else:
-            proc.wait(WAIT_S)
+        child.kill()  # if it already finished, step 2 is committed: still a valid case
     check_after_crash(tmp_path, states)
 
 
