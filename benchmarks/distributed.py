@@ -39,6 +39,19 @@ def _state(kind: str, world: int, total_bytes: int):
     return {f"w{i}": p for i, p in enumerate(params)}
 
 
+def _evict(root: str) -> None:
+    """Drop every file under ``root`` from the page cache: loads are measured cold for everyone
+    (datastates writes with O_DIRECT, so its files are never in the cache; DCP's would be)."""
+    for base, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(base, name), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def _compute(ms: float) -> None:
     """Stand-in for forward + backward: matrix products for about ``ms`` milliseconds."""
     a = torch.randn(256, 256)
@@ -95,6 +108,9 @@ def _rank_main(rank, world, port, args, out_q):
         loads = {}
         for method in ("datastates", "dcp"):
             dist.barrier()
+            if rank == 0:
+                _evict(root)
+            dist.barrier()
             t0 = time.perf_counter()
             if method == "datastates":
                 ckpt.restore({"params": params}, keys=["params"])
@@ -114,11 +130,13 @@ def _single_process_load(args, total):
     import torch.distributed.checkpoint as dcp
     root = os.path.join(args.dir, "sharded")
     out = {}
+    _evict(root)
     t0 = time.perf_counter()
     with datastates.Checkpointer(os.path.join(root, "ds")) as ckpt:
         full = ckpt.load(keys=["params"])["params"]
     out["datastates"] = time.perf_counter() - t0
     target = {"params": {k: torch.empty_like(v) for k, v in full.items()}}
+    _evict(root)
     t0 = time.perf_counter()
     dcp.load(target, checkpoint_id=os.path.join(root, f"dcp{args.reps - 1}"), no_dist=True)
     out["dcp"] = time.perf_counter() - t0

@@ -11,6 +11,7 @@ Quick start::
 from .checkpointer import Checkpointer
 from .commit import CheckpointInfo
 from .config import CheckpointConfig
+from .dist import LocalCommunicator, StoreCommunicator
 from .engine import SaveHandle, SaveStats
 from .flatten import TensorShard
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError,
@@ -26,7 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Capture", "CheckpointConfig", "CheckpointExistsError", "CheckpointInfo",
     "CheckpointNotFoundError", "CheckpointWriteError", "Checkpointer", "CommitError",
-    "CommitTimeoutError", "ConfigError", "CorruptCheckpointError", "DatastatesError",
+    "CommitTimeoutError", "ConfigError", "LocalCommunicator", "StoreCommunicator", "CorruptCheckpointError", "DatastatesError",
     "ModuleProvider", "OptimizerProvider", "ProviderRegistry", "RNGState", "RNGStateProvider",
     "ReshardError", "RestoreReport", "SaveHandle", "SaveStats", "SerializationError",
     "StateMismatchError", "StateProvider", "StatefulProvider", "TensorShard", "UnsafeObjectError",

@@ -126,8 +126,8 @@ class _Walker:
             return self.node(obj.value, path, obj.policy, provider)
         if isinstance(obj, (torch.Tensor, TensorShard)):
             return self.tensor(obj, path, policy, provider)
-        if isinstance(obj, _SCALARS) or (type(obj) is float and math.isfinite(obj)):
-            return {"t": "value", "v": obj}
+        if type(obj) in _SCALARS or (type(obj) is float and math.isfinite(obj)):
+            return {"t": "value", "v": obj}  # exact types: an IntEnum is pickled, keeping its class
         kind = type(obj)
         if kind in (dict, OrderedDict) and all(_json_key(k) for k in obj):
             return {"t": "odict" if kind is OrderedDict else "dict",
@@ -181,7 +181,7 @@ class _Walker:
 
 
 def _json_key(k: Any) -> bool:
-    return isinstance(k, _SCALARS) or (type(k) is float and math.isfinite(k))
+    return type(k) in _SCALARS or (type(k) is float and math.isfinite(k))
 
 
 def flatten(state: Any, registry: ProviderRegistry, *, replicated: bool = False) -> Flattened:

@@ -402,11 +402,8 @@ class _Plan:
             return live
         if node["e"] in self.fresh:  # shared storage: one tensor for every key
             return self.fresh[node["e"]]
-        fresh = torch.empty(shape, dtype=dtype)
+        fresh = torch.empty(shape, dtype=dtype)  # plain tensors, as torch.load of a state_dict
         self._fill(fresh, entry, key)
-        if node.get("param"):
-            fresh = torch.nn.Parameter(fresh, requires_grad=fresh.is_floating_point() or
-                                       fresh.is_complex())
         self.fresh[node["e"]] = fresh
         return fresh
 
