@@ -34,7 +34,7 @@ def make_state(seed: int, big: bool = True) -> dict:
         "model": {"w": torch.randn(n, generator=g),
                   "b": torch.randn(257, 3, generator=g).to(torch.float64)},
         "ints": torch.randint(-1000, 1000, (4097,), generator=g, dtype=torch.int64),
-        # A dict with a tuple key is not JSON: it becomes an object blob written by the commit thread.
+        # A dict with a tuple key is not JSON: an object blob, written by the commit thread.
         "extra": {(seed, "seed"): [seed, seed * 2], (0, "n"): n},
         "step": seed,
     }

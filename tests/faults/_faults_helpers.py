@@ -26,7 +26,8 @@ def child_command(root, mode: str, n: int = 0, keep_last: int | None = None) -> 
     return [sys.executable, CHILD, os.fspath(root), mode, str(n), str(keep_last or 0)]
 
 
-def run_child(root, mode: str, n: int = 0, keep_last: int | None = None) -> subprocess.CompletedProcess:
+def run_child(root, mode: str, n: int = 0,
+              keep_last: int | None = None) -> subprocess.CompletedProcess:
     """Run the child to its injected SIGKILL (or to its end)."""
     return subprocess.run(child_command(root, mode, n, keep_last), capture_output=True, text=True,
                           timeout=WAIT_S, cwd=HERE)
@@ -83,9 +84,14 @@ def hidden_entries(root) -> list[str]:
 
 
 def visible_entries(root) -> list[str]:
-    """What a reader could take for a checkpoint: every non-reserved name but ``latest``."""
+    """What a reader could take for a checkpoint: every non-reserved name but ``latest`` and the
+    temporaries of ``latest`` (``latest.tmp`` or ``latest.tmp.<pid>.<uid>``, plain files)."""
     return sorted(n for n in os.listdir(root)
-                  if not n.startswith(".") and n not in ("latest", "latest.tmp"))
+                  if not n.startswith(".") and n != "latest" and not n.startswith("latest.tmp"))
+
+
+def latest_temporaries(root) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith("latest.tmp"))
 
 
 def shard_path(ckpt_dir, rank: int = 0) -> str:

@@ -151,16 +151,9 @@ BEFORE_COMMIT = {
 }
 
 # Failures raised as the raw OSError instead of CheckpointWriteError (see the report).
-_RAW_OSERROR = {"manifest-write", "manifest-fsync", "manifest-rename", "directory-rename",
-                "shard-open-eacces", "tmp-mkdir-eacces"}
-_RAW_BUG = ("BUG: failures of Pipeline._open (capture thread) and of commit.publish (engine "
-            "Pipeline._agree) reach the handle as the raw OSError, not CheckpointWriteError")
-
-
 def _before_commit_params():
     for name in BEFORE_COMMIT:
-        marks = pytest.mark.xfail(strict=True, reason=_RAW_BUG) if name in _RAW_OSERROR else ()
-        yield pytest.param(name, id=name, marks=marks)
+        yield pytest.param(name, id=name)
 
 
 @pytest.fixture
@@ -224,8 +217,6 @@ def test_failure_is_an_oserror_with_its_errno_kept(ck, monkeypatch, name):
     assert hidden_entries(ck.directory) == []
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: CheckpointWriteError is built from a message only, so "
-                   "its errno is None (engine.Pipeline._write_loop / _commit_loop)")
 @pytest.mark.parametrize("thread", ["datastates-writer", "datastates-commit"])
 def test_disk_full_is_recognizable_by_errno(ck, monkeypatch, thread):
     """``except OSError as e: if e.errno == errno.ENOSPC`` is how callers detect a full disk,
@@ -239,12 +230,8 @@ def test_disk_full_is_recognizable_by_errno(ck, monkeypatch, thread):
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param("root-fsync-after-rename", marks=pytest.mark.xfail(strict=True, reason=(
-        "BUG: commit.publish renames the checkpoint into place, then fsync_dir(root) fails; the "
-        "handle reports a failure but the checkpoint stays committed and listed"))),
-    pytest.param("latest-write", marks=pytest.mark.xfail(strict=True, reason=(
-        "BUG: a failure of set_latest (Checkpointer._after_commit) fails the handle after the "
-        "checkpoint was renamed into place; it stays listed"))),
+    "root-fsync-after-rename",
+    "latest-write",
 ])
 def test_failure_after_rename_is_consistent(ck, monkeypatch, name):
     """A handle that raises must mean the checkpoint is not there: a failure after the directory
