@@ -70,8 +70,7 @@ class Checkpointer:
         self._check_open()
         if step is None and tag is None:
             raise ValueError("save() needs a step or a tag")
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-            raise ValueError(f"step must be a non-negative int, found {step!r}")
+        _check_step(step)
         name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
         if metadata is not None and not isinstance(metadata, dict):
             raise TypeError(f"metadata must be a dict, found {type(metadata).__qualname__}")
@@ -167,6 +166,7 @@ class Checkpointer:
 
     def _reader(self, step, tag, verify, trusted, safe_globals, map_location, rank_policy):
         self._check_open()
+        _check_step(step)
         info = commit_mod.resolve(self.directory, step, tag)
         return Reader(info.path, registry=self.registry, rank=self.rank,
                       world_size=self.world_size, threads=self.config.reader_threads,
@@ -214,10 +214,17 @@ class Checkpointer:
 
     # ------------------------------------------------------------ internals
     def _after_commit(self, job: Job) -> None:
-        """Rank 0, commit thread, after the checkpoint became visible."""
-        commit_mod.set_latest(self.directory, job.name, self.config.fsync)
-        commit_mod.apply_retention(self.directory, self.config.keep_last, self.config.keep_every,
-                                   protect=job.name, fsync=self.config.fsync)
+        """Rank 0, commit thread, after the checkpoint became visible. It is committed whatever
+        happens here: a failure to move ``latest`` (readers fall back to the newest manifest) or
+        to apply retention is a warning, not a failed save."""
+        try:
+            commit_mod.set_latest(self.directory, job.name, self.config.fsync)
+            commit_mod.apply_retention(self.directory, self.config.keep_last,
+                                       self.config.keep_every, protect=job.name,
+                                       fsync=self.config.fsync)
+        except OSError as exc:
+            warnings.warn(f"datastates: {job.name!r} is committed, but updating 'latest' or "
+                          f"applying retention failed: {exc}", RuntimeWarning, stacklevel=2)
 
     def _tensors_to_write(self, items, tensors: list[int]) -> list[int]:
         tensors = [i for i in tensors if items[i].primary]
@@ -254,6 +261,11 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Checkpointer is closed")
+
+
+def _check_step(step) -> None:
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise ValueError(f"step must be a non-negative int, found {step!r}")
 
 
 def _mark_replicated(items, tensors: list[int], replicated) -> None:

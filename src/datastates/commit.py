@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +17,7 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .storage import fsync_dir, remove_tree, write_file_atomic
 
 _OWNER = "owner.json"
+_OWNER_IN_NAME = re.compile(r"@(\d+)@([^@/]+)-\d+$")
 
 
 @dataclass(frozen=True)
@@ -125,10 +128,6 @@ def publish(root: str, tmp: str, name: str, manifest: dict, *, overwrite: bool,
             fsync: bool) -> str:
     """Make ``tmp`` the committed checkpoint ``root/name`` atomically. Returns its path."""
     final = os.path.join(root, name)
-    try:
-        os.remove(os.path.join(tmp, _OWNER))
-    except FileNotFoundError:
-        pass
     write_file_atomic(os.path.join(tmp, fmt.MANIFEST), fmt.encode_manifest(manifest), fsync)
     old = None
     if os.path.exists(final):
@@ -139,10 +138,17 @@ def publish(root: str, tmp: str, name: str, manifest: dict, *, overwrite: bool,
         old = os.path.join(root, f".old.{name}.{uuid.uuid4().hex[:8]}")
         os.rename(final, old)
     os.rename(tmp, final)
-    if fsync:
-        fsync_dir(root)
-    if old is not None:
-        remove_tree(old)
+    # Committed from here on: later failures are warnings, never a failed save that is listed.
+    for step in (lambda: fsync_dir(root) if fsync else None,
+                 lambda: os.remove(os.path.join(final, _OWNER)),
+                 lambda: remove_tree(old) if old is not None else None):
+        try:
+            step()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            warnings.warn(f"datastates: {final} is committed, but tidying up after the rename "
+                          f"failed: {exc}", RuntimeWarning, stacklevel=2)
     return final
 
 
@@ -261,10 +267,13 @@ def clean_stale(root: str, max_age_s: float) -> list[str]:
         if not name.startswith((".tmp.", ".trash.", ".old.")) or not os.path.isdir(path):
             continue
         stale = name.startswith((".trash.", ".old."))
+        owner = _OWNER_IN_NAME.search(name)  # the run id names the owner: see dist.new_run_id
+        if owner and owner.group(2) == host and not _alive(int(owner.group(1))):
+            stale = True
         try:
             with open(os.path.join(path, _OWNER)) as f:
-                owner = json.load(f)
-            if owner.get("host") == host and not _alive(int(owner.get("pid", -1))):
+                recorded = json.load(f)
+            if recorded.get("host") == host and not _alive(int(recorded.get("pid", -1))):
                 stale = True
         except (OSError, ValueError):
             pass

@@ -70,7 +70,10 @@ class CheckpointConfig:
              f"keep_last None or >= 1, found {self.keep_last!r}")
         need(self.keep_every is None or (isinstance(self.keep_every, int) and self.keep_every >= 1),
              f"keep_every None or >= 1, found {self.keep_every!r}")
-        need(self.commit_timeout_s > 0, f"commit_timeout_s > 0, found {self.commit_timeout_s!r}")
+        for name in ("commit_timeout_s", "stale_tmp_age_s"):
+            value = getattr(self, name)
+            need(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                 f"{name} a number > 0 (seconds), found {value!r}")
         need(self.lazy in ("auto", "always", "never"),
              f"lazy in ('auto', 'always', 'never'), found {self.lazy!r}")
 

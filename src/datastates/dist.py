@@ -7,11 +7,19 @@ our own) with explicit timeouts, so a dead rank produces an error naming it inst
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 import uuid
 from typing import Any
 
 from .errors import CommitTimeoutError
+
+
+def new_run_id() -> str:
+    """A unique id for one Checkpointer's run that also names its owner (pid and host), so a
+    temporary directory left by a dead process is recognised from its name alone."""
+    return f"{uuid.uuid4().hex[:8]}@{os.getpid()}@{socket.gethostname()}"
 
 
 class LocalCommunicator:
@@ -21,7 +29,7 @@ class LocalCommunicator:
     world_size = 1
 
     def __init__(self, run_id: str | None = None):
-        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self.run_id = run_id or new_run_id()
 
     def gather(self, seq: int, payload: Any, timeout: float) -> list[Any] | None:
         return [payload]
@@ -50,7 +58,7 @@ class StoreCommunicator:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        box = [uuid.uuid4().hex[:12] if rank == 0 else None]
+        box = [new_run_id() if rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0,
                                    group=group)
         store = dist.PrefixStore(f"datastates/{box[0]}/", c10d._get_default_store())

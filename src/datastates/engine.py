@@ -104,6 +104,18 @@ class Job:
         self.finished.set()
 
 
+def write_error(job: "Job", what: str, exc: BaseException) -> BaseException:
+    """A background failure as the error the handle raises: OS errors become
+    CheckpointWriteError with the same errno (``e.errno == errno.ENOSPC`` keeps working)."""
+    if isinstance(exc, DatastatesError) or not isinstance(exc, OSError):
+        return exc
+    error = CheckpointWriteError(exc.errno, f"rank {job.rank}: {what} failed: "
+                                            f"{exc.strerror or exc}")
+    error.filename = exc.filename
+    error.__cause__ = exc
+    return error
+
+
 class SaveHandle:
     """The future of one ``save()``. Thread-safe; every method may be called any number of times.
 
@@ -221,7 +233,7 @@ class Pipeline:
                 self._open(job)
                 self._capture(job)
             except BaseException as exc:
-                job.fail(exc)
+                job.fail(write_error(job, f"preparing {job.tmp}", exc))
             finally:
                 job.opened.set()
                 job.capture_over()
@@ -293,11 +305,8 @@ class Pipeline:
                     padded = fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN)
                     job.writer.write(view[:unit.nbytes], unit.file_offset, view[:padded])
             except BaseException as exc:
-                error = CheckpointWriteError(
-                    f"rank {job.rank}: writing {job.writer.path if job.writer else job.tmp} at "
-                    f"offset {unit.file_offset} failed: {exc}")
-                error.__cause__ = exc
-                job.fail(error)
+                job.fail(write_error(job, f"writing {job.writer.path if job.writer else job.tmp}"
+                                          f" at offset {unit.file_offset}", exc))
             finally:
                 self.cache.release(slot)
                 job.unit_done()
@@ -308,8 +317,7 @@ class Pipeline:
             try:
                 payload = self._finish_file(job)
             except BaseException as exc:
-                job.fail(exc if isinstance(exc, DatastatesError) else CheckpointWriteError(
-                    f"rank {job.rank}: finishing {job.tmp} failed: {exc}"))
+                job.fail(write_error(job, f"finishing {job.tmp}", exc))
                 payload = None
             finally:
                 job.all_written.wait()
@@ -396,7 +404,7 @@ class Pipeline:
                     decision = {"error": f"committing {job.name!r} failed on rank 0: {exc}",
                                 "causes": {0: repr(exc)}}
                     if job.error is None:
-                        job.fail(exc)
+                        job.fail(write_error(job, f"committing {job.name!r}", exc))
         decision = self.comm.broadcast(job.seq, decision, timeout)
         if "error" in decision:
             causes = {int(k): v for k, v in decision["causes"].items()}

@@ -280,8 +280,6 @@ def test_invalid_tag(ck, tag):
 
 
 @pytest.mark.parametrize("step", [True, -1])
-@pytest.mark.xfail(strict=True, reason="BUG: load()/restore() do not validate step like save(): "
-                   "step=True loads step 1, step=-1 looks for 'step--000000001'")
 def test_invalid_step_on_load(ck, step):
     ck.save({"w": torch.ones(1)}, step=1).wait(60)
     with pytest.raises(ValueError, match="step"):
