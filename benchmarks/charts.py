@@ -73,15 +73,26 @@ def draw_all(results: dict, out: Path) -> list[str]:
         plt.close(fig)
         files.append(name)
 
+    e2e = (results.get("e2e") or {}).get("summary")
     if phases:
-        fig, axes = plt.subplots(1, 2, figsize=(13, 0.45 * _rows(phases) + 2.5))
+        stall_groups = {}
+        if e2e and e2e.get("methods"):
+            ks = sorted({k for per in e2e["methods"].values() for k in per}, key=int)
+            stall_groups = {f"every {k} steps": {m: per.get(k, {}).get("stall_per_ckpt_s")
+                                                 for m, per in e2e["methods"].items()}
+                            for k in ks}
+        ncols = 3 if stall_groups else 2
+        fig, axes = plt.subplots(1, ncols, figsize=(6.5 * ncols, 0.45 * _rows(phases) + 2.5))
         _hbar_groups(axes[0], {f"{k} blocked": {m: s["blocked_s"] for m, s in v["save"].items()}
                                for k, v in phases.items()}, "caller blocked per save (s, log)",
                      order, log=True)
         _hbar_groups(axes[1], {f"{k} snapshot": {m: s["snapshot_s"] for m, s in v["save"].items()}
                                for k, v in phases.items()}, "time until captured (s, log)", order,
                      log=True)
-        fig.suptitle("Stall per checkpoint (save micro-benchmark)")
+        if stall_groups:
+            _hbar_groups(axes[2], stall_groups, "training stall per checkpoint, end to end (s)",
+                         order)
+        fig.suptitle("Stall per checkpoint (save micro-benchmark; end-to-end loop)")
         save_fig(fig, "stall.png")
 
         fig, ax = plt.subplots(figsize=(9, 0.45 * _rows(phases) + 2.5))
@@ -92,7 +103,6 @@ def draw_all(results: dict, out: Path) -> list[str]:
         ax.set_title("Save until durable and committed")
         save_fig(fig, "committed_throughput.png")
 
-    e2e = (results.get("e2e") or {}).get("summary")
     if e2e and e2e.get("methods"):
         ks = sorted({k for per in e2e["methods"].values() for k in per}, key=int)
         groups = {f"every {k} steps": {m: per.get(k, {}).get("slowdown")

@@ -200,11 +200,11 @@ def _train_loop(state: TrainState, batches: list, m: Method | None, k: int) -> d
         opt.zero_grad(set_to_none=True)
         state.extra["step"] = state.extra.get("step", 0) + 1
         if m is not None and (i + 1) % k == 0:
+            t = now()                        # waiting for an earlier save is part of the stall
             if m.max_in_flight is not None:
                 inflight = [p for p in pendings if not p.committed]
                 while len(inflight) >= m.max_in_flight:
                     inflight.pop(0).wait()
-            t = now()
             pendings.append(m.save(state, STEPS(m.name)))
             save_calls.append(now() - t)
         last_loss = loss.item()
@@ -245,18 +245,20 @@ def run_e2e(methods: list[Method], root: Path, preset: str, steps: int, ks: list
                 _close_quietly(m)
         _train_loop(state, batches[:2], None, 1)                    # warm up the kernels
         for r in range(rounds):
-            loops = [("baseline", None, 0)] + [(m.name, m, k) for m in live for k in ks]
             rnd: dict = {}
-            for name, m, k in rotated(loops, r):
-                if name in out["errors"]:
-                    continue
-                key = name if m is None else f"{name}@{k}"
-                log(f"[e2e] round {r + 1}/{rounds}: {key}")
-                try:
-                    rnd[key] = _train_loop(state, batches, m, k if m is not None else steps + 1)
-                except Exception as e:  # noqa: BLE001
-                    out["errors"][name] = f"training loop: {_error_text(e)}"
-                    log(f"[e2e] {name} failed: {out['errors'][name]}")
+            for m in rotated(live, r):
+                # A loop without checkpoints right before each method's loops: the slowdown is
+                # computed against this adjacent baseline, so slow drift cancels out.
+                for key, meth, k in [(f"baseline:{m.name}", None, steps + 1)] + \
+                                    [(f"{m.name}@{k}", m, k) for k in ks]:
+                    if m.name in out["errors"]:
+                        break
+                    log(f"[e2e] round {r + 1}/{rounds}: {key}")
+                    try:
+                        rnd[key] = _train_loop(state, batches, meth, k)
+                    except Exception as e:  # noqa: BLE001
+                        out["errors"][m.name] = f"training loop: {_error_text(e)}"
+                        log(f"[e2e] {m.name} failed: {out['errors'][m.name]}")
             out["rounds"].append(rnd)
     finally:
         for m in live:

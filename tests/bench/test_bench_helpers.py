@@ -129,20 +129,23 @@ def test_analyze_save_ratios_and_fractions():
     assert load["torch_save"]["vs_reference"]["cold_s"] is None   # reference did not load
 
 
-def test_analyze_e2e_pairs_with_baseline_of_same_round():
+def test_analyze_e2e_pairs_with_the_adjacent_baseline():
     loop = {"n_ckpt": 2, "save_call_s": [0.1], "update_after_ckpt_s": [0.2],
             "update_other_s": [0.1]}
     e2e = {"methods": ["datastates", "torch_save"], "rounds": [
-        {"baseline": {"total_s": 10.0}, "datastates@5": {**loop, "total_s": 11.0},
-         "torch_save@5": {**loop, "total_s": 15.0}},
-        {"baseline": {"total_s": 20.0}, "datastates@5": {**loop, "total_s": 22.0},
-         "torch_save@5": {**loop, "total_s": 33.0}}]}
+        {"baseline:datastates": {"total_s": 10.0}, "datastates@5": {**loop, "total_s": 11.0},
+         "baseline:torch_save": {"total_s": 10.0}, "torch_save@5": {**loop, "total_s": 15.0}},
+        {"baseline:datastates": {"total_s": 20.0}, "datastates@5": {**loop, "total_s": 22.0},
+         "baseline:torch_save": {"total_s": 20.0}, "torch_save@5": {**loop, "total_s": 33.0}}]}
     res = analysis.analyze_e2e(e2e, "datastates")
     ts = res["methods"]["torch_save"]["5"]
     assert ts["slowdown"]["values"] == [1.5, 1.65]
     assert ts["stall_per_ckpt_s"]["values"] == [2.5, 6.5]
     assert ts["vs_reference"]["values"] == [pytest.approx(15 / 11), 1.5]
+    assert ts["slowdown_min"] == 1.5
+    assert ts["direct_stall_s"] == pytest.approx(0.2)
     assert list(res["methods"]) == ["datastates", "torch_save"]
+    assert res["baseline_s"]["n"] == 4
 
 
 def test_charts_unavailable_without_matplotlib(monkeypatch):
