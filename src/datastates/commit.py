@@ -18,6 +18,7 @@ from .storage import fsync_dir, remove_tree, write_file_atomic
 
 _OWNER = "owner.json"
 _OWNER_IN_NAME = re.compile(r"@(\d+)@([^@/]+)-\d+$")
+_OWNER_IN_TMP_FILE = re.compile(r"@(\d+)@([^@/]+)$")  # storage.write_file_atomic
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,11 @@ def _order(info: CheckpointInfo):
 
 
 def latest(root: str) -> CheckpointInfo | None:
-    """The checkpoint ``latest`` names if it is committed, else the newest committed one."""
+    """The checkpoint the ``latest`` file names if it is committed, else the newest committed one.
+
+    The file wins over commit times so that a user can roll back by editing it (as with
+    DeepSpeed's ``latest``). A crash between a commit and the update of ``latest`` therefore resumes
+    from the previous checkpoint; saving that step again then needs ``overwrite=True``."""
     try:
         with open(os.path.join(root, fmt.LATEST), "rb") as f:
             name = f.read().decode("utf-8", "replace").strip()
@@ -259,6 +264,13 @@ def clean_stale(root: str, max_age_s: float) -> list[str]:
     host = socket.gethostname()
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
+        if name.startswith(fmt.LATEST + ".tmp.") and os.path.isfile(path):
+            owner = _OWNER_IN_TMP_FILE.search(name)
+            if (owner and owner.group(2) == host and not _alive(int(owner.group(1)))) or \
+                    now - os.stat(path).st_mtime > max_age_s:
+                os.remove(path)
+                removed.append(name)
+            continue
         if name.startswith(".old."):
             original = os.path.join(root, name[5:].rsplit(".", 1)[0])
             if not os.path.exists(original):

@@ -6,6 +6,7 @@ policy is eager; Python objects are serialized here (they may change right after
 from __future__ import annotations
 
 import math
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,12 +90,10 @@ def sharding_of(t) -> TensorShard | None:
     """The local box of a DTensor or TensorShard (None for an ordinary tensor)."""
     if isinstance(t, TensorShard):
         return t
-    try:
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-    except ImportError:
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None or not isinstance(t, module.DTensor):  # no DTensor exists before import
         return None
-    if not isinstance(t, DTensor):
-        return None
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     mesh, placements = t.device_mesh, t.placements
     _, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)

@@ -8,6 +8,7 @@ import ctypes
 import errno
 import os
 import shutil
+import socket
 import uuid
 
 import torch
@@ -107,7 +108,7 @@ def fsync_dir(path: str) -> None:
 def write_file_atomic(path: str, data: bytes, fsync: bool = True) -> None:
     """Write ``path`` through a uniquely named temporary + fsync + rename + fsync of the directory
     (unique, so that several processes replacing the same file never share a temporary)."""
-    tmp = f"{path}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    tmp = f"{path}.tmp.{uuid.uuid4().hex[:8]}@{os.getpid()}@{socket.gethostname()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         pwrite_all(fd, data, 0)

@@ -143,17 +143,14 @@ def test_kill_at_injected_point(tmp_path, states, mode, n, keep_last):
         f"the kill point was never reached (rc {proc.returncode}): {proc.stdout}{proc.stderr}"
     assert "COMMITTED 2" not in proc.stdout
     if mode in ("set-latest", "replace-latest"):
-        # Step 2 is committed; ``latest`` (a hint) still names step 1, a valid checkpoint.
+        # Step 2 is committed; ``latest`` still names step 1, a valid checkpoint (it wins, so
+        # that users can roll back by editing it).
         assert commit.latest(tmp_path).name == STEP1
     names = check_after_crash(tmp_path, states, keep_last=keep_last)
     after_rename = mode in ("rename-after", "set-latest", "replace-latest") or keep_last
     assert (STEP2 in names) == bool(after_rename)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: storage.write_file_atomic writes latest through latest.tmp.<pid>.<uid>; a writer killed "
-    "before the rename leaves that file, which commit.clean_stale (directories only) never "
-    "removes, so each crash adds one"))
 def test_stale_latest_temporary_is_cleaned(tmp_path, states):
     proc = run_child(tmp_path, "replace-latest", 1)
     assert proc.returncode == -signal.SIGKILL
