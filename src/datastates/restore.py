@@ -443,6 +443,16 @@ class _Plan:
                                         target.reshape(-1).view(torch.uint8), shard["checksums"],
                                         key))
             return numel
+        if (target.dim() and s_shape[1:] == tuple(target.shape[1:]) and
+                s_off[1:] == box_offset[1:] and lo[0] == s_off[0] and
+                hi[0] == s_off[0] + s_shape[0]):
+            # The whole shard is a run of full rows of the target: read it straight into them.
+            row = shard["nbytes"] // s_shape[0] if s_shape[0] else 0
+            start = (s_off[0] - box_offset[0]) * row
+            flat = target.reshape(-1).view(torch.uint8)
+            self.reads.append(_Read(shard["file"], shard["offset"], shard["nbytes"],
+                                    flat[start:start + shard["nbytes"]], shard["checksums"], key))
+            return numel
         # Rows [r0, r1) of the shard along dim 0 are one contiguous byte range: read only those,
         # widened to whole checksum pieces so that what is read is verified.
         row = shard["nbytes"] // s_shape[0] if s_shape[0] else 0
