@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
 import warnings
 import weakref
@@ -15,7 +14,7 @@ from . import format as fmt
 from .config import CheckpointConfig
 from .dist import LocalCommunicator, StoreCommunicator
 from .engine import Job, Pipeline, SaveHandle
-from .errors import CheckpointExistsError
+from .errors import CheckpointExistsError, ConfigError
 from .flatten import ObjectItem, TensorItem, flatten
 from .planning import assign_replicated, plan_layout
 from .providers import ProviderRegistry
@@ -31,26 +30,40 @@ class Checkpointer:
     every rank then calls ``save`` with the same step/tag in the same order.
 
     Resources (host cache, threads) are released by ``close()`` or the ``with`` block, which first
-    waits for in-flight saves to commit.
+    waits for in-flight saves to commit. ``share=other`` makes this Checkpointer use ``other``'s
+    host cache, threads, configuration and communicator (for tools that save into many
+    directories); ``other`` owns them: close the sharers first, closing ``other`` drains and stops
+    everything.
     """
 
     def __init__(self, directory: str | os.PathLike, config: CheckpointConfig | None = None, *,
-                 registry: ProviderRegistry | None = None, communicator=None):
+                 registry: ProviderRegistry | None = None, communicator=None,
+                 share: "Checkpointer | None" = None):
         self.directory = os.path.abspath(os.fspath(directory))
-        self.config = config or CheckpointConfig()
+        if share is not None:
+            share._check_open()
+            if config is not None and config != share.config:
+                raise ConfigError("a Checkpointer created with share= uses the shared one's "
+                                  f"config; found a different one: {config}")
+            if communicator is not None and communicator is not share.comm:
+                raise ValueError("a Checkpointer created with share= uses the shared one's "
+                                 "communicator")
+            self.config, self.comm, self._pipeline = share.config, share.comm, share._pipeline
+        else:
+            self.config = config or CheckpointConfig()
+            self.comm = communicator or _default_communicator()
+        self._owns_pipeline = share is None
         self.registry = registry or ProviderRegistry.default()
-        self.comm = communicator or _default_communicator()
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         if self.rank == 0:
             os.makedirs(self.directory, exist_ok=True)
             commit_mod.clean_stale(self.directory, self.config.stale_tmp_age_s)
-        self._pipeline = Pipeline(self.config, self.comm, self._after_commit)
-        self._seq = 0
+        if self._owns_pipeline:
+            self._pipeline = Pipeline(self.config, self.comm)
         self._pending: list[SaveHandle] = []
         self._dropped: list[SaveHandle] = []  # finished with a failure nobody looked at
         self._guarded: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Any]" = \
             weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
         self._closed = False
 
     # ------------------------------------------------------------ save
@@ -91,13 +104,12 @@ class Checkpointer:
         layout = plan_layout([flat.items[i].nbytes for i in writes],
                              [flat.items[i].nbytes for i in objects], self.config.unit_bytes)
         ready = self._pipeline.copier.record_ready([flat.items[i].tensor for i in writes])
-        with self._lock:
-            seq = self._seq
-            self._seq += 1
+        seq = self._pipeline.next_seq()
         job = Job(seq=seq, name=name, step=step, root=self.directory,
                   tmp=commit_mod.tmp_dir(self.directory, name, self.comm.run_id, seq),
                   rank=self.rank, flat=flat, layout=layout, write_tensors=writes,
-                  objects=objects, metadata=metadata, overwrite=overwrite, ready=ready, t0=t0)
+                  objects=objects, metadata=metadata, overwrite=overwrite, ready=ready, t0=t0,
+                  on_commit=self._after_commit)
         handle = SaveHandle(job)
         self._pending.append(handle)
         self._pipeline.submit(job)
@@ -203,8 +215,9 @@ class Checkpointer:
         for hook in list(self._guarded.values()):
             hook.remove()
         self._guarded.clear()
-        self._pipeline.close()
-        self.comm.close()
+        if self._owns_pipeline:
+            self._pipeline.close()
+            self.comm.close()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -261,6 +274,8 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Checkpointer is closed")
+        if self._pipeline.closed:
+            raise RuntimeError("the Checkpointer whose pipeline this one shares was closed")
 
 
 def _check_step(step) -> None:

@@ -10,6 +10,7 @@ Any exception fails only its job: it reaches the handle, the process keeps runni
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -50,12 +51,15 @@ class Job:
 
     def __init__(self, *, seq: int, name: str, step: int | None, root: str, tmp: str,
                  rank: int, flat: Flattened, layout: Layout, write_tensors: list[int],
-                 objects: list[int], metadata: dict, overwrite: bool, ready, t0: float):
+                 objects: list[int], metadata: dict, overwrite: bool, ready, t0: float,
+                 on_commit: Callable[["Job"], None]):
         self.seq, self.name, self.step, self.root, self.tmp = seq, name, step, root, tmp
         self.rank, self.flat, self.layout = rank, flat, layout
         #: Flat item indices of the tensors this rank writes (layout order) and of the objects.
         self.write_tensors, self.objects = write_tensors, objects
         self.metadata, self.overwrite, self.ready, self.t0 = metadata, overwrite, ready, t0
+        #: Rank 0, commit thread, after the checkpoint became visible (latest, retention).
+        self.on_commit = on_commit
         self.stats = SaveStats(nbytes=sum(i.nbytes for i in flat.items))
         self.captured = threading.Event()
         self.opened = threading.Event()
@@ -192,12 +196,14 @@ class SaveHandle:
 
 
 class Pipeline:
-    """The background threads and the host cache of one Checkpointer."""
+    """The background threads and the host cache; owned by one Checkpointer, possibly shared by
+    others (``Checkpointer(share=...)``) so that many directories reuse one host cache."""
 
-    def __init__(self, config: CheckpointConfig, comm, on_commit: Callable[[Job], None]):
+    def __init__(self, config: CheckpointConfig, comm):
         self.config = config
         self.comm = comm
-        self.on_commit = on_commit
+        self._seq = itertools.count()
+        self._closed = False
         pin = torch.cuda.is_available()
         self.cache = HostCache(config.host_cache_bytes, config.unit_bytes, pin)
         self.copier = DeviceCopier()
@@ -213,11 +219,25 @@ class Pipeline:
         for t in self._threads:
             t.start()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def next_seq(self) -> int:
+        """A sequence number unique among the jobs of this pipeline (names coordination keys)."""
+        return next(self._seq)
+
     def submit(self, job: Job) -> None:
+        if self._closed:
+            raise RuntimeError("the Checkpointer owning this pipeline was closed")
         self._capture_q.put(job)
         self._commit_q.put(job)
 
     def close(self) -> None:
+        """Finish every queued job, then stop the threads (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         self._capture_q.put(None)
         self._commit_q.put(None)
         for _ in range(self.config.writer_threads):
@@ -398,7 +418,7 @@ class Pipeline:
                     path = commit_mod.publish(job.root, job.tmp, job.name, manifest,
                                               overwrite=job.overwrite, fsync=self.config.fsync)
                     job.info = commit_mod.info_of(path, manifest)
-                    self.on_commit(job)
+                    job.on_commit(job)
                     decision = {"ok": True}
                 except BaseException as exc:
                     decision = {"error": f"committing {job.name!r} failed on rank 0: {exc}",

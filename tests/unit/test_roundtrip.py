@@ -149,3 +149,26 @@ def test_queued_saves_do_not_mix(tmp_path):
         for i in range(4):
             out = ckpt.load(step=i)
             assert out["i"] == i and torch.equal(out["t"], torch.full((20_000,), float(i)))
+
+
+def test_checkpointers_sharing_one_pipeline(tmp_path):
+    config = CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
+    owner = Checkpointer(tmp_path / "a", config)
+    sharer = Checkpointer(tmp_path / "b", share=owner)
+    assert sharer._pipeline is owner._pipeline and sharer.config is owner.config
+    with pytest.raises(datastates.ConfigError):
+        Checkpointer(tmp_path / "c", CheckpointConfig(), share=owner)
+    one, two = torch.randn(30_000), torch.randn(30_000)
+    ha = owner.save({"t": one}, step=1)
+    hb = sharer.save({"t": two}, step=1)
+    ha.wait(), hb.wait()
+    sharer.close()  # the owner keeps working
+    owner.save({"t": two}, step=2).wait()
+    assert torch.equal(owner.load(step=1)["t"], one) and torch.equal(owner.load(step=2)["t"], two)
+    late = Checkpointer(tmp_path / "d", share=owner)
+    owner.close()
+    with pytest.raises(RuntimeError, match="shares"):
+        late.save({"t": one}, step=1)
+    late.close()  # nothing pending: returns at once
+    with Checkpointer(tmp_path / "b") as again:
+        assert torch.equal(again.load(step=1)["t"], two)

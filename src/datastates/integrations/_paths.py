@@ -7,8 +7,11 @@ that path. A later save to the same path replaces it through the core's overwrit
 
 Threads and ownership:
 - every public method runs on the caller's (training) thread;
-- one :class:`datastates.Checkpointer` per directory, created on first use and owned here;
-  at most ``max_open`` stay open (the least recently used one is closed once its saves are done);
+- one :class:`datastates.Checkpointer` per directory, created on first use and owned here; the
+  first one owns the host cache and threads and every other one shares them
+  (``Checkpointer(share=...)``), so a new directory (a new DeepSpeed tag) allocates nothing;
+  at most ``max_open`` stay open (the least recently used sharer is closed once its saves are
+  done);
 - a background failure is kept and raised by the next :meth:`PathCheckpoints.save`,
   :meth:`PathCheckpoints.wait` or :meth:`PathCheckpoints.close` (never lost, never a crash of
   the training process).
@@ -131,6 +134,7 @@ class PathCheckpoints:
         self.trusted = trusted
         self.on_commit = on_commit
         self._ckpts: OrderedDict[str, Any] = OrderedDict()
+        self._base = None  # the Checkpointer owning the shared host cache and threads
         self._pending: dict[str, _Pending] = {}
         self._errors: list[BaseException] = []
         self._lock = threading.RLock()
@@ -239,8 +243,12 @@ class PathCheckpoints:
             with self._lock:
                 ckpts = list(self._ckpts.values())
                 self._ckpts.clear()
-            for ckpt in ckpts:
-                ckpt.close()
+                base, self._base = self._base, None
+            for ckpt in ckpts:  # the sharers first, then the owner of the pipeline
+                if ckpt is not base:
+                    ckpt.close()
+            if base is not None:
+                base.close()
             self._finisher.stop()
 
     # ------------------------------------------------------------ internals
@@ -256,12 +264,23 @@ class PathCheckpoints:
             if ckpt is not None:
                 self._ckpts.move_to_end(root)
                 return ckpt
-            from datastates.dist import LocalCommunicator  # each path has one writer process
-            ckpt = _core().Checkpointer(root, self.config, communicator=LocalCommunicator())
+            if self._base is None or self._base._closed:
+                # The first Checkpointer owns the host cache and threads; the Checkpointers of
+                # every other directory share them, so a new directory allocates nothing.
+                from datastates.dist import LocalCommunicator  # each path: one writer process
+                ckpt = _core().Checkpointer(root, self.config, communicator=LocalCommunicator())
+                self._base = ckpt
+            else:
+                ckpt = _core().Checkpointer(root, share=self._base)
             self._ckpts[root] = ckpt
             evict = []
-            while len(self._ckpts) > self.max_open:
-                evict.append(self._ckpts.popitem(last=False))
+            for old_root in list(self._ckpts):
+                if len(self._ckpts) - len(evict) <= self.max_open:
+                    break
+                if self._ckpts[old_root] is not self._base:
+                    evict.append((old_root, self._ckpts[old_root]))
+            for old_root, _ in evict:
+                del self._ckpts[old_root]
         for old_root, old in evict:
             self._finisher.close_later(old_root, old)
         return ckpt
