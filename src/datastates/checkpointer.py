@@ -1,6 +1,7 @@
 """The public entry point: a Checkpointer owns the host cache and threads for one directory."""
 from __future__ import annotations
 
+import json
 import os
 import time
 import warnings
@@ -88,7 +89,9 @@ class Checkpointer:
         if metadata is not None and not isinstance(metadata, dict):
             raise TypeError(f"metadata must be a dict, found {type(metadata).__qualname__}")
         metadata = dict(metadata or {})
-        fmt.encode_manifest(metadata)  # not JSON-serializable: fail now, not in the background
+        if json.loads(fmt.encode_manifest(metadata)) != metadata:  # fail now, not in background
+            raise TypeError("metadata must survive a JSON round trip unchanged (string keys; "
+                            f"lists, not tuples): {metadata!r}")
         self._report_dropped_failures()
         self._bound_pending()
         if not overwrite and os.path.exists(os.path.join(self.directory, name)):

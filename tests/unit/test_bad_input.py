@@ -310,3 +310,11 @@ def test_use_after_close(tmp_path):
         with pytest.raises(RuntimeError, match="closed"):
             call()
     assert entries(tmp_path) == ["latest", "step-0000000001"]
+
+
+@pytest.mark.parametrize("metadata", [{1: "int key"}, {"t": (1, 2)}])
+def test_metadata_must_round_trip_through_json(tmp_path, metadata):
+    with datastates.Checkpointer(tmp_path) as ck:
+        with pytest.raises(TypeError, match="JSON round trip"):
+            ck.save({"w": torch.ones(1)}, step=1, metadata=metadata)
+        assert ck.list() == []
