@@ -57,7 +57,8 @@ def _hbar_groups(ax, groups: dict[str, dict[str, dict | None]], xlabel: str, ord
     if limit:
         ax.axvline(limit, color="k", linestyle="--", linewidth=1, label=limit_label)
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08 - 0.3 / max(4, len(methods))),
+              ncol=min(3, len(groups) + (1 if limit else 0)), frameon=False)
 
 
 def draw_all(results: dict, out: Path) -> list[str]:
