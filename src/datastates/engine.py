@@ -72,6 +72,9 @@ class Job:
         self._lock = threading.Lock()
         self._outstanding = 0
         self._capture_over = False
+        #: Units written while the capture was running, whose checksums wait (holding their slot)
+        #: so that checksumming does not compete with the capture for the CPU.
+        self._deferred: list[tuple] = []
         self.all_written = threading.Event()
 
     def fail(self, exc: BaseException) -> None:
@@ -96,12 +99,25 @@ class Job:
         for item in self.flat.items:  # hold no reference to live state after the snapshot
             if isinstance(item, TensorItem):
                 item.tensor = None
-        self.captured.set()
         with self._lock:
             self._capture_over = True
             done = self._outstanding == 0
+        self.captured.set()
         if done:
             self.all_written.set()
+
+    def defer(self, unit, slot: int) -> bool:
+        """Keep a written unit's checksums for later if the capture is still running."""
+        with self._lock:
+            if self._capture_over:
+                return False
+            self._deferred.append((unit, slot))
+            return True
+
+    def take_deferred(self) -> list[tuple]:
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+        return deferred
 
     def finish(self) -> None:
         self.stats.commit_s = time.perf_counter() - self.t0
@@ -257,6 +273,7 @@ class Pipeline:
             finally:
                 job.opened.set()
                 job.capture_over()
+                self._write_q.put(("checksum", job))
 
     def _open(self, job: Job) -> None:
         os.makedirs(job.tmp, exist_ok=True)
@@ -276,7 +293,10 @@ class Pipeline:
         copier.begin(job.ready)
         sources = []
         for unit in job.layout.units:
-            slot = self.cache.acquire(job.cancelled)
+            slot = self.cache.try_acquire()
+            if slot < 0:  # out of slots: let the writers checksum and free the deferred ones
+                self._write_q.put(("checksum", job))
+                slot = self.cache.acquire(job.cancelled)
             if slot < 0:
                 return
             job.unit_queued()
@@ -309,27 +329,42 @@ class Pipeline:
                 self.cache.release(slot)
                 job.unit_done()
                 raise
-            self._write_q.put((job, unit, slot))
+            self._write_q.put(("unit", job, unit, slot))
 
     # ------------------------------------------------------------ writer threads
     def _write_loop(self) -> None:
+        """Write each unit at once; checksum it now, or after the snapshot if the capture is still
+        running (the slot stays held until its checksums are taken)."""
         while (work := self._write_q.get()) is not None:
-            job, unit, slot = work
+            if work[0] == "checksum":
+                job = work[1]
+                for unit, slot in job.take_deferred():
+                    self._checksum(job, unit, slot)
+                continue
+            _, job, unit, slot = work
             try:
                 if not job.cancelled.is_set():
                     view = self.cache.view(slot)
-                    for piece in unit.pieces:
-                        end = piece.unit_offset + piece.nbytes
-                        job.crcs[(piece.item, piece.item_offset)] = \
-                            fmt.crc32(view[piece.unit_offset:end])
                     padded = fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN)
                     job.writer.write(view[:unit.nbytes], unit.file_offset, view[:padded])
             except BaseException as exc:
                 job.fail(write_error(job, f"writing {job.writer.path if job.writer else job.tmp}"
                                           f" at offset {unit.file_offset}", exc))
-            finally:
-                self.cache.release(slot)
-                job.unit_done()
+            if job.cancelled.is_set() or not job.defer(unit, slot):
+                self._checksum(job, unit, slot)
+
+    def _checksum(self, job: Job, unit, slot: int) -> None:
+        """Record the CRC-32 of every piece of a written unit, then free its slot."""
+        try:
+            if not job.cancelled.is_set():
+                view = self.cache.view(slot)
+                for piece in unit.pieces:
+                    end = piece.unit_offset + piece.nbytes
+                    job.crcs[(piece.item, piece.item_offset)] = \
+                        fmt.crc32(view[piece.unit_offset:end])
+        finally:
+            self.cache.release(slot)
+            job.unit_done()
 
     # ------------------------------------------------------------ commit thread
     def _commit_loop(self) -> None:

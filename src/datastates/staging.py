@@ -6,6 +6,7 @@ on the CPU the same code copies CPU tensors (the training state keeps changing, 
 """
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 
@@ -35,7 +36,7 @@ class HostCache:
             raw = torch.empty(total + UNIT_ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
             start = (-raw.data_ptr()) % UNIT_ALIGN
             self._buffer = raw[start:start + total]
-            self._buffer.fill_(0)  # fault every page in now, once
+            ctypes.memset(self._buffer.data_ptr(), 0, total)  # fault every page in now, once
             for slot in range(self.nslots):
                 self._free.put(slot)
         except BaseException as exc:  # reported on the first acquire
@@ -55,6 +56,15 @@ class HostCache:
             except queue.Empty:
                 if cancelled.is_set():
                     return -1
+
+    def try_acquire(self) -> int:
+        """A free slot, or -1 at once if none is free (or the cache is not allocated yet)."""
+        if not self._ready.is_set() or self._error is not None:
+            return -1
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            return -1
 
     def release(self, slot: int) -> None:
         self._free.put(slot)
@@ -114,11 +124,15 @@ class DeviceCopier:
             self._stream_for(device).wait_event(event)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy flat uint8 ``src`` into the cache view ``dst`` (same length)."""
         if src.is_cuda:
             with torch.cuda.stream(self._stream_for(src.device)):
                 dst.copy_(src, non_blocking=True)
-        else:
-            dst.copy_(src)
+        elif src.numel():
+            # One plain memcpy without the GIL: torch's copy_ would start an OpenMP team from
+            # this background thread, whose spinning threads collapse (10x) when the training
+            # thread keeps the cores busy.
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
 
     def flat(self, src: torch.Tensor) -> torch.Tensor:
         if src.is_cuda:
