@@ -156,7 +156,6 @@ def run(args: argparse.Namespace) -> dict:
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     t_start = time.perf_counter()
     out = args.out or Path("results") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
     args.dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="datastates-bench-", dir=args.dir))
 
@@ -252,6 +251,7 @@ def run(args: argparse.Namespace) -> dict:
             dist.destroy_process_group()
     _reanalyze(results)
     results["meta"]["duration_s"] = time.perf_counter() - t_start
+    out.mkdir(parents=True, exist_ok=True)
     try:
         results["charts"] = {"files": charts.draw_all(results, out), "skipped": None}
     except charts.ChartsUnavailable as e:
