@@ -162,7 +162,8 @@ class Checkpointer:
         """Restore a committed checkpoint (the latest if no step/tag) into the live ``state``.
 
         Tensors are filled in place on their own devices; providers apply the rest (optimizer
-        state, RNG, schedulers). Strict by default: keys, shapes and dtypes must match, and a
+        state, RNG, schedulers); plain values (ints, strings, objects) held by the live dicts and
+        lists are replaced by the saved ones. Strict by default: keys, shapes and dtypes must match, and a
         mismatch raises StateMismatchError before anything is modified. ``keys`` restricts the
         restore to key prefixes such as ``"model"``. Python objects load safely unless
         ``trusted=True`` (or their classes are in ``safe_globals``).

@@ -141,6 +141,8 @@ class Reader:
         value = plan.match(state, self.tree, (), None)
         plan.check()
         self._execute(plan)
+        for container, key, loaded in plan.writebacks:
+            container[key] = loaded
         for load, live, loaded in plan.finalizers:
             load(live, loaded)
         plan.report.nbytes = sum(r.nbytes for r in plan.reads)
@@ -282,6 +284,8 @@ class _Plan:
         self.finalizers: list = []
         self.fresh: dict[int, torch.Tensor] = {}
         self.filled: set[tuple[int, int]] = set()
+        #: (container, key, value): plain values of the live dicts/lists, replaced after the reads
+        self.writebacks: list = []
         m = reader.manifest
         self.report = RestoreReport(name=os.path.basename(reader.dir), step=m.get("step"))
 
@@ -363,6 +367,8 @@ class _Plan:
                 continue
             out[k] = self.match(live_map.get(k) if live_map is not None else None, child, sub,
                                 provider)
+            if self.in_place and live_map is not None and live_map.get(k) is not out[k]:
+                self.writebacks.append((live_map, k, out[k]))  # plain values: set after reads
         if live_map is not None and self._strict_here(provider):
             for k in live_map:
                 if k not in seen and self.wanted(path + (k,)) == "all":
@@ -377,6 +383,8 @@ class _Plan:
                 continue
             lv = live_seq[i] if live_seq is not None and i < len(live_seq) else None
             out.append(self.match(lv, child, path + (i,), provider))
+            if self.in_place and isinstance(live, list) and i < len(live) and lv is not out[-1]:
+                self.writebacks.append((live, i, out[-1]))
         return tuple(out) if node["t"] == "tuple" else out
 
     def tensor(self, live: Any, node: dict, path: tuple) -> Any:

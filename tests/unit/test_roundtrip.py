@@ -172,3 +172,16 @@ def test_checkpointers_sharing_one_pipeline(tmp_path):
     late.close()  # nothing pending: returns at once
     with Checkpointer(tmp_path / "b") as again:
         assert torch.equal(again.load(step=1)["t"], two)
+
+
+def test_restore_sets_plain_values_of_the_live_containers(tmp_path):
+    weights = torch.randn(8)
+    state = {"epoch": 3, "history": [0.5, 0.25], "w": weights, "cfg": {"lr": 0.1}}
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(state, step=3).wait()
+        live = {"epoch": 0, "history": [9.0, 9.0], "w": torch.zeros(8), "cfg": {"lr": 1.0}}
+        target = live["w"]
+        report = ckpt.restore(live)
+    assert report.step == 3
+    assert live["epoch"] == 3 and live["history"] == [0.5, 0.25] and live["cfg"] == {"lr": 0.1}
+    assert live["w"] is target and torch.equal(target, weights)  # tensors: filled in place
