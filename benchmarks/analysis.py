@@ -23,15 +23,24 @@ def _rate(nbytes: int, seconds: float | None) -> float | None:
 
 
 def analyze_save(phase: dict, limits: dict, reference: str) -> dict:
-    """Per-method summaries of a state phase's save rounds."""
+    """Per-method summaries of a state phase's save rounds.
+
+    ``frac_write_limit`` divides each save's committed throughput by the write probe of its own
+    round when the phase has one (``round_write_gbps``), else by the run's disk write limit.
+    """
     nbytes = phase["state"]["nbytes"]
     write_lim = median_of(limits.get("write"))
     copy_lim = median_of(limits.get("copy"))
+    probes = phase.get("round_write_gbps") or []
+    if len(probes) != len(phase["rounds"]):
+        probes = [None] * len(phase["rounds"])
     out = {}
     for name in phase["methods"]:
         samples = [rnd[name] for rnd in phase["rounds"] if name in rnd]
         if not samples:
             continue
+        # The disk's speed in the same round (probe), else the run's limit.
+        lims = [p or write_lim for rnd, p in zip(phase["rounds"], probes) if name in rnd]
         held = phase["setup"].get(name, {}).get("held_rss", 0)
         last = samples[-1]
         out[name] = {
@@ -41,8 +50,8 @@ def analyze_save(phase: dict, limits: dict, reference: str) -> dict:
             "checkpoint_gbps": _per_sample(samples, lambda s: _rate(nbytes, s["blocked_s"])),
             "snapshot_gbps": _per_sample(samples, lambda s: _rate(nbytes, s["snapshot_s"])),
             "committed_gbps": _per_sample(samples, lambda s: _rate(nbytes, s["commit_s"])),
-            "frac_write_limit": _per_sample(
-                samples, lambda s: safe_div(_rate(nbytes, s["commit_s"]), write_lim)),
+            "frac_write_limit": summarize(safe_div(_rate(nbytes, s["commit_s"]), lim)
+                                          for s, lim in zip(samples, lims)),
             "frac_copy_limit": _per_sample(
                 samples, lambda s: safe_div(_rate(nbytes, s["snapshot_s"]), copy_lim)),
             "held_rss": held,

@@ -143,6 +143,24 @@ def _copy_rates(nbytes: int) -> dict[str, float]:
     return out
 
 
+def probe_write(workdir: Path, nbytes: int) -> float | None:
+    """One quick disk write measurement (O_DIRECT with 2 threads, else buffered + fsync), run
+    between experiments to follow the disk's drift. Returns GB/s; the file is removed."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    nbytes = max(CHUNK, nbytes - nbytes % CHUNK)
+    src = _source_chunk()
+    path = workdir / "probe.bin"
+    try:
+        rate = _write_direct(path, nbytes, src, threads=2)
+        if rate is None:
+            path.unlink(missing_ok=True)
+            rate = _write_buffered(path, nbytes, src)
+        return rate
+    finally:
+        path.unlink(missing_ok=True)
+        src.close()
+
+
 def measure_limits(workdir: Path, nbytes: int, rounds: int) -> dict[str, list[float]]:
     """Measure every limit ``rounds`` times (interleaved) with files of ``nbytes`` in ``workdir``.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 import traceback
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -79,14 +80,17 @@ def _setup_with_warmup(m: Method, root: Path, state: TrainState) -> dict:
 
 
 def run_state_phase(state: TrainState, methods: list[Method], root: Path, reps: int,
-                    do_load: bool, fp_rounds: int | None = None) -> dict:
+                    do_load: bool, write_probe: Callable[[], float | None] | None = None) -> dict:
     """Interleaved save rounds of ``state`` for every method, then (optionally) load rounds.
 
-    Files live under ``root/<method>``; all of them are removed before returning.
+    ``write_probe`` (GB/s of a plain sequential write to the same disk) runs at the start of every
+    round, so each save can be compared with the disk's speed at that moment, not only with the
+    limits measured at the start of the run. Files live under ``root/<method>``; all of them are
+    removed before returning.
     """
     label = f"{state.name}/{state.scope}"
     out: dict = {"state": state.info(), "methods": [m.name for m in methods], "setup": {},
-                 "rounds": [], "load_rounds": [], "errors": {}}
+                 "rounds": [], "round_write_gbps": [], "load_rounds": [], "errors": {}}
     live: list[Method] = []
     kept: dict[str, Pending] = {}
     try:
@@ -101,6 +105,8 @@ def run_state_phase(state: TrainState, methods: list[Method], root: Path, reps: 
                 _close_quietly(m)
         for r in range(reps):
             rnd: dict = {}
+            if write_probe is not None:
+                out["round_write_gbps"].append(write_probe())
             for m in rotated([m for m in live if m.name not in out["errors"]], r):
                 log(f"[{label}] save round {r + 1}/{reps}: {m.name}")
                 try:

@@ -118,7 +118,13 @@ def _summary(results: dict) -> list[str]:
 def _save_section(results: dict, key: str, phase: dict) -> list[str]:
     st = phase["raw"]["state"]
     lines = [f"## Save — `{key}`", "",
-             f"{st['description']}: {fmt_bytes(st['nbytes'])} in {st['ntensors']} tensors.", ""]
+             f"{st['description']}: {fmt_bytes(st['nbytes'])} in {st['ntensors']} tensors."]
+    probes = [p for p in phase["raw"].get("round_write_gbps", []) if p]
+    if probes:
+        lines.append(f"Disk write probe at the start of each round: "
+                     f"{', '.join(fmt_rate(p) for p in probes)}; *of disk write limit* compares "
+                     f"each save with the probe of its round.")
+    lines.append("")
     rows = []
     for name, s in phase["save"].items():
         vs = s["vs_reference"]

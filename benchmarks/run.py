@@ -267,7 +267,12 @@ def _run_phase(results, key, state, methods, root, reps, do_load) -> None:
     if not methods:
         results["skipped"].append(f"{key}: no method selected for this scope")
         return
-    raw = phases.run_state_phase(state, methods, root, reps, do_load)
+    probe_bytes = min(results["limits"]["file_bytes"], 1 << 30)
+
+    def probe():
+        return limits.probe_write(root / "probe", probe_bytes)
+
+    raw = phases.run_state_phase(state, methods, root, reps, do_load, write_probe=probe)
     results["phases"][key] = {"raw": raw}
     _reanalyze(results)
 

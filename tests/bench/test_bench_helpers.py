@@ -129,6 +129,16 @@ def test_analyze_save_ratios_and_fractions():
     assert load["torch_save"]["vs_reference"]["cold_s"] is None   # reference did not load
 
 
+def test_write_fraction_uses_the_probe_of_the_same_round():
+    limits = {"write": common.summarize([2.0]), "copy": common.summarize([10.0])}
+    phase = {**_phase(), "round_write_gbps": [1.0, 4.0]}
+    ts = analysis.analyze_save(phase, limits, "datastates")["torch_save"]
+    assert ts["frac_write_limit"]["values"] == [1.0, pytest.approx(1 / 6)]
+    phase["round_write_gbps"] = [1.0, None]             # a failed probe falls back to the limit
+    ts = analysis.analyze_save(phase, limits, "datastates")["torch_save"]
+    assert ts["frac_write_limit"]["values"] == [1.0, pytest.approx(1 / 3)]
+
+
 def test_analyze_e2e_pairs_with_the_adjacent_baseline():
     loop = {"n_ckpt": 2, "save_call_s": [0.1], "update_after_ckpt_s": [0.2],
             "update_other_s": [0.1]}
