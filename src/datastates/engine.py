@@ -293,10 +293,7 @@ class Pipeline:
         copier.begin(job.ready)
         sources = []
         for unit in job.layout.units:
-            slot = self.cache.try_acquire()
-            if slot < 0:  # out of slots: let the writers checksum and free the deferred ones
-                self._write_q.put(("checksum", job))
-                slot = self.cache.acquire(job.cancelled)
+            slot = self._acquire(job)
             if slot < 0:
                 return
             job.unit_queued()
@@ -330,6 +327,18 @@ class Pipeline:
                 job.unit_done()
                 raise
             self._write_q.put(("unit", job, unit, slot))
+
+    def _acquire(self, job: Job) -> int:
+        """A free slot for the capture; when none is free, checksum (here, at once) the written
+        units whose checksums were deferred, which frees their slots. -1 if the job failed."""
+        slot = self.cache.try_acquire()
+        while slot < 0:
+            for unit, held in job.take_deferred():
+                self._checksum(job, unit, held)
+            slot = self.cache.acquire(job.cancelled, timeout=0.01)
+            if slot == -1:
+                return -1
+        return slot
 
     # ------------------------------------------------------------ writer threads
     def _write_loop(self) -> None:

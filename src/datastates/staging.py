@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import queue
 import threading
+import time
 
 import torch
 
@@ -44,18 +45,22 @@ class HostCache:
         finally:
             self._ready.set()
 
-    def acquire(self, cancelled: threading.Event) -> int:
-        """Block until a slot is free; return -1 if ``cancelled`` is set meanwhile."""
+    def acquire(self, cancelled: threading.Event, timeout: float | None = None) -> int:
+        """Block until a slot is free; -1 if ``cancelled`` is set meanwhile, -2 after ``timeout``."""
         self._ready.wait()
         if self._error is not None:
             raise MemoryError(f"could not allocate the host cache of "
                               f"{self.nslots * self.slot_bytes} bytes: {self._error}")
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                return self._free.get(timeout=0.05)
+                return self._free.get(timeout=0.05 if deadline is None else
+                                      max(0.0, min(0.05, deadline - time.monotonic())))
             except queue.Empty:
                 if cancelled.is_set():
                     return -1
+                if deadline is not None and time.monotonic() >= deadline:
+                    return -2
 
     def try_acquire(self) -> int:
         """A free slot, or -1 at once if none is free (or the cache is not allocated yet)."""
