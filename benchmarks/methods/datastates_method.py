@@ -47,7 +47,8 @@ class Datastates(Method):
     def cache_bytes(self, state_bytes: int) -> int:
         if self.host_cache:
             return int(self.host_cache)
-        return int(min(state_bytes, 4 * GiB))
+        # the whole state plus one 64 MiB unit (its tensors are 64-byte aligned in the stream)
+        return int(min(state_bytes + 64 * 2 ** 20, 4 * GiB))
 
     def memory_factors(self, state_bytes: int) -> tuple[float, float]:
         return self.cache_bytes(state_bytes) / max(1, state_bytes), self.transient_factor

@@ -2,7 +2,6 @@
 listing and cleanup of stale temporaries (docs/format.md, "Commit protocol")."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -16,7 +15,6 @@ from . import format as fmt
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .storage import fsync_dir, remove_tree, write_file_atomic
 
-_OWNER = "owner.json"
 _OWNER_IN_NAME = re.compile(r"@(\d+)@([^@/]+)-\d+$")
 _OWNER_IN_TMP_FILE = re.compile(r"@(\d+)@([^@/]+)$")  # storage.write_file_atomic
 
@@ -118,13 +116,6 @@ def tmp_dir(root: str, name: str, run_id: str, seq: int) -> str:
     return os.path.join(root, f".tmp.{name}.{run_id}-{seq}")
 
 
-def claim_tmp(path: str) -> None:
-    """Record who writes this temporary, so a later process can tell a stale one."""
-    data = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()})
-    with open(os.path.join(path, _OWNER), "w") as f:
-        f.write(data)
-
-
 def publish(root: str, tmp: str, name: str, manifest: dict, *, overwrite: bool,
             fsync: bool) -> str:
     """Make ``tmp`` the committed checkpoint ``root/name`` atomically. Returns its path."""
@@ -141,7 +132,6 @@ def publish(root: str, tmp: str, name: str, manifest: dict, *, overwrite: bool,
     os.rename(tmp, final)
     # Committed from here on: later failures are warnings, never a failed save that is listed.
     for step in (lambda: fsync_dir(root) if fsync else None,
-                 lambda: os.remove(os.path.join(final, _OWNER)),
                  lambda: remove_tree(old) if old is not None else None):
         try:
             step()
@@ -282,13 +272,6 @@ def clean_stale(root: str, max_age_s: float) -> list[str]:
         owner = _OWNER_IN_NAME.search(name)  # the run id names the owner: see dist.new_run_id
         if owner and owner.group(2) == host and not _alive(int(owner.group(1))):
             stale = True
-        try:
-            with open(os.path.join(path, _OWNER)) as f:
-                recorded = json.load(f)
-            if recorded.get("host") == host and not _alive(int(recorded.get("pid", -1))):
-                stale = True
-        except (OSError, ValueError):
-            pass
         try:
             stale = stale or now - os.stat(path).st_mtime > max_age_s
         except OSError:

@@ -260,6 +260,7 @@ class Pipeline:
             self._write_q.put(None)
         for t in self._threads:
             t.join()
+        self.copier.close()
         self.cache.close()
 
     # ------------------------------------------------------------ capture thread
@@ -276,9 +277,7 @@ class Pipeline:
                 self._write_q.put(("checksum", job))
 
     def _open(self, job: Job) -> None:
-        os.makedirs(job.tmp, exist_ok=True)
-        if job.rank == 0:
-            commit_mod.claim_tmp(job.tmp)
+        os.makedirs(job.tmp, exist_ok=True)  # its name says which process owns it
         job.writer = ShardWriter(os.path.join(job.tmp, fmt.shard_file_name(job.rank)),
                                  self.config.io_mode)
         job.opened.set()

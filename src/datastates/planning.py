@@ -46,41 +46,33 @@ class Layout:
 
 
 def plan_layout(tensor_sizes: list[int], blob_sizes: list[int], unit_bytes: int) -> Layout:
-    """Coalesce tensors into units of at most ``unit_bytes``.
+    """Coalesce tensors into a dense stream cut into units of ``unit_bytes``.
 
-    Small tensors are packed into one unit at 64-byte alignment; a tensor that does not fit the
-    current unit starts a new one on a 4096 boundary; a tensor larger than a unit is split over
-    consecutive full units (contiguous in the file). Blobs follow the tensor data on a 4096 boundary, then the index.
+    Every tensor starts at a 64-byte aligned offset right after the previous one; a tensor that
+    crosses a unit boundary continues in the next unit (a piece per unit). Units are contiguous
+    in the file from offset 4096, so the whole state needs ``ceil(bytes / unit_bytes)`` cache
+    slots and every unit is one aligned write. Blobs follow on a 4096 boundary, then the index.
     """
     if unit_bytes <= 0 or unit_bytes % UNIT_ALIGN:
         raise ValueError(f"unit_bytes must be a positive multiple of {UNIT_ALIGN}, got {unit_bytes}")
     units: list[Unit] = []
     offsets = [0] * len(tensor_sizes)
-    end = HEADER_BYTES  # end of data written so far
-
-    def new_unit() -> Unit:
-        unit = Unit(align_up(end, UNIT_ALIGN))
-        units.append(unit)
-        return unit
-
-    unit: Unit | None = None
+    pos = 0  # offset in the data stream, which starts at HEADER_BYTES in the file
     for item, size in enumerate(tensor_sizes):
-        if size == 0:
-            offsets[item] = align_up(end, DATA_ALIGN)
-            continue
-        pos = align_up(unit.nbytes, DATA_ALIGN) if unit is not None else 0
-        if unit is None or pos + size > unit_bytes:
-            unit, pos = new_unit(), 0
-        offsets[item] = unit.file_offset + pos
+        pos = align_up(pos, DATA_ALIGN)
+        offsets[item] = HEADER_BYTES + pos
         done = 0
         while done < size:
-            n = min(size - done, unit_bytes - pos)
-            unit.pieces.append(Piece(item, done, pos, n))
-            unit.nbytes = pos + n
+            index, within = divmod(pos, unit_bytes)
+            while len(units) <= index:
+                units.append(Unit(HEADER_BYTES + len(units) * unit_bytes))
+            n = min(size - done, unit_bytes - within)
+            unit = units[index]
+            unit.pieces.append(Piece(item, done, within, n))
+            unit.nbytes = within + n
+            pos += n
             done += n
-            end = unit.file_offset + unit.nbytes
-            if done < size:
-                unit, pos = new_unit(), 0
+    end = HEADER_BYTES + pos
     blob_offsets = []
     # Blobs start on a fresh 4096 boundary: the last unit may be written padded (O_DIRECT).
     end = align_up(end, UNIT_ALIGN)

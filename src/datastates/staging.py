@@ -7,6 +7,7 @@ on the CPU the same code copies CPU tensors (the training state keeps changing, 
 from __future__ import annotations
 
 import ctypes
+from concurrent.futures import ThreadPoolExecutor
 import queue
 import threading
 import time
@@ -15,6 +16,9 @@ import torch
 
 from .format import UNIT_ALIGN
 from .storage import buffer_of
+
+
+_SPLIT_BYTES = 8 << 20  # pieces at least this large are copied by two threads
 
 
 class HostCache:
@@ -109,6 +113,17 @@ class DeviceCopier:
 
     def __init__(self):
         self._stream = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _helper(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="datastates-copy")
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def record_ready(self, tensors) -> object | None:
         """Called in ``save()`` on the training thread: mark the point the copies must follow."""
@@ -134,10 +149,17 @@ class DeviceCopier:
             with torch.cuda.stream(self._stream_for(src.device)):
                 dst.copy_(src, non_blocking=True)
         elif src.numel():
-            # One plain memcpy without the GIL: torch's copy_ would start an OpenMP team from
-            # this background thread, whose spinning threads collapse (10x) when the training
-            # thread keeps the cores busy.
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
+            # Plain memcpy without the GIL: torch's copy_ would start an OpenMP team from this
+            # background thread, whose spinning threads collapse (10x) when the training thread
+            # keeps the cores busy. Large pieces are split with one helper thread.
+            n, d, s = src.numel(), dst.data_ptr(), src.data_ptr()
+            if n < _SPLIT_BYTES:
+                ctypes.memmove(d, s, n)
+                return
+            half = n // 2
+            helper = self._helper().submit(ctypes.memmove, d + half, s + half, n - half)
+            ctypes.memmove(d, s, half)
+            helper.result()
 
     def flat(self, src: torch.Tensor) -> torch.Tensor:
         if src.is_cuda:

@@ -73,7 +73,7 @@ def _install(mode: str, n: int) -> None:
       and 2: .tmp -> final);
     - ``replace-latest``: before ``latest.tmp`` is renamed over ``latest``;
     - ``set-latest``: before ``commit.set_latest`` (the checkpoint is renamed into place);
-    - ``claim``: before ``commit.claim_tmp`` records the owner of the new ``.tmp`` directory;
+    - ``claim``: the new ``.tmp`` directory made, before its shard file is opened;
     - ``gate``: at the n-th data write, print ``PAUSED`` and block until killed from outside;
     - ``none`` / ``external``: no kill point.
     """
@@ -150,13 +150,14 @@ def _install(mode: str, n: int) -> None:
             return real_set_latest(*a, **k)
         datastates.commit.set_latest = set_latest
     elif mode == "claim":
-        real_claim = datastates.commit.claim_tmp
+        import datastates.engine
+        real_writer = datastates.engine.ShardWriter
 
-        def claim_tmp(*a, **k):
+        def shard_writer(*a, **k):
             if hit():
                 _die()
-            return real_claim(*a, **k)
-        datastates.commit.claim_tmp = claim_tmp
+            return real_writer(*a, **k)
+        datastates.engine.ShardWriter = shard_writer
     elif mode not in ("none", "external"):
         raise SystemExit(f"unknown mode {mode!r}")
 

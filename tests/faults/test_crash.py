@@ -10,7 +10,6 @@ moment, the directory must hold step 1, and step 2 either complete or invisible.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import select
@@ -37,28 +36,9 @@ def states():
     return {1: crash_child.make_state(1), 2: crash_child.make_state(2)}
 
 
-def _unclaimed(root) -> list[str]:
-    """``.tmp.*`` directories without a complete owner file."""
-    out = []
-    for name in hidden_entries(root):
-        try:
-            with open(os.path.join(root, name, "owner.json")) as f:
-                json.load(f)
-        except (OSError, ValueError):
-            if name.startswith(".tmp."):
-                out.append(name)
-    return out
-
-
-def check_after_crash(root, states, *, keep_last=None, overwrite=False,
-                      tolerate_unclaimed=False) -> set[str]:
-    """What every crash must leave behind; returns the names committed after recovery.
-
-    ``tolerate_unclaimed``: for kills at a moment not chosen exactly, which may land in a window
-    where the .tmp has no owner file (tested
-    exactly by the injected kill points); drop it once those are fixed."""
+def check_after_crash(root, states, *, keep_last=None, overwrite=False) -> set[str]:
+    """What every crash must leave behind; returns the names committed after recovery."""
     root = os.fspath(root)
-    allowed = _unclaimed(root) if tolerate_unclaimed else []
     # 1. Before anyone cleans up: nothing partial is visible, only committed checkpoints list.
     listed = commit.list_checkpoints(root)
     names = {i.name for i in listed}
@@ -74,8 +54,7 @@ def check_after_crash(root, states, *, keep_last=None, overwrite=False,
 
     # 2. A new Checkpointer cleans the temporaries of the dead process.
     with datastates.Checkpointer(root, crash_child.config(keep_last)) as ck:
-        assert set(hidden_entries(root)) <= set(allowed), \
-            f"stale temporaries left: {hidden_entries(root)}"
+        assert hidden_entries(root) == [], f"stale temporaries left: {hidden_entries(root)}"
         listed = ck.list()
         names = {i.name for i in listed}
         assert set(visible_entries(root)) == names
@@ -105,13 +84,13 @@ def check_after_crash(root, states, *, keep_last=None, overwrite=False,
             assert ck.latest().name == STEP2
         ck.save({"after": states[1]["ints"]}, step=3).wait(WAIT_S)
         assert ck.latest().name == "step-0000000003"
-    assert set(hidden_entries(root)) <= set(allowed)
+    assert hidden_entries(root) == []
     return names
 
 
 # (mode, n, keep_last, what the kill interrupts)
 INJECTED = [
-    ("claim", 1, None, "the .tmp directory made, its owner not yet recorded"),
+    ("claim", 1, None, "the .tmp directory made, its shard file not yet opened"),
     ("pwrite", 1, None, "before the first data write of step 2"),
     ("pwrite", 150, None, "in the middle of the tensor data"),
     ("torn", 370, None, "a torn write near the end of the data"),
@@ -245,7 +224,7 @@ def test_external_sigkill_free_running(tmp_path, states, trigger):
                 poll.wait(0.002)
     finally:
         child.kill()  # if it already finished, step 2 is committed: still a valid case
-    check_after_crash(tmp_path, states, tolerate_unclaimed=True)
+    check_after_crash(tmp_path, states)
 
 
 def _shard_bigger_than(root, nbytes: int) -> bool:

@@ -1,6 +1,8 @@
 """The pure planning functions: file layout and replicated-item assignment."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from datastates.format import HEADER_BYTES
@@ -9,7 +11,7 @@ from datastates.planning import assign_replicated, plan_layout
 UNIT = 16 << 10
 
 
-def covered(layout, item):
+def pieces_of(layout, item):
     return sorted((p.item_offset, p.nbytes) for u in layout.units for p in u.pieces if p.item == item)
 
 
@@ -20,27 +22,35 @@ def test_small_tensors_are_packed_into_one_unit_at_64_byte_alignment():
     assert layout.units[0].nbytes == 192 + 1000
 
 
-def test_tensor_larger_than_unit_is_split_contiguously():
-    size = 3 * UNIT + 5
-    layout = plan_layout([100, size, 7], [], UNIT)
-    pieces = covered(layout, 1)
-    assert sum(n for _, n in pieces) == size
-    assert [o for o, _ in pieces] == [0, UNIT, 2 * UNIT, 3 * UNIT]
-    starts = [u.file_offset for u in layout.units]
-    assert all(s % 4096 == 0 for s in starts)
-    # contiguous in the file: the split units follow each other without gaps
-    big_units = [u for u in layout.units if any(p.item == 1 for p in u.pieces)]
-    for a, b in zip(big_units, big_units[1:]):
-        assert a.file_offset + a.nbytes == b.file_offset
-    assert all(u.nbytes <= UNIT for u in layout.units)
+def test_units_are_dense_so_the_state_needs_the_fewest_slots():
+    sizes = [UNIT // 2 + 100] * 7 + [3 * UNIT + 5, 7]
+    layout = plan_layout(sizes, [], UNIT)
+    stream = layout.tensor_offsets[-1] + sizes[-1] - HEADER_BYTES
+    assert len(layout.units) == math.ceil(stream / UNIT)
+    for k, unit in enumerate(layout.units):
+        assert unit.file_offset == HEADER_BYTES + k * UNIT  # contiguous, 4096-aligned writes
+        assert unit.nbytes <= UNIT
+    assert all(u.nbytes == UNIT for u in layout.units[:-1])
 
 
-def test_units_do_not_overlap_and_blobs_and_index_follow():
+def test_every_tensor_is_covered_exactly_once_in_file_order():
+    sizes = [5000, 3 * UNIT + 5, 0, 20000, 1, UNIT]
+    layout = plan_layout(sizes, [], UNIT)
+    for item, size in enumerate(sizes):
+        pieces = pieces_of(layout, item)
+        assert sum(n for _, n in pieces) == size
+        assert [o for o, _ in pieces] == [sum(n for _, n in pieces[:i]) for i in range(len(pieces))]
+        assert layout.tensor_offsets[item] % 64 == 0
+    for unit in layout.units:
+        for piece in unit.pieces:  # where a piece sits in the file matches the tensor's offset
+            assert unit.file_offset + piece.unit_offset == \
+                layout.tensor_offsets[piece.item] + piece.item_offset
+
+
+def test_blobs_and_index_follow_the_data():
     layout = plan_layout([5000, 9000, 0, 20000, 1], [33, 4000], UNIT)
-    spans = sorted((u.file_offset, u.file_offset + u.nbytes) for u in layout.units)
-    for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
-        assert a1 <= b0
-    assert layout.blob_offsets[0] % 4096 == 0 and layout.blob_offsets[0] >= spans[-1][1]
+    data_end = max(u.file_offset + u.nbytes for u in layout.units)
+    assert layout.blob_offsets[0] % 4096 == 0 and layout.blob_offsets[0] >= data_end
     assert layout.blob_offsets[1] >= layout.blob_offsets[0] + 33
     assert layout.index_offset % 4096 == 0 and layout.index_offset >= layout.blob_offsets[1] + 4000
 

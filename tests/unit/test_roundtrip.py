@@ -185,3 +185,20 @@ def test_restore_sets_plain_values_of_the_live_containers(tmp_path):
     assert report.step == 3
     assert live["epoch"] == 3 and live["history"] == [0.5, 0.25] and live["cfg"] == {"lr": 0.1}
     assert live["w"] is target and torch.equal(target, weights)  # tensors: filled in place
+
+
+@pytest.mark.parametrize("io_mode", ["buffered", "auto"])
+def test_io_modes_write_identical_files(tmp_path, io_mode):
+    """O_DIRECT (auto, where the file system accepts it) and buffered writes give the same bytes."""
+    state = {"a": torch.randn(50_000), "b": torch.arange(7), "c": "text"}
+    config = CheckpointConfig(host_cache_bytes=128 << 10, chunk_bytes=32 << 10, io_mode=io_mode)
+    with Checkpointer(tmp_path / io_mode, config) as ckpt:
+        ckpt.save(state, step=1).wait()
+        out = ckpt.load()
+    assert torch.equal(out["a"], state["a"]) and torch.equal(out["b"], state["b"])
+    assert out["c"] == "text"
+    shard = tmp_path / io_mode / "step-0000000001" / "rank-00000.dsf"
+    with Checkpointer(tmp_path / "ref", config.replace(io_mode="buffered")) as ref:
+        ref.save(state, step=1).wait()
+    reference = (tmp_path / "ref" / "step-0000000001" / "rank-00000.dsf").read_bytes()
+    assert shard.read_bytes() == reference
