@@ -148,6 +148,8 @@ class DeviceCopier:
         if src.is_cuda:
             with torch.cuda.stream(self._stream_for(src.device)):
                 dst.copy_(src, non_blocking=True)
+        elif src.device.type != "cpu":  # other devices (meta raises here): torch's own copy
+            dst.copy_(src)
         elif src.numel():
             # Plain memcpy without the GIL: torch's copy_ would start an OpenMP team from this
             # background thread, whose spinning threads collapse (10x) when the training thread

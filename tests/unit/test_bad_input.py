@@ -318,3 +318,13 @@ def test_metadata_must_round_trip_through_json(tmp_path, metadata):
         with pytest.raises(TypeError, match="JSON round trip"):
             ck.save({"w": torch.ones(1)}, step=1, metadata=metadata)
         assert ck.list() == []
+
+
+def test_tensor_without_data_fails_its_save_not_the_process(tmp_path):
+    """A meta tensor has no bytes to copy: the save fails on its handle, training goes on."""
+    with datastates.Checkpointer(tmp_path, datastates.CheckpointConfig(lazy="always")) as ck:
+        handle = ck.save({"t": datastates.lazy(torch.empty(4, device="meta"))}, step=1)
+        with pytest.raises(NotImplementedError):
+            handle.wait()
+        ck.save({"t": torch.ones(2)}, step=2).wait()
+        assert [i.name for i in ck.list()] == ["step-0000000002"]
