@@ -138,7 +138,7 @@ class Reader:
     # ------------------------------------------------------------ public operations
     def restore_into(self, state: Any, *, keys=None, strict: bool = True) -> RestoreReport:
         plan = _Plan(self, keys, strict, in_place=True)
-        value = plan.match(state, self.tree, (), None)
+        plan.match(state, self.tree, (), None)
         plan.check()
         self._execute(plan)
         for container, key, loaded in plan.writebacks:
@@ -146,7 +146,6 @@ class Reader:
         for load, live, loaded in plan.finalizers:
             load(live, loaded)
         plan.report.nbytes = sum(r.nbytes for r in plan.reads)
-        del value
         return plan.report
 
     def load(self, *, keys=None) -> Any:

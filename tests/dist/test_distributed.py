@@ -6,7 +6,6 @@ import signal
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import datastates

@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-import datastates
 from datastates import CheckpointConfig, Checkpointer
 
 from helpers import assert_same, clone_state, make_training, train_step

@@ -10,7 +10,7 @@ import torch
 import datastates
 from datastates import CheckpointConfig, Checkpointer
 
-from helpers import Loader, assert_same, clone_state, make_training, train_step
+from helpers import assert_same, clone_state, make_training, train_step
 
 SMALL_CACHE = CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
 

@@ -37,7 +37,6 @@ import re
 import threading
 from typing import Any
 
-import torch
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
