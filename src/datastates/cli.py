@@ -5,6 +5,7 @@ import argparse
 import sys
 import time
 
+from . import __version__
 from . import commit as commit_mod
 from .errors import DatastatesError
 from .providers import ProviderRegistry
@@ -17,6 +18,7 @@ def main(argv=None) -> int:
         from .demo import main as demo_main
         return demo_main(argv[1:])
     parser = argparse.ArgumentParser(prog="datastates")
+    parser.add_argument("--version", action="version", version=f"datastates {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="train a small GPT with checkpoints and print the measurements")
     p_list = sub.add_parser("list", help="list the committed checkpoints of a directory")
