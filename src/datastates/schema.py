@@ -313,14 +313,16 @@ def _version(obj: dict, at: _At, expected_format: str) -> int:
 
 # ---------------------------------------------------------------- state trees
 
-def check_tree(root: Any, at: _At, entry_kinds: list[str]) -> dict:
+def check_tree(root: Any, at: _At, entry_kinds: list[str],
+               refs: dict[int, set[str]] | None = None) -> dict:
     """Validate a state tree (iteratively: depth is bounded, never the interpreter's stack).
 
     ``entry_kinds[i]`` is the kind of entry ``i``; tensor/object nodes must index an entry of
-    their own kind."""
-    stack = [(root, at, 1)]
+    their own kind. ``refs``, if given, collects for each entry index the keys (``a/b/0``, as
+    ``flatten.key_of``) of the nodes that refer to it."""
+    stack = [(root, at, 1, "")]
     while stack:
-        node, where, depth = stack.pop()
+        node, where, depth, key = stack.pop()
         if depth > MAX_TREE_DEPTH:
             raise where.bad(f"state tree deeper than {MAX_TREE_DEPTH}")
         node = _dict(node, where)
@@ -332,24 +334,41 @@ def check_tree(root: Any, at: _At, entry_kinds: list[str]) -> dict:
                 if entry_kinds else _no_entries(where)
             if entry_kinds[e] != t:
                 raise (where / "e").bad(f"a {t} node refers to entry {e}, a {entry_kinds[e]}")
+            if refs is not None:
+                refs.setdefault(e, set()).add(key)
             if "param" in node:
                 _bool(node["param"], where / "param")
         elif t == "value":
             _scalar(_get(node, "v", where), where / "v")
         elif t == "provider":
             _str(_get(node, "name", where), where / "name")
-            stack.append((_get(node, "state", where), where / "state", depth + 1))
+            stack.append((_get(node, "state", where), where / "state", depth + 1, key))
         elif t in ("dict", "odict"):
             for i, pair in enumerate(_list(_get(node, "items", where), where / "items")):
                 if type(pair) is not list or len(pair) != 2:
                     raise (where / "items" / i).bad(f"expected a [key, node] pair, found "
                                                     f"{_show(pair)}")
                 _scalar(pair[0], where / "items" / i / 0)
-                stack.append((pair[1], where / "items" / i / 1, depth + 1))
+                stack.append((pair[1], where / "items" / i / 1, depth + 1,
+                              _child_key(key, pair[0])))
         else:
             for i, child in enumerate(_list(_get(node, "items", where), where / "items")):
-                stack.append((child, where / "items" / i, depth + 1))
+                stack.append((child, where / "items" / i, depth + 1, _child_key(key, i)))
     return root
+
+
+def _child_key(key: str, part: Any) -> str:
+    return f"{key}/{part}" if key else str(part)
+
+
+def check_entry_keys(keys: list[str], refs: dict[int, set[str]], at: _At) -> None:
+    """Each entry is referenced by a tree node at its own key (other nodes may share it, as tied
+    weights do): a tree index pointing at another entry of the same kind is caught here."""
+    for i, key in enumerate(keys):
+        if key not in refs.get(i, ()):
+            found = sorted(refs.get(i, ()))[:3]
+            raise (at / i).bad(f"entry {key!r} is not referenced by the tree node at its key "
+                               f"(referenced at {found or 'no key'})")
 
 
 def _no_entries(where: _At) -> int:
@@ -398,7 +417,9 @@ def parse_manifest(obj: Any, where: str, *, version_1: bool = False) -> Manifest
     for file_id, f in enumerate(files):
         regions = [r for e in entries for r in _regions_of(e, file_id)]
         _check_disjoint(regions, at / "files" / file_id, f"file {f.name}")
-    ranks = _ranks(_get(m, "ranks", at), at / "ranks", world, [e.kind for e in entries])
+    refs: dict[int, set[str]] = {}
+    ranks = _ranks(_get(m, "ranks", at), at / "ranks", world, [e.kind for e in entries], refs)
+    check_entry_keys([e.key for e in entries], refs, at / "entries")
     return Manifest(version=version, name=name, step=step, seq=seq, created_unix=float(created),
                     world_size=world, metadata=metadata, files=files, entries=entries,
                     ranks=ranks)
@@ -498,7 +519,8 @@ def _regions_of(e: Entry, file_id: int) -> list[tuple[int, int, str]]:
     return [(s.offset, s.nbytes, e.key) for s in e.shards if s.file == file_id]
 
 
-def _ranks(value: Any, at: _At, world: int, kinds: list[str]) -> tuple[RankTree, ...]:
+def _ranks(value: Any, at: _At, world: int, kinds: list[str],
+           refs: dict[int, set[str]]) -> tuple[RankTree, ...]:
     ranks = _list(value, at)
     if len(ranks) != world:
         raise at.bad(f"expected one tree per rank ({world}), found {len(ranks)}")
@@ -507,7 +529,7 @@ def _ranks(value: Any, at: _At, world: int, kinds: list[str]) -> tuple[RankTree,
         r = _dict(r, at / i)
         _int(_get(r, "rank", at / i), at / i / "rank", i, i)
         out.append(RankTree(rank=i, tree=check_tree(_get(r, "tree", at / i), at / i / "tree",
-                                                    kinds)))
+                                                    kinds, refs)))
     return tuple(out)
 
 
@@ -564,7 +586,9 @@ def parse_rank_report(obj: Any, where: str) -> RankReport:
     entries = tuple(_report_entry(e, at / "entries" / i, f)
                     for i, e in enumerate(_list(_get(d, "entries", at), at / "entries")))
     _check_disjoint([(e.offset, e.nbytes, e.key) for e in entries if e.written], at, "report")
-    tree = check_tree(_get(d, "tree", at), at / "tree", [e.kind for e in entries])
+    refs: dict[int, set[str]] = {}
+    tree = check_tree(_get(d, "tree", at), at / "tree", [e.kind for e in entries], refs)
+    check_entry_keys([e.key for e in entries], refs, at / "entries")
     return RankReport(rank=rank, file=f, entries=entries, tree=tree)
 
 
