@@ -327,7 +327,7 @@ def check_tree(root: Any, at: _At, entry_kinds: list[str],
             raise where.bad(f"state tree deeper than {MAX_TREE_DEPTH}")
         node = _dict(node, where)
         t = _get(node, "t", where)
-        if t not in _NODE_TYPES:
+        if type(t) is not str or t not in _NODE_TYPES:
             raise (where / "t").bad(f"unknown node type {_show(t)}")
         if t in ("tensor", "object"):
             e = _int(_get(node, "e", where), where / "e", 0, len(entry_kinds) - 1) \

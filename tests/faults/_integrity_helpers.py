@@ -84,10 +84,15 @@ def load(ckpt_dir: str):
 
 
 def restore(ckpt_dir: str) -> dict:
+    """Restore into a fresh live state; return its view."""
+    return saved_view(restore_live(ckpt_dir))
+
+
+def restore_live(ckpt_dir: str) -> dict:
     live = fresh_train_state()
     with reader(ckpt_dir, trusted=True) as r:
         r.restore_into(live)
-    return saved_view(live)
+    return live
 
 
 def verify(ckpt_dir: str) -> int:
