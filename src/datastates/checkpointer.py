@@ -89,7 +89,7 @@ class Checkpointer:
         if metadata is not None and not isinstance(metadata, dict):
             raise TypeError(f"metadata must be a dict, found {type(metadata).__qualname__}")
         metadata = dict(metadata or {})
-        if json.loads(fmt.encode_manifest(metadata)) != metadata:  # fail now, not in background
+        if json.loads(fmt.encode_json(metadata)) != metadata:  # fail now, not in background
             raise TypeError("metadata must survive a JSON round trip unchanged (string keys; "
                             f"lists, not tuples): {metadata!r}")
         self._report_dropped_failures()

@@ -23,7 +23,9 @@ def main(argv=None) -> int:
     sub.add_parser("demo", help="train a small GPT with checkpoints and print the measurements")
     p_list = sub.add_parser("list", help="list the committed checkpoints of a directory")
     p_list.add_argument("directory")
-    p_verify = sub.add_parser("verify", help="read a checkpoint and check every checksum")
+    p_verify = sub.add_parser("verify", help="re-read every byte of a checkpoint: manifest "
+                              "checksum and fields, headers, indexes, every region's checksums, "
+                              "zero padding")
     p_verify.add_argument("directory")
     p_verify.add_argument("--step", type=int)
     p_verify.add_argument("--tag")
@@ -42,7 +44,8 @@ def main(argv=None) -> int:
         with Reader(info.path, registry=ProviderRegistry.default(), verify=True,
                     world_size=info.world_size, rank_policy="rank0") as reader:
             n = reader.verify_all()
-        print(f"{info.name}: {n} bytes verified in {time.perf_counter() - t0:.2f} s, OK")
+        print(f"{info.name}: manifest and {info.world_size} shard file(s), {n} bytes verified "
+              f"in {time.perf_counter() - t0:.2f} s, OK")
         return 0
     except DatastatesError as exc:
         print(f"error: {exc}", file=sys.stderr)

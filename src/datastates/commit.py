@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import format as fmt
+from . import schema
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .storage import fsync_dir, remove_tree, write_file_atomic
 
@@ -21,7 +22,8 @@ _OWNER_IN_TMP_FILE = re.compile(r"@(\d+)@([^@/]+)$")  # storage.write_file_atomi
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """A committed checkpoint."""
+    """A committed checkpoint. ``seq`` is its commit sequence number: the newest checkpoint of a
+    directory is the one with the highest ``seq`` (0 for checkpoints of format version 1)."""
 
     name: str
     path: str
@@ -30,6 +32,7 @@ class CheckpointInfo:
     world_size: int
     nbytes: int
     metadata: dict = field(default_factory=dict)
+    seq: int = 0
 
 
 # ---------------------------------------------------------------- manifest assembly (pure)
@@ -42,6 +45,8 @@ def build_manifest(payloads: list[dict], *, name: str, step: int | None,
     shards of one global tensor become one entry with several shards; anything else stays per
     rank, so two ranks holding different tensors under one key never collapse into one.
     """
+    for i, payload in enumerate(payloads):
+        schema.parse_rank_report(payload, f"report {i} (rank {_rank_of(payload)})")
     files, entries, ranks = [], [], []
     grouped: dict[tuple, int] = {}
     for payload in sorted(payloads, key=lambda p: p["rank"]):
@@ -57,6 +62,10 @@ def build_manifest(payloads: list[dict], *, name: str, step: int | None,
     return {"format": fmt.CHECKPOINT_FORMAT, "version": fmt.VERSION, "name": name, "step": step,
             "created_unix": time.time(), "world_size": len(payloads), "metadata": metadata,
             "files": files, "entries": entries, "ranks": ranks}
+
+
+def _rank_of(payload: Any) -> Any:
+    return payload.get("rank") if isinstance(payload, dict) else None
 
 
 def _merge_entry(e: dict, file_id: int, rank: int, entries: list, grouped: dict) -> int:
@@ -118,8 +127,13 @@ def tmp_dir(root: str, name: str, run_id: str, seq: int) -> str:
 
 def publish(root: str, tmp: str, name: str, manifest: dict, *, overwrite: bool,
             fsync: bool) -> str:
-    """Make ``tmp`` the committed checkpoint ``root/name`` atomically. Returns its path."""
+    """Make ``tmp`` the committed checkpoint ``root/name`` atomically. Returns its path.
+
+    Rank 0 only. Sets ``manifest["seq"]`` to the commit sequence number (one more than the
+    highest of the checkpoints committed in ``root``) before the manifest is written, so the
+    caller's dict describes the committed checkpoint."""
     final = os.path.join(root, name)
+    manifest["seq"] = next_seq(root)
     write_file_atomic(os.path.join(tmp, fmt.MANIFEST), fmt.encode_manifest(manifest), fsync)
     old = None
     if os.path.exists(final):
@@ -143,20 +157,30 @@ def publish(root: str, tmp: str, name: str, manifest: dict, *, overwrite: bool,
     return final
 
 
+def next_seq(root: str) -> int:
+    """The commit sequence number of the next checkpoint committed in ``root``."""
+    return max((i.seq for i in list_checkpoints(root)), default=0) + 1
+
+
 def set_latest(root: str, name: str, fsync: bool) -> None:
+    """Point the ``latest`` hint at ``name`` (for people and tools; readers do not need it)."""
     write_file_atomic(os.path.join(root, fmt.LATEST), name.encode(), fsync)
 
 
-def info_of(path: str, manifest: dict) -> CheckpointInfo:
-    return CheckpointInfo(name=os.path.basename(path), path=path, step=manifest.get("step"),
-                          created_unix=float(manifest.get("created_unix", 0.0)),
-                          world_size=int(manifest["world_size"]),
-                          nbytes=sum(int(f.get("nbytes", 0)) for f in manifest["files"]),
-                          metadata=manifest.get("metadata") or {})
+def info_of(path: str, manifest: "schema.Manifest | dict") -> CheckpointInfo:
+    """The description of the checkpoint at ``path`` with this manifest (a JSON dict, as written
+    by ``publish``, is validated first)."""
+    if isinstance(manifest, dict):
+        manifest = schema.parse_manifest(manifest, os.path.join(path, fmt.MANIFEST))
+    return CheckpointInfo(name=os.path.basename(path), path=path, step=manifest.step,
+                          created_unix=manifest.created_unix, world_size=manifest.world_size,
+                          nbytes=manifest.nbytes, metadata=dict(manifest.metadata),
+                          seq=manifest.seq)
 
 
 def list_checkpoints(root: str) -> list[CheckpointInfo]:
-    """Committed checkpoints in ``root``, oldest first (by step, then creation time)."""
+    """Committed checkpoints in ``root``, oldest first: in commit order (``seq``), which is also
+    step order for checkpoints saved by step. Damaged ones are left out."""
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"checkpoint directory {root!r} does not exist")
     found = []
@@ -172,22 +196,17 @@ def list_checkpoints(root: str) -> list[CheckpointInfo]:
 
 
 def _order(info: CheckpointInfo):
-    return (info.step if info.step is not None else -1, info.created_unix, info.name)
+    # Version-1 checkpoints (seq 0) have no commit number: oldest, in step order among themselves.
+    return (info.seq, info.step if info.step is not None else -1, info.created_unix, info.name)
 
 
 def latest(root: str) -> CheckpointInfo | None:
-    """The checkpoint the ``latest`` file names if it is committed, else the newest committed one.
+    """The newest committed checkpoint of ``root`` (highest commit sequence number), or None.
 
-    The file wins over commit times so that a user can roll back by editing it (as with
-    DeepSpeed's ``latest``). A crash between a commit and the update of ``latest`` therefore resumes
-    from the previous checkpoint; saving that step again then needs ``overwrite=True``."""
-    try:
-        with open(os.path.join(root, fmt.LATEST), "rb") as f:
-            name = f.read().decode("utf-8", "replace").strip()
-        path = os.path.join(root, fmt.check_name(name))
-        return info_of(path, fmt.read_manifest(path))
-    except (OSError, ValueError, CorruptCheckpointError):
-        pass
+    The ``latest`` file is only a hint written after each commit, for people and tools; it is
+    not read here. So a crash between a commit and the update of ``latest`` still resumes from
+    the checkpoint just committed, and tagged checkpoints count by when they were committed. To
+    roll back, delete the newer checkpoints."""
     found = list_checkpoints(root)
     return found[-1] if found else None
 
@@ -226,14 +245,17 @@ def delete(root: str, name: str, fsync: bool = True) -> None:
 
 def apply_retention(root: str, keep_last: int | None, keep_every: int | None,
                     protect: str, fsync: bool) -> list[str]:
-    """Delete committed checkpoints beyond the policy; never ``protect`` or what latest names."""
+    """Delete committed checkpoints beyond the policy; return the deleted names.
+
+    Keeps the ``keep_last`` most recently committed checkpoints (commit order, steps and tags
+    alike), every checkpoint whose step is a multiple of ``keep_every``, and ``protect``. The
+    newest checkpoint is therefore never deleted."""
     if keep_last is None:
         return []
     found = list_checkpoints(root)
     keep = {i.name for i in found[-keep_last:]} | {protect}
-    current = latest(root)
-    if current is not None:
-        keep.add(current.name)
+    if found:
+        keep.add(found[-1].name)
     removed = []
     for info in found:
         if info.name in keep:

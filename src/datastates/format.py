@@ -1,22 +1,27 @@
-"""The on-disk format (docs/format.md): shard file header, index, manifest, names.
+"""The on-disk format (docs/format.md): shard file header, index, manifest bytes, names.
 
-Pure functions over bytes and dicts; the only I/O is reading a header/index/manifest from a path.
-Everything read is validated before it is trusted (sizes, offsets, versions, checksums).
+Functions over bytes; the only I/O is reading a header/index/manifest from a path. Bytes are
+checked here (magic, header CRC, reserved bytes, the manifest's checksum trailer); the decoded JSON
+is then validated completely by the typed model of ``schema.py`` before anyone uses a value.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import struct
+import warnings
 import zlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .errors import CorruptCheckpointError, UnsupportedFormatError
 
 MAGIC = b"DSTATES\x01"
-VERSION = 1
+VERSION = 2
+#: Shard files of these versions have the same layout; version 1 manifests lack the checksum.
+SHARD_VERSIONS = (1, 2)
 HEADER_BYTES = 4096
 DATA_ALIGN = 64
 UNIT_ALIGN = 4096
@@ -25,6 +30,10 @@ LATEST = "latest"
 SHARD_FORMAT = "datastates-shard"
 CHECKPOINT_FORMAT = "datastates-checkpoint"
 _HEADER = struct.Struct("<8sIIQQI")  # magic, version, flags, index offset, index length, index crc
+_HEADER_USED = _HEADER.size + 4        # ... and the CRC of those 36 bytes; the rest is zero
+#: The last bytes of a manifest: its CRC-32 over every byte before them, 8 lowercase hex digits.
+_TRAILER = re.compile(rb',"manifest_crc32":"([0-9a-f]{8})"\}\Z')
+TRAILER_BYTES = len(b',"manifest_crc32":"00000000"}')
 
 _DTYPES = {
     name: getattr(torch, name)
@@ -78,6 +87,14 @@ def align_up(value: int, alignment: int) -> int:
 
 # ---------------------------------------------------------------- shard file header and index
 
+class ShardHeader(NamedTuple):
+    """The validated fields of a shard file header that locate its index."""
+
+    index_offset: int
+    index_length: int
+    index_crc32: int
+
+
 def pack_header(index_offset: int, index_bytes: bytes) -> bytes:
     head = _HEADER.pack(MAGIC, VERSION, 0, index_offset, len(index_bytes), crc32(index_bytes))
     head += struct.pack("<I", crc32(head))
@@ -86,16 +103,20 @@ def pack_header(index_offset: int, index_bytes: bytes) -> bytes:
 
 def encode_index(rank: int, entries: list[dict]) -> bytes:
     return json.dumps({"format": SHARD_FORMAT, "version": VERSION, "rank": rank,
-                       "entries": entries}, separators=(",", ":")).encode()
+                       "entries": entries}, separators=(",", ":"), allow_nan=False).encode()
 
 
-def read_header(fd: int, path: str, file_size: int) -> tuple[int, int, int]:
-    """Validate a shard file's header; return (index offset, index length, index crc)."""
-    raw = os.pread(fd, _HEADER.size + 4, 0)
-    if len(raw) < _HEADER.size + 4:
+def read_header(fd: int, path: str, file_size: int) -> ShardHeader:
+    """Validate a shard file's header (magic, CRC, version, flags and reserved bytes zero, index
+    inside the file); return where its index is."""
+    try:
+        raw = os.pread(fd, HEADER_BYTES, 0)
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path}: cannot read the header ({exc})") from None
+    if len(raw) < HEADER_BYTES:
         raise CorruptCheckpointError(f"{path}: truncated header ({len(raw)} bytes, expected "
                                      f"{HEADER_BYTES})")
-    magic, version, _flags, offset, length, index_crc = _HEADER.unpack_from(raw)
+    magic, version, flags, offset, length, index_crc = _HEADER.unpack_from(raw)
     if magic != MAGIC:
         raise CorruptCheckpointError(f"{path}: wrong magic {magic!r}, expected {MAGIC!r} "
                                      "(not a datastates shard file, or never finished)")
@@ -105,40 +126,67 @@ def read_header(fd: int, path: str, file_size: int) -> tuple[int, int, int]:
     if version > VERSION:
         raise UnsupportedFormatError(f"{path}: format version {version} is newer than this "
                                      f"reader's {VERSION}; upgrade datastates")
-    if offset < HEADER_BYTES or offset + length > file_size:
+    if version not in SHARD_VERSIONS:
+        raise CorruptCheckpointError(f"{path}: header version {version}, expected one of "
+                                     f"{list(SHARD_VERSIONS)}")
+    if flags:
+        raise CorruptCheckpointError(f"{path}: header flags are {flags:#x}, expected 0")
+    if raw[_HEADER_USED:].count(0) != HEADER_BYTES - _HEADER_USED:
+        first = next(i for i in range(_HEADER_USED, HEADER_BYTES) if raw[i])
+        raise CorruptCheckpointError(f"{path}: reserved header byte at offset {first} is "
+                                     f"{raw[first]:#x}, expected 0")
+    if offset < HEADER_BYTES or length == 0 or offset + length > file_size:
         raise CorruptCheckpointError(f"{path}: index at [{offset}, {offset + length}) lies outside "
                                      f"the file of {file_size} bytes (truncated?)")
-    return offset, length, index_crc
+    return ShardHeader(offset, length, index_crc)
 
 
-def read_index(path: str) -> dict:
-    """Read and validate the self-describing index of a shard file."""
+def read_index(path: str) -> "schema.ShardIndex":
+    """Read, checksum and validate the self-describing index of a shard file."""
     fd = _open(path)
     try:
         size = os.fstat(fd).st_size
-        offset, length, index_crc = read_header(fd, path, size)
-        raw = os.pread(fd, length, offset)
+        header = read_header(fd, path, size)
+        raw = os.pread(fd, header.index_length, header.index_offset)
     finally:
         os.close(fd)
-    if crc32(raw) != index_crc:
-        raise CorruptCheckpointError(f"{path}: index checksum mismatch")
-    index = _parse_json(raw, path)
-    for entry in index.get("entries", []):
-        end = int(entry.get("offset", 0)) + int(entry.get("nbytes", 0))
-        if end > offset:
-            raise CorruptCheckpointError(f"{path}: entry {entry.get('key')!r} ends at {end}, past "
-                                         f"the index at {offset}")
-    return index
+    return parse_index_bytes(raw, header, path)
+
+
+def parse_index_bytes(raw: bytes, header: ShardHeader, path: str) -> "schema.ShardIndex":
+    """Check the index bytes against the header's CRC, then validate them."""
+    if len(raw) != header.index_length or crc32(raw) != header.index_crc32:
+        raise CorruptCheckpointError(f"{path}: index checksum mismatch (index at "
+                                     f"{header.index_offset}, {header.index_length} bytes)")
+    return schema.parse_shard_index(_parse_json(raw, path), path, header.index_offset)
 
 
 # ---------------------------------------------------------------- manifest
 
+def seal_manifest(body: bytes) -> bytes:
+    """The bytes of ``manifest.json`` for the compact JSON object ``body``: the object with the
+    field ``"manifest_crc32":"HHHHHHHH"`` appended last, the CRC-32 of every byte before it."""
+    if not (body.startswith(b"{") and body.endswith(b"}")) or len(body) < 3:
+        raise ValueError("a manifest body is a non-empty JSON object")
+    covered = body[:-1]
+    return covered + b',"manifest_crc32":"%08x"}' % crc32(covered)
+
+
 def encode_manifest(manifest: dict) -> bytes:
-    return json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
+    """Validate ``manifest`` with the reader's own parser, then encode and seal it (so what is
+    written is exactly what a reader accepts)."""
+    body = encode_json(manifest)
+    schema.parse_manifest(json.loads(body), "manifest being written")
+    return seal_manifest(body)
 
 
-def read_manifest(ckpt_dir: str) -> dict:
-    """Read and validate ``manifest.json`` of a checkpoint directory."""
+def encode_json(value: Any) -> bytes:
+    """Compact, ASCII, NaN-free JSON: the one encoding of every JSON record of the format."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+
+
+def read_manifest(ckpt_dir: str) -> "schema.Manifest":
+    """Read, checksum and validate ``manifest.json`` of a checkpoint directory."""
     path = os.path.join(ckpt_dir, MANIFEST)
     try:
         with open(path, "rb") as f:
@@ -147,56 +195,56 @@ def read_manifest(ckpt_dir: str) -> dict:
         from .errors import CheckpointNotFoundError
         raise CheckpointNotFoundError(f"{ckpt_dir}: no {MANIFEST} (not a committed checkpoint)") \
             from None
-    manifest = _parse_json(raw, path)
-    if manifest.get("format") != CHECKPOINT_FORMAT:
-        raise CorruptCheckpointError(f"{path}: format is {manifest.get('format')!r}, expected "
-                                     f"{CHECKPOINT_FORMAT!r}")
-    version = manifest.get("version")
-    if not isinstance(version, int):
-        raise CorruptCheckpointError(f"{path}: missing integer version")
-    if version > VERSION:
-        raise UnsupportedFormatError(f"{path}: format version {version} is newer than this "
-                                     f"reader's {VERSION}; upgrade datastates")
-    _validate_manifest(manifest, path)
+    except (IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+        raise CorruptCheckpointError(f"{path}: cannot read ({exc})") from None
+    return parse_manifest_bytes(raw, path)
+
+
+def parse_manifest_bytes(raw: bytes, path: str) -> "schema.Manifest":
+    """Check the checksum trailer of a manifest's bytes, then validate its JSON.
+
+    A file without the trailer is accepted only as a version-1 manifest holding no
+    ``manifest_crc32`` field (written before manifests carried a checksum), with a warning; any
+    damage to a sealed manifest therefore fails its checksum or its version check, it never
+    reaches the unchecked path."""
+    sealed = _TRAILER.search(raw)
+    if sealed is not None:
+        covered = raw[:sealed.start()]
+        if crc32(covered) != int(sealed.group(1), 16):
+            raise CorruptCheckpointError(f"{path}: manifest checksum mismatch (CRC-32 of the "
+                                         f"first {len(covered)} bytes is {crc32(covered):08x}, "
+                                         f"the trailer says {sealed.group(1).decode()})")
+        obj = _parse_json(raw, path)
+        obj.pop("manifest_crc32", None)
+        return schema.parse_manifest(obj, path)
+    obj = _parse_json(raw, path)
+    if "manifest_crc32" in obj or obj.get("version") != 1 or "seq" in obj:
+        if obj.get("format") == CHECKPOINT_FORMAT and type(obj.get("version")) is int and \
+                obj["version"] > VERSION and "manifest_crc32" not in obj:
+            raise UnsupportedFormatError(f"{path}: format version {obj['version']} is newer than "
+                                         f"this reader's {VERSION}; upgrade datastates")
+        raise CorruptCheckpointError(f"{path}: the manifest does not end with its checksum "
+                                     f"(expected the last {TRAILER_BYTES} bytes to be "
+                                     '\',"manifest_crc32":"<8 hex digits>"}\')')
+    manifest = schema.parse_manifest(obj, path, version_1=True)
+    warnings.warn(f"{path}: a version-1 manifest has no checksum; its fields are validated but "
+                  "a damaged value cannot be detected. Save a new checkpoint to get a checked one",
+                  RuntimeWarning, stacklevel=3)
     return manifest
-
-
-def _validate_manifest(m: dict, path: str) -> None:
-    def bad(what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{path}: {what}")
-
-    for field, kind in (("files", list), ("entries", list), ("ranks", list), ("world_size", int)):
-        if not isinstance(m.get(field), kind):
-            raise bad(f"field {field!r} missing or not a {kind.__name__}")
-    nfiles = len(m["files"])
-    for f in m["files"]:
-        name = f.get("name")
-        if not isinstance(name, str) or "/" in name or name.startswith("."):
-            raise bad(f"invalid file name {name!r}")
-    for i, e in enumerate(m["entries"]):
-        kind = e.get("kind")
-        if kind == "tensor":
-            dtype_from_name(e.get("dtype"), f"{path}: entry {e.get('key')!r}")
-            if not isinstance(e.get("shape"), list) or not isinstance(e.get("shards"), list):
-                raise bad(f"entry {i} ({e.get('key')!r}) lacks shape or shards")
-            for s in e["shards"]:
-                if not (isinstance(s.get("file"), int) and 0 <= s["file"] < nfiles):
-                    raise bad(f"entry {e.get('key')!r} refers to file {s.get('file')!r} of {nfiles}")
-        elif kind == "object":
-            if not (isinstance(e.get("file"), int) and 0 <= e["file"] < nfiles):
-                raise bad(f"entry {e.get('key')!r} refers to file {e.get('file')!r} of {nfiles}")
-        else:
-            raise bad(f"entry {i} has unknown kind {kind!r}")
 
 
 def _parse_json(raw: bytes, path: str) -> Any:
     try:
-        value = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        value = json.loads(raw, parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path}: invalid JSON ({exc})") from None
     if not isinstance(value, dict):
         raise CorruptCheckpointError(f"{path}: expected a JSON object, found {type(value).__name__}")
     return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def _open(path: str) -> int:
@@ -205,3 +253,7 @@ def _open(path: str) -> int:
     except FileNotFoundError:
         from .errors import CheckpointNotFoundError
         raise CheckpointNotFoundError(f"{path}: shard file missing") from None
+
+
+# The typed model builds on the constants above; imported last (it imports this module).
+from . import schema  # noqa: E402

@@ -17,6 +17,8 @@ import torch
 
 from . import format as fmt
 from . import serialization
+from .format import ShardHeader
+from .schema import Manifest, ObjectEntry, ShardIndex, ShardRef, TensorEntry
 from .errors import (CheckpointNotFoundError, CorruptCheckpointError, ReshardError,
                      StateMismatchError)
 from .flatten import TensorShard, key_of, sharding_of
@@ -25,6 +27,8 @@ from .storage import buffer_of, pread_into
 
 _COALESCE_GAP = 256 << 10
 _MAX_READ = 64 << 20
+_VERIFY_BATCH = 64 << 20
+_ZEROS = bytes(1 << 20)
 
 
 @dataclass
@@ -52,18 +56,43 @@ class _Read:
 
 
 class _Files:
-    """Open shard files on demand, validate their headers against the manifest once."""
+    """The shard files of a checkpoint: their sizes checked against the manifest at once, each
+    opened on demand with its header validated against the manifest once."""
 
-    def __init__(self, ckpt_dir: str, manifest: dict):
+    def __init__(self, ckpt_dir: str, manifest: Manifest):
         self.dir, self.manifest = ckpt_dir, manifest
-        self._fds: dict[int, tuple[int, int]] = {}
+        self._fds: dict[int, tuple[int, ShardHeader]] = {}
         self._lock = threading.Lock()
+        for file_id in range(len(manifest.files)):
+            self._check_size(file_id)
 
     def path(self, file_id: int) -> str:
-        return os.path.join(self.dir, self.manifest["files"][file_id]["name"])
+        return os.path.join(self.dir, self.manifest.files[file_id].name)
+
+    def _check_size(self, file_id: int) -> None:
+        """Before anything is allocated from the manifest's sizes: the file is there and has the
+        size the manifest records (which bounds every region in it)."""
+        path = self.path(file_id)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{path}: shard file listed in the manifest is "
+                                          "missing") from None
+        except OSError as exc:
+            raise CorruptCheckpointError(f"{path}: cannot stat the shard file ({exc})") from None
+        if size != self.manifest.files[file_id].nbytes:
+            raise CorruptCheckpointError(f"{path}: {size} bytes, the manifest records "
+                                         f"{self.manifest.files[file_id].nbytes} (truncated or "
+                                         "replaced?)")
 
     def open(self, file_id: int) -> tuple[int, int]:
         """(fd, index offset) of a validated file."""
+        fd, header = self.open_with_header(file_id)
+        return fd, header.index_offset
+
+    def open_with_header(self, file_id: int) -> tuple[int, ShardHeader]:
+        """(fd, header) of a file whose header agrees with the manifest: same index CRC, index
+        4096-aligned and last in the file, every region the manifest names before the index."""
         with self._lock:
             if file_id in self._fds:
                 return self._fds[file_id]
@@ -74,16 +103,32 @@ class _Files:
                 raise CheckpointNotFoundError(f"{path}: shard file listed in the manifest is "
                                               "missing") from None
             try:
-                index_offset, _, index_crc = fmt.read_header(fd, path, os.fstat(fd).st_size)
-                expected = self.manifest["files"][file_id].get("index_crc32")
-                if expected is not None and index_crc != expected:
-                    raise CorruptCheckpointError(f"{path}: index checksum {index_crc} differs from "
-                                                 f"the manifest's {expected} (file replaced?)")
+                header = self._check_header(fd, file_id, path)
             except BaseException:
                 os.close(fd)
                 raise
-            self._fds[file_id] = (fd, index_offset)
+            self._fds[file_id] = (fd, header)
             return self._fds[file_id]
+
+    def _check_header(self, fd: int, file_id: int, path: str) -> ShardHeader:
+        ref = self.manifest.files[file_id]
+        size = os.fstat(fd).st_size
+        header = fmt.read_header(fd, path, size)
+        if header.index_crc32 != ref.index_crc32:
+            raise CorruptCheckpointError(f"{path}: index checksum {header.index_crc32} differs "
+                                         f"from the manifest's {ref.index_crc32} (file replaced?)")
+        if header.index_offset % fmt.UNIT_ALIGN or \
+                header.index_offset + header.index_length != size or size != ref.nbytes:
+            raise CorruptCheckpointError(
+                f"{path}: index at [{header.index_offset}, "
+                f"{header.index_offset + header.index_length}) is not the 4096-aligned end of "
+                f"the file of {size} bytes (the manifest records {ref.nbytes})")
+        for offset, nbytes, key in self.manifest.regions(file_id):
+            if offset + nbytes > header.index_offset:
+                raise CorruptCheckpointError(f"{path}: {key!r} at [{offset}, {offset + nbytes}) "
+                                             f"extends past the data ending at "
+                                             f"{header.index_offset}")
+        return header
 
     def close(self) -> None:
         with self._lock:
@@ -106,7 +151,7 @@ class Reader:
         self.map_location = map_location
         self.rank, self.world_size = rank, world_size
         self.files = _Files(ckpt_dir, self.manifest)
-        self.entries = self.manifest["entries"]
+        self.entries = self.manifest.entries
         self.tree = self._tree_for(rank, world_size, rank_policy)
 
     def __enter__(self):
@@ -117,14 +162,14 @@ class Reader:
 
     # ------------------------------------------------------------ tree selection
     def _tree_for(self, rank: int, world_size: int, policy: str) -> dict:
-        saved = self.manifest["world_size"]
-        trees = {r["rank"]: r["tree"] for r in self.manifest["ranks"]}
+        saved = self.manifest.world_size
+        trees = {r.rank: r.tree for r in self.manifest.ranks}
         if saved == world_size:
             return trees[rank]
         source = rank if rank < saved else 0
         if policy == "strict":
-            per_rank = sorted({e["key"] for e in self.entries
-                               if e["kind"] == "tensor" and "rank" in e and saved > 1})
+            per_rank = sorted({e.key for e in self.entries
+                               if isinstance(e, TensorEntry) and e.rank is not None and saved > 1})
             if per_rank:
                 shown = ", ".join(per_rank[:5]) + (" ..." if len(per_rank) > 5 else "")
                 raise ReshardError(
@@ -157,38 +202,72 @@ class Reader:
         return value
 
     def verify_all(self) -> int:
-        """Read every region of every file and check its checksum; return the bytes checked."""
-        reads = []
-        for e in self.entries:
-            if e["kind"] == "object":
-                fd, _ = self.files.open(e["file"])
-                buf = bytearray(e["nbytes"])
-                self._pread(fd, memoryview(buf), e["offset"], self.files.path(e["file"]))
-                if fmt.crc32(buf) != e["crc32"]:
-                    raise CorruptCheckpointError(f"{self.files.path(e['file'])}: checksum mismatch "
-                                                 f"for object {e['key']!r}")
-                continue
-            for s in e["shards"]:
-                dest = torch.empty(s["nbytes"], dtype=torch.uint8)
-                reads.append(_Read(s["file"], s["offset"], s["nbytes"], dest, s["checksums"],
-                                   e["key"]))
+        """Re-read every byte of every shard file and return the bytes checked.
+
+        Checks the header (CRC, flags and reserved bytes zero), the index (its CRC against the
+        header and the manifest, every manifest entry agreeing with an index entry), the CRC of
+        every tensor piece and object, and that the bytes between regions are zero. Nothing is
+        unpickled. Memory is bounded (reads in batches of ``_VERIFY_BATCH`` bytes)."""
+        return sum(self._verify_file(file_id) for file_id in range(len(self.manifest.files)))
+
+    def _verify_file(self, file_id: int) -> int:
+        fd, header = self.files.open_with_header(file_id)
+        path = self.files.path(file_id)
+        raw = bytearray(header.index_length)
+        self._pread(fd, memoryview(raw), header.index_offset, path)
+        index = fmt.parse_index_bytes(bytes(raw), header, path)
+        _check_index_agrees(self.manifest, file_id, index, path)
+        batch: list[_Read] = []
+        for e in index.entries:
+            pos = 0
+            for length, crc in e.checksums:
+                batch.append(_Read(file_id, e.offset + pos, length,
+                                   torch.empty(length, dtype=torch.uint8), [(length, crc)], e.key))
+                pos += length
+                if sum(r.nbytes for r in batch) >= _VERIFY_BATCH:
+                    self._verify_reads(batch, path)
+                    batch = []
+        self._verify_reads(batch, path)
+        self._verify_zero_gaps(fd, index, header.index_offset, path)
+        return header.index_offset + header.index_length
+
+    def _verify_reads(self, reads: list["_Read"], path: str) -> None:
         plan = _Plan(self, None, False, False)
         plan.reads = reads
         self._execute(plan)
-        return sum(r.nbytes for r in reads)
+        if not self.verify:  # _execute checks only when the reader verifies
+            for r in reads:
+                _verify(r, path)
+
+    def _verify_zero_gaps(self, fd: int, index: ShardIndex, data_end: int, path: str) -> None:
+        """The bytes not covered by a region, from the header to the index, are zero."""
+        pos = fmt.HEADER_BYTES
+        for e in sorted((e for e in index.entries if e.nbytes), key=lambda e: e.offset):
+            self._check_zero(fd, pos, e.offset, path)
+            pos = e.offset + e.nbytes
+        self._check_zero(fd, pos, data_end, path)
+
+    def _check_zero(self, fd: int, start: int, end: int, path: str) -> None:
+        buf = bytearray(min(end - start, len(_ZEROS)))
+        while start < end:
+            view = memoryview(buf)[:min(end - start, len(buf))]
+            self._pread(fd, view, start, path)
+            if view != _ZEROS[:view.nbytes]:
+                first = next(i for i, b in enumerate(view) if b)
+                raise CorruptCheckpointError(f"{path}: byte at offset {start + first} between "
+                                             f"regions is {view[first]:#x}, expected 0")
+            start += view.nbytes
 
     # ------------------------------------------------------------ reading
-    def read_object(self, entry: dict) -> Any:
-        fd, index_offset = self.files.open(entry["file"])
-        path = self.files.path(entry["file"])
-        if entry["offset"] + entry["nbytes"] > index_offset:
-            raise CorruptCheckpointError(f"{path}: object {entry['key']!r} extends past the data")
-        buf = bytearray(entry["nbytes"])
-        self._pread(fd, memoryview(buf), entry["offset"], path)
-        if self.verify and fmt.crc32(buf) != entry["crc32"]:
-            raise CorruptCheckpointError(f"{path}: checksum mismatch for object {entry['key']!r} "
-                                         f"at offset {entry['offset']}")
-        return serialization.loads(buf, entry["key"], trusted=self.trusted,
+    def read_object(self, entry: ObjectEntry) -> Any:
+        fd, _ = self.files.open(entry.file)  # validates that the region lies before the index
+        path = self.files.path(entry.file)
+        buf = bytearray(entry.nbytes)
+        self._pread(fd, memoryview(buf), entry.offset, path)
+        if self.verify and fmt.crc32(buf) != entry.crc32:
+            raise CorruptCheckpointError(f"{path}: checksum mismatch for object {entry.key!r} "
+                                         f"at offset {entry.offset}")
+        return serialization.loads(buf, entry.key, trusted=self.trusted,
                                    safe_globals=self.safe_globals)
 
     def _execute(self, plan: "_Plan") -> None:
@@ -246,6 +325,39 @@ def _verify(r: _Read, path: str) -> None:
                                      f"{r.nbytes} bytes")
 
 
+def _check_index_agrees(manifest: Manifest, file_id: int, index: ShardIndex, path: str) -> None:
+    """Every region the manifest names in this file is an index entry with the same key, kind,
+    bytes and checksums (and dtype and box shape for tensors)."""
+    by_offset = {(e.offset, e.nbytes): e for e in index.entries}
+    for entry in manifest.entries:
+        if isinstance(entry, ObjectEntry):
+            if entry.file == file_id:
+                _agree(by_offset, entry.key, "object", entry.offset, entry.nbytes,
+                       ((entry.nbytes, entry.crc32),) if entry.nbytes else (), None, None, path)
+            continue
+        for s in entry.shards:
+            if s.file == file_id:
+                _agree(by_offset, entry.key, "tensor", s.offset, s.nbytes, s.checksums,
+                       entry.dtype, s.shape, path)
+
+
+def _agree(by_offset: dict, key: str, kind: str, offset: int, nbytes: int, checksums: tuple,
+           dtype, shape, path: str) -> None:
+    found = by_offset.get((offset, nbytes))
+    if found is None:
+        raise CorruptCheckpointError(f"{path}: the manifest's {kind} {key!r} at [{offset}, "
+                                     f"{offset + nbytes}) is not a region of the file's index")
+    expected = (key, kind, tuple(checksums), dtype if kind == "tensor" else None,
+                tuple(shape) if kind == "tensor" else None)
+    actual = (found.key, found.kind, found.checksums, found.dtype if kind == "tensor" else None,
+              found.shape if kind == "tensor" else None)
+    if expected != actual:
+        names = ("key", "kind", "checksums", "dtype", "shape")
+        diff = next(n for n, a, b in zip(names, expected, actual) if a != b)
+        raise CorruptCheckpointError(f"{path}: {kind} {key!r} at offset {offset}: the manifest "
+                                     f"and the index disagree on its {diff}")
+
+
 def _coalesce(reads: list[_Read]) -> list[list[_Read]]:
     """Group reads of one file that are close together into single sequential requests."""
     groups: list[list[_Read]] = []
@@ -286,7 +398,7 @@ class _Plan:
         #: (container, key, value): plain values of the live dicts/lists, replaced after the reads
         self.writebacks: list = []
         m = reader.manifest
-        self.report = RestoreReport(name=os.path.basename(reader.dir), step=m.get("step"))
+        self.report = RestoreReport(name=os.path.basename(reader.dir), step=m.step)
 
     def wanted(self, path: tuple) -> str | None:
         if self.keys is None:
@@ -389,15 +501,14 @@ class _Plan:
     def tensor(self, live: Any, node: dict, path: tuple) -> Any:
         entry = self.reader.entries[node["e"]]
         key = key_of(path)
-        dtype = fmt.dtype_from_name(entry["dtype"], f"{self.reader.dir}: {key!r}")
-        shape = tuple(entry["shape"])
+        dtype, shape = entry.torch_dtype, entry.shape
         if self.in_place and isinstance(live, (torch.Tensor, TensorShard)):
             shard = sharding_of(live)
             local = shard.local if shard is not None else live
             global_shape = shard.global_shape if shard is not None else tuple(live.shape)
             if global_shape != shape or local.dtype != dtype:
                 self.report.mismatched.append(
-                    f"{key} (checkpoint {entry['dtype']}{list(shape)}, live "
+                    f"{key} (checkpoint {entry.dtype}{list(shape)}, live "
                     f"{str(local.dtype).replace('torch.', '')}{list(global_shape)})")
                 return live
             self.report.restored.append(key)
@@ -414,7 +525,7 @@ class _Plan:
         self.fresh[node["e"]] = fresh
         return fresh
 
-    def _fill(self, dest: torch.Tensor, entry: dict, key: str, box_offset=None) -> None:
+    def _fill(self, dest: torch.Tensor, entry: TensorEntry, key: str, box_offset=None) -> None:
         """Schedule reads filling ``dest``, the box of the global tensor at ``box_offset``
         (the whole tensor by default), from every saved shard that overlaps it."""
         box_offset = tuple(box_offset) if box_offset is not None else (0,) * dest.dim()
@@ -423,16 +534,17 @@ class _Plan:
         if not direct:
             self.post_copies.append(lambda d=dest, s=target: d.copy_(s))
         covered = 0
-        for shard in entry["shards"]:
+        for shard in entry.shards:
             covered += self._fill_from(target, box_offset, shard, key)
         if covered != target.numel():
             raise CorruptCheckpointError(
                 f"{self.reader.dir}: the saved shards of {key!r} cover {covered} of the "
                 f"{target.numel()} elements needed at {list(box_offset)}")
 
-    def _fill_from(self, target: torch.Tensor, box_offset: tuple, shard: dict, key: str) -> int:
+    def _fill_from(self, target: torch.Tensor, box_offset: tuple, shard: ShardRef,
+                   key: str) -> int:
         """Read the part of one saved shard that overlaps the target box; return its elements."""
-        s_off, s_shape = tuple(shard["global_offset"]), tuple(shard["shape"])
+        s_off, s_shape = shard.global_offset, shard.shape
         lo = [max(a, b) for a, b in zip(s_off, box_offset)]
         hi = [min(a + n, b + m) for a, n, b, m in zip(s_off, s_shape, box_offset, target.shape)]
         if any(h <= l for l, h in zip(lo, hi)) and target.dim():
@@ -441,38 +553,38 @@ class _Plan:
         numel = 1
         for n in s_shape:
             numel *= n
-        if numel * elem != shard["nbytes"]:
+        if numel * elem != shard.nbytes:
             raise CorruptCheckpointError(f"{self.reader.dir}: shard of {key!r} at {list(s_off)} "
-                                         f"holds {shard['nbytes']} bytes, expected {numel * elem}")
+                                         f"holds {shard.nbytes} bytes, expected {numel * elem}")
         if s_off == box_offset and s_shape == tuple(target.shape):  # the same box: read in place
             if numel:
-                self.reads.append(_Read(shard["file"], shard["offset"], shard["nbytes"],
-                                        target.reshape(-1).view(torch.uint8), shard["checksums"],
+                self.reads.append(_Read(shard.file, shard.offset, shard.nbytes,
+                                        target.reshape(-1).view(torch.uint8), shard.checksums,
                                         key))
             return numel
         if (target.dim() and s_shape[1:] == tuple(target.shape[1:]) and
                 s_off[1:] == box_offset[1:] and lo[0] == s_off[0] and
                 hi[0] == s_off[0] + s_shape[0]):
             # The whole shard is a run of full rows of the target: read it straight into them.
-            row = shard["nbytes"] // s_shape[0] if s_shape[0] else 0
+            row = shard.nbytes // s_shape[0] if s_shape[0] else 0
             start = (s_off[0] - box_offset[0]) * row
             flat = target.reshape(-1).view(torch.uint8)
-            self.reads.append(_Read(shard["file"], shard["offset"], shard["nbytes"],
-                                    flat[start:start + shard["nbytes"]], shard["checksums"], key))
+            self.reads.append(_Read(shard.file, shard.offset, shard.nbytes,
+                                    flat[start:start + shard.nbytes], shard.checksums, key))
             return numel
         # Rows [r0, r1) of the shard along dim 0 are one contiguous byte range: read only those,
         # widened to whole checksum pieces so that what is read is verified.
-        row = shard["nbytes"] // s_shape[0] if s_shape[0] else 0
+        row = shard.nbytes // s_shape[0] if s_shape[0] else 0
         r0, r1 = lo[0] - s_off[0], hi[0] - s_off[0]
         first, last, pieces, pos = None, None, [], 0
-        for length, crc in shard["checksums"]:
+        for length, crc in shard.checksums:
             if pos + length > r0 * row and pos < r1 * row:
                 first = pos if first is None else first
                 last = pos + length
                 pieces.append([length, crc])
             pos += length
         buf = torch.empty(last - first, dtype=torch.uint8)
-        self.reads.append(_Read(shard["file"], shard["offset"] + first, last - first, buf, pieces,
+        self.reads.append(_Read(shard.file, shard.offset + first, last - first, buf, pieces,
                                 key))
         rows = buf[r0 * row - first:r1 * row - first].view(target.dtype)
         rows = rows.reshape((r1 - r0,) + s_shape[1:])

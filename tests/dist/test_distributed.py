@@ -73,10 +73,11 @@ def test_data_parallel_round_trip_and_dedup(tmp_path, world):
     # replicated state is stored once, not `world` times
     assert one_copy <= out[0]["bytes"] < 1.25 * one_copy + world * 64 * 1024
     manifest = datastates.format.read_manifest(str(tmp_path / "step-0000000001"))
-    writers = {s["file"] for e in manifest["entries"] if e.get("replicated") for s in e["shards"]}
+    writers = {s.file for e in manifest.entries if getattr(e, "replicated", False)
+               for s in e.shards}
     assert len(writers) == world  # the replicated writing is spread over every rank
-    mine = [e for e in manifest["entries"] if e["key"] == "mine"]
-    assert sorted(e["rank"] for e in mine) == list(range(world))  # same key, kept per rank
+    mine = [e for e in manifest.entries if e.key == "mine"]
+    assert sorted(e.rank for e in mine) == list(range(world))  # same key, kept per rank
 
 
 # ------------------------------------------------------------------ DTensor sharding + resharding

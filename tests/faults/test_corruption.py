@@ -50,13 +50,19 @@ def step2(root) -> str:
 
 
 def manifest_of(root) -> dict:
+    """The JSON of step 2's manifest, without its checksum field."""
     with open(os.path.join(step2(root), "manifest.json")) as f:
-        return json.load(f)
+        manifest = json.load(f)
+    del manifest["manifest_crc32"]
+    return manifest
 
 
-def write_manifest(root, manifest: dict) -> None:
-    with open(os.path.join(step2(root), "manifest.json"), "w") as f:
-        json.dump(manifest, f)
+def write_manifest(root, manifest: dict, seal: bool = True) -> None:
+    """Replace step 2's manifest; ``seal`` appends a valid checksum, so that what is tested is the
+    validation of the fields, not the checksum."""
+    raw = json.dumps(manifest, separators=(",", ":")).encode()
+    with open(os.path.join(step2(root), "manifest.json"), "wb") as f:
+        f.write(datastates.format.seal_manifest(raw) if seal else raw)
 
 
 def entry(manifest: dict, key: str) -> dict:
@@ -234,6 +240,27 @@ def test_manifest_version_99_is_unsupported(root):
     assert_others_intact(root)
 
 
+@pytest.mark.parametrize("seal", [True, False])
+def test_manifest_edited_without_its_checksum_is_corrupt(root, seal):
+    """Any change to the bytes of a sealed manifest fails its checksum; an unsealed version-2
+    manifest is refused (it would otherwise be read unchecked)."""
+    raw = open(os.path.join(step2(root), "manifest.json"), "rb").read()
+    if seal:
+        at = raw.index(b'"step":2')
+        raw = raw[:at] + b'"step":3' + raw[at + 8:]
+        with open(os.path.join(step2(root), "manifest.json"), "wb") as f:
+            f.write(raw)
+    else:
+        write_manifest(root, manifest_of(root), seal=False)
+    for action in (load_step2, restore_step2):
+        with pytest.raises(CorruptCheckpointError, match="checksum") as info:
+            action(root)
+        assert info.type is CorruptCheckpointError
+    with datastates.Checkpointer(root, CONFIG) as ck:
+        assert [i.name for i in ck.list()] == [STEP1]
+    assert_others_intact(root)
+
+
 def test_manifest_unknown_fields_are_ignored(root):
     m = manifest_of(root)
     m["future_field"] = {"x": 1}
@@ -242,20 +269,25 @@ def test_manifest_unknown_fields_are_ignored(root):
     assert_bit_exact(load_step2(root, trusted=True), make_state(2), STEP2)
 
 
-@pytest.mark.parametrize("how", ["deleted", "renamed-in-manifest"])
-def test_missing_shard_file(root, how):
-    m = manifest_of(root)
-    if how == "deleted":
-        os.remove(shard_path(step2(root)))
-        missing = shard_path(step2(root))
-    else:
-        m["files"][0]["name"] = "rank-00042.dsf"
-        write_manifest(root, m)
-        missing = os.path.join(step2(root), "rank-00042.dsf")
+def test_missing_shard_file(root):
+    os.remove(shard_path(step2(root)))
+    missing = shard_path(step2(root))
     with pytest.raises(CheckpointNotFoundError) as info:
         load_step2(root, trusted=True)
     assert missing in str(info.value)
     assert isinstance(info.value, FileNotFoundError)
+    assert_others_intact(root)
+
+
+@pytest.mark.parametrize("name", ["rank-00042.dsf", "../step-0000000001/rank-00000.dsf",
+                                  "/etc/passwd", "rank-0.dsf", ""])
+def test_manifest_file_name_must_be_the_ranks(root, name):
+    m = manifest_of(root)
+    m["files"][0]["name"] = name
+    write_manifest(root, m)
+    with pytest.raises(CorruptCheckpointError, match="file name") as info:
+        load_step2(root, trusted=True)
+    assert info.type is CorruptCheckpointError
     assert_others_intact(root)
 
 
@@ -264,7 +296,7 @@ def test_manifest_entry_past_the_data(root):
     shard = entry(m, "counts")["shards"][0]
     shard["offset"] = m["files"][0]["nbytes"] + 4096
     write_manifest(root, m)
-    with pytest.raises(CorruptCheckpointError, match="counts") as info:
+    with pytest.raises(CorruptCheckpointError, match="offset") as info:
         load_step2(root, trusted=True)
     assert info.type is CorruptCheckpointError
 
@@ -275,7 +307,7 @@ def test_manifest_shape_inconsistent_with_bytes(root):
     e["shape"] = [3001]
     e["shards"][0]["shape"] = [3001]
     write_manifest(root, m)
-    with pytest.raises(CorruptCheckpointError, match="counts"):
+    with pytest.raises(CorruptCheckpointError, match="shape"):
         load_step2(root, trusted=True)
 
 
@@ -299,15 +331,15 @@ def test_garbage_manifest_is_not_a_checkpoint(root, garbage):
 
 @pytest.mark.parametrize("content", [b"step-0000000099", b"", b"../elsewhere", b".tmp.x",
                                      b"\xff\xfe", b"latest", b"step-0000000001\n"])
-def test_latest_naming_no_checkpoint_falls_back(root, content):
+def test_latest_file_is_only_a_hint(root, content):
+    """Whatever the ``latest`` file says, the newest committed checkpoint is the latest."""
     with open(os.path.join(root, "latest"), "wb") as f:
         f.write(content)
     with datastates.Checkpointer(root, CONFIG) as ck:
-        expected = STEP1 if content == b"step-0000000001\n" else STEP2
-        assert ck.latest().name == expected
+        assert ck.latest().name == STEP2
         live = zeros_like_state(make_state(2))
-        ck.restore(live)
-        want = make_state(1 if expected == STEP1 else 2)
+        assert ck.restore(live).name == STEP2
+        want = make_state(2)
         for key, tensor in tensors_of(want).items():
             assert_bit_exact(tensors_of(live)[key], tensor, key)
 

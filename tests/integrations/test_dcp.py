@@ -40,7 +40,7 @@ def test_dcp_save_load_across_world_sizes(tmp_path, save_world, load_world):
         shards = [f for f in files if f.endswith(".dsf")]
         assert len(shards) == save_world  # one coalesced file per rank
         for f in shards:  # each is a valid datastates shard file with a checksummed index
-            assert datastates.format.read_index(str(tmp_path / name / f))["entries"]
+            assert datastates.format.read_index(str(tmp_path / name / f)).entries
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temporaries left
     run("load", tmp_path, load_world)
 

@@ -1,23 +1,27 @@
-"""Golden bytes pin the on-disk format of docs/format.md."""
+"""Golden bytes pin the on-disk format of docs/format.md; the typed model accepts exactly what
+the writer writes."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import zlib
 
+import pytest
 import torch
 
-from datastates import Checkpointer
+from datastates import Checkpointer, CorruptCheckpointError, UnsupportedFormatError
 from datastates import format as fmt
+from datastates import schema
 
 
 def test_header_golden_bytes():
-    index = b'{"format":"datastates-shard","version":1,"rank":0,"entries":[]}'
+    index = b'{"format":"datastates-shard","version":2,"rank":0,"entries":[]}'
     head = fmt.pack_header(8192, index)
     assert len(head) == 4096
     assert head[:8] == bytes.fromhex("4453544154455301")
-    assert struct.unpack_from("<IIQQI", head, 8) == (1, 0, 8192, len(index), zlib.crc32(index))
+    assert struct.unpack_from("<IIQQI", head, 8) == (2, 0, 8192, len(index), zlib.crc32(index))
     assert struct.unpack_from("<I", head, 36)[0] == zlib.crc32(head[:36])
     assert head[40:] == bytes(4056)
 
@@ -29,12 +33,18 @@ def test_shard_file_matches_the_spec(tmp_path):
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save({"t": t, "b": b, "obj": {1, 2}}, step=7).wait()
     cdir = tmp_path / "step-0000000007"
-    manifest = json.loads((cdir / "manifest.json").read_text())
-    assert manifest["format"] == "datastates-checkpoint" and manifest["version"] == 1
-    assert manifest["step"] == 7 and manifest["world_size"] == 1
+    raw_manifest = (cdir / "manifest.json").read_bytes()
+    manifest = json.loads(raw_manifest)
+    assert manifest["format"] == "datastates-checkpoint" and manifest["version"] == 2
+    assert manifest["step"] == 7 and manifest["world_size"] == 1 and manifest["seq"] == 1
+    # The checksum trailer: the last field, CRC-32 of every byte before ',"manifest_crc32"'.
+    trailer = re.fullmatch(rb'(.*),"manifest_crc32":"([0-9a-f]{8})"\}', raw_manifest, re.S)
+    assert trailer and int(trailer.group(2), 16) == zlib.crc32(trailer.group(1))
+    assert list(manifest)[-1] == "manifest_crc32"
     raw = (cdir / manifest["files"][0]["name"]).read_bytes()
     magic, version, flags, ioff, ilen, icrc = struct.unpack_from("<8sIIQQI", raw, 0)
-    assert magic == b"DSTATES\x01" and version == 1 and flags == 0
+    assert magic == b"DSTATES\x01" and version == 2 and flags == 0
+    assert raw[40:4096] == bytes(4056) and ioff % 4096 == 0 and ioff + ilen == len(raw)
     assert zlib.crc32(raw[ioff:ioff + ilen]) == icrc == manifest["files"][0]["index_crc32"]
     index = json.loads(raw[ioff:ioff + ilen])
     by_key = {e["key"]: e for e in index["entries"]}
@@ -49,3 +59,113 @@ def test_shard_file_matches_the_spec(tmp_path):
     assert tree["t"] == "dict" and [k for k, _ in tree["items"]] == ["t", "b", "obj"]
     assert (tmp_path / "latest").read_text() == "step-0000000007"
     assert sorted(os.listdir(cdir)) == ["manifest.json", "rank-00000.dsf"]
+
+
+# ---------------------------------------------------------------- manifest checksum and versions
+
+def test_seal_manifest_golden_bytes():
+    body = b'{"a":1}'
+    sealed = fmt.seal_manifest(body)
+    assert sealed == b'{"a":1,"manifest_crc32":"%08x"}' % zlib.crc32(b'{"a":1')
+    assert json.loads(sealed) == {"a": 1, "manifest_crc32": "%08x" % zlib.crc32(b'{"a":1')}
+
+
+def saved_manifest(tmp_path) -> tuple[str, dict]:
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save({"t": torch.arange(4), "o": {1}}, step=3).wait()
+    cdir = str(tmp_path / "step-0000000003")
+    with open(os.path.join(cdir, "manifest.json"), "rb") as f:
+        obj = json.loads(f.read())
+    obj.pop("manifest_crc32")
+    return cdir, obj
+
+
+def write(cdir: str, raw: bytes) -> None:
+    with open(os.path.join(cdir, "manifest.json"), "wb") as f:
+        f.write(raw)
+
+
+def test_read_manifest_is_typed(tmp_path):
+    cdir, obj = saved_manifest(tmp_path)
+    m = fmt.read_manifest(cdir)
+    assert isinstance(m, schema.Manifest) and m.version == 2 and m.seq == 1 and m.step == 3
+    assert m.files == (schema.FileRef("rank-00000.dsf", 0, obj["files"][0]["nbytes"],
+                                      obj["files"][0]["index_crc32"]),)
+    kinds = {e.key: type(e) for e in m.entries}
+    assert kinds == {"t": schema.TensorEntry, "o": schema.ObjectEntry}
+    t = next(e for e in m.entries if e.key == "t")
+    assert t.shape == (4,) and t.torch_dtype == torch.int64 and t.shards[0].nbytes == 32
+    index = fmt.read_index(os.path.join(cdir, "rank-00000.dsf"))
+    assert isinstance(index, schema.ShardIndex) and {e.key for e in index.entries} == {"t", "o"}
+
+
+def test_unsealed_version_2_manifest_is_corrupt(tmp_path):
+    """Without its trailer a version-2 manifest is never read unchecked."""
+    cdir, obj = saved_manifest(tmp_path)
+    write(cdir, fmt.encode_json(obj))
+    with pytest.raises(CorruptCheckpointError, match="checksum") as info:
+        fmt.read_manifest(cdir)
+    assert info.type is CorruptCheckpointError
+
+
+def test_version_1_with_a_trailer_is_corrupt(tmp_path):
+    """A bit flip of the version digit 2 -> 1 (0x32 -> 0x31) cannot reach the legacy path."""
+    cdir, obj = saved_manifest(tmp_path)
+    obj["version"] = 1
+    write(cdir, fmt.seal_manifest(fmt.encode_json(obj)))
+    with pytest.raises(CorruptCheckpointError, match="version"):
+        fmt.read_manifest(cdir)
+
+
+def test_legacy_version_1_loads_with_a_warning(tmp_path):
+    """A version-1 manifest (no checksum, no seq) is read, validated, with a warning."""
+    cdir, obj = saved_manifest(tmp_path)
+    obj["version"] = 1
+    del obj["seq"]
+    write(cdir, json.dumps(obj).encode())
+    with pytest.warns(RuntimeWarning, match="no checksum"):
+        m = fmt.read_manifest(cdir)
+    assert m.version == 1 and m.seq == 0
+    with pytest.warns(RuntimeWarning), Checkpointer(tmp_path) as ckpt:
+        assert torch.equal(ckpt.load(step=3, trusted=True)["t"], torch.arange(4))
+    obj["seq"] = 5  # version 1 never had a seq: a mix is damage
+    write(cdir, json.dumps(obj).encode())
+    with pytest.raises(CorruptCheckpointError):
+        fmt.read_manifest(cdir)
+
+
+@pytest.mark.parametrize("version,error", [(3, UnsupportedFormatError), (0, CorruptCheckpointError),
+                                           (True, CorruptCheckpointError),
+                                           ("2", CorruptCheckpointError)])
+def test_manifest_version_checks(tmp_path, version, error):
+    cdir, obj = saved_manifest(tmp_path)
+    obj["version"] = version
+    write(cdir, fmt.seal_manifest(fmt.encode_json(obj)))
+    with pytest.raises(error) as info:
+        fmt.read_manifest(cdir)
+    assert info.type is error
+
+
+def test_encode_manifest_refuses_what_a_reader_would_refuse(tmp_path):
+    _, obj = saved_manifest(tmp_path)
+    obj["entries"][0]["shape"] = [-1]
+    with pytest.raises(CorruptCheckpointError, match="shape"):
+        fmt.encode_manifest(obj)
+
+
+def test_parse_rank_report_validates(tmp_path):
+    report = {"rank": 1, "file": {"name": "rank-00001.dsf", "nbytes": 8192, "index_crc32": 5},
+              "entries": [{"key": "x", "kind": "tensor", "dtype": "float32", "shape": [2],
+                           "offset": 4096, "nbytes": 8, "checksums": [[8, 7]]}],
+              "tree": {"t": "dict", "items": [["x", {"t": "tensor", "e": 0}]]}}
+    parsed = schema.parse_rank_report(report, "rank 1")
+    assert parsed.rank == 1 and parsed.entries[0].checksums == ((8, 7),)
+    for mutate in (lambda r: r["file"].update(name="../x"),
+                   lambda r: r["entries"][0].update(nbytes=12),
+                   lambda r: r["tree"]["items"][0][1].update(e=1),
+                   lambda r: r["tree"]["items"][0][1].update(t="object"),
+                   lambda r: r.update(rank=True)):
+        bad = json.loads(json.dumps(report))
+        mutate(bad)
+        with pytest.raises(CorruptCheckpointError):
+            schema.parse_rank_report(bad, "rank 1")

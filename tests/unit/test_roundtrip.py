@@ -107,7 +107,8 @@ def test_list_latest_metadata_and_tags(tmp_path):
         ckpt.save({"x": torch.zeros(2)}, step=5, metadata={"loss": 1.5}).wait()
         ckpt.save({"x": torch.ones(2)}, tag="best", metadata={"loss": 0.5}).wait()
         names = [i.name for i in ckpt.list()]
-        assert names == ["best", "step-0000000005"]  # untagged-step checkpoints sort by step
+        assert names == ["step-0000000005", "best"]  # commit order, steps and tags alike
+        assert [i.seq for i in ckpt.list()] == [1, 2]
         assert ckpt.latest().name == "best"
         assert ckpt.latest().metadata == {"loss": 0.5}
         assert torch.equal(ckpt.load(step=5)["x"], torch.zeros(2))

@@ -1,0 +1,248 @@
+"""Fuzz of the manifest, the shard header and the shard index (deterministic seeds, bounded).
+
+Two kinds of cases:
+
+- **damage** (random byte or bit flips, JSON-structure mutations written without fixing any
+  checksum): load, restore and verify must each raise ``CorruptCheckpointError`` (or its subclass
+  ``UnsupportedFormatError``) or return data bit-identical to what was saved;
+- **forgery** (JSON-structure mutations written with every checksum made valid, as a buggy or
+  hostile writer would): the checksums cannot help, so the parsers must: every outcome is a
+  datastates error or a result — never ``KeyError``, ``IndexError``, ``TypeError``,
+  ``AttributeError``, ``OSError``, ``RuntimeError``, ``MemoryError``, ``RecursionError``.
+
+All cases run with the address space capped at what is mapped plus 2 GiB, so an allocation sized
+by a damaged field fails the test. Listing and ``latest()`` of the directory never raise.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import shutil
+import struct
+
+import pytest
+
+from datastates import CorruptCheckpointError, DatastatesError, commit
+from datastates import format as fmt
+
+from _faults_helpers import assert_bit_exact
+from _integrity_helpers import (NAME, assert_same_view, bounded_memory, index_of, load,
+                                manifest_path, read_bytes, restore, restore_live, save_pristine, shard_file,
+                                verify, with_index, write_bytes)
+
+CASES = int(os.environ.get("FUZZ_CASES", "60"))  # per test below: 9 tests, 540 cases
+
+_ODD_VALUES = [None, True, False, "", "x", "../x", 1.5, -1, 0, 1, 2 ** 31, 2 ** 64, 10 ** 30,
+               -2 ** 63, 1e308, float("nan"), float("inf"), [], {}, [1, 2], {"t": "x"},
+               [[0, 0]], [-1, 64], [1e15]]
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """(root, checkpoint dir, saved view, pristine load, manifest bytes, shard bytes)."""
+    root = tmp_path_factory.mktemp("fuzz-pristine")
+    saved, loaded = save_pristine(root)
+    ckpt = os.path.join(root, NAME)
+    return {"root": root, "saved": saved, "loaded": loaded, "size": os.path.getsize(
+        shard_file(ckpt)), "manifest": read_bytes(manifest_path(ckpt)),
+            "shard": read_bytes(shard_file(ckpt))}
+
+
+@pytest.fixture
+def work(pristine, tmp_path):
+    dst = tmp_path / "ck"
+    shutil.copytree(pristine["root"], dst)
+    return str(dst / NAME)
+
+
+# ---------------------------------------------------------------- mutations
+
+def flip_byte(data: bytes, rng: random.Random, lo: int = 0, hi: int | None = None) -> bytes:
+    hi = len(data) if hi is None else hi
+    at = rng.randrange(lo, hi)
+    value = rng.choice([b for b in range(256) if b != data[at]])
+    return data[:at] + bytes([value]) + data[at + 1:]
+
+
+def flip_bit(data: bytes, rng: random.Random, lo: int = 0, hi: int | None = None) -> bytes:
+    hi = len(data) if hi is None else hi
+    at = rng.randrange(lo, hi)
+    return data[:at] + bytes([data[at] ^ (1 << rng.randrange(8))]) + data[at + 1:]
+
+
+def _paths(value, path=()):
+    yield path
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _paths(v, path + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _paths(v, path + (i,))
+
+
+def mutate_json(obj: dict, rng: random.Random) -> tuple[dict, str]:
+    """One structural mutation of a copy of ``obj``; returns it and a description."""
+    obj = copy.deepcopy(obj)
+    path = rng.choice([p for p in _paths(obj) if p])
+    parent = obj
+    for part in path[:-1]:
+        parent = parent[part]
+    key, value = path[-1], parent[path[-1]]
+    op = rng.choice(["delete", "retype", "number", "swap", "nest", "duplicate"])
+    if op == "delete":
+        del parent[key]
+    elif op == "retype" or (op == "number" and type(value) is not int):
+        op = "retype"
+        parent[key] = copy.deepcopy(rng.choice(_ODD_VALUES))
+    elif op == "number":
+        parent[key] = rng.choice([value + 1, value - 1, -value, -1, value * 2 ** 40, 2 ** 63,
+                                  float(value), 10 ** 15, 0])
+    elif op == "swap":
+        siblings = list(range(len(parent))) if isinstance(parent, list) else list(parent)
+        other = rng.choice(siblings)
+        parent[key], parent[other] = parent[other], parent[key]
+    elif op == "nest":  # spliced in by encode(): too deep for the encoder itself
+        parent[key] = f"{_DEEP}{rng.choice([300, 5000])}"
+    else:
+        if isinstance(parent, list):
+            parent.append(copy.deepcopy(value))
+        else:
+            parent[key] = [copy.deepcopy(value), copy.deepcopy(value)]
+    return obj, f"{op} at {list(path)}"
+
+
+_DEEP = "@@deep-nesting@@"
+
+
+def encode(obj) -> bytes:
+    raw = json.dumps(obj, separators=(",", ":")).encode()
+    marker = raw.find(_DEEP.encode())
+    if marker < 0:
+        return raw
+    end = raw.index(b'"', marker)
+    depth = int(raw[marker + len(_DEEP):end])
+    deep = b'{"t":"list","items":[' * depth + b'{"t":"value","v":1}' + b"]}" * depth
+    return raw[:marker - 1] + deep + raw[end + 1:]
+
+
+def manifest_obj(raw: bytes) -> dict:
+    obj = json.loads(raw)
+    del obj["manifest_crc32"]
+    return obj
+
+
+# ---------------------------------------------------------------- running a case
+
+def run_case(pristine, ckpt: str, manifest: bytes, shard: bytes, forged: bool, what: str) -> None:
+    write_bytes(manifest_path(ckpt), manifest)
+    write_bytes(shard_file(ckpt), shard)
+    outcomes = {}
+    # A forged manifest may restore other values (keys, types) than the live state had: only
+    # the absence of untyped errors is checked there, so the live state is not inspected.
+    for name, action in (("load", load), ("restore", restore_live if forged else restore),
+                         ("verify", verify)):
+        try:
+            outcomes[name] = action(ckpt)
+        except RecursionError as exc:  # never acceptable, even though it is a RuntimeError
+            raise AssertionError(f"{what}: {name} raised {exc!r}") from exc
+        except CorruptCheckpointError:
+            continue
+        except DatastatesError as exc:
+            assert forged, f"{what}: {name} raised {type(exc).__name__}: {exc}"
+        except Exception as exc:
+            raise AssertionError(f"{what}: {name} raised {type(exc).__name__}: {exc}") from exc
+    if not forged:  # damage: whatever was returned is exactly what was saved
+        if "load" in outcomes:
+            assert_bit_exact(outcomes["load"], pristine["loaded"], f"{what}: load")
+        if "restore" in outcomes:
+            assert_same_view(outcomes["restore"], pristine["saved"])
+        if "verify" in outcomes:
+            assert outcomes["verify"] == pristine["size"], what
+    root = os.path.dirname(ckpt)
+    assert {i.name for i in commit.list_checkpoints(root)} <= {NAME, "step-0000000006"}, what
+    assert commit.latest(root) is not None, what
+
+
+def run_cases(pristine, ckpt: str, seed: int, make) -> None:
+    with bounded_memory():
+        for i in range(CASES):
+            rng = random.Random(seed * 1000 + i)
+            manifest, shard, forged, what = make(rng)
+            run_case(pristine, ckpt, manifest, shard, forged, f"case {seed}/{i}: {what}")
+
+
+# ---------------------------------------------------------------- the cases
+
+@pytest.mark.parametrize("how", ["byte", "bit"])
+def test_manifest_flips(pristine, work, how):
+    flip = flip_byte if how == "byte" else flip_bit
+
+    def make(rng):
+        return flip(pristine["manifest"], rng), pristine["shard"], False, f"manifest {how} flip"
+    run_cases(pristine, work, 1 if how == "byte" else 2, make)
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_manifest_json_mutations(pristine, work, sealed):
+    base = manifest_obj(pristine["manifest"])
+
+    def make(rng):
+        obj, what = mutate_json(base, rng)
+        body = encode(obj)
+        return (fmt.seal_manifest(body) if sealed else body), pristine["shard"], sealed, \
+            f"manifest {what}"
+    run_cases(pristine, work, 3 if sealed else 4, make)
+
+
+@pytest.mark.parametrize("how", ["byte", "bit"])
+def test_header_flips(pristine, work, how):
+    flip = flip_byte if how == "byte" else flip_bit
+
+    def make(rng):
+        hi = 40 if rng.random() < 0.8 else fmt.HEADER_BYTES  # mostly the fields, some reserved
+        return pristine["manifest"], flip(pristine["shard"], rng, 0, hi), False, \
+            f"header {how} flip"
+    run_cases(pristine, work, 5 if how == "byte" else 6, make)
+
+
+def test_header_fields_with_valid_crc(pristine, work):
+    """Header fields changed and the header CRC recomputed: only the manifest ties it down."""
+    def make(rng):
+        head = bytearray(pristine["shard"][:40])
+        field = rng.choice([(8, "<I"), (12, "<I"), (16, "<Q"), (24, "<Q"), (32, "<I")])
+        (old,) = struct.unpack_from(field[1], head, field[0])
+        new = rng.choice([0, 1, 3, old + 1, old - 1 if old else 7, old + 4096, 2 ** 32 - 1])
+        struct.pack_into(field[1], head, field[0], new & (2 ** (8 * struct.calcsize(field[1])) - 1))
+        struct.pack_into("<I", head, 36, fmt.crc32(bytes(head[:36])))
+        return pristine["manifest"], bytes(head) + pristine["shard"][40:], False, \
+            f"header field at {field[0]} = {new}"
+    run_cases(pristine, work, 7, make)
+
+
+def test_index_flips(pristine, work):
+    offset, index = index_of(pristine["shard"])
+
+    def make(rng):
+        flip = flip_byte if rng.random() < 0.5 else flip_bit
+        return pristine["manifest"], flip(pristine["shard"], rng, offset), False, "index flip"
+    run_cases(pristine, work, 8, make)
+
+
+@pytest.mark.parametrize("forged", [False, True])
+def test_index_json_mutations(pristine, work, forged):
+    """Index mutated with the header made valid; forged: the manifest updated to match it."""
+    _, index = index_of(pristine["shard"])
+    base = json.loads(index)
+
+    def make(rng):
+        obj, what = mutate_json(base, rng)
+        shard = with_index(pristine["shard"], encode(obj))
+        manifest = pristine["manifest"]
+        if forged:
+            m = manifest_obj(manifest)
+            m["files"][0].update(nbytes=len(shard), index_crc32=fmt.crc32(encode(obj)))
+            manifest = fmt.seal_manifest(encode(m))
+        return manifest, shard, forged, f"index {what}"
+    run_cases(pristine, work, 9 if forged else 10, make)
