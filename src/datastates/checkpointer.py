@@ -15,7 +15,8 @@ from . import format as fmt
 from .config import CheckpointConfig
 from .dist import LocalCommunicator, StoreCommunicator
 from .engine import Job, Pipeline, SaveHandle
-from .errors import CheckpointExistsError, ConfigError
+from .errors import (CheckpointerClosedError, CheckpointExistsError, ConfigError,
+                     SerializationError)
 from .flatten import ObjectItem, TensorItem, flatten
 from .planning import assign_replicated, plan_layout
 from .providers import ProviderRegistry
@@ -33,8 +34,13 @@ class Checkpointer:
     Resources (host cache, threads) are released by ``close()`` or the ``with`` block, which first
     waits for in-flight saves to commit. ``share=other`` makes this Checkpointer use ``other``'s
     host cache, threads, configuration and communicator (for tools that save into many
-    directories); ``other`` owns them: close the sharers first, closing ``other`` drains and stops
-    everything.
+    directories); ``other`` owns them. Close them in any order: closing ``other`` waits for every
+    queued save of every sharer, then stops the threads; a sharer used after that raises
+    ``CheckpointerClosedError``.
+
+    ``restore`` and ``load`` first wait until every save in flight on the shared pipeline is
+    committed or failed, so ``save(); restore()`` sees the checkpoint just saved and a restore
+    never changes state that an in-flight snapshot is still reading.
     """
 
     def __init__(self, directory: str | os.PathLike, config: CheckpointConfig | None = None, *,
@@ -98,6 +104,7 @@ class Checkpointer:
             raise CheckpointExistsError(f"checkpoint {name!r} already exists in "
                                         f"{self.directory}; pass overwrite=True to replace it")
         flat = flatten(state, self.registry)
+        _check_dtypes(flat.items)
         for opt in flat.optimizers:
             self.guard(opt)
         tensors = [i for i, it in enumerate(flat.items) if isinstance(it, TensorItem)]
@@ -164,9 +171,21 @@ class Checkpointer:
         Tensors are filled in place on their own devices; providers apply the rest (optimizer
         state, RNG, schedulers); plain values (ints, strings, objects) held by the live dicts and
         lists are replaced by the saved ones. Strict by default: keys, shapes and dtypes must match, and a
-        mismatch raises StateMismatchError before anything is modified. ``keys`` restricts the
-        restore to key prefixes such as ``"model"``. Python objects load safely unless
-        ``trusted=True`` (or their classes are in ``safe_globals``).
+        mismatch raises StateMismatchError before anything is modified. Strict means: the same
+        keys, list lengths, tensor shapes and dtypes, the same type for every plain value (a live
+        ``None`` accepts any saved value), and every check of the providers involved (for an
+        optimizer: its class, the number of parameter groups, the parameters per group, the
+        hyper-parameter names, and the state names of every parameter that has state). With
+        ``strict=False`` what does not match is left alone and listed in the report. ``keys``
+        restricts the restore to key prefixes such as ``"model"``. Python objects load safely
+        unless ``trusted=True`` (or their classes are in ``safe_globals``).
+
+        First waits until every in-flight save of this Checkpointer (and of those sharing its
+        pipeline) is committed or failed; their failures stay on their handles. A checksum error
+        found while reading raises CorruptCheckpointError after tensors read in place so far took
+        their new values; plain values and provider state (optimizer hyper-parameters, RNG,
+        schedulers) change only after every read was verified. Run ``verify`` first
+        (``python -m datastates verify DIR``) to rule that out without touching live state.
         """
         with self._reader(step, tag, verify, trusted, safe_globals, None, rank_policy) as reader:
             return reader.restore_into(state, keys=keys, strict=strict)
@@ -175,7 +194,8 @@ class Checkpointer:
              map_location: Any = None, verify: bool | None = None, trusted: bool = False,
              safe_globals: Iterable[Any] = (), rank_policy: str = "strict") -> Any:
         """Load a committed checkpoint into new objects: the structure that was saved, with
-        modules and optimizers as their state dicts (what ``torch.load`` of them would give)."""
+        modules and optimizers as their state dicts (what ``torch.load`` of them would give).
+        Like ``restore``, first waits for the saves in flight on this pipeline."""
         with self._reader(step, tag, verify, trusted, safe_globals, map_location,
                           rank_policy) as reader:
             return reader.load(keys=keys)
@@ -183,6 +203,7 @@ class Checkpointer:
     def _reader(self, step, tag, verify, trusted, safe_globals, map_location, rank_policy):
         self._check_open()
         _check_step(step)
+        self._pipeline.drain()
         info = commit_mod.resolve(self.directory, step, tag)
         return Reader(info.path, registry=self.registry, rank=self.rank,
                       world_size=self.world_size, threads=self.config.reader_threads,
@@ -212,10 +233,10 @@ class Checkpointer:
         Failures of saves nobody awaited are re-issued as warnings, never lost."""
         if self._closed:
             return
+        self._closed = True  # from here on save/restore/load raise CheckpointerClosedError
         for handle in list(self._pending):
             handle._job.finished.wait()
         self._report_dropped_failures()
-        self._closed = True
         for hook in list(self._guarded.values()):
             hook.remove()
         self._guarded.clear()
@@ -233,15 +254,20 @@ class Checkpointer:
     def _after_commit(self, job: Job) -> None:
         """Rank 0, commit thread, after the checkpoint became visible. It is committed whatever
         happens here: a failure to move ``latest`` (readers fall back to the newest manifest) or
-        to apply retention is a warning, not a failed save."""
+        to apply retention is a warning naming what failed, not a failed save."""
         try:
             commit_mod.set_latest(self.directory, job.name, self.config.fsync)
+        except Exception as exc:
+            warnings.warn(f"datastates: {job.name!r} is committed, but updating "
+                          f"{os.path.join(self.directory, fmt.LATEST)} failed: {exc}",
+                          RuntimeWarning, stacklevel=2)
+        try:
             commit_mod.apply_retention(self.directory, self.config.keep_last,
                                        self.config.keep_every, protect=job.name,
                                        fsync=self.config.fsync)
-        except OSError as exc:
-            warnings.warn(f"datastates: {job.name!r} is committed, but updating 'latest' or "
-                          f"applying retention failed: {exc}", RuntimeWarning, stacklevel=2)
+        except Exception as exc:
+            warnings.warn(f"datastates: {job.name!r} is committed, but applying retention in "
+                          f"{self.directory} failed: {exc}", RuntimeWarning, stacklevel=2)
 
     def _tensors_to_write(self, items, tensors: list[int]) -> list[int]:
         tensors = [i for i in tensors if items[i].primary]
@@ -277,14 +303,26 @@ class Checkpointer:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this Checkpointer is closed")
+            raise CheckpointerClosedError(f"the Checkpointer of {self.directory} is closed")
         if self._pipeline.closed:
-            raise RuntimeError("the Checkpointer whose pipeline this one shares was closed")
+            raise CheckpointerClosedError(f"the Checkpointer whose pipeline the one of "
+                                          f"{self.directory} shares was closed")
 
 
 def _check_step(step) -> None:
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
         raise ValueError(f"step must be a non-negative int, found {step!r}")
+
+
+def _check_dtypes(items) -> None:
+    """Fail inside save(), not after the I/O, on a tensor the format cannot hold."""
+    for item in items:
+        if isinstance(item, TensorItem):
+            try:
+                fmt.dtype_name(item.dtype)
+            except TypeError as exc:
+                raise SerializationError(f"{item.key!r}: {exc}; convert it (e.g. .to(torch."
+                                         "float32)) or save it as a Python object") from None
 
 
 def _mark_replicated(items, tensors: list[int], replicated) -> None:

@@ -143,7 +143,12 @@ def publish(root: str, tmp: str, name: str, manifest: dict, *, overwrite: bool,
                                         "overwrite=True to replace it")
         old = os.path.join(root, f".old.{name}.{uuid.uuid4().hex[:8]}")
         os.rename(final, old)
-    os.rename(tmp, final)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        if old is not None:  # put the replaced checkpoint back: a failed save changes nothing
+            os.rename(old, final)
+        raise
     # Committed from here on: later failures are warnings, never a failed save that is listed.
     for step in (lambda: fsync_dir(root) if fsync else None,
                  lambda: remove_tree(old) if old is not None else None):
@@ -240,7 +245,12 @@ def delete(root: str, name: str, fsync: bool = True) -> None:
     os.rename(path, trash)
     if fsync:
         fsync_dir(root)
-    remove_tree(trash)
+    try:
+        remove_tree(trash)
+    except OSError as exc:
+        raise OSError(exc.errno, f"checkpoint {name!r} was deleted (no longer listed) but its "
+                                 f"files in {trash} could not be removed: {exc.strerror}",
+                      exc.filename) from exc
 
 
 def apply_retention(root: str, keep_last: int | None, keep_every: int | None,
@@ -249,9 +259,12 @@ def apply_retention(root: str, keep_last: int | None, keep_every: int | None,
 
     Keeps the ``keep_last`` most recently committed checkpoints (commit order, steps and tags
     alike), every checkpoint whose step is a multiple of ``keep_every``, and ``protect``. The
-    newest checkpoint is therefore never deleted."""
+    newest checkpoint is therefore never deleted. Also retries the removal of ``.trash.*`` left by
+    earlier deletions whose files could not be removed, so they do not accumulate unnoticed. Every
+    deletion is attempted; then an OSError naming each path that could not be removed is raised."""
     if keep_last is None:
         return []
+    failures = _remove_trash(root)
     found = list_checkpoints(root)
     keep = {i.name for i in found[-keep_last:]} | {protect}
     if found:
@@ -262,9 +275,26 @@ def apply_retention(root: str, keep_last: int | None, keep_every: int | None,
             continue
         if keep_every and info.step is not None and info.step % keep_every == 0:
             continue
-        delete(root, info.name, fsync)
-        removed.append(info.name)
+        try:
+            delete(root, info.name, fsync)
+            removed.append(info.name)
+        except OSError as exc:
+            failures.append(exc)
+    if failures:
+        raise OSError(failures[0].errno, "retention could not remove: " +
+                      "; ".join(str(e) for e in failures), failures[0].filename)
     return removed
+
+
+def _remove_trash(root: str) -> list[OSError]:
+    failures = []
+    for name in sorted(os.listdir(root)):
+        if name.startswith(".trash."):
+            try:
+                remove_tree(os.path.join(root, name))
+            except OSError as exc:
+                failures.append(exc)
+    return failures
 
 
 def clean_stale(root: str, max_age_s: float) -> list[str]:
@@ -299,7 +329,12 @@ def clean_stale(root: str, max_age_s: float) -> list[str]:
         except OSError:
             continue
         if stale:
-            remove_tree(path)
+            try:
+                remove_tree(path)
+            except OSError as exc:
+                warnings.warn(f"datastates: could not remove the stale temporary {path}: {exc}",
+                              RuntimeWarning, stacklevel=2)
+                continue
             removed.append(name)
     return removed
 

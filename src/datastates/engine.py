@@ -6,7 +6,9 @@ Threads (one set per Checkpointer, started once):
 - writers: checksum each unit's pieces and write the unit at its file offset, release the slot;
 - commit: opens nothing on the training thread; writes the object blobs while tensor units are in
   flight (metadata overlaps bulk I/O), then index + header + fsync, then runs the commit protocol.
-Any exception fails only its job: it reaches the handle, the process keeps running.
+Any exception fails only its job: it reaches the handle, the process keeps running. Every thread
+loop catches what its work raises into the job's failure (a thread never dies), so every wait on a
+job's events ends, with the data or with an error.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 from . import commit as commit_mod
 from . import format as fmt
 from .config import CheckpointConfig
-from .errors import CheckpointWriteError, CommitError, DatastatesError
+from .errors import CheckpointerClosedError, CheckpointWriteError, CommitError, DatastatesError
 from .flatten import Flattened, TensorItem
 from .planning import Layout
 from .staging import DeviceCopier, HostCache
@@ -220,6 +222,9 @@ class Pipeline:
         self.comm = comm
         self._seq = itertools.count()
         self._closed = False
+        self._lock = threading.Lock()
+        #: Jobs submitted and not finished yet, in submission order (see ``drain``).
+        self._active: list[Job] = []
         pin = torch.cuda.is_available()
         self.cache = HostCache(config.host_cache_bytes, config.unit_bytes, pin)
         self.copier = DeviceCopier()
@@ -244,16 +249,30 @@ class Pipeline:
         return next(self._seq)
 
     def submit(self, job: Job) -> None:
-        if self._closed:
-            raise RuntimeError("the Checkpointer owning this pipeline was closed")
-        self._capture_q.put(job)
-        self._commit_q.put(job)
+        """Queue ``job`` (training thread). Raises CheckpointerClosedError once ``close`` began."""
+        with self._lock:
+            if self._closed:
+                raise CheckpointerClosedError("the Checkpointer owning this pipeline was closed")
+            self._active.append(job)
+            self._capture_q.put(job)
+            self._commit_q.put(job)
+
+    def drain(self) -> None:
+        """Block until every job submitted so far (by any Checkpointer sharing this pipeline) is
+        committed or failed. Failures stay on the jobs' handles; nothing is raised here."""
+        with self._lock:
+            pending = list(self._active)
+        for job in pending:
+            job.finished.wait()
 
     def close(self) -> None:
-        """Finish every queued job, then stop the threads (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
+        """Finish every queued job (of every Checkpointer sharing this pipeline), then stop the
+        threads (idempotent). New submissions are refused from the moment it is called."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.drain()  # the stop signals must queue behind every unit of every job
         self._capture_q.put(None)
         self._commit_q.put(None)
         for _ in range(self.config.writer_threads):
@@ -273,7 +292,12 @@ class Pipeline:
                 job.fail(write_error(job, f"preparing {job.tmp}", exc))
             finally:
                 job.opened.set()
-                job.capture_over()
+                try:
+                    job.capture_over()
+                except BaseException as exc:  # never leave the training loop waiting
+                    job.fail(exc)
+                    job.captured.set()
+                    job.all_written.set()
                 self._write_q.put(("checksum", job))
 
     def _open(self, job: Job) -> None:
@@ -344,25 +368,31 @@ class Pipeline:
         """Write each unit at once; checksum it now, or after the snapshot if the capture is still
         running (the slot stays held until its checksums are taken)."""
         while (work := self._write_q.get()) is not None:
-            if work[0] == "checksum":
-                job = work[1]
-                for unit, slot in job.take_deferred():
-                    self._checksum(job, unit, slot)
-                continue
-            _, job, unit, slot = work
+            job = work[1]
             try:
-                if not job.cancelled.is_set():
-                    view = self.cache.view(slot)
-                    padded = fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN)
-                    job.writer.write(view[:unit.nbytes], unit.file_offset, view[:padded])
-            except BaseException as exc:
-                job.fail(write_error(job, f"writing {job.writer.path if job.writer else job.tmp}"
-                                          f" at offset {unit.file_offset}", exc))
-            if job.cancelled.is_set() or not job.defer(unit, slot):
-                self._checksum(job, unit, slot)
+                if work[0] == "checksum":
+                    for unit, slot in job.take_deferred():
+                        self._checksum(job, unit, slot)
+                else:
+                    self._write_unit(job, work[2], work[3])
+            except BaseException as exc:  # last resort: the job fails, the thread lives on
+                job.fail(exc)
+
+    def _write_unit(self, job: Job, unit, slot: int) -> None:
+        try:
+            if not job.cancelled.is_set():
+                view = self.cache.view(slot)
+                padded = fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN)
+                job.writer.write(view[:unit.nbytes], unit.file_offset, view[:padded])
+        except BaseException as exc:
+            job.fail(write_error(job, f"writing {job.writer.path if job.writer else job.tmp}"
+                                      f" at offset {unit.file_offset}", exc))
+        if job.cancelled.is_set() or not job.defer(unit, slot):
+            self._checksum(job, unit, slot)
 
     def _checksum(self, job: Job, unit, slot: int) -> None:
-        """Record the CRC-32 of every piece of a written unit, then free its slot."""
+        """Record the CRC-32 of every piece of a written unit, then free its slot. Never raises:
+        a failure fails the job (any thread may call this)."""
         try:
             if not job.cancelled.is_set():
                 view = self.cache.view(slot)
@@ -370,6 +400,9 @@ class Pipeline:
                     end = piece.unit_offset + piece.nbytes
                     job.crcs[(piece.item, piece.item_offset)] = \
                         fmt.crc32(view[piece.unit_offset:end])
+        except BaseException as exc:
+            job.fail(write_error(job, f"checksumming a unit at offset {unit.file_offset} of "
+                                      f"{job.tmp}", exc))
         finally:
             self.cache.release(slot)
             job.unit_done()
@@ -378,25 +411,45 @@ class Pipeline:
     def _commit_loop(self) -> None:
         while (job := self._commit_q.get()) is not None:
             try:
-                payload = self._finish_file(job)
-            except BaseException as exc:
-                job.fail(write_error(job, f"finishing {job.tmp}", exc))
-                payload = None
+                self._commit(job)
+            except BaseException as exc:  # last resort: the job fails, the thread lives on
+                job.fail(exc)
             finally:
-                job.all_written.wait()
-                if job.writer is not None:
-                    job.writer.close()
-            try:
-                self._agree(job, payload)
-            except CommitError as exc:
-                job.error = exc
-            except BaseException as exc:  # the store went away (a rank died): never hang or crash
-                job.error = CommitError(f"checkpoint {job.name!r}: coordination with the other "
-                                        f"ranks failed ({exc}); nothing was committed",
-                                        {job.rank: repr(exc)})
-            if job.error is not None and job.rank == 0:
-                remove_tree(job.tmp)
-            job.finish()
+                if job.error is not None and job.rank == 0:
+                    _remove_failed(job)
+                job.finish()
+                with self._lock:
+                    self._active.remove(job)
+
+    def _commit(self, job: Job) -> None:
+        try:
+            payload = self._finish_file(job)
+        except BaseException as exc:
+            job.fail(write_error(job, f"finishing {job.tmp}", exc))
+        finally:
+            job.all_written.wait()
+            self._close_writer(job)
+        if job.error is not None:
+            payload = None
+        try:
+            self._agree(job, payload)
+        except CommitError as exc:
+            job.error = exc
+        except BaseException as exc:  # the store went away (a rank died): never hang or crash
+            job.error = CommitError(f"checkpoint {job.name!r}: coordination with the other "
+                                    f"ranks failed ({exc}); nothing was committed",
+                                    {job.rank: repr(exc)})
+
+    @staticmethod
+    def _close_writer(job: Job) -> None:
+        """Close the shard file; a close error (NFS reports write errors there) fails the save."""
+        if job.writer is None:
+            return
+        try:
+            job.writer.close()
+        except OSError as exc:
+            if job.error is None:
+                job.fail(write_error(job, f"closing {job.writer.path}", exc))
 
     def _finish_file(self, job: Job) -> dict | None:
         job.opened.wait()
@@ -477,3 +530,13 @@ class Pipeline:
         elif job.info is None:
             path = os.path.join(job.root, job.name)
             job.info = commit_mod.info_of(path, fmt.read_manifest(path))
+
+
+def _remove_failed(job: Job) -> None:
+    """Rank 0: delete the temporary directory of a failed save; a failure to do so is a warning
+    naming it (the next Checkpointer opening the directory retries once its owner is gone)."""
+    try:
+        remove_tree(job.tmp)
+    except OSError as exc:
+        warnings.warn(f"datastates: checkpoint {job.name!r} failed and its temporary directory "
+                      f"{job.tmp} could not be removed: {exc}", RuntimeWarning, stacklevel=2)

@@ -64,3 +64,8 @@ class CommitTimeoutError(CommitError, TimeoutError):
 
 class ReshardError(DatastatesError, ValueError):
     """Per-rank state cannot be mapped onto a different world size without the user saying how."""
+
+
+class CheckpointerClosedError(DatastatesError, RuntimeError):
+    """``save``/``restore``/``load`` was called on a closed Checkpointer (or on one sharing the
+    pipeline of a Checkpointer that was closed)."""

@@ -9,6 +9,8 @@ import errno
 import os
 import shutil
 import socket
+import sys
+import threading
 import uuid
 
 import torch
@@ -44,15 +46,23 @@ def pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
 
 class ShardWriter:
     """Owns the descriptors of one shard file being written: a buffered one and, when the file
-    system accepts it, an O_DIRECT one for aligned bulk writes."""
+    system accepts it, an O_DIRECT one for aligned bulk writes.
+
+    ``write`` may be called from several threads at once. If the file system refuses an O_DIRECT
+    write (EINVAL), every later write goes through the buffered descriptor; the O_DIRECT one stays
+    open (another thread may be writing through it) until ``finish`` or ``close``.
+    """
 
     def __init__(self, path: str, io_mode: str):
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self.direct_fd = -1
+        self._use_direct = False
+        self._lock = threading.Lock()
         if io_mode != "buffered" and _DIRECT:
             try:
                 self.direct_fd = os.open(path, os.O_WRONLY | _DIRECT)
+                self._use_direct = True
             except OSError as exc:
                 if io_mode == "direct":
                     os.close(self.fd)
@@ -67,34 +77,48 @@ class ShardWriter:
         ``padded`` is the same bytes extended with zeros to a multiple of 4096, starting at a
         4096-aligned address: given, and with ``offset`` aligned, it goes through O_DIRECT.
         """
-        if self.direct_fd >= 0 and padded is not None and offset % 4096 == 0:
+        if self._use_direct and padded is not None and offset % 4096 == 0:
             try:
                 pwrite_all(self.direct_fd, padded, offset)
                 return
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                os.close(self.direct_fd)
-                self.direct_fd = -1
+                self._use_direct = False  # fall back; the descriptor is closed by finish/close
         pwrite_all(self.fd, data, offset)
 
     def finish(self, fsync: bool, size: int) -> None:
-        """Truncate to ``size`` (drops O_DIRECT padding past the end) and fsync."""
-        if self.direct_fd >= 0:
-            os.close(self.direct_fd)
-            self.direct_fd = -1
+        """Truncate to ``size`` (drops O_DIRECT padding past the end) and fsync. Call it once
+        every write has returned."""
+        self._close_direct()
         os.ftruncate(self.fd, size)
         if fsync:
             os.fsync(self.fd)
 
     def close(self) -> None:
-        for fd in (self.direct_fd, self.fd):
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self.fd = self.direct_fd = -1
+        """Close both descriptors (idempotent). Every descriptor is closed even if one fails;
+        the first ``close()`` error is raised (NFS reports deferred write errors there)."""
+        first = None
+        for close in (self._close_direct, self._close_buffered):
+            try:
+                close()
+            except OSError as exc:
+                first = first or exc
+        if first is not None:
+            raise OSError(first.errno, f"closing {self.path} failed: {first.strerror or first}",
+                          self.path)
+
+    def _close_direct(self) -> None:
+        with self._lock:
+            fd, self.direct_fd, self._use_direct = self.direct_fd, -1, False
+        if fd >= 0:
+            os.close(fd)
+
+    def _close_buffered(self) -> None:
+        with self._lock:
+            fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def fsync_dir(path: str) -> None:
@@ -111,15 +135,48 @@ def write_file_atomic(path: str, data: bytes, fsync: bool = True) -> None:
     tmp = f"{path}.tmp.{uuid.uuid4().hex[:8]}@{os.getpid()}@{socket.gethostname()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        pwrite_all(fd, data, 0)
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            pwrite_all(fd, data, 0)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)  # the temporary never outlives a failed write (disk full...)
+        raise
     if fsync:
         fsync_dir(os.path.dirname(path) or ".")
 
 
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass  # already gone; otherwise the original failure is the one to report
+
+
 def remove_tree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Delete ``path`` and everything under it; a missing ``path`` is not an error.
+
+    Everything that can be removed is; then the first failure is raised as an ``OSError`` naming
+    the entry that could not be removed (never ignored: leftovers must be reported)."""
+    errors: list[OSError] = []
+
+    def collect(_function, failed_path, exc_info):
+        exc = exc_info[1] if isinstance(exc_info, tuple) else exc_info
+        if not isinstance(exc, FileNotFoundError):
+            errors.append(exc if isinstance(exc, OSError) else OSError(str(exc)))
+            errors[-1].filename = errors[-1].filename or failed_path
+
+    if not os.path.lexists(path):
+        return
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=collect)
+    else:
+        shutil.rmtree(path, onerror=collect)
+    if errors:
+        first = errors[0]
+        raise OSError(first.errno, f"could not remove {first.filename} while deleting {path}: "
+                                   f"{first.strerror or first} ({len(errors)} error(s))",
+                      first.filename)
