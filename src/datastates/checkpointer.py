@@ -17,10 +17,10 @@ from .dist import LocalCommunicator, StoreCommunicator
 from .engine import Job, Pipeline, SaveHandle
 from .errors import (CheckpointerClosedError, CheckpointExistsError, ConfigError,
                      SerializationError)
-from .flatten import ObjectItem, TensorItem, flatten
+from .flatten import Flattened, ObjectItem, TensorItem, flatten
 from .planning import assign_replicated, plan_layout
 from .providers import ProviderRegistry
-from .restore import Reader, RestoreReport
+from .restore import Reader, RestoreReport, check_rank_policy
 
 
 class Checkpointer:
@@ -84,7 +84,12 @@ class Checkpointer:
         or ``step-<step>``. Lazy tensors (parameters, optimizer state) are copied in the
         background; the next step of a guarded optimizer waits for that copy. Eager state
         (buffers, Python objects) is captured before this returns. ``replicated`` declares
-        tensors identical on every rank (True for all, or key prefixes): they are written once.
+        tensors identical on every rank (True for all, or key prefixes): they are written once,
+        and (``config.replica_check``) a digest of each is compared across ranks at commit.
+
+        Multi-rank: every rank must make the same saves (same name and step) in the same order;
+        a save that one rank skips, names differently, or fails (even inside this call) fails on
+        every rank within ``commit_timeout_s`` with a CommitError, and the next saves proceed.
         """
         t0 = time.perf_counter()
         self._check_open()
@@ -92,15 +97,46 @@ class Checkpointer:
             raise ValueError("save() needs a step or a tag")
         _check_step(step)
         name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
+        self._report_dropped_failures()
+        self._bound_pending()
+        # From here on the save has an identity: a failure still takes part in its commit round,
+        # so the other ranks fail this save too (and stay in step for the next one).
+        sid = self.comm.save_id(self.directory, name, step)
+        deadline = time.monotonic() + self.config.commit_timeout_s
+        job_args = dict(sid=sid, name=name, step=step, root=self.directory, rank=self.rank,
+                        tmp=commit_mod.tmp_dir(self.directory, name, self.comm.run_id,
+                                               sid.attempt),
+                        overwrite=overwrite, t0=t0, deadline=deadline,
+                        on_commit=self._after_commit)
+        try:
+            job = self._plan_job(state, metadata, replicated, job_args)
+        except BaseException as exc:
+            failed = Job(flat=Flattened(tree={"t": "value", "v": None}),
+                         layout=plan_layout([], [], self.config.unit_bytes), write_tensors=[],
+                         objects=[], metadata={}, ready=None, **job_args)
+            failed.error = exc
+            self._pipeline.submit_failed(failed)
+            raise
+        handle = SaveHandle(job)
+        self._pending.append(handle)
+        self._pipeline.submit(job)
+        lazy = any(job.flat.items[i].lazy for i in job.write_tensors)
+        if lazy and (self.config.lazy == "never" or
+                     (self.config.lazy == "auto" and not self._guarded)):
+            job.captured.wait()
+        job.stats.blocked_s = time.perf_counter() - t0
+        return handle
+
+    def _plan_job(self, state, metadata, replicated, job_args: dict) -> Job:
+        """Validate, walk and plan one save on the training thread (the part that may fail)."""
         if metadata is not None and not isinstance(metadata, dict):
             raise TypeError(f"metadata must be a dict, found {type(metadata).__qualname__}")
         metadata = dict(metadata or {})
         if json.loads(fmt.encode_json(metadata)) != metadata:  # fail now, not in background
             raise TypeError("metadata must survive a JSON round trip unchanged (string keys; "
                             f"lists, not tuples): {metadata!r}")
-        self._report_dropped_failures()
-        self._bound_pending()
-        if not overwrite and os.path.exists(os.path.join(self.directory, name)):
+        name = job_args["name"]
+        if not job_args["overwrite"] and os.path.exists(os.path.join(self.directory, name)):
             raise CheckpointExistsError(f"checkpoint {name!r} already exists in "
                                         f"{self.directory}; pass overwrite=True to replace it")
         flat = flatten(state, self.registry)
@@ -114,21 +150,8 @@ class Checkpointer:
         layout = plan_layout([flat.items[i].nbytes for i in writes],
                              [flat.items[i].nbytes for i in objects], self.config.unit_bytes)
         ready = self._pipeline.copier.record_ready([flat.items[i].tensor for i in writes])
-        seq = self._pipeline.next_seq()
-        job = Job(seq=seq, name=name, step=step, root=self.directory,
-                  tmp=commit_mod.tmp_dir(self.directory, name, self.comm.run_id, seq),
-                  rank=self.rank, flat=flat, layout=layout, write_tensors=writes,
-                  objects=objects, metadata=metadata, overwrite=overwrite, ready=ready, t0=t0,
-                  on_commit=self._after_commit)
-        handle = SaveHandle(job)
-        self._pending.append(handle)
-        self._pipeline.submit(job)
-        lazy = any(flat.items[i].lazy for i in writes)
-        if lazy and (self.config.lazy == "never" or
-                     (self.config.lazy == "auto" and not self._guarded)):
-            job.captured.wait()
-        job.stats.blocked_s = time.perf_counter() - t0
-        return handle
+        return Job(flat=flat, layout=layout, write_tensors=writes, objects=objects,
+                   metadata=metadata, ready=ready, **job_args)
 
     def guard(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer.step()`` wait until in-flight snapshots are captured (idempotent).
@@ -186,6 +209,11 @@ class Checkpointer:
         their new values; plain values and provider state (optimizer hyper-parameters, RNG,
         schedulers) change only after every read was verified. Run ``verify`` first
         (``python -m datastates verify DIR``) to rule that out without touching live state.
+
+        At another world size than the save's, state that differs between the saved ranks
+        (loader positions, RNG, any per-rank value) raises ReshardError unless ``rank_policy``
+        is ``"rank0"`` or ``"same"``; only the requested ``keys`` are considered. An unknown
+        ``rank_policy`` raises ConfigError before anything is read.
         """
         with self._reader(step, tag, verify, trusted, safe_globals, None, rank_policy) as reader:
             return reader.restore_into(state, keys=keys, strict=strict)
@@ -203,6 +231,7 @@ class Checkpointer:
     def _reader(self, step, tag, verify, trusted, safe_globals, map_location, rank_policy):
         self._check_open()
         _check_step(step)
+        check_rank_policy(rank_policy)
         self._pipeline.drain()
         info = commit_mod.resolve(self.directory, step, tag)
         return Reader(info.path, registry=self.registry, rank=self.rank,

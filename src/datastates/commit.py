@@ -38,12 +38,14 @@ class CheckpointInfo:
 # ---------------------------------------------------------------- manifest assembly (pure)
 
 def build_manifest(payloads: list[dict], *, name: str, step: int | None,
-                   metadata: dict) -> dict:
+                   metadata: dict, save_id: str | None = None) -> dict:
     """Merge every rank's report into one manifest.
 
     Replicated tensors (same key, declared replicated) become one entry written by their owner;
-    shards of one global tensor become one entry with several shards; anything else stays per
-    rank, so two ranks holding different tensors under one key never collapse into one.
+    shards of one global tensor become one entry with several shards (every written box is kept:
+    :func:`check_tiling` rejects overlaps and gaps); anything else stays per rank, so two ranks
+    holding different tensors under one key never collapse into one. ``save_id`` (the round's
+    nonce) is recorded so that a rank can recognise its own save on disk.
     """
     for i, payload in enumerate(payloads):
         schema.parse_rank_report(payload, f"report {i} (rank {_rank_of(payload)})")
@@ -59,9 +61,12 @@ def build_manifest(payloads: list[dict], *, name: str, step: int | None,
     for e in entries:
         if e["kind"] == "tensor" and e.get("replicated") and not e["shards"]:
             raise CorruptCheckpointError(f"replicated tensor {e['key']!r} was written by no rank")
-    return {"format": fmt.CHECKPOINT_FORMAT, "version": fmt.VERSION, "name": name, "step": step,
-            "created_unix": time.time(), "world_size": len(payloads), "metadata": metadata,
-            "files": files, "entries": entries, "ranks": ranks}
+    manifest = {"format": fmt.CHECKPOINT_FORMAT, "version": fmt.VERSION, "name": name,
+                "step": step, "created_unix": time.time(), "world_size": len(payloads),
+                "metadata": metadata, "files": files, "entries": entries, "ranks": ranks}
+    if save_id is not None:
+        manifest["save_id"] = save_id
+    return manifest
 
 
 def _rank_of(payload: Any) -> Any:
@@ -90,8 +95,7 @@ def _merge_entry(e: dict, file_id: int, rank: int, entries: list, grouped: dict)
             raise CorruptCheckpointError(
                 f"rank {rank} holds {e['key']!r} as {e['dtype']}{e.get('global_shape') or e['shape']}"
                 f" but another rank as {target['dtype']}{target['shape']}")
-        if shard is not None and not any(s["global_offset"] == shard["global_offset"] and
-                                         s["shape"] == shard["shape"] for s in target["shards"]):
+        if shard is not None:
             target["shards"].append(shard)
         return grouped[group]
     entry = {"kind": "tensor", "key": e["key"], "dtype": e["dtype"],
@@ -119,10 +123,136 @@ def _remap(node: Any, table: list[int]) -> Any:
     return node
 
 
+# ---------------------------------------------------------------- checks before a commit (pure)
+# Each returns a list of problems, (ranks involved, text); empty when the reports form a checkpoint.
+
+def check_same_save(reports: dict[int, dict]) -> list[tuple[list[int], str]]:
+    """Every report belongs to rank 0's save: same name, step, nonce and overwrite flag."""
+    mine = reports[0]
+    want = (mine["save"]["name"], mine["save"]["step"], mine["save"]["nonce"],
+            bool(mine.get("overwrite")))
+    problems = []
+    for r, rep in sorted(reports.items()):
+        got = (rep["save"]["name"], rep["save"]["step"], rep["save"]["nonce"],
+               bool(rep.get("overwrite")))
+        if got != want:
+            problems.append(([r], f"reported save {got[0]!r} step {got[1]} overwrite={got[3]}, "
+                                  f"rank 0 saves {want[0]!r} step {want[1]} overwrite={want[3]}"))
+    return problems
+
+
+def check_tiling(manifest: dict) -> list[tuple[list[int], str]]:
+    """The written boxes of every tensor tile its shape exactly: inside it, no two overlapping
+    (two ranks writing one box is an error unless one declares itself a replica with
+    ``primary=False``), and no element left uncovered."""
+    problems = []
+    rank_of = [f["rank"] for f in manifest["files"]]
+    for e in manifest["entries"]:
+        if e["kind"] != "tensor":
+            continue
+        shape = tuple(e["shape"])
+        boxes = [(tuple(s["global_offset"]), tuple(s["shape"]), rank_of[s["file"]])
+                 for s in e["shards"]]
+        for off, box, r in boxes:
+            if len(off) != len(shape) or len(box) != len(shape) or any(
+                    o < 0 or o + n > g for o, n, g in zip(off, box, shape)):
+                problems.append(([r], f"box {_box(off, box)} of {e['key']!r} lies outside "
+                                      f"its global shape {list(shape)}"))
+        if problems:
+            continue
+        for a, b in _overlapping(boxes):
+            problems.append(([a[2], b[2]], f"ranks {a[2]} and {b[2]} both wrote "
+                             f"{e['key']!r} boxes {_box(*a[:2])} and {_box(*b[:2])}, which "
+                             "overlap (declare replicas with primary=False or replicated=...)"))
+        covered = sum(_volume(box) for _, box, _ in boxes)
+        if not problems and covered != _volume(shape):
+            problems.append((sorted({r for *_, r in boxes}), f"the boxes written for "
+                             f"{e['key']!r} cover {covered} of its {_volume(shape)} elements "
+                             f"(shape {list(shape)}): a gap"))
+    return problems
+
+
+def check_replicas(reports: dict[int, dict]) -> list[tuple[list[int], str]]:
+    """Declared replicas hold the same bytes on every rank (``replicas``: key → digest)."""
+    seen: dict[str, dict[str, list[int]]] = {}
+    for r, rep in sorted(reports.items()):
+        for key, digest in (rep.get("replicas") or {}).items():
+            seen.setdefault(key, {}).setdefault(str(digest), []).append(r)
+    problems = []
+    for key, groups in sorted(seen.items()):
+        if len(groups) > 1:
+            ranks = sorted(r for rs in groups.values() for r in rs)
+            shown = "; ".join(f"ranks {rs} hold digest {d}" for d, rs in
+                              sorted(groups.items(), key=lambda kv: kv[1]))
+            problems.append((ranks, f"replicated tensor {key!r} differs across ranks ({shown})"))
+    return problems
+
+
+def check_files(tmp: str, manifest: dict) -> list[tuple[list[int], str]]:
+    """Every file the manifest references exists in ``tmp`` with the reported size (a stat
+    per file, on the coordinator, just before the rename)."""
+    problems = []
+    for f in manifest["files"]:
+        path = os.path.join(tmp, f["name"])
+        try:
+            size = os.stat(path).st_size
+        except OSError as exc:
+            problems.append(([f["rank"]], f"{path}: cannot stat the shard file ({exc})"))
+            continue
+        if size != f["nbytes"]:
+            problems.append(([f["rank"]], f"{path}: {size} bytes on disk, {f['nbytes']} reported"))
+    return problems
+
+
+def _volume(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def _box(off, box) -> str:
+    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(off, box)) + "]"
+
+
+def _overlapping(boxes: list) -> list[tuple]:
+    """Pairs of non-empty boxes that share an element: a sweep along the dimension with the
+    most distinct offsets, so row or column shardings cost O(n log n)."""
+    boxes = [b for b in boxes if _volume(b[1])]
+    if len(boxes) < 2:
+        return []
+    ndim = len(boxes[0][0])
+    if ndim == 0:
+        return [(boxes[0], b) for b in boxes[1:]]
+    dim = max(range(ndim), key=lambda d: len({b[0][d] for b in boxes}))
+    pairs, active = [], []
+    for b in sorted(boxes, key=lambda b: b[0][dim]):
+        active = [a for a in active if a[0][dim] + a[1][dim] > b[0][dim]]
+        for a in active:
+            if all(max(a[0][d], b[0][d]) < min(a[0][d] + a[1][d], b[0][d] + b[1][d])
+                   for d in range(ndim)):
+                pairs.append((a, b))
+        active.append(b)
+    return pairs
+
+
+def committed_save(root: str, name: str, save_id: str) -> "CheckpointInfo | None":
+    """The committed checkpoint ``root/name`` if its manifest records ``save_id``, else None:
+    how a rank learns the verdict from the disk when the coordination store is gone."""
+    path = os.path.join(root, name)
+    try:
+        manifest = fmt.read_manifest(path)
+    except (OSError, CorruptCheckpointError):
+        return None
+    return info_of(path, manifest) if manifest.save_id == save_id else None
+
+
 # ---------------------------------------------------------------- directory operations
 
-def tmp_dir(root: str, name: str, run_id: str, seq: int) -> str:
-    return os.path.join(root, f".tmp.{name}.{run_id}-{seq}")
+def tmp_dir(root: str, name: str, run_id: str, attempt: int) -> str:
+    """The temporary directory of one save: the same on every rank (name, run id and attempt
+    all come from the save's identity), so all ranks write into the directory rank 0 renames."""
+    return os.path.join(root, f".tmp.{name}.{run_id}-{attempt}")
 
 
 def publish(root: str, tmp: str, name: str, manifest: dict, *, overwrite: bool,

@@ -39,8 +39,13 @@ class CheckpointConfig:
     keep_every: int | None = None
     #: Verify checksums on restore.
     verify: bool = True
-    #: Seconds a rank waits for the others to report during a commit before failing it.
+    #: Deadline of a save, measured on every rank from its ``save()`` call: a save not decided
+    #: by then fails on every rank (it must cover writing the checkpoint).
     commit_timeout_s: float = 300.0
+    #: Multi-rank: compare a CRC-32 of every declared-replicated tensor across ranks at commit
+    #: and fail the save if replicas differ (costs one checksum pass over the replicated bytes
+    #: on each rank, before the snapshot completes).
+    replica_check: bool = True
     #: Temporaries older than this are removed when a Checkpointer opens the directory.
     stale_tmp_age_s: float = 24 * 3600.0
     #: "auto": lazy items are captured in the background only when an optimizer guard protects
@@ -74,6 +79,8 @@ class CheckpointConfig:
             value = getattr(self, name)
             need(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
                  f"{name} a number > 0 (seconds), found {value!r}")
+        need(isinstance(self.replica_check, bool),
+             f"replica_check True or False, found {self.replica_check!r}")
         need(self.lazy in ("auto", "always", "never"),
              f"lazy in ('auto', 'always', 'never'), found {self.lazy!r}")
 

@@ -1,19 +1,40 @@
 """Coordination between ranks for the commit, off the training process group.
 
 Background threads never call collectives on the training group: they exchange small JSON
-messages through a c10d ``Store`` (the TCPStore that ``torch.distributed`` already runs, or one of
-our own) with explicit timeouts, so a dead rank produces an error naming it instead of a hang.
+messages through a c10d ``Store`` (the TCPStore that ``torch.distributed`` already runs, or an
+in-process ``HashStore`` for one process) with explicit deadlines, so a dead rank produces an error
+naming it instead of a hang.
+
+One save is one *round*, named by its :class:`SaveId` (run id, directory, name, attempt → nonce),
+which every rank derives on its own at ``save()``: no collective is needed to agree on it, and a
+rank that skips a save or calls another step simply writes under another nonce. Keys of a round::
+
+    <nonce>/r<k>       rank k's report (its file, entries, or its error)        written by rank k
+    <nonce>/decision   the verdict: {"pending"} then commit/abort               compare-and-set
+    <nonce>/done       how many ranks have taken the verdict (last one deletes the round's keys)
+    announce/r<k>      the last save rank k reported (to explain a mismatch)
+    orphans/n, orphans/<i>  rounds some rank never finished; rank 0 deletes their keys later
+
+The decision key is the arbiter. Rank 0 claims it with ``{"pending"}`` (compare-and-set on an
+absent key) before it renames anything, then overwrites it with the final verdict; a rank whose
+deadline passes without a decision claims it with an abort. Whoever claims first wins, so rank 0
+never commits a save that another rank has already given up on. If the store becomes unreachable
+(rank 0 hosts it with ``init_method="env://"`` and its process may exit right after ``wait()``),
+the other ranks read the verdict from the disk: the committed manifest records the nonce.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
+import threading
 import time
 import uuid
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from .errors import CommitTimeoutError
+PENDING = {"pending": True}
 
 
 def new_run_id() -> str:
@@ -22,34 +43,69 @@ def new_run_id() -> str:
     return f"{uuid.uuid4().hex[:8]}@{os.getpid()}@{socket.gethostname()}"
 
 
-class LocalCommunicator:
-    """One process: the coordinator is itself."""
+@dataclass(frozen=True)
+class SaveId:
+    """The identity of one save, derived independently and identically on every rank.
 
-    rank = 0
-    world_size = 1
+    ``attempt`` counts this rank's earlier saves of the same name in the same directory during
+    this run (saving a name again with ``overwrite=True`` is a new save); ``ordinal`` counts all
+    of this rank's saves (only used to explain mismatches). ``nonce`` names the round's keys and
+    is recorded in the committed manifest as ``save_id``."""
 
-    def __init__(self, run_id: str | None = None):
-        self.run_id = run_id or new_run_id()
+    run_id: str
+    name: str
+    step: int | None
+    attempt: int
+    nonce: str
+    ordinal: int
 
-    def gather(self, seq: int, payload: Any, timeout: float) -> list[Any] | None:
-        return [payload]
+    def describe(self) -> dict:
+        return {"name": self.name, "step": self.step, "nonce": self.nonce,
+                "attempt": self.attempt, "ordinal": self.ordinal}
 
-    def broadcast(self, seq: int, value: Any, timeout: float) -> Any:
-        return value
 
-    def close(self) -> None:
-        pass
+def timeout_decision(sid: SaveId, missing: list[int], timeout: float,
+                     announced: dict[int, dict | None]) -> dict:
+    """The abort verdict for reports that did not arrive, naming each missing rank."""
+    causes = {}
+    for r in missing:
+        seen = announced.get(r)
+        cause = f"no report for {sid.name!r} within {timeout:g} s of save()"
+        if seen and seen.get("nonce") != sid.nonce:
+            cause += f" (its latest save is {seen.get('name')!r}, its save #{seen.get('ordinal')})"
+        elif not seen:
+            cause += " (it has reported no save yet)"
+        causes[r] = cause
+    return abort_decision("timeout", f"checkpoint {sid.name!r} was not committed: rank(s) "
+                          f"{missing} did not report in time (dead, hung, or making another save)",
+                          causes)
+
+
+def abort_decision(kind: str, message: str, causes: dict[int, str]) -> dict:
+    """``kind``: timeout, failed (a rank's own error), mismatch (different saves), invalid (the
+    reports do not form a checkpoint), store (coordination lost), commit (rank 0's rename)."""
+    return {"ok": False, "kind": kind, "message": message,
+            "causes": {str(r): c for r, c in sorted(causes.items())}}
 
 
 class StoreCommunicator:
-    """N ranks sharing a c10d ``Store``. ``gather`` collects every rank's payload on rank 0;
-    ``broadcast`` sends rank 0's decision to all. Keys are namespaced by run id and sequence."""
+    """N ranks sharing a c10d ``Store``; see the module docstring for the protocol.
+
+    Thread model: :meth:`save_id` is called by the training thread, :meth:`agree` by the commit
+    thread (one round at a time per process, in ``save()`` order)."""
+
+    #: How often a waiting rank polls the store (not a synchronization on time).
+    poll_s = 0.005
 
     def __init__(self, store, rank: int, world_size: int, run_id: str):
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.run_id = run_id
+        self._attempts: dict[tuple[str, str], int] = {}
+        self._ordinal = 0
+        self._lock = threading.Lock()
+        self._swept = 0  # rank 0: orphan slots already cleaned
 
     @classmethod
     def from_process_group(cls, group=None) -> "StoreCommunicator":
@@ -64,47 +120,184 @@ class StoreCommunicator:
         store = dist.PrefixStore(f"datastates/{box[0]}/", c10d._get_default_store())
         return cls(store, rank, world, box[0])
 
-    def _key(self, seq: int, what: str) -> str:
-        return f"{seq}/{what}"
+    # ------------------------------------------------------------ identity
+    def save_id(self, directory: str, name: str, step: int | None) -> SaveId:
+        """The identity of this rank's next save of ``name`` in ``directory`` (counts it)."""
+        with self._lock:
+            attempt = self._attempts.get((directory, name), 0)
+            self._attempts[(directory, name)] = attempt + 1
+            ordinal, self._ordinal = self._ordinal, self._ordinal + 1
+        digest = hashlib.sha256(f"{self.run_id}\0{directory}\0{name}\0{attempt}".encode())
+        return SaveId(self.run_id, name, step, attempt, digest.hexdigest()[:24], ordinal)
 
-    def gather(self, seq: int, payload: Any, timeout: float) -> list[Any] | None:
-        self.store.set(self._key(seq, f"r{self.rank}"), json.dumps(payload))
-        if self.rank != 0:
-            return None
-        keys = [self._key(seq, f"r{r}") for r in range(self.world_size)]
-        self._wait(keys, timeout, "report its result")
-        out = [json.loads(self.store.get(k)) for k in keys]
-        for k in keys:
-            self.store.delete_key(k)
-        return out
+    @staticmethod
+    def round_keys(nonce: str, world_size: int) -> list[str]:
+        """Every key a round may create (for cleanup and for tests)."""
+        return [f"{nonce}/r{r}" for r in range(world_size)] + [f"{nonce}/decision",
+                                                               f"{nonce}/done"]
 
-    def broadcast(self, seq: int, value: Any, timeout: float) -> Any:
-        key = self._key(seq, "result")
+    # ------------------------------------------------------------ one round
+    def agree(self, sid: SaveId, report: dict, deadline: float, timeout_s: float, *,
+              check: Callable[[dict[int, dict]], dict | None],
+              commit: Callable[[dict[int, dict]], dict],
+              fallback: Callable[[str], dict]) -> dict:
+        """Run the round of ``sid`` and return its verdict, the same on every rank.
+
+        ``deadline`` is ``time.monotonic()`` at ``save()`` plus ``timeout_s``. Rank 0 calls
+        ``check(reports)`` (an abort verdict, or None to commit) and ``commit(reports)`` (renames,
+        returns the commit verdict, may raise) only after winning the decision key. Other ranks
+        call ``fallback(why)`` (reads the verdict from the disk) when the store is unreachable.
+        """
+        try:
+            self._set_json(f"{sid.nonce}/r{self.rank}", {"save": sid.describe(), **report})
+            self._set_json(f"announce/r{self.rank}", sid.describe())
+        except Exception as exc:  # the store is gone: nothing reported, nothing to clean
+            return self._lost(sid, exc, fallback)
         if self.rank == 0:
-            self.store.set(key, json.dumps(value))
-            return value
-        self._wait([key], timeout, "publish the commit decision (rank 0)")
+            decision = self._coordinate(sid, deadline, timeout_s, check, commit)
+        else:
+            try:
+                decision = self._await(sid, deadline, timeout_s)
+            except Exception as exc:
+                return self._lost(sid, exc, fallback)
+            if decision is None:  # rank 0 claimed the round but never finished it
+                decision = fallback("rank 0 started the commit but published no verdict")
+        self._finish(sid, decision)
+        return decision
+
+    def _coordinate(self, sid, deadline, timeout_s, check, commit) -> dict:
+        try:
+            reports, missing = self._gather(sid, deadline)
+            decision = None
+            if missing:
+                announced = {r: self._get_json(f"announce/r{r}") for r in missing}
+                decision = timeout_decision(sid, missing, timeout_s, announced)
+            else:
+                decision = check(reports)
+            if decision is None and time.monotonic() > deadline:
+                decision = abort_decision("timeout", f"checkpoint {sid.name!r} was not committed "
+                                          "within the commit timeout", {0: "deadline passed "
+                                          "before rank 0 could commit"})
+            claimed = self._claim(sid, decision if decision is not None else PENDING)
+        except Exception as exc:
+            return abort_decision("store", f"checkpoint {sid.name!r}: coordination with the other "
+                                  f"ranks failed ({exc}); nothing was committed", {0: repr(exc)})
+        if claimed != PENDING:
+            return claimed  # ours, or an abort claimed first by a rank whose deadline passed
+        try:
+            final = commit(reports)
+        except BaseException as exc:
+            final = abort_decision("commit", f"committing {sid.name!r} failed on rank 0: {exc}",
+                                   {0: repr(exc)})
+        try:
+            self._set_json(f"{sid.nonce}/decision", final)
+        except Exception:
+            pass  # the others read the verdict from the disk (the manifest records the nonce)
+        return final
+
+    def _gather(self, sid: SaveId, deadline: float) -> tuple[dict[int, dict], list[int]]:
+        """Every rank's report, or stop early at the first failed report or claimed decision."""
+        reports: dict[int, dict] = {}
+        pending = list(range(self.world_size))
+        while True:
+            for r in list(pending):
+                if self.store.check([f"{sid.nonce}/r{r}"]):
+                    reports[r] = self._get_json(f"{sid.nonce}/r{r}")
+                    pending.remove(r)
+                    if "error" in reports[r]:
+                        return reports, []
+            if not pending or self.store.check([f"{sid.nonce}/decision"]):
+                return reports, pending
+            if time.monotonic() >= deadline:
+                return reports, pending
+            time.sleep(self.poll_s)  # polling store keys, not synchronizing on time
+
+    def _await(self, sid: SaveId, deadline: float, timeout_s: float) -> dict | None:
+        """Non-zero rank: wait for the verdict; claim an abort when the deadline passes."""
+        key = f"{sid.nonce}/decision"
+        claimed_at = None
+        while True:
+            if self.store.check([key]):
+                decision = self._get_json(key)
+                if decision != PENDING:
+                    return decision
+                claimed_at = claimed_at or time.monotonic()
+                if time.monotonic() - claimed_at > timeout_s:
+                    return None
+            elif time.monotonic() >= deadline:
+                missing = [r for r in range(self.world_size)
+                           if not self.store.check([f"{sid.nonce}/r{r}"])]
+                if missing:
+                    announced = {r: self._get_json(f"announce/r{r}") for r in missing}
+                    mine = timeout_decision(sid, missing, timeout_s, announced)
+                else:
+                    mine = abort_decision("timeout", f"checkpoint {sid.name!r} was not committed: "
+                                          "rank 0 published no verdict in time", {0: "no verdict "
+                                          "within the commit timeout (rank 0 stalled or dead)"})
+                decision = self._claim(sid, mine)
+                if decision != PENDING:
+                    return decision
+                claimed_at = claimed_at or time.monotonic()
+            time.sleep(self.poll_s)
+
+    def _claim(self, sid: SaveId, decision: dict) -> dict:
+        """Compare-and-set the decision key if absent; return the decision in force."""
+        value = json.dumps(decision, sort_keys=True)
+        return json.loads(self.store.compare_set(f"{sid.nonce}/decision", "", value))
+
+    def _finish(self, sid: SaveId, decision: dict) -> None:
+        """Delete what this rank wrote; the last rank to take the verdict deletes the round.
+        A round that some rank never finished is registered for rank 0 to delete later."""
+        try:
+            self.store.delete_key(f"{sid.nonce}/r{self.rank}")
+            if self.store.add(f"{sid.nonce}/done", 1) >= self.world_size:
+                for key in self.round_keys(sid.nonce, self.world_size):
+                    self.store.delete_key(key)
+            elif not decision.get("ok"):
+                slot = self.store.add("orphans/n", 1)
+                self.store.set(f"orphans/{slot}", sid.nonce)
+            if self.rank == 0:
+                self._sweep()
+        except Exception:
+            pass  # the verdict stands; a lost store has no keys left to delete
+
+    def _sweep(self) -> None:
+        """Rank 0, between its rounds: delete the keys of rounds registered as orphans. Safe: a
+        rank registers a round only after deleting its own report, so it can never commit."""
+        last = self.store.add("orphans/n", 0)
+        while self._swept < last and self.store.check([f"orphans/{self._swept + 1}"]):
+            self._swept += 1
+            nonce = self.store.get(f"orphans/{self._swept}").decode()
+            for key in self.round_keys(nonce, self.world_size) + [f"orphans/{self._swept}"]:
+                self.store.delete_key(key)
+
+    def _lost(self, sid: SaveId, exc: BaseException, fallback) -> dict:
+        if self.rank == 0:
+            return abort_decision("store", f"checkpoint {sid.name!r}: the coordination store "
+                                  f"failed ({exc}); nothing was committed", {0: repr(exc)})
+        return fallback(f"the coordination store is unreachable ({exc}); rank 0, which hosts it "
+                        "in the default launch, has probably exited")
+
+    # ------------------------------------------------------------ helpers
+    def _set_json(self, key: str, value: Any) -> None:
+        self.store.set(key, json.dumps(value, sort_keys=True))
+
+    def _get_json(self, key: str) -> Any:
+        if not self.store.check([key]):
+            return None
         return json.loads(self.store.get(key))
 
-    def _wait(self, keys: list[str], timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        pending = list(keys)
-        while pending:
-            pending = [k for k in pending if not self.store.check([k])]
-            if not pending:
-                return
-            if time.monotonic() >= deadline:
-                ranks = [k.rsplit("/", 1)[-1] for k in pending]
-                raise CommitTimeoutError(
-                    f"timed out after {timeout:.0f} s waiting for {', '.join(ranks)} to {what}; "
-                    "a rank died or hangs. The checkpoint was not committed",
-                    causes={_rank_of(k): "no report (timeout)" for k in pending})
-            time.sleep(0.005)  # polling a store key, not synchronizing on time
-
     def close(self) -> None:
-        pass
+        """Delete this rank's announcement (best effort: the store may be gone)."""
+        try:
+            self.store.delete_key(f"announce/r{self.rank}")
+        except Exception:
+            pass
 
 
-def _rank_of(key: str) -> int:
-    tail = key.rsplit("/", 1)[-1]
-    return int(tail[1:]) if tail.startswith("r") and tail[1:].isdigit() else 0
+class LocalCommunicator(StoreCommunicator):
+    """One process: the coordinator is itself, the store an in-process ``HashStore``."""
+
+    def __init__(self, run_id: str | None = None):
+        import torch.distributed as dist
+        super().__init__(dist.HashStore(), 0, 1, run_id or new_run_id())

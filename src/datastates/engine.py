@@ -12,7 +12,6 @@ job's events ends, with the data or with an error.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import queue
@@ -27,7 +26,9 @@ import torch
 from . import commit as commit_mod
 from . import format as fmt
 from .config import CheckpointConfig
-from .errors import CheckpointerClosedError, CheckpointWriteError, CommitError, DatastatesError
+from .dist import SaveId, abort_decision
+from .errors import (CheckpointerClosedError, CheckpointWriteError, CommitError,
+                     CommitTimeoutError, DatastatesError)
 from .flatten import Flattened, TensorItem
 from .planning import Layout
 from .staging import DeviceCopier, HostCache
@@ -51,11 +52,15 @@ class SaveStats:
 class Job:
     """One save of one rank, shared by the pipeline threads."""
 
-    def __init__(self, *, seq: int, name: str, step: int | None, root: str, tmp: str,
+    def __init__(self, *, sid: SaveId, name: str, step: int | None, root: str, tmp: str,
                  rank: int, flat: Flattened, layout: Layout, write_tensors: list[int],
                  objects: list[int], metadata: dict, overwrite: bool, ready, t0: float,
-                 on_commit: Callable[["Job"], None]):
-        self.seq, self.name, self.step, self.root, self.tmp = seq, name, step, root, tmp
+                 on_commit: Callable[["Job"], None], deadline: float):
+        self.sid, self.name, self.step, self.root, self.tmp = sid, name, step, root, tmp
+        #: time.monotonic() by which this save must be decided (save() + commit_timeout_s).
+        self.deadline = deadline
+        #: Digest of every declared-replicated tensor (key → text), compared across ranks.
+        self.replicas: dict[str, str] = {}
         self.rank, self.flat, self.layout = rank, flat, layout
         #: Flat item indices of the tensors this rank writes (layout order) and of the objects.
         self.write_tensors, self.objects = write_tensors, objects
@@ -69,6 +74,7 @@ class Job:
         self.cancelled = threading.Event()
         self.error: BaseException | None = None
         self.info: commit_mod.CheckpointInfo | None = None
+        self.manifest: dict | None = None  # rank 0: built by the commit round's check
         self.writer: ShardWriter | None = None
         self.crcs: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
@@ -138,6 +144,24 @@ def write_error(job: "Job", what: str, exc: BaseException) -> BaseException:
     return error
 
 
+def replica_digests(items) -> dict[str, str]:
+    """``"<nbytes>:<crc32>"`` of every declared-replicated tensor, from the tensor as captured
+    (called on the capture thread before the snapshot completes, so lazy tensors still hold their
+    values at ``save()``). Non-CPU tensors are digested through bounded host copies."""
+    out = {}
+    for item in items:
+        if isinstance(item, TensorItem) and item.replicated and item.tensor is not None:
+            flat = item.tensor.detach().reshape(-1)
+            data = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+            crc, step = 0, 64 << 20
+            for start in range(0, data.numel(), step):
+                piece = data[start:start + step]
+                piece = piece if piece.device.type == "cpu" else piece.cpu()
+                crc = fmt.crc32(piece.contiguous().numpy(), crc)
+            out[item.key] = f"{data.numel()}:{crc:08x}"
+    return out
+
+
 class SaveHandle:
     """The future of one ``save()``. Thread-safe; every method may be called any number of times.
 
@@ -160,6 +184,11 @@ class SaveHandle:
     @property
     def stats(self) -> SaveStats:
         return self._job.stats
+
+    @property
+    def save_id(self) -> str:
+        """The nonce of this save (the same on every rank; recorded in the manifest)."""
+        return self._job.sid.nonce
 
     def snapshot_done(self) -> bool:
         """True once the state is captured in host memory (or the save failed)."""
@@ -220,7 +249,6 @@ class Pipeline:
     def __init__(self, config: CheckpointConfig, comm):
         self.config = config
         self.comm = comm
-        self._seq = itertools.count()
         self._closed = False
         self._lock = threading.Lock()
         #: Jobs submitted and not finished yet, in submission order (see ``drain``).
@@ -244,10 +272,6 @@ class Pipeline:
     def closed(self) -> bool:
         return self._closed
 
-    def next_seq(self) -> int:
-        """A sequence number unique among the jobs of this pipeline (names coordination keys)."""
-        return next(self._seq)
-
     def submit(self, job: Job) -> None:
         """Queue ``job`` (training thread). Raises CheckpointerClosedError once ``close`` began."""
         with self._lock:
@@ -264,6 +288,17 @@ class Pipeline:
             pending = list(self._active)
         for job in pending:
             job.finished.wait()
+
+    def submit_failed(self, job: Job) -> None:
+        """Announce a save that failed inside ``save()`` (``job.error`` set, nothing captured):
+        its round still runs, so the other ranks fail that save too instead of waiting."""
+        with self._lock:
+            if self._closed:
+                raise CheckpointerClosedError("the Checkpointer owning this pipeline was closed")
+            self._active.append(job)
+            job.opened.set()
+            job.capture_over()
+            self._commit_q.put(job)
 
     def close(self) -> None:
         """Finish every queued job (of every Checkpointer sharing this pipeline), then stop the
@@ -288,6 +323,8 @@ class Pipeline:
             try:
                 self._open(job)
                 self._capture(job)
+                if self.config.replica_check and self.comm.world_size > 1:
+                    job.replicas = replica_digests(job.flat.items)
             except BaseException as exc:
                 job.fail(write_error(job, f"preparing {job.tmp}", exc))
             finally:
@@ -496,40 +533,116 @@ class Pipeline:
                                 for p in pieces.get(t_i, [])])
         return entry
 
+    # ------------------------------------------------------------ commit decision
     def _agree(self, job: Job, payload: dict | None) -> None:
-        timeout = self.config.commit_timeout_s
-        report = payload if payload is not None else {"rank": job.rank, "error": repr(job.error)}
-        reports = self.comm.gather(job.seq, report, timeout)
-        decision = None
-        if reports is not None:  # coordinator
-            failed = {r["rank"]: r["error"] for r in reports if "error" in r}
-            if failed:
-                decision = {"error": f"checkpoint {job.name!r} failed on rank(s) "
-                                     f"{sorted(failed)}; nothing was committed",
-                            "causes": failed}
-            else:
-                try:
-                    manifest = commit_mod.build_manifest(reports, name=job.name, step=job.step,
-                                                         metadata=job.metadata)
-                    path = commit_mod.publish(job.root, job.tmp, job.name, manifest,
-                                              overwrite=job.overwrite, fsync=self.config.fsync)
-                    job.info = commit_mod.info_of(path, manifest)
-                    job.on_commit(job)
-                    decision = {"ok": True}
-                except BaseException as exc:
-                    decision = {"error": f"committing {job.name!r} failed on rank 0: {exc}",
-                                "causes": {0: repr(exc)}}
-                    if job.error is None:
-                        job.fail(write_error(job, f"committing {job.name!r}", exc))
-        decision = self.comm.broadcast(job.seq, decision, timeout)
-        if "error" in decision:
-            causes = {int(k): v for k, v in decision["causes"].items()}
-            if self.comm.world_size > 1 or job.error is None:
-                job.error = CommitError(decision["error"] + ": " + "; ".join(
-                    f"rank {r}: {c}" for r, c in sorted(causes.items())), causes)
-        elif job.info is None:
-            path = os.path.join(job.root, job.name)
-            job.info = commit_mod.info_of(path, fmt.read_manifest(path))
+        """Run this save's commit round (dist.py) and apply its verdict, the same on every rank.
+        Rank 0 moves ``latest`` and applies retention only after the verdict is published."""
+        report = payload if payload is not None else {"rank": job.rank,
+                                                      "error": _describe(job.error)}
+        report = {**report, "overwrite": job.overwrite, "replicas": job.replicas}
+        try:
+            decision = self.comm.agree(job.sid, report, job.deadline,
+                                       self.config.commit_timeout_s,
+                                       check=lambda reports: self._check(job, reports),
+                                       commit=lambda reports: self._publish(job),
+                                       fallback=lambda why: self._verdict_on_disk(job, why))
+        except BaseException as exc:  # never hang or crash the commit thread
+            decision = abort_decision("store", f"checkpoint {job.name!r}: coordination with the "
+                                      f"other ranks failed ({exc})", {job.rank: repr(exc)})
+        if decision.get("ok"):
+            if job.info is None:
+                job.info = commit_mod.CheckpointInfo(name=job.name,
+                                                     path=os.path.join(job.root, job.name),
+                                                     step=job.step, **decision["info"])
+            if job.rank == 0:
+                job.on_commit(job)
+            return
+        causes = {int(r): c for r, c in decision["causes"].items()}
+        if self.comm.world_size > 1 or job.error is None:
+            kind = CommitTimeoutError if decision["kind"] == "timeout" else CommitError
+            error = kind(decision["message"] + ": " + "; ".join(
+                f"rank {r}: {c}" for r, c in sorted(causes.items())), causes)
+            error.__cause__ = job.error
+            job.error = error
+        self._discard(job, keep_file=decision["kind"] == "store" and job.rank != 0)
+
+    def _check(self, job: Job, reports: dict[int, dict]) -> dict | None:
+        """Rank 0: the abort verdict for these reports, or None if they form a checkpoint (its
+        manifest is then kept on the job for :meth:`_publish`)."""
+        failed = {r: rep["error"] for r, rep in reports.items() if "error" in rep}
+        if failed:
+            return abort_decision("failed", f"checkpoint {job.name!r} failed on rank(s) "
+                                  f"{sorted(failed)}; nothing was committed", failed)
+        problems = commit_mod.check_same_save(reports)
+        if problems:
+            return _invalid("mismatch", f"the ranks made different saves; {job.name!r} was not "
+                            "committed", problems)
+        try:
+            manifest = commit_mod.build_manifest([reports[r] for r in sorted(reports)],
+                                                 name=job.name, step=job.step,
+                                                 metadata=job.metadata, save_id=job.sid.nonce)
+        except DatastatesError as exc:
+            return _invalid("invalid", f"checkpoint {job.name!r} was not committed",
+                            [([0], str(exc))])
+        problems = commit_mod.check_tiling(manifest)
+        if self.config.replica_check:
+            problems += commit_mod.check_replicas(reports)
+        problems = problems or commit_mod.check_files(job.tmp, manifest)
+        if problems:
+            return _invalid("invalid", f"checkpoint {job.name!r} was not committed: the ranks' "
+                            "reports do not form a consistent checkpoint", problems)
+        job.manifest = manifest
+        return None
+
+    def _publish(self, job: Job) -> dict:
+        """Rank 0, after winning the decision: rename into place; the commit verdict."""
+        try:
+            path = commit_mod.publish(job.root, job.tmp, job.name, job.manifest,
+                                      overwrite=job.overwrite, fsync=self.config.fsync)
+        except BaseException as exc:
+            job.fail(write_error(job, f"committing {job.name!r}", exc))
+            raise
+        job.info = commit_mod.info_of(path, job.manifest)
+        return {"ok": True, "info": {"created_unix": job.info.created_unix,
+                                     "world_size": job.info.world_size,
+                                     "nbytes": job.info.nbytes, "metadata": job.info.metadata}}
+
+    def _verdict_on_disk(self, job: Job, why: str) -> dict:
+        """The verdict when the store is gone: committed iff the manifest records this save."""
+        info = commit_mod.committed_save(job.root, job.name, job.sid.nonce)
+        if info is not None:
+            job.info = info
+            return {"ok": True, "info": {}}
+        return abort_decision("store", f"checkpoint {job.name!r} was not committed (no manifest "
+                              "of this save on disk)", {job.rank: why})
+
+    @staticmethod
+    def _discard(job: Job, keep_file: bool) -> None:
+        """After an abort: each rank removes its own file, rank 0 the whole temporary directory.
+        A rank that lost the store keeps its file (rank 0 may still be reading it)."""
+        if job.rank == 0:
+            _remove_failed(job)
+            return
+        if keep_file:
+            return
+        for remove in (lambda: os.remove(os.path.join(job.tmp, fmt.shard_file_name(job.rank))),
+                       lambda: os.rmdir(job.tmp)):
+            try:
+                remove()
+            except OSError:
+                pass  # absent, or other ranks' files still there (rank 0 removes the rest)
+
+
+def _describe(error: BaseException | None) -> str:
+    return f"{type(error).__name__}: {error}" if error is not None else "unknown failure"
+
+
+def _invalid(kind: str, message: str, problems: list) -> dict:
+    causes: dict[int, str] = {}
+    for ranks, text in problems:
+        for r in ranks:
+            causes[r] = f"{causes[r]}; {text}" if r in causes else text
+    return abort_decision(kind, message, causes)
 
 
 def _remove_failed(job: Job) -> None:

@@ -19,9 +19,10 @@ from . import format as fmt
 from . import serialization
 from .format import ShardHeader
 from .schema import Manifest, ObjectEntry, ShardIndex, ShardRef, TensorEntry
-from .errors import (CheckpointNotFoundError, CorruptCheckpointError, ReshardError,
-                     StateMismatchError)
+from .errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
+                     ReshardError, StateMismatchError)
 from .flatten import TensorShard, key_of, sharding_of
+from .planning import RANK_POLICIES, per_rank_keys
 from .providers import Capture, ProviderRegistry, StateProvider
 from .storage import buffer_of, pread_into
 
@@ -137,6 +138,13 @@ class _Files:
             self._fds.clear()
 
 
+def check_rank_policy(rank_policy) -> None:
+    """Raise ConfigError unless ``rank_policy`` is one of RANK_POLICIES."""
+    if not isinstance(rank_policy, str) or rank_policy not in RANK_POLICIES:
+        raise ConfigError(f"rank_policy must be one of {', '.join(map(repr, RANK_POLICIES))}; "
+                          f"found {rank_policy!r}")
+
+
 class Reader:
     """Reads one committed checkpoint. Use as a context manager (it owns file descriptors)."""
 
@@ -144,15 +152,16 @@ class Reader:
                  world_size: int = 1, threads: int = 4, verify: bool = True,
                  trusted: bool = False, safe_globals: Iterable[Any] = (),
                  map_location: Any = None, rank_policy: str = "strict"):
+        check_rank_policy(rank_policy)
         self.dir = ckpt_dir
         self.manifest = fmt.read_manifest(ckpt_dir)
         self.registry, self.verify, self.threads = registry, verify, threads
         self.trusted, self.safe_globals = trusted, list(safe_globals)
         self.map_location = map_location
         self.rank, self.world_size = rank, world_size
+        self.rank_policy = rank_policy
         self.files = _Files(ckpt_dir, self.manifest)
         self.entries = self.manifest.entries
-        self.tree = self._tree_for(rank, world_size, rank_policy)
 
     def __enter__(self):
         return self
@@ -161,29 +170,34 @@ class Reader:
         self.files.close()
 
     # ------------------------------------------------------------ tree selection
-    def _tree_for(self, rank: int, world_size: int, policy: str) -> dict:
-        saved = self.manifest.world_size
+    def _tree_for(self, keys=None) -> dict:
+        """The saved tree this rank restores. At another world size, state that differs between
+        the saved ranks (values, objects, per-rank tensors) among the requested ``keys`` cannot be
+        mapped silently: ReshardError unless ``rank_policy`` says how (see RANK_POLICIES)."""
+        saved, rank = self.manifest.world_size, self.rank
         trees = {r.rank: r.tree for r in self.manifest.ranks}
-        if saved == world_size:
+        if saved == self.world_size:
             return trees[rank]
-        source = rank if rank < saved else 0
-        if policy == "strict":
-            per_rank = sorted({e.key for e in self.entries
-                               if isinstance(e, TensorEntry) and e.rank is not None and saved > 1})
+        if self.rank_policy == "rank0":
+            return trees[0]
+        if self.rank_policy == "strict" and saved > 1:
+            wanted = None if keys is None else [k.strip("/") for k in
+                                                ([keys] if isinstance(keys, str) else keys)]
+            per_rank = per_rank_keys([trees[r] for r in sorted(trees)], self.entries, wanted)
             if per_rank:
                 shown = ", ".join(per_rank[:5]) + (" ..." if len(per_rank) > 5 else "")
                 raise ReshardError(
-                    f"{self.dir}: saved by {saved} ranks, loading on {world_size}; per-rank state "
-                    f"cannot be remapped ({shown}). Pass rank_policy='rank0' to give every rank "
-                    "rank 0's per-rank state, 'same' to map rank r to saved rank r where it exists")
-        if policy == "rank0":
-            source = 0
-        return trees[source]
+                    f"{self.dir}: saved by {saved} ranks, loading on {self.world_size} (this is "
+                    f"rank {rank}); per-rank state differs between the saved ranks and cannot be "
+                    f"remapped ({shown}). Pass rank_policy='rank0' to give every rank rank 0's "
+                    "per-rank state, 'same' to map rank r to saved rank r where it exists, or "
+                    "keys=[...] to restore only global state")
+        return trees[rank if rank < saved else 0]
 
     # ------------------------------------------------------------ public operations
     def restore_into(self, state: Any, *, keys=None, strict: bool = True) -> RestoreReport:
         plan = _Plan(self, keys, strict, in_place=True)
-        plan.match(state, self.tree, (), None)
+        plan.match(state, self._tree_for(keys), (), None)
         plan.check()
         self._execute(plan)
         for container, key, loaded in plan.writebacks:
@@ -195,7 +209,7 @@ class Reader:
 
     def load(self, *, keys=None) -> Any:
         plan = _Plan(self, keys, strict=False, in_place=False)
-        value = plan.match(None, self.tree, (), None)
+        value = plan.match(None, self._tree_for(keys), (), None)
         self._execute(plan)
         if self.map_location is not None:
             value = _move(value, self.map_location)

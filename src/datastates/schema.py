@@ -112,6 +112,7 @@ class Manifest:
     files: tuple[FileRef, ...]
     entries: tuple[Entry, ...]
     ranks: tuple[RankTree, ...]
+    save_id: str | None = None  #: the nonce of the save that committed it (multi-rank commits)
 
     @property
     def nbytes(self) -> int:
@@ -420,9 +421,12 @@ def parse_manifest(obj: Any, where: str, *, version_1: bool = False) -> Manifest
     refs: dict[int, set[str]] = {}
     ranks = _ranks(_get(m, "ranks", at), at / "ranks", world, [e.kind for e in entries], refs)
     check_entry_keys([e.key for e in entries], refs, at / "entries")
+    save_id = m.get("save_id")
+    if save_id is not None:
+        save_id = _str(save_id, at / "save_id")
     return Manifest(version=version, name=name, step=step, seq=seq, created_unix=float(created),
                     world_size=world, metadata=metadata, files=files, entries=entries,
-                    ranks=ranks)
+                    ranks=ranks, save_id=save_id)
 
 
 def _files(value: Any, at: _At, world: int) -> tuple[FileRef, ...]:
