@@ -10,6 +10,7 @@ from typing import Any, Iterable
 
 import torch
 
+from . import capture
 from . import commit as commit_mod
 from . import format as fmt
 from .config import CheckpointConfig
@@ -70,15 +71,24 @@ class Checkpointer:
     # ------------------------------------------------------------ save
     def save(self, state: Any, step: int | None = None, *, tag: str | None = None,
              metadata: dict | None = None, overwrite: bool = False,
-             replicated: bool | Iterable[str] = False) -> SaveHandle:
-        """Start a checkpoint of ``state`` and return its handle after planning.
+             replicated: bool | Iterable[str] = False,
+             optimizers: Iterable[Any] = ()) -> SaveHandle:
+        """Start a checkpoint of ``state`` and return its handle.
 
         ``state`` is any nesting of dicts/lists/tuples, tensors, modules, optimizers, objects
         with ``state_dict()``, :class:`RNGState` and picklable Python objects. The name is ``tag``
-        or ``step-<step>``. Lazy tensors (parameters, optimizer state) are copied in the
-        background; the next step of a guarded optimizer waits for that copy. Eager state
-        (buffers, Python objects) is captured before this returns. ``replicated`` declares
-        tensors identical on every rank (True for all, or key prefixes): they are written once.
+        or ``step-<step>``.
+
+        Capture (see ``datastates.capture``): the optimizers found in ``state`` and those given in
+        ``optimizers`` (when the state holds their state dicts or flat buffers instead of the
+        objects; wrappers are unwrapped to the torch optimizer whose ``step`` runs) are part of
+        this save and guarded. Tensors on the bytes of their parameters and state are lazy:
+        copied in the background, and their next ``step()`` waits for that copy. Every other
+        tensor is eager: copied straight into the host cache before this returns (no other copy
+        is made; a state larger than the cache streams through it, and this returns once every
+        eager tensor is in the cache or written). Python objects are serialized before this
+        returns. ``replicated`` declares tensors identical on every rank (True for all, or key
+        prefixes): they are written once.
         """
         t0 = time.perf_counter()
         self._check_open()
@@ -98,11 +108,12 @@ class Checkpointer:
             raise CheckpointExistsError(f"checkpoint {name!r} already exists in "
                                         f"{self.directory}; pass overwrite=True to replace it")
         flat = flatten(state, self.registry)
-        for opt in flat.optimizers:
-            self.guard(opt)
+        self._decide_capture(flat, optimizers)
         tensors = [i for i, it in enumerate(flat.items) if isinstance(it, TensorItem)]
         _mark_replicated(flat.items, tensors, replicated)
         writes = self._tensors_to_write(flat.items, tensors)
+        eager = [i for i in writes if not flat.items[i].lazy]
+        writes = eager + [i for i in writes if flat.items[i].lazy]  # eager units first
         objects = [i for i, it in enumerate(flat.items) if isinstance(it, ObjectItem)]
         layout = plan_layout([flat.items[i].nbytes for i in writes],
                              [flat.items[i].nbytes for i in objects], self.config.unit_bytes)
@@ -112,26 +123,53 @@ class Checkpointer:
                   tmp=commit_mod.tmp_dir(self.directory, name, self.comm.run_id, seq),
                   rank=self.rank, flat=flat, layout=layout, write_tensors=writes,
                   objects=objects, metadata=metadata, overwrite=overwrite, ready=ready, t0=t0,
-                  on_commit=self._after_commit)
+                  on_commit=self._after_commit,
+                  eager_units=_units_holding(layout, len(eager)))
         handle = SaveHandle(job)
         self._pending.append(handle)
         self._pipeline.submit(job)
-        lazy = any(flat.items[i].lazy for i in writes)
+        lazy = len(eager) < len(writes)
         if lazy and (self.config.lazy == "never" or
                      (self.config.lazy == "auto" and not self._guarded)):
             job.captured.wait()
+        else:
+            job.eager_captured.wait()
         job.stats.blocked_s = time.perf_counter() - t0
         return handle
 
-    def guard(self, optimizer: torch.optim.Optimizer) -> None:
+    def guard(self, optimizer: Any) -> None:
         """Make ``optimizer.step()`` wait until in-flight snapshots are captured (idempotent).
 
-        Done automatically for optimizers found in a saved state. Installs a step pre-hook; no
-        framework code is patched. The hook never raises: a failed save surfaces on its handle.
+        Done automatically for the optimizers part of a save. ``optimizer`` is a torch optimizer
+        or a wrapper (accelerate, DeepSpeed, Lightning): the hook goes on the torch optimizer
+        found through ``.optimizer``, whose ``step`` runs. A guarded optimizer that is not part
+        of a later save makes its parameters eager in that save (its step writes them). Installs
+        a step pre-hook; no framework code is patched. The hook never raises: a failed save
+        surfaces on its handle. Raises TypeError when no torch optimizer is found.
         """
-        if optimizer in self._guarded:
+        opt = capture.torch_optimizer(optimizer)
+        if opt is None:
+            raise TypeError(f"guard(): {type(optimizer).__qualname__} is not a torch optimizer "
+                            "and has no .optimizer attribute leading to one")
+        if opt in self._guarded:
             return
-        self._guarded[optimizer] = optimizer.register_step_pre_hook(self._before_step)
+        self._guarded[opt] = opt.register_step_pre_hook(self._before_step)
+
+    def _decide_capture(self, flat, optimizers: Iterable[Any]) -> None:
+        """Guard the optimizers part of this save and decide lazy/eager for every tensor."""
+        in_save = []
+        for found, given in [*((True, o) for o in flat.optimizers),
+                             *((False, o) for o in optimizers)]:
+            opt = capture.torch_optimizer(given)
+            if opt is None:  # an optimizer in the state that cannot be guarded: eager tensors
+                if not found:
+                    self.guard(given)  # raises the TypeError
+                continue
+            if all(opt is not o for o in in_save):
+                self.guard(opt)
+                in_save.append(opt)
+        others = [o for o in list(self._guarded.keys()) if all(o is not s for s in in_save)]
+        capture.decide(flat.items, capture.LazyRule(in_save, others))
 
     def _before_step(self, *_args) -> None:
         for handle in list(self._pending):
@@ -285,6 +323,15 @@ class Checkpointer:
 def _check_step(step) -> None:
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
         raise ValueError(f"step must be a non-negative int, found {step!r}")
+
+
+def _units_holding(layout, count: int) -> int:
+    """How many leading units of ``layout`` hold pieces of its first ``count`` tensors."""
+    held = 0
+    for number, unit in enumerate(layout.units):
+        if any(piece.item < count for piece in unit.pieces):
+            held = number + 1
+    return held
 
 
 def _mark_replicated(items, tensors: list[int], replicated) -> None:
