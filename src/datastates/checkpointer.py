@@ -125,6 +125,7 @@ class Checkpointer:
                   objects=objects, metadata=metadata, overwrite=overwrite, ready=ready, t0=t0,
                   on_commit=self._after_commit,
                   eager_units=_units_holding(layout, len(eager)))
+        job.stats.lazy_nbytes = sum(flat.items[i].nbytes for i in writes[len(eager):])
         handle = SaveHandle(job)
         self._pending.append(handle)
         self._pipeline.submit(job)

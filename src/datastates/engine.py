@@ -45,6 +45,9 @@ class SaveStats:
     step_wait_s: float = 0.0  #: time guarded optimizer steps waited for this snapshot
     nbytes: int = 0          #: tensor and object bytes of this rank
     files: int = 1           #: shard files written by this rank
+    #: tensor bytes of this rank captured lazily (after save() returned); the other tensor
+    #: bytes were copied into the host cache inside save()
+    lazy_nbytes: int = 0
 
 
 class Job:
