@@ -10,6 +10,7 @@ from typing import Any, Iterable
 
 import torch
 
+from . import capture
 from . import commit as commit_mod
 from . import format as fmt
 from .config import CheckpointConfig
@@ -76,16 +77,25 @@ class Checkpointer:
     # ------------------------------------------------------------ save
     def save(self, state: Any, step: int | None = None, *, tag: str | None = None,
              metadata: dict | None = None, overwrite: bool = False,
-             replicated: bool | Iterable[str] = False) -> SaveHandle:
-        """Start a checkpoint of ``state`` and return its handle after planning.
+             replicated: bool | Iterable[str] = False,
+             optimizers: Iterable[Any] = ()) -> SaveHandle:
+        """Start a checkpoint of ``state`` and return its handle.
 
         ``state`` is any nesting of dicts/lists/tuples, tensors, modules, optimizers, objects
         with ``state_dict()``, :class:`RNGState` and picklable Python objects. The name is ``tag``
-        or ``step-<step>``. Lazy tensors (parameters, optimizer state) are copied in the
-        background; the next step of a guarded optimizer waits for that copy. Eager state
-        (buffers, Python objects) is captured before this returns. ``replicated`` declares
-        tensors identical on every rank (True for all, or key prefixes): they are written once,
-        and (``config.replica_check``) a digest of each is compared across ranks at commit.
+        or ``step-<step>``.
+
+        Capture (see ``datastates.capture``): the optimizers found in ``state`` and those given in
+        ``optimizers`` (when the state holds their state dicts or flat buffers instead of the
+        objects; wrappers are unwrapped to the torch optimizer whose ``step`` runs) are part of
+        this save and guarded. Tensors on the bytes of their parameters and state are lazy:
+        copied in the background, and their next ``step()`` waits for that copy. Every other
+        tensor is eager: copied straight into the host cache before this returns (no other copy
+        is made; a state larger than the cache streams through it, and this returns once every
+        eager tensor is in the cache or written). Python objects are serialized before this
+        returns. ``replicated`` declares tensors identical on every rank (True for all, or key
+        prefixes): they are written once, and (``config.replica_check``) a digest of each is
+        compared across ranks at commit.
 
         Multi-rank: every rank must make the same saves (same name and step) in the same order;
         a save that one rank skips, names differently, or fails (even inside this call) fails on
@@ -109,7 +119,7 @@ class Checkpointer:
                         overwrite=overwrite, t0=t0, deadline=deadline,
                         on_commit=self._after_commit)
         try:
-            job = self._plan_job(state, metadata, replicated, job_args)
+            job = self._plan_job(state, metadata, replicated, optimizers, job_args)
         except BaseException as exc:
             failed = Job(flat=Flattened(tree={"t": "value", "v": None}),
                          layout=plan_layout([], [], self.config.unit_bytes), write_tensors=[],
@@ -120,14 +130,18 @@ class Checkpointer:
         handle = SaveHandle(job)
         self._pending.append(handle)
         self._pipeline.submit(job)
+        job.stats.lazy_nbytes = sum(job.flat.items[i].nbytes for i in job.write_tensors
+                                    if job.flat.items[i].lazy)
         lazy = any(job.flat.items[i].lazy for i in job.write_tensors)
         if lazy and (self.config.lazy == "never" or
                      (self.config.lazy == "auto" and not self._guarded)):
             job.captured.wait()
+        else:
+            job.eager_captured.wait()
         job.stats.blocked_s = time.perf_counter() - t0
         return handle
 
-    def _plan_job(self, state, metadata, replicated, job_args: dict) -> Job:
+    def _plan_job(self, state, metadata, replicated, optimizers, job_args: dict) -> Job:
         """Validate, walk and plan one save on the training thread (the part that may fail)."""
         if metadata is not None and not isinstance(metadata, dict):
             raise TypeError(f"metadata must be a dict, found {type(metadata).__qualname__}")
@@ -141,27 +155,53 @@ class Checkpointer:
                                         f"{self.directory}; pass overwrite=True to replace it")
         flat = flatten(state, self.registry)
         _check_dtypes(flat.items)
-        for opt in flat.optimizers:
-            self.guard(opt)
+        self._decide_capture(flat, optimizers)
         tensors = [i for i, it in enumerate(flat.items) if isinstance(it, TensorItem)]
         _mark_replicated(flat.items, tensors, replicated)
         writes = self._tensors_to_write(flat.items, tensors)
+        eager = [i for i in writes if not flat.items[i].lazy]
+        writes = eager + [i for i in writes if flat.items[i].lazy]  # eager units first
         objects = [i for i, it in enumerate(flat.items) if isinstance(it, ObjectItem)]
         layout = plan_layout([flat.items[i].nbytes for i in writes],
                              [flat.items[i].nbytes for i in objects], self.config.unit_bytes)
         ready = self._pipeline.copier.record_ready([flat.items[i].tensor for i in writes])
         return Job(flat=flat, layout=layout, write_tensors=writes, objects=objects,
-                   metadata=metadata, ready=ready, **job_args)
+                   metadata=metadata, ready=ready, eager_units=_units_holding(layout, len(eager)),
+                   **job_args)
 
-    def guard(self, optimizer: torch.optim.Optimizer) -> None:
+    def guard(self, optimizer: Any) -> None:
         """Make ``optimizer.step()`` wait until in-flight snapshots are captured (idempotent).
 
-        Done automatically for optimizers found in a saved state. Installs a step pre-hook; no
-        framework code is patched. The hook never raises: a failed save surfaces on its handle.
+        Done automatically for the optimizers part of a save. ``optimizer`` is a torch optimizer
+        or a wrapper (accelerate, DeepSpeed, Lightning): the hook goes on the torch optimizer
+        found through ``.optimizer``, whose ``step`` runs. A guarded optimizer that is not part
+        of a later save makes its parameters eager in that save (its step writes them). Installs
+        a step pre-hook; no framework code is patched. The hook never raises: a failed save
+        surfaces on its handle. Raises TypeError when no torch optimizer is found.
         """
-        if optimizer in self._guarded:
+        opt = capture.torch_optimizer(optimizer)
+        if opt is None:
+            raise TypeError(f"guard(): {type(optimizer).__qualname__} is not a torch optimizer "
+                            "and has no .optimizer attribute leading to one")
+        if opt in self._guarded:
             return
-        self._guarded[optimizer] = optimizer.register_step_pre_hook(self._before_step)
+        self._guarded[opt] = opt.register_step_pre_hook(self._before_step)
+
+    def _decide_capture(self, flat, optimizers: Iterable[Any]) -> None:
+        """Guard the optimizers part of this save and decide lazy/eager for every tensor."""
+        in_save = []
+        for found, given in [*((True, o) for o in flat.optimizers),
+                             *((False, o) for o in optimizers)]:
+            opt = capture.torch_optimizer(given)
+            if opt is None:  # an optimizer in the state that cannot be guarded: eager tensors
+                if not found:
+                    self.guard(given)  # raises the TypeError
+                continue
+            if all(opt is not o for o in in_save):
+                self.guard(opt)
+                in_save.append(opt)
+        others = [o for o in list(self._guarded.keys()) if all(o is not s for s in in_save)]
+        capture.decide(flat.items, capture.LazyRule(in_save, others))
 
     def _before_step(self, *_args) -> None:
         for handle in list(self._pending):
@@ -352,6 +392,15 @@ def _check_dtypes(items) -> None:
             except TypeError as exc:
                 raise SerializationError(f"{item.key!r}: {exc}; convert it (e.g. .to(torch."
                                          "float32)) or save it as a Python object") from None
+
+
+def _units_holding(layout, count: int) -> int:
+    """How many leading units of ``layout`` hold pieces of its first ``count`` tensors."""
+    held = 0
+    for number, unit in enumerate(layout.units):
+        if any(piece.item < count for piece in unit.pieces):
+            held = number + 1
+    return held
 
 
 def _mark_replicated(items, tensors: list[int], replicated) -> None:

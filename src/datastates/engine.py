@@ -1,8 +1,9 @@
 """The save pipeline: capture thread → writer threads → commit thread, and the handle.
 
 Threads (one set per Checkpointer, started once):
-- capture: for each job in order, copies units of lazy/eager tensors into host-cache slots
-  (blocking on free slots: backpressure), then marks the snapshot complete;
+- capture: for each job in order, copies units of tensors into host-cache slots (blocking on free
+  slots: backpressure): first the units holding eager tensors — ``save()`` waits for those
+  (``Job.eager_captured``) — then the lazy ones, then marks the snapshot complete;
 - writers: checksum each unit's pieces and write the unit at its file offset, release the slot;
 - commit: opens nothing on the training thread; writes the object blobs while tensor units are in
   flight (metadata overlaps bulk I/O), then index + header + fsync, then runs the commit protocol.
@@ -47,6 +48,9 @@ class SaveStats:
     step_wait_s: float = 0.0  #: time guarded optimizer steps waited for this snapshot
     nbytes: int = 0          #: tensor and object bytes of this rank
     files: int = 1           #: shard files written by this rank
+    #: tensor bytes of this rank captured lazily (after save() returned); the other tensor
+    #: bytes were copied into the host cache inside save()
+    lazy_nbytes: int = 0
 
 
 class Job:
@@ -55,7 +59,7 @@ class Job:
     def __init__(self, *, sid: SaveId, name: str, step: int | None, root: str, tmp: str,
                  rank: int, flat: Flattened, layout: Layout, write_tensors: list[int],
                  objects: list[int], metadata: dict, overwrite: bool, ready, t0: float,
-                 on_commit: Callable[["Job"], None], deadline: float):
+                 on_commit: Callable[["Job"], None], deadline: float, eager_units: int = 0):
         self.sid, self.name, self.step, self.root, self.tmp = sid, name, step, root, tmp
         #: time.monotonic() by which this save must be decided (save() + commit_timeout_s).
         self.deadline = deadline
@@ -68,6 +72,10 @@ class Job:
         #: Rank 0, commit thread, after the checkpoint became visible (latest, retention).
         self.on_commit = on_commit
         self.stats = SaveStats(nbytes=sum(i.nbytes for i in flat.items))
+        #: The leading units of the layout that hold eager tensors; once they are in the cache
+        #: (or written), ``eager_captured`` is set and ``save()`` may return.
+        self.eager_units = eager_units
+        self.eager_captured = threading.Event()
         self.captured = threading.Event()
         self.opened = threading.Event()
         self.finished = threading.Event()
@@ -110,6 +118,7 @@ class Job:
         with self._lock:
             self._capture_over = True
             done = self._outstanding == 0
+        self.eager_captured.set()
         self.captured.set()
         if done:
             self.all_written.set()
@@ -352,7 +361,9 @@ class Pipeline:
         flat_cache: dict[int, torch.Tensor] = {}
         copier.begin(job.ready)
         sources = []
-        for unit in job.layout.units:
+        for number, unit in enumerate(job.layout.units):
+            if number == job.eager_units:
+                job.eager_captured.set()  # the caller of save() may change eager state now
             slot = self._acquire(job)
             if slot < 0:
                 return
@@ -378,7 +389,7 @@ class Pipeline:
                 padded = fmt.align_up(pos, fmt.UNIT_ALIGN)
                 if padded > pos:
                     dst[pos:padded].zero_()
-                fence = copier.fence(sources)
+                fence = copier.fence()
                 if fence is not None:
                     fence.synchronize()
                 sources.clear()

@@ -1,7 +1,9 @@
 """Walk a state through the providers into a JSON tree plus the items to capture.
 
-Runs on the training thread inside ``save()``. Tensors are not copied here unless their capture
-policy is eager; Python objects are serialized here (they may change right after ``save()``).
+Runs on the training thread inside ``save()``. Tensors are never copied here: each item keeps a
+reference to the live tensor and its capture policy (``lazy``/``eager`` as marked, ``auto`` for
+the storage rule of ``datastates.capture``); the pipeline copies it into the host cache. Python
+objects are serialized here (they may change right after ``save()``).
 """
 from __future__ import annotations
 
@@ -14,18 +16,21 @@ from typing import Any
 import torch
 
 from . import serialization
-from .providers import EAGER, LAZY, Capture, ProviderRegistry, StateProvider
+from .providers import AUTO, EAGER, LAZY, Capture, ProviderRegistry, StateProvider
 
 _SCALARS = (str, int, bool, type(None))
 
 
 @dataclass
 class TensorItem:
-    """A tensor to capture. ``tensor`` is the live tensor (lazy) or a private clone (eager)."""
+    """A tensor to capture. ``tensor`` is the live (detached) tensor, never a copy: eager items
+    are copied into the host cache before ``save()`` returns, lazy ones in the background."""
 
     key: str
     tensor: torch.Tensor
-    lazy: bool
+    #: "lazy", "eager" (marked) or "auto" (the storage rule decides ``lazy``).
+    policy: str = AUTO
+    lazy: bool = False
     #: Global shape and the offset of this (local) tensor inside it; set for sharded tensors.
     global_shape: tuple[int, ...] | None = None
     global_offset: tuple[int, ...] | None = None
@@ -55,7 +60,7 @@ class ObjectItem:
 class Flattened:
     tree: dict
     items: list = field(default_factory=list)
-    #: Optimizers found in the state: their step must wait for the lazy snapshot.
+    #: Optimizers found in the state (as given, possibly wrappers): part of this save.
     optimizers: list = field(default_factory=list)
 
 
@@ -149,7 +154,7 @@ class _Walker:
         key = key_of(path)
         param = isinstance(t, torch.nn.Parameter)
         if policy is None:
-            policy = provider.capture_of(t) if provider is not None else (LAZY if param else EAGER)
+            policy = provider.capture_of(t) if provider is not None else AUTO
         shard = sharding_of(t)
         t = shard.local.detach() if shard is not None else t.detach()
         view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
@@ -157,13 +162,10 @@ class _Walker:
         if view is not None and view in self._views:  # the same view saved under two keys
             index = self._views[view]
             item = self.out.items[index]
-            if item.lazy and policy == EAGER:
-                item.tensor, item.lazy = t.clone(memory_format=torch.contiguous_format), False
+            item.policy = _merge(item.policy, policy)
             return {"t": "tensor", "e": index, "param": param}
-        if policy == EAGER:
-            t = t.clone(memory_format=torch.contiguous_format)
         index = len(self.out.items)
-        item = TensorItem(key, t, policy == LAZY, replicated=self.replicated)
+        item = TensorItem(key, t, policy, replicated=self.replicated)
         if shard is not None:
             item.global_shape, item.global_offset = shard.global_shape, shard.global_offset
             item.primary, item.replicated = shard.primary, False
@@ -179,6 +181,13 @@ class _Walker:
         return {"t": "object", "e": index}
 
 
+def _merge(a: str, b: str) -> str:
+    """The policy of one view reached under two keys: eager wins, then an explicit lazy."""
+    if EAGER in (a, b):
+        return EAGER
+    return LAZY if LAZY in (a, b) else AUTO
+
+
 def _json_key(k: Any) -> bool:
     return type(k) in _SCALARS or (type(k) is float and math.isfinite(k))
 
@@ -187,7 +196,8 @@ def flatten(state: Any, registry: ProviderRegistry, *, replicated: bool = False)
     """Describe ``state``: a JSON tree whose leaves index ``items``.
 
     The same tensor view reached under two keys is one item (shared storage is written once); if
-    either key asks for eager capture, it is captured eagerly.
+    either key asks for eager capture, it is captured eagerly. ``item.lazy`` is left False: the
+    caller decides it (``datastates.capture.decide``).
     """
     walker = _Walker(registry, replicated)
     walker.out.tree = walker.node(state, (), None, None)

@@ -1,7 +1,8 @@
 """The host cache: one buffer allocated once (pinned on CUDA), cut into slots, reused forever.
 
 Slots give backpressure: ``acquire`` blocks while every slot holds data not yet written. Copies
-into a slot run on a dedicated CUDA stream ordered after the compute stream (see ``DeviceCopier``);
+into a slot run on a side CUDA stream per device, ordered after that device's compute stream
+(see ``DeviceCopier``);
 on the CPU the same code copies CPU tensors (the training state keeps changing, so a copy is needed).
 """
 from __future__ import annotations
@@ -107,12 +108,51 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
-class DeviceCopier:
-    """Copies item bytes into cache slots. With CUDA items, copies run on one side stream that
-    first waits on an event recorded on the compute stream inside ``save()``."""
+class CudaStreams:
+    """The few CUDA calls the copier makes, in one place (a test substitutes a fake)."""
 
-    def __init__(self):
-        self._stream = None
+    def stream(self, device: torch.device):
+        return torch.cuda.Stream(device=device)
+
+    def event(self):
+        return torch.cuda.Event()
+
+    def current_stream(self, device: torch.device):
+        return torch.cuda.current_stream(device)
+
+    def use(self, stream):
+        """Context manager making ``stream`` current (on its own device)."""
+        return torch.cuda.stream(stream)
+
+
+class Fence:
+    """Events recorded on the side streams of every device with copies in flight."""
+
+    __slots__ = ("events",)
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def synchronize(self) -> None:
+        for event in self.events:
+            event.synchronize()
+
+
+class DeviceCopier:
+    """Copies item bytes into cache slots.
+
+    CUDA: one side stream per device, created on first use and reused. In ``save()`` (training
+    thread) ``record_ready`` records an event on the current stream of every device holding a
+    tensor to capture; ``begin`` (capture thread) makes each device's side stream wait for its
+    event, so no kernel in flight is raced. A copy from ``cuda:i`` runs on ``cuda:i``'s side
+    stream, and ``fence`` records one event per device that had copies since the last fence: the
+    slot is handed to a writer only after all of them completed.
+    """
+
+    def __init__(self, cuda: CudaStreams | None = None):
+        self._cuda = cuda or CudaStreams()
+        self._streams: dict[torch.device, object] = {}
+        self._dirty: set[torch.device] = set()  # devices with copies issued since the last fence
         self._pool: ThreadPoolExecutor | None = None
 
     def _helper(self) -> ThreadPoolExecutor:
@@ -125,29 +165,31 @@ class DeviceCopier:
             self._pool.shutdown()
             self._pool = None
 
-    def record_ready(self, tensors) -> object | None:
-        """Called in ``save()`` on the training thread: mark the point the copies must follow."""
+    def record_ready(self, tensors) -> list | None:
+        """Called in ``save()`` on the training thread: mark, per device, the point the copies
+        must follow. None when no tensor is on a CUDA device."""
         devices = {t.device for t in tensors if t.is_cuda}
         if not devices:
             return None
         events = []
-        for device in devices:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
+        for device in sorted(devices, key=lambda d: d.index or 0):
+            event = self._cuda.event()
+            event.record(self._cuda.current_stream(device))
             events.append((device, event))
         return events
 
     def begin(self, ready) -> None:
-        if ready is None:
-            return
-        for device, event in ready:
+        """Capture thread, before a job's first copy: order each device's side stream after its
+        compute stream."""
+        for device, event in ready or ():
             self._stream_for(device).wait_event(event)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy flat uint8 ``src`` into the cache view ``dst`` (same length)."""
         if src.is_cuda:
-            with torch.cuda.stream(self._stream_for(src.device)):
+            with self._cuda.use(self._stream_for(src.device)):
                 dst.copy_(src, non_blocking=True)
+            self._dirty.add(src.device)
         elif src.device.type != "cpu":  # other devices (meta raises here): torch's own copy
             dst.copy_(src)
         elif src.numel():
@@ -164,20 +206,27 @@ class DeviceCopier:
             helper.result()
 
     def flat(self, src: torch.Tensor) -> torch.Tensor:
+        """``src`` as flat bytes; a non-contiguous CUDA tensor is compacted on its side stream."""
         if src.is_cuda:
-            with torch.cuda.stream(self._stream_for(src.device)):
+            with self._cuda.use(self._stream_for(src.device)):
                 return flat_bytes(src)
         return flat_bytes(src)
 
-    def fence(self, tensors) -> object | None:
-        """An event after every copy issued so far (None when all copies were synchronous)."""
-        if self._stream is None or not any(t.is_cuda for t in tensors):
+    def fence(self) -> Fence | None:
+        """Events after every copy issued so far, one per device that had copies since the last
+        fence (None when all copies were synchronous)."""
+        if not self._dirty:
             return None
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        return event
+        events = []
+        for device in sorted(self._dirty, key=lambda d: d.index or 0):
+            event = self._cuda.event()
+            event.record(self._streams[device])
+            events.append(event)
+        self._dirty.clear()
+        return Fence(events)
 
-    def _stream_for(self, device):
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=device)
-        return self._stream
+    def _stream_for(self, device: torch.device):
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = self._cuda.stream(device)
+        return stream

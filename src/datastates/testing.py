@@ -55,7 +55,7 @@ class ProviderConformance:
         provider = self.make_provider()
         assert isinstance(provider, StateProvider)
         assert provider.name, "a provider needs a stable, non-empty name"
-        assert provider.capture in ("lazy", "eager")
+        assert provider.capture in ("auto", "lazy", "eager")
         assert provider.can_handle(self.make_object(0))
         assert not provider.can_handle(object())
 

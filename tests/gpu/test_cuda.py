@@ -83,3 +83,54 @@ def test_restore_in_place_on_device_and_map_location(tmp_path):
             assert torch.equal(v, w), k
         loaded = ckpt.load(map_location="cuda")
         assert all(t.is_cuda for t in loaded["model"].values())
+
+
+def test_eager_cuda_tensor_is_in_the_cache_when_save_returns(tmp_path):
+    """No optimizer in the save: the tensor is eager, copied (after the pending kernels) before
+    save() returns, so an in-place change right after save() is not in the checkpoint."""
+    x = torch.zeros(4096, 4096, device="cuda")
+    a = torch.randn(4096, 4096, device="cuda")
+    config = CheckpointConfig(host_cache_bytes=16 << 20, chunk_bytes=4 << 20)  # x: 64 MiB
+    with Checkpointer(tmp_path, config) as ckpt:
+        for _ in range(10):
+            x.add_(a @ a * 0)
+        x.fill_(3.0)
+        handle = ckpt.save({"x": x}, step=1)
+        assert handle.stats.lazy_nbytes == 0
+        x.fill_(4.0)
+        handle.wait()
+        assert torch.equal(ckpt.load()["x"], torch.full((4096, 4096), 3.0))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("cache", [1 << 30, 8 << 20], ids=["big-cache", "small-cache"])
+def test_copies_from_two_devices_each_follow_their_device(tmp_path, cache):
+    """device_map="auto" style: state on cuda:0 and cuda:1. Each device's copies wait for that
+    device's pending kernels and are fenced on that device before a writer reads the slot."""
+    xs, mats = [], []
+    for index in (0, 1):
+        with torch.cuda.device(index):
+            xs.append(torch.zeros(2048, 2048, device=f"cuda:{index}"))
+            mats.append(torch.randn(2048, 2048, device=f"cuda:{index}"))
+    config = CheckpointConfig(host_cache_bytes=cache, chunk_bytes=min(cache // 2, 64 << 20),
+                              lazy="always")
+    with Checkpointer(tmp_path, config) as ckpt:
+        for index, (x, m) in enumerate(zip(xs, mats)):
+            with torch.cuda.device(index):
+                for _ in range(20):  # queue work on each device's compute stream
+                    x.add_(m @ m * 0)
+                x.fill_(float(index + 1))
+        handle = ckpt.save({"x0": datastates.lazy(xs[0]), "x1": datastates.lazy(xs[1]),
+                            "e1": xs[1][:16].clone()}, step=1)
+        handle.wait_snapshot()
+        for index, x in enumerate(xs):
+            with torch.cuda.device(index):
+                x.fill_(-1.0)
+        handle.wait()
+        loaded = ckpt.load()
+    assert torch.equal(loaded["x0"], torch.full((2048, 2048), 1.0))
+    assert torch.equal(loaded["x1"], torch.full((2048, 2048), 2.0))
+    assert torch.equal(loaded["e1"], torch.full((16, 2048), 2.0))
+    streams = ckpt._pipeline.copier._streams
+    assert sorted(d.index for d in streams) == [0, 1]
+    assert all(s.device == d for d, s in streams.items())

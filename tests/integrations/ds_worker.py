@@ -88,8 +88,18 @@ def main(out: str, mode: str) -> None:
     assert isinstance(ours, CheckpointEngine), type(ours)
     if mode == "zero1-lazy":
         enable_lazy_snapshots(eng)
+    lazy_bytes, path_save = {}, ours._paths.save
+
+    def recording_save(state, path, **kwargs):  # which bytes the capture rule made lazy
+        handle = path_save(state, path, **kwargs)
+        lazy_bytes[os.path.basename(str(path))] = handle.stats.lazy_nbytes
+        return handle
+    ours._paths.save = recording_save
     train(eng, mode, range(STEPS_BEFORE))
     eng.save_checkpoint(ds_dir)
+    result["lazy_bytes"] = lazy_bytes
+    result["trainable_bytes"] = sum(p.numel() * p.element_size()
+                                    for p in eng.module.parameters() if p.requires_grad)
     train(eng, mode, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
     result["same_trajectory"] = all(torch.equal(a, continuous[k]) for k, a in params(eng).items())
     eng.destroy()  # DataStatesCheckpointEngine.cleanup() -> wait(persist=True)

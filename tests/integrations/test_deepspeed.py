@@ -37,6 +37,12 @@ def test_deepspeed_save_resume_bit_exact(tmp_path, mode):
     assert "mp_rank_00_model_states.pt" in r["files"]
     if mode == "zero1-lazy":
         assert "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in r["files"]
+        # The capture rule: the bf16 parameters (written by ZeRO's step after the guarded inner
+        # step) and the fp32 partitions + moments of the inner optimizer are lazy.
+        assert r["lazy_bytes"]["mp_rank_00_model_states.pt"] >= r["trainable_bytes"]
+        assert r["lazy_bytes"]["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"] > 0
+    else:  # no guard: every tensor is copied into the host cache inside save()
+        assert set(r["lazy_bytes"].values()) == {0}
     assert r["files_are_checkpoints"]
     # DeepSpeed itself never writes `latest` for this engine; we do, once the tag is committed.
     assert r["latest"] == "global_step3"

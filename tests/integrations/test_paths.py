@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import datastates
-from datastates.integrations._paths import PathCheckpoints, mark_capture
+from datastates.integrations._paths import PathCheckpoints
 
 from integration_helpers import assert_same, subprocess_env
 
@@ -49,7 +49,7 @@ def test_save_load_equals_torch_load(tmp_path):
     state = _state()
     torch.save(state, tmp_path / "ref.pt")
     paths = PathCheckpoints(SMALL)
-    paths.save(mark_capture(state, None), tmp_path / "x.ckpt", snapshot=True)
+    paths.save(state, tmp_path / "x.ckpt", snapshot=True)
     paths.wait()
     assert os.path.isfile(tmp_path / "x.ckpt" / "manifest.json")
     assert_same(torch.load(tmp_path / "ref.pt", weights_only=False),
@@ -61,7 +61,7 @@ def test_snapshot_is_taken_at_save_time(tmp_path):
     t = torch.arange(300_000, dtype=torch.float32)  # larger than the host cache: backpressure
     want = t.clone()
     paths = PathCheckpoints(SMALL)
-    paths.save(mark_capture({"t": t}, None), tmp_path / "a", snapshot=True)
+    paths.save({"t": t}, tmp_path / "a", snapshot=True)
     t.add_(1)  # the caller mutates right after save() returned
     paths.wait()
     assert torch.equal(paths.load(tmp_path / "a")["t"], want)
@@ -71,7 +71,7 @@ def test_snapshot_is_taken_at_save_time(tmp_path):
 def test_overwrite_and_remove(tmp_path):
     paths = PathCheckpoints(SMALL)
     for v in range(3):
-        paths.save(mark_capture({"v": torch.full((4,), v)}, None), tmp_path / "last.ckpt",
+        paths.save({"v": torch.full((4,), v)}, tmp_path / "last.ckpt",
                    snapshot=True)
     assert paths.load(tmp_path / "last.ckpt")["v"].tolist() == [2, 2, 2, 2]
     paths.remove(tmp_path / "last.ckpt")
@@ -83,25 +83,25 @@ def test_overwrite_and_remove(tmp_path):
 def test_background_failure_raised_by_next_save(tmp_path):
     paths = PathCheckpoints(SMALL)
     bad = {"t": torch.empty(16, device="meta")}  # fails in the background capture
-    paths.save(mark_capture(bad, None), tmp_path / "bad", snapshot=False)
+    paths.save(bad, tmp_path / "bad", snapshot=False)
     with pytest.raises(NotImplementedError):
         paths.wait()
     assert not os.path.exists(tmp_path / "bad")  # nothing partial is visible
-    handle = paths.save(mark_capture(bad, None), tmp_path / "bad", snapshot=False)
+    handle = paths.save(bad, tmp_path / "bad", snapshot=False)
     with pytest.raises(NotImplementedError):
         handle.wait()
     with pytest.raises(NotImplementedError):  # the next save reports it
-        paths.save(mark_capture({"t": torch.ones(2)}, None), tmp_path / "ok", snapshot=True)
+        paths.save({"t": torch.ones(2)}, tmp_path / "ok", snapshot=True)
     paths.close()
 
 
 def test_crash_never_exposes_a_partial_checkpoint(tmp_path):
     code = textwrap.dedent(f"""
         import os, torch, datastates
-        from datastates.integrations._paths import PathCheckpoints, mark_capture
+        from datastates.integrations._paths import PathCheckpoints
         cfg = datastates.CheckpointConfig(host_cache_bytes=1 << 22, chunk_bytes=1 << 20)
         p = PathCheckpoints(cfg)
-        p.save(mark_capture({{"t": torch.ones(8 << 20)}}, None), {str(tmp_path / "x.pt")!r},
+        p.save({{"t": torch.ones(8 << 20)}}, {str(tmp_path / "x.pt")!r},
                snapshot=False)
         os._exit(0)  # die with the save in flight
     """)
@@ -113,3 +113,22 @@ def test_crash_never_exposes_a_partial_checkpoint(tmp_path):
         paths.close()
     visible = [n for n in os.listdir(tmp_path) if not n.startswith(".")]
     assert visible in ([], ["x.pt"], ["latest", "x.pt"])
+
+
+def test_optimizers_make_only_their_bytes_lazy(tmp_path):
+    """The core's capture rule through the path API: a BatchNorm buffer changed right after
+    save() is not in the checkpoint; the parameters are captured lazily behind the step."""
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    state = {"module": m.state_dict(), "optimizer": opt.state_dict()}
+    want = {"module": type(state["module"])((k, v.clone()) for k, v in state["module"].items())}
+    paths = PathCheckpoints(SMALL)
+    handle = paths.save(state, tmp_path / "x.ckpt", snapshot=False, optimizers=[opt])
+    assert 0 < handle.stats.lazy_nbytes
+    m(torch.randn(4, 8)).sum().backward()  # changes the running statistics
+    opt.step()  # guarded: waits for the capture
+    paths.wait()
+    assert_same(want["module"], paths.load(tmp_path / "x.ckpt")["module"])
+    paths.close()

@@ -50,66 +50,10 @@ def is_checkpoint_dir(path) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), "manifest.json"))
 
 
-def storage_key(t: torch.Tensor) -> tuple:
-    return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
-
-
-def protected_storages(modules: Iterable[torch.nn.Module] = (),
-                       optimizers: Iterable[Any] = ()) -> set:
-    """Storages that change only inside an optimizer step: parameters of ``modules``, and the
-    parameters and state tensors of ``optimizers`` (torch optimizers, or wrappers exposing
-    ``.optimizer``). Tensors on these storages may be captured lazily behind a step guard."""
-    keys = set()
-    for module in modules:
-        for p in module.parameters():
-            keys.add(storage_key(p))
-    for opt in optimizers:
-        opt = base_optimizer(opt)
-        if opt is None:
-            continue
-        for group in opt.param_groups:
-            for p in group["params"]:
-                keys.add(storage_key(p))
-        for state in opt.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    keys.add(storage_key(v))
-    return keys
-
-
 def base_optimizer(opt: Any) -> torch.optim.Optimizer | None:
-    """The innermost ``torch.optim.Optimizer`` of framework wrappers (accelerate's
-    ``AcceleratedOptimizer`` subclasses Optimizer without its hooks, DeepSpeed ZeRO wrappers,
-    ``LightningOptimizer``), found through their ``.optimizer`` attribute."""
-    for _ in range(8):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None or inner is opt:
-            break
-        opt = inner
-    return opt if isinstance(opt, torch.optim.Optimizer) else None
-
-
-def mark_capture(state: Any, lazy_storages: set | None) -> Any:
-    """Wrap the tensors of a plain state so the core captures them without device clones.
-
-    ``lazy_storages=None``: everything lazy (the caller waits for the snapshot before returning,
-    so nothing can change meanwhile). Otherwise tensors on those storages are lazy and every
-    other tensor (buffers such as BatchNorm statistics, user tensors) is eager: copied inside
-    ``save()``, because it may change before the next optimizer step.
-    """
-    ds = _core()
-    if lazy_storages is None:
-        return ds.lazy(state)
-
-    def walk(obj):
-        if isinstance(obj, torch.Tensor):
-            return ds.lazy(obj) if storage_key(obj) in lazy_storages else ds.eager(obj)
-        if type(obj) in (dict, OrderedDict):
-            return type(obj)((k, walk(v)) for k, v in obj.items())
-        if type(obj) in (list, tuple):
-            return type(obj)(walk(v) for v in obj)
-        return obj
-    return walk(state)
+    """The torch optimizer inside framework wrappers (accelerate's ``AcceleratedOptimizer``,
+    DeepSpeed's ZeRO wrappers, ``LightningOptimizer``): the core's unwrapping rule."""
+    return _core().capture.torch_optimizer(opt)
 
 
 class _Pending:
@@ -128,7 +72,7 @@ class PathCheckpoints:
                  on_commit: Callable[[str, Any], None] | None = None):
         ds = _core()
         config = config if config is not None else ds.CheckpointConfig()
-        # Capture is steered per tensor by lazy()/eager() markers and by our own snapshot waits.
+        # The core's capture rule decides each tensor; the snapshot waits are ours (save()).
         self.config = config.replace(lazy="always")
         self.max_open = max(1, int(max_open))
         self.trusted = trusted
@@ -142,12 +86,16 @@ class PathCheckpoints:
         self._finisher = _Finisher(self)
 
     # ------------------------------------------------------------ save / load / remove
-    def save(self, state: Any, path, *, snapshot: bool, metadata: dict | None = None):
+    def save(self, state: Any, path, *, snapshot: bool, metadata: dict | None = None,
+             optimizers: Iterable[Any] = ()):
         """Start saving ``state`` to ``path``; return its handle.
 
-        ``snapshot=True`` returns only after the state is captured in the host cache (nothing the
-        caller does afterwards can change the checkpoint); ``False`` leaves lazy tensors to be
-        captured in the background, so the caller must hold a step guard (:meth:`wait_snapshots`).
+        ``optimizers`` are the optimizers whose parameters and state ``state`` holds (as state
+        dicts): tensors on their bytes may be captured lazily (the core's rule), every other
+        tensor is copied into the host cache before this returns. ``snapshot=True`` returns only
+        after the whole state is captured (nothing the caller does afterwards can change the
+        checkpoint); ``False`` leaves lazy tensors to be captured in the background, so the
+        caller must hold a step guard (:meth:`wait_snapshots`).
         """
         self.raise_errors()
         root, name = split_path(path)
@@ -157,7 +105,8 @@ class PathCheckpoints:
             os.remove(full)  # a plain file from another engine: replaced by the new checkpoint
         os.makedirs(root, exist_ok=True)
         ckpt = self._checkpointer(root)
-        handle = ckpt.save(state, tag=name, metadata=metadata or {}, overwrite=True)
+        handle = ckpt.save(state, tag=name, metadata=metadata or {}, overwrite=True,
+                           optimizers=optimizers)
         pending = _Pending(handle, full)
         with self._lock:
             self._pending[full] = pending

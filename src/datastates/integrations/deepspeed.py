@@ -20,8 +20,9 @@ What DeepSpeed does *not* do for this engine, and how the contract still holds:
   ``save(path)`` here commits *on its own* in the background (atomic per path), and by default
   ``save()`` returns only once its state is copied into the host cache (no device clone; the
   write, fsync and commit overlap training). Call :func:`enable_lazy_snapshots` with the engine to
-  go fully lazy: ``save()`` returns after planning and the optimizer step waits (a step pre-hook
-  on the engine's torch optimizer) until the snapshot is complete.
+  go lazy: ``save()`` copies only what the core's capture rule makes eager (buffers, frozen
+  parameters, client state), returns, and the optimizer step waits (a step pre-hook on the
+  engine's torch optimizer) until the rest of the snapshot is complete.
 - It never writes ``save_dir/latest`` for this engine. Global rank 0 writes it here (atomically,
   naming the tag) once all of its own files of that tag are committed. With several ranks
   ``latest`` therefore trusts the other ranks' files of the tag; disable with
@@ -48,12 +49,12 @@ from typing import Any
 
 import torch
 
-from ._paths import PathCheckpoints, base_optimizer, mark_capture, protected_storages
+from ._paths import PathCheckpoints, base_optimizer
 
 log = logging.getLogger("datastates.integrations.deepspeed")
 
 __all__ = ["CheckpointEngine", "DeepSpeedCheckpointEngine", "config_from_deepspeed",
-           "enable_lazy_snapshots", "export_torch_files"]
+           "enable_lazy_snapshots", "export_torch_files", "low_precision_params"]
 
 _GB = 1 << 30
 
@@ -103,8 +104,7 @@ class CheckpointEngine:
         self.update_latest = options["update_latest"]
         self._paths = PathCheckpoints(config, max_open=2, trusted=options["trusted_load"],
                                       on_commit=self._committed)
-        self._guard_modules: list = []
-        self._guard_optimizers: list = []
+        self._guard_optimizers: list = []  # as given (wrappers): the core unwraps them
         self._hooks: list = []
         self._tags: dict[str, int] = {}      # tag dir -> saves not yet committed
         self._open_tag: str | None = None     # tag dir whose save() calls may still come
@@ -121,16 +121,17 @@ class CheckpointEngine:
         :func:`enable_lazy_snapshots`); raises a failure of an earlier save."""
         tag_dir = os.path.dirname(os.path.abspath(path))
         self._seal_if_new(tag_dir)
+        state = state_dict
         if self._guard_optimizers:
-            lazy = protected_storages(self._guard_modules, self._guard_optimizers)
-            state = mark_capture(state_dict, lazy)
-        else:
-            state = mark_capture(state_dict, None)
+            import datastates
+            updated = [t for opt in self._guard_optimizers for t in low_precision_params(opt)]
+            state = datastates.capture.mark_lazy(state_dict, updated)
         with self._tag_lock:
             self._tags[tag_dir] = self._tags.get(tag_dir, 0) + 1
             self._open_tag = tag_dir
         try:
             self._paths.save(state, path, snapshot=not self._guard_optimizers,
+                             optimizers=self._guard_optimizers,
                              metadata={"framework": "deepspeed", "rank": self.rank})
         except BaseException:
             with self._tag_lock:
@@ -173,20 +174,19 @@ class CheckpointEngine:
     shutdown = close
 
     # ------------------------------------------------------------ lazy snapshots
-    def guard(self, optimizer: Any, modules: Any = ()) -> None:
-        """Make saves lazy: ``optimizer.step()`` (a torch optimizer, or a wrapper exposing
-        ``.optimizer``) waits until every in-flight save has captured its state. Tensors on the
-        storages of ``modules``' parameters and of the optimizer's parameters and state are then
-        captured in the background; any other tensor (buffers, client state) is copied inside
-        ``save()`` because forward may change it."""
+    def guard(self, optimizer: Any) -> None:
+        """Make saves lazy: ``optimizer.step()`` (a torch optimizer, or a DeepSpeed wrapper
+        exposing ``.optimizer``) waits until every in-flight save has captured its state.
+        Following the core's capture rule, tensors on the bytes of the torch optimizer's
+        parameters and state, and of the low-precision parameters a DeepSpeed wrapper writes in
+        its step after the inner step (:func:`low_precision_params`), are then captured in the
+        background; any other tensor (buffers, frozen parameters, client state) is copied into
+        the host cache inside ``save()``."""
         opt = base_optimizer(optimizer)
         if opt is None:
             raise TypeError(f"guard(): {type(optimizer).__qualname__} is not a torch optimizer "
                             "and has no .optimizer attribute that is one")
-        if isinstance(modules, torch.nn.Module):
-            modules = [modules]
-        self._guard_modules.extend(modules)
-        self._guard_optimizers.append(opt)
+        self._guard_optimizers.append(optimizer)
         self._hooks.append(opt.register_step_pre_hook(self._before_step))
 
     def _before_step(self, *_args) -> None:
@@ -256,8 +256,25 @@ def enable_lazy_snapshots(engine: Any) -> "CheckpointEngine":
                         "through datastates; add \"datastates_ckpt\": {...} to its config")
     if engine.optimizer is None:
         raise ValueError("enable_lazy_snapshots(): the engine has no optimizer")
-    ours.guard(engine.optimizer, modules=[engine.module])
+    ours.guard(engine.optimizer)
     return ours
+
+
+def low_precision_params(optimizer: Any) -> list[torch.Tensor]:
+    """The bf16/fp16 parameters a DeepSpeed wrapper writes inside its ``step()``, after the step
+    of its inner torch optimizer (whose pre-hook is the guard), so they change only behind the
+    guard: ZeRO-1/2 ``bit16_groups``, ``BF16_Optimizer.bf16_groups``, FP16 ``fp16_groups``.
+    None for ZeRO-3 (parameters are gathered and released during forward) or a torch optimizer.
+    """
+    if any(c.__name__ == "DeepSpeedZeroOptimizer_Stage3" for c in type(optimizer).__mro__):
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return []
+    out = []
+    for attr in ("bit16_groups", "bf16_groups", "fp16_groups"):
+        for group in getattr(optimizer, attr, None) or ():
+            out.extend(t for t in group if isinstance(t, torch.Tensor))
+    return out
 
 
 def export_torch_files(tag_dir: str, out_dir: str | None = None) -> list[str]:

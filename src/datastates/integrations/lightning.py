@@ -14,8 +14,9 @@ Lightning calls, on global rank 0 only (``Strategy.save_checkpoint`` / ``remove_
 Compared with Lightning's ``AsyncCheckpointIO``:
 
 - no clone of the state on the device: tensors are copied once, into the bounded host cache
-  that is reused by every save; only module buffers (which forward changes) are copied eagerly
-  when lazy snapshots are on;
+  that is reused by every save; with lazy snapshots on, the core's capture rule copies inside
+  ``save_checkpoint`` only what the trainer's optimizers do not own (buffers, which forward
+  changes, frozen parameters, EMA copies), the rest in the background;
 - lazy: with the :meth:`DatastatesCheckpointIO.lazy_snapshots` callback, ``save_checkpoint``
   returns after planning, forward and backward overlap the copy, and Lightning's
   ``on_before_optimizer_step`` (after the closure ran backward, before the weights change) waits
@@ -33,7 +34,7 @@ from typing import Any, Optional
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback
 
-from ._paths import PathCheckpoints, mark_capture, protected_storages
+from ._paths import PathCheckpoints
 
 __all__ = ["DatastatesCheckpointIO", "DatastatesSnapshotCallback"]
 
@@ -59,11 +60,10 @@ class DatastatesCheckpointIO(CheckpointIO):
                             "it through its datastates.CheckpointConfig")
         guard = self._guard
         if guard is not None and guard.active:
-            state = mark_capture(checkpoint, protected_storages(guard.modules(), guard.optimizers()))
-            self._paths.save(state, path, snapshot=False, metadata={"framework": "lightning"})
-        else:
-            self._paths.save(mark_capture(checkpoint, None), path, snapshot=True,
+            self._paths.save(checkpoint, path, snapshot=False, optimizers=guard.optimizers(),
                              metadata={"framework": "lightning"})
+        else:
+            self._paths.save(checkpoint, path, snapshot=True, metadata={"framework": "lightning"})
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -101,21 +101,17 @@ class DatastatesCheckpointIO(CheckpointIO):
 
 
 class DatastatesSnapshotCallback(Callback):
-    """Makes :class:`DatastatesCheckpointIO` saves lazy: parameters and optimizer state are
-    captured in the background while the next forward/backward runs, and
-    ``on_before_optimizer_step`` waits until the capture is complete."""
+    """Makes :class:`DatastatesCheckpointIO` saves lazy: the parameters and state of the
+    trainer's optimizers are captured in the background while the next forward/backward runs,
+    and ``on_before_optimizer_step`` waits until the capture is complete."""
 
     def __init__(self, io: DatastatesCheckpointIO):
         self.io = io
         self._trainer = None
-        self._module = None
 
     @property
     def active(self) -> bool:
         return self._trainer is not None
-
-    def modules(self) -> list:
-        return [self._module] if self._module is not None else []
 
     def optimizers(self) -> list:
         return list(self._trainer.optimizers) if self._trainer is not None else []
@@ -124,7 +120,7 @@ class DatastatesSnapshotCallback(Callback):
         if trainer.strategy.checkpoint_io is not self.io:
             raise ValueError("DatastatesSnapshotCallback: the Trainer does not use its "
                              "DatastatesCheckpointIO; pass it in Trainer(plugins=[io])")
-        self._trainer, self._module = trainer, pl_module
+        self._trainer = trainer
         self.io._guard = self
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
@@ -134,4 +130,4 @@ class DatastatesSnapshotCallback(Callback):
         self.io._paths.wait_snapshots()
         if self.io._guard is self:
             self.io._guard = None
-        self._trainer = self._module = None
+        self._trainer = None

@@ -1,7 +1,7 @@
 """State providers: how each kind of object is captured and restored."""
-from .base import EAGER, LAZY, Capture, ProviderRegistry, StateProvider, eager, lazy
+from .base import AUTO, EAGER, LAZY, Capture, ProviderRegistry, StateProvider, eager, lazy
 from .builtin import (ModuleProvider, OptimizerProvider, RNGState, RNGStateProvider,
                       StatefulProvider)
 
-__all__ = ["EAGER", "LAZY", "Capture", "ModuleProvider", "OptimizerProvider", "ProviderRegistry",
+__all__ = ["AUTO", "EAGER", "LAZY", "Capture", "ModuleProvider", "OptimizerProvider", "ProviderRegistry",
            "RNGState", "RNGStateProvider", "StateProvider", "StatefulProvider", "eager", "lazy"]

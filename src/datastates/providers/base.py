@@ -2,7 +2,7 @@
 
 A provider knows one kind of object and turns it into a *state*: nested dicts/lists/tuples of
 tensors and plain values (usually its ``state_dict()``). The engine walks that state, captures its
-tensors (lazily or eagerly, as the provider says) and serializes the rest. On restore the provider
+tensors (lazily or eagerly: see ``datastates.capture`` for the rule) and serializes the rest. On restore the provider
 gets the loaded state back and applies it to the live object.
 """
 from __future__ import annotations
@@ -14,6 +14,9 @@ import torch
 
 LAZY = "lazy"
 EAGER = "eager"
+#: Decided per tensor by the storage rule of ``datastates.capture`` (lazy only on the bytes of
+#: an optimizer that is part of the save).
+AUTO = "auto"
 
 
 class StateProvider(ABC):
@@ -22,8 +25,10 @@ class StateProvider(ABC):
     Contract:
     - ``can_handle`` and ``state`` run on the training thread inside ``save()``: keep them cheap,
       return references to the live tensors (no copies); the engine copies them.
-    - Tensors whose provider says ``lazy`` must not change until the guarded optimizer step (or an
-      explicit ``wait_snapshot()``); anything that may change during forward/backward is ``eager``.
+    - ``capture`` is ``auto`` by default: the storage rule decides each tensor (lazy only if its
+      bytes belong to an optimizer that is part of the save). A provider may say ``eager``
+      (always copied inside ``save()``), or ``lazy`` — a promise that its tensors do not change
+      until the guarded optimizer step or an explicit ``wait_snapshot()``.
     - ``load`` runs on the caller's thread inside ``restore()`` after every tensor of the state was
       read; tensors that matched live tensors were already filled in place.
     - ``name`` is recorded in the manifest and looked up on load: keep it stable.
@@ -31,8 +36,8 @@ class StateProvider(ABC):
 
     #: Stable identifier recorded in the manifest.
     name: str = ""
-    #: Default capture of this provider's tensors: "lazy" or "eager".
-    capture: str = EAGER
+    #: Default capture of this provider's tensors: "auto", "lazy" or "eager".
+    capture: str = AUTO
     #: Whether a restore may create tensors for keys the live object does not hold yet
     #: (an optimizer before its first step); False makes such keys an error on a strict restore.
     allow_new_keys: bool = True
@@ -64,20 +69,22 @@ class Capture:
     __slots__ = ("value", "policy")
 
     def __init__(self, value: Any, policy: str):
-        if policy not in (LAZY, EAGER):
-            raise ValueError(f"capture policy must be 'lazy' or 'eager', found {policy!r}")
+        if policy not in (LAZY, EAGER, AUTO):
+            raise ValueError(f"capture policy must be 'lazy', 'eager' or 'auto', "
+                             f"found {policy!r}")
         self.value = value
         self.policy = policy
 
 
 def lazy(value: Any) -> Capture:
-    """Capture the tensors of ``value`` lazily: the caller promises they stay unchanged until the
-    guarded optimizer step or ``wait_snapshot()``."""
+    """Capture the tensors of ``value`` lazily, whatever the storage rule says: the caller promises
+    they stay unchanged until the step of a guarded optimizer or ``wait_snapshot()``."""
     return Capture(value, LAZY)
 
 
 def eager(value: Any) -> Capture:
-    """Capture the tensors of ``value`` inside ``save()`` (for state that changes during forward)."""
+    """Capture the tensors of ``value`` inside ``save()``, even on an optimizer's bytes (for
+    state changed in place outside the optimizer step, e.g. weight clipping)."""
     return Capture(value, EAGER)
 
 

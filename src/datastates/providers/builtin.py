@@ -7,12 +7,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import EAGER, LAZY, StateProvider
+from .base import StateProvider
 
 
 class ModuleProvider(StateProvider):
-    """``nn.Module``: parameters lazily (immutable until the optimizer step), buffers eagerly
-    (BatchNorm statistics change during forward). Restore fills parameters and buffers in place."""
+    """``nn.Module``: its parameters and buffers, captured by the storage rule (parameters of an
+    optimizer in the same save lazily; buffers, which forward changes, and parameters no optimizer
+    of the save updates, eagerly). Restore fills parameters and buffers in place."""
 
     name = "torch.nn.Module"
     allow_new_keys = False
@@ -23,9 +24,6 @@ class ModuleProvider(StateProvider):
     def state(self, obj: nn.Module) -> Any:
         return obj.state_dict(keep_vars=True)
 
-    def capture_of(self, tensor: torch.Tensor) -> str:
-        return LAZY if isinstance(tensor, nn.Parameter) else EAGER
-
     def load(self, obj: nn.Module, state: Any) -> None:
         live = obj.state_dict(keep_vars=True)
         # Tensors restored in place are the live tensors themselves: only hand the rest over.
@@ -35,10 +33,11 @@ class ModuleProvider(StateProvider):
 
 
 class OptimizerProvider(StateProvider):
-    """``torch.optim.Optimizer``: its state tensors lazily (they change only in ``step()``)."""
+    """``torch.optim.Optimizer``: its state dict. Saving an optimizer makes it part of the save:
+    it is guarded, and its parameters and state tensors are captured lazily (they change only in
+    its ``step()``); hyper-parameter tensors (a tensor ``lr``) are captured eagerly."""
 
     name = "torch.optim.Optimizer"
-    capture = LAZY
 
     def can_handle(self, obj: Any) -> bool:
         return isinstance(obj, torch.optim.Optimizer)
@@ -92,7 +91,8 @@ class RNGStateProvider(StateProvider):
 
 class StatefulProvider(StateProvider):
     """Anything with ``state_dict()`` and ``load_state_dict()``: LR schedulers, stateful data
-    loaders and samplers, GradScaler, user classes. Captured eagerly (it may change any time)."""
+    loaders and samplers, GradScaler, user classes. Captured by the storage rule: eagerly,
+    unless a tensor lies on the bytes of an optimizer that is part of the save."""
 
     name = "datastates.Stateful"
 
