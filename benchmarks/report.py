@@ -81,6 +81,7 @@ def _header(results: dict) -> list[str]:
 def _limits(results: dict) -> list[str]:
     lim = results.get("limits", {}).get("summary", {})
     names = {**LIMIT_LABELS, "write": "**disk write limit** (best write per round)",
+             "read": "**cold read limit** (best cold read per round)",
              "copy": "**copy limit** (best copy per round)"}
     rows = [[names.get(k, k), _span(v, fmt_rate), str(v["n"])] for k, v in lim.items() if v]
     return ["## Physical limits (same run, same disk)", "",
@@ -104,14 +105,18 @@ def _summary(results: dict) -> list[str]:
         row = [_label(results, name), _med(s["blocked_s"], fmt_s),
                _med(s["vs_reference"]["blocked_s"], _x), _med(s["commit_s"], fmt_s),
                _med(s["vs_reference"]["commit_s"], _x), _med(s["frac_write_limit"], _pct),
-               _med(load["frac_cold_read"], _pct) if load else "–"]
+               _med(load["cold_s"], fmt_s) if load else "–",
+               _med(load["frac_cold_read"], _pct) if load else "–",
+               _med(load["warm_s"], fmt_s) if load else "–",
+               _med(load.get("frac_warm_copy"), _pct) if load else "–"]
         row += [_med(e2e.get(name, {}).get(k, {}).get("slowdown"), _x) for k in ks]
         rows.append(row)
     return (["## Summary — GPT state", "",
              f"Medians over rounds; ×ref = time / datastates' time in the same round. Disk write "
              f"limit {_med(write_lim, fmt_rate)}.", ""] +
             _table(["method", "blocked", "×ref", "durable+committed", "×ref",
-                    "of disk write limit", "cold load, of read limit"] +
+                    "of disk write limit", "cold load", "of cold read limit", "warm load",
+                    "warm load, of copy limit"] +
                    [f"e2e slowdown, every {k}" for k in ks], rows))
 
 
@@ -151,14 +156,15 @@ def _load_section(results: dict, key: str, phase: dict) -> list[str]:
     for name, s in phase["load"].items():
         rows.append([_label(results, name), _span(s["cold_s"], fmt_s), _span(s["warm_s"], fmt_s),
                      _med(s["cold_gbps"], fmt_rate), _med(s["frac_cold_read"], _pct),
-                     _med(s["warm_gbps"], fmt_rate), "yes" if s["verified"] else "**NO**",
+                     _med(s["warm_gbps"], fmt_rate), _med(s.get("frac_warm_copy"), _pct),
+                     "yes" if s["verified"] else "**NO**",
                      _span(s["vs_reference"]["cold_s"], _x)])
     return ([f"### Load into the live state — `{key}`", "",
              "Cold: every checkpoint file dropped from the page cache first; warm: read once "
              "before. Verified: a fingerprint of every tensor matches after the load (the state is "
              "overwritten with a sentinel before each load).", ""] +
             _table(["method", "cold", "warm", "cold GB/s", "of cold read limit", "warm GB/s",
-                    "verified", "cold ×ref"], rows))
+                    "warm, of copy limit", "verified", "cold ×ref"], rows))
 
 
 def _e2e_section(results: dict) -> list[str]:
