@@ -91,6 +91,19 @@ def _limits(results: dict) -> list[str]:
             ] + _table(["limit", "median (min–max)", "n"], rows)
 
 
+def _checksums(results: dict) -> list[str]:
+    rows = [[r["backend"], fmt_rate(r["gbps_1t"]), fmt_rate(r["gbps_2t"]),
+             f"{r['gil_share']:.0%}", "yes" if r["in_use"] else ""]
+            for r in results.get("checksums") or []]
+    if not rows:
+        return []
+    return (["## CRC-32 backends (same values as zlib)", "",
+             "GIL: speed of a Python loop on another thread while the backend checksums, relative "
+             "to the loop alone (near 0% would mean the GIL is held).", ""] +
+            _table(["backend", "1 thread", "2 threads at once", "GIL: other thread's speed",
+                    "used by datastates"], rows))
+
+
 def _summary(results: dict) -> list[str]:
     """One row per method: the headline ratios vs the reference on the GPT state."""
     phase = results.get("phases", {}).get("gpt/full")
@@ -234,7 +247,7 @@ def _reading_notes() -> list[str]:
 
 
 def render_markdown(results: dict) -> str:
-    lines = _header(results) + _summary(results) + _limits(results)
+    lines = _header(results) + _summary(results) + _limits(results) + _checksums(results)
     for key, phase in results.get("phases", {}).items():
         if phase.get("save"):
             lines += _save_section(results, key, phase)

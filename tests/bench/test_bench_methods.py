@@ -88,3 +88,14 @@ def test_warm_load_is_compared_with_the_copy_limit():
     load = analysis.analyze_load(phase, lim, "datastates")["datastates"]
     assert load["frac_cold_read"]["median"] == 0.5
     assert load["frac_warm_copy"]["median"] == 0.5
+
+
+def test_checksum_table_lists_every_backend_and_the_one_in_use():
+    from benchmarks import checksums, report
+    from datastates import checksum
+    rows = checksums.measure(4 << 20)
+    assert [r["backend"] for r in rows] == [b.name for b in checksum.available()]
+    assert [r["backend"] for r in rows if r["in_use"]] == [checksum.BACKEND]
+    assert all(r["gbps_1t"] > 0 and r["gbps_2t"] > 0 and r["gil_share"] >= 0 for r in rows)
+    text = "\n".join(report._checksums({"checksums": rows}))
+    assert "## CRC-32 backends" in text and all(r["backend"] in text for r in rows)
