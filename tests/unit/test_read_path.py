@@ -175,3 +175,16 @@ def test_group_limit_gives_every_thread_work():
     assert len(_coalesce(reads, limit)) >= 4
     huge = _Read(0, 0, 1 << 30, torch.zeros(1, dtype=torch.uint8), [], "k")  # only nbytes used
     assert _group_limit([huge], threads=4) == restore_mod._MAX_READ
+
+
+def test_cli_verify_reads_every_byte_and_names_a_damaged_one(saved, small_steps, capsys):
+    from datastates import cli
+    root, state = saved
+    assert cli.main(["verify", str(root)]) == 0
+    total = sum(t.numel() * t.element_size() for t in
+                [state["big"], state["ints"], state["half"], *state["many"]])
+    assert f"{total} bytes verified" in capsys.readouterr().out
+    path, entry = _tensor_entry(root, "ints")
+    _flip(path, entry["shards"][0]["offset"] + 100)
+    assert cli.main(["verify", str(root)]) == 1
+    assert "checksum mismatch for 'ints'" in capsys.readouterr().err
