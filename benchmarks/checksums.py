@@ -19,9 +19,20 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from datastates import checksum  # noqa: E402
-
 GB = 1e9
+
+
+def _backends() -> tuple[list, str | None]:
+    """(backends with ``.name`` and ``.crc32``, the name datastates uses); only zlib where the
+    datastates under test has no checksum module (an older version)."""
+    try:
+        from datastates import checksum
+    except ImportError:
+        class _Zlib:
+            name = "zlib"
+            crc32 = staticmethod(zlib.crc32)
+        return [_Zlib()], None
+    return checksum.available(), checksum.BACKEND
 
 
 def _rate(fn, view: memoryview, threads: int, tries: int = 3) -> float:
@@ -68,13 +79,14 @@ def measure(nbytes: int = 256 << 20) -> list[dict]:
     view = memoryview(data)
     expected = zlib.crc32(view)
     rows = []
-    for backend in checksum.available():
+    backends, in_use = _backends()
+    for backend in backends:
         if backend.crc32(view) != expected:
             raise AssertionError(f"{backend.name}: CRC-32 differs from zlib's")
         rows.append({"backend": backend.name, "gbps_1t": _rate(backend.crc32, view, 1),
                      "gbps_2t": _rate(backend.crc32, view, 2),
                      "gil_share": _gil_share(backend.crc32, view),
-                     "in_use": backend.name == checksum.BACKEND})
+                     "in_use": backend.name == in_use})
     return rows
 
 
