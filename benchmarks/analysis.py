@@ -68,8 +68,9 @@ def analyze_save(phase: dict, limits: dict, reference: str) -> dict:
 
 def analyze_load(phase: dict, limits: dict, reference: str) -> dict:
     nbytes = phase["state"]["nbytes"]
-    cold_lim = median_of(limits.get("read_cold"))
+    cold_lim = median_of(limits.get("read") or limits.get("read_cold"))
     warm_lim = median_of(limits.get("read_warm"))
+    copy_lim = median_of(limits.get("copy"))
     rounds = phase.get("load_rounds", [])
     names = sorted({n for rnd in rounds for n in rnd}, key=phase["methods"].index)
     out = {}
@@ -84,6 +85,8 @@ def analyze_load(phase: dict, limits: dict, reference: str) -> dict:
                 samples, lambda s: safe_div(_rate(nbytes, s["cold_s"]), cold_lim)),
             "frac_warm_read": _per_sample(
                 samples, lambda s: safe_div(_rate(nbytes, s["warm_s"]), warm_lim)),
+            "frac_warm_copy": _per_sample(
+                samples, lambda s: safe_div(_rate(nbytes, s["warm_s"]), copy_lim)),
             "cold_rss_extra": _per_sample(samples, lambda s: s["cold_rss_extra"]),
             "verified": all(s["verified"] for s in samples),
             "vs_reference": {k: summarize(paired_ratios(rounds, k, name, reference))

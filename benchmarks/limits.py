@@ -8,6 +8,9 @@ Every checkpoint number in the report is also given as a fraction of one of thes
   ``pwrite`` releases the GIL), skipped where the file system refuses ``O_DIRECT``;
 - ``write``: the best of the above -- the "disk write limit" used for persist throughput;
 - ``read_cold``: sequential buffered read after ``fsync`` + ``POSIX_FADV_DONTNEED`` of the file;
+- ``read_direct``: the same file read cold with ``O_DIRECT``, 4 threads with one 8 MiB request in
+  flight each (a virtio disk needs several requests in flight to reach its bandwidth);
+- ``read``: the best of the two cold reads per round -- the "cold read limit" restores are held to;
 - ``read_warm``: the same read again, with the file in the page cache;
 - ``copy_1t`` / ``copy_nt``: ``Tensor.copy_`` into a preallocated, already touched buffer with one
   thread and with all of torch's threads (the limit for taking a snapshot in host memory);
@@ -34,6 +37,7 @@ LIMIT_LABELS = {
     "write_direct_1t": "O_DIRECT write, 1 thread (+fsync)",
     "write_direct_2t": "O_DIRECT write, 2 threads (+fsync)",
     "read_cold": "cold buffered read (after FADV_DONTNEED)",
+    "read_direct": "cold O_DIRECT read, 4 threads x 8 MiB in flight",
     "read_warm": "warm read (page cache)",
     "copy_1t": "copy_ into preallocated buffer, 1 thread",
     "copy_nt": "copy_ into preallocated buffer, all threads",
@@ -113,6 +117,47 @@ def _read(path: Path, cold: bool) -> float:
     return total / (now() - t0) / GB
 
 
+def _read_direct(path: Path, threads: int = 4, chunk: int = 8 * MiB) -> float | None:
+    """Cold O_DIRECT read with ``threads`` requests in flight; None where O_DIRECT is refused."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    size = path.stat().st_size
+    size -= size % chunk
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return None
+    bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]     # page aligned, touched below
+    for b in bufs:
+        b.write(bytes(chunk))
+    errors: list[BaseException] = []
+
+    def reader(i: int) -> None:
+        try:
+            for off in range(i * chunk, size, threads * chunk):
+                os.preadv(fd, [bufs[i]], off)
+        except BaseException as e:  # noqa: BLE001 - reported after join
+            errors.append(e)
+
+    try:
+        t0 = now()
+        workers = [threading.Thread(target=reader, args=(i,)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        dt = now() - t0
+    finally:
+        os.close(fd)
+        for b in bufs:
+            b.close()
+    if errors:
+        if isinstance(errors[0], OSError):
+            return None
+        raise errors[0]
+    return size / dt / GB
+
+
 def _best_copy(dst: torch.Tensor, src: torch.Tensor, tries: int = 3) -> float:
     best = 0.0
     for _ in range(tries):
@@ -176,6 +221,9 @@ def measure_limits(workdir: Path, nbytes: int, rounds: int) -> dict[str, list[fl
             log(f"limits round {r + 1}/{rounds} ({nbytes / GB:.2f} GB files)")
             samples["write_buffered"].append(_write_buffered(path, nbytes, src))
             samples["read_cold"].append(_read(path, cold=True))
+            direct = _read_direct(path)
+            if direct is not None:
+                samples["read_direct"].append(direct)
             samples["read_warm"].append(_read(path, cold=False))
             path.unlink()
             for t in (1, 2):
@@ -196,6 +244,7 @@ def summarize_limits(samples: dict[str, list[float]]) -> dict[str, dict | None]:
     write limit) and ``copy`` (1 thread or all threads, the in-memory copy limit)."""
     out = {k: summarize(v) for k, v in samples.items()}
     for name, parts in (("write", ("write_buffered", "write_direct_1t", "write_direct_2t")),
+                        ("read", ("read_cold", "read_direct")),
                         ("copy", ("copy_1t", "copy_nt"))):
         columns = [samples[k] for k in parts if samples.get(k)]
         out[name] = summarize(max(vals) for vals in zip(*columns)) if columns else None

@@ -81,6 +81,7 @@ def _header(results: dict) -> list[str]:
 def _limits(results: dict) -> list[str]:
     lim = results.get("limits", {}).get("summary", {})
     names = {**LIMIT_LABELS, "write": "**disk write limit** (best write per round)",
+             "read": "**cold read limit** (best cold read per round)",
              "copy": "**copy limit** (best copy per round)"}
     rows = [[names.get(k, k), _span(v, fmt_rate), str(v["n"])] for k, v in lim.items() if v]
     return ["## Physical limits (same run, same disk)", "",
@@ -88,6 +89,19 @@ def _limits(results: dict) -> list[str]:
             "results are compared with the disk write limit (best of buffered and O_DIRECT), "
             "snapshots with the in-memory copy limit, cold loads with the cold read limit.", ""
             ] + _table(["limit", "median (min–max)", "n"], rows)
+
+
+def _checksums(results: dict) -> list[str]:
+    rows = [[r["backend"], fmt_rate(r["gbps_1t"]), fmt_rate(r["gbps_2t"]),
+             f"{r['gil_share']:.0%}", "yes" if r["in_use"] else ""]
+            for r in results.get("checksums") or []]
+    if not rows:
+        return []
+    return (["## CRC-32 backends (same values as zlib)", "",
+             "GIL: speed of a Python loop on another thread while the backend checksums, relative "
+             "to the loop alone (near 0% would mean the GIL is held).", ""] +
+            _table(["backend", "1 thread", "2 threads at once", "GIL: other thread's speed",
+                    "used by datastates"], rows))
 
 
 def _summary(results: dict) -> list[str]:
@@ -104,14 +118,18 @@ def _summary(results: dict) -> list[str]:
         row = [_label(results, name), _med(s["blocked_s"], fmt_s),
                _med(s["vs_reference"]["blocked_s"], _x), _med(s["commit_s"], fmt_s),
                _med(s["vs_reference"]["commit_s"], _x), _med(s["frac_write_limit"], _pct),
-               _med(load["frac_cold_read"], _pct) if load else "–"]
+               _med(load["cold_s"], fmt_s) if load else "–",
+               _med(load["frac_cold_read"], _pct) if load else "–",
+               _med(load["warm_s"], fmt_s) if load else "–",
+               _med(load.get("frac_warm_copy"), _pct) if load else "–"]
         row += [_med(e2e.get(name, {}).get(k, {}).get("slowdown"), _x) for k in ks]
         rows.append(row)
     return (["## Summary — GPT state", "",
              f"Medians over rounds; ×ref = time / datastates' time in the same round. Disk write "
              f"limit {_med(write_lim, fmt_rate)}.", ""] +
             _table(["method", "blocked", "×ref", "durable+committed", "×ref",
-                    "of disk write limit", "cold load, of read limit"] +
+                    "of disk write limit", "cold load", "of cold read limit", "warm load",
+                    "warm load, of copy limit"] +
                    [f"e2e slowdown, every {k}" for k in ks], rows))
 
 
@@ -151,14 +169,15 @@ def _load_section(results: dict, key: str, phase: dict) -> list[str]:
     for name, s in phase["load"].items():
         rows.append([_label(results, name), _span(s["cold_s"], fmt_s), _span(s["warm_s"], fmt_s),
                      _med(s["cold_gbps"], fmt_rate), _med(s["frac_cold_read"], _pct),
-                     _med(s["warm_gbps"], fmt_rate), "yes" if s["verified"] else "**NO**",
+                     _med(s["warm_gbps"], fmt_rate), _med(s.get("frac_warm_copy"), _pct),
+                     "yes" if s["verified"] else "**NO**",
                      _span(s["vs_reference"]["cold_s"], _x)])
     return ([f"### Load into the live state — `{key}`", "",
              "Cold: every checkpoint file dropped from the page cache first; warm: read once "
              "before. Verified: a fingerprint of every tensor matches after the load (the state is "
              "overwritten with a sentinel before each load).", ""] +
             _table(["method", "cold", "warm", "cold GB/s", "of cold read limit", "warm GB/s",
-                    "verified", "cold ×ref"], rows))
+                    "warm, of copy limit", "verified", "cold ×ref"], rows))
 
 
 def _e2e_section(results: dict) -> list[str]:
@@ -228,7 +247,7 @@ def _reading_notes() -> list[str]:
 
 
 def render_markdown(results: dict) -> str:
-    lines = _header(results) + _summary(results) + _limits(results)
+    lines = _header(results) + _summary(results) + _limits(results) + _checksums(results)
     for key, phase in results.get("phases", {}).items():
         if phase.get("save"):
             lines += _save_section(results, key, phase)

@@ -31,7 +31,7 @@ if __package__ in (None, ""):                       # run as a script: make `ben
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks import analysis, charts, limits, phases, report, states  # noqa: E402
+from benchmarks import analysis, charts, checksums, limits, phases, report, states  # noqa: E402
 from benchmarks.common import GiB, MiB, fmt_bytes, log  # noqa: E402
 from benchmarks.memory import InsufficientMemory, MemoryPlan, available_bytes  # noqa: E402
 from benchmarks.methods import (DEFAULT_METHODS, REFERENCE, REGISTRY,  # noqa: E402
@@ -201,6 +201,8 @@ def run(args: argparse.Namespace) -> dict:
         limit_samples = limits.measure_limits(work / "limits", limit_bytes, rounds=max(2, reps))
         results["limits"]["samples"] = limit_samples
         results["limits"]["summary"] = limits.summarize_limits(limit_samples)
+        log("CRC-32 backends")
+        results["checksums"] = checksums.measure(min(limit_bytes, 256 * MiB) >> 20 << 20)
 
         full = [m for m in live if "full" in m.scopes]
         model_only = [m for m in live if "model" in m.scopes]

@@ -1,13 +1,15 @@
 """One adapter per checkpointing method, all behind :class:`~benchmarks.methods.base.Method`.
 
 ``REGISTRY`` maps the command-line names to the classes, in report order; ``datastates`` is the
-reference every ratio is computed against.
+reference every ratio is computed against; ``ref_copy_direct`` is the machine's limit (a copy into
+a reused buffer + two O_DIRECT writers), shown as a row beside the methods.
 """
 from __future__ import annotations
 
 from .base import Checkpoint, Method, Pending
-from .datastates_method import Datastates
+from .datastates_method import Datastates, DatastatesGuardedStateDict, DatastatesStateDict
 from .dcp import DcpAsync, DcpAsyncStager, DcpAsyncStagerBackground, DcpSave, ensure_process_group
+from .reference import CopyDirect
 from .safetensors_method import Safetensors
 from .torch_save import TorchSave
 from .torchsnapshot_method import SnapshotAsyncTake, SnapshotTake
@@ -15,8 +17,9 @@ from .torchsnapshot_method import SnapshotAsyncTake, SnapshotTake
 REFERENCE = "datastates"
 
 REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (
-    Datastates, TorchSave, DcpSave, DcpAsync, DcpAsyncStager, DcpAsyncStagerBackground,
-    SnapshotTake, SnapshotAsyncTake, Safetensors)}
+    Datastates, DatastatesStateDict, DatastatesGuardedStateDict, CopyDirect, TorchSave, DcpSave,
+    DcpAsync, DcpAsyncStager, DcpAsyncStagerBackground, SnapshotTake, SnapshotAsyncTake,
+    Safetensors)}
 
 
 #: Run when --methods is not given. ``dcp_async_stager`` (persistent stager, staging on the caller)
@@ -33,6 +36,6 @@ def make_methods(names: list[str], options: dict) -> list[Method]:
     return [REGISTRY[n](options) for n in REGISTRY if n in names]
 
 
-__all__ = ["Checkpoint", "DEFAULT_METHODS", "Method", "Pending", "REFERENCE", "REGISTRY",
+__all__ = ["Checkpoint", "CopyDirect", "DEFAULT_METHODS", "Method", "Pending", "REFERENCE", "REGISTRY",
            "make_methods",
            "ensure_process_group"]

@@ -11,9 +11,10 @@ beside the benchmark's measurements.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 from ..common import GiB, list_entries, now, remove_paths
-from ..states import TrainState
+from ..states import TrainState, rng_snapshot
 from .base import Checkpoint, Method, Pending
 
 
@@ -80,10 +81,13 @@ class Datastates(Method):
                 "extra": state.extra}
 
     # ------------------------------------------------------------------ operations
+    def _save_kwargs(self, state: TrainState) -> dict:
+        return {}
+
     def save(self, state: TrainState, step: int) -> Pending:
         before = list_entries(self.root)
         t0 = now()
-        h = self.ckpt.save(self._tree(state), step=step)
+        h = self.ckpt.save(self._tree(state), step=step, **self._save_kwargs(state))
         ckpt = Checkpoint(step)
 
         def commit() -> None:
@@ -112,3 +116,53 @@ class Datastates(Method):
             except Exception:  # noqa: BLE001 - fall back to removing the files it wrote
                 pass
         remove_paths(ckpt.paths)
+
+
+class DatastatesStateDict(Datastates):
+    """The plain state dict that DeepSpeed, Lightning, torchtitan and most loops pass:
+    ``model.state_dict()`` + ``optimizer.state_dict()`` tensors + RNG as a tensor + Python objects,
+    no optimizer object anywhere and none guarded, so every tensor is captured eagerly inside
+    ``save()``. Restored in place into the same form (the live tensors), param groups applied."""
+
+    name = "datastates_sd"
+    label = "datastates, plain state dict (no optimizer object)"
+    scopes = ("full",)
+
+    def setup(self, root, state: TrainState) -> None:
+        import datastates
+        Method.setup(self, root, state)
+        self.close()
+        cfg = datastates.CheckpointConfig(host_cache_bytes=self.cache_bytes(state.nbytes),
+                                          writer_threads=self.writer_threads)
+        self.ckpt = datastates.Checkpointer(str(self.root), cfg)
+
+    @staticmethod
+    def _tree(state: TrainState) -> dict:
+        return {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(),
+                "rng": rng_snapshot(), "extra": state.extra}
+
+    def load_into(self, state: TrainState, ckpt: Checkpoint) -> None:
+        tree = self._tree(state)
+        self.ckpt.restore(tree, step=ckpt.step)
+        for group, loaded in zip(state.optimizer.param_groups, tree["optimizer"]["param_groups"]):
+            group.update({k: v for k, v in loaded.items() if k != "params"})
+
+
+class DatastatesGuardedStateDict(DatastatesStateDict):
+    """The same state dict, with the optimizer passed to the save (``save(..., optimizers=[opt])``
+    where the library has it, else ``guard(opt)``): tensors on the bytes of its parameters and
+    state may be captured lazily, and its next ``step()`` waits for that capture."""
+
+    name = "datastates_sd_guarded"
+    label = "datastates, state dict + its optimizer passed to save()"
+
+    def setup(self, root, state: TrainState) -> None:
+        super().setup(root, state)
+        if not self._takes_optimizers():
+            self.ckpt.guard(state.optimizer)
+
+    def _takes_optimizers(self) -> bool:
+        return "optimizers" in inspect.signature(self.ckpt.save).parameters
+
+    def _save_kwargs(self, state: TrainState) -> dict:
+        return {"optimizers": [state.optimizer]} if self._takes_optimizers() else {}

@@ -46,8 +46,11 @@ _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 def crc32(data, value: int = 0) -> int:
-    """CRC-32 (zlib) of a bytes-like object; releases the GIL for large buffers."""
-    return zlib.crc32(data, value) & 0xFFFFFFFF
+    """CRC-32 (zlib's values) of a bytes-like object, continuing from ``value``; computed by the
+    fastest installed backend (ISA-L, zlib-ng, else zlib: see checksum.py); releases the GIL for
+    large buffers."""
+    from .checksum import crc32 as fast_crc32
+    return fast_crc32(data, value)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
