@@ -44,10 +44,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="verify every checkpoint of the folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    p = sub.add_parser("export", help="write a checkpoint as one torch.save or safetensors file")
+    p = sub.add_parser("export", help="write a checkpoint as a torch.save or safetensors file, "
+                                      "or an HF model folder")
     _add_which(p)
-    p.add_argument("--to", required=True, choices=("torch", "safetensors"), help="output format")
-    p.add_argument("out", help="the file to write (written atomically)")
+    p.add_argument("--to", required=True, choices=("torch", "safetensors", "hf"),
+                   help="output format (hf: a folder from_pretrained loads)")
+    p.add_argument("out", help="the file (folder for hf) to write, atomically")
     p.add_argument("--keys", nargs="+", metavar="KEY",
                    help="only these key prefixes (e.g. model); with one prefix, safetensors "
                         "names are relative to it")

@@ -9,9 +9,11 @@ and written one after the other, so a state larger than RAM exports with bounded
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
+import shutil
 import time
 import uuid
 from collections import OrderedDict
@@ -23,7 +25,8 @@ import torch
 from . import commit as commit_mod
 from . import format as fmt
 from . import serialization
-from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from .errors import (CheckpointExistsError, CheckpointNotFoundError, ConfigError,
+                     CorruptCheckpointError)
 from .providers import ProviderRegistry
 from .schema import Manifest, ObjectEntry, TensorEntry
 from .storage import buffer_of, fsync_dir
@@ -201,6 +204,9 @@ def export(path: str | os.PathLike, out: str | os.PathLike, to: str = "torch", *
     ``keys``, so ``keys=["model"]`` gives the model's own state-dict names); a tensor reached under
     several keys is written once under the first, the others listed in the file's metadata under
     ``"datastates.aliases"`` (as ``safetensors.torch.save_model`` drops tied names).
+    ``to="hf"``: ``out`` is a new folder holding ``model.safetensors`` (the ``model`` key) and the
+    ``config.json``/tokenizer files that the HF integration keeps in ``checkpoint-N``, so
+    ``from_pretrained(out)`` loads it.
 
     Every tensor is checksummed as it is read; a mismatch raises ``CorruptCheckpointError`` and
     leaves no output file. Objects load safely unless ``trusted=True``. ``progress`` is called with
@@ -208,13 +214,15 @@ def export(path: str | os.PathLike, out: str | os.PathLike, to: str = "torch", *
     written from the mapping, so memory stays bounded by the page cache, not the state size
     (sharded tensors are assembled one at a time).
     """
-    if to not in ("torch", "safetensors"):
-        raise ConfigError(f"export: expected to='torch' or 'safetensors', found {to!r}")
+    if to not in ("torch", "safetensors", "hf"):
+        raise ConfigError(f"export: expected to='torch', 'safetensors' or 'hf', found {to!r}")
     infos = find(path, step, tag)
     if len(infos) != 1:
         raise ConfigError(f"{path} holds {len(infos)} checkpoints; export one of them")
     prefixes = None if keys is None else [k.strip("/") for k in
                                            ([keys] if isinstance(keys, str) else keys)]
+    if to == "hf":
+        return _export_hf(infos[0].path, out, trusted, registry, progress)
     t0 = time.perf_counter()
     with _MappedCheckpoint(infos[0].path, trusted, registry or ProviderRegistry.default(),
                            progress) as ckpt:
@@ -227,6 +235,39 @@ def export(path: str | os.PathLike, out: str | os.PathLike, to: str = "torch", *
             skipped, aliases = _write_safetensors(out, ckpt, prefixes)
         return ExportReport(out, to, len(ckpt.tensors), ckpt.nbytes,
                             time.perf_counter() - t0, tuple(skipped), aliases)
+
+
+def _export_hf(ckpt_dir: str, out, trusted: bool, registry, progress) -> ExportReport:
+    """A Hugging Face model folder: ``model.safetensors`` of the ``model`` key plus the config
+    and tokenizer files the HF integration keeps next to the checkpoint; made in a temporary
+    folder and renamed into place."""
+    if not os.path.isfile(os.path.join(ckpt_dir, "config.json")):
+        raise ConfigError(f"{ckpt_dir} has no config.json: only checkpoints written by "
+                          "datastates.integrations.hf.DatastatesTrainer export to an HF folder; "
+                          "use to='safetensors' with keys=['model'] for the weights alone")
+    out = os.path.abspath(os.fspath(out))
+    if os.path.exists(out):
+        raise CheckpointExistsError(f"export: {out} already exists")
+    parent = os.path.dirname(out)
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp.{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        report = export(ckpt_dir, os.path.join(tmp, "model.safetensors"), "safetensors",
+                        keys=["model"], trusted=trusted, registry=registry, progress=progress)
+        for name in sorted(os.listdir(ckpt_dir)):
+            src = os.path.join(ckpt_dir, name)
+            if name not in _NOT_MODEL_FILES and not name.endswith(".dsf") and \
+                    os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(tmp, name))
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(parent)
+    return dataclasses.replace(report, path=out, fmt="hf")
+
+
+_NOT_MODEL_FILES = (fmt.MANIFEST, "trainer_state.json")
 
 
 class _MappedCheckpoint:
