@@ -96,6 +96,8 @@ def inspect(path: str | os.PathLike, step: int | None = None, tag: str | None = 
 
     ``path`` as for :func:`find`; a folder holding several checkpoints without a latest one
     (a DeepSpeed tag) raises ``ConfigError`` asking for ``step``/``tag`` or a single folder."""
+    if _is_dcp(path):
+        return _inspect_dcp(os.path.abspath(os.fspath(path)))
     infos = find(path, step, tag)
     if len(infos) > 1:
         raise ConfigError(f"{path} holds {len(infos)} checkpoints "
@@ -216,6 +218,8 @@ def export(path: str | os.PathLike, out: str | os.PathLike, to: str = "torch", *
     """
     if to not in ("torch", "safetensors", "hf"):
         raise ConfigError(f"export: expected to='torch', 'safetensors' or 'hf', found {to!r}")
+    if _is_dcp(path):
+        return _export_dcp(os.path.abspath(os.fspath(path)), out, to)
     infos = find(path, step, tag)
     if len(infos) != 1:
         raise ConfigError(f"{path} holds {len(infos)} checkpoints; export one of them")
@@ -268,6 +272,59 @@ def _export_hf(ckpt_dir: str, out, trusted: bool, registry, progress) -> ExportR
 
 
 _NOT_MODEL_FILES = (fmt.MANIFEST, "trainer_state.json")
+_DCP_MANIFEST = "dcp_manifest.json"  # integrations.dcp.MANIFEST (that module needs DCP imported)
+
+
+def _is_dcp(path) -> bool:
+    """A folder written by ``datastates.integrations.dcp.DatastatesWriter``."""
+    return os.path.isfile(os.path.join(os.fspath(path), _DCP_MANIFEST))
+
+
+def _inspect_dcp(path: str) -> dict:
+    from .integrations.dcp import DatastatesReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    meta = DatastatesReader(path).read_metadata()
+    tensors, objects = [], []
+    for key, item in sorted(meta.state_dict_metadata.items()):
+        if isinstance(item, TensorStorageMetadata):
+            dtype = item.properties.dtype
+            tensors.append({"key": key, "dtype": fmt.dtype_name(dtype), "shape": list(item.size),
+                            "nbytes": _numel(item.size) * dtype.itemsize,
+                            "shards": len(item.chunks), "ranks": [], "replicated": False,
+                            "rank": None})
+        else:
+            objects.append({"key": key, "nbytes": 0, "rank": 0})
+    files = sorted({d["file"] for d in meta.storage_data.values()})
+    sizes = [os.path.getsize(os.path.join(path, f)) for f in files]
+    return {"path": path, "name": os.path.basename(path), "step": None, "seq": 0,
+            "format_version": 1, "created_unix": os.path.getmtime(os.path.join(path, _DCP_MANIFEST)),
+            "world_size": len(files), "metadata": {"layout": "torch.distributed.checkpoint"},
+            "nbytes": sum(sizes),
+            "files": [{"name": f, "rank": i, "nbytes": n} for i, (f, n) in
+                      enumerate(zip(files, sizes))],
+            "tensors": tensors, "objects": objects, "values": {}}
+
+
+def _export_dcp(path: str, out, to: str) -> ExportReport:
+    """What DCP's ``dcp_to_torch_save`` does, for a folder our DCP writer wrote: every key of the
+    DCP state dict, full tensors, one ``torch.save`` file (DCP's flat keys)."""
+    if to != "torch":
+        raise ConfigError(f"export: a DCP folder exports to='torch' only, found {to!r}")
+    # The calls dcp_to_torch_save makes, with our reader instead of FileSystemReader (the
+    # public dcp.load does not hand back keys the planner adds).
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from .integrations.dcp import DatastatesReader
+    t0 = time.perf_counter()
+    state: dict = {}
+    _load_state_dict(state, storage_reader=DatastatesReader(path),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    out = os.path.abspath(os.fspath(out))
+    _write_atomic(out, lambda f: torch.save(state, f))
+    tensors = _tensors_in(state)
+    return ExportReport(out, "torch", len(tensors),
+                        sum(t.numel() * t.element_size() for t in tensors),
+                        time.perf_counter() - t0)
 
 
 class _MappedCheckpoint:
@@ -512,6 +569,16 @@ def _read_foreign(src: str, source: str) -> Any:
             if os.path.exists(tmp):
                 os.remove(tmp)
     raise ConfigError(f"import: expected source 'torch', 'safetensors' or 'dcp', found {source!r}")
+
+
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors_in(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors_in(v)]
+    return []
 
 
 def _key(path: tuple) -> str:
