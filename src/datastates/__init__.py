@@ -21,6 +21,7 @@ from .errors import (CheckpointExistsError, CheckpointNotFoundError, CheckpointW
 from .providers import (Capture, ModuleProvider, OptimizerProvider, ProviderRegistry, RNGState,
                         RNGStateProvider, StatefulProvider, StateProvider, eager, lazy)
 from .restore import RestoreReport
+from .tools import export, import_checkpoint, inspect
 
 __version__ = "0.1.0"
 
@@ -31,7 +32,8 @@ __all__ = [
     "ModuleProvider", "OptimizerProvider", "ProviderRegistry", "RNGState", "RNGStateProvider",
     "ReshardError", "RestoreReport", "SaveHandle", "SaveStats", "SerializationError",
     "StateMismatchError", "StateProvider", "StatefulProvider", "TensorShard", "UnsafeObjectError",
-    "UnsupportedFormatError", "eager", "lazy", "CheckpointEngine",
+    "UnsupportedFormatError", "eager", "export", "import_checkpoint", "inspect", "lazy",
+    "CheckpointEngine",
 ]
 
 

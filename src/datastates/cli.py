@@ -1,15 +1,80 @@
-"""Command line: ``datastates demo | list DIR | verify DIR [--step N | --tag T]``."""
+"""Command line: ``datastates demo | list | inspect | verify | export | import`` (also
+``python -m datastates ...``).
+
+Exit codes scripts can rely on: 0 success; 1 an error (damaged checkpoint, missing path, bad
+input: the message says what and where); 2 wrong usage (argparse); 3 nothing to act on (the
+folder holds no datastates checkpoint).
+"""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
 from . import __version__
-from . import commit as commit_mod
-from .errors import DatastatesError
+from . import tools
+from .errors import CheckpointNotFoundError, DatastatesError
 from .providers import ProviderRegistry
 from .restore import Reader
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_EMPTY = 0, 1, 2, 3
+
+_WHERE = ("a checkpoint folder, or a folder of checkpoints (a Checkpointer's directory, an "
+          "integration's output folder)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="datastates", description="Inspect, verify, convert and demo datastates checkpoints.",
+        epilog="exit codes: 0 ok, 1 error, 2 usage, 3 no checkpoint found")
+    parser.add_argument("--version", action="version", version=f"datastates {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("demo", help="train a small GPT with checkpoints and print the measurements")
+
+    p = sub.add_parser("list", help="list the committed checkpoints of a folder")
+    p.add_argument("path", help="a folder of checkpoints")
+
+    p = sub.add_parser("inspect", help="keys, dtypes, shapes, sizes, shards, step, metadata")
+    _add_which(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object (for scripts)")
+
+    p = sub.add_parser("verify", help="re-read every byte of a checkpoint: manifest checksum and "
+                                      "fields, headers, indexes, every region's checksums, zero "
+                                      "padding")
+    _add_which(p)
+    p.add_argument("--all", action="store_true", help="verify every checkpoint of the folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("export", help="write a checkpoint as a torch.save or safetensors file, "
+                                      "or an HF model folder")
+    _add_which(p)
+    p.add_argument("--to", required=True, choices=("torch", "safetensors", "hf"),
+                   help="output format (hf: a folder from_pretrained loads)")
+    p.add_argument("out", help="the file (folder for hf) to write, atomically")
+    p.add_argument("--keys", nargs="+", metavar="KEY",
+                   help="only these key prefixes (e.g. model); with one prefix, safetensors "
+                        "names are relative to it")
+    p.add_argument("--trusted", action="store_true",
+                   help="allow unpickling any Python object stored in the checkpoint (torch only)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("import", help="save a torch.save / safetensors file or a DCP folder as a "
+                                      "datastates checkpoint")
+    p.add_argument("src", help="the file (torch, safetensors) or folder (dcp) to read")
+    p.add_argument("--from", dest="source", required=True, choices=("torch", "safetensors", "dcp"),
+                   help="format of SRC")
+    p.add_argument("dest", help="the folder of checkpoints to save into")
+    p.add_argument("--step", type=int, help="step of the new checkpoint (default 0)")
+    p.add_argument("--tag", help="name of the new checkpoint instead of step-<step>")
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint of that name")
+    return parser
+
+
+def _add_which(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help=_WHERE)
+    p.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
+    p.add_argument("--tag", help="the checkpoint of this tag")
 
 
 def main(argv=None) -> int:
@@ -17,36 +82,108 @@ def main(argv=None) -> int:
     if argv and argv[0] == "demo":
         from .demo import main as demo_main
         return demo_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="datastates")
-    parser.add_argument("--version", action="version", version=f"datastates {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="train a small GPT with checkpoints and print the measurements")
-    p_list = sub.add_parser("list", help="list the committed checkpoints of a directory")
-    p_list.add_argument("directory")
-    p_verify = sub.add_parser("verify", help="re-read every byte of a checkpoint: manifest "
-                              "checksum and fields, headers, indexes, every region's checksums, "
-                              "zero padding")
-    p_verify.add_argument("directory")
-    p_verify.add_argument("--step", type=int)
-    p_verify.add_argument("--tag")
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     try:
-        if args.command == "list":
-            latest = commit_mod.latest(args.directory)
-            for info in commit_mod.list_checkpoints(args.directory):
-                mark = "*" if latest and info.name == latest.name else " "
-                print(f"{mark} {info.name:<30} step={info.step} ranks={info.world_size} "
-                      f"bytes={info.nbytes}")
-            return 0
-        info = commit_mod.resolve(args.directory, args.step, args.tag)
-        t0 = time.perf_counter()
+        return _COMMANDS[args.command](args)
+    except CheckpointNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_EMPTY if "no datastates checkpoint" in str(exc) else EXIT_ERROR
+    except DatastatesError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _list(args) -> int:
+    infos = tools.find(args.path, every=True)
+    newest = infos[-1].name
+    rows = [(" ", "name", "step", "saved (UTC)", "size", "ranks")]
+    for info in infos:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(info.created_unix))
+        rows.append(("*" if info.name == newest else " ", info.name,
+                     "-" if info.step is None else str(info.step), when,
+                     tools.human_bytes(info.nbytes), str(info.world_size)))
+    _table(rows)
+    print(f"{len(infos)} checkpoint(s); * = newest committed (what restore() takes by default)")
+    return EXIT_OK
+
+
+def _inspect(args) -> int:
+    summary = tools.inspect(args.path, args.step, args.tag)
+    print(json.dumps(summary, indent=1) if args.json else tools.render_inspect(summary))
+    return EXIT_OK
+
+
+def _verify(args) -> int:
+    infos = tools.find(args.path, args.step, args.tag, every=args.all)
+    total, t0 = 0, time.perf_counter()
+    bar = _progress(len(infos), "checkpoints", "", args.no_progress or len(infos) < 2)
+    for info in infos:
+        start = time.perf_counter()
         # Objects are only checksummed here, never unpickled: verifying runs no code from the file.
         with Reader(info.path, registry=ProviderRegistry.default(), verify=True,
                     world_size=info.world_size, rank_policy="rank0") as reader:
             n = reader.verify_all()
-        print(f"{info.name}: manifest and {info.world_size} shard file(s), {n} bytes verified "
-              f"in {time.perf_counter() - t0:.2f} s, OK")
-        return 0
-    except DatastatesError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        total += n
+        _write(bar, f"{info.name}: OK, manifest and {info.world_size} shard file(s), "
+                    f"{tools.human_bytes(n)} verified in {time.perf_counter() - start:.2f} s")
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    print(f"verified {len(infos)} checkpoint(s), {tools.human_bytes(total)} in {seconds:.2f} s "
+          f"({total / max(seconds, 1e-9) / 1e9:.2f} GB/s): all OK")
+    return EXIT_OK
+
+
+def _export(args) -> int:
+    bar = _progress(None, "B", args.out, args.no_progress)
+    report = tools.export(args.path, args.out, args.to, keys=args.keys, step=args.step,
+                          tag=args.tag, trusted=args.trusted,
+                          progress=bar.update if bar is not None else None)
+    if bar is not None:
+        bar.close()
+    note = ""
+    if report.skipped:
+        note = f"; left out {len(report.skipped)} non-tensor value(s) (safetensors holds tensors)"
+    if report.aliases:
+        note += f"; {len(report.aliases)} tied name(s) stored once (metadata datastates.aliases)"
+    print(f"wrote {report.path}: {report.tensors} tensors, {tools.human_bytes(report.nbytes)} in "
+          f"{report.seconds:.2f} s{note}")
+    return EXIT_OK
+
+
+def _import(args) -> int:
+    info = tools.import_checkpoint(args.src, args.dest, source=args.source, step=args.step,
+                                   tag=args.tag, overwrite=args.overwrite)
+    print(f"committed {info.path}: {tools.human_bytes(info.nbytes)} from {args.src}")
+    return EXIT_OK
+
+
+_COMMANDS = {"list": _list, "inspect": _inspect, "verify": _verify, "export": _export,
+             "import": _import}
+
+
+def _table(rows) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def _progress(total, unit: str, desc: str, disabled: bool):
+    """A tqdm bar on stderr when tqdm is installed, stderr is a terminal and it is wanted."""
+    if disabled or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit=unit, unit_scale=unit == "B", desc=desc, leave=False,
+                file=sys.stderr)
+
+
+def _write(bar, line: str) -> None:
+    if bar is not None:
+        bar.write(line)
+    else:
+        print(line)

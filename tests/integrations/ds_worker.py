@@ -69,7 +69,8 @@ def params(engine) -> dict:
 
 def main(out: str, mode: str) -> None:
     import deepspeed
-    from datastates.integrations.deepspeed import CheckpointEngine, enable_lazy_snapshots
+    from datastates.integrations.deepspeed import (CheckpointEngine, enable_lazy_snapshots,
+                                                   export_torch_files)
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     ds_dir, torch_dir = os.path.join(out, "ds"), os.path.join(out, "torch")
     result = {"mode": mode}
@@ -122,6 +123,17 @@ def main(out: str, mode: str) -> None:
         compare(want, got, name, mismatches)
     reader.close()
     result["torch_equivalent_mismatches"] = mismatches[:20]
+
+    # 3b. The documented route to DeepSpeed's offline tools: export, then zero_to_fp32 without
+    # --tag gives the same fp32 weights as from DeepSpeed's own files.
+    exported = export_torch_files(os.path.join(ds_dir, tag))
+    result["exported"] = sorted(os.path.basename(p) for p in exported)
+    if mode == "zero1-lazy":  # zero_to_fp32 reads ZeRO checkpoints only
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        want = get_fp32_state_dict_from_zero_checkpoint(torch_dir)
+        got = get_fp32_state_dict_from_zero_checkpoint(ds_dir + "-torch")
+        result["zero_to_fp32_same"] = list(want) == list(got) and all(
+            torch.equal(want[k], got[k]) for k in want)
 
     # 4. Resume in a fresh engine from `latest` and continue: bit-exact with the continuous run.
     eng2 = make_engine(mode, datastates=True)

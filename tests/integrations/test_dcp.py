@@ -85,3 +85,24 @@ def test_dcp_overwrite_is_atomic_swap(tmp_path):
     dcp.load(out, storage_reader=DatastatesReader(tmp_path / "o"), no_dist=True)
     assert torch.equal(out["w"], torch.full((8,), 2.0))
     assert sorted(os.listdir(tmp_path)) == ["o"]
+
+
+def test_export_and_inspect_of_a_dcp_folder(tmp_path):
+    """`datastates export --to torch` does for our DCP folders what dcp_to_torch_save does."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from datastates.integrations.dcp import DatastatesWriter
+    state = {"model": {"w": torch.randn(6, 4), "b": torch.arange(4.0)}, "step": 7}
+    dcp.save(state, storage_writer=DatastatesWriter(str(tmp_path / "ours")), no_dist=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")), no_dist=True)
+    report = datastates.export(tmp_path / "ours", tmp_path / "ours.pt", "torch")
+    dcp_to_torch_save(str(tmp_path / "stock"), str(tmp_path / "stock.pt"))
+    want = torch.load(tmp_path / "stock.pt", weights_only=True)
+    got = torch.load(tmp_path / "ours.pt", weights_only=True)
+    assert want["step"] == got["step"] == 7 and report.tensors == 2
+    assert sorted(want["model"]) == sorted(got["model"]) == ["b", "w"]
+    for k in want["model"]:
+        assert torch.equal(want["model"][k], got["model"][k]), k
+    summary = datastates.inspect(tmp_path / "ours")
+    assert {t["key"]: t["shape"] for t in summary["tensors"]} == {"model.w": [6, 4],
+                                                                  "model.b": [4]}

@@ -25,6 +25,7 @@ def run_worker(tmp_path, mode: str) -> dict:
         env=subprocess_env(MASTER_PORT=free_port(), DS_ACCELERATOR="cpu"),
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
     with open(tmp_path / "result.json") as f:
         return json.load(f)
 
@@ -48,5 +49,8 @@ def test_deepspeed_save_resume_bit_exact(tmp_path, mode):
     assert r["latest"] == "global_step3"
     # load() returns what torch.load returned for DeepSpeed's own file at the same step.
     assert r["torch_equivalent_mismatches"] == []
+    assert r["exported"] == sorted(n for n in r["files"] if n.endswith(".pt"))
+    if mode == "zero1-lazy":
+        assert r["zero_to_fp32_same"]
     assert r["loaded"] and r["global_steps"] == 3
     assert r["resumed_bit_exact"] and all(r["resumed_bit_exact"].values()), r["resumed_bit_exact"]

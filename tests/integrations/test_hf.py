@@ -105,3 +105,20 @@ def test_hf_save_total_limit_after_commit(tmp_path):
     loaded = ckpt.load(tag="checkpoint-8", keys="model")["model"]
     assert_same(params(t.model), {k: v.detach() for k, v in loaded.items()})
     ckpt.close()
+
+
+def test_hf_checkpoint_exports_to_a_folder_from_pretrained_loads(tmp_path):
+    t = DatastatesTrainer(model=tiny_model(), args=args(tmp_path / "run", max_steps=4),
+                          train_dataset=dataset(), datastates_config=CFG)
+    t.train()
+    t.close_checkpointer()
+    ckpt = tmp_path / "run" / "checkpoint-4"
+    assert os.path.isfile(ckpt / "config.json")
+    report = datastates.export(ckpt, tmp_path / "hf", "hf")
+    assert report.fmt == "hf" and os.path.isfile(tmp_path / "hf" / "model.safetensors")
+    assert not os.path.exists(tmp_path / "hf" / "manifest.json")
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    assert_same(params(t.model), params(loaded))
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    with pytest.raises(datastates.CheckpointExistsError):
+        datastates.export(ckpt, tmp_path / "hf", "hf")

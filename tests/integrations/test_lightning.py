@@ -114,3 +114,27 @@ def test_lightning_background_error_surfaces_at_next_save(tmp_path):
         io.save_checkpoint({"x": torch.ones(2)}, tmp_path / "next.ckpt")
     io.teardown()
     assert not os.path.exists(tmp_path / "bad.ckpt")
+
+
+class WithHparams(Tiny):
+    def __init__(self, width: int = 16, note: str = "a"):
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def test_load_from_checkpoint_helper_and_export(tmp_path):
+    from datastates.integrations.lightning import load_from_checkpoint
+    io = DatastatesCheckpointIO(CFG)
+    model = WithHparams(width=16, note="b")
+    t = trainer(tmp_path, 2, plugins=[io])
+    t.fit(model)
+    path = tmp_path / "final.ckpt"
+    t.save_checkpoint(path)
+    io.wait()
+    assert os.path.isfile(path / "manifest.json")  # a datastates checkpoint folder
+    loaded = load_from_checkpoint(WithHparams, path)
+    assert loaded.hparams.note == "b" and loaded.hparams.width == 16
+    assert_same(params(model), params(loaded))
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".datastates-export-")]
+    datastates.export(path, tmp_path / "plain.ckpt", "torch")  # the documented one-off export
+    assert_same(params(model), params(WithHparams.load_from_checkpoint(tmp_path / "plain.ckpt")))

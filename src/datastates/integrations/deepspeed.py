@@ -30,7 +30,7 @@ What DeepSpeed does *not* do for this engine, and how the contract still holds:
 - A "file" DeepSpeed names (``save_dir/tag/mp_rank_00_model_states.pt``) is a datastates
   checkpoint directory of that name; ``load()`` reads it (and still reads plain ``torch.save``
   files, so a run can switch engines). Offline tools that ``torch.load`` the files (such as
-  ``zero_to_fp32.py``) need :func:`export_torch_files` first.
+  ``zero_to_fp32.py``) need :func:`export_torch_files` first (it writes the layout they expect).
 
 Config keys (all optional): ``host_cache_size`` (GB, default 1), ``parser_threads`` (alias of
 ``writer_threads``), ``update_latest`` (default true), ``trusted_load`` (default true: DeepSpeed's
@@ -112,6 +112,7 @@ class CheckpointEngine:
         self._tag_lock = threading.Lock()
         self._closed = False
         atexit.register(_wait_at_exit, weakref.ref(self))
+        _ignore_deepspeed_double_cleanup()
 
     # ------------------------------------------------------------ DeepSpeed's calls
     def save(self, state_dict: dict, path: str) -> bool:
@@ -277,27 +278,55 @@ def low_precision_params(optimizer: Any) -> list[torch.Tensor]:
     return out
 
 
-def export_torch_files(tag_dir: str, out_dir: str | None = None) -> list[str]:
-    """Write every datastates "file" of a DeepSpeed tag directory as a ``torch.save`` file (for
-    offline tools such as ``zero_to_fp32.py``), into ``out_dir`` (default: ``tag_dir`` + ``.torch``).
-    Returns the paths written."""
+def export_torch_files(tag_dir: str, out_root: str | None = None) -> list[str]:
+    """Write every datastates "file" of a DeepSpeed tag folder as a plain ``torch.save`` file, in
+    the layout DeepSpeed's offline tools read: ``out_root/<tag>/<file>`` plus ``out_root/latest``
+    naming the tag. ``out_root`` defaults to the save folder's path + ``"-torch"``. Then::
+
+        python -m deepspeed.utils.zero_to_fp32 SAVE_DIR-torch OUTPUT_DIR
+
+    consolidates the fp32 weights exactly as for DeepSpeed's own files (no ``--tag`` needed). Each
+    file is streamed from the checkpoint (verified) and written atomically; returns their paths.
+    """
+    import datastates
     from ._paths import is_checkpoint_dir
-    out_dir = out_dir or tag_dir.rstrip(os.sep) + ".torch"
-    os.makedirs(out_dir, exist_ok=True)
-    paths = PathCheckpoints(max_open=1)
+    tag_dir = os.path.abspath(tag_dir).rstrip(os.sep)
+    save_dir, tag = os.path.split(tag_dir)
+    out_root = os.path.abspath(out_root or save_dir + "-torch")
+    os.makedirs(os.path.join(out_root, tag), exist_ok=True)
     written = []
-    try:
-        for name in sorted(os.listdir(tag_dir)):
-            src = os.path.join(tag_dir, name)
-            if not is_checkpoint_dir(src):
-                continue
-            dst = os.path.join(out_dir, name)
-            torch.save(paths.load(src, map_location="cpu"), dst + ".tmp")
-            os.replace(dst + ".tmp", dst)
+    for name in sorted(os.listdir(tag_dir)):
+        src = os.path.join(tag_dir, name)
+        if is_checkpoint_dir(src):
+            dst = os.path.join(out_root, tag, name)
+            datastates.export(src, dst, "torch", trusted=True)  # DeepSpeed's files hold objects
             written.append(dst)
-    finally:
-        paths.close()
+    from datastates.storage import write_file_atomic
+    write_file_atomic(os.path.join(out_root, "latest"), tag.encode())
     return written
+
+
+def _ignore_deepspeed_double_cleanup() -> None:
+    """DeepSpeed 0.19's ``DataStatesCheckpointEngine.cleanup()`` deletes its ``ckpt_engine``
+    attribute and its ``__del__`` then calls ``cleanup()`` again, which raises AttributeError
+    inside ``__del__``; Python prints it as "Exception ignored ..." at exit. That one harmless
+    report (the engine was already waited for and released) is dropped through Python's
+    documented ``sys.unraisablehook`` chain; every other unraisable exception reaches the hook
+    that was installed before. Installed once per process."""
+    import sys
+    previous = sys.unraisablehook
+    if getattr(previous, "_datastates_filter", False):
+        return
+
+    def hook(unraisable) -> None:
+        where = getattr(unraisable.object, "__qualname__", "")
+        if (unraisable.exc_type is AttributeError and where.startswith("DataStatesCheckpointEngine")
+                and "ckpt_engine" in str(unraisable.exc_value)):
+            return
+        previous(unraisable)
+
+    hook._datastates_filter = True
+    sys.unraisablehook = hook
 
 
 def _wait_at_exit(ref) -> None:

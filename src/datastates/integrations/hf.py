@@ -24,8 +24,11 @@ What changes for the user:
   stored in the checkpoint and rewritten on resume if a crash lost it).
 - ``save_total_limit`` is applied only after the new checkpoint is committed, never deleting the
   best checkpoint (``load_best_model_at_end``).
-- A ``checkpoint-N`` holds datastates files, not ``model.safetensors``: export the final model with
-  ``trainer.save_model()`` as usual. Stock checkpoints in the same ``output_dir`` still resume.
+- A ``checkpoint-N`` holds datastates files plus ``config.json``, ``generation_config.json`` and
+  the tokenizer files, not ``model.safetensors``: ``datastates export out/checkpoint-N --to hf
+  model_dir`` writes a folder that ``from_pretrained(model_dir)`` loads (or export the final model
+  with ``trainer.save_model()`` as usual). Stock checkpoints in the same ``output_dir`` still
+  resume.
 - DeepSpeed and FSDP runs keep Trainer's own checkpointing (use DeepSpeed's ``"datastates_ckpt"``
   key for DeepSpeed).
 """
@@ -90,7 +93,8 @@ class DatastatesTrainer(Trainer):
                                      "global_step": self.state.global_step})
         thread = threading.Thread(target=self._ds_after_commit, name="datastates-hf-commit",
                                   args=(handle, run_dir, _state_json(self.state),
-                                        self.state.best_model_checkpoint), daemon=True)
+                                        self.state.best_model_checkpoint,
+                                        self._ds_model_files()), daemon=True)
         thread.start()
         self._ds_threads.append(thread)
         if self.args.push_to_hub:
@@ -119,12 +123,32 @@ class DatastatesTrainer(Trainer):
             return False
         return ["model", "optimizer"]  # plain DDP: identical on every rank
 
-    def _ds_after_commit(self, handle, run_dir: str, state_json: str, best: str | None) -> None:
-        """Own thread: after the commit, write trainer_state.json and apply save_total_limit."""
+    def _ds_model_files(self) -> dict[str, str]:
+        """The model's ``config.json`` (and ``generation_config.json``), taken on the training
+        thread, so that ``datastates export checkpoint-N --to hf OUT`` gives a folder that
+        ``from_pretrained`` loads."""
+        files = {}
+        config = getattr(self.model, "config", None)
+        if config is not None and hasattr(config, "to_json_string"):
+            files["config.json"] = config.to_json_string()
+        generation = getattr(self.model, "generation_config", None)
+        if generation is not None and hasattr(generation, "to_json_string"):
+            files["generation_config.json"] = generation.to_json_string()
+        return files
+
+    def _ds_after_commit(self, handle, run_dir: str, state_json: str, best: str | None,
+                         model_files: dict[str, str]) -> None:
+        """Own thread: after the commit, write trainer_state.json, the model's config files and
+        the tokenizer/processor files (as stock checkpoints hold them), then apply
+        save_total_limit."""
         try:
             info = handle.wait()
             with self._ds_lock:
                 if self.args.should_save:
+                    for name, text in model_files.items():
+                        _write_atomic(os.path.join(info.path, name), text)
+                    if self.processing_class is not None:
+                        self.processing_class.save_pretrained(info.path)
                     _write_atomic(os.path.join(info.path, TRAINER_STATE), state_json)
                     self._ds_rotate(run_dir, best)
         except BaseException as exc:

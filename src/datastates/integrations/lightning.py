@@ -26,6 +26,10 @@ Compared with Lightning's ``AsyncCheckpointIO``:
   ``teardown``), never swallowed;
 - each path is a datastates checkpoint directory that appears atomically; a crash never leaves
   a partial ``.ckpt`` visible, and ``last.ckpt`` is replaced atomically.
+
+``Model.load_from_checkpoint(path)`` reads one ``torch.load`` file and has no plug-in point: use
+:func:`load_from_checkpoint` (``load_from_checkpoint(Model, path)``), or export the checkpoint once
+with ``datastates export PATH --to torch model.ckpt``.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ from lightning.pytorch.callbacks import Callback
 
 from ._paths import PathCheckpoints
 
-__all__ = ["DatastatesCheckpointIO", "DatastatesSnapshotCallback"]
+__all__ = ["DatastatesCheckpointIO", "DatastatesSnapshotCallback", "load_from_checkpoint"]
 
 
 class DatastatesCheckpointIO(CheckpointIO):
@@ -131,3 +135,25 @@ class DatastatesSnapshotCallback(Callback):
         if self.io._guard is self:
             self.io._guard = None
         self._trainer = None
+
+
+def load_from_checkpoint(module_class: Any, path: Any, *, trusted: bool = False,
+                         **kwargs: Any) -> Any:
+    """``module_class.load_from_checkpoint(path)`` for a checkpoint written by
+    :class:`DatastatesCheckpointIO` (Lightning's classmethod reads one ``torch.load`` file).
+
+    The checkpoint is exported (streamed, verified) to a temporary ``torch.save`` file next to it,
+    which Lightning's own loader then reads, so hyper-parameters, ``on_load_checkpoint`` hooks and
+    ``strict``/``map_location``/hparams overrides in ``kwargs`` behave exactly as for a ``.ckpt``
+    file; the temporary file is removed before this returns. Python objects in the checkpoint
+    load only through PyTorch's safe list unless ``trusted=True``.
+    """
+    import os
+    import tempfile
+
+    import datastates
+    folder = os.path.dirname(os.path.abspath(os.fspath(path)))
+    with tempfile.TemporaryDirectory(prefix=".datastates-export-", dir=folder) as tmp:
+        exported = os.path.join(tmp, "checkpoint.ckpt")
+        datastates.export(path, exported, "torch", trusted=trusted)
+        return module_class.load_from_checkpoint(exported, weights_only=not trusted, **kwargs)

@@ -1,0 +1,207 @@
+"""The tools around checkpoints: list, inspect, verify, export and import, through the Python API
+and the command line (its output and exit codes)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import datastates
+from datastates import CheckpointConfig, Checkpointer, tools
+from datastates.cli import EXIT_EMPTY, EXIT_ERROR, EXIT_OK, main
+
+from helpers import assert_same, make_training, train_step
+
+CFG = CheckpointConfig(host_cache_bytes=8 << 20, chunk_bytes=1 << 20)
+
+
+def _saved(root, steps=(1, 2), **extra):
+    model, opt, sched, loader = make_training()
+    tied = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    state = {"model": model, "optimizer": opt, "epoch": 3, "name": "run-a",
+             "tied": {"a": tied, "b": tied}, **extra}
+    with Checkpointer(root, CFG) as ck:
+        for step in steps:
+            train_step(model, opt, sched, loader)
+            ck.save(state, step=step, metadata={"lr": 0.01}).wait()
+        return ck.load(step=steps[-1])
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_inspect_describes_every_key(tmp_path):
+    _saved(tmp_path)
+    s = datastates.inspect(tmp_path)  # the folder of checkpoints: its newest
+    assert s["name"] == "step-0000000002" and s["step"] == 2 and s["format_version"] >= 2
+    assert s["metadata"] == {"lr": 0.01} and s["world_size"] == 1
+    by_key = {t["key"]: t for t in s["tensors"]}
+    weight = by_key["model/lm_head.weight"] if "model/lm_head.weight" in by_key else \
+        next(t for k, t in by_key.items() if k.startswith("model/"))
+    assert weight["dtype"] == "float32" and weight["ranks"] == [0]
+    assert weight["nbytes"] == 4 * int(torch.tensor(weight["shape"]).prod())
+    assert s["values"]["epoch"] == 3 and s["values"]["name"] == "run-a"
+    same = datastates.inspect(os.path.join(tmp_path, "step-0000000001"))
+    assert same["step"] == 1
+    assert datastates.inspect(tmp_path, step=1) == same
+
+
+def test_cli_inspect_text_and_json(tmp_path, capsys):
+    _saved(tmp_path)
+    code, out, _ = _run(capsys, "inspect", str(tmp_path))
+    assert code == EXIT_OK and "step 2" in out and "model/" in out and "float32" in out
+    code, out, _ = _run(capsys, "inspect", str(tmp_path), "--json", "--step", "1")
+    assert code == EXIT_OK and json.loads(out)["step"] == 1
+
+
+def test_cli_list_human_sizes_and_newest_mark(tmp_path, capsys):
+    _saved(tmp_path)
+    code, out, _ = _run(capsys, "list", str(tmp_path))
+    lines = out.splitlines()
+    assert code == EXIT_OK
+    assert any(line.startswith("*") and "step-0000000002" in line for line in lines)
+    assert any(line.startswith(" ") and "step-0000000001" in line for line in lines)
+    assert "KiB" in out or "MiB" in out
+    assert "2 checkpoint(s)" in out
+
+
+def test_cli_reports_empty_foreign_and_file_paths(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = _run(capsys, "list", str(empty))
+    assert code == EXIT_EMPTY and "no datastates checkpoint" in err and "empty" in err
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    torch.save({"w": torch.ones(2)}, foreign / "model.pt")
+    code, _, err = _run(capsys, "inspect", str(foreign))
+    assert code == EXIT_EMPTY and "torch.save files" in err and "model.pt" in err
+    code, _, err = _run(capsys, "verify", str(foreign / "model.pt"))
+    assert code == EXIT_ERROR and "is a file" in err
+    code, _, err = _run(capsys, "list", str(tmp_path / "missing"))
+    assert code == EXIT_ERROR and "does not exist" in err
+
+
+def test_cli_verify_all_summary_and_corruption(tmp_path, capsys):
+    _saved(tmp_path, steps=(1, 2, 3))
+    code, out, _ = _run(capsys, "verify", str(tmp_path), "--all")
+    assert code == EXIT_OK
+    assert "verified 3 checkpoint(s)" in out and "all OK" in out and "GB/s" in out
+    shard = tmp_path / "step-0000000002" / "rank-00000.dsf"
+    data = bytearray(shard.read_bytes())
+    data[4096 + 10] ^= 0xFF  # a byte of the first tensor
+    shard.write_bytes(bytes(data))
+    code, out, err = _run(capsys, "verify", str(tmp_path), "--all")
+    assert code == EXIT_ERROR and "checksum" in err and "step-0000000002" in err
+
+
+def test_export_torch_round_trips_with_weights_only(tmp_path):
+    expected = _saved(tmp_path / "ck")
+    out = tmp_path / "state.pt"
+    report = datastates.export(tmp_path / "ck", out, "torch")
+    assert report.tensors > 0 and report.nbytes > 0 and out.is_file()
+    got = torch.load(out, weights_only=True)
+    assert_same(expected, got)
+    assert got["tied"]["a"].data_ptr() == got["tied"]["b"].data_ptr()  # tied stays tied
+    assert not [n for n in os.listdir(tmp_path) if ".tmp." in n]
+
+
+def test_export_safetensors_model_only_and_tied_names(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    expected = _saved(tmp_path / "ck")
+    out = tmp_path / "model.safetensors"
+    report = datastates.export(tmp_path / "ck", out, "safetensors", keys=["model"])
+    got = safetensors.load_file(str(out))
+    assert report.aliases == {"lm_head.weight": "wte.weight"}  # the demo GPT ties its head
+    resolved = {k: got[report.aliases.get(k, k)] for k in expected["model"]}
+    assert_same(dict(expected["model"]), resolved)
+    out2 = tmp_path / "tied.safetensors"
+    report = datastates.export(tmp_path / "ck", out2, "safetensors", keys=["tied"])
+    assert report.aliases == {"b": "a"}
+    got = safetensors.load_file(str(out2))
+    assert list(got) == ["a"] and torch.equal(got["a"], expected["tied"]["a"])
+    from safetensors import safe_open
+    with safe_open(str(out2), "pt") as f:
+        assert json.loads(f.metadata()["datastates.aliases"]) == {"b": "a"}
+
+
+def test_export_of_a_damaged_checkpoint_leaves_no_file(tmp_path):
+    _saved(tmp_path / "ck", steps=(1,))
+    shard = tmp_path / "ck" / "step-0000000001" / "rank-00000.dsf"
+    data = bytearray(shard.read_bytes())
+    data[4096 + 3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    for fmt in ("torch", "safetensors"):
+        with pytest.raises(datastates.CorruptCheckpointError, match="checksum"):
+            datastates.export(tmp_path / "ck", tmp_path / f"out.{fmt}", fmt)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_export_memory_stays_bounded(tmp_path):
+    """A 256 MiB state exports without the process's anonymous memory growing by its size."""
+    big = torch.randn(64 << 20)  # 256 MiB
+    with Checkpointer(tmp_path / "ck", CFG) as ck:
+        ck.save({"w": big}, step=1).wait()
+    del big
+    script = (
+        "import datastates, sys\n"
+        "def anon():\n"
+        "    return int(next(l for l in open('/proc/self/status') if l.startswith('RssAnon'))"
+        ".split()[1]) * 1024\n"
+        "before = anon()\n"
+        f"datastates.export({str(tmp_path / 'ck')!r}, {str(tmp_path / 'w.pt')!r}, 'torch')\n"
+        "print(anon() - before)\n")
+    grown = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                               check=True, timeout=300).stdout)
+    assert grown < (64 << 20), f"anonymous memory grew by {grown} bytes exporting 256 MiB"
+    assert torch.equal(torch.load(tmp_path / "w.pt", weights_only=True, mmap=True)["w"],
+                       datastates.Checkpointer(tmp_path / "ck").load()["w"])
+
+
+@pytest.mark.parametrize("source", ["torch", "safetensors", "dcp"])
+def test_import_then_load_is_bit_exact(tmp_path, source):
+    state = {"w": torch.randn(5, 7), "b": torch.arange(9, dtype=torch.int64)}
+    if source == "torch":
+        src = tmp_path / "in.pt"
+        torch.save(state, src)
+    elif source == "safetensors":
+        safetensors = pytest.importorskip("safetensors.torch")
+        src = tmp_path / "in.safetensors"
+        safetensors.save_file(state, str(src))
+    else:
+        import torch.distributed.checkpoint as dcp
+        src = tmp_path / "dcp"
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(src)), no_dist=True)
+    info = datastates.import_checkpoint(src, tmp_path / "ck", source=source, step=7)
+    assert info.step == 7 and info.metadata["imported_format"] == source
+    with Checkpointer(tmp_path / "ck") as ck:
+        assert_same(dict(sorted(state.items())), dict(sorted(ck.load(step=7).items())))
+
+
+def test_cli_export_import_round_trip(tmp_path, capsys):
+    expected = _saved(tmp_path / "ck")
+    code, out, _ = _run(capsys, "export", str(tmp_path / "ck"), "--to", "torch",
+                        str(tmp_path / "x.pt"), "--no-progress")
+    assert code == EXIT_OK and "wrote" in out
+    code, out, _ = _run(capsys, "import", str(tmp_path / "x.pt"), "--from", "torch",
+                        str(tmp_path / "ck2"), "--tag", "imported")
+    assert code == EXIT_OK and "committed" in out
+    with Checkpointer(tmp_path / "ck2") as ck:
+        assert_same(expected, ck.load(tag="imported"))
+
+
+def test_find_rejects_ambiguous_folder_for_inspect(tmp_path):
+    for name in ("a.pt", "b.pt"):  # path-addressed checkpoints, as the integrations write them
+        with Checkpointer(tmp_path, CFG) as ck:
+            ck.save({"x": torch.ones(2)}, tag=name).wait()
+    os.remove(tmp_path / "latest")
+    assert [i.name for i in tools.find(tmp_path)] == ["a.pt", "b.pt"]
+    with pytest.raises(datastates.ConfigError, match="holds 2 checkpoints"):
+        datastates.inspect(tmp_path)
+    assert datastates.inspect(tmp_path, tag="b.pt")["name"] == "b.pt"
