@@ -282,11 +282,15 @@ class Checkpointer:
 
     # ------------------------------------------------------------ listing
     def list(self) -> list[commit_mod.CheckpointInfo]:
-        """Committed checkpoints, oldest first."""
+        """Committed checkpoints, oldest first, in commit order (``CheckpointInfo.seq``)."""
         return commit_mod.list_checkpoints(self.directory)
 
     def latest(self) -> commit_mod.CheckpointInfo | None:
-        """The most recently committed checkpoint, or None."""
+        """The most recently committed checkpoint (highest commit sequence number, tags and steps
+        alike), or None. The ``latest`` file in the directory is only a hint and is not read: a
+        crash after a commit but before that file was rewritten still gives the new checkpoint,
+        so the resume loop ``start = ckpt.restore(state).step + 1 if ckpt.latest() else 0``
+        never saves a committed step twice (docs/format.md, "The resume loop")."""
         return commit_mod.latest(self.directory)
 
     def delete(self, step: int | None = None, *, tag: str | None = None) -> None:

@@ -18,7 +18,7 @@ import torch
 from . import format as fmt
 from . import serialization
 from .format import ShardHeader
-from .schema import Manifest, ObjectEntry, ShardIndex, ShardRef, TensorEntry
+from .schema import Manifest, ObjectEntry, ShardRef, TensorEntry
 from .errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
                      ReshardError, StateMismatchError)
 from .flatten import TensorShard, key_of, sharding_of
@@ -28,8 +28,6 @@ from .storage import buffer_of, pread_into
 
 _COALESCE_GAP = 256 << 10
 _MAX_READ = 64 << 20
-_VERIFY_BATCH = 64 << 20
-_ZEROS = bytes(1 << 20)
 
 
 @dataclass
@@ -216,61 +214,11 @@ class Reader:
         return value
 
     def verify_all(self) -> int:
-        """Re-read every byte of every shard file and return the bytes checked.
-
-        Checks the header (CRC, flags and reserved bytes zero), the index (its CRC against the
-        header and the manifest, every manifest entry agreeing with an index entry), the CRC of
-        every tensor piece and object, and that the bytes between regions are zero. Nothing is
-        unpickled. Memory is bounded (reads in batches of ``_VERIFY_BATCH`` bytes)."""
-        return sum(self._verify_file(file_id) for file_id in range(len(self.manifest.files)))
-
-    def _verify_file(self, file_id: int) -> int:
-        fd, header = self.files.open_with_header(file_id)
-        path = self.files.path(file_id)
-        raw = bytearray(header.index_length)
-        self._pread(fd, memoryview(raw), header.index_offset, path)
-        index = fmt.parse_index_bytes(bytes(raw), header, path)
-        _check_index_agrees(self.manifest, file_id, index, path)
-        batch: list[_Read] = []
-        for e in index.entries:
-            pos = 0
-            for length, crc in e.checksums:
-                batch.append(_Read(file_id, e.offset + pos, length,
-                                   torch.empty(length, dtype=torch.uint8), [(length, crc)], e.key))
-                pos += length
-                if sum(r.nbytes for r in batch) >= _VERIFY_BATCH:
-                    self._verify_reads(batch, path)
-                    batch = []
-        self._verify_reads(batch, path)
-        self._verify_zero_gaps(fd, index, header.index_offset, path)
-        return header.index_offset + header.index_length
-
-    def _verify_reads(self, reads: list["_Read"], path: str) -> None:
-        plan = _Plan(self, None, False, False)
-        plan.reads = reads
-        self._execute(plan)
-        if not self.verify:  # _execute checks only when the reader verifies
-            for r in reads:
-                _verify(r, path)
-
-    def _verify_zero_gaps(self, fd: int, index: ShardIndex, data_end: int, path: str) -> None:
-        """The bytes not covered by a region, from the header to the index, are zero."""
-        pos = fmt.HEADER_BYTES
-        for e in sorted((e for e in index.entries if e.nbytes), key=lambda e: e.offset):
-            self._check_zero(fd, pos, e.offset, path)
-            pos = e.offset + e.nbytes
-        self._check_zero(fd, pos, data_end, path)
-
-    def _check_zero(self, fd: int, start: int, end: int, path: str) -> None:
-        buf = bytearray(min(end - start, len(_ZEROS)))
-        while start < end:
-            view = memoryview(buf)[:min(end - start, len(buf))]
-            self._pread(fd, view, start, path)
-            if view != _ZEROS[:view.nbytes]:
-                first = next(i for i, b in enumerate(view) if b)
-                raise CorruptCheckpointError(f"{path}: byte at offset {start + first} between "
-                                             f"regions is {view[first]:#x}, expected 0")
-            start += view.nbytes
+        """Re-read every byte of every shard file and return the bytes checked (see
+        ``verify.verify_checkpoint``: headers, indexes against the manifest, every region's
+        checksums, zero padding). Nothing is unpickled; memory is bounded."""
+        from .verify import verify_checkpoint
+        return verify_checkpoint(self)
 
     # ------------------------------------------------------------ reading
     def read_object(self, entry: ObjectEntry) -> Any:
@@ -446,39 +394,6 @@ class _Checker:
         covered = sum(length for length, _ in self.pieces)
         return CorruptCheckpointError(f"{self.path}: checksums of {self.read.key!r} cover "
                                       f"{covered} of {self.read.nbytes} bytes")
-
-
-def _check_index_agrees(manifest: Manifest, file_id: int, index: ShardIndex, path: str) -> None:
-    """Every region the manifest names in this file is an index entry with the same key, kind,
-    bytes and checksums (and dtype and box shape for tensors)."""
-    by_offset = {(e.offset, e.nbytes): e for e in index.entries}
-    for entry in manifest.entries:
-        if isinstance(entry, ObjectEntry):
-            if entry.file == file_id:
-                _agree(by_offset, entry.key, "object", entry.offset, entry.nbytes,
-                       ((entry.nbytes, entry.crc32),) if entry.nbytes else (), None, None, path)
-            continue
-        for s in entry.shards:
-            if s.file == file_id:
-                _agree(by_offset, entry.key, "tensor", s.offset, s.nbytes, s.checksums,
-                       entry.dtype, s.shape, path)
-
-
-def _agree(by_offset: dict, key: str, kind: str, offset: int, nbytes: int, checksums: tuple,
-           dtype, shape, path: str) -> None:
-    found = by_offset.get((offset, nbytes))
-    if found is None:
-        raise CorruptCheckpointError(f"{path}: the manifest's {kind} {key!r} at [{offset}, "
-                                     f"{offset + nbytes}) is not a region of the file's index")
-    expected = (key, kind, tuple(checksums), dtype if kind == "tensor" else None,
-                tuple(shape) if kind == "tensor" else None)
-    actual = (found.key, found.kind, found.checksums, found.dtype if kind == "tensor" else None,
-              found.shape if kind == "tensor" else None)
-    if expected != actual:
-        names = ("key", "kind", "checksums", "dtype", "shape")
-        diff = next(n for n, a, b in zip(names, expected, actual) if a != b)
-        raise CorruptCheckpointError(f"{path}: {kind} {key!r} at offset {offset}: the manifest "
-                                     f"and the index disagree on its {diff}")
 
 
 def _coalesce(reads: list[_Read], max_read: int = _MAX_READ) -> list[list[_Read]]:

@@ -122,9 +122,11 @@ def test_kill_at_injected_point(tmp_path, states, mode, n, keep_last):
         f"the kill point was never reached (rc {proc.returncode}): {proc.stdout}{proc.stderr}"
     assert "COMMITTED 2" not in proc.stdout
     if mode in ("set-latest", "replace-latest"):
-        # Step 2 is committed; ``latest`` still names step 1, a valid checkpoint (it wins, so
-        # that users can roll back by editing it).
-        assert commit.latest(tmp_path).name == STEP1
+        # Step 2 is committed; the ``latest`` file still names step 1, but it is only a hint:
+        # the newest committed checkpoint is the latest.
+        with open(os.path.join(tmp_path, "latest")) as f:
+            assert f.read() == STEP1
+        assert commit.latest(tmp_path).name == STEP2
     names = check_after_crash(tmp_path, states, keep_last=keep_last)
     after_rename = mode in ("rename-after", "set-latest", "replace-latest") or keep_last
     assert (STEP2 in names) == bool(after_rename)
