@@ -14,8 +14,8 @@ from .config import CheckpointConfig
 from .dist import LocalCommunicator, StoreCommunicator
 from .engine import SaveHandle, SaveStats
 from .flatten import TensorShard
-from .errors import (CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError,
-                     CommitError, CommitTimeoutError, ConfigError, CorruptCheckpointError,
+from .errors import (CheckpointerClosedError, CheckpointExistsError, CheckpointNotFoundError,
+                     CheckpointWriteError, CommitError, CommitTimeoutError, ConfigError, CorruptCheckpointError,
                      DatastatesError, ReshardError, SerializationError, StateMismatchError,
                      UnsafeObjectError, UnsupportedFormatError)
 from .providers import (Capture, ModuleProvider, OptimizerProvider, ProviderRegistry, RNGState,
@@ -25,7 +25,7 @@ from .restore import RestoreReport
 __version__ = "0.1.0"
 
 __all__ = [
-    "Capture", "CheckpointConfig", "CheckpointExistsError", "CheckpointInfo",
+    "Capture", "CheckpointConfig", "CheckpointerClosedError", "CheckpointExistsError", "CheckpointInfo",
     "CheckpointNotFoundError", "CheckpointWriteError", "Checkpointer", "CommitError",
     "CommitTimeoutError", "ConfigError", "LocalCommunicator", "StoreCommunicator", "CorruptCheckpointError", "DatastatesError",
     "ModuleProvider", "OptimizerProvider", "ProviderRegistry", "RNGState", "RNGStateProvider",
