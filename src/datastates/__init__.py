@@ -6,6 +6,7 @@ Quick start::
     with datastates.Checkpointer("ckpts") as ckpt:
         handle = ckpt.save({"model": model, "optimizer": opt, "rng": datastates.RNGState()}, step=10)
         ...                       # training continues; opt.step() waits only for the capture
+        # restore() first waits for in-flight saves, so this restores the step-10 checkpoint
         ckpt.restore({"model": model, "optimizer": opt, "rng": datastates.RNGState()})
 """
 from .checkpointer import Checkpointer
