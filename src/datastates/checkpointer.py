@@ -182,10 +182,11 @@ class Checkpointer:
 
         First waits until every in-flight save of this Checkpointer (and of those sharing its
         pipeline) is committed or failed; their failures stay on their handles. A checksum error
-        found while reading raises CorruptCheckpointError after tensors read in place so far took
-        their new values; plain values and provider state (optimizer hyper-parameters, RNG,
-        schedulers) change only after every read was verified. Run ``verify`` first
-        (``python -m datastates verify DIR``) to rule that out without touching live state.
+        found while reading raises CorruptCheckpointError after tensors filled in place so far
+        (parameters, buffers, optimizer state tensors) took their new values; plain values and
+        what providers apply (optimizer hyper-parameters, schedulers, RNG, loaders) change only
+        after every read was verified. Run ``verify`` first (``python -m datastates verify DIR``)
+        to rule that out without touching live state.
         """
         with self._reader(step, tag, verify, trusted, safe_globals, None, rank_policy) as reader:
             return reader.restore_into(state, keys=keys, strict=strict)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -244,3 +245,43 @@ def test_non_strict_leaves_a_refused_optimizer_alone_and_restores_the_rest(tmp_p
     assert_same(after["opt"], opt_before)
     assert_same(after["model"], _snapshot(saved)["model"])
     assert after["extra"]["history"] == [9.0] and after["extra"]["epoch"] == 1
+
+
+def test_checksum_failure_during_restore_leaves_values_and_provider_state_alone(tmp_path):
+    """The documented behaviour of a corrupt region found while restoring in place: a typed
+    error; tensors filled in place (model parameters, optimizer state tensors) may hold new
+    values, but plain values and what providers apply (optimizer hyper-parameters, schedulers,
+    RNG) are untouched: they change only after every read was verified. ``verify`` finds the
+    damage first without touching live state."""
+    saved = _training(1, lambda p: torch.optim.AdamW(p, lr=0.5))
+    saved["sched"] = torch.optim.lr_scheduler.StepLR(saved["opt"], step_size=1, gamma=0.5)
+    saved["sched"].step()
+    with Checkpointer(tmp_path, SMALL) as ck:
+        path = ck.save(saved, step=1).wait().path
+    shard = next(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".dsf"))
+    with open(shard, "r+b") as f:
+        middle = os.path.getsize(shard) // 2  # inside the tensor data, far from header and index
+        f.seek(middle)
+        byte = f.read(1)
+        f.seek(middle)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    live = _training(2)
+    live["sched"] = torch.optim.lr_scheduler.StepLR(live["opt"], step_size=1, gamma=0.5)
+    before = _snapshot(live)
+    with Checkpointer(tmp_path, SMALL) as ck:
+        with pytest.raises(datastates.CorruptCheckpointError, match="checksum"):
+            _verify(ck)
+        assert_same(_snapshot(live), before)
+        with pytest.raises(datastates.CorruptCheckpointError, match="checksum"):
+            ck.restore(live)
+    after = _snapshot(live)
+    assert_same(after["opt"]["param_groups"], before["opt"]["param_groups"])
+    assert_same(after["sched"], before["sched"])
+    assert after["extra"]["epoch"] == 2 and after["extra"]["history"] == [0.5, 2.0]
+
+
+def _verify(ck) -> None:
+    """What ``python -m datastates verify`` runs: every byte re-read, nothing live touched."""
+    from datastates.restore import Reader
+    with Reader(ck.latest().path, registry=ck.registry) as reader:
+        reader.verify_all()
