@@ -322,8 +322,8 @@ def _check_dtypes(items) -> None:
             try:
                 fmt.dtype_name(item.dtype)
             except TypeError as exc:
-                raise SerializationError(f"{item.key!r}: {exc}; convert it (e.g. .to(torch."
-                                         "float32)) or save it as a Python object") from None
+                raise SerializationError(f"{item.key!r}: {exc}; convert it first (for example "
+                                         "with .to(torch.float32))") from None
 
 
 def _mark_replicated(items, tensors: list[int], replicated) -> None:

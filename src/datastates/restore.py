@@ -264,21 +264,19 @@ def _coalesce(reads: list[_Read]) -> list[list[_Read]]:
     return groups
 
 
-_NODE_KINDS = {"value": "plain value", "object": "object", "tensor": "tensor",
-               "dict": "dict", "odict": "dict", "list": "list", "tuple": "tuple"}
+_NODE_KINDS = {"tensor": "tensor", "dict": "dict", "odict": "dict", "list": "list",
+               "tuple": "tuple"}
 
 
 def _same_kind(t: str, live: Any) -> bool:
-    """Whether a live value can receive a saved node of type ``t`` (plain values and objects
-    are compared by exact type later; providers check their own objects)."""
+    """Whether a live value can receive a saved node of type ``t`` (plain values and pickled
+    objects are compared by exact type once loaded; providers check their own objects)."""
     if t == "tensor":
         return isinstance(live, (torch.Tensor, TensorShard))
     if t in ("dict", "odict"):
         return isinstance(live, dict)
     if t in ("list", "tuple"):
         return isinstance(live, (list, tuple))
-    if t in ("value", "object"):
-        return not isinstance(live, (torch.Tensor, TensorShard, dict, list, tuple))
     return True
 
 

@@ -210,9 +210,10 @@ def test_optimizer_class_is_saved_but_load_returns_the_plain_state_dict(tmp_path
     (3, 3.0, "extra/history (checkpoint int, live float)"),
     (True, 1, "extra/history (checkpoint bool, live int)"),
     (torch.ones(2), 1.0, "extra/history (checkpoint tensor, live float)"),
-    (1.0, torch.ones(2), "extra/history (checkpoint plain value, live Tensor)"),
+    (1.0, torch.ones(2), "extra/history (checkpoint float, live Tensor)"),
     ({"a": 1}, [1], "extra/history (checkpoint dict, live list)"),
     ({1, 2}, frozenset({1, 2}), "extra/history (checkpoint set, live frozenset)"),
+    ({(1, 2): "a"}, [1], "extra/history (checkpoint dict, live list)"),
 ])
 def test_structure_and_type_mismatches(tmp_path, saved_value, live_value, fragment):
     saved, live = _training(1), _training(2)
