@@ -6,6 +6,7 @@ Quick start::
     with datastates.Checkpointer("ckpts") as ckpt:
         handle = ckpt.save({"model": model, "optimizer": opt, "rng": datastates.RNGState()}, step=10)
         ...                       # training continues; opt.step() waits only for the capture
+        # restore() first waits for in-flight saves, so this restores the step-10 checkpoint
         ckpt.restore({"model": model, "optimizer": opt, "rng": datastates.RNGState()})
 """
 from .checkpointer import Checkpointer
@@ -14,8 +15,8 @@ from .config import CheckpointConfig
 from .dist import LocalCommunicator, StoreCommunicator
 from .engine import SaveHandle, SaveStats
 from .flatten import TensorShard
-from .errors import (CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError,
-                     CommitError, CommitTimeoutError, ConfigError, CorruptCheckpointError,
+from .errors import (CheckpointerClosedError, CheckpointExistsError, CheckpointNotFoundError,
+                     CheckpointWriteError, CommitError, CommitTimeoutError, ConfigError, CorruptCheckpointError,
                      DatastatesError, ReshardError, SerializationError, StateMismatchError,
                      UnsafeObjectError, UnsupportedFormatError)
 from .providers import (Capture, ModuleProvider, OptimizerProvider, ProviderRegistry, RNGState,
@@ -26,7 +27,7 @@ from .tools import export, import_checkpoint, inspect
 __version__ = "0.1.0"
 
 __all__ = [
-    "Capture", "CheckpointConfig", "CheckpointExistsError", "CheckpointInfo",
+    "Capture", "CheckpointConfig", "CheckpointerClosedError", "CheckpointExistsError", "CheckpointInfo",
     "CheckpointNotFoundError", "CheckpointWriteError", "Checkpointer", "CommitError",
     "CommitTimeoutError", "ConfigError", "LocalCommunicator", "StoreCommunicator", "CorruptCheckpointError", "DatastatesError",
     "ModuleProvider", "OptimizerProvider", "ProviderRegistry", "RNGState", "RNGStateProvider",

@@ -245,10 +245,11 @@ class Checkpointer:
 
         First waits until every in-flight save of this Checkpointer (and of those sharing its
         pipeline) is committed or failed; their failures stay on their handles. A checksum error
-        found while reading raises CorruptCheckpointError after tensors read in place so far took
-        their new values; plain values and provider state (optimizer hyper-parameters, RNG,
-        schedulers) change only after every read was verified. Run ``verify`` first
-        (``python -m datastates verify DIR``) to rule that out without touching live state.
+        found while reading raises CorruptCheckpointError after tensors filled in place so far
+        (parameters, buffers, optimizer state tensors) took their new values; plain values and
+        what providers apply (optimizer hyper-parameters, schedulers, RNG, loaders) change only
+        after every read was verified. Run ``verify`` first (``python -m datastates verify DIR``)
+        to rule that out without touching live state.
 
         At another world size than the save's, state that differs between the saved ranks
         (loader positions, RNG, any per-rank value) raises ReshardError unless ``rank_policy``
@@ -394,8 +395,8 @@ def _check_dtypes(items) -> None:
             try:
                 fmt.dtype_name(item.dtype)
             except TypeError as exc:
-                raise SerializationError(f"{item.key!r}: {exc}; convert it (e.g. .to(torch."
-                                         "float32)) or save it as a Python object") from None
+                raise SerializationError(f"{item.key!r}: {exc}; convert it first (for example "
+                                         "with .to(torch.float32))") from None
 
 
 def _units_holding(layout, count: int) -> int:

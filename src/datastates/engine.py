@@ -148,7 +148,8 @@ def write_error(job: "Job", what: str, exc: BaseException) -> BaseException:
         return exc
     error = CheckpointWriteError(exc.errno, f"rank {job.rank}: {what} failed: "
                                             f"{exc.strerror or exc}")
-    error.filename = exc.filename
+    if exc.filename is not None:
+        error.filename = exc.filename
     error.__cause__ = exc
     return error
 

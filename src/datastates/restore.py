@@ -40,7 +40,8 @@ class RestoreReport:
     restored: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)      #: in the live state, not in the checkpoint
     unexpected: list[str] = field(default_factory=list)   #: in the checkpoint, not in the live state
-    mismatched: list[str] = field(default_factory=list)   #: shape or dtype differs (skipped)
+    #: shape, dtype, type or length differs, or a provider's check refused it (skipped)
+    mismatched: list[str] = field(default_factory=list)
     nbytes: int = 0
 
 
@@ -194,6 +195,8 @@ class Reader:
 
     # ------------------------------------------------------------ public operations
     def restore_into(self, state: Any, *, keys=None, strict: bool = True) -> RestoreReport:
+        """Plan (every check of the matcher and the providers; nothing live changes), then read
+        into the live tensors, then set plain values, then let providers apply their state."""
         plan = _Plan(self, keys, strict, in_place=True)
         plan.match(state, self._tree_for(keys), (), None)
         plan.check()
@@ -411,6 +414,22 @@ def _coalesce(reads: list[_Read], max_read: int = _MAX_READ) -> list[list[_Read]
     return groups
 
 
+_NODE_KINDS = {"tensor": "tensor", "dict": "dict", "odict": "dict", "list": "list",
+               "tuple": "tuple"}
+
+
+def _same_kind(t: str, live: Any) -> bool:
+    """Whether a live value can receive a saved node of type ``t`` (plain values and pickled
+    objects are compared by exact type once loaded; providers check their own objects)."""
+    if t == "tensor":
+        return isinstance(live, (torch.Tensor, TensorShard))
+    if t in ("dict", "odict"):
+        return isinstance(live, dict)
+    if t in ("list", "tuple"):
+        return isinstance(live, (list, tuple))
+    return True
+
+
 def _move(value: Any, device: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device)
@@ -459,7 +478,7 @@ class _Plan:
             if r.unexpected:
                 parts.append(f"in the checkpoint but not in the live state: {show(r.unexpected)}")
             if r.mismatched:
-                parts.append(f"shape/dtype differ: {show(r.mismatched)}")
+                parts.append(f"do not match: {show(r.mismatched)}")
             raise StateMismatchError(f"{self.reader.dir}: the live state does not match the "
                                      f"checkpoint; {'; '.join(parts)}. Nothing was modified. "
                                      "Pass strict=False to restore what matches, or keys=[...]")
@@ -468,10 +487,21 @@ class _Plan:
         if isinstance(live, Capture):
             live = live.value
         t = node["t"]
+        checked = self.in_place and live is not None and self._strict_here(provider)
+        if checked and not _same_kind(t, live):
+            return self._mismatch(live, path, f"checkpoint {_NODE_KINDS.get(t, t)}, live "
+                                              f"{type(live).__qualname__}")
         if t == "value":
+            if checked and type(node["v"]) is not type(live):
+                return self._mismatch(live, path, f"checkpoint {type(node['v']).__qualname__}, "
+                                                  f"live {type(live).__qualname__}")
             return node["v"]
         if t == "object":
-            return self.reader.read_object(self.reader.entries[node["e"]])
+            loaded = self.reader.read_object(self.reader.entries[node["e"]])
+            if checked and type(loaded) is not type(live):
+                return self._mismatch(live, path, f"checkpoint {type(loaded).__qualname__}, "
+                                                  f"live {type(live).__qualname__}")
+            return loaded
         if t == "tensor":
             return self.tensor(live, node, path)
         if t == "provider":
@@ -494,10 +524,31 @@ class _Plan:
                 raise StateMismatchError(f"{key_of(path)!r}: the checkpoint holds a "
                                          f"{node['name']} state, the live object is a "
                                          f"{type(live).__qualname__}")
+            mark = self._mark()
             loaded = self.match(prov.state(live), node["state"], path, prov)
+            try:
+                prov.check(live, loaded, key_of(path))
+            except StateMismatchError as exc:
+                self._rollback(mark)  # nothing of this object is read or applied
+                return self._mismatch(live, path, str(exc))
             self.finalizers.append((prov.load, live, loaded))
             return live
         return prov.rebuild(self.match(None, node["state"], path, prov))
+
+    def _mismatch(self, live: Any, path: tuple, why: str) -> Any:
+        """Record that the live value at ``path`` is left alone (an error if strict)."""
+        self.report.mismatched.append(f"{key_of(path)} ({why})")
+        return live
+
+    def _mark(self) -> tuple:
+        return (list(self.reads), list(self.post_copies), list(self.finalizers),
+                list(self.writebacks), len(self.report.restored), set(self.filled),
+                dict(self.fresh))
+
+    def _rollback(self, mark: tuple) -> None:
+        (self.reads, self.post_copies, self.finalizers, self.writebacks, restored, self.filled,
+         self.fresh) = mark
+        del self.report.restored[restored:]
 
     def _strict_here(self, provider: StateProvider | None) -> bool:
         return provider is None or not provider.allow_new_keys
@@ -526,6 +577,10 @@ class _Plan:
 
     def sequence(self, live: Any, node: dict, path: tuple, provider) -> Any:
         live_seq = live if isinstance(live, (list, tuple)) else None
+        if (self.in_place and live_seq is not None and self._strict_here(provider)
+                and len(live_seq) != len(node["items"]) and self.wanted(path) == "all"):
+            return self._mismatch(live, path, f"checkpoint {len(node['items'])} items, live "
+                                              f"{len(live_seq)}")
         out = []
         for i, child in enumerate(node["items"]):
             if self.wanted(path + (i,)) is None:

@@ -105,8 +105,7 @@ class ShardWriter:
             except OSError as exc:
                 first = first or exc
         if first is not None:
-            raise OSError(first.errno, f"closing {self.path} failed: {first.strerror or first}",
-                          self.path)
+            raise first
 
     def _close_direct(self) -> None:
         with self._lock:

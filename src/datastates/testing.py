@@ -12,14 +12,20 @@ A new provider proves itself with a few lines::
 The suite saves through a real Checkpointer into pytest's ``tmp_path`` and checks: the provider
 handles its objects and is found through a registry; an in-place restore into an object built
 from another seed gives back the saved state; the snapshot is the state at save() time even when
-the object changes right after; a fresh load returns ``rebuild()`` of the saved state.
+the object changes right after; a fresh load returns ``rebuild()`` of the saved state; ``check``
+accepts the state of another object of the same kind; and, if ``make_mismatched_object`` gives an
+object the provider must refuse, a strict restore into it raises ``StateMismatchError`` naming its
+key and changes nothing, neither that object nor anything else in the restored state.
 """
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .checkpointer import Checkpointer
 from .config import CheckpointConfig
+from .errors import StateMismatchError
 from .providers import ProviderRegistry, StateProvider
 
 
@@ -39,6 +45,12 @@ class ProviderConformance:
     def mutate(self, obj: Any) -> bool:
         """Change ``obj`` in place; return False if the object cannot be mutated."""
         return False
+
+    def make_mismatched_object(self) -> Any:
+        """An object this provider handles but whose ``check`` must refuse the state of
+        ``make_object(seed)`` (another class, another structure). Built the same way on every
+        call. None (the default) skips the mismatch test."""
+        return None
 
     def _registry(self) -> ProviderRegistry:
         provider = self.make_provider()
@@ -89,3 +101,22 @@ class ProviderConformance:
         target = self.make_object(6)
         provider.load(target, loaded)
         self.assert_same_state(obj, target)
+
+    def test_check_accepts_an_object_of_the_same_kind(self):
+        provider = self.make_provider()
+        provider.check(self.make_object(8), provider.state(self.make_object(7)), "obj")
+
+    def test_strict_restore_into_a_mismatch_changes_nothing(self, tmp_path):
+        import pytest
+        if self.make_mismatched_object() is None:
+            pytest.skip("make_mismatched_object() not given")
+        target, reference = self.make_mismatched_object(), self.make_mismatched_object()
+        other = torch.zeros(16)
+        live = {"tensor": other, "value": 0, "obj": target}
+        with self._checkpointer(tmp_path) as ckpt:
+            ckpt.save({"tensor": torch.arange(16.0), "value": 1, "obj": self.make_object(9)},
+                      step=1).wait()
+            with pytest.raises(StateMismatchError, match="obj"):
+                ckpt.restore(live)
+        assert torch.equal(other, torch.zeros(16)) and live["value"] == 0
+        self.assert_same_state(reference, target)

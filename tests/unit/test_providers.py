@@ -67,6 +67,49 @@ class TestModuleProvider(ProviderConformance):
             assert ka == kb and torch.equal(va, vb)
 
 
+class TestOptimizerProvider(ProviderConformance):
+    def make_provider(self):
+        return datastates.OptimizerProvider()
+
+    def _model(self, seed):
+        torch.manual_seed(seed)
+        return nn.Linear(4, 3)
+
+    def make_object(self, seed):
+        model = self._model(seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2 * (seed + 1))
+        self._step(model, opt)
+        return opt
+
+    def make_mismatched_object(self):
+        model = self._model(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        self._step(model, opt)
+        return opt
+
+    @staticmethod
+    def _step(model, opt):
+        model(torch.randn(2, 4, generator=torch.Generator().manual_seed(0))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def mutate(self, obj):
+        for group in obj.param_groups:
+            group["lr"] *= 2
+        for state in obj.state.values():
+            state["exp_avg"].add_(1)
+        return True
+
+    def assert_same_state(self, a, b):
+        sa, sb = a.state_dict(), b.state_dict()
+        assert type(a) is type(b) and sa["param_groups"] == sb["param_groups"]
+        assert list(sa["state"]) == list(sb["state"])
+        for i in sa["state"]:
+            assert list(sa["state"][i]) == list(sb["state"][i])
+            for k, v in sa["state"][i].items():
+                assert torch.equal(v, sb["state"][i][k]), (i, k)
+
+
 def test_registry_is_explicit_and_user_providers_win():
     first, second = ProviderRegistry.default(), ProviderRegistry.default()
     first.register(CounterProvider())

@@ -29,6 +29,9 @@ class StateProvider(ABC):
       bytes belong to an optimizer that is part of the save). A provider may say ``eager``
       (always copied inside ``save()``), or ``lazy`` — a promise that its tensors do not change
       until the guarded optimizer step or an explicit ``wait_snapshot()``.
+    - ``check`` runs on the caller's thread inside ``restore()`` in the planning pass, before one
+      byte of live state changes: it raises ``StateMismatchError`` if the saved state cannot be
+      applied to the live object. ``load`` must then not fail for a reason ``check`` could see.
     - ``load`` runs on the caller's thread inside ``restore()`` after every tensor of the state was
       read; tensors that matched live tensors were already filled in place.
     - ``name`` is recorded in the manifest and looked up on load: keep it stable.
@@ -53,6 +56,13 @@ class StateProvider(ABC):
     @abstractmethod
     def load(self, obj: Any, state: Any) -> None:
         """Apply a loaded ``state`` to the live ``obj``."""
+
+    def check(self, obj: Any, state: Any, path: str) -> None:
+        """Raise ``StateMismatchError`` naming ``path`` if ``state`` (as saved) cannot be applied
+        to the live ``obj``. Called before anything is read: the structure, keys, plain values,
+        tensor shapes and dtypes of ``state`` are final, tensor *values* are not yet read. On a
+        strict restore the error fails the restore with nothing modified; with ``strict=False``
+        this object is left alone and reported as mismatched. Default: accept."""
 
     def rebuild(self, state: Any) -> Any:
         """What ``Checkpointer.load()`` returns for this object when no live object is given."""

@@ -7,7 +7,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import StateMismatchError
 from .base import StateProvider
+
+#: Key under which the optimizer's class is saved next to its state_dict() (removed again by
+#: ``load`` and ``rebuild``, so what ``Checkpointer.load`` returns is the plain state_dict()).
+OPTIMIZER_CLASS_KEY = "datastates.optimizer_class"
 
 
 class ModuleProvider(StateProvider):
@@ -35,7 +40,11 @@ class ModuleProvider(StateProvider):
 class OptimizerProvider(StateProvider):
     """``torch.optim.Optimizer``: its state dict. Saving an optimizer makes it part of the save:
     it is guarded, and its parameters and state tensors are captured lazily (they change only in
-    its ``step()``); hyper-parameter tensors (a tensor ``lr``) are captured eagerly."""
+    its ``step()``); hyper-parameter tensors (a tensor ``lr``) are captured eagerly.
+
+    The optimizer's class is saved with its state; ``check`` refuses a state of another class, a
+    different number of parameter groups or of parameters in a group, other hyper-parameter
+    names, or other state names for a parameter that has state in the live optimizer."""
 
     name = "torch.optim.Optimizer"
 
@@ -43,10 +52,60 @@ class OptimizerProvider(StateProvider):
         return isinstance(obj, torch.optim.Optimizer)
 
     def state(self, obj: torch.optim.Optimizer) -> Any:
-        return obj.state_dict()
+        return {**obj.state_dict(), OPTIMIZER_CLASS_KEY: _class_name(obj)}
+
+    def check(self, obj: torch.optim.Optimizer, state: Any, path: str) -> None:
+        if not isinstance(state, dict) or not isinstance(state.get("param_groups"), list) \
+                or not isinstance(state.get("state"), dict):
+            raise StateMismatchError(f"{path!r}: the checkpoint holds no optimizer state_dict "
+                                     "(expected a dict with 'state' and 'param_groups')")
+        saved_class, live_class = state.get(OPTIMIZER_CLASS_KEY), _class_name(obj)
+        if saved_class is not None and saved_class != live_class:
+            raise StateMismatchError(f"{path!r}: the checkpoint holds a {saved_class} state, the "
+                                     f"live optimizer is a {live_class}")
+        _check_param_groups(path, state["param_groups"], obj.param_groups)
+        _check_param_state(path, state["state"], obj.state_dict()["state"])
 
     def load(self, obj: torch.optim.Optimizer, state: Any) -> None:
-        obj.load_state_dict(state)
+        obj.load_state_dict(self.rebuild(state))
+
+    def rebuild(self, state: Any) -> Any:
+        if isinstance(state, dict) and OPTIMIZER_CLASS_KEY in state:
+            state = {k: v for k, v in state.items() if k != OPTIMIZER_CLASS_KEY}
+        return state
+
+
+def _class_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _check_param_groups(path: str, saved: list, live: list) -> None:
+    if len(saved) != len(live):
+        raise StateMismatchError(f"{path!r}: the checkpoint has {len(saved)} parameter group(s), "
+                                 f"the live optimizer {len(live)}")
+    for i, (s, g) in enumerate(zip(saved, live)):
+        if not isinstance(s, dict) or not isinstance(s.get("params"), list):
+            raise StateMismatchError(f"{path}/param_groups/{i}: not a parameter group in the "
+                                     "checkpoint")
+        if len(s["params"]) != len(g["params"]):
+            raise StateMismatchError(f"{path}/param_groups/{i}: the checkpoint has "
+                                     f"{len(s['params'])} parameters in this group, the live "
+                                     f"optimizer {len(g['params'])}")
+        saved_keys, live_keys = set(s) - {"params"}, set(g) - {"params"}
+        if saved_keys != live_keys:
+            raise StateMismatchError(
+                f"{path}/param_groups/{i}: hyper-parameters differ; only in the checkpoint: "
+                f"{sorted(saved_keys - live_keys)}, only in the live optimizer: "
+                f"{sorted(live_keys - saved_keys)}")
+
+
+def _check_param_state(path: str, saved: dict, live: dict) -> None:
+    for index, live_state in live.items():
+        if index in saved and isinstance(live_state, dict) and isinstance(saved[index], dict) \
+                and set(saved[index]) != set(live_state):
+            raise StateMismatchError(f"{path}/state/{index}: the checkpoint holds "
+                                     f"{sorted(saved[index])}, the live optimizer "
+                                     f"{sorted(live_state)}")
 
 
 class RNGState:
