@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 PENDING = {"pending": True}
+_ABSENT = "\x00absent"  # compare_set(key, _ABSENT, _ABSENT): a read that never blocks
 
 
 def new_run_id() -> str:
@@ -201,10 +202,11 @@ class StoreCommunicator:
         pending = list(range(self.world_size))
         while True:
             for r in list(pending):
-                if self.store.check([f"{sid.nonce}/r{r}"]):
-                    reports[r] = self._get_json(f"{sid.nonce}/r{r}")
+                report = self._get_json(f"{sid.nonce}/r{r}")
+                if report is not None:
+                    reports[r] = report
                     pending.remove(r)
-                    if "error" in reports[r]:
+                    if "error" in report:
                         return reports, []
             if not pending or self.store.check([f"{sid.nonce}/decision"]):
                 return reports, pending
@@ -217,8 +219,8 @@ class StoreCommunicator:
         key = f"{sid.nonce}/decision"
         claimed_at = None
         while True:
-            if self.store.check([key]):
-                decision = self._get_json(key)
+            decision = self._get_json(key)
+            if decision is not None:
                 if decision != PENDING:
                     return decision
                 claimed_at = claimed_at or time.monotonic()
@@ -255,19 +257,24 @@ class StoreCommunicator:
                     self.store.delete_key(key)
             elif not decision.get("ok"):
                 slot = self.store.add("orphans/n", 1)
-                self.store.set(f"orphans/{slot}", sid.nonce)
-            if self.rank == 0:
+                self._set_json(f"orphans/{slot}", sid.nonce)
+            if self.rank == 0 and decision.get("ok"):
                 self._sweep()
         except Exception:
             pass  # the verdict stands; a lost store has no keys left to delete
 
     def _sweep(self) -> None:
-        """Rank 0, between its rounds: delete the keys of rounds registered as orphans. Safe: a
-        rank registers a round only after deleting its own report, so it can never commit."""
+        """Rank 0, after a commit: delete the keys of rounds registered as orphans (aborted
+        rounds that some rank never finished). Every rank reported the committed round, so no
+        rank is still inside an earlier one; a rank that joins an orphan later finds no verdict
+        and aborts it at its deadline. A rank registers a round only after deleting its own
+        report, so a swept round can never commit."""
         last = self.store.add("orphans/n", 0)
-        while self._swept < last and self.store.check([f"orphans/{self._swept + 1}"]):
+        while self._swept < last:
+            nonce = self._get_json(f"orphans/{self._swept + 1}")
+            if nonce is None:
+                break  # registered but not written yet: next time
             self._swept += 1
-            nonce = self.store.get(f"orphans/{self._swept}").decode()
             for key in self.round_keys(nonce, self.world_size) + [f"orphans/{self._swept}"]:
                 self.store.delete_key(key)
 
@@ -283,9 +290,10 @@ class StoreCommunicator:
         self.store.set(key, json.dumps(value, sort_keys=True))
 
     def _get_json(self, key: str) -> Any:
-        if not self.store.check([key]):
-            return None
-        return json.loads(self.store.get(key))
+        """The value of ``key``, or None if absent. Never blocks (``Store.get`` waits for a
+        missing key, and another rank may delete a key between a check and a get)."""
+        raw = self.store.compare_set(key, _ABSENT, _ABSENT)
+        return None if raw == _ABSENT.encode() else json.loads(raw)
 
     def close(self) -> None:
         """Delete this rank's announcement (best effort: the store may be gone)."""

@@ -420,8 +420,13 @@ class Pipeline:
                 job.all_written.wait()
                 if job.writer is not None:
                     job.writer.close()
-            self._agree(job, payload)
-            job.finish()
+            try:
+                self._agree(job, payload)
+            except BaseException as exc:  # a bug here must not leave wait() blocked forever
+                job.error = CommitError(f"checkpoint {job.name!r}: the commit round failed on "
+                                        f"rank {job.rank}: {exc!r}", {job.rank: repr(exc)})
+            finally:
+                job.finish()
 
     def _finish_file(self, job: Job) -> dict | None:
         job.opened.wait()
