@@ -269,7 +269,7 @@ class StoreCommunicator:
         rank is still inside an earlier one; a rank that joins an orphan later finds no verdict
         and aborts it at its deadline. A rank registers a round only after deleting its own
         report, so a swept round can never commit."""
-        last = self.store.add("orphans/n", 0)
+        last = self._get_json("orphans/n") or 0  # a counter kept by Store.add, as digits
         while self._swept < last:
             nonce = self._get_json(f"orphans/{self._swept + 1}")
             if nonce is None:
