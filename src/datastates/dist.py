@@ -303,9 +303,54 @@ class StoreCommunicator:
             pass
 
 
+class MemoryStore:
+    """The subset of the c10d ``Store`` API the protocol uses, in memory and thread-safe: the
+    store of one process (no ``torch.distributed`` needed), and of tests where threads play
+    ranks. Values are bytes, as from a c10d store."""
+
+    def __init__(self):
+        self._data: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value) -> None:
+        with self._lock:
+            self._data[key] = value.encode() if isinstance(value, str) else bytes(value)
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            return self._data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        with self._lock:
+            return all(k in self._data for k in keys)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        """c10d semantics: set ``desired`` if the value is ``expected`` (or the key is absent
+        and ``expected`` is empty); return the value in force (``expected`` if absent)."""
+        with self._lock:
+            current = self._data.get(key)
+            if (current is None and expected == "") or current == expected.encode():
+                self._data[key] = desired.encode()
+                return self._data[key]
+            return current if current is not None else expected.encode()
+
+    def add(self, key: str, amount: int) -> int:
+        with self._lock:
+            value = int(self._data.get(key, b"0")) + amount
+            self._data[key] = str(value).encode()
+            return value
+
+    def delete_key(self, key: str) -> bool:
+        with self._lock:
+            return self._data.pop(key, None) is not None
+
+    def list_keys(self) -> list[str]:
+        with self._lock:
+            return list(self._data)
+
+
 class LocalCommunicator(StoreCommunicator):
-    """One process: the coordinator is itself, the store an in-process ``HashStore``."""
+    """One process: the coordinator is itself, the store a :class:`MemoryStore`."""
 
     def __init__(self, run_id: str | None = None):
-        import torch.distributed as dist
-        super().__init__(dist.HashStore(), 0, 1, run_id or new_run_id())
+        super().__init__(MemoryStore(), 0, 1, run_id or new_run_id())

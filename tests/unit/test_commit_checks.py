@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import datastates
 from datastates import Checkpointer, CheckpointConfig, TensorShard, commit, format as fmt
-from datastates.dist import StoreCommunicator, abort_decision
+from datastates.dist import MemoryStore, StoreCommunicator, abort_decision
 from datastates.planning import per_rank_keys
 
 SMALL = CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10)
@@ -149,8 +149,13 @@ def test_shards_leaving_a_gap_fail_the_save(tmp_path):
 
 # ------------------------------------------------------------------ the store protocol
 
-def _ranks(world, store=None):
-    store = store or dist.HashStore()
+@pytest.fixture(params=["memory", "hash"])
+def new_store(request):
+    """The in-process store, and torch's HashStore (the same semantics as a TCPStore)."""
+    return MemoryStore if request.param == "memory" else dist.HashStore
+
+
+def _ranks(world, store):
     return [StoreCommunicator(store, r, world, "run") for r in range(world)], store
 
 
@@ -171,8 +176,8 @@ def _in_threads(fns):
     return out
 
 
-def test_round_commits_once_and_leaves_no_key():
-    comms, store = _ranks(3)
+def test_round_commits_once_and_leaves_no_key(new_store):
+    comms, store = _ranks(3, new_store())
     sids = [c.save_id("/d", "step-1", 1) for c in comms]
     assert len({s.nonce for s in sids}) == 1  # derived independently, identical
     commits = []
@@ -184,8 +189,8 @@ def test_round_commits_once_and_leaves_no_key():
     assert sorted(store.list_keys()) == ["announce/r0", "announce/r1", "announce/r2"]
 
 
-def test_missing_rank_is_named_and_the_round_cleaned_after_a_commit():
-    comms, store = _ranks(3)
+def test_missing_rank_is_named_and_the_round_cleaned_after_a_commit(new_store):
+    comms, store = _ranks(3, new_store())
     sid = comms[0].save_id("/d", "step-1", 1)
     commits = []
     deadline = time.monotonic() + 0.3
@@ -201,8 +206,8 @@ def test_missing_rank_is_named_and_the_round_cleaned_after_a_commit():
     assert not any(k.startswith(sid.nonce) for k in store.list_keys())
 
 
-def test_an_abort_claimed_first_wins_over_a_late_rank0():
-    comms, store = _ranks(2)
+def test_an_abort_claimed_first_wins_over_a_late_rank0(new_store):
+    comms, store = _ranks(2, new_store())
     sid = comms[0].save_id("/d", "step-1", 1)
     commits = []
     # rank 1's deadline passes before rank 0 reports: it claims the abort
@@ -218,7 +223,7 @@ def test_lost_store_falls_back_to_the_verdict_on_disk():
         def __getattr__(self, name):
             raise RuntimeError("Broken pipe")
     comm = StoreCommunicator(Broken(), 1, 2, "run")
-    sid = StoreCommunicator(dist.HashStore(), 1, 2, "run").save_id("/d", "step-1", 1)
+    sid = StoreCommunicator(MemoryStore(), 1, 2, "run").save_id("/d", "step-1", 1)
     seen = []
     verdict = _agree(comm, sid, time.monotonic() + 10, [],
                      fallback=lambda why: seen.append(why) or {"ok": True, "info": {}})
