@@ -169,20 +169,25 @@ class StoreCommunicator:
     def _coordinate(self, sid, deadline, timeout_s, check, commit) -> dict:
         try:
             reports, missing = self._gather(sid, deadline)
-            decision = None
-            if missing:
-                announced = {r: self._get_json(f"announce/r{r}") for r in missing}
-                decision = timeout_decision(sid, missing, timeout_s, announced)
-            else:
+            announced = {r: self._get_json(f"announce/r{r}") for r in missing}
+        except Exception as exc:
+            return self._lost(sid, exc, None)
+        if missing:
+            decision = timeout_decision(sid, missing, timeout_s, announced)
+        else:
+            try:
                 decision = check(reports)
-            if decision is None and time.monotonic() > deadline:
-                decision = abort_decision("timeout", f"checkpoint {sid.name!r} was not committed "
-                                          "within the commit timeout", {0: "deadline passed "
-                                          "before rank 0 could commit"})
+            except Exception as exc:  # reports that do not even parse: abort, never crash
+                decision = abort_decision("invalid", f"checkpoint {sid.name!r}: the reports "
+                                          f"could not be checked ({exc!r})", {0: repr(exc)})
+        if decision is None and time.monotonic() > deadline:
+            decision = abort_decision("timeout", f"checkpoint {sid.name!r} was not committed "
+                                      "within the commit timeout", {0: "deadline passed before "
+                                      "rank 0 could commit"})
+        try:
             claimed = self._claim(sid, decision if decision is not None else PENDING)
         except Exception as exc:
-            return abort_decision("store", f"checkpoint {sid.name!r}: coordination with the other "
-                                  f"ranks failed ({exc}); nothing was committed", {0: repr(exc)})
+            return self._lost(sid, exc, None)
         if claimed != PENDING:
             return claimed  # ours, or an abort claimed first by a rank whose deadline passed
         try:
