@@ -153,19 +153,19 @@ def check_tiling(manifest: dict) -> list[tuple[list[int], str]]:
         shape = tuple(e["shape"])
         boxes = [(tuple(s["global_offset"]), tuple(s["shape"]), rank_of[s["file"]])
                  for s in e["shards"]]
-        for off, box, r in boxes:
-            if len(off) != len(shape) or len(box) != len(shape) or any(
-                    o < 0 or o + n > g for o, n, g in zip(off, box, shape)):
-                problems.append(([r], f"box {_box(off, box)} of {e['key']!r} lies outside "
-                                      f"its global shape {list(shape)}"))
-        if problems:
+        outside = [([r], f"box {_box(off, box)} of {e['key']!r} lies outside its global "
+                         f"shape {list(shape)}") for off, box, r in boxes
+                   if len(off) != len(shape) or len(box) != len(shape) or
+                   any(o < 0 or o + n > g for o, n, g in zip(off, box, shape))]
+        if outside:
+            problems += outside
             continue
-        for a, b in _overlapping(boxes):
-            problems.append(([a[2], b[2]], f"ranks {a[2]} and {b[2]} both wrote "
-                             f"{e['key']!r} boxes {_box(*a[:2])} and {_box(*b[:2])}, which "
-                             "overlap (declare replicas with primary=False or replicated=...)"))
+        overlaps = [([a[2], b[2]], f"ranks {a[2]} and {b[2]} both wrote {e['key']!r} boxes "
+                     f"{_box(*a[:2])} and {_box(*b[:2])}, which overlap (declare replicas with "
+                     "primary=False or replicated=...)") for a, b in _overlapping(boxes)]
+        problems += overlaps
         covered = sum(_volume(box) for _, box, _ in boxes)
-        if not problems and covered != _volume(shape):
+        if not overlaps and covered != _volume(shape):
             problems.append((sorted({r for *_, r in boxes}), f"the boxes written for "
                              f"{e['key']!r} cover {covered} of its {_volume(shape)} elements "
                              f"(shape {list(shape)}): a gap"))

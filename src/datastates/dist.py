@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 PENDING = {"pending": True}
+_ABSENT = "\x00absent"  # compare_set(key, _ABSENT, _ABSENT): a read that never blocks
 
 
 def new_run_id() -> str:
@@ -168,20 +169,25 @@ class StoreCommunicator:
     def _coordinate(self, sid, deadline, timeout_s, check, commit) -> dict:
         try:
             reports, missing = self._gather(sid, deadline)
-            decision = None
-            if missing:
-                announced = {r: self._get_json(f"announce/r{r}") for r in missing}
-                decision = timeout_decision(sid, missing, timeout_s, announced)
-            else:
+            announced = {r: self._get_json(f"announce/r{r}") for r in missing}
+        except Exception as exc:
+            return self._lost(sid, exc, None)
+        if missing:
+            decision = timeout_decision(sid, missing, timeout_s, announced)
+        else:
+            try:
                 decision = check(reports)
-            if decision is None and time.monotonic() > deadline:
-                decision = abort_decision("timeout", f"checkpoint {sid.name!r} was not committed "
-                                          "within the commit timeout", {0: "deadline passed "
-                                          "before rank 0 could commit"})
+            except Exception as exc:  # reports that do not even parse: abort, never crash
+                decision = abort_decision("invalid", f"checkpoint {sid.name!r}: the reports "
+                                          f"could not be checked ({exc!r})", {0: repr(exc)})
+        if decision is None and time.monotonic() > deadline:
+            decision = abort_decision("timeout", f"checkpoint {sid.name!r} was not committed "
+                                      "within the commit timeout", {0: "deadline passed before "
+                                      "rank 0 could commit"})
+        try:
             claimed = self._claim(sid, decision if decision is not None else PENDING)
         except Exception as exc:
-            return abort_decision("store", f"checkpoint {sid.name!r}: coordination with the other "
-                                  f"ranks failed ({exc}); nothing was committed", {0: repr(exc)})
+            return self._lost(sid, exc, None)
         if claimed != PENDING:
             return claimed  # ours, or an abort claimed first by a rank whose deadline passed
         try:
@@ -201,10 +207,11 @@ class StoreCommunicator:
         pending = list(range(self.world_size))
         while True:
             for r in list(pending):
-                if self.store.check([f"{sid.nonce}/r{r}"]):
-                    reports[r] = self._get_json(f"{sid.nonce}/r{r}")
+                report = self._get_json(f"{sid.nonce}/r{r}")
+                if report is not None:
+                    reports[r] = report
                     pending.remove(r)
-                    if "error" in reports[r]:
+                    if "error" in report:
                         return reports, []
             if not pending or self.store.check([f"{sid.nonce}/decision"]):
                 return reports, pending
@@ -217,8 +224,8 @@ class StoreCommunicator:
         key = f"{sid.nonce}/decision"
         claimed_at = None
         while True:
-            if self.store.check([key]):
-                decision = self._get_json(key)
+            decision = self._get_json(key)
+            if decision is not None:
                 if decision != PENDING:
                     return decision
                 claimed_at = claimed_at or time.monotonic()
@@ -255,19 +262,24 @@ class StoreCommunicator:
                     self.store.delete_key(key)
             elif not decision.get("ok"):
                 slot = self.store.add("orphans/n", 1)
-                self.store.set(f"orphans/{slot}", sid.nonce)
-            if self.rank == 0:
+                self._set_json(f"orphans/{slot}", sid.nonce)
+            if self.rank == 0 and decision.get("ok"):
                 self._sweep()
         except Exception:
             pass  # the verdict stands; a lost store has no keys left to delete
 
     def _sweep(self) -> None:
-        """Rank 0, between its rounds: delete the keys of rounds registered as orphans. Safe: a
-        rank registers a round only after deleting its own report, so it can never commit."""
-        last = self.store.add("orphans/n", 0)
-        while self._swept < last and self.store.check([f"orphans/{self._swept + 1}"]):
+        """Rank 0, after a commit: delete the keys of rounds registered as orphans (aborted
+        rounds that some rank never finished). Every rank reported the committed round, so no
+        rank is still inside an earlier one; a rank that joins an orphan later finds no verdict
+        and aborts it at its deadline. A rank registers a round only after deleting its own
+        report, so a swept round can never commit."""
+        last = self._get_json("orphans/n") or 0  # a counter kept by Store.add, as digits
+        while self._swept < last:
+            nonce = self._get_json(f"orphans/{self._swept + 1}")
+            if nonce is None:
+                break  # registered but not written yet: next time
             self._swept += 1
-            nonce = self.store.get(f"orphans/{self._swept}").decode()
             for key in self.round_keys(nonce, self.world_size) + [f"orphans/{self._swept}"]:
                 self.store.delete_key(key)
 
@@ -283,9 +295,10 @@ class StoreCommunicator:
         self.store.set(key, json.dumps(value, sort_keys=True))
 
     def _get_json(self, key: str) -> Any:
-        if not self.store.check([key]):
-            return None
-        return json.loads(self.store.get(key))
+        """The value of ``key``, or None if absent. Never blocks (``Store.get`` waits for a
+        missing key, and another rank may delete a key between a check and a get)."""
+        raw = self.store.compare_set(key, _ABSENT, _ABSENT)
+        return None if raw == _ABSENT.encode() else json.loads(raw)
 
     def close(self) -> None:
         """Delete this rank's announcement (best effort: the store may be gone)."""
@@ -295,9 +308,54 @@ class StoreCommunicator:
             pass
 
 
+class MemoryStore:
+    """The subset of the c10d ``Store`` API the protocol uses, in memory and thread-safe: the
+    store of one process (no ``torch.distributed`` needed), and of tests where threads play
+    ranks. Values are bytes, as from a c10d store."""
+
+    def __init__(self):
+        self._data: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value) -> None:
+        with self._lock:
+            self._data[key] = value.encode() if isinstance(value, str) else bytes(value)
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            return self._data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        with self._lock:
+            return all(k in self._data for k in keys)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        """c10d semantics: set ``desired`` if the value is ``expected`` (or the key is absent
+        and ``expected`` is empty); return the value in force (``expected`` if absent)."""
+        with self._lock:
+            current = self._data.get(key)
+            if (current is None and expected == "") or current == expected.encode():
+                self._data[key] = desired.encode()
+                return self._data[key]
+            return current if current is not None else expected.encode()
+
+    def add(self, key: str, amount: int) -> int:
+        with self._lock:
+            value = int(self._data.get(key, b"0")) + amount
+            self._data[key] = str(value).encode()
+            return value
+
+    def delete_key(self, key: str) -> bool:
+        with self._lock:
+            return self._data.pop(key, None) is not None
+
+    def list_keys(self) -> list[str]:
+        with self._lock:
+            return list(self._data)
+
+
 class LocalCommunicator(StoreCommunicator):
-    """One process: the coordinator is itself, the store an in-process ``HashStore``."""
+    """One process: the coordinator is itself, the store a :class:`MemoryStore`."""
 
     def __init__(self, run_id: str | None = None):
-        import torch.distributed as dist
-        super().__init__(dist.HashStore(), 0, 1, run_id or new_run_id())
+        super().__init__(MemoryStore(), 0, 1, run_id or new_run_id())

@@ -572,8 +572,7 @@ class Pipeline:
         causes = {int(r): c for r, c in decision["causes"].items()}
         if self.comm.world_size > 1 or job.error is None:
             kind = CommitTimeoutError if decision["kind"] == "timeout" else CommitError
-            error = kind(decision["message"] + ": " + "; ".join(
-                f"rank {r}: {c}" for r, c in sorted(causes.items())), causes)
+            error = kind(f"{decision['message']}: {_by_cause(causes)}", causes)
             error.__cause__ = job.error
             job.error = error
         self._discard(job, keep_file=decision["kind"] == "store" and job.rank != 0)
@@ -647,6 +646,15 @@ class Pipeline:
 
 def _describe(error: BaseException | None) -> str:
     return f"{type(error).__name__}: {error}" if error is not None else "unknown failure"
+
+
+def _by_cause(causes: dict[int, str]) -> str:
+    """"rank 1: cause; ranks [0, 2]: other cause" (ranks sharing a cause are named once)."""
+    groups: dict[str, list[int]] = {}
+    for r, cause in sorted(causes.items()):
+        groups.setdefault(cause, []).append(r)
+    return "; ".join(f"rank {rs[0]}: {c}" if len(rs) == 1 else f"ranks {rs}: {c}"
+                     for c, rs in groups.items())
 
 
 def _invalid(kind: str, message: str, problems: list) -> dict:

@@ -111,7 +111,8 @@ def per_rank_keys(trees: list[dict], entries: list, keys: list[str] | None) -> l
     tensors kept per rank whose bytes differ, or a structure present on some ranks only.
 
     Global state (sharded or replicated tensors: one entry shared by every rank's tree) and
-    per-rank copies with identical bytes are not per-rank. ``keys`` (prefixes, as in
+    per-rank copies with identical bytes are not per-rank. A list or tuple is named as a whole.
+    ``keys`` (prefixes, as in
     ``restore(keys=...)``) restricts the answer to the requested keys; None means all.
     """
     out: list[str] = []
@@ -140,8 +141,11 @@ def _differ(nodes: list[dict], path: tuple, entries: list, keys, out: list[str])
         if len({len(n["items"]) for n in nodes}) > 1:
             out.append(_key(path))
             return
+        found: list[str] = []  # a sequence is one value: name it, not each element
         for i, children in enumerate(zip(*(n["items"] for n in nodes))):
-            _differ(list(children), path + (i,), entries, keys, out)
+            _differ(list(children), path + (i,), entries, keys, found)
+        if found:
+            out.append(_key(path) if scope == "all" else found[0])
     elif kind == "provider":
         _differ([n["state"] for n in nodes], path, entries, keys, out)
     elif scope == "all" and len({_content(n, entries) for n in nodes}) > 1:

@@ -184,7 +184,8 @@ class Reader:
                                                 ([keys] if isinstance(keys, str) else keys)]
             per_rank = per_rank_keys([trees[r] for r in sorted(trees)], self.entries, wanted)
             if per_rank:
-                shown = ", ".join(per_rank[:5]) + (" ..." if len(per_rank) > 5 else "")
+                shown = ", ".join(per_rank[:10]) + (f" ... ({len(per_rank)} keys in all)"
+                                                    if len(per_rank) > 10 else "")
                 raise ReshardError(
                     f"{self.dir}: saved by {saved} ranks, loading on {self.world_size} (this is "
                     f"rank {rank}); per-rank state differs between the saved ranks and cannot be "

@@ -1,0 +1,230 @@
+"""The commit protocol in one process: the pure checks rank 0 runs before a rename, the per-rank
+state diff used when resharding, and the store protocol with threads standing in for ranks."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import datastates
+from datastates import Checkpointer, CheckpointConfig, TensorShard, commit, format as fmt
+from datastates.dist import MemoryStore, StoreCommunicator, abort_decision
+from datastates.planning import per_rank_keys
+
+SMALL = CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10)
+
+
+# ------------------------------------------------------------------ tiling
+
+def _manifest(shape, boxes):
+    """One tensor of ``shape`` whose shards are ``boxes`` = [(rank, offset, box shape)]."""
+    files = [{"rank": r, "name": fmt.shard_file_name(r), "nbytes": 0} for r in range(4)]
+    shards = [{"file": r, "offset": 0, "nbytes": 0, "global_offset": list(off),
+               "shape": list(box), "checksums": []} for r, off, box in boxes]
+    return {"files": files, "entries": [{"kind": "tensor", "key": "w", "dtype": "float32",
+                                         "shape": list(shape), "shards": shards}]}
+
+
+@pytest.mark.parametrize("shape,boxes", [
+    ((10, 4), [(0, (0, 0), (5, 4)), (1, (5, 0), (5, 4))]),                      # rows
+    ((10, 4), [(0, (0, 0), (10, 2)), (1, (0, 2), (10, 1)), (2, (0, 3), (10, 1))]),  # columns
+    ((4, 4), [(r, (r // 2 * 2, r % 2 * 2), (2, 2)) for r in range(4)]),          # 2x2 blocks
+    ((), [(0, (), ())]),                                                        # a scalar
+    ((0, 3), [(0, (0, 0), (0, 3)), (1, (0, 0), (0, 3))]),                      # empty
+])
+def test_exact_tilings_pass(shape, boxes):
+    assert commit.check_tiling(_manifest(shape, boxes)) == []
+
+
+def test_overlap_gap_duplicate_and_outside_are_named_with_ranks():
+    overlap = commit.check_tiling(_manifest((10, 4), [(0, (0, 0), (6, 4)), (1, (5, 0), (5, 4))]))
+    assert overlap == [([0, 1], "ranks 0 and 1 both wrote 'w' boxes [0:6, 0:4] and [5:10, 0:4], "
+                                "which overlap (declare replicas with primary=False or "
+                                "replicated=...)")]
+    gap = commit.check_tiling(_manifest((10, 4), [(0, (0, 0), (4, 4)), (2, (5, 0), (5, 4))]))
+    assert gap == [([0, 2], "the boxes written for 'w' cover 36 of its 40 elements (shape "
+                            "[10, 4]): a gap")]
+    twice = commit.check_tiling(_manifest((4,), [(1, (0,), (4,)), (3, (0,), (4,))]))
+    assert [p[0] for p in twice] == [[1, 3]] and "both wrote" in twice[0][1]
+    outside = commit.check_tiling(_manifest((4, 4), [(2, (2, 0), (4, 4))]))
+    assert outside == [([2], "box [2:6, 0:4] of 'w' lies outside its global shape [4, 4]")]
+    scalar = commit.check_tiling(_manifest((), [(0, (), ()), (1, (), ())]))
+    assert [p[0] for p in scalar] == [[0, 1]]
+
+
+def test_many_row_shards_are_checked_quickly():
+    boxes = [(0, (i, 0), (1, 8)) for i in range(20000)]
+    assert commit.check_tiling(_manifest((20000, 8), boxes)) == []
+    boxes[7] = (0, (6, 0), (2, 8))
+    problems = commit.check_tiling(_manifest((20000, 8), boxes))
+    assert len(problems) == 1 and "[6:7, 0:8] and [6:8, 0:8]" in problems[0][1]
+
+
+# ------------------------------------------------------------------ identity and replicas
+
+def _report(rank, name="step-1", step=1, nonce="n", replicas=None, overwrite=False):
+    return {"rank": rank, "save": {"name": name, "step": step, "nonce": nonce},
+            "overwrite": overwrite, "replicas": replicas or {}}
+
+
+def test_reports_of_another_save_are_named():
+    same = {r: _report(r) for r in range(3)}
+    assert commit.check_same_save(same) == []
+    mixed = {0: _report(0), 1: _report(1, step=2), 2: _report(2, overwrite=True)}
+    problems = commit.check_same_save(mixed)
+    assert [p[0] for p in problems] == [[1], [2]]
+    assert "reported save 'step-1' step 2" in problems[0][1]
+
+
+def test_diverged_replicas_name_key_and_ranks():
+    ok = {r: _report(r, replicas={"m/w": "16:aa"}) for r in range(3)}
+    assert commit.check_replicas(ok) == []
+    bad = {0: _report(0, replicas={"m/w": "16:aa", "m/b": "4:01"}),
+           1: _report(1, replicas={"m/w": "16:bb", "m/b": "4:01"}),
+           2: _report(2, replicas={"m/w": "16:aa", "m/b": "4:01"})}
+    assert commit.check_replicas(bad) == [
+        ([0, 1, 2], "replicated tensor 'm/w' differs across ranks (ranks [0, 2] hold digest "
+                    "16:aa; ranks [1] hold digest 16:bb)")]
+
+
+# ------------------------------------------------------------------ per-rank state
+
+def _value(v):
+    return {"t": "value", "v": v}
+
+
+def _tree(**items):
+    return {"t": "dict", "items": [[k, v] for k, v in items.items()]}
+
+
+def test_per_rank_keys_are_the_values_that_differ():
+    entries = [{"kind": "object", "key": "o", "nbytes": 3, "crc32": 1},
+               {"kind": "object", "key": "o", "nbytes": 3, "crc32": 2},
+               {"kind": "tensor", "key": "w", "dtype": "float32", "shape": [2], "shards": []}]
+    t0 = _tree(pos=_value(0), epoch=_value(3), obj={"t": "object", "e": 0},
+               w={"t": "tensor", "e": 2}, seq={"t": "list", "items": [_value(1), _value(2)]},
+               flag=_value(1))
+    t1 = _tree(pos=_value(10), epoch=_value(3), obj={"t": "object", "e": 1},
+               w={"t": "tensor", "e": 2}, seq={"t": "list", "items": [_value(1), _value(5)]},
+               flag=_value(True), extra=_value(0))
+    assert per_rank_keys([t0, t1], entries, None) == ["pos", "obj", "seq", "flag", "extra"]
+    assert per_rank_keys([t0, t1], entries, ["epoch", "w"]) == []
+    assert per_rank_keys([t0, t1], entries, ["seq/1"]) == ["seq/1"]
+    assert per_rank_keys([t0, t0], entries, None) == []
+
+
+# ------------------------------------------------------------------ one process, end to end
+
+def test_unknown_rank_policy_is_a_config_error_before_anything(tmp_path):
+    with Checkpointer(tmp_path / "nothing-here", SMALL) as ckpt:
+        with pytest.raises(datastates.ConfigError, match="'everyone'"):
+            ckpt.load(rank_policy="everyone")  # raised before looking for a checkpoint
+        with pytest.raises(datastates.ConfigError):
+            ckpt.restore({}, rank_policy=None)
+
+
+def test_manifest_records_the_save_id(tmp_path):
+    with Checkpointer(tmp_path, SMALL) as ckpt:
+        first = ckpt.save({"x": torch.arange(4)}, step=1)
+        first.wait()
+        again = ckpt.save({"x": torch.arange(4)}, step=1, overwrite=True)
+        again.wait()
+    assert first.save_id != again.save_id  # saving a name again is another save
+    assert fmt.read_manifest(str(tmp_path / "step-0000000001"))["save_id"] == again.save_id
+    assert commit.committed_save(str(tmp_path), "step-0000000001", again.save_id) is not None
+    assert commit.committed_save(str(tmp_path), "step-0000000001", first.save_id) is None
+
+
+def test_shards_leaving_a_gap_fail_the_save(tmp_path):
+    piece = TensorShard(torch.ones(3, 2), (4, 2), (0, 0))
+    with Checkpointer(tmp_path, SMALL) as ckpt:
+        with pytest.raises(datastates.CommitError, match="cover 6 of its 8 elements"):
+            ckpt.save({"w": piece}, step=1).wait()
+        assert ckpt.list() == []
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")] == []
+
+
+# ------------------------------------------------------------------ the store protocol
+
+@pytest.fixture(params=["memory", "hash"])
+def new_store(request):
+    """The in-process store, and torch's HashStore (the same semantics as a TCPStore)."""
+    return MemoryStore if request.param == "memory" else dist.HashStore
+
+
+def _ranks(world, store):
+    return [StoreCommunicator(store, r, world, "run") for r in range(world)], store
+
+
+def _agree(comm, sid, deadline, commits, report=None, fallback=None):
+    return comm.agree(sid, report or {"ok": 1}, deadline, 0.5,
+                      check=lambda reports: None,
+                      commit=lambda reports: commits.append(sorted(reports)) or {"ok": True},
+                      fallback=fallback or (lambda why: abort_decision("store", why, {})))
+
+
+def _in_threads(fns):
+    out, threads = {}, []
+    for r, fn in fns.items():
+        threads.append(threading.Thread(target=lambda r=r, fn=fn: out.__setitem__(r, fn())))
+        threads[-1].start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_round_commits_once_and_leaves_no_key(new_store):
+    comms, store = _ranks(3, new_store())
+    sids = [c.save_id("/d", "step-1", 1) for c in comms]
+    assert len({s.nonce for s in sids}) == 1  # derived independently, identical
+    commits = []
+    deadline = time.monotonic() + 10
+    out = _in_threads({r: (lambda r=r: _agree(comms[r], sids[r], deadline, commits))
+                       for r in range(3)})
+    assert out == {0: {"ok": True}, 1: {"ok": True}, 2: {"ok": True}}
+    assert commits == [[0, 1, 2]]
+    assert sorted(store.list_keys()) == ["announce/r0", "announce/r1", "announce/r2"]
+
+
+def test_missing_rank_is_named_and_the_round_cleaned_after_a_commit(new_store):
+    comms, store = _ranks(3, new_store())
+    sid = comms[0].save_id("/d", "step-1", 1)
+    commits = []
+    deadline = time.monotonic() + 0.3
+    out = _in_threads({r: (lambda r=r: _agree(comms[r], sid, deadline, commits))
+                       for r in (0, 1)})
+    assert out[0] == out[1] and out[0]["kind"] == "timeout" and list(out[0]["causes"]) == ["2"]
+    assert commits == []
+    # the next save commits and rank 0 deletes what the orphaned round left
+    sid2 = comms[0].save_id("/d", "step-2", 2)
+    out = _in_threads({r: (lambda r=r: _agree(comms[r], sid2, time.monotonic() + 10, commits))
+                       for r in range(3)})
+    assert all(v == {"ok": True} for v in out.values())
+    assert not any(k.startswith(sid.nonce) for k in store.list_keys())
+
+
+def test_an_abort_claimed_first_wins_over_a_late_rank0(new_store):
+    comms, store = _ranks(2, new_store())
+    sid = comms[0].save_id("/d", "step-1", 1)
+    commits = []
+    # rank 1's deadline passes before rank 0 reports: it claims the abort
+    late = _agree(comms[1], sid, time.monotonic(), commits)
+    assert late["kind"] == "timeout" and list(late["causes"]) == ["0"]
+    # rank 0 arrives with everything ready: it must not commit
+    assert _agree(comms[0], sid, time.monotonic() + 10, commits) == late
+    assert commits == []
+
+
+def test_lost_store_falls_back_to_the_verdict_on_disk():
+    class Broken:
+        def __getattr__(self, name):
+            raise RuntimeError("Broken pipe")
+    comm = StoreCommunicator(Broken(), 1, 2, "run")
+    sid = StoreCommunicator(MemoryStore(), 1, 2, "run").save_id("/d", "step-1", 1)
+    seen = []
+    verdict = _agree(comm, sid, time.monotonic() + 10, [],
+                     fallback=lambda why: seen.append(why) or {"ok": True, "info": {}})
+    assert verdict == {"ok": True, "info": {}} and "unreachable" in seen[0]
