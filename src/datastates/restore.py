@@ -24,10 +24,9 @@ from .errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointErro
 from .flatten import TensorShard, key_of, sharding_of
 from .planning import RANK_POLICIES, per_rank_keys
 from .providers import Capture, ProviderRegistry, StateProvider
-from .storage import buffer_of, pread_into
+from .reads import advise_sequential, coalesce, group_limit, read_run
+from .storage import pread_into
 
-_COALESCE_GAP = 256 << 10
-_MAX_READ = 64 << 20
 
 
 @dataclass
@@ -238,11 +237,11 @@ class Reader:
 
     def _execute(self, plan: "_Plan") -> None:
         """Read every planned region, verifying each step of bytes right after it lands (while it
-        is still in the CPU cache), with ``threads`` requests in flight; then run the copies that
+        is still in the CPU cache), with ``threads`` runs in flight; then run the copies that
         finish non-contiguous or non-CPU destinations."""
-        groups = _coalesce(plan.reads, _group_limit(plan.reads, self.threads))
+        groups = coalesce(plan.reads, group_limit(plan.reads, self.threads))
         for file_id in sorted({g[0].file for g in groups}):
-            _advise_sequential(self.files.open(file_id)[0])
+            advise_sequential(self.files.open(file_id)[0])
         if len(groups) <= 1 or self.threads == 1:
             for g in groups:
                 self._read_group(g)
@@ -255,25 +254,15 @@ class Reader:
             fix()
 
     def _read_group(self, group: list[_Read]) -> None:
-        """Read one coalesced run of regions of a file in sequential steps of at most ``_STEP``
-        bytes (one ``preadv`` each, straight into the destinations); checksum each step's bytes
-        right after they land. Runs on a reader thread; raises CorruptCheckpointError."""
+        """Read one coalesced run of one file (see ``reads.read_run``). Runs on a reader
+        thread; raises CorruptCheckpointError."""
         fd, index_offset = self.files.open(group[0].file)
         path = self.files.path(group[0].file)
         end = group[-1].offset + group[-1].nbytes
         if end > index_offset:
             raise CorruptCheckpointError(f"{path}: {group[-1].key!r} at [{group[-1].offset}, "
                                          f"{end}) extends past the data ending at {index_offset}")
-        checks = [_Checker(r, path) for r in group] if self.verify else None
-        for step_offset, segments in _steps(group):
-            _preadv_all(fd, [view for _, view in segments], step_offset, path)
-            if checks is not None:
-                for index, view in segments:
-                    if index >= 0:
-                        checks[index].feed(view)
-        if checks is not None:
-            for check in checks:
-                check.finish()
+        read_run(fd, group, path, self.verify)
 
     @staticmethod
     def _pread(fd: int, view: memoryview, offset: int, path: str) -> None:
@@ -281,154 +270,6 @@ class Reader:
             pread_into(fd, view, offset, path)
         except EOFError as exc:
             raise CorruptCheckpointError(f"{exc} (file truncated)") from None
-
-
-_STEP = 8 << 20         # bytes per read request: several MiB keep the disk busy; checked in cache
-_MAX_IOV = 512          # buffers per preadv (the kernel's limit is 1024)
-
-
-def _group_limit(reads: list[_Read], threads: int) -> int:
-    """Largest coalesced run: 64 MiB, smaller when the work is small, so every reader thread gets
-    runs of its own (read-ahead sized to the work)."""
-    total = sum(r.nbytes for r in reads)
-    return max(_STEP, min(_MAX_READ, total // max(1, 2 * threads)))
-
-
-def _advise_sequential(fd: int) -> None:
-    """Ask the kernel for aggressive read-ahead on a file read front to back (best effort)."""
-    if hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        except OSError:
-            pass
-
-
-def _steps(group: list[_Read]):
-    """Split a coalesced run into steps: (file offset, [(read index or -1 for a gap, view)])
-    covering at most ``_STEP`` bytes and ``_MAX_IOV`` buffers each, in file order."""
-    start, segments, size = group[0].offset, [], 0
-    pos = start
-    for index, r in enumerate(group):
-        pieces = [(-1, memoryview(bytearray(r.offset - pos)))] if r.offset > pos else []
-        view, done = buffer_of(r.dest), 0
-        while done < r.nbytes:
-            take = min(r.nbytes - done, _STEP)
-            pieces.append((index, view[done:done + take]))
-            done += take
-        for segment in pieces:
-            while segment[1].nbytes:
-                take = min(segment[1].nbytes, _STEP - size)
-                segments.append((segment[0], segment[1][:take]))
-                segment, size = (segment[0], segment[1][take:]), size + take
-                if size >= _STEP or len(segments) >= _MAX_IOV:
-                    yield start, segments
-                    start, segments, size = start + size, [], 0
-        pos = r.offset + r.nbytes
-    if segments:
-        yield start, segments
-
-
-def _preadv_all(fd: int, views: list[memoryview], offset: int, path: str) -> None:
-    """Fill ``views`` (in order) from ``offset`` with as few ``preadv`` calls as the kernel allows;
-    a short file raises CorruptCheckpointError naming the path and offset."""
-    views = [v for v in views if v.nbytes]
-    while views:
-        got = os.preadv(fd, views, offset)
-        if got <= 0:
-            raise CorruptCheckpointError(f"{path}: unexpected end of file at offset {offset} "
-                                         "(file truncated)")
-        offset += got
-        while got:
-            if got >= views[0].nbytes:
-                got -= views.pop(0).nbytes
-            else:
-                views[0], got = views[0][got:], 0
-
-
-def _verify(r: _Read, path: str) -> None:
-    """Check the bytes already read into ``r.dest`` against its checksum pieces."""
-    checker = _Checker(r, path)
-    checker.feed(buffer_of(r.dest))
-    checker.finish()
-
-
-class _Checker:
-    """Streams the bytes of one region, in order, through its checksum pieces."""
-
-    def __init__(self, read: _Read, path: str):
-        self.read, self.path = read, path
-        self.pieces = read.checksums
-        self.index = self.done = self.value = self.pos = 0
-        for piece in self.pieces:
-            if (not isinstance(piece, (list, tuple)) or len(piece) != 2 or
-                    not all(isinstance(x, int) and x >= 0 for x in piece)):
-                raise CorruptCheckpointError(f"{path}: invalid checksum piece {piece!r} for "
-                                             f"{read.key!r} (expected [length, crc32])")
-
-    def feed(self, view: memoryview) -> None:
-        while view.nbytes:
-            self._skip_empty()
-            if self.index >= len(self.pieces):
-                raise self._uncovered()
-            length, crc = self.pieces[self.index]
-            take = min(length - self.done, view.nbytes)
-            self.value = fmt.crc32(view[:take], self.value)
-            self.done, self.pos, view = self.done + take, self.pos + take, view[take:]
-            if self.done == length:
-                self._close_piece(length, crc)
-
-    def finish(self) -> None:
-        self._skip_empty()
-        if self.index != len(self.pieces) or self.pos != self.read.nbytes:
-            raise self._uncovered()
-
-    def _skip_empty(self) -> None:
-        while self.index < len(self.pieces) and self.pieces[self.index][0] == 0:
-            self._close_piece(0, self.pieces[self.index][1])
-
-    def _close_piece(self, length: int, crc: int) -> None:
-        if self.value != crc:
-            r, start = self.read, self.pos - length
-            raise CorruptCheckpointError(
-                f"{self.path}: checksum mismatch for {r.key!r} in bytes [{start}, {self.pos}) of "
-                f"the tensor (file offset {r.offset + start})")
-        self.index, self.done, self.value = self.index + 1, 0, 0
-
-    def _uncovered(self) -> CorruptCheckpointError:
-        covered = sum(length for length, _ in self.pieces)
-        return CorruptCheckpointError(f"{self.path}: checksums of {self.read.key!r} cover "
-                                      f"{covered} of {self.read.nbytes} bytes")
-
-
-def _coalesce(reads: list[_Read], max_read: int = _MAX_READ) -> list[list[_Read]]:
-    """Group reads of one file that are close together into single sequential requests."""
-    groups: list[list[_Read]] = []
-    for r in sorted(reads, key=lambda r: (r.file, r.offset)):
-        if r.nbytes == 0:
-            continue
-        last = groups[-1][-1] if groups else None
-        if (last is not None and last.file == r.file and 0 <= r.offset - (last.offset + last.nbytes)
-                <= _COALESCE_GAP and r.offset + r.nbytes - groups[-1][0].offset <= max_read):
-            groups[-1].append(r)
-        else:
-            groups.append([r])
-    return groups
-
-
-_NODE_KINDS = {"tensor": "tensor", "dict": "dict", "odict": "dict", "list": "list",
-               "tuple": "tuple"}
-
-
-def _same_kind(t: str, live: Any) -> bool:
-    """Whether a live value can receive a saved node of type ``t`` (plain values and pickled
-    objects are compared by exact type once loaded; providers check their own objects)."""
-    if t == "tensor":
-        return isinstance(live, (torch.Tensor, TensorShard))
-    if t in ("dict", "odict"):
-        return isinstance(live, dict)
-    if t in ("list", "tuple"):
-        return isinstance(live, (list, tuple))
-    return True
 
 
 def _move(value: Any, device: Any) -> Any:

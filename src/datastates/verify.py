@@ -12,7 +12,9 @@ import torch
 
 from . import format as fmt
 from .errors import CorruptCheckpointError
-from .restore import Reader, _Plan, _Read, _verify
+from .reads import Checker
+from .restore import Reader, _Plan, _Read
+from .storage import buffer_of
 from .schema import Manifest, ObjectEntry, ShardIndex
 
 BATCH_BYTES = 64 << 20
@@ -111,3 +113,10 @@ def _agree(by_offset: dict, key: str, kind: str, offset: int, nbytes: int, check
         diff = next(n for n, a, b in zip(names, expected, actual) if a != b)
         raise CorruptCheckpointError(f"{path}: {kind} {key!r} at offset {offset}: the manifest "
                                      f"and the index disagree on its {diff}")
+
+
+def _verify(r: _Read, path: str) -> None:
+    """Check the bytes already read into ``r.dest`` against its checksum pieces."""
+    checker = Checker(r, path)
+    checker.feed(buffer_of(r.dest))
+    checker.finish()

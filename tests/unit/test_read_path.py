@@ -10,8 +10,9 @@ import torch
 
 import datastates
 from datastates import CorruptCheckpointError
-from datastates import restore as restore_mod
-from datastates.restore import _Checker, _coalesce, _group_limit, _Read, _steps
+from datastates import reads
+from datastates.reads import Checker, coalesce, group_limit, steps
+from datastates.restore import _Read
 
 # Small units: a tensor spans several checksum pieces, and pieces span several read steps.
 CONFIG = datastates.CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
@@ -40,8 +41,8 @@ def assert_equal(a: dict, b: dict) -> None:
 @pytest.fixture
 def small_steps(monkeypatch):
     """Read steps of an odd size, so steps cut through tensors and checksum pieces."""
-    monkeypatch.setattr(restore_mod, "_STEP", 4096 * 3 + 77)
-    monkeypatch.setattr(restore_mod, "_MAX_IOV", 64)
+    monkeypatch.setattr(reads, "STEP", 4096 * 3 + 77)
+    monkeypatch.setattr(reads, "MAX_IOV", 64)
 
 
 @pytest.fixture
@@ -99,7 +100,7 @@ def test_a_flipped_byte_anywhere_is_caught(saved, small_steps, where):
     shard = entry["shards"][0]
     first_piece = shard["checksums"][0][0]
     pos = {"first": 0, "last": shard["nbytes"] - 1, "piece-edge": first_piece,
-           "step-edge": restore_mod._STEP - 1, "middle": shard["nbytes"] // 2}[where]
+           "step-edge": reads.STEP - 1, "middle": shard["nbytes"] // 2}[where]
     _flip(path, shard["offset"] + pos)
     live = zeros_like(state)
     with datastates.Checkpointer(root, CONFIG) as ck:
@@ -130,15 +131,15 @@ def _read(nbytes: int, checksums, offset: int = 0, key: str = "k") -> _Read:
 def test_checker_refuses_pieces_that_do_not_cover_the_region():
     data = memoryview(bytes(range(100)))
     crc = datastates.format.crc32(data[:60])
-    short = _Checker(_read(100, [[60, crc]]), "f")
+    short = Checker(_read(100, [[60, crc]]), "f")
     with pytest.raises(CorruptCheckpointError, match="cover 60 of 100 bytes"):
         short.feed(data)
-    long = _Checker(_read(60, [[60, crc], [5, 0]]), "f")
+    long = Checker(_read(60, [[60, crc], [5, 0]]), "f")
     long.feed(data[:60])
     with pytest.raises(CorruptCheckpointError, match="cover 65 of 60 bytes"):
         long.finish()
     with pytest.raises(CorruptCheckpointError, match="invalid checksum piece"):
-        _Checker(_read(60, [[-60, crc]]), "f")
+        Checker(_read(60, [[-60, crc]]), "f")
 
 
 def test_checker_accepts_any_split_of_the_bytes():
@@ -146,17 +147,17 @@ def test_checker_accepts_any_split_of_the_bytes():
     pieces = [[1000, datastates.format.crc32(data[:1000])], [0, 0],
               [9240, datastates.format.crc32(data[1000:])]]
     for cut in (1, 999, 1000, 1001, 5000, 10_239):
-        check = _Checker(_read(10_240, pieces), "f")
+        check = Checker(_read(10_240, pieces), "f")
         check.feed(data[:cut])
         check.feed(data[cut:])
         check.finish()
 
 
 def test_steps_cover_the_group_in_order_with_gaps(monkeypatch):
-    monkeypatch.setattr(restore_mod, "_STEP", 1000)
+    monkeypatch.setattr(reads, "STEP", 1000)
     group = [_read(700, [], 0), _read(1500, [], 800), _read(10, [], 2400)]
     covered, expect_offset = [], 0
-    for offset, segments in _steps(group):
+    for offset, segments in steps(group):
         assert offset == expect_offset
         size = sum(v.nbytes for _, v in segments)
         assert size <= 1000
@@ -170,11 +171,11 @@ def test_steps_cover_the_group_in_order_with_gaps(monkeypatch):
 
 
 def test_group_limit_gives_every_thread_work():
-    reads = [_read(1 << 20, [], i << 20) for i in range(64)]          # 64 MiB in all
-    limit = _group_limit(reads, threads=4)
-    assert len(_coalesce(reads, limit)) >= 4
+    regions = [_read(1 << 20, [], i << 20) for i in range(64)]        # 64 MiB in all
+    limit = group_limit(regions, threads=4)
+    assert len(coalesce(regions, limit)) >= 4
     huge = _Read(0, 0, 1 << 30, torch.zeros(1, dtype=torch.uint8), [], "k")  # only nbytes used
-    assert _group_limit([huge], threads=4) == restore_mod._MAX_READ
+    assert group_limit([huge], threads=4) == reads.MAX_RUN
 
 
 def test_cli_verify_reads_every_byte_and_names_a_damaged_one(saved, small_steps, capsys):
