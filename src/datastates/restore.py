@@ -272,6 +272,18 @@ class Reader:
             raise CorruptCheckpointError(f"{exc} (file truncated)") from None
 
 
+def _same_kind(t: str, live: Any) -> bool:
+    """Whether a live value can receive a saved node of type ``t`` (plain values and pickled
+    objects are compared by exact type once loaded; providers check their own objects)."""
+    if t == "tensor":
+        return isinstance(live, (torch.Tensor, TensorShard))
+    if t in ("dict", "odict"):
+        return isinstance(live, dict)
+    if t in ("list", "tuple"):
+        return isinstance(live, (list, tuple))
+    return True
+
+
 def _move(value: Any, device: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device)
