@@ -155,9 +155,10 @@ def write_error(job: "Job", what: str, exc: BaseException) -> BaseException:
 
 
 def replica_digests(items) -> dict[str, str]:
-    """``"<nbytes>:<crc32>"`` of every declared-replicated tensor, from the tensor as captured
-    (called on the capture thread before the snapshot completes, so lazy tensors still hold their
-    values at ``save()``). Non-CPU tensors are digested through bounded host copies."""
+    """``"<nbytes>:<crc32>"`` of every declared-replicated tensor among ``items``, read from the
+    live tensor: the caller digests eager items before ``save()`` returns and lazy ones before the
+    snapshot completes, so both still hold their values at ``save()``. Non-CPU tensors are
+    digested through bounded host copies."""
     out = {}
     for item in items:
         if isinstance(item, TensorItem) and item.replicated and item.tensor is not None:
@@ -333,8 +334,8 @@ class Pipeline:
             try:
                 self._open(job)
                 self._capture(job)
-                if self.config.replica_check and self.comm.world_size > 1:
-                    job.replicas = replica_digests(job.flat.items)
+                self._digest_replicas(job, lazy=False)  # no-op if done before eager_captured
+                self._digest_replicas(job, lazy=True)
             except BaseException as exc:
                 job.fail(write_error(job, f"preparing {job.tmp}", exc))
             finally:
@@ -353,6 +354,15 @@ class Pipeline:
                                  self.config.io_mode)
         job.opened.set()
 
+    def _digest_replicas(self, job: Job, lazy: bool) -> None:
+        """Digest the declared replicas of one capture policy while their values are still those
+        of ``save()``: eager ones before ``save()`` may return, lazy ones before the snapshot
+        completes (the guarded step waits for it)."""
+        if self.config.replica_check and self.comm.world_size > 1:
+            todo = [item for item in job.flat.items if isinstance(item, TensorItem)
+                    and item.lazy == lazy and item.key not in job.replicas]
+            job.replicas.update(replica_digests(todo))
+
     def _capture(self, job: Job) -> None:
         items, copier = job.flat.items, self.copier
         remaining = {}
@@ -364,6 +374,7 @@ class Pipeline:
         sources = []
         for number, unit in enumerate(job.layout.units):
             if number == job.eager_units:
+                self._digest_replicas(job, lazy=False)
                 job.eager_captured.set()  # the caller of save() may change eager state now
             slot = self._acquire(job)
             if slot < 0:
