@@ -14,6 +14,7 @@ Pure: no I/O (format.py reads the bytes, checks the checksums and calls these pa
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
@@ -113,6 +114,9 @@ class Manifest:
     entries: tuple[Entry, ...]
     ranks: tuple[RankTree, ...]
     save_id: str | None = None  #: the nonce of the save that committed it (multi-rank commits)
+    #: per file, its regions (offset, nbytes, entry, shard or None for an object), by offset
+    by_file: tuple[tuple[tuple[int, int, Entry, "ShardRef | None"], ...], ...] = \
+        field(default=(), repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -120,14 +124,7 @@ class Manifest:
 
     def regions(self, file_id: int) -> list[tuple[int, int, str]]:
         """(offset, nbytes, key) of every region of file ``file_id`` the manifest references."""
-        out = []
-        for e in self.entries:
-            if isinstance(e, ObjectEntry):
-                if e.file == file_id:
-                    out.append((e.offset, e.nbytes, e.key))
-            else:
-                out.extend((s.offset, s.nbytes, e.key) for s in e.shards if s.file == file_id)
-        return out
+        return [(offset, nbytes, e.key) for offset, nbytes, e, _ in self.by_file[file_id]]
 
 
 @dataclass(frozen=True)
@@ -183,16 +180,27 @@ class RankReport:
 # ---------------------------------------------------------------- field checks
 
 class _At:
-    """Where a value sits: the file and the JSON path, for error messages."""
+    """Where a value sits: the file and the JSON path, for error messages. The path is kept as
+    links to the parent and rendered only when an error is raised (parsing stays cheap)."""
 
-    __slots__ = ("file", "path")
+    __slots__ = ("file", "parent", "part")
 
-    def __init__(self, file: str, path: str = ""):
-        self.file, self.path = file, path
+    def __init__(self, file: str, parent: "_At | None" = None, part: Any = None):
+        self.file, self.parent, self.part = file, parent, part
 
     def __truediv__(self, part) -> "_At":
-        sub = f"[{part}]" if isinstance(part, int) else (f".{part}" if self.path else part)
-        return _At(self.file, self.path + sub)
+        return _At(self.file, self, part)
+
+    @property
+    def path(self) -> str:
+        parts, node = [], self
+        while node is not None and node.parent is not None:
+            parts.append(node.part)
+            node = node.parent
+        out = ""
+        for part in reversed(parts):
+            out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        return out
 
     def bad(self, what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{self.file}: {self.path or 'top level'}: {what}")
@@ -245,7 +253,9 @@ def _dims(value: Any, at: _At) -> tuple[int, ...]:
     dims = _list(value, at)
     if len(dims) > MAX_NDIM:
         raise at.bad(f"expected at most {MAX_NDIM} dimensions, found {len(dims)}")
-    return tuple(_int(d, at / i, 0, _U64) for i, d in enumerate(dims))
+    if all(type(d) is int and 0 <= d <= _U64 for d in dims):
+        return tuple(dims)
+    return tuple(_int(d, at / i, 0, _U64) for i, d in enumerate(dims))  # raises for the bad one
 
 
 def _numel(shape: tuple[int, ...], cap: int) -> int | None:
@@ -415,9 +425,10 @@ def parse_manifest(obj: Any, where: str, *, version_1: bool = False) -> Manifest
     files = _files(_get(m, "files", at), at / "files", world)
     entries = tuple(_entry(e, at / "entries" / i, files, world)
                     for i, e in enumerate(_list(_get(m, "entries", at), at / "entries")))
+    by_file = _regions_by_file(entries, len(files))
     for file_id, f in enumerate(files):
-        regions = [r for e in entries for r in _regions_of(e, file_id)]
-        _check_disjoint(regions, at / "files" / file_id, f"file {f.name}")
+        _check_disjoint([(o, n, e.key) for o, n, e, _ in by_file[file_id]], at / "files" / file_id,
+                        f"file {f.name}")
     refs: dict[int, set[str]] = {}
     ranks = _ranks(_get(m, "ranks", at), at / "ranks", world, [e.kind for e in entries], refs)
     check_entry_keys([e.key for e in entries], refs, at / "entries")
@@ -426,7 +437,7 @@ def parse_manifest(obj: Any, where: str, *, version_1: bool = False) -> Manifest
         save_id = _str(save_id, at / "save_id")
     return Manifest(version=version, name=name, step=step, seq=seq, created_unix=float(created),
                     world_size=world, metadata=metadata, files=files, entries=entries,
-                    ranks=ranks, save_id=save_id)
+                    ranks=ranks, save_id=save_id, by_file=by_file)
 
 
 def _files(value: Any, at: _At, world: int) -> tuple[FileRef, ...]:
@@ -517,10 +528,19 @@ def _shard(value: Any, at: _At, files: tuple[FileRef, ...], dtype: str,
                     checksums=_pieces(_get(s, "checksums", at), nbytes, at / "checksums"))
 
 
-def _regions_of(e: Entry, file_id: int) -> list[tuple[int, int, str]]:
-    if isinstance(e, ObjectEntry):
-        return [(e.offset, e.nbytes, e.key)] if e.file == file_id else []
-    return [(s.offset, s.nbytes, e.key) for s in e.shards if s.file == file_id]
+_offset_and_size = operator.itemgetter(0, 1)
+
+
+def _regions_by_file(entries: tuple[Entry, ...], nfiles: int) -> tuple:
+    """One pass over the entries: each file's regions, sorted by offset."""
+    out: list[list] = [[] for _ in range(nfiles)]
+    for e in entries:
+        if isinstance(e, ObjectEntry):
+            out[e.file].append((e.offset, e.nbytes, e, None))
+        else:
+            for s in e.shards:
+                out[s.file].append((s.offset, s.nbytes, e, s))
+    return tuple(tuple(sorted(regions, key=_offset_and_size)) for regions in out)
 
 
 def _ranks(value: Any, at: _At, world: int, kinds: list[str],

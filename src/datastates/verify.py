@@ -86,16 +86,13 @@ def _check_index_agrees(manifest: Manifest, file_id: int, index: ShardIndex, pat
     """Every region the manifest names in this file is an index entry with the same key, kind,
     bytes and checksums (and dtype and box shape for tensors)."""
     by_offset = {(e.offset, e.nbytes): e for e in index.entries}
-    for entry in manifest.entries:
+    for offset, nbytes, entry, shard in manifest.by_file[file_id]:
         if isinstance(entry, ObjectEntry):
-            if entry.file == file_id:
-                _agree(by_offset, entry.key, "object", entry.offset, entry.nbytes,
-                       ((entry.nbytes, entry.crc32),) if entry.nbytes else (), None, None, path)
-            continue
-        for s in entry.shards:
-            if s.file == file_id:
-                _agree(by_offset, entry.key, "tensor", s.offset, s.nbytes, s.checksums,
-                       entry.dtype, s.shape, path)
+            _agree(by_offset, entry.key, "object", offset, nbytes,
+                   ((nbytes, entry.crc32),) if nbytes else (), None, None, path)
+        else:
+            _agree(by_offset, entry.key, "tensor", offset, nbytes, shard.checksums, entry.dtype,
+                   shard.shape, path)
 
 
 def _agree(by_offset: dict, key: str, kind: str, offset: int, nbytes: int, checksums: tuple,
