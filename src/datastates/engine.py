@@ -264,6 +264,9 @@ class Pipeline:
         self._lock = threading.Lock()
         #: Jobs submitted and not finished yet, in submission order (see ``drain``).
         self._active: list[Job] = []
+        #: Temporary directories of failed saves that could not be removed yet (commit thread):
+        #: retried after every later save and at ``close``.
+        self._leftovers: list[str] = []
         pin = torch.cuda.is_available()
         self.cache = HostCache(config.host_cache_bytes, config.unit_bytes, pin)
         self.copier = DeviceCopier()
@@ -325,6 +328,7 @@ class Pipeline:
             self._write_q.put(None)
         for t in self._threads:
             t.join()
+        self._remove_leftovers(warn=True)
         self.copier.close()
         self.cache.close()
 
@@ -476,7 +480,8 @@ class Pipeline:
                 job.fail(exc)
             finally:
                 if job.error is not None and job.rank == 0:
-                    _remove_failed(job)
+                    self._remove_failed(job)
+                self._remove_leftovers(warn=False)
                 job.finish()
                 with self._lock:
                     self._active.remove(job)
@@ -675,12 +680,25 @@ def _invalid(kind: str, message: str, problems: list) -> dict:
             causes[r] = f"{causes[r]}; {text}" if r in causes else text
     return abort_decision(kind, message, causes)
 
+    def _remove_failed(self, job: Job) -> None:
+        """Rank 0: delete the temporary directory of a failed save. If that fails too, warn
+        naming it; it is retried after every later save and at ``close``."""
+        try:
+            remove_tree(job.tmp)
+        except OSError as exc:
+            self._leftovers.append(job.tmp)
+            warnings.warn(f"datastates: checkpoint {job.name!r} failed and its temporary "
+                          f"directory {job.tmp} could not be removed ({exc}); retrying after the "
+                          "next save", RuntimeWarning, stacklevel=2)
 
-def _remove_failed(job: Job) -> None:
-    """Rank 0: delete the temporary directory of a failed save; a failure to do so is a warning
-    naming it (the next Checkpointer opening the directory retries once its owner is gone)."""
-    try:
-        remove_tree(job.tmp)
-    except OSError as exc:
-        warnings.warn(f"datastates: checkpoint {job.name!r} failed and its temporary directory "
-                      f"{job.tmp} could not be removed: {exc}", RuntimeWarning, stacklevel=2)
+    def _remove_leftovers(self, warn: bool) -> None:
+        left = []
+        for path in self._leftovers:
+            try:
+                remove_tree(path)
+            except OSError as exc:
+                left.append(path)
+                if warn:
+                    warnings.warn(f"datastates: the temporary directory {path} of a failed save "
+                                  f"could not be removed: {exc}", RuntimeWarning, stacklevel=2)
+        self._leftovers = left

@@ -306,6 +306,35 @@ def test_failed_rename_leaves_no_temporary_directory(tmp_path, monkeypatch):
         assert [i.name for i in second.list()] == [STEP1]
 
 
+def test_undeletable_temporary_of_a_failed_save_is_removed_later(tmp_path, monkeypatch):
+    """The rename fails and so does the removal of the temporary directory (a transient
+    permission or I/O problem): a warning names it, and the next save of the same process removes
+    it (temporaries of a live process are not touched by other Checkpointers)."""
+    real_rename, real_rmdir = os.rename, os.rmdir
+
+    def rename(src, dst, *args, **kwargs):
+        if os.path.basename(os.fspath(src)).startswith(".tmp.step-0000000002"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(src))
+        return real_rename(src, dst, *args, **kwargs)
+
+    def rmdir(path, *args, **kwargs):
+        if ".tmp.step-0000000002" in os.fspath(path):
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+        return real_rmdir(path, *args, **kwargs)
+    with datastates.Checkpointer(tmp_path, _small()) as ck:
+        ck.save(_state(1), step=1).wait(WAIT_S)
+        monkeypatch.setattr(os, "rename", rename)
+        monkeypatch.setattr(os, "rmdir", rmdir)
+        with pytest.warns(RuntimeWarning, match=r"\.tmp\.step-0000000002.*could not be removed"):
+            with pytest.raises(CheckpointWriteError):
+                ck.save(_state(2), step=2).wait(WAIT_S)
+        assert [n for n in hidden_entries(ck.directory) if n.startswith(".tmp.step-0000000002")]
+        monkeypatch.undo()
+        ck.save(_state(3), step=3).wait(WAIT_S)
+        assert hidden_entries(ck.directory) == []
+        assert [i.name for i in ck.list()] == [STEP1, STEP3]
+
+
 def test_failed_rename_of_a_replacement_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     """overwrite=True and the rename of the new directory fails: the replaced checkpoint is put
     back at once (not left as ``.old.*`` until some later Checkpointer opens the directory)."""
@@ -328,6 +357,7 @@ def test_failed_rename_of_a_replacement_keeps_the_old_checkpoint(tmp_path, monke
 
 # ------------------------------------------------------------------ fail inside save()
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_unsupported_dtype_fails_inside_save_naming_the_key(tmp_path):
     with datastates.Checkpointer(tmp_path, _small()) as ck:
         with pytest.raises(SerializationError) as info:
