@@ -13,7 +13,9 @@ from typing import Any
 
 from . import format as fmt
 from . import schema
+from .dist import abort_decision
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .planning import check_replicas, check_same_save, check_tiling
 from .storage import fsync_dir, remove_tree, write_file_atomic
 
 _OWNER_IN_NAME = re.compile(r"@(\d+)@([^@/]+)-\d+$")
@@ -123,69 +125,59 @@ def _remap(node: Any, table: list[int]) -> Any:
     return node
 
 
-# ---------------------------------------------------------------- checks before a commit (pure)
-# Each returns a list of problems, (ranks involved, text); empty when the reports form a checkpoint.
+# ---------------------------------------------------------------- rank 0's review before a rename
 
-def check_same_save(reports: dict[int, dict]) -> list[tuple[list[int], str]]:
-    """Every report belongs to rank 0's save: same name, step, nonce and overwrite flag."""
-    mine = reports[0]
-    want = (mine["save"]["name"], mine["save"]["step"], mine["save"]["nonce"],
-            bool(mine.get("overwrite")))
-    problems = []
-    for r, rep in sorted(reports.items()):
-        got = (rep["save"]["name"], rep["save"]["step"], rep["save"]["nonce"],
-               bool(rep.get("overwrite")))
-        if got != want:
-            problems.append(([r], f"reported save {got[0]!r} step {got[1]} overwrite={got[3]}, "
-                                  f"rank 0 saves {want[0]!r} step {want[1]} overwrite={want[3]}"))
-    return problems
-
-
-def check_tiling(manifest: dict) -> list[tuple[list[int], str]]:
-    """The written boxes of every tensor tile its shape exactly: inside it, no two overlapping
-    (two ranks writing one box is an error unless one declares itself a replica with
-    ``primary=False``), and no element left uncovered."""
-    problems = []
-    rank_of = [f["rank"] for f in manifest["files"]]
-    for e in manifest["entries"]:
-        if e["kind"] != "tensor":
-            continue
-        shape = tuple(e["shape"])
-        boxes = [(tuple(s["global_offset"]), tuple(s["shape"]), rank_of[s["file"]])
-                 for s in e["shards"]]
-        outside = [([r], f"box {_box(off, box)} of {e['key']!r} lies outside its global "
-                         f"shape {list(shape)}") for off, box, r in boxes
-                   if len(off) != len(shape) or len(box) != len(shape) or
-                   any(o < 0 or o + n > g for o, n, g in zip(off, box, shape))]
-        if outside:
-            problems += outside
-            continue
-        overlaps = [([a[2], b[2]], f"ranks {a[2]} and {b[2]} both wrote {e['key']!r} boxes "
-                     f"{_box(*a[:2])} and {_box(*b[:2])}, which overlap (declare replicas with "
-                     "primary=False or replicated=...)") for a, b in _overlapping(boxes)]
-        problems += overlaps
-        covered = sum(_volume(box) for _, box, _ in boxes)
-        if not overlaps and covered != _volume(shape):
-            problems.append((sorted({r for *_, r in boxes}), f"the boxes written for "
-                             f"{e['key']!r} cover {covered} of its {_volume(shape)} elements "
-                             f"(shape {list(shape)}): a gap"))
-    return problems
+def review(reports: dict[int, dict], *, name: str, step: int | None, metadata: dict,
+           save_id: str, tmp: str, replica_check: bool) -> tuple[dict | None, dict | None]:
+    """Rank 0: (abort verdict, None) if the reports do not form one checkpoint of this save,
+    else (None, manifest). Checks, in order: a rank's own failure, that every report belongs to
+    this save, the manifest merge, exact tiling of every tensor, replica digests (optional), and
+    a stat of every file the manifest will reference."""
+    failed = {r: rep["error"] for r, rep in reports.items() if "error" in rep}
+    if failed:
+        return abort_decision("failed", f"checkpoint {name!r} failed on rank(s) "
+                              f"{sorted(failed)}; nothing was committed", failed), None
+    problems = check_same_save(reports)
+    if problems:
+        return _invalid("mismatch", f"the ranks made different saves; {name!r} was not "
+                        "committed", problems), None
+    try:
+        manifest = build_manifest([reports[r] for r in sorted(reports)], name=name, step=step,
+                                  metadata=metadata, save_id=save_id)
+    except CorruptCheckpointError as exc:
+        return _invalid("invalid", f"checkpoint {name!r} was not committed",
+                        [([0], str(exc))]), None
+    problems = check_tiling(manifest) + (check_replicas(reports) if replica_check else [])
+    problems = problems or check_files(tmp, manifest)
+    if problems:
+        return _invalid("invalid", f"checkpoint {name!r} was not committed: the ranks' reports "
+                        "do not form a consistent checkpoint", problems), None
+    return None, manifest
 
 
-def check_replicas(reports: dict[int, dict]) -> list[tuple[list[int], str]]:
-    """Declared replicas hold the same bytes on every rank (``replicas``: key → digest)."""
-    seen: dict[str, dict[str, list[int]]] = {}
-    for r, rep in sorted(reports.items()):
-        for key, digest in (rep.get("replicas") or {}).items():
-            seen.setdefault(key, {}).setdefault(str(digest), []).append(r)
-    problems = []
-    for key, groups in sorted(seen.items()):
-        if len(groups) > 1:
-            ranks = sorted(r for rs in groups.values() for r in rs)
-            shown = "; ".join(f"ranks {rs} hold digest {d}" for d, rs in
-                              sorted(groups.items(), key=lambda kv: kv[1]))
-            problems.append((ranks, f"replicated tensor {key!r} differs across ranks ({shown})"))
-    return problems
+def _invalid(kind: str, message: str, problems: list) -> dict:
+    causes: dict[int, str] = {}
+    for ranks, text in problems:
+        for r in ranks:
+            causes[r] = f"{causes[r]}; {text}" if r in causes else text
+    return abort_decision(kind, message, causes)
+
+
+def discard(tmp: str, rank: int, keep_file: bool) -> None:
+    """After an abort: each rank removes its own file, rank 0 the whole temporary directory.
+    ``keep_file``: a rank that lost the store keeps its file (rank 0 may still be reading it;
+    the stale-temporary cleanup removes it later)."""
+    if rank == 0:
+        remove_tree(tmp)
+        return
+    if keep_file:
+        return
+    for remove in (lambda: os.remove(os.path.join(tmp, fmt.shard_file_name(rank))),
+                   lambda: os.rmdir(tmp)):
+        try:
+            remove()
+        except OSError:
+            pass  # absent, or other ranks' files still there (rank 0 removes the rest)
 
 
 def check_files(tmp: str, manifest: dict) -> list[tuple[list[int], str]]:
@@ -202,38 +194,6 @@ def check_files(tmp: str, manifest: dict) -> list[tuple[list[int], str]]:
         if size != f["nbytes"]:
             problems.append(([f["rank"]], f"{path}: {size} bytes on disk, {f['nbytes']} reported"))
     return problems
-
-
-def _volume(shape) -> int:
-    n = 1
-    for x in shape:
-        n *= x
-    return n
-
-
-def _box(off, box) -> str:
-    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(off, box)) + "]"
-
-
-def _overlapping(boxes: list) -> list[tuple]:
-    """Pairs of non-empty boxes that share an element: a sweep along the dimension with the
-    most distinct offsets, so row or column shardings cost O(n log n)."""
-    boxes = [b for b in boxes if _volume(b[1])]
-    if len(boxes) < 2:
-        return []
-    ndim = len(boxes[0][0])
-    if ndim == 0:
-        return [(boxes[0], b) for b in boxes[1:]]
-    dim = max(range(ndim), key=lambda d: len({b[0][d] for b in boxes}))
-    pairs, active = [], []
-    for b in sorted(boxes, key=lambda b: b[0][dim]):
-        active = [a for a in active if a[0][dim] + a[1][dim] > b[0][dim]]
-        for a in active:
-            if all(max(a[0][d], b[0][d]) < min(a[0][d] + a[1][d], b[0][d] + b[1][d])
-                   for d in range(ndim)):
-                pairs.append((a, b))
-        active.append(b)
-    return pairs
 
 
 def committed_save(root: str, name: str, save_id: str) -> "CheckpointInfo | None":

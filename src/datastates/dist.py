@@ -95,8 +95,9 @@ class StoreCommunicator:
     Thread model: :meth:`save_id` is called by the training thread, :meth:`agree` by the commit
     thread (one round at a time per process, in ``save()`` order)."""
 
-    #: How often a waiting rank polls the store (not a synchronization on time).
-    poll_s = 0.005
+    #: A waiting rank polls the store every ``poll_s``, backing off to ``max_poll_s`` (so a
+    #: long write by rank 0 does not flood the store with requests from every rank).
+    poll_s, max_poll_s = 0.002, 0.05
 
     def __init__(self, store, rank: int, world_size: int, run_id: str):
         self.store = store
@@ -205,6 +206,7 @@ class StoreCommunicator:
         """Every rank's report, or stop early at the first failed report or claimed decision."""
         reports: dict[int, dict] = {}
         pending = list(range(self.world_size))
+        delay = self.poll_s
         while True:
             for r in list(pending):
                 report = self._get_json(f"{sid.nonce}/r{r}")
@@ -217,12 +219,14 @@ class StoreCommunicator:
                 return reports, pending
             if time.monotonic() >= deadline:
                 return reports, pending
-            time.sleep(self.poll_s)  # polling store keys, not synchronizing on time
+            time.sleep(delay)  # polling store keys, not synchronizing on time
+            delay = min(delay * 1.5, self.max_poll_s)
 
     def _await(self, sid: SaveId, deadline: float, timeout_s: float) -> dict | None:
         """Non-zero rank: wait for the verdict; claim an abort when the deadline passes."""
         key = f"{sid.nonce}/decision"
         claimed_at = None
+        delay = self.poll_s
         while True:
             decision = self._get_json(key)
             if decision is not None:
@@ -245,7 +249,8 @@ class StoreCommunicator:
                 if decision != PENDING:
                     return decision
                 claimed_at = claimed_at or time.monotonic()
-            time.sleep(self.poll_s)
+            time.sleep(delay)
+            delay = min(delay * 1.5, self.max_poll_s)
 
     def _claim(self, sid: SaveId, decision: dict) -> dict:
         """Compare-and-set the decision key if absent; return the decision in force."""

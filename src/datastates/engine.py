@@ -33,7 +33,7 @@ from .errors import (CheckpointerClosedError, CheckpointWriteError, CommitError,
 from .flatten import Flattened, TensorItem
 from .planning import Layout
 from .staging import DeviceCopier, HostCache
-from .storage import ShardWriter, remove_tree
+from .storage import ShardWriter
 
 log = logging.getLogger("datastates")
 
@@ -591,35 +591,16 @@ class Pipeline:
             error = kind(f"{decision['message']}: {_by_cause(causes)}", causes)
             error.__cause__ = job.error
             job.error = error
-        self._discard(job, keep_file=decision["kind"] == "store" and job.rank != 0)
+        if job.rank != 0:  # rank 0 removes the whole temporary directory (see _commit_loop)
+            commit_mod.discard(job.tmp, job.rank, keep_file=decision["kind"] == "store")
 
     def _check(self, job: Job, reports: dict[int, dict]) -> dict | None:
         """Rank 0: the abort verdict for these reports, or None if they form a checkpoint (its
         manifest is then kept on the job for :meth:`_publish`)."""
-        failed = {r: rep["error"] for r, rep in reports.items() if "error" in rep}
-        if failed:
-            return abort_decision("failed", f"checkpoint {job.name!r} failed on rank(s) "
-                                  f"{sorted(failed)}; nothing was committed", failed)
-        problems = commit_mod.check_same_save(reports)
-        if problems:
-            return _invalid("mismatch", f"the ranks made different saves; {job.name!r} was not "
-                            "committed", problems)
-        try:
-            manifest = commit_mod.build_manifest([reports[r] for r in sorted(reports)],
-                                                 name=job.name, step=job.step,
-                                                 metadata=job.metadata, save_id=job.sid.nonce)
-        except DatastatesError as exc:
-            return _invalid("invalid", f"checkpoint {job.name!r} was not committed",
-                            [([0], str(exc))])
-        problems = commit_mod.check_tiling(manifest)
-        if self.config.replica_check:
-            problems += commit_mod.check_replicas(reports)
-        problems = problems or commit_mod.check_files(job.tmp, manifest)
-        if problems:
-            return _invalid("invalid", f"checkpoint {job.name!r} was not committed: the ranks' "
-                            "reports do not form a consistent checkpoint", problems)
-        job.manifest = manifest
-        return None
+        decision, job.manifest = commit_mod.review(
+            reports, name=job.name, step=job.step, metadata=job.metadata, save_id=job.sid.nonce,
+            tmp=job.tmp, replica_check=self.config.replica_check)
+        return decision
 
     def _publish(self, job: Job) -> dict:
         """Rank 0, after winning the decision: rename into place; the commit verdict."""
@@ -643,43 +624,6 @@ class Pipeline:
         return abort_decision("store", f"checkpoint {job.name!r} was not committed (no manifest "
                               "of this save on disk)", {job.rank: why})
 
-    @staticmethod
-    def _discard(job: Job, keep_file: bool) -> None:
-        """After an abort: each rank removes its own file, rank 0 the whole temporary directory.
-        A rank that lost the store keeps its file (rank 0 may still be reading it)."""
-        if job.rank == 0:
-            _remove_failed(job)
-            return
-        if keep_file:
-            return
-        for remove in (lambda: os.remove(os.path.join(job.tmp, fmt.shard_file_name(job.rank))),
-                       lambda: os.rmdir(job.tmp)):
-            try:
-                remove()
-            except OSError:
-                pass  # absent, or other ranks' files still there (rank 0 removes the rest)
-
-
-def _describe(error: BaseException | None) -> str:
-    return f"{type(error).__name__}: {error}" if error is not None else "unknown failure"
-
-
-def _by_cause(causes: dict[int, str]) -> str:
-    """"rank 1: cause; ranks [0, 2]: other cause" (ranks sharing a cause are named once)."""
-    groups: dict[str, list[int]] = {}
-    for r, cause in sorted(causes.items()):
-        groups.setdefault(cause, []).append(r)
-    return "; ".join(f"rank {rs[0]}: {c}" if len(rs) == 1 else f"ranks {rs}: {c}"
-                     for c, rs in groups.items())
-
-
-def _invalid(kind: str, message: str, problems: list) -> dict:
-    causes: dict[int, str] = {}
-    for ranks, text in problems:
-        for r in ranks:
-            causes[r] = f"{causes[r]}; {text}" if r in causes else text
-    return abort_decision(kind, message, causes)
-
     def _remove_failed(self, job: Job) -> None:
         """Rank 0: delete the temporary directory of a failed save. If that fails too, warn
         naming it; it is retried after every later save and at ``close``."""
@@ -702,3 +646,16 @@ def _invalid(kind: str, message: str, problems: list) -> dict:
                     warnings.warn(f"datastates: the temporary directory {path} of a failed save "
                                   f"could not be removed: {exc}", RuntimeWarning, stacklevel=2)
         self._leftovers = left
+
+
+def _describe(error: BaseException | None) -> str:
+    return f"{type(error).__name__}: {error}" if error is not None else "unknown failure"
+
+
+def _by_cause(causes: dict[int, str]) -> str:
+    """"rank 1: cause; ranks [0, 2]: other cause" (ranks sharing a cause are named once)."""
+    groups: dict[str, list[int]] = {}
+    for r, cause in sorted(causes.items()):
+        groups.setdefault(cause, []).append(r)
+    return "; ".join(f"rank {rs[0]}: {c}" if len(rs) == 1 else f"ranks {rs}: {c}"
+                     for c, rs in groups.items())

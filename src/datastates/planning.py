@@ -1,6 +1,8 @@
-"""Pure planning: where every item goes in a rank's shard file, and which rank writes what.
+"""Pure planning: where every item goes in a rank's shard file, which rank writes what, whether
+the ranks' reports form one consistent global plan (checked by rank 0 at commit), and which saved
+state is per rank (checked when restoring at another world size).
 
-No I/O, no process group: sizes in, layout out, so it is unit-tested directly.
+No I/O, no process group: sizes, reports and trees in, answers out, so it is unit-tested directly.
 """
 from __future__ import annotations
 
@@ -178,3 +180,100 @@ def _scope(path: tuple, keys) -> str | None:
     if not path or any(k.startswith(key + "/") for k in keys):
         return "some"
     return None
+
+
+# ---------------------------------------------------------------- the global plan, checked at commit
+# Each returns a list of problems, (ranks involved, text); empty when the reports form a checkpoint.
+
+def check_same_save(reports: dict[int, dict]) -> list[tuple[list[int], str]]:
+    """Every report belongs to rank 0's save: same name, step, nonce and overwrite flag."""
+    mine = reports[0]
+    want = (mine["save"]["name"], mine["save"]["step"], mine["save"]["nonce"],
+            bool(mine.get("overwrite")))
+    problems = []
+    for r, rep in sorted(reports.items()):
+        got = (rep["save"]["name"], rep["save"]["step"], rep["save"]["nonce"],
+               bool(rep.get("overwrite")))
+        if got != want:
+            problems.append(([r], f"reported save {got[0]!r} step {got[1]} overwrite={got[3]}, "
+                                  f"rank 0 saves {want[0]!r} step {want[1]} overwrite={want[3]}"))
+    return problems
+
+
+def check_tiling(manifest: dict) -> list[tuple[list[int], str]]:
+    """The written boxes of every tensor tile its shape exactly: inside it, no two overlapping
+    (two ranks writing one box is an error unless one declares itself a replica with
+    ``primary=False``), and no element left uncovered."""
+    problems = []
+    rank_of = [f["rank"] for f in manifest["files"]]
+    for e in manifest["entries"]:
+        if e["kind"] != "tensor":
+            continue
+        shape = tuple(e["shape"])
+        boxes = [(tuple(s["global_offset"]), tuple(s["shape"]), rank_of[s["file"]])
+                 for s in e["shards"]]
+        outside = [([r], f"box {_box(off, box)} of {e['key']!r} lies outside its global "
+                         f"shape {list(shape)}") for off, box, r in boxes
+                   if len(off) != len(shape) or len(box) != len(shape) or
+                   any(o < 0 or o + n > g for o, n, g in zip(off, box, shape))]
+        if outside:
+            problems += outside
+            continue
+        overlaps = [([a[2], b[2]], f"ranks {a[2]} and {b[2]} both wrote {e['key']!r} boxes "
+                     f"{_box(*a[:2])} and {_box(*b[:2])}, which overlap (declare replicas with "
+                     "primary=False or replicated=...)") for a, b in _overlapping(boxes)]
+        problems += overlaps
+        covered = sum(_volume(box) for _, box, _ in boxes)
+        if not overlaps and covered != _volume(shape):
+            problems.append((sorted({r for *_, r in boxes}), f"the boxes written for "
+                             f"{e['key']!r} cover {covered} of its {_volume(shape)} elements "
+                             f"(shape {list(shape)}): a gap"))
+    return problems
+
+
+def check_replicas(reports: dict[int, dict]) -> list[tuple[list[int], str]]:
+    """Declared replicas hold the same bytes on every rank (``replicas``: key → digest)."""
+    seen: dict[str, dict[str, list[int]]] = {}
+    for r, rep in sorted(reports.items()):
+        for key, digest in (rep.get("replicas") or {}).items():
+            seen.setdefault(key, {}).setdefault(str(digest), []).append(r)
+    problems = []
+    for key, groups in sorted(seen.items()):
+        if len(groups) > 1:
+            ranks = sorted(r for rs in groups.values() for r in rs)
+            shown = "; ".join(f"ranks {rs} hold digest {d}" for d, rs in
+                              sorted(groups.items(), key=lambda kv: kv[1]))
+            problems.append((ranks, f"replicated tensor {key!r} differs across ranks ({shown})"))
+    return problems
+
+
+def _volume(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def _box(off, box) -> str:
+    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(off, box)) + "]"
+
+
+def _overlapping(boxes: list) -> list[tuple]:
+    """Pairs of non-empty boxes that share an element: a sweep along the dimension with the
+    most distinct offsets, so row or column shardings cost O(n log n)."""
+    boxes = [b for b in boxes if _volume(b[1])]
+    if len(boxes) < 2:
+        return []
+    ndim = len(boxes[0][0])
+    if ndim == 0:
+        return [(boxes[0], b) for b in boxes[1:]]
+    dim = max(range(ndim), key=lambda d: len({b[0][d] for b in boxes}))
+    pairs, active = [], []
+    for b in sorted(boxes, key=lambda b: b[0][dim]):
+        active = [a for a in active if a[0][dim] + a[1][dim] > b[0][dim]]
+        for a in active:
+            if all(max(a[0][d], b[0][d]) < min(a[0][d] + a[1][d], b[0][d] + b[1][d])
+                   for d in range(ndim)):
+                pairs.append((a, b))
+        active.append(b)
+    return pairs

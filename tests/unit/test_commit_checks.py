@@ -12,7 +12,7 @@ import torch.distributed as dist
 import datastates
 from datastates import Checkpointer, CheckpointConfig, TensorShard, commit, format as fmt
 from datastates.dist import MemoryStore, StoreCommunicator, abort_decision
-from datastates.planning import per_rank_keys
+from datastates.planning import check_replicas, check_same_save, check_tiling, per_rank_keys
 
 SMALL = CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10)
 
@@ -36,30 +36,30 @@ def _manifest(shape, boxes):
     ((0, 3), [(0, (0, 0), (0, 3)), (1, (0, 0), (0, 3))]),                      # empty
 ])
 def test_exact_tilings_pass(shape, boxes):
-    assert commit.check_tiling(_manifest(shape, boxes)) == []
+    assert check_tiling(_manifest(shape, boxes)) == []
 
 
 def test_overlap_gap_duplicate_and_outside_are_named_with_ranks():
-    overlap = commit.check_tiling(_manifest((10, 4), [(0, (0, 0), (6, 4)), (1, (5, 0), (5, 4))]))
+    overlap = check_tiling(_manifest((10, 4), [(0, (0, 0), (6, 4)), (1, (5, 0), (5, 4))]))
     assert overlap == [([0, 1], "ranks 0 and 1 both wrote 'w' boxes [0:6, 0:4] and [5:10, 0:4], "
                                 "which overlap (declare replicas with primary=False or "
                                 "replicated=...)")]
-    gap = commit.check_tiling(_manifest((10, 4), [(0, (0, 0), (4, 4)), (2, (5, 0), (5, 4))]))
+    gap = check_tiling(_manifest((10, 4), [(0, (0, 0), (4, 4)), (2, (5, 0), (5, 4))]))
     assert gap == [([0, 2], "the boxes written for 'w' cover 36 of its 40 elements (shape "
                             "[10, 4]): a gap")]
-    twice = commit.check_tiling(_manifest((4,), [(1, (0,), (4,)), (3, (0,), (4,))]))
+    twice = check_tiling(_manifest((4,), [(1, (0,), (4,)), (3, (0,), (4,))]))
     assert [p[0] for p in twice] == [[1, 3]] and "both wrote" in twice[0][1]
-    outside = commit.check_tiling(_manifest((4, 4), [(2, (2, 0), (4, 4))]))
+    outside = check_tiling(_manifest((4, 4), [(2, (2, 0), (4, 4))]))
     assert outside == [([2], "box [2:6, 0:4] of 'w' lies outside its global shape [4, 4]")]
-    scalar = commit.check_tiling(_manifest((), [(0, (), ()), (1, (), ())]))
+    scalar = check_tiling(_manifest((), [(0, (), ()), (1, (), ())]))
     assert [p[0] for p in scalar] == [[0, 1]]
 
 
 def test_many_row_shards_are_checked_quickly():
     boxes = [(0, (i, 0), (1, 8)) for i in range(20000)]
-    assert commit.check_tiling(_manifest((20000, 8), boxes)) == []
+    assert check_tiling(_manifest((20000, 8), boxes)) == []
     boxes[7] = (0, (6, 0), (2, 8))
-    problems = commit.check_tiling(_manifest((20000, 8), boxes))
+    problems = check_tiling(_manifest((20000, 8), boxes))
     assert len(problems) == 1 and "[6:7, 0:8] and [6:8, 0:8]" in problems[0][1]
 
 
@@ -72,20 +72,20 @@ def _report(rank, name="step-1", step=1, nonce="n", replicas=None, overwrite=Fal
 
 def test_reports_of_another_save_are_named():
     same = {r: _report(r) for r in range(3)}
-    assert commit.check_same_save(same) == []
+    assert check_same_save(same) == []
     mixed = {0: _report(0), 1: _report(1, step=2), 2: _report(2, overwrite=True)}
-    problems = commit.check_same_save(mixed)
+    problems = check_same_save(mixed)
     assert [p[0] for p in problems] == [[1], [2]]
     assert "reported save 'step-1' step 2" in problems[0][1]
 
 
 def test_diverged_replicas_name_key_and_ranks():
     ok = {r: _report(r, replicas={"m/w": "16:aa"}) for r in range(3)}
-    assert commit.check_replicas(ok) == []
+    assert check_replicas(ok) == []
     bad = {0: _report(0, replicas={"m/w": "16:aa", "m/b": "4:01"}),
            1: _report(1, replicas={"m/w": "16:bb", "m/b": "4:01"}),
            2: _report(2, replicas={"m/w": "16:aa", "m/b": "4:01"})}
-    assert commit.check_replicas(bad) == [
+    assert check_replicas(bad) == [
         ([0, 1, 2], "replicated tensor 'm/w' differs across ranks (ranks [0, 2] hold digest "
                     "16:aa; ranks [1] hold digest 16:bb)")]
 
