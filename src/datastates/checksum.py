@@ -32,7 +32,7 @@ class Backend:
     def crc32(self, data, value: int = 0) -> int:
         """CRC-32 of a bytes-like object (bytes, bytearray, contiguous memoryview), continuing
         from ``value`` (the CRC of the bytes before it), as an unsigned 32-bit int."""
-        return self.fn(data, value) & 0xFFFFFFFF
+        return _chunked(self.fn, data, value)
 
 
 def load(name: str) -> Backend | None:
@@ -66,7 +66,21 @@ _fn = _DEFAULT.fn
 def crc32(data, value: int = 0) -> int:
     """CRC-32 (zlib's polynomial and values) of a bytes-like object, from the fastest installed
     backend; releases the GIL on large buffers. Chain pieces with ``value=``."""
-    return _fn(data, value) & 0xFFFFFFFF
+    return _chunked(_fn, data, value)
 
 
-__all__ = ["BACKEND", "Backend", "PREFERENCE", "available", "crc32", "load", "select"]
+#: Larger inputs are fed to a backend in pieces of this size (no backend then sees a length
+#: beyond 32 bits, whatever its C interface).
+CHUNK = 1 << 30
+
+
+def _chunked(fn: Callable[..., int], data, value: int) -> int:
+    if len(data) <= CHUNK:
+        return fn(data, value) & 0xFFFFFFFF
+    view = memoryview(data).cast("B")
+    for start in range(0, view.nbytes, CHUNK):
+        value = fn(view[start:start + CHUNK], value)
+    return value & 0xFFFFFFFF
+
+
+__all__ = ["BACKEND", "CHUNK", "Backend", "PREFERENCE", "available", "crc32", "load", "select"]

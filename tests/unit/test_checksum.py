@@ -64,6 +64,16 @@ def test_accepts_bytes_bytearray_memoryview_and_tensor_views(backend, blob):
     assert all(0 <= backend.crc32(blob[:n]) < 2 ** 32 for n in range(1, 64))
 
 
+@pytest.mark.parametrize("backend", backends())
+def test_inputs_larger_than_a_chunk_are_fed_in_pieces(backend, blob, monkeypatch):
+    monkeypatch.setattr(checksum, "CHUNK", 4096 + 3)
+    for size in (4096 + 3, 4096 + 4, 3 * 4099 + 1, 100_000):
+        data = blob[:size]
+        assert backend.crc32(data) == zlib.crc32(data)
+        assert checksum.crc32(memoryview(data), 77) == zlib.crc32(data, 77)
+        assert backend.crc32(bytearray(data)) == zlib.crc32(data)
+
+
 def test_preference_picks_the_fastest_installed(monkeypatch):
     names = [b.name for b in checksum.available()]
     assert names[-1] == "zlib"
