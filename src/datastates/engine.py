@@ -33,7 +33,7 @@ from .errors import (CheckpointerClosedError, CheckpointWriteError, CommitError,
 from .flatten import Flattened, TensorItem
 from .planning import Layout
 from .staging import DeviceCopier, HostCache
-from .storage import ShardWriter
+from .storage import ShardWriter, remove_tree
 
 log = logging.getLogger("datastates")
 
@@ -479,9 +479,13 @@ class Pipeline:
             except BaseException as exc:  # last resort: the job fails, the thread lives on
                 job.fail(exc)
             finally:
-                if job.error is not None and job.rank == 0:
-                    self._remove_failed(job)
-                self._remove_leftovers(warn=False)
+                try:
+                    if job.error is not None and job.rank == 0:
+                        self._remove_failed(job)
+                    self._remove_leftovers(warn=False)
+                except BaseException as exc:  # tidying up must never stop the commit thread
+                    warnings.warn(f"datastates: cleaning up after {job.name!r} failed: {exc!r}",
+                                  RuntimeWarning, stacklevel=2)
                 job.finish()
                 with self._lock:
                     self._active.remove(job)

@@ -11,7 +11,6 @@ import os
 import re
 import struct
 import warnings
-import zlib
 from typing import Any, NamedTuple
 
 import torch

@@ -272,6 +272,10 @@ class Reader:
             raise CorruptCheckpointError(f"{exc} (file truncated)") from None
 
 
+_NODE_KINDS = {"tensor": "tensor", "dict": "dict", "odict": "dict", "list": "list",
+               "tuple": "tuple"}
+
+
 def _same_kind(t: str, live: Any) -> bool:
     """Whether a live value can receive a saved node of type ``t`` (plain values and pickled
     objects are compared by exact type once loaded; providers check their own objects)."""
