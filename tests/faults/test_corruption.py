@@ -244,7 +244,8 @@ def test_manifest_version_99_is_unsupported(root):
 def test_manifest_edited_without_its_checksum_is_corrupt(root, seal):
     """Any change to the bytes of a sealed manifest fails its checksum; an unsealed version-2
     manifest is refused (it would otherwise be read unchecked)."""
-    raw = open(os.path.join(step2(root), "manifest.json"), "rb").read()
+    with open(os.path.join(step2(root), "manifest.json"), "rb") as f:
+        raw = f.read()
     if seal:
         at = raw.index(b'"step":2')
         raw = raw[:at] + b'"step":3' + raw[at + 8:]
