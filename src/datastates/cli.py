@@ -124,8 +124,8 @@ def _verify(args) -> int:
                     world_size=info.world_size, rank_policy="rank0") as reader:
             n = reader.verify_all()
         total += n
-        _write(bar, f"{info.name}: OK, manifest and {info.world_size} shard file(s), "
-                    f"{tools.human_bytes(n)} verified in {time.perf_counter() - start:.2f} s")
+        _write(bar, f"{info.name}: OK, manifest and {info.world_size} shard file(s), {n} bytes "
+                    f"verified ({tools.human_bytes(n)}) in {time.perf_counter() - start:.2f} s")
         if bar is not None:
             bar.update(1)
     if bar is not None:

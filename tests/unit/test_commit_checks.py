@@ -101,9 +101,10 @@ def _tree(**items):
 
 
 def test_per_rank_keys_are_the_values_that_differ():
-    entries = [{"kind": "object", "key": "o", "nbytes": 3, "crc32": 1},
-               {"kind": "object", "key": "o", "nbytes": 3, "crc32": 2},
-               {"kind": "tensor", "key": "w", "dtype": "float32", "shape": [2], "shards": []}]
+    from datastates.schema import ObjectEntry, TensorEntry
+    entries = [ObjectEntry(key="o", file=0, offset=0, nbytes=3, crc32=1),
+               ObjectEntry(key="o", file=0, offset=0, nbytes=3, crc32=2),
+               TensorEntry(key="w", dtype="float32", shape=(2,), shards=())]
     t0 = _tree(pos=_value(0), epoch=_value(3), obj={"t": "object", "e": 0},
                w={"t": "tensor", "e": 2}, seq={"t": "list", "items": [_value(1), _value(2)]},
                flag=_value(1))
@@ -133,7 +134,7 @@ def test_manifest_records_the_save_id(tmp_path):
         again = ckpt.save({"x": torch.arange(4)}, step=1, overwrite=True)
         again.wait()
     assert first.save_id != again.save_id  # saving a name again is another save
-    assert fmt.read_manifest(str(tmp_path / "step-0000000001"))["save_id"] == again.save_id
+    assert fmt.read_manifest(str(tmp_path / "step-0000000001")).save_id == again.save_id
     assert commit.committed_save(str(tmp_path), "step-0000000001", again.save_id) is not None
     assert commit.committed_save(str(tmp_path), "step-0000000001", first.save_id) is None
 

@@ -182,8 +182,10 @@ def test_cli_verify_reads_every_byte_and_names_a_damaged_one(saved, small_steps,
     from datastates import cli
     root, state = saved
     assert cli.main(["verify", str(root)]) == 0
-    total = sum(t.numel() * t.element_size() for t in
-                [state["big"], state["ints"], state["half"], *state["many"]])
+    # verify re-reads every byte of every shard file (header, data, padding, index)
+    total = sum(p.stat().st_size for p in root.rglob("*.dsf"))
+    assert total > sum(t.numel() * t.element_size() for t in
+                       [state["big"], state["ints"], state["half"], *state["many"]])
     assert f"{total} bytes verified" in capsys.readouterr().out
     path, entry = _tensor_entry(root, "ints")
     _flip(path, entry["shards"][0]["offset"] + 100)
