@@ -63,8 +63,9 @@ class Checkpointer:
         self._owns_pipeline = share is None
         self.registry = registry or ProviderRegistry.default()
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        if self.rank == 0:
-            os.makedirs(self.directory, exist_ok=True)
+        # The directory is created by the first save, not here: a Checkpointer used to restore or
+        # list a mistyped path must not leave an empty folder behind.
+        if self.rank == 0 and os.path.isdir(self.directory):
             commit_mod.clean_stale(self.directory, self.config.stale_tmp_age_s)
         if self._owns_pipeline:
             self._pipeline = Pipeline(self.config, self.comm)
@@ -283,7 +284,10 @@ class Checkpointer:
 
     # ------------------------------------------------------------ listing
     def list(self) -> list[commit_mod.CheckpointInfo]:
-        """Committed checkpoints, oldest first, in commit order (``CheckpointInfo.seq``)."""
+        """Committed checkpoints, oldest first, in commit order (``CheckpointInfo.seq``); empty
+        when the directory does not exist yet (nothing was saved there)."""
+        if not os.path.isdir(self.directory):
+            return []
         return commit_mod.list_checkpoints(self.directory)
 
     def latest(self) -> commit_mod.CheckpointInfo | None:
@@ -291,7 +295,10 @@ class Checkpointer:
         alike), or None. The ``latest`` file in the directory is only a hint and is not read: a
         crash after a commit but before that file was rewritten still gives the new checkpoint,
         so the resume loop ``start = ckpt.restore(state).step + 1 if ckpt.latest() else 0``
-        never saves a committed step twice (docs/format.md, "The resume loop")."""
+        never saves a committed step twice (docs/format.md, "The resume loop"). None as well
+        when the directory does not exist yet."""
+        if not os.path.isdir(self.directory):
+            return None
         return commit_mod.latest(self.directory)
 
     def delete(self, step: int | None = None, *, tag: str | None = None) -> None:

@@ -33,7 +33,7 @@ from .errors import (CheckpointerClosedError, CheckpointWriteError, CommitError,
 from .flatten import Flattened, TensorItem
 from .planning import Layout
 from .staging import DeviceCopier, HostCache
-from .storage import ShardWriter, remove_tree
+from .storage import ShardWriter, fsync_dir, remove_tree
 
 log = logging.getLogger("datastates")
 
@@ -91,6 +91,8 @@ class Job:
         #: Units written while the capture was running, whose checksums wait (holding their slot)
         #: so that checksumming does not compete with the capture for the CPU.
         self._deferred: list[tuple] = []
+        #: Threads blocked in ``SaveHandle.wait()`` (a failure they will raise is not logged).
+        self.waiters = 0
         self.all_written = threading.Event()
 
     def fail(self, exc: BaseException) -> None:
@@ -138,7 +140,24 @@ class Job:
 
     def finish(self) -> None:
         self.stats.commit_s = time.perf_counter() - self.t0
+        with self._lock:
+            waited = self.waiters > 0
+        _log_outcome(self, waited)
         self.finished.set()
+
+
+def _log_outcome(job: "Job", waited: bool) -> None:
+    """One INFO line per committed save; a WARNING, when it happens, for a failure that no
+    ``wait()`` is blocked on (it is also raised by the handle and warned about if never seen)."""
+    s = job.stats
+    if job.error is None:
+        rate = s.nbytes / s.commit_s / 1e9 if s.commit_s > 0 else 0.0
+        log.info("datastates: committed %s (rank %d): %d bytes, blocked %.1f ms, snapshot %.3f s, "
+                 "commit %.3f s, %.2f GB/s", job.name, job.rank, s.nbytes, s.blocked_s * 1e3,
+                 s.snapshot_s, s.commit_s, rate)
+    elif not waited:
+        log.warning("datastates: checkpoint %s failed on rank %d: %r", job.name, job.rank,
+                    job.error)
 
 
 def write_error(job: "Job", what: str, exc: BaseException) -> BaseException:
@@ -218,7 +237,15 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> commit_mod.CheckpointInfo:
         """Block until committed; return its info or raise its error."""
-        if not self._job.finished.wait(timeout):
+        job = self._job
+        with job._lock:
+            job.waiters += 1
+        try:
+            done = job.finished.wait(timeout)
+        finally:
+            with job._lock:
+                job.waiters -= 1
+        if not done:
             raise TimeoutError(f"checkpoint {self.name!r} not committed after {timeout} s")
         if self._job.error is not None:
             self._raise()
@@ -353,6 +380,10 @@ class Pipeline:
                 self._write_q.put(("checksum", job))
 
     def _open(self, job: Job) -> None:
+        if not os.path.isdir(job.root):  # the first save creates the directory, durably
+            os.makedirs(job.root, exist_ok=True)
+            if self.config.fsync:
+                fsync_dir(os.path.dirname(job.root))
         os.makedirs(job.tmp, exist_ok=True)  # its name says which process owns it
         job.writer = ShardWriter(os.path.join(job.tmp, fmt.shard_file_name(job.rank)),
                                  self.config.io_mode)
