@@ -108,8 +108,15 @@ def _list(args) -> int:
 
 
 def _inspect(args) -> int:
-    summary = tools.inspect(args.path, args.step, args.tag)
-    print(json.dumps(summary, indent=1) if args.json else tools.render_inspect(summary))
+    # A folder of several checkpoints with no newest one (a DeepSpeed tag folder: one checkpoint
+    # per file DeepSpeed names) shows each of them.
+    paths = [args.path] if tools.is_single(args.path) or args.step is not None or args.tag \
+        else [i.path for i in tools.find(args.path)]
+    summaries = [tools.inspect(p, args.step, args.tag) for p in paths]
+    if args.json:
+        print(json.dumps(summaries[0] if len(summaries) == 1 else summaries, indent=1))
+    else:
+        print("\n\n".join(tools.render_inspect(s) for s in summaries))
     return EXIT_OK
 
 

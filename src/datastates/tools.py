@@ -69,6 +69,14 @@ def find(path: str | os.PathLike, step: int | None = None, tag: str | None = Non
     return [commit_mod.latest(path)]
 
 
+def is_single(path: str | os.PathLike) -> bool:
+    """Whether ``path`` designates one checkpoint by itself: a checkpoint folder, a DCP folder,
+    or a folder of checkpoints whose newest is the one meant (see :func:`find`)."""
+    if _is_dcp(path) or not os.path.isdir(path):
+        return True
+    return len(find(path)) == 1
+
+
 def _is_step_name(name: str) -> bool:
     return name.startswith("step-") and name[5:].isdigit()
 

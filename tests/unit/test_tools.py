@@ -205,3 +205,16 @@ def test_find_rejects_ambiguous_folder_for_inspect(tmp_path):
     with pytest.raises(datastates.ConfigError, match="holds 2 checkpoints"):
         datastates.inspect(tmp_path)
     assert datastates.inspect(tmp_path, tag="b.pt")["name"] == "b.pt"
+
+
+def test_cli_inspect_shows_every_checkpoint_of_a_tag_folder(tmp_path, capsys):
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        with Checkpointer(tmp_path, CFG) as ck:  # the layout the DeepSpeed engine writes
+            ck.save({"x": torch.ones(2)}, tag=name).wait()
+    os.remove(tmp_path / "latest")
+    code, out, _ = _run(capsys, "inspect", str(tmp_path))
+    assert code == EXIT_OK
+    assert "mp_rank_00_model_states.pt" in out and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in out
+    code, out, _ = _run(capsys, "inspect", str(tmp_path), "--json")
+    assert code == EXIT_OK and [s["name"] for s in json.loads(out)] == [
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
