@@ -1,6 +1,7 @@
 """The public entry point: a Checkpointer owns the host cache and threads for one directory."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -31,6 +32,10 @@ class Checkpointer:
     capture and write; they never touch the training process group. Multi-rank: construct it on
     every rank after ``torch.distributed.init_process_group`` (one collective at construction);
     every rank then calls ``save`` with the same step/tag in the same order.
+
+    The directory is created by the first save (a Checkpointer that only restores or lists
+    creates nothing, and allocates no host cache); a path that is, or lies below, a file raises
+    NotADirectoryError at construction.
 
     Resources (host cache, threads) are released by ``close()`` or the ``with`` block, which first
     waits for in-flight saves to commit. ``share=other`` makes this Checkpointer use ``other``'s
@@ -65,6 +70,7 @@ class Checkpointer:
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         # The directory is created by the first save, not here: a Checkpointer used to restore or
         # list a mistyped path must not leave an empty folder behind.
+        _check_directory(self.directory)
         if self.rank == 0 and os.path.isdir(self.directory):
             commit_mod.clean_stale(self.directory, self.config.stale_tmp_age_s)
         if self._owns_pipeline:
@@ -388,6 +394,16 @@ class Checkpointer:
         if self._pipeline.closed:
             raise CheckpointerClosedError(f"the Checkpointer whose pipeline the one of "
                                           f"{self.directory} shares was closed")
+
+
+def _check_directory(path: str) -> None:
+    """``path`` is a directory, or can become one: its nearest existing ancestor is a directory."""
+    existing = path
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise NotADirectoryError(errno.ENOTDIR, f"cannot use {path} as a checkpoint directory: "
+                                 f"{existing} is a file, expected a directory", path)
 
 
 def _check_step(step) -> None:

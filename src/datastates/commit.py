@@ -319,7 +319,8 @@ def resolve(root: str, step: int | None = None, tag: str | None = None) -> Check
             raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}")
         return info_of(path, fmt.read_manifest(path))
     if not os.path.isdir(root):
-        raise CheckpointNotFoundError(f"checkpoint directory {root!r} does not exist")
+        raise CheckpointNotFoundError(f"no committed checkpoint in {root!r}: the directory does "
+                                      "not exist")
     found = latest(root)
     if found is None:
         raise CheckpointNotFoundError(f"no committed checkpoint in {root!r}")

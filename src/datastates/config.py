@@ -16,8 +16,9 @@ class CheckpointConfig:
     Sizes are in bytes. Every field has a default that suits a single GPU or CPU process.
     """
 
-    #: Size of the host cache (pinned on CUDA) allocated once and reused by every save.
-    #: A state larger than the cache streams through it with backpressure.
+    #: Largest size of the host cache (pinned on CUDA), allocated once at the first save and
+    #: reused by every save: that save's state plus one unit, at most this. A larger state
+    #: streams through it with backpressure. A Checkpointer that only restores allocates none.
     host_cache_bytes: int = 1 << 30
     #: Largest unit copied into the cache and written with one request; tensors larger than
     #: this are split. Rounded down to a multiple of 4096.

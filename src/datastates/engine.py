@@ -319,6 +319,7 @@ class Pipeline:
             if self._closed:
                 raise CheckpointerClosedError("the Checkpointer owning this pipeline was closed")
             self._active.append(job)
+            self.cache.reserve(len(job.layout.units) * self.config.unit_bytes)
             self._capture_q.put(job)
             self._commit_q.put(job)
 

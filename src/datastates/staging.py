@@ -23,17 +23,34 @@ _SPLIT_BYTES = 8 << 20  # pieces at least this large are copied by two threads
 
 
 class HostCache:
-    """``nslots`` slots of ``slot_bytes`` each, 4096-aligned. Allocated and touched by a background
-    thread started in the constructor, so the first save does not pay for page faults."""
+    """Slots of ``slot_bytes`` each, 4096-aligned, allocated once and reused by every save.
 
-    def __init__(self, total_bytes: int, slot_bytes: int, pin: bool):
+    Nothing is allocated until the first save calls :meth:`reserve` with its size: the cache is
+    then sized to that state plus one slot, at most ``limit_bytes`` (and at least two slots), and
+    allocated and touched by a background thread. A Checkpointer that only restores or lists
+    allocates nothing; a later, larger state streams through the cache with backpressure."""
+
+    def __init__(self, limit_bytes: int, slot_bytes: int, pin: bool):
+        self.limit_bytes = limit_bytes
         self.slot_bytes = slot_bytes
-        self.nslots = max(2, total_bytes // slot_bytes)
+        self.nslots = 0
         self.pinned = pin
         self._free: queue.Queue[int] = queue.Queue()
         self._ready = threading.Event()
+        self._started = False
+        self._start_lock = threading.Lock()
         self._error: BaseException | None = None
         self._buffer: torch.Tensor | None = None
+
+    def reserve(self, needed_bytes: int) -> None:
+        """Size and start allocating the cache for a first save of ``needed_bytes`` (training
+        thread, inside ``save()``; later calls do nothing)."""
+        with self._start_lock:
+            if self._started:
+                return
+            self._started = True
+            wanted = -(-needed_bytes // self.slot_bytes) + 1
+            self.nslots = max(2, min(self.limit_bytes // self.slot_bytes, wanted))
         threading.Thread(target=self._allocate, name="datastates-cache-alloc", daemon=True).start()
 
     def _allocate(self) -> None:
@@ -52,6 +69,7 @@ class HostCache:
 
     def acquire(self, cancelled: threading.Event, timeout: float | None = None) -> int:
         """Block until a slot is free; -1 if ``cancelled`` is set meanwhile, -2 after ``timeout``."""
+        self.reserve(self.limit_bytes)  # normally done by the first save already
         self._ready.wait()
         if self._error is not None:
             raise MemoryError(f"could not allocate the host cache of "
@@ -91,7 +109,8 @@ class HostCache:
         return self.nslots * self.slot_bytes
 
     def close(self) -> None:
-        self._ready.wait()
+        if self._started:
+            self._ready.wait()
         self._buffer = None
 
 

@@ -107,6 +107,8 @@ RESUME_SCRIPT = textwrap.dedent("""
             model.train()
             torch.nn.functional.dropout(torch.ones(4), 0.5)  # consumes RNG
             train_step(model, opt, sched, loader)
+    import os
+    os.makedirs(root, exist_ok=True)  # a run that never saved has no checkpoint directory
     torch.save(model.state_dict(), root + "/final-" + mode + ".pt")
 """)
 
