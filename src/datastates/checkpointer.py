@@ -174,6 +174,7 @@ class Checkpointer:
         ready = self._pipeline.copier.record_ready([flat.items[i].tensor for i in writes])
         return Job(flat=flat, layout=layout, write_tensors=writes, objects=objects,
                    metadata=metadata, ready=ready, eager_units=_units_holding(layout, len(eager)),
+                   eager_items=len(eager),
                    **job_args)
 
     def guard(self, optimizer: Any) -> None:

@@ -59,7 +59,8 @@ class Job:
     def __init__(self, *, sid: SaveId, name: str, step: int | None, root: str, tmp: str,
                  rank: int, flat: Flattened, layout: Layout, write_tensors: list[int],
                  objects: list[int], metadata: dict, overwrite: bool, ready, t0: float,
-                 on_commit: Callable[["Job"], None], deadline: float, eager_units: int = 0):
+                 on_commit: Callable[["Job"], None], deadline: float, eager_units: int = 0,
+                 eager_items: int = 0):
         self.sid, self.name, self.step, self.root, self.tmp = sid, name, step, root, tmp
         #: time.monotonic() by which this save must be decided (save() + commit_timeout_s).
         self.deadline = deadline
@@ -75,6 +76,9 @@ class Job:
         #: The leading units of the layout that hold eager tensors; once they are in the cache
         #: (or written), ``eager_captured`` is set and ``save()`` may return.
         self.eager_units = eager_units
+        #: The first ``eager_items`` tensors of ``write_tensors`` are eager: once their last piece
+        #: is copied, ``save()`` may return (the rest of that unit holds lazy tensors).
+        self.eager_items = eager_items
         self.eager_captured = threading.Event()
         self.captured = threading.Event()
         self.opened = threading.Event()
@@ -399,6 +403,16 @@ class Pipeline:
                     and item.lazy == lazy and item.key not in job.replicas]
             job.replicas.update(replica_digests(todo))
 
+    def _eager_done(self, job: Job) -> None:
+        """Every eager tensor is in the cache: the caller of ``save()`` may change them now."""
+        if job.eager_captured.is_set():
+            return
+        fence = self.copier.fence()  # device copies must have read their sources
+        if fence is not None:
+            fence.synchronize()
+        self._digest_replicas(job, lazy=False)
+        job.eager_captured.set()
+
     def _capture(self, job: Job) -> None:
         items, copier = job.flat.items, self.copier
         remaining = {}
@@ -410,8 +424,7 @@ class Pipeline:
         sources = []
         for number, unit in enumerate(job.layout.units):
             if number == job.eager_units:
-                self._digest_replicas(job, lazy=False)
-                job.eager_captured.set()  # the caller of save() may change eager state now
+                self._eager_done(job)
             slot = self._acquire(job)
             if slot < 0:
                 return
@@ -434,6 +447,8 @@ class Pipeline:
                                 src[piece.item_offset:piece.item_offset + piece.nbytes])
                     sources.append(src)
                     pos = end
+                    if piece.item == job.eager_items - 1 and not remaining[piece.item]:
+                        self._eager_done(job)
                 padded = fmt.align_up(pos, fmt.UNIT_ALIGN)
                 if padded > pos:
                     dst[pos:padded].zero_()
