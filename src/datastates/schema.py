@@ -220,28 +220,27 @@ def _int(value: Any, at: _At, lo: int = 0, hi: int = _U64) -> int:
     return value
 
 
-def _str(value: Any, at: _At) -> str:
-    if type(value) is not str:
-        raise at.bad(f"expected a string, found {_show(value)}")
+def _typed(value: Any, at: _At, kind: type, expected: str) -> Any:
+    """``value`` if its exact type is ``kind`` (a bool is not an int), else the error naming it."""
+    if type(value) is not kind:
+        raise at.bad(f"expected {expected}, found {_show(value)}")
     return value
+
+
+def _str(value: Any, at: _At) -> str:
+    return _typed(value, at, str, "a string")
 
 
 def _bool(value: Any, at: _At) -> bool:
-    if type(value) is not bool:
-        raise at.bad(f"expected true or false, found {_show(value)}")
-    return value
+    return _typed(value, at, bool, "true or false")
 
 
 def _list(value: Any, at: _At) -> list:
-    if type(value) is not list:
-        raise at.bad(f"expected a list, found {_show(value)}")
-    return value
+    return _typed(value, at, list, "a list")
 
 
 def _dict(value: Any, at: _At) -> dict:
-    if type(value) is not dict:
-        raise at.bad(f"expected an object, found {_show(value)}")
-    return value
+    return _typed(value, at, dict, "an object")
 
 
 def _show(value: Any) -> str:
