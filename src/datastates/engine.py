@@ -412,6 +412,8 @@ class Pipeline:
             fence.synchronize()
         self._digest_replicas(job, lazy=False)
         job.eager_captured.set()
+        if job.eager_items == len(job.write_tensors):  # nothing lazy: the snapshot is complete
+            job.captured.set()
 
     def _capture(self, job: Job) -> None:
         items, copier = job.flat.items, self.copier
