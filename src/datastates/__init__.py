@@ -18,6 +18,7 @@ from .flatten import TensorShard
 from .errors import (CheckpointerClosedError, CheckpointExistsError, CheckpointNotFoundError,
                      CheckpointWriteError, CommitError, CommitTimeoutError, ConfigError, CorruptCheckpointError,
                      DatastatesError, ReshardError, SerializationError, StateMismatchError,
+                     BucketNotFoundError, StorageAccessError, StorageError,
                      UnsafeObjectError, UnsupportedFormatError)
 from .providers import (Capture, ModuleProvider, OptimizerProvider, ProviderRegistry, RNGState,
                         RNGStateProvider, StatefulProvider, StateProvider, eager, lazy)
@@ -32,7 +33,7 @@ __all__ = [
     "CommitTimeoutError", "ConfigError", "LocalCommunicator", "StoreCommunicator", "CorruptCheckpointError", "DatastatesError",
     "ModuleProvider", "OptimizerProvider", "ProviderRegistry", "RNGState", "RNGStateProvider",
     "ReshardError", "RestoreReport", "SaveHandle", "SaveStats", "SerializationError",
-    "StateMismatchError", "StateProvider", "StatefulProvider", "TensorShard", "UnsafeObjectError",
+    "StateMismatchError", "StateProvider", "StorageAccessError", "StorageError", "BucketNotFoundError", "StatefulProvider", "TensorShard", "UnsafeObjectError",
     "UnsupportedFormatError", "eager", "export", "import_checkpoint", "inspect", "lazy",
     "CheckpointEngine",
 ]

@@ -7,7 +7,7 @@ import os
 import time
 import warnings
 import weakref
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -23,6 +23,7 @@ from .flatten import Flattened, ObjectItem, TensorItem, flatten
 from .planning import assign_replicated, plan_layout
 from .providers import ProviderRegistry
 from .restore import Reader, RestoreReport, check_rank_policy
+from .store import normalize, open_store
 
 
 class Checkpointer:
@@ -32,6 +33,13 @@ class Checkpointer:
     capture and write; they never touch the training process group. Multi-rank: construct it on
     every rank after ``torch.distributed.init_process_group`` (one collective at construction);
     every rank then calls ``save`` with the same step/tag in the same order.
+
+    ``directory`` is a local path or an object-store URL, ``s3://bucket/prefix`` (``pip install
+    'datastates[s3]'``; endpoint and credentials from ``storage_options`` — ``endpoint_url``,
+    ``aws_access_key_id``, ``aws_secret_access_key``, ``region_name`` — or the standard AWS
+    environment variables). On an object store the manifest written last commits a checkpoint
+    (docs/storage.md); the bucket and credentials are checked at construction
+    (BucketNotFoundError, StorageAccessError).
 
     The directory is created by the first save (a Checkpointer that only restores or lists
     creates nothing, and allocates no host cache); a path that is, or lies below, a file raises
@@ -51,8 +59,13 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, config: CheckpointConfig | None = None, *,
                  registry: ProviderRegistry | None = None, communicator=None,
-                 share: "Checkpointer | None" = None):
-        self.directory = os.path.abspath(os.fspath(directory))
+                 share: "Checkpointer | None" = None,
+                 storage_options: Mapping[str, Any] | None = None):
+        self.directory = normalize(directory)
+        #: Where the checkpoints live: the local file system, or an object store for
+        #: ``s3://bucket/prefix`` (endpoint and credentials from ``storage_options`` or the
+        #: environment; the bucket and credentials are checked here).
+        self.store = open_store(self.directory, storage_options)
         if share is not None:
             share._check_open()
             if config is not None and config != share.config:
@@ -70,9 +83,10 @@ class Checkpointer:
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         # The directory is created by the first save, not here: a Checkpointer used to restore or
         # list a mistyped path must not leave an empty folder behind.
-        _check_directory(self.directory)
-        if self.rank == 0 and os.path.isdir(self.directory):
-            commit_mod.clean_stale(self.directory, self.config.stale_tmp_age_s)
+        if self.store.renames:
+            _check_directory(self.directory)
+        if self.rank == 0 and self.store.isdir(self.directory):
+            commit_mod.clean_stale(self.directory, self.config.stale_tmp_age_s, self.store)
         if self._owns_pipeline:
             self._pipeline = Pipeline(self.config, self.comm)
         self._pending: list[SaveHandle] = []
@@ -122,7 +136,7 @@ class Checkpointer:
         deadline = time.monotonic() + self.config.commit_timeout_s
         job_args = dict(sid=sid, name=name, step=step, root=self.directory, rank=self.rank,
                         tmp=commit_mod.tmp_dir(self.directory, name, self.comm.run_id,
-                                               sid.attempt),
+                                               sid.attempt, self.store), store=self.store,
                         overwrite=overwrite, t0=t0, deadline=deadline,
                         on_commit=self._after_commit)
         try:
@@ -157,7 +171,9 @@ class Checkpointer:
             raise TypeError("metadata must survive a JSON round trip unchanged (string keys; "
                             f"lists, not tuples): {metadata!r}")
         name = job_args["name"]
-        if not job_args["overwrite"] and os.path.exists(os.path.join(self.directory, name)):
+        # (an object store checks at commit instead: no request on the training thread)
+        if not job_args["overwrite"] and self.store.renames and \
+                os.path.exists(os.path.join(self.directory, name)):
             raise CheckpointExistsError(f"checkpoint {name!r} already exists in "
                                         f"{self.directory}; pass overwrite=True to replace it")
         flat = flatten(state, self.registry)
@@ -282,8 +298,8 @@ class Checkpointer:
         _check_step(step)
         check_rank_policy(rank_policy)
         self._pipeline.drain()
-        info = commit_mod.resolve(self.directory, step, tag)
-        return Reader(info.path, registry=self.registry, rank=self.rank,
+        info = commit_mod.resolve(self.directory, step, tag, self.store)
+        return Reader(info.path, registry=self.registry, rank=self.rank, store=self.store,
                       world_size=self.world_size, threads=self.config.reader_threads,
                       verify=self.config.verify if verify is None else verify, trusted=trusted,
                       safe_globals=safe_globals, map_location=map_location,
@@ -293,9 +309,9 @@ class Checkpointer:
     def list(self) -> list[commit_mod.CheckpointInfo]:
         """Committed checkpoints, oldest first, in commit order (``CheckpointInfo.seq``); empty
         when the directory does not exist yet (nothing was saved there)."""
-        if not os.path.isdir(self.directory):
+        if not self.store.isdir(self.directory):
             return []
-        return commit_mod.list_checkpoints(self.directory)
+        return commit_mod.list_checkpoints(self.directory, self.store)
 
     def latest(self) -> commit_mod.CheckpointInfo | None:
         """The most recently committed checkpoint (highest commit sequence number, tags and steps
@@ -304,15 +320,15 @@ class Checkpointer:
         so the resume loop ``start = ckpt.restore(state).step + 1 if ckpt.latest() else 0``
         never saves a committed step twice (docs/format.md, "The resume loop"). None as well
         when the directory does not exist yet."""
-        if not os.path.isdir(self.directory):
+        if not self.store.isdir(self.directory):
             return None
-        return commit_mod.latest(self.directory)
+        return commit_mod.latest(self.directory, self.store)
 
     def delete(self, step: int | None = None, *, tag: str | None = None) -> None:
         """Delete a committed checkpoint (rank 0 only does the work)."""
         name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
         if self.rank == 0:
-            commit_mod.delete(self.directory, name, self.config.fsync)
+            commit_mod.delete(self.directory, name, self.config.fsync, self.store)
 
     # ------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -344,15 +360,15 @@ class Checkpointer:
         happens here: a failure to move ``latest`` (readers fall back to the newest manifest) or
         to apply retention is a warning naming what failed, not a failed save."""
         try:
-            commit_mod.set_latest(self.directory, job.name, self.config.fsync)
+            commit_mod.set_latest(self.directory, job.name, self.config.fsync, self.store)
         except Exception as exc:
             warnings.warn(f"datastates: {job.name!r} is committed, but updating "
-                          f"{os.path.join(self.directory, fmt.LATEST)} failed: {exc}",
+                          f"{self.store.join(self.directory, fmt.LATEST)} failed: {exc}",
                           RuntimeWarning, stacklevel=2)
         try:
             commit_mod.apply_retention(self.directory, self.config.keep_last,
                                        self.config.keep_every, protect=job.name,
-                                       fsync=self.config.fsync)
+                                       fsync=self.config.fsync, store=self.store)
         except Exception as exc:
             warnings.warn(f"datastates: {job.name!r} is committed, but applying retention in "
                           f"{self.directory} failed: {exc}", RuntimeWarning, stacklevel=2)

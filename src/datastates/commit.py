@@ -14,9 +14,10 @@ from typing import Any
 from . import format as fmt
 from . import schema
 from .dist import abort_decision
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
 from .planning import check_replicas, check_same_save, check_tiling
 from .storage import fsync_dir, remove_tree, write_file_atomic
+from .store import LOCAL, Store
 
 _OWNER_IN_NAME = re.compile(r"@(\d+)@([^@/]+)-\d+$")
 _OWNER_IN_TMP_FILE = re.compile(r"@(\d+)@([^@/]+)$")  # storage.write_file_atomic
@@ -128,7 +129,8 @@ def _remap(node: Any, table: list[int]) -> Any:
 # ---------------------------------------------------------------- rank 0's review before a rename
 
 def review(reports: dict[int, dict], *, name: str, step: int | None, metadata: dict,
-           save_id: str, tmp: str, replica_check: bool) -> tuple[dict | None, dict | None]:
+           save_id: str, tmp: str, replica_check: bool,
+           store: Store = LOCAL) -> tuple[dict | None, dict | None]:
     """Rank 0: (abort verdict, None) if the reports do not form one checkpoint of this save,
     else (None, manifest). Checks, in order: a rank's own failure, that every report belongs to
     this save, the manifest merge, exact tiling of every tensor, replica digests (optional), and
@@ -148,7 +150,7 @@ def review(reports: dict[int, dict], *, name: str, step: int | None, metadata: d
         return _invalid("invalid", f"checkpoint {name!r} was not committed",
                         [([0], str(exc))]), None
     problems = check_tiling(manifest) + (check_replicas(reports) if replica_check else [])
-    problems = problems or check_files(tmp, manifest)
+    problems = problems or check_files(tmp, manifest, store)
     if problems:
         return _invalid("invalid", f"checkpoint {name!r} was not committed: the ranks' reports "
                         "do not form a consistent checkpoint", problems), None
@@ -163,31 +165,33 @@ def _invalid(kind: str, message: str, problems: list) -> dict:
     return abort_decision(kind, message, causes)
 
 
-def discard(tmp: str, rank: int, keep_file: bool) -> None:
+def discard(tmp: str, rank: int, keep_file: bool, store: Store = LOCAL) -> None:
     """After an abort: each rank removes its own file, rank 0 the whole temporary directory.
     ``keep_file``: a rank that lost the store keeps its file (rank 0 may still be reading it;
     the stale-temporary cleanup removes it later)."""
     if rank == 0:
-        remove_tree(tmp)
+        store.remove_tree(tmp)
         return
     if keep_file:
         return
-    for remove in (lambda: os.remove(os.path.join(tmp, fmt.shard_file_name(rank))),
-                   lambda: os.rmdir(tmp)):
-        try:
-            remove()
-        except OSError:
-            pass  # absent, or other ranks' files still there (rank 0 removes the rest)
+    try:
+        store.remove(store.join(tmp, fmt.shard_file_name(rank)))
+        if store.renames:
+            os.rmdir(tmp)
+    except OSError:
+        pass  # absent, or other ranks' files still there (rank 0 removes the rest)
 
 
-def check_files(tmp: str, manifest: dict) -> list[tuple[list[int], str]]:
+def check_files(tmp: str, manifest: dict, store: Store = LOCAL) -> list[tuple[list[int], str]]:
     """Every file the manifest references exists in ``tmp`` with the reported size (a stat
     per file, on the coordinator, just before the rename)."""
     problems = []
     for f in manifest["files"]:
-        path = os.path.join(tmp, f["name"])
+        path = store.join(tmp, f["name"])
         try:
-            size = os.stat(path).st_size
+            reader = store.open_read(path)
+            size = reader.size
+            reader.close()
         except OSError as exc:
             problems.append(([f["rank"]], f"{path}: cannot stat the shard file ({exc})"))
             continue
@@ -196,12 +200,13 @@ def check_files(tmp: str, manifest: dict) -> list[tuple[list[int], str]]:
     return problems
 
 
-def committed_save(root: str, name: str, save_id: str) -> "CheckpointInfo | None":
+def committed_save(root: str, name: str, save_id: str,
+                   store: Store = LOCAL) -> "CheckpointInfo | None":
     """The committed checkpoint ``root/name`` if its manifest records ``save_id``, else None:
     how a rank learns the verdict from the disk when the coordination store is gone."""
-    path = os.path.join(root, name)
+    path = store.join(root, name)
     try:
-        manifest = fmt.read_manifest(path)
+        manifest = fmt.read_manifest(path, store)
     except (OSError, CorruptCheckpointError):
         return None
     return info_of(path, manifest) if manifest.save_id == save_id else None
@@ -209,26 +214,31 @@ def committed_save(root: str, name: str, save_id: str) -> "CheckpointInfo | None
 
 # ---------------------------------------------------------------- directory operations
 
-def tmp_dir(root: str, name: str, run_id: str, attempt: int) -> str:
+def tmp_dir(root: str, name: str, run_id: str, attempt: int, store: Store = LOCAL) -> str:
     """The temporary directory of one save: the same on every rank (name, run id and attempt
-    all come from the save's identity), so all ranks write into the directory rank 0 renames."""
+    all come from the save's identity), so all ranks write into the directory rank 0 commits.
+    On an object store it is the data directory inside the checkpoint's own prefix, named by
+    the manifest that commits it."""
+    if not store.renames:
+        return store.join(root, name, f".data.{run_id}-{attempt}")
     return os.path.join(root, f".tmp.{name}.{run_id}-{attempt}")
 
 
 def publish(root: str, tmp: str, name: str, manifest: dict, *, overwrite: bool,
-            fsync: bool) -> str:
+            fsync: bool, store: Store = LOCAL) -> str:
     """Make ``tmp`` the committed checkpoint ``root/name`` atomically. Returns its path.
 
     Rank 0 only. Sets ``manifest["seq"]`` to the commit sequence number (one more than the
     highest of the checkpoints committed in ``root``) before the manifest is written, so the
     caller's dict describes the committed checkpoint."""
+    manifest["seq"] = next_seq(root, store)
+    if not store.renames:
+        return _publish_object(root, tmp, name, manifest, overwrite, store)
     final = os.path.join(root, name)
-    manifest["seq"] = next_seq(root)
     write_file_atomic(os.path.join(tmp, fmt.MANIFEST), fmt.encode_manifest(manifest), fsync)
     old = None
     if os.path.exists(final):
         if not overwrite:
-            from .errors import CheckpointExistsError
             raise CheckpointExistsError(f"{final} already exists (committed meanwhile); pass "
                                         "overwrite=True to replace it")
         old = os.path.join(root, f".old.{name}.{uuid.uuid4().hex[:8]}")
@@ -247,19 +257,50 @@ def publish(root: str, tmp: str, name: str, manifest: dict, *, overwrite: bool,
         except FileNotFoundError:
             pass
         except OSError as exc:
-            warnings.warn(f"datastates: {final} is committed, but tidying up after the rename "
-                          f"failed: {exc}", RuntimeWarning, stacklevel=2)
+            _tidy_warning(final, exc)
     return final
 
 
-def next_seq(root: str) -> int:
+def _publish_object(root: str, tmp: str, name: str, manifest: dict, overwrite: bool,
+                    store: Store) -> str:
+    """Object store: the shard files are already in place, under a data directory named after
+    this save; writing ``manifest.json`` (one PUT, atomic) commits. A replaced checkpoint's
+    data directory is deleted after the new manifest is in place, so a reader sees the old
+    manifest with the old data or the new manifest with the new data, never a mix."""
+    final = store.join(root, name)
+    manifest["data_dir"] = os.path.basename(tmp)
+    old = None
+    try:
+        old = fmt.read_manifest(final, store)
+    except CheckpointNotFoundError:
+        pass
+    except CorruptCheckpointError:
+        old = False  # a damaged manifest: replace it, leave its data for clean_stale
+    if old is not None and not overwrite:
+        raise CheckpointExistsError(f"{final} already exists (committed meanwhile); pass "
+                                    "overwrite=True to replace it")
+    store.write_atomic(store.join(final, fmt.MANIFEST), fmt.encode_manifest(manifest), True)
+    if old and old.data_dir and old.data_dir != manifest["data_dir"]:
+        try:
+            store.remove_tree(store.join(final, old.data_dir))
+        except OSError as exc:
+            _tidy_warning(final, exc)
+    return final
+
+
+def _tidy_warning(final: str, exc: OSError) -> None:
+    warnings.warn(f"datastates: {final} is committed, but tidying up after the commit failed: "
+                  f"{exc}", RuntimeWarning, stacklevel=3)
+
+
+def next_seq(root: str, store: Store = LOCAL) -> int:
     """The commit sequence number of the next checkpoint committed in ``root``."""
-    return max((i.seq for i in list_checkpoints(root)), default=0) + 1
+    return max((i.seq for i in list_checkpoints(root, store)), default=0) + 1
 
 
-def set_latest(root: str, name: str, fsync: bool) -> None:
+def set_latest(root: str, name: str, fsync: bool, store: Store = LOCAL) -> None:
     """Point the ``latest`` hint at ``name`` (for people and tools; readers do not need it)."""
-    write_file_atomic(os.path.join(root, fmt.LATEST), name.encode(), fsync)
+    store.write_atomic(store.join(root, fmt.LATEST), name.encode(), fsync)
 
 
 def info_of(path: str, manifest: "schema.Manifest | dict") -> CheckpointInfo:
@@ -273,18 +314,20 @@ def info_of(path: str, manifest: "schema.Manifest | dict") -> CheckpointInfo:
                           seq=manifest.seq)
 
 
-def list_checkpoints(root: str) -> list[CheckpointInfo]:
+def list_checkpoints(root: str, store: Store = LOCAL) -> list[CheckpointInfo]:
     """Committed checkpoints in ``root``, oldest first: in commit order (``seq``), which is also
     step order for checkpoints saved by step. Damaged ones are left out."""
-    if not os.path.isdir(root):
-        raise CheckpointNotFoundError(f"checkpoint directory {root!r} does not exist")
+    try:
+        names = store.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointNotFoundError(f"checkpoint directory {root!r} does not exist") from None
     found = []
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if name.startswith(".") or not os.path.isfile(os.path.join(path, fmt.MANIFEST)):
+    for name in names:
+        path = store.join(root, name)
+        if name.startswith(".") or name == fmt.LATEST:
             continue
         try:
-            found.append(info_of(path, fmt.read_manifest(path)))
+            found.append(info_of(path, fmt.read_manifest(path, store)))
         except (CorruptCheckpointError, CheckpointNotFoundError, OSError):
             continue
     return sorted(found, key=_order)
@@ -295,57 +338,66 @@ def _order(info: CheckpointInfo):
     return (info.seq, info.step if info.step is not None else -1, info.created_unix, info.name)
 
 
-def latest(root: str) -> CheckpointInfo | None:
+def latest(root: str, store: Store = LOCAL) -> CheckpointInfo | None:
     """The newest committed checkpoint of ``root`` (highest commit sequence number), or None.
 
     The ``latest`` file is only a hint written after each commit, for people and tools; it is
     not read here. So a crash between a commit and the update of ``latest`` still resumes from
     the checkpoint just committed, and tagged checkpoints count by when they were committed. To
     roll back, delete the newer checkpoints."""
-    found = list_checkpoints(root)
+    found = list_checkpoints(root, store)
     return found[-1] if found else None
 
 
-def resolve(root: str, step: int | None = None, tag: str | None = None) -> CheckpointInfo:
+def resolve(root: str, step: int | None = None, tag: str | None = None,
+            store: Store = LOCAL) -> CheckpointInfo:
     """Find a committed checkpoint by tag, by step, or the latest."""
     if tag is not None or step is not None:
         name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
-        path = os.path.join(root, name)
-        if not os.path.isdir(path) and tag is None:
-            matches = [i for i in list_checkpoints(root) if i.step == step]
-            if matches:
-                return matches[-1]
-        if not os.path.isdir(path):
-            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}")
-        return info_of(path, fmt.read_manifest(path))
-    if not os.path.isdir(root):
+        path = store.join(root, name)
+        try:
+            return info_of(path, fmt.read_manifest(path, store))
+        except CheckpointNotFoundError:
+            if tag is None:
+                matches = [i for i in list_checkpoints(root, store) if i.step == step]
+                if matches:
+                    return matches[-1]
+            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}") from None
+    if store.renames and not store.isdir(root):
         raise CheckpointNotFoundError(f"no committed checkpoint in {root!r}: the directory does "
                                       "not exist")
-    found = latest(root)
+    found = latest(root, store)
     if found is None:
         raise CheckpointNotFoundError(f"no committed checkpoint in {root!r}")
     return found
 
 
-def delete(root: str, name: str, fsync: bool = True) -> None:
-    """Remove a checkpoint atomically: rename it away first, then delete the files."""
-    path = os.path.join(root, fmt.check_name(name))
-    if not os.path.isdir(path):
-        raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}")
-    trash = os.path.join(root, f".trash.{name}.{uuid.uuid4().hex[:8]}")
-    os.rename(path, trash)
-    if fsync:
-        fsync_dir(root)
+def delete(root: str, name: str, fsync: bool = True, store: Store = LOCAL) -> None:
+    """Remove a checkpoint atomically: rename it away (object stores: delete its manifest)
+    first, then delete the files."""
+    path = store.join(root, fmt.check_name(name))
+    if not store.renames:
+        if not store.isfile(store.join(path, fmt.MANIFEST)):
+            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}")
+        store.remove(store.join(path, fmt.MANIFEST))
+        trash = path
+    else:
+        if not os.path.isdir(path):
+            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}")
+        trash = os.path.join(root, f".trash.{name}.{uuid.uuid4().hex[:8]}")
+        os.rename(path, trash)
+        if fsync:
+            fsync_dir(root)
     try:
-        remove_tree(trash)
+        store.remove_tree(trash)
     except OSError as exc:
         raise OSError(exc.errno, f"checkpoint {name!r} was deleted (no longer listed) but its "
-                                 f"files in {trash} could not be removed: {exc.strerror}",
+                                 f"files in {trash} could not be removed: {exc.strerror or exc}",
                       exc.filename) from exc
 
 
 def apply_retention(root: str, keep_last: int | None, keep_every: int | None,
-                    protect: str, fsync: bool) -> list[str]:
+                    protect: str, fsync: bool, store: Store = LOCAL) -> list[str]:
     """Delete committed checkpoints beyond the policy; return the deleted names.
 
     Keeps the ``keep_last`` most recently committed checkpoints (commit order, steps and tags
@@ -355,8 +407,8 @@ def apply_retention(root: str, keep_last: int | None, keep_every: int | None,
     deletion is attempted; then an OSError naming each path that could not be removed is raised."""
     if keep_last is None:
         return []
-    failures = _remove_trash(root)
-    found = list_checkpoints(root)
+    failures = _remove_trash(root) if store.renames else []
+    found = list_checkpoints(root, store)
     keep = {i.name for i in found[-keep_last:]} | {protect}
     if found:
         keep.add(found[-1].name)
@@ -367,7 +419,7 @@ def apply_retention(root: str, keep_last: int | None, keep_every: int | None,
         if keep_every and info.step is not None and info.step % keep_every == 0:
             continue
         try:
-            delete(root, info.name, fsync)
+            delete(root, info.name, fsync, store)
             removed.append(info.name)
         except OSError as exc:
             failures.append(exc)
@@ -388,10 +440,13 @@ def _remove_trash(root: str) -> list[OSError]:
     return failures
 
 
-def clean_stale(root: str, max_age_s: float) -> list[str]:
+def clean_stale(root: str, max_age_s: float, store: Store = LOCAL) -> list[str]:
     """Remove temporaries left by dead writers: those owned by a dead process on this host, those
     older than ``max_age_s``, and interrupted deletions. Restores a checkpoint whose replacement
-    was interrupted between the two renames."""
+    was interrupted between the two renames. Object stores: data directories no manifest names
+    and unfinished multipart uploads, by the same rule."""
+    if not store.renames:
+        return _clean_stale_objects(root, max_age_s, store)
     removed = []
     now = time.time()
     host = socket.gethostname()
@@ -427,6 +482,40 @@ def clean_stale(root: str, max_age_s: float) -> list[str]:
                               RuntimeWarning, stacklevel=2)
                 continue
             removed.append(name)
+    return removed
+
+
+def _clean_stale_objects(root: str, max_age_s: float, store: Store) -> list[str]:
+    now, host = time.time(), socket.gethostname()
+
+    def stale(data_dir: str, started: float) -> bool:
+        owner = _OWNER_IN_NAME.search(data_dir)
+        dead = owner is not None and owner.group(2) == host and not _alive(int(owner.group(1)))
+        return dead or now - started > max_age_s
+
+    removed = []
+    for name in sorted(store.listdir(root)):
+        if name.startswith(".") or name == fmt.LATEST:
+            continue
+        ckpt = store.join(root, name)
+        try:
+            current = fmt.read_manifest(ckpt, store).data_dir
+        except CheckpointNotFoundError:
+            current = None
+        except (CorruptCheckpointError, OSError):
+            continue  # leave a checkpoint that cannot be read as it is
+        for child in store.listdir(ckpt):
+            path = store.join(ckpt, child)
+            if child.startswith(".data.") and child != current and stale(child, store.mtime(path)):
+                try:
+                    store.remove_tree(path)
+                    removed.append(f"{name}/{child}")
+                except OSError as exc:
+                    warnings.warn(f"datastates: could not remove the stale data {path}: {exc}",
+                                  RuntimeWarning, stacklevel=2)
+    removed += store.cleanup_uploads(
+        root, lambda key, started: stale(key.rsplit("/", 2)[-2] if key.count("/") >= 2 else "",
+                                         started))
     return removed
 
 

@@ -14,7 +14,6 @@ job's events ends, with the data or with an error.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -33,7 +32,8 @@ from .errors import (CheckpointerClosedError, CheckpointWriteError, CommitError,
 from .flatten import Flattened, TensorItem
 from .planning import Layout
 from .staging import DeviceCopier, HostCache
-from .storage import ShardWriter, fsync_dir, remove_tree
+from .storage import ShardWriter
+from .store import LOCAL, Store
 
 log = logging.getLogger("datastates")
 
@@ -60,8 +60,10 @@ class Job:
                  rank: int, flat: Flattened, layout: Layout, write_tensors: list[int],
                  objects: list[int], metadata: dict, overwrite: bool, ready, t0: float,
                  on_commit: Callable[["Job"], None], deadline: float, eager_units: int = 0,
-                 eager_items: int = 0):
+                 eager_items: int = 0, store: Store = LOCAL):
         self.sid, self.name, self.step, self.root, self.tmp = sid, name, step, root, tmp
+        #: Where the checkpoint is written (local directory or object store).
+        self.store = store
         #: time.monotonic() by which this save must be decided (save() + commit_timeout_s).
         self.deadline = deadline
         #: Digest of every declared-replicated tensor (key → text), compared across ranks.
@@ -297,7 +299,7 @@ class Pipeline:
         self._active: list[Job] = []
         #: Temporary directories of failed saves that could not be removed yet (commit thread):
         #: retried after every later save and at ``close``.
-        self._leftovers: list[str] = []
+        self._leftovers: list[tuple[Store, str]] = []
         pin = torch.cuda.is_available()
         self.cache = HostCache(config.host_cache_bytes, config.unit_bytes, pin)
         self.copier = DeviceCopier()
@@ -385,13 +387,11 @@ class Pipeline:
                 self._write_q.put(("checksum", job))
 
     def _open(self, job: Job) -> None:
-        if not os.path.isdir(job.root):  # the first save creates the directory, durably
-            os.makedirs(job.root, exist_ok=True)
-            if self.config.fsync:
-                fsync_dir(os.path.dirname(job.root))
-        os.makedirs(job.tmp, exist_ok=True)  # its name says which process owns it
-        job.writer = ShardWriter(os.path.join(job.tmp, fmt.shard_file_name(job.rank)),
-                                 self.config.io_mode)
+        store = job.store
+        store.makedirs(job.root, self.config.fsync)  # the first save creates the directory
+        store.makedirs(job.tmp, False)  # its name says which process owns it
+        job.writer = store.shard_writer(store.join(job.tmp, fmt.shard_file_name(job.rank)),
+                                        self.config.io_mode, job.layout)
         job.opened.set()
 
     def _digest_replicas(self, job: Job, lazy: bool) -> None:
@@ -633,7 +633,7 @@ class Pipeline:
         if decision.get("ok"):
             if job.info is None:
                 job.info = commit_mod.CheckpointInfo(name=job.name,
-                                                     path=os.path.join(job.root, job.name),
+                                                     path=job.store.join(job.root, job.name),
                                                      step=job.step, **decision["info"])
             if job.rank == 0:
                 job.on_commit(job)
@@ -645,21 +645,23 @@ class Pipeline:
             error.__cause__ = job.error
             job.error = error
         if job.rank != 0:  # rank 0 removes the whole temporary directory (see _commit_loop)
-            commit_mod.discard(job.tmp, job.rank, keep_file=decision["kind"] == "store")
+            commit_mod.discard(job.tmp, job.rank, keep_file=decision["kind"] == "store",
+                               store=job.store)
 
     def _check(self, job: Job, reports: dict[int, dict]) -> dict | None:
         """Rank 0: the abort verdict for these reports, or None if they form a checkpoint (its
         manifest is then kept on the job for :meth:`_publish`)."""
         decision, job.manifest = commit_mod.review(
             reports, name=job.name, step=job.step, metadata=job.metadata, save_id=job.sid.nonce,
-            tmp=job.tmp, replica_check=self.config.replica_check)
+            tmp=job.tmp, replica_check=self.config.replica_check, store=job.store)
         return decision
 
     def _publish(self, job: Job) -> dict:
         """Rank 0, after winning the decision: rename into place; the commit verdict."""
         try:
             path = commit_mod.publish(job.root, job.tmp, job.name, job.manifest,
-                                      overwrite=job.overwrite, fsync=self.config.fsync)
+                                      overwrite=job.overwrite, fsync=self.config.fsync,
+                                      store=job.store)
         except BaseException as exc:
             job.fail(write_error(job, f"committing {job.name!r}", exc))
             raise
@@ -670,7 +672,7 @@ class Pipeline:
 
     def _verdict_on_disk(self, job: Job, why: str) -> dict:
         """The verdict when the store is gone: committed iff the manifest records this save."""
-        info = commit_mod.committed_save(job.root, job.name, job.sid.nonce)
+        info = commit_mod.committed_save(job.root, job.name, job.sid.nonce, job.store)
         if info is not None:
             job.info = info
             return {"ok": True, "info": {}}
@@ -681,20 +683,20 @@ class Pipeline:
         """Rank 0: delete the temporary directory of a failed save. If that fails too, warn
         naming it; it is retried after every later save and at ``close``."""
         try:
-            remove_tree(job.tmp)
+            job.store.remove_tree(job.tmp)
         except OSError as exc:
-            self._leftovers.append(job.tmp)
+            self._leftovers.append((job.store, job.tmp))
             warnings.warn(f"datastates: checkpoint {job.name!r} failed and its temporary "
                           f"directory {job.tmp} could not be removed ({exc}); retrying after the "
                           "next save", RuntimeWarning, stacklevel=2)
 
     def _remove_leftovers(self, warn: bool) -> None:
         left = []
-        for path in self._leftovers:
+        for store, path in self._leftovers:
             try:
-                remove_tree(path)
+                store.remove_tree(path)
             except OSError as exc:
-                left.append(path)
+                left.append((store, path))
                 if warn:
                     warnings.warn(f"datastates: the temporary directory {path} of a failed save "
                                   f"could not be removed: {exc}", RuntimeWarning, stacklevel=2)

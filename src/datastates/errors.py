@@ -69,3 +69,15 @@ class ReshardError(DatastatesError, ValueError):
 class CheckpointerClosedError(DatastatesError, RuntimeError):
     """``save``/``restore``/``load`` was called on a closed Checkpointer (or on one sharing the
     pipeline of a Checkpointer that was closed)."""
+
+
+class StorageError(DatastatesError, OSError):
+    """The storage service failed a request (unreachable, refused, or an unexpected reply)."""
+
+
+class StorageAccessError(StorageError, PermissionError):
+    """The storage service refused the credentials (wrong key, no permission on the bucket)."""
+
+
+class BucketNotFoundError(StorageError, FileNotFoundError):
+    """The bucket of an object-store location does not exist."""

@@ -108,11 +108,14 @@ def encode_index(rank: int, entries: list[dict]) -> bytes:
                        "entries": entries}, separators=(",", ":"), allow_nan=False).encode()
 
 
-def read_header(fd: int, path: str, file_size: int) -> ShardHeader:
+def read_header(f: "int | ReadFile", path: str, file_size: int) -> ShardHeader:
     """Validate a shard file's header (magic, CRC, version, flags and reserved bytes zero, index
-    inside the file); return where its index is."""
+    inside the file); return where its index is. ``f``: a ``store.ReadFile`` or a descriptor."""
     try:
-        raw = os.pread(fd, HEADER_BYTES, 0)
+        if isinstance(f, int):
+            raw = os.pread(f, HEADER_BYTES, 0)
+        else:
+            raw = f.pread(min(HEADER_BYTES, file_size), 0)
     except OSError as exc:
         raise CorruptCheckpointError(f"{path}: cannot read the header ({exc})") from None
     if len(raw) < HEADER_BYTES:
@@ -143,15 +146,19 @@ def read_header(fd: int, path: str, file_size: int) -> ShardHeader:
     return ShardHeader(offset, length, index_crc)
 
 
-def read_index(path: str) -> "schema.ShardIndex":
+def read_index(path: str, store: "Store | None" = None) -> "schema.ShardIndex":
     """Read, checksum and validate the self-describing index of a shard file."""
-    fd = _open(path)
+    store = store or open_store(path)
     try:
-        size = os.fstat(fd).st_size
-        header = read_header(fd, path, size)
-        raw = os.pread(fd, header.index_length, header.index_offset)
+        f = store.open_read(path)
+    except FileNotFoundError:
+        from .errors import CheckpointNotFoundError
+        raise CheckpointNotFoundError(f"{path}: shard file missing") from None
+    try:
+        header = read_header(f, path, f.size)
+        raw = f.pread(header.index_length, header.index_offset)
     finally:
-        os.close(fd)
+        f.close()
     return parse_index_bytes(raw, header, path)
 
 
@@ -187,12 +194,12 @@ def encode_json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
 
 
-def read_manifest(ckpt_dir: str) -> "schema.Manifest":
+def read_manifest(ckpt_dir: str, store: "Store | None" = None) -> "schema.Manifest":
     """Read, checksum and validate ``manifest.json`` of a checkpoint directory."""
-    path = os.path.join(ckpt_dir, MANIFEST)
+    store = store or open_store(ckpt_dir)
+    path = store.join(ckpt_dir, MANIFEST)
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = store.read_bytes(path)
     except FileNotFoundError:
         from .errors import CheckpointNotFoundError
         raise CheckpointNotFoundError(f"{ckpt_dir}: no {MANIFEST} (not a committed checkpoint)") \
@@ -249,13 +256,6 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _open(path: str) -> int:
-    try:
-        return os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        from .errors import CheckpointNotFoundError
-        raise CheckpointNotFoundError(f"{path}: shard file missing") from None
-
-
 # The typed model builds on the constants above; imported last (it imports this module).
 from . import schema  # noqa: E402
+from .store import ReadFile, Store, open_store  # noqa: E402

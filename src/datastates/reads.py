@@ -5,14 +5,13 @@ A *region* is anything with ``file``, ``offset``, ``nbytes``, ``dest`` (a flat u
 receiving the bytes), ``checksums`` (``[[length, crc32], ...]`` covering the region in order) and
 ``key`` (restore's ``_Read``). Regions of one file that lie close together are coalesced into runs;
 each run is read by one thread, front to back, in steps of at most ``STEP`` bytes, each step one
-``preadv`` into the destinations (gaps go to scratch memory). A step's bytes are checksummed at once
+vectored read (``ReadFile.read_into``: a ``preadv``, or a ranged GET) into the destinations (gaps go to scratch memory). A step's bytes are checksummed at once
 (they are still in the CPU cache), the CRC chained across steps, so verification costs one pass over
 cached memory and no second trip to RAM. Several runs are read at once by the caller's threads,
 which keeps several requests in flight on the disk.
 """
 from __future__ import annotations
 
-import os
 
 from . import format as fmt
 from .errors import CorruptCheckpointError
@@ -24,14 +23,14 @@ STEP = 8 << 20            # bytes per read request: keeps the disk busy, still i
 MAX_IOV = 512             # buffers per preadv (the kernel's limit is 1024)
 
 
-def read_run(fd: int, group: list, path: str, verify: bool) -> None:
+def read_run(f, group: list, path: str, verify: bool) -> None:
     """Read one run (regions of one file, sorted, from :func:`coalesce`) into the regions'
     destinations, step by step; with ``verify``, check every region's checksums as its bytes land.
     Raises CorruptCheckpointError on a short file, a mismatch, or pieces not covering a region
     (naming the path, key and offsets)."""
     checks = [Checker(r, path) for r in group] if verify else None
     for step_offset, segments in steps(group):
-        preadv_all(fd, [view for _, view in segments], step_offset, path)
+        f.read_into([view for _, view in segments], step_offset)
         if checks is not None:
             for index, view in segments:
                 if index >= 0:
@@ -46,15 +45,6 @@ def group_limit(reads: list, threads: int) -> int:
     runs of its own (read-ahead sized to the work)."""
     total = sum(r.nbytes for r in reads)
     return max(STEP, min(MAX_RUN, total // max(1, 2 * threads)))
-
-
-def advise_sequential(fd: int) -> None:
-    """Ask the kernel for aggressive read-ahead on a file read front to back (best effort)."""
-    if hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        except OSError:
-            pass
 
 
 def steps(group: list):
@@ -80,23 +70,6 @@ def steps(group: list):
         pos = r.offset + r.nbytes
     if segments:
         yield start, segments
-
-
-def preadv_all(fd: int, views: list[memoryview], offset: int, path: str) -> None:
-    """Fill ``views`` (in order) from ``offset`` with as few ``preadv`` calls as the kernel allows;
-    a short file raises CorruptCheckpointError naming the path and offset."""
-    views = [v for v in views if v.nbytes]
-    while views:
-        got = os.preadv(fd, views, offset)
-        if got <= 0:
-            raise CorruptCheckpointError(f"{path}: unexpected end of file at offset {offset} "
-                                         "(file truncated)")
-        offset += got
-        while got:
-            if got >= views[0].nbytes:
-                got -= views.pop(0).nbytes
-            else:
-                views[0], got = views[0][got:], 0
 
 
 class Checker:

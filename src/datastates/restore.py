@@ -24,8 +24,8 @@ from .errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointErro
 from .flatten import TensorShard, key_of, sharding_of
 from .planning import RANK_POLICIES, per_rank_keys
 from .providers import Capture, ProviderRegistry, StateProvider
-from .reads import advise_sequential, coalesce, group_limit, read_run
-from .storage import pread_into
+from .reads import coalesce, group_limit, read_run
+from .store import ReadFile, Store, open_store
 
 
 
@@ -58,61 +58,58 @@ class _Files:
     """The shard files of a checkpoint: their sizes checked against the manifest at once, each
     opened on demand with its header validated against the manifest once."""
 
-    def __init__(self, ckpt_dir: str, manifest: Manifest):
-        self.dir, self.manifest = ckpt_dir, manifest
-        self._fds: dict[int, tuple[int, ShardHeader]] = {}
+    def __init__(self, ckpt_dir: str, manifest: Manifest, store: Store):
+        self.dir, self.manifest, self.store = ckpt_dir, manifest, store
+        #: where the shard files are: the checkpoint directory, or its data directory
+        self.data = store.join(ckpt_dir, manifest.data_dir) if manifest.data_dir else ckpt_dir
+        self._opened: dict[int, ReadFile] = {}
+        self._checked: dict[int, tuple[ReadFile, ShardHeader]] = {}
         self._lock = threading.Lock()
-        for file_id in range(len(manifest.files)):
-            self._check_size(file_id)
+        try:
+            for file_id in range(len(manifest.files)):
+                self._check_size(file_id)
+        except BaseException:
+            self.close()
+            raise
 
     def path(self, file_id: int) -> str:
-        return os.path.join(self.dir, self.manifest.files[file_id].name)
+        return self.store.join(self.data, self.manifest.files[file_id].name)
 
     def _check_size(self, file_id: int) -> None:
         """Before anything is allocated from the manifest's sizes: the file is there and has the
-        size the manifest records (which bounds every region in it)."""
+        size the manifest records (which bounds every region in it). The file stays open."""
         path = self.path(file_id)
         try:
-            size = os.stat(path).st_size
+            f = self.store.open_read(path)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{path}: shard file listed in the manifest is "
                                           "missing") from None
         except OSError as exc:
-            raise CorruptCheckpointError(f"{path}: cannot stat the shard file ({exc})") from None
-        if size != self.manifest.files[file_id].nbytes:
-            raise CorruptCheckpointError(f"{path}: {size} bytes, the manifest records "
+            raise CorruptCheckpointError(f"{path}: cannot open the shard file ({exc})") from None
+        self._opened[file_id] = f
+        if f.size != self.manifest.files[file_id].nbytes:
+            raise CorruptCheckpointError(f"{path}: {f.size} bytes, the manifest records "
                                          f"{self.manifest.files[file_id].nbytes} (truncated or "
                                          "replaced?)")
 
-    def open(self, file_id: int) -> tuple[int, int]:
-        """(fd, index offset) of a validated file."""
-        fd, header = self.open_with_header(file_id)
-        return fd, header.index_offset
+    def open(self, file_id: int) -> tuple[ReadFile, int]:
+        """(file, index offset) of a validated file."""
+        f, header = self.open_with_header(file_id)
+        return f, header.index_offset
 
-    def open_with_header(self, file_id: int) -> tuple[int, ShardHeader]:
-        """(fd, header) of a file whose header agrees with the manifest: same index CRC, index
+    def open_with_header(self, file_id: int) -> tuple[ReadFile, ShardHeader]:
+        """(file, header) of a file whose header agrees with the manifest: same index CRC, index
         4096-aligned and last in the file, every region the manifest names before the index."""
         with self._lock:
-            if file_id in self._fds:
-                return self._fds[file_id]
-            path = self.path(file_id)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise CheckpointNotFoundError(f"{path}: shard file listed in the manifest is "
-                                              "missing") from None
-            try:
-                header = self._check_header(fd, file_id, path)
-            except BaseException:
-                os.close(fd)
-                raise
-            self._fds[file_id] = (fd, header)
-            return self._fds[file_id]
+            if file_id not in self._checked:
+                f = self._opened[file_id]
+                self._checked[file_id] = (f, self._check_header(f, file_id, self.path(file_id)))
+            return self._checked[file_id]
 
-    def _check_header(self, fd: int, file_id: int, path: str) -> ShardHeader:
+    def _check_header(self, f: ReadFile, file_id: int, path: str) -> ShardHeader:
         ref = self.manifest.files[file_id]
-        size = os.fstat(fd).st_size
-        header = fmt.read_header(fd, path, size)
+        size = f.size
+        header = fmt.read_header(f, path, size)
         if header.index_crc32 != ref.index_crc32:
             raise CorruptCheckpointError(f"{path}: index checksum {header.index_crc32} differs "
                                          f"from the manifest's {ref.index_crc32} (file replaced?)")
@@ -131,9 +128,10 @@ class _Files:
 
     def close(self) -> None:
         with self._lock:
-            for fd, _ in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+            for f in self._opened.values():
+                f.close()
+            self._opened.clear()
+            self._checked.clear()
 
 
 def check_rank_policy(rank_policy) -> None:
@@ -149,16 +147,18 @@ class Reader:
     def __init__(self, ckpt_dir: str, *, registry: ProviderRegistry, rank: int = 0,
                  world_size: int = 1, threads: int = 4, verify: bool = True,
                  trusted: bool = False, safe_globals: Iterable[Any] = (),
-                 map_location: Any = None, rank_policy: str = "strict"):
+                 map_location: Any = None, rank_policy: str = "strict",
+                 store: Store | None = None):
         check_rank_policy(rank_policy)
         self.dir = ckpt_dir
-        self.manifest = fmt.read_manifest(ckpt_dir)
+        self.store = store or open_store(ckpt_dir)
+        self.manifest = fmt.read_manifest(ckpt_dir, self.store)
         self.registry, self.verify, self.threads = registry, verify, threads
         self.trusted, self.safe_globals = trusted, list(safe_globals)
         self.map_location = map_location
         self.rank, self.world_size = rank, world_size
         self.rank_policy = rank_policy
-        self.files = _Files(ckpt_dir, self.manifest)
+        self.files = _Files(ckpt_dir, self.manifest, self.store)
         self.entries = self.manifest.entries
 
     def __enter__(self):
@@ -225,10 +225,10 @@ class Reader:
 
     # ------------------------------------------------------------ reading
     def read_object(self, entry: ObjectEntry) -> Any:
-        fd, _ = self.files.open(entry.file)  # validates that the region lies before the index
+        f, _ = self.files.open(entry.file)  # validates that the region lies before the index
         path = self.files.path(entry.file)
         buf = bytearray(entry.nbytes)
-        self._pread(fd, memoryview(buf), entry.offset, path)
+        f.read_into([memoryview(buf)], entry.offset)
         if self.verify and fmt.crc32(buf) != entry.crc32:
             raise CorruptCheckpointError(f"{path}: checksum mismatch for object {entry.key!r} "
                                          f"at offset {entry.offset}")
@@ -241,7 +241,7 @@ class Reader:
         finish non-contiguous or non-CPU destinations."""
         groups = coalesce(plan.reads, group_limit(plan.reads, self.threads))
         for file_id in sorted({g[0].file for g in groups}):
-            advise_sequential(self.files.open(file_id)[0])
+            self.files.open(file_id)[0].advise_sequential()
         if len(groups) <= 1 or self.threads == 1:
             for g in groups:
                 self._read_group(g)
@@ -256,20 +256,13 @@ class Reader:
     def _read_group(self, group: list[_Read]) -> None:
         """Read one coalesced run of one file (see ``reads.read_run``). Runs on a reader
         thread; raises CorruptCheckpointError."""
-        fd, index_offset = self.files.open(group[0].file)
+        f, index_offset = self.files.open(group[0].file)
         path = self.files.path(group[0].file)
         end = group[-1].offset + group[-1].nbytes
         if end > index_offset:
             raise CorruptCheckpointError(f"{path}: {group[-1].key!r} at [{group[-1].offset}, "
                                          f"{end}) extends past the data ending at {index_offset}")
-        read_run(fd, group, path, self.verify)
-
-    @staticmethod
-    def _pread(fd: int, view: memoryview, offset: int, path: str) -> None:
-        try:
-            pread_into(fd, view, offset, path)
-        except EOFError as exc:
-            raise CorruptCheckpointError(f"{exc} (file truncated)") from None
+        read_run(f, group, path, self.verify)
 
 
 _NODE_KINDS = {"tensor": "tensor", "dict": "dict", "odict": "dict", "list": "list",

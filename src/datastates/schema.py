@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
@@ -114,6 +115,9 @@ class Manifest:
     entries: tuple[Entry, ...]
     ranks: tuple[RankTree, ...]
     save_id: str | None = None  #: the nonce of the save that committed it (multi-rank commits)
+    #: Object stores: the directory of the checkpoint holding its shard files (None: the
+    #: checkpoint directory itself).
+    data_dir: str | None = None
     #: per file, its regions (offset, nbytes, entry, shard or None for an object), by offset
     by_file: tuple[tuple[tuple[int, int, Entry, "ShardRef | None"], ...], ...] = \
         field(default=(), repr=False, compare=False)
@@ -396,6 +400,9 @@ def _scalar(value: Any, at: _At) -> Any:
 
 # ---------------------------------------------------------------- manifest
 
+_DATA_DIR = re.compile(r"\.data\.[A-Za-z0-9._@-]+")
+
+
 def parse_manifest(obj: Any, where: str, *, version_1: bool = False) -> Manifest:
     """Validate a decoded ``manifest.json`` completely and return the typed manifest.
 
@@ -434,9 +441,13 @@ def parse_manifest(obj: Any, where: str, *, version_1: bool = False) -> Manifest
     save_id = m.get("save_id")
     if save_id is not None:
         save_id = _str(save_id, at / "save_id")
+    data_dir = m.get("data_dir")
+    if data_dir is not None and (not _DATA_DIR.fullmatch(_str(data_dir, at / "data_dir")) or
+                                 ".." in data_dir):
+        raise (at / "data_dir").bad(f"expected '.data.<run>-<attempt>', found {_show(data_dir)}")
     return Manifest(version=version, name=name, step=step, seq=seq, created_unix=float(created),
                     world_size=world, metadata=metadata, files=files, entries=entries,
-                    ranks=ranks, save_id=save_id, by_file=by_file)
+                    ranks=ranks, save_id=save_id, data_dir=data_dir, by_file=by_file)
 
 
 def _files(value: Any, at: _At, world: int) -> tuple[FileRef, ...]:

@@ -15,6 +15,7 @@ from .errors import CorruptCheckpointError
 from .reads import Checker
 from .restore import Reader, _Plan, _Read
 from .storage import buffer_of
+from .store import ReadFile
 from .schema import Manifest, ObjectEntry, ShardIndex
 
 BATCH_BYTES = 64 << 20
@@ -28,10 +29,10 @@ def verify_checkpoint(reader: Reader) -> int:
 
 
 def _verify_file(reader: Reader, file_id: int) -> int:
-    fd, header = reader.files.open_with_header(file_id)
+    f, header = reader.files.open_with_header(file_id)
     path = reader.files.path(file_id)
     raw = bytearray(header.index_length)  # bounded: the header was checked against the file size
-    reader._pread(fd, memoryview(raw), header.index_offset, path)
+    f.read_into([memoryview(raw)], header.index_offset)
     index = fmt.parse_index_bytes(bytes(raw), header, path)
     _check_index_agrees(reader.manifest, file_id, index, path)
     batch: list[_Read] = []
@@ -47,7 +48,7 @@ def _verify_file(reader: Reader, file_id: int) -> int:
                 _verify_reads(reader, batch, path)
                 batch, batch_bytes = [], 0
     _verify_reads(reader, batch, path)
-    _verify_zero_gaps(reader, fd, index, header.index_offset, path)
+    _verify_zero_gaps(f, index, header.index_offset, path)
     return header.index_offset + header.index_length
 
 
@@ -60,21 +61,20 @@ def _verify_reads(reader: Reader, reads: list[_Read], path: str) -> None:
             _verify(r, path)
 
 
-def _verify_zero_gaps(reader: Reader, fd: int, index: ShardIndex, data_end: int,
-                      path: str) -> None:
+def _verify_zero_gaps(f: ReadFile, index: ShardIndex, data_end: int, path: str) -> None:
     """The bytes not covered by a region, from the header to the index, are zero."""
     pos = fmt.HEADER_BYTES
     for e in sorted((e for e in index.entries if e.nbytes), key=lambda e: e.offset):
-        _check_zero(reader, fd, pos, e.offset, path)
+        _check_zero(f, pos, e.offset, path)
         pos = e.offset + e.nbytes
-    _check_zero(reader, fd, pos, data_end, path)
+    _check_zero(f, pos, data_end, path)
 
 
-def _check_zero(reader: Reader, fd: int, start: int, end: int, path: str) -> None:
+def _check_zero(f: ReadFile, start: int, end: int, path: str) -> None:
     buf = bytearray(min(max(end - start, 0), len(_ZEROS)))
     while start < end:
         view = memoryview(buf)[:min(end - start, len(buf))]
-        reader._pread(fd, view, start, path)
+        f.read_into([view], start)
         if view != _ZEROS[:view.nbytes]:
             first = next(i for i, b in enumerate(view) if b)
             raise CorruptCheckpointError(f"{path}: byte at offset {start + first} between "

@@ -1,0 +1,401 @@
+"""S3-compatible object storage (AWS S3, MinIO, SeaweedFS, Ceph RGW...) through ``boto3``.
+
+Chosen over ``s3fs`` and ``obstore`` because a shard file is uploaded as a multipart upload whose
+parts are numbered explicitly: the data units stream out as parts while the capture is running, and
+part 1 — the header, known only at the end — is uploaded last (docs/storage.md; the client
+comparison is in docs/benchmarks.md). ``pip install datastates[s3]``.
+
+Paths are URLs ``s3://bucket/key/...``. The endpoint and credentials come from ``storage_options``
+(``endpoint_url``, ``aws_access_key_id``, ``aws_secret_access_key``, ``aws_session_token``,
+``region_name``, and ``max_attempts`` — retries of each request, default 5) or from the standard
+AWS environment variables and files; never from a checkpoint.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+import warnings
+from typing import Any, Mapping
+
+from . import format as fmt
+from .errors import (BucketNotFoundError, ConfigError, CorruptCheckpointError, StorageAccessError,
+                     StorageError)
+from .store import ReadFile, Store, url_join
+
+MIN_PART = 5 << 20      # S3: every part but the last is at least 5 MiB ...
+MAX_PARTS = 10_000      # ... and an upload has at most 10,000 parts
+_DELETE_BATCH = 1000    # keys per DeleteObjects request
+_OPTION_KEYS = ("endpoint_url", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
+                "region_name")
+_ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403",
+                 "InvalidToken", "ExpiredToken", "AllAccessDisabled"}
+_MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/a/b`` → ("bucket", "a/b")."""
+    rest = url.split("://", 1)[1]
+    bucket, _, key = rest.partition("/")
+    if not bucket:
+        raise ValueError(f"{url!r}: expected s3://BUCKET/PREFIX")
+    return bucket, key.strip("/")
+
+
+def storage_error(exc: BaseException, what: str, path: str) -> OSError:
+    """A client failure as a typed error naming the request and the path."""
+    try:
+        from botocore.exceptions import ClientError
+    except ImportError:  # pragma: no cover - the module is unusable without botocore anyway
+        ClientError = ()  # type: ignore[assignment]
+    if isinstance(exc, ClientError):
+        err = exc.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        text = f"{path}: {what} failed: {code or status} ({err.get('Message', '')})"
+        if code == "NoSuchBucket":
+            return BucketNotFoundError(text)
+        if code in _MISSING_CODES or status == 404:
+            return FileNotFoundError(2, text)
+        if code in _ACCESS_CODES or status == 403:
+            return StorageAccessError(text)
+        return StorageError(text)
+    return StorageError(f"{path}: {what} failed: {type(exc).__name__}: {exc}")
+
+
+class S3Store(Store):
+    """One bucket of an S3-compatible service. Thread-safe (one boto3 client, shared)."""
+
+    renames = False
+    durable_on_write = True
+
+    def __init__(self, bucket: str, client: Any, endpoint: str):
+        self.bucket, self.client, self.endpoint = bucket, client, endpoint
+
+    @classmethod
+    def for_url(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> "S3Store":
+        """A store for the bucket of ``url``; checks at once that the bucket exists and that the
+        credentials are accepted (BucketNotFoundError, StorageAccessError, StorageError)."""
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise ImportError(f"{url}: object storage needs boto3 (pip install "
+                              "'datastates[s3]')") from None
+        options = dict(storage_options or {})
+        unknown = sorted(set(options) - set(_OPTION_KEYS) - {"max_attempts", "addressing_style"})
+        if unknown:
+            raise ConfigError(f"unknown storage_options {unknown}; expected some of "
+                              f"{list(_OPTION_KEYS) + ['max_attempts', 'addressing_style']}")
+        bucket, _ = split_url(url)
+        config = Config(retries={"max_attempts": int(options.pop("max_attempts", 5)),
+                                 "mode": "standard"},
+                        max_pool_connections=32,
+                        s3={"addressing_style": options.pop("addressing_style", "auto")},
+                        # every byte already carries datastates' own CRC-32 (checked on read)
+                        request_checksum_calculation="when_required",
+                        response_checksum_validation="when_required")
+        client = boto3.session.Session().client("s3", config=config, **options)
+        store = cls(bucket, client, options.get("endpoint_url") or "AWS")
+        store._check_bucket(url)
+        return store
+
+    def _check_bucket(self, url: str) -> None:
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except Exception as exc:
+            error = storage_error(exc, f"checking bucket {self.bucket!r} at {self.endpoint}", url)
+            if isinstance(error, FileNotFoundError) and not isinstance(error, BucketNotFoundError):
+                error = BucketNotFoundError(f"{url}: bucket {self.bucket!r} does not exist at "
+                                            f"{self.endpoint}")
+            raise error from None
+
+    def describe(self) -> str:
+        return f"S3 bucket {self.bucket!r} at {self.endpoint}"
+
+    def key(self, path: str) -> str:
+        bucket, key = split_url(path)
+        if bucket != self.bucket:
+            raise ValueError(f"{path!r} is not in bucket {self.bucket!r}")
+        return key
+
+    def join(self, *parts: str) -> str:
+        return url_join(*parts)
+
+    def _call(self, what: str, path: str, fn, **kwargs):
+        try:
+            return fn(Bucket=self.bucket, **kwargs)
+        except Exception as exc:
+            raise storage_error(exc, what, path) from None
+
+    # ---- whole objects
+    def read_bytes(self, path: str) -> bytes:
+        response = self._call("GET", path, self.client.get_object, Key=self.key(path))
+        try:
+            return response["Body"].read()
+        except Exception as exc:
+            raise storage_error(exc, "GET (body)", path) from None
+
+    def write_atomic(self, path: str, data: bytes, fsync: bool) -> None:
+        self._call("PUT", path, self.client.put_object, Key=self.key(path), Body=bytes(data))
+
+    def remove(self, path: str) -> None:
+        self._call("DELETE", path, self.client.delete_object, Key=self.key(path))
+
+    def isfile(self, path: str) -> bool:
+        try:
+            self._call("HEAD", path, self.client.head_object, Key=self.key(path))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _head(self, path: str) -> dict:
+        return self._call("HEAD", path, self.client.head_object, Key=self.key(path))
+
+    # ---- prefixes
+    def _prefix(self, path: str) -> str:
+        key = self.key(path)
+        return f"{key}/" if key else ""
+
+    def _pages(self, path: str, **kwargs):
+        paginator = self.client.get_paginator("list_objects_v2")
+        try:
+            yield from paginator.paginate(Bucket=self.bucket, Prefix=self._prefix(path), **kwargs)
+        except Exception as exc:
+            raise storage_error(exc, "LIST", path) from None
+
+    def isdir(self, path: str) -> bool:
+        for page in self._pages(path, MaxKeys=1):
+            return bool(page.get("KeyCount", 0))
+        return False
+
+    def listdir(self, path: str) -> list[str]:
+        """Names directly under ``path``; an empty prefix is an empty directory (object stores
+        have no directories to be missing)."""
+        prefix, names = self._prefix(path), []
+        for page in self._pages(path, Delimiter="/"):
+            names += [p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", [])]
+            names += [o["Key"][len(prefix):] for o in page.get("Contents", [])]
+        return names
+
+    def _objects(self, path: str) -> list[dict]:
+        return [o for page in self._pages(path) for o in page.get("Contents", [])]
+
+    def mtime(self, path: str) -> float:
+        objects = self._objects(path)
+        if objects:
+            return max(o["LastModified"].timestamp() for o in objects)
+        return self._head(path)["LastModified"].timestamp()
+
+    def makedirs(self, path: str, fsync: bool) -> None:
+        pass  # prefixes exist as soon as an object is written below them
+
+    def remove_tree(self, path: str) -> None:
+        keys = [o["Key"] for o in self._objects(path)]
+        failed = []
+        for start in range(0, len(keys), _DELETE_BATCH):
+            batch = [{"Key": k} for k in keys[start:start + _DELETE_BATCH]]
+            reply = self._call("DELETE (batch)", path, self.client.delete_objects,
+                               Delete={"Objects": batch, "Quiet": True})
+            failed += reply.get("Errors", [])
+        if failed:
+            first = failed[0]
+            raise StorageError(f"could not delete s3://{self.bucket}/{first.get('Key')} while "
+                               f"deleting {path}: {first.get('Code')} {first.get('Message', '')} "
+                               f"({len(failed)} error(s))")
+
+    # ---- shard files
+    def open_read(self, path: str) -> ReadFile:
+        return S3ReadFile(self, path, self._head(path)["ContentLength"])
+
+    def shard_writer(self, path: str, io_mode: str, layout: Any) -> "S3ShardWriter":
+        return S3ShardWriter(self, path, layout)
+
+    def cleanup_uploads(self, root: str, is_stale) -> list[str]:
+        aborted = []
+        paginator = self.client.get_paginator("list_multipart_uploads")
+        try:
+            pages = list(paginator.paginate(Bucket=self.bucket, Prefix=self._prefix(root)))
+        except Exception as exc:
+            raise storage_error(exc, "LIST uploads", root) from None
+        for page in pages:
+            for upload in page.get("Uploads", []):
+                if is_stale(upload["Key"], upload["Initiated"].timestamp()):
+                    path = f"s3://{self.bucket}/{upload['Key']}"
+                    self._call("ABORT upload", path, self.client.abort_multipart_upload,
+                               Key=upload["Key"], UploadId=upload["UploadId"])
+                    aborted.append(upload["Key"])
+        return aborted
+
+
+class S3ReadFile(ReadFile):
+    """Ranged GETs straight into the caller's buffers (one request per ``read_into``)."""
+
+    def __init__(self, store: S3Store, path: str, size: int):
+        self.store, self.path, self.size = store, path, size
+        self._key = store.key(path)
+
+    def read_into(self, views: list[memoryview], offset: int) -> None:
+        views = [v for v in views if v.nbytes]
+        total = sum(v.nbytes for v in views)
+        if not total:
+            return
+        if offset + total > self.size:
+            raise CorruptCheckpointError(f"{self.path}: unexpected end of file at offset "
+                                         f"{self.size} (reading [{offset}, {offset + total}))")
+        reply = self.store._call("GET range", self.path, self.store.client.get_object,
+                                 Key=self._key, Range=f"bytes={offset}-{offset + total - 1}")
+        body = reply["Body"]
+        raw = getattr(body, "_raw_stream", None)  # urllib3 response: readinto without a copy
+        try:
+            for view in views:
+                while view.nbytes:
+                    if raw is not None:
+                        got = raw.readinto(view)
+                    else:
+                        chunk = body.read(view.nbytes)
+                        got = len(chunk)
+                        view[:got] = chunk
+                    if not got:
+                        raise CorruptCheckpointError(f"{self.path}: the object ended early while "
+                                                     f"reading [{offset}, {offset + total})")
+                    view = view[got:]
+        except CorruptCheckpointError:
+            raise
+        except Exception as exc:
+            raise storage_error(exc, "GET range (body)", self.path) from None
+        finally:
+            body.close()
+
+
+class _Part:
+    """A byte range of the shard file uploaded as one part. ``units`` counts the cache units it
+    holds; a part that is exactly one unit (``direct``) is uploaded from the cache slot."""
+
+    def __init__(self, number: int, start: int, end: int | None, units: int, direct: bool):
+        self.number, self.start, self.end = number, start, end
+        self.units, self.direct = units, direct
+        self.received = 0
+        self.buf: bytearray | None = None
+
+
+def plan_parts(layout: Any) -> list[_Part]:
+    """Cut a shard file into upload parts: part 1 is the header and the first units (uploaded
+    last, once the header is known); each unit of at least 5 MiB is a part of its own; smaller
+    units are grouped until a part reaches 5 MiB; the last part (open-ended) holds what remains:
+    the last small units, the objects and the index."""
+    spans = []
+    for i, unit in enumerate(layout.units):
+        start = 0 if i == 0 else unit.file_offset
+        spans.append((start, unit.file_offset + fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN)))
+    parts: list[_Part] = []
+    start, count = 0, 0
+    for span_start, span_end in spans:
+        count += 1
+        if span_end - start >= MIN_PART:
+            direct = bool(parts) and count == 1
+            parts.append(_Part(len(parts) + 1, start, span_end, count, direct))
+            start, count = span_end, 0
+    parts.append(_Part(len(parts) + 1, start, None, count, False))
+    if len(parts) > MAX_PARTS:
+        raise ConfigError(f"a shard of {layout.index_offset} bytes in units of "
+                          f"{layout.units[0].nbytes} bytes needs {len(parts)} upload parts; S3 "
+                          f"allows {MAX_PARTS}: raise chunk_bytes")
+    return parts
+
+
+class S3ShardWriter:
+    """Writes one shard file as a multipart upload (see :func:`plan_parts`).
+
+    ``write`` may be called from several threads at once, each call holding the bytes of one
+    unit, one object, the index or the header. A unit that is a part of its own is uploaded at once
+    from the caller's buffer; other bytes are copied into their part's buffer, uploaded when the
+    part is complete (part 1 and the last part at ``finish``). A file of one part is a single PUT.
+    ``close`` without a successful ``finish`` aborts the upload, so no part outlives a failed save.
+    """
+
+    def __init__(self, store: S3Store, path: str, layout: Any):
+        self.store, self.path, self.key = store, path, store.key(path)
+        self.parts = plan_parts(layout)
+        self._starts = [p.start for p in self.parts]
+        self._lock = threading.Lock()
+        self._upload_id: str | None = None
+        self._etags: dict[int, str] = {}
+        self._completed = False
+
+    def write(self, data: memoryview, offset: int, padded: memoryview | None = None) -> None:
+        part = self.parts[bisect.bisect_right(self._starts, offset) - 1]
+        body = padded if padded is not None else data
+        if part.direct and offset == part.start and body.nbytes == part.end - part.start:
+            self._upload(part, bytes(body))
+            return
+        with self._lock:
+            size = offset + body.nbytes - part.start
+            if part.buf is None:
+                part.buf = bytearray(part.end - part.start if part.end is not None else size)
+            elif len(part.buf) < size:
+                part.buf.extend(bytes(size - len(part.buf)))
+            part.buf[offset - part.start:size] = body
+            part.received += 1  # parts after the first receive only whole units
+            ready = part.end is not None and part.number > 1 and part.received == part.units
+        if ready:
+            self._upload(part, bytes(part.buf))
+            part.buf = None
+
+    def _ensure_upload(self) -> str:
+        with self._lock:
+            if self._upload_id is None:
+                reply = self.store._call("CreateMultipartUpload", self.path,
+                                         self.store.client.create_multipart_upload, Key=self.key)
+                self._upload_id = reply["UploadId"]
+            return self._upload_id
+
+    def _upload(self, part: _Part, body: bytes) -> None:
+        upload_id = self._ensure_upload()
+        reply = self.store._call(f"UploadPart {part.number}", self.path,
+                                 self.store.client.upload_part, Key=self.key, UploadId=upload_id,
+                                 PartNumber=part.number, Body=body)
+        with self._lock:
+            self._etags[part.number] = reply["ETag"]
+
+    def finish(self, fsync: bool, size: int) -> None:
+        """Upload part 1 and the last part (cut to ``size``), then complete the upload. Call it
+        once every write has returned."""
+        last = self.parts[-1]
+        tail = bytes(last.buf or b"")[:size - last.start]
+        tail += bytes(size - last.start - len(tail))
+        if len(self.parts) == 1:
+            self.store.write_atomic(self.path, tail, fsync)
+            self._completed = True
+            return
+        first = self.parts[0]
+        self._upload(first, bytes(first.buf))
+        first.buf = None
+        self._upload(last, tail)
+        missing = [p.number for p in self.parts if p.number not in self._etags]
+        if missing:
+            raise StorageError(f"{self.path}: parts {missing} were never uploaded (writes missing)")
+        self.store._call("CompleteMultipartUpload", self.path,
+                         self.store.client.complete_multipart_upload, Key=self.key,
+                         UploadId=self._upload_id,
+                         MultipartUpload={"Parts": [{"PartNumber": n, "ETag": self._etags[n]}
+                                                    for n in sorted(self._etags)]})
+        self._completed = True
+
+    def close(self) -> None:
+        """Abort the upload unless it completed (idempotent). An abort the service refuses is
+        warned about; the next Checkpointer on the directory aborts it as stale."""
+        with self._lock:
+            upload_id, self._upload_id = self._upload_id, None
+            completed = self._completed
+        for part in self.parts:
+            part.buf = None
+        if upload_id is None or completed:
+            return
+        try:
+            self.store._call("AbortMultipartUpload", self.path,
+                             self.store.client.abort_multipart_upload, Key=self.key,
+                             UploadId=upload_id)
+        except OSError as exc:
+            warnings.warn(f"datastates: could not abort the upload of {self.path} ({exc}); it is "
+                          "aborted as stale by the next Checkpointer on this directory",
+                          RuntimeWarning, stacklevel=2)
