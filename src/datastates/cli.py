@@ -21,19 +21,21 @@ from .restore import Reader
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_EMPTY = 0, 1, 2, 3
 
 _WHERE = ("a checkpoint folder, or a folder of checkpoints (a Checkpointer's directory, an "
-          "integration's output folder)")
+          "integration's output folder); s3://bucket/prefix for object storage")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="datastates", description="Inspect, verify, convert and demo datastates checkpoints.",
-        epilog="exit codes: 0 ok, 1 error, 2 usage, 3 no checkpoint found")
+        epilog="exit codes: 0 ok, 1 error, 2 usage, 3 no checkpoint found. s3:// paths take the "
+               "endpoint and credentials from the standard AWS variables (AWS_ENDPOINT_URL, "
+               "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION)")
     parser.add_argument("--version", action="version", version=f"datastates {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("demo", help="train a small GPT with checkpoints and print the measurements")
 
     p = sub.add_parser("list", help="list the committed checkpoints of a folder")
-    p.add_argument("path", help="a folder of checkpoints")
+    p.add_argument("path", help="a folder of checkpoints (or s3://bucket/prefix)")
 
     p = sub.add_parser("inspect", help="keys, dtypes, shapes, sizes, shards, step, metadata")
     _add_which(p)

@@ -95,7 +95,7 @@ class S3Store(Store):
                         request_checksum_calculation="when_required",
                         response_checksum_validation="when_required")
         client = boto3.session.Session().client("s3", config=config, **options)
-        store = cls(bucket, client, options.get("endpoint_url") or "AWS")
+        store = cls(bucket, client, client.meta.endpoint_url)
         store._check_bucket(url)
         return store
 

@@ -30,6 +30,7 @@ from .errors import (CheckpointExistsError, CheckpointNotFoundError, ConfigError
 from .providers import ProviderRegistry
 from .schema import Manifest, ObjectEntry, TensorEntry
 from .storage import buffer_of, fsync_dir
+from .store import is_url, normalize, open_store
 
 #: Files that tell another framework's checkpoint apart from an empty folder.
 _FOREIGN = (("model.safetensors", "Hugging Face / safetensors"), (".safetensors", "safetensors"),
@@ -40,7 +41,8 @@ _FOREIGN = (("model.safetensors", "Hugging Face / safetensors"), (".safetensors"
 # ---------------------------------------------------------------- finding checkpoints
 
 def find(path: str | os.PathLike, step: int | None = None, tag: str | None = None, *,
-         every: bool = False) -> list[commit_mod.CheckpointInfo]:
+         every: bool = False, storage_options: dict | None = None
+         ) -> list[commit_mod.CheckpointInfo]:
     """The committed checkpoints ``path`` designates, oldest first.
 
     ``path`` may be a checkpoint folder itself, or a folder of checkpoints (a Checkpointer's
@@ -48,31 +50,35 @@ def find(path: str | os.PathLike, step: int | None = None, tag: str | None = Non
     one, ``every=True`` takes all, and otherwise the newest committed one is taken — or, in a
     folder without a ``latest`` hint whose checkpoints are files of a framework (DeepSpeed's
     ``mp_rank_00_model_states.pt`` ...), all of them. Raises ``CheckpointNotFoundError`` saying what
-    was found instead (a file, an empty folder, another framework's files).
+    was found instead (a file, an empty folder, another framework's files). ``path`` may be an
+    object-store URL (``s3://bucket/prefix``; ``storage_options`` as for ``Checkpointer``).
     """
-    path = os.path.abspath(os.fspath(path))
-    if os.path.isfile(path):
+    path = normalize(path)
+    store = open_store(path, storage_options)
+    if store.renames and os.path.isfile(path):
         raise CheckpointNotFoundError(f"{path} is a file; expected a checkpoint folder or a folder "
                                       "of checkpoints")
-    if not os.path.isdir(path):
-        raise CheckpointNotFoundError(f"{path} does not exist")
-    if os.path.isfile(os.path.join(path, fmt.MANIFEST)):
-        return [commit_mod.info_of(path, fmt.read_manifest(path))]
+    if not store.isdir(path):
+        raise CheckpointNotFoundError(f"{path} does not exist" if store.renames else
+                                      f"no datastates checkpoint in {path} (nothing stored there)")
+    if store.isfile(store.join(path, fmt.MANIFEST)):
+        return [commit_mod.info_of(path, fmt.read_manifest(path, store))]
     if step is not None or tag is not None:
-        return [commit_mod.resolve(path, step, tag)]
-    found = commit_mod.list_checkpoints(path)
+        return [commit_mod.resolve(path, step, tag, store)]
+    found = commit_mod.list_checkpoints(path, store)
     if not found:
-        raise CheckpointNotFoundError(f"no datastates checkpoint in {path}{_foreign_hint(path)}")
-    if every or not (os.path.exists(os.path.join(path, fmt.LATEST)) or
+        hint = _foreign_hint(path) if store.renames else ""
+        raise CheckpointNotFoundError(f"no datastates checkpoint in {path}{hint}")
+    if every or not (store.isfile(store.join(path, fmt.LATEST)) or
                      all(_is_step_name(i.name) for i in found)):
         return found
-    return [commit_mod.latest(path)]
+    return [found[-1]]
 
 
 def is_single(path: str | os.PathLike) -> bool:
     """Whether ``path`` designates one checkpoint by itself: a checkpoint folder, a DCP folder,
     or a folder of checkpoints whose newest is the one meant (see :func:`find`)."""
-    if _is_dcp(path) or not os.path.isdir(path):
+    if not is_url(os.fspath(path)) and (_is_dcp(path) or not os.path.isdir(path)):
         return True
     return len(find(path)) == 1
 
@@ -97,21 +103,22 @@ def _foreign_hint(path: str) -> str:
 
 # ---------------------------------------------------------------- inspect
 
-def inspect(path: str | os.PathLike, step: int | None = None, tag: str | None = None) -> dict:
+def inspect(path: str | os.PathLike, step: int | None = None, tag: str | None = None, *,
+            storage_options: dict | None = None) -> dict:
     """A JSON-ready description of one checkpoint: name, step, commit number, format version,
     time, metadata, files per rank, and every tensor (key, dtype, shape, bytes, shards and the
     ranks holding them), object (key, bytes, rank) and plain value of rank 0's tree.
 
     ``path`` as for :func:`find`; a folder holding several checkpoints without a latest one
     (a DeepSpeed tag) raises ``ConfigError`` asking for ``step``/``tag`` or a single folder."""
-    if _is_dcp(path):
+    if not is_url(os.fspath(path)) and _is_dcp(path):
         return _inspect_dcp(os.path.abspath(os.fspath(path)))
-    infos = find(path, step, tag)
+    infos = find(path, step, tag, storage_options=storage_options)
     if len(infos) > 1:
         raise ConfigError(f"{path} holds {len(infos)} checkpoints "
                           f"({', '.join(i.name for i in infos[:5])}); inspect one of them")
     info = infos[0]
-    m = fmt.read_manifest(info.path)
+    m = fmt.read_manifest(info.path, open_store(info.path, storage_options))
     tensors, objects = [], []
     for e in m.entries:
         if isinstance(e, TensorEntry):
@@ -226,6 +233,10 @@ def export(path: str | os.PathLike, out: str | os.PathLike, to: str = "torch", *
     """
     if to not in ("torch", "safetensors", "hf"):
         raise ConfigError(f"export: expected to='torch', 'safetensors' or 'hf', found {to!r}")
+    if is_url(os.fspath(path)):
+        raise ConfigError(f"export reads local checkpoints (it memory-maps the shard files); "
+                          f"{path} is in an object store: load it with Checkpointer(...).load() "
+                          "or copy the checkpoint folder to a local disk first")
     if _is_dcp(path):
         return _export_dcp(os.path.abspath(os.fspath(path)), out, to)
     infos = find(path, step, tag)
