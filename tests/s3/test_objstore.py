@@ -1,0 +1,248 @@
+"""Checkpoints on a real S3-compatible server (SeaweedFS, started by conftest.py): round trips,
+the commit marker, retention and overwrite, typed errors for bad credentials and buckets, the
+server dying in the middle of a save, the training process killed in the middle of a save, and
+the tools on s3:// paths."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+import datastates
+from datastates import CheckpointConfig, Checkpointer
+from datastates.errors import (BucketNotFoundError, CheckpointExistsError, CorruptCheckpointError,
+                               StorageAccessError, StorageError)
+
+from server import list_multipart_uploads, storage_options
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MiB = 1 << 20
+
+
+def key_of(url: str) -> str:
+    return url.split("/", 3)[3]
+
+
+def make_state(seed=0, width=1024):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(width, 2 * width), nn.Linear(2 * width, width))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def same(a, b):
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def objects_under(server, url):
+    client = server.client()
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=server.bucket,
+                                                              Prefix=key_of(url) + "/")
+    return sorted(o["Key"][len(key_of(url)) + 1:] for p in pages for o in p.get("Contents", []))
+
+
+# chunk sizes: big units uploaded straight from the cache (8 MiB), small units grouped into
+# parts (64 KiB), and a state small enough to be one PUT
+@pytest.mark.parametrize("chunk,width", [(8 * MiB, 1024), (64 << 10, 512), (64 << 10, 64)])
+def test_round_trip_is_bit_exact(s3_server, s3_root, chunk, width):
+    model, opt = make_state(width=width)
+    config = CheckpointConfig(chunk_bytes=chunk, host_cache_bytes=max(4 * chunk, 1 * MiB))
+    with Checkpointer(s3_root, config, storage_options=storage_options(s3_server)) as ckpt:
+        ckpt.save({"model": model, "opt": opt, "epoch": 3, "note": ["a", 1.5]}, step=7).wait()
+        loaded = ckpt.load()
+        assert same(loaded["model"], model.state_dict())
+        assert loaded["epoch"] == 3 and loaded["note"] == ["a", 1.5]
+        model2, opt2 = make_state(seed=1, width=width)
+        state = {"model": model2, "opt": opt2, "epoch": 0, "note": ["b", 0.0]}
+        assert ckpt.restore(state).step == 7
+        assert same(model2.state_dict(), model.state_dict())
+        assert state["epoch"] == 3
+        assert opt2.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
+        with ckpt._reader(None, None, True, False, (), None, "strict") as reader:
+            assert reader.verify_all() == ckpt.latest().nbytes
+    files = objects_under(s3_server, s3_root)
+    data_dirs = {f.split("/")[1] for f in files if f.startswith("step-0000000007/.data.")}
+    assert len(data_dirs) == 1
+    assert f"step-0000000007/{next(iter(data_dirs))}/rank-00000.dsf" in files
+    assert "step-0000000007/manifest.json" in files and "latest" in files
+    assert list_multipart_uploads(s3_server, key_of(s3_root)) == []
+
+
+def test_retention_and_overwrite(s3_server, s3_root):
+    model, opt = make_state(width=256)
+    config = CheckpointConfig(chunk_bytes=64 << 10, host_cache_bytes=1 * MiB, keep_last=2)
+    with Checkpointer(s3_root, config, storage_options=storage_options(s3_server)) as ckpt:
+        for step in range(4):
+            with torch.no_grad():
+                model[0].weight.fill_(step)
+            ckpt.save({"model": model}, step=step).wait()
+        assert [i.step for i in ckpt.list()] == [2, 3]
+        assert ckpt.load(step=2)["model"]["0.weight"].eq(2).all()
+        with torch.no_grad():
+            model[0].weight.fill_(10)
+        ckpt.save({"model": model}, tag="best").wait()
+        first_data = {f.split("/")[1] for f in objects_under(s3_server, s3_root)
+                      if f.startswith("best/.data.")}
+        with pytest.raises(CheckpointExistsError):
+            ckpt.save({"model": model}, tag="best").wait()
+        with torch.no_grad():
+            model[0].weight.fill_(11)
+        ckpt.save({"model": model}, tag="best", overwrite=True).wait()
+        assert ckpt.load(tag="best")["model"]["0.weight"].eq(11).all()
+        best = [f for f in objects_under(s3_server, s3_root) if f.startswith("best/")]
+        data = {f.split("/")[1] for f in best if f.startswith("best/.data.")}
+        assert len(data) == 1 and not data & first_data  # the replaced data is gone
+        assert ckpt.latest().name == "best"
+        assert [i.name for i in ckpt.list()] == ["step-0000000003", "best"]
+    # deleted checkpoints left no objects behind
+    assert {f.split("/")[0] for f in objects_under(s3_server, s3_root)} == \
+        {"step-0000000003", "best", "latest"}
+
+
+def test_wrong_credentials_and_missing_bucket_fail_at_construction(s3_server, s3_root):
+    bad = {**storage_options(s3_server), "aws_secret_access_key": "wrong"}
+    with pytest.raises(StorageAccessError, match="s3://"):
+        Checkpointer(s3_root, storage_options=bad)
+    with pytest.raises(BucketNotFoundError, match="no-such-bucket"):
+        Checkpointer("s3://no-such-bucket/run", storage_options=storage_options(s3_server))
+    with pytest.raises(datastates.ConfigError, match="unknown storage_options"):
+        Checkpointer(s3_root, storage_options={**storage_options(s3_server), "endpoint": "x"})
+
+
+def test_a_damaged_shard_is_detected(s3_server, s3_root):
+    model, _ = make_state(width=256)
+    config = CheckpointConfig(chunk_bytes=64 << 10, host_cache_bytes=1 * MiB)
+    with Checkpointer(s3_root, config, storage_options=storage_options(s3_server)) as ckpt:
+        ckpt.save({"model": model}, step=1).wait()
+        shard = next(f for f in objects_under(s3_server, s3_root) if f.endswith(".dsf"))
+        client = s3_server.client()
+        key = f"{key_of(s3_root)}/{shard}"
+        data = bytearray(client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read())
+        data[8192 + 100] ^= 0x01
+        client.put_object(Bucket=s3_server.bucket, Key=key, Body=bytes(data))
+        with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+            ckpt.load()
+
+
+def test_server_killed_during_a_save(s3_server, s3_root):
+    """The server dies after the first part of a save is acknowledged: the handle raises a
+    typed error, nothing new is listed, the previous checkpoint is intact, and the next
+    Checkpointer leaves no unfinished upload behind."""
+    model, opt = make_state(width=1024)
+    options = {**storage_options(s3_server), "max_attempts": 2}
+    config = CheckpointConfig(chunk_bytes=8 * MiB, host_cache_bytes=32 * MiB, commit_timeout_s=60)
+    with Checkpointer(s3_root, config, storage_options=options) as ckpt:
+        ckpt.save({"model": model, "opt": opt}, step=1).wait()
+        reference = {k: v.clone() for k, v in model.state_dict().items()}
+
+        def kill_once(**_):
+            if s3_server.pid is not None:
+                s3_server.kill()
+
+        ckpt.store.client.meta.events.register("after-call.s3.UploadPart", kill_once)
+        with pytest.warns(RuntimeWarning):  # the cleanup of the failed save cannot reach it
+            handle = ckpt.save({"model": model, "opt": opt}, step=2)
+            with pytest.raises(StorageError):
+                handle.wait()
+        ckpt.store.client.meta.events.unregister("after-call.s3.UploadPart", kill_once)
+        s3_server.restart()
+    assert list_multipart_uploads(s3_server, key_of(s3_root))  # the dead save's upload
+    with Checkpointer(s3_root, config.replace(stale_tmp_age_s=1e-6),
+                      storage_options=storage_options(s3_server)) as ckpt:
+        assert [i.step for i in ckpt.list()] == [1]
+        assert same(ckpt.load()["model"], reference)
+    assert list_multipart_uploads(s3_server, key_of(s3_root)) == []
+    assert not [f for f in objects_under(s3_server, s3_root) if f.startswith("step-0000000002")
+                and f.endswith(".dsf")]
+
+
+KILLED_SAVE = textwrap.dedent("""
+    import os, signal, sys, torch
+    import datastates
+    sys.path.insert(0, {here!r})
+    from test_objstore import make_state
+    root, options = sys.argv[1], eval(sys.argv[2])
+    model, opt = make_state(width=1024)
+    config = datastates.CheckpointConfig(chunk_bytes=8 << 20, host_cache_bytes=32 << 20)
+    ckpt = datastates.Checkpointer(root, config, storage_options=options)
+    ckpt.save({{"model": model, "opt": opt}}, step=1).wait()
+    ckpt.store.client.meta.events.register(
+        "after-call.s3.UploadPart", lambda **_: os.kill(os.getpid(), signal.SIGKILL))
+    ckpt.save({{"model": model, "opt": opt}}, step=2).wait()
+    print("not reached")
+""")
+
+
+def test_training_process_killed_during_a_save(s3_server, s3_root, tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_SAVE.format(here=HERE))
+    proc = subprocess.run([sys.executable, str(script), s3_root,
+                           repr(storage_options(s3_server))], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert list_multipart_uploads(s3_server, key_of(s3_root))
+    # the writer is dead (its pid is in the upload's name): the next Checkpointer cleans up
+    with Checkpointer(s3_root, storage_options=storage_options(s3_server)) as ckpt:
+        assert [i.step for i in ckpt.list()] == [1]
+        model, _ = make_state(width=1024)
+        assert same(ckpt.load()["model"], model.state_dict())
+    assert list_multipart_uploads(s3_server, key_of(s3_root)) == []
+    leftovers = [f for f in objects_under(s3_server, s3_root) if f.startswith("step-0000000002")]
+    assert leftovers == []
+
+
+def _two_ranks(rank, world, root, options):
+    import torch.distributed as dist
+    torch.manual_seed(rank)
+    shard = torch.randn(1000 + rank) * (rank + 1)
+    shared = torch.arange(4096, dtype=torch.float32)
+    config = CheckpointConfig(chunk_bytes=64 << 10, host_cache_bytes=1 * MiB)
+    with Checkpointer(root, config, storage_options=options) as ckpt:
+        ckpt.save({"mine": shard, "shared": shared, "rank": rank}, step=5,
+                  replicated=["shared"]).wait()
+        dist.barrier()
+        out = ckpt.load()
+        return (torch.equal(out["mine"], shard) and torch.equal(out["shared"], shared) and
+                out["rank"] == rank, [i.step for i in ckpt.list()])
+
+
+def test_two_ranks_round_trip(s3_server, s3_root):
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "dist"))
+    from launcher import run_ranks
+    results = run_ranks(2, _two_ranks, s3_root, storage_options(s3_server), timeout=120)
+    assert results == {0: (True, [5]), 1: (True, [5])}
+    with Checkpointer(s3_root, storage_options=storage_options(s3_server)) as ckpt:
+        assert ckpt.latest().world_size == 2
+
+
+def test_cli_on_an_s3_path(s3_server, s3_root, tmp_path):
+    model, _ = make_state(width=64)
+    with Checkpointer(s3_root, storage_options=storage_options(s3_server)) as ckpt:
+        ckpt.save({"model": model}, step=3).wait()
+    opts = storage_options(s3_server)
+    env = {**os.environ, "AWS_ENDPOINT_URL": opts["endpoint_url"],
+           "AWS_ACCESS_KEY_ID": opts["aws_access_key_id"],
+           "AWS_SECRET_ACCESS_KEY": opts["aws_secret_access_key"],
+           "AWS_DEFAULT_REGION": opts["region_name"]}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "datastates", *args], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    listed = cli("list", s3_root)
+    assert listed.returncode == 0 and "step-0000000003" in listed.stdout, listed.stderr
+    verified = cli("verify", s3_root)
+    assert verified.returncode == 0 and "all OK" in verified.stdout, verified.stderr
+    inspected = cli("inspect", "--json", s3_root)
+    assert inspected.returncode == 0 and '"0.weight"' not in inspected.stdout
+    assert '"model/0.weight"' in inspected.stdout
+    assert cli("list", s3_root + "-nothing").returncode == 3
+    exported = cli("export", s3_root, "--to", "torch", str(tmp_path / "out.pt"))
+    assert exported.returncode == 1 and "local" in exported.stderr
+    assert not (tmp_path / "out.pt").exists()
