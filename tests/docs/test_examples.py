@@ -12,7 +12,9 @@ names the examples assume and import nothing of the example's own:
 - Lightning blocks: ``model``, a tiny ``LightningModule`` with its own data;
 - Hugging Face blocks: ``model`` (a 2-layer GPT-2 built from a config, no download), ``ds`` (a
   list of ``{"input_ids", "labels"}``);
-- ``torch.distributed.checkpoint`` blocks: ``state_dict`` (a dict of tensors).
+- ``torch.distributed.checkpoint`` blocks: ``state_dict`` (a dict of tensors);
+- blocks naming an ``s3://`` location also get the standard AWS variables pointing at the suite's
+  own S3-compatible server (tests/s3/server.py), whose bucket is ``ckpt``.
 
 A block that resumes (it calls ``.latest()``) runs twice in the same directory: the second run
 must resume from what the first one saved. A block is skipped only when a framework it imports is
@@ -183,11 +185,15 @@ def test_every_document_has_its_examples_collected():
 
 
 @pytest.mark.parametrize("where, code", EXAMPLES, ids=[w for w, _ in EXAMPLES])
-def test_example_runs(where, code, tmp_path):
+def test_example_runs(where, code, tmp_path, request):
     script = tmp_path / "example.py"
     script.write_text(_prelude(code) + "\n# ---- the example: " + where + "\n" + code)
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
+    if "s3://" in code:  # object-storage examples run against the suite's own S3 server
+        server = request.getfixturevalue("s3_server")
+        env.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID=server.access_key,
+                   AWS_SECRET_ACCESS_KEY=server.secret_key, AWS_DEFAULT_REGION=server.region)
     runs = 2 if ".latest()" in code else 1
     for run in range(runs):
         proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,

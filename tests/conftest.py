@@ -1,17 +1,21 @@
-"""Fixtures giving object-storage tests a real S3-compatible server (see server.py).
+"""Fixtures shared by every test directory: a real S3-compatible server (tests/s3/server.py).
 
-``s3_server`` (session) is one ``weed mini`` shared by every test of the session; it is skipped
-only when the ``weed`` binary is absent; any other failure to start is an error. ``s3_root``
-(function) is a fresh ``s3://<bucket>/<unique>`` prefix, emptied (objects and in-progress
-multipart uploads) after the test.
+``s3_server`` (session) is one SeaweedFS ``weed mini`` shared by every test of the session that
+asks for it (object-storage tests, the documentation's s3:// examples); it is skipped only when
+the ``weed`` binary is absent, and any other failure to start is an error. ``s3_root`` (function)
+is a fresh ``s3://<bucket>/<unique>`` prefix, emptied (objects and in-progress multipart uploads)
+after the test.
 """
 from __future__ import annotations
 
+import os
+import sys
 import uuid
 
 import pytest
 
-from server import Server, delete_prefix, find_weed, start_server
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "s3"))
+from server import Server, delete_prefix, find_weed, start_server  # noqa: E402
 
 
 @pytest.fixture(scope="session")
