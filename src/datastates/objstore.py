@@ -136,7 +136,8 @@ class S3Store(Store):
             raise storage_error(exc, "GET (body)", path) from None
 
     def write_atomic(self, path: str, data: bytes, fsync: bool) -> None:
-        self._call("PUT", path, self.client.put_object, Key=self.key(path), Body=bytes(data))
+        body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
+        self._call("PUT", path, self.client.put_object, Key=self.key(path), Body=body)
 
     def remove(self, path: str) -> None:
         self._call("DELETE", path, self.client.delete_object, Key=self.key(path))
@@ -338,7 +339,7 @@ class S3ShardWriter:
             part.received += 1  # parts after the first receive only whole units
             ready = part.end is not None and part.number > 1 and part.received == part.units
         if ready:
-            self._upload(part, bytes(part.buf))
+            self._upload(part, part.buf)  # a bytearray: sent without another copy
             part.buf = None
 
     def _ensure_upload(self) -> str:
@@ -349,7 +350,7 @@ class S3ShardWriter:
                 self._upload_id = reply["UploadId"]
             return self._upload_id
 
-    def _upload(self, part: _Part, body: bytes) -> None:
+    def _upload(self, part: _Part, body: bytes | bytearray) -> None:
         upload_id = self._ensure_upload()
         reply = self.store._call(f"UploadPart {part.number}", self.path,
                                  self.store.client.upload_part, Key=self.key, UploadId=upload_id,
@@ -361,14 +362,15 @@ class S3ShardWriter:
         """Upload part 1 and the last part (cut to ``size``), then complete the upload. Call it
         once every write has returned."""
         last = self.parts[-1]
-        tail = bytes(last.buf or b"")[:size - last.start]
-        tail += bytes(size - last.start - len(tail))
+        tail = last.buf or bytearray()
+        del tail[size - last.start:]
+        tail.extend(bytes(size - last.start - len(tail)))
         if len(self.parts) == 1:
             self.store.write_atomic(self.path, tail, fsync)
             self._completed = True
             return
         first = self.parts[0]
-        self._upload(first, bytes(first.buf))
+        self._upload(first, first.buf)
         first.buf = None
         self._upload(last, tail)
         missing = [p.number for p in self.parts if p.number not in self._etags]

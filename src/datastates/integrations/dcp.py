@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from datastates import CorruptCheckpointError
 from datastates import format as fmt
+from datastates.storage import fsync_dir
 
 __all__ = ["DatastatesWriter", "DatastatesReader"]
 
@@ -354,20 +355,12 @@ def _write_file(path: str, data: bytes, sync: bool) -> None:
             os.fsync(f.fileno())
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _publish(tmp: str, final: str, overwrite: bool, sync: bool) -> None:
     """Rename the finished temporary directory to ``final``; an older checkpoint there is moved
     aside first and deleted only after the new one is visible."""
     parent, name = os.path.split(final)
     if sync:
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
     old = None
     if os.path.lexists(final):
         if not overwrite:
@@ -376,7 +369,7 @@ def _publish(tmp: str, final: str, overwrite: bool, sync: bool) -> None:
         os.rename(final, old)
     os.rename(tmp, final)
     if sync:
-        _fsync_dir(parent)
+        fsync_dir(parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

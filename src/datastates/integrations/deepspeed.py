@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from ..store import LOCAL
 from ._paths import PathCheckpoints, base_optimizer
 
 log = logging.getLogger("datastates.integrations.deepspeed")
@@ -225,17 +226,7 @@ class CheckpointEngine:
         if not self.update_latest or self.rank != 0:
             return
         save_dir, tag = os.path.split(tag_dir)
-        tmp = os.path.join(save_dir, f".latest.tmp.{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.write(tag)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(save_dir, "latest"))
-        fd = os.open(save_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        LOCAL.write_atomic(os.path.join(save_dir, "latest"), tag.encode(), fsync=True)
 
 
 #: The same class under a descriptive name.
@@ -301,8 +292,7 @@ def export_torch_files(tag_dir: str, out_root: str | None = None) -> list[str]:
             dst = os.path.join(out_root, tag, name)
             datastates.export(src, dst, "torch", trusted=True)  # DeepSpeed's files hold objects
             written.append(dst)
-    from datastates.storage import write_file_atomic
-    write_file_atomic(os.path.join(out_root, "latest"), tag.encode())
+    LOCAL.write_atomic(os.path.join(out_root, "latest"), tag.encode(), fsync=True)
     return written
 
 

@@ -43,6 +43,7 @@ from typing import Any
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..store import LOCAL
 from ._paths import base_optimizer, is_checkpoint_dir
 
 log = logging.getLogger("datastates.integrations.hf")
@@ -310,14 +311,4 @@ def _state_json(state) -> str:
 
 
 def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    LOCAL.write_atomic(path, text.encode(), fsync=True)
