@@ -91,6 +91,9 @@ def test_retention_and_overwrite(s3_server, s3_root):
                       if f.startswith("best/.data.")}
         with pytest.raises(CheckpointExistsError):
             ckpt.save({"model": model}, tag="best").wait()
+        # the refused save's uploaded data is removed, the committed one untouched
+        assert {f.split("/")[1] for f in objects_under(s3_server, s3_root)
+                if f.startswith("best/.data.")} == first_data
         with torch.no_grad():
             model[0].weight.fill_(11)
         ckpt.save({"model": model}, tag="best", overwrite=True).wait()
