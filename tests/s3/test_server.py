@@ -1,0 +1,174 @@
+"""The S3 test server does what the object-storage backend relies on, checked on real requests.
+
+Multipart uploads whose parts arrive out of order, ranged reads, rejected credentials, typed
+missing-bucket errors, aborted uploads leaving nothing behind, and data surviving a SIGKILL.
+"""
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+from botocore import UNSIGNED
+from botocore.config import Config
+from botocore.exceptions import ClientError
+
+from server import delete_prefix, list_multipart_uploads, storage_options
+
+MIB = 1 << 20
+DENIED = {"AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId"}
+
+
+def key_of(s3_root: str, name: str) -> str:
+    """The object key of ``name`` under the ``s3://bucket/prefix`` root."""
+    return s3_root.split("/", 3)[3] + "/" + name
+
+
+def error_code(excinfo) -> str:
+    return excinfo.value.response["Error"]["Code"]
+
+
+def upload_parts(client, bucket: str, key: str, parts: dict, order) -> str:
+    """Multipart upload of ``parts`` (number -> bytes) sent in ``order``; returns the upload id."""
+    upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    etags = {n: client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=n,
+                                   Body=parts[n])["ETag"] for n in order}
+    client.complete_multipart_upload(
+        Bucket=bucket, Key=key, UploadId=upload_id,
+        MultipartUpload={"Parts": [{"PartNumber": n, "ETag": etags[n]} for n in sorted(parts)]})
+    return upload_id
+
+
+def test_multipart_parts_uploaded_out_of_order_complete_byte_identical(s3_server, s3_root):
+    data = os.urandom(12 * MIB)
+    parts = {1: data[:5 * MIB], 2: data[5 * MIB:10 * MIB], 3: data[10 * MIB:]}
+    key = key_of(s3_root, "out-of-order.bin")
+    client = s3_server.client()
+    upload_parts(client, s3_server.bucket, key, parts, order=(3, 1, 2))
+    got = client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read()
+    assert len(got) == len(data)
+    assert got == data
+    assert list_multipart_uploads(s3_server, key) == []
+
+
+def test_ranged_get_returns_exactly_the_requested_bytes(s3_server, s3_root):
+    data = os.urandom(3 * MIB + 17)
+    key = key_of(s3_root, "ranged.bin")
+    client = s3_server.client()
+    client.put_object(Bucket=s3_server.bucket, Key=key, Body=data)
+    for first, last in [(0, 0), (MIB - 1, MIB), (2 * MIB + 5, len(data) - 1), (123, 4567)]:
+        body = client.get_object(Bucket=s3_server.bucket, Key=key,
+                                 Range=f"bytes={first}-{last}")["Body"].read()
+        assert body == data[first:last + 1]
+
+
+def test_wrong_secret_key_is_rejected_with_an_access_error(s3_server, s3_root):
+    key = key_of(s3_root, "secret.bin")
+    s3_server.client().put_object(Bucket=s3_server.bucket, Key=key, Body=b"payload")
+    bad = s3_server.client(aws_secret_access_key="not-the-secret")
+    with pytest.raises(ClientError) as excinfo:
+        bad.get_object(Bucket=s3_server.bucket, Key=key)
+    assert error_code(excinfo) in DENIED
+    assert excinfo.value.response["ResponseMetadata"]["HTTPStatusCode"] == 403
+    with pytest.raises(ClientError) as excinfo:
+        bad.put_object(Bucket=s3_server.bucket, Key=key, Body=b"overwritten")
+    assert error_code(excinfo) in DENIED
+    assert s3_server.client().get_object(Bucket=s3_server.bucket, Key=key)["Body"].read() == \
+        b"payload"
+
+
+def test_unknown_access_key_is_rejected(s3_server, s3_root):
+    bad = s3_server.client(aws_access_key_id="NOSUCHKEY0000000")
+    with pytest.raises(ClientError) as excinfo:
+        bad.put_object(Bucket=s3_server.bucket, Key=key_of(s3_root, "x"), Body=b"x")
+    assert error_code(excinfo) in DENIED
+
+
+def test_anonymous_requests_are_rejected_and_write_nothing(s3_server, s3_root):
+    key = key_of(s3_root, "anon.bin")
+    anonymous = s3_server.client(aws_access_key_id=None, aws_secret_access_key=None,
+                                 config=Config(signature_version=UNSIGNED))
+    with pytest.raises(ClientError) as excinfo:
+        anonymous.put_object(Bucket=s3_server.bucket, Key=key, Body=b"anon")
+    assert error_code(excinfo) == "AccessDenied"
+    with pytest.raises(ClientError) as excinfo:
+        anonymous.list_objects_v2(Bucket=s3_server.bucket)
+    assert error_code(excinfo) == "AccessDenied"
+    listed = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix=key)
+    assert listed.get("Contents", []) == []
+
+
+def test_missing_bucket_raises_no_such_bucket_and_is_not_created(s3_server):
+    client = s3_server.client()
+    with pytest.raises(ClientError) as excinfo:
+        client.get_object(Bucket="no-such-bucket", Key="k")
+    assert error_code(excinfo) == "NoSuchBucket"
+    with pytest.raises(ClientError) as excinfo:
+        client.put_object(Bucket="no-such-bucket", Key="k", Body=b"x")
+    assert error_code(excinfo) == "NoSuchBucket"
+    with pytest.raises(ClientError) as excinfo:
+        client.create_multipart_upload(Bucket="no-such-bucket", Key="k")
+    assert error_code(excinfo) == "NoSuchBucket"
+    assert "no-such-bucket" not in [b["Name"] for b in client.list_buckets()["Buckets"]]
+
+
+def test_aborted_multipart_upload_leaves_no_upload_and_no_object(s3_server, s3_root):
+    key = key_of(s3_root, "aborted.bin")
+    client = s3_server.client()
+    upload_id = client.create_multipart_upload(Bucket=s3_server.bucket, Key=key)["UploadId"]
+    client.upload_part(Bucket=s3_server.bucket, Key=key, UploadId=upload_id, PartNumber=2,
+                       Body=os.urandom(MIB))
+    listed = list_multipart_uploads(s3_server, key_of(s3_root, ""))
+    assert [(u["Key"], u["UploadId"]) for u in listed] == [(key, upload_id)]
+    client.abort_multipart_upload(Bucket=s3_server.bucket, Key=key, UploadId=upload_id)
+    assert list_multipart_uploads(s3_server, key_of(s3_root, "")) == []
+    with pytest.raises(ClientError) as excinfo:
+        client.head_object(Bucket=s3_server.bucket, Key=key)
+    assert excinfo.value.response["ResponseMetadata"]["HTTPStatusCode"] == 404
+
+
+def test_delete_prefix_removes_objects_and_uploads_only_under_the_prefix(s3_server, s3_root):
+    client = s3_server.client()
+    inside, outside = key_of(s3_root, "a/b.bin"), key_of(s3_root + "-sibling", "c.bin")
+    for key in (inside, outside):
+        client.put_object(Bucket=s3_server.bucket, Key=key, Body=b"x")
+    client.create_multipart_upload(Bucket=s3_server.bucket, Key=key_of(s3_root, "pending"))
+    assert delete_prefix(s3_server, key_of(s3_root, "")) == 1
+    assert list_multipart_uploads(s3_server, key_of(s3_root, "")) == []
+    assert client.get_object(Bucket=s3_server.bucket, Key=outside)["Body"].read() == b"x"
+    assert delete_prefix(s3_server, key_of(s3_root + "-sibling", "")) == 1
+
+
+def test_server_listens_only_on_loopback_on_its_own_ports(s3_server):
+    listening = {(c.laddr.ip, c.laddr.port) for c in psutil.Process(s3_server.pid).net_connections()
+                 if c.status == psutil.CONN_LISTEN}
+    assert {ip for ip, _ in listening} == {"127.0.0.1"}
+    assert {port for _, port in listening} == set(s3_server.ports.values())
+    assert s3_server.endpoint == f"http://127.0.0.1:{s3_server.ports['s3.port']}"
+
+
+def test_storage_options_name_the_endpoint_and_identity(s3_server):
+    assert storage_options(s3_server) == {
+        "endpoint_url": s3_server.endpoint, "aws_access_key_id": s3_server.access_key,
+        "aws_secret_access_key": s3_server.secret_key, "region_name": "us-east-1"}
+
+
+def test_kill_and_restart_keep_committed_objects(s3_server, s3_root):
+    client = s3_server.client()
+    small, large = os.urandom(1000), os.urandom(7 * MIB)
+    client.put_object(Bucket=s3_server.bucket, Key=key_of(s3_root, "small"), Body=small)
+    upload_parts(client, s3_server.bucket, key_of(s3_root, "large"),
+                 {1: large[:5 * MIB], 2: large[5 * MIB:]}, order=(2, 1))
+    old_pid, endpoint = s3_server.pid, s3_server.endpoint
+    s3_server.kill()
+    assert s3_server.pid is None
+    assert not psutil.pid_exists(old_pid) or psutil.Process(old_pid).status() == \
+        psutil.STATUS_ZOMBIE
+    s3_server.restart()
+    assert s3_server.pid not in (None, old_pid)
+    assert s3_server.endpoint == endpoint
+    client = s3_server.client()
+    assert client.get_object(Bucket=s3_server.bucket, Key=key_of(s3_root, "small"))["Body"].read() \
+        == small
+    assert client.get_object(Bucket=s3_server.bucket, Key=key_of(s3_root, "large"))["Body"].read() \
+        == large
