@@ -13,7 +13,8 @@ from botocore import UNSIGNED
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from server import delete_prefix, list_multipart_uploads, storage_options
+from server import (ServerStartError, delete_prefix, list_multipart_uploads, start_server,
+                    storage_options)
 
 MIB = 1 << 20
 DENIED = {"AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId"}
@@ -172,3 +173,14 @@ def test_kill_and_restart_keep_committed_objects(s3_server, s3_root):
         == small
     assert client.get_object(Bucket=s3_server.bucket, Key=key_of(s3_root, "large"))["Body"].read() \
         == large
+
+
+def test_a_server_that_cannot_start_raises_with_its_log_tail(tmp_path):
+    with pytest.raises(ServerStartError) as excinfo:
+        start_server(tmp_path, extra_args=["-no.such.flag=1"])
+    message, log = str(excinfo.value), (tmp_path / "weed.log").read_text()
+    assert "weed exited with code" in message
+    assert str(tmp_path / "weed.log") in message
+    assert "no.such.flag" in log
+    assert message.endswith(log[-200:])
+    assert not list(tmp_path.glob("data/*.dat"))
