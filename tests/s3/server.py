@@ -25,7 +25,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 READY_TIMEOUT_S = 60.0
 POLL_INTERVAL_S = 0.1
@@ -265,6 +265,14 @@ def storage_options(server: Server) -> Dict[str, str]:
     """The keyword arguments the object-storage backend accepts for this server."""
     return {"endpoint_url": server.endpoint, "aws_access_key_id": server.access_key,
             "aws_secret_access_key": server.secret_key, "region_name": server.region}
+
+
+def split_s3_url(url: str) -> Tuple[str, str]:
+    """``s3://bucket/some/key`` -> ``("bucket", "some/key")``; ValueError for anything else."""
+    if not url.startswith("s3://") or "/" not in url[len("s3://"):].strip("/"):
+        raise ValueError(f"expected s3://<bucket>/<key>, found {url!r}")
+    bucket, key = url[len("s3://"):].split("/", 1)
+    return bucket, key
 
 
 def list_multipart_uploads(server: Server, prefix: str = "") -> List[Dict[str, Any]]:

@@ -13,8 +13,8 @@ from botocore import UNSIGNED
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from server import (ServerStartError, delete_prefix, list_multipart_uploads, start_server,
-                    storage_options)
+from server import (ServerStartError, delete_prefix, list_multipart_uploads, split_s3_url,
+                    start_server, storage_options)
 
 MIB = 1 << 20
 DENIED = {"AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId"}
@@ -22,7 +22,7 @@ DENIED = {"AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId"}
 
 def key_of(s3_root: str, name: str) -> str:
     """The object key of ``name`` under the ``s3://bucket/prefix`` root."""
-    return s3_root.split("/", 3)[3] + "/" + name
+    return split_s3_url(s3_root)[1] + "/" + name
 
 
 def error_code(excinfo) -> str:
@@ -146,6 +146,14 @@ def test_server_listens_only_on_loopback_on_its_own_ports(s3_server):
     assert {ip for ip, _ in listening} == {"127.0.0.1"}
     assert {port for _, port in listening} == set(s3_server.ports.values())
     assert s3_server.endpoint == f"http://127.0.0.1:{s3_server.ports['s3.port']}"
+
+
+def test_split_s3_url_returns_bucket_and_key_and_rejects_other_urls(s3_root):
+    assert split_s3_url("s3://ckpt/a/b.bin") == ("ckpt", "a/b.bin")
+    assert split_s3_url(s3_root)[0] == "ckpt"
+    for bad in ("ckpt/a", "s3://ckpt", "s3://ckpt/", "file:///x"):
+        with pytest.raises(ValueError, match="expected s3://"):
+            split_s3_url(bad)
 
 
 def test_storage_options_name_the_endpoint_and_identity(s3_server):
