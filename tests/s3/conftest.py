@@ -3,7 +3,8 @@
 ``s3_server`` (session) is one ``weed mini`` shared by every test of the session; it is skipped
 only when the ``weed`` binary is absent; any other failure to start is an error. ``s3_root``
 (function) is a fresh ``s3://<bucket>/<unique>`` prefix, emptied (objects and in-progress
-multipart uploads) after the test.
+multipart uploads) after the test; ``s3_storage_options`` is ``storage_options(s3_server)``, the
+keyword arguments the object-storage backend takes.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import uuid
 
 import pytest
 
-from server import Server, delete_prefix, find_weed, start_server
+from server import Server, delete_prefix, find_weed, start_server, storage_options
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +34,9 @@ def s3_root(s3_server: Server) -> str:
     if s3_server.pid is None:  # a test killed the server and did not restart it
         s3_server.restart()
     delete_prefix(s3_server, prefix)
+
+
+@pytest.fixture
+def s3_storage_options(s3_server: Server) -> dict:
+    """``{"endpoint_url", "aws_access_key_id", "aws_secret_access_key", "region_name"}``."""
+    return storage_options(s3_server)
