@@ -467,7 +467,9 @@ def render_markdown(results: dict) -> str:
              f"{results['environment']['cpus']} CPUs; server: {results['environment']['server']}.",
              "Client and server share the machine's CPUs; the server keeps data in the page "
              "cache and does not fsync, so these are upper bounds of the client path, not of a "
-             "remote store.", "",
+             "remote store. The CPU column says who is the bottleneck: a row whose server CPU "
+             "seconds approach its wall seconds is bound by the server, and then the client's CPU "
+             "seconds are the part of the comparison that carries over to a remote store.", "",
              "| client | op | configuration | MB/s (median) | seconds (median) | seconds (all) "
              "| CPU s client / server (median) |",
              "|---|---|---|---:|---:|---|---|"]
