@@ -54,7 +54,7 @@ class ServerStartError(RuntimeError):
 
 
 def find_weed() -> Optional[str]:
-    """Path of the ``weed`` binary: next to ``sys.executable`` first, then on PATH; None if absent."""
+    """The ``weed`` binary next to ``sys.executable``, else the one on PATH; None if neither."""
     beside = pathlib.Path(sys.executable).parent / "weed"
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
@@ -289,7 +289,10 @@ def list_multipart_uploads(server: Server, prefix: str = "") -> List[Dict[str, A
 
 
 def delete_prefix(server: Server, prefix: str) -> int:
-    """Delete every object and abort every multipart upload under ``prefix``; returns objects deleted."""
+    """Delete every object and abort every multipart upload under ``prefix``.
+
+    Returns the number of objects deleted.
+    """
     client = server.client()
     for upload in list_multipart_uploads(server, prefix):
         client.abort_multipart_upload(Bucket=server.bucket, Key=upload["Key"],
