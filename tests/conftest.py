@@ -4,7 +4,8 @@
 asks for it (object-storage tests, the documentation's s3:// examples); it is skipped only when
 the ``weed`` binary is absent, and any other failure to start is an error. ``s3_root`` (function)
 is a fresh ``s3://<bucket>/<unique>`` prefix, emptied (objects and in-progress multipart uploads)
-after the test.
+after the test; ``s3_storage_options`` is ``storage_options(s3_server)``, the keyword arguments the
+object-storage backend takes.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import uuid
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "s3"))
-from server import Server, delete_prefix, find_weed, start_server  # noqa: E402
+from server import Server, delete_prefix, find_weed, start_server, storage_options  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +38,9 @@ def s3_root(s3_server: Server) -> str:
     if s3_server.pid is None:  # a test killed the server and did not restart it
         s3_server.restart()
     delete_prefix(s3_server, prefix)
+
+
+@pytest.fixture
+def s3_storage_options(s3_server: Server) -> dict:
+    """``{"endpoint_url", "aws_access_key_id", "aws_secret_access_key", "region_name"}``."""
+    return storage_options(s3_server)

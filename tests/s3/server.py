@@ -25,7 +25,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 READY_TIMEOUT_S = 60.0
 POLL_INTERVAL_S = 0.1
@@ -54,7 +54,7 @@ class ServerStartError(RuntimeError):
 
 
 def find_weed() -> Optional[str]:
-    """Path of the ``weed`` binary: next to ``sys.executable`` first, then on PATH; None if absent."""
+    """The ``weed`` binary next to ``sys.executable``, else the one on PATH; None if neither."""
     beside = pathlib.Path(sys.executable).parent / "weed"
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
@@ -267,6 +267,14 @@ def storage_options(server: Server) -> Dict[str, str]:
             "aws_secret_access_key": server.secret_key, "region_name": server.region}
 
 
+def split_s3_url(url: str) -> Tuple[str, str]:
+    """``s3://bucket/some/key`` -> ``("bucket", "some/key")``; ValueError for anything else."""
+    if not url.startswith("s3://") or "/" not in url[len("s3://"):].strip("/"):
+        raise ValueError(f"expected s3://<bucket>/<key>, found {url!r}")
+    bucket, key = url[len("s3://"):].split("/", 1)
+    return bucket, key
+
+
 def list_multipart_uploads(server: Server, prefix: str = "") -> List[Dict[str, Any]]:
     """Multipart uploads still in progress in the server's bucket under ``prefix`` (all pages)."""
     client = server.client()
@@ -281,7 +289,10 @@ def list_multipart_uploads(server: Server, prefix: str = "") -> List[Dict[str, A
 
 
 def delete_prefix(server: Server, prefix: str) -> int:
-    """Delete every object and abort every multipart upload under ``prefix``; returns objects deleted."""
+    """Delete every object and abort every multipart upload under ``prefix``.
+
+    Returns the number of objects deleted.
+    """
     client = server.client()
     for upload in list_multipart_uploads(server, prefix):
         client.abort_multipart_upload(Bucket=server.bucket, Key=upload["Key"],
