@@ -169,7 +169,11 @@ def main(argv=None) -> dict:
             log(f"server ready at {server.endpoint} (pid {server.pid})")
             bench = Bench(server_module, server, source, bytearray(size))
             put_source(bench)
-            rows = [run_case(bench, case, args.reps) for case in cases]
+            try:
+                rows = [run_case(bench, case, args.reps) for case in cases]
+            finally:
+                if getattr(bench, "_datastates", None) is not None:
+                    bench._datastates.close()
             env = environment(server_module, server)
         finally:
             server.stop()
