@@ -348,6 +348,10 @@ def check_tree(root: Any, at: _At, entry_kinds: list[str],
                 refs.setdefault(e, set()).add(key)
             if "param" in node:
                 _bool(node["param"], where / "param")
+            if "np" in node:
+                if t != "tensor" or node["np"] is not True:
+                    raise (where / "np").bad(f"expected true on a tensor node, found "
+                                             f"{_show(node['np'])} on a {t} node")
         elif t == "value":
             _scalar(_get(node, "v", where), where / "v")
         elif t == "provider":
