@@ -339,6 +339,9 @@ def check_tree(root: Any, at: _At, entry_kinds: list[str],
         t = _get(node, "t", where)
         if type(t) is not str or t not in _NODE_TYPES:
             raise (where / "t").bad(f"unknown node type {_show(t)}")
+        if "np" in node and (t != "tensor" or node["np"] is not True):
+            raise (where / "np").bad(f"expected true on a tensor node (saved from a numpy "
+                                     f"array), found {_show(node['np'])} on a {t} node")
         if t in ("tensor", "object"):
             e = _int(_get(node, "e", where), where / "e", 0, len(entry_kinds) - 1) \
                 if entry_kinds else _no_entries(where)
@@ -348,10 +351,6 @@ def check_tree(root: Any, at: _At, entry_kinds: list[str],
                 refs.setdefault(e, set()).add(key)
             if "param" in node:
                 _bool(node["param"], where / "param")
-            if "np" in node:
-                if t != "tensor" or node["np"] is not True:
-                    raise (where / "np").bad(f"expected true on a tensor node, found "
-                                             f"{_show(node['np'])} on a {t} node")
         elif t == "value":
             _scalar(_get(node, "v", where), where / "v")
         elif t == "provider":

@@ -62,6 +62,9 @@ class NumpyRandomProvider(StateProvider):
                                      f"{live_bits}")
 
     def load(self, obj: Any, state: Any) -> None:
+        """Set the saved state (or the state of a rebuilt generator) on the live ``obj``."""
+        if _kind(state) is not None:
+            state = self.state(state)
         if state["kind"] == "Generator":
             obj.bit_generator.state = state["state"]
         else:
