@@ -243,9 +243,10 @@ class Checkpointer:
                 rank_policy: str = "strict") -> RestoreReport:
         """Restore a committed checkpoint (the latest if no step/tag) into the live ``state``.
 
-        Tensors are filled in place on their own devices; providers apply the rest (optimizer
-        state, RNG, schedulers); plain values (ints, strings, objects) held by the live dicts and
-        lists are replaced by the saved ones. Strict by default: keys, shapes and dtypes must match, and a
+        Tensors are filled in place on their own devices, and so are NumPy arrays (a writeable
+        live array of the saved shape and dtype; a read-only one is replaced by a new array);
+        providers apply the rest (optimizer state, RNG, schedulers); plain values (ints,
+        strings, objects) held by the live dicts and lists are replaced by the saved ones. Strict by default: keys, shapes and dtypes must match, and a
         mismatch raises StateMismatchError before anything is modified. Strict means: the same
         keys, list lengths, tensor shapes and dtypes, the same type for every plain value (a live
         ``None`` accepts any saved value), and every check of the providers involved (for an

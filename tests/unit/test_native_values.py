@@ -449,12 +449,21 @@ def test_stateful_loader_is_saved_through_its_state_dict(ck):
         def load_state_dict(self, state):
             self.position = state["position"]
 
+    class StatefulLoader(torch.utils.data.DataLoader):  # as torchdata's StatefulDataLoader
+        def state_dict(self):
+            return {"position": 5}
+
+        def load_state_dict(self, state):
+            self.position = state["position"]
+
     live = Stateful()
     live.position = 17
-    ck.save({"loader": live}, step=1).wait(60)
-    target = Stateful()
-    ck.restore({"loader": target})
-    assert target.position == 17
+    data = torch.utils.data.TensorDataset(torch.arange(4.0))
+    ck.save({"loader": live, "dl": StatefulLoader(data)}, step=1).wait(60)
+    assert not [e for e in manifest(ck)["entries"] if e["kind"] == "object"]
+    target, target_dl = Stateful(), StatefulLoader(data)
+    ck.restore({"loader": target, "dl": target_dl})
+    assert target.position == 17 and target_dl.position == 5
 
 
 def test_dataloader_is_saved_when_the_config_allows_unsafe_objects(tmp_path):
