@@ -103,7 +103,8 @@ class Checkpointer:
         as tensors (load gives them back as arrays). Python objects are serialized before this
         returns; one that restore()'s safe loading would refuse (a class outside its allowlist,
         a torch DataLoader) raises UnsafeObjectError naming its key, with nothing written,
-        unless ``config.allow_unsafe_objects``. ``replicated`` declares tensors identical on every rank (True for all, or key
+        unless ``config.allow_unsafe_objects``. ``replicated`` declares tensors identical on
+        every rank (True for all, or key
         prefixes): they are written once, and (``config.replica_check``) a digest of each is
         compared across ranks at commit.
 
