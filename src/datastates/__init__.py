@@ -20,8 +20,9 @@ from .errors import (CheckpointerClosedError, CheckpointExistsError, CheckpointN
                      DatastatesError, ReshardError, SerializationError, StateMismatchError,
                      BucketNotFoundError, StorageAccessError, StorageError,
                      UnsafeObjectError, UnsupportedFormatError)
-from .providers import (Capture, ModuleProvider, OptimizerProvider, ProviderRegistry, RNGState,
-                        RNGStateProvider, StatefulProvider, StateProvider, eager, lazy)
+from .providers import (Capture, ModuleProvider, NumpyRandomProvider, OptimizerProvider,
+                        ProviderRegistry, RNGState, RNGStateProvider, StatefulProvider,
+                        StateProvider, eager, lazy)
 from .restore import RestoreReport
 from .tools import export, import_checkpoint, inspect
 
@@ -31,7 +32,7 @@ __all__ = [
     "Capture", "CheckpointConfig", "CheckpointerClosedError", "CheckpointExistsError", "CheckpointInfo",
     "CheckpointNotFoundError", "CheckpointWriteError", "Checkpointer", "CommitError",
     "CommitTimeoutError", "ConfigError", "LocalCommunicator", "StoreCommunicator", "CorruptCheckpointError", "DatastatesError",
-    "ModuleProvider", "OptimizerProvider", "ProviderRegistry", "RNGState", "RNGStateProvider",
+    "ModuleProvider", "NumpyRandomProvider", "OptimizerProvider", "ProviderRegistry", "RNGState", "RNGStateProvider",
     "ReshardError", "RestoreReport", "SaveHandle", "SaveStats", "SerializationError",
     "StateMismatchError", "StateProvider", "StorageAccessError", "StorageError", "BucketNotFoundError", "StatefulProvider", "TensorShard", "UnsafeObjectError",
     "UnsupportedFormatError", "eager", "export", "import_checkpoint", "inspect", "lazy",

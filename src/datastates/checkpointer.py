@@ -113,8 +113,12 @@ class Checkpointer:
         copied in the background, and their next ``step()`` waits for that copy. Every other
         tensor is eager: copied straight into the host cache before this returns (no other copy
         is made; a state larger than the cache streams through it, and this returns once every
-        eager tensor is in the cache or written). Python objects are serialized before this
-        returns. ``replicated`` declares tensors identical on every rank (True for all, or key
+        eager tensor is in the cache or written). NumPy arrays of a dtype torch has are stored
+        as tensors (load gives them back as arrays). Python objects are serialized before this
+        returns; one that restore()'s safe loading would refuse (a class outside its allowlist,
+        a torch DataLoader) raises UnsafeObjectError naming its key, with nothing written,
+        unless ``config.allow_unsafe_objects``. ``replicated`` declares tensors identical on
+        every rank (True for all, or key
         prefixes): they are written once, and (``config.replica_check``) a digest of each is
         compared across ranks at commit.
 
@@ -176,7 +180,8 @@ class Checkpointer:
                 os.path.exists(os.path.join(self.directory, name)):
             raise CheckpointExistsError(f"checkpoint {name!r} already exists in "
                                         f"{self.directory}; pass overwrite=True to replace it")
-        flat = flatten(state, self.registry)
+        flat = flatten(state, self.registry,
+                       allow_unsafe=self.config.allow_unsafe_objects)
         _check_dtypes(flat.items)
         self._decide_capture(flat, optimizers)
         tensors = [i for i, it in enumerate(flat.items) if isinstance(it, TensorItem)]
@@ -255,9 +260,10 @@ class Checkpointer:
                 rank_policy: str = "strict") -> RestoreReport:
         """Restore a committed checkpoint (the latest if no step/tag) into the live ``state``.
 
-        Tensors are filled in place on their own devices; providers apply the rest (optimizer
-        state, RNG, schedulers); plain values (ints, strings, objects) held by the live dicts and
-        lists are replaced by the saved ones. Strict by default: keys, shapes and dtypes must match, and a
+        Tensors are filled in place on their own devices, and so are NumPy arrays (a writeable
+        live array of the saved shape and dtype; a read-only one is replaced by a new array);
+        providers apply the rest (optimizer state, RNG, schedulers); plain values (ints,
+        strings, objects) held by the live dicts and lists are replaced by the saved ones. Strict by default: keys, shapes and dtypes must match, and a
         mismatch raises StateMismatchError before anything is modified. Strict means: the same
         keys, list lengths, tensor shapes and dtypes, the same type for every plain value (a live
         ``None`` accepts any saved value), and every check of the providers involved (for an

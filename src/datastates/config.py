@@ -54,6 +54,11 @@ class CheckpointConfig:
     #: returns after the snapshot. "always": always lazy (the caller promises to call
     #: wait_snapshot() before mutating). "never": capture everything before save() returns.
     lazy: str = "auto"
+    #: Let save() pickle Python objects that restore()'s default safe loading refuses (classes
+    #: outside its allowlist, a torch DataLoader). False: save() raises UnsafeObjectError for
+    #: them, naming the key, so no checkpoint holds what a default restore cannot read. True:
+    #: they are saved, and restore()/load() need trusted=True (or safe_globals=[...]).
+    allow_unsafe_objects: bool = False
 
     def __post_init__(self) -> None:
         def need(cond: bool, what: str) -> None:
@@ -84,6 +89,8 @@ class CheckpointConfig:
              f"replica_check True or False, found {self.replica_check!r}")
         need(self.lazy in ("auto", "always", "never"),
              f"lazy in ('auto', 'always', 'never'), found {self.lazy!r}")
+        need(isinstance(self.allow_unsafe_objects, bool),
+             f"allow_unsafe_objects True or False, found {self.allow_unsafe_objects!r}")
 
     @property
     def unit_bytes(self) -> int:

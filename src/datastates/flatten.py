@@ -3,7 +3,13 @@
 Runs on the training thread inside ``save()``. Tensors are never copied here: each item keeps a
 reference to the live tensor and its capture policy (``lazy``/``eager`` as marked, ``auto`` for
 the storage rule of ``datastates.capture``); the pipeline copies it into the host cache. Python
-objects are serialized here (they may change right after ``save()``).
+objects are serialized here (they may change right after ``save()``), and refused here when the
+safe loader of ``restore()`` would refuse them (unless unsafe objects are allowed).
+
+NumPy arrays of a dtype torch has are tensors here (``torch.from_numpy``, no copy when the array
+is C-contiguous and writeable): their node carries ``"np": true`` so that a load gives an
+``np.ndarray`` back. Other arrays (object, string, datetime, ``longdouble``, non-native byte
+order, subclasses) are pickled objects.
 """
 from __future__ import annotations
 
@@ -117,10 +123,32 @@ def key_of(path: tuple) -> str:
     return "/".join(str(p) for p in path)
 
 
+#: NumPy dtypes stored as tensors (``torch.from_numpy`` accepts them; the format names them).
+NUMPY_DTYPES = frozenset(("float64", "float32", "float16", "complex64", "complex128", "int64",
+                          "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8",
+                          "bool"))
+
+
+def numpy_tensor(obj: Any) -> torch.Tensor | None:
+    """``obj`` as a CPU tensor on its bytes if it is an ``np.ndarray`` (exactly, not a subclass)
+    of a native-byte-order dtype in NUMPY_DTYPES, else None. A C-contiguous writeable array is
+    shared (``torch.from_numpy``); any other is copied into a C-contiguous one first."""
+    np = sys.modules.get("numpy")  # no ndarray exists before numpy is imported
+    if np is None or type(obj) is not np.ndarray:
+        return None
+    dtype = obj.dtype
+    if not dtype.isnative or dtype.name not in NUMPY_DTYPES or dtype.fields or dtype.metadata:
+        return None
+    if not (obj.flags.c_contiguous and obj.flags.writeable):
+        obj = np.array(obj, order="C", copy=True)
+    return torch.from_numpy(obj)
+
+
 class _Walker:
-    def __init__(self, registry: ProviderRegistry, replicated: bool):
+    def __init__(self, registry: ProviderRegistry, replicated: bool, allow_unsafe: bool):
         self.registry = registry
         self.replicated = replicated
+        self.allow_unsafe = allow_unsafe
         self.out = Flattened(tree={})
         self._views: dict[tuple, int] = {}
 
@@ -130,6 +158,9 @@ class _Walker:
             return self.node(obj.value, path, obj.policy, provider)
         if isinstance(obj, (torch.Tensor, TensorShard)):
             return self.tensor(obj, path, policy, provider)
+        array = numpy_tensor(obj)
+        if array is not None:
+            return {**self.tensor(array, path, policy, provider), "np": True}
         if type(obj) in _SCALARS or (type(obj) is float and math.isfinite(obj)):
             return {"t": "value", "v": obj}  # exact types: an IntEnum is pickled, keeping its class
         kind = type(obj)
@@ -176,8 +207,13 @@ class _Walker:
 
     def object(self, obj: Any, path: tuple) -> dict:
         key = key_of(path)
+        if not self.allow_unsafe:
+            serialization.refuse_unsaveable(obj, key)
+        data = serialization.dumps(obj, key)
+        if not self.allow_unsafe:
+            serialization.check_loadable(obj, data, key)
         index = len(self.out.items)
-        self.out.items.append(ObjectItem(key, serialization.dumps(obj, key)))
+        self.out.items.append(ObjectItem(key, data))
         return {"t": "object", "e": index}
 
 
@@ -192,13 +228,18 @@ def _json_key(k: Any) -> bool:
     return type(k) in _SCALARS or (type(k) is float and math.isfinite(k))
 
 
-def flatten(state: Any, registry: ProviderRegistry, *, replicated: bool = False) -> Flattened:
+def flatten(state: Any, registry: ProviderRegistry, *, replicated: bool = False,
+            allow_unsafe: bool = False) -> Flattened:
     """Describe ``state``: a JSON tree whose leaves index ``items``.
+
+    A Python object that ``restore()``'s default safe loading would refuse (a class outside the
+    allowlist, a torch ``DataLoader``) raises UnsafeObjectError naming its key, unless
+    ``allow_unsafe``; an object that cannot be pickled raises SerializationError.
 
     The same tensor view reached under two keys is one item (shared storage is written once); if
     either key asks for eager capture, it is captured eagerly. ``item.lazy`` is left False: the
     caller decides it (``datastates.capture.decide``).
     """
-    walker = _Walker(registry, replicated)
+    walker = _Walker(registry, replicated, allow_unsafe)
     walker.out.tree = walker.node(state, (), None, None)
     return walker.out

@@ -7,6 +7,7 @@ touched — then reads with a thread pool, verifies checksums and lets providers
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +22,7 @@ from .format import ShardHeader
 from .schema import Manifest, ObjectEntry, ShardRef, TensorEntry
 from .errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
                      ReshardError, StateMismatchError)
-from .flatten import TensorShard, key_of, sharding_of
+from .flatten import NUMPY_DTYPES, TensorShard, key_of, sharding_of
 from .planning import RANK_POLICIES, per_rank_keys
 from .providers import Capture, ProviderRegistry, StateProvider
 from .reads import coalesce, group_limit, read_run
@@ -202,9 +203,9 @@ class Reader:
         plan.check()
         self._execute(plan)
         for container, key, loaded in plan.writebacks:
-            container[key] = loaded
+            container[key] = plan.resolve(loaded)
         for load, live, loaded in plan.finalizers:
-            load(live, loaded)
+            load(live, plan.resolve(loaded))
         plan.report.nbytes = sum(r.nbytes for r in plan.reads)
         return plan.report
 
@@ -212,6 +213,7 @@ class Reader:
         plan = _Plan(self, keys, strict=False, in_place=False)
         value = plan.match(None, self._tree_for(keys), (), None)
         self._execute(plan)
+        value = plan.resolve(value)
         if self.map_location is not None:
             value = _move(value, self.map_location)
         return value
@@ -273,12 +275,37 @@ def _same_kind(t: str, live: Any) -> bool:
     """Whether a live value can receive a saved node of type ``t`` (plain values and pickled
     objects are compared by exact type once loaded; providers check their own objects)."""
     if t == "tensor":
-        return isinstance(live, (torch.Tensor, TensorShard))
+        return isinstance(live, (torch.Tensor, TensorShard)) or _is_ndarray(live)
     if t in ("dict", "odict"):
         return isinstance(live, dict)
     if t in ("list", "tuple"):
         return isinstance(live, (list, tuple))
     return True
+
+
+def _is_ndarray(value: Any) -> bool:
+    np = sys.modules.get("numpy")  # no ndarray exists before numpy is imported
+    return np is not None and isinstance(value, np.ndarray)
+
+
+def _writable_tensor(array: Any) -> torch.Tensor | None:
+    """A tensor on the bytes of the live ndarray ``array``, or None when restore cannot write
+    into it: read-only, a dtype torch lacks, or strides torch cannot view (negative)."""
+    if not array.flags.writeable or array.dtype.name not in NUMPY_DTYPES or \
+            not array.dtype.isnative:
+        return None
+    try:
+        return torch.from_numpy(array)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def _as_numpy(tensor: torch.Tensor, entry: TensorEntry, where: str) -> Any:
+    """The ndarray of a freshly read tensor whose tree node says it was saved from numpy."""
+    if entry.dtype not in NUMPY_DTYPES:
+        raise CorruptCheckpointError(f"{where}: {entry.key!r} is marked as a numpy array but "
+                                     f"its dtype {entry.dtype} has no numpy equivalent")
+    return tensor.numpy()
 
 
 def _move(value: Any, device: Any) -> Any:
@@ -288,6 +315,33 @@ def _move(value: Any, device: Any) -> Any:
         return type(value)((k, _move(v, device)) for k, v in value.items())
     if type(value) in (list, tuple):
         return type(value)(_move(v, device) for v in value)
+    return value
+
+
+class _Rebuild:
+    """A provider's ``rebuild(state)``, done once, after the reads (``_Plan.resolve``)."""
+
+    __slots__ = ("provider", "state", "done", "value")
+
+    def __init__(self, provider: StateProvider, state: Any):
+        self.provider, self.state, self.done, self.value = provider, state, False, None
+
+
+def _resolve(value: Any) -> Any:
+    if isinstance(value, _Rebuild):
+        if not value.done:
+            value.value, value.done = value.provider.rebuild(_resolve(value.state)), True
+        return value.value
+    if type(value) in (dict, OrderedDict):
+        items = [(k, v, _resolve(v)) for k, v in value.items()]
+        if all(v is r for _, v, r in items):
+            return value
+        return type(value)((k, r) for k, _, r in items)
+    if type(value) in (list, tuple):
+        items = [(v, _resolve(v)) for v in value]
+        if all(v is r for v, r in items):
+            return value
+        return type(value)(r for _, r in items)
     return value
 
 
@@ -305,6 +359,8 @@ class _Plan:
         self.filled: set[tuple[int, int]] = set()
         #: (container, key, value): plain values of the live dicts/lists, replaced after the reads
         self.writebacks: list = []
+        #: providers' rebuilds waiting for the reads of their tensors (see ``resolve``)
+        self.deferred = 0
         m = reader.manifest
         self.report = RestoreReport(name=os.path.basename(reader.dir), step=m.step)
 
@@ -384,7 +440,15 @@ class _Plan:
                 return self._mismatch(live, path, str(exc))
             self.finalizers.append((prov.load, live, loaded))
             return live
-        return prov.rebuild(self.match(None, node["state"], path, prov))
+        self.deferred += 1
+        return _Rebuild(prov, self.match(None, node["state"], path, prov))
+
+    def resolve(self, value: Any) -> Any:
+        """``value`` with every provider's rebuild done: run after the reads, so a provider
+        rebuilding an object (a numpy Generator) from its state sees the bytes read, not the
+        empty tensors planned. Containers are kept as they are unless something inside them
+        was rebuilt."""
+        return _resolve(value) if self.deferred else value
 
     def _mismatch(self, live: Any, path: tuple, why: str) -> Any:
         """Record that the live value at ``path`` is left alone (an error if strict)."""
@@ -443,31 +507,48 @@ class _Plan:
         return tuple(out) if node["t"] == "tuple" else out
 
     def tensor(self, live: Any, node: dict, path: tuple) -> Any:
+        """A tensor node: filled into the live tensor, or into a live numpy array in place
+        (a writeable ``np.ndarray`` of the same shape and dtype: other references to it see the
+        restored values; a different shape or dtype is a mismatch, as for tensors; a read-only
+        array is replaced by a new one); else a new tensor, or a new ``np.ndarray`` for a node
+        saved from numpy (``"np": true``)."""
         entry = self.reader.entries[node["e"]]
         key = key_of(path)
-        dtype, shape = entry.torch_dtype, entry.shape
-        if self.in_place and isinstance(live, (torch.Tensor, TensorShard)):
-            shard = sharding_of(live)
-            local = shard.local if shard is not None else live
-            global_shape = shard.global_shape if shard is not None else tuple(live.shape)
-            if global_shape != shape or local.dtype != dtype:
-                self.report.mismatched.append(
-                    f"{key} (checkpoint {entry.dtype}{list(shape)}, live "
-                    f"{str(local.dtype).replace('torch.', '')}{list(global_shape)})")
+        if self.in_place and _is_ndarray(live):
+            writable = _writable_tensor(live)
+            if writable is not None or tuple(live.shape) != entry.shape or \
+                    live.dtype.name != entry.dtype:
+                self.into_live(writable if writable is not None else live, None, node, entry,
+                               key)
                 return live
-            self.report.restored.append(key)
-            target = (node["e"], local.data_ptr())
-            if target not in self.filled:  # tied weights: one read for every key
-                self.filled.add(target)
-                self._fill(local.detach(), entry, key,
-                           shard.global_offset if shard is not None else None)
+        elif self.in_place and isinstance(live, (torch.Tensor, TensorShard)):
+            self.into_live(live, sharding_of(live), node, entry, key)
             return live
-        if node["e"] in self.fresh:  # shared storage: one tensor for every key
-            return self.fresh[node["e"]]
-        fresh = torch.empty(shape, dtype=dtype)  # plain tensors, as torch.load of a state_dict
-        self._fill(fresh, entry, key)
-        self.fresh[node["e"]] = fresh
-        return fresh
+        if node["e"] not in self.fresh:  # shared storage: one tensor for every key
+            fresh = torch.empty(entry.shape, dtype=entry.torch_dtype)  # as torch.load gives
+            self._fill(fresh, entry, key)
+            self.fresh[node["e"]] = fresh
+        if node.get("np") or _is_ndarray(live):
+            return _as_numpy(self.fresh[node["e"]], entry, self.reader.dir)
+        return self.fresh[node["e"]]
+
+    def into_live(self, live: Any, shard: TensorShard | None, node: dict, entry: TensorEntry,
+                  key: str) -> None:
+        """Schedule filling the live tensor (or the local box of a sharded one) in place, or
+        record a shape/dtype mismatch."""
+        local = shard.local if shard is not None else live
+        global_shape = shard.global_shape if shard is not None else tuple(live.shape)
+        live_dtype = str(local.dtype).replace("torch.", "")  # numpy: its name, '>f4' if swapped
+        if global_shape != entry.shape or live_dtype != entry.dtype:
+            self.report.mismatched.append(f"{key} (checkpoint {entry.dtype}{list(entry.shape)}, "
+                                          f"live {live_dtype}{list(global_shape)})")
+            return
+        self.report.restored.append(key)
+        target = (node["e"], local.data_ptr())
+        if target not in self.filled:  # tied weights: one read for every key
+            self.filled.add(target)
+            self._fill(local.detach(), entry, key,
+                       shard.global_offset if shard is not None else None)
 
     def _fill(self, dest: torch.Tensor, entry: TensorEntry, key: str, box_offset=None) -> None:
         """Schedule reads filling ``dest``, the box of the global tensor at ``box_offset``

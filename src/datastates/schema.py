@@ -343,6 +343,9 @@ def check_tree(root: Any, at: _At, entry_kinds: list[str],
         t = _get(node, "t", where)
         if type(t) is not str or t not in _NODE_TYPES:
             raise (where / "t").bad(f"unknown node type {_show(t)}")
+        if "np" in node and (t != "tensor" or node["np"] is not True):
+            raise (where / "np").bad(f"expected true on a tensor node (saved from a numpy "
+                                     f"array), found {_show(node['np'])} on a {t} node")
         if t in ("tensor", "object"):
             e = _int(_get(node, "e", where), where / "e", 0, len(entry_kinds) - 1) \
                 if entry_kinds else _no_entries(where)

@@ -44,3 +44,19 @@ def assert_same(a, b, path: str = "") -> None:
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
+
+
+def stored_bytes(path) -> int:
+    """Tensor plus object bytes of the checkpoint at ``path``, as ``datastates.inspect`` lists
+    them (what ``SaveStats.nbytes`` counts for a one-rank save)."""
+    import datastates
+    summary = datastates.inspect(path)
+    return (sum(t["nbytes"] for t in summary["tensors"]) +
+            sum(o["nbytes"] for o in summary["objects"]))
+
+
+def assert_stats_of(stats, path) -> None:
+    """``stats`` (a SaveStats) describes the committed checkpoint at ``path``."""
+    assert stats is not None
+    assert stats.nbytes > 0 and stats.nbytes == stored_bytes(path)
+    assert stats.blocked_s >= 0 and stats.commit_s >= stats.snapshot_s >= 0

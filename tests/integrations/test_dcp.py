@@ -106,3 +106,18 @@ def test_export_and_inspect_of_a_dcp_folder(tmp_path):
     summary = datastates.inspect(tmp_path / "ours")
     assert {t["key"]: t["shape"] for t in summary["tensors"]} == {"model.w": [6, 4],
                                                                   "model.b": [4]}
+
+
+def test_dcp_writer_exposes_last_save_stats(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from integration_helpers import assert_stats_of
+    writer = DatastatesWriter(tmp_path / "s")
+    assert writer.last_save_stats is None
+    state = {"w": torch.randn(64, 32), "b": torch.arange(16.0)}
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    assert_stats_of(writer.last_save_stats, tmp_path / "s")
+    assert writer.last_save_stats.nbytes == (64 * 32 + 16) * 4
+    dcp.save({"w": torch.ones(8)}, storage_writer=writer, checkpoint_id=tmp_path / "t",
+             no_dist=True)
+    assert writer.last_save_stats.nbytes == 32  # the last save's, not a running total
+    assert_stats_of(writer.last_save_stats, tmp_path / "t")

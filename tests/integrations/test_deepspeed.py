@@ -54,3 +54,25 @@ def test_deepspeed_save_resume_bit_exact(tmp_path, mode):
         assert r["zero_to_fp32_same"]
     assert r["loaded"] and r["global_steps"] == 3
     assert r["resumed_bit_exact"] and all(r["resumed_bit_exact"].values()), r["resumed_bit_exact"]
+
+
+def test_deepspeed_engine_exposes_last_save_stats(tmp_path):
+    """The engine DeepSpeed drives, called as DeepSpeed calls it (save per file, then wait)."""
+    import argparse
+
+    import torch
+
+    from datastates.integrations.deepspeed import CheckpointEngine
+    from integration_helpers import assert_stats_of
+    engine = CheckpointEngine({"host_cache_size": 0.002}, rank=0)
+    assert engine.last_save_stats is None
+    tag = tmp_path / "global_step1"
+    engine.save({"module": {"w": torch.randn(32, 16)}, "step": 1,
+                 "args": argparse.Namespace(lr=0.1)},  # DeepSpeed saves its own objects too
+                str(tag / "mp_rank_00_model_states.pt"))
+    engine.save({"optimizer": {"m": torch.zeros(512)}},
+                str(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    engine.wait(persist=True)
+    assert_stats_of(engine.last_save_stats, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert engine.last_save_stats.nbytes == 512 * 4
+    engine.close()

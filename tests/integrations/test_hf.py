@@ -122,3 +122,15 @@ def test_hf_checkpoint_exports_to_a_folder_from_pretrained_loads(tmp_path):
     assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
     with pytest.raises(datastates.CheckpointExistsError):
         datastates.export(ckpt, tmp_path / "hf", "hf")
+
+
+def test_hf_trainer_exposes_last_save_stats(tmp_path):
+    from integration_helpers import assert_stats_of
+    t = DatastatesTrainer(model=tiny_model(), args=args(tmp_path / "run", max_steps=4,
+                                                        save_steps=2),
+                          train_dataset=dataset(), datastates_config=CFG)
+    assert t.last_save_stats is None
+    t.train()
+    t.wait_for_checkpoints()
+    assert_stats_of(t.last_save_stats, tmp_path / "run" / "checkpoint-4")
+    t.close_checkpointer()

@@ -138,3 +138,17 @@ def test_load_from_checkpoint_helper_and_export(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".datastates-export-")]
     datastates.export(path, tmp_path / "plain.ckpt", "torch")  # the documented one-off export
     assert_same(params(model), params(WithHparams.load_from_checkpoint(tmp_path / "plain.ckpt")))
+
+
+def test_lightning_checkpoint_io_exposes_last_save_stats(tmp_path):
+    from integration_helpers import assert_stats_of
+    io = DatastatesCheckpointIO(CFG)
+    assert io.last_save_stats is None
+    model = WithHparams(width=16, note="c")  # hyper-parameters: a framework object is saved
+    t = trainer(tmp_path, 1, plugins=[io])
+    t.fit(model)
+    path = tmp_path / "final.ckpt"
+    t.save_checkpoint(path)
+    io.wait()
+    assert_stats_of(io.last_save_stats, path)
+    io.teardown()

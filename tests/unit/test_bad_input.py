@@ -188,8 +188,13 @@ def test_unpicklable_object_fails_in_save(ck, obj, what):
     assert [i.step for i in ck.list()] == [1, 2]
 
 
-def test_custom_class_needs_trust(ck):
+def test_custom_class_needs_trust(ck, tmp_path):
     state = {"p": Point(3, 0.5), "plain": {"tuple": (1, "a"), "bytes": b"xy", "set": {1, 2}}}
+    with pytest.raises(UnsafeObjectError, match="'p'.*allow_unsafe_objects=True"):
+        ck.save(state, step=1)  # what a default restore would refuse is refused at save
+    assert ck.list() == []
+    ck.close()
+    ck = Checkpointer(tmp_path / "ck", CONFIG.replace(allow_unsafe_objects=True))
     ck.save(state, step=1).wait(60)
     with pytest.raises(UnsafeObjectError) as info:
         ck.load()
@@ -202,6 +207,7 @@ def test_custom_class_needs_trust(ck):
     assert ck.load(trusted=True) == state
     assert ck.load(safe_globals=[Point]) == state
     assert type(ck.load(safe_globals=[Point])["p"]) is Point
+    ck.close()
 
 
 # ---------------------------------------------------------------- existing checkpoints

@@ -15,6 +15,11 @@ Threads and ownership:
 - a background failure is kept and raised by the next :meth:`PathCheckpoints.save`,
   :meth:`PathCheckpoints.wait` or :meth:`PathCheckpoints.close` (never lost, never a crash of
   the training process).
+
+A framework's checkpoint holds the framework's own Python objects (DeepSpeed's argparse
+namespace, Lightning's hyper-parameters), which ``torch.save`` writes whatever they are: saves
+here accept them (``CheckpointConfig.allow_unsafe_objects``), and the framework's load call
+decides whether they are trusted when read (``trusted``, Lightning's ``weights_only``).
 """
 from __future__ import annotations
 
@@ -73,13 +78,14 @@ class PathCheckpoints:
         ds = _core()
         config = config if config is not None else ds.CheckpointConfig()
         # The core's capture rule decides each tensor; the snapshot waits are ours (save()).
-        self.config = config.replace(lazy="always")
+        self.config = config.replace(lazy="always", allow_unsafe_objects=True)
         self.max_open = max(1, int(max_open))
         self.trusted = trusted
         self.on_commit = on_commit
         self._ckpts: OrderedDict[str, Any] = OrderedDict()
         self._base = None  # the Checkpointer owning the shared host cache and threads
         self._pending: dict[str, _Pending] = {}
+        self._last_handle = None
         self._errors: list[BaseException] = []
         self._lock = threading.RLock()
         self._closed_event = threading.Condition(self._lock)
@@ -110,6 +116,7 @@ class PathCheckpoints:
         pending = _Pending(handle, full)
         with self._lock:
             self._pending[full] = pending
+            self._last_handle = handle
         self._finisher.submit(pending)
         if snapshot:
             handle.wait_snapshot()
@@ -182,6 +189,14 @@ class PathCheckpoints:
     def in_flight(self) -> int:
         with self._lock:
             return len(self._pending)
+
+    @property
+    def last_save_stats(self):
+        """the :class:`datastates.SaveStats` of the most recent save (None before the first).
+        ``blocked_s`` and ``nbytes`` are final once the save call returned; ``snapshot_s`` and
+        ``commit_s`` are filled in when the capture and the commit happen (after ``wait()``)."""
+        with self._lock:
+            return None if self._last_handle is None else self._last_handle.stats
 
     def close(self) -> None:
         """Wait for every save, close every Checkpointer, raise the first failure. Reusable:

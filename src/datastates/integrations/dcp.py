@@ -37,6 +37,7 @@ import json
 import os
 import pickle
 import shutil
+import time
 import uuid
 from typing import Any
 
@@ -73,6 +74,14 @@ class DatastatesWriter(StorageWriter, AsyncStager):
     ``sync_files=False`` skips fsync (throwaway benchmarks only); ``overwrite=False`` refuses to
     replace an existing checkpoint at the path; ``cache_staged_state_dict`` keeps the CPU staging
     buffers of ``dcp.async_save`` between saves.
+
+    ``last_save_stats`` is the :class:`datastates.SaveStats` of this rank's most recent save
+    (None before the first): ``nbytes`` the item bytes this rank wrote, ``blocked_s`` the
+    seconds the caller was held by this writer (``stage()``'s copy under ``dcp.async_save``,
+    else ``write_data``, which writes and fsyncs), ``snapshot_s`` until the data was out of
+    the caller's tensors, ``commit_s`` until this rank's file was durable, and on the
+    coordinator until ``finish`` published the checkpoint; each counted from the first of
+    ``stage``/``write_data`` of that save.
     """
 
     _synchronize_after_execute = False
@@ -85,6 +94,9 @@ class DatastatesWriter(StorageWriter, AsyncStager):
         self.cache_staged_state_dict = cache_staged_state_dict
         self._staged: Any = None
         self.save_id = uuid.uuid4().hex
+        self.last_save_stats = None
+        self._staged_at: tuple[float, float] | None = None  # (start, seconds) of the last stage
+        self._stats_t0: float | None = None
         self.is_coordinator, self.rank = True, 0
 
     # ------------------------------------------------------------ StorageWriter
@@ -112,6 +124,7 @@ class DatastatesWriter(StorageWriter, AsyncStager):
         return [dataclasses.replace(p, storage_data=_PlanData(tmp, i)) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        t0 = time.perf_counter()
         data: _PlanData = plan.storage_data
         fname = fmt.shard_file_name(data.rank)
         path = os.path.join(data.tmp, fname)
@@ -137,6 +150,7 @@ class DatastatesWriter(StorageWriter, AsyncStager):
                 os.fsync(fd)
         finally:
             os.close(fd)
+        self._record_stats(t0, sum(r.size_in_bytes for r in results))
         fut = Future()
         fut.set_result(results)
         return fut
@@ -158,6 +172,19 @@ class DatastatesWriter(StorageWriter, AsyncStager):
         _write_file(os.path.join(tmp_dir, MANIFEST), json.dumps(manifest).encode(),
                     self.sync_files)
         _publish(tmp_dir, self.path, self.overwrite, self.sync_files)
+        if self.last_save_stats is not None and self._stats_t0 is not None:
+            self.last_save_stats.commit_s = time.perf_counter() - self._stats_t0
+
+    def _record_stats(self, t0: float, nbytes: int) -> None:
+        """This rank's SaveStats once its file is written (see the class docstring)."""
+        from datastates import SaveStats
+        now = time.perf_counter()
+        staged, self._staged_at = self._staged_at, None
+        self._stats_t0 = staged[0] if staged is not None else t0
+        written = now - self._stats_t0
+        captured = staged[1] if staged is not None else written
+        self.last_save_stats = SaveStats(blocked_s=captured, snapshot_s=captured,
+                                         commit_s=written, nbytes=nbytes, files=1)
 
     def _tmp_dir(self) -> str:
         parent, name = os.path.split(self.path)
@@ -173,6 +200,12 @@ class DatastatesWriter(StorageWriter, AsyncStager):
     # ------------------------------------------------------------ AsyncStager
     def stage(self, state_dict):
         """Copy ``state_dict`` to CPU buffers (reused by later saves when cached)."""
+        t0 = time.perf_counter()
+        staged = self._stage(state_dict)
+        self._staged_at = (t0, time.perf_counter() - t0)
+        return staged
+
+    def _stage(self, state_dict):
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
         pin = torch.cuda.is_available()
         if not self.cache_staged_state_dict:

@@ -175,6 +175,13 @@ class CheckpointEngine:
 
     shutdown = close
 
+    @property
+    def last_save_stats(self):
+        """For the most recent ``save()`` of this rank (one DeepSpeed file): the :class:`datastates.SaveStats` of the most recent save (None before the first).
+        ``blocked_s`` and ``nbytes`` are final once the save call returned; ``snapshot_s`` and
+        ``commit_s`` are filled in when the capture and the commit happen (after ``wait()``)."""
+        return self._paths.last_save_stats
+
     # ------------------------------------------------------------ lazy snapshots
     def guard(self, optimizer: Any) -> None:
         """Make saves lazy: ``optimizer.step()`` (a torch optimizer, or a DeepSpeed wrapper

@@ -72,6 +72,7 @@ class DatastatesTrainer(Trainer):
         self._ds_threads: list[threading.Thread] = []
         self._ds_errors: list[BaseException] = []
         self._ds_lock = threading.Lock()
+        self._ds_last_handle = None
 
     # ------------------------------------------------------------ saving
     def _save_checkpoint(self, model, trial) -> None:
@@ -92,6 +93,7 @@ class DatastatesTrainer(Trainer):
                            overwrite=True, replicated=self._ds_replicated(),
                            metadata={"framework": "transformers",
                                      "global_step": self.state.global_step})
+        self._ds_last_handle = handle
         thread = threading.Thread(target=self._ds_after_commit, name="datastates-hf-commit",
                                   args=(handle, run_dir, _state_json(self.state),
                                         self.state.best_model_checkpoint,
@@ -218,6 +220,15 @@ class DatastatesTrainer(Trainer):
                 if best is None or int(m.group(1)) > best[0]:
                     best = (int(m.group(1)), path)
         return best[1] if best else None
+
+    @property
+    def last_save_stats(self):
+        """For the most recent datastates ``checkpoint-N`` of this rank: the :class:`datastates.SaveStats` of the most recent save (None before the first).
+        ``blocked_s`` and ``nbytes`` are final once the save call returned; ``snapshot_s`` and
+        ``commit_s`` are filled in when the capture and the commit happen (after ``wait()``)
+        (``wait_for_checkpoints()``). Stock checkpoints (DeepSpeed, FSDP runs) leave it None."""
+        handle = self._ds_last_handle
+        return None if handle is None else handle.stats
 
     def wait_for_checkpoints(self) -> None:
         """Block until every checkpoint started so far is committed; raise the first failure."""

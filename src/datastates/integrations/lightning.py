@@ -103,6 +103,13 @@ class DatastatesCheckpointIO(CheckpointIO):
         """Saves started and not yet committed."""
         return self._paths.in_flight
 
+    @property
+    def last_save_stats(self):
+        """For the most recent ``save_checkpoint``: the :class:`datastates.SaveStats` of the most recent save (None before the first).
+        ``blocked_s`` and ``nbytes`` are final once the save call returned; ``snapshot_s`` and
+        ``commit_s`` are filled in when the capture and the commit happen (after ``wait()``)."""
+        return self._paths.last_save_stats
+
 
 class DatastatesSnapshotCallback(Callback):
     """Makes :class:`DatastatesCheckpointIO` saves lazy: the parameters and state of the

@@ -2,6 +2,7 @@
 from .base import AUTO, EAGER, LAZY, Capture, ProviderRegistry, StateProvider, eager, lazy
 from .builtin import (ModuleProvider, OptimizerProvider, RNGState, RNGStateProvider,
                       StatefulProvider)
+from .nprandom import NumpyRandomProvider
 
-__all__ = ["AUTO", "EAGER", "LAZY", "Capture", "ModuleProvider", "OptimizerProvider", "ProviderRegistry",
+__all__ = ["AUTO", "EAGER", "LAZY", "Capture", "ModuleProvider", "NumpyRandomProvider", "OptimizerProvider", "ProviderRegistry",
            "RNGState", "RNGStateProvider", "StateProvider", "StatefulProvider", "eager", "lazy"]

@@ -1,4 +1,5 @@
-"""Built-in providers: modules, optimizers, RNG state, and any object with state_dict()."""
+"""Built-in providers: modules, optimizers, RNG state, numpy generators (``nprandom``), and any
+object with state_dict()."""
 from __future__ import annotations
 
 import random
@@ -175,4 +176,6 @@ def _numpy():
 
 
 def builtin_providers() -> list[StateProvider]:
-    return [ModuleProvider(), OptimizerProvider(), RNGStateProvider(), StatefulProvider()]
+    from .nprandom import NumpyRandomProvider
+    return [ModuleProvider(), OptimizerProvider(), RNGStateProvider(), NumpyRandomProvider(),
+            StatefulProvider()]
