@@ -8,7 +8,6 @@ a new client is one more factory; bench_object_store.py runs them and writes the
 from __future__ import annotations
 
 import importlib.util
-import io
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -116,34 +115,8 @@ def scrub(buffer: bytearray) -> None:
 
 
 # ---------------------------------------------------------------------------------------- boto3
-class MemoryReader(io.RawIOBase):
-    """A seekable read-only file over a memoryview, so a part is uploaded without a copy."""
-
-    def __init__(self, view: memoryview):
-        self._view, self._pos = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buf) -> int:
-        n = min(len(buf), len(self._view) - self._pos)
-        buf[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def __len__(self) -> int:
-        return len(self._view)
+# A seekable file over a memoryview: parts are uploaded without a copy (the backend's own).
+from datastates.objstore import ViewReader as MemoryReader  # noqa: E402
 
 
 def boto3_put(threads: int) -> Callable[[Bench, int], float]:
@@ -331,14 +304,6 @@ def dcp_cases() -> List[Case]:
 
 
 # ------------------------------------------------------------------------------------- datastates
-def datastates_missing() -> Optional[str]:
-    try:
-        from datastates import objstore  # noqa: F401
-    except ImportError as exc:
-        return f"no datastates.objstore yet ({type(exc).__name__})"
-    return None
-
-
 def datastates_checkpointer(bench: Bench):
     """One Checkpointer per benchmark run, reused by every repetition (as a training job does:
     its host cache is allocated by the first save, not by each one)."""
@@ -378,11 +343,11 @@ def datastates_restore(bench: Bench, rep: int) -> float:
 
 def datastates_cases() -> List[Case]:
     return [Case("datastates", "save", "Checkpointer(s3://...).save(...).wait()",
-                 datastates_save, datastates_missing),
+                 datastates_save, missing("boto3")),
             Case("datastates", "blocked", "time save() blocked the caller (same saves)",
-                 datastates_blocked, datastates_missing),
+                 datastates_blocked, missing("boto3")),
             Case("datastates", "load", "Checkpointer(s3://...).restore(...)",
-                 datastates_restore, datastates_missing)]
+                 datastates_restore, missing("boto3"))]
 
 
 CASE_FACTORIES: List[Callable[[], List[Case]]] = [boto3_cases, obstore_cases, s3fs_cases,

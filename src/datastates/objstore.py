@@ -13,6 +13,7 @@ AWS environment variables and files; never from a checkpoint.
 from __future__ import annotations
 
 import bisect
+import io
 import threading
 import warnings
 from typing import Any, Mapping
@@ -268,6 +269,37 @@ class S3ReadFile(ReadFile):
             body.close()
 
 
+class ViewReader(io.RawIOBase):
+    """A seekable read-only file over a memoryview: a request body sent without a copy (and
+    re-read from the start if the client retries the request)."""
+
+    def __init__(self, view: memoryview):
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        n = min(len(buf), len(self._view) - self._pos)
+        buf[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+
 class _Part:
     """A byte range of the shard file uploaded as one part. ``units`` counts the cache units it
     holds; a part that is exactly one unit (``direct``) is uploaded from the cache slot."""
@@ -327,7 +359,7 @@ class S3ShardWriter:
         part = self.parts[bisect.bisect_right(self._starts, offset) - 1]
         body = padded if padded is not None else data
         if part.direct and offset == part.start and body.nbytes == part.end - part.start:
-            self._upload(part, bytes(body))
+            self._upload(part, ViewReader(body))  # straight from the cache slot
             return
         with self._lock:
             size = offset + body.nbytes - part.start
@@ -350,7 +382,7 @@ class S3ShardWriter:
                 self._upload_id = reply["UploadId"]
             return self._upload_id
 
-    def _upload(self, part: _Part, body: bytes | bytearray) -> None:
+    def _upload(self, part: _Part, body: "bytes | bytearray | ViewReader") -> None:
         upload_id = self._ensure_upload()
         reply = self.store._call(f"UploadPart {part.number}", self.path,
                                  self.store.client.upload_part, Key=self.key, UploadId=upload_id,
