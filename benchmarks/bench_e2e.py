@@ -6,12 +6,14 @@ loop of the same repetition (median over interleaved repetitions).
 
     python benchmarks/bench_e2e.py                       # 20 steps, 3 repetitions
     python benchmarks/bench_e2e.py --steps 40 --modes none,ds_module_k3 --reps 5
+    python benchmarks/bench_e2e.py --before /path/to/older/src   # also the datastates modes
+                                                                 # of another source tree
     python benchmarks/bench_e2e.py --profile ds_module_k3  # cProfile of the training thread
 
-Each timed loop: the state is built (fixed seeds) and one warm-up save is made before the clock
-starts (it sizes the host cache, imports, creates the directory); the clock stops once every save
-is durable and committed. Repetitions rotate the order of the modes, so slow drift of a shared
-machine spreads over all of them; only ratios within a repetition are compared.
+Each timed loop runs in a fresh process: the state is built (fixed seeds) and one warm-up save is
+made before the clock starts (it sizes the host cache, imports, creates the directory); the clock
+stops once every save is durable and committed. Repetitions rotate the order of the loops, so slow
+drift of a shared machine spreads over all of them; only ratios within a repetition are compared.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import os
 import pstats
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,8 +32,11 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+if __package__ in (None, "") and not os.environ.get("BENCH_E2E_SRC"):
+    sys.path.insert(0, SRC)
+elif os.environ.get("BENCH_E2E_SRC"):
+    sys.path.insert(0, os.environ["BENCH_E2E_SRC"])
 
 import datastates  # noqa: E402
 from datastates.demo import SyntheticLoader  # noqa: E402
@@ -204,17 +210,28 @@ def timed_loop(mode: str, steps: int, workdir: str, profile: cProfile.Profile | 
     return {"total_s": total, **extra}
 
 
-def run(modes: list[str], steps: int, reps: int, workdir: str) -> dict:
+def loop_in_subprocess(mode: str, steps: int, workdir: str, src: str) -> dict:
+    """One timed loop in a fresh process importing datastates from ``src``."""
+    env = {**os.environ, "BENCH_E2E_SRC": src}
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", mode, "--steps",
+                          str(steps), "--dir", workdir], env=env, check=True,
+                         stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run(loops: list[tuple[str, str, str]], steps: int, reps: int, workdir: str) -> dict:
+    """``loops``: (label, mode, source tree) for each loop of a repetition."""
     rounds = []
     for r in range(reps):
-        order = modes[r % len(modes):] + modes[:r % len(modes)]
+        order = loops[r % len(loops):] + loops[:r % len(loops)]
         rnd = {}
-        for mode in order:
-            rnd[mode] = timed_loop(mode, steps, workdir)
-            print(f"[rep {r + 1}/{reps}] {mode:<14} {rnd[mode]['total_s']:7.2f} s", file=sys.stderr,
-                  flush=True)
+        for label, mode, src in order:
+            rnd[label] = loop_in_subprocess(mode, steps, workdir, src)
+            print(f"[rep {r + 1}/{reps}] {label:<22} {rnd[label]['total_s']:7.2f} s",
+                  file=sys.stderr, flush=True)
         rounds.append(rnd)
-    return {"steps": steps, "reps": reps, "rounds": rounds, "summary": summarize(rounds, modes)}
+    labels = [label for label, _, _ in loops]
+    return {"steps": steps, "reps": reps, "rounds": rounds, "summary": summarize(rounds, labels)}
 
 
 def summarize(rounds: list[dict], modes: list[str]) -> dict:
@@ -234,13 +251,14 @@ def summarize(rounds: list[dict], modes: list[str]) -> dict:
 def print_table(result: dict) -> None:
     print(f"\ncheckpoint every step, {result['steps']} steps, median of {result['reps']} "
           "interleaved repetitions (ratio = time / no-checkpoint time of the same repetition)")
-    print(f"{'mode':<15}{'time s':>8}{'ratio':>8}{'ratios':>24}{'save() ms':>11}{'step wait ms':>14}")
-    for mode, row in result["summary"].items():
+    print(f"| {'loop':<22} | time s | ratio | ratios per repetition | save() ms | step wait ms |")
+    print("|---|---|---|---|---|---|")
+    for label, row in result["summary"].items():
         ratios = " ".join(f"{x:.2f}" for x in row["ratios"])
         blocked = f"{row['blocked_ms']:.1f}" if "blocked_ms" in row else "-"
         wait = f"{row['step_wait_ms']:.1f}" if "step_wait_ms" in row else "-"
-        print(f"{mode:<15}{row['total_s']:>8.2f}{row['ratio']:>7.2f}x{ratios:>24}{blocked:>11}"
-              f"{wait:>14}")
+        print(f"| {label:<22} | {row['total_s']:.2f} | {row['ratio']:.2f}x | {ratios} | {blocked} "
+              f"| {wait} |")
 
 
 def main(argv=None) -> int:
@@ -255,8 +273,14 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="write the raw results here")
     parser.add_argument("--profile", default=None, metavar="MODE",
                         help="profile one loop of MODE (training thread) instead")
+    parser.add_argument("--before", default=None, metavar="SRC",
+                        help="also run the datastates modes with datastates imported from SRC "
+                        "(an older source tree), labelled '<mode>@before'")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # one loop, JSON out
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.one:
+        print(json.dumps(timed_loop(args.one, args.steps, args.dir)))
+        return 0
     workdir = tempfile.mkdtemp(prefix="bench-e2e-", dir=args.dir or os.getcwd())
     try:
         if args.profile:
@@ -269,7 +293,11 @@ def main(argv=None) -> int:
         for m in modes:
             if m not in MODES:
                 parser.error(f"unknown mode {m!r}; expected some of {MODES}")
-        result = run(modes, args.steps, args.reps, workdir)
+        loops = [(m, m, SRC) for m in modes]
+        if args.before:
+            loops += [(f"{m}@before", m, os.path.abspath(args.before)) for m in modes
+                      if m.startswith("ds_")]
+        result = run(loops, args.steps, args.reps, workdir)
         print_table(result)
         if args.json:
             with open(args.json, "w") as f:
