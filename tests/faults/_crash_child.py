@@ -150,14 +150,13 @@ def _install(mode: str, n: int) -> None:
             return real_set_latest(*a, **k)
         datastates.commit.set_latest = set_latest
     elif mode == "claim":
-        import datastates.engine
-        real_writer = datastates.engine.ShardWriter
+        real_writer = datastates.storage.ShardWriter  # what the local store opens
 
         def shard_writer(*a, **k):
             if hit():
                 _die()
             return real_writer(*a, **k)
-        datastates.engine.ShardWriter = shard_writer
+        datastates.storage.ShardWriter = shard_writer
     elif mode not in ("none", "external"):
         raise SystemExit(f"unknown mode {mode!r}")
 
