@@ -22,6 +22,7 @@ import cProfile
 import json
 import os
 import pstats
+import resource
 import shutil
 import statistics
 import subprocess
@@ -168,6 +169,8 @@ class DcpAsyncSaver:
 
 
 def make_saver(mode: str, root: str):
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
     if mode == "none":
         return NoSaver()
     if mode.startswith("ds_"):
@@ -175,9 +178,7 @@ def make_saver(mode: str, root: str):
         return DatastatesSaver(root, form, 3 if keep == "k3" else None)
     if mode == "torch_save":
         return TorchSaver(root)
-    if mode == "dcp_async":
-        return DcpAsyncSaver(root)
-    raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+    return DcpAsyncSaver(root)
 
 
 # ------------------------------------------------------------------------------------ one loop
@@ -195,19 +196,25 @@ def timed_loop(mode: str, steps: int, workdir: str, profile: cProfile.Profile | 
             saver.finish()
         if profile is not None:
             profile.enable()
-        t0 = time.perf_counter()
+        cpu0, t0 = _cpu_s(), time.perf_counter()
         for step in range(1, steps + 1):
             train_step(s)
             saver.save(s, step)
         extra = saver.finish()
-        total = time.perf_counter() - t0
+        total, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
         if profile is not None:
             profile.disable()
     finally:
         if hasattr(saver, "close"):
             saver.close()
         shutil.rmtree(root, ignore_errors=True)
-    return {"total_s": total, **extra}
+    return {"total_s": total, "cpu_s": cpu, **extra}
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process, every thread (user + system)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def loop_in_subprocess(mode: str, steps: int, workdir: str, src: str) -> dict:
@@ -220,25 +227,53 @@ def loop_in_subprocess(mode: str, steps: int, workdir: str, src: str) -> dict:
 
 
 def run(loops: list[tuple[str, str, str]], steps: int, reps: int, workdir: str) -> dict:
-    """``loops``: (label, mode, source tree) for each loop of a repetition."""
+    """``loops``: (label, mode, source tree) of each checkpointing loop of a repetition. A loop
+    without checkpoints runs before every two of them and at the end; each loop is compared with
+    the mean of the two no-checkpoint loops around it (the load of a shared machine drifts within
+    minutes)."""
     rounds = []
     for r in range(reps):
         order = loops[r % len(loops):] + loops[:r % len(loops)]
-        rnd = {}
-        for label, mode, src in order:
+        rnd, last_none, waiting = {}, None, []
+        for i, (label, mode, src) in enumerate(order + [("none", "none", SRC)]):
+            if i % 2 == 0 or i == len(order):
+                none = loop_in_subprocess("none", steps, workdir, SRC)
+                rnd.setdefault("none", []).append(none)
+                _log(r, reps, "none", none)
+                for entry in waiting:  # compared with the baselines before and after
+                    _pair(entry, [b for b in (last_none, none) if b is not None])
+                last_none, waiting = none, []
+            if i == len(order):
+                break
             rnd[label] = loop_in_subprocess(mode, steps, workdir, src)
-            print(f"[rep {r + 1}/{reps}] {label:<22} {rnd[label]['total_s']:7.2f} s",
-                  file=sys.stderr, flush=True)
+            _log(r, reps, label, rnd[label])
+            waiting.append(rnd[label])
         rounds.append(rnd)
     labels = [label for label, _, _ in loops]
     return {"steps": steps, "reps": reps, "rounds": rounds, "summary": summarize(rounds, labels)}
 
 
-def summarize(rounds: list[dict], modes: list[str]) -> dict:
-    out = {}
-    for mode in modes:
-        ratios = [rnd[mode]["total_s"] / rnd["none"]["total_s"] for rnd in rounds]
+def _pair(entry: dict, baselines: list[dict]) -> None:
+    for key in ("total_s", "cpu_s"):
+        entry[f"base_{key}"] = statistics.mean(b[key] for b in baselines)
+
+
+def _log(r: int, reps: int, label: str, result: dict) -> None:
+    print(f"[rep {r + 1}/{reps}] {label:<22} {result['total_s']:7.2f} s wall "
+          f"{result['cpu_s']:7.2f} s cpu", file=sys.stderr, flush=True)
+
+
+def summarize(rounds: list[dict], labels: list[str]) -> dict:
+    nones = [n for rnd in rounds for n in rnd["none"]]
+    out = {"none": {"ratio": 1.0, "ratios": [], "cpu_ratio": 1.0,
+                    "total_s": statistics.median(n["total_s"] for n in nones),
+                    "range_s": [min(n["total_s"] for n in nones),
+                                max(n["total_s"] for n in nones)]}}
+    for mode in labels:
+        ratios = [rnd[mode]["total_s"] / rnd[mode]["base_total_s"] for rnd in rounds]
+        cpu = [rnd[mode]["cpu_s"] / rnd[mode]["base_cpu_s"] for rnd in rounds]
         row = {"ratio": statistics.median(ratios), "ratios": ratios,
+               "cpu_ratio": statistics.median(cpu),
                "total_s": statistics.median(rnd[mode]["total_s"] for rnd in rounds)}
         for key in ("blocked_ms", "step_wait_ms", "commit_s"):
             vals = [rnd[mode][key] for rnd in rounds if key in rnd[mode]]
@@ -249,16 +284,23 @@ def summarize(rounds: list[dict], modes: list[str]) -> dict:
 
 
 def print_table(result: dict) -> None:
+    none = result["summary"]["none"]
     print(f"\ncheckpoint every step, {result['steps']} steps, median of {result['reps']} "
-          "interleaved repetitions (ratio = time / no-checkpoint time of the same repetition)")
-    print(f"| {'loop':<22} | time s | ratio | ratios per repetition | save() ms | step wait ms |")
-    print("|---|---|---|---|---|---|")
+          "interleaved repetitions; ratio = wall time / mean of the no-checkpoint loops run just "
+          "before and after; cpu ratio = the same for the process's CPU time (all threads). "
+          f"No-checkpoint loop: median {none['total_s']:.2f} s, range {none['range_s'][0]:.2f}-"
+          f"{none['range_s'][1]:.2f} s")
+    print(f"| {'loop':<22} | time s | ratio | ratios per repetition | cpu ratio | save() ms "
+          "| step wait ms |")
+    print("|---|---|---|---|---|---|---|")
     for label, row in result["summary"].items():
+        if label == "none":
+            continue
         ratios = " ".join(f"{x:.2f}" for x in row["ratios"])
         blocked = f"{row['blocked_ms']:.1f}" if "blocked_ms" in row else "-"
         wait = f"{row['step_wait_ms']:.1f}" if "step_wait_ms" in row else "-"
-        print(f"| {label:<22} | {row['total_s']:.2f} | {row['ratio']:.2f}x | {ratios} | {blocked} "
-              f"| {wait} |")
+        print(f"| {label:<22} | {row['total_s']:.2f} | {row['ratio']:.2f}x | {ratios} | "
+              f"{row['cpu_ratio']:.2f}x | {blocked} | {wait} |")
 
 
 def main(argv=None) -> int:
@@ -289,11 +331,11 @@ def main(argv=None) -> int:
             print(f"{args.profile}: {total:.2f} s")
             pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
             return 0
-        modes = ["none"] + [m for m in args.modes.split(",") if m and m != "none"]
+        modes = [m for m in args.modes.split(",") if m and m != "none"]
         for m in modes:
             if m not in MODES:
                 parser.error(f"unknown mode {m!r}; expected some of {MODES}")
-        loops = [(m, m, SRC) for m in modes]
+        loops = [(m, m, SRC) for m in modes]  # each also runs beside no-checkpoint loops
         if args.before:
             loops += [(f"{m}@before", m, os.path.abspath(args.before)) for m in modes
                       if m.startswith("ds_")]
