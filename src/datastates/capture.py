@@ -69,16 +69,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def byte_range(t: torch.Tensor) -> tuple[tuple, int, int] | None:
     """(storage key, first byte, end byte) of the memory ``t`` reads; None for a tensor with no
-    bytes or no real address (empty, meta)."""
-    t = _local(t).detach()
-    if t.numel() == 0 or t.device.type == "meta":
+    bytes or no real address (empty, meta). The storage key is (device type, device index,
+    address of the storage's first byte)."""
+    t = _local(t)
+    if t.is_meta or t.numel() == 0:
         return None
     start = t.data_ptr()
     if start == 0:
         return None
-    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    key = (t.device.type, t.device.index, t.untyped_storage().data_ptr())
-    return key, start, start + span * t.element_size()
+    size = t.element_size()
+    span = 1 + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
+    device = t.device
+    # the storage's first byte, without materialising a storage object per call
+    return (device.type, device.index, start - t.storage_offset() * size), start, \
+        start + span * size
 
 
 class ByteRanges:
@@ -101,18 +105,22 @@ class ByteRanges:
                     starts.append(start)
                     ends.append(end)
 
-    def covers(self, t: torch.Tensor) -> bool:
-        """Every byte ``t`` reads lies inside the union."""
-        found = byte_range(t)
+    def __bool__(self) -> bool:
+        return bool(self._starts)
+
+    def covers(self, t: torch.Tensor, found: "tuple | None" = None) -> bool:
+        """Every byte ``t`` reads lies inside the union (``found``: its ``byte_range``, if
+        already known)."""
+        found = found if found is not None else byte_range(t)
         if found is None or found[0] not in self._starts:
             return False
         key, start, end = found
         i = bisect.bisect_right(self._starts[key], start) - 1
         return i >= 0 and self._ends[key][i] >= end
 
-    def touches(self, t: torch.Tensor) -> bool:
-        """Some byte ``t`` reads lies inside the union."""
-        found = byte_range(t)
+    def touches(self, t: torch.Tensor, found: "tuple | None" = None) -> bool:
+        """Some byte ``t`` reads lies inside the union (``found`` as for ``covers``)."""
+        found = found if found is not None else byte_range(t)
         if found is None or found[0] not in self._starts:
             return False
         key, start, end = found
@@ -131,7 +139,9 @@ class LazyRule:
 
     def allows(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (policy ``auto``) may be captured lazily."""
-        return self._safe.covers(t) and not self._unsafe.touches(t)
+        found = byte_range(t)
+        return found is not None and self._safe.covers(t, found) and \
+            not (self._unsafe and self._unsafe.touches(t, found))
 
 
 def decide(items: Iterable[Any], rule: LazyRule) -> None:

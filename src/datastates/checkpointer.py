@@ -94,6 +94,9 @@ class Checkpointer:
         self._guarded: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Any]" = \
             weakref.WeakKeyDictionary()
         self._closed = False
+        #: The committed checkpoints of the directory as last listed: each commit, ``list`` and
+        #: ``latest`` list the directory but read only the manifests that changed since.
+        self._catalog = commit_mod.Catalog(self.directory, self.store)
 
     # ------------------------------------------------------------ save
     def save(self, state: Any, step: int | None = None, *, tag: str | None = None,
@@ -142,7 +145,7 @@ class Checkpointer:
                         tmp=commit_mod.tmp_dir(self.directory, name, self.comm.run_id,
                                                sid.attempt, self.store), store=self.store,
                         overwrite=overwrite, t0=t0, deadline=deadline,
-                        on_commit=self._after_commit)
+                        on_commit=self._after_commit, catalog=self._catalog)
         try:
             job = self._plan_job(state, metadata, replicated, optimizers, job_args)
         except BaseException as exc:
@@ -317,7 +320,7 @@ class Checkpointer:
         when the directory does not exist yet (nothing was saved there)."""
         if not self.store.isdir(self.directory):
             return []
-        return commit_mod.list_checkpoints(self.directory, self.store)
+        return self._catalog.scan()
 
     def latest(self) -> commit_mod.CheckpointInfo | None:
         """The most recently committed checkpoint (highest commit sequence number, tags and steps
@@ -328,7 +331,8 @@ class Checkpointer:
         when the directory does not exist yet."""
         if not self.store.isdir(self.directory):
             return None
-        return commit_mod.latest(self.directory, self.store)
+        found = self._catalog.scan()
+        return found[-1] if found else None
 
     def delete(self, step: int | None = None, *, tag: str | None = None) -> None:
         """Delete a committed checkpoint (rank 0 only does the work)."""
@@ -374,7 +378,8 @@ class Checkpointer:
         try:
             commit_mod.apply_retention(self.directory, self.config.keep_last,
                                        self.config.keep_every, protect=job.name,
-                                       fsync=self.config.fsync, store=self.store)
+                                       fsync=self.config.fsync, store=self.store,
+                                       committed=job.committed)
         except Exception as exc:
             warnings.warn(f"datastates: {job.name!r} is committed, but applying retention in "
                           f"{self.directory} failed: {exc}", RuntimeWarning, stacklevel=2)

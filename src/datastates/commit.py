@@ -8,15 +8,16 @@ import socket
 import time
 import uuid
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from . import format as fmt
 from . import schema
+from .catalog import Catalog, CheckpointInfo, info_of, list_checkpoints  # noqa: F401 (re-exported)
 from .dist import abort_decision
 from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
 from .planning import check_replicas, check_same_save, check_tiling
-from .storage import fsync_dir, remove_tree, write_file_atomic
+from .storage import fsync_dir, remove_tree
 from .store import LOCAL, Store
 
 _OWNER_IN_NAME = re.compile(r"@(\d+)@([^@/]+)-\d+$")
@@ -24,18 +25,12 @@ _OWNER_IN_TMP_FILE = re.compile(r"@(\d+)@([^@/]+)$")  # storage.write_file_atomi
 
 
 @dataclass(frozen=True)
-class CheckpointInfo:
-    """A committed checkpoint. ``seq`` is its commit sequence number: the newest checkpoint of a
-    directory is the one with the highest ``seq`` (0 for checkpoints of format version 1)."""
+class Published:
+    """What :func:`publish` committed: the checkpoint, and the committed checkpoints of the root
+    right after the commit, oldest first (what retention counts)."""
 
-    name: str
-    path: str
-    step: int | None
-    created_unix: float
-    world_size: int
-    nbytes: int
-    metadata: dict = field(default_factory=dict)
-    seq: int = 0
+    info: CheckpointInfo
+    committed: list[CheckpointInfo]
 
 
 # ---------------------------------------------------------------- manifest assembly (pure)
@@ -225,17 +220,30 @@ def tmp_dir(root: str, name: str, run_id: str, attempt: int, store: Store = LOCA
 
 
 def publish(root: str, tmp: str, name: str, manifest: dict, *, overwrite: bool,
-            fsync: bool, store: Store = LOCAL) -> str:
-    """Make ``tmp`` the committed checkpoint ``root/name`` atomically. Returns its path.
+            fsync: bool, store: Store = LOCAL, catalog: Catalog | None = None) -> Published:
+    """Make ``tmp`` the committed checkpoint ``root/name`` atomically.
 
     Rank 0 only. Sets ``manifest["seq"]`` to the commit sequence number (one more than the
     highest of the checkpoints committed in ``root``) before the manifest is written, so the
-    caller's dict describes the committed checkpoint."""
-    manifest["seq"] = next_seq(root, store)
-    if not store.renames:
-        return _publish_object(root, tmp, name, manifest, overwrite, store)
+    caller's dict describes the committed checkpoint. ``catalog``: the writer's catalog of
+    ``root``, kept between commits, so that numbering the commit reads only the manifests that
+    changed since the previous one (without it, every manifest of ``root`` is read); the new
+    checkpoint is recorded in it. The manifest is validated once, before it is written."""
+    catalog = catalog if catalog is not None else Catalog(root, store)
+    manifest["seq"] = max((i.seq for i in catalog.scan()), default=0) + 1
+    publish_in = _publish_rename if store.renames else _publish_object
+    final, stamp, parsed = publish_in(root, tmp, name, manifest, overwrite, fsync, store)
+    info = info_of(final, parsed)
+    return Published(info, catalog.record(info, stamp))
+
+
+def _publish_rename(root: str, tmp: str, name: str, manifest: dict, overwrite: bool, fsync: bool,
+                    store: Store) -> tuple[str, Any, schema.Manifest]:
+    """Local: write the manifest into ``tmp``, then rename ``tmp`` into place (the manifest's
+    stamp, taken before the rename, stays valid: the file is not touched by it)."""
     final = os.path.join(root, name)
-    write_file_atomic(os.path.join(tmp, fmt.MANIFEST), fmt.encode_manifest(manifest), fsync)
+    data, parsed = fmt.encode_manifest_checked(manifest)
+    stamp = store.write_atomic(os.path.join(tmp, fmt.MANIFEST), data, fsync)
     old = None
     if os.path.exists(final):
         if not overwrite:
@@ -258,11 +266,11 @@ def publish(root: str, tmp: str, name: str, manifest: dict, *, overwrite: bool,
             pass
         except OSError as exc:
             _tidy_warning(final, exc)
-    return final
+    return final, stamp, parsed
 
 
 def _publish_object(root: str, tmp: str, name: str, manifest: dict, overwrite: bool,
-                    store: Store) -> str:
+                    fsync: bool, store: Store) -> tuple[str, Any, schema.Manifest]:
     """Object store: the shard files are already in place, under a data directory named after
     this save; writing ``manifest.json`` (one PUT, atomic) commits. A replaced checkpoint's
     data directory is deleted after the new manifest is in place, so a reader sees the old
@@ -279,13 +287,14 @@ def _publish_object(root: str, tmp: str, name: str, manifest: dict, overwrite: b
     if old is not None and not overwrite:
         raise CheckpointExistsError(f"{final} already exists (committed meanwhile); pass "
                                     "overwrite=True to replace it")
-    store.write_atomic(store.join(final, fmt.MANIFEST), fmt.encode_manifest(manifest), True)
+    data, parsed = fmt.encode_manifest_checked(manifest)
+    stamp = store.write_atomic(store.join(final, fmt.MANIFEST), data, True)
     if old and old.data_dir and old.data_dir != manifest["data_dir"]:
         try:
             store.remove_tree(store.join(final, old.data_dir))
         except OSError as exc:
             _tidy_warning(final, exc)
-    return final
+    return final, stamp, parsed
 
 
 def _tidy_warning(final: str, exc: OSError) -> None:
@@ -301,41 +310,6 @@ def next_seq(root: str, store: Store = LOCAL) -> int:
 def set_latest(root: str, name: str, fsync: bool, store: Store = LOCAL) -> None:
     """Point the ``latest`` hint at ``name`` (for people and tools; readers do not need it)."""
     store.write_atomic(store.join(root, fmt.LATEST), name.encode(), fsync)
-
-
-def info_of(path: str, manifest: "schema.Manifest | dict") -> CheckpointInfo:
-    """The description of the checkpoint at ``path`` with this manifest (a JSON dict, as written
-    by ``publish``, is validated first)."""
-    if isinstance(manifest, dict):
-        manifest = schema.parse_manifest(manifest, os.path.join(path, fmt.MANIFEST))
-    return CheckpointInfo(name=os.path.basename(path), path=path, step=manifest.step,
-                          created_unix=manifest.created_unix, world_size=manifest.world_size,
-                          nbytes=manifest.nbytes, metadata=dict(manifest.metadata),
-                          seq=manifest.seq)
-
-
-def list_checkpoints(root: str, store: Store = LOCAL) -> list[CheckpointInfo]:
-    """Committed checkpoints in ``root``, oldest first: in commit order (``seq``), which is also
-    step order for checkpoints saved by step. Damaged ones are left out."""
-    try:
-        names = store.listdir(root)
-    except (FileNotFoundError, NotADirectoryError):
-        raise CheckpointNotFoundError(f"checkpoint directory {root!r} does not exist") from None
-    found = []
-    for name in names:
-        path = store.join(root, name)
-        if name.startswith(".") or name == fmt.LATEST:
-            continue
-        try:
-            found.append(info_of(path, fmt.read_manifest(path, store)))
-        except (CorruptCheckpointError, CheckpointNotFoundError, OSError):
-            continue
-    return sorted(found, key=_order)
-
-
-def _order(info: CheckpointInfo):
-    # Version-1 checkpoints (seq 0) have no commit number: oldest, in step order among themselves.
-    return (info.seq, info.step if info.step is not None else -1, info.created_unix, info.name)
 
 
 def latest(root: str, store: Store = LOCAL) -> CheckpointInfo | None:
@@ -397,8 +371,13 @@ def delete(root: str, name: str, fsync: bool = True, store: Store = LOCAL) -> No
 
 
 def apply_retention(root: str, keep_last: int | None, keep_every: int | None,
-                    protect: str, fsync: bool, store: Store = LOCAL) -> list[str]:
+                    protect: str, fsync: bool, store: Store = LOCAL,
+                    committed: list[CheckpointInfo] | None = None) -> list[str]:
     """Delete committed checkpoints beyond the policy; return the deleted names.
+
+    ``committed``: the committed checkpoints of ``root``, oldest first, as the commit just made
+    saw them (``Published.committed``); None lists ``root``. A checkpoint of that list already
+    gone (deleted meanwhile by another process) is skipped, not an error.
 
     Keeps the ``keep_last`` most recently committed checkpoints (commit order, steps and tags
     alike), every checkpoint whose step is a multiple of ``keep_every``, and ``protect``. The
@@ -408,7 +387,7 @@ def apply_retention(root: str, keep_last: int | None, keep_every: int | None,
     if keep_last is None:
         return []
     failures = _remove_trash(root) if store.renames else []
-    found = list_checkpoints(root, store)
+    found = committed if committed is not None else list_checkpoints(root, store)
     keep = {i.name for i in found[-keep_last:]} | {protect}
     if found:
         keep.add(found[-1].name)
@@ -421,6 +400,8 @@ def apply_retention(root: str, keep_last: int | None, keep_every: int | None,
         try:
             delete(root, info.name, fsync, store)
             removed.append(info.name)
+        except CheckpointNotFoundError:
+            continue  # deleted meanwhile by another process
         except OSError as exc:
             failures.append(exc)
     if failures:

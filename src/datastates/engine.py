@@ -60,10 +60,16 @@ class Job:
                  rank: int, flat: Flattened, layout: Layout, write_tensors: list[int],
                  objects: list[int], metadata: dict, overwrite: bool, ready, t0: float,
                  on_commit: Callable[["Job"], None], deadline: float, eager_units: int = 0,
-                 eager_items: int = 0, store: Store = LOCAL):
+                 eager_items: int = 0, store: Store = LOCAL,
+                 catalog: "commit_mod.Catalog | None" = None):
         self.sid, self.name, self.step, self.root, self.tmp = sid, name, step, root, tmp
         #: Where the checkpoint is written (local directory or object store).
         self.store = store
+        #: Rank 0: the writer's catalog of ``root`` (commit numbering reads only what changed).
+        self.catalog = catalog
+        #: Rank 0, once published: the committed checkpoints of ``root`` right after this commit
+        #: (what retention counts; None: retention lists ``root`` itself).
+        self.committed: list[commit_mod.CheckpointInfo] | None = None
         #: time.monotonic() by which this save must be decided (save() + commit_timeout_s).
         self.deadline = deadline
         #: Digest of every declared-replicated tensor (key → text), compared across ranks.
@@ -659,13 +665,13 @@ class Pipeline:
     def _publish(self, job: Job) -> dict:
         """Rank 0, after winning the decision: rename into place; the commit verdict."""
         try:
-            path = commit_mod.publish(job.root, job.tmp, job.name, job.manifest,
-                                      overwrite=job.overwrite, fsync=self.config.fsync,
-                                      store=job.store)
+            published = commit_mod.publish(job.root, job.tmp, job.name, job.manifest,
+                                           overwrite=job.overwrite, fsync=self.config.fsync,
+                                           store=job.store, catalog=job.catalog)
         except BaseException as exc:
             job.fail(write_error(job, f"committing {job.name!r}", exc))
             raise
-        job.info = commit_mod.info_of(path, job.manifest)
+        job.info, job.committed = published.info, published.committed
         return {"ok": True, "info": {"created_unix": job.info.created_unix,
                                      "world_size": job.info.world_size,
                                      "nbytes": job.info.nbytes, "metadata": job.info.metadata}}

@@ -184,9 +184,15 @@ def seal_manifest(body: bytes) -> bytes:
 def encode_manifest(manifest: dict) -> bytes:
     """Validate ``manifest`` with the reader's own parser, then encode and seal it (so what is
     written is exactly what a reader accepts)."""
+    return encode_manifest_checked(manifest)[0]
+
+
+def encode_manifest_checked(manifest: dict) -> "tuple[bytes, schema.Manifest]":
+    """:func:`encode_manifest`, also returning the typed manifest the reader's parser made of
+    those bytes (the writer needs it too, and parsing twice costs the GIL twice)."""
     body = encode_json(manifest)
-    schema.parse_manifest(json.loads(body), "manifest being written")
-    return seal_manifest(body)
+    parsed = schema.parse_manifest(json.loads(body), "manifest being written")
+    return seal_manifest(body), parsed
 
 
 def encode_json(value: Any) -> bytes:

@@ -136,9 +136,11 @@ class S3Store(Store):
         except Exception as exc:
             raise storage_error(exc, "GET (body)", path) from None
 
-    def write_atomic(self, path: str, data: bytes, fsync: bool) -> None:
+    def write_atomic(self, path: str, data: bytes, fsync: bool) -> Any:
+        """One PUT; returns the object's ETag (the stamp :meth:`file_stamps` lists)."""
         body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
-        self._call("PUT", path, self.client.put_object, Key=self.key(path), Body=body)
+        reply = self._call("PUT", path, self.client.put_object, Key=self.key(path), Body=body)
+        return reply.get("ETag")
 
     def remove(self, path: str) -> None:
         self._call("DELETE", path, self.client.delete_object, Key=self.key(path))
@@ -178,6 +180,16 @@ class S3Store(Store):
             names += [p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", [])]
             names += [o["Key"][len(prefix):] for o in page.get("Contents", [])]
         return names
+
+    def file_stamps(self, path: str, file_name: str) -> dict[str, Any]:
+        """Stamp: the ETag of ``E/file_name``, from one listing of every key under ``path`` (a
+        replaced object has a new ETag unless its bytes are the same). An empty prefix gives {}."""
+        prefix, out = self._prefix(path), {}
+        for obj in self._objects(path):
+            name, sep, rest = obj["Key"][len(prefix):].partition("/")
+            if sep and rest == file_name and name:
+                out[name] = obj.get("ETag")
+        return out
 
     def _objects(self, path: str) -> list[dict]:
         return [o for page in self._pages(path) for o in page.get("Contents", [])]

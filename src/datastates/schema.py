@@ -210,6 +210,39 @@ class _At:
         return CorruptCheckpointError(f"{self.file}: {self.path or 'top level'}: {what}")
 
 
+# The ``_field_*`` helpers are the fast path of the commonest checks: they test the value with the
+# same predicate as the checker they fall back to, and build the field's path (``at / key``) only
+# when that checker is about to raise. A manifest has a dozen checked fields per tensor; building
+# every path eagerly was most of the time spent validating one.
+
+_MISSING = object()
+
+
+def _field_int(obj: dict, key: str, at: _At, lo: int = 0, hi: int = _U64) -> int:
+    """``obj[key]``, an integer in ``[lo, hi]``."""
+    value = obj.get(key, _MISSING)
+    if type(value) is int and lo <= value <= hi:
+        return value
+    return _int(_get(obj, key, at), at / key, lo, hi)
+
+
+def _field_str(obj: dict, key: str, at: _At) -> str:
+    """``obj[key]``, a string."""
+    value = obj.get(key, _MISSING)
+    if type(value) is str:
+        return value
+    return _str(_get(obj, key, at), at / key)
+
+
+def _field_dims(obj: dict, key: str, at: _At) -> tuple[int, ...]:
+    """``obj[key]``, a list of at most MAX_NDIM non-negative integers."""
+    value = obj.get(key, _MISSING)
+    if type(value) is list and len(value) <= MAX_NDIM and \
+            all(type(d) is int and 0 <= d <= _U64 for d in value):
+        return tuple(value)
+    return _dims(_get(obj, key, at), at / key)
+
+
 def _get(obj: dict, key: str, at: _At) -> Any:
     if key not in obj:
         raise at.bad(f"required field {key!r} is missing")
@@ -283,6 +316,21 @@ def _dtype(value: Any, at: _At) -> str:
 
 
 def _pieces(value: Any, nbytes: int, at: _At) -> tuple[tuple[int, int], ...]:
+    if type(value) is list:  # fast path; anything unusual is checked (and named) below
+        pieces, total = [], 0
+        for p in value:
+            if type(p) is not list or len(p) != 2 or type(p[0]) is not int or \
+                    type(p[1]) is not int or not 1 <= p[0] <= nbytes or not 0 <= p[1] <= _U32:
+                break
+            total += p[0]
+            pieces.append((p[0], p[1]))
+        else:
+            if total == nbytes:
+                return tuple(pieces)
+    return _checked_pieces(value, nbytes, at)
+
+
+def _checked_pieces(value: Any, nbytes: int, at: _At) -> tuple[tuple[int, int], ...]:
     pieces, total = [], 0
     for i, p in enumerate(_list(value, at)):
         if type(p) is not list or len(p) != 2:
@@ -334,9 +382,20 @@ def check_tree(root: Any, at: _At, entry_kinds: list[str],
     ``entry_kinds[i]`` is the kind of entry ``i``; tensor/object nodes must index an entry of
     their own kind. ``refs``, if given, collects for each entry index the keys (``a/b/0``, as
     ``flatten.key_of``) of the nodes that refer to it."""
-    stack = [(root, at, 1, "")]
+    stack: list = [(root, at, (), 1, "")]  # node, path of its parent, parts below it, depth, key
+    kinds = len(entry_kinds)
     while stack:
-        node, where, depth, key = stack.pop()
+        node, parent, parts, depth, key = stack.pop()
+        if depth <= MAX_TREE_DEPTH and type(node) is dict and node.get("t") in ("tensor", "object"):
+            e = node.get("e")  # fast path of the commonest node, a valid leaf: no path built
+            if type(e) is int and 0 <= e < kinds and entry_kinds[e] == node["t"] and \
+                    type(node.get("param", False)) is bool:
+                if refs is not None:
+                    refs.setdefault(e, set()).add(key)
+                continue
+        where = parent
+        for part in parts:
+            where = where / part
         if depth > MAX_TREE_DEPTH:
             raise where.bad(f"state tree deeper than {MAX_TREE_DEPTH}")
         node = _dict(node, where)
@@ -359,18 +418,19 @@ def check_tree(root: Any, at: _At, entry_kinds: list[str],
             _scalar(_get(node, "v", where), where / "v")
         elif t == "provider":
             _str(_get(node, "name", where), where / "name")
-            stack.append((_get(node, "state", where), where / "state", depth + 1, key))
+            stack.append((_get(node, "state", where), where, ("state",), depth + 1, key))
         elif t in ("dict", "odict"):
             for i, pair in enumerate(_list(_get(node, "items", where), where / "items")):
                 if type(pair) is not list or len(pair) != 2:
                     raise (where / "items" / i).bad(f"expected a [key, node] pair, found "
                                                     f"{_show(pair)}")
-                _scalar(pair[0], where / "items" / i / 0)
-                stack.append((pair[1], where / "items" / i / 1, depth + 1,
+                if type(pair[0]) is not str:  # a string key is always valid
+                    _scalar(pair[0], where / "items" / i / 0)
+                stack.append((pair[1], where, ("items", i, 1), depth + 1,
                               _child_key(key, pair[0])))
         else:
             for i, child in enumerate(_list(_get(node, "items", where), where / "items")):
-                stack.append((child, where / "items" / i, depth + 1, _child_key(key, i)))
+                stack.append((child, where, ("items", i), depth + 1, _child_key(key, i)))
     return root
 
 
@@ -480,28 +540,30 @@ def _file_ref(value: Any, at: _At, rank: int | None) -> FileRef:
 def _entry(value: Any, at: _At, files: tuple[FileRef, ...], world: int) -> Entry:
     e = _dict(value, at)
     kind = e.get("kind")
-    key = _str(_get(e, "key", at), at / "key")
+    key = _field_str(e, "key", at)
     if kind == "object":
-        file_id = _int(_get(e, "file", at), at / "file", 0, len(files) - 1)
+        file_id = _field_int(e, "file", at, 0, len(files) - 1)
         offset, nbytes = _region(e, at, files[file_id])
-        crc = _int(_get(e, "crc32", at), at / "crc32", 0, _U32)
+        crc = _field_int(e, "crc32", at, 0, _U32)
         if nbytes == 0 and crc != 0:
             raise (at / "crc32").bad(f"an empty region has CRC 0, found {crc}")
         return ObjectEntry(key=key, file=file_id, offset=offset, nbytes=nbytes, crc32=crc)
     if kind != "tensor":
         raise (at / "kind").bad(f"unknown entry kind {_show(kind)}")
     dtype = _dtype(_get(e, "dtype", at), at / "dtype")
-    shape = _dims(_get(e, "shape", at), at / "shape")
+    shape = _field_dims(e, "shape", at)
     shards = tuple(_shard(s, at / "shards" / i, files, dtype, shape)
                    for i, s in enumerate(_list(_get(e, "shards", at), at / "shards")))
     if not shards:
         raise (at / "shards").bad(f"tensor {key!r} has no stored shard")
     stored = sum(s.nbytes for s in shards)
     _check_tensor_size(dtype, shape, stored, at)
-    replicated = _bool(e.get("replicated", False), at / "replicated")
+    replicated = e.get("replicated", False)
+    if type(replicated) is not bool:
+        _bool(replicated, at / "replicated")
     rank = e.get("rank")
     if rank is not None:
-        rank = _int(rank, at / "rank", 0, world - 1)
+        rank = _field_int(e, "rank", at, 0, world - 1)
     return TensorEntry(key=key, dtype=dtype, shape=shape, shards=shards, replicated=replicated,
                        rank=rank)
 
@@ -515,20 +577,20 @@ def _check_tensor_size(dtype: str, shape: tuple[int, ...], stored: int, at: _At)
 
 
 def _region(e: dict, at: _At, f: FileRef) -> tuple[int, int]:
-    offset = _int(_get(e, "offset", at), at / "offset", fmt.HEADER_BYTES, f.nbytes)
+    offset = _field_int(e, "offset", at, fmt.HEADER_BYTES, f.nbytes)
     if offset % fmt.DATA_ALIGN:
         raise (at / "offset").bad(f"expected a multiple of {fmt.DATA_ALIGN}, found {offset}")
-    nbytes = _int(_get(e, "nbytes", at), at / "nbytes", 0, f.nbytes - offset)
+    nbytes = _field_int(e, "nbytes", at, 0, f.nbytes - offset)
     return offset, nbytes
 
 
 def _shard(value: Any, at: _At, files: tuple[FileRef, ...], dtype: str,
            shape: tuple[int, ...]) -> ShardRef:
     s = _dict(value, at)
-    file_id = _int(_get(s, "file", at), at / "file", 0, len(files) - 1)
+    file_id = _field_int(s, "file", at, 0, len(files) - 1)
     offset, nbytes = _region(s, at, files[file_id])
-    box = _dims(_get(s, "shape", at), at / "shape")
-    origin = _dims(_get(s, "global_offset", at), at / "global_offset")
+    box = _field_dims(s, "shape", at)
+    origin = _field_dims(s, "global_offset", at)
     if len(box) != len(shape) or len(origin) != len(shape):
         raise at.bad(f"box {list(origin)}+{list(box)} does not have the {len(shape)} dimensions "
                      f"of the tensor {list(shape)}")
@@ -642,16 +704,16 @@ def _report_file(value: Any, at: _At, rank: int) -> FileRef:
 
 def _report_entry(value: Any, at: _At, f: FileRef) -> ReportEntry:
     e = _dict(value, at)
-    key = _str(_get(e, "key", at), at / "key")
+    key = _field_str(e, "key", at)
     kind = e.get("kind")
     if kind == "object":
         offset, nbytes = _region(e, at, f)
         return ReportEntry(key=key, kind=kind, written=True, offset=offset, nbytes=nbytes,
-                           crc32=_int(_get(e, "crc32", at), at / "crc32", 0, _U32))
+                           crc32=_field_int(e, "crc32", at, 0, _U32))
     if kind != "tensor":
         raise (at / "kind").bad(f"unknown entry kind {_show(kind)}")
     dtype = _dtype(_get(e, "dtype", at), at / "dtype")
-    shape = _dims(_get(e, "shape", at), at / "shape")
+    shape = _field_dims(e, "shape", at)
     global_shape = global_offset = None
     if e.get("global_shape") is not None:
         global_shape = _dims(e["global_shape"], at / "global_shape")
@@ -660,8 +722,10 @@ def _report_entry(value: Any, at: _At, f: FileRef) -> ReportEntry:
                 o + n > g for o, n, g in zip(global_offset, shape, global_shape)):
             raise at.bad(f"box {list(global_offset)}+{list(shape)} does not fit the global "
                          f"shape {list(global_shape)}")
-    replicated = _bool(e.get("replicated", False), at / "replicated")
-    written = _bool(e.get("written", True), at / "written")
+    replicated, written = e.get("replicated", False), e.get("written", True)
+    if type(replicated) is not bool or type(written) is not bool:
+        _bool(replicated, at / "replicated")
+        _bool(written, at / "written")
     if not written:
         return ReportEntry(key=key, kind=kind, written=False, dtype=dtype, shape=shape,
                            global_shape=global_shape, global_offset=global_offset,

@@ -128,9 +128,10 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_file_atomic(path: str, data: bytes, fsync: bool = True) -> None:
+def write_file_atomic(path: str, data: bytes, fsync: bool = True) -> os.stat_result:
     """Write ``path`` through a uniquely named temporary + fsync + rename + fsync of the directory
-    (unique, so that several processes replacing the same file never share a temporary)."""
+    (unique, so that several processes replacing the same file never share a temporary). Returns
+    the written file's status, taken before the rename (the file that ``path`` names after it)."""
     tmp = f"{path}.tmp.{uuid.uuid4().hex[:8]}@{os.getpid()}@{socket.gethostname()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -138,6 +139,7 @@ def write_file_atomic(path: str, data: bytes, fsync: bool = True) -> None:
             pwrite_all(fd, data, 0)
             if fsync:
                 os.fsync(fd)
+            status = os.fstat(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -146,6 +148,7 @@ def write_file_atomic(path: str, data: bytes, fsync: bool = True) -> None:
         raise
     if fsync:
         fsync_dir(os.path.dirname(path) or ".")
+    return status
 
 
 def _remove_quietly(path: str) -> None:

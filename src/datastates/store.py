@@ -98,8 +98,9 @@ class Store:
         """The whole file; FileNotFoundError if it does not exist."""
         raise NotImplementedError
 
-    def write_atomic(self, path: str, data: bytes, fsync: bool) -> None:
-        """Replace ``path`` with ``data`` so that a reader sees the old or the new bytes."""
+    def write_atomic(self, path: str, data: bytes, fsync: bool) -> Any:
+        """Replace ``path`` with ``data`` so that a reader sees the old or the new bytes. Returns
+        the stamp of the file written, as :meth:`file_stamps` reports it (None if unknown)."""
         raise NotImplementedError
 
     def remove(self, path: str) -> None:
@@ -116,6 +117,13 @@ class Store:
 
     def isfile(self, path: str) -> bool:
         raise NotImplementedError
+
+    def file_stamps(self, path: str, file_name: str) -> dict[str, Any]:
+        """For each entry ``E`` directly under ``path`` holding a file ``E/file_name``: a stamp
+        of that file, a value that differs whenever the file was replaced (None: unknown, the
+        caller must read the file). One listing; FileNotFoundError if ``path`` does not exist.
+        This default reports every entry with stamp None."""
+        return {name: None for name in self.listdir(path)}
 
     def mtime(self, path: str) -> float:
         """Last modification (Unix time) of a file or of the newest file under a directory."""
@@ -186,8 +194,8 @@ class LocalStore(Store):
         with open(path, "rb") as f:
             return f.read()
 
-    def write_atomic(self, path: str, data: bytes, fsync: bool) -> None:
-        storage.write_file_atomic(path, data, fsync)
+    def write_atomic(self, path: str, data: bytes, fsync: bool) -> Any:
+        return _stamp(storage.write_file_atomic(path, data, fsync))
 
     def remove(self, path: str) -> None:
         try:
@@ -203,6 +211,19 @@ class LocalStore(Store):
 
     def listdir(self, path: str) -> list[str]:
         return os.listdir(path)
+
+    def file_stamps(self, path: str, file_name: str) -> dict[str, Any]:
+        """Stamp: (inode, size, modification time in ns) — a replaced file is a new inode, and a
+        file rewritten in place changes size or time."""
+        out = {}
+        for name in os.listdir(path):
+            try:
+                out[name] = _stamp(os.stat(os.path.join(path, name, file_name)))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError:
+                out[name] = None  # unreadable here: let the reader report it
+        return out
 
     def mtime(self, path: str) -> float:
         return os.stat(path).st_mtime
@@ -221,6 +242,10 @@ class LocalStore(Store):
 
     def shard_writer(self, path: str, io_mode: str, layout: Any) -> storage.ShardWriter:
         return storage.ShardWriter(path, io_mode)
+
+
+def _stamp(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 LOCAL = LocalStore()

@@ -108,6 +108,44 @@ def test_retention_and_overwrite(s3_server, s3_root):
         {"step-0000000003", "best", "latest"}
 
 
+def test_commits_read_only_new_or_replaced_manifests(s3_server, s3_root, monkeypatch):
+    """Each commit lists the root once (ETags) and GETs only manifests it has not seen; another
+    writer's commits are numbered after and counted by retention; a replaced one is re-read."""
+    options = storage_options(s3_server)
+    small = dict(chunk_bytes=64 << 10, host_cache_bytes=1 * MiB)
+    read: list[str] = []
+    with Checkpointer(s3_root, CheckpointConfig(keep_last=2, **small),
+                      storage_options=options) as ck1, \
+            Checkpointer(s3_root, CheckpointConfig(**small), storage_options=options) as ck2:
+        for ck in (ck1, ck2):
+            def counting(path, original=ck.store.read_bytes):
+                if path.endswith("/manifest.json"):
+                    read.append(path.rsplit("/", 2)[-2])
+                return original(path)
+            monkeypatch.setattr(ck.store, "read_bytes", counting)
+
+        def save(ck, value, name, **kwargs):
+            info = ck.save({"x": torch.full((4,), float(value))}, **kwargs).wait(60)
+            others = sorted(n for n in read if n != name)  # its own GET is the overwrite check
+            read.clear()
+            return info, others
+
+        info, others = save(ck1, 1, "step-0000000001", step=1)
+        assert (info.seq, others) == (1, [])
+        info, others = save(ck1, 2, "step-0000000002", step=2)
+        assert (info.seq, others) == (2, [])
+        info, others = save(ck2, 3, "best", tag="best", step=3)
+        assert (info.seq, others) == (3, ["step-0000000001", "step-0000000002"])
+        info, others = save(ck1, 4, "step-0000000004", step=4)
+        assert (info.seq, others) == (4, ["best"])  # the PUT's ETag stamps its own manifests
+        assert [(i.name, i.seq) for i in ck1.list()] == [("best", 3), ("step-0000000004", 4)]
+        info, others = save(ck2, 5, "best", tag="best", step=5, overwrite=True)
+        assert (info.seq, others) == (5, ["step-0000000004"])
+        assert [(i.name, i.seq, i.step) for i in ck1.list()] == [("step-0000000004", 4, 4),
+                                                                 ("best", 5, 5)]
+        assert read == ["best"]
+
+
 def test_wrong_credentials_and_missing_bucket_fail_at_construction(s3_server, s3_root):
     bad = {**storage_options(s3_server), "aws_secret_access_key": "wrong"}
     with pytest.raises(StorageAccessError, match="s3://"):

@@ -169,3 +169,42 @@ def test_parse_rank_report_validates(tmp_path):
         mutate(bad)
         with pytest.raises(CorruptCheckpointError):
             schema.parse_rank_report(bad, "rank 1")
+
+
+def _tensor_entry(m: dict) -> tuple[int, dict]:
+    return next((i, e) for i, e in enumerate(m["entries"]) if e["key"] == "t")
+
+
+def _tree_items(m: dict) -> list:
+    return m["ranks"][0]["tree"]["items"]
+
+
+@pytest.mark.parametrize("change,where", [
+    (lambda m, i, e: e["shards"][0].update(offset=True), "entries[{i}].shards[0].offset"),
+    (lambda m, i, e: e["shards"][0].update(nbytes=10 ** 30), "entries[{i}].shards[0].nbytes"),
+    (lambda m, i, e: e["shards"][0].pop("file"), "entries[{i}].shards[0]: required field 'file'"),
+    (lambda m, i, e: e["shards"][0]["shape"].append(-1), "entries[{i}].shards[0].shape[1]"),
+    (lambda m, i, e: e["shards"][0].update(global_offset="0"),
+     "entries[{i}].shards[0].global_offset"),
+    (lambda m, i, e: e["shards"][0]["checksums"][0].__setitem__(1, 1 << 40),
+     "entries[{i}].shards[0].checksums[0][1]"),
+    (lambda m, i, e: e["shards"][0]["checksums"][0].__setitem__(0, False),
+     "entries[{i}].shards[0].checksums[0][0]"),
+    (lambda m, i, e: e.update(key=7), "entries[{i}].key"),
+    (lambda m, i, e: e.update(shape=[4.0]), "entries[{i}].shape[0]"),
+    (lambda m, i, e: e.update(replicated=1), "entries[{i}].replicated"),
+    (lambda m, i, e: e.update(rank=1), "entries[{i}].rank"),
+    (lambda m, i, e: _tree_items(m)[0][1].update(param="yes"), "ranks[0].tree.items[0][1].param"),
+    (lambda m, i, e: _tree_items(m)[0][1].update(e=True), "ranks[0].tree.items[0][1].e"),
+    (lambda m, i, e: _tree_items(m)[0].__setitem__(0, float("nan")),
+     "ranks[0].tree.items[0][0]"),
+])
+def test_manifest_errors_name_the_field(tmp_path, change, where):
+    """Each field check has a fast path for valid values; a bad value is still rejected with
+    the JSON path of the field that holds it."""
+    cdir, obj = saved_manifest(tmp_path)
+    i, e = _tensor_entry(obj)
+    change(obj, i, e)
+    with pytest.raises(CorruptCheckpointError) as info:
+        schema.parse_manifest(obj, "m.json")
+    assert f"m.json: {where.format(i=i)}" in str(info.value)

@@ -1,0 +1,116 @@
+"""The committed checkpoints of one directory: listing them, and keeping what was read between commits.
+
+Numbering a commit (``seq``, docs/format.md) and applying retention both need the committed
+checkpoints of the root, and knowing them means reading and validating each one's manifest (a
+manifest of a few hundred tensors takes milliseconds of Python to validate, holding the GIL the
+training thread needs). Done from scratch at every commit, that cost grows with the directory, so a
+run that saves every step would slow down as it goes. A :class:`Catalog` lists the root once per
+scan, with a cheap change stamp per manifest (:meth:`Store.file_stamps`: inode, size and
+modification time of ``manifest.json`` on a local disk; the ETag reported by the same LIST request
+on an object store), and reads again only the manifests that are new or whose stamp changed. So a
+checkpoint committed, replaced or deleted by another process is seen at the next scan, exactly as
+a full listing would see it.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import format as fmt
+from . import schema
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .store import LOCAL, Store
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint. ``seq`` is its commit sequence number: the newest checkpoint of a
+    directory is the one with the highest ``seq`` (0 for checkpoints of format version 1)."""
+
+    name: str
+    path: str
+    step: int | None
+    created_unix: float
+    world_size: int
+    nbytes: int
+    metadata: dict = field(default_factory=dict)
+    seq: int = 0
+
+
+def info_of(path: str, manifest: "schema.Manifest | dict") -> CheckpointInfo:
+    """The description of the checkpoint at ``path`` with this manifest (a JSON dict, as written
+    by ``publish``, is validated first)."""
+    if isinstance(manifest, dict):
+        manifest = schema.parse_manifest(manifest, os.path.join(path, fmt.MANIFEST))
+    return CheckpointInfo(name=os.path.basename(path), path=path, step=manifest.step,
+                          created_unix=manifest.created_unix, world_size=manifest.world_size,
+                          nbytes=manifest.nbytes, metadata=dict(manifest.metadata),
+                          seq=manifest.seq)
+
+
+def commit_order(info: CheckpointInfo):
+    """Sort key of committed checkpoints: by ``seq``; ties (only concurrent writers make them)
+    by step, creation time, name. Version-1 checkpoints (seq 0) come first, in step order."""
+    return (info.seq, info.step if info.step is not None else -1, info.created_unix, info.name)
+
+
+class Catalog:
+    """The committed checkpoints of ``root`` as of the last :meth:`scan`, for one writer.
+
+    Thread-safe. Holds, per checkpoint name, the stamp of its manifest and what the manifest said
+    (or that it was damaged); nothing is trusted across scans without its stamp being unchanged.
+    A store that reports no stamp (None) gets every manifest re-read at every scan."""
+
+    def __init__(self, root: str, store: Store = LOCAL):
+        self.root, self.store = root, store
+        self._seen: dict[str, tuple[Any, CheckpointInfo | None]] = {}
+        self._lock = threading.Lock()
+
+    def scan(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, oldest first (:func:`commit_order`); damaged ones are left out.
+        One listing of the root; a manifest is read only if new or changed since the last scan.
+        CheckpointNotFoundError if ``root`` does not exist."""
+        with self._lock:
+            try:
+                stamps = self.store.file_stamps(self.root, fmt.MANIFEST)
+            except (FileNotFoundError, NotADirectoryError):
+                raise CheckpointNotFoundError(f"checkpoint directory {self.root!r} does not "
+                                              "exist") from None
+            seen = {}
+            for name, stamp in stamps.items():
+                if name.startswith(".") or name == fmt.LATEST:
+                    continue
+                known = self._seen.get(name)
+                if stamp is not None and known is not None and known[0] == stamp:
+                    seen[name] = known
+                else:
+                    seen[name] = (stamp, self._read(name))
+            self._seen = seen
+            return self._committed()
+
+    def record(self, info: CheckpointInfo, stamp: Any) -> list[CheckpointInfo]:
+        """Note a checkpoint this process just committed (its manifest is not read back);
+        ``stamp`` is what ``Store.write_atomic`` returned for it (None: read it at the next
+        scan). Returns the committed checkpoints as now known, oldest first."""
+        with self._lock:
+            self._seen[info.name] = (stamp, info)
+            return self._committed()
+
+    def _read(self, name: str) -> CheckpointInfo | None:
+        path = self.store.join(self.root, name)
+        try:
+            return info_of(path, fmt.read_manifest(path, self.store))
+        except (CorruptCheckpointError, CheckpointNotFoundError, OSError):
+            return None
+
+    def _committed(self) -> list[CheckpointInfo]:
+        return sorted((info for _, info in self._seen.values() if info is not None),
+                      key=commit_order)
+
+
+def list_checkpoints(root: str, store: Store = LOCAL) -> list[CheckpointInfo]:
+    """Committed checkpoints in ``root``, oldest first: in commit order (``seq``), which is also
+    step order for checkpoints saved by step. Damaged ones are left out."""
+    return Catalog(root, store).scan()

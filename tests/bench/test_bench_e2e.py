@@ -1,0 +1,42 @@
+"""The pairing logic of benchmarks/bench_e2e.py: which no-checkpoint loops each checkpointing loop
+is compared with, and the summary built from them (fake loop results; no timing is asserted)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import bench_e2e  # noqa: E402
+
+
+def test_each_loop_is_compared_with_the_baselines_around_it(monkeypatch):
+    calls = []
+    wall = {"none": iter([10.0, 20.0, 30.0]), "a": iter([15.0]), "b": iter([50.0]),
+            "c": iter([60.0])}
+
+    def fake(mode, steps, workdir, src):
+        calls.append((mode, src))
+        t = next(wall[mode])
+        return {"total_s": t, "cpu_s": 2 * t}
+
+    monkeypatch.setattr(bench_e2e, "loop_in_subprocess", fake)
+    loops = [("a", "a", "new"), ("b", "b", "new"), ("c", "c", "old")]
+    result = bench_e2e.run(loops, steps=1, reps=1, workdir="unused")
+    # none, a, b, none, c, none: every loop sits between two no-checkpoint loops
+    assert [m for m, _ in calls] == ["none", "a", "b", "none", "c", "none"]
+    assert calls[4] == ("c", "old")
+    summary = result["summary"]
+    assert summary["a"]["ratios"] == [pytest.approx(15.0 / 15.0)]  # mean of 10 and 20
+    assert summary["b"]["ratios"] == [pytest.approx(50.0 / 15.0)]
+    assert summary["c"]["ratios"] == [pytest.approx(60.0 / 25.0)]  # mean of 20 and 30
+    assert summary["c"]["cpu_ratio"] == pytest.approx(120.0 / 50.0)
+    assert summary["none"]["range_s"] == [10.0, 30.0]
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="unknown mode"):
+        bench_e2e.make_saver("ds_module_k7x", "unused")

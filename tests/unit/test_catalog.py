@@ -1,0 +1,157 @@
+"""The catalog of committed checkpoints (catalog.py): a commit lists the root once and reads only
+the manifests that are new or changed since the writer's previous scan, yet sees every checkpoint
+another process committed, replaced, damaged or deleted in between (docs/format.md, "Which
+checkpoint is the latest"). Manifest reads are counted through the store's ``read_bytes``."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from datastates import CheckpointConfig, Checkpointer, commit
+from datastates.catalog import Catalog
+from datastates.store import LOCAL
+
+SMALL = dict(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
+
+
+def save(ck: Checkpointer, value: float, **kwargs):
+    return ck.save({"x": torch.full((3,), float(value))}, **kwargs).wait(60)
+
+
+class Counter:
+    """Counts, per call, the manifests the store reads and the listings of the root."""
+
+    def __init__(self, monkeypatch):
+        self.manifests: list[str] = []
+        self.listings = 0
+        read, stamps = LOCAL.read_bytes, LOCAL.file_stamps
+
+        def counting_read(path):
+            if os.path.basename(path) == "manifest.json":
+                self.manifests.append(os.path.basename(os.path.dirname(path)))
+            return read(path)
+
+        def counting_stamps(path, file_name):
+            self.listings += 1
+            return stamps(path, file_name)
+
+        monkeypatch.setattr(LOCAL, "read_bytes", counting_read)
+        monkeypatch.setattr(LOCAL, "file_stamps", counting_stamps)
+
+    def take(self) -> tuple[list[str], int]:
+        out = (sorted(self.manifests), self.listings)
+        self.manifests, self.listings = [], 0
+        return out
+
+
+def test_commits_read_no_manifest_back_and_list_once(tmp_path, monkeypatch):
+    counter = Counter(monkeypatch)
+    with Checkpointer(tmp_path, CheckpointConfig(keep_last=None, **SMALL)) as ck:
+        for step in range(1, 7):
+            info = save(ck, step, step=step)
+            assert info.seq == step
+            assert counter.take() == ([], 1)  # one listing, no manifest read, however many exist
+        assert [i.seq for i in ck.list()] == [1, 2, 3, 4, 5, 6]
+        assert counter.take() == ([], 1)
+
+
+def test_retention_uses_the_commits_listing(tmp_path, monkeypatch):
+    counter = Counter(monkeypatch)
+    with Checkpointer(tmp_path, CheckpointConfig(keep_last=2, **SMALL)) as ck:
+        for step in range(1, 6):
+            save(ck, step, step=step)
+            assert counter.take() == ([], 1)
+        assert [i.name for i in ck.list()] == ["step-0000000004", "step-0000000005"]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == \
+        ["step-0000000004", "step-0000000005"]
+
+
+def test_a_commit_by_another_checkpointer_is_numbered_and_retained(tmp_path, monkeypatch):
+    counter = Counter(monkeypatch)
+    with Checkpointer(tmp_path, CheckpointConfig(keep_last=2, **SMALL)) as ck1, \
+            Checkpointer(tmp_path, CheckpointConfig(keep_last=None, **SMALL)) as ck2:
+        save(ck1, 1, step=1)
+        save(ck1, 2, step=2)
+        counter.take()
+        assert save(ck2, 3, step=3).seq == 3  # ck2 reads the two manifests it never saw
+        assert counter.take() == (["step-0000000001", "step-0000000002"], 1)
+        info = save(ck1, 4, step=4)
+        # ck1 read only ck2's manifest, numbered after it and counted it in retention
+        assert counter.take() == (["step-0000000003"], 1)
+        assert info.seq == 4
+        assert [(i.name, i.seq) for i in ck1.list()] == [("step-0000000003", 3),
+                                                         ("step-0000000004", 4)]
+        assert counter.take() == ([], 1)
+
+
+def test_a_replaced_manifest_is_read_again(tmp_path, monkeypatch):
+    counter = Counter(monkeypatch)
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck1, \
+            Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck2:
+        save(ck1, 1, tag="best", step=1)
+        save(ck1, 2, step=2)
+        assert ck2.latest().name == "step-0000000002"
+        save(ck2, 3, tag="best", step=3, overwrite=True)  # replaces ck1's "best"
+        counter.take()
+        assert [(i.name, i.seq, i.step) for i in ck1.list()] == [("step-0000000002", 2, 2),
+                                                                 ("best", 3, 3)]
+        assert counter.take() == (["best"], 1)
+        assert save(ck1, 4, step=4).seq == 4
+        assert counter.take() == ([], 1)
+
+
+def test_a_damaged_then_repaired_manifest(tmp_path):
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
+        save(ck, 1, step=1)
+        save(ck, 2, step=2)
+        manifest = tmp_path / "step-0000000002" / "manifest.json"
+        good = manifest.read_bytes()
+        assert [i.seq for i in ck.list()] == [1, 2]
+        manifest.write_bytes(good[:-5])  # damaged: left out, as a full listing does
+        assert [i.name for i in ck.list()] == ["step-0000000001"]
+        assert ck.latest().name == "step-0000000001"
+        tmp = tmp_path / "step-0000000002" / "manifest.json.new"
+        tmp.write_bytes(good)
+        os.replace(tmp, manifest)  # repaired by a rename
+        assert [i.name for i in ck.list()] == ["step-0000000001", "step-0000000002"]
+        assert save(ck, 3, step=3).seq == 3
+
+
+def test_deletions_by_another_process_are_seen(tmp_path):
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
+        for step in (1, 2, 3):
+            save(ck, step, step=step)
+        shutil.rmtree(tmp_path / "step-0000000003")
+        assert ck.latest().name == "step-0000000002"
+        assert save(ck, 4, step=4).seq == 3  # one more than the highest committed at that time
+
+
+def test_retention_skips_a_checkpoint_deleted_meanwhile(tmp_path):
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
+        for step in (1, 2, 3):
+            save(ck, step, step=step)
+        committed = ck.list()
+    shutil.rmtree(tmp_path / "step-0000000001")  # gone since that listing
+    removed = commit.apply_retention(str(tmp_path), 1, None, protect="step-0000000003",
+                                     fsync=False, committed=committed)
+    assert removed == ["step-0000000002"]
+    assert [i.name for i in commit.list_checkpoints(str(tmp_path))] == ["step-0000000003"]
+
+
+def test_catalog_of_a_missing_directory(tmp_path):
+    with pytest.raises(commit.CheckpointNotFoundError):
+        Catalog(str(tmp_path / "absent")).scan()
+
+
+def test_local_stamps_change_when_a_file_is_replaced(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "plain").write_bytes(b"x")
+    written = LOCAL.write_atomic(str(tmp_path / "a" / "m"), b"one", False)
+    stamps = LOCAL.file_stamps(str(tmp_path), "m")
+    assert stamps == {"a": written}  # b has no such file, plain is not a directory
+    again = LOCAL.write_atomic(str(tmp_path / "a" / "m"), b"one", False)
+    assert again != written and LOCAL.file_stamps(str(tmp_path), "m") == {"a": again}
