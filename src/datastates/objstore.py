@@ -7,8 +7,8 @@ comparison is in docs/benchmarks.md). ``pip install datastates[s3]``.
 
 Paths are URLs ``s3://bucket/key/...``. The endpoint and credentials come from ``storage_options``
 (``endpoint_url``, ``aws_access_key_id``, ``aws_secret_access_key``, ``aws_session_token``,
-``region_name``, and ``max_attempts`` — retries of each request, default 5) or from the standard
-AWS environment variables and files; never from a checkpoint.
+``region_name``, and ``max_attempts`` — tries per request, the first included, default 5) or
+from the standard AWS environment variables and files; never from a checkpoint.
 """
 from __future__ import annotations
 
@@ -88,8 +88,11 @@ class S3Store(Store):
             raise ConfigError(f"unknown storage_options {unknown}; expected some of "
                               f"{list(_OPTION_KEYS) + ['max_attempts', 'addressing_style']}")
         bucket, _ = split_url(url)
-        config = Config(retries={"max_attempts": int(options.pop("max_attempts", 5)),
-                                 "mode": "standard"},
+        attempts = options.pop("max_attempts", 5)
+        if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1:
+            raise ConfigError(f"storage_options['max_attempts']: expected an int >= 1 (tries "
+                              f"per request, the first included), found {attempts!r}")
+        config = Config(retries={"total_max_attempts": attempts, "mode": "standard"},
                         max_pool_connections=32,
                         s3={"addressing_style": options.pop("addressing_style", "auto")},
                         # every byte already carries datastates' own CRC-32 (checked on read)

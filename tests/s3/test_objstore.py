@@ -154,6 +154,8 @@ def test_wrong_credentials_and_missing_bucket_fail_at_construction(s3_server, s3
         Checkpointer("s3://no-such-bucket/run", storage_options=storage_options(s3_server))
     with pytest.raises(datastates.ConfigError, match="unknown storage_options"):
         Checkpointer(s3_root, storage_options={**storage_options(s3_server), "endpoint": "x"})
+    with pytest.raises(datastates.ConfigError, match="max_attempts"):
+        Checkpointer(s3_root, storage_options={**storage_options(s3_server), "max_attempts": 0})
 
 
 def test_a_damaged_shard_is_detected(s3_server, s3_root):
@@ -201,6 +203,47 @@ def test_server_killed_during_a_save(s3_server, s3_root):
     assert list_multipart_uploads(s3_server, key_of(s3_root)) == []
     assert not [f for f in objects_under(s3_server, s3_root) if f.startswith("step-0000000002")
                 and f.endswith(".dsf")]
+
+
+def _drop_uploads(ckpt, times):
+    """Make the next ``times`` UploadPart requests of ``ckpt``'s client fail as a dropped
+    connection (before they are sent); the server itself keeps running."""
+    from botocore.exceptions import ConnectionClosedError
+    left = [times]
+
+    def drop(request, **_):
+        if left[0] > 0:
+            left[0] -= 1
+            raise ConnectionClosedError(endpoint_url=request.url)
+
+    ckpt.store.client.meta.events.register("before-send.s3.UploadPart", drop)
+    return left
+
+
+def test_a_dropped_part_is_retried(s3_server, s3_root):
+    model, opt = make_state(width=1024)
+    config = CheckpointConfig(chunk_bytes=8 * MiB, host_cache_bytes=32 * MiB)
+    with Checkpointer(s3_root, config, storage_options=storage_options(s3_server)) as ckpt:
+        left = _drop_uploads(ckpt, 2)
+        ckpt.save({"model": model, "opt": opt}, step=1).wait()
+        assert left == [0]  # both drops happened, and the save committed anyway
+        assert same(ckpt.load()["model"], model.state_dict())
+    assert list_multipart_uploads(s3_server, key_of(s3_root)) == []
+
+
+def test_a_failed_save_aborts_its_upload(s3_server, s3_root):
+    """Retries exhausted: the save fails with StorageError, its multipart upload is aborted at
+    once (no part left on the server), its data is removed, nothing is listed."""
+    model, opt = make_state(width=1024)
+    config = CheckpointConfig(chunk_bytes=8 * MiB, host_cache_bytes=32 * MiB)
+    options = {**storage_options(s3_server), "max_attempts": 1}
+    with Checkpointer(s3_root, config, storage_options=options) as ckpt:
+        _drop_uploads(ckpt, 1)
+        with pytest.raises(StorageError, match="UploadPart"):
+            ckpt.save({"model": model, "opt": opt}, step=1).wait()
+        assert ckpt.list() == []
+    assert list_multipart_uploads(s3_server, key_of(s3_root)) == []
+    assert [f for f in objects_under(s3_server, s3_root) if f.endswith(".dsf")] == []
 
 
 KILLED_SAVE = textwrap.dedent("""
