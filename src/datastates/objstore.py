@@ -67,7 +67,6 @@ class S3Store(Store):
     """One bucket of an S3-compatible service. Thread-safe (one boto3 client, shared)."""
 
     renames = False
-    durable_on_write = True
 
     def __init__(self, bucket: str, client: Any, endpoint: str):
         self.bucket, self.client, self.endpoint = bucket, client, endpoint
@@ -113,9 +112,6 @@ class S3Store(Store):
                                             f"{self.endpoint}")
             raise error from None
 
-    def describe(self) -> str:
-        return f"S3 bucket {self.bucket!r} at {self.endpoint}"
-
     def key(self, path: str) -> str:
         bucket, key = split_url(path)
         if bucket != self.bucket:
@@ -150,7 +146,7 @@ class S3Store(Store):
 
     def isfile(self, path: str) -> bool:
         try:
-            self._call("HEAD", path, self.client.head_object, Key=self.key(path))
+            self._head(path)
         except FileNotFoundError:
             return False
         return True

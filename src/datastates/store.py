@@ -84,14 +84,9 @@ class Store:
     """
 
     renames: bool = True
-    #: Whether fsync applies (object stores are durable once a write is acknowledged).
-    durable_on_write: bool = False
 
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
-
-    def describe(self) -> str:
-        return "local file system"
 
     # ---- whole files
     def read_bytes(self, path: str) -> bytes:
