@@ -293,7 +293,12 @@ def _publish_object(root: str, tmp: str, name: str, manifest: dict, overwrite: b
         raise CheckpointExistsError(f"{final} already exists (committed meanwhile); pass "
                                     "overwrite=True to replace it")
     data, parsed = fmt.encode_manifest_checked(manifest)
-    stamp = store.write_atomic(store.join(final, fmt.MANIFEST), data, True)
+    target = store.join(final, fmt.MANIFEST)
+    try:  # without overwrite, the store refuses atomically if another writer committed meanwhile
+        stamp = (store.write_atomic if overwrite else store.write_new)(target, data, True)
+    except FileExistsError:
+        raise CheckpointExistsError(f"{final} was committed by another writer meanwhile; pass "
+                                    "overwrite=True to replace it") from None
     if old and old.data_dir and old.data_dir != manifest["data_dir"]:
         try:
             store.remove_tree(store.join(final, old.data_dir))

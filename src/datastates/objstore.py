@@ -55,6 +55,8 @@ def storage_error(exc: BaseException, what: str, path: str) -> OSError:
         text = f"{path}: {what} failed: {code or status} ({err.get('Message', '')})"
         if code == "NoSuchBucket":
             return BucketNotFoundError(text)
+        if code == "PreconditionFailed" or status == 412:
+            return FileExistsError(17, text)
         if code in _MISSING_CODES or status == 404:
             return FileNotFoundError(2, text)
         if code in _ACCESS_CODES or status == 403:
@@ -139,6 +141,14 @@ class S3Store(Store):
         """One PUT; returns the object's ETag (the stamp :meth:`file_stamps` lists)."""
         body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
         reply = self._call("PUT", path, self.client.put_object, Key=self.key(path), Body=body)
+        return reply.get("ETag")
+
+    def write_new(self, path: str, data: bytes, fsync: bool) -> Any:
+        """A conditional PUT (``If-None-Match: *``): the service refuses it if the key exists
+        (412, FileExistsError). A service that ignores the condition overwrites (docs/storage.md)."""
+        body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
+        reply = self._call("PUT (if absent)", path, self.client.put_object, Key=self.key(path),
+                           Body=body, IfNoneMatch="*")
         return reply.get("ETag")
 
     def remove(self, path: str) -> None:

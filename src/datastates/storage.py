@@ -128,10 +128,13 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_file_atomic(path: str, data: bytes, fsync: bool = True) -> os.stat_result:
+def write_file_atomic(path: str, data: bytes, fsync: bool = True, *,
+                      exclusive: bool = False) -> os.stat_result:
     """Write ``path`` through a uniquely named temporary + fsync + rename + fsync of the directory
     (unique, so that several processes replacing the same file never share a temporary). Returns
-    the written file's status, taken before the rename (the file that ``path`` names after it)."""
+    the written file's status, taken before the rename (the file that ``path`` names after it).
+    ``exclusive``: link the temporary into place instead, which fails with FileExistsError if
+    ``path`` exists (the temporary is removed either way)."""
     tmp = f"{path}.tmp.{uuid.uuid4().hex[:8]}@{os.getpid()}@{socket.gethostname()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -142,7 +145,11 @@ def write_file_atomic(path: str, data: bytes, fsync: bool = True) -> os.stat_res
             status = os.fstat(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        if exclusive:
+            os.link(tmp, path)
+            os.remove(tmp)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         _remove_quietly(tmp)  # the temporary never outlives a failed write (disk full...)
         raise

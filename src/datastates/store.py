@@ -98,6 +98,11 @@ class Store:
         the stamp of the file written, as :meth:`file_stamps` reports it (None if unknown)."""
         raise NotImplementedError
 
+    def write_new(self, path: str, data: bytes, fsync: bool) -> Any:
+        """Like :meth:`write_atomic`, but only if ``path`` does not exist yet: FileExistsError
+        otherwise, decided atomically by the store (no window between a check and the write)."""
+        raise NotImplementedError
+
     def remove(self, path: str) -> None:
         """Delete one file; a missing file is not an error."""
         raise NotImplementedError
@@ -191,6 +196,9 @@ class LocalStore(Store):
 
     def write_atomic(self, path: str, data: bytes, fsync: bool) -> Any:
         return _stamp(storage.write_file_atomic(path, data, fsync))
+
+    def write_new(self, path: str, data: bytes, fsync: bool) -> Any:
+        return _stamp(storage.write_file_atomic(path, data, fsync, exclusive=True))
 
     def remove(self, path: str) -> None:
         try:

@@ -146,6 +146,33 @@ def test_commits_read_only_new_or_replaced_manifests(s3_server, s3_root, monkeyp
         assert read == ["best"]
 
 
+def test_a_name_committed_meanwhile_by_another_writer_is_refused(s3_server, s3_root):
+    """Two writers commit the same step without overwrite, the first one in the window between
+    the second's check for an existing manifest and its manifest PUT: the server refuses the
+    second's conditional PUT, its handle raises CheckpointExistsError, its data is removed, and
+    the first checkpoint is intact."""
+    model1, _ = make_state(seed=1, width=64)
+    model2, _ = make_state(seed=2, width=64)
+    options = storage_options(s3_server)
+    with Checkpointer(s3_root, storage_options=options) as first, \
+            Checkpointer(s3_root, storage_options=options) as second:
+        raced = []
+
+        def commit_first_now(params, **_):
+            if params.get("Key", "").endswith("/manifest.json") and not raced:
+                raced.append(True)
+                first.save({"model": model1}, step=1).wait()
+
+        second.store.client.meta.events.register("before-parameter-build.s3.PutObject",
+                                                  commit_first_now)
+        with pytest.raises(CheckpointExistsError, match="another writer"):
+            second.save({"model": model2}, step=1).wait()
+        assert raced == [True]
+        assert same(first.load(step=1)["model"], model1.state_dict())
+    shards = [f for f in objects_under(s3_server, s3_root) if f.endswith(".dsf")]
+    assert len(shards) == 1  # the refused save's data was removed
+
+
 def test_wrong_credentials_and_missing_bucket_fail_at_construction(s3_server, s3_root):
     bad = {**storage_options(s3_server), "aws_secret_access_key": "wrong"}
     with pytest.raises(StorageAccessError, match="s3://"):

@@ -44,3 +44,13 @@ def test_too_many_parts_is_refused_with_a_hint():
     layout = plan_layout([(MAX_PARTS + 5) * MIN_PART], [], MIN_PART)
     with pytest.raises(ConfigError, match="chunk_bytes"):
         plan_parts(layout)
+
+
+def test_local_write_new_refuses_an_existing_file(tmp_path):
+    from datastates.store import LOCAL
+    path = str(tmp_path / "f")
+    LOCAL.write_new(path, b"one", fsync=True)
+    with pytest.raises(FileExistsError):
+        LOCAL.write_new(path, b"two", fsync=True)
+    assert open(path, "rb").read() == b"one"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # no temporary left
