@@ -125,18 +125,17 @@ def _inspect(args) -> int:
 def _verify(args) -> int:
     infos = tools.find(args.path, args.step, args.tag, every=args.all)
     total, t0 = 0, time.perf_counter()
-    bar = _progress(len(infos), "checkpoints", "", args.no_progress or len(infos) < 2)
+    # one bar in bytes over every checkpoint, moving inside each one as its files are checked
+    bar = _progress(sum(i.nbytes for i in infos), "B", "verify", args.no_progress)
     for info in infos:
         start = time.perf_counter()
         # Objects are only checksummed here, never unpickled: verifying runs no code from the file.
         with Reader(info.path, registry=ProviderRegistry.default(), verify=True,
                     world_size=info.world_size, rank_policy="rank0") as reader:
-            n = reader.verify_all()
+            n = reader.verify_all(bar.update if bar is not None else None)
         total += n
         _write(bar, f"{info.name}: OK, manifest and {info.world_size} shard file(s), {n} bytes "
                     f"verified ({tools.human_bytes(n)}) in {time.perf_counter() - start:.2f} s")
-        if bar is not None:
-            bar.update(1)
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - t0

@@ -218,12 +218,13 @@ class Reader:
             value = _move(value, self.map_location)
         return value
 
-    def verify_all(self) -> int:
+    def verify_all(self, progress=None) -> int:
         """Re-read every byte of every shard file and return the bytes checked (see
         ``verify.verify_checkpoint``: headers, indexes against the manifest, every region's
-        checksums, zero padding). Nothing is unpickled; memory is bounded."""
+        checksums, zero padding; ``progress(nbytes)`` is called as bytes are checked). Nothing
+        is unpickled; memory is bounded."""
         from .verify import verify_checkpoint
-        return verify_checkpoint(self)
+        return verify_checkpoint(self, progress)
 
     # ------------------------------------------------------------ reading
     def read_object(self, entry: ObjectEntry) -> Any:

@@ -8,6 +8,8 @@ bounded: reads go in batches of ``BATCH_BYTES`` (plus one checksum piece), zero 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from . import format as fmt
@@ -22,13 +24,17 @@ BATCH_BYTES = 64 << 20
 _ZEROS = bytes(1 << 20)
 
 
-def verify_checkpoint(reader: Reader) -> int:
+def verify_checkpoint(reader: Reader, progress: Callable[[int], None] | None = None) -> int:
     """Verify every shard file of ``reader``'s checkpoint; return the bytes checked (the sum of
-    the file sizes). Raises CorruptCheckpointError naming the file, offset and key."""
-    return sum(_verify_file(reader, file_id) for file_id in range(len(reader.manifest.files)))
+    the file sizes). Raises CorruptCheckpointError naming the file, offset and key. ``progress``
+    is called with the bytes checked so far in increments (every 64 MiB batch, then the rest of
+    each file); the increments add up to the returned total."""
+    report = progress or (lambda n: None)
+    return sum(_verify_file(reader, file_id, report)
+               for file_id in range(len(reader.manifest.files)))
 
 
-def _verify_file(reader: Reader, file_id: int) -> int:
+def _verify_file(reader: Reader, file_id: int, report: Callable[[int], None]) -> int:
     f, header = reader.files.open_with_header(file_id)
     path = reader.files.path(file_id)
     raw = bytearray(header.index_length)  # bounded: the header was checked against the file size
@@ -36,7 +42,7 @@ def _verify_file(reader: Reader, file_id: int) -> int:
     index = fmt.parse_index_bytes(bytes(raw), header, path)
     _check_index_agrees(reader.manifest, file_id, index, path)
     batch: list[_Read] = []
-    batch_bytes = 0
+    batch_bytes = reported = 0
     for e in index.entries:
         pos = 0
         for length, crc in e.checksums:
@@ -46,10 +52,14 @@ def _verify_file(reader: Reader, file_id: int) -> int:
             batch_bytes += length
             if batch_bytes >= BATCH_BYTES:
                 _verify_reads(reader, batch, path)
+                report(batch_bytes)
+                reported += batch_bytes
                 batch, batch_bytes = [], 0
     _verify_reads(reader, batch, path)
     _verify_zero_gaps(f, index, header.index_offset, path)
-    return header.index_offset + header.index_length
+    total = header.index_offset + header.index_length
+    report(total - reported)
+    return total
 
 
 def _verify_reads(reader: Reader, reads: list[_Read], path: str) -> None:

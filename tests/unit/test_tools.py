@@ -101,6 +101,27 @@ def test_cli_verify_all_summary_and_corruption(tmp_path, capsys):
     assert code == EXIT_ERROR and "checksum" in err and "step-0000000002" in err
 
 
+def test_verify_reports_progress_inside_a_checkpoint(tmp_path):
+    """Progress moves inside one checkpoint (one call per 64 MiB batch, then the rest of each
+    file) and the increments add up to the bytes verified, which are the shard files' sizes."""
+    from datastates import verify as verify_mod
+    from datastates.providers import ProviderRegistry
+    from datastates.restore import Reader
+    with datastates.Checkpointer(tmp_path, datastates.CheckpointConfig(chunk_bytes=1 << 20)) as ck:
+        ck.save({"big": torch.arange(40 << 20, dtype=torch.uint8).view(-1, 4096),
+                 "small": torch.ones(3)}, step=1).wait()
+        info = ck.latest()
+    seen = []
+    old_batch, verify_mod.BATCH_BYTES = verify_mod.BATCH_BYTES, 8 << 20
+    try:
+        with Reader(info.path, registry=ProviderRegistry.default()) as reader:
+            total = reader.verify_all(seen.append)
+    finally:
+        verify_mod.BATCH_BYTES = old_batch
+    assert total == info.nbytes == sum(seen)
+    assert len(seen) >= 5 and all(n > 0 for n in seen[:-1])  # several steps inside one file
+
+
 def test_export_torch_round_trips_with_weights_only(tmp_path):
     expected = _saved(tmp_path / "ck")
     out = tmp_path / "state.pt"
