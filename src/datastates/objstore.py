@@ -26,8 +26,9 @@ from .store import ReadFile, Store, url_join
 MIN_PART = 5 << 20      # S3: every part but the last is at least 5 MiB ...
 MAX_PARTS = 10_000      # ... and an upload has at most 10,000 parts
 _DELETE_BATCH = 1000    # keys per DeleteObjects request
+# what storage_options takes: the first five go to the boto3 client as they are
 _OPTION_KEYS = ("endpoint_url", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
-                "region_name")
+                "region_name", "max_attempts", "addressing_style")
 _ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403",
                  "InvalidToken", "ExpiredToken", "AllAccessDisabled"}
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
@@ -84,10 +85,10 @@ class S3Store(Store):
             raise ImportError(f"{url}: object storage needs boto3 (pip install "
                               "'datastates[s3]')") from None
         options = dict(storage_options or {})
-        unknown = sorted(set(options) - set(_OPTION_KEYS) - {"max_attempts", "addressing_style"})
+        unknown = sorted(set(options) - set(_OPTION_KEYS))
         if unknown:
             raise ConfigError(f"unknown storage_options {unknown}; expected some of "
-                              f"{list(_OPTION_KEYS) + ['max_attempts', 'addressing_style']}")
+                              f"{list(_OPTION_KEYS)}")
         bucket, _ = split_url(url)
         attempts = options.pop("max_attempts", 5)
         if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1:
