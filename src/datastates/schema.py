@@ -388,10 +388,9 @@ def check_tree(root: Any, at: _At, entry_kinds: list[str],
         node, parent, parts, depth, key = stack.pop()
         if depth <= MAX_TREE_DEPTH and type(node) is dict and node.get("t") in ("tensor", "object"):
             e = node.get("e")  # fast path of the commonest node, a valid leaf: no path built
-            np_flag = node.get("np")  # absent, or exactly true on a tensor node
             if type(e) is int and 0 <= e < kinds and entry_kinds[e] == node["t"] and \
-                    type(node.get("param", False)) is bool and \
-                    (np_flag is None or (np_flag is True and node["t"] == "tensor")):
+                    type(node.get("param", False)) is bool and ("np" not in node or (
+                        node["np"] is True and node["t"] == "tensor")):  # np: exactly true
                 if refs is not None:
                     refs.setdefault(e, set()).add(key)
                 continue
