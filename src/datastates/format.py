@@ -7,7 +7,6 @@ is then validated completely by the typed model of ``schema.py`` before anyone u
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
 import warnings
@@ -108,14 +107,11 @@ def encode_index(rank: int, entries: list[dict]) -> bytes:
                        "entries": entries}, separators=(",", ":"), allow_nan=False).encode()
 
 
-def read_header(f: "int | ReadFile", path: str, file_size: int) -> ShardHeader:
+def read_header(f: "ReadFile", path: str, file_size: int) -> ShardHeader:
     """Validate a shard file's header (magic, CRC, version, flags and reserved bytes zero, index
-    inside the file); return where its index is. ``f``: a ``store.ReadFile`` or a descriptor."""
+    inside the file); return where its index is."""
     try:
-        if isinstance(f, int):
-            raw = os.pread(f, HEADER_BYTES, 0)
-        else:
-            raw = f.pread(min(HEADER_BYTES, file_size), 0)
+        raw = bytes(f.pread(min(HEADER_BYTES, file_size), 0))
     except OSError as exc:
         raise CorruptCheckpointError(f"{path}: cannot read the header ({exc})") from None
     if len(raw) < HEADER_BYTES:

@@ -35,15 +35,6 @@ def pwrite_all(fd: int, data, offset: int) -> None:
         view, offset = view[written:], offset + written
 
 
-def pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
-    """Fill ``view`` from ``offset``; a short file raises EOFError naming the path and offset."""
-    while view.nbytes:
-        got = os.preadv(fd, [view], offset)
-        if got <= 0:
-            raise EOFError(f"{path}: unexpected end of file at offset {offset}")
-        view, offset = view[got:], offset + got
-
-
 class ShardWriter:
     """Owns the descriptors of one shard file being written: a buffered one and, when the file
     system accepts it, an O_DIRECT one for aligned bulk writes.

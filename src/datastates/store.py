@@ -62,10 +62,11 @@ class ReadFile:
         """Fill ``views`` in order from ``offset``; CorruptCheckpointError if the file ends first."""
         raise NotImplementedError
 
-    def pread(self, nbytes: int, offset: int) -> bytes:
+    def pread(self, nbytes: int, offset: int) -> bytearray:
+        """``nbytes`` from ``offset`` (CorruptCheckpointError if the file ends first)."""
         buf = bytearray(nbytes)
         self.read_into([memoryview(buf)], offset)
-        return bytes(buf)
+        return buf
 
     def advise_sequential(self) -> None:
         """Hint that the file is about to be read front to back (best effort)."""

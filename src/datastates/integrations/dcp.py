@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from datastates import CorruptCheckpointError
 from datastates import format as fmt
 from datastates.storage import fsync_dir
+from datastates.store import LOCAL
 
 __all__ = ["DatastatesWriter", "DatastatesReader"]
 
@@ -285,13 +286,13 @@ class DatastatesReader(StorageReader):
             by_file.setdefault(info["file"], []).append((info, req))
         for fname, reqs in by_file.items():
             path = os.path.join(self.path, fname)
-            fd = os.open(path, os.O_RDONLY)
+            f = LOCAL.open_read(path)
             try:
-                fmt.read_header(fd, path, os.fstat(fd).st_size)
+                fmt.read_header(f, path, f.size)
                 for run in _runs(sorted(reqs, key=lambda r: r[0]["offset"])):
                     start = run[0][0]["offset"]
                     end = max(i["offset"] + i["length"] for i, _ in run)
-                    buf = _pread(fd, end - start, start, path)
+                    buf = f.pread(end - start, start)
                     for info, req in run:
                         lo = info["offset"] - start
                         view = memoryview(buf)[lo:lo + info["length"]]
@@ -301,7 +302,7 @@ class DatastatesReader(StorageReader):
                                 f"offset {info['offset']} ({info['length']} bytes)")
                         self._apply(req, info, view, planner)
             finally:
-                os.close(fd)
+                f.close()
         fut = Future()
         fut.set_result(None)
         return fut
@@ -367,17 +368,6 @@ def _pwrite(fd: int, data, offset: int) -> None:
     while view.nbytes:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
-
-
-def _pread(fd: int, n: int, offset: int, path: str) -> bytearray:
-    buf = bytearray(n)
-    view, pos = memoryview(buf), offset
-    while view.nbytes:
-        got = os.preadv(fd, [view], pos)
-        if got <= 0:
-            raise CorruptCheckpointError(f"{path}: unexpected end of file at offset {pos}")
-        view, pos = view[got:], pos + got
-    return buf
 
 
 def _write_file(path: str, data: bytes, sync: bool) -> None:
