@@ -10,6 +10,11 @@ modification time of ``manifest.json`` on a local disk; the ETag reported by the
 on an object store), and reads again only the manifests that are new or whose stamp changed. So a
 checkpoint committed, replaced or deleted by another process is seen at the next scan, exactly as
 a full listing would see it.
+
+The catalog also keeps the validated manifest of the newest checkpoint (read at a scan, or recorded
+by the commit that wrote it), so that ``restore()`` of the latest checkpoint does not read and
+validate that manifest a second time; it is handed out only while its stamp is the one the last
+scan saw.
 """
 from __future__ import annotations
 
@@ -66,6 +71,8 @@ class Catalog:
     def __init__(self, root: str, store: Store = LOCAL):
         self.root, self.store = root, store
         self._seen: dict[str, tuple[Any, CheckpointInfo | None]] = {}
+        #: (name, stamp, manifest) of the newest checkpoint whose manifest was read or recorded.
+        self._newest: tuple[str, Any, schema.Manifest] | None = None
         self._lock = threading.Lock()
 
     def scan(self) -> list[CheckpointInfo]:
@@ -86,24 +93,51 @@ class Catalog:
                 if stamp is not None and known is not None and known[0] == stamp:
                     seen[name] = known
                 else:
-                    seen[name] = (stamp, self._read(name))
+                    seen[name] = (stamp, self._read(name, stamp))
             self._seen = seen
             return self._committed()
 
-    def record(self, info: CheckpointInfo, stamp: Any) -> list[CheckpointInfo]:
+    def record(self, info: CheckpointInfo, stamp: Any,
+               manifest: "schema.Manifest | None" = None) -> list[CheckpointInfo]:
         """Note a checkpoint this process just committed (its manifest is not read back);
         ``stamp`` is what ``Store.write_atomic`` returned for it (None: read it at the next
-        scan). Returns the committed checkpoints as now known, oldest first."""
+        scan), ``manifest`` the validated manifest written. Returns the committed checkpoints
+        as now known, oldest first."""
         with self._lock:
             self._seen[info.name] = (stamp, info)
+            if manifest is not None:
+                self._keep(info, stamp, manifest)
             return self._committed()
 
-    def _read(self, name: str) -> CheckpointInfo | None:
+    def manifest(self, info: CheckpointInfo) -> "schema.Manifest | None":
+        """The validated manifest of ``info`` (from the last scan or the commit that wrote it)
+        if it is the newest checkpoint and its stamp is still the one that scan saw, else None
+        (read it from the store)."""
+        with self._lock:
+            known = self._seen.get(info.name)
+            if self._newest is None or known is None:
+                return None
+            name, stamp, manifest = self._newest
+            return manifest if name == info.name and stamp == known[0] else None
+
+    def _keep(self, info: CheckpointInfo, stamp: Any, manifest: "schema.Manifest") -> None:
+        """Keep ``manifest`` if its checkpoint is the newest seen so far (a known stamp only)."""
+        if stamp is None:
+            return
+        current = self._seen.get(self._newest[0]) if self._newest is not None else None
+        if current is None or current[1] is None or \
+                commit_order(info) >= commit_order(current[1]):
+            self._newest = (info.name, stamp, manifest)
+
+    def _read(self, name: str, stamp: Any) -> CheckpointInfo | None:
         path = self.store.join(self.root, name)
         try:
-            return info_of(path, fmt.read_manifest(path, self.store))
+            manifest = fmt.read_manifest(path, self.store)
         except (CorruptCheckpointError, CheckpointNotFoundError, OSError):
             return None
+        info = info_of(path, manifest)
+        self._keep(info, stamp, manifest)
+        return info
 
     def _committed(self) -> list[CheckpointInfo]:
         return sorted((info for _, info in self._seen.values() if info is not None),

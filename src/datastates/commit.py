@@ -239,7 +239,7 @@ def publish(root: str, tmp: str, name: str, manifest: dict, *, overwrite: bool,
     publish_in = _publish_rename if store.renames else _publish_object
     final, stamp, parsed = publish_in(root, tmp, name, manifest, overwrite, fsync, store)
     info = info_of(final, parsed)
-    return Published(info, catalog.record(info, stamp))
+    return Published(info, catalog.record(info, stamp, parsed))
 
 
 def _publish_rename(root: str, tmp: str, name: str, manifest: dict, overwrite: bool, fsync: bool,

@@ -465,6 +465,7 @@ class Pipeline:
                     fence.synchronize()
                 sources.clear()
             except BaseException:
+                copier.cancel()
                 self.cache.release(slot)
                 job.unit_done()
                 raise

@@ -143,17 +143,18 @@ def check_rank_policy(rank_policy) -> None:
 
 
 class Reader:
-    """Reads one committed checkpoint. Use as a context manager (it owns file descriptors)."""
+    """Reads one committed checkpoint. Use as a context manager (it owns file descriptors).
+    ``manifest``: its validated manifest when the caller already holds it (else it is read)."""
 
     def __init__(self, ckpt_dir: str, *, registry: ProviderRegistry, rank: int = 0,
                  world_size: int = 1, threads: int = 4, verify: bool = True,
                  trusted: bool = False, safe_globals: Iterable[Any] = (),
                  map_location: Any = None, rank_policy: str = "strict",
-                 store: Store | None = None):
+                 store: Store | None = None, manifest: Manifest | None = None):
         check_rank_policy(rank_policy)
         self.dir = ckpt_dir
         self.store = store or open_store(ckpt_dir)
-        self.manifest = fmt.read_manifest(ckpt_dir, self.store)
+        self.manifest = manifest or fmt.read_manifest(ckpt_dir, self.store)
         self.registry, self.verify, self.threads = registry, verify, threads
         self.trusted, self.safe_globals = trusted, list(safe_globals)
         self.map_location = map_location

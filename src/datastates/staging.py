@@ -19,7 +19,7 @@ from .format import UNIT_ALIGN
 from .storage import buffer_of
 
 
-_SPLIT_BYTES = 8 << 20  # pieces at least this large are copied by two threads
+_SPLIT_BYTES = 8 << 20  # a fence with at least this many CPU bytes to copy uses two threads
 
 
 class HostCache:
@@ -157,6 +157,11 @@ class Fence:
             event.synchronize()
 
 
+def _memmove_all(copies: list[tuple[int, int, int]]) -> None:
+    for d, s, n in copies:
+        ctypes.memmove(d, s, n)
+
+
 class DeviceCopier:
     """Copies item bytes into cache slots.
 
@@ -166,6 +171,9 @@ class DeviceCopier:
     event, so no kernel in flight is raced. A copy from ``cuda:i`` runs on ``cuda:i``'s side
     stream, and ``fence`` records one event per device that had copies since the last fence: the
     slot is handed to a writer only after all of them completed.
+
+    CPU: copies are collected and run at the fence, by this thread and one helper sharing the
+    bytes evenly, so pieces of any size (a state dict of 4 MiB matrices) copy on two cores.
     """
 
     def __init__(self, cuda: CudaStreams | None = None):
@@ -173,6 +181,8 @@ class DeviceCopier:
         self._streams: dict[torch.device, object] = {}
         self._dirty: set[torch.device] = set()  # devices with copies issued since the last fence
         self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[tuple[int, int, int]] = []  # CPU copies (dst, src, bytes) not run yet
+        self._pending_bytes = 0
 
     def _helper(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -212,16 +222,38 @@ class DeviceCopier:
         elif src.device.type != "cpu":  # other devices (meta raises here): torch's own copy
             dst.copy_(src)
         elif src.numel():
-            # Plain memcpy without the GIL: torch's copy_ would start an OpenMP team from this
-            # background thread, whose spinning threads collapse (10x) when the training thread
-            # keeps the cores busy. Large pieces are split with one helper thread.
-            n, d, s = src.numel(), dst.data_ptr(), src.data_ptr()
-            if n < _SPLIT_BYTES:
-                ctypes.memmove(d, s, n)
-                return
-            half = n // 2
-            helper = self._helper().submit(ctypes.memmove, d + half, s + half, n - half)
-            ctypes.memmove(d, s, half)
+            # Plain memcpy without the GIL, at the next fence: torch's copy_ would start an
+            # OpenMP team from this background thread, whose spinning threads collapse (10x) when
+            # the training thread keeps the cores busy.
+            self._pending.append((dst.data_ptr(), src.data_ptr(), src.numel()))
+            self._pending_bytes += src.numel()
+
+    def cancel(self) -> None:
+        """Forget the CPU copies not run yet (the capture of their unit failed)."""
+        self._pending, self._pending_bytes = [], 0
+
+    def _flush(self) -> None:
+        """Run the CPU copies issued since the last fence: in this thread, and, from
+        ``_SPLIT_BYTES`` on, half of the bytes (cut anywhere, pieces of any size) in a helper."""
+        pending, total = self._pending, self._pending_bytes
+        if not pending:
+            return
+        self._pending, self._pending_bytes = [], 0
+        if total < _SPLIT_BYTES:
+            _memmove_all(pending)
+            return
+        mine, theirs, budget = [], [], total // 2
+        for d, s, n in pending:
+            take = min(n, budget)
+            if take:
+                mine.append((d, s, take))
+                budget -= take
+            if take < n:
+                theirs.append((d + take, s + take, n - take))
+        helper = self._helper().submit(_memmove_all, theirs)
+        try:
+            _memmove_all(mine)
+        finally:
             helper.result()
 
     def flat(self, src: torch.Tensor) -> torch.Tensor:
@@ -233,7 +265,9 @@ class DeviceCopier:
 
     def fence(self) -> Fence | None:
         """Events after every copy issued so far, one per device that had copies since the last
-        fence (None when all copies were synchronous)."""
+        fence (None when all copies were synchronous). The CPU copies issued since the last fence
+        are done when it returns."""
+        self._flush()
         if not self._dirty:
             return None
         events = []

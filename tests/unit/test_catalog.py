@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from datastates import CheckpointConfig, Checkpointer, commit
+from datastates import format as fmt
 from datastates.catalog import Catalog
 from datastates.store import LOCAL
 
@@ -155,3 +156,45 @@ def test_local_stamps_change_when_a_file_is_replaced(tmp_path):
     assert stamps == {"a": written}  # b has no such file, plain is not a directory
     again = LOCAL.write_atomic(str(tmp_path / "a" / "m"), b"one", False)
     assert again != written and LOCAL.file_stamps(str(tmp_path), "m") == {"a": again}
+
+
+def test_restore_of_the_latest_reads_its_manifest_once(tmp_path, monkeypatch):
+    """The newest checkpoint's validated manifest is kept by the catalog: restoring right after
+    the commit reads no manifest; a fresh Checkpointer reads each manifest once (the scan that
+    finds the newest), not the newest a second time for the reader."""
+    counter = Counter(monkeypatch)
+    with Checkpointer(tmp_path, CheckpointConfig(keep_last=None, **SMALL)) as ck:
+        for step in (1, 2, 3):
+            save(ck, step, step=step)
+        counter.take()
+        state = {"x": torch.zeros(3)}
+        assert ck.restore(state).step == 3
+        assert torch.equal(state["x"], torch.full((3,), 3.0))
+        assert counter.take() == ([], 1)
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as fresh:
+        counter.take()
+        state = {"x": torch.zeros(3)}
+        assert fresh.restore(state).step == 3
+        assert torch.equal(state["x"], torch.full((3,), 3.0))
+        assert counter.take() == ([fmt.step_name(s) for s in (1, 2, 3)], 1)
+        assert fresh.restore(state).step == 3  # nothing changed: no manifest read at all
+        assert counter.take() == ([], 1)
+
+
+def test_kept_manifest_is_not_used_once_the_checkpoint_changed(tmp_path):
+    """Another writer replaces the newest checkpoint, or commits a newer one, after this
+    Checkpointer's last scan: restore() reads what is on disk now, never the kept manifest."""
+    with Checkpointer(tmp_path, CheckpointConfig(keep_last=None, **SMALL)) as mine, \
+            Checkpointer(tmp_path, CheckpointConfig(keep_last=None, **SMALL)) as other:
+        save(mine, 1.0, step=1)
+        assert mine.latest().step == 1
+        save(other, 7.0, step=1, overwrite=True)
+        state = {"x": torch.zeros(3)}
+        mine.restore(state)
+        assert torch.equal(state["x"], torch.full((3,), 7.0))
+        save(other, 9.0, step=2)
+        assert mine.restore(state).step == 2
+        assert torch.equal(state["x"], torch.full((3,), 9.0))
+        shutil.rmtree(tmp_path / fmt.step_name(2))  # deleted behind its back: the previous one again
+        assert mine.restore(state).step == 1
+        assert torch.equal(state["x"], torch.full((3,), 7.0))

@@ -114,3 +114,33 @@ def test_cpu_only_needs_no_cuda():
     assert copier.fence() is None
     assert torch.equal(dst.view(torch.float32), src)
     copier.close()
+
+
+def test_cpu_copies_of_any_size_share_two_threads_and_land_by_the_fence():
+    """Many pieces, small and large, below and above the split: the bytes are cut between the
+    capture thread and the helper anywhere (inside a piece too); every byte lands by the fence,
+    nothing is written outside the destinations, and cancel() forgets what was not run."""
+    from datastates import staging
+    gen = torch.Generator().manual_seed(0)
+    sizes = [1, 4095, 4 << 20, 3, 9 << 20, 0, 4 << 20, 12345, 4 << 20]
+    total = sum(sizes)
+    src = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=gen)
+    dst = torch.zeros(total + 2, dtype=torch.uint8)  # one guard byte on each side
+    copier = DeviceCopier()
+    pos = 0
+    for n in sizes:
+        copier.copy(dst[1 + pos:1 + pos + n], src[pos:pos + n])
+        pos += n
+    assert total >= staging._SPLIT_BYTES
+    assert torch.count_nonzero(dst) == 0  # nothing runs before the fence
+    assert copier.fence() is None
+    assert torch.equal(dst[1:-1], src)
+    assert dst[0] == 0 and dst[-1] == 0
+
+    small = torch.full((100,), 7, dtype=torch.uint8)
+    target = torch.zeros(100, dtype=torch.uint8)
+    copier.copy(target, small)
+    copier.cancel()
+    copier.fence()
+    assert torch.count_nonzero(target) == 0
+    copier.close()
