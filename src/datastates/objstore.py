@@ -254,6 +254,8 @@ class S3Store(Store):
 class S3ReadFile(ReadFile):
     """Ranged GETs straight into the caller's buffers (one request per ``read_into``)."""
 
+    step_bytes = 8 << 20  # a request costs a round trip: fewer, larger ones
+
     def __init__(self, store: S3Store, path: str, size: int):
         self.store, self.path, self.size = store, path, size
         self._key = store.key(path)

@@ -4,11 +4,14 @@ destination tensors, every byte checksummed right after it lands.
 A *region* is anything with ``file``, ``offset``, ``nbytes``, ``dest`` (a flat uint8 CPU tensor
 receiving the bytes), ``checksums`` (``[[length, crc32], ...]`` covering the region in order) and
 ``key`` (restore's ``_Read``). Regions of one file that lie close together are coalesced into runs;
-each run is read by one thread, front to back, in steps of at most ``STEP`` bytes, each step one
-vectored read (``ReadFile.read_into``: a ``preadv``, or a ranged GET) into the destinations (gaps go to scratch memory). A step's bytes are checksummed at once
-(they are still in the CPU cache), the CRC chained across steps, so verification costs one pass over
-cached memory and no second trip to RAM. Several runs are read at once by the caller's threads,
-which keeps several requests in flight on the disk.
+each run is read by one thread, front to back, in steps of at most ``ReadFile.step_bytes`` bytes
+(1 MiB from a local file, 8 MiB per ranged GET), each step one vectored read
+(``ReadFile.read_into``: a ``preadv``, or a ranged GET) into the destinations (gaps go to scratch
+memory). A step's bytes are checksummed at once (a 1 MiB step is still in the CPU cache: measured
+here, 1 MiB steps restore 20% faster from the page cache than 8 MiB ones, and no slower cold), the
+CRC chained across steps, so verification costs one pass over cached memory and no second trip to
+RAM. Several runs are read at once by the caller's threads, which keeps several requests in flight
+on the disk (and the kernel's read-ahead runs ahead of each).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from .storage import buffer_of
 
 COALESCE_GAP = 256 << 10  # regions at most this far apart are read as one run
 MAX_RUN = 64 << 20        # largest run
-STEP = 8 << 20            # bytes per read request: keeps the disk busy, still in the CPU cache
+MIN_RUN = 8 << 20         # smallest limit on a run (group_limit)
 MAX_IOV = 512             # buffers per preadv (the kernel's limit is 1024)
 
 
@@ -29,7 +32,7 @@ def read_run(f, group: list, path: str, verify: bool) -> None:
     Raises CorruptCheckpointError on a short file, a mismatch, or pieces not covering a region
     (naming the path, key and offsets)."""
     checks = [Checker(r, path) for r in group] if verify else None
-    for step_offset, segments in steps(group):
+    for step_offset, segments in steps(group, f.step_bytes):
         f.read_into([view for _, view in segments], step_offset)
         if checks is not None:
             for index, view in segments:
@@ -42,29 +45,29 @@ def read_run(f, group: list, path: str, verify: bool) -> None:
 
 def group_limit(reads: list, threads: int) -> int:
     """Largest coalesced run: 64 MiB, smaller when the work is small, so every reader thread gets
-    runs of its own (read-ahead sized to the work)."""
+    runs of its own (read-ahead sized to the work), at least 8 MiB."""
     total = sum(r.nbytes for r in reads)
-    return max(STEP, min(MAX_RUN, total // max(1, 2 * threads)))
+    return max(MIN_RUN, min(MAX_RUN, total // max(1, 2 * threads)))
 
 
-def steps(group: list):
+def steps(group: list, step: int):
     """Split a run into steps: (file offset, [(region index in the run or -1 for a gap, view)])
-    covering at most ``STEP`` bytes and ``MAX_IOV`` buffers each, in file order."""
+    covering at most ``step`` bytes and ``MAX_IOV`` buffers each, in file order."""
     start, segments, size = group[0].offset, [], 0
     pos = start
     for index, r in enumerate(group):
         pieces = [(-1, memoryview(bytearray(r.offset - pos)))] if r.offset > pos else []
         view, done = buffer_of(r.dest), 0
         while done < r.nbytes:
-            take = min(r.nbytes - done, STEP)
+            take = min(r.nbytes - done, step)
             pieces.append((index, view[done:done + take]))
             done += take
         for segment in pieces:
             while segment[1].nbytes:
-                take = min(segment[1].nbytes, STEP - size)
+                take = min(segment[1].nbytes, step - size)
                 segments.append((segment[0], segment[1][:take]))
                 segment, size = (segment[0], segment[1][take:]), size + take
-                if size >= STEP or len(segments) >= MAX_IOV:
+                if size >= step or len(segments) >= MAX_IOV:
                     yield start, segments
                     start, segments, size = start + size, [], 0
         pos = r.offset + r.nbytes

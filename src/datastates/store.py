@@ -57,6 +57,9 @@ class ReadFile:
 
     path: str
     size: int
+    #: Bytes per read request of a restore (``reads.steps``): small enough that a step is still
+    #: in the CPU cache when it is checksummed, large enough to amortize the request.
+    step_bytes: int = 1 << 20
 
     def read_into(self, views: list[memoryview], offset: int) -> None:
         """Fill ``views`` in order from ``offset``; CorruptCheckpointError if the file ends first."""

@@ -13,6 +13,7 @@ from datastates import CorruptCheckpointError
 from datastates import reads
 from datastates.reads import Checker, coalesce, group_limit, steps
 from datastates.restore import _Read
+from datastates.store import LOCAL, ReadFile
 
 # Small units: a tensor spans several checksum pieces, and pieces span several read steps.
 CONFIG = datastates.CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
@@ -38,10 +39,13 @@ def assert_equal(a: dict, b: dict) -> None:
     assert all(torch.equal(x, y) for x, y in zip(a["many"], b["many"]))
 
 
+SMALL_STEP = 4096 * 3 + 77
+
+
 @pytest.fixture
 def small_steps(monkeypatch):
     """Read steps of an odd size, so steps cut through tensors and checksum pieces."""
-    monkeypatch.setattr(reads, "STEP", 4096 * 3 + 77)
+    monkeypatch.setattr(ReadFile, "step_bytes", SMALL_STEP)
     monkeypatch.setattr(reads, "MAX_IOV", 64)
 
 
@@ -100,7 +104,7 @@ def test_a_flipped_byte_anywhere_is_caught(saved, small_steps, where):
     shard = entry["shards"][0]
     first_piece = shard["checksums"][0][0]
     pos = {"first": 0, "last": shard["nbytes"] - 1, "piece-edge": first_piece,
-           "step-edge": reads.STEP - 1, "middle": shard["nbytes"] // 2}[where]
+           "step-edge": SMALL_STEP - 1, "middle": shard["nbytes"] // 2}[where]
     _flip(path, shard["offset"] + pos)
     live = zeros_like(state)
     with datastates.Checkpointer(root, CONFIG) as ck:
@@ -153,11 +157,10 @@ def test_checker_accepts_any_split_of_the_bytes():
         check.finish()
 
 
-def test_steps_cover_the_group_in_order_with_gaps(monkeypatch):
-    monkeypatch.setattr(reads, "STEP", 1000)
+def test_steps_cover_the_group_in_order_with_gaps():
     group = [_read(700, [], 0), _read(1500, [], 800), _read(10, [], 2400)]
     covered, expect_offset = [], 0
-    for offset, segments in steps(group):
+    for offset, segments in steps(group, 1000):
         assert offset == expect_offset
         size = sum(v.nbytes for _, v in segments)
         assert size <= 1000
@@ -191,3 +194,15 @@ def test_cli_verify_reads_every_byte_and_names_a_damaged_one(saved, small_steps,
     _flip(path, entry["shards"][0]["offset"] + 100)
     assert cli.main(["verify", str(root)]) == 1
     assert "checksum mismatch for 'ints'" in capsys.readouterr().err
+
+
+def test_local_reads_step_by_one_mib_and_object_reads_by_eight():
+    """A local step stays in the CPU cache while it is checksummed; a ranged GET is a round trip,
+    so object-store reads take larger steps."""
+    from datastates.objstore import S3ReadFile
+    local = LOCAL.open_read(__file__)
+    try:
+        assert local.step_bytes == 1 << 20
+    finally:
+        local.close()
+    assert S3ReadFile.step_bytes == 8 << 20
