@@ -150,13 +150,15 @@ class StoreCommunicator:
         returns the commit verdict, may raise) only after winning the decision key. Other ranks
         call ``fallback(why)`` (reads the verdict from the disk) when the store is unreachable.
         """
+        own = {"save": sid.describe(), **report}
         try:
-            self._set_json(f"{sid.nonce}/r{self.rank}", {"save": sid.describe(), **report})
+            if self.world_size > 1:  # alone, the report stays in memory (no JSON round trip)
+                self._set_json(f"{sid.nonce}/r{self.rank}", own)
             self._set_json(f"announce/r{self.rank}", sid.describe())
         except Exception as exc:  # the store is gone: nothing reported, nothing to clean
             return self._lost(sid, exc, fallback)
         if self.rank == 0:
-            decision = self._coordinate(sid, deadline, timeout_s, check, commit)
+            decision = self._coordinate(sid, deadline, timeout_s, check, commit, own)
         else:
             try:
                 decision = self._await(sid, deadline, timeout_s)
@@ -167,9 +169,12 @@ class StoreCommunicator:
         self._finish(sid, decision)
         return decision
 
-    def _coordinate(self, sid, deadline, timeout_s, check, commit) -> dict:
+    def _coordinate(self, sid, deadline, timeout_s, check, commit, own: dict) -> dict:
         try:
-            reports, missing = self._gather(sid, deadline)
+            if self.world_size == 1:
+                reports, missing = {0: own}, []
+            else:
+                reports, missing = self._gather(sid, deadline)
             announced = {r: self._get_json(f"announce/r{r}") for r in missing}
         except Exception as exc:
             return self._lost(sid, exc, None)
