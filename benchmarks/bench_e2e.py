@@ -20,8 +20,10 @@ drift of a shared machine spreads over all of them; only ratios within a repetit
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import cProfile
 import json
+import mmap
 import os
 import pstats
 import resource
@@ -179,9 +181,7 @@ class LimitSaver:
     CHUNK = 8 << 20
 
     def __init__(self, root: str):
-        import concurrent.futures
-        import mmap
-        self.root, self.paths, self.mmap = root, [], mmap
+        self.root, self.paths = root, []
         self.pool = concurrent.futures.ThreadPoolExecutor(1)
         self.buffers: list = []
         self.futures: list = [None, None]
@@ -208,7 +208,7 @@ class LimitSaver:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         size = -(-nbytes // self.CHUNK) * self.CHUNK
         if not self.buffers:
-            self.buffers = [self.mmap.mmap(-1, size) for _ in range(2)]
+            self.buffers = [mmap.mmap(-1, size) for _ in range(2)]
         slot = self.turn % 2
         self.turn += 1
         if self.futures[slot] is not None:

@@ -71,8 +71,8 @@ class Catalog:
     def __init__(self, root: str, store: Store = LOCAL):
         self.root, self.store = root, store
         self._seen: dict[str, tuple[Any, CheckpointInfo | None]] = {}
-        #: (name, stamp, manifest) of the newest checkpoint whose manifest was read or recorded.
-        self._newest: tuple[str, Any, schema.Manifest] | None = None
+        #: (info, stamp, manifest) of the newest checkpoint whose manifest was read or recorded.
+        self._newest: tuple[CheckpointInfo, Any, schema.Manifest] | None = None
         self._lock = threading.Lock()
 
     def scan(self) -> list[CheckpointInfo]:
@@ -115,19 +115,17 @@ class Catalog:
         (read it from the store)."""
         with self._lock:
             known = self._seen.get(info.name)
-            if self._newest is None or known is None:
+            if self._newest is None or known is None or known[1] != info:
                 return None
-            name, stamp, manifest = self._newest
-            return manifest if name == info.name and stamp == known[0] else None
+            kept_info, stamp, manifest = self._newest
+            return manifest if kept_info == info and stamp == known[0] else None
 
     def _keep(self, info: CheckpointInfo, stamp: Any, manifest: "schema.Manifest") -> None:
-        """Keep ``manifest`` if its checkpoint is the newest seen so far (a known stamp only)."""
-        if stamp is None:
-            return
-        current = self._seen.get(self._newest[0]) if self._newest is not None else None
-        if current is None or current[1] is None or \
-                commit_order(info) >= commit_order(current[1]):
-            self._newest = (info.name, stamp, manifest)
+        """Keep ``manifest`` if its checkpoint is the newest read or recorded so far (a known
+        stamp only)."""
+        if stamp is not None and (self._newest is None or
+                                  commit_order(info) >= commit_order(self._newest[0])):
+            self._newest = (info, stamp, manifest)
 
     def _read(self, name: str, stamp: Any) -> CheckpointInfo | None:
         path = self.store.join(self.root, name)

@@ -17,8 +17,8 @@ from . import format as fmt
 from .config import CheckpointConfig
 from .dist import LocalCommunicator, StoreCommunicator
 from .engine import Job, Pipeline, SaveHandle
-from .errors import (CheckpointerClosedError, CheckpointExistsError, CheckpointNotFoundError,
-                     ConfigError, SerializationError)
+from .errors import (CheckpointerClosedError, CheckpointExistsError, ConfigError,
+                     SerializationError)
 from .flatten import Flattened, ObjectItem, TensorItem, flatten
 from .planning import assign_replicated, plan_layout
 from .providers import ProviderRegistry
@@ -307,18 +307,9 @@ class Checkpointer:
         _check_step(step)
         check_rank_policy(rank_policy)
         self._pipeline.drain()
-        manifest = None
-        if step is None and tag is None:  # the newest, through the catalog (its manifest kept)
-            found = self.list()
-            if not found:
-                missing = self.store.renames and not self.store.isdir(self.directory)
-                raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory!r}"
-                                              + (": the directory does not exist" if missing
-                                                 else ""))
-            info = found[-1]
-            manifest = self._catalog.manifest(info)
-        else:
-            info = commit_mod.resolve(self.directory, step, tag, self.store)
+        info = commit_mod.resolve(self.directory, step, tag, self.store, self._catalog)
+        latest = step is None and tag is None  # found by a scan just now: the kept manifest holds
+        manifest = self._catalog.manifest(info) if latest else None
         return Reader(info.path, manifest=manifest, registry=self.registry, rank=self.rank,
                       store=self.store,
                       world_size=self.world_size, threads=self.config.reader_threads,

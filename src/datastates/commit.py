@@ -334,8 +334,10 @@ def latest(root: str, store: Store = LOCAL) -> CheckpointInfo | None:
 
 
 def resolve(root: str, step: int | None = None, tag: str | None = None,
-            store: Store = LOCAL) -> CheckpointInfo:
-    """Find a committed checkpoint by tag, by step, or the latest."""
+            store: Store = LOCAL, catalog: Catalog | None = None) -> CheckpointInfo:
+    """Find a committed checkpoint by tag, by step, or the latest. ``catalog``: the caller's
+    catalog of ``root``, so that finding the latest reads only the manifests that changed since
+    its last scan (without it, every manifest of ``root`` is read)."""
     if tag is not None or step is not None:
         name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
         path = store.join(root, name)
@@ -350,10 +352,10 @@ def resolve(root: str, step: int | None = None, tag: str | None = None,
     if store.renames and not store.isdir(root):
         raise CheckpointNotFoundError(f"no committed checkpoint in {root!r}: the directory does "
                                       "not exist")
-    found = latest(root, store)
-    if found is None:
+    found = (catalog if catalog is not None else Catalog(root, store)).scan()
+    if not found:
         raise CheckpointNotFoundError(f"no committed checkpoint in {root!r}")
-    return found
+    return found[-1]
 
 
 def delete(root: str, name: str, fsync: bool = True, store: Store = LOCAL) -> None:

@@ -154,7 +154,8 @@ class Reader:
         check_rank_policy(rank_policy)
         self.dir = ckpt_dir
         self.store = store or open_store(ckpt_dir)
-        self.manifest = manifest or fmt.read_manifest(ckpt_dir, self.store)
+        self.manifest = manifest if manifest is not None else fmt.read_manifest(ckpt_dir,
+                                                                               self.store)
         self.registry, self.verify, self.threads = registry, verify, threads
         self.trusted, self.safe_globals = trusted, list(safe_globals)
         self.map_location = map_location

@@ -40,3 +40,31 @@ def test_each_loop_is_compared_with_the_baselines_around_it(monkeypatch):
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="unknown mode"):
         bench_e2e.make_saver("ds_module_k7x", "unused")
+
+
+def test_limit_saver_writes_each_state_and_keeps_three(tmp_path):
+    """The 'limit' row really writes the tensors (O_DIRECT, padded to its chunk), keeps the
+    newest three, and a save waits for the buffer it reuses."""
+    import torch
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = {"model": model, "opt": opt, "sched": torch.optim.lr_scheduler.StepLR(opt, 1),
+         "loader": type("L", (), {"state_dict": lambda self: {"pos": 0}})()}
+    saver = bench_e2e.LimitSaver(str(tmp_path / "limit"))
+    try:
+        for step in range(1, 6):
+            with torch.no_grad():
+                model.weight.fill_(step)
+            saver.save(s, step)
+        saver.finish()
+    except OSError as exc:  # a file system without O_DIRECT (tmpfs)
+        pytest.skip(f"O_DIRECT refused here: {exc}")
+    finally:
+        saver.close()
+    names = sorted(p.name for p in (tmp_path / "limit").iterdir())
+    assert names == ["step-3.bin", "step-4.bin", "step-5.bin"]
+    data = (tmp_path / "limit" / "step-5.bin").read_bytes()
+    assert len(data) == bench_e2e.LimitSaver.CHUNK
+    weight = torch.frombuffer(bytearray(data[:48]), dtype=torch.float32)
+    assert torch.equal(weight, torch.full((12,), 5.0))

@@ -190,6 +190,9 @@ def test_kept_manifest_is_not_used_once_the_checkpoint_changed(tmp_path):
         assert mine.latest().step == 1
         save(other, 7.0, step=1, overwrite=True)
         state = {"x": torch.zeros(3)}
+        mine.restore(state, step=1)  # by step: no scan first, so the kept manifest is stale
+        assert torch.equal(state["x"], torch.full((3,), 7.0))
+        state = {"x": torch.zeros(3)}
         mine.restore(state)
         assert torch.equal(state["x"], torch.full((3,), 7.0))
         save(other, 9.0, step=2)
