@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import cProfile
+import gc
 import json
 import mmap
 import os
@@ -277,11 +278,13 @@ def timed_loop(mode: str, steps: int, workdir: str, profile: cProfile.Profile | 
             saver.finish()
         if profile is not None:
             profile.enable()
+        pauses = GcPauses()
         cpu0, t0 = _cpu_s(), time.perf_counter()
-        for step in range(1, steps + 1):
-            train_step(s)
-            saver.save(s, step)
-        extra = saver.finish()
+        with pauses:
+            for step in range(1, steps + 1):
+                train_step(s)
+                saver.save(s, step)
+            extra = saver.finish()
         total, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
         if profile is not None:
             profile.disable()
@@ -289,7 +292,31 @@ def timed_loop(mode: str, steps: int, workdir: str, profile: cProfile.Profile | 
         if hasattr(saver, "close"):
             saver.close()
         shutil.rmtree(root, ignore_errors=True)
-    return {"total_s": total, "cpu_s": cpu, **extra}
+    return {"total_s": total, "cpu_s": cpu, "gc_ms": pauses.seconds * 1e3,
+            "full_gcs": pauses.full, **extra}
+
+
+class GcPauses:
+    """Time spent in Python's garbage collector while active, any thread (a collection holds
+    the GIL, so it pauses the training thread's Python too); ``full``: how many were full
+    (generation 2) collections."""
+
+    def __init__(self):
+        self.seconds, self.full, self._start = 0.0, 0, {}
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start[info["generation"]] = time.perf_counter()
+        elif info["generation"] in self._start:
+            self.seconds += time.perf_counter() - self._start.pop(info["generation"])
+            self.full += info["generation"] == 2
+
+    def __enter__(self) -> "GcPauses":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def _cpu_s() -> float:
@@ -349,14 +376,16 @@ def summarize(rounds: list[dict], labels: list[str]) -> dict:
     out = {"none": {"ratio": 1.0, "ratios": [], "cpu_ratio": 1.0,
                     "total_s": statistics.median(n["total_s"] for n in nones),
                     "range_s": [min(n["total_s"] for n in nones),
-                                max(n["total_s"] for n in nones)]}}
+                                max(n["total_s"] for n in nones)],
+                    "gc_ms": statistics.median(n.get("gc_ms", 0.0) for n in nones),
+                    "full_gcs": statistics.median(n.get("full_gcs", 0) for n in nones)}}
     for mode in labels:
         ratios = [rnd[mode]["total_s"] / rnd[mode]["base_total_s"] for rnd in rounds]
         cpu = [rnd[mode]["cpu_s"] / rnd[mode]["base_cpu_s"] for rnd in rounds]
         row = {"ratio": statistics.median(ratios), "ratios": ratios,
                "cpu_ratio": statistics.median(cpu),
                "total_s": statistics.median(rnd[mode]["total_s"] for rnd in rounds)}
-        for key in ("blocked_ms", "step_wait_ms", "commit_s"):
+        for key in ("blocked_ms", "step_wait_ms", "commit_s", "gc_ms", "full_gcs"):
             vals = [rnd[mode][key] for rnd in rounds if key in rnd[mode]]
             if vals:
                 row[key] = statistics.median(vals)
@@ -370,18 +399,21 @@ def print_table(result: dict) -> None:
           "interleaved repetitions; ratio = wall time / mean of the no-checkpoint loops run just "
           "before and after; cpu ratio = the same for the process's CPU time (all threads). "
           f"No-checkpoint loop: median {none['total_s']:.2f} s, range {none['range_s'][0]:.2f}-"
-          f"{none['range_s'][1]:.2f} s")
+          f"{none['range_s'][1]:.2f} s, gc {none['gc_ms']:.0f} ms ({none['full_gcs']:g} full). "
+          "gc ms: time in Python's garbage collector during the loop (it holds the GIL), "
+          "(full): how many full collections")
     print(f"| {'loop':<22} | time s | ratio | ratios per repetition | cpu ratio | save() ms "
-          "| step wait ms |")
-    print("|---|---|---|---|---|---|---|")
+          "| step wait ms | gc ms (full) |")
+    print("|---|---|---|---|---|---|---|---|")
     for label, row in result["summary"].items():
         if label == "none":
             continue
         ratios = " ".join(f"{x:.2f}" for x in row["ratios"])
         blocked = f"{row['blocked_ms']:.1f}" if "blocked_ms" in row else "-"
         wait = f"{row['step_wait_ms']:.1f}" if "step_wait_ms" in row else "-"
+        gcs = f"{row['gc_ms']:.0f} ({row['full_gcs']:g})" if "gc_ms" in row else "-"
         print(f"| {label:<22} | {row['total_s']:.2f} | {row['ratio']:.2f}x | {ratios} | "
-              f"{row['cpu_ratio']:.2f}x | {blocked} | {wait} |")
+              f"{row['cpu_ratio']:.2f}x | {blocked} | {wait} | {gcs} |")
 
 
 def main(argv=None) -> int:

@@ -173,10 +173,11 @@ class Checkpointer:
         """Validate, walk and plan one save on the training thread (the part that may fail)."""
         if metadata is not None and not isinstance(metadata, dict):
             raise TypeError(f"metadata must be a dict, found {type(metadata).__qualname__}")
-        metadata = dict(metadata or {})
-        if json.loads(fmt.encode_json(metadata)) != metadata:  # fail now, not in background
+        decoded = json.loads(fmt.encode_json(metadata or {}))
+        if decoded != (metadata or {}):  # fail now, not in background
             raise TypeError("metadata must survive a JSON round trip unchanged (string keys; "
                             f"lists, not tuples): {metadata!r}")
+        metadata = decoded  # exactly what a reader of the manifest will find
         name = job_args["name"]
         # (an object store checks at commit instead: no request on the training thread)
         if not job_args["overwrite"] and self.store.renames and \

@@ -184,11 +184,17 @@ def encode_manifest(manifest: dict) -> bytes:
 
 
 def encode_manifest_checked(manifest: dict) -> "tuple[bytes, schema.Manifest]":
-    """:func:`encode_manifest`, also returning the typed manifest the reader's parser made of
-    those bytes (the writer needs it too, and parsing twice costs the GIL twice)."""
-    body = encode_json(manifest)
-    parsed = schema.parse_manifest(json.loads(body), "manifest being written")
-    return seal_manifest(body), parsed
+    """:func:`encode_manifest`, also returning the typed manifest the reader's parser made of it.
+
+    The parser checks ``manifest`` itself, not a decoded copy of its bytes: the parser accepts
+    only what JSON decodes to (exact ``list``, ``dict``, ``str``, ``int``, ``bool``, finite
+    ``float``, ``None``; a tuple or an int subclass is refused), and ``metadata``, the one part
+    it does not look into, was normalised through JSON by ``save()``. So the bytes decode to
+    an equal manifest, while the writer saves a decode and a second copy of every container --
+    objects the garbage collector would otherwise promote and traverse in a full collection,
+    holding the GIL (docs/benchmarks.md, "Garbage collection")."""
+    parsed = schema.parse_manifest(manifest, "manifest being written")
+    return seal_manifest(encode_json(manifest)), parsed
 
 
 def encode_json(value: Any) -> bytes:

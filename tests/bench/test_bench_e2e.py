@@ -68,3 +68,26 @@ def test_limit_saver_writes_each_state_and_keeps_three(tmp_path):
     assert len(data) == bench_e2e.LimitSaver.CHUNK
     weight = torch.frombuffer(bytearray(data[:48]), dtype=torch.float32)
     assert torch.equal(weight, torch.full((12,), 5.0))
+
+
+def test_gc_pauses_counts_the_collections_inside_it_only():
+    import gc
+
+    gc.collect()
+    with bench_e2e.GcPauses() as pauses:
+        gc.collect(0)
+        gc.collect(2)
+    gc.collect(2)  # after the block: not counted
+    assert pauses.full == 1
+    assert pauses.seconds > 0.0
+    assert pauses._callback not in gc.callbacks
+
+
+def test_summary_and_table_carry_the_gc_columns(capsys):
+    rounds = [{"none": [{"total_s": 10.0, "cpu_s": 20.0, "gc_ms": 0.0, "full_gcs": 0}],
+               "a": {"total_s": 12.0, "cpu_s": 24.0, "base_total_s": 10.0, "base_cpu_s": 20.0,
+                     "gc_ms": 150.0, "full_gcs": 1}}]
+    summary = bench_e2e.summarize(rounds, ["a"])
+    assert summary["a"]["gc_ms"] == 150.0 and summary["a"]["full_gcs"] == 1
+    bench_e2e.print_table({"steps": 1, "reps": 1, "summary": summary})
+    assert "| 150 (1) |" in capsys.readouterr().out

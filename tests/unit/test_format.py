@@ -153,6 +153,54 @@ def test_encode_manifest_refuses_what_a_reader_would_refuse(tmp_path):
         fmt.encode_manifest(obj)
 
 
+@pytest.mark.parametrize("where", ["shape", "checksums", "tree pair", "created_unix"])
+def test_encode_manifest_refuses_what_json_would_change(tmp_path, where):
+    """The writer validates the manifest dict itself (no decoded copy): anything the JSON round
+    trip would turn into something else -- a tuple, an int or float subclass -- is refused."""
+    import enum
+
+    class Small(enum.IntEnum):
+        ONE = 1
+
+    class Time(float):
+        pass
+
+    _, obj = saved_manifest(tmp_path)
+    if where == "shape":
+        obj["entries"][0]["shape"] = tuple(obj["entries"][0]["shape"])
+    elif where == "checksums":
+        obj["entries"][0]["shards"][0]["checksums"][0][0] = Small.ONE
+    elif where == "tree pair":
+        tree = obj["ranks"][0]["tree"]
+        tree["items"][0] = tuple(tree["items"][0])
+    else:
+        obj["created_unix"] = Time(obj["created_unix"])
+    with pytest.raises(CorruptCheckpointError, match="manifest being written"):
+        fmt.encode_manifest(obj)
+
+
+def test_encode_manifest_returns_what_a_reader_parses(tmp_path):
+    cdir, obj = saved_manifest(tmp_path)
+    data, parsed = fmt.encode_manifest_checked(obj)
+    assert fmt.parse_manifest_bytes(data, "again") == parsed
+
+
+def test_save_records_metadata_as_json_decodes_it(tmp_path):
+    """What save() records is what a reader finds, also in the writer's kept manifest."""
+    import enum
+
+    class Level(enum.IntEnum):
+        HIGH = 2
+
+    with Checkpointer(tmp_path) as ckpt:
+        info = ckpt.save({"t": torch.ones(2)}, step=1, metadata={"level": Level.HIGH}).wait()
+        kept = ckpt.latest()
+    with Checkpointer(tmp_path) as other:
+        fresh = other.latest()
+    for found in (info.metadata, kept.metadata, fresh.metadata):
+        assert found == {"level": 2} and type(found["level"]) is int
+
+
 def test_parse_rank_report_validates(tmp_path):
     report = {"rank": 1, "file": {"name": "rank-00001.dsf", "nbytes": 8192, "index_crc32": 5},
               "entries": [{"key": "x", "kind": "tensor", "dtype": "float32", "shape": [2],
