@@ -312,11 +312,6 @@ def _tidy_warning(final: str, exc: OSError) -> None:
                   f"{exc}", RuntimeWarning, stacklevel=3)
 
 
-def next_seq(root: str, store: Store = LOCAL) -> int:
-    """The commit sequence number of the next checkpoint committed in ``root``."""
-    return max((i.seq for i in list_checkpoints(root, store)), default=0) + 1
-
-
 def set_latest(root: str, name: str, fsync: bool, store: Store = LOCAL) -> None:
     """Point the ``latest`` hint at ``name`` (for people and tools; readers do not need it)."""
     store.write_atomic(store.join(root, fmt.LATEST), name.encode(), fsync)
