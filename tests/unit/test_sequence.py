@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from datastates import CheckpointConfig, Checkpointer, commit
+from datastates import CheckpointConfig, Checkpointer
 
 CONFIG = CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
 
