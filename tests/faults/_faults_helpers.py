@@ -9,8 +9,6 @@ import sys
 
 import torch
 
-import datastates
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "_crash_child.py")
 
