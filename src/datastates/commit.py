@@ -60,7 +60,10 @@ def build_manifest(payloads: list[dict], *, name: str, step: int | None,
         local_to_global = []
         for e in payload["entries"]:
             local_to_global.append(_merge_entry(e, file_id, payload["rank"], entries, grouped))
-        ranks.append({"rank": payload["rank"], "tree": _remap(payload["tree"], local_to_global)})
+        tree = payload["tree"]
+        if local_to_global != list(range(len(local_to_global))):  # else (rank 0): as it is
+            tree = _remap(tree, local_to_global)
+        ranks.append({"rank": payload["rank"], "tree": tree})
     for e in entries:
         if e["kind"] == "tensor" and e.get("replicated") and not e["shards"]:
             raise CorruptCheckpointError(f"replicated tensor {e['key']!r} was written by no rank")

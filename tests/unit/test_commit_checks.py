@@ -28,6 +28,30 @@ def _manifest(shape, boxes):
                                          "shape": list(shape), "shards": shards}]}
 
 
+def _scalars_report(rank: int, keys: list[str]) -> dict:
+    """A valid report of ``rank`` holding one float32 scalar per key, in a dict tree."""
+    entries = [{"key": k, "kind": "tensor", "dtype": "float32", "shape": [],
+                "offset": 4096 * (i + 1), "nbytes": 4, "checksums": [[4, 7]]}
+               for i, k in enumerate(keys)]
+    tree = {"t": "dict", "items": [[k, {"t": "tensor", "e": i}] for i, k in enumerate(keys)]}
+    return {"rank": rank, "entries": entries, "tree": tree,
+            "file": {"name": fmt.shard_file_name(rank), "nbytes": 4096 * (len(keys) + 1),
+                     "index_crc32": 1}}
+
+
+def test_merged_trees_index_the_global_entries():
+    """Rank 0's tree indexes the global entries as it is (kept, not copied); another rank's tree
+    is rewritten to the global indices, which follow rank 0's entries."""
+    reports = [_scalars_report(0, ["a", "b"]), _scalars_report(1, ["c"])]
+    manifest = commit.build_manifest(reports, name="step-0000000001", step=1, metadata={})
+    manifest["seq"] = 1
+    parsed = fmt.encode_manifest_checked(manifest)[1]
+    assert [e.key for e in parsed.entries] == ["a", "b", "c"]
+    assert manifest["ranks"][0]["tree"] is reports[0]["tree"]
+    assert manifest["ranks"][1]["tree"] == {"t": "dict", "items": [["c", {"t": "tensor", "e": 2}]]}
+    assert reports[1]["tree"]["items"][0][1]["e"] == 0  # the report itself is not modified
+
+
 @pytest.mark.parametrize("shape,boxes", [
     ((10, 4), [(0, (0, 0), (5, 4)), (1, (5, 0), (5, 4))]),                      # rows
     ((10, 4), [(0, (0, 0), (10, 2)), (1, (0, 2), (10, 1)), (2, (0, 3), (10, 1))]),  # columns
