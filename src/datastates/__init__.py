@@ -13,7 +13,7 @@ from .checkpointer import Checkpointer
 from .commit import CheckpointInfo
 from .config import CheckpointConfig
 from .dist import LocalCommunicator, StoreCommunicator
-from .engine import SaveHandle, SaveStats
+from .job import SaveHandle, SaveStats
 from .flatten import TensorShard
 from .errors import (CheckpointerClosedError, CheckpointExistsError, CheckpointNotFoundError,
                      CheckpointWriteError, CommitError, CommitTimeoutError, ConfigError, CorruptCheckpointError,
@@ -24,7 +24,8 @@ from .providers import (Capture, ModuleProvider, NumpyRandomProvider, OptimizerP
                         ProviderRegistry, RNGState, RNGStateProvider, StatefulProvider,
                         StateProvider, eager, lazy)
 from .restore import RestoreReport
-from .tools import export, import_checkpoint, inspect
+from .interchange import export, import_checkpoint
+from .tools import inspect
 
 __version__ = "0.1.0"
 

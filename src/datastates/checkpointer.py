@@ -16,10 +16,11 @@ from . import commit as commit_mod
 from . import format as fmt
 from .config import CheckpointConfig
 from .dist import LocalCommunicator, StoreCommunicator
-from .engine import Job, Pipeline, SaveHandle
+from .engine import Pipeline
 from .errors import (CheckpointerClosedError, CheckpointExistsError, ConfigError,
                      SerializationError)
 from .flatten import Flattened, ObjectItem, TensorItem, flatten
+from .job import Job, SaveHandle
 from .planning import assign_replicated, plan_layout
 from .providers import ProviderRegistry
 from .restore import Reader, RestoreReport, check_rank_policy

@@ -13,7 +13,7 @@ import sys
 import time
 
 from . import __version__
-from . import tools
+from . import interchange, tools
 from .errors import CheckpointNotFoundError, DatastatesError
 from .providers import ProviderRegistry
 from .restore import Reader
@@ -146,9 +146,9 @@ def _verify(args) -> int:
 
 def _export(args) -> int:
     bar = _progress(None, "B", args.out, args.no_progress)
-    report = tools.export(args.path, args.out, args.to, keys=args.keys, step=args.step,
-                          tag=args.tag, trusted=args.trusted,
-                          progress=bar.update if bar is not None else None)
+    report = interchange.export(args.path, args.out, args.to, keys=args.keys, step=args.step,
+                                tag=args.tag, trusted=args.trusted,
+                                progress=bar.update if bar is not None else None)
     if bar is not None:
         bar.close()
     note = ""
@@ -162,8 +162,8 @@ def _export(args) -> int:
 
 
 def _import(args) -> int:
-    info = tools.import_checkpoint(args.src, args.dest, source=args.source, step=args.step,
-                                   tag=args.tag, overwrite=args.overwrite)
+    info = interchange.import_checkpoint(args.src, args.dest, source=args.source, step=args.step,
+                                         tag=args.tag, overwrite=args.overwrite)
     print(f"committed {info.path}: {tools.human_bytes(info.nbytes)} from {args.src}")
     return EXIT_OK
 

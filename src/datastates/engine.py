@@ -1,4 +1,4 @@
-"""The save pipeline: capture thread → writer threads → commit thread, and the handle.
+"""The save pipeline: capture thread → writer threads → commit thread (the job: job.py).
 
 Threads (one set per Checkpointer, started once):
 - capture: for each job in order, copies units of tensors into host-cache slots (blocking on free
@@ -13,283 +13,21 @@ job's events ends, with the data or with an error.
 """
 from __future__ import annotations
 
-import logging
 import queue
 import threading
-import time
 import warnings
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from . import commit as commit_mod
 from . import format as fmt
 from .config import CheckpointConfig
-from .dist import SaveId, abort_decision
-from .errors import (CheckpointerClosedError, CheckpointWriteError, CommitError,
-                     CommitTimeoutError, DatastatesError)
-from .flatten import Flattened, TensorItem
-from .planning import Layout
+from .dist import abort_decision
+from .errors import CheckpointerClosedError, CommitError, CommitTimeoutError
+from .flatten import TensorItem
+from .job import Job, finish_file, replica_digests, write_error
 from .staging import DeviceCopier, HostCache
-from .storage import ShardWriter
-from .store import LOCAL, Store
-
-log = logging.getLogger("datastates")
-
-
-@dataclass
-class SaveStats:
-    """Timings of one save, in seconds from the moment ``save()`` was entered."""
-
-    blocked_s: float = 0.0   #: how long save() blocked the caller
-    snapshot_s: float = 0.0  #: until the state was captured in host memory
-    commit_s: float = 0.0    #: until the checkpoint was durable and committed
-    step_wait_s: float = 0.0  #: time guarded optimizer steps waited for this snapshot
-    nbytes: int = 0          #: tensor and object bytes of this rank
-    files: int = 1           #: shard files written by this rank
-    #: tensor bytes of this rank captured lazily (after save() returned); the other tensor
-    #: bytes were copied into the host cache inside save()
-    lazy_nbytes: int = 0
-
-
-class Job:
-    """One save of one rank, shared by the pipeline threads."""
-
-    def __init__(self, *, sid: SaveId, name: str, step: int | None, root: str, tmp: str,
-                 rank: int, flat: Flattened, layout: Layout, write_tensors: list[int],
-                 objects: list[int], metadata: dict, overwrite: bool, ready, t0: float,
-                 on_commit: Callable[["Job"], None], deadline: float, eager_units: int = 0,
-                 eager_items: int = 0, store: Store = LOCAL,
-                 catalog: "commit_mod.Catalog | None" = None):
-        self.sid, self.name, self.step, self.root, self.tmp = sid, name, step, root, tmp
-        #: Where the checkpoint is written (local directory or object store).
-        self.store = store
-        #: Rank 0: the writer's catalog of ``root`` (commit numbering reads only what changed).
-        self.catalog = catalog
-        #: Rank 0, once published: the committed checkpoints of ``root`` right after this commit
-        #: (what retention counts; None: retention lists ``root`` itself).
-        self.committed: list[commit_mod.CheckpointInfo] | None = None
-        #: time.monotonic() by which this save must be decided (save() + commit_timeout_s).
-        self.deadline = deadline
-        #: Digest of every declared-replicated tensor (key → text), compared across ranks.
-        self.replicas: dict[str, str] = {}
-        self.rank, self.flat, self.layout = rank, flat, layout
-        #: Flat item indices of the tensors this rank writes (layout order) and of the objects.
-        self.write_tensors, self.objects = write_tensors, objects
-        self.metadata, self.overwrite, self.ready, self.t0 = metadata, overwrite, ready, t0
-        #: Rank 0, commit thread, after the checkpoint became visible (latest, retention).
-        self.on_commit = on_commit
-        self.stats = SaveStats(nbytes=sum(i.nbytes for i in flat.items))
-        #: The leading units of the layout that hold eager tensors; once they are in the cache
-        #: (or written), ``eager_captured`` is set and ``save()`` may return.
-        self.eager_units = eager_units
-        #: The first ``eager_items`` tensors of ``write_tensors`` are eager: once their last piece
-        #: is copied, ``save()`` may return (the rest of that unit holds lazy tensors).
-        self.eager_items = eager_items
-        self.eager_captured = threading.Event()
-        self.captured = threading.Event()
-        self.opened = threading.Event()
-        self.finished = threading.Event()
-        self.cancelled = threading.Event()
-        self.error: BaseException | None = None
-        self.info: commit_mod.CheckpointInfo | None = None
-        self.manifest: dict | None = None  # rank 0: built by the commit round's check
-        self.writer: ShardWriter | None = None
-        self.crcs: dict[tuple[int, int], int] = {}
-        self._lock = threading.Lock()
-        self._outstanding = 0
-        self._capture_over = False
-        #: Units written while the capture was running, whose checksums wait (holding their slot)
-        #: so that checksumming does not compete with the capture for the CPU.
-        self._deferred: list[tuple] = []
-        #: Threads blocked in ``SaveHandle.wait()`` (a failure they will raise is not logged).
-        self.waiters = 0
-        self.all_written = threading.Event()
-
-    def fail(self, exc: BaseException) -> None:
-        with self._lock:
-            if self.error is None:
-                self.error = exc
-        self.cancelled.set()
-
-    def unit_queued(self) -> None:
-        with self._lock:
-            self._outstanding += 1
-
-    def unit_done(self) -> None:
-        with self._lock:
-            self._outstanding -= 1
-            done = self._capture_over and self._outstanding == 0
-        if done:
-            self.all_written.set()
-
-    def capture_over(self) -> None:
-        self.stats.snapshot_s = time.perf_counter() - self.t0
-        for item in self.flat.items:  # hold no reference to live state after the snapshot
-            if isinstance(item, TensorItem):
-                item.tensor = None
-        with self._lock:
-            self._capture_over = True
-            done = self._outstanding == 0
-        self.eager_captured.set()
-        self.captured.set()
-        if done:
-            self.all_written.set()
-
-    def defer(self, unit, slot: int) -> bool:
-        """Keep a written unit's checksums for later if the capture is still running."""
-        with self._lock:
-            if self._capture_over:
-                return False
-            self._deferred.append((unit, slot))
-            return True
-
-    def take_deferred(self) -> list[tuple]:
-        with self._lock:
-            deferred, self._deferred = self._deferred, []
-        return deferred
-
-    def finish(self) -> None:
-        self.stats.commit_s = time.perf_counter() - self.t0
-        with self._lock:
-            waited = self.waiters > 0
-        _log_outcome(self, waited)
-        self.finished.set()
-
-
-def _log_outcome(job: "Job", waited: bool) -> None:
-    """One INFO line per committed save; a WARNING, when it happens, for a failure that no
-    ``wait()`` is blocked on (it is also raised by the handle and warned about if never seen)."""
-    s = job.stats
-    if job.error is None:
-        rate = s.nbytes / s.commit_s / 1e9 if s.commit_s > 0 else 0.0
-        log.info("datastates: committed %s (rank %d): %d bytes, blocked %.1f ms, snapshot %.3f s, "
-                 "commit %.3f s, %.2f GB/s", job.name, job.rank, s.nbytes, s.blocked_s * 1e3,
-                 s.snapshot_s, s.commit_s, rate)
-    elif not waited:
-        log.warning("datastates: checkpoint %s failed on rank %d: %r", job.name, job.rank,
-                    job.error)
-
-
-def write_error(job: "Job", what: str, exc: BaseException) -> BaseException:
-    """A background failure as the error the handle raises: OS errors become
-    CheckpointWriteError with the same errno (``e.errno == errno.ENOSPC`` keeps working)."""
-    if isinstance(exc, DatastatesError) or not isinstance(exc, OSError):
-        return exc
-    error = CheckpointWriteError(exc.errno, f"rank {job.rank}: {what} failed: "
-                                            f"{exc.strerror or exc}")
-    if exc.filename is not None:
-        error.filename = exc.filename
-    error.__cause__ = exc
-    return error
-
-
-def replica_digests(items) -> dict[str, str]:
-    """``"<nbytes>:<crc32>"`` of every declared-replicated tensor among ``items``, read from the
-    live tensor: the caller digests eager items before ``save()`` returns and lazy ones before the
-    snapshot completes, so both still hold their values at ``save()``. Non-CPU tensors are
-    digested through bounded host copies."""
-    out = {}
-    for item in items:
-        if isinstance(item, TensorItem) and item.replicated and item.tensor is not None:
-            flat = item.tensor.detach().reshape(-1)
-            data = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
-            crc, step = 0, 64 << 20
-            for start in range(0, data.numel(), step):
-                piece = data[start:start + step]
-                piece = piece if piece.device.type == "cpu" else piece.cpu()
-                crc = fmt.crc32(piece.contiguous().numpy(), crc)
-            out[item.key] = f"{data.numel()}:{crc:08x}"
-    return out
-
-
-class SaveHandle:
-    """The future of one ``save()``. Thread-safe; every method may be called any number of times.
-
-    ``wait()`` re-raises a background failure. A handle whose failure was never looked at warns
-    when it is garbage-collected, and the next ``save()`` warns too: errors are never lost.
-    """
-
-    def __init__(self, job: Job):
-        self._job = job
-        self._observed = False
-
-    @property
-    def name(self) -> str:
-        return self._job.name
-
-    @property
-    def step(self) -> int | None:
-        return self._job.step
-
-    @property
-    def stats(self) -> SaveStats:
-        return self._job.stats
-
-    @property
-    def save_id(self) -> str:
-        """The nonce of this save (the same on every rank; recorded in the manifest)."""
-        return self._job.sid.nonce
-
-    def snapshot_done(self) -> bool:
-        """True once the state is captured in host memory (or the save failed)."""
-        return self._job.captured.is_set()
-
-    def done(self) -> bool:
-        """True once the checkpoint is committed or has failed."""
-        return self._job.finished.is_set()
-
-    def wait_snapshot(self, timeout: float | None = None) -> None:
-        """Block until the state is captured; after that the live state may change freely."""
-        if not self._job.captured.wait(timeout):
-            raise TimeoutError(f"snapshot of {self.name!r} not complete after {timeout} s")
-        if self._job.error is not None and self._job.finished.is_set():
-            self._raise()
-
-    def wait(self, timeout: float | None = None) -> commit_mod.CheckpointInfo:
-        """Block until committed; return its info or raise its error."""
-        job = self._job
-        with job._lock:
-            job.waiters += 1
-        try:
-            done = job.finished.wait(timeout)
-        finally:
-            with job._lock:
-                job.waiters -= 1
-        if not done:
-            raise TimeoutError(f"checkpoint {self.name!r} not committed after {timeout} s")
-        if self._job.error is not None:
-            self._raise()
-        self._observed = True
-        return self._job.info
-
-    result = wait
-
-    def exception(self) -> BaseException | None:
-        """The failure of a finished save, or None (also None while still running)."""
-        if self._job.finished.is_set():
-            self._observed = True
-            return self._job.error
-        return None
-
-    def _raise(self):
-        self._observed = True
-        raise self._job.error
-
-    def _unobserved_error(self) -> BaseException | None:
-        if self._job.finished.is_set() and self._job.error is not None and not self._observed:
-            return self._job.error
-        return None
-
-    def __del__(self):
-        try:
-            err = self._unobserved_error()
-        except Exception:  # interpreter shutdown
-            return
-        if err is not None:
-            warnings.warn(f"datastates: checkpoint {self.name!r} failed and its handle was "
-                          f"dropped without wait(): {err!r}", RuntimeWarning, stacklevel=2)
+from .store import Store
 
 
 class Pipeline:
@@ -548,7 +286,7 @@ class Pipeline:
 
     def _commit(self, job: Job) -> None:
         try:
-            payload = self._finish_file(job)
+            payload = finish_file(job, self.config.fsync)
         except BaseException as exc:
             job.fail(write_error(job, f"finishing {job.tmp}", exc))
         finally:
@@ -575,51 +313,6 @@ class Pipeline:
         except OSError as exc:
             if job.error is None:
                 job.fail(write_error(job, f"closing {job.writer.path}", exc))
-
-    def _finish_file(self, job: Job) -> dict | None:
-        job.opened.wait()
-        items = job.flat.items
-        entries: list[dict | None] = [None] * len(items)
-        for i, offset in zip(job.objects, job.layout.blob_offsets):
-            if job.writer is None or job.error is not None:
-                break
-            data = items[i].data  # written while the tensor units are in flight
-            job.writer.write(memoryview(data), offset)
-            entries[i] = {"key": items[i].key, "kind": "object", "offset": offset,
-                          "nbytes": len(data), "crc32": fmt.crc32(data)}
-        job.all_written.wait()
-        if job.error is not None:
-            return None
-        position = {flat_i: t_i for t_i, flat_i in enumerate(job.write_tensors)}
-        pieces = job.layout.pieces_by_item()
-        for i, item in enumerate(items):
-            if isinstance(item, TensorItem):
-                entries[i] = self._tensor_entry(job, item, position.get(i), pieces)
-        index = fmt.encode_index(job.rank, [e for e in entries if e.get("written", True)])
-        job.writer.write(memoryview(index), job.layout.index_offset)
-        job.writer.write(memoryview(fmt.pack_header(job.layout.index_offset, index)), 0)
-        size = job.layout.index_offset + len(index)
-        job.writer.finish(self.config.fsync, size)
-        return {"rank": job.rank, "entries": entries, "tree": job.flat.tree,
-                "file": {"name": fmt.shard_file_name(job.rank), "nbytes": size,
-                         "index_crc32": fmt.crc32(index)}}
-
-    @staticmethod
-    def _tensor_entry(job: Job, item: TensorItem, t_i: int | None, pieces: dict) -> dict:
-        entry = {"key": item.key, "kind": "tensor", "dtype": fmt.dtype_name(item.dtype),
-                 "shape": list(item.shape)}
-        if item.global_shape is not None:
-            entry["global_shape"] = list(item.global_shape)
-            entry["global_offset"] = list(item.global_offset)
-        if item.replicated:
-            entry["replicated"] = True
-        if t_i is None:
-            entry["written"] = False
-            return entry
-        entry.update(offset=job.layout.tensor_offsets[t_i], nbytes=item.nbytes,
-                     checksums=[[p.nbytes, job.crcs[(t_i, p.item_offset)]]
-                                for p in pieces.get(t_i, [])])
-        return entry
 
     # ------------------------------------------------------------ commit decision
     def _agree(self, job: Job, payload: dict | None) -> None:

@@ -1,35 +1,21 @@
-"""Living with checkpoints: find them, see inside them, get data out, bring data in.
+"""Living with checkpoints: find them and see inside them.
 
-Behind the ``datastates list|inspect|verify|export|import`` commands and the functions
-``datastates.inspect``, ``datastates.export`` and ``datastates.import_checkpoint``. Everything here
-reads the format through the validated manifest (schema.py); nothing is unpickled unless the
-caller says the checkpoint is trusted, and Python objects are only loaded when an export needs
-them. Exports stream: tensors are memory-mapped views of the shard files, verified piece by piece
-and written one after the other, so a state larger than RAM exports with bounded memory.
+Behind the ``datastates list|inspect|verify`` commands and the function ``datastates.inspect``.
+Everything here reads the format through its manifests (schema.py validates ours): nothing
+is unpickled and no shard byte is read. Getting data out of a checkpoint and bringing data in
+(``datastates.export``, ``datastates.import_checkpoint``) live in interchange.py, which builds on
+this module.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
-import mmap
 import os
-import shutil
 import time
-import uuid
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
-
-import torch
 
 from . import commit as commit_mod
 from . import format as fmt
-from . import serialization
-from .errors import (CheckpointExistsError, CheckpointNotFoundError, ConfigError,
-                     CorruptCheckpointError)
-from .providers import ProviderRegistry
-from .schema import Manifest, ObjectEntry, TensorEntry
-from .storage import buffer_of, fsync_dir
+from .errors import CheckpointNotFoundError, ConfigError
+from .schema import TensorEntry
 from .store import is_url, normalize, open_store
 
 #: Files that tell another framework's checkpoint apart from an empty folder.
@@ -193,104 +179,8 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-# ---------------------------------------------------------------- export
+# ---------------------------------------------------------------- DCP folders
 
-@dataclass(frozen=True)
-class ExportReport:
-    """What :func:`export` wrote."""
-
-    path: str          #: the file written
-    fmt: str           #: "torch" or "safetensors"
-    tensors: int       #: tensors written (tied tensors once)
-    nbytes: int        #: tensor bytes written
-    seconds: float
-    skipped: tuple = ()  #: keys not written (safetensors holds tensors only)
-    aliases: dict | None = None  #: safetensors: dropped name -> the name holding the same tensor
-
-
-def export(path: str | os.PathLike, out: str | os.PathLike, to: str = "torch", *,
-           keys: Iterable[str] | None = None, step: int | None = None, tag: str | None = None,
-           trusted: bool = False, registry: ProviderRegistry | None = None,
-           progress: Callable[[int], None] | None = None) -> ExportReport:
-    """Write rank 0's view of a checkpoint to one file of another format, atomically.
-
-    ``to="torch"``: a ``torch.save`` file of the structure ``Checkpointer.load`` returns (modules
-    and optimizers as their state dicts), loadable with ``torch.load(weights_only=True)`` when the
-    checkpoint holds no other Python objects; tied tensors stay tied. ``to="safetensors"``: the
-    tensors only, named by their keys (relative to the single prefix when exactly one is given in
-    ``keys``, so ``keys=["model"]`` gives the model's own state-dict names); a tensor reached under
-    several keys is written once under the first, the others listed in the file's metadata under
-    ``"datastates.aliases"`` (as ``safetensors.torch.save_model`` drops tied names).
-    ``to="hf"``: ``out`` is a new folder holding ``model.safetensors`` (the ``model`` key) and the
-    ``config.json``/tokenizer files that the HF integration keeps in ``checkpoint-N``, so
-    ``from_pretrained(out)`` loads it.
-
-    Every tensor is checksummed as it is read; a mismatch raises ``CorruptCheckpointError`` and
-    leaves no output file. Objects load safely unless ``trusted=True``. ``progress`` is called with
-    the bytes of each tensor written. Memory: the shard files are memory-mapped and each tensor is
-    written from the mapping, so memory stays bounded by the page cache, not the state size
-    (sharded tensors are assembled one at a time).
-    """
-    if to not in ("torch", "safetensors", "hf"):
-        raise ConfigError(f"export: expected to='torch', 'safetensors' or 'hf', found {to!r}")
-    if is_url(os.fspath(path)):
-        raise ConfigError(f"export reads local checkpoints (it memory-maps the shard files); "
-                          f"{path} is in an object store: load it with Checkpointer(...).load() "
-                          "or copy the checkpoint folder to a local disk first")
-    if _is_dcp(path):
-        return _export_dcp(os.path.abspath(os.fspath(path)), out, to)
-    infos = find(path, step, tag)
-    if len(infos) != 1:
-        raise ConfigError(f"{path} holds {len(infos)} checkpoints; export one of them")
-    prefixes = None if keys is None else [k.strip("/") for k in
-                                           ([keys] if isinstance(keys, str) else keys)]
-    if to == "hf":
-        return _export_hf(infos[0].path, out, trusted, registry, progress)
-    t0 = time.perf_counter()
-    with _MappedCheckpoint(infos[0].path, trusted, registry or ProviderRegistry.default(),
-                           progress) as ckpt:
-        tree = ckpt.build(prefixes, load_objects=to == "torch")
-        out = os.path.abspath(os.fspath(out))
-        if to == "torch":
-            _write_atomic(out, lambda f: torch.save(tree, f))
-            skipped, aliases = (), None
-        else:
-            skipped, aliases = _write_safetensors(out, ckpt, prefixes)
-        return ExportReport(out, to, len(ckpt.tensors), ckpt.nbytes,
-                            time.perf_counter() - t0, tuple(skipped), aliases)
-
-
-def _export_hf(ckpt_dir: str, out, trusted: bool, registry, progress) -> ExportReport:
-    """A Hugging Face model folder: ``model.safetensors`` of the ``model`` key plus the config
-    and tokenizer files the HF integration keeps next to the checkpoint; made in a temporary
-    folder and renamed into place."""
-    if not os.path.isfile(os.path.join(ckpt_dir, "config.json")):
-        raise ConfigError(f"{ckpt_dir} has no config.json: only checkpoints written by "
-                          "datastates.integrations.hf.DatastatesTrainer export to an HF folder; "
-                          "use to='safetensors' with keys=['model'] for the weights alone")
-    out = os.path.abspath(os.fspath(out))
-    if os.path.exists(out):
-        raise CheckpointExistsError(f"export: {out} already exists")
-    parent = os.path.dirname(out)
-    tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp.{uuid.uuid4().hex[:8]}")
-    os.makedirs(tmp)
-    try:
-        report = export(ckpt_dir, os.path.join(tmp, "model.safetensors"), "safetensors",
-                        keys=["model"], trusted=trusted, registry=registry, progress=progress)
-        for name in sorted(os.listdir(ckpt_dir)):
-            src = os.path.join(ckpt_dir, name)
-            if name not in _NOT_MODEL_FILES and not name.endswith(".dsf") and \
-                    os.path.isfile(src):
-                shutil.copyfile(src, os.path.join(tmp, name))
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(parent)
-    return dataclasses.replace(report, path=out, fmt="hf")
-
-
-_NOT_MODEL_FILES = (fmt.MANIFEST, "trainer_state.json")
 _DCP_MANIFEST = "dcp_manifest.json"  # integrations.dcp.MANIFEST (that module needs DCP imported)
 
 
@@ -324,281 +214,7 @@ def _inspect_dcp(path: str) -> dict:
             "tensors": tensors, "objects": objects, "values": {}}
 
 
-def _export_dcp(path: str, out, to: str) -> ExportReport:
-    """What DCP's ``dcp_to_torch_save`` does, for a folder our DCP writer wrote: every key of the
-    DCP state dict, full tensors, one ``torch.save`` file (DCP's flat keys)."""
-    if to != "torch":
-        raise ConfigError(f"export: a DCP folder exports to='torch' only, found {to!r}")
-    # The calls dcp_to_torch_save makes, with our reader instead of FileSystemReader (the
-    # public dcp.load does not hand back keys the planner adds).
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-    from .integrations.dcp import DatastatesReader
-    t0 = time.perf_counter()
-    state: dict = {}
-    _load_state_dict(state, storage_reader=DatastatesReader(path),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    out = os.path.abspath(os.fspath(out))
-    _write_atomic(out, lambda f: torch.save(state, f))
-    tensors = _tensors_in(state)
-    return ExportReport(out, "torch", len(tensors),
-                        sum(t.numel() * t.element_size() for t in tensors),
-                        time.perf_counter() - t0)
-
-
-class _MappedCheckpoint:
-    """Tensors of one checkpoint as verified views of memory-mapped shard files."""
-
-    def __init__(self, ckpt_dir: str, trusted: bool, registry: ProviderRegistry,
-                 progress: Callable[[int], None] | None):
-        self.dir, self.trusted, self.registry, self.progress = ckpt_dir, trusted, registry, progress
-        self.manifest: Manifest = fmt.read_manifest(ckpt_dir)
-        self._maps: dict[int, mmap.mmap] = {}
-        #: entry index -> (first key, tensor); keys in the order the tree reaches them
-        self.tensors: dict[int, tuple[str, torch.Tensor]] = {}
-        self.named: list[tuple[str, int]] = []
-        #: keys of plain values and objects (what a tensors-only format leaves out)
-        self.skipped: list[str] = []
-        self.nbytes = 0
-        self.load_objects = True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.tensors.clear()
-        for m in self._maps.values():
-            try:
-                m.close()
-            except BufferError:  # a tensor still views it: the mapping goes with the tensor
-                pass
-        self._maps.clear()
-
-    def build(self, prefixes: list[str] | None, load_objects: bool) -> Any:
-        """The saved structure (restricted to ``prefixes``) with tensors as mapped views."""
-        self.load_objects = load_objects
-        return self._node(self.manifest.ranks[0].tree, (), prefixes)
-
-    def _node(self, node: dict, path: tuple, prefixes) -> Any:
-        t = node["t"]
-        if t == "value":
-            self.skipped.append(_key(path))
-            return node["v"]
-        if t == "tensor":
-            return self._tensor(node["e"], _key(path))
-        if t == "object":
-            self.skipped.append(_key(path))
-            if not self.load_objects:  # never unpickled when the export has no use for it
-                return None
-            return self._object(self.manifest.entries[node["e"]])
-        if t == "provider":
-            state = self._node(node["state"], path, prefixes)
-            provider = self.registry.get(node["name"])
-            return provider.rebuild(state) if provider is not None else state
-        children = node["items"]
-        if t in ("dict", "odict"):
-            out = OrderedDict() if t == "odict" else {}
-            for k, child in children:
-                if _wanted(path + (k,), prefixes):
-                    out[k] = self._node(child, path + (k,), prefixes)
-            return out
-        items = [self._node(c, path + (i,), prefixes) for i, c in enumerate(children)
-                 if _wanted(path + (i,), prefixes)]
-        return tuple(items) if t == "tuple" else items
-
-    def _tensor(self, index: int, key: str) -> torch.Tensor:
-        self.named.append((key, index))
-        if index in self.tensors:
-            return self.tensors[index][1]
-        entry = self.manifest.entries[index]
-        assert isinstance(entry, TensorEntry)
-        dtype = entry.torch_dtype
-        whole = [s for s in entry.shards if s.shape == entry.shape]
-        if whole:  # one stored box is the whole tensor: a view of the mapping, nothing copied
-            tensor = self._view(whole[0], dtype, key)
-        else:
-            tensor = torch.empty(entry.shape, dtype=dtype)
-            for s in entry.shards:
-                box = tensor
-                for dim, (off, size) in enumerate(zip(s.global_offset, s.shape)):
-                    box = box.narrow(dim, off, size)
-                box.copy_(self._view(s, dtype, key))
-        self.tensors[index] = (key, tensor)
-        self.nbytes += tensor.numel() * tensor.element_size()
-        if self.progress is not None:
-            self.progress(tensor.numel() * tensor.element_size())
-        return tensor
-
-    def _view(self, shard, dtype: torch.dtype, key: str) -> torch.Tensor:
-        numel = _numel(shard.shape)
-        if numel == 0:
-            return torch.empty(shard.shape, dtype=dtype)
-        region = self._map(shard.file)
-        pos = shard.offset
-        for length, crc in shard.checksums:
-            if fmt.crc32(memoryview(region)[pos:pos + length]) != crc:
-                raise CorruptCheckpointError(
-                    f"{self._path(shard.file)}: checksum mismatch for {key!r} at file offset "
-                    f"{pos} ({length} bytes)")
-            pos += length
-        flat = torch.frombuffer(region, dtype=dtype, count=numel, offset=shard.offset)
-        return flat.reshape(shard.shape)
-
-    def _map(self, file_id: int) -> mmap.mmap:
-        if file_id not in self._maps:
-            path = self._path(file_id)
-            expected = self.manifest.files[file_id].nbytes
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size != expected:
-                    raise CorruptCheckpointError(f"{path}: {size} bytes, the manifest says "
-                                                 f"{expected} (truncated or replaced)")
-                # Private, copy-on-write: reading costs page cache only; nothing writes back.
-                self._maps[file_id] = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-        return self._maps[file_id]
-
-    def _object(self, entry: ObjectEntry) -> Any:
-        data = memoryview(self._map(entry.file))[entry.offset:entry.offset + entry.nbytes]
-        if fmt.crc32(data) != entry.crc32:
-            raise CorruptCheckpointError(f"{self._path(entry.file)}: checksum mismatch for "
-                                         f"object {entry.key!r} at offset {entry.offset}")
-        return serialization.loads(bytes(data), entry.key, trusted=self.trusted)
-
-    def _path(self, file_id: int) -> str:
-        return os.path.join(self.dir, self.manifest.files[file_id].name)
-
-
-def _wanted(path: tuple, prefixes: list[str] | None) -> bool:
-    if prefixes is None:
-        return True
-    key = _key(path)
-    return any(not p or key == p or key.startswith(p + "/") or p.startswith(key + "/")
-               for p in prefixes)
-
-
-def _write_safetensors(out: str, ckpt: _MappedCheckpoint, prefixes) -> tuple[list, dict]:
-    """The safetensors layout (8-byte little-endian header length, JSON header, raw data),
-    written tensor by tensor from the mappings."""
-    strip = prefixes[0] + "/" if prefixes is not None and len(prefixes) == 1 and prefixes[0] \
-        else ""
-    names: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for key, index in ckpt.named:
-        name = key[len(strip):] if strip and key.startswith(strip) else key
-        if index in names:
-            aliases[name] = names[index]
-        else:
-            names[index] = name
-    header: dict[str, Any] = {}
-    pos = 0
-    for index, name in names.items():
-        t = ckpt.tensors[index][1]
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [pos, pos + n]}
-        pos += n
-    meta = {"format": "pt", "datastates.source": os.path.basename(ckpt.dir)}
-    if aliases:
-        meta["datastates.aliases"] = json.dumps(aliases, sort_keys=True)
-    header["__metadata__"] = meta
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-
-    def write(f) -> None:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for index in names:
-            t = ckpt.tensors[index][1]
-            if t.numel():
-                f.write(buffer_of(t.contiguous()))
-    _write_atomic(out, write)
-    return list(ckpt.skipped), aliases
-
-
-_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-                       torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
-                       torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-                       torch.complex64: "C64", torch.float8_e4m3fn: "F8_E4M3",
-                       torch.float8_e5m2: "F8_E5M2", torch.uint16: "U16", torch.uint32: "U32",
-                       torch.uint64: "U64"}
-
-
-def _write_atomic(out: str, write: Callable[[Any], None]) -> None:
-    """Write ``out`` through a temporary next to it, fsync, rename, fsync the folder."""
-    folder = os.path.dirname(out) or "."
-    if not os.path.isdir(folder):
-        raise CheckpointNotFoundError(f"cannot write {out}: folder {folder} does not exist")
-    tmp = os.path.join(folder, f".{os.path.basename(out)}.tmp.{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(folder)
-
-
-# ---------------------------------------------------------------- import
-
-def import_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, *, source: str = "torch",
-                      step: int | None = None, tag: str | None = None,
-                      overwrite: bool = False, config=None) -> commit_mod.CheckpointInfo:
-    """Save the state held by a file of another format as a datastates checkpoint in ``dest``.
-
-    ``source``: ``"torch"`` (a ``torch.save`` file, loaded with ``weights_only=True`` and
-    ``mmap=True``), ``"safetensors"`` (a flat dict of tensors) or ``"dcp"`` (a
-    ``torch.distributed.checkpoint`` folder written by DCP's ``FileSystemWriter``, converted as
-    DCP's own ``dcp_to_torch_save`` does). The checkpoint is named ``tag`` or ``step-<step>``
-    (step 0 when neither is given) and records the source in its metadata. Returns its info
-    once committed.
-    """
-    from .checkpointer import Checkpointer
-    from .dist import LocalCommunicator
-    src = os.path.abspath(os.fspath(src))
-    if not os.path.exists(src):
-        raise CheckpointNotFoundError(f"import: {src} does not exist")
-    state = _read_foreign(src, source)
-    if step is None and tag is None:
-        step = 0
-    with Checkpointer(dest, config, communicator=LocalCommunicator()) as ckpt:
-        handle = ckpt.save(state, step=step, tag=tag, overwrite=overwrite,
-                           metadata={"imported_from": src, "imported_format": source})
-        return handle.wait()
-
-
-def _read_foreign(src: str, source: str) -> Any:
-    if source == "torch":
-        return torch.load(src, map_location="cpu", weights_only=True, mmap=True)
-    if source == "safetensors":
-        from safetensors.torch import load_file
-        return load_file(src)
-    if source == "dcp":
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-        tmp = os.path.join(os.path.dirname(src), f".{os.path.basename(src)}.import.{uuid.uuid4().hex[:8]}")
-        try:
-            dcp_to_torch_save(src, tmp)
-            return torch.load(tmp, map_location="cpu", weights_only=True)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-    raise ConfigError(f"import: expected source 'torch', 'safetensors' or 'dcp', found {source!r}")
-
-
-def _tensors_in(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors_in(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors_in(v)]
-    return []
-
+# ---------------------------------------------------------------- shared with interchange.py
 
 def _key(path: tuple) -> str:
     return "/".join(str(p) for p in path)
@@ -609,3 +225,4 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
+

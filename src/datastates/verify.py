@@ -15,7 +15,8 @@ import torch
 from . import format as fmt
 from .errors import CorruptCheckpointError
 from .reads import Checker
-from .restore import Reader, _Plan, _Read
+from .matching import _Plan, _Read
+from .restore import Reader
 from .storage import buffer_of
 from .store import ReadFile
 from .schema import Manifest, ObjectEntry, ShardIndex

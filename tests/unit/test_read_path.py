@@ -12,7 +12,7 @@ import datastates
 from datastates import CorruptCheckpointError
 from datastates import reads
 from datastates.reads import Checker, coalesce, group_limit, steps
-from datastates.restore import _Read
+from datastates.matching import _Read
 from datastates.store import LOCAL, ReadFile
 
 # Small units: a tensor spans several checksum pieces, and pieces span several read steps.
