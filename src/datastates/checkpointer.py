@@ -14,6 +14,7 @@ import torch
 from . import capture
 from . import commit as commit_mod
 from . import format as fmt
+from . import retention
 from .config import CheckpointConfig
 from .dist import LocalCommunicator, StoreCommunicator
 from .engine import Pipeline
@@ -87,7 +88,7 @@ class Checkpointer:
         if self.store.renames:
             _check_directory(self.directory)
         if self.rank == 0 and self.store.isdir(self.directory):
-            commit_mod.clean_stale(self.directory, self.config.stale_tmp_age_s, self.store)
+            retention.clean_stale(self.directory, self.config.stale_tmp_age_s, self.store)
         if self._owns_pipeline:
             self._pipeline = Pipeline(self.config, self.comm)
         self._pending: list[SaveHandle] = []
@@ -343,7 +344,7 @@ class Checkpointer:
         """Delete a committed checkpoint (rank 0 only does the work)."""
         name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
         if self.rank == 0:
-            commit_mod.delete(self.directory, name, self.config.fsync, self.store)
+            retention.delete(self.directory, name, self.config.fsync, self.store)
 
     # ------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -381,7 +382,7 @@ class Checkpointer:
                           f"{self.store.join(self.directory, fmt.LATEST)} failed: {exc}",
                           RuntimeWarning, stacklevel=2)
         try:
-            commit_mod.apply_retention(self.directory, self.config.keep_last,
+            retention.apply_retention(self.directory, self.config.keep_last,
                                        self.config.keep_every, protect=job.name,
                                        fsync=self.config.fsync, store=self.store,
                                        committed=job.committed)

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from datastates import CheckpointConfig, Checkpointer, commit
+from datastates import CheckpointConfig, Checkpointer, commit, retention
 from datastates import format as fmt
 from datastates.catalog import Catalog
 from datastates.store import LOCAL
@@ -136,7 +136,7 @@ def test_retention_skips_a_checkpoint_deleted_meanwhile(tmp_path):
             save(ck, step, step=step)
         committed = ck.list()
     shutil.rmtree(tmp_path / "step-0000000001")  # gone since that listing
-    removed = commit.apply_retention(str(tmp_path), 1, None, protect="step-0000000003",
+    removed = retention.apply_retention(str(tmp_path), 1, None, protect="step-0000000003",
                                      fsync=False, committed=committed)
     assert removed == ["step-0000000002"]
     assert [i.name for i in commit.list_checkpoints(str(tmp_path))] == ["step-0000000003"]
