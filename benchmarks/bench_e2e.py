@@ -278,9 +278,8 @@ def timed_loop(mode: str, steps: int, workdir: str, profile: cProfile.Profile | 
             saver.finish()
         if profile is not None:
             profile.enable()
-        pauses = GcPauses()
         cpu0, t0 = _cpu_s(), time.perf_counter()
-        with pauses:
+        with GcPauses() as pauses:
             for step in range(1, steps + 1):
                 train_step(s)
                 saver.save(s, step)

@@ -383,9 +383,9 @@ class Checkpointer:
                           RuntimeWarning, stacklevel=2)
         try:
             retention.apply_retention(self.directory, self.config.keep_last,
-                                       self.config.keep_every, protect=job.name,
-                                       fsync=self.config.fsync, store=self.store,
-                                       committed=job.committed)
+                                      self.config.keep_every, protect=job.name,
+                                      fsync=self.config.fsync, store=self.store,
+                                      committed=job.committed)
         except Exception as exc:
             warnings.warn(f"datastates: {job.name!r} is committed, but applying retention in "
                           f"{self.directory} failed: {exc}", RuntimeWarning, stacklevel=2)
