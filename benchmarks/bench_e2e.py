@@ -11,6 +11,8 @@ loop of the same repetition (median over interleaved repetitions).
     python benchmarks/bench_e2e.py --before /path/to/older/src   # also the datastates modes
                                                                  # of another source tree
     python benchmarks/bench_e2e.py --profile ds_module_k3  # cProfile of the training thread
+    python benchmarks/bench_e2e.py --modes ds_module_k3,ds_module_k3+gcfreeze  # gc.freeze()
+                                                            # after the model is built, or not
 
 Each timed loop runs in a fresh process: the state is built (fixed seeds) and one warm-up save is
 made before the clock starts (it sizes the host cache, imports, creates the directory); the clock
@@ -248,7 +250,13 @@ class LimitSaver:
         self.pool.shutdown()
 
 
+#: Mode suffix: call ``gc.freeze()`` once the model and optimizer are built, so that full
+#: garbage collections skip every object that existed before training (docs/benchmarks.md).
+FREEZE = "+gcfreeze"
+
+
 def make_saver(mode: str, root: str):
+    mode = mode.removesuffix(FREEZE)
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
     if mode == "none":
@@ -269,6 +277,9 @@ def timed_loop(mode: str, steps: int, workdir: str, profile: cProfile.Profile | 
     are committed."""
     cfg, batch = demo_config()
     s = build(cfg, batch)
+    if mode.endswith(FREEZE):
+        gc.collect()
+        gc.freeze()
     root = tempfile.mkdtemp(prefix=f"{mode}-", dir=workdir)
     saver = make_saver(mode, root)
     try:
@@ -421,7 +432,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"comma-separated, from {MODES} ('none' is always included)")
+                        help=f"comma-separated, from {MODES} ('none' is always included); "
+                        f"a mode ending in {FREEZE!r} calls gc.freeze() after building the model")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: "
                         "a temporary directory under the current one)")
     parser.add_argument("--json", default=None, help="write the raw results here")
@@ -445,8 +457,9 @@ def main(argv=None) -> int:
             return 0
         modes = [m for m in args.modes.split(",") if m and m != "none"]
         for m in modes:
-            if m not in MODES:
-                parser.error(f"unknown mode {m!r}; expected some of {MODES}")
+            if m.removesuffix(FREEZE) not in MODES:
+                parser.error(f"unknown mode {m!r}; expected some of {MODES}, each optionally "
+                             f"with {FREEZE!r}")
         loops = [(m, m, SRC) for m in modes]  # each also runs beside no-checkpoint loops
         if args.before:
             loops += [(f"{m}@before", m, os.path.abspath(args.before)) for m in modes

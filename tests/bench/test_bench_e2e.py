@@ -40,6 +40,18 @@ def test_each_loop_is_compared_with_the_baselines_around_it(monkeypatch):
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="unknown mode"):
         bench_e2e.make_saver("ds_module_k7x", "unused")
+    with pytest.raises(ValueError, match="unknown mode"):
+        bench_e2e.make_saver("ds_module_k7x+gcfreeze", "unused")
+    with pytest.raises(SystemExit):
+        bench_e2e.main(["--modes", "limit+gcfreez"])
+
+
+def test_gcfreeze_suffix_keeps_the_saver_of_its_mode(tmp_path):
+    saver = bench_e2e.make_saver("ds_sd_all+gcfreeze", str(tmp_path / "ck"))
+    try:
+        assert isinstance(saver, bench_e2e.DatastatesSaver)
+    finally:
+        saver.close()
 
 
 def test_limit_saver_writes_each_state_and_keeps_three(tmp_path):
