@@ -156,21 +156,37 @@ def _clean_stale_objects(root: str, max_age_s: float, store: Store) -> list[str]
         if name.startswith(".") or name == fmt.LATEST:
             continue
         ckpt = store.join(root, name)
-        try:
-            current = fmt.read_manifest(ckpt, store).data_dir
-        except CheckpointNotFoundError:
-            current = None
-        except (CorruptCheckpointError, OSError):
-            continue  # leave a checkpoint that cannot be read as it is
-        for child in store.listdir(ckpt):
+        children = store.listdir(ckpt)
+        data_dirs = [child for child in children if child.startswith(".data.")]
+        committed = fmt.MANIFEST in children
+        if not data_dirs or (committed and len(data_dirs) == 1):
+            # The one data directory of a committed checkpoint is the one its manifest names
+            # (if it names another, the checkpoint is damaged and its leftovers are kept): no
+            # manifest is read for the common case, one per checkpoint with leftovers.
+            continue
+        current = None
+        if committed:
+            try:
+                current = fmt.read_manifest(ckpt, store).data_dir
+            except CheckpointNotFoundError:
+                pass  # deleted meanwhile: every data directory is a leftover
+            except (CorruptCheckpointError, OSError):
+                continue  # leave a checkpoint that cannot be read as it is
+        for child in data_dirs:
             path = store.join(ckpt, child)
-            if child.startswith(".data.") and child != current and stale(child, store.mtime(path)):
-                try:
-                    store.remove_tree(path)
-                    removed.append(f"{name}/{child}")
-                except OSError as exc:
-                    warnings.warn(f"datastates: could not remove the stale data {path}: {exc}",
-                                  RuntimeWarning, stacklevel=2)
+            if child == current:
+                continue
+            try:
+                if not stale(child, store.mtime(path)):
+                    continue
+            except FileNotFoundError:
+                continue  # removed meanwhile, or an empty prefix some servers keep listing
+            try:
+                store.remove_tree(path)
+                removed.append(f"{name}/{child}")
+            except OSError as exc:
+                warnings.warn(f"datastates: could not remove the stale data {path}: {exc}",
+                              RuntimeWarning, stacklevel=2)
     removed += store.cleanup_uploads(
         root, lambda key, started: stale(key.rsplit("/", 2)[-2] if key.count("/") >= 2 else "",
                                          started))

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import datastates
-from datastates import CheckpointConfig, Checkpointer
+from datastates import CheckpointConfig, Checkpointer, retention
 from datastates.errors import (BucketNotFoundError, CheckpointExistsError, CorruptCheckpointError,
                                StorageAccessError, StorageError)
 
@@ -144,6 +144,44 @@ def test_commits_read_only_new_or_replaced_manifests(s3_server, s3_root, monkeyp
         assert [(i.name, i.seq, i.step) for i in ck1.list()] == [("step-0000000004", 4, 4),
                                                                  ("best", 5, 5)]
         assert read == ["best"]
+
+
+def test_cleanup_reads_only_the_manifests_of_checkpoints_with_leftovers(s3_server, s3_root,
+                                                                       monkeypatch):
+    """Tidying up (each Checkpointer does it at construction): a committed checkpoint with its one
+    data directory costs no manifest read; a leftover data directory beside a committed one (a
+    crashed overwrite) is removed after reading that checkpoint's manifest, and the directory the
+    manifest names is kept; a data directory without a manifest (a crashed first save) is
+    removed. The next Checkpointer is not tripped by the empty prefix a server may go on listing
+    where a removed directory was (SeaweedFS does), and every checkpoint still loads bit-exact."""
+    from datastates.store import open_store
+
+    options = storage_options(s3_server)
+    small = CheckpointConfig(chunk_bytes=64 << 10, host_cache_bytes=1 * MiB)
+    with Checkpointer(s3_root, small, storage_options=options) as ck:
+        for step in (1, 2, 3):
+            ck.save({"x": torch.full((4,), float(step))}, step=step).wait(60)
+    client = s3_server.client()
+    for name in ("step-0000000002", "step-0000000009"):
+        client.put_object(Bucket=s3_server.bucket, Body=b"partial",
+                          Key=f"{key_of(s3_root)}/{name}/.data.crashed-1/rank-00000.dsf")
+    store = open_store(s3_root, options)
+    read: list[str] = []
+
+    def counting(path, original=store.read_bytes):
+        read.append(path.rsplit("/", 2)[-2])
+        return original(path)
+
+    monkeypatch.setattr(store, "read_bytes", counting)
+    removed = retention.clean_stale(s3_root, 1e-6, store)
+    assert sorted(removed) == ["step-0000000002/.data.crashed-1",
+                               "step-0000000009/.data.crashed-1"]
+    assert read == ["step-0000000002"]
+    assert not [f for f in objects_under(s3_server, s3_root) if "crashed" in f]
+    with Checkpointer(s3_root, small, storage_options=options) as ck:
+        assert [i.step for i in ck.list()] == [1, 2, 3]
+        for step in (1, 2, 3):
+            assert torch.equal(ck.load(step=step)["x"], torch.full((4,), float(step)))
 
 
 def test_a_name_committed_meanwhile_by_another_writer_is_refused(s3_server, s3_root):
