@@ -303,23 +303,33 @@ def timed_loop(mode: str, steps: int, workdir: str, profile: cProfile.Profile | 
             saver.close()
         shutil.rmtree(root, ignore_errors=True)
     return {"total_s": total, "cpu_s": cpu, "gc_ms": pauses.seconds * 1e3,
-            "full_gcs": pauses.full, **extra}
+            "full_gcs": pauses.full, "young_gcs": pauses.young,
+            "promoted_per_step": pauses.promoted / steps, **extra}
 
 
 class GcPauses:
     """Time spent in Python's garbage collector while active, any thread (a collection holds
     the GIL, so it pauses the training thread's Python too); ``full``: how many were full
-    (generation 2) collections."""
+    (generation 2) collections; ``young``: how many were not; ``promoted``: objects moved into
+    the oldest generation (what makes full collections come: one runs once they add up to a
+    quarter of what is there), counted at each generation-1 collection outside the timing."""
 
     def __init__(self):
-        self.seconds, self.full, self._start = 0.0, 0, {}
+        self.seconds, self.full, self.young, self.promoted = 0.0, 0, 0, 0
+        self._start, self._gen1 = {}, 0
 
     def _callback(self, phase: str, info: dict) -> None:
+        generation = info["generation"]
         if phase == "start":
-            self._start[info["generation"]] = time.perf_counter()
-        elif info["generation"] in self._start:
-            self.seconds += time.perf_counter() - self._start.pop(info["generation"])
-            self.full += info["generation"] == 2
+            if generation == 1:
+                self._gen1 = len(gc.get_objects(1))
+            self._start[generation] = time.perf_counter()
+        elif generation in self._start:
+            self.seconds += time.perf_counter() - self._start.pop(generation)
+            self.full += generation == 2
+            self.young += generation < 2
+            if generation == 1:
+                self.promoted += max(0, self._gen1 - info["collected"])
 
     def __enter__(self) -> "GcPauses":
         gc.callbacks.append(self._callback)
@@ -395,7 +405,8 @@ def summarize(rounds: list[dict], labels: list[str]) -> dict:
         row = {"ratio": statistics.median(ratios), "ratios": ratios,
                "cpu_ratio": statistics.median(cpu),
                "total_s": statistics.median(rnd[mode]["total_s"] for rnd in rounds)}
-        for key in ("blocked_ms", "step_wait_ms", "commit_s", "gc_ms", "full_gcs"):
+        for key in ("blocked_ms", "step_wait_ms", "commit_s", "gc_ms", "full_gcs", "young_gcs",
+                    "promoted_per_step"):
             vals = [rnd[mode][key] for rnd in rounds if key in rnd[mode]]
             if vals:
                 row[key] = statistics.median(vals)
@@ -411,10 +422,11 @@ def print_table(result: dict) -> None:
           f"No-checkpoint loop: median {none['total_s']:.2f} s, range {none['range_s'][0]:.2f}-"
           f"{none['range_s'][1]:.2f} s, gc {none['gc_ms']:.0f} ms ({none['full_gcs']:g} full). "
           "gc ms: time in Python's garbage collector during the loop (it holds the GIL), "
-          "(full): how many full collections")
+          "(full): how many full collections; young: the other collections; promoted: objects "
+          "moved into the oldest generation per step")
     print(f"| {'loop':<22} | time s | ratio | ratios per repetition | cpu ratio | save() ms "
-          "| step wait ms | gc ms (full) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| step wait ms | gc ms (full) | young gcs | promoted |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, row in result["summary"].items():
         if label == "none":
             continue
@@ -422,8 +434,10 @@ def print_table(result: dict) -> None:
         blocked = f"{row['blocked_ms']:.1f}" if "blocked_ms" in row else "-"
         wait = f"{row['step_wait_ms']:.1f}" if "step_wait_ms" in row else "-"
         gcs = f"{row['gc_ms']:.0f} ({row['full_gcs']:g})" if "gc_ms" in row else "-"
+        young = f"{row['young_gcs']:g}" if "young_gcs" in row else "-"
+        promoted = f"{row['promoted_per_step']:.0f}" if "promoted_per_step" in row else "-"
         print(f"| {label:<22} | {row['total_s']:.2f} | {row['ratio']:.2f}x | {ratios} | "
-              f"{row['cpu_ratio']:.2f}x | {blocked} | {wait} | {gcs} |")
+              f"{row['cpu_ratio']:.2f}x | {blocked} | {wait} | {gcs} | {young} | {promoted} |")
 
 
 def main(argv=None) -> int:

@@ -316,22 +316,23 @@ def set_latest(root: str, name: str, fsync: bool, store: Store = LOCAL) -> None:
     store.write_atomic(store.join(root, fmt.LATEST), name.encode(), fsync)
 
 
-def latest(root: str, store: Store = LOCAL) -> CheckpointInfo | None:
+def latest(root: str, store: Store = LOCAL,
+           catalog: Catalog | None = None) -> CheckpointInfo | None:
     """The newest committed checkpoint of ``root`` (highest commit sequence number), or None.
 
     The ``latest`` file is only a hint written after each commit, for people and tools; it is
     not read here. So a crash between a commit and the update of ``latest`` still resumes from
     the checkpoint just committed, and tagged checkpoints count by when they were committed. To
-    roll back, delete the newer checkpoints."""
-    found = list_checkpoints(root, store)
+    roll back, delete the newer checkpoints. ``catalog``: the caller's catalog of ``root``, so that
+    only the manifests changed since its last scan are read (without it, every one is)."""
+    found = (catalog if catalog is not None else Catalog(root, store)).scan()
     return found[-1] if found else None
 
 
 def resolve(root: str, step: int | None = None, tag: str | None = None,
             store: Store = LOCAL, catalog: Catalog | None = None) -> CheckpointInfo:
-    """Find a committed checkpoint by tag, by step, or the latest. ``catalog``: the caller's
-    catalog of ``root``, so that finding the latest reads only the manifests that changed since
-    its last scan (without it, every manifest of ``root`` is read)."""
+    """Find a committed checkpoint by tag, by step, or the latest (``catalog``: as for
+    :func:`latest`)."""
     if tag is not None or step is not None:
         name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
         path = store.join(root, name)
@@ -346,7 +347,7 @@ def resolve(root: str, step: int | None = None, tag: str | None = None,
     if store.renames and not store.isdir(root):
         raise CheckpointNotFoundError(f"no committed checkpoint in {root!r}: the directory does "
                                       "not exist")
-    found = (catalog if catalog is not None else Catalog(root, store)).scan()
-    if not found:
+    found = latest(root, store, catalog)
+    if found is None:
         raise CheckpointNotFoundError(f"no committed checkpoint in {root!r}")
-    return found[-1]
+    return found

@@ -4,8 +4,8 @@ destination tensors, every byte checksummed right after it lands.
 A *region* is anything with ``file``, ``offset``, ``nbytes``, ``dest`` (a flat uint8 CPU tensor
 receiving the bytes), ``checksums`` (``[[length, crc32], ...]`` covering the region in order) and
 ``key`` (matching.py's ``_Read``). Regions of one file that lie close together are coalesced into
-runs; each run is read by one thread, front to back, in steps of at most ``ReadFile.step_bytes`` bytes
-(1 MiB from a local file, 8 MiB per ranged GET), each step one vectored read
+runs; each run is read by one thread, front to back, in steps of at most ``ReadFile.step_bytes``
+bytes (1 MiB from a local file, 8 MiB per ranged GET), each step one vectored read
 (``ReadFile.read_into``: a ``preadv``, or a ranged GET) into the destinations (gaps go to scratch
 memory). A step's bytes are checksummed at once (a 1 MiB step is still in the CPU cache: measured
 here, 1 MiB steps restore 20% faster from the page cache than 8 MiB ones, and no slower cold), the

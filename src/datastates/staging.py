@@ -214,7 +214,9 @@ class DeviceCopier:
             self._stream_for(device).wait_event(event)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy flat uint8 ``src`` into the cache view ``dst`` (same length)."""
+        """Copy flat uint8 ``src`` into the cache view ``dst`` (same length). The copy is done
+        when the next :meth:`fence` returns (a CPU copy runs only then): the caller keeps ``src``
+        and ``dst`` alive, and ``src`` unchanged, until that fence."""
         if src.is_cuda:
             with self._cuda.use(self._stream_for(src.device)):
                 dst.copy_(src, non_blocking=True)

@@ -95,11 +95,25 @@ def test_gc_pauses_counts_the_collections_inside_it_only():
     assert pauses._callback not in gc.callbacks
 
 
+def test_gc_pauses_counts_objects_promoted_to_the_oldest_generation():
+    import gc
+
+    gc.collect()
+    with bench_e2e.GcPauses() as pauses:
+        kept = [[i] for i in range(1000)]  # alive across the collections below
+        gc.collect(0)  # into generation 1
+        gc.collect(1)  # into generation 2: promoted
+    assert len(kept) == 1000
+    assert pauses.young >= 2 and pauses.full == 0  # (allocating may add a young one)
+    assert pauses.promoted >= 1000
+
+
 def test_summary_and_table_carry_the_gc_columns(capsys):
     rounds = [{"none": [{"total_s": 10.0, "cpu_s": 20.0, "gc_ms": 0.0, "full_gcs": 0}],
                "a": {"total_s": 12.0, "cpu_s": 24.0, "base_total_s": 10.0, "base_cpu_s": 20.0,
-                     "gc_ms": 150.0, "full_gcs": 1}}]
+                     "gc_ms": 150.0, "full_gcs": 1, "young_gcs": 12,
+                     "promoted_per_step": 4700.4}}]
     summary = bench_e2e.summarize(rounds, ["a"])
     assert summary["a"]["gc_ms"] == 150.0 and summary["a"]["full_gcs"] == 1
     bench_e2e.print_table({"steps": 1, "reps": 1, "summary": summary})
-    assert "| 150 (1) |" in capsys.readouterr().out
+    assert "| 150 (1) | 12 | 4700 |" in capsys.readouterr().out
