@@ -2,7 +2,8 @@
 then its files), applying the retention policy after a commit, and cleaning up what dead writers
 left: temporary directories, interrupted deletions, a checkpoint whose replacement was interrupted
 between its two renames (put back), object-store data no manifest names, unfinished multipart
-uploads. commit.py makes checkpoints visible; this module only takes them away.
+uploads. commit.py makes checkpoints visible; this module takes them away (and puts back the one
+a crash caught being replaced).
 """
 from __future__ import annotations
 
