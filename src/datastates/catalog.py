@@ -44,6 +44,19 @@ class CheckpointInfo:
     seq: int = 0
 
 
+@dataclass(frozen=True)
+class DamagedCheckpoint:
+    """A directory of the root that holds a ``manifest.json`` which cannot be read or does not
+    validate: it was committed once (only a commit writes that file) and is damaged now. It is
+    never restored, but it is listed, fails ``verify``, is named in a WARNING when ``latest()``
+    or ``restore()`` pass over it, and retention and ``delete()`` may remove it. ``reason`` is
+    the error that reading the manifest raised."""
+
+    name: str
+    path: str
+    reason: str
+
+
 def info_of(path: str, manifest: "schema.Manifest | dict") -> CheckpointInfo:
     """The description of the checkpoint at ``path`` with this manifest (a JSON dict, as written
     by ``publish``, is validated first)."""
@@ -70,14 +83,14 @@ class Catalog:
 
     def __init__(self, root: str, store: Store = LOCAL):
         self.root, self.store = root, store
-        self._seen: dict[str, tuple[Any, CheckpointInfo | None]] = {}
+        self._seen: dict[str, tuple[Any, CheckpointInfo | DamagedCheckpoint | None]] = {}
         #: (info, stamp, manifest) of the newest checkpoint whose manifest was read or recorded.
         self._newest: tuple[CheckpointInfo, Any, schema.Manifest] | None = None
         self._lock = threading.Lock()
 
     def scan(self) -> list[CheckpointInfo]:
-        """Committed checkpoints, oldest first (:func:`commit_order`); damaged ones are left out.
-        One listing of the root; a manifest is read only if new or changed since the last scan.
+        """Committed checkpoints, oldest first (:func:`commit_order`); damaged ones are left out
+        of it and kept for :meth:`damaged`. One listing of the root; a manifest is read only if new or changed since the last scan.
         CheckpointNotFoundError if ``root`` does not exist."""
         with self._lock:
             try:
@@ -109,6 +122,12 @@ class Catalog:
                 self._keep(info, stamp, manifest)
             return self._committed()
 
+    def damaged(self) -> list[DamagedCheckpoint]:
+        """The damaged checkpoints the last :meth:`scan` found, by name."""
+        with self._lock:
+            return sorted((d for _, d in self._seen.values() if isinstance(d, DamagedCheckpoint)),
+                          key=lambda d: d.name)
+
     def manifest(self, info: CheckpointInfo) -> "schema.Manifest | None":
         """The validated manifest of ``info`` (from the last scan or the commit that wrote it)
         if it is the newest checkpoint and its stamp is still the one that scan saw, else None
@@ -127,19 +146,21 @@ class Catalog:
                                   commit_order(info) >= commit_order(self._newest[0])):
             self._newest = (info, stamp, manifest)
 
-    def _read(self, name: str, stamp: Any) -> CheckpointInfo | None:
+    def _read(self, name: str, stamp: Any) -> CheckpointInfo | DamagedCheckpoint | None:
         path = self.store.join(self.root, name)
         try:
             manifest = fmt.read_manifest(path, self.store)
-        except (CorruptCheckpointError, CheckpointNotFoundError, OSError):
-            return None
+        except CheckpointNotFoundError:
+            return None  # the manifest went away since the listing: a deletion, not damage
+        except (CorruptCheckpointError, OSError) as exc:
+            return DamagedCheckpoint(name, path, f"{type(exc).__name__}: {exc}")
         info = info_of(path, manifest)
         self._keep(info, stamp, manifest)
         return info
 
     def _committed(self) -> list[CheckpointInfo]:
-        return sorted((info for _, info in self._seen.values() if info is not None),
-                      key=commit_order)
+        return sorted((info for _, info in self._seen.values()
+                       if isinstance(info, CheckpointInfo)), key=commit_order)
 
 
 def list_checkpoints(root: str, store: Store = LOCAL) -> list[CheckpointInfo]:
