@@ -16,13 +16,17 @@ names the examples assume and import nothing of the example's own:
 - blocks naming an ``s3://`` location also get the standard AWS variables pointing at the suite's
   own S3-compatible server (tests/s3/server.py), whose bucket is ``ckpt``.
 
-A block that resumes (it calls ``.latest()``) runs twice in the same directory: the second run
-must resume from what the first one saved. A block is skipped only when a framework it imports is
-not installed.
+A block that resumes (it calls ``.latest()`` or ``.latest_checkpoint()``) runs twice in the same
+directory: the second run must resume from what the first one saved. After each block a *check*
+(``CHECKS``, picked by a phrase of the block) asserts on what the example saved or loaded: a
+resumed plain loop ends bit-identical to the uninterrupted first run; a saved checkpoint read back
+by a fresh reader holds exactly the live tensors; a framework's load found its checkpoint. A block
+is skipped only when a framework it imports is not installed.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -129,6 +133,75 @@ torch.manual_seed(0)
 state_dict = {"weight": torch.randn(64, 32), "bias": torch.randn(32), "step": torch.tensor(3)}
 '''
 
+# What each example must have done, appended after it. ``_RUN`` is 1 or 2 (resuming blocks run
+# twice); a check may write ``result-<run>.json`` for the test to compare the runs.
+_DIGEST = '''
+import hashlib as _hl, json as _json
+def _digest(*trees):
+    h = _hl.sha256()
+    for tree in trees:
+        for k, v in sorted(tree.items(), key=lambda kv: str(kv[0])):
+            h.update(str(k).encode())
+            if isinstance(v, dict):
+                h.update(_digest(v).encode())
+            elif isinstance(v, torch.Tensor):
+                h.update(v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+            else:
+                h.update(repr(v).encode())
+    return h.hexdigest()
+'''
+
+_SAME_AS_SAVED = _DIGEST + '''
+import datastates as _ds
+_saved = _ds.Checkpointer({root!r}).load({which})["model"]
+_live = model.state_dict()
+assert _saved.keys() == _live.keys(), (sorted(_saved), sorted(_live))
+assert all(torch.equal(_saved[k], _live[k]) for k in _live), "the checkpoint differs from the model"
+'''
+
+CHECKS = [
+    # the resume loops: the second run starts after the newest checkpoint and ends bit-identical
+    ("start = ckpt.restore(state)", _DIGEST + '''
+with open(f"result-{_RUN}.json", "w") as _f:
+    _json.dump({"start": start, "position": loader.position,
+                "digest": _digest(model.state_dict(), opt.state_dict())}, _f)
+'''),
+    ("s3://ckpt/runs/readme", _SAME_AS_SAVED.format(root="s3://ckpt/runs/readme", which="step=1")),
+    ("s3://ckpt/runs/gpt-small", _SAME_AS_SAVED.format(root="s3://ckpt/runs/gpt-small",
+                                                       which="step=100")),
+    ('datastates.Checkpointer("ckpts")', _SAME_AS_SAVED.format(root="ckpts", which="step=10")),
+    ("engine.save_checkpoint(save_dir)", '''
+assert load_path is not None, "load_checkpoint found no checkpoint"
+assert load_path.startswith(save_dir), load_path
+'''),
+    ("DatastatesCheckpointIO", '''
+_loaded = DatastatesCheckpointIO().load_checkpoint("ckpts/last.ckpt")
+assert _loaded["epoch"] == 2, _loaded["epoch"]
+_live = model.state_dict()
+assert all(torch.equal(_loaded["state_dict"][k], _live[k]) for k in _live)
+'''),
+    ("DatastatesTrainer", '''
+assert trainer.latest_checkpoint().endswith("checkpoint-6"), trainer.latest_checkpoint()
+assert trainer.state.global_step == 6, trainer.state.global_step
+'''),
+    ("DatastatesReader", '''
+_fresh = {k: torch.zeros_like(v) for k, v in state_dict.items()}
+dcp.load(_fresh, storage_reader=DatastatesReader("ckpt/step-100"))
+assert all(torch.equal(_fresh[k], state_dict[k]) for k in state_dict)
+'''),
+]
+#: Blocks that define code for the reader to fill in and load nothing: they must only run.
+DEFINES_ONLY = ("class TestMyProvider(ProviderConformance)",)
+
+
+def _check(code: str) -> str:
+    for phrase, check in CHECKS:
+        if phrase in code:
+            return check
+    assert any(phrase in code for phrase in DEFINES_ONLY), "an example with no check of its result"
+    return ""
+
+
 # (module whose import marks a block, prelude, modules that must be installed)
 FRAMEWORKS = [
     ("deepspeed", DEEPSPEED, ("deepspeed",)),
@@ -187,16 +260,23 @@ def test_every_document_has_its_examples_collected():
 @pytest.mark.parametrize("where, code", EXAMPLES, ids=[w for w, _ in EXAMPLES])
 def test_example_runs(where, code, tmp_path, request):
     script = tmp_path / "example.py"
-    script.write_text(_prelude(code) + "\n# ---- the example: " + where + "\n" + code)
+    body = _prelude(code) + "\n# ---- the example: " + where + "\n" + code
+    check = _check(code)
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
     if "s3://" in code:  # object-storage examples run against the suite's own S3 server
         server = request.getfixturevalue("s3_server")
         env.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID=server.access_key,
                    AWS_SECRET_ACCESS_KEY=server.secret_key, AWS_DEFAULT_REGION=server.region)
-    runs = 2 if ".latest()" in code else 1
-    for run in range(runs):
+    runs = 2 if (".latest()" in code or ".latest_checkpoint()" in code) else 1
+    for run in range(1, runs + 1):
+        script.write_text(f"{body}\n# ---- its check\n_RUN = {run}\n{check}")
         proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=TIMEOUT_S)
-        assert proc.returncode == 0, (f"{where} (run {run + 1} of {runs}) failed:\n"
+        assert proc.returncode == 0, (f"{where} (run {run} of {runs}) failed:\n"
                                       f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    if (tmp_path / "result-2.json").exists():  # a resumed loop: same end as the first run
+        first, second = (json.loads((tmp_path / f"result-{r}.json").read_text()) for r in (1, 2))
+        assert first["start"] == 0 and second["start"] > 0, (first, second)
+        assert second["position"] == first["position"], (first, second)
+        assert second["digest"] == first["digest"], "the resumed run ended with other weights"

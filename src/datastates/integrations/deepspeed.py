@@ -55,7 +55,8 @@ from ._paths import PathCheckpoints, base_optimizer
 log = logging.getLogger("datastates.integrations.deepspeed")
 
 __all__ = ["CheckpointEngine", "DeepSpeedCheckpointEngine", "config_from_deepspeed",
-           "enable_lazy_snapshots", "export_torch_files", "low_precision_params"]
+           "enable_lazy_snapshots", "export_torch_files", "low_precision_params",
+           "wait_for_checkpoints"]
 
 _GB = 1 << 30
 
@@ -248,14 +249,30 @@ def enable_lazy_snapshots(engine: Any) -> "CheckpointEngine":
     torch optimizer inside ``engine.optimizer``: ZeRO 1/2, bf16/fp16 wrappers and plain
     optimizers all update parameters and state through it). Returns the datastates engine.
     """
-    wrapper = getattr(engine, "checkpoint_engine", None)
-    ours = getattr(wrapper, "ckpt_engine", wrapper)
-    if not isinstance(ours, CheckpointEngine):
-        raise TypeError("enable_lazy_snapshots(): this DeepSpeed engine does not checkpoint "
-                        "through datastates; add \"datastates_ckpt\": {...} to its config")
+    ours = _engine_of(engine, "enable_lazy_snapshots")
     if engine.optimizer is None:
         raise ValueError("enable_lazy_snapshots(): the engine has no optimizer")
     ours.guard(engine.optimizer)
+    return ours
+
+
+def wait_for_checkpoints(engine: Any) -> None:
+    """Block until every checkpoint ``engine.save_checkpoint()`` started is committed and
+    ``save_dir/latest`` names the newest tag; re-raises the first background failure.
+
+    DeepSpeed waits only at ``engine.destroy()``; a ``load_checkpoint()`` in the same process
+    before that may find no ``latest`` yet (DeepSpeed then warns and returns ``(None, None)``).
+    Called on the training thread; idempotent."""
+    _engine_of(engine, "wait_for_checkpoints").wait(persist=True)
+
+
+def _engine_of(engine: Any, caller: str) -> "CheckpointEngine":
+    """The datastates engine inside a ``DeepSpeedEngine`` (TypeError if it has none)."""
+    wrapper = getattr(engine, "checkpoint_engine", None)
+    ours = getattr(wrapper, "ckpt_engine", wrapper)
+    if not isinstance(ours, CheckpointEngine):
+        raise TypeError(f"{caller}(): this DeepSpeed engine does not checkpoint through "
+                        "datastates; add \"datastates_ckpt\": {...} to its config")
     return ours
 
 
