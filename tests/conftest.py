@@ -6,6 +6,11 @@ the ``weed`` binary is absent, and any other failure to start is an error. ``s3_
 is a fresh ``s3://<bucket>/<unique>`` prefix, emptied (objects and in-progress multipart uploads)
 after the test; ``s3_storage_options`` is ``storage_options(s3_server)``, the keyword arguments the
 object-storage backend takes.
+
+With ``DATASTATES_REQUIRE_EXTRAS=1`` (set by ``.ci/run``, which installs every optional package), a
+test skipped because a package or the server binary is missing makes the run fail: an extra that
+failed to install must not turn its tests into silent skips. Skips for the hardware (no CUDA, a file
+system refusing O_DIRECT, root ignoring permissions) stay skips.
 """
 from __future__ import annotations
 
@@ -17,6 +22,29 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "s3"))
 from server import Server, delete_prefix, find_weed, start_server, storage_options  # noqa: E402
+
+
+#: Skip reasons that mean "something installable is missing" (pytest.importorskip, the docs
+#: harness, the s3_server fixture).
+_MISSING = ("could not import", "not installed", "binary not found")
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("DATASTATES_REQUIRE_EXTRAS") != "1":
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter is not None else []
+    missing = [(r.nodeid, _skip_reason(r)) for r in skipped
+               if any(m in _skip_reason(r) for m in _MISSING)]
+    if missing:
+        for nodeid, reason in missing:
+            reporter.write_line(f"REQUIRED BUT SKIPPED: {nodeid}: {reason}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

@@ -38,3 +38,48 @@ def test_license_file_matches_the_spdx_expression():
     assert project["license-files"] == ["LICENSE"]
     assert "Apache License" in (ROOT / "LICENSE").read_text().splitlines()[0]
     assert project["version"] == datastates.__version__
+
+
+def test_numpy_is_a_declared_dependency():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert {d.split(">")[0].split("=")[0].strip() for d in deps} == {"torch", "numpy"}
+
+
+def test_docs_install_from_the_repository_not_from_an_index_it_is_not_on():
+    # datastates is not published: `pip install datastates...` or 'datastates[x]' would fail
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        assert "pip install datastates" not in text, path
+        assert "pip install 'datastates[" not in text.replace("'datastates[s3] @ git+", ""), path
+
+
+def _run_suite(tmp_path, env_value):
+    """A throwaway test file that skips for a missing package, run under this repository's
+    conftest (copied next to it) with DATASTATES_REQUIRE_EXTRAS set to ``env_value``."""
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tmp_path / "s3").mkdir()
+    (tmp_path / "s3" / "server.py").write_text((ROOT / "tests" / "s3" / "server.py").read_text())
+    (tmp_path / "test_x.py").write_text(
+        "import pytest\n"
+        "def test_missing():\n    pytest.importorskip('no_such_package_datastates')\n"
+        "def test_hardware():\n    pytest.skip('needs CUDA')\n"
+        "def test_ok():\n    assert True\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "DATASTATES_REQUIRE_EXTRAS"}
+    if env_value is not None:
+        env["DATASTATES_REQUIRE_EXTRAS"] = env_value
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_a_skip_for_a_missing_package_fails_the_run_when_extras_are_required(tmp_path):
+    proc = _run_suite(tmp_path, "1")
+    assert proc.returncode == 1, proc.stdout
+    assert "REQUIRED BUT SKIPPED" in proc.stdout and "test_missing" in proc.stdout
+    assert "test_hardware: " not in proc.stdout  # a hardware skip stays a skip
+
+
+def test_skips_stay_skips_when_extras_are_not_required(tmp_path):
+    proc = _run_suite(tmp_path, None)
+    assert proc.returncode == 0, proc.stdout
+    assert "2 skipped" in proc.stdout and "REQUIRED BUT SKIPPED" not in proc.stdout
