@@ -2,13 +2,15 @@
 ``python -m datastates ...``).
 
 Exit codes scripts can rely on: 0 success; 1 an error (damaged checkpoint, missing path, bad
-input: the message says what and where); 2 wrong usage (argparse); 3 nothing to act on (the
-folder holds no datastates checkpoint).
+input: one line on stderr, starting with ``error:``, says what and where; no traceback); 2 wrong
+usage (argparse); 3 nothing to act on (the folder holds no datastates checkpoint). A reader that
+closes the pipe early (``inspect --json | head``) ends the command quietly.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -34,18 +36,23 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("demo", help="train a small GPT with checkpoints and print the measurements")
 
-    p = sub.add_parser("list", help="list the committed checkpoints of a folder")
+    p = sub.add_parser("list", help="list the committed checkpoints of a folder, and the damaged "
+                                    "ones (marked !, with the reason)")
     p.add_argument("path", help="a folder of checkpoints (or s3://bucket/prefix)")
 
     p = sub.add_parser("inspect", help="keys, dtypes, shapes, sizes, shards, step, metadata")
     _add_which(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (for scripts)")
+    p.add_argument("--keys", nargs="+", metavar="KEY",
+                   help="only the entries under these key prefixes (e.g. model optimizer)")
 
     p = sub.add_parser("verify", help="re-read every byte of a checkpoint: manifest checksum and "
                                       "fields, headers, indexes, every region's checksums, zero "
                                       "padding")
     _add_which(p)
-    p.add_argument("--all", action="store_true", help="verify every checkpoint of the folder")
+    p.add_argument("--all", action="store_true",
+                   help="verify every checkpoint of the folder (each one, then a summary; exit "
+                        "1 if any is damaged or fails)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser("export", help="write a checkpoint as a torch.save or safetensors file, "
@@ -70,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="step of the new checkpoint (default 0)")
     p.add_argument("--tag", help="name of the new checkpoint instead of step-<step>")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint of that name")
+    p.add_argument("--trusted", action="store_true",
+                   help="allow unpickling: Python objects of a torch.save file, and a stock DCP "
+                        "folder (its metadata is a pickle); only for files you trust")
     return parser
 
 
@@ -86,35 +96,53 @@ def main(argv=None) -> int:
         return demo_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
-        return _COMMANDS[args.command](args)
+        code = _COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # The reader has all it wanted (`... | head`); stdout goes to /dev/null so that the
+        # flush at exit does not fail a second time.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_OK
     except CheckpointNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _error(exc)
         return EXIT_EMPTY if "no datastates checkpoint" in str(exc) else EXIT_ERROR
-    except DatastatesError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (DatastatesError, OSError) as exc:
+        _error(exc)
         return EXIT_ERROR
 
 
+def _error(exc: BaseException) -> None:
+    """One line on stderr: ``error: <message>`` (an OSError outside the library: its class)."""
+    text = str(exc) if isinstance(exc, DatastatesError) else f"{type(exc).__name__}: {exc}"
+    print(f"error: {' '.join(text.split())}", file=sys.stderr)
+
+
 def _list(args) -> int:
-    infos = tools.find(args.path, every=True)
-    newest = infos[-1].name
+    found = tools.select(args.path, every=True)
+    infos = found.checkpoints
+    newest = infos[-1].name if infos else None
     rows = [(" ", "name", "step", "saved (UTC)", "size", "ranks")]
     for info in infos:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(info.created_unix))
         rows.append(("*" if info.name == newest else " ", info.name,
                      "-" if info.step is None else str(info.step), when,
                      tools.human_bytes(info.nbytes), str(info.world_size)))
+    for d in found.damaged:
+        rows.append(("!", d.name, "-", "-", "-", f"DAMAGED: {' '.join(d.reason.split())}"))
     _table(rows)
-    print(f"{len(infos)} checkpoint(s); * = newest committed (what restore() takes by default)")
+    note = f", {len(found.damaged)} damaged (!: never restored)" if found.damaged else ""
+    print(f"{len(infos)} checkpoint(s){note}; * = newest committed (what restore() takes by "
+          "default)")
     return EXIT_OK
 
 
 def _inspect(args) -> int:
-    # A folder of several checkpoints with no newest one (a DeepSpeed tag folder: one checkpoint
-    # per file DeepSpeed names) shows each of them.
-    paths = [args.path] if tools.is_single(args.path) or args.step is not None or args.tag \
-        else [i.path for i in tools.find(args.path)]
-    summaries = [tools.inspect(p, args.step, args.tag) for p in paths]
+    # Every checkpoint the path designates: a DeepSpeed tag folder is one per file.
+    infos = tools.find(args.path, args.step, args.tag)
+    summaries = [tools.describe(i, keys=args.keys) for i in infos]
     if args.json:
         print(json.dumps(summaries[0] if len(summaries) == 1 else summaries, indent=1))
     else:
@@ -123,29 +151,51 @@ def _inspect(args) -> int:
 
 
 def _verify(args) -> int:
-    infos = tools.find(args.path, args.step, args.tag, every=args.all)
-    total, t0 = 0, time.perf_counter()
+    found = tools.select(args.path, args.step, args.tag, every=args.all)
+    total, failed, t0 = 0, [], time.perf_counter()
     # one bar in bytes over every checkpoint, moving inside each one as its files are checked
-    bar = _progress(sum(i.nbytes for i in infos), "B", "verify", args.no_progress)
-    for info in infos:
+    bar = _progress(sum(i.nbytes for i in found.checkpoints), "B", "verify", args.no_progress)
+    for info in found.checkpoints:
         start = time.perf_counter()
-        # Objects are only checksummed here, never unpickled: verifying runs no code from the file.
-        with Reader(info.path, registry=ProviderRegistry.default(), verify=True,
-                    world_size=info.world_size, rank_policy="rank0") as reader:
-            n = reader.verify_all(bar.update if bar is not None else None)
+        try:
+            n = _verify_one(info, bar.update if bar is not None else None)
+        except (DatastatesError, OSError) as exc:
+            failed.append(info.name)
+            _write(bar, f"error: {info.name}: FAILED: {' '.join(str(exc).split())}", sys.stderr)
+            continue
         total += n
         _write(bar, f"{info.name}: OK, manifest and {info.world_size} shard file(s), {n} bytes "
                     f"verified ({tools.human_bytes(n)}) in {time.perf_counter() - start:.2f} s")
+    for d in found.damaged:
+        failed.append(d.name)
+        _write(bar, f"error: {d.name}: DAMAGED: {' '.join(d.reason.split())}", sys.stderr)
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - t0
-    print(f"verified {len(infos)} checkpoint(s), {tools.human_bytes(total)} in {seconds:.2f} s "
-          f"({total / max(seconds, 1e-9) / 1e9:.2f} GB/s): all OK")
-    return EXIT_OK
+    checked = len(found.checkpoints) + len(found.damaged)
+    verdict = "all OK" if not failed else f"{len(failed)} failed ({', '.join(failed)})"
+    print(f"verified {checked} checkpoint(s), {tools.human_bytes(total)} in {seconds:.2f} s "
+          f"({total / max(seconds, 1e-9) / 1e9:.2f} GB/s): {verdict}")
+    return EXIT_ERROR if failed else EXIT_OK
+
+
+def _verify_one(info, progress) -> int:
+    """Re-read every byte of one checkpoint; the bytes checked."""
+    if tools.is_dcp_info(info):
+        from .integrations.dcp_folders import verify_folder
+        return verify_folder(info.path, progress)
+    # Objects are only checksummed here, never unpickled: verifying runs no code from the file.
+    with Reader(info.path, registry=ProviderRegistry.default(), verify=True,
+                world_size=info.world_size, rank_policy="rank0") as reader:
+        return reader.verify_all(progress)
 
 
 def _export(args) -> int:
-    bar = _progress(None, "B", args.out, args.no_progress)
+    bar = None
+    if not args.no_progress and sys.stderr.isatty():
+        bar = _progress(interchange.planned_bytes(args.path, args.to, keys=args.keys,
+                                                  step=args.step, tag=args.tag),
+                        "B", args.out, False)
     report = interchange.export(args.path, args.out, args.to, keys=args.keys, step=args.step,
                                 tag=args.tag, trusted=args.trusted,
                                 progress=bar.update if bar is not None else None)
@@ -156,6 +206,8 @@ def _export(args) -> int:
         note = f"; left out {len(report.skipped)} non-tensor value(s) (safetensors holds tensors)"
     if report.aliases:
         note += f"; {len(report.aliases)} tied name(s) stored once (metadata datastates.aliases)"
+    if report.refused:
+        note += ("; not copied: " + ", ".join(f"{n} ({why})" for n, why in report.refused))
     print(f"wrote {report.path}: {report.tensors} tensors, {tools.human_bytes(report.nbytes)} in "
           f"{report.seconds:.2f} s{note}")
     return EXIT_OK
@@ -163,7 +215,8 @@ def _export(args) -> int:
 
 def _import(args) -> int:
     info = interchange.import_checkpoint(args.src, args.dest, source=args.source, step=args.step,
-                                         tag=args.tag, overwrite=args.overwrite)
+                                         tag=args.tag, overwrite=args.overwrite,
+                                         trusted=args.trusted)
     print(f"committed {info.path}: {tools.human_bytes(info.nbytes)} from {args.src}")
     return EXIT_OK
 
@@ -190,8 +243,8 @@ def _progress(total, unit: str, desc: str, disabled: bool):
                 file=sys.stderr)
 
 
-def _write(bar, line: str) -> None:
+def _write(bar, line: str, file=None) -> None:
     if bar is not None:
-        bar.write(line)
+        bar.write(line, file=file or sys.stdout)
     else:
-        print(line)
+        print(line, file=file or sys.stdout)

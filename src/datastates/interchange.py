@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import mmap
 import os
 import shutil
+import stat
 import time
+import zipfile
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -28,16 +31,18 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import commit as commit_mod
 from . import format as fmt
 from . import serialization
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, ConfigError,
-                     CorruptCheckpointError)
+                     CorruptCheckpointError, DatastatesError, UnsafeObjectError)
+from .catalog import CheckpointInfo
 from .providers import ProviderRegistry
 from .schema import Manifest, ObjectEntry, TensorEntry
 from .storage import buffer_of, fsync_dir
-from .store import is_url
-from .tools import _is_dcp, _key, _numel, find
+from .store import is_url, open_regular
+from .tools import _key, _numel, describe, find, is_dcp_info
+
+log = logging.getLogger("datastates.interchange")
 
 
 # ---------------------------------------------------------------- export
@@ -53,6 +58,8 @@ class ExportReport:
     seconds: float
     skipped: tuple = ()  #: keys not written (safetensors holds tensors only)
     aliases: dict | None = None  #: safetensors: dropped name -> the name holding the same tensor
+    #: hf: (file name, why) of the checkpoint's entries not copied (links, special files)
+    refused: tuple = ()
 
 
 def export(path: str | os.PathLike, out: str | os.PathLike, to: str = "torch", *,
@@ -84,18 +91,18 @@ def export(path: str | os.PathLike, out: str | os.PathLike, to: str = "torch", *
         raise ConfigError(f"export reads local checkpoints (it memory-maps the shard files); "
                           f"{path} is in an object store: load it with Checkpointer(...).load() "
                           "or copy the checkpoint folder to a local disk first")
-    if _is_dcp(path):
-        return _export_dcp(os.path.abspath(os.fspath(path)), out, to)
-    infos = find(path, step, tag)
-    if len(infos) != 1:
-        raise ConfigError(f"{path} holds {len(infos)} checkpoints; export one of them")
+    info = _one(path, step, tag)
+    if is_dcp_info(info):
+        return _export_dcp(info.path, out, to, trusted)
     prefixes = None if keys is None else [k.strip("/") for k in
                                            ([keys] if isinstance(keys, str) else keys)]
     if to == "hf":
-        return _export_hf(infos[0].path, out, trusted, registry, progress)
+        return _export_hf(info.path, out, trusted, registry, progress)
     t0 = time.perf_counter()
-    with _MappedCheckpoint(infos[0].path, trusted, registry or ProviderRegistry.default(),
+    with _MappedCheckpoint(info.path, trusted, registry or ProviderRegistry.default(),
                            progress) as ckpt:
+        if to == "safetensors":
+            _check_safetensors_dtypes(ckpt, prefixes)
         tree = ckpt.build(prefixes, load_objects=to == "torch")
         out = os.path.abspath(os.fspath(out))
         if to == "torch":
@@ -105,6 +112,49 @@ def export(path: str | os.PathLike, out: str | os.PathLike, to: str = "torch", *
             skipped, aliases = _write_safetensors(out, ckpt, prefixes)
         return ExportReport(out, to, len(ckpt.tensors), ckpt.nbytes,
                             time.perf_counter() - t0, tuple(skipped), aliases)
+
+
+def _one(path, step: int | None, tag: str | None) -> CheckpointInfo:
+    """The single checkpoint ``path`` designates (ConfigError naming them if several)."""
+    infos = find(path, step, tag)
+    if len(infos) != 1:
+        raise ConfigError(f"{path} holds {len(infos)} checkpoints "
+                          f"({', '.join(i.name for i in infos[:5])}); export one of them "
+                          "(--tag NAME, or the folder of one)")
+    return infos[0]
+
+
+def planned_bytes(path: str | os.PathLike, to: str = "torch", *,
+                  keys: Iterable[str] | None = None, step: int | None = None,
+                  tag: str | None = None) -> int:
+    """The tensor bytes :func:`export` with the same arguments will write (what its
+    ``progress`` calls add up to), from the manifest alone: the total of a progress bar."""
+    info = _one(path, step, tag)
+    if is_dcp_info(info):
+        summary = describe(info)
+        return sum(t["nbytes"] for t in summary["tensors"])
+    prefixes = ["model"] if to == "hf" else None if keys is None else \
+        [k.strip("/") for k in ([keys] if isinstance(keys, str) else keys)]
+    manifest = fmt.read_manifest(info.path)
+    seen: set[int] = set()
+    _tensor_indexes(manifest.ranks[0].tree, (), prefixes, seen)
+    return sum(_numel(e.shape) * e.torch_dtype.itemsize
+               for e in (manifest.entries[i] for i in seen))
+
+
+def _tensor_indexes(node: dict, path: tuple, prefixes, seen: set) -> None:
+    if node["t"] == "tensor":
+        seen.add(node["e"])
+    elif node["t"] == "provider":
+        _tensor_indexes(node["state"], path, prefixes, seen)
+    elif node["t"] in ("dict", "odict"):
+        for k, child in node["items"]:
+            if _wanted(path + (k,), prefixes):
+                _tensor_indexes(child, path + (k,), prefixes, seen)
+    elif node["t"] in ("list", "tuple"):
+        for i, child in enumerate(node["items"]):
+            if _wanted(path + (i,), prefixes):
+                _tensor_indexes(child, path + (i,), prefixes, seen)
 
 
 def _export_hf(ckpt_dir: str, out, trusted: bool, registry, progress) -> ExportReport:
@@ -124,36 +174,56 @@ def _export_hf(ckpt_dir: str, out, trusted: bool, registry, progress) -> ExportR
     try:
         report = export(ckpt_dir, os.path.join(tmp, "model.safetensors"), "safetensors",
                         keys=["model"], trusted=trusted, registry=registry, progress=progress)
-        for name in sorted(os.listdir(ckpt_dir)):
-            src = os.path.join(ckpt_dir, name)
-            if name not in _NOT_MODEL_FILES and not name.endswith(".dsf") and \
-                    os.path.isfile(src):
-                shutil.copyfile(src, os.path.join(tmp, name))
+        refused = _copy_model_files(ckpt_dir, tmp)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync_dir(parent)
-    return dataclasses.replace(report, path=out, fmt="hf")
+    return dataclasses.replace(report, path=out, fmt="hf", refused=refused)
 
 
 _NOT_MODEL_FILES = (fmt.MANIFEST, "trainer_state.json")
 
 
-def _export_dcp(path: str, out, to: str) -> ExportReport:
+def _copy_model_files(ckpt_dir: str, dest: str) -> tuple:
+    """Copy the config and tokenizer files of ``ckpt_dir`` into ``dest``: regular files only,
+    opened without following a link, so nothing outside the checkpoint (a ``tokenizer.json``
+    linked to a private key) lands in a folder meant for upload. Returns ``(name, why)`` of
+    each entry left out, each also logged as a WARNING."""
+    refused = []
+    for name in sorted(os.listdir(ckpt_dir)):
+        if name in _NOT_MODEL_FILES or name.endswith(".dsf"):
+            continue
+        src = os.path.join(ckpt_dir, name)
+        try:
+            fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as exc:
+            why = "a symbolic link" if os.path.islink(src) else f"not readable ({exc.strerror})"
+            refused.append((name, why))
+            continue
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                if not stat.S_ISDIR(st.st_mode):
+                    refused.append((name, "not a regular file"))
+                continue
+            with open(os.path.join(dest, name), "xb") as g:
+                shutil.copyfileobj(f, g)
+    for name, why in refused:
+        log.warning("export: %s/%s is %s: not copied to the HF folder", ckpt_dir, name, why)
+    return tuple(refused)
+
+
+def _export_dcp(path: str, out, to: str, trusted: bool) -> ExportReport:
     """What DCP's ``dcp_to_torch_save`` does, for a folder our DCP writer wrote: every key of the
-    DCP state dict, full tensors, one ``torch.save`` file (DCP's flat keys)."""
+    DCP state dict, full tensors, one ``torch.save`` file; its values loaded with
+    ``weights_only=True`` unless ``trusted``."""
     if to != "torch":
         raise ConfigError(f"export: a DCP folder exports to='torch' only, found {to!r}")
-    # The calls dcp_to_torch_save makes, with our reader instead of FileSystemReader (the
-    # public dcp.load does not hand back keys the planner adds).
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-    from .integrations.dcp import DatastatesReader
+    from .integrations.dcp_folders import load_state
     t0 = time.perf_counter()
-    state: dict = {}
-    _load_state_dict(state, storage_reader=DatastatesReader(path),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    state = load_state(path, trusted=trusted)
     out = os.path.abspath(os.fspath(out))
     _write_atomic(out, lambda f: torch.save(state, f))
     tensors = _tensors_in(state)
@@ -264,8 +334,9 @@ class _MappedCheckpoint:
         if file_id not in self._maps:
             path = self._path(file_id)
             expected = self.manifest.files[file_id].nbytes
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
+            fd, status = open_regular(path)
+            with os.fdopen(fd, "rb") as f:
+                size = status.st_size
                 if size != expected:
                     raise CorruptCheckpointError(f"{path}: {size} bytes, the manifest says "
                                                  f"{expected} (truncated or replaced)")
@@ -331,12 +402,26 @@ def _write_safetensors(out: str, ckpt: _MappedCheckpoint, prefixes) -> tuple[lis
     return list(ckpt.skipped), aliases
 
 
+def _check_safetensors_dtypes(ckpt: "_MappedCheckpoint", prefixes) -> None:
+    """ConfigError naming the first tensor whose dtype safetensors cannot hold, before any
+    byte is read or written."""
+    seen: set[int] = set()
+    _tensor_indexes(ckpt.manifest.ranks[0].tree, (), prefixes, seen)
+    for i in sorted(seen):
+        entry = ckpt.manifest.entries[i]
+        if entry.torch_dtype not in _SAFETENSORS_DTYPES:
+            raise ConfigError(f"export: tensor {entry.key!r} is {entry.dtype}, which safetensors "
+                              f"cannot hold (it holds {', '.join(sorted(_ST_NAMES))}); export "
+                              "to torch, or leave the key out with --keys")
+
+
 _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
                        torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
                        torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
                        torch.complex64: "C64", torch.float8_e4m3fn: "F8_E4M3",
                        torch.float8_e5m2: "F8_E5M2", torch.uint16: "U16", torch.uint32: "U32",
                        torch.uint64: "U64"}
+_ST_NAMES = {str(d).removeprefix("torch.") for d in _SAFETENSORS_DTYPES}
 
 
 def _write_atomic(out: str, write: Callable[[Any], None]) -> None:
@@ -364,22 +449,27 @@ def _write_atomic(out: str, write: Callable[[Any], None]) -> None:
 
 def import_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, *, source: str = "torch",
                       step: int | None = None, tag: str | None = None,
-                      overwrite: bool = False, config=None) -> commit_mod.CheckpointInfo:
+                      overwrite: bool = False, config=None,
+                      trusted: bool = False) -> CheckpointInfo:
     """Save the state held by a file of another format as a datastates checkpoint in ``dest``.
 
-    ``source``: ``"torch"`` (a ``torch.save`` file, loaded with ``weights_only=True`` and
-    ``mmap=True``), ``"safetensors"`` (a flat dict of tensors) or ``"dcp"`` (a
-    ``torch.distributed.checkpoint`` folder written by DCP's ``FileSystemWriter``, converted as
-    DCP's own ``dcp_to_torch_save`` does). The checkpoint is named ``tag`` or ``step-<step>``
-    (step 0 when neither is given) and records the source in its metadata. Returns its info
-    once committed.
+    ``source``: ``"torch"`` (a ``torch.save`` file, loaded with ``weights_only=True`` unless
+    ``trusted``; memory-mapped when it is the zip format, read whole when it is the legacy
+    one), ``"safetensors"`` (a flat dict of tensors) or ``"dcp"`` (a
+    ``torch.distributed.checkpoint`` folder, converted as DCP's own ``dcp_to_torch_save`` does:
+    one ``DatastatesWriter`` wrote is read without unpickling anything but its values, with
+    ``weights_only=True``; a stock one, written by ``FileSystemWriter``, keeps its metadata as
+    a pickle and is read only when ``trusted``, UnsafeObjectError otherwise). A file that is not
+    of the format raises CorruptCheckpointError naming it. The checkpoint is named ``tag`` or
+    ``step-<step>`` (step 0 when neither is given) and records the source in its metadata.
+    Returns its info once committed.
     """
     from .checkpointer import Checkpointer
     from .dist import LocalCommunicator
     src = os.path.abspath(os.fspath(src))
     if not os.path.exists(src):
         raise CheckpointNotFoundError(f"import: {src} does not exist")
-    state = _read_foreign(src, source)
+    state = _read_foreign(src, source, trusted)
     if step is None and tag is None:
         step = 0
     with Checkpointer(dest, config, communicator=LocalCommunicator()) as ckpt:
@@ -388,22 +478,55 @@ def import_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, *, source
         return handle.wait()
 
 
-def _read_foreign(src: str, source: str) -> Any:
+def _read_foreign(src: str, source: str, trusted: bool) -> Any:
     if source == "torch":
-        return torch.load(src, map_location="cpu", weights_only=True, mmap=True)
+        return _read_torch(src, trusted)
     if source == "safetensors":
-        from safetensors.torch import load_file
-        return load_file(src)
+        return _read_safetensors(src)
     if source == "dcp":
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-        tmp = os.path.join(os.path.dirname(src), f".{os.path.basename(src)}.import.{uuid.uuid4().hex[:8]}")
-        try:
-            dcp_to_torch_save(src, tmp)
-            return torch.load(tmp, map_location="cpu", weights_only=True)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        from .integrations.dcp_folders import load_state
+        if not os.path.isdir(src):
+            raise CheckpointNotFoundError(f"import: {src} is not a folder; --from dcp reads a "
+                                          "torch.distributed.checkpoint folder")
+        return load_state(src, trusted=trusted)
     raise ConfigError(f"import: expected source 'torch', 'safetensors' or 'dcp', found {source!r}")
+
+
+def _read_torch(src: str, trusted: bool) -> Any:
+    """A ``torch.save`` file: memory-mapped when it is the zip format, read whole when it is
+    the legacy format (``_use_new_zipfile_serialization=False``), which cannot be mapped."""
+    if not os.path.isfile(src):
+        raise ConfigError(f"import: {src} is not a file; --from torch reads a torch.save file")
+    mappable = zipfile.is_zipfile(src)
+    try:
+        return torch.load(src, map_location="cpu", weights_only=not trusted, mmap=mappable)
+    except Exception as exc:  # torch reports a bad file as RuntimeError, UnpicklingError, EOF...
+        if isinstance(exc, DatastatesError):
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        if "weights_only" in str(exc) or "Unsupported global" in str(exc):
+            raise UnsafeObjectError(f"import: {src} holds Python objects that "
+                                    f"weights_only=True refuses ({first}); pass trusted=True "
+                                    "(--trusted) only if you trust where the file came from"
+                                    ) from None
+        raise CorruptCheckpointError(f"import: {src} is not a readable torch.save file "
+                                     f"({type(exc).__name__}: {first})") from None
+
+
+def _read_safetensors(src: str) -> Any:
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        raise ConfigError("import --from safetensors needs the safetensors package, which is "
+                          "not installed: pip install safetensors") from None
+    if not os.path.isfile(src):
+        raise ConfigError(f"import: {src} is not a file; --from safetensors reads one file")
+    try:
+        return load_file(src)
+    except Exception as exc:  # SafetensorError, OSError from a bad header or a short file
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise CorruptCheckpointError(f"import: {src} is not a readable safetensors file "
+                                     f"({type(exc).__name__}: {first})") from None
 
 
 def _tensors_in(obj: Any) -> list[torch.Tensor]:

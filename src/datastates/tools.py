@@ -10,35 +10,64 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
+from dataclasses import dataclass, replace
 
 from . import commit as commit_mod
 from . import format as fmt
-from .errors import CheckpointNotFoundError, ConfigError
+from .catalog import Catalog, CheckpointInfo, DamagedCheckpoint, info_of
+from .errors import CheckpointNotFoundError, ConfigError, DatastatesError
 from .schema import TensorEntry
-from .store import is_url, normalize, open_store
+from .store import LOCAL, is_url, normalize, open_store
 
 #: Files that tell another framework's checkpoint apart from an empty folder.
 _FOREIGN = (("model.safetensors", "Hugging Face / safetensors"), (".safetensors", "safetensors"),
             (".metadata", "torch.distributed.checkpoint"), (".ckpt", "Lightning"),
             ("_model_states.pt", "DeepSpeed"), (".pt", "torch.save"), (".bin", "torch.save"))
+#: The files of one DeepSpeed tag (``save_dir/global_stepN/<file>``), each a checkpoint here.
+_DEEPSPEED_FILE = re.compile(r"(model_states|optim_states)\.pt\Z")
+DCP_LAYOUT = "torch.distributed.checkpoint"
 
 
 # ---------------------------------------------------------------- finding checkpoints
 
-def find(path: str | os.PathLike, step: int | None = None, tag: str | None = None, *,
-         every: bool = False, storage_options: dict | None = None
-         ) -> list[commit_mod.CheckpointInfo]:
-    """The committed checkpoints ``path`` designates, oldest first.
+@dataclass(frozen=True)
+class Selection:
+    """What a path designates: ``checkpoints`` (committed, readable, oldest first; a DCP folder
+    is one, with ``metadata["layout"] == "torch.distributed.checkpoint"``), and ``damaged``,
+    the directories of the folder that were committed once but whose manifest no longer reads
+    or validates (named ``tag/file`` inside a DeepSpeed save folder)."""
 
-    ``path`` may be a checkpoint folder itself, or a folder of checkpoints (a Checkpointer's
-    directory, a DeepSpeed tag folder, a Lightning checkpoint folder): then ``step``/``tag`` pick
-    one, ``every=True`` takes all, and otherwise the newest committed one is taken — or, in a
-    folder without a ``latest`` hint whose checkpoints are files of a framework (DeepSpeed's
-    ``mp_rank_00_model_states.pt`` ...), all of them. Raises ``CheckpointNotFoundError`` saying what
-    was found instead (a file, an empty folder, another framework's files). ``path`` may be an
-    object-store URL (``s3://bucket/prefix``; ``storage_options`` as for ``Checkpointer``).
-    """
+    checkpoints: list[CheckpointInfo]
+    damaged: list[DamagedCheckpoint]
+
+
+def find(path: str | os.PathLike, step: int | None = None, tag: str | None = None, *,
+         every: bool = False, storage_options: dict | None = None) -> list[CheckpointInfo]:
+    """The committed checkpoints ``path`` designates, oldest first (see :func:`select`); never
+    empty: CheckpointNotFoundError naming the damaged ones when only those are there."""
+    found = select(path, step, tag, every=every, storage_options=storage_options)
+    if not found.checkpoints:
+        raise CheckpointNotFoundError(f"no datastates checkpoint in {normalize(path)} that "
+                                      f"reads{_damaged_hint(found.damaged)}")
+    return found.checkpoints
+
+
+def select(path: str | os.PathLike, step: int | None = None, tag: str | None = None, *,
+           every: bool = False, storage_options: dict | None = None) -> Selection:
+    """The checkpoints ``path`` designates, and the damaged ones of its folder.
+
+    ``path`` may be: a checkpoint folder; a folder ``DatastatesWriter`` (DCP) wrote; a folder
+    of checkpoints (a Checkpointer's directory, a Lightning or HF output folder), where
+    ``step``/``tag`` pick one, ``every=True`` takes all, and otherwise the newest committed one
+    is meant; a DeepSpeed tag folder (``global_stepN``, whose checkpoints are the files DeepSpeed
+    names, ``mp_rank_00_model_states.pt`` ...): all of them, as they make one checkpoint
+    together; a DeepSpeed save folder (tag folders and ``latest``): the tag ``latest`` names (or
+    the newest), every tag with ``every=True``; or a folder of DCP folders. Raises
+    ``CheckpointNotFoundError`` saying what was found instead (a file, an empty folder, another
+    framework's files); ``checkpoints`` is empty only when ``damaged`` is not. ``path`` may be
+    an object-store URL (``s3://bucket/prefix``; ``storage_options`` as for ``Checkpointer``)."""
     path = normalize(path)
     store = open_store(path, storage_options)
     if store.renames and os.path.isfile(path):
@@ -48,25 +77,92 @@ def find(path: str | os.PathLike, step: int | None = None, tag: str | None = Non
         raise CheckpointNotFoundError(f"{path} does not exist" if store.renames else
                                       f"no datastates checkpoint in {path} (nothing stored there)")
     if store.isfile(store.join(path, fmt.MANIFEST)):
-        return [commit_mod.info_of(path, fmt.read_manifest(path, store))]
+        return Selection([info_of(path, fmt.read_manifest(path, store))], [])
+    if store.renames and _is_dcp(path):
+        return Selection([dcp_info(path)], [])
     if step is not None or tag is not None:
-        return [commit_mod.resolve(path, step, tag, store)]
-    found = commit_mod.list_checkpoints(path, store)
+        return Selection([commit_mod.resolve(path, step, tag, store)], [])
+    catalog = Catalog(path, store)
+    found, damaged = catalog.scan(), catalog.damaged()
+    if not found and store.renames and not damaged:
+        return _select_nested(path, every)
     if not found:
-        hint = _foreign_hint(path) if store.renames else ""
-        raise CheckpointNotFoundError(f"no datastates checkpoint in {path}{hint}")
-    if every or not (store.isfile(store.join(path, fmt.LATEST)) or
-                     all(_is_step_name(i.name) for i in found)):
-        return found
-    return [found[-1]]
+        if damaged:
+            return Selection([], damaged)
+        raise CheckpointNotFoundError(f"no datastates checkpoint in {path} (nothing stored there)")
+    if every or _is_tag_folder(found) or not (store.isfile(store.join(path, fmt.LATEST)) or
+                                               all(_is_step_name(i.name) for i in found)):
+        return Selection(found, damaged)
+    return Selection([found[-1]], damaged)
 
 
-def is_single(path: str | os.PathLike) -> bool:
-    """Whether ``path`` designates one checkpoint by itself: a checkpoint folder, a DCP folder,
-    or a folder of checkpoints whose newest is the one meant (see :func:`find`)."""
-    if not is_url(os.fspath(path)) and (_is_dcp(path) or not os.path.isdir(path)):
-        return True
-    return len(find(path)) == 1
+def _select_nested(path: str, every: bool) -> Selection:
+    """A folder holding no checkpoint itself: a DeepSpeed save folder, or a folder of DCP
+    folders."""
+    tags, dcps = {}, []
+    for name in sorted(os.listdir(path)):
+        sub = os.path.join(path, name)
+        if name.startswith(".") or not os.path.isdir(sub) or os.path.islink(sub):
+            continue
+        if _is_dcp(sub):
+            dcps.append(_dcp_or_damaged(sub))
+            continue
+        catalog = Catalog(sub, LOCAL)
+        found = catalog.scan()
+        if found and _is_tag_folder(found) or catalog.damaged() and not found:
+            tags[name] = ([replace(i, name=f"{name}/{i.name}") for i in found],
+                          [replace(d, name=f"{name}/{d.name}") for d in catalog.damaged()])
+    good = [d for d in dcps if isinstance(d, CheckpointInfo)]
+    damaged = [d for d in dcps if isinstance(d, DamagedCheckpoint)]
+    if tags:
+        chosen = list(tags) if every else [_latest_tag(path, tags)]
+        return Selection([i for t in chosen for i in tags[t][0]] + good,
+                         damaged + [d for t in chosen for d in tags[t][1]])
+    if good or damaged:
+        good.sort(key=lambda i: (i.created_unix, i.name))
+        return Selection(good if every else good[-1:], damaged)
+    raise CheckpointNotFoundError(f"no datastates checkpoint in {path}{_foreign_hint(path)}")
+
+
+def _latest_tag(path: str, tags: dict) -> str:
+    """The tag DeepSpeed's ``latest`` names, else the one of the highest step in its name."""
+    try:
+        with open(os.path.join(path, fmt.LATEST), "rb") as f:
+            named = f.read(4096).decode("utf-8", "replace").strip()
+    except OSError:
+        named = ""
+    if named in tags:
+        return named
+    return max(tags, key=lambda t: (int(m.group()) if (m := re.search(r"\d+", t)) else -1, t))
+
+
+def _is_tag_folder(found: list[CheckpointInfo]) -> bool:
+    """Checkpoints named as DeepSpeed names the files of one tag: together, one checkpoint."""
+    return any(_DEEPSPEED_FILE.search(i.name) for i in found)
+
+
+def dcp_info(path: str) -> CheckpointInfo:
+    """The description of a folder ``DatastatesWriter`` wrote (its manifest validated)."""
+    from .integrations.dcp_metadata import read_manifest
+    files = read_manifest(path)["files"]
+    sizes = [os.path.getsize(os.path.join(path, f)) for f in files]
+    return CheckpointInfo(name=os.path.basename(path), path=path, step=None,
+                          created_unix=os.path.getmtime(os.path.join(path, _DCP_MANIFEST)),
+                          world_size=len(files), nbytes=sum(sizes),
+                          metadata={"layout": DCP_LAYOUT})
+
+
+def _dcp_or_damaged(path: str) -> CheckpointInfo | DamagedCheckpoint:
+    try:
+        return dcp_info(path)
+    except (DatastatesError, OSError) as exc:
+        return DamagedCheckpoint(os.path.basename(path), path, f"{type(exc).__name__}: {exc}")
+
+
+def is_dcp_info(info: CheckpointInfo) -> bool:
+    """Whether ``info`` describes a DCP folder (from :func:`dcp_info`)."""
+    return info.metadata.get("layout") == DCP_LAYOUT and os.path.isfile(
+        os.path.join(info.path, _DCP_MANIFEST))
 
 
 def _is_step_name(name: str) -> bool:
@@ -82,29 +178,59 @@ def _foreign_hint(path: str) -> str:
         return " (the folder is empty)"
     for suffix, kind in _FOREIGN:
         hits = sorted(n for n in names if n.endswith(suffix))
+        if hits and suffix == ".metadata":
+            return (f" (it holds {kind} files such as {hits[0]!r}: import them with `datastates "
+                    "import DIR --from dcp --trusted` if you trust where they came from)")
         if hits:
             return f" (it holds {kind} files such as {hits[0]!r}, which datastates does not read)"
     return f" (it holds {len(names)} other entries)"
 
 
+def _damaged_hint(damaged: list[DamagedCheckpoint]) -> str:
+    if not damaged:
+        return ""
+    return (f": {len(damaged)} damaged ("
+            + "; ".join(f"{d.name}: {d.reason}" for d in damaged[:3]) + ")")
+
+
 # ---------------------------------------------------------------- inspect
 
+#: A list or tuple of more plain values than this is one value of :func:`inspect` (a Python RNG
+#: state is 625 ints), not one value per item.
+COLLAPSE_ITEMS = 8
+
+
 def inspect(path: str | os.PathLike, step: int | None = None, tag: str | None = None, *,
-            storage_options: dict | None = None) -> dict:
+            keys: list[str] | None = None, storage_options: dict | None = None) -> dict:
     """A JSON-ready description of one checkpoint: name, step, commit number, format version,
     time, metadata, files per rank, and every tensor (key, dtype, shape, bytes, shards and the
-    ranks holding them), object (key, bytes, rank) and plain value of rank 0's tree.
+    ranks holding them), object (key, bytes, rank) and plain value of rank 0's tree (a list or
+    tuple of more than ``COLLAPSE_ITEMS`` plain values is one value, the list). ``keys``: only
+    the entries under these key prefixes.
 
-    ``path`` as for :func:`find`; a folder holding several checkpoints without a latest one
+    ``path`` as for :func:`select`; a folder holding several checkpoints without a latest one
     (a DeepSpeed tag) raises ``ConfigError`` asking for ``step``/``tag`` or a single folder."""
-    if not is_url(os.fspath(path)) and _is_dcp(path):
-        return _inspect_dcp(os.path.abspath(os.fspath(path)))
     infos = find(path, step, tag, storage_options=storage_options)
     if len(infos) > 1:
         raise ConfigError(f"{path} holds {len(infos)} checkpoints "
                           f"({', '.join(i.name for i in infos[:5])}); inspect one of them")
-    info = infos[0]
-    m = fmt.read_manifest(info.path, open_store(info.path, storage_options))
+    return describe(infos[0], keys=keys, storage_options=storage_options)
+
+
+def describe(info: CheckpointInfo, *, keys: list[str] | None = None,
+             storage_options: dict | None = None) -> dict:
+    """:func:`inspect`'s description of the checkpoint ``info`` (from :func:`select`)."""
+    summary = _describe_dcp(info) if is_dcp_info(info) else \
+        _describe(info, open_store(info.path, storage_options))
+    if keys is not None:
+        for field in ("tensors", "objects"):
+            summary[field] = [e for e in summary[field] if _under(e["key"], keys)]
+        summary["values"] = {k: v for k, v in summary["values"].items() if _under(k, keys)}
+    return summary
+
+
+def _describe(info: CheckpointInfo, store) -> dict:
+    m = fmt.read_manifest(info.path, store)
     tensors, objects = [], []
     for e in m.entries:
         if isinstance(e, TensorEntry):
@@ -122,6 +248,11 @@ def inspect(path: str | os.PathLike, step: int | None = None, tag: str | None = 
             "tensors": tensors, "objects": objects, "values": _values(m.ranks[0].tree, ())}
 
 
+def _under(key: str, prefixes: list[str]) -> bool:
+    return any(not p.strip("/") or key == p.strip("/") or key.startswith(p.strip("/") + "/")
+               or key.startswith(p.strip("/") + ".") for p in prefixes)
+
+
 def _values(node: dict, path: tuple) -> dict:
     t = node["t"]
     if t == "value":
@@ -129,6 +260,9 @@ def _values(node: dict, path: tuple) -> dict:
     out: dict = {}
     if t == "provider":
         return _values(node["state"], path)
+    if t in ("list", "tuple") and len(node["items"]) > COLLAPSE_ITEMS and \
+            all(c["t"] == "value" for c in node["items"]):
+        return {_key(path): [c["v"] for c in node["items"]]}
     if t in ("dict", "odict"):
         for k, child in node["items"]:
             out.update(_values(child, path + (k,)))
@@ -139,7 +273,7 @@ def _values(node: dict, path: tuple) -> dict:
 
 
 def render_inspect(summary: dict) -> str:
-    """The human form of :func:`inspect`'s result."""
+    """The human form of :func:`inspect`'s result: one line per entry, long values cut."""
     s = summary
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(s["created_unix"]))
     tensor_bytes = sum(t["nbytes"] for t in s["tensors"])
@@ -150,7 +284,7 @@ def render_inspect(summary: dict) -> str:
              f"contents    {len(s['tensors'])} tensors ({human_bytes(tensor_bytes)}), "
              f"{len(s['objects'])} objects, {len(s['values'])} plain values"]
     if s["metadata"]:
-        lines.append(f"metadata    {json.dumps(s['metadata'], sort_keys=True)}")
+        lines.append(f"metadata    {_cut(json.dumps(s['metadata'], sort_keys=True), 200)}")
     for f in s["files"]:
         lines.append(f"  rank {f['rank']:<5} {f['name']}  {human_bytes(f['nbytes'])}")
     rows = [("key", "dtype", "shape", "size", "where")]
@@ -162,11 +296,16 @@ def render_inspect(summary: dict) -> str:
     for o in s["objects"]:
         rows.append((o["key"], "object", "", human_bytes(o["nbytes"]), f"rank {o['rank']}"))
     for key, value in s["values"].items():
-        rows.append((key, "value", "", "", repr(value)[:40]))
+        kind = f"{len(value)} values" if isinstance(value, list) else "value"
+        rows.append((key, kind, "", "", _cut(repr(value), 40)))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines.append("")
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def human_bytes(n: int) -> str:
@@ -189,10 +328,10 @@ def _is_dcp(path) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), _DCP_MANIFEST))
 
 
-def _inspect_dcp(path: str) -> dict:
+def _describe_dcp(info: CheckpointInfo) -> dict:
     from .integrations.dcp import DatastatesReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    meta = DatastatesReader(path).read_metadata()
+    meta = DatastatesReader(info.path).read_metadata()  # JSON, checked: nothing is unpickled
     tensors, objects = [], []
     for key, item in sorted(meta.state_dict_metadata.items()):
         if isinstance(item, TensorStorageMetadata):
@@ -204,10 +343,10 @@ def _inspect_dcp(path: str) -> dict:
         else:
             objects.append({"key": key, "nbytes": 0, "rank": 0})
     files = sorted({d["file"] for d in meta.storage_data.values()})
-    sizes = [os.path.getsize(os.path.join(path, f)) for f in files]
-    return {"path": path, "name": os.path.basename(path), "step": None, "seq": 0,
-            "format_version": 1, "created_unix": os.path.getmtime(os.path.join(path, _DCP_MANIFEST)),
-            "world_size": len(files), "metadata": {"layout": "torch.distributed.checkpoint"},
+    sizes = [os.path.getsize(os.path.join(info.path, f)) for f in files]
+    return {"path": info.path, "name": info.name, "step": None, "seq": 0,
+            "format_version": 1, "created_unix": info.created_unix,
+            "world_size": info.world_size, "metadata": {"layout": DCP_LAYOUT},
             "nbytes": sum(sizes),
             "files": [{"name": f, "rank": i, "nbytes": n} for i, (f, n) in
                       enumerate(zip(files, sizes))],

@@ -3,6 +3,7 @@ dcp.async_save and dcp.load on 1 and 2 gloo ranks (real processes), loads at ano
 (resharding by DCP), the files are datastates shard files, corruption is detected."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -62,18 +63,60 @@ def test_dcp_detects_corruption(tmp_path):
                for c in causes), causes
 
 
-def test_dcp_metadata_refuses_foreign_classes(tmp_path):
-    import pickle
-
+def test_dcp_metadata_is_json_and_round_trips(tmp_path):
+    """The folder holds no pickle: the metadata is JSON, and what the reader rebuilds from it is
+    the Metadata DCP planned (sizes, chunks, dtypes, the flattening map, where each item is)."""
     import torch.distributed.checkpoint as dcp
-    dcp.save({"w": torch.ones(3)}, storage_writer=DatastatesWriter(tmp_path / "m"),
+    from datastates.integrations import dcp_metadata
+    state = {"m": {"w": torch.ones(3, 2, dtype=torch.bfloat16)}, "n": [4, {"k": "v"}]}
+    dcp.save(state, storage_writer=DatastatesWriter(tmp_path / "m"), no_dist=True)
+    assert sorted(os.listdir(tmp_path / "m")) == ["dcp_manifest.json", "dcp_metadata.json",
+                                                  "rank-00000.dsf"]
+    raw = (tmp_path / "m" / "dcp_metadata.json").read_bytes()
+    doc = json.loads(raw)
+    assert doc["planner_data"] == [["m.w", ["m", "w"]], ["n.0", ["n", 0]], ["n.1.k", ["n", 1, "k"]]]
+    meta = DatastatesReader(tmp_path / "m").read_metadata()
+    w = meta.state_dict_metadata["m.w"]
+    assert w.size == torch.Size([3, 2]) and w.properties.dtype == torch.bfloat16
+    assert [(c.offsets, c.sizes) for c in w.chunks] == [(torch.Size([0, 0]), torch.Size([3, 2]))]
+    assert meta.planner_data == {"m.w": ("m", "w"), "n.0": ("n", 0), "n.1.k": ("n", 1, "k")}
+    again = dcp_metadata.encode(dcp_metadata.decode(raw, "m", ["rank-00000.dsf"]))
+    assert json.loads(again) == doc
+
+
+@pytest.mark.parametrize("field,value,match", [
+    (("state_dict", 0, 1, "size"), [-1, 2], "non-negative"),
+    (("state_dict", 0, 1, "chunks", 0, "sizes"), [9, 2], "not inside the tensor"),
+    (("state_dict", 0, 1, "dtype"), "object", "unknown dtype"),
+    (("storage_data", 0, 1, "file"), "../../etc/passwd", "not one of the checkpoint's shard"),
+    (("storage_data", 0, 1, "length"), 5, "expected 24"),
+    (("planner_data", 0, 1), [{"__reduce__": 1}], "path of strings"),
+])
+def test_dcp_metadata_fields_are_checked(tmp_path, field, value, match):
+    """A forged field of the JSON metadata (with the manifest's checksum made to match) is a
+    CorruptCheckpointError naming the file, before DCP uses any of it."""
+    import torch.distributed.checkpoint as dcp
+    dcp.save({"m": {"w": torch.ones(3, 2)}}, storage_writer=DatastatesWriter(tmp_path / "m"),
              no_dist=True)
-    reader = DatastatesReader(tmp_path / "m")
-    evil = pickle.dumps(os.system)  # a global outside the allowlist
-    from datastates.integrations import dcp as mod
-    with pytest.raises(datastates.CorruptCheckpointError, match="not allowed"):
-        mod._SafeUnpickler(__import__("io").BytesIO(evil)).load()
-    assert reader.read_metadata().state_dict_metadata["w"].size == torch.Size([3])
+    doc = json.loads((tmp_path / "m" / "dcp_metadata.json").read_bytes())
+    node = doc
+    for step in field[:-1]:
+        node = node[step]
+    node[field[-1]] = value
+    plant_metadata(tmp_path / "m", json.dumps(doc).encode())
+    with pytest.raises(datastates.CorruptCheckpointError, match=match) as info:
+        DatastatesReader(tmp_path / "m").read_metadata()
+    assert "dcp_metadata.json" in str(info.value)
+
+
+def plant_metadata(folder, blob: bytes, name: str = "dcp_metadata.json", version: int = 2):
+    """Replace the metadata file of a DatastatesWriter folder by ``blob`` and make the manifest
+    agree with it (its size and CRC-32), as someone forging the folder would."""
+    (folder / name).write_bytes(blob)
+    manifest = json.loads((folder / "dcp_manifest.json").read_bytes())
+    manifest.update(version=version, metadata_bytes=len(blob),
+                    metadata_crc32=datastates.format.crc32(blob))
+    (folder / "dcp_manifest.json").write_text(json.dumps(manifest))
 
 
 def test_dcp_overwrite_is_atomic_swap(tmp_path):

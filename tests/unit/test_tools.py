@@ -185,21 +185,31 @@ def test_export_memory_stays_bounded(tmp_path):
                        datastates.Checkpointer(tmp_path / "ck").load()["w"])
 
 
-@pytest.mark.parametrize("source", ["torch", "safetensors", "dcp"])
+@pytest.mark.parametrize("source", ["torch", "torch-legacy", "safetensors", "dcp", "dcp-ours"])
 def test_import_then_load_is_bit_exact(tmp_path, source):
+    """A stock DCP folder imports with trusted=True (its metadata is a pickle); one written by
+    DatastatesWriter and a legacy (non-zip) torch.save file import without it."""
     state = {"w": torch.randn(5, 7), "b": torch.arange(9, dtype=torch.int64)}
+    trusted = source == "dcp"
     if source == "torch":
         src = tmp_path / "in.pt"
         torch.save(state, src)
+    elif source == "torch-legacy":
+        src = tmp_path / "in.pt"
+        torch.save(state, src, _use_new_zipfile_serialization=False)
     elif source == "safetensors":
         safetensors = pytest.importorskip("safetensors.torch")
         src = tmp_path / "in.safetensors"
         safetensors.save_file(state, str(src))
     else:
         import torch.distributed.checkpoint as dcp
+        from datastates.integrations.dcp import DatastatesWriter
         src = tmp_path / "dcp"
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(src)), no_dist=True)
-    info = datastates.import_checkpoint(src, tmp_path / "ck", source=source, step=7)
+        writer = dcp.FileSystemWriter(str(src)) if source == "dcp" else DatastatesWriter(src)
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    source = source.split("-")[0]
+    info = datastates.import_checkpoint(src, tmp_path / "ck", source=source, step=7,
+                                        trusted=trusted)
     assert info.step == 7 and info.metadata["imported_format"] == source
     with Checkpointer(tmp_path / "ck") as ck:
         assert_same(dict(sorted(state.items())), dict(sorted(ck.load(step=7).items())))

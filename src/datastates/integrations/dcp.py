@@ -24,8 +24,12 @@ What we add over ``FileSystemWriter``:
   metadata and renames the directory to its final name (replacing an older checkpoint of that
   name only once the new one is complete). A crash never leaves a half-written checkpoint at
   ``path``, unlike ``FileSystemWriter(overwrite=True)`` which rewrites shards in place.
-- **Safe metadata**: the DCP ``Metadata`` is unpickled with an allowlist (DCP's own classes and
-  torch dtypes/sizes only).
+- **No pickle in the metadata**: the DCP ``Metadata`` is written as JSON (dcp_metadata.py) and
+  rebuilt field by field, so reading a folder someone handed you runs no code from it. Folders of
+  format version 1 (a pickled ``dcp.metadata``) are read only with ``trusted=True``. The
+  non-tensor values of the state dict are ``torch.save`` bytes that DCP's own load planner
+  unpickles; ``dcp_folders.load_state`` (behind ``datastates export`` and ``import``) loads them
+  with ``weights_only=True`` unless trusted.
 - ``dcp.async_save``: the writer is its own ``AsyncStager``; staging copies into CPU buffers kept
   across saves (pinned on CUDA), so later saves do not allocate.
 """
@@ -49,17 +53,16 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from datastates import CorruptCheckpointError
+from datastates import CorruptCheckpointError, UnsafeObjectError
 from datastates import format as fmt
 from datastates.storage import fsync_dir
 from datastates.store import LOCAL
 
-__all__ = ["DatastatesWriter", "DatastatesReader"]
+from . import dcp_metadata
+from .dcp_metadata import (FORMAT, MANIFEST, METADATA, PICKLED_METADATA, VERSION, check_regular,
+                           check_span, read_checked, read_manifest)
 
-METADATA = "dcp.metadata"
-MANIFEST = "dcp_manifest.json"
-FORMAT = "datastates-dcp"
-VERSION = 1
+__all__ = ["DatastatesWriter", "DatastatesReader"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +168,7 @@ class DatastatesWriter(StorageWriter, AsyncStager):
                 files.add(wr.storage_data["file"])
         metadata.storage_data = storage
         tmp_dir = self._tmp_dir()
-        blob = pickle.dumps(metadata, protocol=4)
+        blob = dcp_metadata.encode(metadata)
         _write_file(os.path.join(tmp_dir, METADATA), blob, self.sync_files)
         manifest = {"format": FORMAT, "version": VERSION, "save_id": self.save_id,
                     "metadata_crc32": fmt.crc32(blob), "metadata_bytes": len(blob),
@@ -226,12 +229,18 @@ class DatastatesWriter(StorageWriter, AsyncStager):
 class DatastatesReader(StorageReader):
     """DCP ``StorageReader`` for checkpoints written by :class:`DatastatesWriter`: verifies the
     manifest, the metadata checksum and every item's CRC-32 before DCP uses the bytes; reads each
-    file's items in offset order, merging adjacent ones into one read."""
+    file's items in offset order, merging adjacent ones into one read.
 
-    def __init__(self, path: str | os.PathLike | None = None, *, verify: bool = True):
+    Nothing is unpickled by :meth:`read_metadata`: the metadata is JSON. A folder of format
+    version 1 (pickled metadata) is refused with ``UnsafeObjectError`` unless ``trusted=True``.
+    The non-tensor values are handed to the planner, which decides how to load them (DCP's
+    default planner uses ``torch.load(weights_only=False)``; see :func:`load_state`)."""
+
+    def __init__(self, path: str | os.PathLike | None = None, *, verify: bool = True,
+                 trusted: bool = False):
         super().__init__()
         self.path = os.path.abspath(os.fspath(path)) if path is not None else None
-        self.verify = verify
+        self.verify, self.trusted = verify, trusted
         self.storage_data: dict = {}
         self.load_id = uuid.uuid4().hex
 
@@ -242,31 +251,30 @@ class DatastatesReader(StorageReader):
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        mpath = os.path.join(self.path, MANIFEST)
-        try:
-            with open(mpath, "rb") as f:
-                manifest = json.loads(f.read())
-        except FileNotFoundError:
-            from datastates import CheckpointNotFoundError
-            raise CheckpointNotFoundError(f"{self.path}: no {MANIFEST} (not a committed "
-                                          "datastates DCP checkpoint)") from None
-        if manifest.get("format") != FORMAT or not isinstance(manifest.get("version"), int):
-            raise CorruptCheckpointError(f"{mpath}: format {manifest.get('format')!r}, "
-                                         f"expected {FORMAT!r}")
-        if manifest["version"] > VERSION:
-            from datastates import UnsupportedFormatError
-            raise UnsupportedFormatError(f"{mpath}: version {manifest['version']} is newer "
-                                         f"than this reader's {VERSION}")
-        with open(os.path.join(self.path, METADATA), "rb") as f:
-            blob = f.read()
-        if len(blob) != manifest.get("metadata_bytes") or \
-                fmt.crc32(blob) != manifest.get("metadata_crc32"):
-            raise CorruptCheckpointError(f"{self.path}/{METADATA}: size or checksum mismatch")
-        metadata = _SafeUnpickler(io.BytesIO(blob)).load()
-        if not isinstance(metadata, Metadata):
-            raise CorruptCheckpointError(f"{self.path}/{METADATA}: not DCP Metadata")
+        """The DCP ``Metadata``, every field checked. CheckpointNotFoundError if the folder holds
+        no manifest, CorruptCheckpointError if the manifest or the metadata do not validate,
+        UnsafeObjectError for pickled (version 1) metadata unless trusted."""
+        manifest = read_manifest(self.path)
+        if manifest["version"] == 1:
+            metadata = self._read_pickled(manifest)
+        else:
+            blob = read_checked(self.path, METADATA, manifest)
+            metadata = dcp_metadata.decode(blob, os.path.join(self.path, METADATA),
+                                           manifest["files"])
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _read_pickled(self, manifest: dict) -> Metadata:
+        path = os.path.join(self.path, PICKLED_METADATA)
+        if not self.trusted:
+            raise UnsafeObjectError(
+                f"{path}: the DCP metadata of this folder (datastates-dcp version 1) is a "
+                "pickle, and unpickling it can run code from the folder; pass trusted=True "
+                "(--trusted) only if you trust where the folder came from")
+        metadata = pickle.loads(read_checked(self.path, PICKLED_METADATA, manifest))
+        if not isinstance(metadata, Metadata):
+            raise CorruptCheckpointError(f"{path}: not DCP Metadata")
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
@@ -286,12 +294,14 @@ class DatastatesReader(StorageReader):
             by_file.setdefault(info["file"], []).append((info, req))
         for fname, reqs in by_file.items():
             path = os.path.join(self.path, fname)
+            check_regular(path)
             f = LOCAL.open_read(path)
             try:
-                fmt.read_header(f, path, f.size)
+                header = fmt.read_header(f, path, f.size)
                 for run in _runs(sorted(reqs, key=lambda r: r[0]["offset"])):
                     start = run[0][0]["offset"]
                     end = max(i["offset"] + i["length"] for i, _ in run)
+                    check_span(path, start, end - start, header.index_offset)
                     buf = f.pread(end - start, start)
                     for info, req in run:
                         lo = info["offset"] - start
@@ -395,27 +405,3 @@ def _publish(tmp: str, final: str, overwrite: bool, sync: bool) -> None:
         fsync_dir(parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-_TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    """Unpickles DCP ``Metadata`` only: DCP's dataclasses, torch.Size and torch dtypes, layouts
-    and memory formats, OrderedDict. Anything else is refused (no code runs from the file)."""
-
-    def find_class(self, module: str, name: str):
-        if module.startswith("torch.distributed.checkpoint."):
-            return super().find_class(module, name)
-        if module == "torch" and name == "Size":
-            return torch.Size
-        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUE_TYPES):
-            return getattr(torch, name)
-        if module == "torch.serialization" and name == "_get_layout":  # name -> torch.layout
-            return super().find_class(module, name)
-        if module == "collections" and name == "OrderedDict":
-            return super().find_class(module, name)
-        if module == "builtins" and name in ("set", "frozenset", "tuple", "list", "dict"):
-            return super().find_class(module, name)
-        raise CorruptCheckpointError(f"DCP metadata refers to {module}.{name}, which is not "
-                                     "allowed in checkpoint metadata")
