@@ -137,3 +137,128 @@ def test_export_of_a_dcp_value_that_needs_unpickling(tmp_path, capsys):
     code, _, _ = _run(capsys, "export", folder, "--to", "torch", tmp_path / "o.pt")
     assert code == EXIT_OK
     assert torch.load(tmp_path / "o.pt", weights_only=True)["n"] == 5
+
+
+# ---------------------------------------------------------------- every layout, every command
+
+_DS_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+
+
+def _deepspeed_save_dir(root, tags=("global_step1", "global_step2")):
+    """The layout DeepSpeed's engine writes through datastates: ``root/<tag>/<file>`` (each
+    file a checkpoint, the tag folder's own ``latest`` naming the last one written) and
+    ``root/latest`` naming the newest tag."""
+    for step, tag in enumerate(tags, 1):
+        for name in _DS_FILES:
+            with Checkpointer(root / tag, CFG) as ck:
+                ck.save({"x": torch.full((64,), float(step)), "file": name}, tag=name).wait()
+    (root / "latest").write_text(tags[-1])
+    return root
+
+
+def _flip(path, offset=4096 + 10):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_verify_of_a_deepspeed_tag_folder_checks_every_file(tmp_path, capsys):
+    """The tag folder's own `latest` names the optimizer file; the model file is checked too."""
+    tag = _deepspeed_save_dir(tmp_path) / "global_step2"
+    assert (tag / "latest").read_text() == _DS_FILES[1]
+    code, out, _ = _run(capsys, "verify", tag)
+    assert code == EXIT_OK and "verified 2 checkpoint(s)" in out and _DS_FILES[0] in out
+    _flip(tag / _DS_FILES[0] / "rank-00000.dsf")
+    code, out, err = _run(capsys, "verify", tag)
+    assert code == EXIT_ERROR and _DS_FILES[0] in err and "checksum" in err
+    assert "1 failed" in out
+    code, out, _ = _run(capsys, "inspect", tag, "--json")
+    assert code == EXIT_OK and [s["name"] for s in json.loads(out)] == list(_DS_FILES)
+    code, _, err = _run(capsys, "export", tag, "--to", "torch", tmp_path / "x.pt")
+    assert code == EXIT_ERROR and "holds 2 checkpoints" in err and _DS_FILES[0] in err
+    code, _, _ = _run(capsys, "export", tag, "--tag", _DS_FILES[1], "--to", "torch",
+                      tmp_path / "x.pt")
+    assert code == EXIT_OK and torch.load(tmp_path / "x.pt")["file"] == _DS_FILES[1]
+
+
+def test_a_deepspeed_save_dir_is_understood(tmp_path, capsys):
+    root = _deepspeed_save_dir(tmp_path / "run")
+    code, out, _ = _run(capsys, "list", root)
+    assert code == EXIT_OK and "4 checkpoint(s)" in out
+    for tag in ("global_step1", "global_step2"):
+        assert all(f"{tag}/{name}" in out for name in _DS_FILES)
+    code, out, _ = _run(capsys, "verify", root)  # the tag `latest` names, every file of it
+    assert code == EXIT_OK and "verified 2 checkpoint(s)" in out and "global_step2/" in out
+    code, out, _ = _run(capsys, "inspect", root, "--json")
+    summaries = json.loads(out)
+    assert [s["values"]["file"] for s in summaries] == list(_DS_FILES)
+    _flip(root / "global_step1" / _DS_FILES[0] / "rank-00000.dsf")
+    code, out, err = _run(capsys, "verify", root, "--all")
+    assert code == EXIT_ERROR and "verified 4 checkpoint(s)" in out
+    assert f"global_step1/{_DS_FILES[0]}" in err and "global_step2" not in err
+
+
+def test_dcp_folders_are_listed_verified_and_inspected(tmp_path, capsys):
+    for step in (1, 2):
+        dcp.save({"w": torch.full((256,), float(step)), "n": step},
+                 storage_writer=DatastatesWriter(tmp_path / f"step-{step}"), no_dist=True)
+    code, out, _ = _run(capsys, "list", tmp_path)
+    assert code == EXIT_OK and "step-1" in out and "step-2" in out and "2 checkpoint(s)" in out
+    code, out, _ = _run(capsys, "verify", tmp_path / "step-2")
+    assert code == EXIT_OK and "all OK" in out
+    code, out, _ = _run(capsys, "inspect", tmp_path / "step-2", "--json")
+    assert code == EXIT_OK and json.loads(out)["tensors"][0]["key"] == "w"
+    _flip(tmp_path / "step-1" / "rank-00000.dsf", 4096 + 3)
+    code, out, err = _run(capsys, "verify", tmp_path, "--all")
+    assert code == EXIT_ERROR and "step-1" in err and "checksum" in err
+    assert "verified 2 checkpoint(s)" in out and "1 failed (step-1)" in out
+
+
+def test_damaged_newest_is_listed_and_fails_verify_all(tmp_path, capsys):
+    """One flipped bit in the newest manifest: list shows it marked with the reason, and
+    verify --all checks every other checkpoint too, then fails naming each bad one."""
+    with Checkpointer(tmp_path, CFG) as ck:
+        for step in (1, 2, 3):
+            ck.save({"w": torch.full((1024,), float(step))}, step=step).wait()
+    _flip(tmp_path / "step-0000000003" / "manifest.json", 40)
+    _flip(tmp_path / "step-0000000001" / "rank-00000.dsf")
+    code, out, _ = _run(capsys, "list", tmp_path)
+    rows = out.splitlines()
+    assert code == EXIT_OK and "1 damaged" in out
+    damaged = [r for r in rows if r.startswith("!")]
+    assert len(damaged) == 1 and "step-0000000003" in damaged[0] and "DAMAGED" in damaged[0]
+    assert any(r.startswith("*") and "step-0000000002" in r for r in rows)
+    code, out, err = _run(capsys, "verify", tmp_path, "--all")
+    assert code == EXIT_ERROR
+    assert "step-0000000002: OK" in out and "verified 3 checkpoint(s)" in out
+    assert "2 failed (step-0000000001, step-0000000003)" in out
+    assert "step-0000000001: FAILED" in err and "step-0000000003: DAMAGED" in err
+
+
+# ---------------------------------------------------------------- export --to hf
+
+def test_export_hf_copies_no_link_out_of_the_checkpoint(tmp_path, capsys, caplog):
+    """A tokenizer.json linking to a file outside the checkpoint (a key meant to stay private)
+    and a FIFO are not copied: logged as WARNINGs, named in the report; the rest is copied."""
+    secret = tmp_path / "id_rsa"
+    secret.write_text("PRIVATE KEY")
+    with Checkpointer(tmp_path / "run", CFG) as ck:
+        info = ck.save({"model": {"w": torch.arange(6.0)}}, tag="checkpoint-1").wait()
+    ckpt = tmp_path / "run" / "checkpoint-1"
+    assert info.path == str(ckpt)
+    (ckpt / "config.json").write_text('{"model_type": "gpt2"}')
+    os.symlink(secret, ckpt / "tokenizer.json")
+    os.mkfifo(ckpt / "vocab.txt")
+    with caplog.at_level("WARNING", logger="datastates"):
+        report = datastates.export(ckpt, tmp_path / "hf", "hf")
+    out = tmp_path / "hf"
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert (out / "config.json").read_text() == '{"model_type": "gpt2"}'
+    assert report.refused == (("tokenizer.json", "a symbolic link"),
+                              ("vocab.txt", "not a regular file"))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("tokenizer.json" in m for m in warned) and any("vocab.txt" in m for m in warned)
+    code, out_text, _ = _run(capsys, "export", ckpt, "--to", "hf", tmp_path / "hf2",
+                             "--no-progress")
+    assert code == EXIT_OK and "not copied: tokenizer.json (a symbolic link)" in out_text
+    assert not (tmp_path / "hf2" / "tokenizer.json").exists()
