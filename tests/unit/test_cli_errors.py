@@ -1,0 +1,147 @@
+"""Bad input to the command line: one line on stderr starting with ``error:``, exit 1, no
+traceback, nothing written; and the output of ``inspect`` stays readable (long values
+collapsed, ``--keys``; a closed pipe ends it quietly)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import datastates
+from datastates import CheckpointConfig, Checkpointer, RNGState
+from datastates.cli import EXIT_ERROR, EXIT_OK, main
+
+CFG = CheckpointConfig(host_cache_bytes=8 << 20, chunk_bytes=1 << 20)
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _one_error(code, err, *words):
+    assert code == EXIT_ERROR, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    for w in words:
+        assert w in lines[0], (w, err)
+
+
+def _bad_files(tmp_path):
+    """A text file, a truncated torch.save zip, a safetensors file whose header is not JSON."""
+    text = tmp_path / "notes.txt"
+    text.write_text("these are not tensors\n")
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.randn(1000)}, good)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:1500])
+    bad_header = tmp_path / "bad.safetensors"
+    bad_header.write_bytes((20).to_bytes(8, "little") + b"{not json at all}   " + bytes(8))
+    return text, truncated, bad_header
+
+
+@pytest.mark.parametrize("which", ["text", "truncated"])
+def test_import_of_a_bad_torch_file_is_one_line(tmp_path, capsys, which):
+    text, truncated, _ = _bad_files(tmp_path)
+    src = text if which == "text" else truncated
+    code, _, err = _run(capsys, "import", src, "--from", "torch", tmp_path / "ck")
+    _one_error(code, err, str(src), "not a readable torch.save file")
+    assert not (tmp_path / "ck").exists() or not os.listdir(tmp_path / "ck")
+
+
+def test_import_of_a_legacy_torch_file(tmp_path, capsys):
+    """The legacy (non-zip) format cannot be memory-mapped: it is read whole, bit-exact."""
+    state = {"w": torch.randn(4, 3), "n": torch.arange(5)}
+    torch.save(state, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    code, out, err = _run(capsys, "import", tmp_path / "old.pt", "--from", "torch",
+                          tmp_path / "ck")
+    assert code == EXIT_OK, err
+    with Checkpointer(tmp_path / "ck") as ck:
+        got = ck.load()
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["n"], state["n"])
+
+
+def test_import_of_a_bad_safetensors_file_is_one_line(tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    _, _, bad = _bad_files(tmp_path)
+    code, _, err = _run(capsys, "import", bad, "--from", "safetensors", tmp_path / "ck")
+    _one_error(code, err, str(bad), "not a readable safetensors file")
+
+
+def test_import_from_safetensors_without_the_package(tmp_path):
+    """Without safetensors importable (it is blocked in the child's module table, as Python
+    does for a module that is not there), the import says what to install."""
+    _, _, bad = _bad_files(tmp_path)
+    script = ("import sys; sys.modules['safetensors'] = None; sys.modules['safetensors.torch'] = "
+              "None\nfrom datastates.cli import main\n"
+              f"sys.exit(main(['import', {str(bad)!r}, '--from', 'safetensors', "
+              f"{str(tmp_path / 'ck')!r}]))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    _one_error(proc.returncode, proc.stderr, "pip install safetensors")
+
+
+def test_import_of_an_empty_dcp_folder_is_one_line(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    code, _, err = _run(capsys, "import", tmp_path / "empty", "--from", "dcp", tmp_path / "ck")
+    _one_error(code, err, "not a torch.distributed.checkpoint folder", ".metadata")
+
+
+def test_export_safetensors_of_complex128_is_one_line(tmp_path, capsys):
+    with Checkpointer(tmp_path / "ck", CFG) as ck:
+        ck.save({"z": torch.randn(3, dtype=torch.complex128), "w": torch.ones(2)}, step=1).wait()
+    code, _, err = _run(capsys, "export", tmp_path / "ck", "--to", "safetensors",
+                        tmp_path / "z.safetensors", "--no-progress")
+    _one_error(code, err, "'z'", "complex128", "safetensors cannot hold")
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # nothing written, no temporary left
+
+
+def test_a_message_over_several_lines_is_printed_on_one(tmp_path, capsys):
+    """A path with a newline in it is still one line of stderr."""
+    odd = tmp_path / "two\nlines"
+    odd.mkdir()
+    code, _, err = _run(capsys, "verify", odd / "missing")
+    _one_error(code, err, "does not exist")
+
+
+def _rng_checkpoint(root):
+    with Checkpointer(root, CFG) as ck:
+        ck.save({"model": {"w": torch.ones(3)}, "rng": RNGState(), "epoch": 4,
+                 "history": list(range(100))}, step=1).wait()
+
+
+def test_inspect_collapses_long_values_and_takes_keys(tmp_path, capsys):
+    """The Python RNG state (625 words) is one row, not 625; --keys keeps only what is asked."""
+    _rng_checkpoint(tmp_path)
+    code, out, _ = _run(capsys, "inspect", tmp_path)
+    assert code == EXIT_OK and len(out.splitlines()) < 30, out
+    row = next(line for line in out.splitlines() if line.startswith("rng/python/1"))
+    assert "625 values" in row and len(row) < 120
+    code, out, _ = _run(capsys, "inspect", tmp_path, "--json", "--keys", "epoch", "history")
+    summary = json.loads(out)
+    assert summary["values"] == {"epoch": 4, "history": list(range(100))}
+    assert summary["tensors"] == [] and summary["objects"] == []
+    code, out, _ = _run(capsys, "inspect", tmp_path, "--json", "--keys", "model")
+    assert [t["key"] for t in json.loads(out)["tensors"]] == ["model/w"]
+    words = datastates.inspect(tmp_path)["values"]["rng/python/1"]  # the API keeps every word
+    assert len(words) == 625 and all(isinstance(w, int) for w in words)
+
+
+def test_inspect_json_into_a_closed_pipe_is_quiet(tmp_path):
+    """`datastates inspect --json | head`: the reader goes away; no BrokenPipeError, no
+    traceback. The output is larger than a pipe's buffer, so the write fails whatever the
+    timing."""
+    with Checkpointer(tmp_path, CFG) as ck:
+        ck.save({f"t{i:04d}": torch.ones(1) for i in range(2000)}, step=1).wait()
+    proc = subprocess.Popen([sys.executable, "-m", "datastates", "inspect", str(tmp_path),
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader leaves before reading anything
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=300) == EXIT_OK
+    assert err == "", err
