@@ -10,6 +10,10 @@ NumPy arrays of a dtype torch has are tensors here (``torch.from_numpy``, no cop
 is C-contiguous and writeable): their node carries ``"np": true`` so that a load gives an
 ``np.ndarray`` back. Other arrays (object, string, datetime, ``longdouble``, non-native byte
 order, subclasses) are pickled objects.
+
+The forms a tensor of the state takes (a tensor, a ``TensorShard`` or DTensor's local box, a numpy
+array) are defined here for both directions: ``unwritable`` says which live tensors a restore
+cannot fill in place.
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from typing import Any
 import torch
 
 from . import serialization
+from .checks import MAX_TREE_DEPTH
+from .errors import SerializationError
 from .providers import AUTO, EAGER, LAZY, Capture, ProviderRegistry, StateProvider
 
 _SCALARS = (str, int, bool, type(None))
@@ -144,6 +150,46 @@ def numpy_tensor(obj: Any) -> torch.Tensor | None:
     return torch.from_numpy(obj)
 
 
+def unwritable(t: torch.Tensor) -> str | None:
+    """Why restore cannot fill the live tensor ``t`` in place (None when it can): torch refuses
+    to write into an inference tensor outside inference mode, into a tensor that is not strided,
+    and into one whose elements share memory (``expand()``, stride 0); a meta tensor has no data
+    to fill. Checked in the planning pass, so such a tensor is refused before any other is
+    written."""
+    if t.layout != torch.strided:
+        return f"has layout {t.layout}; only strided tensors are filled in place"
+    if t.device.type == "meta":
+        return "is on the meta device (it holds no data to fill)"
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        return ("is an inference tensor (made under torch.inference_mode()), which torch does "
+                "not let anything write outside inference mode")
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if stride == 0 and size > 1:
+            return (f"overlaps itself: dimension {dim} of size {size} has stride 0 (made by "
+                    "expand() or broadcasting); restore into a clone() of it")
+    if not _distinct_elements(t):
+        return (f"overlaps itself: strides {t.stride()} map several of its elements to one "
+                "memory location; restore into a clone() of it")
+    return None
+
+
+def _distinct_elements(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` has its own memory location. Sorted by stride, each
+    dimension stepping past everything the smaller ones span proves it at once; the rare layouts
+    that do not (interleaved strides) are settled by counting the distinct offsets."""
+    extent = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride < extent:
+            break
+        extent += (size - 1) * stride
+    else:
+        return True
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        offsets = (offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride)
+    return torch.unique(offsets.reshape(-1)).numel() == t.numel()
+
+
 class _Walker:
     def __init__(self, registry: ProviderRegistry, replicated: bool, allow_unsafe: bool):
         self.registry = registry
@@ -153,9 +199,13 @@ class _Walker:
         self._views: dict[tuple, int] = {}
 
     def node(self, obj: Any, path: tuple, policy: str | None,
-             provider: StateProvider | None) -> dict:
+             provider: StateProvider | None, depth: int = 1) -> dict:
+        """The tree node of ``obj`` at ``path``, ``depth`` levels down (the root is 1, as the
+        reader counts): deeper than a checkpoint may be is refused here, before recursing."""
         if isinstance(obj, Capture):
-            return self.node(obj.value, path, obj.policy, provider)
+            return self.node(obj.value, path, obj.policy, provider, depth)
+        if depth > MAX_TREE_DEPTH:
+            raise _too_deep(path)
         if isinstance(obj, (torch.Tensor, TensorShard)):
             return self.tensor(obj, path, policy, provider)
         array = numpy_tensor(obj)
@@ -166,18 +216,18 @@ class _Walker:
         kind = type(obj)
         if kind in (dict, OrderedDict) and all(_json_key(k) for k in obj):
             return {"t": "odict" if kind is OrderedDict else "dict",
-                    "items": [[k, self.node(v, path + (k,), policy, provider)]
+                    "items": [[k, self.node(v, path + (k,), policy, provider, depth + 1)]
                               for k, v in obj.items()]}
         if kind in (list, tuple):
             return {"t": kind.__name__,
-                    "items": [self.node(v, path + (i,), policy, provider)
+                    "items": [self.node(v, path + (i,), policy, provider, depth + 1)
                               for i, v in enumerate(obj)]}
         found = self.registry.find(obj)
         if found is not None:
             if isinstance(obj, torch.optim.Optimizer):
                 self.out.optimizers.append(obj)
             return {"t": "provider", "name": found.name,
-                    "state": self.node(found.state(obj), path, policy, found)}
+                    "state": self.node(found.state(obj), path, policy, found, depth + 1)}
         return self.object(obj, path)
 
     def tensor(self, t: torch.Tensor, path: tuple, policy: str | None,
@@ -217,6 +267,13 @@ class _Walker:
         return {"t": "object", "e": index}
 
 
+def _too_deep(path: tuple) -> SerializationError:
+    shown = key_of(path[:8]) + ("/..." if len(path) > 8 else "")
+    return SerializationError(f"{shown!r}: the state is nested more than {MAX_TREE_DEPTH} levels "
+                              f"deep ({len(path)} keys down to here), the most a checkpoint "
+                              "holds; a container that holds itself is nested without end")
+
+
 def _merge(a: str, b: str) -> str:
     """The policy of one view reached under two keys: eager wins, then an explicit lazy."""
     if EAGER in (a, b):
@@ -232,7 +289,9 @@ def flatten(state: Any, registry: ProviderRegistry, *, replicated: bool = False,
             allow_unsafe: bool = False) -> Flattened:
     """Describe ``state``: a JSON tree whose leaves index ``items``.
 
-    A Python object that ``restore()``'s default safe loading would refuse (a class outside the
+    A state nested deeper than ``MAX_TREE_DEPTH`` levels (a dict, list, tuple or provider
+    state is one level; a container holding itself has no end) raises SerializationError naming
+    the first keys of the path. A Python object that ``restore()``'s default safe loading would refuse (a class outside the
     allowlist, a torch ``DataLoader``) raises UnsafeObjectError naming its key, unless
     ``allow_unsafe``; an object that cannot be pickled raises SerializationError.
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import CorruptCheckpointError, StateMismatchError
-from .flatten import NUMPY_DTYPES, TensorShard, key_of, sharding_of
+from .flatten import NUMPY_DTYPES, TensorShard, key_of, sharding_of, unwritable
 from .providers import Capture, StateProvider
 from .schema import ShardRef, TensorEntry
 
@@ -43,6 +43,8 @@ class RestoreReport:
     #: shape, dtype, type or length differs, or a provider's check refused it (skipped)
     mismatched: list[str] = field(default_factory=list)
     nbytes: int = 0
+    #: damaged checkpoints newer than this one that finding the latest passed over (by name)
+    passed_over: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -137,6 +139,9 @@ class _Plan:
         self.filled: set[tuple[int, int]] = set()
         #: (container, key, value): plain values of the live dicts/lists, replaced after the reads
         self.writebacks: list = []
+        #: (provider, state, key) of the providers overriding ``validate_values``, with the reads
+        #: and copies of their own tensors: done first, then validated (see ``take_early``)
+        self.early: list = []
         #: providers' rebuilds waiting for the reads of their tensors (see ``resolve``)
         self.deferred = 0
         m = reader.manifest
@@ -210,7 +215,7 @@ class _Plan:
                                          f"{node['name']} state, the live object is a "
                                          f"{type(live).__qualname__}")
             mark = self._mark()
-            loaded = self.match(prov.state(live), node["state"], path, prov)
+            loaded = self._provider_state(prov, prov.state(live), node, path)
             try:
                 prov.check(live, loaded, key_of(path))
             except StateMismatchError as exc:
@@ -219,7 +224,33 @@ class _Plan:
             self.finalizers.append((prov.load, live, loaded))
             return live
         self.deferred += 1
-        return _Rebuild(prov, self.match(None, node["state"], path, prov))
+        return _Rebuild(prov, self._provider_state(prov, None, node, path))
+
+    def _provider_state(self, prov: StateProvider, live_state: Any, node: dict,
+                        path: tuple) -> Any:
+        """The saved state of a provider matched against ``live_state`` (its state of the live
+        object, or None) and validated by the provider; a provider checking tensor values gets
+        its reads and copies moved into ``early``."""
+        reads, copies = len(self.reads), set(map(id, self.post_copies))
+        mismatched = len(self.report.mismatched)
+        loaded = self.match(live_state, node["state"], path, prov)
+        if len(self.report.mismatched) == mismatched:
+            prov.validate(loaded, key_of(path))
+        else:  # live values stand where the state did not match: validate the saved one
+            mark = self._mark()
+            prov.validate(self.match(None, node["state"], path, prov), key_of(path))
+            self._rollback(mark)
+        if type(prov).validate_values is not StateProvider.validate_values:
+            mine = [c for c in self.post_copies if id(c) not in copies]
+            self.post_copies = [c for c in self.post_copies if id(c) in copies]
+            self.early.append((prov, loaded, key_of(path), self.reads[reads:], mine))
+            del self.reads[reads:]
+        return loaded
+
+    def nbytes(self) -> int:
+        """Bytes the plan reads."""
+        return sum(r.nbytes for r in self.reads) + sum(r.nbytes for e in self.early
+                                                       for r in e[3])
 
     def resolve(self, value: Any) -> Any:
         """``value`` with every provider's rebuild done: run after the reads, so a provider
@@ -236,19 +267,28 @@ class _Plan:
     def _mark(self) -> tuple:
         return (list(self.reads), list(self.post_copies), list(self.finalizers),
                 list(self.writebacks), len(self.report.restored), set(self.filled),
-                dict(self.fresh))
+                dict(self.fresh), list(self.early))
 
     def _rollback(self, mark: tuple) -> None:
         (self.reads, self.post_copies, self.finalizers, self.writebacks, restored, self.filled,
-         self.fresh) = mark
+         self.fresh, self.early) = mark
         del self.report.restored[restored:]
 
     def _strict_here(self, provider: StateProvider | None) -> bool:
         return provider is None or not provider.allow_new_keys
 
+    def _fills(self, live: Any, provider) -> bool:
+        """Whether the live container is filled in place (it is the caller's own: outside any
+        provider, whose ``load`` gets the state as saved) rather than replaced."""
+        return self.in_place and provider is None and isinstance(live, (dict, list))
+
     def mapping(self, live: Any, node: dict, path: tuple, provider) -> Any:
-        out = OrderedDict() if node["t"] == "odict" else {}
+        """A dict node. A live dict of the caller's is filled in place (same object, its other
+        keys kept); otherwise a new dict is built (the live one, inside a provider's state,
+        still gets its values set)."""
         live_map = live if isinstance(live, dict) else None
+        fill = self._fills(live_map, provider)
+        out = live_map if fill else (OrderedDict() if node["t"] == "odict" else {})
         seen = set()
         for k, child in node["items"]:
             sub = path + (k,)
@@ -258,10 +298,12 @@ class _Plan:
             if live_map is not None and k not in live_map and self._strict_here(provider):
                 self.report.unexpected.append(key_of(sub))
                 continue
-            out[k] = self.match(live_map.get(k) if live_map is not None else None, child, sub,
-                                provider)
-            if self.in_place and live_map is not None and live_map.get(k) is not out[k]:
-                self.writebacks.append((live_map, k, out[k]))  # plain values: set after reads
+            current = live_map.get(k) if live_map is not None else None
+            value = self.match(current, child, sub, provider)
+            if self.in_place and live_map is not None and current is not value:
+                self.writebacks.append((live_map, k, value))  # set after the reads
+            if not fill:
+                out[k] = value
         if live_map is not None and self._strict_here(provider):
             for k in live_map:
                 if k not in seen and self.wanted(path + (k,)) == "all":
@@ -274,14 +316,24 @@ class _Plan:
                 and len(live_seq) != len(node["items"]) and self.wanted(path) == "all"):
             return self._mismatch(live, path, f"checkpoint {len(node['items'])} items, live "
                                               f"{len(live_seq)}")
+        fill = self._fills(live_seq, provider)
+        # a live tuple of the caller's is rebuilt keeping its items that are not restored
+        keep = self.in_place and provider is None and live_seq is not None
         out = []
         for i, child in enumerate(node["items"]):
-            if self.wanted(path + (i,)) is None:
-                continue
             lv = live_seq[i] if live_seq is not None and i < len(live_seq) else None
+            if self.wanted(path + (i,)) is None:
+                if keep and i < len(live_seq):
+                    out.append(lv)
+                continue
+            if fill and i >= len(live_seq):  # only when keys= names this item
+                self.report.unexpected.append(key_of(path + (i,)))
+                continue
             out.append(self.match(lv, child, path + (i,), provider))
             if self.in_place and isinstance(live, list) and i < len(live) and lv is not out[-1]:
                 self.writebacks.append((live, i, out[-1]))
+        if fill:
+            return live
         return tuple(out) if node["t"] == "tuple" else out
 
     def tensor(self, live: Any, node: dict, path: tuple) -> Any:
@@ -320,6 +372,10 @@ class _Plan:
         if global_shape != entry.shape or live_dtype != entry.dtype:
             self.report.mismatched.append(f"{key} (checkpoint {entry.dtype}{list(entry.shape)}, "
                                           f"live {live_dtype}{list(global_shape)})")
+            return
+        why = unwritable(local)
+        if why is not None:
+            self.report.mismatched.append(f"{key} (the live tensor {why})")
             return
         self.report.restored.append(key)
         target = (node["e"], local.data_ptr())

@@ -1,13 +1,17 @@
 """Restore: parallel, coalesced reads straight into the live tensors (or into new ones).
 
 ``Reader`` plans every read first (matching the checkpoint tree against the live state through
-the providers: matching.py), validates everything — a strict mismatch raises before one byte of
-live state is touched — then reads with a thread pool, verifies checksums and lets providers apply
-the result.
+the providers: matching.py), validates everything — a strict mismatch, a live tensor torch cannot
+write into, or a provider state its provider refuses raises before one byte of live state is
+touched — then reads with a thread pool, verifies checksums and lets providers apply the result.
+Each restore logs one INFO record on the ``datastates`` logger: the checkpoint, the bytes read,
+the seconds taken and the rate.
 """
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
@@ -23,8 +27,11 @@ from .errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointErro
                      ReshardError)
 from .planning import RANK_POLICIES, per_rank_keys
 from .providers import ProviderRegistry
+from .catalog import human_bytes
 from .reads import coalesce, group_limit, read_run
 from .store import ReadFile, Store, open_store
+
+log = logging.getLogger("datastates")
 
 
 class _Files:
@@ -171,7 +178,10 @@ class Reader:
     # ------------------------------------------------------------ public operations
     def restore_into(self, state: Any, *, keys=None, strict: bool = True) -> RestoreReport:
         """Plan (every check of the matcher and the providers; nothing live changes), then read
-        into the live tensors, then set plain values, then let providers apply their state."""
+        into the live tensors, then set plain values into the live dicts and lists (filled in
+        place: the caller's containers stay the same objects), then let providers apply their
+        state. Logs one INFO record when done."""
+        start = time.perf_counter()
         plan = _Plan(self, keys, strict, in_place=True)
         plan.match(state, self._tree_for(keys), (), None)
         plan.check()
@@ -180,8 +190,16 @@ class Reader:
             container[key] = plan.resolve(loaded)
         for load, live, loaded in plan.finalizers:
             load(live, plan.resolve(loaded))
-        plan.report.nbytes = sum(r.nbytes for r in plan.reads)
+        plan.report.nbytes = plan.nbytes()
+        self._log_restore(plan.report, time.perf_counter() - start)
         return plan.report
+
+    def _log_restore(self, report: RestoreReport, seconds: float) -> None:
+        rate = report.nbytes / seconds / 1e9 if seconds > 0 else 0.0
+        step = "" if report.step is None else f" (step {report.step})"
+        log.info("restored %s%s from %s on rank %d: %s in %.3f s, %.2f GB/s, %d keys",
+                 report.name, step, self.dir, self.rank, human_bytes(report.nbytes), seconds,
+                 rate, len(report.restored))
 
     def load(self, *, keys=None) -> Any:
         plan = _Plan(self, keys, strict=False, in_place=False)
@@ -213,10 +231,18 @@ class Reader:
                                    safe_globals=self.safe_globals)
 
     def _execute(self, plan: "_Plan") -> None:
-        """Read every planned region, verifying each step of bytes right after it lands (while it
-        is still in the CPU cache), with ``threads`` runs in flight; then run the copies that
+        """First the tensors of providers that validate values: read, copied, validated (a
+        refusal raises CorruptCheckpointError before any other read); then every other read."""
+        for provider, loaded, key, reads, copies in plan.early:
+            self._run(reads, copies)
+            provider.validate_values(plan.resolve(loaded), key)
+        self._run(plan.reads, plan.post_copies)
+
+    def _run(self, reads: list[_Read], post_copies: list) -> None:
+        """Read every region, verifying each step of bytes right after it lands (while it is
+        still in the CPU cache), with ``threads`` runs in flight; then run the copies that
         finish non-contiguous or non-CPU destinations."""
-        groups = coalesce(plan.reads, group_limit(plan.reads, self.threads))
+        groups = coalesce(reads, group_limit(reads, self.threads))
         for file_id in sorted({g[0].file for g in groups}):
             self.files.open(file_id)[0].advise_sequential()
         if len(groups) <= 1 or self.threads == 1:
@@ -227,7 +253,7 @@ class Reader:
                                     thread_name_prefix="datastates-reader") as pool:
                 for f in [pool.submit(self._read_group, g) for g in groups]:
                     f.result()
-        for fix in plan.post_copies:
+        for fix in post_copies:
             fix()
 
     def _read_group(self, group: list[_Read]) -> None:

@@ -13,9 +13,12 @@ The suite saves through a real Checkpointer into pytest's ``tmp_path`` and check
 handles its objects and is found through a registry; an in-place restore into an object built
 from another seed gives back the saved state; the snapshot is the state at save() time even when
 the object changes right after; a fresh load returns ``rebuild()`` of the saved state; ``check``
-accepts the state of another object of the same kind; and, if ``make_mismatched_object`` gives an
-object the provider must refuse, a strict restore into it raises ``StateMismatchError`` naming its
-key and changes nothing, neither that object nor anything else in the restored state.
+accepts the state of another object of the same kind; ``validate`` and ``validate_values`` accept
+the provider's own state; if ``make_mismatched_object`` gives an object the provider must refuse,
+a strict restore into it raises ``StateMismatchError`` naming its key and changes nothing, neither
+that object nor anything else in the restored state; and if ``make_forged_state`` gives a state
+the provider must refuse as damaged, a checkpoint holding it under the provider's name makes
+``restore()`` and ``load()`` raise ``CorruptCheckpointError`` naming its key, with nothing changed.
 """
 from __future__ import annotations
 
@@ -25,8 +28,29 @@ import torch
 
 from .checkpointer import Checkpointer
 from .config import CheckpointConfig
-from .errors import StateMismatchError
+from .errors import CorruptCheckpointError, StateMismatchError
 from .providers import ProviderRegistry, StateProvider
+
+
+class _Forged:
+    """Stands in the saved state for the object whose state is forged."""
+
+
+class _Impostor(StateProvider):
+    """Saves a given state under another provider's name: how a forged checkpoint is made with
+    the library's own writer (its checksums are then all valid)."""
+
+    def __init__(self, name: str, state: Any):
+        self.name, self._state = name, state
+
+    def can_handle(self, obj: Any) -> bool:
+        return isinstance(obj, _Forged)
+
+    def state(self, obj: Any) -> Any:
+        return self._state
+
+    def load(self, obj: Any, state: Any) -> None:
+        raise AssertionError("an impostor only saves")
 
 
 class ProviderConformance:
@@ -50,6 +74,12 @@ class ProviderConformance:
         """An object this provider handles but whose ``check`` must refuse the state of
         ``make_object(seed)`` (another class, another structure). Built the same way on every
         call. None (the default) skips the mismatch test."""
+        return None
+
+    def make_forged_state(self) -> Any:
+        """A state shaped like what ``state()`` returns, but one ``validate`` or
+        ``validate_values`` must refuse (a field out of range, a wrong shape): what a damaged
+        or forged checkpoint holds. None (the default) skips the forged-state test."""
         return None
 
     def _registry(self) -> ProviderRegistry:
@@ -105,6 +135,32 @@ class ProviderConformance:
     def test_check_accepts_an_object_of_the_same_kind(self):
         provider = self.make_provider()
         provider.check(self.make_object(8), provider.state(self.make_object(7)), "obj")
+
+    def test_validate_accepts_its_own_state(self):
+        provider = self.make_provider()
+        provider.validate(provider.state(self.make_object(11)), "obj")
+        provider.validate_values(provider.state(self.make_object(12)), "obj")
+
+    def test_forged_state_is_refused_before_anything_changes(self, tmp_path):
+        import pytest
+        forged = self.make_forged_state()
+        if forged is None:
+            pytest.skip("make_forged_state() not given")
+        impostor = _Impostor(self.make_provider().name, forged)
+        config = CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=1 << 16)
+        with Checkpointer(tmp_path / "ckpt", config, registry=ProviderRegistry([impostor])) as w:
+            w.save({"tensor": torch.arange(16.0), "value": 1, "obj": _Forged()}, step=1).wait()
+        target, reference = self.make_object(10), self.make_object(10)
+        other = torch.zeros(16)
+        live = {"tensor": other, "value": 0, "obj": target}
+        with self._checkpointer(tmp_path) as ckpt:
+            for strict in (True, False):
+                with pytest.raises(CorruptCheckpointError, match="obj"):
+                    ckpt.restore(live, strict=strict)
+            with pytest.raises(CorruptCheckpointError, match="obj"):
+                ckpt.load()
+        assert torch.equal(other, torch.zeros(16)) and live["value"] == 0
+        self.assert_same_state(reference, target)
 
     def test_strict_restore_into_a_mismatch_changes_nothing(self, tmp_path):
         import pytest

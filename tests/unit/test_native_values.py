@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from datastates import (CheckpointConfig, Checkpointer, ConfigError, CorruptCheckpointError,
-                        SerializationError, StateMismatchError, UnsafeObjectError, inspect)
+                        SerializationError, StateMismatchError, StateProvider, UnsafeObjectError,
+                        inspect)
 from datastates import format as fmt
 from datastates import serialization
 from datastates.flatten import flatten
@@ -414,6 +415,56 @@ class TestNumpyRandomProvider(ProviderConformance):
 
     def make_mismatched_object(self):
         return np.random.RandomState(0)
+
+    def make_forged_state(self):
+        """numpy's Philox setter accepts any buffer position; the next draw would read past
+        its 4-word buffer."""
+        state = NumpyRandomProvider().state(self.make_object(0))
+        state["state"]["buffer_pos"] = 1000
+        return state
+
+
+@pytest.mark.parametrize("kind, bits, change, match", [
+    ("Generator", "MT19937", lambda s: s["state"].update(pos=100_000), r"state/state/pos'"),
+    ("Generator", "PCG64", lambda s: s["state"].update(inc=1 << 130), r"state/state/inc'"),
+    ("Generator", "PCG64DXSM", lambda s: s.update(has_uint32=3), r"state/has_uint32'"),
+    ("Generator", "SFC64", lambda s: s["state"].update(state=np.zeros(3, dtype="uint64")),
+     r"state/state/state'.*uint64 array of shape \[4\]"),
+    ("RandomState", "MT19937", lambda s: s.update(gauss="x"), r"state/gauss'"),
+    ("RandomState", "MT19937", lambda s: s.update(has_gauss=-1), r"state/has_gauss'"),
+])
+def test_forged_bit_generator_states_are_refused_on_restore_and_load(tmp_path, kind, bits,
+                                                                     change, match):
+    provider = NumpyRandomProvider()
+    build = np.random.Generator if kind == "Generator" else np.random.RandomState
+    state = provider.state(build(getattr(np.random, bits)(1)))
+    change(state["state"])
+
+    class Forged:
+        pass
+
+    class Impostor(StateProvider):
+        name = provider.name
+
+        def can_handle(self, obj):
+            return isinstance(obj, Forged)
+
+        def state(self, obj):
+            return state
+
+        def load(self, obj, state):
+            raise AssertionError("only saves")
+
+    with Checkpointer(tmp_path, CONFIG, registry=ProviderRegistry([Impostor()])) as writer:
+        writer.save({"g": Forged()}, step=1).wait()
+    live = build(getattr(np.random, bits)(2))
+    before = json.dumps(_plain(provider.state(live)))
+    with Checkpointer(tmp_path, CONFIG) as reader:
+        with pytest.raises(CorruptCheckpointError, match=match):
+            reader.restore({"g": live})
+        with pytest.raises(CorruptCheckpointError, match=match):
+            reader.load()
+    assert json.dumps(_plain(provider.state(live))) == before
 
 
 # ---------------------------------------------------------------- 3. refused at save

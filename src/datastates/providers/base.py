@@ -29,9 +29,15 @@ class StateProvider(ABC):
       bytes belong to an optimizer that is part of the save). A provider may say ``eager``
       (always copied inside ``save()``), or ``lazy`` — a promise that its tensors do not change
       until the guarded optimizer step or an explicit ``wait_snapshot()``.
+    - ``validate`` runs on the caller's thread inside ``restore()`` and ``load()`` in the planning
+      pass, before one byte is read: it raises ``CorruptCheckpointError`` if the saved state is
+      not one this provider could apply to any object (a forged or damaged checkpoint);
+      ``validate_values`` does the same for what needs tensor values, right after this
+      provider's own tensors were read and before any other read (see its contract).
     - ``check`` runs on the caller's thread inside ``restore()`` in the planning pass, before one
       byte of live state changes: it raises ``StateMismatchError`` if the saved state cannot be
-      applied to the live object. ``load`` must then not fail for a reason ``check`` could see.
+      applied to the live object. ``load`` must then not fail for a reason ``validate``,
+      ``validate_values`` or ``check`` could see.
     - ``load`` runs on the caller's thread inside ``restore()`` after every tensor of the state was
       read; tensors that matched live tensors were already filled in place.
     - ``name`` is recorded in the manifest and looked up on load: keep it stable.
@@ -63,6 +69,23 @@ class StateProvider(ABC):
         tensor shapes and dtypes of ``state`` are final, tensor *values* are not yet read. On a
         strict restore the error fails the restore with nothing modified; with ``strict=False``
         this object is left alone and reported as mismatched. Default: accept."""
+
+    def validate(self, state: Any, path: str) -> None:
+        """Raise ``CorruptCheckpointError`` naming ``path`` if ``state`` (as saved) is not a state
+        this provider writes, whatever the live object: wrong structure, a plain value out of its
+        range, a tensor of the wrong shape or dtype. Called in the planning pass of ``restore()``
+        (before ``check``, on a restore in place) and of ``load()``, before anything is read or
+        changed; the structure, plain values, tensor shapes and dtypes of ``state`` are final,
+        tensor *values* are not read yet. Unlike ``check``, a refusal fails the restore even with
+        ``strict=False``: the checkpoint is damaged, not different. Default: accept."""
+
+    def validate_values(self, state: Any, path: str) -> None:
+        """Like ``validate``, for what only the tensor values can show (an RNG state tensor
+        whose bytes a generator refuses). Only a provider that overrides it pays for it: its
+        tensors are then read, and checked against their checksums, before every other read of
+        the restore, and this runs on them before anything else is read, set or applied; the
+        tensors of its ``state`` are the only live memory changed before a refusal. Default:
+        accept."""
 
     def rebuild(self, state: Any) -> Any:
         """What ``Checkpointer.load()`` returns for this object when no live object is given."""

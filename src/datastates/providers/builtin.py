@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import StateMismatchError
+from ..errors import CorruptCheckpointError, StateMismatchError
+from . import rngcheck
 from .base import StateProvider
 
 #: Key under which the optimizer's class is saved next to its state_dict() (removed again by
@@ -119,6 +120,11 @@ class RNGState:
 
 
 class RNGStateProvider(StateProvider):
+    """``RNGState``: saved as {"torch", "python"[, "cuda"][, "numpy"]}. Before anything is
+    applied, ``validate`` checks the shape and ranges of every part (a Python state is also set
+    on a scratch ``random.Random``) and ``validate_values`` the bytes of the torch states (set on
+    a scratch ``torch.Generator``), so ``load`` sets the generators without failing halfway."""
+
     name = "datastates.RNGState"
 
     def can_handle(self, obj: Any) -> bool:
@@ -135,6 +141,33 @@ class RNGStateProvider(StateProvider):
                               "pos": int(pos), "has_gauss": int(has_gauss),
                               "cached_gaussian": float(cached)}
         return state
+
+    def validate(self, state: Any, path: str) -> None:
+        if not isinstance(state, dict) or not {"torch", "python"} <= set(state) or \
+                not set(state) <= {"torch", "python", "cuda", "numpy"}:
+            shown = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+            raise CorruptCheckpointError(f"{path!r}: expected an RNG state with 'torch' and "
+                                         f"'python' (and optionally 'cuda', 'numpy'), found "
+                                         f"{shown}")
+        rngcheck.check_tensor(state["torch"], f"{path}/torch", torch.uint8,
+                              (torch.get_rng_state().numel(),))
+        rngcheck.check_python_state(state["python"], f"{path}/python")
+        if "cuda" in state:
+            if not isinstance(state["cuda"], (list, tuple)):
+                raise CorruptCheckpointError(f"{path}/cuda: expected a list of CUDA generator "
+                                             f"states, found {type(state['cuda']).__name__}")
+            for i, s in enumerate(state["cuda"]):
+                rngcheck.check_tensor(s, f"{path}/cuda/{i}", torch.uint8,
+                                      rngcheck.CUDA_STATE_BYTES)
+        if "numpy" in state:
+            rngcheck.check_legacy_numpy(state["numpy"], f"{path}/numpy")
+
+    def validate_values(self, state: Any, path: str) -> None:
+        rngcheck.check_torch_state_values(state["torch"], f"{path}/torch")
+        for i, s in enumerate(state.get("cuda", ())):
+            rngcheck.check_cuda_state_values(s, f"{path}/cuda/{i}")
+        if "numpy" in state:
+            rngcheck.check_legacy_numpy_values(state["numpy"], f"{path}/numpy")
 
     def load(self, obj: RNGState, state: Any) -> None:
         torch.set_rng_state(state["torch"].cpu())

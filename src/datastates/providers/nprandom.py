@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from ..errors import CorruptCheckpointError, StateMismatchError
+from . import rngcheck
 from .base import StateProvider
 
 #: Bit generators ``load()`` may construct (NumPy's own); another one restores only in place.
@@ -40,7 +41,8 @@ class NumpyRandomProvider(StateProvider):
     ``state`` is ``bit_generator.state`` (Generator) or ``get_state(legacy=False)``
     (RandomState). Restore sets that state on the live object (``check`` refuses another kind or
     bit generator); ``load()`` builds a new object of the saved kind on a new bit generator of
-    the saved type (one of BIT_GENERATORS) and sets the state."""
+    the saved type (one of BIT_GENERATORS) and sets the state. ``validate`` proves the state of
+    one of BIT_GENERATORS valid first: its fields and ranges, then set on a scratch generator."""
 
     name = "numpy.random"
 
@@ -60,6 +62,24 @@ class NumpyRandomProvider(StateProvider):
             raise StateMismatchError(f"{path!r}: the checkpoint holds a numpy {kind} on "
                                      f"{bit_generator}, the live object is a {live_kind} on "
                                      f"{live_bits}")
+
+    def validate(self, state: Any, path: str) -> None:
+        kind, bit_generator = _parts(state, path)
+        if bit_generator not in BIT_GENERATORS or _numpy() is None:
+            return  # a bit generator of its own: restored only into a live one of its type
+        saved = state["state"]
+        rngcheck.check_bit_generator(bit_generator, saved, f"{path}/state")
+        if kind == "RandomState":
+            rngcheck.check_int(saved.get("has_gauss"), f"{path}/state/has_gauss", 0, 2)
+            rngcheck.check_float(saved.get("gauss"), f"{path}/state/gauss")
+        np = _numpy()
+        bits = getattr(np.random, bit_generator)
+        if kind == "Generator":
+            rngcheck.apply_to_scratch(bits, lambda b: setattr(b, "state", saved), path,
+                                      f"numpy's {bit_generator}")
+        else:
+            rngcheck.apply_to_scratch(lambda: np.random.RandomState(bits()),
+                                      lambda r: r.set_state(saved), path, "numpy's RandomState")
 
     def load(self, obj: Any, state: Any) -> None:
         """Set the saved state (or the state of a rebuilt generator) on the live ``obj``."""
