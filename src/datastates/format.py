@@ -30,6 +30,11 @@ CHECKPOINT_FORMAT = "datastates-checkpoint"
 _HEADER = struct.Struct("<8sIIQQI")  # magic, version, flags, index offset, index length, index crc
 _HEADER_USED = _HEADER.size + 4        # ... and the CRC of those 36 bytes; the rest is zero
 #: The last bytes of a manifest: its CRC-32 over every byte before them, 8 lowercase hex digits.
+#: The largest ``manifest.json`` a reader reads (about a million tensors); larger is refused
+#: before a byte is read, so a huge or endless file cannot exhaust memory.
+MAX_MANIFEST_BYTES = 256 << 20
+#: The largest shard file index a reader reads (the header's index length is checked first).
+MAX_INDEX_BYTES = 256 << 20
 _TRAILER = re.compile(rb',"manifest_crc32":"([0-9a-f]{8})"\}\Z')
 TRAILER_BYTES = len(b',"manifest_crc32":"00000000"}')
 
@@ -136,6 +141,9 @@ def read_header(f: "ReadFile", path: str, file_size: int) -> ShardHeader:
         first = next(i for i in range(_HEADER_USED, HEADER_BYTES) if raw[i])
         raise CorruptCheckpointError(f"{path}: reserved header byte at offset {first} is "
                                      f"{raw[first]:#x}, expected 0")
+    if length > MAX_INDEX_BYTES:
+        raise CorruptCheckpointError(f"{path}: the header gives an index of {length} bytes, more "
+                                     f"than the format's limit of {MAX_INDEX_BYTES}")
     if offset < HEADER_BYTES or length == 0 or offset + length > file_size:
         raise CorruptCheckpointError(f"{path}: index at [{offset}, {offset + length}) lies outside "
                                      f"the file of {file_size} bytes (truncated?)")
@@ -203,11 +211,13 @@ def encode_json(value: Any) -> bytes:
 
 
 def read_manifest(ckpt_dir: str, store: "Store | None" = None) -> "schema.Manifest":
-    """Read, checksum and validate ``manifest.json`` of a checkpoint directory."""
+    """Read, checksum and validate ``manifest.json`` of a checkpoint directory: a regular file
+    of at most ``MAX_MANIFEST_BYTES`` in it (CorruptCheckpointError naming the path otherwise:
+    a link, a FIFO, a device, a directory)."""
     store = store or open_store(ckpt_dir)
     path = store.join(ckpt_dir, MANIFEST)
     try:
-        raw = store.read_bytes(path)
+        raw = store.read_bytes(path, max_bytes=MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         from .errors import CheckpointNotFoundError
         raise CheckpointNotFoundError(f"{ckpt_dir}: no {MANIFEST} (not a committed checkpoint)") \

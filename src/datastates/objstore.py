@@ -131,8 +131,12 @@ class S3Store(Store):
             raise storage_error(exc, what, path) from None
 
     # ---- whole objects
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, max_bytes: int | None = None) -> bytes:
         response = self._call("GET", path, self.client.get_object, Key=self.key(path))
+        if max_bytes is not None and response.get("ContentLength", 0) > max_bytes:
+            response["Body"].close()
+            raise CorruptCheckpointError(f"{path}: {response['ContentLength']} bytes, more than "
+                                         f"the format's limit of {max_bytes} bytes for this file")
         try:
             return response["Body"].read()
         except Exception as exc:

@@ -157,7 +157,9 @@ def _remove_quietly(path: str) -> None:
 
 
 def remove_tree(path: str) -> None:
-    """Delete ``path`` and everything under it; a missing ``path`` is not an error.
+    """Delete ``path`` and everything under it; a missing ``path`` is not an error. A ``path``
+    that is a symbolic link is removed itself, never what it points to (a link planted in a
+    checkpoint root is refused by the readers, and removing it must not reach outside).
 
     Everything that can be removed is; then the first failure is raised as an ``OSError`` naming
     the entry that could not be removed (never ignored: leftovers must be reported)."""
@@ -170,6 +172,12 @@ def remove_tree(path: str) -> None:
             errors[-1].filename = errors[-1].filename or failed_path
 
     if not os.path.lexists(path):
+        return
+    if os.path.islink(path):
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
         return
     if sys.version_info >= (3, 12):
         shutil.rmtree(path, onexc=collect)

@@ -9,8 +9,10 @@ marker). docs/storage.md states what each guarantees and what a reader can obser
 """
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
+import stat
 from typing import Any, Mapping
 
 from .errors import CorruptCheckpointError
@@ -37,7 +39,10 @@ def normalize(path: str | os.PathLike) -> str:
         scheme = text.split("://", 1)[0]
         raise ValueError(f"unsupported storage URL {text!r}: expected a local path, file://... or "
                          f"{', '.join(s + '://...' for s in SCHEMES)} (found scheme {scheme!r})")
-    return os.path.abspath(text)
+    text = os.path.abspath(text)
+    # The folder a user names may be a link (to a scratch disk...): it is resolved here, so
+    # that the readers, which refuse every link inside it (open_regular), read what it names.
+    return os.path.realpath(text) if os.path.islink(text) else text
 
 
 def open_store(path: str, storage_options: Mapping[str, Any] | None = None) -> "Store":
@@ -51,6 +56,102 @@ def open_store(path: str, storage_options: Mapping[str, Any] | None = None) -> "
         raise ValueError(f"storage_options are for object stores; {path!r} is a local path")
     return LOCAL
 
+
+# ---------------------------------------------------------------- opening untrusted files
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_READ_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
+def open_regular(path: str, max_bytes: int | None = None) -> tuple[int, os.stat_result]:
+    """Open the local file ``path`` of a checkpoint folder for reading: (descriptor, its status).
+
+    A checkpoint folder is input from someone else, so only a regular file that lies directly in
+    its folder is opened: neither the file nor its folder may be a symbolic link (a link may
+    point anywhere: ``/dev/zero``, a private key), and a FIFO, device or socket is refused before
+    it is opened (opening a FIFO for reading blocks until a writer comes; reading a device may
+    never end). Checked twice: on the entry (``lstat`` through the folder's descriptor) and on the
+    descriptor opened with ``O_NOFOLLOW | O_NONBLOCK`` (``fstat``, same inode), so a file swapped
+    in between is refused too. ``max_bytes``: the format's limit for this file. The descriptor is
+    returned in blocking mode; the caller closes it.
+
+    FileNotFoundError (or NotADirectoryError) if it does not exist; CorruptCheckpointError naming
+    ``path`` for a link, a special file or a size over ``max_bytes``."""
+    folder, name = os.path.split(path)
+    try:
+        dir_fd = os.open(folder or ".", _DIR_FLAGS)
+    except OSError as exc:
+        # Linux answers ENOTDIR for a link to a folder opened with O_DIRECTORY | O_NOFOLLOW
+        if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and os.path.islink(folder)):
+            raise CorruptCheckpointError(
+                f"{path}: its folder {folder} is a symbolic link; datastates reads only files in "
+                "the checkpoint folders themselves (name the folder a link points to instead)"
+            ) from None
+        raise
+    try:
+        entry = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        _check_regular(path, entry, max_bytes)
+        fd = _open_entry(path, name, dir_fd)
+    finally:
+        os.close(dir_fd)
+    try:
+        opened = os.fstat(fd)
+        _check_regular(path, opened, max_bytes)
+        if (opened.st_dev, opened.st_ino) != (entry.st_dev, entry.st_ino):
+            raise CorruptCheckpointError(f"{path}: replaced while it was being opened")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, opened
+
+
+def _open_entry(path: str, name: str, dir_fd: int) -> int:
+    try:
+        return os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # became a link or a socket since the lstat
+            raise CorruptCheckpointError(f"{path}: not a regular file ({exc.strerror})") from None
+        raise
+
+
+def _check_regular(path: str, st: os.stat_result, max_bytes: int | None) -> None:
+    """CorruptCheckpointError naming ``path`` unless ``st`` is a regular file of at most
+    ``max_bytes`` bytes."""
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+        raise CorruptCheckpointError(f"{path}: is {kind}, expected a regular file (datastates "
+                                     "opens nothing else in a checkpoint folder)")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise CorruptCheckpointError(f"{path}: {st.st_size} bytes, more than the format's limit "
+                                     f"of {max_bytes} bytes for this file")
+
+
+def read_regular(path: str, max_bytes: int | None = None) -> bytes:
+    """The whole regular file ``path`` (see :func:`open_regular`); CorruptCheckpointError if it
+    grows past ``max_bytes`` while it is read."""
+    fd, st = open_regular(path, max_bytes)
+    try:
+        chunks, total, want = [], 0, st.st_size + 1  # one read, unless the file grew
+        while True:
+            chunk = os.read(fd, want)
+            want = 1 << 20
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            total += len(chunk)
+            if max_bytes is not None and total > max_bytes:
+                raise CorruptCheckpointError(f"{path}: grew past the format's limit of "
+                                             f"{max_bytes} bytes while it was read")
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- the storage interface
 
 class ReadFile:
     """One file opened for reading: its size and positional reads into caller buffers."""
@@ -93,8 +194,10 @@ class Store:
         return os.path.join(*parts)
 
     # ---- whole files
-    def read_bytes(self, path: str) -> bytes:
-        """The whole file; FileNotFoundError if it does not exist."""
+    def read_bytes(self, path: str, max_bytes: int | None = None) -> bytes:
+        """The whole file; FileNotFoundError if it does not exist; CorruptCheckpointError
+        naming ``path`` if it is larger than ``max_bytes`` (checked before it is read) or, on a
+        local disk, not a regular file in its folder (:func:`open_regular`)."""
         raise NotImplementedError
 
     def write_atomic(self, path: str, data: bytes, fsync: bool) -> Any:
@@ -120,6 +223,8 @@ class Store:
         raise NotImplementedError
 
     def isfile(self, path: str) -> bool:
+        """Whether a file is at ``path``. Locally, anything but a directory counts, a final
+        symbolic link not followed: a FIFO or a link there is a file its reader refuses."""
         raise NotImplementedError
 
     def file_stamps(self, path: str, file_name: str) -> dict[str, Any]:
@@ -143,7 +248,8 @@ class Store:
 
     # ---- shard files
     def open_read(self, path: str) -> ReadFile:
-        """FileNotFoundError if missing."""
+        """FileNotFoundError if missing; locally, CorruptCheckpointError naming ``path`` unless
+        it is a regular file in its folder (:func:`open_regular`)."""
         raise NotImplementedError
 
     def shard_writer(self, path: str, io_mode: str, layout: Any) -> Any:
@@ -159,10 +265,12 @@ class Store:
 
 
 class LocalReadFile(ReadFile):
+    """A regular file of a local checkpoint folder (opened by :func:`open_regular`)."""
+
     def __init__(self, path: str):
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
-        self.size = os.fstat(self.fd).st_size
+        self.fd, st = open_regular(path)
+        self.size = st.st_size
 
     def read_into(self, views: list[memoryview], offset: int) -> None:
         views = [v for v in views if v.nbytes]
@@ -194,9 +302,8 @@ class LocalReadFile(ReadFile):
 class LocalStore(Store):
     """A local (POSIX) directory tree."""
 
-    def read_bytes(self, path: str) -> bytes:
-        with open(path, "rb") as f:
-            return f.read()
+    def read_bytes(self, path: str, max_bytes: int | None = None) -> bytes:
+        return read_regular(path, max_bytes)
 
     def write_atomic(self, path: str, data: bytes, fsync: bool) -> Any:
         return _stamp(storage.write_file_atomic(path, data, fsync))
@@ -214,18 +321,28 @@ class LocalStore(Store):
         return os.path.isdir(path)
 
     def isfile(self, path: str) -> bool:
-        return os.path.isfile(path)
+        try:
+            return not stat.S_ISDIR(os.lstat(path).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
 
     def listdir(self, path: str) -> list[str]:
         return os.listdir(path)
 
     def file_stamps(self, path: str, file_name: str) -> dict[str, Any]:
-        """Stamp: (inode, size, modification time in ns) — a replaced file is a new inode, and a
-        file rewritten in place changes size or time."""
+        """Stamp: (inode, size, modification time in ns) of the entry itself (``lstat``: a link
+        is not followed) — a replaced file is a new inode, and a file rewritten in place changes
+        size or time. An entry that is a symbolic link to a folder holding ``file_name`` is
+        reported with stamp None: its reader refuses the link, so it is named, never skipped."""
         out = {}
         for name in os.listdir(path):
+            entry = os.path.join(path, name)
             try:
-                out[name] = _stamp(os.stat(os.path.join(path, name, file_name)))
+                if os.path.islink(entry):
+                    os.stat(os.path.join(entry, file_name))  # is the link's target a checkpoint?
+                    out[name] = None
+                else:
+                    out[name] = _stamp(os.lstat(os.path.join(entry, file_name)))
             except (FileNotFoundError, NotADirectoryError):
                 continue
             except OSError:

@@ -118,10 +118,10 @@ def test_commits_read_only_new_or_replaced_manifests(s3_server, s3_root, monkeyp
                       storage_options=options) as ck1, \
             Checkpointer(s3_root, CheckpointConfig(**small), storage_options=options) as ck2:
         for ck in (ck1, ck2):
-            def counting(path, original=ck.store.read_bytes):
+            def counting(path, original=ck.store.read_bytes, **kwargs):
                 if path.endswith("/manifest.json"):
                     read.append(path.rsplit("/", 2)[-2])
-                return original(path)
+                return original(path, **kwargs)
             monkeypatch.setattr(ck.store, "read_bytes", counting)
 
         def save(ck, value, name, **kwargs):
@@ -168,9 +168,9 @@ def test_cleanup_reads_only_the_manifests_of_checkpoints_with_leftovers(s3_serve
     store = open_store(s3_root, options)
     read: list[str] = []
 
-    def counting(path, original=store.read_bytes):
+    def counting(path, original=store.read_bytes, **kwargs):
         read.append(path.rsplit("/", 2)[-2])
-        return original(path)
+        return original(path, **kwargs)
 
     monkeypatch.setattr(store, "read_bytes", counting)
     removed = retention.clean_stale(s3_root, 1e-6, store)

@@ -30,10 +30,10 @@ class Counter:
         self.listings = 0
         read, stamps = LOCAL.read_bytes, LOCAL.file_stamps
 
-        def counting_read(path):
+        def counting_read(path, **kwargs):
             if os.path.basename(path) == "manifest.json":
                 self.manifests.append(os.path.basename(os.path.dirname(path)))
-            return read(path)
+            return read(path, **kwargs)
 
         def counting_stamps(path, file_name):
             self.listings += 1
