@@ -163,6 +163,8 @@ def unwritable(t: torch.Tensor) -> str | None:
     if t.is_inference() and not torch.is_inference_mode_enabled():
         return ("is an inference tensor (made under torch.inference_mode()), which torch does "
                 "not let anything write outside inference mode")
+    if t.numel() == 0 or t.is_contiguous():
+        return None
     for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
         if stride == 0 and size > 1:
             return (f"overlaps itself: dimension {dim} of size {size} has stride 0 (made by "
@@ -291,9 +293,10 @@ def flatten(state: Any, registry: ProviderRegistry, *, replicated: bool = False,
 
     A state nested deeper than ``MAX_TREE_DEPTH`` levels (a dict, list, tuple or provider
     state is one level; a container holding itself has no end) raises SerializationError naming
-    the first keys of the path. A Python object that ``restore()``'s default safe loading would refuse (a class outside the
-    allowlist, a torch ``DataLoader``) raises UnsafeObjectError naming its key, unless
-    ``allow_unsafe``; an object that cannot be pickled raises SerializationError.
+    the first keys of the path. A Python object that ``restore()``'s default safe loading would
+    refuse (a class outside the allowlist, a torch ``DataLoader``) raises UnsafeObjectError
+    naming its key, unless ``allow_unsafe``; an object that cannot be pickled raises
+    SerializationError.
 
     The same tensor view reached under two keys is one item (shared storage is written once); if
     either key asks for eager capture, it is captured eagerly. ``item.lazy`` is left False: the
