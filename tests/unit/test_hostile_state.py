@@ -136,6 +136,24 @@ def test_torch_generator_state_of_another_size_is_refused(tmp_path):
                                                   r"torch.uint8\[100\]")
 
 
+def _cuda_state(offset: int, nbytes: int = 16) -> torch.Tensor:
+    state = torch.zeros(16, dtype=torch.uint8)
+    state[8:16] = torch.tensor([offset], dtype=torch.int64).view(torch.uint8)
+    return state[:nbytes].clone()
+
+
+@pytest.mark.parametrize("cuda, match", [
+    ([_cuda_state(4), _cuda_state(6)], r"rng/cuda/1'.*Philox offset 6 is not a multiple of 4"),
+    ([_cuda_state(4, 12)], r"rng/cuda/0'.*16 or 8 elements"),
+], ids=["offset", "size"])
+def test_forged_cuda_generator_states_are_refused_without_touching_a_device(tmp_path, cuda,
+                                                                           match):
+    def change(state):
+        state["cuda"] = cuda
+    _forge(tmp_path, change)
+    _assert_refused_and_nothing_changed(tmp_path, match)
+
+
 @pytest.mark.parametrize("field, value, match", [
     ("pos", 5000, r"rng/numpy/pos'"),           # numpy accepts it and would read past its keys
     ("has_gauss", 7, r"rng/numpy/has_gauss'"),

@@ -90,7 +90,7 @@ def check_cuda_state_values(state: torch.Tensor, path: str) -> None:
     """A CUDA generator state's Philox offset is a multiple of 4, as ``set_rng_state`` needs
     (checked on the bytes: no CUDA device is touched)."""
     if state.numel() == CUDA_STATE_BYTES[0]:
-        offset = int(state.detach().cpu()[8:16].view(torch.int64).item())
+        offset = int(state.detach().cpu()[8:16].clone().view(torch.int64).item())
         if offset % 4:
             raise CorruptCheckpointError(f"{path!r}: the saved Philox offset {offset} is not a "
                                          "multiple of 4")
