@@ -19,7 +19,7 @@ from . import format as fmt
 from .catalog import Catalog, CheckpointInfo, DamagedCheckpoint, info_of
 from .errors import CheckpointNotFoundError, ConfigError, DatastatesError
 from .schema import TensorEntry
-from .store import LOCAL, is_url, normalize, open_store
+from .store import LOCAL, normalize, open_store
 
 #: Files that tell another framework's checkpoint apart from an empty folder.
 _FOREIGN = (("model.safetensors", "Hugging Face / safetensors"), (".safetensors", "safetensors"),

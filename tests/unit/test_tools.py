@@ -249,3 +249,17 @@ def test_cli_inspect_shows_every_checkpoint_of_a_tag_folder(tmp_path, capsys):
     code, out, _ = _run(capsys, "inspect", str(tmp_path), "--json")
     assert code == EXIT_OK and [s["name"] for s in json.loads(out)] == [
         "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+
+
+@pytest.mark.parametrize("to,keys", [("torch", None), ("safetensors", ["model"]),
+                                     ("torch", ["tied"])])
+def test_export_progress_total_is_known_before_it_starts(tmp_path, to, keys):
+    """The total of export's progress bar (planned_bytes, from the manifest alone) is what the
+    progress calls add up to and what the export reports (tied tensors once)."""
+    from datastates import interchange
+    _saved(tmp_path / "ck")
+    total = interchange.planned_bytes(tmp_path / "ck", to, keys=keys)
+    seen: list[int] = []
+    report = datastates.export(tmp_path / "ck", tmp_path / f"out.{to}", to, keys=keys,
+                               progress=seen.append)
+    assert total == sum(seen) == report.nbytes > 0
