@@ -41,7 +41,12 @@ class CheckpointConfig:
     #: Verify checksums on restore.
     verify: bool = True
     #: Deadline of a save, measured on every rank from its ``save()`` call: a save not decided
-    #: by then fails on every rank (it must cover writing the checkpoint).
+    #: by then fails on every rank with CommitTimeoutError, nothing committed (it must cover
+    #: writing the checkpoint). It bounds every wait of the save — ``save()`` held up by a full
+    #: host cache, ``wait()``, the next optimizer step, its uploads: a wait ends at the deadline,
+    #: or when the one storage request then in flight gives up (on an object store, after the
+    #: ``read_timeout``/``max_attempts`` of ``storage_options``). A save whose commit round began
+    #: before the deadline finishes it.
     commit_timeout_s: float = 300.0
     #: Multi-rank: compare a CRC-32 of every declared-replicated tensor across ranks at commit
     #: and fail the save if replicas differ (costs one checksum pass over the replicated bytes

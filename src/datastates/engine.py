@@ -6,7 +6,10 @@ Threads (one set per Checkpointer, started once):
   (``Job.eager_captured``) — then the lazy ones, then marks the snapshot complete;
 - writers: checksum each unit's pieces and write the unit at its file offset, release the slot;
 - commit: opens nothing on the training thread; writes the object blobs while tensor units are in
-  flight (metadata overlaps bulk I/O), then index + header + fsync, then runs the commit protocol.
+  flight (metadata overlaps bulk I/O), then index + header + fsync, then runs the commit protocol;
+- deadline: fails every save still unwritten when its ``commit_timeout_s`` runs out
+  (``Job.expire``), so no wait of a save outlasts its deadline by more than one storage request
+  already in flight (bounded by the storage client's own timeouts).
 Any exception fails only its job: it reaches the handle, the process keeps running. Every thread
 loop catches what its work raises into the job's failure (a thread never dies), so every wait on a
 job's events ends, with the data or with an error.
@@ -15,7 +18,9 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import warnings
+from typing import Callable
 
 import torch
 
@@ -23,11 +28,10 @@ from . import commit as commit_mod
 from . import format as fmt
 from .config import CheckpointConfig
 from .dist import abort_decision
-from .errors import CheckpointerClosedError, CommitError, CommitTimeoutError
+from .errors import CheckpointerClosedError, CommitError, CommitTimeoutError, StorageError
 from .flatten import TensorItem
 from .job import Job, finish_file, replica_digests, write_error
 from .staging import DeviceCopier, HostCache
-from .store import Store
 
 
 class Pipeline:
@@ -39,11 +43,15 @@ class Pipeline:
         self.comm = comm
         self._closed = False
         self._lock = threading.Lock()
+        #: Wakes the deadline thread (a job was submitted, or the pipeline stops).
+        self._wakeup = threading.Condition(self._lock)
+        self._stopping = False
         #: Jobs submitted and not finished yet, in submission order (see ``drain``).
         self._active: list[Job] = []
-        #: Temporary directories of failed saves that could not be removed yet (commit thread):
-        #: retried after every later save and at ``close``.
-        self._leftovers: list[tuple[Store, str]] = []
+        #: What the cleanup of failed saves could not do yet (commit thread): a description and
+        #: the call that does it (a temporary directory to remove, an upload to abort), retried
+        #: after every later save and at ``close``.
+        self._leftovers: list[tuple[str, Callable[[], None]]] = []
         pin = torch.cuda.is_available()
         self.cache = HostCache(config.host_cache_bytes, config.unit_bytes, pin)
         self.copier = DeviceCopier()
@@ -53,6 +61,8 @@ class Pipeline:
         self._threads = [threading.Thread(target=self._capture_loop, name="datastates-capture",
                                           daemon=True),
                          threading.Thread(target=self._commit_loop, name="datastates-commit",
+                                          daemon=True),
+                         threading.Thread(target=self._deadline_loop, name="datastates-deadline",
                                           daemon=True)]
         self._threads += [threading.Thread(target=self._write_loop, name=f"datastates-writer-{i}",
                                            daemon=True) for i in range(config.writer_threads)]
@@ -72,6 +82,7 @@ class Pipeline:
             self.cache.reserve(len(job.layout.units) * self.config.unit_bytes)
             self._capture_q.put(job)
             self._commit_q.put(job)
+            self._wakeup.notify()
 
     def drain(self) -> None:
         """Block until every job submitted so far (by any Checkpointer sharing this pipeline) is
@@ -91,6 +102,7 @@ class Pipeline:
             job.opened.set()
             job.capture_over()
             self._commit_q.put(job)
+            self._wakeup.notify()
 
     def close(self) -> None:
         """Finish every queued job (of every Checkpointer sharing this pipeline), then stop the
@@ -100,13 +112,16 @@ class Pipeline:
                 return
             self._closed = True
         self.drain()  # the stop signals must queue behind every unit of every job
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
         self._capture_q.put(None)
         self._commit_q.put(None)
         for _ in range(self.config.writer_threads):
             self._write_q.put(None)
         for t in self._threads:
             t.join()
-        self._remove_leftovers(warn=True)
+        self._retry_leftovers(warn=True)
         self.copier.close()
         self.cache.close()
 
@@ -127,7 +142,7 @@ class Pipeline:
                 except BaseException as exc:  # never leave the training loop waiting
                     job.fail(exc)
                     job.captured.set()
-                    job.all_written.set()
+                    job.mark_written()
                 self._write_q.put(("checksum", job))
 
     def _open(self, job: Job) -> None:
@@ -265,33 +280,68 @@ class Pipeline:
             self.cache.release(slot)
             job.unit_done()
 
+    # ------------------------------------------------------------ deadline thread
+    def _deadline_loop(self) -> None:
+        """Expire each save whose deadline passes before its commit round begins: its capture
+        stops, its writer sends nothing more, and the commit thread stops waiting for it."""
+        with self._wakeup:
+            while not self._stopping:
+                now = time.monotonic()
+                waiting = [j for j in self._active if not (j.expired or j.deciding)]
+                for job in waiting:
+                    if job.deadline <= now:
+                        job.expire()
+                later = [j.deadline for j in waiting if j.deadline > now]
+                self._wakeup.wait(min(later) - now if later else None)
+
     # ------------------------------------------------------------ commit thread
     def _commit_loop(self) -> None:
+        """Commit or fail each job, in order. A failed save is tidied up (its upload aborted,
+        its temporary directory removed) before its handle is released, except when the storage
+        stopped answering (the save expired, or a request failed with StorageError): then the
+        handle is released at once and the tidying, which needs that storage, follows."""
         while (job := self._commit_q.get()) is not None:
             try:
                 self._commit(job)
             except BaseException as exc:  # last resort: the job fails, the thread lives on
                 job.fail(exc)
-            finally:
-                try:
-                    if job.error is not None and job.rank == 0:
-                        self._remove_failed(job)
-                    self._remove_leftovers(warn=False)
-                except BaseException as exc:  # tidying up must never stop the commit thread
-                    warnings.warn(f"datastates: cleaning up after {job.name!r} failed: {exc!r}",
-                                  RuntimeWarning, stacklevel=2)
-                job.finish()
-                with self._lock:
-                    self._active.remove(job)
+            release_first = job.error is not None and (job.expired or
+                                                       _caused_by(job.error, StorageError))
+            if release_first:
+                self._release(job)
+            self._tidy(job)
+            if not release_first:
+                self._release(job)
+            self._retry_leftovers(warn=False)
+
+    def _release(self, job: Job) -> None:
+        job.finish()
+        with self._lock:
+            self._active.remove(job)
+
+    def _tidy(self, job: Job) -> None:
+        """After a save's outcome: once every write of a failed save returned, close its writer
+        (aborting its upload), and on rank 0 remove its temporary directory. Never raises; what
+        fails is warned about and retried after the next save and at ``close``."""
+        try:
+            job.all_written.wait()  # cancelled writes end within the storage client's timeouts
+            if job.error is not None:
+                self._discard_writer(job)
+                if job.rank == 0:
+                    self._remove_failed(job)
+        except BaseException as exc:  # tidying up must never stop the commit thread
+            warnings.warn(f"datastates: cleaning up after {job.name!r} failed: {exc!r}",
+                          RuntimeWarning, stacklevel=2)
 
     def _commit(self, job: Job) -> None:
         try:
             payload = finish_file(job, self.config.fsync)
         except BaseException as exc:
             job.fail(write_error(job, f"finishing {job.tmp}", exc))
-        finally:
-            job.all_written.wait()
+        job.unblocked.wait()  # every write returned, or the deadline passed
+        if job.error is None:
             self._close_writer(job)
+        job.begin_decision()
         if job.error is not None:
             payload = None
         try:
@@ -320,6 +370,8 @@ class Pipeline:
         Rank 0 moves ``latest`` and applies retention only after the verdict is published."""
         report = payload if payload is not None else {"rank": job.rank,
                                                       "error": _describe(job.error)}
+        if job.expired:
+            report["expired"] = True  # a timeout, whichever rank decides
         report = {**report, "overwrite": job.overwrite, "replicas": job.replicas}
         try:
             decision = self.comm.agree(job.sid, report, job.deadline,
@@ -350,7 +402,13 @@ class Pipeline:
 
     def _check(self, job: Job, reports: dict[int, dict]) -> dict | None:
         """Rank 0: the abort verdict for these reports, or None if they form a checkpoint (its
-        manifest is then kept on the job for :meth:`_publish`)."""
+        manifest is then kept on the job for :meth:`_publish`). A rank whose save expired makes
+        it a timeout, as when that rank had not reported at all."""
+        expired = sorted(r for r, report in reports.items() if report.get("expired"))
+        if expired:
+            return abort_decision("timeout", f"checkpoint {job.name!r} was not committed: rank(s) "
+                                  f"{expired} had not written it within the commit timeout",
+                                  {r: str(reports[r].get("error")) for r in expired})
         decision, job.manifest = commit_mod.review(
             reports, name=job.name, step=job.step, metadata=job.metadata, save_id=job.sid.nonce,
             tmp=job.tmp, replica_check=self.config.replica_check, store=job.store)
@@ -379,28 +437,53 @@ class Pipeline:
         return abort_decision("store", f"checkpoint {job.name!r} was not committed (no manifest "
                               "of this save on disk)", {job.rank: why})
 
-    def _remove_failed(self, job: Job) -> None:
-        """Rank 0: delete the temporary directory of a failed save. If that fails too, warn
-        naming it; it is retried after every later save and at ``close``."""
+    def _discard_writer(self, job: Job) -> None:
+        """Close a failed save's shard writer, which aborts its upload on an object store."""
+        writer = job.writer
+        if writer is None:
+            return
         try:
-            job.store.remove_tree(job.tmp)
+            writer.close()
         except OSError as exc:
-            self._leftovers.append((job.store, job.tmp))
-            warnings.warn(f"datastates: checkpoint {job.name!r} failed and its temporary "
-                          f"directory {job.tmp} could not be removed ({exc}); retrying after the "
-                          "next save", RuntimeWarning, stacklevel=2)
+            self._leave(f"the unfinished upload of {writer.path}", writer.close, job, exc)
 
-    def _remove_leftovers(self, warn: bool) -> None:
+    def _remove_failed(self, job: Job) -> None:
+        """Rank 0: delete the temporary directory of a failed save."""
+        store, tmp = job.store, job.tmp
+        try:
+            store.remove_tree(tmp)
+        except OSError as exc:
+            self._leave(f"the temporary directory {tmp}", lambda: store.remove_tree(tmp), job,
+                        exc)
+
+    def _leave(self, what: str, retry: Callable[[], None], job: Job, exc: OSError) -> None:
+        """Keep a cleanup that failed for later, and warn naming what is left."""
+        self._leftovers.append((what, retry))
+        warnings.warn(f"datastates: checkpoint {job.name!r} failed and {what} could not be "
+                      f"removed ({exc}); retrying after the next save and at close",
+                      RuntimeWarning, stacklevel=3)
+
+    def _retry_leftovers(self, warn: bool) -> None:
         left = []
-        for store, path in self._leftovers:
+        for what, retry in self._leftovers:
             try:
-                store.remove_tree(path)
-            except OSError as exc:
-                left.append((store, path))
+                retry()
+            except Exception as exc:  # kept for later; the commit thread goes on
+                left.append((what, retry))
                 if warn:
-                    warnings.warn(f"datastates: the temporary directory {path} of a failed save "
-                                  f"could not be removed: {exc}", RuntimeWarning, stacklevel=2)
+                    warnings.warn(f"datastates: {what}, left by a failed save, could still "
+                                  f"not be removed: {exc}", RuntimeWarning, stacklevel=2)
         self._leftovers = left
+
+
+def _caused_by(error: BaseException | None, kind: type) -> bool:
+    """Whether ``error`` or an error in its chain of causes is a ``kind``."""
+    seen = 0
+    while error is not None and seen < 32:
+        if isinstance(error, kind):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
 
 
 def _describe(error: BaseException | None) -> str:

@@ -21,7 +21,7 @@ import torch
 from . import commit as commit_mod
 from . import format as fmt
 from .dist import SaveId
-from .errors import CheckpointWriteError, DatastatesError
+from .errors import CheckpointWriteError, CommitTimeoutError, DatastatesError
 from .flatten import Flattened, TensorItem
 from .planning import Layout
 from .storage import ShardWriter
@@ -97,7 +97,14 @@ class Job:
         self._deferred: list[tuple] = []
         #: Threads blocked in ``SaveHandle.wait()`` (a failure they will raise is not logged).
         self.waiters = 0
+        #: Set once every unit write of this save has returned (its slots are back).
         self.all_written = threading.Event()
+        #: Set once every write returned or the save expired: what the commit thread waits for.
+        self.unblocked = threading.Event()
+        #: The deadline passed before the commit round began (see :meth:`expire`).
+        self.expired = False
+        #: The commit round began: from here on the round's own deadline applies (dist.py).
+        self.deciding = False
 
     def fail(self, exc: BaseException) -> None:
         with self._lock:
@@ -114,7 +121,41 @@ class Job:
             self._outstanding -= 1
             done = self._capture_over and self._outstanding == 0
         if done:
-            self.all_written.set()
+            self.mark_written()
+
+    def mark_written(self) -> None:
+        """Every write of this save has returned."""
+        self.all_written.set()
+        self.unblocked.set()
+
+    def expire(self) -> bool:
+        """The deadline passed (deadline thread): fail this save with CommitTimeoutError (unless
+        it already failed), cancel its remaining capture and writes, and tell its shard writer
+        to send nothing more. Does nothing once the commit round began (the round keeps its own
+        deadline) or the save finished. Returns whether it expired."""
+        with self._lock:
+            if self.deciding or self.expired or self.finished.is_set():
+                return False
+            self.expired = True
+            if self.error is None:
+                elapsed = time.perf_counter() - self.t0
+                self.error = CommitTimeoutError(
+                    f"checkpoint {self.name!r} was not committed: rank {self.rank} had not "
+                    f"written it when its commit_timeout_s ran out, {elapsed:.1f} s after "
+                    f"save() ({self._outstanding} unit write(s) of its shard file pending); "
+                    "nothing was committed",
+                    {self.rank: f"writing not finished {elapsed:.1f} s after save()"})
+        self.cancelled.set()
+        cancel = getattr(self.writer, "cancel", None)
+        if cancel is not None:
+            cancel()
+        self.unblocked.set()
+        return True
+
+    def begin_decision(self) -> None:
+        """The commit thread enters the commit round: :meth:`expire` no longer applies."""
+        with self._lock:
+            self.deciding = True
 
     def capture_over(self) -> None:
         self.stats.snapshot_s = time.perf_counter() - self.t0
@@ -127,7 +168,7 @@ class Job:
         self.eager_captured.set()
         self.captured.set()
         if done:
-            self.all_written.set()
+            self.mark_written()
 
     def defer(self, unit, slot: int) -> bool:
         """Keep a written unit's checksums for later if the capture is still running."""
@@ -298,7 +339,7 @@ def finish_file(job: Job, fsync: bool) -> dict | None:
         job.writer.write(memoryview(data), offset)
         entries[i] = {"key": items[i].key, "kind": "object", "offset": offset,
                       "nbytes": len(data), "crc32": fmt.crc32(data)}
-    job.all_written.wait()
+    job.unblocked.wait()  # every unit written, or the deadline passed
     if job.error is not None:
         return None
     position = {flat_i: t_i for t_i, flat_i in enumerate(job.write_tensors)}

@@ -7,15 +7,18 @@ comparison is in docs/benchmarks.md). ``pip install datastates[s3]``.
 
 Paths are URLs ``s3://bucket/key/...``. The endpoint and credentials come from ``storage_options``
 (``endpoint_url``, ``aws_access_key_id``, ``aws_secret_access_key``, ``aws_session_token``,
-``region_name``, and ``max_attempts`` — tries per request, the first included, default 5) or
-from the standard AWS environment variables and files; never from a checkpoint.
+``region_name``, ``addressing_style``) or from the standard AWS environment variables and files;
+never from a checkpoint. How long a request may take is bounded by ``storage_options`` too
+(:data:`DEFAULT_LIMITS`): ``connect_timeout`` (seconds to connect, and the longest a send may
+stall), ``read_timeout`` (the longest the reply may stall) and ``max_attempts`` (tries per request,
+the first included). A service that accepts connections and never answers therefore fails a
+request after about ``max_attempts * read_timeout`` seconds instead of hanging.
 """
 from __future__ import annotations
 
 import bisect
 import io
 import threading
-import warnings
 from typing import Any, Mapping
 
 from . import format as fmt
@@ -26,12 +29,16 @@ from .store import ReadFile, Store, url_join
 MIN_PART = 5 << 20      # S3: every part but the last is at least 5 MiB ...
 MAX_PARTS = 10_000      # ... and an upload has at most 10,000 parts
 _DELETE_BATCH = 1000    # keys per DeleteObjects request
+#: The request limits ``storage_options`` may change. A healthy server answers a 64 MiB part within
+#: half a second of its last byte (measured on the test server, docs/storage.md): 20 s leaves a wide
+#: margin for a loaded one, and every send is a 16 KiB block, so a slow link is never a timeout.
+DEFAULT_LIMITS = {"connect_timeout": 5.0, "read_timeout": 20.0, "max_attempts": 3}
 # what storage_options takes: the first five go to the boto3 client as they are
 _OPTION_KEYS = ("endpoint_url", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
-                "region_name", "max_attempts", "addressing_style")
+                "region_name", "addressing_style", *DEFAULT_LIMITS)
 _ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403",
                  "InvalidToken", "ExpiredToken", "AllAccessDisabled"}
-_MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
+_MISSING_CODES = {"NoSuchKey", "NoSuchUpload", "404", "NotFound"}
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -66,13 +73,42 @@ def storage_error(exc: BaseException, what: str, path: str) -> OSError:
     return StorageError(f"{path}: {what} failed: {type(exc).__name__}: {exc}")
 
 
+def request_limits(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The request limits of ``storage_options`` (defaults: :data:`DEFAULT_LIMITS`), validated:
+    timeouts are numbers > 0 (seconds), ``max_attempts`` an int >= 1. Raises ConfigError."""
+    limits = {name: options.get(name, default) for name, default in DEFAULT_LIMITS.items()}
+    for name in ("connect_timeout", "read_timeout"):
+        value = limits[name]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ConfigError(f"storage_options[{name!r}]: expected a number of seconds > 0, "
+                              f"found {value!r}")
+    attempts = limits["max_attempts"]
+    if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1:
+        raise ConfigError(f"storage_options['max_attempts']: expected an int >= 1 (tries "
+                          f"per request, the first included), found {attempts!r}")
+    return limits
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    try:
+        from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(exc, (ConnectTimeoutError, ReadTimeoutError, TimeoutError))
+
+
 class S3Store(Store):
-    """One bucket of an S3-compatible service. Thread-safe (one boto3 client, shared)."""
+    """One bucket of an S3-compatible service. Thread-safe (one boto3 client, shared).
+
+    ``limits`` are the request limits the client was built with (:func:`request_limits`); a
+    request that timed out names them in its error."""
 
     renames = False
 
-    def __init__(self, bucket: str, client: Any, endpoint: str):
+    def __init__(self, bucket: str, client: Any, endpoint: str,
+                 limits: Mapping[str, Any] | None = None):
         self.bucket, self.client, self.endpoint = bucket, client, endpoint
+        self.limits = dict(limits or DEFAULT_LIMITS)
 
     @classmethod
     def for_url(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> "S3Store":
@@ -90,18 +126,18 @@ class S3Store(Store):
             raise ConfigError(f"unknown storage_options {unknown}; expected some of "
                               f"{list(_OPTION_KEYS)}")
         bucket, _ = split_url(url)
-        attempts = options.pop("max_attempts", 5)
-        if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1:
-            raise ConfigError(f"storage_options['max_attempts']: expected an int >= 1 (tries "
-                              f"per request, the first included), found {attempts!r}")
-        config = Config(retries={"total_max_attempts": attempts, "mode": "standard"},
-                        max_pool_connections=32,
+        limits = request_limits(options)
+        for name in DEFAULT_LIMITS:
+            options.pop(name, None)
+        config = Config(retries={"total_max_attempts": limits["max_attempts"], "mode": "standard"},
+                        connect_timeout=limits["connect_timeout"],
+                        read_timeout=limits["read_timeout"], max_pool_connections=32,
                         s3={"addressing_style": options.pop("addressing_style", "auto")},
                         # every byte already carries datastates' own CRC-32 (checked on read)
                         request_checksum_calculation="when_required",
                         response_checksum_validation="when_required")
         client = boto3.session.Session().client("s3", config=config, **options)
-        store = cls(bucket, client, client.meta.endpoint_url)
+        store = cls(bucket, client, client.meta.endpoint_url, limits)
         store._check_bucket(url)
         return store
 
@@ -109,7 +145,7 @@ class S3Store(Store):
         try:
             self.client.head_bucket(Bucket=self.bucket)
         except Exception as exc:
-            error = storage_error(exc, f"checking bucket {self.bucket!r} at {self.endpoint}", url)
+            error = self.error(exc, f"checking bucket {self.bucket!r} at {self.endpoint}", url)
             if isinstance(error, FileNotFoundError) and not isinstance(error, BucketNotFoundError):
                 error = BucketNotFoundError(f"{url}: bucket {self.bucket!r} does not exist at "
                                             f"{self.endpoint}")
@@ -124,11 +160,21 @@ class S3Store(Store):
     def join(self, *parts: str) -> str:
         return url_join(*parts)
 
+    def error(self, exc: BaseException, what: str, path: str) -> OSError:
+        """:func:`storage_error`; a timeout also names the limits that ran out."""
+        if not _is_timeout(exc):
+            return storage_error(exc, what, path)
+        limits = self.limits
+        return StorageError(f"{path}: {what} failed: {type(exc).__name__}: {exc} (no answer "
+                            f"within connect_timeout={limits['connect_timeout']:g} s / "
+                            f"read_timeout={limits['read_timeout']:g} s, "
+                            f"{limits['max_attempts']} tries; see storage_options)")
+
     def _call(self, what: str, path: str, fn, **kwargs):
         try:
             return fn(Bucket=self.bucket, **kwargs)
         except Exception as exc:
-            raise storage_error(exc, what, path) from None
+            raise self.error(exc, what, path) from None
 
     # ---- whole objects
     def read_bytes(self, path: str, max_bytes: int | None = None) -> bytes:
@@ -140,20 +186,19 @@ class S3Store(Store):
         try:
             return response["Body"].read()
         except Exception as exc:
-            raise storage_error(exc, "GET (body)", path) from None
+            raise self.error(exc, "GET (body)", path) from None
 
     def write_atomic(self, path: str, data: bytes, fsync: bool) -> Any:
         """One PUT; returns the object's ETag (the stamp :meth:`file_stamps` lists)."""
-        body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
-        reply = self._call("PUT", path, self.client.put_object, Key=self.key(path), Body=body)
+        reply = self._call("PUT", path, self.client.put_object, Key=self.key(path),
+                           Body=ViewReader(memoryview(data)))
         return reply.get("ETag")
 
     def write_new(self, path: str, data: bytes, fsync: bool) -> Any:
         """A conditional PUT (``If-None-Match: *``): the service refuses it if the key exists
         (412, FileExistsError). A service that ignores the condition overwrites (docs/storage.md)."""
-        body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
         reply = self._call("PUT (if absent)", path, self.client.put_object, Key=self.key(path),
-                           Body=body, IfNoneMatch="*")
+                           Body=ViewReader(memoryview(data)), IfNoneMatch="*")
         return reply.get("ETag")
 
     def remove(self, path: str) -> None:
@@ -179,7 +224,7 @@ class S3Store(Store):
         try:
             yield from paginator.paginate(Bucket=self.bucket, Prefix=self._prefix(path), **kwargs)
         except Exception as exc:
-            raise storage_error(exc, "LIST", path) from None
+            raise self.error(exc, "LIST", path) from None
 
     def isdir(self, path: str) -> bool:
         for page in self._pages(path, MaxKeys=1):
@@ -244,7 +289,7 @@ class S3Store(Store):
         try:
             pages = list(paginator.paginate(Bucket=self.bucket, Prefix=self._prefix(root)))
         except Exception as exc:
-            raise storage_error(exc, "LIST uploads", root) from None
+            raise self.error(exc, "LIST uploads", root) from None
         for page in pages:
             for upload in page.get("Uploads", []):
                 if is_stale(upload["Key"], upload["Initiated"].timestamp()):
@@ -292,14 +337,16 @@ class S3ReadFile(ReadFile):
         except CorruptCheckpointError:
             raise
         except Exception as exc:
-            raise storage_error(exc, "GET range (body)", self.path) from None
+            raise self.store.error(exc, "GET range (body)", self.path) from None
         finally:
             body.close()
 
 
 class ViewReader(io.RawIOBase):
-    """A seekable read-only file over a memoryview: a request body sent without a copy (and
-    re-read from the start if the client retries the request)."""
+    """A seekable read-only file over a memoryview: a request body read in blocks (16 KiB, by
+    the client) instead of one send of the whole buffer, so ``connect_timeout`` — the limit of
+    each send — bounds a stall, never the time a large part takes on a slow link; re-read from
+    the start if the client retries the request."""
 
     def __init__(self, view: memoryview):
         self._view, self._pos = view, 0
@@ -372,6 +419,7 @@ class S3ShardWriter:
     from the caller's buffer; other bytes are copied into their part's buffer, uploaded when the
     part is complete (part 1 and the last part at ``finish``). A file of one part is a single PUT.
     ``close`` without a successful ``finish`` aborts the upload, so no part outlives a failed save.
+    ``cancel`` (any thread) makes every later request of this writer fail at once, unsent.
     """
 
     def __init__(self, store: S3Store, path: str, layout: Any):
@@ -382,6 +430,7 @@ class S3ShardWriter:
         self._upload_id: str | None = None
         self._etags: dict[int, str] = {}
         self._completed = False
+        self._cancelled = False
 
     def write(self, data: memoryview, offset: int, padded: memoryview | None = None) -> None:
         part = self.parts[bisect.bisect_right(self._starts, offset) - 1]
@@ -399,19 +448,34 @@ class S3ShardWriter:
             part.received += 1  # parts after the first receive only whole units
             ready = part.end is not None and part.number > 1 and part.received == part.units
         if ready:
-            self._upload(part, part.buf)  # a bytearray: sent without another copy
+            self._upload(part, part.buf)
             part.buf = None
+
+    def cancel(self) -> None:
+        """Send no more requests for this file (the save failed or passed its deadline): a later
+        ``write`` or ``finish`` that needs one raises StorageError. Requests already sent run to
+        their end (bounded by the client's timeouts). ``close`` still aborts the upload."""
+        self._cancelled = True
+
+    def _check_cancelled(self, what: str) -> None:
+        if self._cancelled:
+            raise StorageError(f"{self.path}: {what} not sent: the save was cancelled (it failed "
+                               "or passed commit_timeout_s)")
 
     def _ensure_upload(self) -> str:
         with self._lock:
+            self._check_cancelled("CreateMultipartUpload")
             if self._upload_id is None:
                 reply = self.store._call("CreateMultipartUpload", self.path,
                                          self.store.client.create_multipart_upload, Key=self.key)
                 self._upload_id = reply["UploadId"]
             return self._upload_id
 
-    def _upload(self, part: _Part, body: "bytes | bytearray | ViewReader") -> None:
+    def _upload(self, part: _Part, body: "bytearray | ViewReader") -> None:
         upload_id = self._ensure_upload()
+        self._check_cancelled(f"UploadPart {part.number}")
+        if not isinstance(body, ViewReader):
+            body = ViewReader(memoryview(body))
         reply = self.store._call(f"UploadPart {part.number}", self.path,
                                  self.store.client.upload_part, Key=self.key, UploadId=upload_id,
                                  PartNumber=part.number, Body=body)
@@ -426,6 +490,7 @@ class S3ShardWriter:
         del tail[size - last.start:]
         tail.extend(bytes(size - last.start - len(tail)))
         if len(self.parts) == 1:
+            self._check_cancelled("PUT")
             self.store.write_atomic(self.path, tail, fsync)
             self._completed = True
             return
@@ -436,6 +501,7 @@ class S3ShardWriter:
         missing = [p.number for p in self.parts if p.number not in self._etags]
         if missing:
             raise StorageError(f"{self.path}: parts {missing} were never uploaded (writes missing)")
+        self._check_cancelled("CompleteMultipartUpload")
         self.store._call("CompleteMultipartUpload", self.path,
                          self.store.client.complete_multipart_upload, Key=self.key,
                          UploadId=self._upload_id,
@@ -444,20 +510,21 @@ class S3ShardWriter:
         self._completed = True
 
     def close(self) -> None:
-        """Abort the upload unless it completed (idempotent). An abort the service refuses is
-        warned about; the next Checkpointer on the directory aborts it as stale."""
-        with self._lock:
-            upload_id, self._upload_id = self._upload_id, None
-            completed = self._completed
+        """Abort the upload unless it completed. Idempotent, and retryable: if the service does
+        not take the abort, StorageError is raised and a later ``close`` tries again (an upload
+        the service no longer knows counts as aborted). Call it once no ``write`` or ``finish``
+        of this writer is running, so that no part can land after the abort."""
         for part in self.parts:
             part.buf = None
+        with self._lock:
+            upload_id, completed = self._upload_id, self._completed
         if upload_id is None or completed:
             return
         try:
             self.store._call("AbortMultipartUpload", self.path,
                              self.store.client.abort_multipart_upload, Key=self.key,
                              UploadId=upload_id)
-        except OSError as exc:
-            warnings.warn(f"datastates: could not abort the upload of {self.path} ({exc}); it is "
-                          "aborted as stale by the next Checkpointer on this directory",
-                          RuntimeWarning, stacklevel=2)
+        except FileNotFoundError:
+            pass  # NoSuchUpload: an earlier abort did reach the service
+        with self._lock:
+            self._upload_id = None

@@ -10,6 +10,7 @@ Contract:
     server = start_server(tmpdir)   # blocks until the bucket answers signed requests
     server.client()                 # a boto3 S3 client for the endpoint
     server.kill(); server.restart() # crash and come back on the same data and ports
+    with server.paused(): ...       # SIGSTOP: connections are accepted, never answered
     server.stop()                   # stops the process (by pid) and removes its data dir
 """
 from __future__ import annotations
@@ -24,8 +25,9 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 READY_TIMEOUT_S = 60.0
 POLL_INTERVAL_S = 0.1
@@ -195,6 +197,28 @@ class Server:
         """SIGKILL the process (a crash, for tests that kill the server mid-save); data stays."""
         self._end(signal.SIGKILL)
 
+    def pause(self) -> None:
+        """SIGSTOP the process: its listening socket stays open, so the kernel still accepts
+        connections and buffers requests, but nothing is ever answered (a hung server)."""
+        if self._proc is None:
+            raise ServerStartError("pause(): the server is not running")
+        os.kill(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause` (harmless on a process that is not stopped)."""
+        if self._proc is not None:
+            os.kill(self._proc.pid, signal.SIGCONT)
+
+    @contextmanager
+    def paused(self) -> Iterator["Server"]:
+        """The server hung for the duration of the block; always resumed on the way out, so a
+        failing test cannot leave the session's server stopped for the tests after it."""
+        self.pause()
+        try:
+            yield self
+        finally:
+            self.resume()
+
     def restart(self) -> None:
         """Start again on the same data dir and ports after :meth:`kill`; blocks until ready."""
         if self._proc is not None:
@@ -203,6 +227,7 @@ class Server:
 
     def stop(self) -> None:
         """Stop the process (SIGTERM, then SIGKILL after a timeout) and remove the data dir."""
+        self.resume()  # a stopped process would not act on SIGTERM
         self._end(signal.SIGTERM)
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
