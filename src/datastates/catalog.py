@@ -15,9 +15,14 @@ The catalog also keeps the validated manifest of the newest checkpoint (read at 
 by the commit that wrote it), so that ``restore()`` of the latest checkpoint does not read and
 validate that manifest a second time; it is handed out only while its stamp is the one the last
 scan saw.
+
+A directory holding a ``manifest.json`` that does not read or validate is a damaged checkpoint
+(only a commit writes that file): the catalog keeps it as a :class:`DamagedCheckpoint`, never
+restores it, and says which of them are passed over when the latest checkpoint is chosen.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -27,6 +32,8 @@ from . import format as fmt
 from . import schema
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .store import LOCAL, Store
+
+log = logging.getLogger("datastates")
 
 
 @dataclass(frozen=True)
@@ -50,11 +57,24 @@ class DamagedCheckpoint:
     validate: it was committed once (only a commit writes that file) and is damaged now. It is
     never restored, but it is listed, fails ``verify``, is named in a WARNING when ``latest()``
     or ``restore()`` pass over it, and retention and ``delete()`` may remove it. ``reason`` is
-    the error that reading the manifest raised."""
+    the error that reading the manifest raised; ``mtime`` the modification time of its
+    ``manifest.json`` (None if it could not be read), which orders it among the others."""
 
     name: str
     path: str
     reason: str
+    mtime: float | None = None
+
+
+def human_bytes(n: int) -> str:
+    """A size as people read it in logs and listings: ``1536`` gives ``"1.5 KiB"``, ``512``
+    gives ``"512 B"`` (binary units up to TiB, one decimal)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
 
 
 def info_of(path: str, manifest: "schema.Manifest | dict") -> CheckpointInfo:
@@ -66,6 +86,28 @@ def info_of(path: str, manifest: "schema.Manifest | dict") -> CheckpointInfo:
                           created_unix=manifest.created_unix, world_size=manifest.world_size,
                           nbytes=manifest.nbytes, metadata=dict(manifest.metadata),
                           seq=manifest.seq)
+
+
+def examine(path: str, store: Store = LOCAL
+            ) -> tuple[CheckpointInfo | DamagedCheckpoint | None, schema.Manifest | None]:
+    """What the directory ``path`` holds: (info, its validated manifest) for a committed
+    checkpoint, (DamagedCheckpoint, None) when its ``manifest.json`` exists but does not read or
+    validate, (None, None) when it has no ``manifest.json`` (not a checkpoint, or deleted)."""
+    try:
+        manifest = fmt.read_manifest(path, store)
+    except CheckpointNotFoundError:
+        return None, None
+    except (CorruptCheckpointError, OSError) as exc:
+        return DamagedCheckpoint(os.path.basename(path), path, f"{type(exc).__name__}: {exc}",
+                                 _mtime(store, store.join(path, fmt.MANIFEST))), None
+    return info_of(path, manifest), manifest
+
+
+def _mtime(store: Store, path: str) -> float | None:
+    try:
+        return store.mtime(path)
+    except OSError:
+        return None
 
 
 def commit_order(info: CheckpointInfo):
@@ -128,6 +170,22 @@ class Catalog:
             return sorted((d for _, d in self._seen.values() if isinstance(d, DamagedCheckpoint)),
                           key=lambda d: d.name)
 
+    def passed_over(self, used: CheckpointInfo | None) -> list[DamagedCheckpoint]:
+        """The damaged checkpoints of the last :meth:`scan` that may be newer than ``used`` (the
+        checkpoint chosen as the latest; None: no readable one), by name.
+
+        A damaged checkpoint's commit sequence number is unreadable, so "newer" is decided by the
+        modification time of ``manifest.json``: a damaged one whose manifest was modified at or
+        after that of ``used`` (or whose time cannot be read) is passed over; an older one would
+        not have been chosen anyway. Damage written into a manifest renews its time, so it counts
+        as newer: the error errs towards naming a damaged checkpoint, never towards silence."""
+        found = self.damaged()
+        if used is None or not found:
+            return found
+        used_mtime = _mtime(self.store, self.store.join(used.path, fmt.MANIFEST))
+        return [d for d in found if d.mtime is None or used_mtime is None or
+                d.mtime >= used_mtime]
+
     def manifest(self, info: CheckpointInfo) -> "schema.Manifest | None":
         """The validated manifest of ``info`` (from the last scan or the commit that wrote it)
         if it is the newest checkpoint and its stamp is still the one that scan saw, else None
@@ -147,20 +205,25 @@ class Catalog:
             self._newest = (info, stamp, manifest)
 
     def _read(self, name: str, stamp: Any) -> CheckpointInfo | DamagedCheckpoint | None:
-        path = self.store.join(self.root, name)
-        try:
-            manifest = fmt.read_manifest(path, self.store)
-        except CheckpointNotFoundError:
-            return None  # the manifest went away since the listing: a deletion, not damage
-        except (CorruptCheckpointError, OSError) as exc:
-            return DamagedCheckpoint(name, path, f"{type(exc).__name__}: {exc}")
-        info = info_of(path, manifest)
-        self._keep(info, stamp, manifest)
-        return info
+        """None: the manifest went away since the listing (a deletion, not damage)."""
+        found, manifest = examine(self.store.join(self.root, name), self.store)
+        if manifest is not None:
+            self._keep(found, stamp, manifest)
+        return found
 
     def _committed(self) -> list[CheckpointInfo]:
         return sorted((info for _, info in self._seen.values()
                        if isinstance(info, CheckpointInfo)), key=commit_order)
+
+
+def log_passed_over(passed: list[DamagedCheckpoint], used: CheckpointInfo | None,
+                    caller: str) -> None:
+    """One WARNING on the ``datastates`` logger per damaged checkpoint ``caller`` (``latest()``,
+    ``restore()``...) passed over, naming it, why it is damaged and the checkpoint used."""
+    chosen = used.name if used is not None else "none (no readable checkpoint)"
+    for d in passed:
+        log.warning("%s passed over the damaged checkpoint %s at %s and used %s: %s", caller,
+                    d.name, d.path, chosen, d.reason)
 
 
 def list_checkpoints(root: str, store: Store = LOCAL) -> list[CheckpointInfo]:

@@ -15,11 +15,11 @@ from . import capture
 from . import commit as commit_mod
 from . import format as fmt
 from . import retention
+from .catalog import DamagedCheckpoint, log_passed_over
 from .config import CheckpointConfig
 from .dist import LocalCommunicator, StoreCommunicator
 from .engine import Pipeline
-from .errors import (CheckpointerClosedError, CheckpointExistsError, ConfigError,
-                     SerializationError)
+from .errors import CheckpointerClosedError, ConfigError, SerializationError
 from .flatten import Flattened, ObjectItem, TensorItem, flatten
 from .job import Job, SaveHandle
 from .planning import assign_replicated, plan_layout
@@ -180,12 +180,9 @@ class Checkpointer:
             raise TypeError("metadata must survive a JSON round trip unchanged (string keys; "
                             f"lists, not tuples): {metadata!r}")
         metadata = decoded  # exactly what a reader of the manifest will find
-        name = job_args["name"]
         # (an object store checks at commit instead: no request on the training thread)
-        if not job_args["overwrite"] and self.store.renames and \
-                os.path.exists(os.path.join(self.directory, name)):
-            raise CheckpointExistsError(f"checkpoint {name!r} already exists in "
-                                        f"{self.directory}; pass overwrite=True to replace it")
+        if self.store.renames:
+            commit_mod.check_name_free(self.directory, job_args["name"], job_args["overwrite"])
         flat = flatten(state, self.registry,
                        allow_unsafe=self.config.allow_unsafe_objects)
         _check_dtypes(flat.items)
@@ -292,8 +289,12 @@ class Checkpointer:
         is ``"rank0"`` or ``"same"``; only the requested ``keys`` are considered. An unknown
         ``rank_policy`` raises ConfigError before anything is read.
         """
-        with self._reader(step, tag, verify, trusted, safe_globals, None, rank_policy) as reader:
-            return reader.restore_into(state, keys=keys, strict=strict)
+        passed: list[DamagedCheckpoint] = []
+        with self._reader(step, tag, verify, trusted, safe_globals, None, rank_policy,
+                          "restore()", passed) as reader:
+            report = reader.restore_into(state, keys=keys, strict=strict)
+        report.passed_over = [d.name for d in passed]
+        return report
 
     def load(self, step: int | None = None, *, tag: str | None = None, keys=None,
              map_location: Any = None, verify: bool | None = None, trusted: bool = False,
@@ -305,13 +306,20 @@ class Checkpointer:
                           rank_policy) as reader:
             return reader.load(keys=keys)
 
-    def _reader(self, step, tag, verify, trusted, safe_globals, map_location, rank_policy):
+    def _reader(self, step, tag, verify, trusted, safe_globals, map_location, rank_policy,
+                caller: str = "load()", passed: list | None = None) -> Reader:
+        """The reader of the checkpoint asked for. Finding the latest, each damaged checkpoint
+        passed over is logged as a WARNING naming ``caller``, and appended to ``passed``."""
         self._check_open()
         _check_step(step)
         check_rank_policy(rank_policy)
         self._pipeline.drain()
         info = commit_mod.resolve(self.directory, step, tag, self.store, self._catalog)
         latest = step is None and tag is None  # found by a scan just now: the kept manifest holds
+        skipped = self._catalog.passed_over(info) if latest else []
+        log_passed_over(skipped, info, caller)
+        if passed is not None:
+            passed.extend(skipped)
         manifest = self._catalog.manifest(info) if latest else None
         return Reader(info.path, manifest=manifest, registry=self.registry, rank=self.rank,
                       store=self.store,
@@ -334,14 +342,36 @@ class Checkpointer:
         crash after a commit but before that file was rewritten still gives the new checkpoint,
         so the resume loop ``start = ckpt.restore(state).step + 1 if ckpt.latest() else 0``
         never saves a committed step twice (docs/format.md, "The resume loop"). None as well
-        when the directory does not exist yet."""
+        when the directory does not exist yet.
+
+        Damaged checkpoints are never chosen; each one that may be newer than the one returned
+        (:meth:`Catalog.passed_over`) is named in a WARNING on the ``datastates`` logger, with
+        why it is damaged and which checkpoint is used instead (``restore()`` and ``load()`` of
+        the latest do the same). The next save of a damaged checkpoint's name moves it aside
+        and commits, so the resume loop keeps running."""
         if not self.store.isdir(self.directory):
             return None
         found = self._catalog.scan()
-        return found[-1] if found else None
+        newest = found[-1] if found else None
+        log_passed_over(self._catalog.passed_over(newest), newest, "latest()")
+        return newest
+
+    def damaged(self) -> list[DamagedCheckpoint]:
+        """The damaged checkpoints of the directory, by name: directories whose
+        ``manifest.json`` exists but does not read or validate (one listing of the directory;
+        empty when it does not exist). They are never restored; ``delete()`` removes one."""
+        if not self.store.isdir(self.directory):
+            return []
+        self._catalog.scan()
+        return self._catalog.damaged()
 
     def delete(self, step: int | None = None, *, tag: str | None = None) -> None:
-        """Delete a committed checkpoint (rank 0 only does the work)."""
+        """Delete a checkpoint, committed or damaged (rank 0 only does the work).
+
+        Only a checkpoint is removed: a directory holding a ``manifest.json`` (on an object
+        store, a prefix holding one). A name under which there is none, or anything else (a
+        file, a symbolic link, a directory without a manifest) raises CheckpointNotFoundError
+        and nothing is removed."""
         name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
         if self.rank == 0:
             retention.delete(self.directory, name, self.config.fsync, self.store)
@@ -385,7 +415,8 @@ class Checkpointer:
             retention.apply_retention(self.directory, self.config.keep_last,
                                       self.config.keep_every, protect=job.name,
                                       fsync=self.config.fsync, store=self.store,
-                                      committed=job.committed)
+                                      committed=job.committed,
+                                      damaged=self._catalog.damaged())
         except Exception as exc:
             warnings.warn(f"datastates: {job.name!r} is committed, but applying retention in "
                           f"{self.directory} failed: {exc}", RuntimeWarning, stacklevel=2)

@@ -3,6 +3,7 @@
 checkpoints -- deletion, retention, stale temporaries -- is retention.py."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -11,13 +12,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import format as fmt
+from . import retention
 from . import schema
 from .catalog import Catalog, CheckpointInfo, info_of, list_checkpoints  # noqa: F401 (re-exported)
+from .catalog import DamagedCheckpoint, examine
 from .dist import abort_decision
 from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
 from .planning import check_replicas, check_same_save, check_tiling
 from .storage import fsync_dir, remove_tree
 from .store import LOCAL, Store
+
+log = logging.getLogger("datastates")
 
 
 @dataclass(frozen=True)
@@ -223,6 +228,30 @@ def tmp_dir(root: str, name: str, run_id: str, attempt: int, store: Store = LOCA
     return os.path.join(root, f".tmp.{name}.{run_id}-{attempt}")
 
 
+def check_name_free(root: str, name: str, overwrite: bool) -> None:
+    """Local store, at ``save()``: CheckpointExistsError if ``root/name`` is a committed
+    checkpoint and ``overwrite`` is False, or exists without being a checkpoint at all (no
+    ``manifest.json``: never replaced). A damaged checkpoint is no obstacle: the commit moves it
+    aside. Reads the manifest only when the name is taken and ``overwrite`` is False."""
+    path = os.path.join(root, name)
+    if not os.path.lexists(path):
+        return
+    if not os.path.lexists(os.path.join(path, fmt.MANIFEST)):
+        raise _not_a_checkpoint(path)
+    if overwrite:
+        return
+    found, _ = examine(path)
+    if isinstance(found, CheckpointInfo):
+        raise CheckpointExistsError(f"checkpoint {name!r} already exists in {root}; pass "
+                                    "overwrite=True to replace it")
+
+
+def _not_a_checkpoint(path: str) -> CheckpointExistsError:
+    return CheckpointExistsError(f"{path} exists and is not a checkpoint (it holds no "
+                                 f"{fmt.MANIFEST}); it is left alone: remove it or save under "
+                                 "another name")
+
+
 def publish(root: str, tmp: str, name: str, manifest: dict, *, overwrite: bool,
             fsync: bool, store: Store = LOCAL, catalog: Catalog | None = None) -> Published:
     """Make ``tmp`` the committed checkpoint ``root/name`` atomically.
@@ -232,7 +261,14 @@ def publish(root: str, tmp: str, name: str, manifest: dict, *, overwrite: bool,
     caller's dict describes the committed checkpoint. ``catalog``: the writer's catalog of
     ``root``, kept between commits, so that numbering the commit reads only the manifests that
     changed since the previous one (without it, every manifest of ``root`` is read); the new
-    checkpoint is recorded in it. The manifest is validated once, before it is written."""
+    checkpoint is recorded in it. The manifest is validated once, before it is written.
+
+    When ``root/name`` exists: a committed checkpoint is replaced only with ``overwrite``
+    (CheckpointExistsError otherwise); a damaged one (its ``manifest.json`` does not read or
+    validate) is replaced whatever ``overwrite`` says, its bytes kept -- moved aside to
+    ``.damaged.<name>.<uid>`` on a local disk (``retention.set_aside``), left to the cleanup of
+    stale data on an object store -- with a WARNING; a local directory that is no checkpoint
+    is never replaced (CheckpointExistsError)."""
     catalog = catalog if catalog is not None else Catalog(root, store)
     manifest["seq"] = max((i.seq for i in catalog.scan()), default=0) + 1
     publish_in = _publish_rename if store.renames else _publish_object
@@ -249,12 +285,18 @@ def _publish_rename(root: str, tmp: str, name: str, manifest: dict, overwrite: b
     data, parsed = fmt.encode_manifest_checked(manifest)
     stamp = store.write_atomic(os.path.join(tmp, fmt.MANIFEST), data, fsync)
     old = None
-    if os.path.exists(final):
-        if not overwrite:
+    if os.path.lexists(final):
+        found, _ = examine(final, store)
+        if isinstance(found, DamagedCheckpoint):
+            retention.set_aside(root, found, fsync)  # its bytes are kept, never replaced
+        elif found is None:
+            raise _not_a_checkpoint(final)
+        elif not overwrite:
             raise CheckpointExistsError(f"{final} already exists (committed meanwhile); pass "
                                         "overwrite=True to replace it")
-        old = os.path.join(root, f".old.{name}.{uuid.uuid4().hex[:8]}")
-        os.rename(final, old)
+        else:
+            old = os.path.join(root, f".old.{name}.{uuid.uuid4().hex[:8]}")
+            os.rename(final, old)
     try:
         os.rename(tmp, final)
     except BaseException:
@@ -286,15 +328,19 @@ def _publish_object(root: str, tmp: str, name: str, manifest: dict, overwrite: b
         old = fmt.read_manifest(final, store)
     except CheckpointNotFoundError:
         pass
-    except CorruptCheckpointError:
+    except CorruptCheckpointError as exc:
         old = False  # a damaged manifest: replace it, leave its data for clean_stale
-    if old is not None and not overwrite:
+        log.warning("the damaged checkpoint %s is replaced by a new save of that name (its data "
+                    "directories stay until the cleanup of stale data removes them): %s",
+                    final, exc)
+    if old and not overwrite:
         raise CheckpointExistsError(f"{final} already exists (committed meanwhile); pass "
                                     "overwrite=True to replace it")
     data, parsed = fmt.encode_manifest_checked(manifest)
     target = store.join(final, fmt.MANIFEST)
+    replace = overwrite or old is False
     try:  # without overwrite, the store refuses atomically if another writer committed meanwhile
-        stamp = (store.write_atomic if overwrite else store.write_new)(target, data, True)
+        stamp = (store.write_atomic if replace else store.write_new)(target, data, True)
     except FileExistsError:
         raise CheckpointExistsError(f"{final} was committed by another writer meanwhile; pass "
                                     "overwrite=True to replace it") from None
@@ -332,7 +378,8 @@ def latest(root: str, store: Store = LOCAL,
 def resolve(root: str, step: int | None = None, tag: str | None = None,
             store: Store = LOCAL, catalog: Catalog | None = None) -> CheckpointInfo:
     """Find a committed checkpoint by tag, by step, or the latest (``catalog``: as for
-    :func:`latest`)."""
+    :func:`latest`). CheckpointNotFoundError when there is none, naming the damaged
+    checkpoints found instead."""
     if tag is not None or step is not None:
         name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
         path = store.join(root, name)
@@ -347,7 +394,9 @@ def resolve(root: str, step: int | None = None, tag: str | None = None,
     if store.renames and not store.isdir(root):
         raise CheckpointNotFoundError(f"no committed checkpoint in {root!r}: the directory does "
                                       "not exist")
+    catalog = catalog if catalog is not None else Catalog(root, store)
     found = latest(root, store, catalog)
     if found is None:
-        raise CheckpointNotFoundError(f"no committed checkpoint in {root!r}")
+        damaged = "".join(f"; {d.name} is damaged ({d.reason})" for d in catalog.damaged())
+        raise CheckpointNotFoundError(f"no committed checkpoint in {root!r}{damaged}")
     return found

@@ -20,6 +20,7 @@ import torch
 
 from . import commit as commit_mod
 from . import format as fmt
+from .catalog import human_bytes
 from .dist import SaveId
 from .errors import CheckpointWriteError, CommitTimeoutError, DatastatesError
 from .flatten import Flattened, TensorItem
@@ -197,12 +198,11 @@ def _log_outcome(job: "Job", waited: bool) -> None:
     s = job.stats
     if job.error is None:
         rate = s.nbytes / s.commit_s / 1e9 if s.commit_s > 0 else 0.0
-        log.info("datastates: committed %s (rank %d): %d bytes, blocked %.1f ms, snapshot %.3f s, "
-                 "commit %.3f s, %.2f GB/s", job.name, job.rank, s.nbytes, s.blocked_s * 1e3,
+        log.info("committed %s (rank %d): %s, blocked %.1f ms, snapshot %.3f s, commit %.3f s, "
+                 "%.2f GB/s", job.name, job.rank, human_bytes(s.nbytes), s.blocked_s * 1e3,
                  s.snapshot_s, s.commit_s, rate)
     elif not waited:
-        log.warning("datastates: checkpoint %s failed on rank %d: %r", job.name, job.rank,
-                    job.error)
+        log.warning("checkpoint %s failed on rank %d: %r", job.name, job.rank, job.error)
 
 
 def write_error(job: "Job", what: str, exc: BaseException) -> BaseException:

@@ -4,18 +4,25 @@ left: temporary directories, interrupted deletions, a checkpoint whose replaceme
 between its two renames (put back), object-store data no manifest names, unfinished multipart
 uploads. commit.py makes checkpoints visible; this module takes them away (and puts back the one
 a crash caught being replaced).
+
+Only checkpoints are ever removed: a directory of the root counts as one when it holds a
+``manifest.json`` (committed, or damaged since), never merely because of its name. A damaged
+checkpoint whose name a new save needs is moved aside to ``.damaged.<name>.<uid>``, kept there
+for inspection and never removed by this module.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
+import stat
 import time
 import uuid
 import warnings
 
 from . import format as fmt
-from .catalog import CheckpointInfo, list_checkpoints
+from .catalog import Catalog, CheckpointInfo, DamagedCheckpoint, human_bytes
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .storage import fsync_dir, remove_tree
 from .store import LOCAL, Store
@@ -23,19 +30,26 @@ from .store import LOCAL, Store
 _OWNER_IN_NAME = re.compile(r"@(\d+)@([^@/]+)-\d+$")
 _OWNER_IN_TMP_FILE = re.compile(r"@(\d+)@([^@/]+)$")  # storage.write_file_atomic
 
+log = logging.getLogger("datastates")
+
 
 def delete(root: str, name: str, fsync: bool = True, store: Store = LOCAL) -> None:
-    """Remove a checkpoint atomically: rename it away (object stores: delete its manifest)
-    first, then delete the files."""
+    """Remove the checkpoint ``root/name`` atomically: rename it away (object stores: delete its
+    manifest) first, then delete the files.
+
+    Only a checkpoint is removed, committed or damaged: a directory (not a symbolic link) holding
+    a regular file ``manifest.json`` (object stores: a ``manifest.json`` object under the
+    prefix). Anything else raises CheckpointNotFoundError and nothing is removed."""
     path = store.join(root, fmt.check_name(name))
     if not store.renames:
         if not store.isfile(store.join(path, fmt.MANIFEST)):
-            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}")
+            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}: no "
+                                          f"{store.join(path, fmt.MANIFEST)}; nothing was "
+                                          "removed")
         store.remove(store.join(path, fmt.MANIFEST))
         trash = path
     else:
-        if not os.path.isdir(path):
-            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}")
+        _check_checkpoint_dir(root, name, path)
         trash = os.path.join(root, f".trash.{name}.{uuid.uuid4().hex[:8]}")
         os.rename(path, trash)
         if fsync:
@@ -48,24 +62,75 @@ def delete(root: str, name: str, fsync: bool = True, store: Store = LOCAL) -> No
                       exc.filename) from exc
 
 
+def _check_checkpoint_dir(root: str, name: str, path: str) -> None:
+    """CheckpointNotFoundError unless ``path`` is a directory, not a link, holding a regular
+    file ``manifest.json``."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}") from None
+    if not stat.S_ISDIR(mode):
+        raise CheckpointNotFoundError(f"{path} is not a checkpoint: expected a directory, found "
+                                      f"a {_kind(mode)}; nothing was removed")
+    manifest = os.path.join(path, fmt.MANIFEST)
+    try:
+        mode = os.lstat(manifest).st_mode
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path} is not a checkpoint: it holds no {fmt.MANIFEST} "
+                                      "(only a commit writes one); nothing was removed") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointNotFoundError(f"{path} is not a checkpoint: {manifest} is a "
+                                      f"{_kind(mode)}, expected a regular file; nothing was "
+                                      "removed")
+
+
+def _kind(mode: int) -> str:
+    kinds = ((stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "directory"),
+             (stat.S_ISREG, "regular file"), (stat.S_ISFIFO, "FIFO"))
+    return next((text for test, text in kinds if test(mode)), "special file")
+
+
+def set_aside(root: str, damaged: DamagedCheckpoint, fsync: bool) -> str:
+    """Local store: move the damaged checkpoint ``damaged`` out of the way of a new save of its
+    name, to ``root/.damaged.<name>.<uid>`` (never listed, never removed by datastates: its
+    bytes stay for inspection), with a WARNING naming the reason and the new path. Returns
+    the new path."""
+    aside = os.path.join(root, f".damaged.{damaged.name}.{uuid.uuid4().hex[:8]}")
+    os.rename(damaged.path, aside)
+    if fsync:
+        fsync_dir(root)
+    log.warning("the damaged checkpoint %s was moved to %s to make room for a new save of that "
+                "name: %s", damaged.name, aside, damaged.reason)
+    return aside
+
+
 def apply_retention(root: str, keep_last: int | None, keep_every: int | None,
                     protect: str, fsync: bool, store: Store = LOCAL,
-                    committed: list[CheckpointInfo] | None = None) -> list[str]:
+                    committed: list[CheckpointInfo] | None = None,
+                    damaged: list[DamagedCheckpoint] | None = None) -> list[str]:
     """Delete committed checkpoints beyond the policy; return the deleted names.
 
     ``committed``: the committed checkpoints of ``root``, oldest first, as the commit just made
-    saw them (``Published.committed``); None lists ``root``. A checkpoint of that list already
-    gone (deleted meanwhile by another process) is skipped, not an error.
+    saw them (``Published.committed``), and ``damaged`` the damaged ones that listing found
+    (``Catalog.damaged()``; None: none); with ``committed`` None, ``root`` is listed for both.
+    A checkpoint of those lists already gone (deleted meanwhile by another process) is skipped,
+    not an error.
 
     Keeps the ``keep_last`` most recently committed checkpoints (commit order, steps and tags
     alike), every checkpoint whose step is a multiple of ``keep_every``, and ``protect``. The
-    newest checkpoint is therefore never deleted. Also retries the removal of ``.trash.*`` left by
+    newest checkpoint is therefore never deleted. A damaged checkpoint is deleted when its
+    ``manifest.json`` is older (modification time) than that of each of the ``keep_last`` most
+    recent ones: it would have been deleted had it been readable; a newer one is kept for
+    inspection. One INFO record per deletion. Also retries the removal of ``.trash.*`` left by
     earlier deletions whose files could not be removed, so they do not accumulate unnoticed. Every
     deletion is attempted; then an OSError naming each path that could not be removed is raised."""
     if keep_last is None:
         return []
     failures = _remove_trash(root) if store.renames else []
-    found = committed if committed is not None else list_checkpoints(root, store)
+    if committed is None:
+        catalog = Catalog(root, store)
+        committed, damaged = catalog.scan(), catalog.damaged()
+    found = committed
     keep = {i.name for i in found[-keep_last:]} | {protect}
     if found:
         keep.add(found[-1].name)
@@ -75,17 +140,45 @@ def apply_retention(root: str, keep_last: int | None, keep_every: int | None,
             continue
         if keep_every and info.step is not None and info.step % keep_every == 0:
             continue
-        try:
-            delete(root, info.name, fsync, store)
+        if _remove(root, info.name, fsync, store, failures):
             removed.append(info.name)
-        except CheckpointNotFoundError:
-            continue  # deleted meanwhile by another process
-        except OSError as exc:
-            failures.append(exc)
+            log.info("retention deleted %s (%s of files)", info.name,
+                     human_bytes(info.nbytes))
+    for gone in _aged_out(damaged or [], found[-keep_last:], store):
+        if _remove(root, gone.name, fsync, store, failures):
+            removed.append(gone.name)
+            log.info("retention deleted the damaged checkpoint %s, older than every checkpoint "
+                     "kept: %s", gone.name, gone.reason)
     if failures:
         raise OSError(failures[0].errno, "retention could not remove: " +
                       "; ".join(str(e) for e in failures), failures[0].filename)
     return removed
+
+
+def _remove(root: str, name: str, fsync: bool, store: Store, failures: list) -> bool:
+    """Delete one checkpoint for retention: True if deleted; False if gone meanwhile or if it
+    failed (the OSError is appended to ``failures``)."""
+    try:
+        delete(root, name, fsync, store)
+        return True
+    except CheckpointNotFoundError:
+        return False  # deleted meanwhile by another process
+    except OSError as exc:
+        failures.append(exc)
+        return False
+
+
+def _aged_out(damaged: list[DamagedCheckpoint], window: list[CheckpointInfo],
+              store: Store) -> list[DamagedCheckpoint]:
+    """The damaged checkpoints whose manifest is older than the manifest of each checkpoint of
+    ``window`` (a stat per checkpoint of the window, only when there is damage)."""
+    if not damaged or not window:
+        return []
+    try:
+        oldest_kept = min(store.mtime(store.join(i.path, fmt.MANIFEST)) for i in window)
+    except OSError:
+        return []  # changed meanwhile: decide at the next commit
+    return [d for d in damaged if d.mtime is not None and d.mtime < oldest_kept]
 
 
 def _remove_trash(root: str) -> list[OSError]:

@@ -1,4 +1,5 @@
-"""What a user sees around saves: one log line per committed save, a warning when a failure
+"""What a user sees around saves: one log line per committed save and per checkpoint retention
+deletes (sizes in human units, no message repeating the logger's name), a warning when a failure
 happens that nobody is waiting for, and no folder created by a Checkpointer that only reads."""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import datastates
+from datastates.catalog import human_bytes
 
 CFG = datastates.CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=16 << 10)
 
@@ -34,11 +36,36 @@ def test_one_info_line_per_committed_save(tmp_path, caplog):
         handle = ck.save(_state(1), step=1)
         handle.wait()
         ck.save(_state(2), step=2).wait()
-    lines = [r for r in caplog.records if r.name == "datastates" and r.levelno == logging.INFO]
+    lines = [r for r in caplog.records if r.name == "datastates" and r.levelno == logging.INFO
+             and r.getMessage().startswith("committed ")]
     assert len(lines) == 2
-    text = lines[0].getMessage()
-    assert "committed step-0000000001" in text and "GB/s" in text and "blocked" in text
-    assert f" {handle.stats.nbytes} bytes" in text
+    s = handle.stats
+    assert s.nbytes == 80_000 and human_bytes(s.nbytes) == "78.1 KiB"
+    assert lines[0].getMessage() == (
+        f"committed step-0000000001 (rank 0): 78.1 KiB, blocked {s.blocked_s * 1e3:.1f} ms, "
+        f"snapshot {s.snapshot_s:.3f} s, commit {s.commit_s:.3f} s, "
+        f"{s.nbytes / s.commit_s / 1e9:.2f} GB/s")
+
+
+def test_human_bytes():
+    assert [human_bytes(n) for n in (0, 1023, 1024, 1536, 80_000, int(1.2 * 2**30), 5 << 40)] == \
+        ["0 B", "1023 B", "1.0 KiB", "1.5 KiB", "78.1 KiB", "1.2 GiB", "5.0 TiB"]
+
+
+def test_one_info_line_per_retention_deletion(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="datastates")
+    cfg = CFG.replace(keep_last=1)
+    with datastates.Checkpointer(tmp_path, cfg) as ck:
+        first = ck.save(_state(1), step=1).wait()
+        second = ck.save(_state(2), step=2).wait()
+        ck.save(_state(3), step=3).wait()
+    deleted = [r.getMessage() for r in caplog.records if r.name == "datastates" and
+               r.levelno == logging.INFO and r.getMessage().startswith("retention")]
+    assert deleted == [f"retention deleted step-0000000001 ({human_bytes(first.nbytes)} of files)",
+                       f"retention deleted step-0000000002 ({human_bytes(second.nbytes)} of files)"]
+    assert first.nbytes > 80_000  # the files: data, header, index
+    assert not [r for r in caplog.records if r.name.startswith("datastates") and
+                r.getMessage().startswith("datastates")]  # the logger's name is shown already
 
 
 def test_a_failure_nobody_waits_for_is_logged_when_it_happens(tmp_path, caplog, monkeypatch):
@@ -49,8 +76,9 @@ def test_a_failure_nobody_waits_for_is_logged_when_it_happens(tmp_path, caplog, 
         monkeypatch.undo()
         warned = [r for r in caplog.records if r.name == "datastates" and
                   r.levelno == logging.WARNING]
-        assert len(warned) == 1 and "step-0000000001" in warned[0].getMessage()
-        assert "injected checksum failure" in warned[0].getMessage()
+        assert len(warned) == 1
+        assert warned[0].getMessage() == ("checkpoint step-0000000001 failed on rank 0: "
+                                          "RuntimeError('injected checksum failure')")
         with pytest.raises(RuntimeError, match="injected checksum failure"):
             handle.wait()
 
