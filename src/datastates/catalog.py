@@ -178,7 +178,7 @@ class Catalog:
         modification time of ``manifest.json``: a damaged one whose manifest was modified at or
         after that of ``used`` (or whose time cannot be read) is passed over; an older one would
         not have been chosen anyway. Damage written into a manifest renews its time, so it counts
-        as newer: the error errs towards naming a damaged checkpoint, never towards silence."""
+        as newer: the rule errs towards naming a damaged checkpoint, never towards silence."""
         found = self.damaged()
         if used is None or not found:
             return found
