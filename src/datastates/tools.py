@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from . import commit as commit_mod
 from . import format as fmt
-from .catalog import Catalog, CheckpointInfo, DamagedCheckpoint, info_of
+from .catalog import Catalog, CheckpointInfo, DamagedCheckpoint, human_bytes, info_of  # noqa: F401 (human_bytes: the CLI)
 from .errors import CheckpointNotFoundError, ConfigError, DatastatesError
 from .schema import TensorEntry
 from .store import LOCAL, normalize, open_store
@@ -306,16 +306,6 @@ def render_inspect(summary: dict) -> str:
 
 def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def human_bytes(n: int) -> str:
-    """``1536`` → ``"1.5 KiB"``."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
 
 
 # ---------------------------------------------------------------- DCP folders

@@ -182,7 +182,7 @@ class PathCheckpoints:
             first, rest = self._errors[0], self._errors[1:]
             self._errors.clear()
         for other in rest:
-            log.error("datastates: another checkpoint also failed: %r", other)
+            log.error("another checkpoint also failed: %r", other)
         raise first
 
     @property
@@ -312,4 +312,4 @@ class _Finisher:
                 try:
                     ckpt.close()
                 except BaseException as exc:
-                    log.error("datastates: closing the checkpointer of %s failed: %r", root, exc)
+                    log.error("closing the checkpointer of %s failed: %r", root, exc)

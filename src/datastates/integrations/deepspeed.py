@@ -350,4 +350,4 @@ def _wait_at_exit(ref) -> None:
     try:
         engine.close()
     except BaseException as exc:  # at exit: report, never raise
-        log.error("datastates: a DeepSpeed checkpoint failed before exit: %r", exc)
+        log.error("a DeepSpeed checkpoint failed before exit: %r", exc)

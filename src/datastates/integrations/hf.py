@@ -101,7 +101,7 @@ class DatastatesTrainer(Trainer):
         thread.start()
         self._ds_threads.append(thread)
         if self.args.push_to_hub:
-            log.warning("datastates: push_to_hub of intermediate checkpoints is not supported; "
+            log.warning("push_to_hub of intermediate checkpoints is not supported; "
                         "the final model is pushed by save_model()/push_to_hub() as usual")
 
     def _ds_state(self, for_restore: bool = False) -> dict:
