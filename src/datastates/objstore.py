@@ -30,9 +30,9 @@ MIN_PART = 5 << 20      # S3: every part but the last is at least 5 MiB ...
 MAX_PARTS = 10_000      # ... and an upload has at most 10,000 parts
 _DELETE_BATCH = 1000    # keys per DeleteObjects request
 #: The request limits ``storage_options`` may change. A healthy server answers a 64 MiB part within
-#: half a second of its last byte (measured on the test server, docs/storage.md): 20 s leaves a wide
-#: margin for a loaded one, and every send is a 16 KiB block, so a slow link is never a timeout.
-DEFAULT_LIMITS = {"connect_timeout": 5.0, "read_timeout": 20.0, "max_attempts": 3}
+#: half a second of its last byte (measured on the test server, docs/storage.md): 10 s leaves a 20x
+#: margin for a loaded one while a hung server fails a request in about 30 s, and every send is a 16 KiB block, so a slow link is never a timeout.
+DEFAULT_LIMITS = {"connect_timeout": 5.0, "read_timeout": 10.0, "max_attempts": 3}
 # what storage_options takes: the first five go to the boto3 client as they are
 _OPTION_KEYS = ("endpoint_url", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
                 "region_name", "addressing_style", *DEFAULT_LIMITS)

@@ -65,11 +65,11 @@ def tensors(seed: int, count: int, numel: int) -> dict:
 
 
 def test_default_request_limits_fail_in_seconds(s3_server, s3_root):
-    """Without options a request stalls at most 5 s connecting or sending, 20 s waiting for the
+    """Without options a request stalls at most 5 s connecting or sending, 10 s waiting for the
     reply, and is tried 3 times; each limit can be set in storage_options, and is validated."""
     with Checkpointer(s3_root, storage_options=storage_options(s3_server)) as ckpt:
         config = ckpt.store.client.meta.config
-        assert (config.connect_timeout, config.read_timeout) == (5.0, 20.0)
+        assert (config.connect_timeout, config.read_timeout) == (5.0, 10.0)
         assert config.retries["total_max_attempts"] == 3
     with Checkpointer(s3_root, storage_options={**storage_options(s3_server), **FAST}) as ckpt:
         config = ckpt.store.client.meta.config
