@@ -98,6 +98,20 @@ def _as_numpy(tensor: torch.Tensor, entry: TensorEntry, where: str) -> Any:
     return tensor.numpy()
 
 
+def _bytes_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The memory of the contiguous CPU tensor ``t`` as a flat uint8 tensor on it (no copy), or
+    None when torch cannot view it so. A contiguous tensor may carry any stride in a dimension
+    of size 1 (``x.t()[2:3, :1]``), which ``view(torch.uint8)`` refuses for elements wider than
+    a byte: its elements still fill one dense range, viewed here with stride 1."""
+    flat = t.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = t.as_strided((t.numel(),), (1,))
+    try:
+        return flat.view(torch.uint8)
+    except RuntimeError:
+        return None
+
+
 class _Rebuild:
     """A provider's ``rebuild(state)``, done once, after the reads (``_Plan.resolve``)."""
 
@@ -389,7 +403,8 @@ class _Plan:
         """Schedule reads filling ``dest``, the box of the global tensor at ``box_offset``
         (the whole tensor by default), from every saved shard that overlaps it."""
         box_offset = tuple(box_offset) if box_offset is not None else (0,) * dest.dim()
-        direct = dest.device.type == "cpu" and dest.is_contiguous()
+        direct = dest.device.type == "cpu" and dest.is_contiguous() and \
+            _bytes_of(dest) is not None
         target = dest if direct else torch.empty(dest.shape, dtype=dest.dtype)
         if not direct:
             self.post_copies.append(lambda d=dest, s=target: d.copy_(s))
@@ -419,8 +434,7 @@ class _Plan:
         if s_off == box_offset and s_shape == tuple(target.shape):  # the same box: read in place
             if numel:
                 self.reads.append(_Read(shard.file, shard.offset, shard.nbytes,
-                                        target.reshape(-1).view(torch.uint8), shard.checksums,
-                                        key))
+                                        _bytes_of(target), shard.checksums, key))
             return numel
         if (target.dim() and s_shape[1:] == tuple(target.shape[1:]) and
                 s_off[1:] == box_offset[1:] and lo[0] == s_off[0] and
@@ -428,7 +442,7 @@ class _Plan:
             # The whole shard is a run of full rows of the target: read it straight into them.
             row = shard.nbytes // s_shape[0] if s_shape[0] else 0
             start = (s_off[0] - box_offset[0]) * row
-            flat = target.reshape(-1).view(torch.uint8)
+            flat = _bytes_of(target)
             self.reads.append(_Read(shard.file, shard.offset, shard.nbytes,
                                     flat[start:start + shard.nbytes], shard.checksums, key))
             return numel
@@ -443,10 +457,15 @@ class _Plan:
                 last = pos + length
                 pieces.append([length, crc])
             pos += length
-        buf = torch.empty(last - first, dtype=torch.uint8)
-        self.reads.append(_Read(shard.file, shard.offset + first, last - first, buf, pieces,
-                                key))
-        rows = buf[r0 * row - first:r1 * row - first].view(target.dtype)
+        # A piece may start inside an element (the format bounds pieces in bytes only): the
+        # buffer starts ``lead`` bytes early, so that the rows land at an offset that is a
+        # multiple of the element size and can be viewed as elements.
+        lead = first % elem
+        buf = torch.empty(lead + last - first, dtype=torch.uint8)
+        self.reads.append(_Read(shard.file, shard.offset + first, last - first, buf[lead:],
+                                pieces, key))
+        start = lead + r0 * row - first
+        rows = buf[start:start + (r1 - r0) * row].view(target.dtype)
         rows = rows.reshape((r1 - r0,) + s_shape[1:])
         src, dst = rows, target
         for dim in range(target.dim()):
