@@ -16,6 +16,7 @@ from . import commit as commit_mod
 from . import format as fmt
 from . import retention
 from .catalog import DamagedCheckpoint, log_passed_over
+from .checks import MAX_TREE_DEPTH
 from .config import CheckpointConfig
 from .dist import LocalCommunicator, StoreCommunicator
 from .engine import Pipeline
@@ -136,7 +137,7 @@ class Checkpointer:
         if step is None and tag is None:
             raise ValueError("save() needs a step or a tag")
         _check_step(step)
-        name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
+        name = _check_tag(tag) if tag is not None else fmt.step_name(step)
         self._report_dropped_failures()
         self._bound_pending()
         # From here on the save has an identity: a failure still takes part in its commit round,
@@ -175,6 +176,7 @@ class Checkpointer:
         """Validate, walk and plan one save on the training thread (the part that may fail)."""
         if metadata is not None and not isinstance(metadata, dict):
             raise TypeError(f"metadata must be a dict, found {type(metadata).__qualname__}")
+        _check_depth(metadata or {})
         decoded = json.loads(fmt.encode_json(metadata or {}))
         if decoded != (metadata or {}):  # fail now, not in background
             raise TypeError("metadata must survive a JSON round trip unchanged (string keys; "
@@ -371,7 +373,12 @@ class Checkpointer:
         Only a checkpoint is removed: a directory holding a ``manifest.json`` (on an object
         store, a prefix holding one). A name under which there is none, or anything else (a
         file, a symbolic link, a directory without a manifest) raises CheckpointNotFoundError
-        and nothing is removed."""
+        and nothing is removed. Exactly one of ``step`` and ``tag`` names it: neither or both
+        raise ConfigError, and so does an invalid step or tag, before anything is removed."""
+        if (step is None) == (tag is None):
+            raise ConfigError(f"delete() needs exactly one of step= or tag= to name the "
+                              f"checkpoint; found step={step!r}, tag={tag!r}")
+        _check_step(step)
         name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
         if self.rank == 0:
             retention.delete(self.directory, name, self.config.fsync, self.store)
@@ -471,9 +478,52 @@ def _check_directory(path: str) -> None:
                                  f"{existing} is a file, expected a directory", path)
 
 
+#: Largest step: the manifest holds a signed 64-bit step (docs/format.md), and a reader refuses
+#: any other.
+MAX_STEP = (1 << 63) - 1
+#: Longest tag, in UTF-8 bytes: the checkpoint's temporary names add the writer's run id (which
+#: holds the host name) to it, and must stay within the 255 bytes a file name may have.
+MAX_TAG_BYTES = 128
+#: Deepest nesting of ``metadata`` (a reader's JSON decoder gives up near 1000 levels, fewer the
+#: deeper its own stack): the depth the format allows for state trees.
+MAX_METADATA_DEPTH = MAX_TREE_DEPTH
+
+
 def _check_step(step) -> None:
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        raise ValueError(f"step must be a non-negative int, found {step!r}")
+    """``step`` is None or what a reader accepts: an int (not a bool) in [0, MAX_STEP]."""
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or
+                             not 0 <= step <= MAX_STEP):
+        raise ConfigError(f"step must be an int in [0, 2**63 - 1], found {step!r}")
+
+
+def _check_tag(tag) -> str:
+    """The name of a save's ``tag``: a valid checkpoint name (``format.check_name``) whose
+    temporaries can exist, at most MAX_TAG_BYTES in UTF-8; ConfigError otherwise."""
+    try:
+        name = fmt.check_name(tag)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if size > MAX_TAG_BYTES:
+        raise ConfigError(f"invalid checkpoint name {name[:40] + '...'!r}: {size} bytes in "
+                          f"UTF-8, expected at most {MAX_TAG_BYTES} (its temporary names must "
+                          "fit the file system's 255-byte limit)")
+    return name
+
+
+def _check_depth(metadata: dict) -> None:
+    """ConfigError when ``metadata`` nests dicts and lists deeper than MAX_METADATA_DEPTH."""
+    level, depth = [metadata], 1
+    while level:
+        if depth > MAX_METADATA_DEPTH:
+            raise ConfigError(f"metadata nests deeper than {MAX_METADATA_DEPTH} levels; a "
+                              "reader could not decode it")
+        below: dict[int, Any] = {}  # each container once per level, even if it holds itself
+        for value in level:
+            for child in value.values() if isinstance(value, dict) else value:
+                if isinstance(child, (dict, list, tuple)):
+                    below[id(child)] = child
+        level, depth = list(below.values()), depth + 1
 
 
 def _check_dtypes(items) -> None:
