@@ -33,14 +33,24 @@ log = logging.getLogger("datastates")
 
 @dataclass
 class SaveStats:
-    """Timings of one save, in seconds from the moment ``save()`` was entered."""
+    """Timings of one save, in seconds from the moment ``save()`` was entered, and what this
+    rank wrote."""
 
     blocked_s: float = 0.0   #: how long save() blocked the caller
     snapshot_s: float = 0.0  #: until the state was captured in host memory
     commit_s: float = 0.0    #: until the checkpoint was durable and committed
     step_wait_s: float = 0.0  #: time guarded optimizer steps waited for this snapshot
-    nbytes: int = 0          #: tensor and object bytes of this rank
-    files: int = 1           #: shard files written by this rank
+    #: tensor and object bytes this rank writes: a tensor declared replicated counts on the one
+    #: rank that writes it, a shard that another rank writes (``primary=False``) on that rank,
+    #: so the ranks' ``nbytes`` add up to the checkpoint's tensor and object bytes
+    nbytes: int = 0
+    #: files this rank wrote into the committed checkpoint: its shard file, and on rank 0 the
+    #: manifest too (the ranks' ``files`` add up to the files of the checkpoint); 0 until the
+    #: save is committed
+    files: int = 0
+    #: size of this rank's shard file (header, tensors, objects, alignment padding, index): the
+    #: ranks' ``file_nbytes`` add up to ``CheckpointInfo.nbytes``; 0 until the file is written
+    file_nbytes: int = 0
     #: tensor bytes of this rank captured lazily (after save() returned); the other tensor
     #: bytes were copied into the host cache inside save()
     lazy_nbytes: int = 0
@@ -73,7 +83,8 @@ class Job:
         self.metadata, self.overwrite, self.ready, self.t0 = metadata, overwrite, ready, t0
         #: Rank 0, commit thread, after the checkpoint became visible (latest, retention).
         self.on_commit = on_commit
-        self.stats = SaveStats(nbytes=sum(i.nbytes for i in flat.items))
+        self.stats = SaveStats(nbytes=sum(flat.items[i].nbytes for i in write_tensors) +
+                               sum(flat.items[i].nbytes for i in objects))
         #: The leading units of the layout that hold eager tensors; once they are in the cache
         #: (or written), ``eager_captured`` is set and ``save()`` may return.
         self.eager_units = eager_units
@@ -186,6 +197,8 @@ class Job:
 
     def finish(self) -> None:
         self.stats.commit_s = time.perf_counter() - self.t0
+        if self.error is None:  # committed: rank 0 wrote the manifest as well
+            self.stats.files = 2 if self.rank == 0 else 1
         with self._lock:
             waited = self.waiters > 0
         _log_outcome(self, waited)
@@ -352,6 +365,7 @@ def finish_file(job: Job, fsync: bool) -> dict | None:
     job.writer.write(memoryview(fmt.pack_header(job.layout.index_offset, index)), 0)
     size = job.layout.index_offset + len(index)
     job.writer.finish(fsync, size)
+    job.stats.file_nbytes = size
     return {"rank": job.rank, "entries": entries, "tree": job.flat.tree,
             "file": {"name": fmt.shard_file_name(job.rank), "nbytes": size,
                      "index_crc32": fmt.crc32(index)}}
