@@ -54,10 +54,14 @@ class CheckpointConfig:
     replica_check: bool = True
     #: Temporaries older than this are removed when a Checkpointer opens the directory.
     stale_tmp_age_s: float = 24 * 3600.0
-    #: "auto": lazy items are captured in the background only when an optimizer guard protects
-    #: them (an optimizer in the saved state, or one passed to guard()); otherwise save()
-    #: returns after the snapshot. "always": always lazy (the caller promises to call
-    #: wait_snapshot() before mutating). "never": capture everything before save() returns.
+    #: Whether ``save()`` waits for the lazy tensors of its state. It never changes which tensors
+    #: are lazy: the capture rule decides that (README, "What is captured lazily"). "auto":
+    #: ``save()`` returns before they are copied when this Checkpointer guards an optimizer (one
+    #: part of a save, or passed to guard(); its next step waits for the copy), and waits for the
+    #: whole snapshot otherwise. "always": ``save()`` never waits for them, guarded or not; the
+    #: caller calls ``handle.wait_snapshot()`` before changing a lazy tensor that no guarded
+    #: step protects (a tensor marked with ``datastates.lazy``). "never": ``save()`` returns once
+    #: the whole snapshot is in the host cache.
     lazy: str = "auto"
     #: Let save() pickle Python objects that restore()'s default safe loading refuses (classes
     #: outside its allowlist, a torch DataLoader). False: save() raises UnsafeObjectError for

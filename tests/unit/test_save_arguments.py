@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+import datastates
 from datastates import Checkpointer, CheckpointConfig, ConfigError
 
 SMALL = CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
@@ -122,3 +123,25 @@ def test_delete_needs_exactly_one_of_step_and_tag(root):
         ckpt.delete(tag="best")
         ckpt.delete(step=1)
         assert ckpt.list() == []
+
+
+# ---------------------------------------------------------------- lazy=
+
+@pytest.mark.parametrize("lazy", ["auto", "always", "never"])
+def test_lazy_setting_changes_when_save_returns_not_what_is_lazy(root, lazy):
+    """The same tensors are lazy under every setting (the marked one; the plain one stays
+    eager); "auto" without a guarded optimizer and "never" return with the snapshot complete;
+    under "always" wait_snapshot() makes changing the lazy tensor safe."""
+    plain, marked = torch.arange(64.0), torch.arange(128.0)
+    with Checkpointer(root, SMALL.replace(lazy=lazy)) as ckpt:
+        handle = ckpt.save({"plain": plain, "marked": datastates.lazy(marked)}, step=1)
+        assert handle.stats.lazy_nbytes == marked.numel() * 4
+        if lazy != "always":
+            assert handle.snapshot_done()
+        handle.wait_snapshot()
+        plain.add_(1)
+        marked.add_(1)
+        handle.wait(60)
+        loaded = ckpt.load(step=1)
+    assert torch.equal(loaded["plain"], torch.arange(64.0))
+    assert torch.equal(loaded["marked"], torch.arange(128.0))
