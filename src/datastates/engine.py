@@ -310,9 +310,9 @@ class Pipeline:
             if release_first:
                 self._release(job)
             self._tidy(job)
+            self._retry_leftovers(warn=False)  # before the release: wait() sees it done
             if not release_first:
                 self._release(job)
-            self._retry_leftovers(warn=False)
 
     def _release(self, job: Job) -> None:
         job.finish()
