@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 
 from . import commit as commit_mod
 from . import format as fmt
-from .catalog import Catalog, CheckpointInfo, DamagedCheckpoint, human_bytes, info_of  # noqa: F401 (human_bytes: the CLI)
+from .catalog import (Catalog, CheckpointInfo, DamagedCheckpoint, human_bytes,  # noqa: F401 (the CLI)
+                      info_of, log_passed_over)
 from .errors import CheckpointNotFoundError, ConfigError, DatastatesError
 from .schema import TensorEntry
 from .store import LOCAL, normalize, open_store
@@ -93,6 +94,7 @@ def select(path: str | os.PathLike, step: int | None = None, tag: str | None = N
     if every or _is_tag_folder(found) or not (store.isfile(store.join(path, fmt.LATEST)) or
                                                all(_is_step_name(i.name) for i in found)):
         return Selection(found, damaged)
+    log_passed_over(catalog.passed_over(found[-1]), found[-1], f"finding the newest in {path}")
     return Selection([found[-1]], damaged)
 
 

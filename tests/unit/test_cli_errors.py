@@ -145,3 +145,23 @@ def test_inspect_json_into_a_closed_pipe_is_quiet(tmp_path):
     proc.stderr.close()
     assert proc.wait(timeout=300) == EXIT_OK
     assert err == "", err
+
+
+def test_inspect_and_export_of_the_newest_name_a_damaged_newer_checkpoint(tmp_path, capsys, caplog):
+    """The newest readable checkpoint is used, and the damaged newer one is named on stderr
+    (a WARNING: the CLI prints it through logging's last-resort handler)."""
+    root = tmp_path / "ckpts"
+    with Checkpointer(root, CFG) as ck:
+        for step in (1, 2):
+            ck.save({"w": torch.full((4,), float(step))}, step=step).wait()
+    manifest = root / "step-0000000002" / "manifest.json"
+    raw = bytearray(manifest.read_bytes())
+    raw[30] ^= 1
+    manifest.write_bytes(bytes(raw))
+    code, out, _ = _run(capsys, "inspect", root, "--json")
+    assert code == EXIT_OK and json.loads(out)["name"] == "step-0000000001"
+    code, out, _ = _run(capsys, "export", root, "--to", "torch", tmp_path / "w.pt")
+    assert code == EXIT_OK and torch.equal(torch.load(tmp_path / "w.pt")["w"], torch.full((4,), 1.0))
+    named = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(named) == 2 and all("passed over the damaged checkpoint step-0000000002" in m
+                                   and "used step-0000000001" in m for m in named), named
