@@ -251,8 +251,14 @@ class Reader:
         else:
             with ThreadPoolExecutor(min(self.threads, len(groups)),
                                     thread_name_prefix="datastates-reader") as pool:
-                for f in [pool.submit(self._read_group, g) for g in groups]:
-                    f.result()
+                futures = [pool.submit(self._read_group, g) for g in groups]
+                try:
+                    for f in futures:
+                        f.result()
+                except BaseException:
+                    for f in futures:  # runs not started never start: a failing store is not
+                        f.cancel()     # asked again for each of them
+                    raise
         for fix in post_copies:
             fix()
 
