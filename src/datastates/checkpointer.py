@@ -148,7 +148,8 @@ class Checkpointer:
                         tmp=commit_mod.tmp_dir(self.directory, name, self.comm.run_id,
                                                sid.attempt, self.store), store=self.store,
                         overwrite=overwrite, t0=t0, deadline=deadline,
-                        on_commit=self._after_commit, catalog=self._catalog)
+                        on_commit=self._after_commit, catalog=self._catalog,
+                        digest_replicas=self.config.replica_check and self.world_size > 1)
         try:
             job = self._plan_job(state, metadata, replicated, optimizers, job_args)
         except BaseException as exc:
@@ -158,13 +159,16 @@ class Checkpointer:
             failed.error = exc
             self._pipeline.submit_failed(failed)
             raise
+        try:
+            self._pipeline.submit(job)
+        except CheckpointerClosedError as exc:  # the owner closed while this save was planning
+            job.abandon(exc)
+            raise
         handle = SaveHandle(job)
         self._pending.append(handle)
-        self._pipeline.submit(job)
         job.stats.lazy_nbytes = sum(job.flat.items[i].nbytes for i in job.write_tensors
                                     if job.flat.items[i].lazy)
-        lazy = any(job.flat.items[i].lazy for i in job.write_tensors)
-        if lazy and (self.config.lazy == "never" or
+        if job.reads_lazy() and (self.config.lazy == "never" or
                      (self.config.lazy == "auto" and not self._guarded)):
             job.captured.wait()
         else:

@@ -5,12 +5,15 @@ messages through a c10d ``Store`` (the TCPStore that ``torch.distributed`` alrea
 in-process ``HashStore`` for one process) with explicit deadlines, so a dead rank produces an error
 naming it instead of a hang.
 
-One save is one *round*, named by its :class:`SaveId` (run id, directory, name, attempt → nonce),
-which every rank derives on its own at ``save()``: no collective is needed to agree on it, and a
-rank that skips a save or calls another step simply writes under another nonce. Keys of a round::
+One save is one *round*, named by its :class:`SaveId` (run id, name, attempt → nonce), which every
+rank derives on its own at ``save()``: no collective is needed to agree on it, and a rank that
+skips a save or calls another step simply writes under another nonce. The directory is not part
+of it: ranks may spell one shared directory differently (a link, another mount point), and
+whether they write into one directory is checked by rank 0's review instead. Keys of a round::
 
     <nonce>/r<k>       rank k's report (its file, entries, or its error)        written by rank k
     <nonce>/decision   the verdict: {"pending"} then commit/abort               compare-and-set
+    <nonce>/beat       rank 0's heartbeat while it publishes (a counter)          rank 0
     <nonce>/done       how many ranks have taken the verdict (last one deletes the round's keys)
     announce/r<k>      the last save rank k reported (to explain a mismatch)
     orphans/n, orphans/<i>  rounds some rank never finished; rank 0 deletes their keys later
@@ -18,7 +21,10 @@ rank that skips a save or calls another step simply writes under another nonce. 
 The decision key is the arbiter. Rank 0 claims it with ``{"pending"}`` (compare-and-set on an
 absent key) before it renames anything, then overwrites it with the final verdict; a rank whose
 deadline passes without a decision claims it with an abort. Whoever claims first wins, so rank 0
-never commits a save that another rank has already given up on. If the store becomes unreachable
+never commits a save that another rank has already given up on. Once rank 0 has claimed it, the
+others wait for the final verdict however long the publish takes (its deadline no longer applies:
+rank 0 may be committing); rank 0 beats a counter meanwhile, and only a silence of the heartbeat
+(``max(timeout_s, silent_s)``) makes them stop waiting. If the store becomes unreachable
 (rank 0 hosts it with ``init_method="env://"`` and its process may exit right after ``wait()``),
 the other ranks read the verdict from the disk: the committed manifest records the nonce.
 """
@@ -48,8 +54,8 @@ def new_run_id() -> str:
 class SaveId:
     """The identity of one save, derived independently and identically on every rank.
 
-    ``attempt`` counts this rank's earlier saves of the same name in the same directory during
-    this run (saving a name again with ``overwrite=True`` is a new save); ``ordinal`` counts all
+    ``attempt`` counts this rank's earlier saves of the same name during this run, in any
+    directory (saving a name again with ``overwrite=True`` is a new save); ``ordinal`` counts all
     of this rank's saves (only used to explain mismatches). ``nonce`` names the round's keys and
     is recorded in the committed manifest as ``save_id``."""
 
@@ -98,13 +104,16 @@ class StoreCommunicator:
     #: A waiting rank polls the store every ``poll_s``, backing off to ``max_poll_s`` (so a
     #: long write by rank 0 does not flood the store with requests from every rank).
     poll_s, max_poll_s = 0.002, 0.05
+    #: Rank 0 beats every ``beat_s`` while it publishes; the others take a heartbeat silent for
+    #: ``max(timeout_s, silent_s)`` as rank 0's death.
+    beat_s, silent_s = 1.0, 10.0
 
     def __init__(self, store, rank: int, world_size: int, run_id: str):
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.run_id = run_id
-        self._attempts: dict[tuple[str, str], int] = {}
+        self._attempts: dict[str, int] = {}
         self._ordinal = 0
         self._lock = threading.Lock()
         self._swept = 0  # rank 0: orphan slots already cleaned
@@ -124,19 +133,21 @@ class StoreCommunicator:
 
     # ------------------------------------------------------------ identity
     def save_id(self, directory: str, name: str, step: int | None) -> SaveId:
-        """The identity of this rank's next save of ``name`` in ``directory`` (counts it)."""
+        """The identity of this rank's next save of ``name`` (counts it). ``directory`` is
+        where it goes, and deliberately not part of the identity: each rank names it in its own
+        spelling (the review checks that the files meet in one directory)."""
         with self._lock:
-            attempt = self._attempts.get((directory, name), 0)
-            self._attempts[(directory, name)] = attempt + 1
+            attempt = self._attempts.get(name, 0)
+            self._attempts[name] = attempt + 1
             ordinal, self._ordinal = self._ordinal, self._ordinal + 1
-        digest = hashlib.sha256(f"{self.run_id}\0{directory}\0{name}\0{attempt}".encode())
+        digest = hashlib.sha256(f"{self.run_id}\0{name}\0{attempt}".encode())
         return SaveId(self.run_id, name, step, attempt, digest.hexdigest()[:24], ordinal)
 
     @staticmethod
     def round_keys(nonce: str, world_size: int) -> list[str]:
         """Every key a round may create (for cleanup and for tests)."""
         return [f"{nonce}/r{r}" for r in range(world_size)] + [f"{nonce}/decision",
-                                                               f"{nonce}/done"]
+                                                               f"{nonce}/beat", f"{nonce}/done"]
 
     # ------------------------------------------------------------ one round
     def agree(self, sid: SaveId, report: dict, deadline: float, timeout_s: float, *,
@@ -196,11 +207,14 @@ class StoreCommunicator:
             return self._lost(sid, exc, None)
         if claimed != PENDING:
             return claimed  # ours, or an abort claimed first by a rank whose deadline passed
+        beating = self._heartbeat(sid)
         try:
             final = commit(reports)
         except BaseException as exc:
             final = abort_decision("commit", f"committing {sid.name!r} failed on rank 0: {exc}",
                                    {0: repr(exc)})
+        finally:
+            beating()
         try:
             self._set_json(f"{sid.nonce}/decision", final)
         except Exception:
@@ -227,18 +241,44 @@ class StoreCommunicator:
             time.sleep(delay)  # polling store keys, not synchronizing on time
             delay = min(delay * 1.5, self.max_poll_s)
 
+    def _heartbeat(self, sid: SaveId) -> Callable[[], None]:
+        """Rank 0, from its claim of the decision: beat ``<nonce>/beat`` every ``beat_s`` in a
+        thread, so that the other ranks keep waiting for a publish that outlasts the deadline.
+        Returns the call that stops the beating (it returns once no beat can follow)."""
+        if self.world_size == 1:
+            return lambda: None
+        stop = threading.Event()
+
+        def beat():
+            while not stop.wait(self.beat_s):
+                try:
+                    self.store.add(f"{sid.nonce}/beat", 1)
+                except Exception:
+                    return  # the store is gone: the others read the verdict from the disk
+        thread = threading.Thread(target=beat, name="datastates-heartbeat", daemon=True)
+        thread.start()
+
+        def halt():
+            stop.set()
+            thread.join()
+        return halt
+
     def _await(self, sid: SaveId, deadline: float, timeout_s: float) -> dict | None:
-        """Non-zero rank: wait for the verdict; claim an abort when the deadline passes."""
+        """Non-zero rank: wait for the verdict; claim an abort when the deadline passes before
+        rank 0 claimed the decision. After its claim, wait for the final verdict while rank 0's
+        heartbeat goes on; None once it fell silent (rank 0 died while publishing)."""
         key = f"{sid.nonce}/decision"
-        claimed_at = None
+        beat, heard_at = None, None
         delay = self.poll_s
         while True:
             decision = self._get_json(key)
             if decision is not None:
                 if decision != PENDING:
                     return decision
-                claimed_at = claimed_at or time.monotonic()
-                if time.monotonic() - claimed_at > timeout_s:
+                now, last = time.monotonic(), self._get_json(f"{sid.nonce}/beat")
+                if heard_at is None or last != beat:
+                    beat, heard_at = last, now
+                elif now - heard_at > max(timeout_s, self.silent_s):
                     return None
             elif time.monotonic() >= deadline:
                 missing = [r for r in range(self.world_size)
@@ -253,7 +293,7 @@ class StoreCommunicator:
                 decision = self._claim(sid, mine)
                 if decision != PENDING:
                     return decision
-                claimed_at = claimed_at or time.monotonic()
+                continue  # rank 0 claimed it first: wait for its verdict, as above
             time.sleep(delay)
             delay = min(delay * 1.5, self.max_poll_s)
 

@@ -157,7 +157,7 @@ class Pipeline:
         """Digest the declared replicas of one capture policy while their values are still those
         of ``save()``: eager ones before ``save()`` may return, lazy ones before the snapshot
         completes (the guarded step waits for it)."""
-        if self.config.replica_check and self.comm.world_size > 1:
+        if job.digest_replicas:
             todo = [item for item in job.flat.items if isinstance(item, TensorItem)
                     and item.lazy == lazy and item.key not in job.replicas]
             job.replicas.update(replica_digests(todo))
@@ -171,7 +171,7 @@ class Pipeline:
             fence.synchronize()
         self._digest_replicas(job, lazy=False)
         job.eager_captured.set()
-        if job.eager_items == len(job.write_tensors):  # nothing lazy: the snapshot is complete
+        if not job.reads_lazy():  # nothing lazy left to read: the snapshot is complete
             job.captured.set()
 
     def _capture(self, job: Job) -> None:
@@ -372,7 +372,8 @@ class Pipeline:
                                                       "error": _describe(job.error)}
         if job.expired:
             report["expired"] = True  # a timeout, whichever rank decides
-        report = {**report, "overwrite": job.overwrite, "replicas": job.replicas}
+        report = {**report, "overwrite": job.overwrite, "replicas": job.replicas,
+                  "root": job.root}
         try:
             decision = self.comm.agree(job.sid, report, job.deadline,
                                        self.config.commit_timeout_s,
@@ -389,6 +390,8 @@ class Pipeline:
                                                      step=job.step, **decision["info"])
             if job.rank == 0:
                 job.on_commit(job)
+            elif job.catalog is not None:  # latest() agrees on every rank, whatever it lists
+                job.catalog.record(job.info, None)
             return
         causes = {int(r): c for r, c in decision["causes"].items()}
         if self.comm.world_size > 1 or job.error is None:
@@ -409,6 +412,13 @@ class Pipeline:
             return abort_decision("timeout", f"checkpoint {job.name!r} was not committed: rank(s) "
                                   f"{expired} had not written it within the commit timeout",
                                   {r: str(reports[r].get("error")) for r in expired})
+        elsewhere = _elsewhere(job, reports)
+        if elsewhere:
+            return abort_decision("mismatch", f"checkpoint {job.name!r} was not committed: same "
+                                  f"name, different directory: rank 0 saves to {job.root}, "
+                                  + ", ".join(f"rank {r} to {d}" for r, d in elsewhere.items()),
+                                  {r: f"saves {job.name!r} to {d}, rank 0 to {job.root}"
+                                   for r, d in elsewhere.items()})
         decision, job.manifest = commit_mod.review(
             reports, name=job.name, step=job.step, metadata=job.metadata, save_id=job.sid.nonce,
             tmp=job.tmp, replica_check=self.config.replica_check, store=job.store)
@@ -426,7 +436,8 @@ class Pipeline:
         job.info, job.committed = published.info, published.committed
         return {"ok": True, "info": {"created_unix": job.info.created_unix,
                                      "world_size": job.info.world_size,
-                                     "nbytes": job.info.nbytes, "metadata": job.info.metadata}}
+                                     "nbytes": job.info.nbytes, "metadata": job.info.metadata,
+                                     "seq": job.info.seq}}
 
     def _verdict_on_disk(self, job: Job, why: str) -> dict:
         """The verdict when the store is gone: committed iff the manifest records this save."""
@@ -474,6 +485,24 @@ class Pipeline:
                     warnings.warn(f"datastates: {what}, left by a failed save, could still "
                                   f"not be removed: {exc}", RuntimeWarning, stacklevel=2)
         self._leftovers = left
+
+
+def _elsewhere(job: Job, reports: dict[int, dict]) -> dict[int, str]:
+    """Rank 0: the ranks that saved this name into another directory (rank → the directory
+    it named). A rank naming the directory differently (a link, another mount point) whose
+    shard file is in rank 0's temporary directory shares it; one whose file is not there
+    wrote elsewhere."""
+    out = {}
+    for r, report in sorted(reports.items()):
+        root = report.get("root")
+        if r == 0 or "error" in report or root is None or root == job.root:
+            continue
+        path = job.store.join(job.tmp, fmt.shard_file_name(r))
+        try:
+            job.store.open_read(path).close()
+        except (OSError, ValueError):
+            out[r] = str(root)
+    return out
 
 
 def _caused_by(error: BaseException | None, kind: type) -> bool:

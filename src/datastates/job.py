@@ -25,7 +25,7 @@ from .dist import SaveId
 from .errors import CheckpointWriteError, CommitTimeoutError, DatastatesError
 from .flatten import Flattened, TensorItem
 from .planning import Layout
-from .storage import ShardWriter
+from .storage import ShardWriter, fsync_dir
 from .store import LOCAL, Store
 
 log = logging.getLogger("datastates")
@@ -64,7 +64,7 @@ class Job:
                  objects: list[int], metadata: dict, overwrite: bool, ready, t0: float,
                  on_commit: Callable[["Job"], None], deadline: float, eager_units: int = 0,
                  eager_items: int = 0, store: Store = LOCAL,
-                 catalog: "commit_mod.Catalog | None" = None):
+                 catalog: "commit_mod.Catalog | None" = None, digest_replicas: bool = False):
         self.sid, self.name, self.step, self.root, self.tmp = sid, name, step, root, tmp
         #: Where the checkpoint is written (local directory or object store).
         self.store = store
@@ -77,6 +77,9 @@ class Job:
         self.deadline = deadline
         #: Digest of every declared-replicated tensor (key → text), compared across ranks.
         self.replicas: dict[str, str] = {}
+        #: Whether this rank digests every declared-replicated tensor, the ones other ranks
+        #: write included (replica check on, more than one rank).
+        self.digest_replicas = digest_replicas
         self.rank, self.flat, self.layout = rank, flat, layout
         #: Flat item indices of the tensors this rank writes (layout order) and of the objects.
         self.write_tensors, self.objects = write_tensors, objects
@@ -117,6 +120,27 @@ class Job:
         self.expired = False
         #: The commit round began: from here on the round's own deadline applies (dist.py).
         self.deciding = False
+
+    def reads_lazy(self) -> bool:
+        """Whether the capture reads a lazy tensor after ``save()`` returned: one this rank
+        writes, or a replicated one it only digests. Until every such read is done the
+        snapshot is not complete (``captured``), so the guarded step waits for it."""
+        items = self.flat.items
+        if any(items[i].lazy for i in self.write_tensors):
+            return True
+        return self.digest_replicas and any(isinstance(item, TensorItem) and item.lazy and
+                                            item.replicated for item in items)
+
+    def abandon(self, exc: BaseException) -> None:
+        """Finish a save the pipeline refused (``save()`` raises ``exc``): nothing was
+        captured or queued, and nothing may wait for it."""
+        self.fail(exc)
+        for item in self.flat.items:
+            if isinstance(item, TensorItem):
+                item.tensor = None
+        for event in (self.opened, self.eager_captured, self.captured, self.all_written,
+                      self.unblocked, self.finished):
+            event.set()
 
     def fail(self, exc: BaseException) -> None:
         with self._lock:
@@ -366,6 +390,8 @@ def finish_file(job: Job, fsync: bool) -> dict | None:
     size = job.layout.index_offset + len(index)
     job.writer.finish(fsync, size)
     job.stats.file_nbytes = size
+    if fsync and job.store.renames:  # the file's entry in the temporary directory, on every rank
+        fsync_dir(job.tmp)
     return {"rank": job.rank, "entries": entries, "tree": job.flat.tree,
             "file": {"name": fmt.shard_file_name(job.rank), "nbytes": size,
                      "index_crc32": fmt.crc32(index)}}

@@ -1,0 +1,257 @@
+"""The commit round: what a snapshot waits for, how ranks name a save, how long they wait for
+rank 0's publish, and what every rank knows after it.
+
+Real gloo processes where ranks save; threads as ranks over a MemoryStore for the store protocol
+(its timing is driven by the store's own reads, not by sleeps).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import datastates
+from datastates import CheckpointConfig, Checkpointer, checksum
+from datastates.catalog import Catalog
+from datastates.dist import PENDING, MemoryStore, StoreCommunicator, abort_decision
+
+from launcher import run_ranks
+
+FAST = CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10, commit_timeout_s=3)
+SLOW = FAST.replace(commit_timeout_s=60)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+
+
+def _grads(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    model(torch.randn(8, 256, generator=g)).square().mean().backward()
+
+
+def _train(model, opt, seed):
+    _grads(model, seed)
+    opt.step()
+    opt.zero_grad()
+
+
+def _values(state):
+    return {k: v.clone() for k, v in state.items()}
+
+
+# ------------------------------------------------------------------ replica digests and the step
+
+def _replica_worker(rank, world, root, backend):
+    if backend != "default":  # the process computes every CRC-32 with this backend
+        checksum._fn = checksum.load(backend).fn
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _train(model, opt, seed=1)  # same data on every rank: the replicas stay identical
+    # an eager tensor larger than every lazy one together: rank 0 writes it and nothing else,
+    # and only digests the parameters and moments that rank 1 writes
+    ema = torch.randn(3 << 20, generator=torch.Generator().manual_seed(5))
+    state = {"model": model, "opt": opt, "ema": ema}
+    saved, verdicts = {}, {}
+    with Checkpointer(root, SLOW) as ckpt:
+        handles = []
+        for step in range(1, 6):
+            saved[step] = _values(model.state_dict())
+            _grads(model, seed=10 + step)
+            handles.append(ckpt.save(state, step=step, replicated=True))
+            opt.step()  # the guarded step, at once after save()
+            opt.zero_grad()
+        for step, handle in zip(range(1, 6), handles):
+            try:
+                verdicts[step] = handle.wait().name
+            except datastates.CommitError as exc:
+                verdicts[step] = str(exc)
+        back = {step: ckpt.load(step=step, keys=["model"])["model"] for step in saved
+                if verdicts[step] == datastates.format.step_name(step)}
+    exact = {step: all(torch.equal(back[step][k], v) for k, v in saved[step].items())
+             for step in back}
+    return {"verdicts": verdicts, "exact": exact}
+
+
+@pytest.mark.parametrize("backend", ["default", "zlib"])
+def test_replica_digests_finish_before_the_guarded_step(tmp_path, backend):
+    out = run_ranks(2, _replica_worker, str(tmp_path / "ckpt"), backend, timeout=170)
+    names = {step: datastates.format.step_name(step) for step in range(1, 6)}
+    for rank in (0, 1):
+        assert out[rank]["verdicts"] == names, out[rank]["verdicts"]
+        assert out[rank]["exact"] == {step: True for step in names}
+
+
+# ------------------------------------------------------------------ one directory, two spellings
+
+def _spelling_worker(rank, world, roots):
+    model = _model()
+    out = {}
+    with Checkpointer(roots[rank], FAST) as ckpt:
+        try:
+            out["save"] = ckpt.save({"model": model, "rank": rank}, step=1,
+                                    replicated=True).wait().name
+        except datastates.CommitError as exc:
+            out["save"] = (type(exc).__name__, sorted(exc.causes), str(exc))
+    return out
+
+
+def test_a_directory_reached_through_a_link_is_one_directory(tmp_path):
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "alias")
+    roots = [str(tmp_path / "real" / "ckpt"), str(tmp_path / "alias" / "ckpt")]
+    out = run_ranks(2, _spelling_worker, roots, timeout=120)
+    assert out[0]["save"] == out[1]["save"] == "step-0000000001"
+    with Checkpointer(roots[1]) as reader:
+        assert [i.world_size for i in reader.list()] == [2]
+        assert reader.load(rank_policy="same")["rank"] == 0
+
+
+def test_same_name_in_different_directories_is_named_not_a_timeout(tmp_path):
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    out = run_ranks(2, _spelling_worker, roots, timeout=120)
+    assert out[0]["save"] == out[1]["save"]
+    kind, blamed, message = out[0]["save"]
+    assert kind == "CommitError" and blamed == [1]
+    assert (f"same name, different directory: rank 0 saves to {roots[0]}, rank 1 to {roots[1]}"
+            in message)
+    for root in roots:  # nothing committed, no temporary left
+        assert sorted(os.listdir(root)) == []
+
+
+# ------------------------------------------------------------------ every rank knows the commit
+
+class RecordingCatalog(Catalog):
+    """A catalog that keeps what it was told by commits (and answers like any catalog)."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.recorded = []
+
+    def record(self, info, stamp, manifest=None):
+        self.recorded.append(info)
+        return super().record(info, stamp, manifest)
+
+
+def _latest_worker(rank, world, root):
+    model = _model()
+    out = {"recorded": [], "latest": [], "restored": []}
+    with Checkpointer(root, FAST) as ckpt:
+        ckpt._catalog = catalog = RecordingCatalog(ckpt.directory)
+        ckpt.save({"model": model}, step=1, replicated=True).wait()
+        catalog.scan()  # this rank's listing is now older than the commits below
+        for step in (2, 3):
+            info = ckpt.save({"model": model, "step": step}, step=step, replicated=True).wait()
+            out["recorded"].append([(i.name, i.seq) for i in catalog.recorded
+                                    if i.name == info.name])
+            latest = ckpt.latest()
+            out["latest"].append((latest.name, latest.seq, info.seq))
+            out["restored"].append(ckpt.load(rank_policy="same")["step"])
+    return out
+
+
+def test_every_rank_records_the_commit_and_agrees_on_latest(tmp_path):
+    out = run_ranks(2, _latest_worker, str(tmp_path / "ckpt"), timeout=120)
+    for rank in (0, 1):
+        assert out[rank]["recorded"] == [[("step-0000000002", 2)], [("step-0000000003", 3)]]
+        assert out[rank]["latest"] == [("step-0000000002", 2, 2), ("step-0000000003", 3, 3)]
+        assert out[rank]["restored"] == [2, 3]
+
+
+# ------------------------------------------------------------------ a publish past the deadline
+
+class WatchedStore(MemoryStore):
+    """A MemoryStore that sets ``late`` once the thread named ``rank-1`` reads the decision
+    key as pending later than ``patience`` after its first such read and after ``deadline``
+    (a rank that gave up at its deadline would have stopped by then)."""
+
+    def __init__(self, deadline: float, patience: float):
+        super().__init__()
+        self.deadline, self.patience = deadline, patience
+        self.first_read, self.late = None, threading.Event()
+
+    def compare_set(self, key, expected, desired):
+        value = super().compare_set(key, expected, desired)
+        if (key.endswith("/decision") and threading.current_thread().name == "rank-1"
+                and value == json.dumps(PENDING, sort_keys=True).encode()):
+            now = time.monotonic()
+            self.first_read = self.first_read or now
+            if now > max(self.deadline, self.first_read + self.patience):
+                self.late.set()
+        return value
+
+
+def _round(comm, sid, deadline, timeout_s, commit, fallback):
+    return comm.agree(sid, {"ok": 1}, deadline, timeout_s, check=lambda reports: None,
+                      commit=commit, fallback=fallback)
+
+
+def _two_ranks(store, fns):
+    out, threads = {}, []
+    for r, fn in fns.items():
+        threads.append(threading.Thread(target=lambda r=r, fn=fn: out.__setitem__(r, fn()),
+                                        name=f"rank-{r}", daemon=True))
+        threads[-1].start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+def test_ranks_wait_for_a_publish_that_outlasts_the_deadline():
+    timeout_s = 0.05
+    deadline = time.monotonic() + 0.3
+    store = WatchedStore(deadline, timeout_s)
+    comms = [StoreCommunicator(store, r, 2, "run") for r in range(2)]
+    sid = comms[0].save_id("/d", "step-1", 1)
+    gave_up = []
+
+    def slow_commit(reports):
+        store.late.wait(60)  # publishing until rank 1 has waited past its deadline
+        return {"ok": True, "info": {}}
+
+    def rank1():
+        try:
+            return _round(comms[1], sid, deadline, timeout_s, None,
+                          lambda why: gave_up.append(why) or abort_decision("store", why, {}))
+        finally:
+            store.late.set()  # a rank 1 that stopped waiting lets rank 0 finish
+
+    out = _two_ranks(store, {0: lambda: _round(comms[0], sid, deadline, timeout_s, slow_commit,
+                                               None),
+                             1: rank1})
+    assert out[0] == {"ok": True, "info": {}}
+    assert out[1] == out[0] and gave_up == []
+    assert sorted(store.list_keys()) == ["announce/r0", "announce/r1"]
+
+
+def test_a_silent_rank0_after_its_claim_is_given_up_on():
+    store = MemoryStore()
+    comms = [StoreCommunicator(store, r, 2, "run") for r in range(2)]
+    comms[0].beat_s = 3600.0  # rank 0 never beats: it is as good as dead after its claim
+    comms[1].silent_s = 0.2
+    sid = comms[0].save_id("/d", "step-1", 1)
+    rank1_done, gave_up = threading.Event(), []
+
+    def stuck_commit(reports):
+        rank1_done.wait(60)
+        return {"ok": True, "info": {}}
+
+    def rank1():
+        try:
+            return _round(comms[1], sid, time.monotonic() + 10, 0.05, None,
+                          lambda why: gave_up.append(why) or abort_decision("store", why, {}))
+        finally:
+            rank1_done.set()
+
+    out = _two_ranks(store, {0: lambda: _round(comms[0], sid, time.monotonic() + 10, 0.05,
+                                               stuck_commit, None),
+                             1: rank1})
+    assert gave_up == ["rank 0 started the commit but published no verdict"]
+    assert out[1]["ok"] is False and out[0] == {"ok": True, "info": {}}
