@@ -16,9 +16,12 @@ by the commit that wrote it), so that ``restore()`` of the latest checkpoint doe
 validate that manifest a second time; it is handed out only while its stamp is the one the last
 scan saw.
 
-A directory holding a ``manifest.json`` that does not read or validate is a damaged checkpoint
+A directory holding a ``manifest.json`` that does not decode or validate is a damaged checkpoint
 (only a commit writes that file): the catalog keeps it as a :class:`DamagedCheckpoint`, never
-restores it, and says which of them are passed over when the latest checkpoint is chosen.
+restores it, and says which of them are passed over when the latest checkpoint is chosen. A
+manifest that could not be *read* (an I/O error, a store that does not answer) is no damage: it is
+kept nowhere, read again at the next scan, and the scan fails meanwhile -- the newest checkpoint
+is unknown, and neither an older one nor a reused commit number may stand in for it.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from typing import Any
 
 from . import format as fmt
 from . import schema
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from .store import LOCAL, Store
 
 log = logging.getLogger("datastates")
@@ -53,11 +56,11 @@ class CheckpointInfo:
 
 @dataclass(frozen=True)
 class DamagedCheckpoint:
-    """A directory of the root that holds a ``manifest.json`` which cannot be read or does not
-    validate: it was committed once (only a commit writes that file) and is damaged now. It is
-    never restored, but it is listed, fails ``verify``, is named in a WARNING when ``latest()``
-    or ``restore()`` pass over it, and retention and ``delete()`` may remove it. ``reason`` is
-    the error that reading the manifest raised; ``mtime`` the modification time of its
+    """A directory of the root that holds a ``manifest.json`` which does not decode or validate
+    (or is no regular file): it was committed once (only a commit writes that file) and is
+    damaged now. It is never restored, but it is listed, fails ``verify``, is named in a WARNING
+    when ``latest()`` or ``restore()`` pass over it, and retention and ``delete()`` may remove
+    it. ``reason`` is the error that reading the manifest raised; ``mtime`` the modification time of its
     ``manifest.json`` (None if it could not be read), which orders it among the others."""
 
     name: str
@@ -91,15 +94,21 @@ def info_of(path: str, manifest: "schema.Manifest | dict") -> CheckpointInfo:
 def examine(path: str, store: Store = LOCAL
             ) -> tuple[CheckpointInfo | DamagedCheckpoint | None, schema.Manifest | None]:
     """What the directory ``path`` holds: (info, its validated manifest) for a committed
-    checkpoint, (DamagedCheckpoint, None) when its ``manifest.json`` exists but does not read or
-    validate, (None, None) when it has no ``manifest.json`` (not a checkpoint, or deleted)."""
-    try:
-        manifest = fmt.read_manifest(path, store)
-    except CheckpointNotFoundError:
+    checkpoint, (DamagedCheckpoint, None) when its ``manifest.json`` exists but is damaged (it
+    does not decode or validate, or it is no regular file), (None, None) when it has no
+    ``manifest.json`` (not a checkpoint, or deleted).
+
+    An ``OSError`` reading the manifest (EIO, ESTALE, a store that does not answer) says nothing
+    about the checkpoint: it is raised, never taken for damage."""
+    file = store.join(path, fmt.MANIFEST)
+    try:  # read here, not by fmt.read_manifest, which takes a refused read (EACCES) for damage
+        raw = store.read_bytes(file, max_bytes=fmt.MAX_MANIFEST_BYTES)
+        manifest = fmt.parse_manifest_bytes(raw, file)
+    except FileNotFoundError:
         return None, None
-    except (CorruptCheckpointError, OSError) as exc:
+    except CorruptCheckpointError as exc:
         return DamagedCheckpoint(os.path.basename(path), path, f"{type(exc).__name__}: {exc}",
-                                 _mtime(store, store.join(path, fmt.MANIFEST))), None
+                                 _mtime(store, file)), None
     return info_of(path, manifest), manifest
 
 
@@ -132,24 +141,38 @@ class Catalog:
 
     def scan(self) -> list[CheckpointInfo]:
         """Committed checkpoints, oldest first (:func:`commit_order`); damaged ones are left out
-        of it and kept for :meth:`damaged`. One listing of the root; a manifest is read only if new or changed since the last scan.
-        CheckpointNotFoundError if ``root`` does not exist."""
+        of it and kept for :meth:`damaged`. One listing of the root; a manifest is read only if
+        new or changed since the last scan. CheckpointNotFoundError if ``root`` does not exist.
+
+        StorageError naming each manifest that could not be read (an ``OSError``: EIO, ESTALE,
+        a store that does not answer after its retries): the newest checkpoint cannot be known
+        then, and an older one is never returned in its place. Nothing is kept of that read:
+        the next scan reads that manifest again."""
         with self._lock:
             try:
                 stamps = self.store.file_stamps(self.root, fmt.MANIFEST)
             except (FileNotFoundError, NotADirectoryError):
                 raise CheckpointNotFoundError(f"checkpoint directory {self.root!r} does not "
                                               "exist") from None
-            seen = {}
+            seen, unreadable = {}, []
             for name, stamp in stamps.items():
                 if name.startswith(".") or name == fmt.LATEST:
                     continue
                 known = self._seen.get(name)
                 if stamp is not None and known is not None and known[0] == stamp:
                     seen[name] = known
-                else:
+                    continue
+                try:
                     seen[name] = (stamp, self._read(name, stamp))
+                except OSError as exc:
+                    unreadable.append(f"{self.store.join(self.root, name, fmt.MANIFEST)} "
+                                      f"({type(exc).__name__}: {exc})")
             self._seen = seen
+            if unreadable:
+                raise StorageError(f"could not read the manifest of {len(unreadable)} "
+                                   f"checkpoint(s) of {self.root}, so its newest checkpoint is "
+                                   f"unknown (retry once the storage answers): "
+                                   f"{'; '.join(unreadable)}")
             return self._committed()
 
     def record(self, info: CheckpointInfo, stamp: Any,

@@ -1,7 +1,6 @@
 """The public entry point: a Checkpointer owns the host cache and threads for one directory."""
 from __future__ import annotations
 
-import errno
 import json
 import os
 import time
@@ -25,6 +24,7 @@ from .flatten import Flattened, ObjectItem, TensorItem, flatten
 from .job import Job, SaveHandle
 from .planning import assign_replicated, plan_layout
 from .providers import ProviderRegistry
+from .publish import publisher_for
 from .restore import Reader, RestoreReport, check_rank_policy
 from .store import normalize, open_store
 
@@ -86,10 +86,11 @@ class Checkpointer:
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         # The directory is created by the first save, not here: a Checkpointer used to restore or
         # list a mistyped path must not leave an empty folder behind.
-        if self.store.renames:
-            _check_directory(self.directory)
-        if self.rank == 0 and self.store.isdir(self.directory):
-            retention.clean_stale(self.directory, self.config.stale_tmp_age_s, self.store)
+        #: How checkpoints become visible in this store; owns this run's temporaries in it.
+        self._publisher = publisher_for(self.store)
+        self._publisher.check_root(self.directory)
+        if self.rank == 0:
+            self._publisher.clean_stale(self.directory, self.config.stale_tmp_age_s)
         if self._owns_pipeline:
             self._pipeline = Pipeline(self.config, self.comm)
         self._pending: list[SaveHandle] = []
@@ -186,9 +187,7 @@ class Checkpointer:
             raise TypeError("metadata must survive a JSON round trip unchanged (string keys; "
                             f"lists, not tuples): {metadata!r}")
         metadata = decoded  # exactly what a reader of the manifest will find
-        # (an object store checks at commit instead: no request on the training thread)
-        if self.store.renames:
-            commit_mod.check_name_free(self.directory, job_args["name"], job_args["overwrite"])
+        self._publisher.check_name(self.directory, job_args["name"], job_args["overwrite"])
         flat = flatten(state, self.registry,
                        allow_unsafe=self.config.allow_unsafe_objects)
         _check_dtypes(flat.items)
@@ -201,6 +200,7 @@ class Checkpointer:
         objects = [i for i, it in enumerate(flat.items) if isinstance(it, ObjectItem)]
         layout = plan_layout([flat.items[i].nbytes for i in writes],
                              [flat.items[i].nbytes for i in objects], self.config.unit_bytes)
+        self._publisher.hold(self.directory, self.comm.run_id, self.config.fsync)
         ready = self._pipeline.copier.record_ready([flat.items[i].tensor for i in writes])
         return Job(flat=flat, layout=layout, write_tensors=writes, objects=objects,
                    metadata=metadata, ready=ready, eager_units=_units_holding(layout, len(eager)),
@@ -404,6 +404,7 @@ class Checkpointer:
         if self._owns_pipeline:
             self._pipeline.close()
             self.comm.close()
+        self._publisher.close()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -470,16 +471,6 @@ class Checkpointer:
         if self._pipeline.closed:
             raise CheckpointerClosedError(f"the Checkpointer whose pipeline the one of "
                                           f"{self.directory} shares was closed")
-
-
-def _check_directory(path: str) -> None:
-    """``path`` is a directory, or can become one: its nearest existing ancestor is a directory."""
-    existing = path
-    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise NotADirectoryError(errno.ENOTDIR, f"cannot use {path} as a checkpoint directory: "
-                                 f"{existing} is a file, expected a directory", path)
 
 
 #: Largest step: the manifest holds a signed 64-bit step (docs/format.md), and a reader refuses

@@ -1,28 +1,21 @@
-"""The commit protocol on a directory: manifest assembly, rank 0's review, atomic visibility,
-``latest`` and finding the newest checkpoint (docs/format.md, "Commit protocol"). Removing
-checkpoints -- deletion, retention, stale temporaries -- is retention.py."""
+"""The commit protocol on a directory: manifest assembly, rank 0's review, numbering the commit,
+``latest`` and finding the newest checkpoint (docs/format.md, "Commit protocol"). How a checkpoint
+becomes visible on each kind of store is publish.py; removing checkpoints -- deletion, retention,
+stale temporaries -- is retention.py."""
 from __future__ import annotations
 
-import logging
-import os
 import time
-import uuid
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from . import format as fmt
-from . import retention
 from . import schema
 from .catalog import Catalog, CheckpointInfo, info_of, list_checkpoints  # noqa: F401 (re-exported)
-from .catalog import DamagedCheckpoint, examine
 from .dist import abort_decision
-from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CommitError, CorruptCheckpointError, StorageError
 from .planning import check_replicas, check_same_save, check_tiling
-from .storage import fsync_dir, remove_tree
+from .publish import publisher_for
 from .store import LOCAL, Store
-
-log = logging.getLogger("datastates")
 
 
 @dataclass(frozen=True)
@@ -170,20 +163,9 @@ def _invalid(kind: str, message: str, problems: list) -> dict:
 
 
 def discard(tmp: str, rank: int, keep_file: bool, store: Store = LOCAL) -> None:
-    """After an abort: each rank removes its own file, rank 0 the whole temporary directory.
-    ``keep_file``: a rank that lost the store keeps its file (rank 0 may still be reading it;
-    the stale-temporary cleanup removes it later)."""
-    if rank == 0:
-        store.remove_tree(tmp)
-        return
-    if keep_file:
-        return
-    try:
-        store.remove(store.join(tmp, fmt.shard_file_name(rank)))
-        if store.renames:
-            os.rmdir(tmp)
-    except OSError:
-        pass  # absent, or other ranks' files still there (rank 0 removes the rest)
+    """After an abort: each rank removes its own file, rank 0 the whole temporary location
+    (:meth:`Publisher.discard`)."""
+    publisher_for(store).discard(tmp, rank, keep_file)
 
 
 def check_files(tmp: str, manifest: dict, store: Store = LOCAL) -> list[tuple[list[int], str]]:
@@ -216,45 +198,18 @@ def committed_save(root: str, name: str, save_id: str,
     return info_of(path, manifest) if manifest.save_id == save_id else None
 
 
-# ---------------------------------------------------------------- directory operations
+# ---------------------------------------------------------------- visibility
 
 def tmp_dir(root: str, name: str, run_id: str, attempt: int, store: Store = LOCAL) -> str:
-    """The temporary directory of one save: the same on every rank (name, run id and attempt
-    all come from the save's identity), so all ranks write into the directory rank 0 commits.
-    On an object store it is the data directory inside the checkpoint's own prefix, named by
-    the manifest that commits it."""
-    if not store.renames:
-        return store.join(root, name, f".data.{run_id}-{attempt}")
-    return os.path.join(root, f".tmp.{name}.{run_id}-{attempt}")
-
-
-def check_name_free(root: str, name: str, overwrite: bool) -> None:
-    """Local store, at ``save()``: CheckpointExistsError if ``root/name`` is a committed
-    checkpoint and ``overwrite`` is False, or exists without being a checkpoint at all (no
-    ``manifest.json``: never replaced). A damaged checkpoint is no obstacle: the commit moves it
-    aside. Reads the manifest only when the name is taken and ``overwrite`` is False."""
-    path = os.path.join(root, name)
-    if not os.path.lexists(path):
-        return
-    if not os.path.lexists(os.path.join(path, fmt.MANIFEST)):
-        raise _not_a_checkpoint(path)
-    if overwrite:
-        return
-    found, _ = examine(path)
-    if isinstance(found, CheckpointInfo):
-        raise CheckpointExistsError(f"checkpoint {name!r} already exists in {root}; pass "
-                                    "overwrite=True to replace it")
-
-
-def _not_a_checkpoint(path: str) -> CheckpointExistsError:
-    return CheckpointExistsError(f"{path} exists and is not a checkpoint (it holds no "
-                                 f"{fmt.MANIFEST}); it is left alone: remove it or save under "
-                                 "another name")
+    """The temporary location of one save: the same on every rank (name, run id and attempt
+    all come from the save's identity), so all ranks write where rank 0 commits
+    (:meth:`Publisher.tmp_location`)."""
+    return publisher_for(store).tmp_location(root, name, run_id, attempt)
 
 
 def publish(root: str, tmp: str, name: str, manifest: dict, *, overwrite: bool,
             fsync: bool, store: Store = LOCAL, catalog: Catalog | None = None) -> Published:
-    """Make ``tmp`` the committed checkpoint ``root/name`` atomically.
+    """Make ``tmp`` the committed checkpoint ``root/name`` atomically (:meth:`Publisher.publish`).
 
     Rank 0 only. Sets ``manifest["seq"]`` to the commit sequence number (one more than the
     highest of the checkpoints committed in ``root``) before the manifest is written, so the
@@ -263,103 +218,38 @@ def publish(root: str, tmp: str, name: str, manifest: dict, *, overwrite: bool,
     changed since the previous one (without it, every manifest of ``root`` is read); the new
     checkpoint is recorded in it. The manifest is validated once, before it is written.
 
+    CommitError, nothing committed, when the number cannot be decided: a manifest of ``root``
+    could not be read (an I/O error, a store that does not answer: the checkpoint it belongs to
+    may hold the highest number, which the commit would then reuse).
+
     When ``root/name`` exists: a committed checkpoint is replaced only with ``overwrite``
-    (CheckpointExistsError otherwise); a damaged one (its ``manifest.json`` does not read or
-    validate) is replaced whatever ``overwrite`` says, its bytes kept -- moved aside to
-    ``.damaged.<name>.<uid>`` on a local disk (``retention.set_aside``), left to the cleanup of
-    stale data on an object store -- with a WARNING; a local directory that is no checkpoint
-    is never replaced (CheckpointExistsError)."""
+    (CheckpointExistsError otherwise, also when another writer committed it meanwhile); a
+    damaged one (its ``manifest.json`` does not decode or validate) is replaced whatever
+    ``overwrite`` says, its bytes kept -- moved aside to ``.damaged.<name>.<uid>`` on a local
+    disk, left to the cleanup of stale data on an object store -- with a WARNING; a local
+    directory that is no checkpoint is never replaced (CheckpointExistsError)."""
     catalog = catalog if catalog is not None else Catalog(root, store)
-    manifest["seq"] = max((i.seq for i in catalog.scan()), default=0) + 1
-    publish_in = _publish_rename if store.renames else _publish_object
-    final, stamp, parsed = publish_in(root, tmp, name, manifest, overwrite, fsync, store)
+    manifest["seq"] = _next_seq(catalog, name)
+    final, stamp, parsed = publisher_for(store).publish(root, tmp, name, manifest, overwrite,
+                                                        fsync)
     info = info_of(final, parsed)
     return Published(info, catalog.record(info, stamp, parsed))
 
 
-def _publish_rename(root: str, tmp: str, name: str, manifest: dict, overwrite: bool, fsync: bool,
-                    store: Store) -> tuple[str, Any, schema.Manifest]:
-    """Local: write the manifest into ``tmp``, then rename ``tmp`` into place (the manifest's
-    stamp, taken before the rename, stays valid: the file is not touched by it)."""
-    final = os.path.join(root, name)
-    data, parsed = fmt.encode_manifest_checked(manifest)
-    stamp = store.write_atomic(os.path.join(tmp, fmt.MANIFEST), data, fsync)
-    old = None
-    if os.path.lexists(final):
-        found, _ = examine(final, store)
-        if isinstance(found, DamagedCheckpoint):
-            retention.set_aside(root, found, fsync)  # its bytes are kept, never replaced
-        elif found is None:
-            raise _not_a_checkpoint(final)
-        elif not overwrite:
-            raise CheckpointExistsError(f"{final} already exists (committed meanwhile); pass "
-                                        "overwrite=True to replace it")
-        else:
-            old = os.path.join(root, f".old.{name}.{uuid.uuid4().hex[:8]}")
-            os.rename(final, old)
+def _next_seq(catalog: Catalog, name: str) -> int:
+    """One more than the highest commit number of the catalog's root; CommitError if some
+    manifest could not be read (see :func:`publish`)."""
     try:
-        os.rename(tmp, final)
-    except BaseException:
-        if old is not None:  # put the replaced checkpoint back: a failed save changes nothing
-            os.rename(old, final)
-        raise
-    # Committed from here on: later failures are warnings, never a failed save that is listed.
-    for step in (lambda: fsync_dir(root) if fsync else None,
-                 lambda: remove_tree(old) if old is not None else None):
-        try:
-            step()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            _tidy_warning(final, exc)
-    return final, stamp, parsed
-
-
-def _publish_object(root: str, tmp: str, name: str, manifest: dict, overwrite: bool,
-                    fsync: bool, store: Store) -> tuple[str, Any, schema.Manifest]:
-    """Object store: the shard files are already in place, under a data directory named after
-    this save; writing ``manifest.json`` (one PUT, atomic) commits. A replaced checkpoint's
-    data directory is deleted after the new manifest is in place, so a reader sees the old
-    manifest with the old data or the new manifest with the new data, never a mix."""
-    final = store.join(root, name)
-    manifest["data_dir"] = os.path.basename(tmp)
-    old = None
-    try:
-        old = fmt.read_manifest(final, store)
-    except CheckpointNotFoundError:
-        pass
-    except CorruptCheckpointError as exc:
-        old = False  # a damaged manifest: replace it, leave its data for clean_stale
-        log.warning("the damaged checkpoint %s is replaced by a new save of that name (its data "
-                    "directories stay until the cleanup of stale data removes them): %s",
-                    final, exc)
-    if old and not overwrite:
-        raise CheckpointExistsError(f"{final} already exists (committed meanwhile); pass "
-                                    "overwrite=True to replace it")
-    data, parsed = fmt.encode_manifest_checked(manifest)
-    target = store.join(final, fmt.MANIFEST)
-    replace = overwrite or old is False
-    try:  # without overwrite, the store refuses atomically if another writer committed meanwhile
-        stamp = (store.write_atomic if replace else store.write_new)(target, data, True)
-    except FileExistsError:
-        raise CheckpointExistsError(f"{final} was committed by another writer meanwhile; pass "
-                                    "overwrite=True to replace it") from None
-    if old and old.data_dir and old.data_dir != manifest["data_dir"]:
-        try:
-            store.remove_tree(store.join(final, old.data_dir))
-        except OSError as exc:
-            _tidy_warning(final, exc)
-    return final, stamp, parsed
-
-
-def _tidy_warning(final: str, exc: OSError) -> None:
-    warnings.warn(f"datastates: {final} is committed, but tidying up after the commit failed: "
-                  f"{exc}", RuntimeWarning, stacklevel=3)
+        committed = catalog.scan()
+    except StorageError as exc:
+        raise CommitError(f"checkpoint {name!r} was not committed: its commit number cannot be "
+                          f"decided ({exc})", {0: str(exc)}) from exc
+    return max((i.seq for i in committed), default=0) + 1
 
 
 def set_latest(root: str, name: str, fsync: bool, store: Store = LOCAL) -> None:
     """Point the ``latest`` hint at ``name`` (for people and tools; readers do not need it)."""
-    store.write_atomic(store.join(root, fmt.LATEST), name.encode(), fsync)
+    publisher_for(store).write_latest(root, name, fsync)
 
 
 def latest(root: str, store: Store = LOCAL,
@@ -391,7 +281,7 @@ def resolve(root: str, step: int | None = None, tag: str | None = None,
                 if matches:
                     return matches[-1]
             raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}") from None
-    if store.renames and not store.isdir(root):
+    if not publisher_for(store).root_exists(root):
         raise CheckpointNotFoundError(f"no committed checkpoint in {root!r}: the directory does "
                                       "not exist")
     catalog = catalog if catalog is not None else Catalog(root, store)

@@ -120,13 +120,17 @@ def fsync_dir(path: str) -> None:
 
 
 def write_file_atomic(path: str, data: bytes, fsync: bool = True, *,
-                      exclusive: bool = False) -> os.stat_result:
+                      exclusive: bool = False, owner: str | None = None) -> os.stat_result:
     """Write ``path`` through a uniquely named temporary + fsync + rename + fsync of the directory
     (unique, so that several processes replacing the same file never share a temporary). Returns
     the written file's status, taken before the rename (the file that ``path`` names after it).
     ``exclusive``: link the temporary into place instead, which fails with FileExistsError if
-    ``path`` exists (the temporary is removed either way)."""
-    tmp = f"{path}.tmp.{uuid.uuid4().hex[:8]}@{os.getpid()}@{socket.gethostname()}"
+    ``path`` exists (the temporary is removed either way). ``owner``: the lease token the
+    temporary is named after, ``<path>.tmp.<owner>.<uid>`` (``datastates.temporaries``), so that a
+    cleaner knows whether its writer lives; without it, ``<path>.tmp.<uid>@<pid>@<host>``."""
+    uid = uuid.uuid4().hex[:8]
+    tmp = (f"{path}.tmp.{owner}.{uid}" if owner is not None
+           else f"{path}.tmp.{uid}@{os.getpid()}@{socket.gethostname()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         try:

@@ -1,4 +1,5 @@
-"""A shipped conformance suite for state providers.
+"""Shipped conformance suites: for state providers (:class:`ProviderConformance`) and for
+checkpoint stores with their publisher (:class:`StoreConformance`).
 
 A new provider proves itself with a few lines::
 
@@ -176,3 +177,156 @@ class ProviderConformance:
                 ckpt.restore(live)
         assert torch.equal(other, torch.zeros(16)) and live["value"] == 0
         self.assert_same_state(reference, target)
+
+
+class StoreConformance:
+    """Mixin for pytest test classes: what every checkpoint store and its publisher
+    (``datastates.publish``) must do. Override :meth:`make_root`; a store proves itself with::
+
+        class TestMyStore(StoreConformance):
+            def make_root(self, tmp_path):
+                return "myfs://bucket/run", {"endpoint_url": ...}
+
+    The suite checks, through the store and its publisher and through a real Checkpointer:
+    whole-file writes read back bit-exact and report the stamp the listing reports;
+    ``write_new`` refuses an existing file and leaves it unchanged; a save restores bit-exact;
+    the temporary location of a save is never listed, and is removed by the stale cleanup once
+    older than its age limit, kept before; a committed name is refused without ``overwrite``
+    (the old checkpoint intact) and replaced with it (no trace of the old data left); a
+    deletion removes a checkpoint and refuses, removing nothing, anything that is no
+    checkpoint; a damaged checkpoint is replaced by a new save of its name.
+    """
+
+    def make_root(self, tmp_path) -> tuple[str, dict | None]:
+        """A checkpoint root no one else uses (it need not exist yet) and the
+        ``storage_options`` to open it with (None for a local path)."""
+        raise NotImplementedError
+
+    def _open(self, tmp_path):
+        from .publish import publisher_for
+        from .store import normalize, open_store
+        root, options = self.make_root(tmp_path)
+        root = normalize(root)
+        store = open_store(root, options)
+        return root, options, store, publisher_for(store)
+
+    def _checkpointer(self, root: str, options, **config) -> Checkpointer:
+        config = CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=1 << 16, **config)
+        return Checkpointer(root, config, storage_options=options)
+
+    def test_whole_files_round_trip_with_their_stamp(self, tmp_path):
+        root, _, store, publisher = self._open(tmp_path)
+        store.makedirs(store.join(root, "a"), True)
+        data = bytes(range(256)) * 5
+        stamp = store.write_atomic(store.join(root, "a", "f.bin"), data, True)
+        assert store.read_bytes(store.join(root, "a", "f.bin")) == data
+        assert store.isfile(store.join(root, "a", "f.bin"))
+        stamps = store.file_stamps(root, "f.bin")
+        assert list(stamps) == ["a"] and stamps["a"] in (stamp, None)
+        assert store.listdir(store.join(root, "a")) == ["f.bin"]
+        store.remove(store.join(root, "a", "f.bin"))
+        assert not store.isfile(store.join(root, "a", "f.bin"))
+        store.remove(store.join(root, "a", "f.bin"))  # a missing file is not an error
+
+    def test_write_new_refuses_an_existing_file(self, tmp_path):
+        import pytest
+        root, _, store, _ = self._open(tmp_path)
+        store.makedirs(root, True)
+        path = store.join(root, "once.bin")
+        store.write_new(path, b"first", True)
+        with pytest.raises(FileExistsError):
+            store.write_new(path, b"second", True)
+        assert store.read_bytes(path) == b"first"
+
+    def test_save_restores_bit_exact(self, tmp_path):
+        root, options, _, _ = self._open(tmp_path)
+        saved = {"w": torch.randn(64, 33, generator=torch.Generator().manual_seed(1)),
+                 "i": torch.arange(100, dtype=torch.int64), "value": 7}
+        with self._checkpointer(root, options) as ckpt:
+            info = ckpt.save(saved, step=3).wait()
+            live = {"w": torch.zeros(64, 33), "i": torch.zeros(100, dtype=torch.int64),
+                    "value": 0}
+            ckpt.restore(live)
+            assert [(i.name, i.seq) for i in ckpt.list()] == [(info.name, 1)]
+        assert torch.equal(live["w"].view(torch.int32), saved["w"].view(torch.int32))
+        assert torch.equal(live["i"], saved["i"]) and live["value"] == 7
+
+    def test_a_temporary_location_is_never_listed_and_ages_out(self, tmp_path):
+        from .catalog import Catalog
+        root, _, store, publisher = self._open(tmp_path)
+        tmp = publisher.tmp_location(root, "step-0000000001", "a-run-that-died", 0)
+        store.makedirs(root, True)
+        store.makedirs(tmp, False)
+        store.write_atomic(store.join(tmp, "rank-00000.dsf"), b"partial", True)
+        assert Catalog(root, store).scan() == []
+        assert publisher.clean_stale(root, 3600.0) == []  # young, owner unknown: kept
+        assert store.read_bytes(store.join(tmp, "rank-00000.dsf")) == b"partial"
+        assert publisher.clean_stale(root, 1e-9) != []
+        assert not store.isfile(store.join(tmp, "rank-00000.dsf"))
+        assert Catalog(root, store).scan() == []
+
+    def test_a_committed_name_is_replaced_only_with_overwrite(self, tmp_path):
+        import pytest
+        from .errors import CheckpointExistsError
+        root, options, store, _ = self._open(tmp_path)
+        with self._checkpointer(root, options) as ckpt:
+            ckpt.save({"x": torch.full((8,), 1.0)}, tag="best").wait()
+            handle = None
+            with pytest.raises(CheckpointExistsError):
+                handle = ckpt.save({"x": torch.full((8,), 2.0)}, tag="best")
+                handle.wait()
+            assert torch.equal(ckpt.load(tag="best")["x"], torch.full((8,), 1.0))
+            ckpt.save({"x": torch.full((8,), 3.0)}, tag="best", overwrite=True).wait()
+            assert torch.equal(ckpt.load(tag="best")["x"], torch.full((8,), 3.0))
+            assert [i.name for i in ckpt.list()] == ["best"]
+        best = store.join(root, "best")
+        shards = [n for n in _files_under(store, best) if n.endswith(".dsf")]
+        assert len(shards) == 1, f"the replaced checkpoint left data behind: {shards}"
+
+    def test_delete_removes_checkpoints_only(self, tmp_path):
+        import pytest
+        from .errors import CheckpointNotFoundError
+        root, options, store, publisher = self._open(tmp_path)
+        with self._checkpointer(root, options) as ckpt:
+            ckpt.save({"x": torch.ones(4)}, step=1).wait()
+            ckpt.save({"x": torch.ones(4)}, step=2).wait()
+        store.makedirs(store.join(root, "notes"), True)
+        store.write_atomic(store.join(root, "notes", "readme.txt"), b"keep me", True)
+        with pytest.raises(CheckpointNotFoundError):
+            publisher.delete(root, "notes", True)
+        with pytest.raises(CheckpointNotFoundError):
+            publisher.delete(root, "step-0000000009", True)
+        publisher.delete(root, "step-0000000001", True)
+        assert store.read_bytes(store.join(root, "notes", "readme.txt")) == b"keep me"
+        assert _files_under(store, store.join(root, "step-0000000001")) == []
+        with self._checkpointer(root, options) as ckpt:
+            assert [i.name for i in ckpt.list()] == ["step-0000000002"]
+
+    def test_a_damaged_checkpoint_is_replaced_by_a_new_save(self, tmp_path):
+        from . import format as fmt
+        root, options, store, _ = self._open(tmp_path)
+        with self._checkpointer(root, options) as ckpt:
+            ckpt.save({"x": torch.ones(4)}, step=1).wait()
+        manifest = store.join(root, "step-0000000001", fmt.MANIFEST)
+        store.write_atomic(manifest, b"{not json", True)
+        with self._checkpointer(root, options) as ckpt:
+            assert ckpt.list() == [] and [d.name for d in ckpt.damaged()] == ["step-0000000001"]
+            ckpt.save({"x": torch.full((4,), 5.0)}, step=1).wait()
+            assert torch.equal(ckpt.load(step=1)["x"], torch.full((4,), 5.0))
+            assert [i.name for i in ckpt.list()] == ["step-0000000001"]
+
+
+def _files_under(store, path: str) -> list[str]:
+    """Every file below ``path``, as paths relative to it (empty if there is none)."""
+    out = []
+    try:
+        names = store.listdir(path)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        child = store.join(path, name)
+        if store.isfile(child):
+            out.append(name)
+        elif store.isdir(child):  # an empty prefix (some servers list one) is neither
+            out += [f"{name}/{sub}" for sub in _files_under(store, child)]
+    return out

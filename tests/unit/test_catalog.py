@@ -201,3 +201,78 @@ def test_kept_manifest_is_not_used_once_the_checkpoint_changed(tmp_path):
         shutil.rmtree(tmp_path / fmt.step_name(2))  # deleted behind its back: the previous one again
         assert mine.restore(state).step == 1
         assert torch.equal(state["x"], torch.full((3,), 7.0))
+
+
+# ---------------------------------------------------------------- a manifest that cannot be read
+
+#: A second process on the root: runs LATEST / SAVE <step> commands read from stdin and prints
+#: what came of each (the name, or the error's type).
+_READER = r"""
+import sys, torch, datastates
+config = datastates.CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
+with datastates.Checkpointer(sys.argv[1], config) as ck:
+    print("READY", flush=True)
+    for line in sys.stdin:
+        command = line.split()
+        try:
+            if command[0] == "LATEST":
+                print(ck.latest().name, flush=True)
+            else:
+                info = ck.save({"x": torch.full((3,), 9.0)}, step=int(command[1])).wait(60)
+                print(f"seq {info.seq}", flush=True)
+        except Exception as exc:
+            print(type(exc).__name__, flush=True)
+"""
+
+
+def _without_dac_override() -> list[str] | None:
+    """The command prefix that runs a process unable to read a file of mode 000: none needed
+    for a user other than root; ``capsh`` dropping root's override of file permissions; None if
+    neither can be had."""
+    import shutil as which
+    if os.geteuid() != 0:
+        return []
+    if which.which("capsh") is None:
+        return None
+    return ["capsh", "--drop=cap_dac_override,cap_dac_read_search", "--", "-c",
+            'exec "$0" "$@"']
+
+
+def test_an_unreadable_manifest_is_no_damage_and_its_number_is_never_reused(tmp_path):
+    """The newest manifest cannot be read for a while (a real EACCES, in a process without
+    root's permission override): latest() fails with StorageError instead of returning the
+    older checkpoint, and a commit fails with CommitError instead of reusing the commit number
+    of the checkpoint it cannot read. Once the manifest reads again, the same process sees it
+    (nothing of the failed read was kept) and commits with the next number."""
+    import subprocess
+    import sys
+    prefix = _without_dac_override()
+    if prefix is None:
+        pytest.skip("running as root without capsh: no process here is refused a mode-000 file")
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
+        save(ck, 1, step=1)
+        save(ck, 2, step=2)
+    manifest = tmp_path / fmt.step_name(2) / fmt.MANIFEST
+    child = subprocess.Popen([*prefix, sys.executable, "-c", _READER, str(tmp_path)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(command: str) -> str:
+        child.stdin.write(command + "\n")
+        child.stdin.flush()
+        return child.stdout.readline().strip()
+    try:
+        assert child.stdout.readline() == "READY\n"
+        os.chmod(manifest, 0)
+        try:
+            assert ask("LATEST") == "StorageError"
+            assert ask("SAVE 3") == "CommitError"
+            assert ask("LATEST") == "StorageError"  # read again, not taken from a cache
+        finally:
+            os.chmod(manifest, 0o644)
+        assert ask("LATEST") == fmt.step_name(2)
+        assert ask("SAVE 3") == "seq 3"
+    finally:
+        child.stdin.close()
+        assert child.wait(60) == 0
+    infos = commit.list_checkpoints(os.fspath(tmp_path))
+    assert [(i.name, i.seq) for i in infos] == [(fmt.step_name(s), s) for s in (1, 2, 3)]

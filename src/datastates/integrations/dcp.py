@@ -40,7 +40,6 @@ import io
 import json
 import os
 import pickle
-import shutil
 import time
 import uuid
 from typing import Any
@@ -55,6 +54,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from datastates import CorruptCheckpointError, UnsafeObjectError
 from datastates import format as fmt
+from datastates.publish import RenamePublisher
 from datastates.storage import fsync_dir
 from datastates.store import LOCAL
 
@@ -63,6 +63,10 @@ from .dcp_metadata import (FORMAT, MANIFEST, METADATA, PICKLED_METADATA, VERSION
                            check_span, read_checked, read_manifest)
 
 __all__ = ["DatastatesWriter", "DatastatesReader"]
+
+#: The library's atomic visibility on a local disk: names the temporary directory, renames it
+#: into place (an older folder of that name moved aside first, removed once the new one is in).
+_PUBLISHER = RenamePublisher(LOCAL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +179,13 @@ class DatastatesWriter(StorageWriter, AsyncStager):
                     "files": sorted(files)}
         _write_file(os.path.join(tmp_dir, MANIFEST), json.dumps(manifest).encode(),
                     self.sync_files)
-        _publish(tmp_dir, self.path, self.overwrite, self.sync_files)
+        if self.sync_files:
+            fsync_dir(tmp_dir)
+        parent, name = os.path.split(self.path)
+        if not self.overwrite and os.path.lexists(self.path):
+            raise FileExistsError(f"{self.path} exists and overwrite=False")
+        _PUBLISHER.make_visible(parent, tmp_dir, name, replace=os.path.lexists(self.path),
+                                fsync=self.sync_files)
         if self.last_save_stats is not None and self._stats_t0 is not None:
             self.last_save_stats.commit_s = time.perf_counter() - self._stats_t0
 
@@ -192,7 +202,7 @@ class DatastatesWriter(StorageWriter, AsyncStager):
 
     def _tmp_dir(self) -> str:
         parent, name = os.path.split(self.path)
-        return os.path.join(parent, f".tmp.{name}.{self.save_id[:12]}")
+        return _PUBLISHER.tmp_location(parent, name, self.save_id, 0)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -386,22 +396,3 @@ def _write_file(path: str, data: bytes, sync: bool) -> None:
         f.flush()
         if sync:
             os.fsync(f.fileno())
-
-
-def _publish(tmp: str, final: str, overwrite: bool, sync: bool) -> None:
-    """Rename the finished temporary directory to ``final``; an older checkpoint there is moved
-    aside first and deleted only after the new one is visible."""
-    parent, name = os.path.split(final)
-    if sync:
-        fsync_dir(tmp)
-    old = None
-    if os.path.lexists(final):
-        if not overwrite:
-            raise FileExistsError(f"{final} exists and overwrite=False")
-        old = os.path.join(parent, f".old.{name}.{uuid.uuid4().hex[:8]}")
-        os.rename(final, old)
-    os.rename(tmp, final)
-    if sync:
-        fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
