@@ -375,7 +375,7 @@ def _kind(mode: int) -> str:
     return next((text for test, text in kinds if test(mode)), "special file")
 
 
-# ---------------------------------------------------------------- stores where the manifest commits
+# ---------------------------------------------------------------- stores the manifest commits
 
 class ManifestPublisher(Publisher):
     """An object store: data under ``<root>/<name>/.data.<run>-<attempt>/``, committed by the
