@@ -17,7 +17,7 @@ import logging
 from . import format as fmt
 from .catalog import Catalog, CheckpointInfo, DamagedCheckpoint, human_bytes
 from .errors import CheckpointNotFoundError
-from .publish import RenamePublisher, publisher_for
+from .publish import publisher_for
 from .store import LOCAL, Store
 from .temporaries import sweep
 
@@ -32,12 +32,6 @@ def delete(root: str, name: str, fsync: bool = True, store: Store = LOCAL) -> No
     a regular file ``manifest.json`` (object stores: a ``manifest.json`` object under the
     prefix). Anything else raises CheckpointNotFoundError and nothing is removed."""
     publisher_for(store).delete(root, name, fsync)
-
-
-def set_aside(root: str, damaged: DamagedCheckpoint, fsync: bool) -> str:
-    """Local store: move a damaged checkpoint out of the way of a new save of its name
-    (:meth:`RenamePublisher.set_aside`); returns its new path."""
-    return RenamePublisher(LOCAL).set_aside(root, damaged, fsync)
 
 
 def apply_retention(root: str, keep_last: int | None, keep_every: int | None,
