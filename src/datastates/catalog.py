@@ -137,6 +137,8 @@ class Catalog:
         self._seen: dict[str, tuple[Any, CheckpointInfo | DamagedCheckpoint | None]] = {}
         #: (info, stamp, manifest) of the newest checkpoint whose manifest was read or recorded.
         self._newest: tuple[CheckpointInfo, Any, schema.Manifest] | None = None
+        #: Names :meth:`record` noted (committed by this job): kept when a listing misses them.
+        self._recorded: set[str] = set()
         self._lock = threading.Lock()
 
     def scan(self) -> list[CheckpointInfo]:
@@ -167,6 +169,7 @@ class Catalog:
                 except OSError as exc:
                     unreadable.append(f"{self.store.join(self.root, name, fmt.MANIFEST)} "
                                       f"({type(exc).__name__}: {exc})")
+            self._keep_recorded(seen)
             self._seen = seen
             if unreadable:
                 raise StorageError(f"could not read the manifest of {len(unreadable)} "
@@ -183,9 +186,22 @@ class Catalog:
         as now known, oldest first."""
         with self._lock:
             self._seen[info.name] = (stamp, info)
+            self._recorded.add(info.name)
             if manifest is not None:
                 self._keep(info, stamp, manifest)
             return self._committed()
+
+    def _keep_recorded(self, seen: dict) -> None:
+        """A listing may lag behind a commit (NFS caches directory attributes; another rank's
+        rename is not yet visible here): a checkpoint :meth:`record` noted and the listing lacks
+        is kept while its manifest is still found by its own path, forgotten once it is gone."""
+        for name in sorted(self._recorded - seen.keys()):
+            known = self._seen.get(name)
+            if known is not None and self.store.isfile(
+                    self.store.join(self.root, name, fmt.MANIFEST)):
+                seen[name] = known
+            else:
+                self._recorded.discard(name)
 
     def damaged(self) -> list[DamagedCheckpoint]:
         """The damaged checkpoints the last :meth:`scan` found, by name."""

@@ -276,3 +276,34 @@ def test_an_unreadable_manifest_is_no_damage_and_its_number_is_never_reused(tmp_
         assert child.wait(60) == 0
     infos = commit.list_checkpoints(os.fspath(tmp_path))
     assert [(i.name, i.seq) for i in infos] == [(fmt.step_name(s), s) for s in (1, 2, 3)]
+
+
+class _LaggingStore(type(LOCAL)):
+    """The local store, except that its listing of the root misses the names in ``hidden``: a
+    directory listing that lags behind another node's rename (NFS attribute caching)."""
+
+    def __init__(self, hidden: set[str]):
+        super().__init__()
+        self.hidden = hidden
+
+    def file_stamps(self, path, file_name):
+        return {n: s for n, s in super().file_stamps(path, file_name).items()
+                if n not in self.hidden}
+
+
+def test_a_recorded_commit_survives_a_listing_that_lags_behind_it(tmp_path):
+    """What the commit recorded stays the latest while a stale listing misses it, and is
+    forgotten once its manifest is really gone."""
+    root = str(tmp_path)
+    with Checkpointer(root, CheckpointConfig(**SMALL)) as ck:
+        save(ck, 1, step=1)
+        second = save(ck, 2, step=2)
+    store = _LaggingStore({second.name})
+    catalog = Catalog(root, store)
+    assert [i.name for i in catalog.scan()] == ["step-0000000001"]  # what the listing shows
+    catalog.record(second, None)
+    assert [i.name for i in catalog.scan()] == ["step-0000000001", second.name]
+    shutil.rmtree(os.path.join(root, second.name))
+    assert [i.name for i in catalog.scan()] == ["step-0000000001"]
+    store.hidden.clear()
+    assert [i.name for i in catalog.scan()] == ["step-0000000001"]
