@@ -191,7 +191,7 @@ assert all(torch.equal(_fresh[k], state_dict[k]) for k in state_dict)
 '''),
 ]
 #: Blocks that define code for the reader to fill in and load nothing: they must only run.
-DEFINES_ONLY = ("class TestMyProvider(ProviderConformance)",)
+DEFINES_ONLY = ("class TestMyProvider(ProviderConformance)", "class TestMyStore(StoreConformance)")
 
 
 def _check(code: str) -> str:
