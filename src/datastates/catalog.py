@@ -33,7 +33,8 @@ from typing import Any
 
 from . import format as fmt
 from . import schema
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from .errors import (CheckpointNotFoundError, CorruptCheckpointError, StorageError,
+                     UnsupportedFormatError)
 from .store import LOCAL, Store
 
 log = logging.getLogger("datastates")
@@ -60,13 +61,16 @@ class DamagedCheckpoint:
     (or is no regular file): it was committed once (only a commit writes that file) and is
     damaged now. It is never restored, but it is listed, fails ``verify``, is named in a WARNING
     when ``latest()`` or ``restore()`` pass over it, and retention and ``delete()`` may remove
-    it. ``reason`` is the error that reading the manifest raised; ``mtime`` the modification time of its
-    ``manifest.json`` (None if it could not be read), which orders it among the others."""
+    it. ``reason`` is the error that reading the manifest raised; ``mtime`` the modification time
+    of its ``manifest.json`` (None if it could not be read), which orders it among the others.
+    ``newer_format``: the manifest is intact but of a format version this datastates does not
+    read (a newer writer's): it is reported like damage, but retention never deletes it."""
 
     name: str
     path: str
     reason: str
     mtime: float | None = None
+    newer_format: bool = False
 
 
 def human_bytes(n: int) -> str:
@@ -108,7 +112,8 @@ def examine(path: str, store: Store = LOCAL
         return None, None
     except CorruptCheckpointError as exc:
         return DamagedCheckpoint(os.path.basename(path), path, f"{type(exc).__name__}: {exc}",
-                                 _mtime(store, file)), None
+                                 _mtime(store, file),
+                                 isinstance(exc, UnsupportedFormatError)), None
     return info_of(path, manifest), manifest
 
 

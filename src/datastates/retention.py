@@ -74,7 +74,7 @@ def apply_retention(root: str, keep_last: int | None, keep_every: int | None,
             removed.append(info.name)
             log.info("retention deleted %s (%s of files)", info.name,
                      human_bytes(info.nbytes))
-    for gone in _aged_out(damaged or [], found[-keep_last:], store):
+    for gone in _aged_out(damaged or [], found[-keep_last:], store, keep_every):
         if _remove(root, gone.name, fsync, store, failures):
             removed.append(gone.name)
             log.info("retention deleted the damaged checkpoint %s, older than every checkpoint "
@@ -99,9 +99,14 @@ def _remove(root: str, name: str, fsync: bool, store: Store, failures: list) -> 
 
 
 def _aged_out(damaged: list[DamagedCheckpoint], window: list[CheckpointInfo],
-              store: Store) -> list[DamagedCheckpoint]:
+              store: Store, keep_every: int | None) -> list[DamagedCheckpoint]:
     """The damaged checkpoints whose manifest is older than the manifest of each checkpoint of
-    ``window`` (a stat per checkpoint of the window, only when there is damage)."""
+    ``window`` (a stat per checkpoint of the window, only when there is damage). Never one of a
+    newer format (intact, only unreadable here), nor, with ``keep_every``, one that may be a
+    kept step: its step is unreadable, so only a ``step-N`` name with N not a multiple of
+    ``keep_every`` proves it is not."""
+    damaged = [d for d in damaged if not d.newer_format and
+               (not keep_every or _step_of(d.name) % keep_every != 0)]
     if not damaged or not window:
         return []
     try:
@@ -109,6 +114,13 @@ def _aged_out(damaged: list[DamagedCheckpoint], window: list[CheckpointInfo],
     except OSError:
         return []  # changed meanwhile: decide at the next commit
     return [d for d in damaged if d.mtime is not None and d.mtime < oldest_kept]
+
+
+def _step_of(name: str) -> int:
+    """The step a ``step-N`` name says (``fmt.step_name``); 0 for any other name (a multiple of
+    every ``keep_every``: kept)."""
+    digits = name[len("step-"):]
+    return int(digits) if name.startswith("step-") and digits.isdigit() else 0
 
 
 def _remove_trash(root: str, store: Store) -> list[OSError]:

@@ -155,6 +155,9 @@ class Owners:
             fd = os.open(path, _OPEN_FLAGS)
         except FileNotFoundError:
             return "unknown"  # none, or retired with its temporaries by another cleaner
+        except OSError:  # a link, or another user's lease: whether its owner lives is unknown,
+            self._live.add(token)  # so its temporaries are kept, as a live owner's would be
+            return "live"
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

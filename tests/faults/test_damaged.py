@@ -5,6 +5,7 @@ the damaged directory aside, its bytes kept), and retention removes damaged dire
 once they are older than every checkpoint it keeps. Real files, damaged by flipping one bit."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -260,3 +261,47 @@ def test_object_store_damaged_newest_is_reported_and_replaced(s3_server, s3_root
                                 "CorruptCheckpointError: ")
     assert warned[1].startswith(f"the damaged checkpoint {s3_root}/step-0000000002 is replaced "
                                 "by a new save of that name")
+
+
+def _newer_format(ckpt_dir) -> None:
+    """Rewrite a checkpoint's manifest as a newer datastates would (version 3), sealed: intact,
+    only unreadable to this version."""
+    path = ckpt_dir / fmt.MANIFEST
+    raw = path.read_bytes()
+    body = json.loads(raw[:raw.rindex(b',"manifest_crc32"')] + b"}")
+    body["version"] = fmt.VERSION + 1
+    path.write_bytes(fmt.seal_manifest(json.dumps(body, separators=(",", ":")).encode()))
+    old = os.stat(path).st_mtime - 3600
+    os.utime(path, (old, old))
+
+
+def test_retention_never_deletes_a_kept_step_or_a_newer_format_it_cannot_read(tmp_path):
+    """A damaged checkpoint whose step keep_every keeps (or may keep: an unreadable tag), and a
+    checkpoint of a newer format, survive retention however old their manifests are."""
+    with Checkpointer(tmp_path, CheckpointConfig(keep_last=None, **SMALL)) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save({"x": torch.full((4,), float(step))}, step=step).wait(60)
+        ckpt.save({"x": torch.zeros(4)}, tag="best").wait(60)
+    flip_bit(tmp_path / fmt.step_name(2) / fmt.MANIFEST, keep_mtime=True)  # a kept milestone
+    flip_bit(tmp_path / "best" / fmt.MANIFEST, keep_mtime=True)            # step unknown
+    flip_bit(tmp_path / fmt.step_name(1) / fmt.MANIFEST, keep_mtime=True)  # not a milestone
+    _newer_format(tmp_path / fmt.step_name(3))
+    with Checkpointer(tmp_path, CheckpointConfig(keep_last=1, keep_every=2, **SMALL)) as ckpt:
+        assert [d.newer_format for d in ckpt.damaged()] == [False, False, False, True]
+        for step in (5, 7):
+            ckpt.save({"x": torch.full((4,), float(step))}, step=step).wait(60)
+    names = sorted(n for n in os.listdir(tmp_path) if not n.startswith(("latest", ".")))
+    assert names == ["best", fmt.step_name(2), fmt.step_name(3), fmt.step_name(7)], names
+
+
+def test_a_lease_that_cannot_be_opened_keeps_its_temporaries_and_breaks_nothing(tmp_path):
+    """A lease file that is a link (or another user's): the directory still opens, and the
+    temporaries of that owner are kept, as a live owner's are."""
+    token = "0123456789abcdef"
+    (tmp_path / f".owner.{token}").symlink_to(tmp_path / "elsewhere")
+    leftover = tmp_path / f".tmp.step-0000000009.{token}-0"
+    leftover.mkdir()
+    with Checkpointer(tmp_path, CheckpointConfig(stale_tmp_age_s=1e-6, **SMALL)) as ckpt:
+        ckpt.save({"x": torch.ones(4)}, step=1).wait(60)
+        assert [i.step for i in ckpt.list()] == [1]
+    assert leftover.is_dir() and (tmp_path / f".owner.{token}").is_symlink()
