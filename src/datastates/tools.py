@@ -18,9 +18,9 @@ from . import commit as commit_mod
 from . import format as fmt
 from .catalog import (Catalog, CheckpointInfo, DamagedCheckpoint, human_bytes,  # noqa: F401 (the CLI)
                       info_of, log_passed_over)
-from .errors import CheckpointNotFoundError, ConfigError, DatastatesError
+from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, DatastatesError
 from .schema import TensorEntry
-from .store import LOCAL, normalize, open_store
+from .store import LOCAL, normalize, open_store, read_regular
 
 #: Files that tell another framework's checkpoint apart from an empty folder.
 _FOREIGN = (("model.safetensors", "Hugging Face / safetensors"), (".safetensors", "safetensors"),
@@ -127,11 +127,12 @@ def _select_nested(path: str, every: bool) -> Selection:
 
 
 def _latest_tag(path: str, tags: dict) -> str:
-    """The tag DeepSpeed's ``latest`` names, else the one of the highest step in its name."""
+    """The tag DeepSpeed's ``latest`` names, else the one of the highest step in its name (also
+    when ``latest`` is no regular file of at most 4 KiB: a link, a FIFO)."""
     try:
-        with open(os.path.join(path, fmt.LATEST), "rb") as f:
-            named = f.read(4096).decode("utf-8", "replace").strip()
-    except OSError:
+        named = read_regular(os.path.join(path, fmt.LATEST), 4096).decode("utf-8",
+                                                                          "replace").strip()
+    except (OSError, CorruptCheckpointError):
         named = ""
     if named in tags:
         return named

@@ -262,3 +262,19 @@ def test_export_hf_copies_no_link_out_of_the_checkpoint(tmp_path, capsys, caplog
                              "--no-progress")
     assert code == EXIT_OK and "not copied: tokenizer.json (a symbolic link)" in out_text
     assert not (tmp_path / "hf2" / "tokenizer.json").exists()
+
+
+def test_a_deepspeed_save_dir_whose_latest_is_a_fifo_does_not_hang(tmp_path, capsys):
+    """`latest` of a handed DeepSpeed save folder is read as a regular file only: a FIFO (or a
+    link) there is ignored and the newest tag by step is taken, with no hang."""
+    import threading
+    root = _deepspeed_save_dir(tmp_path / "run")
+    os.remove(root / "latest")
+    os.mkfifo(root / "latest")
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(out=_run(capsys, "verify", root)))
+    worker.start()
+    worker.join(timeout=60)  # a hang detector, not synchronization
+    assert not worker.is_alive(), "verify blocked on a FIFO named latest"
+    code, out, _ = result["out"]
+    assert code == EXIT_OK and "global_step2/" in out and "global_step1/" not in out
