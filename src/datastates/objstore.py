@@ -184,9 +184,16 @@ class S3Store(Store):
             raise CorruptCheckpointError(f"{path}: {response['ContentLength']} bytes, more than "
                                          f"the format's limit of {max_bytes} bytes for this file")
         try:
-            return response["Body"].read()
+            if max_bytes is None:
+                return response["Body"].read()
+            data = response["Body"].read(max_bytes + 1)  # a reply without a length is bounded too
         except Exception as exc:
             raise self.error(exc, "GET (body)", path) from None
+        if len(data) > max_bytes:
+            response["Body"].close()
+            raise CorruptCheckpointError(f"{path}: more than the format's limit of {max_bytes} "
+                                         "bytes for this file")
+        return data
 
     def write_atomic(self, path: str, data: bytes, fsync: bool) -> Any:
         """One PUT; returns the object's ETag (the stamp :meth:`file_stamps` lists)."""

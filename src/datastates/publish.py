@@ -396,16 +396,14 @@ class ManifestPublisher(Publisher):
         or the new manifest with the new data, never a mix."""
         store, final = self.store, self.store.join(root, name)
         manifest["data_dir"] = tmp.rstrip("/").rsplit("/", 1)[-1]
-        old = None
-        try:
-            old = fmt.read_manifest(final, store)
-        except CheckpointNotFoundError:
-            pass
-        except CorruptCheckpointError as exc:
+        # examine: a manifest that cannot be *read* (a refused or failed GET) raises, it is never
+        # taken for damage and overwritten without overwrite=True
+        found, old = examine(final, store)
+        if isinstance(found, DamagedCheckpoint):
             old = False  # a damaged manifest: replace it, leave its data for clean_stale
             log.warning("the damaged checkpoint %s is replaced by a new save of that name (its "
                         "data directories stay until the cleanup of stale data removes them): "
-                        "%s", final, exc)
+                        "%s", final, found.reason)
         if old and not overwrite:
             raise CheckpointExistsError(f"{final} already exists (committed meanwhile); pass "
                                         "overwrite=True to replace it")
