@@ -267,7 +267,7 @@ class RenamePublisher(Publisher):
         """After the commit: fsync ``root``, remove ``old``; True if ``old`` is left."""
         left = False
         for step in (lambda: storage.fsync_dir(root) if fsync else None,
-                     lambda: storage.remove_tree(old) if old is not None else None):
+                     lambda: _discard_replaced(old) if old is not None else None):
             try:
                 step()
             except FileNotFoundError:
@@ -376,6 +376,15 @@ def _kind(mode: int) -> str:
 
 
 # ---------------------------------------------------------------- stores the manifest commits
+
+def _discard_replaced(old: str) -> None:
+    """Remove a replaced checkpoint's ``.old.`` directory. It is first renamed to the matching
+    ``.trash.`` name: a removal that fails halfway then leaves a deletion for the cleanup to
+    finish, never an ``.old.`` that a cleanup would put back under a name deleted since."""
+    trash = os.path.join(os.path.dirname(old), ".trash." + os.path.basename(old)[len(".old."):])
+    os.rename(old, trash)
+    storage.remove_tree(trash)
+
 
 class ManifestPublisher(Publisher):
     """An object store: data under ``<root>/<name>/.data.<run>-<attempt>/``, committed by the

@@ -198,3 +198,34 @@ def test_a_read_only_copy_with_a_crashed_writers_leftovers_opens(tmp_path, mode,
         assert ck.latest().name == expected
     assert [name for name in os.listdir(root) if name.startswith(".")] == []
     assert not any(name.startswith("latest.tmp") for name in os.listdir(root))
+
+
+def test_a_replaced_checkpoint_left_half_removed_is_never_put_back(tmp_path, monkeypatch):
+    """An overwrite whose removal of the replaced copy fails halfway, then a deletion of that
+    name: the cleanup finishes the removal and never brings the old copy back."""
+    from datastates import publish, retention
+    real = publish.storage.remove_tree
+    calls = []
+
+    def failing_once(path):
+        calls.append(os.path.basename(path))
+        if len(calls) == 1:  # remove the manifest, then fail as an NFS .nfsXXXX file would
+            os.remove(os.path.join(path, fmt.MANIFEST))
+            raise OSError(16, "Device or resource busy", path)
+        return real(path)
+
+    config = datastates.CheckpointConfig(stale_tmp_age_s=1e-6, **SMALL)
+    with datastates.Checkpointer(tmp_path, config) as ck:
+        ck.save({"x": torch.ones(8)}, step=1).wait(WAIT_S)
+        monkeypatch.setattr(publish.storage, "remove_tree", failing_once)
+        with pytest.warns(RuntimeWarning):
+            ck.save({"x": torch.full((8,), 2.0)}, step=1, overwrite=True).wait(WAIT_S)
+        monkeypatch.undo()
+        ck.delete(step=1)
+    assert calls and calls[0].startswith(".trash.step-0000000001.")
+    retention.clean_stale(str(tmp_path), 1e-6)
+    assert not os.path.exists(tmp_path / fmt.step_name(1))
+    assert [n for n in os.listdir(tmp_path) if n.startswith((".old.", ".trash."))] == []
+    with datastates.Checkpointer(tmp_path, config) as ck:
+        ck.save({"x": torch.full((8,), 3.0)}, step=1).wait(WAIT_S)  # the name is free
+        assert torch.equal(ck.load(step=1)["x"], torch.full((8,), 3.0))
