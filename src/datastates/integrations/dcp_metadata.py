@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from datastates import (CheckpointNotFoundError, CorruptCheckpointError, SerializationError,
                         UnsupportedFormatError)
 from datastates import format as fmt
+from datastates.store import read_regular
 
 __all__ = ["encode", "decode", "read_manifest", "read_checked"]
 
@@ -100,22 +101,10 @@ def read_manifest(path: str) -> dict:
 
 
 def _read_regular(path: str, limit: int) -> bytes:
-    """The bytes of ``path``, a regular file of at most ``limit`` bytes (not a symlink, FIFO or
-    device: CorruptCheckpointError naming it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            raise CorruptCheckpointError(f"{path}: expected a regular file of at most {limit} "
-                                         f"bytes, found {_kind(st)}")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(limit + 1)
-    except OSError as exc:
-        if isinstance(exc, FileNotFoundError):
-            raise
-        raise CorruptCheckpointError(f"{path}: cannot be read as a regular file ({exc})") from None
-    finally:
-        os.close(fd)
+    """The bytes of ``path``, a regular file of at most ``limit`` bytes directly in its folder
+    (``store.read_regular``: a link, FIFO or device is CorruptCheckpointError naming it; a read
+    error stays an OSError, never taken for damage)."""
+    return read_regular(path, limit)
 
 
 def check_regular(path: str) -> None:
