@@ -33,7 +33,7 @@ from . import storage
 from .catalog import CheckpointInfo, DamagedCheckpoint, examine
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError,
                      CorruptCheckpointError)
-from .store import Store
+from .store import Store, file_kind
 from .temporaries import TAKEN_ERRNOS, Lease, fresh_token, owner_token, skipped, sweep
 
 log = logging.getLogger("datastates")
@@ -356,7 +356,7 @@ def _check_checkpoint_dir(root: str, name: str, path: str) -> None:
         raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}") from None
     if not stat.S_ISDIR(mode):
         raise CheckpointNotFoundError(f"{path} is not a checkpoint: expected a directory, found "
-                                      f"a {_kind(mode)}; nothing was removed")
+                                      f"{file_kind(mode)}; nothing was removed")
     manifest = os.path.join(path, fmt.MANIFEST)
     try:
         mode = os.lstat(manifest).st_mode
@@ -364,15 +364,9 @@ def _check_checkpoint_dir(root: str, name: str, path: str) -> None:
         raise CheckpointNotFoundError(f"{path} is not a checkpoint: it holds no {fmt.MANIFEST} "
                                       "(only a commit writes one); nothing was removed") from None
     if not stat.S_ISREG(mode):
-        raise CheckpointNotFoundError(f"{path} is not a checkpoint: {manifest} is a "
-                                      f"{_kind(mode)}, expected a regular file; nothing was "
+        raise CheckpointNotFoundError(f"{path} is not a checkpoint: {manifest} is "
+                                      f"{file_kind(mode)}, expected a regular file; nothing was "
                                       "removed")
-
-
-def _kind(mode: int) -> str:
-    kinds = ((stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "directory"),
-             (stat.S_ISREG, "regular file"), (stat.S_ISFIFO, "FIFO"))
-    return next((text for test, text in kinds if test(mode)), "special file")
 
 
 # ---------------------------------------------------------------- stores the manifest commits

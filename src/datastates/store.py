@@ -62,9 +62,16 @@ def open_store(path: str, storage_options: Mapping[str, Any] | None = None) -> "
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _READ_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
-_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+_KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISLNK, "a symbolic link"),
+          (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISDIR, "a directory"))
+
+
+def file_kind(mode: int) -> str:
+    """What an ``st_mode`` is, for messages: "a regular file", "a symbolic link", "a FIFO
+    (named pipe)"..."""
+    return next((name for test, name in _KINDS if test(mode)), "a special file")
 
 
 def open_regular(path: str, max_bytes: int | None = None) -> tuple[int, os.stat_result]:
@@ -123,8 +130,7 @@ def _check_regular(path: str, st: os.stat_result, max_bytes: int | None) -> None
     """CorruptCheckpointError naming ``path`` unless ``st`` is a regular file of at most
     ``max_bytes`` bytes."""
     if not stat.S_ISREG(st.st_mode):
-        kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
-        raise CorruptCheckpointError(f"{path}: is {kind}, expected a regular file (datastates "
+        raise CorruptCheckpointError(f"{path}: is {file_kind(st.st_mode)}, expected a regular file (datastates "
                                      "opens nothing else in a checkpoint folder)")
     if max_bytes is not None and st.st_size > max_bytes:
         raise CorruptCheckpointError(f"{path}: {st.st_size} bytes, more than the format's limit "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import struct
 import threading
 
@@ -35,13 +36,11 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 # ---------------------------------------------------------------- forged checksum pieces
 
 def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+    return pathlib.Path(path).read_bytes()
 
 
 def _write(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
+    pathlib.Path(path).write_bytes(data)
 
 
 def _split_pieces(ckpt_dir: str, key: str, cuts: list[int]) -> list[list[int]]:

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from datastates import (CheckpointNotFoundError, CorruptCheckpointError, SerializationError,
                         UnsupportedFormatError)
 from datastates import format as fmt
-from datastates.store import read_regular
+from datastates.store import file_kind, read_regular
 
 __all__ = ["encode", "decode", "read_manifest", "read_checked"]
 
@@ -114,18 +114,7 @@ def check_regular(path: str) -> None:
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: shard file missing") from None
     if not stat.S_ISREG(st.st_mode):
-        raise CorruptCheckpointError(f"{path}: expected a regular file, found {_kind(st)}")
-
-
-def _kind(st: os.stat_result) -> str:
-    if stat.S_ISREG(st.st_mode):
-        return f"a file of {st.st_size} bytes"
-    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(st.st_mode):
-            return name
-    return "a special file"
+        raise CorruptCheckpointError(f"{path}: expected a regular file, found {file_kind(st.st_mode)}")
 
 
 def read_checked(folder: str, name: str, manifest: dict) -> bytes:
