@@ -47,15 +47,15 @@ elif os.environ.get("BENCH_E2E_SRC"):
     sys.path.insert(0, os.environ["BENCH_E2E_SRC"])
 
 import datastates  # noqa: E402
-from datastates.demo import SyntheticLoader  # noqa: E402
-from datastates.demo_model import GPT, GPTConfig  # noqa: E402
+from benchmarks.demo import SyntheticLoader  # noqa: E402
+from benchmarks.gpt import GPT, GPTConfig  # noqa: E402
 
 MODES = ["none", "limit", "ds_module_k3", "ds_module_all", "ds_sd_k3", "ds_sd_all", "torch_save",
          "dcp_async"]
 
 
 def demo_config() -> tuple[GPTConfig, int]:
-    """The shape ``python -m datastates demo`` trains by default, and its batch size."""
+    """The shape ``python -m benchmarks.demo`` trains by default, and its batch size."""
     return GPTConfig(vocab_size=8192, block_size=64, n_layer=6, n_head=6, n_embd=384), 8
 
 

@@ -26,7 +26,7 @@ def _backends() -> tuple[list, str | None]:
     """(backends with ``.name`` and ``.crc32``, the name datastates uses); only zlib where the
     datastates under test has no checksum module (an older version)."""
     try:
-        from datastates import checksum
+        from datastates.format import checksum
     except ImportError:
         class _Zlib:
             name = "zlib"

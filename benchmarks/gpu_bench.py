@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import datastates  # noqa: E402
-from datastates.demo_model import GPT, GPTConfig, synthetic_batch  # noqa: E402
+from benchmarks.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 
 def main() -> int:

@@ -116,7 +116,7 @@ def scrub(buffer: bytearray) -> None:
 
 # ---------------------------------------------------------------------------------------- boto3
 # A seekable file over a memoryview: parts are uploaded without a copy (the backend's own).
-from datastates.objstore import ViewReader as MemoryReader  # noqa: E402
+from datastates.storage.s3 import ViewReader as MemoryReader  # noqa: E402
 
 
 def boto3_put(threads: int) -> Callable[[Bench, int], float]:

@@ -16,12 +16,12 @@ from typing import Callable
 
 import torch
 
-from .common import (disk_usage, drop_from_page_cache, list_entries, log, now, read_through,
-                     rotated)
+from .common import (
+    disk_usage, drop_from_page_cache, list_entries, log, now, read_through, rotated)
 from .memory import RssSampler, settle
 from .methods import Method, Pending
 from .states import TrainState, build_gpt_state, e2e_config, fingerprint, perturb
-from datastates.demo_model import synthetic_batch
+from benchmarks.gpt import synthetic_batch
 
 
 def _error_text(e: BaseException) -> str:

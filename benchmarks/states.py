@@ -2,7 +2,7 @@
 
 Two shapes of the *same kind* of state (parameters + AdamW state + RNG + Python objects):
 
-- ``gpt``: a GPT-2-style decoder from :mod:`datastates.demo_model` (the default ``gpt2-medium``
+- ``gpt``: a GPT-2-style decoder from :mod:`benchmarks.gpt` (the default ``gpt2-medium``
   preset is GPT-2 medium's width with 20 layers, ~304M parameters, ~3.65 GB with AdamW state);
 - ``fragmented``: the same number of bytes split over thousands of small parameters (a
   ``ParameterList``), the worst case for per-tensor overheads (pickling, per-item files, syscalls).
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from datastates.demo_model import GPT, GPTConfig, synthetic_batch
+from benchmarks.gpt import GPT, GPTConfig, synthetic_batch
 
 SENTINEL = 1234.5          # written over the fingerprinted elements before a load
 _FP_EDGE = 256             # elements fingerprinted at each end of every tensor

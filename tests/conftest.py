@@ -7,6 +7,8 @@ is a fresh ``s3://<bucket>/<unique>`` prefix, emptied (objects and in-progress m
 after the test; ``s3_storage_options`` is ``storage_options(s3_server)``, the keyword arguments the
 object-storage backend takes.
 
+Processes the tests start find ``benchmarks/`` through ``PYTHONPATH`` (set here).
+
 With ``DATASTATES_REQUIRE_EXTRAS=1`` (set by ``.ci/run``, which installs every optional package), a
 test skipped because a package or the server binary is missing makes the run fail: an extra that
 failed to install must not turn its tests into silent skips. Skips for the hardware (no CUDA, a file
@@ -21,6 +23,10 @@ import uuid
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "s3"))
+# The repository root, for the processes tests start: they import benchmarks/ (the demo model) too,
+# which is not part of the installed package (pytest itself gets it from pyproject's pythonpath).
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH")) if p)
 from server import Server, delete_prefix, find_weed, start_server, storage_options  # noqa: E402
 
 

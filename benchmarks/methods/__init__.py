@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from .base import Checkpoint, Method, Pending
 from .datastates_method import Datastates, DatastatesGuardedStateDict, DatastatesStateDict
-from .dcp import DcpAsync, DcpAsyncStager, DcpAsyncStagerBackground, DcpSave, ensure_process_group
+from .dcp import (
+    DcpAsync, DcpAsyncStager, DcpAsyncStagerBackground, DcpSave, ensure_process_group)
 from .reference import CopyDirect
 from .safetensors_method import Safetensors
 from .torch_save import TorchSave

@@ -10,11 +10,12 @@ Quick start::
         ckpt.restore({"model": model, "optimizer": opt, "rng": datastates.RNGState()})
 """
 from .checkpointer import Checkpointer
-from .commit import CheckpointInfo
+from .commit.review import CheckpointInfo
 from .config import CheckpointConfig
-from .dist import LocalCommunicator, StoreCommunicator
-from .job import SaveHandle, SaveStats
-from .flatten import TensorShard
+from .commit.rounds import LocalCommunicator, StoreCommunicator
+from .save.capture import mark_lazy
+from .save.job import SaveHandle, SaveStats
+from .providers.tree import TensorShard
 from .errors import (CheckpointerClosedError, CheckpointExistsError, CheckpointNotFoundError,
                      CheckpointWriteError, CommitError, CommitTimeoutError, ConfigError, CorruptCheckpointError,
                      DatastatesError, ReshardError, SerializationError, StateMismatchError,
@@ -23,11 +24,11 @@ from .errors import (CheckpointerClosedError, CheckpointExistsError, CheckpointN
 from .providers import (Capture, ModuleProvider, NumpyRandomProvider, OptimizerProvider,
                         ProviderRegistry, RNGState, RNGStateProvider, StatefulProvider,
                         StateProvider, eager, lazy)
-from .restore import RestoreReport
-from .interchange import export, import_checkpoint
-from .tools import inspect
+from .restore.reader import RestoreReport
+from .tools.export import export, import_checkpoint
+from .tools.describe import inspect
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402,F401
 
 __all__ = [
     "Capture", "CheckpointConfig", "CheckpointerClosedError", "CheckpointExistsError", "CheckpointInfo",
@@ -36,7 +37,7 @@ __all__ = [
     "ModuleProvider", "NumpyRandomProvider", "OptimizerProvider", "ProviderRegistry", "RNGState", "RNGStateProvider",
     "ReshardError", "RestoreReport", "SaveHandle", "SaveStats", "SerializationError",
     "StateMismatchError", "StateProvider", "StorageAccessError", "StorageError", "BucketNotFoundError", "StatefulProvider", "TensorShard", "UnsafeObjectError",
-    "UnsupportedFormatError", "eager", "export", "import_checkpoint", "inspect", "lazy",
+    "UnsupportedFormatError", "eager", "export", "import_checkpoint", "inspect", "lazy", "mark_lazy",
     "CheckpointEngine",
 ]
 

@@ -10,23 +10,23 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from . import capture
-from . import commit as commit_mod
-from . import format as fmt
-from . import retention
-from .catalog import DamagedCheckpoint, log_passed_over
-from .checks import MAX_TREE_DEPTH
+from .save import capture
+from .commit import review as commit_mod
+from .format import codec as fmt
+from .commit import retention
+from .commit.catalog import DamagedCheckpoint, log_passed_over
+from .format.checks import MAX_TREE_DEPTH
 from .config import CheckpointConfig
-from .dist import LocalCommunicator, StoreCommunicator
-from .engine import Pipeline
+from .commit.rounds import LocalCommunicator, StoreCommunicator
+from .save.pipeline import Pipeline
 from .errors import CheckpointerClosedError, ConfigError, SerializationError
-from .flatten import Flattened, ObjectItem, TensorItem, flatten
-from .job import Job, SaveHandle
-from .planning import assign_replicated, plan_layout
+from .providers.tree import Flattened, ObjectItem, TensorItem, flatten
+from .save.job import Job, SaveHandle
+from .save.planning import assign_replicated, plan_layout
 from .providers import ProviderRegistry
-from .publish import publisher_for
-from .restore import Reader, RestoreReport, check_rank_policy
-from .store import normalize, open_store
+from .commit.publish import publisher_for
+from .restore.reader import Reader, RestoreReport, check_rank_policy
+from .storage import normalize, open_store
 
 
 class Checkpointer:
@@ -113,7 +113,7 @@ class Checkpointer:
         with ``state_dict()``, :class:`RNGState` and picklable Python objects. The name is ``tag``
         or ``step-<step>``.
 
-        Capture (see ``datastates.capture``): the optimizers found in ``state`` and those given in
+        Capture (see ``datastates.save.capture``): the optimizers found in ``state`` and those given in
         ``optimizers`` (when the state holds their state dicts or flat buffers instead of the
         objects; wrappers are unwrapped to the torch optimizer whose ``step`` runs) are part of
         this save and guarded. Tensors on the bytes of their parameters and state are lazy:

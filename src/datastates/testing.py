@@ -33,6 +33,9 @@ from .errors import CorruptCheckpointError, StateMismatchError
 from .providers import ProviderRegistry, StateProvider
 
 
+__all__ = ["ProviderConformance", "StoreConformance"]
+
+
 class _Forged:
     """Stands in the saved state for the object whose state is forged."""
 
@@ -181,7 +184,7 @@ class ProviderConformance:
 
 class StoreConformance:
     """Mixin for pytest test classes: what every checkpoint store and its publisher
-    (``datastates.publish``) must do. Override :meth:`make_root`; a store proves itself with::
+    (``datastates.commit.publish``) must do. Override :meth:`make_root`; a store proves itself with::
 
         class TestMyStore(StoreConformance):
             def make_root(self, tmp_path):
@@ -203,8 +206,8 @@ class StoreConformance:
         raise NotImplementedError
 
     def _open(self, tmp_path):
-        from .publish import publisher_for
-        from .store import normalize, open_store
+        from .commit.publish import publisher_for
+        from .storage import normalize, open_store
         root, options = self.make_root(tmp_path)
         root = normalize(root)
         store = open_store(root, options)
@@ -252,7 +255,7 @@ class StoreConformance:
         assert torch.equal(live["i"], saved["i"]) and live["value"] == 7
 
     def test_a_temporary_location_is_never_listed_and_ages_out(self, tmp_path):
-        from .catalog import Catalog
+        from .commit.catalog import Catalog
         root, _, store, publisher = self._open(tmp_path)
         tmp = publisher.tmp_location(root, "step-0000000001", "a-run-that-died", 0)
         store.makedirs(root, True)
@@ -303,7 +306,7 @@ class StoreConformance:
             assert [i.name for i in ckpt.list()] == ["step-0000000002"]
 
     def test_a_damaged_checkpoint_is_replaced_by_a_new_save(self, tmp_path):
-        from . import format as fmt
+        from .format import codec as fmt
         root, options, store, _ = self._open(tmp_path)
         with self._checkpointer(root, options) as ckpt:
             ckpt.save({"x": torch.ones(4)}, step=1).wait()

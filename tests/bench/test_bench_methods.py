@@ -14,7 +14,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks import analysis, common, limits, states  # noqa: E402
 from benchmarks.methods import REGISTRY, make_methods  # noqa: E402
 from benchmarks.methods.reference import CopyDirect  # noqa: E402
-from datastates.demo_model import GPTConfig  # noqa: E402
+from benchmarks.gpt import GPTConfig  # noqa: E402
 
 TINY = GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)
 
@@ -92,7 +92,7 @@ def test_warm_load_is_compared_with_the_copy_limit():
 
 def test_checksum_table_lists_every_backend_and_the_one_in_use():
     from benchmarks import checksums, report
-    from datastates import checksum
+    from datastates.format import checksum
     rows = checksums.measure(4 << 20)
     assert [r["backend"] for r in rows] == [b.name for b in checksum.available()]
     assert [r["backend"] for r in rows if r["in_use"]] == [checksum.BACKEND]

@@ -156,11 +156,11 @@ def test_mismatched_calls_fail_on_every_rank_and_stay_in_step(tmp_path):
 # ------------------------------------------------------------------ stalls, failures, a kill
 
 def _stall_worker(rank, world, root, flag):
-    from datastates import storage
+    from datastates.storage import posix
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = {}
-    real = storage.pwrite_all
+    real = posix.pwrite_all
     with Checkpointer(root, FAST) as ckpt:
         def save(step):
             return _verdict(lambda: ckpt.save({"model": model, "opt": opt}, step=step,
@@ -174,11 +174,11 @@ def _stall_worker(rank, world, root, flag):
                 while not os.path.exists(flag):  # polls rank 1's verdict, not a timing guess
                     time.sleep(0.01)
                 real(fd, data, offset)
-            storage.pwrite_all = stalled
+            posix.pwrite_all = stalled
         out["stall"] = save(2)
         if rank == 1:
             open(flag, "w").close()
-        storage.pwrite_all = real
+        posix.pwrite_all = real
         dist.barrier()
         out["after_stall"] = save(3)
         dist.barrier()
@@ -186,15 +186,15 @@ def _stall_worker(rank, world, root, flag):
         if rank == 1:
             def full(fd, data, offset):
                 raise OSError(28, "No space left on device (injected)")
-            storage.pwrite_all = full
+            posix.pwrite_all = full
         out["enospc"] = save(4)
-        storage.pwrite_all = real
+        posix.pwrite_all = real
         dist.barrier()
         # rank 2 is killed in the middle of its write
         if rank == 2:
             def killed(fd, data, offset):
                 os.kill(os.getpid(), signal.SIGKILL)
-            storage.pwrite_all = killed
+            posix.pwrite_all = killed
         out["killed"] = save(5)
         out["back"] = torch.equal(ckpt.load(step=3, keys=["model"])["model"]["0.weight"],
                                   model[0].weight)

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 import datastates
-from datastates import CheckpointConfig, Checkpointer, checksum
-from datastates.catalog import Catalog
-from datastates.dist import PENDING, MemoryStore, StoreCommunicator, abort_decision
+from datastates import CheckpointConfig, Checkpointer
+from datastates.format import checksum
+from datastates.commit.catalog import Catalog
+from datastates.commit.rounds import PENDING, MemoryStore, StoreCommunicator, abort_decision
 
 from launcher import run_ranks
 
@@ -73,7 +74,7 @@ def _replica_worker(rank, world, root, backend):
             except datastates.CommitError as exc:
                 verdicts[step] = str(exc)
         back = {step: ckpt.load(step=step, keys=["model"])["model"] for step in saved
-                if verdicts[step] == datastates.format.step_name(step)}
+                if verdicts[step] == datastates.format.codec.step_name(step)}
     exact = {step: all(torch.equal(back[step][k], v) for k, v in saved[step].items())
              for step in back}
     return {"verdicts": verdicts, "exact": exact}
@@ -82,7 +83,7 @@ def _replica_worker(rank, world, root, backend):
 @pytest.mark.parametrize("backend", ["default", "zlib"])
 def test_replica_digests_finish_before_the_guarded_step(tmp_path, backend):
     out = run_ranks(2, _replica_worker, str(tmp_path / "ckpt"), backend, timeout=170)
-    names = {step: datastates.format.step_name(step) for step in range(1, 6)}
+    names = {step: datastates.format.codec.step_name(step) for step in range(1, 6)}
     for rank in (0, 1):
         assert out[rank]["verdicts"] == names, out[rank]["verdicts"]
         assert out[rank]["exact"] == {step: True for step in names}

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from datastates import CheckpointConfig, Checkpointer
-from datastates import format as fmt
+from datastates.format import codec as fmt
 
 from launcher import run_ranks
 

@@ -4,7 +4,7 @@ the package docstring.
 Each block runs in its own subprocess, in an empty directory, after a *prelude* that defines the
 names the examples assume and import nothing of the example's own:
 
-- plain PyTorch (any block): ``model`` (a tiny GPT of ``datastates.demo_model`` whose
+- plain PyTorch (any block): ``model`` (a tiny GPT of ``benchmarks.gpt`` whose
   ``model(x, y)`` returns the loss), ``opt`` (AdamW), ``sched`` (StepLR), ``loader`` (a stateful
   batch source: ``loader.next()`` gives ``(x, y)``), ``epoch = 0``, ``total_steps = 250``;
 - DeepSpeed blocks: a single-process gloo setup on the CPU (``DS_ACCELERATOR=cpu``, the
@@ -43,7 +43,7 @@ TIMEOUT_S = 600
 
 PLAIN = '''
 import torch
-from datastates.demo_model import GPT, GPTConfig, synthetic_batch
+from benchmarks.gpt import GPT, GPTConfig, synthetic_batch
 
 torch.manual_seed(0)
 _CFG = GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)

@@ -77,8 +77,8 @@ def _install(mode: str, n: int) -> None:
     - ``gate``: at the n-th data write, print ``PAUSED`` and block until killed from outside;
     - ``none`` / ``external``: no kill point.
     """
-    import datastates.commit
-    import datastates.storage
+    import datastates.commit.review
+    import datastates.storage.posix
 
     count = [0]
     lock = threading.Lock()
@@ -88,7 +88,7 @@ def _install(mode: str, n: int) -> None:
             count[0] += 1
             return count[0] == n
 
-    real_pwrite = datastates.storage.pwrite_all
+    real_pwrite = datastates.storage.posix.pwrite_all
     if mode in ("pwrite", "torn", "commitwrite", "gate"):
         def pwrite_all(fd, data, offset):
             if mode == "commitwrite" and threading.current_thread().name != "datastates-commit":
@@ -106,7 +106,7 @@ def _install(mode: str, n: int) -> None:
                     threading.Event().wait()  # until the parent's SIGKILL
                 _die()
             return real_pwrite(fd, data, offset)
-        datastates.storage.pwrite_all = pwrite_all
+        datastates.storage.posix.pwrite_all = pwrite_all
     elif mode == "fsync":
         real_fsync = os.fsync
 
@@ -142,21 +142,21 @@ def _install(mode: str, n: int) -> None:
             return real_replace(src, dst, *a, **k)
         os.replace = replace
     elif mode == "set-latest":
-        real_set_latest = datastates.commit.set_latest
+        real_set_latest = datastates.commit.review.set_latest
 
         def set_latest(*a, **k):
             if hit():
                 _die()
             return real_set_latest(*a, **k)
-        datastates.commit.set_latest = set_latest
+        datastates.commit.review.set_latest = set_latest
     elif mode == "claim":
-        real_writer = datastates.storage.ShardWriter  # what the local store opens
+        real_writer = datastates.storage.posix.ShardWriter  # what the local store opens
 
         def shard_writer(*a, **k):
             if hit():
                 _die()
             return real_writer(*a, **k)
-        datastates.storage.ShardWriter = shard_writer
+        datastates.storage.posix.ShardWriter = shard_writer
     elif mode not in ("none", "external"):
         raise SystemExit(f"unknown mode {mode!r}")
 

@@ -12,9 +12,9 @@ import struct
 import torch
 
 import datastates
-from datastates import format as fmt
+from datastates.format import codec as fmt
 from datastates.providers import ProviderRegistry
-from datastates.restore import Reader
+from datastates.restore.reader import Reader
 
 from _faults_helpers import assert_bit_exact
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import datastates
-from datastates import format as fmt
+from datastates.format import codec as fmt
 
 from _faults_helpers import WAIT_S, assert_bit_exact, crash_child, hidden_entries, run_child
 
@@ -203,7 +203,7 @@ def test_a_read_only_copy_with_a_crashed_writers_leftovers_opens(tmp_path, mode,
 def test_a_replaced_checkpoint_left_half_removed_is_never_put_back(tmp_path, monkeypatch):
     """An overwrite whose removal of the replaced copy fails halfway, then a deletion of that
     name: the cleanup finishes the removal and never brings the old copy back."""
-    from datastates import publish, retention
+    from datastates.commit import publish, retention
     real = publish.storage.remove_tree
     calls = []
 

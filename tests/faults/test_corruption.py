@@ -62,7 +62,7 @@ def write_manifest(root, manifest: dict, seal: bool = True) -> None:
     validation of the fields, not the checksum."""
     raw = json.dumps(manifest, separators=(",", ":")).encode()
     with open(os.path.join(step2(root), "manifest.json"), "wb") as f:
-        f.write(datastates.format.seal_manifest(raw) if seal else raw)
+        f.write(datastates.format.codec.seal_manifest(raw) if seal else raw)
 
 
 def entry(manifest: dict, key: str) -> dict:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from datastates import CheckpointConfig, Checkpointer
-from datastates import format as fmt
-from datastates.catalog import DamagedCheckpoint
+from datastates.format import codec as fmt
+from datastates.commit.catalog import DamagedCheckpoint
 from datastates.errors import CheckpointExistsError, CheckpointNotFoundError
 
 SMALL = dict(host_cache_bytes=256 << 10, chunk_bytes=16 << 10)

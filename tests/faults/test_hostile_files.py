@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import datastates
-from datastates import cli, tools
+from datastates.tools import cli, describe
 from datastates import format as fmt
-from datastates.catalog import Catalog
-from datastates.storage import remove_tree
+from datastates.commit.catalog import Catalog
+from datastates.storage.posix import remove_tree
 
 from _faults_helpers import assert_bit_exact
 from _integrity_helpers import bounded_memory
@@ -108,7 +108,7 @@ def test_special_manifest_is_refused_by_every_reader(root, tmp_path, kind, capsy
     plant(manifest, kind, tmp_path)
     fifos = [manifest] if kind == "fifo" else []
 
-    assert_refused(bounded(tools.find, ckpt, fifos=fifos), manifest, KINDS[kind])
+    assert_refused(bounded(describe.find, ckpt, fifos=fifos), manifest, KINDS[kind])
     with datastates.Checkpointer(root, CONFIG) as ck:
         state = fresh_state()
         assert_refused(bounded(ck.restore, state, step=2, fifos=fifos), manifest, KINDS[kind])
@@ -194,7 +194,7 @@ def test_linked_checkpoint_folder_inside_the_root_is_refused(root, tmp_path):
     catalog = Catalog(root)
     catalog.scan()
     assert [(d.name, link in d.reason) for d in catalog.damaged()] == [(fmt.step_name(3), True)]
-    assert_refused(bounded(tools.find, root, step=3), link, "symbolic link")
+    assert_refused(bounded(describe.find, root, step=3), link, "symbolic link")
 
 
 def test_linked_root_and_a_named_linked_checkpoint_are_read(root, tmp_path, capsys):
@@ -209,7 +209,7 @@ def test_linked_root_and_a_named_linked_checkpoint_are_read(root, tmp_path, caps
     assert_bit_exact(state["n"], expected["n"], "n")
     link_ckpt = os.path.join(str(tmp_path), "link-ckpt")
     os.symlink(os.path.join(root, STEP1), link_ckpt)
-    assert [i.name for i in tools.find(link_ckpt)] == [STEP1]
+    assert [i.name for i in describe.find(link_ckpt)] == [STEP1]
     assert cli.main(["verify", link_ckpt]) == 0
 
 

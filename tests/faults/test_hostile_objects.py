@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import datastates
-from datastates import format as fmt
-from datastates import serialization
+from datastates.format import codec as fmt
+from datastates.format import serialization
 
 from _integrity_helpers import (index_of, manifest_json, read_bytes, shard_file, with_index,
                                 write_bytes, write_sealed)

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import datastates
-import datastates.format
-import datastates.storage
+import datastates.format.codec
+import datastates.storage.posix
 from datastates import (CheckpointerClosedError, CheckpointWriteError, DatastatesError,
                         SerializationError)
-from datastates.storage import ShardWriter, remove_tree
+from datastates.storage.posix import ShardWriter, remove_tree
 
 from _faults_helpers import WAIT_S, hidden_entries, latest_temporaries, visible_entries
 
@@ -121,7 +121,7 @@ def test_use_after_close_raises_a_datastates_error(tmp_path):
 def test_writer_thread_failure_fails_the_job_and_the_threads_live_on(tmp_path, monkeypatch):
     """A checksum that raises in a writer thread fails that save with the error (no hang); the
     writer threads survive and the next save commits."""
-    real = datastates.format.crc32
+    real = datastates.format.codec.crc32
 
     def crc32(data, value=0):
         if threading.current_thread().name.startswith("datastates-writer"):
@@ -129,7 +129,7 @@ def test_writer_thread_failure_fails_the_job_and_the_threads_live_on(tmp_path, m
         return real(data, value)
     config = datastates.CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=16 << 10)
     with datastates.Checkpointer(tmp_path, config) as ck:
-        monkeypatch.setattr(datastates.format, "crc32", crc32)
+        monkeypatch.setattr(datastates.format.codec, "crc32", crc32)
         handle = ck.save(_state(1), step=1)
         with pytest.raises(RuntimeError, match="injected checksum failure"):
             handle.wait(WAIT_S)
@@ -144,7 +144,7 @@ def test_writer_thread_failure_fails_the_job_and_the_threads_live_on(tmp_path, m
 def test_commit_thread_failure_fails_the_job_and_the_thread_lives_on(tmp_path, monkeypatch):
     """An unexpected exception while the commit thread finishes a file fails that save only."""
     with datastates.Checkpointer(tmp_path, _small()) as ck:
-        monkeypatch.setattr(datastates.format, "encode_index",
+        monkeypatch.setattr(datastates.format.codec, "encode_index",
                             lambda *a: (_ for _ in ()).throw(KeyError("injected index failure")))
         with pytest.raises(KeyError, match="injected index failure"):
             ck.save(_state(1), step=1).wait(WAIT_S)
@@ -166,18 +166,18 @@ def test_direct_io_fallback_keeps_the_direct_descriptor_open(tmp_path, monkeypat
         writer.close()
         pytest.skip("this file system refuses O_DIRECT")
     direct = writer.direct_fd
-    real = datastates.storage.pwrite_all
+    real = datastates.storage.posix.pwrite_all
 
     def pwrite_all(fd, data, offset):
         if fd == direct:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return real(fd, data, offset)
-    monkeypatch.setattr(datastates.storage, "pwrite_all", pwrite_all)
+    monkeypatch.setattr(datastates.storage.posix, "pwrite_all", pwrite_all)
     buf = torch.zeros(8192 + 4096, dtype=torch.uint8)
     start = (-buf.data_ptr()) % 4096
     block = buf[start:start + 8192]
     block[:5000] = 7
-    view = datastates.storage.buffer_of(block)
+    view = datastates.storage.posix.buffer_of(block)
     writer.write(view[:5000], 0, view)
     assert os.fstat(direct).st_ino == os.stat(path).st_ino, "the O_DIRECT descriptor was closed"
     writer.write(view[:5000], 8192, view)  # later writes go through the buffered descriptor
@@ -269,7 +269,7 @@ def test_close_error_of_the_shard_file_fails_the_save(tmp_path, monkeypatch):
 def test_latest_update_failure_leaves_no_temporary(tmp_path, monkeypatch):
     """The checkpoint commits, writing the new ``latest`` hits ENOSPC: a warning, the save
     succeeds, and no ``latest.tmp.*`` is left."""
-    real = datastates.storage.pwrite_all
+    real = datastates.storage.posix.pwrite_all
 
     def pwrite_all(fd, data, offset):
         if os.path.basename(_fd_path(fd)).startswith("latest.tmp"):
@@ -277,7 +277,7 @@ def test_latest_update_failure_leaves_no_temporary(tmp_path, monkeypatch):
         return real(fd, data, offset)
     with datastates.Checkpointer(tmp_path, _small()) as ck:
         ck.save(_state(1), step=1).wait(WAIT_S)
-        monkeypatch.setattr(datastates.storage, "pwrite_all", pwrite_all)
+        monkeypatch.setattr(datastates.storage.posix, "pwrite_all", pwrite_all)
         with pytest.warns(RuntimeWarning, match="latest"):
             assert ck.save(_state(2), step=2).wait(WAIT_S).name == STEP2
         monkeypatch.undo()

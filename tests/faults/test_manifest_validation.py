@@ -11,8 +11,9 @@ import shutil
 import pytest
 
 import datastates
-from datastates import CorruptCheckpointError, commit
-from datastates.cli import main as cli_main
+from datastates import CorruptCheckpointError
+from datastates.commit import review
+from datastates.tools.cli import main as cli_main
 
 from _integrity_helpers import (NAME, STEP, assert_same_view, bounded_memory, index_of, load,
                                 manifest_json, manifest_path, read_bytes, restore, save_pristine,
@@ -45,8 +46,8 @@ def assert_all_refuse(ckpt_dir: str, match: str | None = None) -> None:
                 action(ckpt_dir)
             assert info.type is CorruptCheckpointError, info.value
     root = os.path.dirname(ckpt_dir)
-    assert [i.name for i in commit.list_checkpoints(root)] == [PREVIOUS]
-    assert commit.latest(root).name == PREVIOUS
+    assert [i.name for i in review.list_checkpoints(root)] == [PREVIOUS]
+    assert review.latest(root).name == PREVIOUS
     assert cli_main(["verify", root, "--step", str(STEP)]) == 1
 
 
@@ -256,7 +257,7 @@ def test_verify_checks_the_index_against_the_manifest(ckpt):
     new_index = json.dumps(obj, separators=(",", ":")).encode()
     write_bytes(shard_file(ckpt), with_index(shard, new_index))
     forge(ckpt, lambda m: m["files"][0].update(
-        index_crc32=datastates.format.crc32(new_index),
+        index_crc32=datastates.format.codec.crc32(new_index),
         nbytes=os.path.getsize(shard_file(ckpt))))
     assert load(ckpt)  # the manifest is the authority for loading ...
     with pytest.raises(CorruptCheckpointError, match="disagree on its dtype"):

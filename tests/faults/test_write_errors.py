@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import datastates
-import datastates.storage
+import datastates.storage.posix
 from datastates import CheckpointWriteError
 
 from _faults_helpers import WAIT_S, assert_bit_exact, hidden_entries, visible_entries
@@ -60,7 +60,7 @@ class Faults:
                thread: str | None = None):
         """``pwrite_all`` on a file whose name contains ``name_part`` (data, index, manifest...),
         from threads whose name starts with ``thread`` if given."""
-        real = datastates.storage.pwrite_all
+        real = datastates.storage.posix.pwrite_all
 
         def pwrite_all(fd, data, offset):
             if (self._inside(_fd_path(fd), name_part)
@@ -68,7 +68,7 @@ class Faults:
                     and self._should_fail(nth, sticky)):
                 raise OSError(err, os.strerror(err))
             return real(fd, data, offset)
-        self.mp.setattr(datastates.storage, "pwrite_all", pwrite_all)
+        self.mp.setattr(datastates.storage.posix, "pwrite_all", pwrite_all)
 
     def fd_call(self, name: str, name_part: str, nth: int = 1, err: int = errno.EIO):
         """``os.fsync`` / ``os.ftruncate`` on a file (or directory) matching ``name_part``."""

@@ -50,9 +50,9 @@ def test_dcp_detects_corruption(tmp_path):
     import torch.distributed.checkpoint as dcp
     state = {"w": torch.arange(4096, dtype=torch.float32)}
     dcp.save(state, storage_writer=DatastatesWriter(tmp_path / "c"), no_dist=True)
-    shard = tmp_path / "c" / datastates.format.shard_file_name(0)
+    shard = tmp_path / "c" / datastates.format.codec.shard_file_name(0)
     with open(shard, "r+b") as f:
-        f.seek(datastates.format.HEADER_BYTES + 100)
+        f.seek(datastates.format.codec.HEADER_BYTES + 100)
         f.write(b"\xff\xff")
     with pytest.raises(BaseException) as info:  # CheckpointException is a BaseException
         dcp.load({"w": torch.zeros(4096)}, storage_reader=DatastatesReader(tmp_path / "c"),
@@ -67,7 +67,7 @@ def test_dcp_metadata_is_json_and_round_trips(tmp_path):
     """The folder holds no pickle: the metadata is JSON, and what the reader rebuilds from it is
     the Metadata DCP planned (sizes, chunks, dtypes, the flattening map, where each item is)."""
     import torch.distributed.checkpoint as dcp
-    from datastates.integrations import dcp_metadata
+    from datastates.dcp import metadata as dcp_metadata
     state = {"m": {"w": torch.ones(3, 2, dtype=torch.bfloat16)}, "n": [4, {"k": "v"}]}
     dcp.save(state, storage_writer=DatastatesWriter(tmp_path / "m"), no_dist=True)
     assert sorted(os.listdir(tmp_path / "m")) == ["dcp_manifest.json", "dcp_metadata.json",
@@ -115,7 +115,7 @@ def plant_metadata(folder, blob: bytes, name: str = "dcp_metadata.json", version
     (folder / name).write_bytes(blob)
     manifest = json.loads((folder / "dcp_manifest.json").read_bytes())
     manifest.update(version=version, metadata_bytes=len(blob),
-                    metadata_crc32=datastates.format.crc32(blob))
+                    metadata_crc32=datastates.format.codec.crc32(blob))
     (folder / "dcp_manifest.json").write_text(json.dumps(manifest))
 
 

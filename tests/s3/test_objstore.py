@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 import datastates
-from datastates import CheckpointConfig, Checkpointer, retention
+from datastates import CheckpointConfig, Checkpointer
+from datastates.commit import retention
 from datastates.errors import (BucketNotFoundError, CheckpointExistsError, CorruptCheckpointError,
                                StorageAccessError, StorageError)
 
@@ -154,7 +155,7 @@ def test_cleanup_reads_only_the_manifests_of_checkpoints_with_leftovers(s3_serve
     manifest names is kept; a data directory without a manifest (a crashed first save) is
     removed. The next Checkpointer is not tripped by the empty prefix a server may go on listing
     where a removed directory was (SeaweedFS does), and every checkpoint still loads bit-exact."""
-    from datastates.store import open_store
+    from datastates.storage import open_store
 
     options = storage_options(s3_server)
     small = CheckpointConfig(chunk_bytes=64 << 10, host_cache_bytes=1 * MiB)

@@ -26,7 +26,7 @@ def test_a_manifest_get_that_fails_hides_nothing_and_reuses_no_number(s3_server,
     import torch
 
     from datastates import CheckpointConfig, Checkpointer
-    from datastates import format as fmt
+    from datastates.format import codec as fmt
     from datastates.errors import CommitError, StorageError
 
     config = CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=1 << 16)

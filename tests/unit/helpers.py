@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from datastates.demo_model import GPT, GPTConfig, synthetic_batch
+from benchmarks.gpt import GPT, GPTConfig, synthetic_batch
 
 TINY = GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)
 

@@ -12,8 +12,8 @@ from torch import nn
 
 import datastates
 from datastates import CheckpointConfig, Checkpointer, ProviderRegistry
-from datastates import capture
-from datastates.flatten import TensorItem, flatten
+from datastates.save import capture
+from datastates.providers.tree import TensorItem, flatten
 
 from helpers import assert_same, clone_state
 
@@ -241,7 +241,7 @@ import accelerate, datastates
 acc = accelerate.Accelerator(cpu=True)
 model = nn.Linear(512, 512)
 opt = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
-assert datastates.capture.torch_optimizer(opt) is opt.optimizer
+assert datastates.save.capture.torch_optimizer(opt) is opt.optimizer
 ref = {k: v.clone() for k, v in model.state_dict().items()}
 with datastates.Checkpointer(sys.argv[1], datastates.CheckpointConfig(
         host_cache_bytes=64 << 10, chunk_bytes=16 << 10)) as ck:

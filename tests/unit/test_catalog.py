@@ -10,10 +10,11 @@ import shutil
 import pytest
 import torch
 
-from datastates import CheckpointConfig, Checkpointer, commit, retention
-from datastates import format as fmt
-from datastates.catalog import Catalog
-from datastates.store import LOCAL
+from datastates import CheckpointConfig, Checkpointer
+from datastates.commit import review, retention
+from datastates.format import codec as fmt
+from datastates.commit.catalog import Catalog
+from datastates.storage.store import LOCAL
 
 SMALL = dict(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
 
@@ -139,11 +140,11 @@ def test_retention_skips_a_checkpoint_deleted_meanwhile(tmp_path):
     removed = retention.apply_retention(str(tmp_path), 1, None, protect="step-0000000003",
                                      fsync=False, committed=committed)
     assert removed == ["step-0000000002"]
-    assert [i.name for i in commit.list_checkpoints(str(tmp_path))] == ["step-0000000003"]
+    assert [i.name for i in review.list_checkpoints(str(tmp_path))] == ["step-0000000003"]
 
 
 def test_catalog_of_a_missing_directory(tmp_path):
-    with pytest.raises(commit.CheckpointNotFoundError):
+    with pytest.raises(review.CheckpointNotFoundError):
         Catalog(str(tmp_path / "absent")).scan()
 
 
@@ -274,7 +275,7 @@ def test_an_unreadable_manifest_is_no_damage_and_its_number_is_never_reused(tmp_
     finally:
         child.stdin.close()
         assert child.wait(60) == 0
-    infos = commit.list_checkpoints(os.fspath(tmp_path))
+    infos = review.list_checkpoints(os.fspath(tmp_path))
     assert [(i.name, i.seq) for i in infos] == [(fmt.step_name(s), s) for s in (1, 2, 3)]
 
 

@@ -8,9 +8,10 @@ import zlib
 import pytest
 import torch
 
-from datastates import Checkpointer, checksum
-from datastates import format as fmt
-from datastates.storage import buffer_of
+from datastates import Checkpointer
+from datastates.format import checksum
+from datastates.format import codec as fmt
+from datastates.storage.posix import buffer_of
 
 SIZES = [0, 1, 3, 63, 64, 65, 4095, 4096, 4097, 5 * 1024 - 1, 5 * 1024 + 1, 65_537,
          (1 << 20) + 3, (8 << 20) + 17]

@@ -13,7 +13,7 @@ import torch
 
 import datastates
 from datastates import CheckpointConfig, Checkpointer, RNGState
-from datastates.cli import EXIT_ERROR, EXIT_OK, main
+from datastates.tools.cli import EXIT_ERROR, EXIT_OK, main
 
 CFG = CheckpointConfig(host_cache_bytes=8 << 20, chunk_bytes=1 << 20)
 
@@ -78,7 +78,7 @@ def test_import_from_safetensors_without_the_package(tmp_path):
     does for a module that is not there), the import says what to install."""
     _, _, bad = _bad_files(tmp_path)
     script = ("import sys; sys.modules['safetensors'] = None; sys.modules['safetensors.torch'] = "
-              "None\nfrom datastates.cli import main\n"
+              "None\nfrom datastates.tools.cli import main\n"
               f"sys.exit(main(['import', {str(bad)!r}, '--from', 'safetensors', "
               f"{str(tmp_path / 'ck')!r}]))")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

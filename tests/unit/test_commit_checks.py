@@ -10,9 +10,12 @@ import torch
 import torch.distributed as dist
 
 import datastates
-from datastates import Checkpointer, CheckpointConfig, TensorShard, commit, format as fmt
-from datastates.dist import MemoryStore, StoreCommunicator, abort_decision
-from datastates.planning import check_replicas, check_same_save, check_tiling, per_rank_keys
+from datastates import Checkpointer, CheckpointConfig, TensorShard
+from datastates.commit import review
+from datastates import format as fmt
+from datastates.commit.rounds import MemoryStore, StoreCommunicator, abort_decision
+from datastates.commit.review import check_replicas, check_same_save, check_tiling
+from datastates.restore.ranks import per_rank_keys
 
 SMALL = CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10)
 
@@ -43,7 +46,7 @@ def test_merged_trees_index_the_global_entries():
     """Rank 0's tree indexes the global entries as it is (kept, not copied); another rank's tree
     is rewritten to the global indices, which follow rank 0's entries."""
     reports = [_scalars_report(0, ["a", "b"]), _scalars_report(1, ["c"])]
-    manifest = commit.build_manifest(reports, name="step-0000000001", step=1, metadata={})
+    manifest = review.build_manifest(reports, name="step-0000000001", step=1, metadata={})
     manifest["seq"] = 1
     parsed = fmt.encode_manifest_checked(manifest)[1]
     assert [e.key for e in parsed.entries] == ["a", "b", "c"]
@@ -125,7 +128,7 @@ def _tree(**items):
 
 
 def test_per_rank_keys_are_the_values_that_differ():
-    from datastates.schema import ObjectEntry, TensorEntry
+    from datastates.format.records import ObjectEntry, TensorEntry
     entries = [ObjectEntry(key="o", file=0, offset=0, nbytes=3, crc32=1),
                ObjectEntry(key="o", file=0, offset=0, nbytes=3, crc32=2),
                TensorEntry(key="w", dtype="float32", shape=(2,), shards=())]
@@ -159,8 +162,8 @@ def test_manifest_records_the_save_id(tmp_path):
         again.wait()
     assert first.save_id != again.save_id  # saving a name again is another save
     assert fmt.read_manifest(str(tmp_path / "step-0000000001")).save_id == again.save_id
-    assert commit.committed_save(str(tmp_path), "step-0000000001", again.save_id) is not None
-    assert commit.committed_save(str(tmp_path), "step-0000000001", first.save_id) is None
+    assert review.committed_save(str(tmp_path), "step-0000000001", again.save_id) is not None
+    assert review.committed_save(str(tmp_path), "step-0000000001", first.save_id) is None
 
 
 def test_shards_leaving_a_gap_fail_the_save(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from datastates import CheckpointConfig, Checkpointer
-from datastates import format as fmt
+from datastates.format import codec as fmt
 from datastates.errors import CheckpointNotFoundError
 
 SMALL = dict(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)

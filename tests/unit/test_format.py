@@ -13,7 +13,7 @@ import torch
 
 from datastates import Checkpointer, CorruptCheckpointError, UnsupportedFormatError
 from datastates import format as fmt
-from datastates import schema
+from datastates.format import records
 
 
 def test_header_golden_bytes():
@@ -88,15 +88,15 @@ def write(cdir: str, raw: bytes) -> None:
 def test_read_manifest_is_typed(tmp_path):
     cdir, obj = saved_manifest(tmp_path)
     m = fmt.read_manifest(cdir)
-    assert isinstance(m, schema.Manifest) and m.version == 2 and m.seq == 1 and m.step == 3
-    assert m.files == (schema.FileRef("rank-00000.dsf", 0, obj["files"][0]["nbytes"],
+    assert isinstance(m, records.Manifest) and m.version == 2 and m.seq == 1 and m.step == 3
+    assert m.files == (records.FileRef("rank-00000.dsf", 0, obj["files"][0]["nbytes"],
                                       obj["files"][0]["index_crc32"]),)
     kinds = {e.key: type(e) for e in m.entries}
-    assert kinds == {"t": schema.TensorEntry, "o": schema.ObjectEntry}
+    assert kinds == {"t": records.TensorEntry, "o": records.ObjectEntry}
     t = next(e for e in m.entries if e.key == "t")
     assert t.shape == (4,) and t.torch_dtype == torch.int64 and t.shards[0].nbytes == 32
     index = fmt.read_index(os.path.join(cdir, "rank-00000.dsf"))
-    assert isinstance(index, schema.ShardIndex) and {e.key for e in index.entries} == {"t", "o"}
+    assert isinstance(index, records.ShardIndex) and {e.key for e in index.entries} == {"t", "o"}
 
 
 def test_unsealed_version_2_manifest_is_corrupt(tmp_path):
@@ -206,7 +206,7 @@ def test_parse_rank_report_validates(tmp_path):
               "entries": [{"key": "x", "kind": "tensor", "dtype": "float32", "shape": [2],
                            "offset": 4096, "nbytes": 8, "checksums": [[8, 7]]}],
               "tree": {"t": "dict", "items": [["x", {"t": "tensor", "e": 0}]]}}
-    parsed = schema.parse_rank_report(report, "rank 1")
+    parsed = records.parse_rank_report(report, "rank 1")
     assert parsed.rank == 1 and parsed.entries[0].checksums == ((8, 7),)
     for mutate in (lambda r: r["file"].update(name="../x"),
                    lambda r: r["entries"][0].update(nbytes=12),
@@ -216,7 +216,7 @@ def test_parse_rank_report_validates(tmp_path):
         bad = json.loads(json.dumps(report))
         mutate(bad)
         with pytest.raises(CorruptCheckpointError):
-            schema.parse_rank_report(bad, "rank 1")
+            records.parse_rank_report(bad, "rank 1")
 
 
 def _tensor_entry(m: dict) -> tuple[int, dict]:
@@ -254,5 +254,5 @@ def test_manifest_errors_name_the_field(tmp_path, change, where):
     i, e = _tensor_entry(obj)
     change(obj, i, e)
     with pytest.raises(CorruptCheckpointError) as info:
-        schema.parse_manifest(obj, "m.json")
+        records.parse_manifest(obj, "m.json")
     assert f"m.json: {where.format(i=i)}" in str(info.value)

@@ -18,7 +18,7 @@ import torch
 from datastates import (Checkpointer, CheckpointConfig, CorruptCheckpointError, ProviderRegistry,
                         RNGState, RNGStateProvider, SerializationError, StatefulProvider,
                         StateProvider)
-from datastates.checks import MAX_TREE_DEPTH
+from datastates.format.checks import MAX_TREE_DEPTH
 
 CFG = CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=16 << 10)
 

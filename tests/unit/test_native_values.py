@@ -21,11 +21,11 @@ import torch
 from datastates import (CheckpointConfig, Checkpointer, ConfigError, CorruptCheckpointError,
                         SerializationError, StateMismatchError, StateProvider, UnsafeObjectError,
                         inspect)
-from datastates import format as fmt
-from datastates import serialization
-from datastates.flatten import flatten
+from datastates.format import codec as fmt
+from datastates.format import serialization
+from datastates.providers.tree import flatten
 from datastates.providers import NumpyRandomProvider, ProviderRegistry
-from datastates.restore import Reader
+from datastates.restore.reader import Reader
 from datastates.testing import ProviderConformance
 
 CONFIG = CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)

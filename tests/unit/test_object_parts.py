@@ -3,10 +3,10 @@ part but the last at least 5 MiB, at most 10,000 parts — for every unit size, 
 can be uploaded straight from the host cache."""
 import pytest
 
-from datastates import format as fmt
+from datastates.format import codec as fmt
 from datastates.errors import ConfigError
-from datastates.objstore import MAX_PARTS, MIN_PART, plan_parts
-from datastates.planning import plan_layout
+from datastates.storage.s3 import MAX_PARTS, MIN_PART, plan_parts
+from datastates.save.planning import plan_layout
 
 MiB = 1 << 20
 
@@ -47,7 +47,7 @@ def test_too_many_parts_is_refused_with_a_hint():
 
 
 def test_local_write_new_refuses_an_existing_file(tmp_path):
-    from datastates.store import LOCAL
+    from datastates.storage.store import LOCAL
     path = str(tmp_path / "f")
     LOCAL.write_new(path, b"one", fsync=True)
     with pytest.raises(FileExistsError):

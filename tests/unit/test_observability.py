@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import datastates
-from datastates.catalog import human_bytes
+from datastates.commit.catalog import human_bytes
 
 CFG = datastates.CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=16 << 10)
 
@@ -21,13 +21,13 @@ def _state(seed: int) -> dict:
 
 
 def _failing_writers(monkeypatch):
-    real = datastates.format.crc32
+    real = datastates.format.codec.crc32
 
     def crc32(data, value=0):
         if threading.current_thread().name.startswith("datastates-writer"):
             raise RuntimeError("injected checksum failure")
         return real(data, value)
-    monkeypatch.setattr(datastates.format, "crc32", crc32)
+    monkeypatch.setattr(datastates.format.codec, "crc32", crc32)
 
 
 def test_one_info_line_per_committed_save(tmp_path, caplog):

@@ -9,7 +9,7 @@ import pytest
 tomllib = pytest.importorskip("tomllib")
 
 import datastates
-from datastates.cli import main
+from datastates.tools.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

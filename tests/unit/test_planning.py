@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from datastates.format import HEADER_BYTES
-from datastates.planning import assign_replicated, plan_layout
+from datastates.format.codec import HEADER_BYTES
+from datastates.save.planning import assign_replicated, plan_layout
 
 UNIT = 16 << 10
 

@@ -10,10 +10,10 @@ import torch
 
 import datastates
 from datastates import CorruptCheckpointError
-from datastates import reads
-from datastates.reads import Checker, coalesce, group_limit, steps
-from datastates.matching import _Read
-from datastates.store import LOCAL, ReadFile
+from datastates.restore import reads
+from datastates.restore.reads import Checker, coalesce, group_limit, steps
+from datastates.restore.matching import _Read
+from datastates.storage.store import LOCAL, ReadFile
 
 # Small units: a tensor spans several checksum pieces, and pieces span several read steps.
 CONFIG = datastates.CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
@@ -134,7 +134,7 @@ def _read(nbytes: int, checksums, offset: int = 0, key: str = "k") -> _Read:
 
 def test_checker_refuses_pieces_that_do_not_cover_the_region():
     data = memoryview(bytes(range(100)))
-    crc = datastates.format.crc32(data[:60])
+    crc = datastates.format.codec.crc32(data[:60])
     short = Checker(_read(100, [[60, crc]]), "f")
     with pytest.raises(CorruptCheckpointError, match="cover 60 of 100 bytes"):
         short.feed(data)
@@ -148,8 +148,8 @@ def test_checker_refuses_pieces_that_do_not_cover_the_region():
 
 def test_checker_accepts_any_split_of_the_bytes():
     data = memoryview(bytes(range(256)) * 40)
-    pieces = [[1000, datastates.format.crc32(data[:1000])], [0, 0],
-              [9240, datastates.format.crc32(data[1000:])]]
+    pieces = [[1000, datastates.format.codec.crc32(data[:1000])], [0, 0],
+              [9240, datastates.format.codec.crc32(data[1000:])]]
     for cut in (1, 999, 1000, 1001, 5000, 10_239):
         check = Checker(_read(10_240, pieces), "f")
         check.feed(data[:cut])
@@ -182,7 +182,7 @@ def test_group_limit_gives_every_thread_work():
 
 
 def test_cli_verify_reads_every_byte_and_names_a_damaged_one(saved, small_steps, capsys):
-    from datastates import cli
+    from datastates.tools import cli
     root, state = saved
     assert cli.main(["verify", str(root)]) == 0
     # verify re-reads every byte of every shard file (header, data, padding, index)
@@ -199,7 +199,7 @@ def test_cli_verify_reads_every_byte_and_names_a_damaged_one(saved, small_steps,
 def test_local_reads_step_by_one_mib_and_object_reads_by_eight():
     """A local step stays in the CPU cache while it is checksummed; a ranged GET is a round trip,
     so object-store reads take larger steps."""
-    from datastates.objstore import S3ReadFile
+    from datastates.storage.s3 import S3ReadFile
     local = LOCAL.open_read(__file__)
     try:
         assert local.step_bytes == 1 << 20

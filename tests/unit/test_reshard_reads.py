@@ -19,10 +19,10 @@ import torch
 
 import datastates
 from datastates import Checkpointer, CheckpointConfig, TensorShard
-from datastates import format as fmt
-from datastates.dist import MemoryStore, StoreCommunicator
+from datastates.format import codec as fmt
+from datastates.commit.rounds import MemoryStore, StoreCommunicator
 from datastates.providers import ProviderRegistry
-from datastates.restore import Reader
+from datastates.restore.reader import Reader
 
 NAME = "step-0000000001"
 

@@ -102,7 +102,7 @@ def test_restore_waits_for_a_sharers_save_and_leaves_its_failure_on_the_handle(t
     sharer = Checkpointer(tmp_path / "b", share=owner)
     try:
         owner.save({"t": torch.ones(10)}, step=1).wait()
-        import datastates.format as fmt
+        import datastates.format.codec as fmt
         monkeypatch.setattr(fmt, "encode_index",
                             lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
         failing = sharer.save({"t": torch.randn(50_000)}, step=1)
@@ -283,6 +283,6 @@ def test_checksum_failure_during_restore_leaves_values_and_provider_state_alone(
 
 def _verify(ck) -> None:
     """What ``python -m datastates verify`` runs: every byte re-read, nothing live touched."""
-    from datastates.restore import Reader
+    from datastates.restore.reader import Reader
     with Reader(ck.latest().path, registry=ck.registry) as reader:
         reader.verify_all()

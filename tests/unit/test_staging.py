@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from datastates.staging import DeviceCopier
+from datastates.save.staging import DeviceCopier
 
 
 class FakeStream:
@@ -120,7 +120,7 @@ def test_cpu_copies_of_any_size_share_two_threads_and_land_by_the_fence():
     """Many pieces, small and large, below and above the split: the bytes are cut between the
     capture thread and the helper anywhere (inside a piece too); every byte lands by the fence,
     nothing is written outside the destinations, and cancel() forgets what was not run."""
-    from datastates import staging
+    from datastates.save import staging
     gen = torch.Generator().manual_seed(0)
     sizes = [1, 4095, 4 << 20, 3, 9 << 20, 0, 4 << 20, 12345, 4 << 20]
     total = sum(sizes)

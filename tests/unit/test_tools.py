@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import datastates
-from datastates import CheckpointConfig, Checkpointer, tools
-from datastates.cli import EXIT_EMPTY, EXIT_ERROR, EXIT_OK, main
+from datastates import CheckpointConfig, Checkpointer
+from datastates.tools import describe
+from datastates.tools.cli import EXIT_EMPTY, EXIT_ERROR, EXIT_OK, main
 
 from helpers import assert_same, make_training, train_step
 
@@ -104,9 +105,9 @@ def test_cli_verify_all_summary_and_corruption(tmp_path, capsys):
 def test_verify_reports_progress_inside_a_checkpoint(tmp_path):
     """Progress moves inside one checkpoint (one call per 64 MiB batch, then the rest of each
     file) and the increments add up to the bytes verified, which are the shard files' sizes."""
-    from datastates import verify as verify_mod
+    from datastates.restore import verify as verify_mod
     from datastates.providers import ProviderRegistry
-    from datastates.restore import Reader
+    from datastates.restore.reader import Reader
     with datastates.Checkpointer(tmp_path, datastates.CheckpointConfig(chunk_bytes=1 << 20)) as ck:
         ck.save({"big": torch.arange(40 << 20, dtype=torch.uint8).view(-1, 4096),
                  "small": torch.ones(3)}, step=1).wait()
@@ -232,7 +233,7 @@ def test_find_rejects_ambiguous_folder_for_inspect(tmp_path):
         with Checkpointer(tmp_path, CFG) as ck:
             ck.save({"x": torch.ones(2)}, tag=name).wait()
     os.remove(tmp_path / "latest")
-    assert [i.name for i in tools.find(tmp_path)] == ["a.pt", "b.pt"]
+    assert [i.name for i in describe.find(tmp_path)] == ["a.pt", "b.pt"]
     with pytest.raises(datastates.ConfigError, match="holds 2 checkpoints"):
         datastates.inspect(tmp_path)
     assert datastates.inspect(tmp_path, tag="b.pt")["name"] == "b.pt"
@@ -256,9 +257,9 @@ def test_cli_inspect_shows_every_checkpoint_of_a_tag_folder(tmp_path, capsys):
 def test_export_progress_total_is_known_before_it_starts(tmp_path, to, keys):
     """The total of export's progress bar (planned_bytes, from the manifest alone) is what the
     progress calls add up to and what the export reports (tied tensors once)."""
-    from datastates import interchange
+    from datastates.tools import export
     _saved(tmp_path / "ck")
-    total = interchange.planned_bytes(tmp_path / "ck", to, keys=keys)
+    total = export.planned_bytes(tmp_path / "ck", to, keys=keys)
     seen: list[int] = []
     report = datastates.export(tmp_path / "ck", tmp_path / f"out.{to}", to, keys=keys,
                                progress=seen.append)

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import datastates  # noqa: E402
 from datastates import CheckpointConfig, Checkpointer  # noqa: E402
-from datastates.cli import EXIT_ERROR, EXIT_OK, main  # noqa: E402
+from datastates.tools.cli import EXIT_ERROR, EXIT_OK, main  # noqa: E402
 from datastates.integrations.dcp import DatastatesReader, DatastatesWriter  # noqa: E402
 
 CFG = CheckpointConfig(host_cache_bytes=8 << 20, chunk_bytes=1 << 20)
@@ -57,7 +57,7 @@ def _planted_ours(tmp_path, marker, blob=None, version=1):
     (folder / "dcp.metadata").write_bytes(blob)
     manifest = json.loads((folder / "dcp_manifest.json").read_bytes())
     manifest.update(version=version, metadata_bytes=len(blob),
-                    metadata_crc32=datastates.format.crc32(blob))
+                    metadata_crc32=datastates.format.codec.crc32(blob))
     (folder / "dcp_manifest.json").write_text(json.dumps(manifest))
     return folder
 

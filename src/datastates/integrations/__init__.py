@@ -10,8 +10,10 @@ imported, so ``import datastates`` never needs DeepSpeed, Lightning, transformer
 - :mod:`datastates.integrations.hf` — :class:`DatastatesTrainer`, a ``transformers.Trainer``
   whose checkpoints are datastates checkpoints;
 - :mod:`datastates.integrations.dcp` — :class:`DatastatesWriter` / :class:`DatastatesReader`,
-  a ``torch.distributed.checkpoint`` storage layer;
-- :mod:`datastates.integrations.bench` — ``python -m datastates.integrations.bench``.
+  a ``torch.distributed.checkpoint`` storage layer.
+
+``python -m benchmarks.frameworks`` (in the repository, not the installed package) compares each
+framework's default checkpointing with these.
 
 The names below resolve lazily (PEP 562) so that ``from datastates.integrations import
 DatastatesCheckpointIO`` imports Lightning, and nothing else does.

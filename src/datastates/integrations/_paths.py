@@ -231,8 +231,8 @@ class PathCheckpoints:
             if self._base is None or self._base._closed:
                 # The first Checkpointer owns the host cache and threads; the Checkpointers of
                 # every other directory share them, so a new directory allocates nothing.
-                from datastates.dist import LocalCommunicator  # each path: one writer process
-                ckpt = _core().Checkpointer(root, self.config, communicator=LocalCommunicator())
+                core = _core()  # each path: one writer process
+                ckpt = core.Checkpointer(root, self.config, communicator=core.LocalCommunicator())
                 self._base = ckpt
             else:
                 ckpt = _core().Checkpointer(root, share=self._base)

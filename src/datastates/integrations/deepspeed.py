@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..store import LOCAL
+from datastates.storage import LOCAL
 from ._paths import PathCheckpoints, base_optimizer
 
 log = logging.getLogger("datastates.integrations.deepspeed")
@@ -128,7 +128,7 @@ class CheckpointEngine:
         if self._guard_optimizers:
             import datastates
             updated = [t for opt in self._guard_optimizers for t in low_precision_params(opt)]
-            state = datastates.capture.mark_lazy(state_dict, updated)
+            state = datastates.mark_lazy(state_dict, updated)
         with self._tag_lock:
             self._tags[tag_dir] = self._tags.get(tag_dir, 0) + 1
             self._open_tag = tag_dir

@@ -43,7 +43,7 @@ from typing import Any
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..store import LOCAL
+from datastates.storage import LOCAL
 from ._paths import base_optimizer, is_checkpoint_dir
 
 log = logging.getLogger("datastates.integrations.hf")

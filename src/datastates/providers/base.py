@@ -2,19 +2,19 @@
 
 A provider knows one kind of object and turns it into a *state*: nested dicts/lists/tuples of
 tensors and plain values (usually its ``state_dict()``). The engine walks that state, captures its
-tensors (lazily or eagerly: see ``datastates.capture`` for the rule) and serializes the rest. On restore the provider
+tensors (lazily or eagerly: see ``datastates.save.capture`` for the rule) and serializes the rest. On restore the provider
 gets the loaded state back and applies it to the live object.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
 LAZY = "lazy"
 EAGER = "eager"
-#: Decided per tensor by the storage rule of ``datastates.capture`` (lazy only on the bytes of
+#: Decided per tensor by the storage rule of ``datastates.save.capture`` (lazy only on the bytes of
 #: an optimizer that is part of the save).
 AUTO = "auto"
 
@@ -119,47 +119,3 @@ def eager(value: Any) -> Capture:
     """Capture the tensors of ``value`` inside ``save()``, even on an optimizer's bytes (for
     state changed in place outside the optimizer step, e.g. weight clipping)."""
     return Capture(value, EAGER)
-
-
-class ProviderRegistry:
-    """An ordered set of providers, asked in order; passed explicitly (no global registry)."""
-
-    def __init__(self, providers: Iterable[StateProvider] = ()):
-        self._providers: list[StateProvider] = []
-        for provider in providers:
-            self.register(provider, first=False)
-
-    @classmethod
-    def default(cls) -> "ProviderRegistry":
-        """A new registry with the built-in providers."""
-        from .builtin import builtin_providers
-        return cls(builtin_providers())
-
-    def register(self, provider: StateProvider, *, first: bool = True) -> "ProviderRegistry":
-        """Add ``provider``; by default ahead of the others so user providers win."""
-        if not isinstance(provider, StateProvider):
-            raise TypeError(f"expected a StateProvider, found {type(provider).__qualname__}")
-        if not provider.name:
-            raise ValueError(f"{type(provider).__qualname__} has no name")
-        if any(p.name == provider.name for p in self._providers):
-            raise ValueError(f"a provider named {provider.name!r} is already registered")
-        if first:
-            self._providers.insert(0, provider)
-        else:
-            self._providers.append(provider)
-        return self
-
-    def find(self, obj: Any) -> StateProvider | None:
-        for provider in self._providers:
-            if provider.can_handle(obj):
-                return provider
-        return None
-
-    def get(self, name: str) -> StateProvider | None:
-        for provider in self._providers:
-            if provider.name == name:
-                return provider
-        return None
-
-    def __iter__(self):
-        return iter(list(self._providers))

@@ -11,6 +11,7 @@ from torch import nn
 from ..errors import CorruptCheckpointError, StateMismatchError
 from . import rngcheck
 from .base import StateProvider
+from .nprandom import NumpyRandomProvider
 
 #: Key under which the optimizer's class is saved next to its state_dict() (removed again by
 #: ``load`` and ``rebuild``, so what ``Checkpointer.load`` returns is the plain state_dict()).
@@ -209,6 +210,5 @@ def _numpy():
 
 
 def builtin_providers() -> list[StateProvider]:
-    from .nprandom import NumpyRandomProvider
     return [ModuleProvider(), OptimizerProvider(), RNGStateProvider(), NumpyRandomProvider(),
             StatefulProvider()]

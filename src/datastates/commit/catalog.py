@@ -1,0 +1,277 @@
+"""The committed checkpoints of one directory: listing them, and keeping what was read between commits.
+
+Numbering a commit (``seq``, docs/format.md) and applying retention both need the committed
+checkpoints of the root, and knowing them means reading and validating each one's manifest (a
+manifest of a few hundred tensors takes milliseconds of Python to validate, holding the GIL the
+training thread needs). Done from scratch at every commit, that cost grows with the directory, so a
+run that saves every step would slow down as it goes. A :class:`Catalog` lists the root once per
+scan, with a cheap change stamp per manifest (:meth:`Store.file_stamps`: inode, size and
+modification time of ``manifest.json`` on a local disk; the ETag reported by the same LIST request
+on an object store), and reads again only the manifests that are new or whose stamp changed. So a
+checkpoint committed, replaced or deleted by another process is seen at the next scan, exactly as
+a full listing would see it.
+
+The catalog also keeps the validated manifest of the newest checkpoint (read at a scan, or recorded
+by the commit that wrote it), so that ``restore()`` of the latest checkpoint does not read and
+validate that manifest a second time; it is handed out only while its stamp is the one the last
+scan saw.
+
+A directory holding a ``manifest.json`` that does not decode or validate is a damaged checkpoint
+(only a commit writes that file): the catalog keeps it as a :class:`DamagedCheckpoint`, never
+restores it, and says which of them are passed over when the latest checkpoint is chosen. A
+manifest that could not be *read* (an I/O error, a store that does not answer) is no damage: it is
+kept nowhere, read again at the next scan, and the scan fails meanwhile -- the newest checkpoint
+is unknown, and neither an older one nor a reused commit number may stand in for it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..format import codec as fmt
+from ..format import files
+from ..format import records
+from ..errors import (
+    CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError)
+from ..storage.store import LOCAL, Store
+
+log = logging.getLogger("datastates")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint. ``seq`` is its commit sequence number: the newest checkpoint of a
+    directory is the one with the highest ``seq`` (0 for checkpoints of format version 1)."""
+
+    name: str
+    path: str
+    step: int | None
+    created_unix: float
+    world_size: int
+    nbytes: int
+    metadata: dict = field(default_factory=dict)
+    seq: int = 0
+
+
+@dataclass(frozen=True)
+class DamagedCheckpoint:
+    """A directory of the root that holds a ``manifest.json`` which does not decode or validate
+    (or is no regular file): it was committed once (only a commit writes that file) and is
+    damaged now. It is never restored, but it is listed, fails ``verify``, is named in a WARNING
+    when ``latest()`` or ``restore()`` pass over it, and retention and ``delete()`` may remove
+    it. ``reason`` is the error that reading the manifest raised; ``mtime`` the modification time
+    of its ``manifest.json`` (None if it could not be read), which orders it among the others.
+    ``newer_format``: the manifest is intact but of a format version this datastates does not
+    read (a newer writer's): it is reported like damage, but retention never deletes it."""
+
+    name: str
+    path: str
+    reason: str
+    mtime: float | None = None
+    newer_format: bool = False
+
+
+def human_bytes(n: int) -> str:
+    """A size as people read it in logs and listings: ``1536`` gives ``"1.5 KiB"``, ``512``
+    gives ``"512 B"`` (binary units up to TiB, one decimal)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def info_of(path: str, manifest: "records.Manifest | dict") -> CheckpointInfo:
+    """The description of the checkpoint at ``path`` with this manifest (a JSON dict, as written
+    by ``publish``, is validated first)."""
+    if isinstance(manifest, dict):
+        manifest = records.parse_manifest(manifest, os.path.join(path, fmt.MANIFEST))
+    return CheckpointInfo(name=os.path.basename(path), path=path, step=manifest.step,
+                          created_unix=manifest.created_unix, world_size=manifest.world_size,
+                          nbytes=manifest.nbytes, metadata=dict(manifest.metadata),
+                          seq=manifest.seq)
+
+
+def examine(path: str, store: Store = LOCAL
+            ) -> tuple[CheckpointInfo | DamagedCheckpoint | None, records.Manifest | None]:
+    """What the directory ``path`` holds: (info, its validated manifest) for a committed
+    checkpoint, (DamagedCheckpoint, None) when its ``manifest.json`` exists but is damaged (it
+    does not decode or validate, or it is no regular file), (None, None) when it has no
+    ``manifest.json`` (not a checkpoint, or deleted).
+
+    An ``OSError`` reading the manifest (EIO, ESTALE, a store that does not answer) says nothing
+    about the checkpoint: it is raised, never taken for damage."""
+    file = store.join(path, fmt.MANIFEST)
+    try:  # read here, not by files.read_manifest, which takes a refused read (EACCES) for damage
+        raw = store.read_bytes(file, max_bytes=fmt.MAX_MANIFEST_BYTES)
+        manifest = files.parse_manifest_bytes(raw, file)
+    except FileNotFoundError:
+        return None, None
+    except CorruptCheckpointError as exc:
+        return DamagedCheckpoint(os.path.basename(path), path, f"{type(exc).__name__}: {exc}",
+                                 _mtime(store, file),
+                                 isinstance(exc, UnsupportedFormatError)), None
+    return info_of(path, manifest), manifest
+
+
+def _mtime(store: Store, path: str) -> float | None:
+    try:
+        return store.mtime(path)
+    except OSError:
+        return None
+
+
+def commit_order(info: CheckpointInfo):
+    """Sort key of committed checkpoints: by ``seq``; ties (only concurrent writers make them)
+    by step, creation time, name. Version-1 checkpoints (seq 0) come first, in step order."""
+    return (info.seq, info.step if info.step is not None else -1, info.created_unix, info.name)
+
+
+class Catalog:
+    """The committed checkpoints of ``root`` as of the last :meth:`scan`, for one writer.
+
+    Thread-safe. Holds, per checkpoint name, the stamp of its manifest and what the manifest said
+    (or that it was damaged); nothing is trusted across scans without its stamp being unchanged.
+    A store that reports no stamp (None) gets every manifest re-read at every scan."""
+
+    def __init__(self, root: str, store: Store = LOCAL):
+        self.root, self.store = root, store
+        self._seen: dict[str, tuple[Any, CheckpointInfo | DamagedCheckpoint | None]] = {}
+        #: (info, stamp, manifest) of the newest checkpoint whose manifest was read or recorded.
+        self._newest: tuple[CheckpointInfo, Any, records.Manifest] | None = None
+        #: Names :meth:`record` noted (committed by this job): kept when a listing misses them.
+        self._recorded: set[str] = set()
+        self._lock = threading.Lock()
+
+    def scan(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, oldest first (:func:`commit_order`); damaged ones are left out
+        of it and kept for :meth:`damaged`. One listing of the root; a manifest is read only if
+        new or changed since the last scan. CheckpointNotFoundError if ``root`` does not exist.
+
+        StorageError naming each manifest that could not be read (an ``OSError``: EIO, ESTALE,
+        a store that does not answer after its retries): the newest checkpoint cannot be known
+        then, and an older one is never returned in its place. Nothing is kept of that read:
+        the next scan reads that manifest again."""
+        with self._lock:
+            try:
+                stamps = self.store.file_stamps(self.root, fmt.MANIFEST)
+            except (FileNotFoundError, NotADirectoryError):
+                raise CheckpointNotFoundError(f"checkpoint directory {self.root!r} does not "
+                                              "exist") from None
+            seen, unreadable = {}, []
+            for name, stamp in stamps.items():
+                if name.startswith(".") or name == fmt.LATEST:
+                    continue
+                known = self._seen.get(name)
+                if stamp is not None and known is not None and known[0] == stamp:
+                    seen[name] = known
+                    continue
+                try:
+                    seen[name] = (stamp, self._read(name, stamp))
+                except OSError as exc:
+                    unreadable.append(f"{self.store.join(self.root, name, fmt.MANIFEST)} "
+                                      f"({type(exc).__name__}: {exc})")
+            self._keep_recorded(seen)
+            self._seen = seen
+            if unreadable:
+                raise StorageError(f"could not read the manifest of {len(unreadable)} "
+                                   f"checkpoint(s) of {self.root}, so its newest checkpoint is "
+                                   f"unknown (retry once the storage answers): "
+                                   f"{'; '.join(unreadable)}")
+            return self._committed()
+
+    def record(self, info: CheckpointInfo, stamp: Any,
+               manifest: "records.Manifest | None" = None) -> list[CheckpointInfo]:
+        """Note a checkpoint this process just committed (its manifest is not read back);
+        ``stamp`` is what ``Store.write_atomic`` returned for it (None: read it at the next
+        scan), ``manifest`` the validated manifest written. Returns the committed checkpoints
+        as now known, oldest first."""
+        with self._lock:
+            self._seen[info.name] = (stamp, info)
+            self._recorded.add(info.name)
+            if manifest is not None:
+                self._keep(info, stamp, manifest)
+            return self._committed()
+
+    def _keep_recorded(self, seen: dict) -> None:
+        """A listing may lag behind a commit (NFS caches directory attributes; another rank's
+        rename is not yet visible here): a checkpoint :meth:`record` noted and the listing lacks
+        is kept while its manifest is still found by its own path, forgotten once it is gone."""
+        for name in sorted(self._recorded - seen.keys()):
+            known = self._seen.get(name)
+            if known is not None and self.store.isfile(
+                    self.store.join(self.root, name, fmt.MANIFEST)):
+                seen[name] = known
+            else:
+                self._recorded.discard(name)
+
+    def damaged(self) -> list[DamagedCheckpoint]:
+        """The damaged checkpoints the last :meth:`scan` found, by name."""
+        with self._lock:
+            return sorted((d for _, d in self._seen.values() if isinstance(d, DamagedCheckpoint)),
+                          key=lambda d: d.name)
+
+    def passed_over(self, used: CheckpointInfo | None) -> list[DamagedCheckpoint]:
+        """The damaged checkpoints of the last :meth:`scan` that may be newer than ``used`` (the
+        checkpoint chosen as the latest; None: no readable one), by name.
+
+        A damaged checkpoint's commit sequence number is unreadable, so "newer" is decided by the
+        modification time of ``manifest.json``: a damaged one whose manifest was modified at or
+        after that of ``used`` (or whose time cannot be read) is passed over; an older one would
+        not have been chosen anyway. Damage written into a manifest renews its time, so it counts
+        as newer: the rule errs towards naming a damaged checkpoint, never towards silence."""
+        found = self.damaged()
+        if used is None or not found:
+            return found
+        used_mtime = _mtime(self.store, self.store.join(used.path, fmt.MANIFEST))
+        return [d for d in found if d.mtime is None or used_mtime is None or
+                d.mtime >= used_mtime]
+
+    def manifest(self, info: CheckpointInfo) -> "records.Manifest | None":
+        """The validated manifest of ``info`` (from the last scan or the commit that wrote it)
+        if it is the newest checkpoint and its stamp is still the one that scan saw, else None
+        (read it from the store)."""
+        with self._lock:
+            known = self._seen.get(info.name)
+            if self._newest is None or known is None or known[1] != info:
+                return None
+            kept_info, stamp, manifest = self._newest
+            return manifest if kept_info == info and stamp == known[0] else None
+
+    def _keep(self, info: CheckpointInfo, stamp: Any, manifest: "records.Manifest") -> None:
+        """Keep ``manifest`` if its checkpoint is the newest read or recorded so far (a known
+        stamp only)."""
+        if stamp is not None and (self._newest is None or
+                                  commit_order(info) >= commit_order(self._newest[0])):
+            self._newest = (info, stamp, manifest)
+
+    def _read(self, name: str, stamp: Any) -> CheckpointInfo | DamagedCheckpoint | None:
+        """None: the manifest went away since the listing (a deletion, not damage)."""
+        found, manifest = examine(self.store.join(self.root, name), self.store)
+        if manifest is not None:
+            self._keep(found, stamp, manifest)
+        return found
+
+    def _committed(self) -> list[CheckpointInfo]:
+        return sorted((info for _, info in self._seen.values()
+                       if isinstance(info, CheckpointInfo)), key=commit_order)
+
+
+def log_passed_over(passed: list[DamagedCheckpoint], used: CheckpointInfo | None,
+                    caller: str) -> None:
+    """One WARNING on the ``datastates`` logger per damaged checkpoint ``caller`` (``latest()``,
+    ``restore()``...) passed over, naming it, why it is damaged and the checkpoint used."""
+    chosen = used.name if used is not None else "none (no readable checkpoint)"
+    for d in passed:
+        log.warning("%s passed over the damaged checkpoint %s at %s and used %s: %s", caller,
+                    d.name, d.path, chosen, d.reason)
+
+
+def list_checkpoints(root: str, store: Store = LOCAL) -> list[CheckpointInfo]:
+    """Committed checkpoints in ``root``, oldest first: in commit order (``seq``), which is also
+    step order for checkpoints saved by step. Damaged ones are left out."""
+    return Catalog(root, store).scan()

@@ -1,0 +1,496 @@
+"""Atomic visibility, one strategy per kind of store (docs/format.md, "Commit protocol").
+
+A checkpoint is written where no reader looks, then made visible in one atomic step, and taken
+away in one atomic step before its files are removed. How depends on the store:
+
+- :class:`RenamePublisher`, for stores whose directories rename atomically (a local POSIX file
+  system): the checkpoint is written in a hidden temporary directory of the root, renamed into
+  place; a deletion renames it away first. Every temporary is named after a lease-holding owner
+  (``datastates.storage.temporaries``), so that a cleanup in another process never touches a live writer's.
+- :class:`ManifestPublisher`, for object stores (no rename): the data files are written under
+  the checkpoint's own prefix, in a data directory named after the save, and the PUT of
+  ``manifest.json`` (which names that directory) commits it; a deletion deletes the manifest
+  first.
+
+Each publisher owns the naming of the temporary location, the publish, the deletion, the
+existence checks and the cleanup of what dead writers left; the commit protocol (``commit.py``)
+and retention (``retention.py``) call them and never branch on the kind of store.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+import uuid
+import warnings
+from typing import Any
+
+from ..format import codec as fmt
+from ..format import files
+from ..format import records
+from ..storage import posix
+from .catalog import CheckpointInfo, DamagedCheckpoint, examine
+from ..errors import (
+    CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError)
+from ..storage.store import Store, file_kind
+from ..storage.temporaries import TAKEN_ERRNOS, Lease, fresh_token, owner_token, skipped, sweep
+
+log = logging.getLogger("datastates")
+
+
+class Publisher:
+    """How checkpoints become visible and are taken away in one kind of store.
+
+    Calls, per save: :meth:`check_name` and :meth:`hold` (training thread, every rank, before
+    the save is queued), :meth:`tmp_location` (the same on every rank), then on the commit
+    thread either :meth:`publish` (rank 0) and :meth:`write_latest`, or :meth:`discard`.
+    :meth:`delete`, :meth:`clean_stale`, :meth:`root_exists` and :meth:`check_root` may be
+    called by any process at any time. :meth:`close` releases what :meth:`hold` took
+    (idempotent)."""
+
+    renames: bool = True
+
+    def __init__(self, store: Store):
+        self.store = store
+
+    def tmp_location(self, root: str, name: str, run_id: str, attempt: int) -> str:
+        """Where every rank writes its file of one save (``run_id`` and ``attempt`` come from
+        the save's identity): a location no reader lists."""
+        raise NotImplementedError
+
+    def check_root(self, root: str) -> None:
+        """Construction: raise if ``root`` can never hold checkpoints (it is a file...)."""
+
+    def check_name(self, root: str, name: str, overwrite: bool) -> None:
+        """Training thread, at ``save()``: raise CheckpointExistsError if a save of ``name`` can
+        be refused now (without a request to a remote service)."""
+
+    def hold(self, root: str, run_id: str, fsync: bool) -> None:
+        """Training thread, once a save is planned and before it is queued: make this process
+        the live owner of the temporaries of ``run_id`` in ``root`` (idempotent)."""
+
+    def publish(self, root: str, tmp: str, name: str, manifest: dict, overwrite: bool,
+                fsync: bool) -> tuple[str, Any, records.Manifest]:
+        """Rank 0: write ``manifest`` (validated first) and make ``tmp`` the checkpoint
+        ``root/name`` atomically; (its path, the manifest's stamp, the parsed manifest).
+        CheckpointExistsError if a committed checkpoint holds ``name`` and ``overwrite`` is
+        False (also when another writer committed it meanwhile); a damaged one is replaced."""
+        raise NotImplementedError
+
+    def discard(self, tmp: str, rank: int, keep_file: bool) -> None:
+        """After an abort: rank 0 removes the temporary location, another rank its own file
+        (``keep_file``: a rank that lost the coordination store keeps it; rank 0 may still be
+        reading it). Never raises: what is left is the stale cleanup's."""
+        raise NotImplementedError
+
+    def delete(self, root: str, name: str, fsync: bool) -> None:
+        """Take the checkpoint ``root/name`` (committed or damaged) out of sight atomically,
+        then remove its files. CheckpointNotFoundError, nothing removed, unless it is one;
+        OSError naming the leftovers if its files could not all be removed."""
+        raise NotImplementedError
+
+    def root_exists(self, root: str) -> bool:
+        """Whether ``root`` exists (object stores: always; a prefix is never missing)."""
+        return True
+
+    def write_latest(self, root: str, name: str, fsync: bool) -> None:
+        """Point the ``latest`` hint at ``name``."""
+        self.store.write_atomic(self.store.join(root, fmt.LATEST), name.encode(), fsync)
+
+    def clean_stale(self, root: str, max_age_s: float) -> list[str]:
+        """Remove what dead writers left in ``root``; return what was removed. Never raises for
+        one entry (one that vanished meanwhile is skipped; one that cannot be removed is
+        logged and left), so that a reader can always open a root, even a read-only one."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what :meth:`hold` took."""
+
+
+def publisher_for(store: Store) -> Publisher:
+    """The publisher of ``store``: :class:`RenamePublisher` if it renames, else
+    :class:`ManifestPublisher`."""
+    return RenamePublisher(store) if store.renames else ManifestPublisher(store)
+
+
+def not_a_checkpoint(path: str) -> CheckpointExistsError:
+    return CheckpointExistsError(f"{path} exists and is not a checkpoint (it holds no "
+                                 f"{fmt.MANIFEST}); it is left alone: remove it or save under "
+                                 "another name")
+
+
+def _tidy_warning(final: str, exc: OSError) -> None:
+    warnings.warn(f"datastates: {final} is committed, but tidying up after the commit failed: "
+                  f"{exc}", RuntimeWarning, stacklevel=4)
+
+
+def _taken_meanwhile(final: str) -> CheckpointExistsError:
+    return CheckpointExistsError(f"{final} was committed by another writer meanwhile; pass "
+                                 "overwrite=True to replace it")
+
+
+# ---------------------------------------------------------------- stores that rename
+
+class RenamePublisher(Publisher):
+    """A local (POSIX) root: temporary directories renamed into place. Every temporary is named
+    after an owner holding a lease (``datastates.storage.temporaries``): ``.tmp.<name>.<run>-<attempt>``
+    (the run's lease, held from the first :meth:`hold` to :meth:`close`),
+    ``.old.<name>.<op>.<uid>``, ``.trash.<name>.<op>.<uid>`` and ``latest.tmp.<op>.<uid>`` (a
+    lease held for that one operation)."""
+
+    renames = True
+
+    def __init__(self, store: Store):
+        super().__init__(store)
+        self._leases: dict[tuple[str, str], Lease] = {}
+
+    def tmp_location(self, root: str, name: str, run_id: str, attempt: int) -> str:
+        return os.path.join(root, f".tmp.{name}.{owner_token(run_id)}-{attempt}")
+
+    def check_root(self, root: str) -> None:
+        """NotADirectoryError unless ``root`` is a directory or can become one (its nearest
+        existing ancestor is a directory)."""
+        existing = root
+        while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(errno.ENOTDIR, f"cannot use {root} as a checkpoint "
+                                     f"directory: {existing} is a file, expected a directory",
+                                     root)
+
+    def check_name(self, root: str, name: str, overwrite: bool) -> None:
+        """CheckpointExistsError if ``root/name`` is a committed checkpoint and ``overwrite``
+        is False, or exists without being a checkpoint at all (no ``manifest.json``: never
+        replaced); a damaged checkpoint is no obstacle (the commit moves it aside). Reads the
+        manifest only when the name is taken and ``overwrite`` is False."""
+        path = os.path.join(root, name)
+        if not os.path.lexists(path):
+            return
+        if not os.path.lexists(os.path.join(path, fmt.MANIFEST)):
+            raise not_a_checkpoint(path)
+        if overwrite:
+            return
+        found, _ = examine(path)
+        if isinstance(found, CheckpointInfo):
+            raise CheckpointExistsError(f"checkpoint {name!r} already exists in {root}; pass "
+                                        "overwrite=True to replace it")
+
+    def hold(self, root: str, run_id: str, fsync: bool) -> None:
+        """Once per run and root: create the root and hold the run's lease in it, until
+        :meth:`close`. CheckpointWriteError if the root does not take it."""
+        key = (root, owner_token(run_id))
+        if key in self._leases:
+            return
+        try:
+            self.store.makedirs(root, fsync)
+            self._leases[key] = Lease.hold(*key)
+        except OSError as exc:
+            raise CheckpointWriteError(exc.errno, f"cannot save into {root}: creating it or "
+                                       f"its lease file failed: {exc.strerror or exc}",
+                                       exc.filename) from exc
+
+    def close(self) -> None:
+        leases, self._leases = self._leases, {}
+        for lease in leases.values():
+            lease.release()
+
+    # ---- publish
+    def publish(self, root: str, tmp: str, name: str, manifest: dict, overwrite: bool,
+                fsync: bool) -> tuple[str, Any, records.Manifest]:
+        """Writes the manifest into ``tmp``, then renames ``tmp`` into place (the manifest's
+        stamp, taken before the rename, stays valid: the rename does not touch the file). A
+        damaged checkpoint of that name is moved aside (:meth:`set_aside`); a committed one is
+        replaced only with ``overwrite``; a directory that is no checkpoint never."""
+        final = os.path.join(root, name)
+        data, parsed = files.encode_manifest_checked(manifest)
+        stamp = self.store.write_atomic(os.path.join(tmp, fmt.MANIFEST), data, fsync)
+        self.make_visible(root, tmp, name, self._make_room(root, name, overwrite, fsync), fsync)
+        return final, stamp, parsed
+
+    def _make_room(self, root: str, name: str, overwrite: bool, fsync: bool) -> bool:
+        """Whether a committed checkpoint ``root/name`` is to be replaced (see :meth:`publish`)."""
+        final = os.path.join(root, name)
+        if not os.path.lexists(final):
+            return False
+        found, _ = examine(final, self.store)
+        if isinstance(found, DamagedCheckpoint):
+            self.set_aside(root, found, fsync)  # its bytes are kept, never replaced
+            return False
+        if found is None:
+            raise not_a_checkpoint(final)
+        if not overwrite:
+            raise CheckpointExistsError(f"{final} already exists (committed meanwhile); pass "
+                                        "overwrite=True to replace it")
+        return True
+
+    def make_visible(self, root: str, tmp: str, name: str, replace: bool, fsync: bool) -> None:
+        """Rename the finished directory ``tmp`` to ``root/name``. ``replace``: what is there is
+        moved aside to an owned ``.old.`` first and removed once the new one is in place (put
+        back if the rename fails). CheckpointExistsError if ``root/name`` was taken meanwhile
+        (another writer's commit won the race). After the rename the checkpoint is visible:
+        later failures (the fsync of ``root``, removing the old one) are warnings."""
+        final = os.path.join(root, name)
+        lease = Lease.hold(root, fresh_token()) if replace else None
+        old, left = None, False
+        try:
+            if lease is not None:
+                old = os.path.join(root, f".old.{name}.{lease.token}.{uuid.uuid4().hex[:8]}")
+                try:
+                    os.rename(final, old)
+                except FileNotFoundError:
+                    old = None  # deleted meanwhile: nothing to replace
+            try:
+                os.rename(tmp, final)
+            except OSError as exc:
+                left = old is not None and not self._put_back(old, final)
+                if exc.errno in TAKEN_ERRNOS:
+                    raise _taken_meanwhile(final) from None
+                raise
+            left = self._tidy(root, final, old, fsync)
+        finally:
+            if lease is not None:
+                lease.release(leftovers=left)
+
+    def _put_back(self, old: str, final: str) -> bool:
+        """A failed save changes nothing: the replaced checkpoint goes back. False (it stays
+        ``old``, the cleanup's to put back) if that fails too."""
+        try:
+            os.rename(old, final)
+            return True
+        except OSError as exc:
+            log.warning("the checkpoint %s replaced by a failed save could not be put back "
+                        "(%s); it is kept as %s", final, exc, old)
+            return False
+
+    def _tidy(self, root: str, final: str, old: str | None, fsync: bool) -> bool:
+        """After the commit: fsync ``root``, remove ``old``; True if ``old`` is left."""
+        left = False
+        for step in (lambda: posix.fsync_dir(root) if fsync else None,
+                     lambda: _discard_replaced(old) if old is not None else None):
+            try:
+                step()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                left = old is not None
+                _tidy_warning(final, exc)
+        return left
+
+    def set_aside(self, root: str, damaged: DamagedCheckpoint, fsync: bool) -> str:
+        """Move the damaged checkpoint out of the way of a new save of its name, to
+        ``root/.damaged.<name>.<uid>`` (never listed, never removed by datastates: its bytes
+        stay for inspection), with a WARNING naming the reason and the new path."""
+        aside = os.path.join(root, f".damaged.{damaged.name}.{uuid.uuid4().hex[:8]}")
+        os.rename(damaged.path, aside)
+        if fsync:
+            posix.fsync_dir(root)
+        log.warning("the damaged checkpoint %s was moved to %s to make room for a new save of "
+                    "that name: %s", damaged.name, aside, damaged.reason)
+        return aside
+
+    def discard(self, tmp: str, rank: int, keep_file: bool) -> None:
+        if rank == 0:
+            try:
+                self.store.remove_tree(tmp)
+            except OSError:
+                pass  # named by the caller's own retry, else left to the stale cleanup
+            return
+        if keep_file:
+            return
+        try:
+            self.store.remove(os.path.join(tmp, fmt.shard_file_name(rank)))
+            os.rmdir(tmp)
+        except OSError:
+            pass  # absent, or other ranks' files still there (rank 0 removes the rest)
+
+    # ---- take away
+    def delete(self, root: str, name: str, fsync: bool) -> None:
+        """Renames ``root/name`` to an owned ``.trash.`` (the deletion is then done: the name is
+        free), then removes it. Only a directory (not a link) holding a regular file
+        ``manifest.json`` is deleted."""
+        path = os.path.join(root, fmt.check_name(name))
+        _check_checkpoint_dir(root, name, path)
+        with Lease.hold(root, fresh_token()) as lease:
+            trash = os.path.join(root, f".trash.{name}.{lease.token}.{uuid.uuid4().hex[:8]}")
+            try:
+                os.rename(path, trash)
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r} (deleted "
+                                              "meanwhile)") from None
+            if fsync:
+                posix.fsync_dir(root)
+            try:
+                posix.remove_tree(trash)
+            except OSError as exc:
+                lease.release(leftovers=True)
+                raise OSError(exc.errno, f"checkpoint {name!r} was deleted (no longer listed) "
+                                         f"but its files in {trash} could not be removed: "
+                                         f"{exc.strerror or exc}", exc.filename) from exc
+
+    def root_exists(self, root: str) -> bool:
+        return os.path.isdir(root)
+
+    def write_latest(self, root: str, name: str, fsync: bool) -> None:
+        with Lease.hold(root, fresh_token()) as lease:
+            posix.write_file_atomic(os.path.join(root, fmt.LATEST), name.encode(), fsync,
+                                      owner=lease.token)
+
+    # ---- what dead writers left
+    def clean_stale(self, root: str, max_age_s: float) -> list[str]:
+        """Removes the temporaries of dead owners (whatever their age), and those of no known
+        owner older than ``max_age_s``; puts back a checkpoint whose replacement was interrupted
+        between its two renames (its ``.old.`` while ``root/<name>`` is missing). A live owner's
+        temporaries are never touched. Then removes the lease files of dead owners."""
+        removed, failures = sweep(root, max_age_s)
+        for path, exc in failures:
+            skipped(path, exc)
+        return removed
+
+def _check_checkpoint_dir(root: str, name: str, path: str) -> None:
+    """CheckpointNotFoundError unless ``path`` is a directory, not a link, holding a regular
+    file ``manifest.json``."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}") from None
+    if not stat.S_ISDIR(mode):
+        raise CheckpointNotFoundError(f"{path} is not a checkpoint: expected a directory, found "
+                                      f"{file_kind(mode)}; nothing was removed")
+    manifest = os.path.join(path, fmt.MANIFEST)
+    try:
+        mode = os.lstat(manifest).st_mode
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path} is not a checkpoint: it holds no {fmt.MANIFEST} "
+                                      "(only a commit writes one); nothing was removed") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointNotFoundError(f"{path} is not a checkpoint: {manifest} is "
+                                      f"{file_kind(mode)}, expected a regular file; nothing was "
+                                      "removed")
+
+
+# ---------------------------------------------------------------- stores the manifest commits
+
+def _discard_replaced(old: str) -> None:
+    """Remove a replaced checkpoint's ``.old.`` directory. It is first renamed to the matching
+    ``.trash.`` name: a removal that fails halfway then leaves a deletion for the cleanup to
+    finish, never an ``.old.`` that a cleanup would put back under a name deleted since."""
+    trash = os.path.join(os.path.dirname(old), ".trash." + os.path.basename(old)[len(".old."):])
+    os.rename(old, trash)
+    posix.remove_tree(trash)
+
+
+class ManifestPublisher(Publisher):
+    """An object store: data under ``<root>/<name>/.data.<run>-<attempt>/``, committed by the
+    PUT of ``<root>/<name>/manifest.json``. Object stores have no locks, so a data directory
+    that no manifest names is removed only once older than ``max_age_s``."""
+
+    renames = False
+
+    def tmp_location(self, root: str, name: str, run_id: str, attempt: int) -> str:
+        return self.store.join(root, name, f".data.{owner_token(run_id)}-{attempt}")
+
+    def publish(self, root: str, tmp: str, name: str, manifest: dict, overwrite: bool,
+                fsync: bool) -> tuple[str, Any, records.Manifest]:
+        """The shard files are already in place; writing ``manifest.json`` (one PUT, atomic)
+        commits. Without ``overwrite`` the PUT is conditional, so the store refuses it if
+        another writer committed meanwhile. A replaced checkpoint's data directory is deleted
+        after the new manifest is in place, so a reader sees the old manifest with the old data
+        or the new manifest with the new data, never a mix."""
+        store, final = self.store, self.store.join(root, name)
+        manifest["data_dir"] = tmp.rstrip("/").rsplit("/", 1)[-1]
+        # examine: a manifest that cannot be *read* (a refused or failed GET) raises, it is never
+        # taken for damage and overwritten without overwrite=True
+        found, old = examine(final, store)
+        if isinstance(found, DamagedCheckpoint):
+            old = False  # a damaged manifest: replace it, leave its data for clean_stale
+            log.warning("the damaged checkpoint %s is replaced by a new save of that name (its "
+                        "data directories stay until the cleanup of stale data removes them): "
+                        "%s", final, found.reason)
+        if old and not overwrite:
+            raise CheckpointExistsError(f"{final} already exists (committed meanwhile); pass "
+                                        "overwrite=True to replace it")
+        data, parsed = files.encode_manifest_checked(manifest)
+        target = store.join(final, fmt.MANIFEST)
+        replace = overwrite or old is False
+        try:
+            stamp = (store.write_atomic if replace else store.write_new)(target, data, True)
+        except FileExistsError:
+            raise _taken_meanwhile(final) from None
+        if old and old.data_dir and old.data_dir != manifest["data_dir"]:
+            try:
+                store.remove_tree(store.join(final, old.data_dir))
+            except OSError as exc:
+                _tidy_warning(final, exc)
+        return final, stamp, parsed
+
+    def discard(self, tmp: str, rank: int, keep_file: bool) -> None:
+        try:
+            if rank == 0:
+                self.store.remove_tree(tmp)
+            elif not keep_file:
+                self.store.remove(self.store.join(tmp, fmt.shard_file_name(rank)))
+        except OSError:
+            pass  # left to the stale cleanup
+
+    def delete(self, root: str, name: str, fsync: bool) -> None:
+        """Deletes ``manifest.json`` first (the checkpoint is then gone), then the prefix."""
+        store = self.store
+        path = store.join(root, fmt.check_name(name))
+        manifest = store.join(path, fmt.MANIFEST)
+        if not store.isfile(manifest):
+            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}: no {manifest}; "
+                                          "nothing was removed")
+        store.remove(manifest)
+        try:
+            store.remove_tree(path)
+        except OSError as exc:
+            raise OSError(exc.errno, f"checkpoint {name!r} was deleted (no longer listed) but "
+                                     f"its files in {path} could not be removed: "
+                                     f"{exc.strerror or exc}", exc.filename) from exc
+
+    def clean_stale(self, root: str, max_age_s: float) -> list[str]:
+        """Data directories older than ``max_age_s`` that no manifest names, and unfinished
+        multipart uploads older than that. A committed checkpoint with its one data directory
+        costs no manifest read: it is the one its manifest names (if it names another, the
+        checkpoint is damaged and its leftovers are kept); one with leftovers costs one GET."""
+        now, store = time.time(), self.store
+        removed = []
+        for name in sorted(store.listdir(root)):
+            if name.startswith(".") or name == fmt.LATEST:
+                continue
+            removed += self._clean_checkpoint(root, name, now, max_age_s)
+        removed += store.cleanup_uploads(
+            root, lambda key, started: now - started > max_age_s)
+        return removed
+
+    def _clean_checkpoint(self, root: str, name: str, now: float, max_age_s: float) -> list[str]:
+        store, ckpt = self.store, self.store.join(root, name)
+        children = store.listdir(ckpt)
+        data_dirs = [child for child in children if child.startswith(".data.")]
+        committed = fmt.MANIFEST in children
+        if not data_dirs or (committed and len(data_dirs) == 1):
+            return []
+        current = None
+        if committed:
+            try:
+                current = files.read_manifest(ckpt, store).data_dir
+            except CheckpointNotFoundError:
+                pass  # deleted meanwhile: every data directory is a leftover
+            except (CorruptCheckpointError, OSError):
+                return []  # leave a checkpoint that cannot be read as it is
+        removed = []
+        for child in data_dirs:
+            path = store.join(ckpt, child)
+            try:
+                if child == current or now - store.mtime(path) <= max_age_s:
+                    continue
+                store.remove_tree(path)
+            except FileNotFoundError:
+                continue  # removed meanwhile, or an empty prefix some servers keep listing
+            except OSError as exc:
+                skipped(path, exc)
+                continue
+            removed.append(f"{name}/{child}")
+        return removed

@@ -1,0 +1,154 @@
+"""Folders that ``DatastatesWriter`` wrote (and stock DCP folders), as the tools handle them:
+recognize one, verify every byte of it, load all of it into one state dict.
+
+Behind ``datastates list|verify|inspect|export|import`` for DCP folders. Apart from dcp.py
+(the storage layer DCP calls during its own save and load) because these run outside DCP's
+collective protocol, in one process, on a folder someone may have handed over: nothing here
+unpickles unless the caller says the folder is trusted.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any, Callable
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeObjectError
+from ..format import codec as fmt
+from ..format import files
+from ..storage.store import LOCAL
+
+from .layer import DatastatesReader, _key
+from .metadata import MANIFEST, check_regular, check_span, read_manifest
+
+__all__ = ["is_folder", "load_state", "verify_folder"]
+
+
+def is_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder :class:`DatastatesWriter` committed (it holds the manifest)."""
+    return os.path.isfile(os.path.join(os.fspath(path), MANIFEST))
+
+
+def load_state(path: str | os.PathLike, *, trusted: bool = False) -> dict:
+    """Every key of a DCP checkpoint as one nested state dict of full tensors (what DCP's
+    ``dcp_to_torch_save`` writes), in this process, without a process group.
+
+    A folder :class:`DatastatesWriter` wrote is read through :class:`DatastatesReader`; its
+    non-tensor values are loaded with ``torch.load(weights_only=True)`` unless ``trusted``
+    (UnsafeObjectError naming the key otherwise). A stock DCP folder (``.metadata``, written by
+    ``FileSystemWriter``) is a pickle through and through, so it is read only when ``trusted``
+    (UnsafeObjectError otherwise); CheckpointNotFoundError if ``path`` holds neither."""
+    path = os.path.abspath(os.fspath(path))
+    if is_folder(path):
+        reader = DatastatesReader(path, trusted=trusted)
+        reader.read_metadata()  # its errors raised here, not logged with a traceback by DCP
+    elif os.path.isfile(os.path.join(path, ".metadata")):
+        if not trusted:
+            raise UnsafeObjectError(
+                f"{path}: a torch.distributed.checkpoint folder keeps its metadata and values as "
+                "pickles, and unpickling them can run code from the folder; pass trusted=True "
+                "(--trusted) only if you trust where the folder came from")
+        reader = FileSystemReader(path)
+    else:
+        raise CheckpointNotFoundError(f"{path}: not a torch.distributed.checkpoint folder (no "
+                                      f".metadata and no {MANIFEST})")
+    state: dict = {}
+    try:
+        _load_state_dict(state, storage_reader=reader, planner=_StateLoadPlanner(trusted),
+                         no_dist=True)
+    except BaseException as exc:  # DCP wraps each rank's failure in a CheckpointException
+        raise _cause(exc) from None
+    return state
+
+
+def verify_folder(path: str | os.PathLike,
+                  progress: Callable[[int], None] | None = None) -> int:
+    """Re-read every byte a :class:`DatastatesReader` trusts in the folder ``path``: manifest,
+    metadata (size, checksum, every field), each shard file's header and index, and every item's
+    CRC-32 (the index agreeing with the metadata). Returns the bytes of the shard files;
+    ``progress`` is called with increments adding up to that total. CorruptCheckpointError
+    naming the file, key and offset on the first mismatch."""
+    path = os.path.abspath(os.fspath(path))
+    metadata = DatastatesReader(path).read_metadata()
+    by_file: dict[str, list] = {}
+    for index, info in metadata.storage_data.items():
+        by_file.setdefault(info["file"], []).append((_key(index), info))
+    total = 0
+    for name in read_manifest(path)["files"]:
+        total += _verify_file(os.path.join(path, name), by_file.get(name, []),
+                              progress or (lambda n: None))
+    return total
+
+
+def _verify_file(path: str, items: list, report) -> int:
+    check_regular(path)
+    f = LOCAL.open_read(path)
+    try:
+        header = fmt.read_header(f, path, f.size)
+        index = files.parse_index_bytes(bytes(f.pread(header.index_length, header.index_offset)),
+                                      header, path)
+        regions = {(e.offset, e.nbytes): e for e in index.entries}
+        reported = 0
+        for key, info in sorted(items, key=lambda item: item[1]["offset"]):
+            offset, length = info["offset"], info["length"]
+            entry = regions.get((offset, length))
+            if entry is None or entry.key != key or \
+                    tuple(entry.checksums) != (((length, info["crc32"]),) if length else ()):
+                raise CorruptCheckpointError(f"{path}: {key!r} at [{offset}, {offset + length}) "
+                                             "is not the region of the file's index that the "
+                                             "metadata names")
+            check_span(path, offset, length, header.index_offset)
+            if fmt.crc32(f.pread(length, offset)) != info["crc32"]:
+                raise CorruptCheckpointError(f"{path}: checksum mismatch for {key!r} at offset "
+                                             f"{offset} ({length} bytes)")
+            report(length)
+            reported += length
+        report(f.size - reported)
+        return f.size
+    finally:
+        f.close()
+
+
+class _StateLoadPlanner(_EmptyStateDictLoadPlanner):
+    """DCP's planner for loading a whole checkpoint into an empty dict, loading non-tensor
+    values with ``torch.load(weights_only=not trusted)`` instead of DCP's unconditional
+    ``weights_only=False``."""
+
+    def __init__(self, trusted: bool):
+        super().__init__()
+        self.trusted = trusted
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = _load_value(value, fqn, self.trusted)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def _load_value(value: io.BytesIO, fqn: str, trusted: bool) -> Any:
+    try:
+        return torch.load(value, weights_only=not trusted)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeObjectError(f"DCP value {fqn!r} is not loadable with weights_only=True "
+                                f"({str(exc).splitlines()[0][:200]}); pass trusted=True "
+                                "(--trusted) only if you trust where the folder came from"
+                                ) from None
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The first rank's own error inside DCP's ``CheckpointException``."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        first = first[0] if isinstance(first, tuple) else first
+        if isinstance(first, BaseException):
+            return first
+    return exc

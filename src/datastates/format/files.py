@@ -1,0 +1,110 @@
+"""Reading and writing the checked files of the format as typed records: a shard file's index,
+a checkpoint's manifest (docs/format.md).
+
+Bytes are checked first (``codec``: magic, header CRC, the manifest's checksum trailer); the
+decoded JSON is then validated completely by ``records`` before anyone uses a value.
+"""
+from __future__ import annotations
+
+import warnings
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from ..storage import Store, open_store
+from . import records
+from .codec import (_TRAILER, CHECKPOINT_FORMAT, MANIFEST, MAX_MANIFEST_BYTES, TRAILER_BYTES,
+                    VERSION, ShardHeader, crc32, encode_json, parse_json, read_header,
+                    seal_manifest)
+
+
+def read_index(path: str, store: "Store | None" = None) -> "records.ShardIndex":
+    """Read, checksum and validate the self-describing index of a shard file."""
+    store = store or open_store(path)
+    try:
+        f = store.open_read(path)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: shard file missing") from None
+    try:
+        header = read_header(f, path, f.size)
+        raw = f.pread(header.index_length, header.index_offset)
+    finally:
+        f.close()
+    return parse_index_bytes(raw, header, path)
+
+
+def parse_index_bytes(raw: bytes, header: ShardHeader, path: str) -> "records.ShardIndex":
+    """Check the index bytes against the header's CRC, then validate them."""
+    if len(raw) != header.index_length or crc32(raw) != header.index_crc32:
+        raise CorruptCheckpointError(f"{path}: index checksum mismatch (index at "
+                                     f"{header.index_offset}, {header.index_length} bytes)")
+    return records.parse_shard_index(parse_json(raw, path), path, header.index_offset)
+
+
+def encode_manifest(manifest: dict) -> bytes:
+    """Validate ``manifest`` with the reader's own parser, then encode and seal it (so what is
+    written is exactly what a reader accepts)."""
+    return encode_manifest_checked(manifest)[0]
+
+
+def encode_manifest_checked(manifest: dict) -> "tuple[bytes, records.Manifest]":
+    """:func:`encode_manifest`, also returning the typed manifest the reader's parser made of it.
+
+    The parser checks ``manifest`` itself, not a decoded copy of its bytes: the parser accepts
+    only what JSON decodes to (exact ``list``, ``dict``, ``str``, ``int``, ``bool``, finite
+    ``float``, ``None``; a tuple or an int subclass is refused), and ``metadata``, the one part
+    it does not look into, was normalised through JSON by ``save()``. So the bytes decode to
+    an equal manifest, while the writer saves a decode and a second copy of every container --
+    objects the garbage collector would otherwise promote and traverse in a full collection,
+    holding the GIL (docs/benchmarks.md, "Garbage collection")."""
+    parsed = records.parse_manifest(manifest, "manifest being written")
+    return seal_manifest(encode_json(manifest)), parsed
+
+
+def read_manifest(ckpt_dir: str, store: "Store | None" = None) -> "records.Manifest":
+    """Read, checksum and validate ``manifest.json`` of a checkpoint directory: a regular file
+    of at most ``MAX_MANIFEST_BYTES`` in it (CorruptCheckpointError naming the path otherwise:
+    a link, a FIFO, a device, a directory)."""
+    store = store or open_store(ckpt_dir)
+    path = store.join(ckpt_dir, MANIFEST)
+    try:
+        raw = store.read_bytes(path, max_bytes=MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{ckpt_dir}: no {MANIFEST} (not a committed checkpoint)") \
+            from None
+    except (IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+        raise CorruptCheckpointError(f"{path}: cannot read ({exc})") from None
+    return parse_manifest_bytes(raw, path)
+
+
+def parse_manifest_bytes(raw: bytes, path: str) -> "records.Manifest":
+    """Check the checksum trailer of a manifest's bytes, then validate its JSON.
+
+    A file without the trailer is accepted only as a version-1 manifest holding no
+    ``manifest_crc32`` field (written before manifests carried a checksum), with a warning; any
+    damage to a sealed manifest therefore fails its checksum or its version check, it never
+    reaches the unchecked path."""
+    sealed = _TRAILER.search(raw)
+    if sealed is not None:
+        covered = raw[:sealed.start()]
+        if crc32(covered) != int(sealed.group(1), 16):
+            raise CorruptCheckpointError(f"{path}: manifest checksum mismatch (CRC-32 of the "
+                                         f"first {len(covered)} bytes is {crc32(covered):08x}, "
+                                         f"the trailer says {sealed.group(1).decode()})")
+        obj = parse_json(raw, path)
+        obj.pop("manifest_crc32", None)
+        return records.parse_manifest(obj, path)
+    obj = parse_json(raw, path)
+    if "manifest_crc32" in obj or obj.get("version") != 1 or "seq" in obj:
+        if obj.get("format") == CHECKPOINT_FORMAT and type(obj.get("version")) is int and \
+                obj["version"] > VERSION and "manifest_crc32" not in obj:
+            raise UnsupportedFormatError(f"{path}: format version {obj['version']} is newer than "
+                                         f"this reader's {VERSION}; upgrade datastates")
+        raise CorruptCheckpointError(f"{path}: the manifest does not end with its checksum "
+                                     f"(expected the last {TRAILER_BYTES} bytes to be "
+                                     '\',"manifest_crc32":"<8 hex digits>"}\')')
+    manifest = records.parse_manifest(obj, path, version_1=True)
+    warnings.warn(f"{path}: a version-1 manifest has no checksum; its fields are validated but "
+                  "a damaged value cannot be detected. Save a new checkpoint to get a checked one",
+                  RuntimeWarning, stacklevel=3)
+    return manifest
+
+

@@ -1,0 +1,308 @@
+"""Walk a state through the providers into a JSON tree plus the items to capture.
+
+Runs on the training thread inside ``save()``. Tensors are never copied here: each item keeps a
+reference to the live tensor and its capture policy (``lazy``/``eager`` as marked, ``auto`` for
+the storage rule of ``datastates.save.capture``); the pipeline copies it into the host cache. Python
+objects are serialized here (they may change right after ``save()``), and refused here when the
+safe loader of ``restore()`` would refuse them (unless unsafe objects are allowed).
+
+NumPy arrays of a dtype torch has are tensors here (``torch.from_numpy``, no copy when the array
+is C-contiguous and writeable): their node carries ``"np": true`` so that a load gives an
+``np.ndarray`` back. Other arrays (object, string, datetime, ``longdouble``, non-native byte
+order, subclasses) are pickled objects.
+
+The forms a tensor of the state takes (a tensor, a ``TensorShard`` or DTensor's local box, a numpy
+array) are defined here for both directions: ``unwritable`` says which live tensors a restore
+cannot fill in place.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..format import serialization
+from ..format.checks import MAX_TREE_DEPTH
+from ..errors import SerializationError
+from .base import AUTO, EAGER, LAZY, Capture, StateProvider
+from .registry import ProviderRegistry
+
+_SCALARS = (str, int, bool, type(None))
+
+
+@dataclass
+class TensorItem:
+    """A tensor to capture. ``tensor`` is the live (detached) tensor, never a copy: eager items
+    are copied into the host cache before ``save()`` returns, lazy ones in the background."""
+
+    key: str
+    tensor: torch.Tensor
+    #: "lazy", "eager" (marked) or "auto" (the storage rule decides ``lazy``).
+    policy: str = AUTO
+    lazy: bool = False
+    #: Global shape and the offset of this (local) tensor inside it; set for sharded tensors.
+    global_shape: tuple[int, ...] | None = None
+    global_offset: tuple[int, ...] | None = None
+    #: For replicated tensors: identical on every rank, written once.
+    replicated: bool = False
+    #: False when another rank writes this very shard (a shard replicated over a mesh dim).
+    primary: bool = True
+
+    def __post_init__(self) -> None:
+        # Kept after the snapshot drops the reference to the tensor.
+        self.shape = tuple(self.tensor.shape)
+        self.dtype = self.tensor.dtype
+        self.nbytes = self.tensor.numel() * self.tensor.element_size()
+
+
+@dataclass
+class ObjectItem:
+    key: str
+    data: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+@dataclass
+class Flattened:
+    tree: dict
+    items: list = field(default_factory=list)
+    #: Optimizers found in the state (as given, possibly wrappers): part of this save.
+    optimizers: list = field(default_factory=list)
+
+
+class TensorShard:
+    """A local piece of a larger logical tensor, in the "local shard + global offset" form that
+    ZeRO, FSDP and Megatron use: ``local`` is the box of the global tensor (of ``global_shape``)
+    starting at ``global_offset``. ``primary=False`` when another rank holds and writes the same
+    box (a data-parallel replica of the shard). Restore fills ``local`` in place, reading only the
+    saved shards that overlap it, whatever the sharding was at save time."""
+
+    __slots__ = ("local", "global_shape", "global_offset", "primary")
+
+    def __init__(self, local: torch.Tensor, global_shape, global_offset, primary: bool = True):
+        self.local = local
+        self.global_shape = tuple(int(x) for x in global_shape)
+        self.global_offset = tuple(int(x) for x in global_offset)
+        self.primary = primary
+        if len(self.global_shape) != local.dim() or len(self.global_offset) != local.dim():
+            raise ValueError(f"TensorShard: local tensor has {local.dim()} dims, global_shape "
+                             f"{self.global_shape} and global_offset {self.global_offset} must too")
+        for size, off, full in zip(local.shape, self.global_offset, self.global_shape):
+            if off < 0 or off + size > full:
+                raise ValueError(f"TensorShard: local box {tuple(local.shape)} at "
+                                 f"{self.global_offset} exceeds the global shape {self.global_shape}")
+
+    @property
+    def requires_grad(self):
+        return self.local.requires_grad
+
+
+def sharding_of(t) -> TensorShard | None:
+    """The local box of a DTensor or TensorShard (None for an ordinary tensor)."""
+    if isinstance(t, TensorShard):
+        return t
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None or not isinstance(t, module.DTensor):  # no DTensor exists before import
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    mesh, placements = t.device_mesh, t.placements
+    _, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    coordinate = mesh.get_coordinate() or []
+    primary = True
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, Replicate):
+            primary = primary and coordinate[dim] == 0
+        elif not isinstance(placement, Shard):
+            raise TypeError(f"DTensor placement {placement} cannot be checkpointed; "
+                            "redistribute partial tensors first")
+    return TensorShard(t.to_local(), tuple(t.shape), offset, primary)
+
+
+def key_of(path: tuple) -> str:
+    return "/".join(str(p) for p in path)
+
+
+#: NumPy dtypes stored as tensors (``torch.from_numpy`` accepts them; the format names them).
+NUMPY_DTYPES = frozenset(("float64", "float32", "float16", "complex64", "complex128", "int64",
+                          "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8",
+                          "bool"))
+
+
+def numpy_tensor(obj: Any) -> torch.Tensor | None:
+    """``obj`` as a CPU tensor on its bytes if it is an ``np.ndarray`` (exactly, not a subclass)
+    of a native-byte-order dtype in NUMPY_DTYPES, else None. A C-contiguous writeable array is
+    shared (``torch.from_numpy``); any other is copied into a C-contiguous one first."""
+    np = sys.modules.get("numpy")  # no ndarray exists before numpy is imported
+    if np is None or type(obj) is not np.ndarray:
+        return None
+    dtype = obj.dtype
+    if not dtype.isnative or dtype.name not in NUMPY_DTYPES or dtype.fields or dtype.metadata:
+        return None
+    if not (obj.flags.c_contiguous and obj.flags.writeable):
+        obj = np.array(obj, order="C", copy=True)
+    return torch.from_numpy(obj)
+
+
+def unwritable(t: torch.Tensor) -> str | None:
+    """Why restore cannot fill the live tensor ``t`` in place (None when it can): torch refuses
+    to write into an inference tensor outside inference mode, into a tensor that is not strided,
+    and into one whose elements share memory (``expand()``, stride 0); a meta tensor has no data
+    to fill. Checked in the planning pass, so such a tensor is refused before any other is
+    written."""
+    if t.layout != torch.strided:
+        return f"has layout {t.layout}; only strided tensors are filled in place"
+    if t.device.type == "meta":
+        return "is on the meta device (it holds no data to fill)"
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        return ("is an inference tensor (made under torch.inference_mode()), which torch does "
+                "not let anything write outside inference mode")
+    if t.numel() == 0 or t.is_contiguous():
+        return None
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if stride == 0 and size > 1:
+            return (f"overlaps itself: dimension {dim} of size {size} has stride 0 (made by "
+                    "expand() or broadcasting); restore into a clone() of it")
+    if not _distinct_elements(t):
+        return (f"overlaps itself: strides {t.stride()} map several of its elements to one "
+                "memory location; restore into a clone() of it")
+    return None
+
+
+def _distinct_elements(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` has its own memory location. Sorted by stride, each
+    dimension stepping past everything the smaller ones span proves it at once; the rare layouts
+    that do not (interleaved strides) are settled by counting the distinct offsets."""
+    extent = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride < extent:
+            break
+        extent += (size - 1) * stride
+    else:
+        return True
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        offsets = (offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride)
+    return torch.unique(offsets.reshape(-1)).numel() == t.numel()
+
+
+class _Walker:
+    def __init__(self, registry: ProviderRegistry, replicated: bool, allow_unsafe: bool):
+        self.registry = registry
+        self.replicated = replicated
+        self.allow_unsafe = allow_unsafe
+        self.out = Flattened(tree={})
+        self._views: dict[tuple, int] = {}
+
+    def node(self, obj: Any, path: tuple, policy: str | None,
+             provider: StateProvider | None, depth: int = 1) -> dict:
+        """The tree node of ``obj`` at ``path``, ``depth`` levels down (the root is 1, as the
+        reader counts): deeper than a checkpoint may be is refused here, before recursing."""
+        if isinstance(obj, Capture):
+            return self.node(obj.value, path, obj.policy, provider, depth)
+        if depth > MAX_TREE_DEPTH:
+            raise _too_deep(path)
+        if isinstance(obj, (torch.Tensor, TensorShard)):
+            return self.tensor(obj, path, policy, provider)
+        array = numpy_tensor(obj)
+        if array is not None:
+            return {**self.tensor(array, path, policy, provider), "np": True}
+        if type(obj) in _SCALARS or (type(obj) is float and math.isfinite(obj)):
+            return {"t": "value", "v": obj}  # exact types: an IntEnum is pickled, keeping its class
+        kind = type(obj)
+        if kind in (dict, OrderedDict) and all(_json_key(k) for k in obj):
+            return {"t": "odict" if kind is OrderedDict else "dict",
+                    "items": [[k, self.node(v, path + (k,), policy, provider, depth + 1)]
+                              for k, v in obj.items()]}
+        if kind in (list, tuple):
+            return {"t": kind.__name__,
+                    "items": [self.node(v, path + (i,), policy, provider, depth + 1)
+                              for i, v in enumerate(obj)]}
+        found = self.registry.find(obj)
+        if found is not None:
+            if isinstance(obj, torch.optim.Optimizer):
+                self.out.optimizers.append(obj)
+            return {"t": "provider", "name": found.name,
+                    "state": self.node(found.state(obj), path, policy, found, depth + 1)}
+        return self.object(obj, path)
+
+    def tensor(self, t: torch.Tensor, path: tuple, policy: str | None,
+               provider: StateProvider | None) -> dict:
+        key = key_of(path)
+        param = isinstance(t, torch.nn.Parameter)
+        if policy is None:
+            policy = provider.capture_of(t) if provider is not None else AUTO
+        shard = sharding_of(t)
+        t = shard.local.detach() if shard is not None else t.detach()
+        view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
+                t.dtype, t.device) if t.numel() else None
+        if view is not None and view in self._views:  # the same view saved under two keys
+            index = self._views[view]
+            item = self.out.items[index]
+            item.policy = _merge(item.policy, policy)
+            return {"t": "tensor", "e": index, "param": param}
+        index = len(self.out.items)
+        item = TensorItem(key, t, policy, replicated=self.replicated)
+        if shard is not None:
+            item.global_shape, item.global_offset = shard.global_shape, shard.global_offset
+            item.primary, item.replicated = shard.primary, False
+        self.out.items.append(item)
+        if view is not None:
+            self._views[view] = index
+        return {"t": "tensor", "e": index, "param": param}
+
+    def object(self, obj: Any, path: tuple) -> dict:
+        key = key_of(path)
+        if not self.allow_unsafe:
+            serialization.refuse_unsaveable(obj, key)
+        data = serialization.dumps(obj, key)
+        if not self.allow_unsafe:
+            serialization.check_loadable(obj, data, key)
+        index = len(self.out.items)
+        self.out.items.append(ObjectItem(key, data))
+        return {"t": "object", "e": index}
+
+
+def _too_deep(path: tuple) -> SerializationError:
+    shown = key_of(path[:8]) + ("/..." if len(path) > 8 else "")
+    return SerializationError(f"{shown!r}: the state is nested more than {MAX_TREE_DEPTH} levels "
+                              f"deep ({len(path)} keys down to here), the most a checkpoint "
+                              "holds; a container that holds itself is nested without end")
+
+
+def _merge(a: str, b: str) -> str:
+    """The policy of one view reached under two keys: eager wins, then an explicit lazy."""
+    if EAGER in (a, b):
+        return EAGER
+    return LAZY if LAZY in (a, b) else AUTO
+
+
+def _json_key(k: Any) -> bool:
+    return type(k) in _SCALARS or (type(k) is float and math.isfinite(k))
+
+
+def flatten(state: Any, registry: ProviderRegistry, *, replicated: bool = False,
+            allow_unsafe: bool = False) -> Flattened:
+    """Describe ``state``: a JSON tree whose leaves index ``items``.
+
+    A state nested deeper than ``MAX_TREE_DEPTH`` levels (a dict, list, tuple or provider
+    state is one level; a container holding itself has no end) raises SerializationError naming
+    the first keys of the path. A Python object that ``restore()``'s default safe loading would
+    refuse (a class outside the allowlist, a torch ``DataLoader``) raises UnsafeObjectError
+    naming its key, unless ``allow_unsafe``; an object that cannot be pickled raises
+    SerializationError.
+
+    The same tensor view reached under two keys is one item (shared storage is written once); if
+    either key asks for eager capture, it is captured eagerly. ``item.lazy`` is left False: the
+    caller decides it (``datastates.save.capture.decide``).
+    """
+    walker = _Walker(registry, replicated, allow_unsafe)
+    walker.out.tree = walker.node(state, (), None, None)
+    return walker.out

@@ -1,0 +1,1 @@
+"""The restore stage: matching a saved tree to live state, coalesced reads, verification."""

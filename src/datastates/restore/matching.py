@@ -1,0 +1,479 @@
+"""Matching a saved state tree against the live state: what a restore will read, set and apply.
+
+Before a byte is read, one rank's saved tree is walked against the live state through the
+providers, touching nothing live: mappings by key, sequences by position, tensors and numpy arrays
+by shape and dtype, provider objects by their own ``check`` (a refused one is rolled back out of
+the plan). What matches becomes a :class:`_Plan`: the regions to read into each live (or new)
+tensor from every saved shard overlapping it, the plain values to set and the providers to apply
+after the reads; what does not is recorded in the :class:`RestoreReport` (a strict restore raises).
+
+Kept apart from the reading: ``restore.Reader`` opens and checks the files, hands itself to a plan
+and executes the plan's reads (``_Read``, also built by verify.py). The plan uses only the reader it
+is given, so restore.py imports this module, never the other way round.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import CorruptCheckpointError, StateMismatchError
+from ..providers.tree import NUMPY_DTYPES, TensorShard, key_of, sharding_of, unwritable
+from ..providers import Capture, StateProvider
+from ..format.records import ShardRef, TensorEntry
+
+if TYPE_CHECKING:
+    from .reader import Reader
+
+
+@dataclass
+class RestoreReport:
+    """What an in-place restore did. On a strict restore the lists other than ``restored`` are
+    empty (a mismatch raises instead)."""
+
+    name: str
+    step: int | None
+    restored: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)      #: in the live state, not in the checkpoint
+    unexpected: list[str] = field(default_factory=list)   #: in the checkpoint, not in the live state
+    #: shape, dtype, type or length differs, or a provider's check refused it (skipped)
+    mismatched: list[str] = field(default_factory=list)
+    nbytes: int = 0
+    #: damaged checkpoints newer than this one that finding the latest passed over (by name)
+    passed_over: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Read:
+    file: int
+    offset: int
+    nbytes: int
+    dest: torch.Tensor        # flat uint8 CPU tensor receiving the bytes
+    checksums: list           # [[length, crc], ...] over [offset, offset + nbytes)
+    key: str
+
+
+_NODE_KINDS = {"tensor": "tensor", "dict": "dict", "odict": "dict", "list": "list",
+               "tuple": "tuple"}
+
+
+def _same_kind(t: str, live: Any) -> bool:
+    """Whether a live value can receive a saved node of type ``t`` (plain values and pickled
+    objects are compared by exact type once loaded; providers check their own objects)."""
+    if t == "tensor":
+        return isinstance(live, (torch.Tensor, TensorShard)) or _is_ndarray(live)
+    if t in ("dict", "odict"):
+        return isinstance(live, dict)
+    if t in ("list", "tuple"):
+        return isinstance(live, (list, tuple))
+    return True
+
+
+def _is_ndarray(value: Any) -> bool:
+    np = sys.modules.get("numpy")  # no ndarray exists before numpy is imported
+    return np is not None and isinstance(value, np.ndarray)
+
+
+def _writable_tensor(array: Any) -> torch.Tensor | None:
+    """A tensor on the bytes of the live ndarray ``array``, or None when restore cannot write
+    into it: read-only, a dtype torch lacks, or strides torch cannot view (negative)."""
+    if not array.flags.writeable or array.dtype.name not in NUMPY_DTYPES or \
+            not array.dtype.isnative:
+        return None
+    try:
+        return torch.from_numpy(array)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def _as_numpy(tensor: torch.Tensor, entry: TensorEntry, where: str) -> Any:
+    """The ndarray of a freshly read tensor whose tree node says it was saved from numpy."""
+    if entry.dtype not in NUMPY_DTYPES:
+        raise CorruptCheckpointError(f"{where}: {entry.key!r} is marked as a numpy array but "
+                                     f"its dtype {entry.dtype} has no numpy equivalent")
+    return tensor.numpy()
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The memory of the contiguous CPU tensor ``t`` as a flat uint8 tensor on it (no copy), or
+    None when torch cannot view it so. A contiguous tensor may carry any stride in a dimension
+    of size 1 (``x.t()[2:3, :1]``), which ``view(torch.uint8)`` refuses for elements wider than
+    a byte: its elements still fill one dense range, viewed here with stride 1."""
+    flat = t.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = t.as_strided((t.numel(),), (1,))
+    try:
+        return flat.view(torch.uint8)
+    except RuntimeError:
+        return None
+
+
+class _Rebuild:
+    """A provider's ``rebuild(state)``, done once, after the reads (``_Plan.resolve``)."""
+
+    __slots__ = ("provider", "state", "done", "value")
+
+    def __init__(self, provider: StateProvider, state: Any):
+        self.provider, self.state, self.done, self.value = provider, state, False, None
+
+
+def _resolve(value: Any) -> Any:
+    if isinstance(value, _Rebuild):
+        if not value.done:
+            value.value, value.done = value.provider.rebuild(_resolve(value.state)), True
+        return value.value
+    if type(value) in (dict, OrderedDict):
+        items = [(k, v, _resolve(v)) for k, v in value.items()]
+        if all(v is r for _, v, r in items):
+            return value
+        return type(value)((k, r) for k, _, r in items)
+    if type(value) in (list, tuple):
+        items = [(v, _resolve(v)) for v in value]
+        if all(v is r for v, r in items):
+            return value
+        return type(value)(r for _, r in items)
+    return value
+
+
+class _Plan:
+    """Matches the checkpoint tree with the live state; collects reads, errors and finalizers."""
+
+    def __init__(self, reader: Reader, keys, strict: bool, in_place: bool):
+        self.reader, self.strict, self.in_place = reader, strict, in_place
+        self.keys = None if keys is None else [k.strip("/") for k in
+                                               ([keys] if isinstance(keys, str) else keys)]
+        self.reads: list[_Read] = []
+        self.post_copies: list = []
+        self.finalizers: list = []
+        self.fresh: dict[int, torch.Tensor] = {}
+        self.filled: set[tuple[int, int]] = set()
+        #: (container, key, value): plain values of the live dicts/lists, replaced after the reads
+        self.writebacks: list = []
+        #: (provider, state, key) of the providers overriding ``validate_values``, with the reads
+        #: and copies of their own tensors: done first, then validated (see ``take_early``)
+        self.early: list = []
+        #: providers' rebuilds waiting for the reads of their tensors (see ``resolve``)
+        self.deferred = 0
+        m = reader.manifest
+        self.report = RestoreReport(name=os.path.basename(reader.dir), step=m.step)
+
+    def wanted(self, path: tuple) -> str | None:
+        if self.keys is None:
+            return "all"
+        key = key_of(path)
+        if any(key == k or key.startswith(k + "/") or not k for k in self.keys):
+            return "all"
+        if not path or any(k.startswith(key + "/") for k in self.keys):
+            return "some"
+        return None
+
+    def check(self) -> None:
+        r = self.report
+        if self.strict and (r.missing or r.unexpected or r.mismatched):
+            def show(xs):
+                return ", ".join(xs[:10]) + (f" ... ({len(xs)} in all)" if len(xs) > 10 else "")
+            parts = []
+            if r.missing:
+                parts.append(f"missing from the checkpoint: {show(r.missing)}")
+            if r.unexpected:
+                parts.append(f"in the checkpoint but not in the live state: {show(r.unexpected)}")
+            if r.mismatched:
+                parts.append(f"do not match: {show(r.mismatched)}")
+            raise StateMismatchError(f"{self.reader.dir}: the live state does not match the "
+                                     f"checkpoint; {'; '.join(parts)}. Nothing was modified. "
+                                     "Pass strict=False to restore what matches, or keys=[...]")
+
+    def match(self, live: Any, node: dict, path: tuple, provider: StateProvider | None) -> Any:
+        if isinstance(live, Capture):
+            live = live.value
+        t = node["t"]
+        checked = self.in_place and live is not None and self._strict_here(provider)
+        if checked and not _same_kind(t, live):
+            return self._mismatch(live, path, f"checkpoint {_NODE_KINDS.get(t, t)}, live "
+                                              f"{type(live).__qualname__}")
+        if t == "value":
+            if checked and type(node["v"]) is not type(live):
+                return self._mismatch(live, path, f"checkpoint {type(node['v']).__qualname__}, "
+                                                  f"live {type(live).__qualname__}")
+            return node["v"]
+        if t == "object":
+            loaded = self.reader.read_object(self.reader.entries[node["e"]])
+            if checked and type(loaded) is not type(live):
+                return self._mismatch(live, path, f"checkpoint {type(loaded).__qualname__}, "
+                                                  f"live {type(live).__qualname__}")
+            return loaded
+        if t == "tensor":
+            return self.tensor(live, node, path)
+        if t == "provider":
+            return self.provider(live, node, path)
+        if t in ("dict", "odict"):
+            return self.mapping(live, node, path, provider)
+        if t in ("list", "tuple"):
+            return self.sequence(live, node, path, provider)
+        raise CorruptCheckpointError(f"{self.reader.dir}: unknown tree node {t!r} at "
+                                     f"{key_of(path)!r}")
+
+    def provider(self, live: Any, node: dict, path: tuple) -> Any:
+        prov = self.reader.registry.get(node["name"])
+        if prov is None:
+            raise CorruptCheckpointError(
+                f"{self.reader.dir}: {key_of(path)!r} was saved by provider {node['name']!r}, "
+                "which is not registered here; register it in the ProviderRegistry you pass")
+        if live is not None and self.in_place:
+            if not prov.can_handle(live):
+                raise StateMismatchError(f"{key_of(path)!r}: the checkpoint holds a "
+                                         f"{node['name']} state, the live object is a "
+                                         f"{type(live).__qualname__}")
+            mark = self._mark()
+            loaded = self._provider_state(prov, prov.state(live), node, path)
+            try:
+                prov.check(live, loaded, key_of(path))
+            except StateMismatchError as exc:
+                self._rollback(mark)  # nothing of this object is read or applied
+                return self._mismatch(live, path, str(exc))
+            self.finalizers.append((prov.load, live, loaded))
+            return live
+        self.deferred += 1
+        return _Rebuild(prov, self._provider_state(prov, None, node, path))
+
+    def _provider_state(self, prov: StateProvider, live_state: Any, node: dict,
+                        path: tuple) -> Any:
+        """The saved state of a provider matched against ``live_state`` (its state of the live
+        object, or None) and validated by the provider; a provider checking tensor values gets
+        its reads and copies moved into ``early``."""
+        reads, copies = len(self.reads), set(map(id, self.post_copies))
+        mismatched = len(self.report.mismatched)
+        loaded = self.match(live_state, node["state"], path, prov)
+        if len(self.report.mismatched) == mismatched:
+            prov.validate(loaded, key_of(path))
+        elif type(prov).validate is not StateProvider.validate:
+            # live values stand where the state did not match: validate the saved one
+            mark = self._mark()
+            prov.validate(self.match(None, node["state"], path, prov), key_of(path))
+            self._rollback(mark)
+        if type(prov).validate_values is not StateProvider.validate_values:
+            mine = [c for c in self.post_copies if id(c) not in copies]
+            self.post_copies = [c for c in self.post_copies if id(c) in copies]
+            self.early.append((prov, loaded, key_of(path), self.reads[reads:], mine))
+            del self.reads[reads:]
+        return loaded
+
+    def nbytes(self) -> int:
+        """Bytes the plan reads."""
+        return sum(r.nbytes for r in self.reads) + sum(r.nbytes for e in self.early
+                                                       for r in e[3])
+
+    def resolve(self, value: Any) -> Any:
+        """``value`` with every provider's rebuild done: run after the reads, so a provider
+        rebuilding an object (a numpy Generator) from its state sees the bytes read, not the
+        empty tensors planned. Containers are kept as they are unless something inside them
+        was rebuilt."""
+        return _resolve(value) if self.deferred else value
+
+    def _mismatch(self, live: Any, path: tuple, why: str) -> Any:
+        """Record that the live value at ``path`` is left alone (an error if strict)."""
+        self.report.mismatched.append(f"{key_of(path)} ({why})")
+        return live
+
+    def _mark(self) -> tuple:
+        return (list(self.reads), list(self.post_copies), list(self.finalizers),
+                list(self.writebacks), len(self.report.restored), set(self.filled),
+                dict(self.fresh), list(self.early))
+
+    def _rollback(self, mark: tuple) -> None:
+        (self.reads, self.post_copies, self.finalizers, self.writebacks, restored, self.filled,
+         self.fresh, self.early) = mark
+        del self.report.restored[restored:]
+
+    def _strict_here(self, provider: StateProvider | None) -> bool:
+        return provider is None or not provider.allow_new_keys
+
+    def _fills(self, live: Any, provider) -> bool:
+        """Whether the live container is filled in place (it is the caller's own: outside any
+        provider, whose ``load`` gets the state as saved) rather than replaced."""
+        return self.in_place and provider is None and isinstance(live, (dict, list))
+
+    def mapping(self, live: Any, node: dict, path: tuple, provider) -> Any:
+        """A dict node. A live dict of the caller's is filled in place (same object, its other
+        keys kept); otherwise a new dict is built (the live one, inside a provider's state,
+        still gets its values set)."""
+        live_map = live if isinstance(live, dict) else None
+        fill = self._fills(live_map, provider)
+        out = live_map if fill else (OrderedDict() if node["t"] == "odict" else {})
+        seen = set()
+        for k, child in node["items"]:
+            sub = path + (k,)
+            if self.wanted(sub) is None:
+                continue
+            seen.add(k)
+            if live_map is not None and k not in live_map and self._strict_here(provider):
+                self.report.unexpected.append(key_of(sub))
+                continue
+            current = live_map.get(k) if live_map is not None else None
+            value = self.match(current, child, sub, provider)
+            if self.in_place and live_map is not None and current is not value:
+                self.writebacks.append((live_map, k, value))  # set after the reads
+            if not fill:
+                out[k] = value
+        if live_map is not None and self._strict_here(provider):
+            for k in live_map:
+                if k not in seen and self.wanted(path + (k,)) == "all":
+                    self.report.missing.append(key_of(path + (k,)))
+        return out
+
+    def sequence(self, live: Any, node: dict, path: tuple, provider) -> Any:
+        live_seq = live if isinstance(live, (list, tuple)) else None
+        if (self.in_place and live_seq is not None and self._strict_here(provider)
+                and len(live_seq) != len(node["items"]) and self.wanted(path) == "all"):
+            return self._mismatch(live, path, f"checkpoint {len(node['items'])} items, live "
+                                              f"{len(live_seq)}")
+        fill = self._fills(live_seq, provider)
+        # a live tuple of the caller's is rebuilt keeping its items that are not restored
+        keep = self.in_place and provider is None and live_seq is not None
+        out = []
+        for i, child in enumerate(node["items"]):
+            lv = live_seq[i] if live_seq is not None and i < len(live_seq) else None
+            if self.wanted(path + (i,)) is None:
+                if keep and i < len(live_seq):
+                    out.append(lv)
+                continue
+            if fill and i >= len(live_seq):  # only when keys= names this item
+                self.report.unexpected.append(key_of(path + (i,)))
+                continue
+            out.append(self.match(lv, child, path + (i,), provider))
+            if self.in_place and isinstance(live, list) and i < len(live) and lv is not out[-1]:
+                self.writebacks.append((live, i, out[-1]))
+        if fill:
+            return live
+        return tuple(out) if node["t"] == "tuple" else out
+
+    def tensor(self, live: Any, node: dict, path: tuple) -> Any:
+        """A tensor node: filled into the live tensor, or into a live numpy array in place
+        (a writeable ``np.ndarray`` of the same shape and dtype: other references to it see the
+        restored values; a different shape or dtype is a mismatch, as for tensors; a read-only
+        array is replaced by a new one); else a new tensor, or a new ``np.ndarray`` for a node
+        saved from numpy (``"np": true``)."""
+        entry = self.reader.entries[node["e"]]
+        key = key_of(path)
+        if self.in_place and _is_ndarray(live):
+            writable = _writable_tensor(live)
+            if writable is not None or tuple(live.shape) != entry.shape or \
+                    live.dtype.name != entry.dtype:
+                self.into_live(writable if writable is not None else live, None, node, entry,
+                               key)
+                return live
+        elif self.in_place and isinstance(live, (torch.Tensor, TensorShard)):
+            self.into_live(live, sharding_of(live), node, entry, key)
+            return live
+        if node["e"] not in self.fresh:  # shared storage: one tensor for every key
+            fresh = torch.empty(entry.shape, dtype=entry.torch_dtype)  # as torch.load gives
+            self._fill(fresh, entry, key)
+            self.fresh[node["e"]] = fresh
+        if node.get("np") or _is_ndarray(live):
+            return _as_numpy(self.fresh[node["e"]], entry, self.reader.dir)
+        return self.fresh[node["e"]]
+
+    def into_live(self, live: Any, shard: TensorShard | None, node: dict, entry: TensorEntry,
+                  key: str) -> None:
+        """Schedule filling the live tensor (or the local box of a sharded one) in place, or
+        record a shape/dtype mismatch."""
+        local = shard.local if shard is not None else live
+        global_shape = shard.global_shape if shard is not None else tuple(live.shape)
+        live_dtype = str(local.dtype).replace("torch.", "")  # numpy: its name, '>f4' if swapped
+        if global_shape != entry.shape or live_dtype != entry.dtype:
+            self.report.mismatched.append(f"{key} (checkpoint {entry.dtype}{list(entry.shape)}, "
+                                          f"live {live_dtype}{list(global_shape)})")
+            return
+        why = unwritable(local)
+        if why is not None:
+            self.report.mismatched.append(f"{key} (the live tensor {why})")
+            return
+        self.report.restored.append(key)
+        target = (node["e"], local.data_ptr())
+        if target not in self.filled:  # tied weights: one read for every key
+            self.filled.add(target)
+            self._fill(local.detach(), entry, key,
+                       shard.global_offset if shard is not None else None)
+
+    def _fill(self, dest: torch.Tensor, entry: TensorEntry, key: str, box_offset=None) -> None:
+        """Schedule reads filling ``dest``, the box of the global tensor at ``box_offset``
+        (the whole tensor by default), from every saved shard that overlaps it."""
+        box_offset = tuple(box_offset) if box_offset is not None else (0,) * dest.dim()
+        direct = dest.device.type == "cpu" and dest.is_contiguous() and \
+            _bytes_of(dest) is not None
+        target = dest if direct else torch.empty(dest.shape, dtype=dest.dtype)
+        if not direct:
+            self.post_copies.append(lambda d=dest, s=target: d.copy_(s))
+        covered = 0
+        for shard in entry.shards:
+            covered += self._fill_from(target, box_offset, shard, key)
+        if covered != target.numel():
+            raise CorruptCheckpointError(
+                f"{self.reader.dir}: the saved shards of {key!r} cover {covered} of the "
+                f"{target.numel()} elements needed at {list(box_offset)}")
+
+    def _fill_from(self, target: torch.Tensor, box_offset: tuple, shard: ShardRef,
+                   key: str) -> int:
+        """Read the part of one saved shard that overlaps the target box; return its elements."""
+        s_off, s_shape = shard.global_offset, shard.shape
+        lo = [max(a, b) for a, b in zip(s_off, box_offset)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(s_off, s_shape, box_offset, target.shape)]
+        if any(h <= l for l, h in zip(lo, hi)) and target.dim():
+            return 0
+        elem = target.element_size()
+        numel = 1
+        for n in s_shape:
+            numel *= n
+        if numel * elem != shard.nbytes:
+            raise CorruptCheckpointError(f"{self.reader.dir}: shard of {key!r} at {list(s_off)} "
+                                         f"holds {shard.nbytes} bytes, expected {numel * elem}")
+        if s_off == box_offset and s_shape == tuple(target.shape):  # the same box: read in place
+            if numel:
+                self.reads.append(_Read(shard.file, shard.offset, shard.nbytes,
+                                        _bytes_of(target), shard.checksums, key))
+            return numel
+        if (target.dim() and s_shape[1:] == tuple(target.shape[1:]) and
+                s_off[1:] == box_offset[1:] and lo[0] == s_off[0] and
+                hi[0] == s_off[0] + s_shape[0]):
+            # The whole shard is a run of full rows of the target: read it straight into them.
+            row = shard.nbytes // s_shape[0] if s_shape[0] else 0
+            start = (s_off[0] - box_offset[0]) * row
+            flat = _bytes_of(target)
+            self.reads.append(_Read(shard.file, shard.offset, shard.nbytes,
+                                    flat[start:start + shard.nbytes], shard.checksums, key))
+            return numel
+        # Rows [r0, r1) of the shard along dim 0 are one contiguous byte range: read only those,
+        # widened to whole checksum pieces so that what is read is verified.
+        row = shard.nbytes // s_shape[0] if s_shape[0] else 0
+        r0, r1 = lo[0] - s_off[0], hi[0] - s_off[0]
+        first, last, pieces, pos = None, None, [], 0
+        for length, crc in shard.checksums:
+            if pos + length > r0 * row and pos < r1 * row:
+                first = pos if first is None else first
+                last = pos + length
+                pieces.append([length, crc])
+            pos += length
+        # A piece may start inside an element (the format bounds pieces in bytes only): the
+        # buffer starts ``lead`` bytes early, so that the rows land at an offset that is a
+        # multiple of the element size and can be viewed as elements.
+        lead = first % elem
+        buf = torch.empty(lead + last - first, dtype=torch.uint8)
+        self.reads.append(_Read(shard.file, shard.offset + first, last - first, buf[lead:],
+                                pieces, key))
+        start = lead + r0 * row - first
+        rows = buf[start:start + (r1 - r0) * row].view(target.dtype)
+        rows = rows.reshape((r1 - r0,) + s_shape[1:])
+        src, dst = rows, target
+        for dim in range(target.dim()):
+            if dim:
+                src = src.narrow(dim, lo[dim] - s_off[dim], hi[dim] - lo[dim])
+            dst = dst.narrow(dim, lo[dim] - box_offset[dim], hi[dim] - lo[dim])
+        self.post_copies.insert(0, lambda d=dst, s=src: d.copy_(s))
+        count = 1
+        for l, h in zip(lo, hi):
+            count *= h - l
+        return count

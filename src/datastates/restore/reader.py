@@ -1,0 +1,284 @@
+"""Restore: parallel, coalesced reads straight into the live tensors (or into new ones).
+
+``Reader`` plans every read first (matching the checkpoint tree against the live state through
+the providers: matching.py), validates everything — a strict mismatch, a live tensor torch cannot
+write into, or a provider state its provider refuses raises before one byte of live state is
+touched — then reads with a thread pool, verifies checksums and lets providers apply the result.
+Each restore logs one INFO record on the ``datastates`` logger: the checkpoint, the bytes read,
+the seconds taken and the rate.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable
+
+import torch
+
+from ..format import codec as fmt
+from ..format import files
+from ..format import serialization
+from ..format.codec import ShardHeader
+from .matching import RestoreReport, _Plan, _Read  # RestoreReport: public here too
+from ..format.records import Manifest, ObjectEntry
+from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ReshardError
+from .ranks import RANK_POLICIES, per_rank_keys
+from ..providers import ProviderRegistry
+from ..commit.catalog import human_bytes
+from .reads import coalesce, group_limit, read_run
+from ..storage import ReadFile, Store, open_store
+
+log = logging.getLogger("datastates")
+
+
+class _Files:
+    """The shard files of a checkpoint: their sizes checked against the manifest at once, each
+    opened on demand with its header validated against the manifest once."""
+
+    def __init__(self, ckpt_dir: str, manifest: Manifest, store: Store):
+        self.dir, self.manifest, self.store = ckpt_dir, manifest, store
+        #: where the shard files are: the checkpoint directory, or its data directory
+        self.data = store.join(ckpt_dir, manifest.data_dir) if manifest.data_dir else ckpt_dir
+        self._opened: dict[int, ReadFile] = {}
+        self._checked: dict[int, tuple[ReadFile, ShardHeader]] = {}
+        self._lock = threading.Lock()
+        try:
+            for file_id in range(len(manifest.files)):
+                self._check_size(file_id)
+        except BaseException:
+            self.close()
+            raise
+
+    def path(self, file_id: int) -> str:
+        return self.store.join(self.data, self.manifest.files[file_id].name)
+
+    def _check_size(self, file_id: int) -> None:
+        """Before anything is allocated from the manifest's sizes: the file is there and has the
+        size the manifest records (which bounds every region in it). The file stays open."""
+        path = self.path(file_id)
+        try:
+            f = self.store.open_read(path)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{path}: shard file listed in the manifest is "
+                                          "missing") from None
+        except OSError as exc:
+            raise CorruptCheckpointError(f"{path}: cannot open the shard file ({exc})") from None
+        self._opened[file_id] = f
+        if f.size != self.manifest.files[file_id].nbytes:
+            raise CorruptCheckpointError(f"{path}: {f.size} bytes, the manifest records "
+                                         f"{self.manifest.files[file_id].nbytes} (truncated or "
+                                         "replaced?)")
+
+    def open(self, file_id: int) -> tuple[ReadFile, int]:
+        """(file, index offset) of a validated file."""
+        f, header = self.open_with_header(file_id)
+        return f, header.index_offset
+
+    def open_with_header(self, file_id: int) -> tuple[ReadFile, ShardHeader]:
+        """(file, header) of a file whose header agrees with the manifest: same index CRC, index
+        4096-aligned and last in the file, every region the manifest names before the index."""
+        with self._lock:
+            if file_id not in self._checked:
+                f = self._opened[file_id]
+                self._checked[file_id] = (f, self._check_header(f, file_id, self.path(file_id)))
+            return self._checked[file_id]
+
+    def _check_header(self, f: ReadFile, file_id: int, path: str) -> ShardHeader:
+        ref = self.manifest.files[file_id]
+        size = f.size
+        header = fmt.read_header(f, path, size)
+        if header.index_crc32 != ref.index_crc32:
+            raise CorruptCheckpointError(f"{path}: index checksum {header.index_crc32} differs "
+                                         f"from the manifest's {ref.index_crc32} (file replaced?)")
+        if header.index_offset % fmt.UNIT_ALIGN or \
+                header.index_offset + header.index_length != size or size != ref.nbytes:
+            raise CorruptCheckpointError(
+                f"{path}: index at [{header.index_offset}, "
+                f"{header.index_offset + header.index_length}) is not the 4096-aligned end of "
+                f"the file of {size} bytes (the manifest records {ref.nbytes})")
+        for offset, nbytes, key in self.manifest.regions(file_id):
+            if offset + nbytes > header.index_offset:
+                raise CorruptCheckpointError(f"{path}: {key!r} at [{offset}, {offset + nbytes}) "
+                                             f"extends past the data ending at "
+                                             f"{header.index_offset}")
+        return header
+
+    def close(self) -> None:
+        with self._lock:
+            for f in self._opened.values():
+                f.close()
+            self._opened.clear()
+            self._checked.clear()
+
+
+def check_rank_policy(rank_policy) -> None:
+    """Raise ConfigError unless ``rank_policy`` is one of RANK_POLICIES."""
+    if not isinstance(rank_policy, str) or rank_policy not in RANK_POLICIES:
+        raise ConfigError(f"rank_policy must be one of {', '.join(map(repr, RANK_POLICIES))}; "
+                          f"found {rank_policy!r}")
+
+
+class Reader:
+    """Reads one committed checkpoint. Use as a context manager (it owns file descriptors).
+    ``manifest``: its validated manifest when the caller already holds it (else it is read)."""
+
+    def __init__(self, ckpt_dir: str, *, registry: ProviderRegistry, rank: int = 0,
+                 world_size: int = 1, threads: int = 4, verify: bool = True,
+                 trusted: bool = False, safe_globals: Iterable[Any] = (),
+                 map_location: Any = None, rank_policy: str = "strict",
+                 store: Store | None = None, manifest: Manifest | None = None):
+        check_rank_policy(rank_policy)
+        self.dir = ckpt_dir
+        self.store = store or open_store(ckpt_dir)
+        self.manifest = manifest if manifest is not None else files.read_manifest(ckpt_dir,
+                                                                               self.store)
+        self.registry, self.verify, self.threads = registry, verify, threads
+        self.trusted, self.safe_globals = trusted, list(safe_globals)
+        self.map_location = map_location
+        self.rank, self.world_size = rank, world_size
+        self.rank_policy = rank_policy
+        self.files = _Files(ckpt_dir, self.manifest, self.store)
+        self.entries = self.manifest.entries
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.files.close()
+
+    # ------------------------------------------------------------ tree selection
+    def _tree_for(self, keys=None) -> dict:
+        """The saved tree this rank restores. At another world size, state that differs between
+        the saved ranks (values, objects, per-rank tensors) among the requested ``keys`` cannot be
+        mapped silently: ReshardError unless ``rank_policy`` says how (see RANK_POLICIES)."""
+        saved, rank = self.manifest.world_size, self.rank
+        trees = {r.rank: r.tree for r in self.manifest.ranks}
+        if saved == self.world_size:
+            return trees[rank]
+        if self.rank_policy == "rank0":
+            return trees[0]
+        if self.rank_policy == "strict" and saved > 1:
+            wanted = None if keys is None else [k.strip("/") for k in
+                                                ([keys] if isinstance(keys, str) else keys)]
+            per_rank = per_rank_keys([trees[r] for r in sorted(trees)], self.entries, wanted)
+            if per_rank:
+                shown = ", ".join(per_rank[:10]) + (f" ... ({len(per_rank)} keys in all)"
+                                                    if len(per_rank) > 10 else "")
+                raise ReshardError(
+                    f"{self.dir}: saved by {saved} ranks, loading on {self.world_size} (this is "
+                    f"rank {rank}); per-rank state differs between the saved ranks and cannot be "
+                    f"remapped ({shown}). Pass rank_policy='rank0' to give every rank rank 0's "
+                    "per-rank state, 'same' to map rank r to saved rank r where it exists, or "
+                    "keys=[...] to restore only global state")
+        return trees[rank if rank < saved else 0]
+
+    # ------------------------------------------------------------ public operations
+    def restore_into(self, state: Any, *, keys=None, strict: bool = True) -> RestoreReport:
+        """Plan (every check of the matcher and the providers; nothing live changes), then read
+        into the live tensors, then set plain values into the live dicts and lists (filled in
+        place: the caller's containers stay the same objects), then let providers apply their
+        state. Logs one INFO record when done."""
+        start = time.perf_counter()
+        plan = _Plan(self, keys, strict, in_place=True)
+        plan.match(state, self._tree_for(keys), (), None)
+        plan.check()
+        self._execute(plan)
+        for container, key, loaded in plan.writebacks:
+            container[key] = plan.resolve(loaded)
+        for load, live, loaded in plan.finalizers:
+            load(live, plan.resolve(loaded))
+        plan.report.nbytes = plan.nbytes()
+        self._log_restore(plan.report, time.perf_counter() - start)
+        return plan.report
+
+    def _log_restore(self, report: RestoreReport, seconds: float) -> None:
+        rate = report.nbytes / seconds / 1e9 if seconds > 0 else 0.0
+        step = "" if report.step is None else f" (step {report.step})"
+        log.info("restored %s%s from %s on rank %d: %s in %.3f s, %.2f GB/s, %d keys",
+                 report.name, step, self.dir, self.rank, human_bytes(report.nbytes), seconds,
+                 rate, len(report.restored))
+
+    def load(self, *, keys=None) -> Any:
+        plan = _Plan(self, keys, strict=False, in_place=False)
+        value = plan.match(None, self._tree_for(keys), (), None)
+        self._execute(plan)
+        value = plan.resolve(value)
+        if self.map_location is not None:
+            value = _move(value, self.map_location)
+        return value
+
+    def verify_all(self, progress=None) -> int:
+        """Re-read every byte of every shard file and return the bytes checked (see
+        ``verify.verify_checkpoint``: headers, indexes against the manifest, every region's
+        checksums, zero padding; ``progress(nbytes)`` is called as bytes are checked). Nothing
+        is unpickled; memory is bounded."""
+        from .verify import verify_checkpoint
+        return verify_checkpoint(self, progress)
+
+    # ------------------------------------------------------------ reading
+    def read_object(self, entry: ObjectEntry) -> Any:
+        f, _ = self.files.open(entry.file)  # validates that the region lies before the index
+        path = self.files.path(entry.file)
+        buf = bytearray(entry.nbytes)
+        f.read_into([memoryview(buf)], entry.offset)
+        if self.verify and fmt.crc32(buf) != entry.crc32:
+            raise CorruptCheckpointError(f"{path}: checksum mismatch for object {entry.key!r} "
+                                         f"at offset {entry.offset}")
+        return serialization.loads(buf, entry.key, trusted=self.trusted,
+                                   safe_globals=self.safe_globals)
+
+    def _execute(self, plan: "_Plan") -> None:
+        """First the tensors of providers that validate values: read, copied, validated (a
+        refusal raises CorruptCheckpointError before any other read); then every other read."""
+        for provider, loaded, key, reads, copies in plan.early:
+            self._run(reads, copies)
+            provider.validate_values(plan.resolve(loaded), key)
+        self._run(plan.reads, plan.post_copies)
+
+    def _run(self, reads: list[_Read], post_copies: list) -> None:
+        """Read every region, verifying each step of bytes right after it lands (while it is
+        still in the CPU cache), with ``threads`` runs in flight; then run the copies that
+        finish non-contiguous or non-CPU destinations."""
+        groups = coalesce(reads, group_limit(reads, self.threads))
+        for file_id in sorted({g[0].file for g in groups}):
+            self.files.open(file_id)[0].advise_sequential()
+        if len(groups) <= 1 or self.threads == 1:
+            for g in groups:
+                self._read_group(g)
+        else:
+            with ThreadPoolExecutor(min(self.threads, len(groups)),
+                                    thread_name_prefix="datastates-reader") as pool:
+                futures = [pool.submit(self._read_group, g) for g in groups]
+                try:
+                    for f in futures:
+                        f.result()
+                except BaseException:
+                    for f in futures:  # runs not started never start: a failing store is not
+                        f.cancel()     # asked again for each of them
+                    raise
+        for fix in post_copies:
+            fix()
+
+    def _read_group(self, group: list[_Read]) -> None:
+        """Read one coalesced run of one file (see ``reads.read_run``). Runs on a reader
+        thread; raises CorruptCheckpointError."""
+        f, index_offset = self.files.open(group[0].file)
+        path = self.files.path(group[0].file)
+        end = group[-1].offset + group[-1].nbytes
+        if end > index_offset:
+            raise CorruptCheckpointError(f"{path}: {group[-1].key!r} at [{group[-1].offset}, "
+                                         f"{end}) extends past the data ending at {index_offset}")
+        read_run(f, group, path, self.verify)
+
+
+def _move(value: Any, device: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (dict, OrderedDict)):
+        return type(value)((k, _move(v, device)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_move(v, device) for v in value)
+    return value

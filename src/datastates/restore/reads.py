@@ -1,0 +1,139 @@
+"""The read path of a restore: coalesced runs of a shard file, read in steps straight into the
+destination tensors, every byte checksummed right after it lands.
+
+A *region* is anything with ``file``, ``offset``, ``nbytes``, ``dest`` (a flat uint8 CPU tensor
+receiving the bytes), ``checksums`` (``[[length, crc32], ...]`` covering the region in order) and
+``key`` (matching.py's ``_Read``). Regions of one file that lie close together are coalesced into
+runs; each run is read by one thread, front to back, in steps of at most ``ReadFile.step_bytes``
+bytes (1 MiB from a local file, 8 MiB per ranged GET), each step one vectored read
+(``ReadFile.read_into``: a ``preadv``, or a ranged GET) into the destinations (gaps go to scratch
+memory). A step's bytes are checksummed at once (a 1 MiB step is still in the CPU cache: measured
+here, 1 MiB steps restore 20% faster from the page cache than 8 MiB ones, and no slower cold), the
+CRC chained across steps, so verification costs one pass over cached memory and no second trip to
+RAM. Several runs are read at once by the caller's threads, which keeps several requests in flight
+on the disk (and the kernel's read-ahead runs ahead of each).
+"""
+from __future__ import annotations
+
+
+from ..format import codec as fmt
+from ..errors import CorruptCheckpointError
+from ..storage.posix import buffer_of
+
+COALESCE_GAP = 256 << 10  # regions at most this far apart are read as one run
+MAX_RUN = 64 << 20        # largest run
+MIN_RUN = 8 << 20         # smallest limit on a run (group_limit)
+MAX_IOV = 512             # buffers per preadv (the kernel's limit is 1024)
+
+
+def read_run(f, group: list, path: str, verify: bool) -> None:
+    """Read one run (regions of one file, sorted, from :func:`coalesce`) into the regions'
+    destinations, step by step; with ``verify``, check every region's checksums as its bytes land.
+    Raises CorruptCheckpointError on a short file, a mismatch, or pieces not covering a region
+    (naming the path, key and offsets)."""
+    checks = [Checker(r, path) for r in group] if verify else None
+    for step_offset, segments in steps(group, f.step_bytes):
+        f.read_into([view for _, view in segments], step_offset)
+        if checks is not None:
+            for index, view in segments:
+                if index >= 0:
+                    checks[index].feed(view)
+    if checks is not None:
+        for check in checks:
+            check.finish()
+
+
+def group_limit(reads: list, threads: int) -> int:
+    """Largest coalesced run: 64 MiB, smaller when the work is small, so every reader thread gets
+    runs of its own (read-ahead sized to the work), at least 8 MiB."""
+    total = sum(r.nbytes for r in reads)
+    return max(MIN_RUN, min(MAX_RUN, total // max(1, 2 * threads)))
+
+
+def steps(group: list, step: int):
+    """Split a run into steps: (file offset, [(region index in the run or -1 for a gap, view)])
+    covering at most ``step`` bytes and ``MAX_IOV`` buffers each, in file order."""
+    start, segments, size = group[0].offset, [], 0
+    pos = start
+    for index, r in enumerate(group):
+        pieces = [(-1, memoryview(bytearray(r.offset - pos)))] if r.offset > pos else []
+        view, done = buffer_of(r.dest), 0
+        while done < r.nbytes:
+            take = min(r.nbytes - done, step)
+            pieces.append((index, view[done:done + take]))
+            done += take
+        for segment in pieces:
+            while segment[1].nbytes:
+                take = min(segment[1].nbytes, step - size)
+                segments.append((segment[0], segment[1][:take]))
+                segment, size = (segment[0], segment[1][take:]), size + take
+                if size >= step or len(segments) >= MAX_IOV:
+                    yield start, segments
+                    start, segments, size = start + size, [], 0
+        pos = r.offset + r.nbytes
+    if segments:
+        yield start, segments
+
+
+class Checker:
+    """Streams the bytes of one region, in order, through its checksum pieces."""
+
+    def __init__(self, read, path: str):
+        self.read, self.path = read, path
+        self.pieces = read.checksums
+        self.index = self.done = self.value = self.pos = 0
+        for piece in self.pieces:
+            if (not isinstance(piece, (list, tuple)) or len(piece) != 2 or
+                    not all(isinstance(x, int) and x >= 0 for x in piece)):
+                raise CorruptCheckpointError(f"{path}: invalid checksum piece {piece!r} for "
+                                             f"{read.key!r} (expected [length, crc32])")
+
+    def feed(self, view: memoryview) -> None:
+        while view.nbytes:
+            self._skip_empty()
+            if self.index >= len(self.pieces):
+                raise self._uncovered()
+            length, crc = self.pieces[self.index]
+            take = min(length - self.done, view.nbytes)
+            self.value = fmt.crc32(view[:take], self.value)
+            self.done, self.pos, view = self.done + take, self.pos + take, view[take:]
+            if self.done == length:
+                self._close_piece(length, crc)
+
+    def finish(self) -> None:
+        self._skip_empty()
+        if self.index != len(self.pieces) or self.pos != self.read.nbytes:
+            raise self._uncovered()
+
+    def _skip_empty(self) -> None:
+        while self.index < len(self.pieces) and self.pieces[self.index][0] == 0:
+            self._close_piece(0, self.pieces[self.index][1])
+
+    def _close_piece(self, length: int, crc: int) -> None:
+        if self.value != crc:
+            r, start = self.read, self.pos - length
+            raise CorruptCheckpointError(
+                f"{self.path}: checksum mismatch for {r.key!r} in bytes [{start}, {self.pos}) of "
+                f"the tensor (file offset {r.offset + start})")
+        self.index, self.done, self.value = self.index + 1, 0, 0
+
+    def _uncovered(self) -> CorruptCheckpointError:
+        covered = sum(length for length, _ in self.pieces)
+        return CorruptCheckpointError(f"{self.path}: checksums of {self.read.key!r} cover "
+                                      f"{covered} of {self.read.nbytes} bytes")
+
+
+def coalesce(reads: list, max_read: int = MAX_RUN) -> list[list]:
+    """Group the regions of one file that lie close together into runs (sorted by file and
+    offset; empty regions are dropped; a run spans at most ``max_read`` bytes)."""
+    groups: list[list] = []
+    for r in sorted(reads, key=lambda r: (r.file, r.offset)):
+        if r.nbytes == 0:
+            continue
+        last = groups[-1][-1] if groups else None
+        if (last is not None and last.file == r.file and 0 <= r.offset - (last.offset + last.nbytes)
+                <= COALESCE_GAP and r.offset + r.nbytes - groups[-1][0].offset <= max_read):
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return groups

@@ -1,0 +1,1 @@
+"""The save stage: planning the layout, capturing tensors into the host cache, writing shard files, the pipeline's threads."""

@@ -1,0 +1,172 @@
+"""Which tensors of a save may be captured lazily: the storage rule.
+
+A lazy tensor is copied into the host cache in the background after ``save()`` returned, so it
+must not change before a point the library guards. The only such point the library can prove is
+the ``step()`` of a guarded optimizer. Hence the rule, decided per tensor by the bytes it
+occupies (not by its type, its key or the object that reached it):
+
+- a tensor is lazy when its bytes lie inside the parameters or the state tensors of an optimizer
+  that is part of this save (found in the saved state, or passed with ``save(optimizers=...)``;
+  either way it is guarded) — whether it is reached as a module parameter, through a
+  ``state_dict()``, an optimizer state dict or a view of a flat buffer;
+- unless those bytes also belong to an optimizer this Checkpointer guards that is *not* part of
+  this save (its step is another writer of the same bytes);
+- a tensor the caller marked with :func:`datastates.lazy` is lazy, one marked with
+  :func:`datastates.eager` is eager;
+- everything else is eager: buffers, EMA copies, modules no optimizer of the save updates,
+  hyper-parameter tensors (a tensor ``lr``), tensors reached only through an earlier save's guard.
+
+The rule assumes that every optimizer stepping those parameters is part of the save or was passed
+to ``guard()`` (an optimizer nobody told the library about cannot be seen), and that nothing else
+writes them in place between ``save()`` and the next step (weight clipping or
+``nn.Embedding(max_norm=...)`` on optimized parameters need ``datastates.eager(...)``).
+Wrapper optimizers (accelerate, DeepSpeed, Lightning) are unwrapped through ``.optimizer`` to the
+torch optimizer whose ``step()`` runs: its step pre-hook is the guard.
+"""
+from __future__ import annotations
+
+import bisect
+import sys
+from collections import OrderedDict
+from typing import Any, Iterable
+
+import torch
+
+from ..providers.base import AUTO, LAZY, lazy
+
+_UNWRAP_DEPTH = 8
+
+
+def torch_optimizer(opt: Any) -> torch.optim.Optimizer | None:
+    """The innermost torch optimizer of ``opt`` (itself, or a wrapper's ``.optimizer`` chain):
+    the one whose ``step()`` writes the parameters and can carry a step pre-hook. None if there
+    is none (a wrapper around something else, or an Optimizer subclass that never ran
+    ``Optimizer.__init__`` and has no ``.optimizer``)."""
+    for _ in range(_UNWRAP_DEPTH):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or inner is opt:
+            break
+        opt = inner
+    if isinstance(opt, torch.optim.Optimizer) and "_optimizer_step_pre_hooks" in vars(opt):
+        return opt
+    return None
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters and state tensors of a torch optimizer (never its hyper-parameters)."""
+    out = [p for group in opt.param_groups for p in group["params"]]
+    for state in opt.state.values():
+        out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is not None and isinstance(t, module.DTensor):
+        return t.to_local()
+    return t
+
+
+def byte_range(t: torch.Tensor) -> tuple[tuple, int, int] | None:
+    """(storage key, first byte, end byte) of the memory ``t`` reads; None for a tensor with no
+    bytes or no real address (empty, meta). The storage key is (device type, device index,
+    address of the storage's first byte)."""
+    t = _local(t)
+    if t.is_meta or t.numel() == 0:
+        return None
+    start = t.data_ptr()
+    if start == 0:
+        return None
+    size = t.element_size()
+    span = 1 + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
+    device = t.device
+    # the storage's first byte, without materialising a storage object per call
+    return (device.type, device.index, start - t.storage_offset() * size), start, \
+        start + span * size
+
+
+class ByteRanges:
+    """A union of byte ranges, per storage: "is this tensor inside / touching it?"."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor] = ()):
+        spans: dict[tuple, list[tuple[int, int]]] = {}
+        for t in tensors:
+            found = byte_range(t)
+            if found is not None:
+                spans.setdefault(found[0], []).append(found[1:])
+        self._starts: dict[tuple, list[int]] = {}
+        self._ends: dict[tuple, list[int]] = {}
+        for key, ranges in spans.items():
+            starts, ends = self._starts.setdefault(key, []), self._ends.setdefault(key, [])
+            for start, end in sorted(ranges):
+                if ends and start <= ends[-1]:
+                    ends[-1] = max(ends[-1], end)
+                else:
+                    starts.append(start)
+                    ends.append(end)
+
+    def __bool__(self) -> bool:
+        return bool(self._starts)
+
+    def covers(self, t: torch.Tensor, found: "tuple | None" = None) -> bool:
+        """Every byte ``t`` reads lies inside the union (``found``: its ``byte_range``, if
+        already known)."""
+        found = found if found is not None else byte_range(t)
+        if found is None or found[0] not in self._starts:
+            return False
+        key, start, end = found
+        i = bisect.bisect_right(self._starts[key], start) - 1
+        return i >= 0 and self._ends[key][i] >= end
+
+    def touches(self, t: torch.Tensor, found: "tuple | None" = None) -> bool:
+        """Some byte ``t`` reads lies inside the union (``found`` as for ``covers``)."""
+        found = found if found is not None else byte_range(t)
+        if found is None or found[0] not in self._starts:
+            return False
+        key, start, end = found
+        i = bisect.bisect_left(self._ends[key], start + 1)  # first range ending after start
+        return i < len(self._starts[key]) and self._starts[key][i] < end
+
+
+class LazyRule:
+    """The rule for one save: ``in_save`` are the torch optimizers part of the save, ``others``
+    the ones guarded but not part of it."""
+
+    def __init__(self, in_save: Iterable[torch.optim.Optimizer] = (),
+                 others: Iterable[torch.optim.Optimizer] = ()):
+        self._safe = ByteRanges(t for opt in in_save for t in optimizer_tensors(opt))
+        self._unsafe = ByteRanges(t for opt in others for t in optimizer_tensors(opt))
+
+    def allows(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (policy ``auto``) may be captured lazily."""
+        found = byte_range(t)
+        return found is not None and self._safe.covers(t, found) and \
+            not (self._unsafe and self._unsafe.touches(t, found))
+
+
+def decide(items: Iterable[Any], rule: LazyRule) -> None:
+    """Set ``item.lazy`` of every tensor item from its policy (``lazy``/``eager`` as marked,
+    ``auto`` by ``rule``)."""
+    for item in items:
+        policy = getattr(item, "policy", None)
+        if policy is None:
+            continue  # not a tensor item
+        item.lazy = policy == LAZY or (policy == AUTO and rule.allows(item.tensor))
+
+
+def mark_lazy(state: Any, tensors: Iterable[torch.Tensor]) -> Any:
+    """``state`` (plain dicts/lists/tuples) with every tensor lying inside the bytes of
+    ``tensors`` wrapped in :func:`datastates.lazy`; other tensors are left to the rule. For
+    callers that know another guarded writer of those bytes (a framework's optimizer wrapper that
+    writes low-precision parameter copies inside its step, after the guarded inner step)."""
+    ranges = ByteRanges(tensors)
+
+    def walk(obj):
+        if isinstance(obj, torch.Tensor):
+            return lazy(obj) if ranges.covers(obj) else obj
+        if type(obj) in (dict, OrderedDict):
+            return type(obj)((k, walk(v)) for k, v in obj.items())
+        if type(obj) in (list, tuple):
+            return type(obj)(walk(v) for v in obj)
+        return obj
+    return walk(state)

@@ -1,0 +1,415 @@
+"""One save of one rank: its record, the handle ``save()`` returns, and its outcome.
+
+A :class:`Job` is everything the pipeline threads (engine.py) share about one save: what to write
+and where, the events that say how far it got, the checksums of what was written and the first
+failure. A :class:`SaveHandle` is the caller's view of that job. At the end of a save the job also
+yields this rank's part of the checkpoint: the shard file's index and header, and the report the
+rank brings to the commit round (:func:`finish_file`). None of this needs the threads, so it lives
+apart from them: engine.py imports this module, never the other way round.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..commit import review as commit_mod
+from ..format import codec as fmt
+from ..commit.catalog import human_bytes
+from ..commit.rounds import SaveId
+from ..errors import CheckpointWriteError, CommitTimeoutError, DatastatesError
+from ..providers.tree import Flattened, TensorItem
+from .planning import Layout
+from ..storage.posix import ShardWriter, fsync_dir
+from ..storage.store import LOCAL, Store
+
+log = logging.getLogger("datastates")
+
+
+@dataclass
+class SaveStats:
+    """Timings of one save, in seconds from the moment ``save()`` was entered, and what this
+    rank wrote."""
+
+    blocked_s: float = 0.0   #: how long save() blocked the caller
+    snapshot_s: float = 0.0  #: until the state was captured in host memory
+    commit_s: float = 0.0    #: until the checkpoint was durable and committed
+    step_wait_s: float = 0.0  #: time guarded optimizer steps waited for this snapshot
+    #: tensor and object bytes this rank writes: a tensor declared replicated counts on the one
+    #: rank that writes it, a shard that another rank writes (``primary=False``) on that rank,
+    #: so the ranks' ``nbytes`` add up to the checkpoint's tensor and object bytes
+    nbytes: int = 0
+    #: files this rank wrote into the committed checkpoint: its shard file, and on rank 0 the
+    #: manifest too (the ranks' ``files`` add up to the files of the checkpoint); 0 until the
+    #: save is committed
+    files: int = 0
+    #: size of this rank's shard file (header, tensors, objects, alignment padding, index): the
+    #: ranks' ``file_nbytes`` add up to ``CheckpointInfo.nbytes``; 0 until the file is written
+    file_nbytes: int = 0
+    #: tensor bytes of this rank captured lazily (after save() returned); the other tensor
+    #: bytes were copied into the host cache inside save()
+    lazy_nbytes: int = 0
+
+
+class Job:
+    """One save of one rank, shared by the pipeline threads."""
+
+    def __init__(self, *, sid: SaveId, name: str, step: int | None, root: str, tmp: str,
+                 rank: int, flat: Flattened, layout: Layout, write_tensors: list[int],
+                 objects: list[int], metadata: dict, overwrite: bool, ready, t0: float,
+                 on_commit: Callable[["Job"], None], deadline: float, eager_units: int = 0,
+                 eager_items: int = 0, store: Store = LOCAL,
+                 catalog: "commit_mod.Catalog | None" = None, digest_replicas: bool = False):
+        self.sid, self.name, self.step, self.root, self.tmp = sid, name, step, root, tmp
+        #: Where the checkpoint is written (local directory or object store).
+        self.store = store
+        #: Rank 0: the writer's catalog of ``root`` (commit numbering reads only what changed).
+        self.catalog = catalog
+        #: Rank 0, once published: the committed checkpoints of ``root`` right after this commit
+        #: (what retention counts; None: retention lists ``root`` itself).
+        self.committed: list[commit_mod.CheckpointInfo] | None = None
+        #: time.monotonic() by which this save must be decided (save() + commit_timeout_s).
+        self.deadline = deadline
+        #: Digest of every declared-replicated tensor (key → text), compared across ranks.
+        self.replicas: dict[str, str] = {}
+        #: Whether this rank digests every declared-replicated tensor, the ones other ranks
+        #: write included (replica check on, more than one rank).
+        self.digest_replicas = digest_replicas
+        self.rank, self.flat, self.layout = rank, flat, layout
+        #: Flat item indices of the tensors this rank writes (layout order) and of the objects.
+        self.write_tensors, self.objects = write_tensors, objects
+        self.metadata, self.overwrite, self.ready, self.t0 = metadata, overwrite, ready, t0
+        #: Rank 0, commit thread, after the checkpoint became visible (latest, retention).
+        self.on_commit = on_commit
+        self.stats = SaveStats(nbytes=sum(flat.items[i].nbytes for i in write_tensors) +
+                               sum(flat.items[i].nbytes for i in objects))
+        #: The leading units of the layout that hold eager tensors; once they are in the cache
+        #: (or written), ``eager_captured`` is set and ``save()`` may return.
+        self.eager_units = eager_units
+        #: The first ``eager_items`` tensors of ``write_tensors`` are eager: once their last piece
+        #: is copied, ``save()`` may return (the rest of that unit holds lazy tensors).
+        self.eager_items = eager_items
+        self.eager_captured = threading.Event()
+        self.captured = threading.Event()
+        self.opened = threading.Event()
+        self.finished = threading.Event()
+        self.cancelled = threading.Event()
+        self.error: BaseException | None = None
+        self.info: commit_mod.CheckpointInfo | None = None
+        self.manifest: dict | None = None  # rank 0: built by the commit round's check
+        self.writer: ShardWriter | None = None
+        self.crcs: dict[tuple[int, int], int] = {}
+        self._lock = threading.Lock()
+        self._outstanding = 0
+        self._capture_over = False
+        #: Units written while the capture was running, whose checksums wait (holding their slot)
+        #: so that checksumming does not compete with the capture for the CPU.
+        self._deferred: list[tuple] = []
+        #: Threads blocked in ``SaveHandle.wait()`` (a failure they will raise is not logged).
+        self.waiters = 0
+        #: Set once every unit write of this save has returned (its slots are back).
+        self.all_written = threading.Event()
+        #: Set once every write returned or the save expired: what the commit thread waits for.
+        self.unblocked = threading.Event()
+        #: The deadline passed before the commit round began (see :meth:`expire`).
+        self.expired = False
+        #: The commit round began: from here on the round's own deadline applies (dist.py).
+        self.deciding = False
+
+    def reads_lazy(self) -> bool:
+        """Whether the capture reads a lazy tensor after ``save()`` returned: one this rank
+        writes, or a replicated one it only digests. Until every such read is done the
+        snapshot is not complete (``captured``), so the guarded step waits for it."""
+        items = self.flat.items
+        if any(items[i].lazy for i in self.write_tensors):
+            return True
+        return self.digest_replicas and any(isinstance(item, TensorItem) and item.lazy and
+                                            item.replicated for item in items)
+
+    def abandon(self, exc: BaseException) -> None:
+        """Finish a save the pipeline refused (``save()`` raises ``exc``): nothing was
+        captured or queued, and nothing may wait for it."""
+        self.fail(exc)
+        for item in self.flat.items:
+            if isinstance(item, TensorItem):
+                item.tensor = None
+        for event in (self.opened, self.eager_captured, self.captured, self.all_written,
+                      self.unblocked, self.finished):
+            event.set()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = exc
+        self.cancelled.set()
+
+    def unit_queued(self) -> None:
+        with self._lock:
+            self._outstanding += 1
+
+    def unit_done(self) -> None:
+        with self._lock:
+            self._outstanding -= 1
+            done = self._capture_over and self._outstanding == 0
+        if done:
+            self.mark_written()
+
+    def mark_written(self) -> None:
+        """Every write of this save has returned."""
+        self.all_written.set()
+        self.unblocked.set()
+
+    def expire(self) -> bool:
+        """The deadline passed (deadline thread): fail this save with CommitTimeoutError (unless
+        it already failed), cancel its remaining capture and writes, and tell its shard writer
+        to send nothing more. Does nothing once the commit round began (the round keeps its own
+        deadline) or the save finished. Returns whether it expired."""
+        with self._lock:
+            if self.deciding or self.expired or self.finished.is_set():
+                return False
+            self.expired = True
+            if self.error is None:
+                elapsed = time.perf_counter() - self.t0
+                self.error = CommitTimeoutError(
+                    f"checkpoint {self.name!r} was not committed: rank {self.rank} had not "
+                    f"written it when its commit_timeout_s ran out, {elapsed:.1f} s after "
+                    f"save() ({self._outstanding} unit write(s) of its shard file pending); "
+                    "nothing was committed",
+                    {self.rank: f"writing not finished {elapsed:.1f} s after save()"})
+        self.cancelled.set()
+        cancel = getattr(self.writer, "cancel", None)
+        if cancel is not None:
+            cancel()
+        self.unblocked.set()
+        return True
+
+    def begin_decision(self) -> None:
+        """The commit thread enters the commit round: :meth:`expire` no longer applies."""
+        with self._lock:
+            self.deciding = True
+
+    def capture_over(self) -> None:
+        self.stats.snapshot_s = time.perf_counter() - self.t0
+        for item in self.flat.items:  # hold no reference to live state after the snapshot
+            if isinstance(item, TensorItem):
+                item.tensor = None
+        with self._lock:
+            self._capture_over = True
+            done = self._outstanding == 0
+        self.eager_captured.set()
+        self.captured.set()
+        if done:
+            self.mark_written()
+
+    def defer(self, unit, slot: int) -> bool:
+        """Keep a written unit's checksums for later if the capture is still running."""
+        with self._lock:
+            if self._capture_over:
+                return False
+            self._deferred.append((unit, slot))
+            return True
+
+    def take_deferred(self) -> list[tuple]:
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+        return deferred
+
+    def finish(self) -> None:
+        self.stats.commit_s = time.perf_counter() - self.t0
+        if self.error is None:  # committed: rank 0 wrote the manifest as well
+            self.stats.files = 2 if self.rank == 0 else 1
+        with self._lock:
+            waited = self.waiters > 0
+        _log_outcome(self, waited)
+        self.finished.set()
+
+
+def _log_outcome(job: "Job", waited: bool) -> None:
+    """One INFO line per committed save; a WARNING, when it happens, for a failure that no
+    ``wait()`` is blocked on (it is also raised by the handle and warned about if never seen)."""
+    s = job.stats
+    if job.error is None:
+        rate = s.nbytes / s.commit_s / 1e9 if s.commit_s > 0 else 0.0
+        log.info("committed %s (rank %d): %s, blocked %.1f ms, snapshot %.3f s, commit %.3f s, "
+                 "%.2f GB/s", job.name, job.rank, human_bytes(s.nbytes), s.blocked_s * 1e3,
+                 s.snapshot_s, s.commit_s, rate)
+    elif not waited:
+        log.warning("checkpoint %s failed on rank %d: %r", job.name, job.rank, job.error)
+
+
+def write_error(job: "Job", what: str, exc: BaseException) -> BaseException:
+    """A background failure as the error the handle raises: OS errors become
+    CheckpointWriteError with the same errno (``e.errno == errno.ENOSPC`` keeps working)."""
+    if isinstance(exc, DatastatesError) or not isinstance(exc, OSError):
+        return exc
+    error = CheckpointWriteError(exc.errno, f"rank {job.rank}: {what} failed: "
+                                            f"{exc.strerror or exc}")
+    if exc.filename is not None:
+        error.filename = exc.filename
+    error.__cause__ = exc
+    return error
+
+
+def replica_digests(items) -> dict[str, str]:
+    """``"<nbytes>:<crc32>"`` of every declared-replicated tensor among ``items``, read from the
+    live tensor: the caller digests eager items before ``save()`` returns and lazy ones before the
+    snapshot completes, so both still hold their values at ``save()``. Non-CPU tensors are
+    digested through bounded host copies."""
+    out = {}
+    for item in items:
+        if isinstance(item, TensorItem) and item.replicated and item.tensor is not None:
+            flat = item.tensor.detach().reshape(-1)
+            data = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+            crc, step = 0, 64 << 20
+            for start in range(0, data.numel(), step):
+                piece = data[start:start + step]
+                piece = piece if piece.device.type == "cpu" else piece.cpu()
+                crc = fmt.crc32(piece.contiguous().numpy(), crc)
+            out[item.key] = f"{data.numel()}:{crc:08x}"
+    return out
+
+
+class SaveHandle:
+    """The future of one ``save()``. Thread-safe; every method may be called any number of times.
+
+    ``wait()`` re-raises a background failure. A handle whose failure was never looked at warns
+    when it is garbage-collected, and the next ``save()`` warns too: errors are never lost.
+    """
+
+    def __init__(self, job: Job):
+        self._job = job
+        self._observed = False
+
+    @property
+    def name(self) -> str:
+        return self._job.name
+
+    @property
+    def step(self) -> int | None:
+        return self._job.step
+
+    @property
+    def stats(self) -> SaveStats:
+        return self._job.stats
+
+    @property
+    def save_id(self) -> str:
+        """The nonce of this save (the same on every rank; recorded in the manifest)."""
+        return self._job.sid.nonce
+
+    def snapshot_done(self) -> bool:
+        """True once the state is captured in host memory (or the save failed)."""
+        return self._job.captured.is_set()
+
+    def done(self) -> bool:
+        """True once the checkpoint is committed or has failed."""
+        return self._job.finished.is_set()
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Block until the state is captured; after that the live state may change freely."""
+        if not self._job.captured.wait(timeout):
+            raise TimeoutError(f"snapshot of {self.name!r} not complete after {timeout} s")
+        if self._job.error is not None and self._job.finished.is_set():
+            self._raise()
+
+    def wait(self, timeout: float | None = None) -> commit_mod.CheckpointInfo:
+        """Block until committed; return its info or raise its error."""
+        job = self._job
+        with job._lock:
+            job.waiters += 1
+        try:
+            done = job.finished.wait(timeout)
+        finally:
+            with job._lock:
+                job.waiters -= 1
+        if not done:
+            raise TimeoutError(f"checkpoint {self.name!r} not committed after {timeout} s")
+        if self._job.error is not None:
+            self._raise()
+        self._observed = True
+        return self._job.info
+
+    result = wait
+
+    def exception(self) -> BaseException | None:
+        """The failure of a finished save, or None (also None while still running)."""
+        if self._job.finished.is_set():
+            self._observed = True
+            return self._job.error
+        return None
+
+    def _raise(self):
+        self._observed = True
+        raise self._job.error
+
+    def _unobserved_error(self) -> BaseException | None:
+        if self._job.finished.is_set() and self._job.error is not None and not self._observed:
+            return self._job.error
+        return None
+
+    def __del__(self):
+        try:
+            err = self._unobserved_error()
+        except Exception:  # interpreter shutdown
+            return
+        if err is not None:
+            warnings.warn(f"datastates: checkpoint {self.name!r} failed and its handle was "
+                          f"dropped without wait(): {err!r}", RuntimeWarning, stacklevel=2)
+
+
+def finish_file(job: Job, fsync: bool) -> dict | None:
+    """Commit thread: write the object blobs (while tensor units are still in flight), then,
+    once every unit is written, the index and header, and make the file durable. Returns this
+    rank's report for the commit round, or None if the save failed."""
+    job.opened.wait()
+    items = job.flat.items
+    entries: list[dict | None] = [None] * len(items)
+    for i, offset in zip(job.objects, job.layout.blob_offsets):
+        if job.writer is None or job.error is not None:
+            break
+        data = items[i].data  # written while the tensor units are in flight
+        job.writer.write(memoryview(data), offset)
+        entries[i] = {"key": items[i].key, "kind": "object", "offset": offset,
+                      "nbytes": len(data), "crc32": fmt.crc32(data)}
+    job.unblocked.wait()  # every unit written, or the deadline passed
+    if job.error is not None:
+        return None
+    position = {flat_i: t_i for t_i, flat_i in enumerate(job.write_tensors)}
+    pieces = job.layout.pieces_by_item()
+    for i, item in enumerate(items):
+        if isinstance(item, TensorItem):
+            entries[i] = _tensor_entry(job, item, position.get(i), pieces)
+    index = fmt.encode_index(job.rank, [e for e in entries if e.get("written", True)])
+    job.writer.write(memoryview(index), job.layout.index_offset)
+    job.writer.write(memoryview(fmt.pack_header(job.layout.index_offset, index)), 0)
+    size = job.layout.index_offset + len(index)
+    job.writer.finish(fsync, size)
+    job.stats.file_nbytes = size
+    if fsync and job.store.renames:  # the file's entry in the temporary directory, on every rank
+        fsync_dir(job.tmp)
+    return {"rank": job.rank, "entries": entries, "tree": job.flat.tree,
+            "file": {"name": fmt.shard_file_name(job.rank), "nbytes": size,
+                     "index_crc32": fmt.crc32(index)}}
+
+
+def _tensor_entry(job: Job, item: TensorItem, t_i: int | None, pieces: dict) -> dict:
+    entry = {"key": item.key, "kind": "tensor", "dtype": fmt.dtype_name(item.dtype),
+             "shape": list(item.shape)}
+    if item.global_shape is not None:
+        entry["global_shape"] = list(item.global_shape)
+        entry["global_offset"] = list(item.global_offset)
+    if item.replicated:
+        entry["replicated"] = True
+    if t_i is None:
+        entry["written"] = False
+        return entry
+    entry.update(offset=job.layout.tensor_offsets[t_i], nbytes=item.nbytes,
+                 checksums=[[p.nbytes, job.crcs[(t_i, p.item_offset)]]
+                            for p in pieces.get(t_i, [])])
+    return entry
+

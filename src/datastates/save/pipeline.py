@@ -1,0 +1,528 @@
+"""The save pipeline: capture thread → writer threads → commit thread (the job: job.py).
+
+Threads (one set per Checkpointer, started once):
+- capture: for each job in order, copies units of tensors into host-cache slots (blocking on free
+  slots: backpressure): first the units holding eager tensors — ``save()`` waits for those
+  (``Job.eager_captured``) — then the lazy ones, then marks the snapshot complete;
+- writers: checksum each unit's pieces and write the unit at its file offset, release the slot;
+- commit: opens nothing on the training thread; writes the object blobs while tensor units are in
+  flight (metadata overlaps bulk I/O), then index + header + fsync, then runs the commit protocol;
+- deadline: fails every save still unwritten when its ``commit_timeout_s`` runs out
+  (``Job.expire``), so no wait of a save outlasts its deadline by more than one storage request
+  already in flight (bounded by the storage client's own timeouts).
+Any exception fails only its job: it reaches the handle, the process keeps running. Every thread
+loop catches what its work raises into the job's failure (a thread never dies), so every wait on a
+job's events ends, with the data or with an error.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import warnings
+from typing import Callable
+
+import torch
+
+from ..commit import review as commit_mod
+from ..format import codec as fmt
+from ..config import CheckpointConfig
+from ..commit.rounds import abort_decision
+from ..errors import CheckpointerClosedError, CommitError, CommitTimeoutError, StorageError
+from ..providers.tree import TensorItem
+from .job import Job, finish_file, replica_digests, write_error
+from .staging import DeviceCopier, HostCache
+
+
+class Pipeline:
+    """The background threads and the host cache; owned by one Checkpointer, possibly shared by
+    others (``Checkpointer(share=...)``) so that many directories reuse one host cache."""
+
+    def __init__(self, config: CheckpointConfig, comm):
+        self.config = config
+        self.comm = comm
+        self._closed = False
+        self._lock = threading.Lock()
+        #: Wakes the deadline thread (a job was submitted, or the pipeline stops).
+        self._wakeup = threading.Condition(self._lock)
+        self._stopping = False
+        #: Jobs submitted and not finished yet, in submission order (see ``drain``).
+        self._active: list[Job] = []
+        #: What the cleanup of failed saves could not do yet (commit thread): a description and
+        #: the call that does it (a temporary directory to remove, an upload to abort), retried
+        #: after every later save and at ``close``.
+        self._leftovers: list[tuple[str, Callable[[], None]]] = []
+        pin = torch.cuda.is_available()
+        self.cache = HostCache(config.host_cache_bytes, config.unit_bytes, pin)
+        self.copier = DeviceCopier()
+        self._capture_q: queue.Queue = queue.Queue()
+        self._write_q: queue.Queue = queue.Queue()
+        self._commit_q: queue.Queue = queue.Queue()
+        self._threads = [threading.Thread(target=self._capture_loop, name="datastates-capture",
+                                          daemon=True),
+                         threading.Thread(target=self._commit_loop, name="datastates-commit",
+                                          daemon=True),
+                         threading.Thread(target=self._deadline_loop, name="datastates-deadline",
+                                          daemon=True)]
+        self._threads += [threading.Thread(target=self._write_loop, name=f"datastates-writer-{i}",
+                                           daemon=True) for i in range(config.writer_threads)]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (training thread). Raises CheckpointerClosedError once ``close`` began."""
+        with self._lock:
+            if self._closed:
+                raise CheckpointerClosedError("the Checkpointer owning this pipeline was closed")
+            self._active.append(job)
+            self.cache.reserve(len(job.layout.units) * self.config.unit_bytes)
+            self._capture_q.put(job)
+            self._commit_q.put(job)
+            self._wakeup.notify()
+
+    def drain(self) -> None:
+        """Block until every job submitted so far (by any Checkpointer sharing this pipeline) is
+        committed or failed. Failures stay on the jobs' handles; nothing is raised here."""
+        with self._lock:
+            pending = list(self._active)
+        for job in pending:
+            job.finished.wait()
+
+    def submit_failed(self, job: Job) -> None:
+        """Announce a save that failed inside ``save()`` (``job.error`` set, nothing captured):
+        its round still runs, so the other ranks fail that save too instead of waiting."""
+        with self._lock:
+            if self._closed:
+                raise CheckpointerClosedError("the Checkpointer owning this pipeline was closed")
+            self._active.append(job)
+            job.opened.set()
+            job.capture_over()
+            self._commit_q.put(job)
+            self._wakeup.notify()
+
+    def close(self) -> None:
+        """Finish every queued job (of every Checkpointer sharing this pipeline), then stop the
+        threads (idempotent). New submissions are refused from the moment it is called."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.drain()  # the stop signals must queue behind every unit of every job
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        self._capture_q.put(None)
+        self._commit_q.put(None)
+        for _ in range(self.config.writer_threads):
+            self._write_q.put(None)
+        for t in self._threads:
+            t.join()
+        self._retry_leftovers(warn=True)
+        self.copier.close()
+        self.cache.close()
+
+    # ------------------------------------------------------------ capture thread
+    def _capture_loop(self) -> None:
+        while (job := self._capture_q.get()) is not None:
+            try:
+                self._open(job)
+                self._capture(job)
+                self._digest_replicas(job, lazy=False)  # no-op if done before eager_captured
+                self._digest_replicas(job, lazy=True)
+            except BaseException as exc:
+                job.fail(write_error(job, f"preparing {job.tmp}", exc))
+            finally:
+                job.opened.set()
+                try:
+                    job.capture_over()
+                except BaseException as exc:  # never leave the training loop waiting
+                    job.fail(exc)
+                    job.captured.set()
+                    job.mark_written()
+                self._write_q.put(("checksum", job))
+
+    def _open(self, job: Job) -> None:
+        store = job.store
+        store.makedirs(job.root, self.config.fsync)  # the first save creates the directory
+        store.makedirs(job.tmp, False)  # its name says which process owns it
+        job.writer = store.shard_writer(store.join(job.tmp, fmt.shard_file_name(job.rank)),
+                                        self.config.io_mode, job.layout)
+        job.opened.set()
+
+    def _digest_replicas(self, job: Job, lazy: bool) -> None:
+        """Digest the declared replicas of one capture policy while their values are still those
+        of ``save()``: eager ones before ``save()`` may return, lazy ones before the snapshot
+        completes (the guarded step waits for it)."""
+        if job.digest_replicas:
+            todo = [item for item in job.flat.items if isinstance(item, TensorItem)
+                    and item.lazy == lazy and item.key not in job.replicas]
+            job.replicas.update(replica_digests(todo))
+
+    def _eager_done(self, job: Job) -> None:
+        """Every eager tensor is in the cache: the caller of ``save()`` may change them now."""
+        if job.eager_captured.is_set():
+            return
+        fence = self.copier.fence()  # device copies must have read their sources
+        if fence is not None:
+            fence.synchronize()
+        self._digest_replicas(job, lazy=False)
+        job.eager_captured.set()
+        if not job.reads_lazy():  # nothing lazy left to read: the snapshot is complete
+            job.captured.set()
+
+    def _capture(self, job: Job) -> None:
+        items, copier = job.flat.items, self.copier
+        remaining = {}
+        for unit in job.layout.units:
+            for piece in unit.pieces:
+                remaining[piece.item] = remaining.get(piece.item, 0) + 1
+        flat_cache: dict[int, torch.Tensor] = {}
+        copier.begin(job.ready)
+        sources = []
+        for number, unit in enumerate(job.layout.units):
+            if number == job.eager_units:
+                self._eager_done(job)
+            slot = self._acquire(job)
+            if slot < 0:
+                return
+            job.unit_queued()
+            try:
+                dst, pos = self.cache.tensor(slot), 0
+                for piece in unit.pieces:
+                    if piece.unit_offset > pos:
+                        dst[pos:piece.unit_offset].zero_()
+                    src = flat_cache.get(piece.item)
+                    if src is None:
+                        src = copier.flat(items[job.write_tensors[piece.item]].tensor)
+                    remaining[piece.item] -= 1
+                    if remaining[piece.item]:
+                        flat_cache[piece.item] = src
+                    else:
+                        flat_cache.pop(piece.item, None)
+                    end = piece.unit_offset + piece.nbytes
+                    copier.copy(dst[piece.unit_offset:end],
+                                src[piece.item_offset:piece.item_offset + piece.nbytes])
+                    sources.append(src)
+                    pos = end
+                    if piece.item == job.eager_items - 1 and not remaining[piece.item]:
+                        self._eager_done(job)
+                padded = fmt.align_up(pos, fmt.UNIT_ALIGN)
+                if padded > pos:
+                    dst[pos:padded].zero_()
+                fence = copier.fence()
+                if fence is not None:
+                    fence.synchronize()
+                sources.clear()
+            except BaseException:
+                copier.cancel()
+                self.cache.release(slot)
+                job.unit_done()
+                raise
+            self._write_q.put(("unit", job, unit, slot))
+
+    def _acquire(self, job: Job) -> int:
+        """A free slot for the capture; when none is free, checksum (here, at once) the written
+        units whose checksums were deferred, which frees their slots. -1 if the job failed."""
+        slot = self.cache.try_acquire()
+        while slot < 0:
+            for unit, held in job.take_deferred():
+                self._checksum(job, unit, held)
+            slot = self.cache.acquire(job.cancelled, timeout=0.01)
+            if slot == -1:
+                return -1
+        return slot
+
+    # ------------------------------------------------------------ writer threads
+    def _write_loop(self) -> None:
+        """Write each unit at once; checksum it now, or after the snapshot if the capture is still
+        running (the slot stays held until its checksums are taken)."""
+        while (work := self._write_q.get()) is not None:
+            job = work[1]
+            try:
+                if work[0] == "checksum":
+                    for unit, slot in job.take_deferred():
+                        self._checksum(job, unit, slot)
+                else:
+                    self._write_unit(job, work[2], work[3])
+            except BaseException as exc:  # last resort: the job fails, the thread lives on
+                job.fail(exc)
+
+    def _write_unit(self, job: Job, unit, slot: int) -> None:
+        try:
+            if not job.cancelled.is_set():
+                view = self.cache.view(slot)
+                padded = fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN)
+                job.writer.write(view[:unit.nbytes], unit.file_offset, view[:padded])
+        except BaseException as exc:
+            job.fail(write_error(job, f"writing {job.writer.path if job.writer else job.tmp}"
+                                      f" at offset {unit.file_offset}", exc))
+        if job.cancelled.is_set() or not job.defer(unit, slot):
+            self._checksum(job, unit, slot)
+
+    def _checksum(self, job: Job, unit, slot: int) -> None:
+        """Record the CRC-32 of every piece of a written unit, then free its slot. Never raises:
+        a failure fails the job (any thread may call this)."""
+        try:
+            if not job.cancelled.is_set():
+                view = self.cache.view(slot)
+                for piece in unit.pieces:
+                    end = piece.unit_offset + piece.nbytes
+                    job.crcs[(piece.item, piece.item_offset)] = \
+                        fmt.crc32(view[piece.unit_offset:end])
+        except BaseException as exc:
+            job.fail(write_error(job, f"checksumming a unit at offset {unit.file_offset} of "
+                                      f"{job.tmp}", exc))
+        finally:
+            self.cache.release(slot)
+            job.unit_done()
+
+    # ------------------------------------------------------------ deadline thread
+    def _deadline_loop(self) -> None:
+        """Expire each save whose deadline passes before its commit round begins: its capture
+        stops, its writer sends nothing more, and the commit thread stops waiting for it."""
+        with self._wakeup:
+            while not self._stopping:
+                now = time.monotonic()
+                waiting = [j for j in self._active if not (j.expired or j.deciding)]
+                for job in waiting:
+                    if job.deadline <= now:
+                        job.expire()
+                later = [j.deadline for j in waiting if j.deadline > now]
+                self._wakeup.wait(min(later) - now if later else None)
+
+    # ------------------------------------------------------------ commit thread
+    def _commit_loop(self) -> None:
+        """Commit or fail each job, in order. A failed save is tidied up (its upload aborted,
+        its temporary directory removed) before its handle is released, except when the storage
+        stopped answering (the save expired, or a request failed with StorageError): then the
+        handle is released at once and the tidying, which needs that storage, follows."""
+        while (job := self._commit_q.get()) is not None:
+            try:
+                self._commit(job)
+            except BaseException as exc:  # last resort: the job fails, the thread lives on
+                job.fail(exc)
+            release_first = job.error is not None and (job.expired or
+                                                       _caused_by(job.error, StorageError))
+            if release_first:
+                self._release(job)
+            self._tidy(job)
+            self._retry_leftovers(warn=False)  # before the release: wait() sees it done
+            if not release_first:
+                self._release(job)
+
+    def _release(self, job: Job) -> None:
+        job.finish()
+        with self._lock:
+            self._active.remove(job)
+
+    def _tidy(self, job: Job) -> None:
+        """After a save's outcome: once every write of a failed save returned, close its writer
+        (aborting its upload), and on rank 0 remove its temporary directory. Never raises; what
+        fails is warned about and retried after the next save and at ``close``."""
+        try:
+            job.all_written.wait()  # cancelled writes end within the storage client's timeouts
+            if job.error is not None:
+                self._discard_writer(job)
+                if job.rank == 0:
+                    self._remove_failed(job)
+        except BaseException as exc:  # tidying up must never stop the commit thread
+            warnings.warn(f"datastates: cleaning up after {job.name!r} failed: {exc!r}",
+                          RuntimeWarning, stacklevel=2)
+
+    def _commit(self, job: Job) -> None:
+        try:
+            payload = finish_file(job, self.config.fsync)
+        except BaseException as exc:
+            job.fail(write_error(job, f"finishing {job.tmp}", exc))
+        job.unblocked.wait()  # every write returned, or the deadline passed
+        if job.error is None:
+            self._close_writer(job)
+        job.begin_decision()
+        if job.error is not None:
+            payload = None
+        try:
+            self._agree(job, payload)
+        except CommitError as exc:
+            job.error = exc
+        except BaseException as exc:  # the store went away (a rank died): never hang or crash
+            job.error = CommitError(f"checkpoint {job.name!r}: coordination with the other "
+                                    f"ranks failed ({exc}); nothing was committed",
+                                    {job.rank: repr(exc)})
+
+    @staticmethod
+    def _close_writer(job: Job) -> None:
+        """Close the shard file; a close error (NFS reports write errors there) fails the save."""
+        if job.writer is None:
+            return
+        try:
+            job.writer.close()
+        except OSError as exc:
+            if job.error is None:
+                job.fail(write_error(job, f"closing {job.writer.path}", exc))
+
+    # ------------------------------------------------------------ commit decision
+    def _agree(self, job: Job, payload: dict | None) -> None:
+        """Run this save's commit round (dist.py) and apply its verdict, the same on every rank.
+        Rank 0 moves ``latest`` and applies retention only after the verdict is published."""
+        report = payload if payload is not None else {"rank": job.rank,
+                                                      "error": _describe(job.error)}
+        if job.expired:
+            report["expired"] = True  # a timeout, whichever rank decides
+        report = {**report, "overwrite": job.overwrite, "replicas": job.replicas,
+                  "root": job.root}
+        try:
+            decision = self.comm.agree(job.sid, report, job.deadline,
+                                       self.config.commit_timeout_s,
+                                       check=lambda reports: self._check(job, reports),
+                                       commit=lambda reports: self._publish(job),
+                                       fallback=lambda why: self._verdict_on_disk(job, why))
+        except BaseException as exc:  # never hang or crash the commit thread
+            decision = abort_decision("store", f"checkpoint {job.name!r}: coordination with the "
+                                      f"other ranks failed ({exc})", {job.rank: repr(exc)})
+        if decision.get("ok"):
+            if job.info is None:
+                job.info = commit_mod.CheckpointInfo(name=job.name,
+                                                     path=job.store.join(job.root, job.name),
+                                                     step=job.step, **decision["info"])
+            if job.rank == 0:
+                job.on_commit(job)
+            elif job.catalog is not None:  # latest() agrees on every rank, whatever it lists
+                job.catalog.record(job.info, None)
+            return
+        causes = {int(r): c for r, c in decision["causes"].items()}
+        if self.comm.world_size > 1 or job.error is None:
+            kind = CommitTimeoutError if decision["kind"] == "timeout" else CommitError
+            error = kind(f"{decision['message']}: {_by_cause(causes)}", causes)
+            error.__cause__ = job.error
+            job.error = error
+        if job.rank != 0:  # rank 0 removes the whole temporary directory (see _commit_loop)
+            commit_mod.discard(job.tmp, job.rank, keep_file=decision["kind"] == "store",
+                               store=job.store)
+
+    def _check(self, job: Job, reports: dict[int, dict]) -> dict | None:
+        """Rank 0: the abort verdict for these reports, or None if they form a checkpoint (its
+        manifest is then kept on the job for :meth:`_publish`). A rank whose save expired makes
+        it a timeout, as when that rank had not reported at all."""
+        expired = sorted(r for r, report in reports.items() if report.get("expired"))
+        if expired:
+            return abort_decision("timeout", f"checkpoint {job.name!r} was not committed: rank(s) "
+                                  f"{expired} had not written it within the commit timeout",
+                                  {r: str(reports[r].get("error")) for r in expired})
+        elsewhere = _elsewhere(job, reports)
+        if elsewhere:
+            return abort_decision("mismatch", f"checkpoint {job.name!r} was not committed: same "
+                                  f"name, different directory: rank 0 saves to {job.root}, "
+                                  + ", ".join(f"rank {r} to {d}" for r, d in elsewhere.items()),
+                                  {r: f"saves {job.name!r} to {d}, rank 0 to {job.root}"
+                                   for r, d in elsewhere.items()})
+        decision, job.manifest = commit_mod.review(
+            reports, name=job.name, step=job.step, metadata=job.metadata, save_id=job.sid.nonce,
+            tmp=job.tmp, replica_check=self.config.replica_check, store=job.store)
+        return decision
+
+    def _publish(self, job: Job) -> dict:
+        """Rank 0, after winning the decision: rename into place; the commit verdict."""
+        try:
+            published = commit_mod.publish(job.root, job.tmp, job.name, job.manifest,
+                                           overwrite=job.overwrite, fsync=self.config.fsync,
+                                           store=job.store, catalog=job.catalog)
+        except BaseException as exc:
+            job.fail(write_error(job, f"committing {job.name!r}", exc))
+            raise
+        job.info, job.committed = published.info, published.committed
+        return {"ok": True, "info": {"created_unix": job.info.created_unix,
+                                     "world_size": job.info.world_size,
+                                     "nbytes": job.info.nbytes, "metadata": job.info.metadata,
+                                     "seq": job.info.seq}}
+
+    def _verdict_on_disk(self, job: Job, why: str) -> dict:
+        """The verdict when the store is gone: committed iff the manifest records this save."""
+        info = commit_mod.committed_save(job.root, job.name, job.sid.nonce, job.store)
+        if info is not None:
+            job.info = info
+            return {"ok": True, "info": {}}
+        return abort_decision("store", f"checkpoint {job.name!r} was not committed (no manifest "
+                              "of this save on disk)", {job.rank: why})
+
+    def _discard_writer(self, job: Job) -> None:
+        """Close a failed save's shard writer, which aborts its upload on an object store."""
+        writer = job.writer
+        if writer is None:
+            return
+        try:
+            writer.close()
+        except OSError as exc:
+            self._leave(f"the unfinished upload of {writer.path}", writer.close, job, exc)
+
+    def _remove_failed(self, job: Job) -> None:
+        """Rank 0: delete the temporary directory of a failed save."""
+        store, tmp = job.store, job.tmp
+        try:
+            store.remove_tree(tmp)
+        except OSError as exc:
+            self._leave(f"the temporary directory {tmp}", lambda: store.remove_tree(tmp), job,
+                        exc)
+
+    def _leave(self, what: str, retry: Callable[[], None], job: Job, exc: OSError) -> None:
+        """Keep a cleanup that failed for later, and warn naming what is left."""
+        self._leftovers.append((what, retry))
+        warnings.warn(f"datastates: checkpoint {job.name!r} failed and {what} could not be "
+                      f"removed ({exc}); retrying after the next save and at close",
+                      RuntimeWarning, stacklevel=3)
+
+    def _retry_leftovers(self, warn: bool) -> None:
+        left = []
+        for what, retry in self._leftovers:
+            try:
+                retry()
+            except Exception as exc:  # kept for later; the commit thread goes on
+                left.append((what, retry))
+                if warn:
+                    warnings.warn(f"datastates: {what}, left by a failed save, could still "
+                                  f"not be removed: {exc}", RuntimeWarning, stacklevel=2)
+        self._leftovers = left
+
+
+def _elsewhere(job: Job, reports: dict[int, dict]) -> dict[int, str]:
+    """Rank 0: the ranks that saved this name into another directory (rank → the directory
+    it named). A rank naming the directory differently (a link, another mount point) whose
+    shard file is in rank 0's temporary directory shares it; one whose file is not there
+    wrote elsewhere."""
+    out = {}
+    for r, report in sorted(reports.items()):
+        root = report.get("root")
+        if r == 0 or "error" in report or root is None or root == job.root:
+            continue
+        path = job.store.join(job.tmp, fmt.shard_file_name(r))
+        try:
+            job.store.open_read(path).close()
+        except (OSError, ValueError):
+            out[r] = str(root)
+    return out
+
+
+def _caused_by(error: BaseException | None, kind: type) -> bool:
+    """Whether ``error`` or an error in its chain of causes is a ``kind``."""
+    seen = 0
+    while error is not None and seen < 32:
+        if isinstance(error, kind):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def _describe(error: BaseException | None) -> str:
+    return f"{type(error).__name__}: {error}" if error is not None else "unknown failure"
+
+
+def _by_cause(causes: dict[int, str]) -> str:
+    """"rank 1: cause; ranks [0, 2]: other cause" (ranks sharing a cause are named once)."""
+    groups: dict[str, list[int]] = {}
+    for r, cause in sorted(causes.items()):
+        groups.setdefault(cause, []).append(r)
+    return "; ".join(f"rank {rs[0]}: {c}" if len(rs) == 1 else f"ranks {rs}: {c}"
+                     for c, rs in groups.items())

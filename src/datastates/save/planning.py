@@ -1,0 +1,104 @@
+"""Pure planning: where every item goes in a rank's shard file, and which rank writes each
+replicated tensor.
+
+No I/O, no process group: sizes, reports and trees in, answers out, so it is unit-tested directly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..format.codec import DATA_ALIGN, HEADER_BYTES, UNIT_ALIGN, align_up
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``nbytes`` of item ``item`` starting at ``item_offset``, placed at ``unit_offset`` in a unit."""
+
+    item: int
+    item_offset: int
+    unit_offset: int
+    nbytes: int
+
+
+@dataclass
+class Unit:
+    """One contiguous file range copied into one cache slot and written with one request."""
+
+    file_offset: int
+    nbytes: int = 0
+    pieces: list[Piece] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        """Where the unit's write ends: its bytes padded to ``UNIT_ALIGN`` (O_DIRECT writes)."""
+        return self.file_offset + align_up(self.nbytes, UNIT_ALIGN)
+
+
+@dataclass
+class Layout:
+    units: list[Unit]
+    #: File offset of each tensor item (index into the sizes given), and of each blob.
+    tensor_offsets: list[int]
+    blob_offsets: list[int]
+    #: Where the index starts (4096-aligned, after tensors and blobs).
+    index_offset: int
+
+    def pieces_by_item(self) -> dict[int, list[Piece]]:
+        out: dict[int, list[Piece]] = {}
+        for unit in self.units:
+            for piece in unit.pieces:
+                out.setdefault(piece.item, []).append(piece)
+        return out
+
+
+def plan_layout(tensor_sizes: list[int], blob_sizes: list[int], unit_bytes: int) -> Layout:
+    """Coalesce tensors into a dense stream cut into units of ``unit_bytes``.
+
+    Every tensor starts at a 64-byte aligned offset right after the previous one; a tensor that
+    crosses a unit boundary continues in the next unit (a piece per unit). Units are contiguous
+    in the file from offset 4096, so the whole state needs ``ceil(bytes / unit_bytes)`` cache
+    slots and every unit is one aligned write. Blobs follow on a 4096 boundary, then the index.
+    """
+    if unit_bytes <= 0 or unit_bytes % UNIT_ALIGN:
+        raise ValueError(f"unit_bytes must be a positive multiple of {UNIT_ALIGN}, got {unit_bytes}")
+    units: list[Unit] = []
+    offsets = [0] * len(tensor_sizes)
+    pos = 0  # offset in the data stream, which starts at HEADER_BYTES in the file
+    for item, size in enumerate(tensor_sizes):
+        pos = align_up(pos, DATA_ALIGN)
+        offsets[item] = HEADER_BYTES + pos
+        done = 0
+        while done < size:
+            index, within = divmod(pos, unit_bytes)
+            while len(units) <= index:
+                units.append(Unit(HEADER_BYTES + len(units) * unit_bytes))
+            n = min(size - done, unit_bytes - within)
+            unit = units[index]
+            unit.pieces.append(Piece(item, done, within, n))
+            unit.nbytes = within + n
+            pos += n
+            done += n
+    end = HEADER_BYTES + pos
+    blob_offsets = []
+    # Blobs start on a fresh 4096 boundary: the last unit may be written padded (O_DIRECT).
+    end = align_up(end, UNIT_ALIGN)
+    for size in blob_sizes:
+        blob_offsets.append(end)
+        end = align_up(end + size, DATA_ALIGN)
+    return Layout(units, offsets, blob_offsets, align_up(max(end, HEADER_BYTES), UNIT_ALIGN))
+
+
+def assign_replicated(sizes_per_key: dict[str, int], world_size: int,
+                      preloaded: list[int] | None = None) -> dict[str, int]:
+    """Spread replicated items over ranks: largest first to the least-loaded rank.
+
+    Deterministic (ties broken by key, then by rank), so every rank computes the same answer from
+    the same inputs without communicating. ``preloaded`` is each rank's bytes of non-replicated data.
+    """
+    load = list(preloaded) if preloaded is not None else [0] * world_size
+    owner: dict[str, int] = {}
+    for key, size in sorted(sizes_per_key.items(), key=lambda kv: (-kv[1], kv[0])):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owner[key] = rank
+        load[rank] += size
+    return owner

@@ -1,0 +1,1 @@
+"""Living with checkpoints: the CLI, inspect, export and import."""

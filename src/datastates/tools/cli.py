@@ -1,0 +1,246 @@
+"""Command line: ``datastates list | inspect | verify | export | import`` (also
+``python -m datastates ...``).
+
+Exit codes scripts can rely on: 0 success; 1 an error (damaged checkpoint, missing path, bad
+input: one line on stderr, starting with ``error:``, says what and where; no traceback); 2 wrong
+usage (argparse); 3 nothing to act on (the folder holds no datastates checkpoint). A reader that
+closes the pipe early (``inspect --json | head``) ends the command quietly.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from .._version import __version__
+from . import export, describe
+from ..errors import CheckpointNotFoundError, DatastatesError
+from ..providers import ProviderRegistry
+from ..restore.reader import Reader
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_EMPTY = 0, 1, 2, 3
+
+_WHERE = ("a checkpoint folder, or a folder of checkpoints (a Checkpointer's directory, an "
+          "integration's output folder); s3://bucket/prefix for object storage")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="datastates", description="Inspect, verify and convert datastates checkpoints.",
+        epilog="exit codes: 0 ok, 1 error, 2 usage, 3 no checkpoint found. s3:// paths take the "
+               "endpoint and credentials from the standard AWS variables (AWS_ENDPOINT_URL, "
+               "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION)")
+    parser.add_argument("--version", action="version", version=f"datastates {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("list", help="list the committed checkpoints of a folder, and the damaged "
+                                    "ones (marked !, with the reason)")
+    p.add_argument("path", help="a folder of checkpoints (or s3://bucket/prefix)")
+
+    p = sub.add_parser("inspect", help="keys, dtypes, shapes, sizes, shards, step, metadata")
+    _add_which(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object (for scripts)")
+    p.add_argument("--keys", nargs="+", metavar="KEY",
+                   help="only the entries under these key prefixes (e.g. model optimizer)")
+
+    p = sub.add_parser("verify", help="re-read every byte of a checkpoint: manifest checksum and "
+                                      "fields, headers, indexes, every region's checksums, zero "
+                                      "padding")
+    _add_which(p)
+    p.add_argument("--all", action="store_true",
+                   help="verify every checkpoint of the folder (each one, then a summary; exit "
+                        "1 if any is damaged or fails)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("export", help="write a checkpoint as a torch.save or safetensors file, "
+                                      "or an HF model folder")
+    _add_which(p)
+    p.add_argument("--to", required=True, choices=("torch", "safetensors", "hf"),
+                   help="output format (hf: a folder from_pretrained loads)")
+    p.add_argument("out", help="the file (folder for hf) to write, atomically")
+    p.add_argument("--keys", nargs="+", metavar="KEY",
+                   help="only these key prefixes (e.g. model); with one prefix, safetensors "
+                        "names are relative to it")
+    p.add_argument("--trusted", action="store_true",
+                   help="allow unpickling any Python object stored in the checkpoint (torch only)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("import", help="save a torch.save / safetensors file or a DCP folder as a "
+                                      "datastates checkpoint")
+    p.add_argument("src", help="the file (torch, safetensors) or folder (dcp) to read")
+    p.add_argument("--from", dest="source", required=True, choices=("torch", "safetensors", "dcp"),
+                   help="format of SRC")
+    p.add_argument("dest", help="the folder of checkpoints to save into")
+    p.add_argument("--step", type=int, help="step of the new checkpoint (default 0)")
+    p.add_argument("--tag", help="name of the new checkpoint instead of step-<step>")
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint of that name")
+    p.add_argument("--trusted", action="store_true",
+                   help="allow unpickling: Python objects of a torch.save file, and a stock DCP "
+                        "folder (its metadata is a pickle); only for files you trust")
+    return parser
+
+
+def _add_which(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help=_WHERE)
+    p.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
+    p.add_argument("--tag", help="the checkpoint of this tag")
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    try:
+        code = _COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # The reader has all it wanted (`... | head`); stdout goes to /dev/null so that the
+        # flush at exit does not fail a second time.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_OK
+    except CheckpointNotFoundError as exc:
+        _error(exc)
+        return EXIT_EMPTY if "no datastates checkpoint" in str(exc) else EXIT_ERROR
+    except (DatastatesError, OSError) as exc:
+        _error(exc)
+        return EXIT_ERROR
+
+
+def _error(exc: BaseException) -> None:
+    """One line on stderr: ``error: <message>`` (an OSError outside the library: its class)."""
+    text = str(exc) if isinstance(exc, DatastatesError) else f"{type(exc).__name__}: {exc}"
+    print(f"error: {' '.join(text.split())}", file=sys.stderr)
+
+
+def _list(args) -> int:
+    found = describe.select(args.path, every=True)
+    infos = found.checkpoints
+    newest = infos[-1].name if infos else None
+    rows = [(" ", "name", "step", "saved (UTC)", "size", "ranks")]
+    for info in infos:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(info.created_unix))
+        rows.append(("*" if info.name == newest else " ", info.name,
+                     "-" if info.step is None else str(info.step), when,
+                     describe.human_bytes(info.nbytes), str(info.world_size)))
+    for d in found.damaged:
+        rows.append(("!", d.name, "-", "-", "-", f"DAMAGED: {' '.join(d.reason.split())}"))
+    _table(rows)
+    note = f", {len(found.damaged)} damaged (!: never restored)" if found.damaged else ""
+    print(f"{len(infos)} checkpoint(s){note}; * = newest committed (what restore() takes by "
+          "default)")
+    return EXIT_OK
+
+
+def _inspect(args) -> int:
+    # Every checkpoint the path designates: a DeepSpeed tag folder is one per file.
+    infos = describe.find(args.path, args.step, args.tag)
+    summaries = [describe.describe(i, keys=args.keys) for i in infos]
+    if args.json:
+        print(json.dumps(summaries[0] if len(summaries) == 1 else summaries, indent=1))
+    else:
+        print("\n\n".join(describe.render_inspect(s) for s in summaries))
+    return EXIT_OK
+
+
+def _verify(args) -> int:
+    found = describe.select(args.path, args.step, args.tag, every=args.all)
+    total, failed, t0 = 0, [], time.perf_counter()
+    # one bar in bytes over every checkpoint, moving inside each one as its files are checked
+    bar = _progress(sum(i.nbytes for i in found.checkpoints), "B", "verify", args.no_progress)
+    for info in found.checkpoints:
+        start = time.perf_counter()
+        try:
+            n = _verify_one(info, bar.update if bar is not None else None)
+        except (DatastatesError, OSError) as exc:
+            failed.append(info.name)
+            _write(bar, f"error: {info.name}: FAILED: {' '.join(str(exc).split())}", sys.stderr)
+            continue
+        total += n
+        _write(bar, f"{info.name}: OK, manifest and {info.world_size} shard file(s), {n} bytes "
+                    f"verified ({describe.human_bytes(n)}) in {time.perf_counter() - start:.2f} s")
+    for d in found.damaged:
+        failed.append(d.name)
+        _write(bar, f"error: {d.name}: DAMAGED: {' '.join(d.reason.split())}", sys.stderr)
+    if bar is not None:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    checked = len(found.checkpoints) + len(found.damaged)
+    verdict = "all OK" if not failed else f"{len(failed)} failed ({', '.join(failed)})"
+    print(f"verified {checked} checkpoint(s), {describe.human_bytes(total)} in {seconds:.2f} s "
+          f"({total / max(seconds, 1e-9) / 1e9:.2f} GB/s): {verdict}")
+    return EXIT_ERROR if failed else EXIT_OK
+
+
+def _verify_one(info, progress) -> int:
+    """Re-read every byte of one checkpoint; the bytes checked."""
+    if describe.is_dcp_info(info):
+        from ..dcp.folders import verify_folder
+        return verify_folder(info.path, progress)
+    # Objects are only checksummed here, never unpickled: verifying runs no code from the file.
+    with Reader(info.path, registry=ProviderRegistry.default(), verify=True,
+                world_size=info.world_size, rank_policy="rank0") as reader:
+        return reader.verify_all(progress)
+
+
+def _export(args) -> int:
+    bar = None
+    if not args.no_progress and sys.stderr.isatty():
+        bar = _progress(export.planned_bytes(args.path, args.to, keys=args.keys,
+                                                  step=args.step, tag=args.tag),
+                        "B", args.out, False)
+    report = export.export(args.path, args.out, args.to, keys=args.keys, step=args.step,
+                                tag=args.tag, trusted=args.trusted,
+                                progress=bar.update if bar is not None else None)
+    if bar is not None:
+        bar.close()
+    note = ""
+    if report.skipped:
+        note = f"; left out {len(report.skipped)} non-tensor value(s) (safetensors holds tensors)"
+    if report.aliases:
+        note += f"; {len(report.aliases)} tied name(s) stored once (metadata datastates.aliases)"
+    if report.refused:
+        note += ("; not copied: " + ", ".join(f"{n} ({why})" for n, why in report.refused))
+    print(f"wrote {report.path}: {report.tensors} tensors, {describe.human_bytes(report.nbytes)} in "
+          f"{report.seconds:.2f} s{note}")
+    return EXIT_OK
+
+
+def _import(args) -> int:
+    info = export.import_checkpoint(args.src, args.dest, source=args.source, step=args.step,
+                                         tag=args.tag, overwrite=args.overwrite,
+                                         trusted=args.trusted)
+    print(f"committed {info.path}: {describe.human_bytes(info.nbytes)} from {args.src}")
+    return EXIT_OK
+
+
+_COMMANDS = {"list": _list, "inspect": _inspect, "verify": _verify, "export": _export,
+             "import": _import}
+
+
+def _table(rows) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def _progress(total, unit: str, desc: str, disabled: bool):
+    """A tqdm bar on stderr when tqdm is installed, stderr is a terminal and it is wanted."""
+    if disabled or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit=unit, unit_scale=unit == "B", desc=desc, leave=False,
+                file=sys.stderr)
+
+
+def _write(bar, line: str, file=None) -> None:
+    if bar is not None:
+        bar.write(line, file=file or sys.stdout)
+    else:
+        print(line, file=file or sys.stdout)

@@ -1,0 +1,188 @@
+"""The import structure of the package (docs/architecture.md): stages on floors, imports pointing
+down only, no cycle, integrations on the public API only, no demo or benchmark code installed.
+
+Every import statement counts, also one inside a function (a lazy import is still a dependency);
+imports under ``if TYPE_CHECKING:`` are annotations only and do not.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+
+import pytest
+
+import datastates
+
+PACKAGE = os.path.dirname(datastates.__file__)
+
+#: Floors, lowest first: a module imports modules of its own floor or lower only; across packages
+#: on one floor not at all.
+FLOORS = [
+    ["datastates._version", "datastates.errors"],
+    ["datastates.config"],
+    ["datastates.storage"],
+    ["datastates.format"],
+    ["datastates.providers"],
+    ["datastates.commit"],
+    ["datastates.restore"],
+    ["datastates.save"],
+    ["datastates.checkpointer", "datastates.dcp"],
+    ["datastates.tools", "datastates.testing"],
+    ["datastates", "datastates.__main__"],
+    ["datastates.integrations"],
+]
+#: What code outside the core (the integrations) may import: these modules and the names in
+#: their ``__all__``.
+PUBLIC = ["datastates", "datastates.format", "datastates.storage", "datastates.providers",
+          "datastates.commit", "datastates.dcp", "datastates.testing"]
+#: ``from datastates import CheckpointEngine`` is how DeepSpeed finds its engine: the package
+#: resolves that one name lazily (PEP 562) from the DeepSpeed adapter.
+ALLOWED_UP = {("datastates", "datastates.integrations.deepspeed")}
+
+
+def _modules() -> dict[str, str]:
+    out = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                rel = os.path.relpath(os.path.join(folder, name), os.path.dirname(PACKAGE))[:-3]
+                parts = rel.split(os.sep)
+                if parts[-1] == "__init__":
+                    parts = parts[:-1]
+                out[".".join(parts)] = os.path.join(folder, name)
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_package(module: str) -> bool:
+    return MODULES.get(module, "").endswith("__init__.py")
+
+
+def _type_only(tree: ast.AST) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            ids.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return ids
+
+
+def imports(module: str) -> list[tuple[str, list[str], int]]:
+    """(imported module, names taken from it, line) for every datastates import of ``module``."""
+    tree = ast.parse(open(MODULES[module]).read())
+    skip = _type_only(tree)
+    package = module if _is_package(module) else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names
+                    if a.name.split(".")[0] == "datastates"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source.split(".")[0] != "datastates":
+                continue
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                if sub in MODULES:
+                    out.append((sub, [], node.lineno))
+                else:
+                    out.append((source, [alias.name], node.lineno))
+    return out
+
+
+def floor_of(module: str) -> tuple[int, str]:
+    best = None
+    for level, prefixes in enumerate(FLOORS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + ".") and prefix != "datastates":
+                if best is None or len(prefix) > len(best[1]):
+                    best = (level, prefix)
+    assert best is not None, f"{module} is on no floor: add it to FLOORS"
+    return best
+
+
+def test_every_module_is_on_a_floor():
+    for module in MODULES:
+        floor_of(module)
+
+
+def test_imports_point_down():
+    wrong = []
+    for module in MODULES:
+        level, group = floor_of(module)
+        for target, _, line in imports(module):
+            if (module, target) in ALLOWED_UP or target not in MODULES:
+                continue
+            t_level, t_group = floor_of(target)
+            if t_level > level or (t_level == level and t_group != group):
+                wrong.append(f"{MODULES[module]}:{line}: {module} (floor {level}) imports "
+                             f"{target} (floor {t_level})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycles():
+    graph = {m: {t for t, _, _ in imports(m) if t in MODULES and t != m
+                 and (m, t) not in ALLOWED_UP} for m in MODULES}
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_integrations_import_only_the_public_api():
+    wrong = []
+    for module in MODULES:
+        if not module.startswith("datastates.integrations"):
+            continue
+        for target, names, line in imports(module):
+            if target.startswith("datastates.integrations") or (module, target) in ALLOWED_UP:
+                continue
+            public = importlib.import_module(target).__dict__.get("__all__", []) \
+                if target in PUBLIC else []
+            if target not in PUBLIC or any(n not in public for n in names):
+                wrong.append(f"{MODULES[module]}:{line}: {target} {names}")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("module", PUBLIC)
+def test_every_public_name_exists(module):
+    mod = importlib.import_module(module)
+    assert mod.__all__, module
+    for name in mod.__all__:
+        assert hasattr(mod, name), f"{module}.__all__ names {name!r}, which it does not define"
+
+
+def test_no_demo_or_benchmark_code_is_installed():
+    assert not [m for m in MODULES if any(w in m for w in ("demo", "bench"))]
