@@ -10,10 +10,10 @@ Quick start::
         ckpt.restore({"model": model, "optimizer": opt, "rng": datastates.RNGState()})
 """
 from .checkpointer import Checkpointer
-from .commit.review import CheckpointInfo
+from .format.records import CheckpointInfo
 from .config import CheckpointConfig
-from .commit.rounds import LocalCommunicator, StoreCommunicator
-from .save.capture import mark_lazy
+from .commit.round import LocalCommunicator, StoreCommunicator
+from .save.capture import mark_lazy, torch_optimizer
 from .save.job import SaveHandle, SaveStats
 from .providers.tree import TensorShard
 from .errors import (CheckpointerClosedError, CheckpointExistsError, CheckpointNotFoundError,
@@ -37,7 +37,7 @@ __all__ = [
     "ModuleProvider", "NumpyRandomProvider", "OptimizerProvider", "ProviderRegistry", "RNGState", "RNGStateProvider",
     "ReshardError", "RestoreReport", "SaveHandle", "SaveStats", "SerializationError",
     "StateMismatchError", "StateProvider", "StorageAccessError", "StorageError", "BucketNotFoundError", "StatefulProvider", "TensorShard", "UnsafeObjectError",
-    "UnsupportedFormatError", "eager", "export", "import_checkpoint", "inspect", "lazy", "mark_lazy",
+    "UnsupportedFormatError", "eager", "export", "import_checkpoint", "inspect", "lazy", "mark_lazy", "torch_optimizer",
     "CheckpointEngine",
 ]
 

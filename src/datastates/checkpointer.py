@@ -10,22 +10,24 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from .save import capture
-from .commit import review as commit_mod
-from .format import codec as fmt
 from .commit import retention
-from .commit.catalog import DamagedCheckpoint, log_passed_over
-from .format.checks import MAX_TREE_DEPTH
-from .config import CheckpointConfig
-from .commit.rounds import LocalCommunicator, StoreCommunicator
-from .save.pipeline import Pipeline
-from .errors import CheckpointerClosedError, ConfigError, SerializationError
-from .providers.tree import Flattened, ObjectItem, TensorItem, flatten
-from .save.job import Job, SaveHandle
-from .save.planning import assign_replicated, plan_layout
-from .providers import ProviderRegistry
+from .commit.catalog import Catalog, DamagedCheckpoint, log_passed_over, resolve
+from .commit.committer import SaveTarget
 from .commit.publish import publisher_for
+from .commit.retention import RetentionPolicy
+from .commit.round import LocalCommunicator, StoreCommunicator
+from .config import CheckpointConfig
+from .errors import CheckpointerClosedError, ConfigError, SerializationError
+from .format import codec as fmt
+from .format.checks import MAX_TREE_DEPTH
+from .format.records import CheckpointInfo
+from .providers import ProviderRegistry
+from .providers.tree import Flattened, ObjectItem, TensorItem, flatten
 from .restore.reader import Reader, RestoreReport, check_rank_policy
+from .save import capture
+from .save.job import Job, SaveHandle
+from .save.pipeline import Pipeline
+from .save.planning import assign_replicated, plan_layout
 from .storage import normalize, open_store
 
 
@@ -100,7 +102,8 @@ class Checkpointer:
         self._closed = False
         #: The committed checkpoints of the directory as last listed: each commit, ``list`` and
         #: ``latest`` list the directory but read only the manifests that changed since.
-        self._catalog = commit_mod.Catalog(self.directory, self.store)
+        self._catalog = Catalog(self.directory, self.store)
+        self._retention = RetentionPolicy(self.config.keep_last, self.config.keep_every)
 
     # ------------------------------------------------------------ save
     def save(self, state: Any, step: int | None = None, *, tag: str | None = None,
@@ -145,18 +148,19 @@ class Checkpointer:
         # so the other ranks fail this save too (and stay in step for the next one).
         sid = self.comm.save_id(self.directory, name, step)
         deadline = time.monotonic() + self.config.commit_timeout_s
-        job_args = dict(sid=sid, name=name, step=step, root=self.directory, rank=self.rank,
-                        tmp=commit_mod.tmp_dir(self.directory, name, self.comm.run_id,
-                                               sid.attempt, self.store), store=self.store,
-                        overwrite=overwrite, t0=t0, deadline=deadline,
-                        on_commit=self._after_commit, catalog=self._catalog,
-                        digest_replicas=self.config.replica_check and self.world_size > 1)
+        cfg = self.config
+        target = SaveTarget(
+            sid=sid, name=name, step=step, root=self.directory, rank=self.rank,
+            tmp=self._publisher.tmp_location(self.directory, name, self.comm.run_id, sid.attempt),
+            store=self.store, overwrite=overwrite, deadline=deadline,
+            timeout_s=cfg.commit_timeout_s, fsync=cfg.fsync, replica_check=cfg.replica_check,
+            retention=self._retention, catalog=self._catalog)
         try:
-            job = self._plan_job(state, metadata, replicated, optimizers, job_args)
+            job = self._plan_job(state, metadata, replicated, optimizers, target, t0)
         except BaseException as exc:
-            failed = Job(flat=Flattened(tree={"t": "value", "v": None}),
-                         layout=plan_layout([], [], self.config.unit_bytes), write_tensors=[],
-                         objects=[], metadata={}, ready=None, **job_args)
+            failed = Job(target, flat=Flattened(tree={"t": "value", "v": None}),
+                         layout=plan_layout([], [], cfg.unit_bytes), write_tensors=[],
+                         objects=[], metadata={}, ready=None, t0=t0)
             failed.error = exc
             self._pipeline.submit_failed(failed)
             raise
@@ -177,7 +181,8 @@ class Checkpointer:
         job.stats.blocked_s = time.perf_counter() - t0
         return handle
 
-    def _plan_job(self, state, metadata, replicated, optimizers, job_args: dict) -> Job:
+    def _plan_job(self, state, metadata, replicated, optimizers, target: SaveTarget,
+                  t0: float) -> Job:
         """Validate, walk and plan one save on the training thread (the part that may fail)."""
         if metadata is not None and not isinstance(metadata, dict):
             raise TypeError(f"metadata must be a dict, found {type(metadata).__qualname__}")
@@ -187,7 +192,7 @@ class Checkpointer:
             raise TypeError("metadata must survive a JSON round trip unchanged (string keys; "
                             f"lists, not tuples): {metadata!r}")
         metadata = decoded  # exactly what a reader of the manifest will find
-        self._publisher.check_name(self.directory, job_args["name"], job_args["overwrite"])
+        self._publisher.check_name(self.directory, target.name, target.overwrite)
         flat = flatten(state, self.registry,
                        allow_unsafe=self.config.allow_unsafe_objects)
         _check_dtypes(flat.items)
@@ -202,10 +207,10 @@ class Checkpointer:
                              [flat.items[i].nbytes for i in objects], self.config.unit_bytes)
         self._publisher.hold(self.directory, self.comm.run_id, self.config.fsync)
         ready = self._pipeline.copier.record_ready([flat.items[i].tensor for i in writes])
-        return Job(flat=flat, layout=layout, write_tensors=writes, objects=objects,
-                   metadata=metadata, ready=ready, eager_units=_units_holding(layout, len(eager)),
-                   eager_items=len(eager),
-                   **job_args)
+        return Job(target, flat=flat, layout=layout, write_tensors=writes, objects=objects,
+                   metadata=metadata, ready=ready, t0=t0,
+                   eager_units=_units_holding(layout, len(eager)), eager_items=len(eager),
+                   digest_replicas=self.config.replica_check and self.world_size > 1)
 
     def guard(self, optimizer: Any) -> None:
         """Make ``optimizer.step()`` wait until in-flight snapshots are captured (idempotent).
@@ -249,7 +254,7 @@ class Checkpointer:
                 job.captured.wait()
                 job.stats.step_wait_s += time.perf_counter() - t0
 
-    def wait(self) -> list[commit_mod.CheckpointInfo]:
+    def wait(self) -> list[CheckpointInfo]:
         """Wait for every in-flight save; raise the first failure."""
         pending, errors, infos = list(self._pending), [], []
         for handle in pending:
@@ -320,7 +325,7 @@ class Checkpointer:
         _check_step(step)
         check_rank_policy(rank_policy)
         self._pipeline.drain()
-        info = commit_mod.resolve(self.directory, step, tag, self.store, self._catalog)
+        info = resolve(self.directory, step, tag, self.store, self._catalog)
         latest = step is None and tag is None  # found by a scan just now: the kept manifest holds
         skipped = self._catalog.passed_over(info) if latest else []
         log_passed_over(skipped, info, caller)
@@ -335,14 +340,14 @@ class Checkpointer:
                       rank_policy=rank_policy)
 
     # ------------------------------------------------------------ listing
-    def list(self) -> list[commit_mod.CheckpointInfo]:
+    def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints, oldest first, in commit order (``CheckpointInfo.seq``); empty
         when the directory does not exist yet (nothing was saved there)."""
         if not self.store.isdir(self.directory):
             return []
         return self._catalog.scan()
 
-    def latest(self) -> commit_mod.CheckpointInfo | None:
+    def latest(self) -> CheckpointInfo | None:
         """The most recently committed checkpoint (highest commit sequence number, tags and steps
         alike), or None. The ``latest`` file in the directory is only a hint and is not read: a
         crash after a commit but before that file was rewritten still gives the new checkpoint,
@@ -413,26 +418,6 @@ class Checkpointer:
         self.close()
 
     # ------------------------------------------------------------ internals
-    def _after_commit(self, job: Job) -> None:
-        """Rank 0, commit thread, after the checkpoint became visible. It is committed whatever
-        happens here: a failure to move ``latest`` (readers fall back to the newest manifest) or
-        to apply retention is a warning naming what failed, not a failed save."""
-        try:
-            commit_mod.set_latest(self.directory, job.name, self.config.fsync, self.store)
-        except Exception as exc:
-            warnings.warn(f"datastates: {job.name!r} is committed, but updating "
-                          f"{self.store.join(self.directory, fmt.LATEST)} failed: {exc}",
-                          RuntimeWarning, stacklevel=2)
-        try:
-            retention.apply_retention(self.directory, self.config.keep_last,
-                                      self.config.keep_every, protect=job.name,
-                                      fsync=self.config.fsync, store=self.store,
-                                      committed=job.committed,
-                                      damaged=self._catalog.damaged())
-        except Exception as exc:
-            warnings.warn(f"datastates: {job.name!r} is committed, but applying retention in "
-                          f"{self.directory} failed: {exc}", RuntimeWarning, stacklevel=2)
-
     def _tensors_to_write(self, items, tensors: list[int]) -> list[int]:
         tensors = [i for i in tensors if items[i].primary]
         replicated = {items[i].key: items[i].nbytes for i in tensors if items[i].replicated}

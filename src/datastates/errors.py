@@ -81,3 +81,16 @@ class StorageAccessError(StorageError, PermissionError):
 
 class BucketNotFoundError(StorageError, FileNotFoundError):
     """The bucket of an object-store location does not exist."""
+
+
+def write_error(rank: int, what: str, exc: BaseException) -> BaseException:
+    """A background failure as the error a save's handle raises: OS errors become
+    CheckpointWriteError with the same errno (``e.errno == errno.ENOSPC`` keeps working) and a
+    message naming the rank and what failed; other errors are returned as they are."""
+    if isinstance(exc, DatastatesError) or not isinstance(exc, OSError):
+        return exc
+    error = CheckpointWriteError(exc.errno, f"rank {rank}: {what} failed: {exc.strerror or exc}")
+    if exc.filename is not None:
+        error.filename = exc.filename
+    error.__cause__ = exc
+    return error

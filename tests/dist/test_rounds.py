@@ -19,7 +19,9 @@ import datastates
 from datastates import CheckpointConfig, Checkpointer
 from datastates.format import checksum
 from datastates.commit.catalog import Catalog
-from datastates.commit.rounds import PENDING, MemoryStore, StoreCommunicator, abort_decision
+from datastates import format as fmt
+from datastates.commit.round import MemoryStore, StoreCommunicator
+from datastates.format.records import PENDING, FileRef, RankReport, SaveRef, Verdict
 
 from launcher import run_ranks
 
@@ -180,7 +182,7 @@ class WatchedStore(MemoryStore):
     def compare_set(self, key, expected, desired):
         value = super().compare_set(key, expected, desired)
         if (key.endswith("/decision") and threading.current_thread().name == "rank-1"
-                and value == json.dumps(PENDING, sort_keys=True).encode()):
+                and value == json.dumps(PENDING.to_json(), sort_keys=True).encode()):
             now = time.monotonic()
             self.first_read = self.first_read or now
             if now > max(self.deadline, self.first_read + self.patience):
@@ -188,8 +190,14 @@ class WatchedStore(MemoryStore):
         return value
 
 
+COMMITTED = Verdict.committed(None)
+
+
 def _round(comm, sid, deadline, timeout_s, commit, fallback):
-    return comm.agree(sid, {"ok": 1}, deadline, timeout_s, check=lambda reports: None,
+    report = RankReport(rank=comm.rank, save=SaveRef(sid.name, sid.step, sid.nonce), root="/d",
+                        file=FileRef(name=fmt.shard_file_name(comm.rank), rank=comm.rank,
+                                     nbytes=4096, index_crc32=0), tree={"t": "dict", "items": []})
+    return comm.agree(sid, report, deadline, timeout_s, check=lambda reports: None,
                       commit=commit, fallback=fallback)
 
 
@@ -215,19 +223,19 @@ def test_ranks_wait_for_a_publish_that_outlasts_the_deadline():
 
     def slow_commit(reports):
         store.late.wait(60)  # publishing until rank 1 has waited past its deadline
-        return {"ok": True, "info": {}}
+        return COMMITTED
 
     def rank1():
         try:
             return _round(comms[1], sid, deadline, timeout_s, None,
-                          lambda why: gave_up.append(why) or abort_decision("store", why, {}))
+                          lambda why: gave_up.append(why) or Verdict.abort("store", why, {}))
         finally:
             store.late.set()  # a rank 1 that stopped waiting lets rank 0 finish
 
     out = _two_ranks(store, {0: lambda: _round(comms[0], sid, deadline, timeout_s, slow_commit,
                                                None),
                              1: rank1})
-    assert out[0] == {"ok": True, "info": {}}
+    assert out[0] == COMMITTED
     assert out[1] == out[0] and gave_up == []
     assert sorted(store.list_keys()) == ["announce/r0", "announce/r1"]
 
@@ -242,12 +250,12 @@ def test_a_silent_rank0_after_its_claim_is_given_up_on():
 
     def stuck_commit(reports):
         rank1_done.wait(60)
-        return {"ok": True, "info": {}}
+        return COMMITTED
 
     def rank1():
         try:
             return _round(comms[1], sid, time.monotonic() + 10, 0.05, None,
-                          lambda why: gave_up.append(why) or abort_decision("store", why, {}))
+                          lambda why: gave_up.append(why) or Verdict.abort("store", why, {}))
         finally:
             rank1_done.set()
 
@@ -255,4 +263,4 @@ def test_a_silent_rank0_after_its_claim_is_given_up_on():
                                                stuck_commit, None),
                              1: rank1})
     assert gave_up == ["rank 0 started the commit but published no verdict"]
-    assert out[1]["ok"] is False and out[0] == {"ok": True, "info": {}}
+    assert out[1].ok is False and out[0] == COMMITTED

@@ -142,13 +142,14 @@ def _install(mode: str, n: int) -> None:
             return real_replace(src, dst, *a, **k)
         os.replace = replace
     elif mode == "set-latest":
-        real_set_latest = datastates.commit.review.set_latest
+        publisher = datastates.commit.publish.RenamePublisher  # what a local root commits with
+        real_write_latest = publisher.write_latest
 
-        def set_latest(*a, **k):
+        def write_latest(self, *a, **k):
             if hit():
                 _die()
-            return real_set_latest(*a, **k)
-        datastates.commit.review.set_latest = set_latest
+            return real_write_latest(self, *a, **k)
+        publisher.write_latest = write_latest
     elif mode == "claim":
         real_writer = datastates.storage.posix.ShardWriter  # what the local store opens
 

@@ -204,7 +204,7 @@ def test_a_replaced_checkpoint_left_half_removed_is_never_put_back(tmp_path, mon
     """An overwrite whose removal of the replaced copy fails halfway, then a deletion of that
     name: the cleanup finishes the removal and never brings the old copy back."""
     from datastates.commit import publish, retention
-    real = publish.storage.remove_tree
+    real = publish.posix.remove_tree
     calls = []
 
     def failing_once(path):
@@ -217,7 +217,7 @@ def test_a_replaced_checkpoint_left_half_removed_is_never_put_back(tmp_path, mon
     config = datastates.CheckpointConfig(stale_tmp_age_s=1e-6, **SMALL)
     with datastates.Checkpointer(tmp_path, config) as ck:
         ck.save({"x": torch.ones(8)}, step=1).wait(WAIT_S)
-        monkeypatch.setattr(publish.storage, "remove_tree", failing_once)
+        monkeypatch.setattr(publish.posix, "remove_tree", failing_once)
         with pytest.warns(RuntimeWarning):
             ck.save({"x": torch.full((8,), 2.0)}, step=1, overwrite=True).wait(WAIT_S)
         monkeypatch.undo()

@@ -21,7 +21,7 @@ import time
 import pytest
 
 import datastates
-from datastates.commit import review
+from datastates.commit import catalog
 
 from _faults_helpers import (WAIT_S, assert_bit_exact, child_command, crash_child, hidden_entries,
                              latest_temporaries, run_child, tensors_of, visible_entries,
@@ -40,7 +40,7 @@ def check_after_crash(root, states, *, keep_last=None, overwrite=False) -> set[s
     """What every crash must leave behind; returns the names committed after recovery."""
     root = os.fspath(root)
     # 1. Before anyone cleans up: nothing partial is visible, only committed checkpoints list.
-    listed = review.list_checkpoints(root)
+    listed = catalog.list_checkpoints(root)
     names = {i.name for i in listed}
     assert names <= {STEP1, STEP2}
     if not overwrite:
@@ -49,7 +49,7 @@ def check_after_crash(root, states, *, keep_last=None, overwrite=False) -> set[s
             assert STEP1 in names, "the committed step 1 was lost"
         else:
             assert names, "every checkpoint was lost"
-        found = review.latest(root)
+        found = catalog.latest(root)
         assert found is not None and found.name in names
 
     # 2. A new Checkpointer cleans the temporaries of the dead process.
@@ -126,7 +126,7 @@ def test_kill_at_injected_point(tmp_path, states, mode, n, keep_last):
         # the newest committed checkpoint is the latest.
         with open(os.path.join(tmp_path, "latest")) as f:
             assert f.read() == STEP1
-        assert review.latest(tmp_path).name == STEP2
+        assert catalog.latest(tmp_path).name == STEP2
     names = check_after_crash(tmp_path, states, keep_last=keep_last)
     after_rename = mode in ("rename-after", "set-latest", "replace-latest") or keep_last
     assert (STEP2 in names) == bool(after_rename)

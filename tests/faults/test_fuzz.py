@@ -25,7 +25,7 @@ import struct
 import pytest
 
 from datastates import CorruptCheckpointError, DatastatesError
-from datastates.commit import review
+from datastates.commit import catalog
 from datastates.format import codec as fmt
 
 from _faults_helpers import assert_bit_exact
@@ -162,8 +162,8 @@ def run_case(pristine, ckpt: str, manifest: bytes, shard: bytes, forged: bool, w
         if "verify" in outcomes:
             assert outcomes["verify"] == pristine["size"], what
     root = os.path.dirname(ckpt)
-    assert {i.name for i in review.list_checkpoints(root)} <= {NAME, "step-0000000006"}, what
-    assert review.latest(root) is not None, what
+    assert {i.name for i in catalog.list_checkpoints(root)} <= {NAME, "step-0000000006"}, what
+    assert catalog.latest(root) is not None, what
 
 
 def run_cases(pristine, ckpt: str, seed: int, make) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 import datastates
 from datastates import CorruptCheckpointError
-from datastates.commit import review
+from datastates.commit import catalog
 from datastates.tools.cli import main as cli_main
 
 from _integrity_helpers import (NAME, STEP, assert_same_view, bounded_memory, index_of, load,
@@ -46,8 +46,8 @@ def assert_all_refuse(ckpt_dir: str, match: str | None = None) -> None:
                 action(ckpt_dir)
             assert info.type is CorruptCheckpointError, info.value
     root = os.path.dirname(ckpt_dir)
-    assert [i.name for i in review.list_checkpoints(root)] == [PREVIOUS]
-    assert review.latest(root).name == PREVIOUS
+    assert [i.name for i in catalog.list_checkpoints(root)] == [PREVIOUS]
+    assert catalog.latest(root).name == PREVIOUS
     assert cli_main(["verify", root, "--step", str(STEP)]) == 1
 
 

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import datastates
-from datastates.commit import review
+from datastates.commit import catalog
 
 from _faults_helpers import HERE, WAIT_S, assert_bit_exact, hidden_entries
 
@@ -66,12 +66,12 @@ def test_killed_job_resumes_to_the_same_final_state(tmp_path, reference, chain):
         assert proc.returncode == -signal.SIGKILL, \
             f"{mode}/{n}: the kill point was not reached (rc {proc.returncode}):\n{proc.stderr}"
         # Nothing partial is visible, and latest() never goes back.
-        found = review.latest(tmp_path) if os.path.isdir(tmp_path) else None
+        found = catalog.latest(tmp_path) if os.path.isdir(tmp_path) else None
         step = found.step if found is not None else -1
         assert step >= newest, f"{mode}/{n}: latest went back from step {newest} to {step}"
         newest = step
         if found is not None:
-            names = {i.name for i in review.list_checkpoints(tmp_path)}
+            names = {i.name for i in catalog.list_checkpoints(tmp_path)}
             assert found.name in names  # (retention may lag too: it runs after ``latest``)
         if mode == "set-latest":  # committed, but the ``latest`` file still lags behind
             hint = os.path.join(tmp_path, "latest")
@@ -79,7 +79,7 @@ def test_killed_job_resumes_to_the_same_final_state(tmp_path, reference, chain):
     assert final_digest(run_job(tmp_path)) == digest
     assert newest < STEPS - 1, "no kill landed before the last save: the chain tests nothing"
     # The directory is as after the uninterrupted run: the last two steps, nothing hidden.
-    assert [i.name for i in review.list_checkpoints(tmp_path)] == \
+    assert [i.name for i in catalog.list_checkpoints(tmp_path)] == \
         [f"step-{STEPS - 2:010d}", LAST]
     assert hidden_entries(tmp_path) == []
     with datastates.Checkpointer(tmp_path) as resumed, datastates.Checkpointer(ref_root) as ref:

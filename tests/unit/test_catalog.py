@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from datastates import CheckpointConfig, Checkpointer
-from datastates.commit import review, retention
+from datastates.commit import catalog, retention
 from datastates.format import codec as fmt
 from datastates.commit.catalog import Catalog
 from datastates.storage.store import LOCAL
@@ -137,14 +137,14 @@ def test_retention_skips_a_checkpoint_deleted_meanwhile(tmp_path):
             save(ck, step, step=step)
         committed = ck.list()
     shutil.rmtree(tmp_path / "step-0000000001")  # gone since that listing
-    removed = retention.apply_retention(str(tmp_path), 1, None, protect="step-0000000003",
-                                     fsync=False, committed=committed)
+    removed = retention.RetentionPolicy(keep_last=1).apply(
+        str(tmp_path), protect="step-0000000003", fsync=False, committed=committed)
     assert removed == ["step-0000000002"]
-    assert [i.name for i in review.list_checkpoints(str(tmp_path))] == ["step-0000000003"]
+    assert [i.name for i in catalog.list_checkpoints(str(tmp_path))] == ["step-0000000003"]
 
 
 def test_catalog_of_a_missing_directory(tmp_path):
-    with pytest.raises(review.CheckpointNotFoundError):
+    with pytest.raises(catalog.CheckpointNotFoundError):
         Catalog(str(tmp_path / "absent")).scan()
 
 
@@ -275,7 +275,7 @@ def test_an_unreadable_manifest_is_no_damage_and_its_number_is_never_reused(tmp_
     finally:
         child.stdin.close()
         assert child.wait(60) == 0
-    infos = review.list_checkpoints(os.fspath(tmp_path))
+    infos = catalog.list_checkpoints(os.fspath(tmp_path))
     assert [(i.name, i.seq) for i in infos] == [(fmt.step_name(s), s) for s in (1, 2, 3)]
 
 

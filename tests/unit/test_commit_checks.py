@@ -2,6 +2,7 @@
 state diff used when resharding, and the store protocol with threads standing in for ranks."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -11,10 +12,13 @@ import torch.distributed as dist
 
 import datastates
 from datastates import Checkpointer, CheckpointConfig, TensorShard
-from datastates.commit import review
+from datastates.commit import catalog, review
 from datastates import format as fmt
-from datastates.commit.rounds import MemoryStore, StoreCommunicator, abort_decision
+from datastates.commit.round import MemoryStore, StoreCommunicator
 from datastates.commit.review import check_replicas, check_same_save, check_tiling
+from datastates.format import validate
+from datastates.format.records import (FileRef, Manifest, RankReport, SaveRef, ShardRef,
+                                       TensorEntry, Verdict)
 from datastates.restore.ranks import per_rank_keys
 
 SMALL = CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10)
@@ -24,35 +28,64 @@ SMALL = CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10)
 
 def _manifest(shape, boxes):
     """One tensor of ``shape`` whose shards are ``boxes`` = [(rank, offset, box shape)]."""
-    files = [{"rank": r, "name": fmt.shard_file_name(r), "nbytes": 0} for r in range(4)]
-    shards = [{"file": r, "offset": 0, "nbytes": 0, "global_offset": list(off),
-               "shape": list(box), "checksums": []} for r, off, box in boxes]
-    return {"files": files, "entries": [{"kind": "tensor", "key": "w", "dtype": "float32",
-                                         "shape": list(shape), "shards": shards}]}
+    files = tuple(FileRef(name=fmt.shard_file_name(r), rank=r, nbytes=0, index_crc32=0)
+                  for r in range(4))
+    shards = tuple(ShardRef(file=r, offset=0, nbytes=0, global_offset=tuple(off),
+                            shape=tuple(box), checksums=()) for r, off, box in boxes)
+    entry = TensorEntry(key="w", dtype="float32", shape=tuple(shape), shards=shards)
+    return Manifest(version=2, name="step-1", step=1, seq=1, created_unix=0.0, world_size=4,
+                    metadata={}, files=files, entries=(entry,), ranks=())
 
 
-def _scalars_report(rank: int, keys: list[str]) -> dict:
-    """A valid report of ``rank`` holding one float32 scalar per key, in a dict tree."""
+def _scalars_report(rank: int, keys: list[str]) -> RankReport:
+    """A valid report of ``rank`` holding one float32 scalar per key, in a dict tree (parsed
+    from its JSON form, as rank 0 receives the reports of the other ranks)."""
     entries = [{"key": k, "kind": "tensor", "dtype": "float32", "shape": [],
                 "offset": 4096 * (i + 1), "nbytes": 4, "checksums": [[4, 7]]}
                for i, k in enumerate(keys)]
     tree = {"t": "dict", "items": [[k, {"t": "tensor", "e": i}] for i, k in enumerate(keys)]}
-    return {"rank": rank, "entries": entries, "tree": tree,
-            "file": {"name": fmt.shard_file_name(rank), "nbytes": 4096 * (len(keys) + 1),
-                     "index_crc32": 1}}
+    return validate.parse_rank_report(
+        {"rank": rank, "save": {"name": "step-0000000001", "step": 1, "nonce": "n"},
+         "root": "/d", "entries": entries, "tree": tree,
+         "file": {"name": fmt.shard_file_name(rank), "nbytes": 4096 * (len(keys) + 1),
+                  "index_crc32": 1}}, f"rank {rank}")
 
 
 def test_merged_trees_index_the_global_entries():
     """Rank 0's tree indexes the global entries as it is (kept, not copied); another rank's tree
-    is rewritten to the global indices, which follow rank 0's entries."""
+    is rewritten to the global indices, which follow rank 0's entries. The merged manifest is
+    one a reader accepts, and its JSON form parses back into an equal record."""
     reports = [_scalars_report(0, ["a", "b"]), _scalars_report(1, ["c"])]
     manifest = review.build_manifest(reports, name="step-0000000001", step=1, metadata={})
-    manifest["seq"] = 1
-    parsed = fmt.encode_manifest_checked(manifest)[1]
-    assert [e.key for e in parsed.entries] == ["a", "b", "c"]
-    assert manifest["ranks"][0]["tree"] is reports[0]["tree"]
-    assert manifest["ranks"][1]["tree"] == {"t": "dict", "items": [["c", {"t": "tensor", "e": 2}]]}
-    assert reports[1]["tree"]["items"][0][1]["e"] == 0  # the report itself is not modified
+    assert [e.key for e in manifest.entries] == ["a", "b", "c"]
+    assert manifest.ranks[0].tree is reports[0].tree
+    assert manifest.ranks[1].tree == {"t": "dict", "items": [["c", {"t": "tensor", "e": 2}]]}
+    assert reports[1].tree["items"][0][1]["e"] == 0  # the report itself is not modified
+    numbered = dataclasses.replace(manifest, seq=1)
+    assert manifest.seq == 0  # publishing numbers a copy
+    parsed = fmt.parse_manifest_bytes(fmt.manifest_bytes(numbered), "m.json")
+    assert parsed == numbered and parsed.by_file == numbered.by_file
+
+
+def test_rank_report_json_round_trips():
+    report = _scalars_report(1, ["a", "b"])
+    assert validate.parse_rank_report(report.to_json(), "again") == report
+    failed = RankReport(rank=2, save=SaveRef("s", None, "n", True), root="/d", error="E: x",
+                        expired=True)
+    assert validate.parse_rank_report(failed.to_json(), "failed") == failed
+
+
+def test_verdict_json_round_trips_and_is_validated():
+    info = datastates.CheckpointInfo(name="a", path="/d/a", step=3, created_unix=1.5,
+                                     world_size=2, nbytes=9, metadata={"k": [1]}, seq=4)
+    for verdict in (Verdict.committed(info), Verdict.committed(None),
+                    Verdict.abort("timeout", "late", {1: "no report", 0: "x"})):
+        assert validate.parse_verdict(verdict.to_json(), "v") == verdict
+    with pytest.raises(datastates.CorruptCheckpointError, match="kind"):
+        validate.parse_verdict({"ok": False, "kind": "maybe", "message": "", "causes": {}}, "v")
+    with pytest.raises(datastates.CorruptCheckpointError, match="causes"):
+        validate.parse_verdict({"ok": False, "kind": "store", "message": "",
+                                "causes": {"r1": "x"}}, "v")
 
 
 @pytest.mark.parametrize("shape,boxes", [
@@ -93,8 +126,8 @@ def test_many_row_shards_are_checked_quickly():
 # ------------------------------------------------------------------ identity and replicas
 
 def _report(rank, name="step-1", step=1, nonce="n", replicas=None, overwrite=False):
-    return {"rank": rank, "save": {"name": name, "step": step, "nonce": nonce},
-            "overwrite": overwrite, "replicas": replicas or {}}
+    return RankReport(rank=rank, save=SaveRef(name, step, nonce, overwrite), root="/d",
+                      replicas=replicas or {})
 
 
 def test_reports_of_another_save_are_named():
@@ -162,8 +195,8 @@ def test_manifest_records_the_save_id(tmp_path):
         again.wait()
     assert first.save_id != again.save_id  # saving a name again is another save
     assert fmt.read_manifest(str(tmp_path / "step-0000000001")).save_id == again.save_id
-    assert review.committed_save(str(tmp_path), "step-0000000001", again.save_id) is not None
-    assert review.committed_save(str(tmp_path), "step-0000000001", first.save_id) is None
+    assert catalog.committed_save(str(tmp_path), "step-0000000001", again.save_id) is not None
+    assert catalog.committed_save(str(tmp_path), "step-0000000001", first.save_id) is None
 
 
 def test_shards_leaving_a_gap_fail_the_save(tmp_path):
@@ -187,11 +220,18 @@ def _ranks(world, store):
     return [StoreCommunicator(store, r, world, "run") for r in range(world)], store
 
 
+COMMITTED = Verdict.committed(None)
+
+
 def _agree(comm, sid, deadline, commits, report=None, fallback=None):
-    return comm.agree(sid, report or {"ok": 1}, deadline, 0.5,
+    report = report or RankReport(
+        rank=comm.rank, save=SaveRef(sid.name, sid.step, sid.nonce), root="/d",
+        file=FileRef(name=fmt.shard_file_name(comm.rank), rank=comm.rank, nbytes=4096,
+                     index_crc32=0), tree={"t": "dict", "items": []})
+    return comm.agree(sid, report, deadline, 0.5,
                       check=lambda reports: None,
-                      commit=lambda reports: commits.append(sorted(reports)) or {"ok": True},
-                      fallback=fallback or (lambda why: abort_decision("store", why, {})))
+                      commit=lambda reports: commits.append(sorted(reports)) or COMMITTED,
+                      fallback=fallback or (lambda why: Verdict.abort("store", why, {})))
 
 
 def _in_threads(fns):
@@ -212,7 +252,7 @@ def test_round_commits_once_and_leaves_no_key(new_store):
     deadline = time.monotonic() + 10
     out = _in_threads({r: (lambda r=r: _agree(comms[r], sids[r], deadline, commits))
                        for r in range(3)})
-    assert out == {0: {"ok": True}, 1: {"ok": True}, 2: {"ok": True}}
+    assert out == {0: COMMITTED, 1: COMMITTED, 2: COMMITTED}
     assert commits == [[0, 1, 2]]
     assert sorted(store.list_keys()) == ["announce/r0", "announce/r1", "announce/r2"]
 
@@ -224,13 +264,13 @@ def test_missing_rank_is_named_and_the_round_cleaned_after_a_commit(new_store):
     deadline = time.monotonic() + 0.3
     out = _in_threads({r: (lambda r=r: _agree(comms[r], sid, deadline, commits))
                        for r in (0, 1)})
-    assert out[0] == out[1] and out[0]["kind"] == "timeout" and list(out[0]["causes"]) == ["2"]
+    assert out[0] == out[1] and out[0].kind == "timeout" and list(out[0].causes) == [2]
     assert commits == []
     # the next save commits and rank 0 deletes what the orphaned round left
     sid2 = comms[0].save_id("/d", "step-2", 2)
     out = _in_threads({r: (lambda r=r: _agree(comms[r], sid2, time.monotonic() + 10, commits))
                        for r in range(3)})
-    assert all(v == {"ok": True} for v in out.values())
+    assert all(v == COMMITTED for v in out.values())
     assert not any(k.startswith(sid.nonce) for k in store.list_keys())
 
 
@@ -240,7 +280,7 @@ def test_an_abort_claimed_first_wins_over_a_late_rank0(new_store):
     commits = []
     # rank 1's deadline passes before rank 0 reports: it claims the abort
     late = _agree(comms[1], sid, time.monotonic(), commits)
-    assert late["kind"] == "timeout" and list(late["causes"]) == ["0"]
+    assert late.kind == "timeout" and list(late.causes) == [0]
     # rank 0 arrives with everything ready: it must not commit
     assert _agree(comms[0], sid, time.monotonic() + 10, commits) == late
     assert commits == []
@@ -254,5 +294,5 @@ def test_lost_store_falls_back_to_the_verdict_on_disk():
     sid = StoreCommunicator(MemoryStore(), 1, 2, "run").save_id("/d", "step-1", 1)
     seen = []
     verdict = _agree(comm, sid, time.monotonic() + 10, [],
-                     fallback=lambda why: seen.append(why) or {"ok": True, "info": {}})
-    assert verdict == {"ok": True, "info": {}} and "unreachable" in seen[0]
+                     fallback=lambda why: seen.append(why) or COMMITTED)
+    assert verdict == COMMITTED and "unreachable" in seen[0]

@@ -13,7 +13,7 @@ import torch
 
 from datastates import Checkpointer, CorruptCheckpointError, UnsupportedFormatError
 from datastates import format as fmt
-from datastates.format import records
+from datastates.format import records, validate
 
 
 def test_header_golden_bytes():
@@ -202,21 +202,30 @@ def test_save_records_metadata_as_json_decodes_it(tmp_path):
 
 
 def test_parse_rank_report_validates(tmp_path):
-    report = {"rank": 1, "file": {"name": "rank-00001.dsf", "nbytes": 8192, "index_crc32": 5},
+    report = {"rank": 1, "save": {"name": "step-1", "step": 1, "nonce": "n", "overwrite": False},
+              "root": "/d", "replicas": {"x": "8:7"},
+              "file": {"name": "rank-00001.dsf", "nbytes": 8192, "index_crc32": 5},
               "entries": [{"key": "x", "kind": "tensor", "dtype": "float32", "shape": [2],
                            "offset": 4096, "nbytes": 8, "checksums": [[8, 7]]}],
               "tree": {"t": "dict", "items": [["x", {"t": "tensor", "e": 0}]]}}
-    parsed = records.parse_rank_report(report, "rank 1")
+    parsed = validate.parse_rank_report(report, "rank 1")
     assert parsed.rank == 1 and parsed.entries[0].checksums == ((8, 7),)
+    assert parsed.save.nonce == "n" and parsed.replicas == {"x": "8:7"} and not parsed.failed
+    assert validate.parse_rank_report(parsed.to_json(), "again") == parsed
     for mutate in (lambda r: r["file"].update(name="../x"),
                    lambda r: r["entries"][0].update(nbytes=12),
                    lambda r: r["tree"]["items"][0][1].update(e=1),
                    lambda r: r["tree"]["items"][0][1].update(t="object"),
-                   lambda r: r.update(rank=True)):
+                   lambda r: r.update(rank=True),
+                   lambda r: r["save"].update(step=-1),
+                   lambda r: r["save"].pop("nonce"),
+                   lambda r: r.update(root=None),
+                   lambda r: r["replicas"].update(x=3),
+                   lambda r: r.update(expired="yes")):
         bad = json.loads(json.dumps(report))
         mutate(bad)
         with pytest.raises(CorruptCheckpointError):
-            records.parse_rank_report(bad, "rank 1")
+            validate.parse_rank_report(bad, "rank 1")
 
 
 def _tensor_entry(m: dict) -> tuple[int, dict]:
@@ -254,5 +263,5 @@ def test_manifest_errors_name_the_field(tmp_path, change, where):
     i, e = _tensor_entry(obj)
     change(obj, i, e)
     with pytest.raises(CorruptCheckpointError) as info:
-        records.parse_manifest(obj, "m.json")
+        validate.parse_manifest(obj, "m.json")
     assert f"m.json: {where.format(i=i)}" in str(info.value)

@@ -176,6 +176,26 @@ def test_integrations_import_only_the_public_api():
     assert not wrong, "\n".join(wrong)
 
 
+def test_integrations_use_only_public_names_of_datastates():
+    """``datastates.X`` (and ``_core().X``, the integrations' lazy handle on the package) names
+    only what ``datastates.__all__`` exports: a name that moved inside the core fails here, not
+    on a user's DeepSpeed run."""
+    wrong = []
+    for module, path in MODULES.items():
+        if not module.startswith("datastates.integrations"):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            base = node.value
+            rooted = (isinstance(base, ast.Name) and base.id == "datastates") or (
+                isinstance(base, ast.Call) and isinstance(base.func, ast.Name)
+                and base.func.id == "_core")
+            if rooted and node.attr not in datastates.__all__:
+                wrong.append(f"{path}:{node.lineno}: datastates.{node.attr}")
+    assert not wrong, "\n".join(wrong)
+
+
 @pytest.mark.parametrize("module", PUBLIC)
 def test_every_public_name_exists(module):
     mod = importlib.import_module(module)

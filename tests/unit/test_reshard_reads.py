@@ -20,7 +20,7 @@ import torch
 import datastates
 from datastates import Checkpointer, CheckpointConfig, TensorShard
 from datastates.format import codec as fmt
-from datastates.commit.rounds import MemoryStore, StoreCommunicator
+from datastates.commit.round import MemoryStore, StoreCommunicator
 from datastates.providers import ProviderRegistry
 from datastates.restore.reader import Reader
 

@@ -28,32 +28,18 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..format import codec as fmt
 from ..format import files
 from ..format import records
+from ..format.records import CheckpointInfo, info_of
 from ..errors import (
     CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError)
 from ..storage.store import LOCAL, Store
 
 log = logging.getLogger("datastates")
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A committed checkpoint. ``seq`` is its commit sequence number: the newest checkpoint of a
-    directory is the one with the highest ``seq`` (0 for checkpoints of format version 1)."""
-
-    name: str
-    path: str
-    step: int | None
-    created_unix: float
-    world_size: int
-    nbytes: int
-    metadata: dict = field(default_factory=dict)
-    seq: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,17 +69,6 @@ def human_bytes(n: int) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} TiB"
-
-
-def info_of(path: str, manifest: "records.Manifest | dict") -> CheckpointInfo:
-    """The description of the checkpoint at ``path`` with this manifest (a JSON dict, as written
-    by ``publish``, is validated first)."""
-    if isinstance(manifest, dict):
-        manifest = records.parse_manifest(manifest, os.path.join(path, fmt.MANIFEST))
-    return CheckpointInfo(name=os.path.basename(path), path=path, step=manifest.step,
-                          created_unix=manifest.created_unix, world_size=manifest.world_size,
-                          nbytes=manifest.nbytes, metadata=dict(manifest.metadata),
-                          seq=manifest.seq)
 
 
 def examine(path: str, store: Store = LOCAL
@@ -275,3 +250,59 @@ def list_checkpoints(root: str, store: Store = LOCAL) -> list[CheckpointInfo]:
     """Committed checkpoints in ``root``, oldest first: in commit order (``seq``), which is also
     step order for checkpoints saved by step. Damaged ones are left out."""
     return Catalog(root, store).scan()
+
+
+# ---------------------------------------------------------------- finding a checkpoint
+
+
+def committed_save(root: str, name: str, save_id: str,
+                   store: Store = LOCAL) -> "CheckpointInfo | None":
+    """The committed checkpoint ``root/name`` if its manifest records ``save_id``, else None:
+    how a rank learns the verdict from the disk when the coordination store is gone."""
+    path = store.join(root, name)
+    try:
+        manifest = files.read_manifest(path, store)
+    except (OSError, CorruptCheckpointError):
+        return None
+    return info_of(path, manifest) if manifest.save_id == save_id else None
+
+
+def latest(root: str, store: Store = LOCAL,
+           catalog: Catalog | None = None) -> CheckpointInfo | None:
+    """The newest committed checkpoint of ``root`` (highest commit sequence number), or None.
+
+    The ``latest`` file is only a hint written after each commit, for people and tools; it is
+    not read here. So a crash between a commit and the update of ``latest`` still resumes from
+    the checkpoint just committed, and tagged checkpoints count by when they were committed. To
+    roll back, delete the newer checkpoints. ``catalog``: the caller's catalog of ``root``, so that
+    only the manifests changed since its last scan are read (without it, every one is)."""
+    found = (catalog if catalog is not None else Catalog(root, store)).scan()
+    return found[-1] if found else None
+
+
+def resolve(root: str, step: int | None = None, tag: str | None = None,
+            store: Store = LOCAL, catalog: Catalog | None = None) -> CheckpointInfo:
+    """Find a committed checkpoint by tag, by step, or the latest (``catalog``: as for
+    :func:`latest`). CheckpointNotFoundError when there is none, naming the damaged
+    checkpoints found instead."""
+    if tag is not None or step is not None:
+        name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
+        path = store.join(root, name)
+        try:
+            return info_of(path, files.read_manifest(path, store))
+        except CheckpointNotFoundError:
+            if tag is None:
+                matches = [i for i in list_checkpoints(root, store) if i.step == step]
+                if matches:
+                    return matches[-1]
+            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}") from None
+    catalog = catalog if catalog is not None else Catalog(root, store)
+    try:
+        found = latest(root, store, catalog)
+    except CheckpointNotFoundError:  # the root does not exist
+        raise CheckpointNotFoundError(f"no committed checkpoint in {root!r}: the directory does "
+                                      "not exist") from None
+    if found is None:
+        damaged = "".join(f"; {d.name} is damaged ({d.reason})" for d in catalog.damaged())
+        raise CheckpointNotFoundError(f"no committed checkpoint in {root!r}{damaged}")
+    return found

@@ -13,11 +13,12 @@ away in one atomic step before its files are removed. How depends on the store:
   first.
 
 Each publisher owns the naming of the temporary location, the publish, the deletion, the
-existence checks and the cleanup of what dead writers left; the commit protocol (``commit.py``)
+existence checks and the cleanup of what dead writers left; the commit (``committer.py``)
 and retention (``retention.py``) call them and never branch on the kind of store.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -46,7 +47,7 @@ class Publisher:
     Calls, per save: :meth:`check_name` and :meth:`hold` (training thread, every rank, before
     the save is queued), :meth:`tmp_location` (the same on every rank), then on the commit
     thread either :meth:`publish` (rank 0) and :meth:`write_latest`, or :meth:`discard`.
-    :meth:`delete`, :meth:`clean_stale`, :meth:`root_exists` and :meth:`check_root` may be
+    :meth:`delete`, :meth:`clean_stale` and :meth:`check_root` may be
     called by any process at any time. :meth:`close` releases what :meth:`hold` took
     (idempotent)."""
 
@@ -71,10 +72,11 @@ class Publisher:
         """Training thread, once a save is planned and before it is queued: make this process
         the live owner of the temporaries of ``run_id`` in ``root`` (idempotent)."""
 
-    def publish(self, root: str, tmp: str, name: str, manifest: dict, overwrite: bool,
-                fsync: bool) -> tuple[str, Any, records.Manifest]:
-        """Rank 0: write ``manifest`` (validated first) and make ``tmp`` the checkpoint
-        ``root/name`` atomically; (its path, the manifest's stamp, the parsed manifest).
+    def publish(self, root: str, tmp: str, name: str, manifest: records.Manifest,
+                overwrite: bool, fsync: bool) -> tuple[str, Any, records.Manifest]:
+        """Rank 0: write ``manifest`` and make ``tmp`` the checkpoint ``root/name`` atomically;
+        (its path, the manifest's stamp, the manifest as written: a store may record where the
+        data is, ``data_dir``).
         CheckpointExistsError if a committed checkpoint holds ``name`` and ``overwrite`` is
         False (also when another writer committed it meanwhile); a damaged one is replaced."""
         raise NotImplementedError
@@ -90,10 +92,6 @@ class Publisher:
         then remove its files. CheckpointNotFoundError, nothing removed, unless it is one;
         OSError naming the leftovers if its files could not all be removed."""
         raise NotImplementedError
-
-    def root_exists(self, root: str) -> bool:
-        """Whether ``root`` exists (object stores: always; a prefix is never missing)."""
-        return True
 
     def write_latest(self, root: str, name: str, fsync: bool) -> None:
         """Point the ``latest`` hint at ``name``."""
@@ -197,17 +195,17 @@ class RenamePublisher(Publisher):
             lease.release()
 
     # ---- publish
-    def publish(self, root: str, tmp: str, name: str, manifest: dict, overwrite: bool,
-                fsync: bool) -> tuple[str, Any, records.Manifest]:
+    def publish(self, root: str, tmp: str, name: str, manifest: records.Manifest,
+                overwrite: bool, fsync: bool) -> tuple[str, Any, records.Manifest]:
         """Writes the manifest into ``tmp``, then renames ``tmp`` into place (the manifest's
         stamp, taken before the rename, stays valid: the rename does not touch the file). A
         damaged checkpoint of that name is moved aside (:meth:`set_aside`); a committed one is
         replaced only with ``overwrite``; a directory that is no checkpoint never."""
         final = os.path.join(root, name)
-        data, parsed = files.encode_manifest_checked(manifest)
+        data = files.manifest_bytes(manifest)
         stamp = self.store.write_atomic(os.path.join(tmp, fmt.MANIFEST), data, fsync)
         self.make_visible(root, tmp, name, self._make_room(root, name, overwrite, fsync), fsync)
-        return final, stamp, parsed
+        return final, stamp, manifest
 
     def _make_room(self, root: str, name: str, overwrite: bool, fsync: bool) -> bool:
         """Whether a committed checkpoint ``root/name`` is to be replaced (see :meth:`publish`)."""
@@ -329,9 +327,6 @@ class RenamePublisher(Publisher):
                                          f"but its files in {trash} could not be removed: "
                                          f"{exc.strerror or exc}", exc.filename) from exc
 
-    def root_exists(self, root: str) -> bool:
-        return os.path.isdir(root)
-
     def write_latest(self, root: str, name: str, fsync: bool) -> None:
         with Lease.hold(root, fresh_token()) as lease:
             posix.write_file_atomic(os.path.join(root, fmt.LATEST), name.encode(), fsync,
@@ -391,15 +386,15 @@ class ManifestPublisher(Publisher):
     def tmp_location(self, root: str, name: str, run_id: str, attempt: int) -> str:
         return self.store.join(root, name, f".data.{owner_token(run_id)}-{attempt}")
 
-    def publish(self, root: str, tmp: str, name: str, manifest: dict, overwrite: bool,
-                fsync: bool) -> tuple[str, Any, records.Manifest]:
+    def publish(self, root: str, tmp: str, name: str, manifest: records.Manifest,
+                overwrite: bool, fsync: bool) -> tuple[str, Any, records.Manifest]:
         """The shard files are already in place; writing ``manifest.json`` (one PUT, atomic)
         commits. Without ``overwrite`` the PUT is conditional, so the store refuses it if
         another writer committed meanwhile. A replaced checkpoint's data directory is deleted
         after the new manifest is in place, so a reader sees the old manifest with the old data
         or the new manifest with the new data, never a mix."""
         store, final = self.store, self.store.join(root, name)
-        manifest["data_dir"] = tmp.rstrip("/").rsplit("/", 1)[-1]
+        manifest = dataclasses.replace(manifest, data_dir=tmp.rstrip("/").rsplit("/", 1)[-1])
         # examine: a manifest that cannot be *read* (a refused or failed GET) raises, it is never
         # taken for damage and overwritten without overwrite=True
         found, old = examine(final, store)
@@ -411,19 +406,19 @@ class ManifestPublisher(Publisher):
         if old and not overwrite:
             raise CheckpointExistsError(f"{final} already exists (committed meanwhile); pass "
                                         "overwrite=True to replace it")
-        data, parsed = files.encode_manifest_checked(manifest)
+        data = files.manifest_bytes(manifest)
         target = store.join(final, fmt.MANIFEST)
         replace = overwrite or old is False
         try:
             stamp = (store.write_atomic if replace else store.write_new)(target, data, True)
         except FileExistsError:
             raise _taken_meanwhile(final) from None
-        if old and old.data_dir and old.data_dir != manifest["data_dir"]:
+        if old and old.data_dir and old.data_dir != manifest.data_dir:
             try:
                 store.remove_tree(store.join(final, old.data_dir))
             except OSError as exc:
                 _tidy_warning(final, exc)
-        return final, stamp, parsed
+        return final, stamp, manifest
 
     def discard(self, tmp: str, rank: int, keep_file: bool) -> None:
         try:

@@ -13,6 +13,7 @@ for inspection and never removed by this module.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from ..format import codec as fmt
 from .catalog import Catalog, CheckpointInfo, DamagedCheckpoint, human_bytes
@@ -34,55 +35,64 @@ def delete(root: str, name: str, fsync: bool = True, store: Store = LOCAL) -> No
     publisher_for(store).delete(root, name, fsync)
 
 
-def apply_retention(root: str, keep_last: int | None, keep_every: int | None,
-                    protect: str, fsync: bool, store: Store = LOCAL,
-                    committed: list[CheckpointInfo] | None = None,
-                    damaged: list[DamagedCheckpoint] | None = None) -> list[str]:
-    """Delete committed checkpoints beyond the policy; return the deleted names.
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Which committed checkpoints a root keeps after each commit (``CheckpointConfig``'s
+    ``keep_last`` / ``keep_every``; ``keep_last`` None keeps everything). Applied by the commit,
+    on rank 0, right after a checkpoint became visible (``committer.py``)."""
 
-    ``committed``: the committed checkpoints of ``root``, oldest first, as the commit just made
-    saw them (``Published.committed``), and ``damaged`` the damaged ones that listing found
-    (``Catalog.damaged()``; None: none); with ``committed`` None, ``root`` is listed for both.
-    A checkpoint of those lists already gone (deleted meanwhile by another process) is skipped,
-    not an error.
+    keep_last: int | None = None
+    keep_every: int | None = None
 
-    Keeps the ``keep_last`` most recently committed checkpoints (commit order, steps and tags
-    alike), every checkpoint whose step is a multiple of ``keep_every``, and ``protect``. The
-    newest checkpoint is therefore never deleted. A damaged checkpoint is deleted when its
-    ``manifest.json`` is older (modification time) than that of each of the ``keep_last`` most
-    recent ones: it would have been deleted had it been readable; a newer one is kept for
-    inspection. One INFO record per deletion. Also retries the removal of ``.trash.*`` left by
-    earlier deletions whose files could not be removed, so they do not accumulate unnoticed. Every
-    deletion is attempted; then an OSError naming each path that could not be removed is raised."""
-    if keep_last is None:
-        return []
-    failures = _remove_trash(root, store)
-    if committed is None:
-        catalog = Catalog(root, store)
-        committed, damaged = catalog.scan(), catalog.damaged()
-    found = committed
-    keep = {i.name for i in found[-keep_last:]} | {protect}
-    if found:
-        keep.add(found[-1].name)
-    removed = []
-    for info in found:
-        if info.name in keep:
-            continue
-        if keep_every and info.step is not None and info.step % keep_every == 0:
-            continue
-        if _remove(root, info.name, fsync, store, failures):
-            removed.append(info.name)
-            log.info("retention deleted %s (%s of files)", info.name,
-                     human_bytes(info.nbytes))
-    for gone in _aged_out(damaged or [], found[-keep_last:], store, keep_every):
-        if _remove(root, gone.name, fsync, store, failures):
-            removed.append(gone.name)
-            log.info("retention deleted the damaged checkpoint %s, older than every checkpoint "
-                     "kept: %s", gone.name, gone.reason)
-    if failures:
-        raise OSError(failures[0].errno, "retention could not remove: " +
-                      "; ".join(str(e) for e in failures), failures[0].filename)
-    return removed
+    def apply(self, root: str, protect: str, fsync: bool, store: Store = LOCAL,
+              committed: list[CheckpointInfo] | None = None,
+              damaged: list[DamagedCheckpoint] | None = None) -> list[str]:
+        """Delete committed checkpoints beyond the policy; return the deleted names.
+
+        ``committed``: the committed checkpoints of ``root``, oldest first, as the commit just made
+        saw them (``Published.committed``), and ``damaged`` the damaged ones that listing found
+        (``Catalog.damaged()``; None: none); with ``committed`` None, ``root`` is listed for both.
+        A checkpoint of those lists already gone (deleted meanwhile by another process) is skipped,
+        not an error.
+
+        Keeps the ``keep_last`` most recently committed checkpoints (commit order, steps and tags
+        alike), every checkpoint whose step is a multiple of ``keep_every``, and ``protect``. The
+        newest checkpoint is therefore never deleted. A damaged checkpoint is deleted when its
+        ``manifest.json`` is older (modification time) than that of each of the ``keep_last`` most
+        recent ones: it would have been deleted had it been readable; a newer one is kept for
+        inspection. One INFO record per deletion. Also retries the removal of ``.trash.*`` left
+        by earlier deletions whose files could not be removed, so they do not accumulate
+        unnoticed. Every deletion is attempted; then an OSError naming each path that could not
+        be removed is raised."""
+        if self.keep_last is None:
+            return []
+        failures = _remove_trash(root, store)
+        if committed is None:
+            catalog = Catalog(root, store)
+            committed, damaged = catalog.scan(), catalog.damaged()
+        found = committed
+        keep = {i.name for i in found[-self.keep_last:]} | {protect}
+        if found:
+            keep.add(found[-1].name)
+        removed = []
+        for info in found:
+            if info.name in keep:
+                continue
+            if self.keep_every and info.step is not None and info.step % self.keep_every == 0:
+                continue
+            if _remove(root, info.name, fsync, store, failures):
+                removed.append(info.name)
+                log.info("retention deleted %s (%s of files)", info.name,
+                         human_bytes(info.nbytes))
+        for gone in _aged_out(damaged or [], found[-self.keep_last:], store, self.keep_every):
+            if _remove(root, gone.name, fsync, store, failures):
+                removed.append(gone.name)
+                log.info("retention deleted the damaged checkpoint %s, older than every checkpoint "
+                         "kept: %s", gone.name, gone.reason)
+        if failures:
+            raise OSError(failures[0].errno, "retention could not remove: " +
+                          "; ".join(str(e) for e in failures), failures[0].filename)
+        return removed
 
 
 def _remove(root: str, name: str, fsync: bool, store: Store, failures: list) -> bool:

@@ -24,11 +24,11 @@ What we add over ``FileSystemWriter``:
   metadata and renames the directory to its final name (replacing an older checkpoint of that
   name only once the new one is complete). A crash never leaves a half-written checkpoint at
   ``path``, unlike ``FileSystemWriter(overwrite=True)`` which rewrites shards in place.
-- **No pickle in the metadata**: the DCP ``Metadata`` is written as JSON (dcp_metadata.py) and
+- **No pickle in the metadata**: the DCP ``Metadata`` is written as JSON (``dcp/metadata.py``) and
   rebuilt field by field, so reading a folder someone handed you runs no code from it. Folders of
   format version 1 (a pickled ``dcp.metadata``) are read only with ``trusted=True``. The
   non-tensor values of the state dict are ``torch.save`` bytes that DCP's own load planner
-  unpickles; ``dcp_folders.load_state`` (behind ``datastates export`` and ``import``) loads them
+  unpickles; ``dcp/folders.load_state`` (behind ``datastates export`` and ``import``) loads them
   with ``weights_only=True`` unless trusted.
 - ``dcp.async_save``: the writer is its own ``AsyncStager``; staging copies into CPU buffers kept
   across saves (pinned on CUDA), so later saves do not allocate.

@@ -10,7 +10,7 @@ import warnings
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from ..storage import Store, open_store
-from . import records
+from . import records, validate
 from .codec import (_TRAILER, CHECKPOINT_FORMAT, MANIFEST, MAX_MANIFEST_BYTES, TRAILER_BYTES,
                     VERSION, ShardHeader, crc32, encode_json, parse_json, read_header,
                     seal_manifest)
@@ -36,7 +36,13 @@ def parse_index_bytes(raw: bytes, header: ShardHeader, path: str) -> "records.Sh
     if len(raw) != header.index_length or crc32(raw) != header.index_crc32:
         raise CorruptCheckpointError(f"{path}: index checksum mismatch (index at "
                                      f"{header.index_offset}, {header.index_length} bytes)")
-    return records.parse_shard_index(parse_json(raw, path), path, header.index_offset)
+    return validate.parse_shard_index(parse_json(raw, path), path, header.index_offset)
+
+
+def manifest_bytes(manifest: records.Manifest) -> bytes:
+    """The bytes of ``manifest.json`` for a manifest record the writer built (from its own
+    report and reports already validated): its JSON form, sealed; not parsed again."""
+    return seal_manifest(encode_json(manifest.to_json()))
 
 
 def encode_manifest(manifest: dict) -> bytes:
@@ -55,7 +61,7 @@ def encode_manifest_checked(manifest: dict) -> "tuple[bytes, records.Manifest]":
     an equal manifest, while the writer saves a decode and a second copy of every container --
     objects the garbage collector would otherwise promote and traverse in a full collection,
     holding the GIL (docs/benchmarks.md, "Garbage collection")."""
-    parsed = records.parse_manifest(manifest, "manifest being written")
+    parsed = validate.parse_manifest(manifest, "manifest being written")
     return seal_manifest(encode_json(manifest)), parsed
 
 
@@ -91,7 +97,7 @@ def parse_manifest_bytes(raw: bytes, path: str) -> "records.Manifest":
                                          f"the trailer says {sealed.group(1).decode()})")
         obj = parse_json(raw, path)
         obj.pop("manifest_crc32", None)
-        return records.parse_manifest(obj, path)
+        return validate.parse_manifest(obj, path)
     obj = parse_json(raw, path)
     if "manifest_crc32" in obj or obj.get("version") != 1 or "seq" in obj:
         if obj.get("format") == CHECKPOINT_FORMAT and type(obj.get("version")) is int and \
@@ -101,7 +107,7 @@ def parse_manifest_bytes(raw: bytes, path: str) -> "records.Manifest":
         raise CorruptCheckpointError(f"{path}: the manifest does not end with its checksum "
                                      f"(expected the last {TRAILER_BYTES} bytes to be "
                                      '\',"manifest_crc32":"<8 hex digits>"}\')')
-    manifest = records.parse_manifest(obj, path, version_1=True)
+    manifest = validate.parse_manifest(obj, path, version_1=True)
     warnings.warn(f"{path}: a version-1 manifest has no checksum; its fields are validated but "
                   "a damaged value cannot be detected. Save a new checkpoint to get a checked one",
                   RuntimeWarning, stacklevel=3)

@@ -1,37 +1,24 @@
-"""The typed data model of the on-disk format (docs/format.md) and its validating parsers.
+"""The typed records of the on-disk model and of the commit round (docs/format.md), each with its
+JSON form.
 
-Three records cross module and process boundaries as JSON: the manifest of a checkpoint, the index
-of each shard file, and the report each rank sends to rank 0 at commit. Each has one frozen
-dataclass here and one ``parse_*`` function that validates *everything* once — types (a bool is
-not an int), ranges, offsets inside the file and non-overlapping, shapes against byte counts
-(Python ints, capped by the file size), checksum pieces, tree node types and indices, file names —
-before any caller allocates, seeks or indexes with a value. Every violation raises
-``CorruptCheckpointError`` (``UnsupportedFormatError`` for a newer version) naming the file and the
-JSON path of the bad field; nothing else escapes a parser.
+A record is built by its writer -- the shard writer builds its rank's :class:`RankReport`, rank 0's
+review merges the reports into a :class:`Manifest`, publishing takes a copy of it with the commit
+number, the round's arbiter decides a :class:`Verdict` -- and read back from JSON only by
+``validate.py``, whose ``parse_*`` functions check every byte that comes from another process or
+from disk. ``to_json()`` gives the exact JSON a reader parses back into an equal record (the
+manifest's field order is the one written since format version 2).
 
-Pure: no I/O (format.py reads the bytes, checks the checksums and calls these parsers). The
-generic field and state-tree checks the parsers are built from are in checks.py.
+Pure: no I/O, no validation here (``validate.py`` validates, ``files.py`` reads and writes bytes).
 """
 from __future__ import annotations
 
-import math
 import operator
-import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Mapping, Union
 
 import torch
 
-from . import checks
 from . import codec as fmt
-from .checks import (_U32, _U64, _At, _bool, _check_disjoint, _check_tensor_bytes, _dict, _dims,
-                     _dtype, _field_dims, _field_int, _field_str, _get, _int, _list, _numel,
-                     _pieces, _show, _str, _version, check_entry_keys, check_tree)
-
-#: Deepest state tree accepted (the limits are defined, and documented, in checks.py).
-MAX_TREE_DEPTH = checks.MAX_TREE_DEPTH
-#: Most dimensions of a tensor.
-MAX_NDIM = checks.MAX_NDIM
 
 
 # ---------------------------------------------------------------- records
@@ -45,6 +32,10 @@ class FileRef:
     nbytes: int        #: exact size of the file
     index_crc32: int   #: CRC-32 of its index, also stored in its header
 
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "name": self.name, "nbytes": self.nbytes,
+                "index_crc32": self.index_crc32}
+
 
 @dataclass(frozen=True)
 class ShardRef:
@@ -57,6 +48,11 @@ class ShardRef:
     global_offset: tuple[int, ...]
     shape: tuple[int, ...]
     checksums: tuple[tuple[int, int], ...]   #: consecutive (length, crc32) pieces
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "offset": self.offset, "nbytes": self.nbytes,
+                "global_offset": list(self.global_offset), "shape": list(self.shape),
+                "checksums": [list(p) for p in self.checksums]}
 
 
 @dataclass(frozen=True)
@@ -75,6 +71,15 @@ class TensorEntry:
     def torch_dtype(self) -> torch.dtype:
         return fmt.dtype_from_name(self.dtype, self.key)
 
+    def to_json(self) -> dict:
+        out = {"kind": "tensor", "key": self.key, "dtype": self.dtype, "shape": list(self.shape),
+               "shards": [s.to_json() for s in self.shards]}
+        if self.replicated:
+            out["replicated"] = True
+        if self.rank is not None:
+            out["rank"] = self.rank
+        return out
+
 
 @dataclass(frozen=True)
 class ObjectEntry:
@@ -87,6 +92,10 @@ class ObjectEntry:
     nbytes: int
     crc32: int
 
+    def to_json(self) -> dict:
+        return {"kind": "object", "key": self.key, "file": self.file, "offset": self.offset,
+                "nbytes": self.nbytes, "crc32": self.crc32}
+
 
 Entry = Union[TensorEntry, ObjectEntry]
 
@@ -97,6 +106,9 @@ class RankTree:
 
     rank: int
     tree: dict
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "tree": self.tree}
 
 
 @dataclass(frozen=True)
@@ -128,6 +140,22 @@ class Manifest:
     def regions(self, file_id: int) -> list[tuple[int, int, str]]:
         """(offset, nbytes, key) of every region of file ``file_id`` the manifest references."""
         return [(offset, nbytes, e.key) for offset, nbytes, e, _ in self.by_file[file_id]]
+
+    def to_json(self) -> dict:
+        """The JSON object ``manifest.json`` holds (before its checksum seal)."""
+        out = {"format": fmt.CHECKPOINT_FORMAT, "version": self.version, "name": self.name,
+               "step": self.step, "created_unix": self.created_unix,
+               "world_size": self.world_size, "metadata": self.metadata,
+               "files": [f.to_json() for f in self.files],
+               "entries": [e.to_json() for e in self.entries],
+               "ranks": [r.to_json() for r in self.ranks]}
+        if self.save_id is not None:
+            out["save_id"] = self.save_id
+        if self.version > 1:
+            out["seq"] = self.seq
+        if self.data_dir is not None:
+            out["data_dir"] = self.data_dir
+        return out
 
 
 @dataclass(frozen=True)
@@ -169,164 +197,149 @@ class ReportEntry:
     global_offset: tuple[int, ...] | None = None
     replicated: bool = False
 
+    def to_json(self) -> dict:
+        if self.kind == "object":
+            return {"key": self.key, "kind": "object", "offset": self.offset,
+                    "nbytes": self.nbytes, "crc32": self.crc32}
+        out = {"key": self.key, "kind": "tensor", "dtype": self.dtype, "shape": list(self.shape)}
+        if self.global_shape is not None:
+            out["global_shape"] = list(self.global_shape)
+            out["global_offset"] = list(self.global_offset)
+        if self.replicated:
+            out["replicated"] = True
+        if not self.written:
+            out["written"] = False
+            return out
+        out.update(offset=self.offset, nbytes=self.nbytes,
+                   checksums=[list(p) for p in self.checksums])
+        return out
+
+
+@dataclass(frozen=True)
+class SaveRef:
+    """Which save a rank report belongs to: every rank derives the same one on its own."""
+
+    name: str
+    step: int | None
+    nonce: str            #: names the round's keys; recorded in the manifest as ``save_id``
+    overwrite: bool = False
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "step": self.step, "nonce": self.nonce,
+                "overwrite": self.overwrite}
+
 
 @dataclass(frozen=True)
 class RankReport:
-    """What a rank sends rank 0 after writing its shard file (docs/format.md, commit step 2)."""
+    """What a rank sends rank 0 once its save is over (docs/format.md, commit step 2): its shard
+    file and entries, or its failure. Built by the shard writer (``save/job.finish_file``)."""
 
     rank: int
-    file: FileRef
-    entries: tuple[ReportEntry, ...]
-    tree: dict = field(repr=False)
+    save: SaveRef
+    root: str                         #: the directory this rank saves into, as it spells it
+    file: FileRef | None = None       #: None for a failed save
+    entries: tuple[ReportEntry, ...] = ()
+    tree: dict | None = field(default=None, repr=False)
+    #: Digest of every declared-replicated tensor (key → text), compared across ranks.
+    replicas: Mapping[str, str] = field(default_factory=dict)
+    error: str | None = None          #: this rank's own failure, described
+    expired: bool = False             #: its deadline passed before the round began
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"rank": self.rank, "save": self.save.to_json(), "root": self.root}
+        if self.failed:
+            out.update(error=self.error, expired=self.expired)
+            return out
+        out.update(file=self.file.to_json(), entries=[e.to_json() for e in self.entries],
+                   tree=self.tree, replicas=dict(self.replicas), expired=self.expired)
+        return out
 
 
-# ---------------------------------------------------------------- manifest
+# ---------------------------------------------------------------- the commit round's outcome
 
-_DATA_DIR = re.compile(r"\.data\.[A-Za-z0-9._@-]+")
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint. ``seq`` is its commit sequence number: the newest checkpoint of a
+    directory is the one with the highest ``seq`` (0 for checkpoints of format version 1)."""
 
+    name: str
+    path: str
+    step: int | None
+    created_unix: float
+    world_size: int
+    nbytes: int
+    metadata: dict = field(default_factory=dict)
+    seq: int = 0
 
-def parse_manifest(obj: Any, where: str, *, version_1: bool = False) -> Manifest:
-    """Validate a decoded ``manifest.json`` completely and return the typed manifest.
-
-    ``version_1`` says the file had no checksum trailer (only then is version 1 accepted)."""
-    at = _At(where)
-    m = _dict(obj, at)
-    version = _version(m, at, fmt.CHECKPOINT_FORMAT)
-    if (version == 1) != version_1:
-        raise (at / "version").bad(
-            f"version {version} {'requires' if version > 1 else 'must not have'} the checksum "
-            "trailer ('manifest_crc32')")
-    name = _str(_get(m, "name", at), at / "name")
-    try:
-        fmt.check_name(name)
-    except ValueError as exc:
-        raise (at / "name").bad(str(exc)) from None
-    step = m.get("step")
-    if step is not None:
-        step = _int(step, at / "step", 0, (1 << 63) - 1)
-    seq = 0 if version == 1 else _int(_get(m, "seq", at), at / "seq", 1, (1 << 63) - 1)
-    created = m.get("created_unix", 0.0)
-    if type(created) not in (int, float) or not math.isfinite(created) or created < 0:
-        raise (at / "created_unix").bad(f"expected a finite time, found {_show(created)}")
-    world = _int(_get(m, "world_size", at), at / "world_size", 1, 1 << 24)
-    metadata = _dict(m.get("metadata", {}), at / "metadata")
-    files = _files(_get(m, "files", at), at / "files", world)
-    entries = tuple(_entry(e, at / "entries" / i, files, world)
-                    for i, e in enumerate(_list(_get(m, "entries", at), at / "entries")))
-    by_file = _regions_by_file(entries, len(files))
-    for file_id, f in enumerate(files):
-        _check_disjoint([(o, n, e.key) for o, n, e, _ in by_file[file_id]], at / "files" / file_id,
-                        f"file {f.name}")
-    refs: dict[int, set[str]] = {}
-    ranks = _ranks(_get(m, "ranks", at), at / "ranks", world, [e.kind for e in entries], refs)
-    check_entry_keys([e.key for e in entries], refs, at / "entries")
-    save_id = m.get("save_id")
-    if save_id is not None:
-        save_id = _str(save_id, at / "save_id")
-    data_dir = m.get("data_dir")
-    if data_dir is not None and (not _DATA_DIR.fullmatch(_str(data_dir, at / "data_dir")) or
-                                 ".." in data_dir):
-        raise (at / "data_dir").bad(f"expected '.data.<run>-<attempt>', found {_show(data_dir)}")
-    return Manifest(version=version, name=name, step=step, seq=seq, created_unix=float(created),
-                    world_size=world, metadata=metadata, files=files, entries=entries,
-                    ranks=ranks, save_id=save_id, data_dir=data_dir, by_file=by_file)
+    def to_json(self) -> dict:
+        return {"name": self.name, "path": self.path, "step": self.step,
+                "created_unix": self.created_unix, "world_size": self.world_size,
+                "nbytes": self.nbytes, "metadata": self.metadata, "seq": self.seq}
 
 
-def _files(value: Any, at: _At, world: int) -> tuple[FileRef, ...]:
-    files = _list(value, at)
-    if len(files) != world:
-        raise at.bad(f"expected one file per rank ({world}), found {len(files)}")
-    out = []
-    for i, f in enumerate(files):
-        out.append(_file_ref(f, at / i, rank=i))
-    return tuple(out)
+def info_of(path: str, manifest: Manifest) -> CheckpointInfo:
+    """The description of the checkpoint at ``path`` with this manifest."""
+    return CheckpointInfo(name=path.rstrip("/").rsplit("/", 1)[-1], path=path, step=manifest.step,
+                          created_unix=manifest.created_unix, world_size=manifest.world_size,
+                          nbytes=manifest.nbytes, metadata=dict(manifest.metadata),
+                          seq=manifest.seq)
 
 
-def _file_ref(value: Any, at: _At, rank: int | None) -> FileRef:
-    f = _dict(value, at)
-    r = _int(_get(f, "rank", at), at / "rank", 0, 1 << 24)
-    if rank is not None and r != rank:
-        raise (at / "rank").bad(f"expected rank {rank}, found {r}")
-    name = _str(_get(f, "name", at), at / "name")
-    if name != fmt.shard_file_name(r):
-        raise (at / "name").bad(f"expected the file name {fmt.shard_file_name(r)!r}, found "
-                                f"{name!r}")
-    return FileRef(name=name, rank=r,
-                   nbytes=_int(_get(f, "nbytes", at), at / "nbytes", fmt.HEADER_BYTES, _U64),
-                   index_crc32=_int(_get(f, "index_crc32", at), at / "index_crc32", 0, _U32))
+#: Why a round did not commit: ``timeout`` (a rank did not report, or its deadline passed),
+#: ``failed`` (a rank's own error), ``mismatch`` (different saves), ``invalid`` (the reports do not
+#: form a checkpoint), ``store`` (coordination lost), ``commit`` (rank 0's publish failed).
+ABORT_KINDS = ("timeout", "failed", "mismatch", "invalid", "store", "commit")
 
 
-def _entry(value: Any, at: _At, files: tuple[FileRef, ...], world: int) -> Entry:
-    e = _dict(value, at)
-    kind = e.get("kind")
-    key = _field_str(e, "key", at)
-    if kind == "object":
-        file_id = _field_int(e, "file", at, 0, len(files) - 1)
-        offset, nbytes = _region(e, at, files[file_id])
-        crc = _field_int(e, "crc32", at, 0, _U32)
-        if nbytes == 0 and crc != 0:
-            raise (at / "crc32").bad(f"an empty region has CRC 0, found {crc}")
-        return ObjectEntry(key=key, file=file_id, offset=offset, nbytes=nbytes, crc32=crc)
-    if kind != "tensor":
-        raise (at / "kind").bad(f"unknown entry kind {_show(kind)}")
-    dtype = _dtype(_get(e, "dtype", at), at / "dtype")
-    shape = _field_dims(e, "shape", at)
-    shards = tuple(_shard(s, at / "shards" / i, files, dtype, shape)
-                   for i, s in enumerate(_list(_get(e, "shards", at), at / "shards")))
-    if not shards:
-        raise (at / "shards").bad(f"tensor {key!r} has no stored shard")
-    stored = sum(s.nbytes for s in shards)
-    _check_tensor_size(dtype, shape, stored, at)
-    replicated = e.get("replicated", False)
-    if type(replicated) is not bool:
-        _bool(replicated, at / "replicated")
-    rank = e.get("rank")
-    if rank is not None:
-        rank = _field_int(e, "rank", at, 0, world - 1)
-    return TensorEntry(key=key, dtype=dtype, shape=shape, shards=shards, replicated=replicated,
-                       rank=rank)
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of one commit round, the same on every rank: committed (``info``: the
+    checkpoint, as rank 0 names it; None when a rank learnt it from the disk and named it itself),
+    pending (rank 0 claimed the round and is publishing), or aborted (``kind`` in ABORT_KINDS,
+    ``message``, and each involved rank's cause)."""
+
+    ok: bool
+    kind: str = ""
+    message: str = ""
+    causes: Mapping[int, str] = field(default_factory=dict)
+    info: CheckpointInfo | None = None
+    pending: bool = False
+
+    @classmethod
+    def committed(cls, info: CheckpointInfo | None) -> "Verdict":
+        return cls(ok=True, info=info)
+
+    @classmethod
+    def abort(cls, kind: str, message: str, causes: Mapping[int, str]) -> "Verdict":
+        if kind not in ABORT_KINDS:
+            raise ValueError(f"abort kind {kind!r} is not one of {ABORT_KINDS}")
+        return cls(ok=False, kind=kind, message=message, causes=dict(sorted(causes.items())))
+
+    def to_json(self) -> dict:
+        if self.pending:
+            return {"pending": True}
+        if self.ok:
+            return {"ok": True, "info": self.info.to_json() if self.info is not None else None}
+        return {"ok": False, "kind": self.kind, "message": self.message,
+                "causes": {str(r): c for r, c in self.causes.items()}}
 
 
-def _check_tensor_size(dtype: str, shape: tuple[int, ...], stored: int, at: _At) -> None:
-    """The global tensor is no bigger than its stored shards (allocation is bounded by data)."""
-    itemsize = fmt.dtype_from_name(dtype, "").itemsize
-    if _numel(shape, stored // itemsize) is None:
-        raise (at / "shape").bad(f"global shape {list(shape)} of {dtype} is larger than its "
-                                 f"{stored} stored bytes")
+#: Rank 0's claim of a round: it is publishing, the final verdict follows.
+PENDING = Verdict(ok=False, pending=True)
 
 
-def _region(e: dict, at: _At, f: FileRef) -> tuple[int, int]:
-    offset = _field_int(e, "offset", at, fmt.HEADER_BYTES, f.nbytes)
-    if offset % fmt.DATA_ALIGN:
-        raise (at / "offset").bad(f"expected a multiple of {fmt.DATA_ALIGN}, found {offset}")
-    nbytes = _field_int(e, "nbytes", at, 0, f.nbytes - offset)
-    return offset, nbytes
-
-
-def _shard(value: Any, at: _At, files: tuple[FileRef, ...], dtype: str,
-           shape: tuple[int, ...]) -> ShardRef:
-    s = _dict(value, at)
-    file_id = _field_int(s, "file", at, 0, len(files) - 1)
-    offset, nbytes = _region(s, at, files[file_id])
-    box = _field_dims(s, "shape", at)
-    origin = _field_dims(s, "global_offset", at)
-    if len(box) != len(shape) or len(origin) != len(shape):
-        raise at.bad(f"box {list(origin)}+{list(box)} does not have the {len(shape)} dimensions "
-                     f"of the tensor {list(shape)}")
-    for d, (o, n, g) in enumerate(zip(origin, box, shape)):
-        if o + n > g:
-            raise at.bad(f"box {list(origin)}+{list(box)} exceeds the tensor {list(shape)} in "
-                         f"dimension {d}")
-    _check_tensor_bytes(dtype, box, nbytes, at)
-    return ShardRef(file=file_id, offset=offset, nbytes=nbytes, global_offset=origin, shape=box,
-                    checksums=_pieces(_get(s, "checksums", at), nbytes, at / "checksums"))
-
+# ---------------------------------------------------------------- shared by writers and parsers
 
 _offset_and_size = operator.itemgetter(0, 1)
 
 
-def _regions_by_file(entries: tuple[Entry, ...], nfiles: int) -> tuple:
-    """One pass over the entries: each file's regions, sorted by offset."""
+def regions_by_file(entries: tuple[Entry, ...], nfiles: int) -> tuple:
+    """One pass over the entries: each file's regions (offset, nbytes, entry, shard or None for
+    an object), sorted by offset -- ``Manifest.by_file``."""
     out: list[list] = [[] for _ in range(nfiles)]
     for e in entries:
         if isinstance(e, ObjectEntry):
@@ -335,124 +348,3 @@ def _regions_by_file(entries: tuple[Entry, ...], nfiles: int) -> tuple:
             for s in e.shards:
                 out[s.file].append((s.offset, s.nbytes, e, s))
     return tuple(tuple(sorted(regions, key=_offset_and_size)) for regions in out)
-
-
-def _ranks(value: Any, at: _At, world: int, kinds: list[str],
-           refs: dict[int, set[str]]) -> tuple[RankTree, ...]:
-    ranks = _list(value, at)
-    if len(ranks) != world:
-        raise at.bad(f"expected one tree per rank ({world}), found {len(ranks)}")
-    out = []
-    for i, r in enumerate(ranks):
-        r = _dict(r, at / i)
-        _int(_get(r, "rank", at / i), at / i / "rank", i, i)
-        out.append(RankTree(rank=i, tree=check_tree(_get(r, "tree", at / i), at / i / "tree",
-                                                    kinds, refs)))
-    return tuple(out)
-
-
-# ---------------------------------------------------------------- shard index
-
-def parse_shard_index(obj: Any, where: str, index_offset: int) -> ShardIndex:
-    """Validate the decoded index of a shard file whose index starts at ``index_offset``: every
-    region lies in ``[HEADER_BYTES, index_offset)``, regions are disjoint, checksum pieces cover
-    each region exactly, tensor shapes match their byte counts."""
-    at = _At(where)
-    d = _dict(obj, at)
-    version = _version(d, at, fmt.SHARD_FORMAT)
-    rank = _int(_get(d, "rank", at), at / "rank", 0, 1 << 24)
-    data_end = FileRef("", 0, index_offset, 0)
-    entries = []
-    for i, e in enumerate(_list(_get(d, "entries", at), at / "entries")):
-        entries.append(_index_entry(e, at / "entries" / i, data_end))
-    _check_disjoint([(e.offset, e.nbytes, e.key) for e in entries], at, "index")
-    return ShardIndex(version=version, rank=rank, entries=tuple(entries))
-
-
-def _index_entry(value: Any, at: _At, data_end: FileRef) -> IndexEntry:
-    e = _dict(value, at)
-    key = _str(_get(e, "key", at), at / "key")
-    kind = e.get("kind")
-    if kind not in ("tensor", "object"):
-        raise (at / "kind").bad(f"unknown entry kind {_show(kind)}")
-    offset, nbytes = _region(e, at, data_end)
-    if "checksums" in e:
-        pieces = _pieces(e["checksums"], nbytes, at / "checksums")
-    else:
-        crc = _int(_get(e, "crc32", at), at / "crc32", 0, _U32)
-        if nbytes == 0 and crc != 0:
-            raise (at / "crc32").bad(f"an empty region has CRC 0, found {crc}")
-        pieces = ((nbytes, crc),) if nbytes else ()
-    dtype = shape = None
-    if "dtype" in e or "shape" in e:
-        dtype = _dtype(_get(e, "dtype", at), at / "dtype")
-        shape = _dims(_get(e, "shape", at), at / "shape")
-        _check_tensor_bytes(dtype, shape, nbytes, at)
-    return IndexEntry(key=key, kind=kind, offset=offset, nbytes=nbytes, checksums=pieces,
-                      dtype=dtype, shape=shape)
-
-
-# ---------------------------------------------------------------- rank reports
-
-def parse_rank_report(obj: Any, where: str) -> RankReport:
-    """Validate the report of a rank that wrote its shard file (a report with ``"error"`` is a
-    failure and is not parsed here)."""
-    at = _At(where)
-    d = _dict(obj, at)
-    rank = _int(_get(d, "rank", at), at / "rank", 0, 1 << 24)
-    f = _report_file(_get(d, "file", at), at / "file", rank)
-    entries = tuple(_report_entry(e, at / "entries" / i, f)
-                    for i, e in enumerate(_list(_get(d, "entries", at), at / "entries")))
-    _check_disjoint([(e.offset, e.nbytes, e.key) for e in entries if e.written], at, "report")
-    refs: dict[int, set[str]] = {}
-    tree = check_tree(_get(d, "tree", at), at / "tree", [e.kind for e in entries], refs)
-    check_entry_keys([e.key for e in entries], refs, at / "entries")
-    return RankReport(rank=rank, file=f, entries=entries, tree=tree)
-
-
-def _report_file(value: Any, at: _At, rank: int) -> FileRef:
-    f = _dict(value, at)
-    name = _str(_get(f, "name", at), at / "name")
-    if name != fmt.shard_file_name(rank):
-        raise (at / "name").bad(f"rank {rank} reports the file {name!r}, expected "
-                                f"{fmt.shard_file_name(rank)!r}")
-    return FileRef(name=name, rank=rank,
-                   nbytes=_int(_get(f, "nbytes", at), at / "nbytes", fmt.HEADER_BYTES, _U64),
-                   index_crc32=_int(_get(f, "index_crc32", at), at / "index_crc32", 0, _U32))
-
-
-def _report_entry(value: Any, at: _At, f: FileRef) -> ReportEntry:
-    e = _dict(value, at)
-    key = _field_str(e, "key", at)
-    kind = e.get("kind")
-    if kind == "object":
-        offset, nbytes = _region(e, at, f)
-        return ReportEntry(key=key, kind=kind, written=True, offset=offset, nbytes=nbytes,
-                           crc32=_field_int(e, "crc32", at, 0, _U32))
-    if kind != "tensor":
-        raise (at / "kind").bad(f"unknown entry kind {_show(kind)}")
-    dtype = _dtype(_get(e, "dtype", at), at / "dtype")
-    shape = _field_dims(e, "shape", at)
-    global_shape = global_offset = None
-    if e.get("global_shape") is not None:
-        global_shape = _dims(e["global_shape"], at / "global_shape")
-        global_offset = _dims(_get(e, "global_offset", at), at / "global_offset")
-        if not len(global_shape) == len(global_offset) == len(shape) or any(
-                o + n > g for o, n, g in zip(global_offset, shape, global_shape)):
-            raise at.bad(f"box {list(global_offset)}+{list(shape)} does not fit the global "
-                         f"shape {list(global_shape)}")
-    replicated, written = e.get("replicated", False), e.get("written", True)
-    if type(replicated) is not bool or type(written) is not bool:
-        _bool(replicated, at / "replicated")
-        _bool(written, at / "written")
-    if not written:
-        return ReportEntry(key=key, kind=kind, written=False, dtype=dtype, shape=shape,
-                           global_shape=global_shape, global_offset=global_offset,
-                           replicated=replicated)
-    offset, nbytes = _region(e, at, f)
-    _check_tensor_bytes(dtype, shape, nbytes, at)
-    return ReportEntry(key=key, kind=kind, written=True, offset=offset, nbytes=nbytes,
-                       dtype=dtype, shape=shape,
-                       checksums=_pieces(_get(e, "checksums", at), nbytes, at / "checksums"),
-                       global_shape=global_shape, global_offset=global_offset,
-                       replicated=replicated)

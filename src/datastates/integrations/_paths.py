@@ -58,7 +58,7 @@ def is_checkpoint_dir(path) -> bool:
 def base_optimizer(opt: Any) -> torch.optim.Optimizer | None:
     """The torch optimizer inside framework wrappers (accelerate's ``AcceleratedOptimizer``,
     DeepSpeed's ZeRO wrappers, ``LightningOptimizer``): the core's unwrapping rule."""
-    return _core().capture.torch_optimizer(opt)
+    return _core().torch_optimizer(opt)
 
 
 class _Pending:

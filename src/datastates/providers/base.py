@@ -1,7 +1,7 @@
-"""The state provider contract and the registry that holds providers.
+"""The state provider contract: what a provider answers, and eager or lazy capture per value.
 
 A provider knows one kind of object and turns it into a *state*: nested dicts/lists/tuples of
-tensors and plain values (usually its ``state_dict()``). The engine walks that state, captures its
+tensors and plain values (usually its ``state_dict()``). The save walks that state, captures its
 tensors (lazily or eagerly: see ``datastates.save.capture`` for the rule) and serializes the rest. On restore the provider
 gets the loaded state back and applies it to the live object.
 """
@@ -24,7 +24,7 @@ class StateProvider(ABC):
 
     Contract:
     - ``can_handle`` and ``state`` run on the training thread inside ``save()``: keep them cheap,
-      return references to the live tensors (no copies); the engine copies them.
+      return references to the live tensors (no copies); the save pipeline copies them.
     - ``capture`` is ``auto`` by default: the storage rule decides each tensor (lazy only if its
       bytes belong to an optimizer that is part of the save). A provider may say ``eager``
       (always copied inside ``save()``), or ``lazy`` — a promise that its tensors do not change

@@ -1,11 +1,11 @@
 """One save of one rank: its record, the handle ``save()`` returns, and its outcome.
 
-A :class:`Job` is everything the pipeline threads (engine.py) share about one save: what to write
+A :class:`Job` is everything the pipeline threads (pipeline.py) share about one save: what to write
 and where, the events that say how far it got, the checksums of what was written and the first
 failure. A :class:`SaveHandle` is the caller's view of that job. At the end of a save the job also
 yields this rank's part of the checkpoint: the shard file's index and header, and the report the
 rank brings to the commit round (:func:`finish_file`). None of this needs the threads, so it lives
-apart from them: engine.py imports this module, never the other way round.
+apart from them: pipeline.py imports this module, never the other way round.
 """
 from __future__ import annotations
 
@@ -14,19 +14,19 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+
 
 import torch
 
-from ..commit import review as commit_mod
-from ..format import codec as fmt
+from .. import errors
 from ..commit.catalog import human_bytes
-from ..commit.rounds import SaveId
-from ..errors import CheckpointWriteError, CommitTimeoutError, DatastatesError
+from ..commit.committer import SaveTarget
+from ..errors import CommitTimeoutError
+from ..format import codec as fmt
+from ..format.records import CheckpointInfo, FileRef, RankReport, ReportEntry, SaveRef
 from ..providers.tree import Flattened, TensorItem
-from .planning import Layout
 from ..storage.posix import ShardWriter, fsync_dir
-from ..storage.store import LOCAL, Store
+from .planning import Layout
 
 log = logging.getLogger("datastates")
 
@@ -59,33 +59,20 @@ class SaveStats:
 class Job:
     """One save of one rank, shared by the pipeline threads."""
 
-    def __init__(self, *, sid: SaveId, name: str, step: int | None, root: str, tmp: str,
-                 rank: int, flat: Flattened, layout: Layout, write_tensors: list[int],
-                 objects: list[int], metadata: dict, overwrite: bool, ready, t0: float,
-                 on_commit: Callable[["Job"], None], deadline: float, eager_units: int = 0,
-                 eager_items: int = 0, store: Store = LOCAL,
-                 catalog: "commit_mod.Catalog | None" = None, digest_replicas: bool = False):
-        self.sid, self.name, self.step, self.root, self.tmp = sid, name, step, root, tmp
-        #: Where the checkpoint is written (local directory or object store).
-        self.store = store
-        #: Rank 0: the writer's catalog of ``root`` (commit numbering reads only what changed).
-        self.catalog = catalog
-        #: Rank 0, once published: the committed checkpoints of ``root`` right after this commit
-        #: (what retention counts; None: retention lists ``root`` itself).
-        self.committed: list[commit_mod.CheckpointInfo] | None = None
-        #: time.monotonic() by which this save must be decided (save() + commit_timeout_s).
-        self.deadline = deadline
+    def __init__(self, target: SaveTarget, *, flat: Flattened, layout: Layout,
+                 write_tensors: list[int], objects: list[int], metadata: dict, ready, t0: float,
+                 eager_units: int = 0, eager_items: int = 0, digest_replicas: bool = False):
+        #: Where and as what this save commits (name, directory, rank, deadline...).
+        self.target = target
         #: Digest of every declared-replicated tensor (key → text), compared across ranks.
         self.replicas: dict[str, str] = {}
         #: Whether this rank digests every declared-replicated tensor, the ones other ranks
         #: write included (replica check on, more than one rank).
         self.digest_replicas = digest_replicas
-        self.rank, self.flat, self.layout = rank, flat, layout
+        self.flat, self.layout = flat, layout
         #: Flat item indices of the tensors this rank writes (layout order) and of the objects.
         self.write_tensors, self.objects = write_tensors, objects
-        self.metadata, self.overwrite, self.ready, self.t0 = metadata, overwrite, ready, t0
-        #: Rank 0, commit thread, after the checkpoint became visible (latest, retention).
-        self.on_commit = on_commit
+        self.metadata, self.ready, self.t0 = metadata, ready, t0
         self.stats = SaveStats(nbytes=sum(flat.items[i].nbytes for i in write_tensors) +
                                sum(flat.items[i].nbytes for i in objects))
         #: The leading units of the layout that hold eager tensors; once they are in the cache
@@ -100,8 +87,7 @@ class Job:
         self.finished = threading.Event()
         self.cancelled = threading.Event()
         self.error: BaseException | None = None
-        self.info: commit_mod.CheckpointInfo | None = None
-        self.manifest: dict | None = None  # rank 0: built by the commit round's check
+        self.info: CheckpointInfo | None = None
         self.writer: ShardWriter | None = None
         self.crcs: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
@@ -118,7 +104,7 @@ class Job:
         self.unblocked = threading.Event()
         #: The deadline passed before the commit round began (see :meth:`expire`).
         self.expired = False
-        #: The commit round began: from here on the round's own deadline applies (dist.py).
+        #: The commit round began: from here on the round's own deadline applies (round.py).
         self.deciding = False
 
     def reads_lazy(self) -> bool:
@@ -176,11 +162,11 @@ class Job:
             if self.error is None:
                 elapsed = time.perf_counter() - self.t0
                 self.error = CommitTimeoutError(
-                    f"checkpoint {self.name!r} was not committed: rank {self.rank} had not "
+                    f"checkpoint {self.target.name!r} was not committed: rank {self.target.rank} had not "
                     f"written it when its commit_timeout_s ran out, {elapsed:.1f} s after "
                     f"save() ({self._outstanding} unit write(s) of its shard file pending); "
                     "nothing was committed",
-                    {self.rank: f"writing not finished {elapsed:.1f} s after save()"})
+                    {self.target.rank: f"writing not finished {elapsed:.1f} s after save()"})
         self.cancelled.set()
         cancel = getattr(self.writer, "cancel", None)
         if cancel is not None:
@@ -222,7 +208,7 @@ class Job:
     def finish(self) -> None:
         self.stats.commit_s = time.perf_counter() - self.t0
         if self.error is None:  # committed: rank 0 wrote the manifest as well
-            self.stats.files = 2 if self.rank == 0 else 1
+            self.stats.files = 2 if self.target.rank == 0 else 1
         with self._lock:
             waited = self.waiters > 0
         _log_outcome(self, waited)
@@ -236,23 +222,15 @@ def _log_outcome(job: "Job", waited: bool) -> None:
     if job.error is None:
         rate = s.nbytes / s.commit_s / 1e9 if s.commit_s > 0 else 0.0
         log.info("committed %s (rank %d): %s, blocked %.1f ms, snapshot %.3f s, commit %.3f s, "
-                 "%.2f GB/s", job.name, job.rank, human_bytes(s.nbytes), s.blocked_s * 1e3,
+                 "%.2f GB/s", job.target.name, job.target.rank, human_bytes(s.nbytes), s.blocked_s * 1e3,
                  s.snapshot_s, s.commit_s, rate)
     elif not waited:
-        log.warning("checkpoint %s failed on rank %d: %r", job.name, job.rank, job.error)
+        log.warning("checkpoint %s failed on rank %d: %r", job.target.name, job.target.rank, job.error)
 
 
 def write_error(job: "Job", what: str, exc: BaseException) -> BaseException:
-    """A background failure as the error the handle raises: OS errors become
-    CheckpointWriteError with the same errno (``e.errno == errno.ENOSPC`` keeps working)."""
-    if isinstance(exc, DatastatesError) or not isinstance(exc, OSError):
-        return exc
-    error = CheckpointWriteError(exc.errno, f"rank {job.rank}: {what} failed: "
-                                            f"{exc.strerror or exc}")
-    if exc.filename is not None:
-        error.filename = exc.filename
-    error.__cause__ = exc
-    return error
+    """:func:`datastates.errors.write_error` for this job's rank."""
+    return errors.write_error(job.target.rank, what, exc)
 
 
 def replica_digests(items) -> dict[str, str]:
@@ -287,11 +265,11 @@ class SaveHandle:
 
     @property
     def name(self) -> str:
-        return self._job.name
+        return self._job.target.name
 
     @property
     def step(self) -> int | None:
-        return self._job.step
+        return self._job.target.step
 
     @property
     def stats(self) -> SaveStats:
@@ -300,7 +278,7 @@ class SaveHandle:
     @property
     def save_id(self) -> str:
         """The nonce of this save (the same on every rank; recorded in the manifest)."""
-        return self._job.sid.nonce
+        return self._job.target.sid.nonce
 
     def snapshot_done(self) -> bool:
         """True once the state is captured in host memory (or the save failed)."""
@@ -313,11 +291,11 @@ class SaveHandle:
     def wait_snapshot(self, timeout: float | None = None) -> None:
         """Block until the state is captured; after that the live state may change freely."""
         if not self._job.captured.wait(timeout):
-            raise TimeoutError(f"snapshot of {self.name!r} not complete after {timeout} s")
+            raise TimeoutError(f"snapshot of {self.target.name!r} not complete after {timeout} s")
         if self._job.error is not None and self._job.finished.is_set():
             self._raise()
 
-    def wait(self, timeout: float | None = None) -> commit_mod.CheckpointInfo:
+    def wait(self, timeout: float | None = None) -> CheckpointInfo:
         """Block until committed; return its info or raise its error."""
         job = self._job
         with job._lock:
@@ -328,7 +306,7 @@ class SaveHandle:
             with job._lock:
                 job.waiters -= 1
         if not done:
-            raise TimeoutError(f"checkpoint {self.name!r} not committed after {timeout} s")
+            raise TimeoutError(f"checkpoint {self.target.name!r} not committed after {timeout} s")
         if self._job.error is not None:
             self._raise()
         self._observed = True
@@ -358,24 +336,37 @@ class SaveHandle:
         except Exception:  # interpreter shutdown
             return
         if err is not None:
-            warnings.warn(f"datastates: checkpoint {self.name!r} failed and its handle was "
+            warnings.warn(f"datastates: checkpoint {self.target.name!r} failed and its handle was "
                           f"dropped without wait(): {err!r}", RuntimeWarning, stacklevel=2)
 
 
-def finish_file(job: Job, fsync: bool) -> dict | None:
+def failed_report(job: Job) -> RankReport:
+    """This rank's report for a save that failed here (its error, described)."""
+    error = job.error
+    cause = f"{type(error).__name__}: {error}" if error is not None else "unknown failure"
+    return RankReport(rank=job.target.rank, save=_save_ref(job), root=job.target.root,
+                      error=cause, expired=job.expired)
+
+
+def _save_ref(job: Job) -> SaveRef:
+    t = job.target
+    return SaveRef(name=t.name, step=t.step, nonce=t.sid.nonce, overwrite=t.overwrite)
+
+
+def finish_file(job: Job, fsync: bool) -> RankReport | None:
     """Commit thread: write the object blobs (while tensor units are still in flight), then,
     once every unit is written, the index and header, and make the file durable. Returns this
     rank's report for the commit round, or None if the save failed."""
     job.opened.wait()
     items = job.flat.items
-    entries: list[dict | None] = [None] * len(items)
+    entries: list[ReportEntry | None] = [None] * len(items)
     for i, offset in zip(job.objects, job.layout.blob_offsets):
         if job.writer is None or job.error is not None:
             break
         data = items[i].data  # written while the tensor units are in flight
         job.writer.write(memoryview(data), offset)
-        entries[i] = {"key": items[i].key, "kind": "object", "offset": offset,
-                      "nbytes": len(data), "crc32": fmt.crc32(data)}
+        entries[i] = ReportEntry(key=items[i].key, kind="object", written=True, offset=offset,
+                                 nbytes=len(data), crc32=fmt.crc32(data))
     job.unblocked.wait()  # every unit written, or the deadline passed
     if job.error is not None:
         return None
@@ -384,32 +375,30 @@ def finish_file(job: Job, fsync: bool) -> dict | None:
     for i, item in enumerate(items):
         if isinstance(item, TensorItem):
             entries[i] = _tensor_entry(job, item, position.get(i), pieces)
-    index = fmt.encode_index(job.rank, [e for e in entries if e.get("written", True)])
+    index = fmt.encode_index(job.target.rank, [e.to_json() for e in entries if e.written])
     job.writer.write(memoryview(index), job.layout.index_offset)
     job.writer.write(memoryview(fmt.pack_header(job.layout.index_offset, index)), 0)
     size = job.layout.index_offset + len(index)
     job.writer.finish(fsync, size)
     job.stats.file_nbytes = size
-    if fsync and job.store.renames:  # the file's entry in the temporary directory, on every rank
-        fsync_dir(job.tmp)
-    return {"rank": job.rank, "entries": entries, "tree": job.flat.tree,
-            "file": {"name": fmt.shard_file_name(job.rank), "nbytes": size,
-                     "index_crc32": fmt.crc32(index)}}
+    if fsync and job.target.store.renames:  # the file's entry in the temporary directory
+        fsync_dir(job.target.tmp)
+    rank = job.target.rank
+    return RankReport(rank=rank, save=_save_ref(job), root=job.target.root,
+                      file=FileRef(name=fmt.shard_file_name(rank), rank=rank, nbytes=size,
+                                   index_crc32=fmt.crc32(index)),
+                      entries=tuple(entries), tree=job.flat.tree, replicas=dict(job.replicas),
+                      expired=job.expired)
 
 
-def _tensor_entry(job: Job, item: TensorItem, t_i: int | None, pieces: dict) -> dict:
-    entry = {"key": item.key, "kind": "tensor", "dtype": fmt.dtype_name(item.dtype),
-             "shape": list(item.shape)}
-    if item.global_shape is not None:
-        entry["global_shape"] = list(item.global_shape)
-        entry["global_offset"] = list(item.global_offset)
-    if item.replicated:
-        entry["replicated"] = True
+def _tensor_entry(job: Job, item: TensorItem, t_i: int | None, pieces: dict) -> ReportEntry:
+    local = item.global_shape is not None
+    common = dict(key=item.key, kind="tensor", dtype=fmt.dtype_name(item.dtype),
+                  shape=tuple(item.shape), replicated=bool(item.replicated),
+                  global_shape=tuple(item.global_shape) if local else None,
+                  global_offset=tuple(item.global_offset) if local else None)
     if t_i is None:
-        entry["written"] = False
-        return entry
-    entry.update(offset=job.layout.tensor_offsets[t_i], nbytes=item.nbytes,
-                 checksums=[[p.nbytes, job.crcs[(t_i, p.item_offset)]]
-                            for p in pieces.get(t_i, [])])
-    return entry
-
+        return ReportEntry(written=False, **common)
+    return ReportEntry(written=True, offset=job.layout.tensor_offsets[t_i], nbytes=item.nbytes,
+                       checksums=tuple((p.nbytes, job.crcs[(t_i, p.item_offset)])
+                                       for p in pieces.get(t_i, [])), **common)

@@ -1,4 +1,4 @@
-"""The save pipeline: capture thread → writer threads → commit thread (the job: job.py).
+"""The save pipeline's threads: capture → writers → commit, and a deadline thread (the job: job.py).
 
 Threads (one set per Checkpointer, started once):
 - capture: for each job in order, copies units of tensors into host-cache slots (blocking on free
@@ -6,7 +6,8 @@ Threads (one set per Checkpointer, started once):
   (``Job.eager_captured``) — then the lazy ones, then marks the snapshot complete;
 - writers: checksum each unit's pieces and write the unit at its file offset, release the slot;
 - commit: opens nothing on the training thread; writes the object blobs while tensor units are in
-  flight (metadata overlaps bulk I/O), then index + header + fsync, then runs the commit protocol;
+  flight (metadata overlaps bulk I/O), then index + header + fsync, then commits the save
+  (``commit/committer.py``: the round, rank 0's review and publish, the verdict applied);
 - deadline: fails every save still unwritten when its ``commit_timeout_s`` runs out
   (``Job.expire``), so no wait of a save outlasts its deadline by more than one storage request
   already in flight (bounded by the storage client's own timeouts).
@@ -20,18 +21,32 @@ import queue
 import threading
 import time
 import warnings
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
-from ..commit import review as commit_mod
-from ..format import codec as fmt
+from ..commit.committer import commit_save
 from ..config import CheckpointConfig
-from ..commit.rounds import abort_decision
-from ..errors import CheckpointerClosedError, CommitError, CommitTimeoutError, StorageError
+from ..errors import CheckpointerClosedError, StorageError
+from ..format import codec as fmt
 from ..providers.tree import TensorItem
-from .job import Job, finish_file, replica_digests, write_error
+from .job import Job, failed_report, finish_file, replica_digests, write_error
+from .planning import Unit
 from .staging import DeviceCopier, HostCache
+
+
+class WriteUnit(NamedTuple):
+    """Writer threads: write ``unit`` of ``job`` from cache slot ``slot``."""
+
+    job: Job
+    unit: Unit
+    slot: int
+
+
+class TakeChecksums(NamedTuple):
+    """Writer threads: the capture of ``job`` is over; checksum its deferred units."""
+
+    job: Job
 
 
 class Pipeline:
@@ -134,7 +149,7 @@ class Pipeline:
                 self._digest_replicas(job, lazy=False)  # no-op if done before eager_captured
                 self._digest_replicas(job, lazy=True)
             except BaseException as exc:
-                job.fail(write_error(job, f"preparing {job.tmp}", exc))
+                job.fail(write_error(job, f"preparing {job.target.tmp}", exc))
             finally:
                 job.opened.set()
                 try:
@@ -143,13 +158,13 @@ class Pipeline:
                     job.fail(exc)
                     job.captured.set()
                     job.mark_written()
-                self._write_q.put(("checksum", job))
+                self._write_q.put(TakeChecksums(job))
 
     def _open(self, job: Job) -> None:
-        store = job.store
-        store.makedirs(job.root, self.config.fsync)  # the first save creates the directory
-        store.makedirs(job.tmp, False)  # its name says which process owns it
-        job.writer = store.shard_writer(store.join(job.tmp, fmt.shard_file_name(job.rank)),
+        store = job.target.store
+        store.makedirs(job.target.root, self.config.fsync)  # the first save creates the directory
+        store.makedirs(job.target.tmp, False)  # its name says which process owns it
+        job.writer = store.shard_writer(store.join(job.target.tmp, fmt.shard_file_name(job.target.rank)),
                                         self.config.io_mode, job.layout)
         job.opened.set()
 
@@ -187,7 +202,7 @@ class Pipeline:
             if number == job.eager_units:
                 self._eager_done(job)
             slot = self._acquire(job)
-            if slot < 0:
+            if slot is None:
                 return
             job.unit_queued()
             try:
@@ -222,18 +237,18 @@ class Pipeline:
                 self.cache.release(slot)
                 job.unit_done()
                 raise
-            self._write_q.put(("unit", job, unit, slot))
+            self._write_q.put(WriteUnit(job, unit, slot))
 
-    def _acquire(self, job: Job) -> int:
+    def _acquire(self, job: Job) -> int | None:
         """A free slot for the capture; when none is free, checksum (here, at once) the written
-        units whose checksums were deferred, which frees their slots. -1 if the job failed."""
+        units whose checksums were deferred, which frees their slots. None if the job failed."""
         slot = self.cache.try_acquire()
-        while slot < 0:
+        while slot is None:
             for unit, held in job.take_deferred():
                 self._checksum(job, unit, held)
             slot = self.cache.acquire(job.cancelled, timeout=0.01)
-            if slot == -1:
-                return -1
+            if slot is None and job.cancelled.is_set():
+                return None
         return slot
 
     # ------------------------------------------------------------ writer threads
@@ -241,13 +256,13 @@ class Pipeline:
         """Write each unit at once; checksum it now, or after the snapshot if the capture is still
         running (the slot stays held until its checksums are taken)."""
         while (work := self._write_q.get()) is not None:
-            job = work[1]
+            job = work.job
             try:
-                if work[0] == "checksum":
+                if isinstance(work, TakeChecksums):
                     for unit, slot in job.take_deferred():
                         self._checksum(job, unit, slot)
                 else:
-                    self._write_unit(job, work[2], work[3])
+                    self._write_unit(job, work.unit, work.slot)
             except BaseException as exc:  # last resort: the job fails, the thread lives on
                 job.fail(exc)
 
@@ -258,7 +273,7 @@ class Pipeline:
                 padded = fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN)
                 job.writer.write(view[:unit.nbytes], unit.file_offset, view[:padded])
         except BaseException as exc:
-            job.fail(write_error(job, f"writing {job.writer.path if job.writer else job.tmp}"
+            job.fail(write_error(job, f"writing {job.writer.path if job.writer else job.target.tmp}"
                                       f" at offset {unit.file_offset}", exc))
         if job.cancelled.is_set() or not job.defer(unit, slot):
             self._checksum(job, unit, slot)
@@ -275,7 +290,7 @@ class Pipeline:
                         fmt.crc32(view[piece.unit_offset:end])
         except BaseException as exc:
             job.fail(write_error(job, f"checksumming a unit at offset {unit.file_offset} of "
-                                      f"{job.tmp}", exc))
+                                      f"{job.target.tmp}", exc))
         finally:
             self.cache.release(slot)
             job.unit_done()
@@ -289,9 +304,9 @@ class Pipeline:
                 now = time.monotonic()
                 waiting = [j for j in self._active if not (j.expired or j.deciding)]
                 for job in waiting:
-                    if job.deadline <= now:
+                    if job.target.deadline <= now:
                         job.expire()
-                later = [j.deadline for j in waiting if j.deadline > now]
+                later = [j.target.deadline for j in waiting if j.target.deadline > now]
                 self._wakeup.wait(min(later) - now if later else None)
 
     # ------------------------------------------------------------ commit thread
@@ -327,31 +342,28 @@ class Pipeline:
             job.all_written.wait()  # cancelled writes end within the storage client's timeouts
             if job.error is not None:
                 self._discard_writer(job)
-                if job.rank == 0:
+                if job.target.rank == 0:
                     self._remove_failed(job)
         except BaseException as exc:  # tidying up must never stop the commit thread
-            warnings.warn(f"datastates: cleaning up after {job.name!r} failed: {exc!r}",
+            warnings.warn(f"datastates: cleaning up after {job.target.name!r} failed: {exc!r}",
                           RuntimeWarning, stacklevel=2)
 
     def _commit(self, job: Job) -> None:
+        """Finish this rank's shard file, then take its report into the commit round
+        (``commit/committer.py``); the outcome goes onto the job."""
+        report = None
         try:
-            payload = finish_file(job, self.config.fsync)
+            report = finish_file(job, self.config.fsync)
         except BaseException as exc:
-            job.fail(write_error(job, f"finishing {job.tmp}", exc))
+            job.fail(write_error(job, f"finishing {job.target.tmp}", exc))
         job.unblocked.wait()  # every write returned, or the deadline passed
         if job.error is None:
             self._close_writer(job)
         job.begin_decision()
-        if job.error is not None:
-            payload = None
-        try:
-            self._agree(job, payload)
-        except CommitError as exc:
-            job.error = exc
-        except BaseException as exc:  # the store went away (a rank died): never hang or crash
-            job.error = CommitError(f"checkpoint {job.name!r}: coordination with the other "
-                                    f"ranks failed ({exc}); nothing was committed",
-                                    {job.rank: repr(exc)})
+        if job.error is not None or report is None:
+            report = failed_report(job)
+        outcome = commit_save(self.comm, job.target, report, job.metadata, job.error)
+        job.info, job.error = outcome.info, outcome.error
 
     @staticmethod
     def _close_writer(job: Job) -> None:
@@ -363,90 +375,6 @@ class Pipeline:
         except OSError as exc:
             if job.error is None:
                 job.fail(write_error(job, f"closing {job.writer.path}", exc))
-
-    # ------------------------------------------------------------ commit decision
-    def _agree(self, job: Job, payload: dict | None) -> None:
-        """Run this save's commit round (dist.py) and apply its verdict, the same on every rank.
-        Rank 0 moves ``latest`` and applies retention only after the verdict is published."""
-        report = payload if payload is not None else {"rank": job.rank,
-                                                      "error": _describe(job.error)}
-        if job.expired:
-            report["expired"] = True  # a timeout, whichever rank decides
-        report = {**report, "overwrite": job.overwrite, "replicas": job.replicas,
-                  "root": job.root}
-        try:
-            decision = self.comm.agree(job.sid, report, job.deadline,
-                                       self.config.commit_timeout_s,
-                                       check=lambda reports: self._check(job, reports),
-                                       commit=lambda reports: self._publish(job),
-                                       fallback=lambda why: self._verdict_on_disk(job, why))
-        except BaseException as exc:  # never hang or crash the commit thread
-            decision = abort_decision("store", f"checkpoint {job.name!r}: coordination with the "
-                                      f"other ranks failed ({exc})", {job.rank: repr(exc)})
-        if decision.get("ok"):
-            if job.info is None:
-                job.info = commit_mod.CheckpointInfo(name=job.name,
-                                                     path=job.store.join(job.root, job.name),
-                                                     step=job.step, **decision["info"])
-            if job.rank == 0:
-                job.on_commit(job)
-            elif job.catalog is not None:  # latest() agrees on every rank, whatever it lists
-                job.catalog.record(job.info, None)
-            return
-        causes = {int(r): c for r, c in decision["causes"].items()}
-        if self.comm.world_size > 1 or job.error is None:
-            kind = CommitTimeoutError if decision["kind"] == "timeout" else CommitError
-            error = kind(f"{decision['message']}: {_by_cause(causes)}", causes)
-            error.__cause__ = job.error
-            job.error = error
-        if job.rank != 0:  # rank 0 removes the whole temporary directory (see _commit_loop)
-            commit_mod.discard(job.tmp, job.rank, keep_file=decision["kind"] == "store",
-                               store=job.store)
-
-    def _check(self, job: Job, reports: dict[int, dict]) -> dict | None:
-        """Rank 0: the abort verdict for these reports, or None if they form a checkpoint (its
-        manifest is then kept on the job for :meth:`_publish`). A rank whose save expired makes
-        it a timeout, as when that rank had not reported at all."""
-        expired = sorted(r for r, report in reports.items() if report.get("expired"))
-        if expired:
-            return abort_decision("timeout", f"checkpoint {job.name!r} was not committed: rank(s) "
-                                  f"{expired} had not written it within the commit timeout",
-                                  {r: str(reports[r].get("error")) for r in expired})
-        elsewhere = _elsewhere(job, reports)
-        if elsewhere:
-            return abort_decision("mismatch", f"checkpoint {job.name!r} was not committed: same "
-                                  f"name, different directory: rank 0 saves to {job.root}, "
-                                  + ", ".join(f"rank {r} to {d}" for r, d in elsewhere.items()),
-                                  {r: f"saves {job.name!r} to {d}, rank 0 to {job.root}"
-                                   for r, d in elsewhere.items()})
-        decision, job.manifest = commit_mod.review(
-            reports, name=job.name, step=job.step, metadata=job.metadata, save_id=job.sid.nonce,
-            tmp=job.tmp, replica_check=self.config.replica_check, store=job.store)
-        return decision
-
-    def _publish(self, job: Job) -> dict:
-        """Rank 0, after winning the decision: rename into place; the commit verdict."""
-        try:
-            published = commit_mod.publish(job.root, job.tmp, job.name, job.manifest,
-                                           overwrite=job.overwrite, fsync=self.config.fsync,
-                                           store=job.store, catalog=job.catalog)
-        except BaseException as exc:
-            job.fail(write_error(job, f"committing {job.name!r}", exc))
-            raise
-        job.info, job.committed = published.info, published.committed
-        return {"ok": True, "info": {"created_unix": job.info.created_unix,
-                                     "world_size": job.info.world_size,
-                                     "nbytes": job.info.nbytes, "metadata": job.info.metadata,
-                                     "seq": job.info.seq}}
-
-    def _verdict_on_disk(self, job: Job, why: str) -> dict:
-        """The verdict when the store is gone: committed iff the manifest records this save."""
-        info = commit_mod.committed_save(job.root, job.name, job.sid.nonce, job.store)
-        if info is not None:
-            job.info = info
-            return {"ok": True, "info": {}}
-        return abort_decision("store", f"checkpoint {job.name!r} was not committed (no manifest "
-                              "of this save on disk)", {job.rank: why})
 
     def _discard_writer(self, job: Job) -> None:
         """Close a failed save's shard writer, which aborts its upload on an object store."""
@@ -460,7 +388,7 @@ class Pipeline:
 
     def _remove_failed(self, job: Job) -> None:
         """Rank 0: delete the temporary directory of a failed save."""
-        store, tmp = job.store, job.tmp
+        store, tmp = job.target.store, job.target.tmp
         try:
             store.remove_tree(tmp)
         except OSError as exc:
@@ -470,7 +398,7 @@ class Pipeline:
     def _leave(self, what: str, retry: Callable[[], None], job: Job, exc: OSError) -> None:
         """Keep a cleanup that failed for later, and warn naming what is left."""
         self._leftovers.append((what, retry))
-        warnings.warn(f"datastates: checkpoint {job.name!r} failed and {what} could not be "
+        warnings.warn(f"datastates: checkpoint {job.target.name!r} failed and {what} could not be "
                       f"removed ({exc}); retrying after the next save and at close",
                       RuntimeWarning, stacklevel=3)
 
@@ -487,24 +415,6 @@ class Pipeline:
         self._leftovers = left
 
 
-def _elsewhere(job: Job, reports: dict[int, dict]) -> dict[int, str]:
-    """Rank 0: the ranks that saved this name into another directory (rank → the directory
-    it named). A rank naming the directory differently (a link, another mount point) whose
-    shard file is in rank 0's temporary directory shares it; one whose file is not there
-    wrote elsewhere."""
-    out = {}
-    for r, report in sorted(reports.items()):
-        root = report.get("root")
-        if r == 0 or "error" in report or root is None or root == job.root:
-            continue
-        path = job.store.join(job.tmp, fmt.shard_file_name(r))
-        try:
-            job.store.open_read(path).close()
-        except (OSError, ValueError):
-            out[r] = str(root)
-    return out
-
-
 def _caused_by(error: BaseException | None, kind: type) -> bool:
     """Whether ``error`` or an error in its chain of causes is a ``kind``."""
     seen = 0
@@ -513,16 +423,3 @@ def _caused_by(error: BaseException | None, kind: type) -> bool:
             return True
         error, seen = error.__cause__ or error.__context__, seen + 1
     return False
-
-
-def _describe(error: BaseException | None) -> str:
-    return f"{type(error).__name__}: {error}" if error is not None else "unknown failure"
-
-
-def _by_cause(causes: dict[int, str]) -> str:
-    """"rank 1: cause; ranks [0, 2]: other cause" (ranks sharing a cause are named once)."""
-    groups: dict[str, list[int]] = {}
-    for r, cause in sorted(causes.items()):
-        groups.setdefault(cause, []).append(r)
-    return "; ".join(f"rank {rs[0]}: {c}" if len(rs) == 1 else f"ranks {rs}: {c}"
-                     for c, rs in groups.items())

@@ -67,8 +67,9 @@ class HostCache:
         finally:
             self._ready.set()
 
-    def acquire(self, cancelled: threading.Event, timeout: float | None = None) -> int:
-        """Block until a slot is free; -1 if ``cancelled`` is set meanwhile, -2 after ``timeout``."""
+    def acquire(self, cancelled: threading.Event, timeout: float | None = None) -> int | None:
+        """Block until a slot is free and return it; None if ``cancelled`` is set meanwhile or
+        ``timeout`` passes first (``cancelled.is_set()`` tells which)."""
         self.reserve(self.limit_bytes)  # normally done by the first save already
         self._ready.wait()
         if self._error is not None:
@@ -80,19 +81,18 @@ class HostCache:
                 return self._free.get(timeout=0.05 if deadline is None else
                                       max(0.0, min(0.05, deadline - time.monotonic())))
             except queue.Empty:
-                if cancelled.is_set():
-                    return -1
-                if deadline is not None and time.monotonic() >= deadline:
-                    return -2
+                if cancelled.is_set() or (deadline is not None and
+                                          time.monotonic() >= deadline):
+                    return None
 
-    def try_acquire(self) -> int:
-        """A free slot, or -1 at once if none is free (or the cache is not allocated yet)."""
+    def try_acquire(self) -> int | None:
+        """A free slot, or None at once if none is free (or the cache is not allocated yet)."""
         if not self._ready.is_set() or self._error is not None:
-            return -1
+            return None
         try:
             return self._free.get_nowait()
         except queue.Empty:
-            return -1
+            return None
 
     def release(self, slot: int) -> None:
         self._free.put(slot)

@@ -5,7 +5,7 @@ names files by path strings — a local path, or a URL such as ``s3://bucket/run
 every file operation through a :class:`Store`. Two implementations exist: :class:`LocalStore`
 (this module: ``os`` calls, O_DIRECT writes, atomic renames) and the object store of
 ``datastates.storage.s3`` (S3-compatible; no rename, so the manifest written last is the commit
-marker). docs/posix.md states what each guarantees and what a reader can observe.
+marker). docs/storage.md states what each guarantees and what a reader can observe.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import re
 import time
 from dataclasses import dataclass, replace
 
-from ..commit import review as commit_mod
+from ..commit.catalog import resolve
 from ..format import codec as fmt
 from ..format import files
 from ..commit.catalog import (
@@ -83,7 +83,7 @@ def select(path: str | os.PathLike, step: int | None = None, tag: str | None = N
     if store.renames and _is_dcp(path):
         return Selection([dcp_info(path)], [])
     if step is not None or tag is not None:
-        return Selection([commit_mod.resolve(path, step, tag, store)], [])
+        return Selection([resolve(path, step, tag, store)], [])
     catalog = Catalog(path, store)
     found, damaged = catalog.scan(), catalog.damaged()
     if not found and store.renames and not damaged:

@@ -38,7 +38,7 @@ def import_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, *, source
     Returns its info once committed.
     """
     from ..checkpointer import Checkpointer
-    from ..commit.rounds import LocalCommunicator
+    from ..commit.round import LocalCommunicator
     src = os.path.abspath(os.fspath(src))
     if not os.path.exists(src):
         raise CheckpointNotFoundError(f"import: {src} does not exist")

@@ -40,7 +40,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-PENDING = {"pending": True}
+from ..errors import CorruptCheckpointError
+from ..format.records import PENDING, RankReport, Verdict
+from ..format.validate import parse_rank_report, parse_verdict
+
 _ABSENT = "\x00absent"  # compare_set(key, _ABSENT, _ABSENT): a read that never blocks
 
 
@@ -71,8 +74,8 @@ class SaveId:
                 "attempt": self.attempt, "ordinal": self.ordinal}
 
 
-def timeout_decision(sid: SaveId, missing: list[int], timeout: float,
-                     announced: dict[int, dict | None]) -> dict:
+def timeout_verdict(sid: SaveId, missing: list[int], timeout: float,
+                    announced: dict[int, dict | None]) -> Verdict:
     """The abort verdict for reports that did not arrive, naming each missing rank."""
     causes = {}
     for r in missing:
@@ -83,16 +86,9 @@ def timeout_decision(sid: SaveId, missing: list[int], timeout: float,
         elif not seen:
             cause += " (it has reported no save yet)"
         causes[r] = cause
-    return abort_decision("timeout", f"checkpoint {sid.name!r} was not committed: rank(s) "
-                          f"{missing} did not report in time (dead, hung, or making another save)",
-                          causes)
-
-
-def abort_decision(kind: str, message: str, causes: dict[int, str]) -> dict:
-    """``kind``: timeout, failed (a rank's own error), mismatch (different saves), invalid (the
-    reports do not form a checkpoint), store (coordination lost), commit (rank 0's rename)."""
-    return {"ok": False, "kind": kind, "message": message,
-            "causes": {str(r): c for r, c in sorted(causes.items())}}
+    return Verdict.abort("timeout", f"checkpoint {sid.name!r} was not committed: rank(s) "
+                         f"{missing} did not report in time (dead, hung, or making another save)",
+                         causes)
 
 
 class StoreCommunicator:
@@ -117,6 +113,7 @@ class StoreCommunicator:
         self._ordinal = 0
         self._lock = threading.Lock()
         self._swept = 0  # rank 0: orphan slots already cleaned
+        self._reports: dict[int, RankReport] = {}  # rank 0, within a round: for commit()
 
     @classmethod
     def from_process_group(cls, group=None) -> "StoreCommunicator":
@@ -150,21 +147,23 @@ class StoreCommunicator:
                                                                f"{nonce}/beat", f"{nonce}/done"]
 
     # ------------------------------------------------------------ one round
-    def agree(self, sid: SaveId, report: dict, deadline: float, timeout_s: float, *,
-              check: Callable[[dict[int, dict]], dict | None],
-              commit: Callable[[dict[int, dict]], dict],
-              fallback: Callable[[str], dict]) -> dict:
+    def agree(self, sid: SaveId, report: RankReport, deadline: float, timeout_s: float, *,
+              check: Callable[[dict[int, RankReport]], Verdict | None],
+              commit: Callable[[dict[int, RankReport]], Verdict],
+              fallback: Callable[[str], Verdict]) -> Verdict:
         """Run the round of ``sid`` and return its verdict, the same on every rank.
 
         ``deadline`` is ``time.monotonic()`` at ``save()`` plus ``timeout_s``. Rank 0 calls
         ``check(reports)`` (an abort verdict, or None to commit) and ``commit(reports)`` (renames,
-        returns the commit verdict, may raise) only after winning the decision key. Other ranks
+        returns the commit verdict, may raise) only after winning the decision key; ``reports``
+        holds rank 0's own report as built and the others' as parsed from the store (a report
+        that does not validate aborts the round as ``invalid``, naming its rank). Other ranks
         call ``fallback(why)`` (reads the verdict from the disk) when the store is unreachable.
         """
-        own = {"save": sid.describe(), **report}
+        own = report
         try:
             if self.world_size > 1:  # alone, the report stays in memory (no JSON round trip)
-                self._set_json(f"{sid.nonce}/r{self.rank}", own)
+                self._set_json(f"{sid.nonce}/r{self.rank}", report.to_json())
             self._set_json(f"announce/r{self.rank}", sid.describe())
         except Exception as exc:  # the store is gone: nothing reported, nothing to clean
             return self._lost(sid, exc, fallback)
@@ -180,27 +179,27 @@ class StoreCommunicator:
         self._finish(sid, decision)
         return decision
 
-    def _coordinate(self, sid, deadline, timeout_s, check, commit, own: dict) -> dict:
+    def _coordinate(self, sid, deadline, timeout_s, check, commit, own: RankReport) -> Verdict:
         try:
             if self.world_size == 1:
-                reports, missing = {0: own}, []
+                raw, missing = {}, []
             else:
-                reports, missing = self._gather(sid, deadline)
+                raw, missing = self._gather(sid, deadline)
             announced = {r: self._get_json(f"announce/r{r}") for r in missing}
         except Exception as exc:
             return self._lost(sid, exc, None)
         if missing:
-            decision = timeout_decision(sid, missing, timeout_s, announced)
+            decision = timeout_verdict(sid, missing, timeout_s, announced)
         else:
             try:
-                decision = check(reports)
-            except Exception as exc:  # reports that do not even parse: abort, never crash
-                decision = abort_decision("invalid", f"checkpoint {sid.name!r}: the reports "
-                                          f"could not be checked ({exc!r})", {0: repr(exc)})
+                decision = self._check(sid, own, raw, check)
+            except Exception as exc:  # a bug in a check: abort, never crash
+                decision = Verdict.abort("invalid", f"checkpoint {sid.name!r}: the reports "
+                                         f"could not be checked ({exc!r})", {0: repr(exc)})
         if decision is None and time.monotonic() > deadline:
-            decision = abort_decision("timeout", f"checkpoint {sid.name!r} was not committed "
-                                      "within the commit timeout", {0: "deadline passed before "
-                                      "rank 0 could commit"})
+            decision = Verdict.abort("timeout", f"checkpoint {sid.name!r} was not committed "
+                                     "within the commit timeout", {0: "deadline passed before "
+                                     "rank 0 could commit"})
         try:
             claimed = self._claim(sid, decision if decision is not None else PENDING)
         except Exception as exc:
@@ -209,20 +208,37 @@ class StoreCommunicator:
             return claimed  # ours, or an abort claimed first by a rank whose deadline passed
         beating = self._heartbeat(sid)
         try:
-            final = commit(reports)
+            final = commit(self._reports)
         except BaseException as exc:
-            final = abort_decision("commit", f"committing {sid.name!r} failed on rank 0: {exc}",
-                                   {0: repr(exc)})
+            final = Verdict.abort("commit", f"committing {sid.name!r} failed on rank 0: {exc}",
+                                  {0: repr(exc)})
         finally:
             beating()
+            self._reports = {}
         try:
-            self._set_json(f"{sid.nonce}/decision", final)
+            self._set_json(f"{sid.nonce}/decision", final.to_json())
         except Exception:
             pass  # the others read the verdict from the disk (the manifest records the nonce)
         return final
 
+    def _check(self, sid, own: RankReport, raw: dict[int, dict], check) -> Verdict | None:
+        """Rank 0: parse the other ranks' reports (bytes from other processes) and ask ``check``;
+        the parsed reports are kept for ``commit``."""
+        reports = {self.rank: own}
+        for r, obj in sorted(raw.items()):
+            if r == self.rank:
+                continue
+            try:
+                reports[r] = parse_rank_report(obj, f"the report of rank {r} for {sid.name!r}")
+            except CorruptCheckpointError as exc:
+                return Verdict.abort("invalid", f"checkpoint {sid.name!r} was not committed: "
+                                     f"rank {r}'s report does not validate", {r: str(exc)})
+        self._reports = reports
+        return check(reports)
+
     def _gather(self, sid: SaveId, deadline: float) -> tuple[dict[int, dict], list[int]]:
-        """Every rank's report, or stop early at the first failed report or claimed decision."""
+        """Every rank's report (JSON), or stop early at the first failed report or claimed
+        decision."""
         reports: dict[int, dict] = {}
         pending = list(range(self.world_size))
         delay = self.poll_s
@@ -232,7 +248,7 @@ class StoreCommunicator:
                 if report is not None:
                     reports[r] = report
                     pending.remove(r)
-                    if "error" in report:
+                    if isinstance(report, dict) and "error" in report:
                         return reports, []
             if not pending or self.store.check([f"{sid.nonce}/decision"]):
                 return reports, pending
@@ -263,7 +279,7 @@ class StoreCommunicator:
             thread.join()
         return halt
 
-    def _await(self, sid: SaveId, deadline: float, timeout_s: float) -> dict | None:
+    def _await(self, sid: SaveId, deadline: float, timeout_s: float) -> Verdict | None:
         """Non-zero rank: wait for the verdict; claim an abort when the deadline passes before
         rank 0 claimed the decision. After its claim, wait for the final verdict while rank 0's
         heartbeat goes on; None once it fell silent (rank 0 died while publishing)."""
@@ -271,7 +287,7 @@ class StoreCommunicator:
         beat, heard_at = None, None
         delay = self.poll_s
         while True:
-            decision = self._get_json(key)
+            decision = self._get_verdict(key)
             if decision is not None:
                 if decision != PENDING:
                     return decision
@@ -285,11 +301,11 @@ class StoreCommunicator:
                            if not self.store.check([f"{sid.nonce}/r{r}"])]
                 if missing:
                     announced = {r: self._get_json(f"announce/r{r}") for r in missing}
-                    mine = timeout_decision(sid, missing, timeout_s, announced)
+                    mine = timeout_verdict(sid, missing, timeout_s, announced)
                 else:
-                    mine = abort_decision("timeout", f"checkpoint {sid.name!r} was not committed: "
-                                          "rank 0 published no verdict in time", {0: "no verdict "
-                                          "within the commit timeout (rank 0 stalled or dead)"})
+                    mine = Verdict.abort("timeout", f"checkpoint {sid.name!r} was not committed: "
+                                         "rank 0 published no verdict in time", {0: "no verdict "
+                                         "within the commit timeout (rank 0 stalled or dead)"})
                 decision = self._claim(sid, mine)
                 if decision != PENDING:
                     return decision
@@ -297,12 +313,13 @@ class StoreCommunicator:
             time.sleep(delay)
             delay = min(delay * 1.5, self.max_poll_s)
 
-    def _claim(self, sid: SaveId, decision: dict) -> dict:
+    def _claim(self, sid: SaveId, decision: Verdict) -> Verdict:
         """Compare-and-set the decision key if absent; return the decision in force."""
-        value = json.dumps(decision, sort_keys=True)
-        return json.loads(self.store.compare_set(f"{sid.nonce}/decision", "", value))
+        value = json.dumps(decision.to_json(), sort_keys=True)
+        raw = self.store.compare_set(f"{sid.nonce}/decision", "", value)
+        return self._verdict(raw, f"{sid.nonce}/decision")
 
-    def _finish(self, sid: SaveId, decision: dict) -> None:
+    def _finish(self, sid: SaveId, decision: Verdict) -> None:
         """Delete what this rank wrote; the last rank to take the verdict deletes the round.
         A round that some rank never finished is registered for rank 0 to delete later."""
         try:
@@ -310,10 +327,10 @@ class StoreCommunicator:
             if self.store.add(f"{sid.nonce}/done", 1) >= self.world_size:
                 for key in self.round_keys(sid.nonce, self.world_size):
                     self.store.delete_key(key)
-            elif not decision.get("ok"):
+            elif not decision.ok:
                 slot = self.store.add("orphans/n", 1)
                 self._set_json(f"orphans/{slot}", sid.nonce)
-            if self.rank == 0 and decision.get("ok"):
+            if self.rank == 0 and decision.ok:
                 self._sweep()
         except Exception:
             pass  # the verdict stands; a lost store has no keys left to delete
@@ -333,10 +350,10 @@ class StoreCommunicator:
             for key in self.round_keys(nonce, self.world_size) + [f"orphans/{self._swept}"]:
                 self.store.delete_key(key)
 
-    def _lost(self, sid: SaveId, exc: BaseException, fallback) -> dict:
+    def _lost(self, sid: SaveId, exc: BaseException, fallback) -> Verdict:
         if self.rank == 0:
-            return abort_decision("store", f"checkpoint {sid.name!r}: the coordination store "
-                                  f"failed ({exc}); nothing was committed", {0: repr(exc)})
+            return Verdict.abort("store", f"checkpoint {sid.name!r}: the coordination store "
+                                 f"failed ({exc}); nothing was committed", {0: repr(exc)})
         return fallback(f"the coordination store is unreachable ({exc}); rank 0, which hosts it "
                         "in the default launch, has probably exited")
 
@@ -349,6 +366,19 @@ class StoreCommunicator:
         missing key, and another rank may delete a key between a check and a get)."""
         raw = self.store.compare_set(key, _ABSENT, _ABSENT)
         return None if raw == _ABSENT.encode() else json.loads(raw)
+
+    def _get_verdict(self, key: str) -> Verdict | None:
+        raw = self.store.compare_set(key, _ABSENT, _ABSENT)
+        return None if raw == _ABSENT.encode() else self._verdict(raw, key)
+
+    @staticmethod
+    def _verdict(raw: bytes, key: str) -> Verdict:
+        """A verdict another rank wrote (validated: it came from another process)."""
+        try:
+            return parse_verdict(json.loads(raw), f"the verdict {key!r} in the store")
+        except ValueError as exc:  # also CorruptCheckpointError: a verdict this rank cannot read
+            return Verdict.abort("store", f"the verdict {key!r} in the coordination store does "
+                                 "not validate; nothing is known to be committed", {0: str(exc)})
 
     def close(self) -> None:
         """Delete this rank's announcement (best effort: the store may be gone)."""

@@ -1,0 +1,347 @@
+"""The validating parsers of the records (``records.py``): every byte that comes from another
+process (a rank report, a verdict through the coordination store) or from disk (a manifest, a
+shard file's index) is checked here, once, before anyone uses a value.
+
+Each ``parse_*`` validates *everything* -- types (a bool is not an int), ranges, offsets inside the
+file and non-overlapping, shapes against byte counts (Python ints, capped by the file size),
+checksum pieces, tree node types and indices, file names -- before any caller allocates, seeks or
+indexes with a value. Every violation raises ``CorruptCheckpointError`` (``UnsupportedFormatError``
+for a newer version) naming the file and the JSON path of the bad field; nothing else escapes.
+
+Pure: no I/O (``files.py`` reads the bytes and checks their checksums). The generic field and
+state-tree checks are in ``checks.py``.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from . import codec as fmt
+from .checks import (_U32, _U64, _At, _bool, _check_disjoint, _check_tensor_bytes, _dict, _dims,
+                     _dtype, _field_dims, _field_int, _field_str, _get, _int, _list, _numel,
+                     _pieces, _show, _str, _version, check_entry_keys, check_tree)
+from .records import (ABORT_KINDS, PENDING, CheckpointInfo, Entry, FileRef, IndexEntry, Manifest,
+                      ObjectEntry, RankReport, RankTree, ReportEntry, SaveRef, ShardIndex,
+                      ShardRef, TensorEntry, Verdict, regions_by_file)
+
+# ---------------------------------------------------------------- manifest
+
+_DATA_DIR = re.compile(r"\.data\.[A-Za-z0-9._@-]+")
+
+
+def parse_manifest(obj: Any, where: str, *, version_1: bool = False) -> Manifest:
+    """Validate a decoded ``manifest.json`` completely and return the typed manifest.
+
+    ``version_1`` says the file had no checksum trailer (only then is version 1 accepted)."""
+    at = _At(where)
+    m = _dict(obj, at)
+    version = _version(m, at, fmt.CHECKPOINT_FORMAT)
+    if (version == 1) != version_1:
+        raise (at / "version").bad(
+            f"version {version} {'requires' if version > 1 else 'must not have'} the checksum "
+            "trailer ('manifest_crc32')")
+    name = _str(_get(m, "name", at), at / "name")
+    try:
+        fmt.check_name(name)
+    except ValueError as exc:
+        raise (at / "name").bad(str(exc)) from None
+    step = m.get("step")
+    if step is not None:
+        step = _int(step, at / "step", 0, (1 << 63) - 1)
+    seq = 0 if version == 1 else _int(_get(m, "seq", at), at / "seq", 1, (1 << 63) - 1)
+    created = m.get("created_unix", 0.0)
+    if type(created) not in (int, float) or not math.isfinite(created) or created < 0:
+        raise (at / "created_unix").bad(f"expected a finite time, found {_show(created)}")
+    world = _int(_get(m, "world_size", at), at / "world_size", 1, 1 << 24)
+    metadata = _dict(m.get("metadata", {}), at / "metadata")
+    files = _files(_get(m, "files", at), at / "files", world)
+    entries = tuple(_entry(e, at / "entries" / i, files, world)
+                    for i, e in enumerate(_list(_get(m, "entries", at), at / "entries")))
+    by_file = regions_by_file(entries, len(files))
+    for file_id, f in enumerate(files):
+        _check_disjoint([(o, n, e.key) for o, n, e, _ in by_file[file_id]], at / "files" / file_id,
+                        f"file {f.name}")
+    refs: dict[int, set[str]] = {}
+    ranks = _ranks(_get(m, "ranks", at), at / "ranks", world, [e.kind for e in entries], refs)
+    check_entry_keys([e.key for e in entries], refs, at / "entries")
+    save_id = m.get("save_id")
+    if save_id is not None:
+        save_id = _str(save_id, at / "save_id")
+    data_dir = m.get("data_dir")
+    if data_dir is not None and (not _DATA_DIR.fullmatch(_str(data_dir, at / "data_dir")) or
+                                 ".." in data_dir):
+        raise (at / "data_dir").bad(f"expected '.data.<run>-<attempt>', found {_show(data_dir)}")
+    return Manifest(version=version, name=name, step=step, seq=seq, created_unix=float(created),
+                    world_size=world, metadata=metadata, files=files, entries=entries,
+                    ranks=ranks, save_id=save_id, data_dir=data_dir, by_file=by_file)
+
+
+def _files(value: Any, at: _At, world: int) -> tuple[FileRef, ...]:
+    files = _list(value, at)
+    if len(files) != world:
+        raise at.bad(f"expected one file per rank ({world}), found {len(files)}")
+    out = []
+    for i, f in enumerate(files):
+        out.append(_file_ref(f, at / i, rank=i))
+    return tuple(out)
+
+
+def _file_ref(value: Any, at: _At, rank: int | None) -> FileRef:
+    f = _dict(value, at)
+    r = _int(_get(f, "rank", at), at / "rank", 0, 1 << 24)
+    if rank is not None and r != rank:
+        raise (at / "rank").bad(f"expected rank {rank}, found {r}")
+    name = _str(_get(f, "name", at), at / "name")
+    if name != fmt.shard_file_name(r):
+        raise (at / "name").bad(f"expected the file name {fmt.shard_file_name(r)!r}, found "
+                                f"{name!r}")
+    return FileRef(name=name, rank=r,
+                   nbytes=_int(_get(f, "nbytes", at), at / "nbytes", fmt.HEADER_BYTES, _U64),
+                   index_crc32=_int(_get(f, "index_crc32", at), at / "index_crc32", 0, _U32))
+
+
+def _entry(value: Any, at: _At, files: tuple[FileRef, ...], world: int) -> Entry:
+    e = _dict(value, at)
+    kind = e.get("kind")
+    key = _field_str(e, "key", at)
+    if kind == "object":
+        file_id = _field_int(e, "file", at, 0, len(files) - 1)
+        offset, nbytes = _region(e, at, files[file_id])
+        crc = _field_int(e, "crc32", at, 0, _U32)
+        if nbytes == 0 and crc != 0:
+            raise (at / "crc32").bad(f"an empty region has CRC 0, found {crc}")
+        return ObjectEntry(key=key, file=file_id, offset=offset, nbytes=nbytes, crc32=crc)
+    if kind != "tensor":
+        raise (at / "kind").bad(f"unknown entry kind {_show(kind)}")
+    dtype = _dtype(_get(e, "dtype", at), at / "dtype")
+    shape = _field_dims(e, "shape", at)
+    shards = tuple(_shard(s, at / "shards" / i, files, dtype, shape)
+                   for i, s in enumerate(_list(_get(e, "shards", at), at / "shards")))
+    if not shards:
+        raise (at / "shards").bad(f"tensor {key!r} has no stored shard")
+    stored = sum(s.nbytes for s in shards)
+    _check_tensor_size(dtype, shape, stored, at)
+    replicated = e.get("replicated", False)
+    if type(replicated) is not bool:
+        _bool(replicated, at / "replicated")
+    rank = e.get("rank")
+    if rank is not None:
+        rank = _field_int(e, "rank", at, 0, world - 1)
+    return TensorEntry(key=key, dtype=dtype, shape=shape, shards=shards, replicated=replicated,
+                       rank=rank)
+
+
+def _check_tensor_size(dtype: str, shape: tuple[int, ...], stored: int, at: _At) -> None:
+    """The global tensor is no bigger than its stored shards (allocation is bounded by data)."""
+    itemsize = fmt.dtype_from_name(dtype, "").itemsize
+    if _numel(shape, stored // itemsize) is None:
+        raise (at / "shape").bad(f"global shape {list(shape)} of {dtype} is larger than its "
+                                 f"{stored} stored bytes")
+
+
+def _region(e: dict, at: _At, f: FileRef) -> tuple[int, int]:
+    offset = _field_int(e, "offset", at, fmt.HEADER_BYTES, f.nbytes)
+    if offset % fmt.DATA_ALIGN:
+        raise (at / "offset").bad(f"expected a multiple of {fmt.DATA_ALIGN}, found {offset}")
+    nbytes = _field_int(e, "nbytes", at, 0, f.nbytes - offset)
+    return offset, nbytes
+
+
+def _shard(value: Any, at: _At, files: tuple[FileRef, ...], dtype: str,
+           shape: tuple[int, ...]) -> ShardRef:
+    s = _dict(value, at)
+    file_id = _field_int(s, "file", at, 0, len(files) - 1)
+    offset, nbytes = _region(s, at, files[file_id])
+    box = _field_dims(s, "shape", at)
+    origin = _field_dims(s, "global_offset", at)
+    if len(box) != len(shape) or len(origin) != len(shape):
+        raise at.bad(f"box {list(origin)}+{list(box)} does not have the {len(shape)} dimensions "
+                     f"of the tensor {list(shape)}")
+    for d, (o, n, g) in enumerate(zip(origin, box, shape)):
+        if o + n > g:
+            raise at.bad(f"box {list(origin)}+{list(box)} exceeds the tensor {list(shape)} in "
+                         f"dimension {d}")
+    _check_tensor_bytes(dtype, box, nbytes, at)
+    return ShardRef(file=file_id, offset=offset, nbytes=nbytes, global_offset=origin, shape=box,
+                    checksums=_pieces(_get(s, "checksums", at), nbytes, at / "checksums"))
+
+
+def _ranks(value: Any, at: _At, world: int, kinds: list[str],
+           refs: dict[int, set[str]]) -> tuple[RankTree, ...]:
+    ranks = _list(value, at)
+    if len(ranks) != world:
+        raise at.bad(f"expected one tree per rank ({world}), found {len(ranks)}")
+    out = []
+    for i, r in enumerate(ranks):
+        r = _dict(r, at / i)
+        _int(_get(r, "rank", at / i), at / i / "rank", i, i)
+        out.append(RankTree(rank=i, tree=check_tree(_get(r, "tree", at / i), at / i / "tree",
+                                                    kinds, refs)))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- shard index
+
+def parse_shard_index(obj: Any, where: str, index_offset: int) -> ShardIndex:
+    """Validate the decoded index of a shard file whose index starts at ``index_offset``: every
+    region lies in ``[HEADER_BYTES, index_offset)``, regions are disjoint, checksum pieces cover
+    each region exactly, tensor shapes match their byte counts."""
+    at = _At(where)
+    d = _dict(obj, at)
+    version = _version(d, at, fmt.SHARD_FORMAT)
+    rank = _int(_get(d, "rank", at), at / "rank", 0, 1 << 24)
+    data_end = FileRef("", 0, index_offset, 0)
+    entries = []
+    for i, e in enumerate(_list(_get(d, "entries", at), at / "entries")):
+        entries.append(_index_entry(e, at / "entries" / i, data_end))
+    _check_disjoint([(e.offset, e.nbytes, e.key) for e in entries], at, "index")
+    return ShardIndex(version=version, rank=rank, entries=tuple(entries))
+
+
+def _index_entry(value: Any, at: _At, data_end: FileRef) -> IndexEntry:
+    e = _dict(value, at)
+    key = _str(_get(e, "key", at), at / "key")
+    kind = e.get("kind")
+    if kind not in ("tensor", "object"):
+        raise (at / "kind").bad(f"unknown entry kind {_show(kind)}")
+    offset, nbytes = _region(e, at, data_end)
+    if "checksums" in e:
+        pieces = _pieces(e["checksums"], nbytes, at / "checksums")
+    else:
+        crc = _int(_get(e, "crc32", at), at / "crc32", 0, _U32)
+        if nbytes == 0 and crc != 0:
+            raise (at / "crc32").bad(f"an empty region has CRC 0, found {crc}")
+        pieces = ((nbytes, crc),) if nbytes else ()
+    dtype = shape = None
+    if "dtype" in e or "shape" in e:
+        dtype = _dtype(_get(e, "dtype", at), at / "dtype")
+        shape = _dims(_get(e, "shape", at), at / "shape")
+        _check_tensor_bytes(dtype, shape, nbytes, at)
+    return IndexEntry(key=key, kind=kind, offset=offset, nbytes=nbytes, checksums=pieces,
+                      dtype=dtype, shape=shape)
+
+
+# ---------------------------------------------------------------- rank reports
+
+def parse_rank_report(obj: Any, where: str) -> RankReport:
+    """Validate the report of another rank: its save, its directory, and either its failure or
+    its shard file, entries (disjoint regions inside the file), tree and replica digests."""
+    at = _At(where)
+    d = _dict(obj, at)
+    rank = _int(_get(d, "rank", at), at / "rank", 0, 1 << 24)
+    save = _save_ref(_get(d, "save", at), at / "save")
+    root = _str(_get(d, "root", at), at / "root")
+    expired = _bool(d.get("expired", False), at / "expired")
+    if "error" in d:
+        return RankReport(rank=rank, save=save, root=root, error=_str(d["error"], at / "error"),
+                          expired=expired)
+    f = _report_file(_get(d, "file", at), at / "file", rank)
+    entries = tuple(_report_entry(e, at / "entries" / i, f)
+                    for i, e in enumerate(_list(_get(d, "entries", at), at / "entries")))
+    _check_disjoint([(e.offset, e.nbytes, e.key) for e in entries if e.written], at, "report")
+    refs: dict[int, set[str]] = {}
+    tree = check_tree(_get(d, "tree", at), at / "tree", [e.kind for e in entries], refs)
+    check_entry_keys([e.key for e in entries], refs, at / "entries")
+    replicas = _dict(d.get("replicas", {}), at / "replicas")
+    for key, digest in replicas.items():
+        _str(digest, at / "replicas" / key)
+    return RankReport(rank=rank, save=save, root=root, file=f, entries=entries, tree=tree,
+                      replicas=replicas, expired=expired)
+
+
+def _save_ref(value: Any, at: _At) -> SaveRef:
+    s = _dict(value, at)
+    step = s.get("step")
+    if step is not None:
+        step = _int(step, at / "step", 0, (1 << 63) - 1)
+    return SaveRef(name=_str(_get(s, "name", at), at / "name"), step=step,
+                   nonce=_str(_get(s, "nonce", at), at / "nonce"),
+                   overwrite=_bool(s.get("overwrite", False), at / "overwrite"))
+
+
+def _report_file(value: Any, at: _At, rank: int) -> FileRef:
+    f = _dict(value, at)
+    name = _str(_get(f, "name", at), at / "name")
+    if name != fmt.shard_file_name(rank):
+        raise (at / "name").bad(f"rank {rank} reports the file {name!r}, expected "
+                                f"{fmt.shard_file_name(rank)!r}")
+    return FileRef(name=name, rank=rank,
+                   nbytes=_int(_get(f, "nbytes", at), at / "nbytes", fmt.HEADER_BYTES, _U64),
+                   index_crc32=_int(_get(f, "index_crc32", at), at / "index_crc32", 0, _U32))
+
+
+def _report_entry(value: Any, at: _At, f: FileRef) -> ReportEntry:
+    e = _dict(value, at)
+    key = _field_str(e, "key", at)
+    kind = e.get("kind")
+    if kind == "object":
+        offset, nbytes = _region(e, at, f)
+        return ReportEntry(key=key, kind=kind, written=True, offset=offset, nbytes=nbytes,
+                           crc32=_field_int(e, "crc32", at, 0, _U32))
+    if kind != "tensor":
+        raise (at / "kind").bad(f"unknown entry kind {_show(kind)}")
+    dtype = _dtype(_get(e, "dtype", at), at / "dtype")
+    shape = _field_dims(e, "shape", at)
+    global_shape = global_offset = None
+    if e.get("global_shape") is not None:
+        global_shape = _dims(e["global_shape"], at / "global_shape")
+        global_offset = _dims(_get(e, "global_offset", at), at / "global_offset")
+        if not len(global_shape) == len(global_offset) == len(shape) or any(
+                o + n > g for o, n, g in zip(global_offset, shape, global_shape)):
+            raise at.bad(f"box {list(global_offset)}+{list(shape)} does not fit the global "
+                         f"shape {list(global_shape)}")
+    replicated, written = e.get("replicated", False), e.get("written", True)
+    if type(replicated) is not bool or type(written) is not bool:
+        _bool(replicated, at / "replicated")
+        _bool(written, at / "written")
+    if not written:
+        return ReportEntry(key=key, kind=kind, written=False, dtype=dtype, shape=shape,
+                           global_shape=global_shape, global_offset=global_offset,
+                           replicated=replicated)
+    offset, nbytes = _region(e, at, f)
+    _check_tensor_bytes(dtype, shape, nbytes, at)
+    return ReportEntry(key=key, kind=kind, written=True, offset=offset, nbytes=nbytes,
+                       dtype=dtype, shape=shape,
+                       checksums=_pieces(_get(e, "checksums", at), nbytes, at / "checksums"),
+                       global_shape=global_shape, global_offset=global_offset,
+                       replicated=replicated)
+
+
+# ---------------------------------------------------------------- verdicts
+
+def parse_verdict(obj: Any, where: str) -> Verdict:
+    """Validate a verdict read from the coordination store (written by another rank)."""
+    at = _At(where)
+    d = _dict(obj, at)
+    if d.get("pending") is True:
+        return PENDING
+    if _bool(_get(d, "ok", at), at / "ok"):
+        info = d.get("info")
+        return Verdict.committed(None if info is None else _info(info, at / "info"))
+    kind = _str(_get(d, "kind", at), at / "kind")
+    if kind not in ABORT_KINDS:
+        raise (at / "kind").bad(f"expected one of {list(ABORT_KINDS)}, found {_show(kind)}")
+    causes = {}
+    for r, cause in _dict(_get(d, "causes", at), at / "causes").items():
+        if not r.isdigit():
+            raise (at / "causes").bad(f"expected rank numbers as keys, found {_show(r)}")
+        causes[int(r)] = _str(cause, at / "causes" / r)
+    return Verdict.abort(kind, _str(_get(d, "message", at), at / "message"), causes)
+
+
+def _info(value: Any, at: _At) -> CheckpointInfo:
+    d = _dict(value, at)
+    step = d.get("step")
+    if step is not None:
+        step = _int(step, at / "step", 0, (1 << 63) - 1)
+    created = d.get("created_unix")
+    if type(created) not in (int, float) or not math.isfinite(created) or created < 0:
+        raise (at / "created_unix").bad(f"expected a finite time, found {_show(created)}")
+    return CheckpointInfo(name=_str(_get(d, "name", at), at / "name"),
+                          path=_str(_get(d, "path", at), at / "path"), step=step,
+                          created_unix=float(created),
+                          world_size=_int(_get(d, "world_size", at), at / "world_size", 1, 1 << 24),
+                          nbytes=_int(_get(d, "nbytes", at), at / "nbytes", 0, _U64),
+                          metadata=_dict(d.get("metadata", {}), at / "metadata"),
+                          seq=_int(_get(d, "seq", at), at / "seq", 0, (1 << 63) - 1))
