@@ -1,4 +1,4 @@
-"""The field and tree checks the format's parsers (schema.py) are built from.
+"""The field and tree checks the format's parsers (records.py) are built from.
 
 A check takes one decoded JSON value and the place it sits (:class:`_At`: the file and the JSON
 path) and returns the value, typed, or raises ``CorruptCheckpointError`` naming that file and path
@@ -6,10 +6,10 @@ path) and returns the value, typed, or raises ``CorruptCheckpointError`` naming 
 integer ranges, dtype names, shapes of at most ``MAX_NDIM`` dimensions whose elements fit their
 byte counts, checksum pieces covering a region exactly, disjoint regions, and state trees of
 bounded depth whose nodes index entries of their own kind. None of them knows the records of the
-format: schema.py composes them into the parsers of the manifest, the shard index and the rank
+format: records.py composes them into the parsers of the manifest, the shard index and the rank
 report, so the three parsers share one definition of each rule.
 
-Pure: no I/O, and no import of schema.py.
+Pure: no I/O, and no import of records.py.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import math
 from typing import Any
 
 from . import codec as fmt
+from . import tree
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 
 #: Deepest state tree accepted (a deeper one is rejected as corrupt rather than overflowing the
@@ -26,8 +27,7 @@ MAX_TREE_DEPTH = 256
 MAX_NDIM = 64
 _U32 = 0xFFFFFFFF
 _U64 = (1 << 64) - 1
-_NODE_TYPES = frozenset(("dict", "odict", "list", "tuple", "tensor", "object", "value",
-                         "provider"))
+_NODE_TYPES = tree.NODE_TYPES
 
 
 # ---------------------------------------------------------------- field checks
@@ -230,7 +230,11 @@ def check_tree(root: Any, at: _At, entry_kinds: list[str],
 
     ``entry_kinds[i]`` is the kind of entry ``i``; tensor/object nodes must index an entry of
     their own kind. ``refs``, if given, collects for each entry index the keys (``a/b/0``, as
-    ``flatten.key_of``) of the nodes that refer to it."""
+    ``tree.key_of``) of the nodes that refer to it.
+
+    Its own walk, not :func:`tree.leaves`: that walker trusts the nodes it is given, while this
+    one checks each node's fields before following them and builds the JSON path of an error
+    only when it raises (validating stays cheap on large trees)."""
     stack: list = [(root, at, (), 1, "")]  # node, path of its parent, parts below it, depth, key
     kinds = len(entry_kinds)
     while stack:
@@ -269,7 +273,7 @@ def check_tree(root: Any, at: _At, entry_kinds: list[str],
         elif t == "provider":
             _str(_get(node, "name", where), where / "name")
             stack.append((_get(node, "state", where), where, ("state",), depth + 1, key))
-        elif t in ("dict", "odict"):
+        elif t in tree.MAPPINGS:
             for i, pair in enumerate(_list(_get(node, "items", where), where / "items")):
                 if type(pair) is not list or len(pair) != 2:
                     raise (where / "items" / i).bad(f"expected a [key, node] pair, found "
@@ -277,15 +281,11 @@ def check_tree(root: Any, at: _At, entry_kinds: list[str],
                 if type(pair[0]) is not str:  # a string key is always valid
                     _scalar(pair[0], where / "items" / i / 0)
                 stack.append((pair[1], where, ("items", i, 1), depth + 1,
-                              _child_key(key, pair[0])))
+                              tree.child_key(key, pair[0])))
         else:
             for i, child in enumerate(_list(_get(node, "items", where), where / "items")):
-                stack.append((child, where, ("items", i), depth + 1, _child_key(key, i)))
+                stack.append((child, where, ("items", i), depth + 1, tree.child_key(key, i)))
     return root
-
-
-def _child_key(key: str, part: Any) -> str:
-    return f"{key}/{part}" if key else str(part)
 
 
 def check_entry_keys(keys: list[str], refs: dict[int, set[str]], at: _At) -> None:

@@ -9,7 +9,9 @@ after the reads; what does not is recorded in the :class:`RestoreReport` (a stri
 
 Kept apart from the reading: ``restore.Reader`` opens and checks the files, hands itself to a plan
 and executes the plan's reads (``_Read``, also built by verify.py). The plan uses only the reader it
-is given, so restore.py imports this module, never the other way round.
+is given, so restore.py imports this module, never the other way round. The plan walks the live
+state alongside the saved tree, so the recursion is its own; the node kinds, children, keys and
+the rule of ``keys=`` prefixes are format/tree.py's, shared with every reader of saved trees.
 """
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import CorruptCheckpointError, StateMismatchError
-from ..providers.tree import NUMPY_DTYPES, TensorShard, key_of, sharding_of, unwritable
+from ..format import tree
+from ..format.tree import key_of
+from ..providers.tree import NUMPY_DTYPES, TensorShard, sharding_of, unwritable
 from ..providers import Capture, StateProvider
 from ..format.records import ShardRef, TensorEntry
 
@@ -144,8 +148,7 @@ class _Plan:
 
     def __init__(self, reader: Reader, keys, strict: bool, in_place: bool):
         self.reader, self.strict, self.in_place = reader, strict, in_place
-        self.keys = None if keys is None else [k.strip("/") for k in
-                                               ([keys] if isinstance(keys, str) else keys)]
+        self.keys = tree.prefixes(keys)
         self.reads: list[_Read] = []
         self.post_copies: list = []
         self.finalizers: list = []
@@ -162,14 +165,8 @@ class _Plan:
         self.report = RestoreReport(name=os.path.basename(reader.dir), step=m.step)
 
     def wanted(self, path: tuple) -> str | None:
-        if self.keys is None:
-            return "all"
-        key = key_of(path)
-        if any(key == k or key.startswith(k + "/") or not k for k in self.keys):
-            return "all"
-        if not path or any(k.startswith(key + "/") for k in self.keys):
-            return "some"
-        return None
+        """``"all"``, ``"some"`` or None: where ``path`` stands relative to ``keys=``."""
+        return tree.scope(path, self.keys)
 
     def check(self) -> None:
         r = self.report
@@ -210,9 +207,9 @@ class _Plan:
             return self.tensor(live, node, path)
         if t == "provider":
             return self.provider(live, node, path)
-        if t in ("dict", "odict"):
+        if t in tree.MAPPINGS:
             return self.mapping(live, node, path, provider)
-        if t in ("list", "tuple"):
+        if t in tree.SEQUENCES:
             return self.sequence(live, node, path, provider)
         raise CorruptCheckpointError(f"{self.reader.dir}: unknown tree node {t!r} at "
                                      f"{key_of(path)!r}")
@@ -305,7 +302,7 @@ class _Plan:
         fill = self._fills(live_map, provider)
         out = live_map if fill else (OrderedDict() if node["t"] == "odict" else {})
         seen = set()
-        for k, child in node["items"]:
+        for k, child in tree.items(node):
             sub = path + (k,)
             if self.wanted(sub) is None:
                 continue
@@ -335,7 +332,7 @@ class _Plan:
         # a live tuple of the caller's is rebuilt keeping its items that are not restored
         keep = self.in_place and provider is None and live_seq is not None
         out = []
-        for i, child in enumerate(node["items"]):
+        for i, child in tree.items(node):
             lv = live_seq[i] if live_seq is not None and i < len(live_seq) else None
             if self.wanted(path + (i,)) is None:
                 if keep and i < len(live_seq):

@@ -1,6 +1,12 @@
 """Which saved state is per rank, and what a restore at another world size does with it: pure
-functions over the saved trees and the manifest's entries (unit-tested directly)."""
+functions over the saved trees and the manifest's entries (unit-tested directly).
+
+The comparison walks every rank's tree at once, so it keeps its own recursion; the node kinds,
+children, keys and the rule of ``keys=`` prefixes are format/tree.py's, as for every reader.
+"""
 from __future__ import annotations
+
+from ..format import tree
 
 
 #: How a restore at another world size treats per-rank state: "strict" raises ReshardError,
@@ -24,35 +30,36 @@ def per_rank_keys(trees: list[dict], entries: list, keys: list[str] | None) -> l
 
 
 def _differ(nodes: list[dict], path: tuple, entries: list, keys, out: list[str]) -> None:
-    scope = _scope(path, keys)
+    """Append to ``out`` the keys at or below ``path`` where ``nodes`` (one per rank) differ."""
+    scope = tree.scope(path, keys)
     if scope is None:
         return
     kinds = {n["t"] for n in nodes}
     if len(kinds) > 1 or (kinds & {"provider"} and len({n["name"] for n in nodes}) > 1):
-        out.append(_key(path))
+        out.append(tree.key_of(path))
         return
     kind = kinds.pop()
-    if kind in ("dict", "odict"):
-        maps = [dict((k, v) for k, v in n["items"]) for n in nodes]
+    if kind in tree.MAPPINGS:
+        maps = [dict(tree.items(n)) for n in nodes]
         for k in dict.fromkeys(k for m in maps for k in m):
             if not all(k in m for m in maps):
-                if _scope(path + (k,), keys) is not None:
-                    out.append(_key(path + (k,)))
+                if tree.scope(path + (k,), keys) is not None:
+                    out.append(tree.key_of(path + (k,)))
                 continue
             _differ([m[k] for m in maps], path + (k,), entries, keys, out)
-    elif kind in ("list", "tuple"):
+    elif kind in tree.SEQUENCES:
         if len({len(n["items"]) for n in nodes}) > 1:
-            out.append(_key(path))
+            out.append(tree.key_of(path))
             return
         found: list[str] = []  # a sequence is one value: name it, not each element
         for i, children in enumerate(zip(*(n["items"] for n in nodes))):
             _differ(list(children), path + (i,), entries, keys, found)
         if found:
-            out.append(_key(path) if scope == "all" else found[0])
+            out.append(tree.key_of(path) if scope == "all" else found[0])
     elif kind == "provider":
         _differ([n["state"] for n in nodes], path, entries, keys, out)
     elif scope == "all" and len({_content(n, entries) for n in nodes}) > 1:
-        out.append(_key(path))
+        out.append(tree.key_of(path))
 
 
 def _content(node: dict, entries: list):
@@ -65,19 +72,3 @@ def _content(node: dict, entries: list):
     return ("tensor", e.dtype, tuple(e.shape),
             tuple((tuple(s.global_offset), s.nbytes, tuple(map(tuple, s.checksums)))
                   for s in e.shards))
-
-
-def _key(path: tuple) -> str:
-    return "/".join(str(p) for p in path)
-
-
-def _scope(path: tuple, keys) -> str | None:
-    """"all" inside a requested prefix, "some" on the way to one, None outside."""
-    if keys is None:
-        return "all"
-    key = _key(path)
-    if any(not k or key == k or key.startswith(k + "/") for k in keys):
-        return "all"
-    if not path or any(k.startswith(key + "/") for k in keys):
-        return "some"
-    return None

@@ -6,10 +6,17 @@ write into, or a provider state its provider refuses raises before one byte of l
 touched — then reads with a thread pool, verifies checksums and lets providers apply the result.
 Each restore logs one INFO record on the ``datastates`` logger: the checkpoint, the bytes read,
 the seconds taken and the rate.
+
+The one read path of the library: restore, ``verify`` (verify.py) and export (tools/export.py)
+all read through a ``Reader``, so the shard files are found the same way (in the checkpoint
+directory, or in the data directory its manifest names), checked the same way when opened, and
+their bytes verified by the same checksum code (reads.py). Export takes regions as views of a
+memory map of the file (``Reader.mapped``) rather than reads into new memory.
 """
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import time
 from collections import OrderedDict
@@ -21,6 +28,7 @@ import torch
 from ..format import codec as fmt
 from ..format import files
 from ..format import serialization
+from ..format import tree
 from ..format.codec import ShardHeader
 from .matching import RestoreReport, _Plan, _Read  # RestoreReport: public here too
 from ..format.records import Manifest, ObjectEntry
@@ -28,8 +36,9 @@ from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointErro
 from .ranks import RANK_POLICIES, per_rank_keys
 from ..providers import ProviderRegistry
 from ..commit.catalog import human_bytes
-from .reads import coalesce, group_limit, read_run
+from .reads import check_landed, coalesce, group_limit, read_run
 from ..storage import ReadFile, Store, open_store
+from ..storage.store import LocalReadFile
 
 log = logging.getLogger("datastates")
 
@@ -44,6 +53,7 @@ class _Files:
         self.data = store.join(ckpt_dir, manifest.data_dir) if manifest.data_dir else ckpt_dir
         self._opened: dict[int, ReadFile] = {}
         self._checked: dict[int, tuple[ReadFile, ShardHeader]] = {}
+        self._maps: dict[int, mmap.mmap] = {}
         self._lock = threading.Lock()
         try:
             for file_id in range(len(manifest.files)):
@@ -106,8 +116,27 @@ class _Files:
                                              f"{header.index_offset}")
         return header
 
+    def map(self, file_id: int) -> mmap.mmap:
+        """A private, copy-on-write memory map of a validated local file (its header checked
+        as by :meth:`open`): reading it costs page cache only, and nothing is written back.
+        ConfigError for a file of an object store, which has no mapping."""
+        f, _ = self.open(file_id)
+        with self._lock:
+            if file_id not in self._maps:
+                if not isinstance(f, LocalReadFile):
+                    raise ConfigError(f"{self.path(file_id)}: only a file on a local disk can "
+                                      "be memory-mapped")
+                self._maps[file_id] = mmap.mmap(f.fd, f.size, access=mmap.ACCESS_COPY)
+            return self._maps[file_id]
+
     def close(self) -> None:
         with self._lock:
+            for m in self._maps.values():
+                try:
+                    m.close()
+                except BufferError:  # a tensor still views it: the mapping goes with the tensor
+                    pass
+            self._maps.clear()
             for f in self._opened.values():
                 f.close()
             self._opened.clear()
@@ -161,9 +190,8 @@ class Reader:
         if self.rank_policy == "rank0":
             return trees[0]
         if self.rank_policy == "strict" and saved > 1:
-            wanted = None if keys is None else [k.strip("/") for k in
-                                                ([keys] if isinstance(keys, str) else keys)]
-            per_rank = per_rank_keys([trees[r] for r in sorted(trees)], self.entries, wanted)
+            per_rank = per_rank_keys([trees[r] for r in sorted(trees)], self.entries,
+                                     tree.prefixes(keys))
             if per_rank:
                 shown = ", ".join(per_rank[:10]) + (f" ... ({len(per_rank)} keys in all)"
                                                     if len(per_rank) > 10 else "")
@@ -229,6 +257,25 @@ class Reader:
                                          f"at offset {entry.offset}")
         return serialization.loads(buf, entry.key, trusted=self.trusted,
                                    safe_globals=self.safe_globals)
+
+    def mapped(self, file_id: int, offset: int, nbytes: int, checksums, key: str) -> torch.Tensor:
+        """The ``nbytes`` at ``offset`` of shard file ``file_id`` (the region of ``key``, whose
+        ``checksums`` are ``[[length, crc32], ...]``) as a flat uint8 tensor viewing the file's
+        memory map (:meth:`_Files.map`): nothing is copied, so memory stays bounded by the page
+        cache however large the region. Checked as a read is: the region lies before the file's
+        index and, with ``verify``, its checksums match (CorruptCheckpointError naming the file,
+        key and offsets)."""
+        path = self.files.path(file_id)
+        region = self.files.map(file_id)
+        _, index_offset = self.files.open(file_id)
+        if offset + nbytes > index_offset:
+            raise CorruptCheckpointError(f"{path}: {key!r} at [{offset}, {offset + nbytes}) "
+                                         f"extends past the data ending at {index_offset}")
+        view = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset) \
+            if nbytes else torch.empty(0, dtype=torch.uint8)
+        if self.verify:
+            check_landed(_Read(file_id, offset, nbytes, view, checksums, key), path)
+        return view
 
     def _execute(self, plan: "_Plan") -> None:
         """First the tensors of providers that validate values: read, copied, validated (a

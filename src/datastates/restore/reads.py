@@ -43,6 +43,15 @@ def read_run(f, group: list, path: str, verify: bool) -> None:
             check.finish()
 
 
+def check_landed(region, path: str) -> None:
+    """Check the bytes already in ``region.dest`` (read, or a view of a mapped file) against the
+    region's checksum pieces, as :func:`read_run` checks them while they land: the same
+    CorruptCheckpointError naming the path, key and offsets."""
+    checker = Checker(region, path)
+    checker.feed(buffer_of(region.dest))
+    checker.finish()
+
+
 def group_limit(reads: list, threads: int) -> int:
     """Largest coalesced run: 64 MiB, smaller when the work is small, so every reader thread gets
     runs of its own (read-ahead sized to the work), at least 8 MiB."""

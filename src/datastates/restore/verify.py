@@ -15,9 +15,8 @@ import torch
 from ..format import codec as fmt
 from ..format import files
 from ..errors import CorruptCheckpointError
-from .reads import Checker
+from .reads import check_landed
 from .matching import _Plan, _Read
-from ..storage.posix import buffer_of
 from ..storage.store import ReadFile
 from ..format.records import Manifest, ObjectEntry, ShardIndex
 
@@ -72,7 +71,7 @@ def _verify_reads(reader: Reader, reads: list[_Read], path: str) -> None:
     reader._execute(plan)
     if not reader.verify:  # the reader checks what it reads only when it verifies
         for r in reads:
-            _verify(r, path)
+            check_landed(r, path)
 
 
 def _verify_zero_gaps(f: ReadFile, index: ShardIndex, data_end: int, path: str) -> None:
@@ -124,10 +123,3 @@ def _agree(by_offset: dict, key: str, kind: str, offset: int, nbytes: int, check
         diff = next(n for n, a, b in zip(names, expected, actual) if a != b)
         raise CorruptCheckpointError(f"{path}: {kind} {key!r} at offset {offset}: the manifest "
                                      f"and the index disagree on its {diff}")
-
-
-def _verify(r: _Read, path: str) -> None:
-    """Check the bytes already read into ``r.dest`` against its checksum pieces."""
-    checker = Checker(r, path)
-    checker.feed(buffer_of(r.dest))
-    checker.finish()

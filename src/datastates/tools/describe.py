@@ -1,10 +1,10 @@
 """Living with checkpoints: find them and see inside them.
 
 Behind the ``datastates list|inspect|verify`` commands and the function ``datastates.inspect``.
-Everything here reads the format through its manifests (schema.py validates ours): nothing
-is unpickled and no shard byte is read. Getting data out of a checkpoint and bringing data in
-(``datastates.export``, ``datastates.import_checkpoint``) live in interchange.py, which builds on
-this module.
+Everything here reads the format through its manifests (format/records.py validates ours):
+nothing is unpickled and no shard byte is read. Getting data out of a checkpoint and bringing data
+in (``datastates.export``, ``datastates.import_checkpoint``) live in export.py and importing.py,
+which build on this module.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from ..commit.catalog import resolve
 from ..format import codec as fmt
 from ..format import files
+from ..format import tree
 from ..commit.catalog import (
     Catalog, CheckpointInfo, DamagedCheckpoint, human_bytes, info_of, log_passed_over)
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, DatastatesError
@@ -249,7 +250,7 @@ def _describe(info: CheckpointInfo, store) -> dict:
             "format_version": m.version, "created_unix": m.created_unix,
             "world_size": m.world_size, "metadata": m.metadata, "nbytes": m.nbytes,
             "files": [{"name": f.name, "rank": f.rank, "nbytes": f.nbytes} for f in m.files],
-            "tensors": tensors, "objects": objects, "values": _values(m.ranks[0].tree, ())}
+            "tensors": tensors, "objects": objects, "values": _values(m.ranks[0].tree)}
 
 
 def _under(key: str, prefixes: list[str]) -> bool:
@@ -257,23 +258,20 @@ def _under(key: str, prefixes: list[str]) -> bool:
                or key.startswith(p.strip("/") + ".") for p in prefixes)
 
 
-def _values(node: dict, path: tuple) -> dict:
-    t = node["t"]
-    if t == "value":
-        return {_key(path): node["v"]}
+def _values(root: dict) -> dict:
+    """The plain values of a saved tree by key; a long list or tuple of plain values is one."""
     out: dict = {}
-    if t == "provider":
-        return _values(node["state"], path)
-    if t in ("list", "tuple") and len(node["items"]) > COLLAPSE_ITEMS and \
-            all(c["t"] == "value" for c in node["items"]):
-        return {_key(path): [c["v"] for c in node["items"]]}
-    if t in ("dict", "odict"):
-        for k, child in node["items"]:
-            out.update(_values(child, path + (k,)))
-    elif t in ("list", "tuple"):
-        for i, child in enumerate(node["items"]):
-            out.update(_values(child, path + (i,)))
+    for path, node in tree.leaves(root, whole=_collapsed):
+        if node["t"] == "value":
+            out[tree.key_of(path)] = node["v"]
+        elif node["t"] not in tree.ENTRY_LEAVES:  # a list or tuple, collapsed
+            out[tree.key_of(path)] = [c["v"] for c in node["items"]]
     return out
+
+
+def _collapsed(node: dict) -> bool:
+    return node["t"] in tree.SEQUENCES and len(node["items"]) > COLLAPSE_ITEMS and \
+        all(c["t"] == "value" for c in node["items"])
 
 
 def render_inspect(summary: dict) -> str:
@@ -347,11 +345,7 @@ def _describe_dcp(info: CheckpointInfo) -> dict:
             "tensors": tensors, "objects": objects, "values": {}}
 
 
-# ---------------------------------------------------------------- shared with interchange.py
-
-def _key(path: tuple) -> str:
-    return "/".join(str(p) for p in path)
-
+# ---------------------------------------------------------------- shared with export.py
 
 def _numel(shape) -> int:
     n = 1

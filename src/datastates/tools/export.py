@@ -3,28 +3,29 @@ Hugging Face model folder (bringing data in, ``import_checkpoint``, lives in imp
 re-exported here).
 
 Behind the ``datastates export|import`` commands and the functions ``datastates.export`` and
-``datastates.import_checkpoint``. It is its own module, apart from tools.py (finding checkpoints
+``datastates.import_checkpoint``. It is its own module, apart from describe.py (finding checkpoints
 and describing them from their manifests), because converting is a different job: it reads and
 verifies the shard bytes, may load Python objects, writes files of other formats atomically and
-saves through a ``Checkpointer``. It builds on tools.py (which checkpoint a path designates,
-whether a folder is a DCP one) and tools.py never imports it at load time, so the dependency
-points one way. Nothing is unpickled unless the caller says the checkpoint is trusted, and Python
-objects are only loaded when an export needs them. Exports stream: tensors are memory-mapped views
-of the shard files, verified piece by piece and written one after the other, so a state larger
-than RAM exports with bounded memory.
+saves through a ``Checkpointer``. It builds on describe.py (which checkpoint a path designates,
+whether a folder is a DCP one) and describe.py never imports it at load time, so the dependency
+points one way. The bytes are read through restore's ``Reader``, the one read path of the
+library: the same shard file paths (the manifest's ``data_dir`` included), file and region checks,
+checksum verification and object loading as a restore. Nothing is unpickled unless the caller
+says the checkpoint is trusted, and Python objects are only loaded when an export needs them.
+Exports stream: tensors are memory-mapped views of the shard files (``Reader.mapped``), verified
+piece by piece and written one after the other, so a state larger than RAM exports with bounded
+memory.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
-import mmap
 import os
 import shutil
 import stat
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -32,16 +33,16 @@ import torch
 
 from ..format import codec as fmt
 from ..format import files
-from ..format import serialization
-from ..errors import (
-    CheckpointExistsError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError)
+from ..format import tree
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError
 from ..commit.catalog import CheckpointInfo
 from ..providers import ProviderRegistry
-from ..format.records import Manifest, ObjectEntry, TensorEntry
+from ..format.records import Manifest, ShardRef, TensorEntry
 from ..storage.posix import buffer_of, fsync_dir
-from ..storage.store import is_url, open_regular
+from ..storage.store import is_url
 from .importing import import_checkpoint
-from .describe import _key, _numel, describe, find, is_dcp_info
+from .describe import _numel, describe, find, is_dcp_info
+from ..restore.reader import Reader
 
 __all__ = ["ExportReport", "export", "import_checkpoint", "planned_bytes"]
 
@@ -97,8 +98,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike, to: str = "torch", *
     info = _one(path, step, tag)
     if is_dcp_info(info):
         return _export_dcp(info.path, out, to, trusted)
-    prefixes = None if keys is None else [k.strip("/") for k in
-                                           ([keys] if isinstance(keys, str) else keys)]
+    prefixes = tree.prefixes(keys)
     if to == "hf":
         return _export_hf(info.path, out, trusted, registry, progress)
     t0 = time.perf_counter()
@@ -106,10 +106,10 @@ def export(path: str | os.PathLike, out: str | os.PathLike, to: str = "torch", *
                            progress) as ckpt:
         if to == "safetensors":
             _check_safetensors_dtypes(ckpt, prefixes)
-        tree = ckpt.build(prefixes, load_objects=to == "torch")
+        state = ckpt.build(prefixes, load_objects=to == "torch")
         out = os.path.abspath(os.fspath(out))
         if to == "torch":
-            _write_atomic(out, lambda f: torch.save(tree, f))
+            _write_atomic(out, lambda f: torch.save(state, f))
             skipped, aliases = (), None
         else:
             skipped, aliases = _write_safetensors(out, ckpt, prefixes)
@@ -136,28 +136,15 @@ def planned_bytes(path: str | os.PathLike, to: str = "torch", *,
     if is_dcp_info(info):
         summary = describe(info)
         return sum(t["nbytes"] for t in summary["tensors"])
-    prefixes = ["model"] if to == "hf" else None if keys is None else \
-        [k.strip("/") for k in ([keys] if isinstance(keys, str) else keys)]
+    prefixes = ["model"] if to == "hf" else tree.prefixes(keys)
     manifest = files.read_manifest(info.path)
-    seen: set[int] = set()
-    _tensor_indexes(manifest.ranks[0].tree, (), prefixes, seen)
-    return sum(_numel(e.shape) * e.torch_dtype.itemsize
-               for e in (manifest.entries[i] for i in seen))
+    return sum(_numel(e.shape) * e.torch_dtype.itemsize for e in
+               (manifest.entries[i] for i in _tensor_indexes(manifest.ranks[0].tree, prefixes)))
 
 
-def _tensor_indexes(node: dict, path: tuple, prefixes, seen: set) -> None:
-    if node["t"] == "tensor":
-        seen.add(node["e"])
-    elif node["t"] == "provider":
-        _tensor_indexes(node["state"], path, prefixes, seen)
-    elif node["t"] in ("dict", "odict"):
-        for k, child in node["items"]:
-            if _wanted(path + (k,), prefixes):
-                _tensor_indexes(child, path + (k,), prefixes, seen)
-    elif node["t"] in ("list", "tuple"):
-        for i, child in enumerate(node["items"]):
-            if _wanted(path + (i,), prefixes):
-                _tensor_indexes(child, path + (i,), prefixes, seen)
+def _tensor_indexes(root: dict, prefixes: list[str] | None) -> set[int]:
+    """The entry indexes of the tensors within ``prefixes`` (None: all)."""
+    return {node["e"] for _, node in tree.leaves(root, prefixes) if node["t"] == "tensor"}
 
 
 def _export_hf(ckpt_dir: str, out, trusted: bool, registry, progress) -> ExportReport:
@@ -236,13 +223,16 @@ def _export_dcp(path: str, out, to: str, trusted: bool) -> ExportReport:
 
 
 class _MappedCheckpoint:
-    """Tensors of one checkpoint as verified views of memory-mapped shard files."""
+    """Tensors of one checkpoint as verified views of its memory-mapped shard files, read
+    through restore's ``Reader``: the same file paths (the manifest's ``data_dir`` included),
+    the same checks of each file and region, and the same checksum verification and object
+    loading as a restore."""
 
     def __init__(self, ckpt_dir: str, trusted: bool, registry: ProviderRegistry,
                  progress: Callable[[int], None] | None):
-        self.dir, self.trusted, self.registry, self.progress = ckpt_dir, trusted, registry, progress
-        self.manifest: Manifest = files.read_manifest(ckpt_dir)
-        self._maps: dict[int, mmap.mmap] = {}
+        self.dir, self.registry, self.progress = ckpt_dir, registry, progress
+        self.reader = Reader(ckpt_dir, registry=registry, trusted=trusted)
+        self.manifest: Manifest = self.reader.manifest
         #: entry index -> (first key, tensor); keys in the order the tree reaches them
         self.tensors: dict[int, tuple[str, torch.Tensor]] = {}
         self.named: list[tuple[str, int]] = []
@@ -256,44 +246,27 @@ class _MappedCheckpoint:
 
     def __exit__(self, *exc):
         self.tensors.clear()
-        for m in self._maps.values():
-            try:
-                m.close()
-            except BufferError:  # a tensor still views it: the mapping goes with the tensor
-                pass
-        self._maps.clear()
+        self.reader.__exit__(*exc)  # closes the files and their mappings
 
     def build(self, prefixes: list[str] | None, load_objects: bool) -> Any:
         """The saved structure (restricted to ``prefixes``) with tensors as mapped views."""
         self.load_objects = load_objects
-        return self._node(self.manifest.ranks[0].tree, (), prefixes)
+        return tree.build(self.manifest.ranks[0].tree, self._leaf, provider=self._rebuild,
+                          wanted=prefixes)
 
-    def _node(self, node: dict, path: tuple, prefixes) -> Any:
-        t = node["t"]
-        if t == "value":
-            self.skipped.append(_key(path))
+    def _leaf(self, path: tuple, node: dict) -> Any:
+        if node["t"] == "tensor":
+            return self._tensor(node["e"], tree.key_of(path))
+        self.skipped.append(tree.key_of(path))
+        if node["t"] == "value":
             return node["v"]
-        if t == "tensor":
-            return self._tensor(node["e"], _key(path))
-        if t == "object":
-            self.skipped.append(_key(path))
-            if not self.load_objects:  # never unpickled when the export has no use for it
-                return None
-            return self._object(self.manifest.entries[node["e"]])
-        if t == "provider":
-            state = self._node(node["state"], path, prefixes)
-            provider = self.registry.get(node["name"])
-            return provider.rebuild(state) if provider is not None else state
-        children = node["items"]
-        if t in ("dict", "odict"):
-            out = OrderedDict() if t == "odict" else {}
-            for k, child in children:
-                if _wanted(path + (k,), prefixes):
-                    out[k] = self._node(child, path + (k,), prefixes)
-            return out
-        items = [self._node(c, path + (i,), prefixes) for i, c in enumerate(children)
-                 if _wanted(path + (i,), prefixes)]
-        return tuple(items) if t == "tuple" else items
+        if not self.load_objects:  # never unpickled when the export has no use for it
+            return None
+        return self.reader.read_object(self.manifest.entries[node["e"]])
+
+    def _rebuild(self, path: tuple, node: dict, state: Any) -> Any:
+        provider = self.registry.get(node["name"])
+        return provider.rebuild(state) if provider is not None else state
 
     def _tensor(self, index: int, key: str) -> torch.Tensor:
         self.named.append((key, index))
@@ -318,52 +291,11 @@ class _MappedCheckpoint:
             self.progress(tensor.numel() * tensor.element_size())
         return tensor
 
-    def _view(self, shard, dtype: torch.dtype, key: str) -> torch.Tensor:
-        numel = _numel(shard.shape)
-        if numel == 0:
+    def _view(self, shard: ShardRef, dtype: torch.dtype, key: str) -> torch.Tensor:
+        if _numel(shard.shape) == 0:
             return torch.empty(shard.shape, dtype=dtype)
-        region = self._map(shard.file)
-        pos = shard.offset
-        for length, crc in shard.checksums:
-            if fmt.crc32(memoryview(region)[pos:pos + length]) != crc:
-                raise CorruptCheckpointError(
-                    f"{self._path(shard.file)}: checksum mismatch for {key!r} at file offset "
-                    f"{pos} ({length} bytes)")
-            pos += length
-        flat = torch.frombuffer(region, dtype=dtype, count=numel, offset=shard.offset)
-        return flat.reshape(shard.shape)
-
-    def _map(self, file_id: int) -> mmap.mmap:
-        if file_id not in self._maps:
-            path = self._path(file_id)
-            expected = self.manifest.files[file_id].nbytes
-            fd, status = open_regular(path)
-            with os.fdopen(fd, "rb") as f:
-                size = status.st_size
-                if size != expected:
-                    raise CorruptCheckpointError(f"{path}: {size} bytes, the manifest says "
-                                                 f"{expected} (truncated or replaced)")
-                # Private, copy-on-write: reading costs page cache only; nothing writes back.
-                self._maps[file_id] = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-        return self._maps[file_id]
-
-    def _object(self, entry: ObjectEntry) -> Any:
-        data = memoryview(self._map(entry.file))[entry.offset:entry.offset + entry.nbytes]
-        if fmt.crc32(data) != entry.crc32:
-            raise CorruptCheckpointError(f"{self._path(entry.file)}: checksum mismatch for "
-                                         f"object {entry.key!r} at offset {entry.offset}")
-        return serialization.loads(bytes(data), entry.key, trusted=self.trusted)
-
-    def _path(self, file_id: int) -> str:
-        return os.path.join(self.dir, self.manifest.files[file_id].name)
-
-
-def _wanted(path: tuple, prefixes: list[str] | None) -> bool:
-    if prefixes is None:
-        return True
-    key = _key(path)
-    return any(not p or key == p or key.startswith(p + "/") or p.startswith(key + "/")
-               for p in prefixes)
+        raw = self.reader.mapped(shard.file, shard.offset, shard.nbytes, shard.checksums, key)
+        return raw.view(dtype).reshape(shard.shape)
 
 
 def _write_safetensors(out: str, ckpt: _MappedCheckpoint, prefixes) -> tuple[list, dict]:
@@ -408,9 +340,7 @@ def _write_safetensors(out: str, ckpt: _MappedCheckpoint, prefixes) -> tuple[lis
 def _check_safetensors_dtypes(ckpt: "_MappedCheckpoint", prefixes) -> None:
     """ConfigError naming the first tensor whose dtype safetensors cannot hold, before any
     byte is read or written."""
-    seen: set[int] = set()
-    _tensor_indexes(ckpt.manifest.ranks[0].tree, (), prefixes, seen)
-    for i in sorted(seen):
+    for i in sorted(_tensor_indexes(ckpt.manifest.ranks[0].tree, prefixes)):
         entry = ckpt.manifest.entries[i]
         if entry.torch_dtype not in _SAFETENSORS_DTYPES:
             raise ConfigError(f"export: tensor {entry.key!r} is {entry.dtype}, which safetensors "
