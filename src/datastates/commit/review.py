@@ -12,6 +12,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from ..format import codec as fmt
+from ..format import tree
 from ..format.records import (FileRef, Manifest, ObjectEntry, RankReport, RankTree, ReportEntry,
                               ShardRef, TensorEntry, Verdict, regions_by_file)
 from ..storage.store import Store
@@ -87,17 +88,10 @@ def build_manifest(reports: list[RankReport], *, name: str, step: int | None, me
                     by_file=regions_by_file(entries, len(files)))
 
 
-def _remap(node: Any, table: list[int]) -> Any:
-    t = node["t"]
-    if t in ("tensor", "object"):
-        return {**node, "e": table[node["e"]]}
-    if t in ("dict", "odict"):
-        return {"t": t, "items": [[k, _remap(v, table)] for k, v in node["items"]]}
-    if t in ("list", "tuple"):
-        return {"t": t, "items": [_remap(v, table) for v in node["items"]]}
-    if t == "provider":
-        return {**node, "state": _remap(node["state"], table)}
-    return node
+def _remap(node: dict, table: list[int]) -> dict:
+    """A copy of a rank's tree whose tensor and object nodes index the manifest's entries."""
+    return tree.map_leaves(node, lambda _path, n: {**n, "e": table[n["e"]]}
+                           if n["t"] in tree.ENTRY_LEAVES else n)
 
 
 class _Merged:

@@ -27,6 +27,7 @@ import torch
 
 from ..format import serialization
 from ..format.checks import MAX_TREE_DEPTH
+from ..format.tree import key_of
 from ..errors import SerializationError
 from .base import AUTO, EAGER, LAZY, Capture, StateProvider
 from .registry import ProviderRegistry
@@ -124,10 +125,6 @@ def sharding_of(t) -> TensorShard | None:
             raise TypeError(f"DTensor placement {placement} cannot be checkpointed; "
                             "redistribute partial tensors first")
     return TensorShard(t.to_local(), tuple(t.shape), offset, primary)
-
-
-def key_of(path: tuple) -> str:
-    return "/".join(str(p) for p in path)
 
 
 #: NumPy dtypes stored as tensors (``torch.from_numpy`` accepts them; the format names them).
