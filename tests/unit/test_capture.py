@@ -222,6 +222,7 @@ def test_wrapper_optimizers_are_unwrapped_and_guarded(tmp_path):
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     wrapped = Wrapper(Wrapper(inner))
     assert capture.torch_optimizer(wrapped) is inner
+    assert datastates.torch_optimizer(wrapped) is inner and datastates.torch_optimizer(7) is None
     with Checkpointer(tmp_path, SMALL) as ck:
         reference = clone_state(model.state_dict())
         h = ck.save({"model": model, "opt": wrapped}, step=1)
@@ -234,6 +235,17 @@ def test_wrapper_optimizers_are_unwrapped_and_guarded(tmp_path):
             ck.guard(object())
 
 
+def test_mark_lazy_marks_exactly_the_tensors_inside_the_given_bytes():
+    flat = torch.zeros(8)
+    inside, outside = flat[2:6], torch.zeros(3)
+    state = {"a": inside, "b": [outside, (flat[7:],)], "c": 3}
+    marked = datastates.mark_lazy(state, [flat[:6]])
+    assert isinstance(marked["a"], datastates.Capture) and marked["a"].value is inside
+    assert marked["b"][0] is outside and marked["b"][1][0] is state["b"][1][0]  # left to the rule
+    assert marked["c"] == 3 and type(marked["b"][1]) is tuple
+    assert state["a"] is inside  # the given state is not changed
+
+
 ACCELERATE = """
 import sys, torch
 from torch import nn
@@ -241,7 +253,7 @@ import accelerate, datastates
 acc = accelerate.Accelerator(cpu=True)
 model = nn.Linear(512, 512)
 opt = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
-assert datastates.save.capture.torch_optimizer(opt) is opt.optimizer
+assert datastates.torch_optimizer(opt) is opt.optimizer
 ref = {k: v.clone() for k, v in model.state_dict().items()}
 with datastates.Checkpointer(sys.argv[1], datastates.CheckpointConfig(
         host_cache_bytes=64 << 10, chunk_bytes=16 << 10)) as ck:
