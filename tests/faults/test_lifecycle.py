@@ -155,6 +155,28 @@ def test_commit_thread_failure_fails_the_job_and_the_thread_lives_on(tmp_path, m
         assert [i.name for i in ck.list()] == [STEP2]
 
 
+def test_wait_with_a_timeout_raises_timeouterror_and_the_save_still_commits(tmp_path,
+                                                                             monkeypatch):
+    """``wait(timeout)`` and ``wait_snapshot(timeout)`` on a save held up in its writer raise
+    TimeoutError naming the checkpoint; the save commits once the writer goes on."""
+    real, gate = datastates.format.codec.crc32, threading.Event()
+
+    def crc32(data, value=0):
+        if threading.current_thread().name.startswith("datastates-writer"):
+            gate.wait(WAIT_S)
+        return real(data, value)
+    with datastates.Checkpointer(tmp_path, _small()) as ck:
+        monkeypatch.setattr(datastates.format.codec, "crc32", crc32)
+        state = _state(1)
+        handle = ck.save(state, step=1)
+        with pytest.raises(TimeoutError, match="'step-0000000001' not committed after"):
+            handle.wait(timeout=0.01)
+        gate.set()
+        assert handle.wait(WAIT_S).name == "step-0000000001"
+        handle.wait_snapshot(timeout=0.01)  # complete: returns at once
+        _assert_loaded(ck, state, 1)
+
+
 # ------------------------------------------------------------------ storage primitives
 
 def test_direct_io_fallback_keeps_the_direct_descriptor_open(tmp_path, monkeypatch):

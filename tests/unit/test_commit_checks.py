@@ -63,8 +63,39 @@ def test_merged_trees_index_the_global_entries():
     assert reports[1].tree["items"][0][1]["e"] == 0  # the report itself is not modified
     numbered = dataclasses.replace(manifest, seq=1)
     assert manifest.seq == 0  # publishing numbers a copy
-    parsed = fmt.parse_manifest_bytes(fmt.manifest_bytes(numbered), "m.json")
+    data, written = fmt.manifest_record_bytes(numbered)
+    parsed = fmt.parse_manifest_bytes(data, "m.json")
+    assert written == parsed
     assert parsed == numbered and parsed.by_file == numbered.by_file
+
+
+def test_a_tensor_no_rank_stored_fails_the_save_and_keeps_the_checkpoints(tmp_path):
+    """Every rank declaring its (empty) copy a replica leaves the tensor with no stored shard: the
+    review refuses the save, nothing is committed, and retention deletes nothing."""
+    config = CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10, keep_last=1)
+    with Checkpointer(tmp_path, config) as ckpt:
+        ckpt.save({"x": torch.arange(4)}, step=1).wait()
+        empty = TensorShard(torch.ones(0, 2), (0, 2), (0, 0), primary=False)
+        with pytest.raises(datastates.CommitError, match="'w' was written by no rank"):
+            ckpt.save({"w": empty}, step=2).wait()
+        assert [i.name for i in ckpt.list()] == ["step-0000000001"]
+    assert [i.name for i in catalog.list_checkpoints(str(tmp_path))] == ["step-0000000001"]
+
+
+def test_a_report_under_another_ranks_key_aborts_the_round(new_store):
+    """Rank 0 takes each report for the rank whose key it was read from: one that says another
+    rank aborts the round as invalid, naming the rank."""
+    comms, _ = _ranks(2, new_store())
+    sid = comms[0].save_id("/d", "step-1", 1)
+    liar = RankReport(rank=0, save=SaveRef(sid.name, sid.step, sid.nonce), root="/d",
+                      file=FileRef(name=fmt.shard_file_name(0), rank=0, nbytes=4096,
+                                   index_crc32=0), tree={"t": "dict", "items": []})
+    commits = []
+    deadline = time.monotonic() + 10
+    out = _in_threads({0: lambda: _agree(comms[0], sid, deadline, commits),
+                       1: lambda: _agree(comms[1], sid, deadline, commits, report=liar)})
+    assert out[0] == out[1] and out[0].kind == "invalid" and list(out[0].causes) == [1]
+    assert "says rank 0" in out[0].message and commits == []
 
 
 def test_rank_report_json_round_trips():

@@ -221,7 +221,8 @@ def test_parse_rank_report_validates(tmp_path):
                    lambda r: r["save"].pop("nonce"),
                    lambda r: r.update(root=None),
                    lambda r: r["replicas"].update(x=3),
-                   lambda r: r.update(expired="yes")):
+                   lambda r: r.update(expired="yes"),
+                   lambda r: r["entries"][0].update(written=False)):  # neither replica nor shard
         bad = json.loads(json.dumps(report))
         mutate(bad)
         with pytest.raises(CorruptCheckpointError):

@@ -86,7 +86,10 @@ def commit_save(comm, target: SaveTarget, report: RankReport, metadata: dict,
         verdict = Verdict.abort("store", f"checkpoint {target.name!r}: coordination with the "
                                 f"other ranks failed ({exc})", {target.rank: repr(exc)})
     if verdict.ok:
-        info = state.info or _named_here(target, verdict.info)
+        try:
+            info = state.info or _named_here(target, verdict.info)
+        except CommitError as exc:  # a committed verdict naming no checkpoint
+            return Outcome(error=exc)
         _after_commit(target, info, state.published)
         return Outcome(info=info)
     own_error = own_error or state.failure

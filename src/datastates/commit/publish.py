@@ -202,10 +202,10 @@ class RenamePublisher(Publisher):
         damaged checkpoint of that name is moved aside (:meth:`set_aside`); a committed one is
         replaced only with ``overwrite``; a directory that is no checkpoint never."""
         final = os.path.join(root, name)
-        data = files.manifest_bytes(manifest)
+        data, written = files.manifest_record_bytes(manifest)
         stamp = self.store.write_atomic(os.path.join(tmp, fmt.MANIFEST), data, fsync)
         self.make_visible(root, tmp, name, self._make_room(root, name, overwrite, fsync), fsync)
-        return final, stamp, manifest
+        return final, stamp, written
 
     def _make_room(self, root: str, name: str, overwrite: bool, fsync: bool) -> bool:
         """Whether a committed checkpoint ``root/name`` is to be replaced (see :meth:`publish`)."""
@@ -406,7 +406,7 @@ class ManifestPublisher(Publisher):
         if old and not overwrite:
             raise CheckpointExistsError(f"{final} already exists (committed meanwhile); pass "
                                         "overwrite=True to replace it")
-        data = files.manifest_bytes(manifest)
+        data, written = files.manifest_record_bytes(manifest)
         target = store.join(final, fmt.MANIFEST)
         replace = overwrite or old is False
         try:
@@ -418,7 +418,7 @@ class ManifestPublisher(Publisher):
                 store.remove_tree(store.join(final, old.data_dir))
             except OSError as exc:
                 _tidy_warning(final, exc)
-        return final, stamp, manifest
+        return final, stamp, written
 
     def discard(self, tmp: str, rank: int, keep_file: bool) -> None:
         try:

@@ -138,9 +138,10 @@ class _Merged:
             if "object" in e:
                 out.append(e["object"])
                 continue
-            if e["replicated"] and not e["shards"]:
-                raise CorruptCheckpointError(f"replicated tensor {e['key']!r} was written by no "
-                                             "rank")
+            if not e["shards"]:
+                what = "replicated tensor" if e["replicated"] else "tensor"
+                raise CorruptCheckpointError(f"{what} {e['key']!r} was written by no rank (every "
+                                             "rank declared its copy a replica: primary=False)")
             out.append(TensorEntry(key=e["key"], dtype=e["dtype"], shape=e["shape"],
                                    shards=tuple(e["shards"]), replicated=e["replicated"],
                                    rank=e["rank"]))

@@ -113,7 +113,6 @@ class StoreCommunicator:
         self._ordinal = 0
         self._lock = threading.Lock()
         self._swept = 0  # rank 0: orphan slots already cleaned
-        self._reports: dict[int, RankReport] = {}  # rank 0, within a round: for commit()
 
     @classmethod
     def from_process_group(cls, group=None) -> "StoreCommunicator":
@@ -188,11 +187,12 @@ class StoreCommunicator:
             announced = {r: self._get_json(f"announce/r{r}") for r in missing}
         except Exception as exc:
             return self._lost(sid, exc, None)
+        reports: dict[int, RankReport] = {}
         if missing:
             decision = timeout_verdict(sid, missing, timeout_s, announced)
         else:
             try:
-                decision = self._check(sid, own, raw, check)
+                decision, reports = self._check(sid, own, raw, check)
             except Exception as exc:  # a bug in a check: abort, never crash
                 decision = Verdict.abort("invalid", f"checkpoint {sid.name!r}: the reports "
                                          f"could not be checked ({exc!r})", {0: repr(exc)})
@@ -208,22 +208,22 @@ class StoreCommunicator:
             return claimed  # ours, or an abort claimed first by a rank whose deadline passed
         beating = self._heartbeat(sid)
         try:
-            final = commit(self._reports)
+            final = commit(reports)
         except BaseException as exc:
             final = Verdict.abort("commit", f"committing {sid.name!r} failed on rank 0: {exc}",
                                   {0: repr(exc)})
         finally:
             beating()
-            self._reports = {}
         try:
             self._set_json(f"{sid.nonce}/decision", final.to_json())
         except Exception:
             pass  # the others read the verdict from the disk (the manifest records the nonce)
         return final
 
-    def _check(self, sid, own: RankReport, raw: dict[int, dict], check) -> Verdict | None:
-        """Rank 0: parse the other ranks' reports (bytes from other processes) and ask ``check``;
-        the parsed reports are kept for ``commit``."""
+    def _check(self, sid, own: RankReport, raw: dict[int, dict],
+               check) -> tuple[Verdict | None, dict[int, RankReport]]:
+        """Rank 0: parse the other ranks' reports (bytes from other processes), each naming the
+        rank whose key it was read from, and ask ``check``; (its verdict, the parsed reports)."""
         reports = {self.rank: own}
         for r, obj in sorted(raw.items()):
             if r == self.rank:
@@ -232,9 +232,12 @@ class StoreCommunicator:
                 reports[r] = parse_rank_report(obj, f"the report of rank {r} for {sid.name!r}")
             except CorruptCheckpointError as exc:
                 return Verdict.abort("invalid", f"checkpoint {sid.name!r} was not committed: "
-                                     f"rank {r}'s report does not validate", {r: str(exc)})
-        self._reports = reports
-        return check(reports)
+                                     f"rank {r}'s report does not validate", {r: str(exc)}), {}
+            if reports[r].rank != r:
+                return Verdict.abort("invalid", f"checkpoint {sid.name!r} was not committed: "
+                                     f"the report of rank {r} says rank {reports[r].rank}",
+                                     {r: f"reported as rank {reports[r].rank}"}), {}
+        return check(reports), reports
 
     def _gather(self, sid: SaveId, deadline: float) -> tuple[dict[int, dict], list[int]]:
         """Every rank's report (JSON), or stop early at the first failed report or claimed

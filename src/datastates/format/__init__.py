@@ -11,7 +11,8 @@ from .codec import (CHECKPOINT_FORMAT, DATA_ALIGN, HEADER_BYTES, LATEST, MAGIC, 
                     ShardHeader, align_up, check_name, crc32, dtype_from_name, dtype_name,
                     encode_index, encode_json, pack_header, read_header, seal_manifest,
                     shard_file_name, step_name)
-from .files import (encode_manifest, encode_manifest_checked, manifest_bytes, parse_index_bytes,
+from .files import (encode_manifest, encode_manifest_checked, manifest_record_bytes,
+                    parse_index_bytes,
                     parse_manifest_bytes, read_index, read_manifest)
 from .records import (CheckpointInfo, FileRef, Manifest, ObjectEntry, RankReport, ShardIndex,
                       ShardRef, TensorEntry, Verdict)
@@ -21,6 +22,6 @@ __all__ = ["CHECKPOINT_FORMAT", "DATA_ALIGN", "HEADER_BYTES", "LATEST", "MAGIC",
            "ShardHeader", "align_up", "check_name", "crc32", "dtype_from_name", "dtype_name",
            "encode_index", "encode_json", "pack_header", "read_header", "seal_manifest",
            "shard_file_name", "step_name", "encode_manifest", "encode_manifest_checked",
-           "manifest_bytes", "parse_index_bytes", "parse_manifest_bytes", "read_index",
+           "manifest_record_bytes", "parse_index_bytes", "parse_manifest_bytes", "read_index",
            "read_manifest", "CheckpointInfo", "FileRef", "Manifest", "ObjectEntry", "RankReport",
            "ShardIndex", "ShardRef", "TensorEntry", "Verdict"]

@@ -39,10 +39,12 @@ def parse_index_bytes(raw: bytes, header: ShardHeader, path: str) -> "records.Sh
     return validate.parse_shard_index(parse_json(raw, path), path, header.index_offset)
 
 
-def manifest_bytes(manifest: records.Manifest) -> bytes:
-    """The bytes of ``manifest.json`` for a manifest record the writer built (from its own
-    report and reports already validated): its JSON form, sealed; not parsed again."""
-    return seal_manifest(encode_json(manifest.to_json()))
+def manifest_record_bytes(manifest: records.Manifest) -> tuple[bytes, records.Manifest]:
+    """The bytes of ``manifest.json`` for a manifest record the review merged, and the record a
+    reader makes of them. The merged manifest holds what other processes sent, combined: it is
+    checked whole by the reader's own parser before it is written, so a checkpoint is committed
+    only if a reader accepts it (CorruptCheckpointError naming the field otherwise)."""
+    return encode_manifest_checked(manifest.to_json())
 
 
 def encode_manifest(manifest: dict) -> bytes:

@@ -5,8 +5,8 @@ A record is built by its writer -- the shard writer builds its rank's :class:`Ra
 review merges the reports into a :class:`Manifest`, publishing takes a copy of it with the commit
 number, the round's arbiter decides a :class:`Verdict` -- and read back from JSON only by
 ``validate.py``, whose ``parse_*`` functions check every byte that comes from another process or
-from disk. ``to_json()`` gives the exact JSON a reader parses back into an equal record (the
-manifest's field order is the one written since format version 2).
+from disk (and the merged manifest before it is written: it combines what other processes sent).
+``to_json()`` gives the JSON a reader parses back into an equal record.
 
 Pure: no I/O, no validation here (``validate.py`` validates, ``files.py`` reads and writes bytes).
 """

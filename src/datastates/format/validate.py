@@ -277,8 +277,11 @@ def _report_entry(value: Any, at: _At, f: FileRef) -> ReportEntry:
     kind = e.get("kind")
     if kind == "object":
         offset, nbytes = _region(e, at, f)
+        crc = _field_int(e, "crc32", at, 0, _U32)
+        if nbytes == 0 and crc != 0:
+            raise (at / "crc32").bad(f"an empty region has CRC 0, found {crc}")
         return ReportEntry(key=key, kind=kind, written=True, offset=offset, nbytes=nbytes,
-                           crc32=_field_int(e, "crc32", at, 0, _U32))
+                           crc32=crc)
     if kind != "tensor":
         raise (at / "kind").bad(f"unknown entry kind {_show(kind)}")
     dtype = _dtype(_get(e, "dtype", at), at / "dtype")
@@ -296,6 +299,9 @@ def _report_entry(value: Any, at: _At, f: FileRef) -> ReportEntry:
         _bool(replicated, at / "replicated")
         _bool(written, at / "written")
     if not written:
+        if not replicated and global_shape is None:
+            raise (at / "written").bad(f"tensor {key!r} is neither replicated nor a shard of a "
+                                       "global tensor, so this rank must write it")
         return ReportEntry(key=key, kind=kind, written=False, dtype=dtype, shape=shape,
                            global_shape=global_shape, global_offset=global_offset,
                            replicated=replicated)

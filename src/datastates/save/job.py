@@ -291,7 +291,7 @@ class SaveHandle:
     def wait_snapshot(self, timeout: float | None = None) -> None:
         """Block until the state is captured; after that the live state may change freely."""
         if not self._job.captured.wait(timeout):
-            raise TimeoutError(f"snapshot of {self.target.name!r} not complete after {timeout} s")
+            raise TimeoutError(f"snapshot of {self.name!r} not complete after {timeout} s")
         if self._job.error is not None and self._job.finished.is_set():
             self._raise()
 
@@ -306,7 +306,7 @@ class SaveHandle:
             with job._lock:
                 job.waiters -= 1
         if not done:
-            raise TimeoutError(f"checkpoint {self.target.name!r} not committed after {timeout} s")
+            raise TimeoutError(f"checkpoint {self.name!r} not committed after {timeout} s")
         if self._job.error is not None:
             self._raise()
         self._observed = True
@@ -336,7 +336,7 @@ class SaveHandle:
         except Exception:  # interpreter shutdown
             return
         if err is not None:
-            warnings.warn(f"datastates: checkpoint {self.target.name!r} failed and its handle was "
+            warnings.warn(f"datastates: checkpoint {self.name!r} failed and its handle was "
                           f"dropped without wait(): {err!r}", RuntimeWarning, stacklevel=2)
 
 
