@@ -271,7 +271,7 @@ class Checkpointer:
     def restore(self, state: Any, step: int | None = None, *, tag: str | None = None,
                 keys=None, strict: bool = True, verify: bool | None = None,
                 trusted: bool = False, safe_globals: Iterable[Any] = (),
-                rank_policy: str = "strict") -> RestoreReport:
+                rank_policy: str = "strict", cast: bool = False) -> RestoreReport:
         """Restore a committed checkpoint (the latest if no step/tag) into the live ``state``.
 
         Tensors are filled in place on their own devices, and so are NumPy arrays (a writeable
@@ -286,6 +286,17 @@ class Checkpointer:
         ``strict=False`` what does not match is left alone and listed in the report. ``keys``
         restricts the restore to key prefixes such as ``"model"``. Python objects load safely
         unless ``trusted=True`` (or their classes are in ``safe_globals``).
+
+        ``cast=True`` lets a saved floating-point tensor restore into a live floating-point
+        tensor of the same shape but another dtype (float32 into bfloat16 or float16, and back;
+        a sharded live tensor too): its bytes are read and checksummed as saved, into a
+        temporary of the saved dtype (at most 64 MiB of temporaries at a time, or one tensor
+        if larger), then copied with ``live.copy_(saved)`` (torch's rounding), so the live
+        tensor changes only once its bytes were verified. Every such key is listed in
+        ``report.cast`` (``"model/w (float32 -> bfloat16)"``) as well as in ``restored``.
+        Integer, bool and complex tensors are never cast: a dtype differing there stays a
+        mismatch, whose entry says so. By default (``cast=False``) any dtype difference is a
+        mismatch.
 
         First waits until every in-flight save of this Checkpointer (and of those sharing its
         pipeline) is committed or failed; their failures stay on their handles. A checksum error
@@ -303,19 +314,22 @@ class Checkpointer:
         passed: list[DamagedCheckpoint] = []
         with self._reader(step, tag, verify, trusted, safe_globals, None, rank_policy,
                           "restore()", passed) as reader:
-            report = reader.restore_into(state, keys=keys, strict=strict)
+            report = reader.restore_into(state, keys=keys, strict=strict, cast=cast)
         report.passed_over = [d.name for d in passed]
         return report
 
     def load(self, step: int | None = None, *, tag: str | None = None, keys=None,
              map_location: Any = None, verify: bool | None = None, trusted: bool = False,
-             safe_globals: Iterable[Any] = (), rank_policy: str = "strict") -> Any:
+             safe_globals: Iterable[Any] = (), rank_policy: str = "strict",
+             dtype: torch.dtype | None = None) -> Any:
         """Load a committed checkpoint into new objects: the structure that was saved, with
         modules and optimizers as their state dicts (what ``torch.load`` of them would give).
-        Like ``restore``, first waits for the saves in flight on this pipeline."""
+        ``dtype`` (a floating-point torch dtype, else ConfigError) converts every floating-point
+        tensor to it with ``Tensor.to`` (integer, bool and complex tensors, and NumPy arrays,
+        stay as saved). Like ``restore``, first waits for the saves in flight on this pipeline."""
         with self._reader(step, tag, verify, trusted, safe_globals, map_location,
                           rank_policy) as reader:
-            return reader.load(keys=keys)
+            return reader.load(keys=keys, dtype=dtype)
 
     def _reader(self, step, tag, verify, trusted, safe_globals, map_location, rank_policy,
                 caller: str = "load()", passed: list | None = None) -> Reader:

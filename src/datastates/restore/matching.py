@@ -6,6 +6,8 @@ by shape and dtype, provider objects by their own ``check`` (a refused one is ro
 the plan). What matches becomes a :class:`_Plan`: the regions to read into each live (or new)
 tensor from every saved shard overlapping it, the plain values to set and the providers to apply
 after the reads; what does not is recorded in the :class:`RestoreReport` (a strict restore raises).
+With ``cast=True`` a live floating-point tensor of the saved shape but another floating-point dtype
+matches too: it becomes a :class:`_Cast`, read as saved into a temporary, then copied into it.
 
 Kept apart from the reading: ``restore.Reader`` opens and checks the files, hands itself to a plan
 and executes the plan's reads (``_Read``, also built by verify.py). The plan uses only the reader it
@@ -49,6 +51,9 @@ class RestoreReport:
     nbytes: int = 0
     #: damaged checkpoints newer than this one that finding the latest passed over (by name)
     passed_over: list[str] = field(default_factory=list)
+    #: restored into a live tensor of another floating-point dtype (``cast=True``), each as
+    #: ``"model/w (float32 -> bfloat16)"``; these keys are in ``restored`` too
+    cast: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -59,6 +64,30 @@ class _Read:
     dest: torch.Tensor        # flat uint8 CPU tensor receiving the bytes
     checksums: list           # [[length, crc], ...] over [offset, offset + nbytes)
     key: str
+
+
+@dataclass
+class _Cast:
+    """A live tensor (or the local box of a sharded one) restored from a saved tensor of another
+    floating-point dtype: the bytes are read and checked as saved, into a temporary of the saved
+    dtype (``temporary``), then copied into ``dest`` with ``dest.copy_`` (torch's rounding), so
+    ``dest`` changes only once every byte of it was verified."""
+
+    dest: torch.Tensor
+    entry: TensorEntry
+    key: str
+    box_offset: tuple | None  #: where ``dest`` lies in the global tensor (None: the whole)
+    nbytes: int               #: bytes read from the checkpoint
+
+    def temporary(self) -> torch.Tensor:
+        return torch.empty(self.dest.shape, dtype=self.entry.torch_dtype)
+
+
+def _castable(live: Any, entry: TensorEntry) -> bool:
+    """Whether ``cast=True`` lets the live tensor receive the saved one of another dtype: both
+    floating-point (never int, bool or complex, whose conversions lose values or meaning)."""
+    return isinstance(live, torch.Tensor) and live.dtype.is_floating_point and \
+        entry.torch_dtype.is_floating_point
 
 
 _NODE_KINDS = {"tensor": "tensor", "dict": "dict", "odict": "dict", "list": "list",
@@ -146,18 +175,21 @@ def _resolve(value: Any) -> Any:
 class _Plan:
     """Matches the checkpoint tree with the live state; collects reads, errors and finalizers."""
 
-    def __init__(self, reader: Reader, keys, strict: bool, in_place: bool):
-        self.reader, self.strict, self.in_place = reader, strict, in_place
+    def __init__(self, reader: Reader, keys, strict: bool, in_place: bool, cast: bool = False):
+        self.reader, self.strict, self.in_place, self.cast = reader, strict, in_place, cast
         self.keys = tree.prefixes(keys)
         self.reads: list[_Read] = []
         self.post_copies: list = []
+        #: live tensors filled from a saved tensor of another floating-point dtype, after the
+        #: reads, a bounded batch of temporaries at a time (``Reader._run_casts``)
+        self.casts: list[_Cast] = []
         self.finalizers: list = []
         self.fresh: dict[int, torch.Tensor] = {}
         self.filled: set[tuple[int, int]] = set()
         #: (container, key, value): plain values of the live dicts/lists, replaced after the reads
         self.writebacks: list = []
-        #: (provider, state, key) of the providers overriding ``validate_values``, with the reads
-        #: and copies of their own tensors: done first, then validated (see ``take_early``)
+        #: (provider, state, key) of the providers overriding ``validate_values``, with the reads,
+        #: copies and casts of their own tensors: done first, then validated
         self.early: list = []
         #: providers' rebuilds waiting for the reads of their tensors (see ``resolve``)
         self.deferred = 0
@@ -242,7 +274,7 @@ class _Plan:
         """The saved state of a provider matched against ``live_state`` (its state of the live
         object, or None) and validated by the provider; a provider checking tensor values gets
         its reads and copies moved into ``early``."""
-        reads, copies = len(self.reads), set(map(id, self.post_copies))
+        reads, copies, casts = len(self.reads), set(map(id, self.post_copies)), len(self.casts)
         mismatched = len(self.report.mismatched)
         loaded = self.match(live_state, node["state"], path, prov)
         if len(self.report.mismatched) == mismatched:
@@ -255,14 +287,16 @@ class _Plan:
         if type(prov).validate_values is not StateProvider.validate_values:
             mine = [c for c in self.post_copies if id(c) not in copies]
             self.post_copies = [c for c in self.post_copies if id(c) in copies]
-            self.early.append((prov, loaded, key_of(path), self.reads[reads:], mine))
+            self.early.append((prov, loaded, key_of(path), self.reads[reads:], mine,
+                               self.casts[casts:]))
             del self.reads[reads:]
+            del self.casts[casts:]
         return loaded
 
     def nbytes(self) -> int:
         """Bytes the plan reads."""
-        return sum(r.nbytes for r in self.reads) + sum(r.nbytes for e in self.early
-                                                       for r in e[3])
+        early = [r for e in self.early for r in e[3] + e[5]]
+        return sum(r.nbytes for r in self.reads + self.casts + early)
 
     def resolve(self, value: Any) -> Any:
         """``value`` with every provider's rebuild done: run after the reads, so a provider
@@ -279,12 +313,13 @@ class _Plan:
     def _mark(self) -> tuple:
         return (list(self.reads), list(self.post_copies), list(self.finalizers),
                 list(self.writebacks), len(self.report.restored), set(self.filled),
-                dict(self.fresh), list(self.early))
+                dict(self.fresh), list(self.early), list(self.casts), len(self.report.cast))
 
     def _rollback(self, mark: tuple) -> None:
         (self.reads, self.post_copies, self.finalizers, self.writebacks, restored, self.filled,
-         self.fresh, self.early) = mark
+         self.fresh, self.early, self.casts, cast) = mark
         del self.report.restored[restored:]
+        del self.report.cast[cast:]
 
     def _strict_here(self, provider: StateProvider | None) -> bool:
         return provider is None or not provider.allow_new_keys
@@ -377,45 +412,79 @@ class _Plan:
     def into_live(self, live: Any, shard: TensorShard | None, node: dict, entry: TensorEntry,
                   key: str) -> None:
         """Schedule filling the live tensor (or the local box of a sharded one) in place, or
-        record a shape/dtype mismatch."""
+        record a shape/dtype mismatch. With ``cast``, a floating-point dtype other than the
+        saved floating-point one is no mismatch: the tensor is filled through a :class:`_Cast`."""
         local = shard.local if shard is not None else live
         global_shape = shard.global_shape if shard is not None else tuple(live.shape)
         live_dtype = str(local.dtype).replace("torch.", "")  # numpy: its name, '>f4' if swapped
-        if global_shape != entry.shape or live_dtype != entry.dtype:
+        cast = live_dtype != entry.dtype and global_shape == entry.shape and self.cast and \
+            _castable(local, entry)
+        if (global_shape != entry.shape or live_dtype != entry.dtype) and not cast:
+            refused = "; cast=True converts between floating-point dtypes only" \
+                if self.cast and global_shape == entry.shape and \
+                isinstance(local, torch.Tensor) else ""
             self.report.mismatched.append(f"{key} (checkpoint {entry.dtype}{list(entry.shape)}, "
-                                          f"live {live_dtype}{list(global_shape)})")
+                                          f"live {live_dtype}{list(global_shape)}{refused})")
             return
         why = unwritable(local)
         if why is not None:
             self.report.mismatched.append(f"{key} (the live tensor {why})")
             return
         self.report.restored.append(key)
+        if cast:
+            self.report.cast.append(f"{key} ({entry.dtype} -> {live_dtype})")
         target = (node["e"], local.data_ptr())
         if target not in self.filled:  # tied weights: one read for every key
             self.filled.add(target)
-            self._fill(local.detach(), entry, key,
-                       shard.global_offset if shard is not None else None)
+            box = shard.global_offset if shard is not None else None
+            if cast:
+                self._cast_into(local.detach(), entry, key, box)
+            else:
+                self._fill(local.detach(), entry, key, box)
+
+    def _cast_into(self, dest: torch.Tensor, entry: TensorEntry, key: str, box_offset) -> None:
+        """Schedule a :class:`_Cast` of ``dest``. Its regions are planned now on a meta tensor
+        (no memory), so that a checkpoint whose shards do not cover it is refused before
+        anything is read; they are planned again on the temporary when it is read."""
+        box = tuple(box_offset) if box_offset is not None else None
+        probe = torch.empty(dest.shape, dtype=entry.torch_dtype, device="meta")
+        reads, _ = self.regions(probe, entry, key, box)
+        self.casts.append(_Cast(dest, entry, key, box, sum(r.nbytes for r in reads)))
 
     def _fill(self, dest: torch.Tensor, entry: TensorEntry, key: str, box_offset=None) -> None:
         """Schedule reads filling ``dest``, the box of the global tensor at ``box_offset``
         (the whole tensor by default), from every saved shard that overlaps it."""
-        box_offset = tuple(box_offset) if box_offset is not None else (0,) * dest.dim()
         direct = dest.device.type == "cpu" and dest.is_contiguous() and \
             _bytes_of(dest) is not None
         target = dest if direct else torch.empty(dest.shape, dtype=dest.dtype)
         if not direct:
             self.post_copies.append(lambda d=dest, s=target: d.copy_(s))
+        reads, copies = self.regions(target, entry, key, box_offset)
+        self.reads.extend(reads)
+        self.post_copies[:0] = copies  # they fill ``target`` before it is copied anywhere
+
+    def regions(self, target: torch.Tensor, entry: TensorEntry, key: str,
+                box_offset=None) -> tuple[list[_Read], list]:
+        """The reads filling the contiguous CPU (or meta) tensor ``target``, the box of the
+        global tensor at ``box_offset`` (the whole tensor by default), from every saved shard
+        that overlaps it, and the copies that must follow them (parts of shards read into
+        buffers). CorruptCheckpointError when the shards do not cover the box."""
+        box_offset = tuple(box_offset) if box_offset is not None else (0,) * target.dim()
+        reads: list[_Read] = []
+        copies: list = []
         covered = 0
         for shard in entry.shards:
-            covered += self._fill_from(target, box_offset, shard, key)
+            covered += self._fill_from(target, box_offset, shard, key, reads, copies)
         if covered != target.numel():
             raise CorruptCheckpointError(
                 f"{self.reader.dir}: the saved shards of {key!r} cover {covered} of the "
                 f"{target.numel()} elements needed at {list(box_offset)}")
+        return reads, copies
 
     def _fill_from(self, target: torch.Tensor, box_offset: tuple, shard: ShardRef,
-                   key: str) -> int:
-        """Read the part of one saved shard that overlaps the target box; return its elements."""
+                   key: str, reads: list, copies: list) -> int:
+        """Plan reading the part of one saved shard that overlaps the target box into ``reads``
+        and ``copies``; return its elements."""
         s_off, s_shape = shard.global_offset, shard.shape
         lo = [max(a, b) for a, b in zip(s_off, box_offset)]
         hi = [min(a + n, b + m) for a, n, b, m in zip(s_off, s_shape, box_offset, target.shape)]
@@ -430,8 +499,8 @@ class _Plan:
                                          f"holds {shard.nbytes} bytes, expected {numel * elem}")
         if s_off == box_offset and s_shape == tuple(target.shape):  # the same box: read in place
             if numel:
-                self.reads.append(_Read(shard.file, shard.offset, shard.nbytes,
-                                        _bytes_of(target), shard.checksums, key))
+                reads.append(_Read(shard.file, shard.offset, shard.nbytes,
+                                   _bytes_of(target), shard.checksums, key))
             return numel
         if (target.dim() and s_shape[1:] == tuple(target.shape[1:]) and
                 s_off[1:] == box_offset[1:] and lo[0] == s_off[0] and
@@ -440,8 +509,8 @@ class _Plan:
             row = shard.nbytes // s_shape[0] if s_shape[0] else 0
             start = (s_off[0] - box_offset[0]) * row
             flat = _bytes_of(target)
-            self.reads.append(_Read(shard.file, shard.offset, shard.nbytes,
-                                    flat[start:start + shard.nbytes], shard.checksums, key))
+            reads.append(_Read(shard.file, shard.offset, shard.nbytes,
+                               flat[start:start + shard.nbytes], shard.checksums, key))
             return numel
         # Rows [r0, r1) of the shard along dim 0 are one contiguous byte range: read only those,
         # widened to whole checksum pieces so that what is read is verified.
@@ -458,9 +527,9 @@ class _Plan:
         # buffer starts ``lead`` bytes early, so that the rows land at an offset that is a
         # multiple of the element size and can be viewed as elements.
         lead = first % elem
-        buf = torch.empty(lead + last - first, dtype=torch.uint8)
-        self.reads.append(_Read(shard.file, shard.offset + first, last - first, buf[lead:],
-                                pieces, key))
+        buf = torch.empty(lead + last - first, dtype=torch.uint8, device=target.device)
+        reads.append(_Read(shard.file, shard.offset + first, last - first, buf[lead:], pieces,
+                           key))
         start = lead + r0 * row - first
         rows = buf[start:start + (r1 - r0) * row].view(target.dtype)
         rows = rows.reshape((r1 - r0,) + s_shape[1:])
@@ -469,7 +538,7 @@ class _Plan:
             if dim:
                 src = src.narrow(dim, lo[dim] - s_off[dim], hi[dim] - lo[dim])
             dst = dst.narrow(dim, lo[dim] - box_offset[dim], hi[dim] - lo[dim])
-        self.post_copies.insert(0, lambda d=dst, s=src: d.copy_(s))
+        copies.append(lambda d=dst, s=src: d.copy_(s))
         count = 1
         for l, h in zip(lo, hi):
             count *= h - l

@@ -30,13 +30,13 @@ from ..format import files
 from ..format import serialization
 from ..format import tree
 from ..format.codec import ShardHeader
-from .matching import RestoreReport, _Plan, _Read  # RestoreReport: public here too
+from .matching import RestoreReport, _Cast, _Plan, _Read  # RestoreReport: public here too
 from ..format.records import Manifest, ObjectEntry
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ReshardError
 from .ranks import RANK_POLICIES, per_rank_keys
 from ..providers import ProviderRegistry
 from ..commit.catalog import human_bytes
-from .reads import check_landed, coalesce, group_limit, read_run
+from .reads import MAX_RUN, check_landed, coalesce, group_limit, read_run
 from ..storage import ReadFile, Store, open_store
 from ..storage.store import LocalReadFile
 
@@ -204,13 +204,16 @@ class Reader:
         return trees[rank if rank < saved else 0]
 
     # ------------------------------------------------------------ public operations
-    def restore_into(self, state: Any, *, keys=None, strict: bool = True) -> RestoreReport:
+    def restore_into(self, state: Any, *, keys=None, strict: bool = True,
+                     cast: bool = False) -> RestoreReport:
         """Plan (every check of the matcher and the providers; nothing live changes), then read
         into the live tensors, then set plain values into the live dicts and lists (filled in
         place: the caller's containers stay the same objects), then let providers apply their
-        state. Logs one INFO record when done."""
+        state. With ``cast``, live floating-point tensors of another floating-point dtype than
+        the saved one are filled through temporaries (``_run_casts``). Logs one INFO record
+        when done."""
         start = time.perf_counter()
-        plan = _Plan(self, keys, strict, in_place=True)
+        plan = _Plan(self, keys, strict, in_place=True, cast=cast)
         plan.match(state, self._tree_for(keys), (), None)
         plan.check()
         self._execute(plan)
@@ -229,13 +232,18 @@ class Reader:
                  report.name, step, self.dir, self.rank, human_bytes(report.nbytes), seconds,
                  rate, len(report.restored))
 
-    def load(self, *, keys=None) -> Any:
+    def load(self, *, keys=None, dtype: torch.dtype | None = None) -> Any:
+        """The saved state in new objects; with ``dtype``, its floating-point tensors converted
+        to that dtype (others as saved), after ``map_location`` moved them."""
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ConfigError(f"load(dtype=...) takes a floating-point torch.dtype; found "
+                              f"{dtype!r}")
         plan = _Plan(self, keys, strict=False, in_place=False)
         value = plan.match(None, self._tree_for(keys), (), None)
         self._execute(plan)
         value = plan.resolve(value)
-        if self.map_location is not None:
-            value = _move(value, self.map_location)
+        if self.map_location is not None or dtype is not None:
+            value = _move(value, self.map_location, dtype)
         return value
 
     def verify_all(self, progress=None) -> int:
@@ -280,10 +288,30 @@ class Reader:
     def _execute(self, plan: "_Plan") -> None:
         """First the tensors of providers that validate values: read, copied, validated (a
         refusal raises CorruptCheckpointError before any other read); then every other read."""
-        for provider, loaded, key, reads, copies in plan.early:
+        for provider, loaded, key, reads, copies, casts in plan.early:
             self._run(reads, copies)
+            self._run_casts(plan, casts)
             provider.validate_values(plan.resolve(loaded), key)
         self._run(plan.reads, plan.post_copies)
+        self._run_casts(plan, plan.casts)
+
+    def _run_casts(self, plan: "_Plan", casts: list[_Cast]) -> None:
+        """Fill the live tensors of ``casts``: in batches of temporaries of at most MAX_RUN
+        bytes (or one tensor, if larger), each batch read and verified as saved, then copied
+        into its live tensors (``dest.copy_``: torch's rounding, onto the live device). A
+        checksum error raises before its batch's live tensors change."""
+        for batch in _batches(casts, MAX_RUN):
+            temps = [cast.temporary() for cast in batch]
+            reads: list[_Read] = []
+            copies: list = []
+            for cast, temp in zip(batch, temps):
+                more_reads, more_copies = plan.regions(temp, cast.entry, cast.key,
+                                                       cast.box_offset)
+                reads += more_reads
+                copies += more_copies
+            self._run(reads, copies)
+            for cast, temp in zip(batch, temps):
+                cast.dest.copy_(temp)
 
     def _run(self, reads: list[_Read], post_copies: list) -> None:
         """Read every region, verifying each step of bytes right after it lands (while it is
@@ -321,11 +349,30 @@ class Reader:
         read_run(f, group, path, self.verify)
 
 
-def _move(value: Any, device: Any) -> Any:
+def _batches(casts: list[_Cast], limit: int) -> list[list[_Cast]]:
+    """``casts`` in order, cut into batches whose temporaries hold at most ``limit`` bytes (a
+    larger one alone)."""
+    batches: list[list[_Cast]] = []
+    size = 0
+    for cast in casts:
+        nbytes = cast.dest.numel() * cast.entry.torch_dtype.itemsize
+        if not batches or size + nbytes > limit:
+            batches.append([])
+            size = 0
+        batches[-1].append(cast)
+        size += nbytes
+    return batches
+
+
+def _move(value: Any, device: Any, dtype: torch.dtype | None = None) -> Any:
+    """``value`` with its tensors on ``device`` (None: where they are) and its floating-point
+    tensors of ``dtype`` (None: as they are)."""
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        if dtype is not None and value.is_floating_point():
+            return value.to(device, dtype)
+        return value.to(device) if device is not None else value
     if isinstance(value, (dict, OrderedDict)):
-        return type(value)((k, _move(v, device)) for k, v in value.items())
+        return type(value)((k, _move(v, device, dtype)) for k, v in value.items())
     if type(value) in (list, tuple):
-        return type(value)(_move(v, device) for v in value)
+        return type(value)(_move(v, device, dtype) for v in value)
     return value
