@@ -1,7 +1,9 @@
 """The public entry point: a Checkpointer owns the host cache and threads for one directory."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import time
 import warnings
@@ -103,13 +105,15 @@ class Checkpointer:
         #: The committed checkpoints of the directory as last listed: each commit, ``list`` and
         #: ``latest`` list the directory but read only the manifests that changed since.
         self._catalog = Catalog(self.directory, self.store)
-        self._retention = RetentionPolicy(self.config.keep_last, self.config.keep_every)
+        cfg = self.config
+        self._retention = RetentionPolicy(cfg.keep_last, cfg.keep_every, cfg.keep_best,
+                                          cfg.best_metric, cfg.best_mode)
 
     # ------------------------------------------------------------ save
     def save(self, state: Any, step: int | None = None, *, tag: str | None = None,
              metadata: dict | None = None, overwrite: bool = False,
              replicated: bool | Iterable[str] = False,
-             optimizers: Iterable[Any] = ()) -> SaveHandle:
+             optimizers: Iterable[Any] = (), metrics: dict | None = None) -> SaveHandle:
         """Start a checkpoint of ``state`` and return its handle.
 
         ``state`` is any nesting of dicts/lists/tuples, tensors, modules, optimizers, objects
@@ -131,6 +135,11 @@ class Checkpointer:
         every rank (True for all, or key
         prefixes): they are written once, and (``config.replica_check``) a digest of each is
         compared across ranks at commit.
+
+        ``metrics`` (``{"val_loss": 0.31}``): numbers recorded in the manifest (rank 0's) and
+        given back as ``CheckpointInfo.metrics``, which ``config.keep_best`` ranks by. A name
+        is a str, a value a finite int or float (a bool, NaN or infinity is refused): TypeError
+        or ValueError naming the key, with nothing written.
 
         Multi-rank: every rank must make the same saves (same name and step) in the same order;
         a save that one rank skips, names differently, or fails (even inside this call) fails on
@@ -156,7 +165,8 @@ class Checkpointer:
             timeout_s=cfg.commit_timeout_s, fsync=cfg.fsync, replica_check=cfg.replica_check,
             retention=self._retention, catalog=self._catalog)
         try:
-            job = self._plan_job(state, metadata, replicated, optimizers, target, t0)
+            job = self._plan_job(state, metadata, replicated, optimizers,
+                                 dataclasses.replace(target, metrics=_check_metrics(metrics)), t0)
         except BaseException as exc:
             failed = Job(target, flat=Flattened(tree={"t": "value", "v": None}),
                          layout=plan_layout([], [], cfg.unit_bytes), write_tensors=[],
@@ -518,6 +528,29 @@ def _check_depth(metadata: dict) -> None:
                 if isinstance(child, (dict, list, tuple)):
                     below[id(child)] = child
         level, depth = list(below.values()), depth + 1
+
+
+def _check_metrics(metrics: Any) -> dict:
+    """``save(metrics=...)`` as the manifest records it: a dict of str → finite int or float
+    (subclasses such as ``numpy.float64`` become plain int and float); TypeError or ValueError
+    naming the key otherwise."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise TypeError(f"metrics must be a dict of name -> number, found "
+                        f"{type(metrics).__qualname__}")
+    out = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise TypeError(f"metrics: expected str names, found the key {key!r} "
+                            f"({type(key).__qualname__})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"metrics[{key!r}]: expected an int or float, found "
+                            f"{type(value).__qualname__} {value!r} (convert with float())")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"metrics[{key!r}]: expected a finite number, found {value!r}")
+        out[key] = int(value) if isinstance(value, int) else float(value)
+    return out
 
 
 def _check_dtypes(items) -> None:

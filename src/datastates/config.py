@@ -36,8 +36,16 @@ class CheckpointConfig:
     max_pending_saves: int = 2
     #: Retention: keep the newest ``keep_last`` committed checkpoints (None keeps all) ...
     keep_last: int | None = None
-    #: ... and additionally every checkpoint whose step is a multiple of ``keep_every``.
+    #: ... and additionally every checkpoint whose step is a multiple of ``keep_every`` ...
     keep_every: int | None = None
+    #: ... and the ``keep_best`` checkpoints with the best value of the metric ``best_metric``
+    #: (``save(..., metrics={...})``; ties: the newer wins). Needs ``best_metric``. It only
+    #: protects checkpoints from ``keep_last``: with ``keep_last`` None everything is kept.
+    keep_best: int | None = None
+    #: The metric ``keep_best`` ranks by; checkpoints saved without it are never among the best.
+    best_metric: str | None = None
+    #: "min": the lowest values are the best (a loss); "max": the highest (an accuracy).
+    best_mode: str = "min"
     #: Verify checksums on restore.
     verify: bool = True
     #: Deadline of a save, measured on every rank from its ``save()`` call: a save not decided
@@ -90,6 +98,7 @@ class CheckpointConfig:
              f"keep_last None or >= 1, found {self.keep_last!r}")
         need(self.keep_every is None or (isinstance(self.keep_every, int) and self.keep_every >= 1),
              f"keep_every None or >= 1, found {self.keep_every!r}")
+        self._check_best(need)
         for name in ("commit_timeout_s", "stale_tmp_age_s"):
             value = getattr(self, name)
             need(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
@@ -100,6 +109,18 @@ class CheckpointConfig:
              f"lazy in ('auto', 'always', 'never'), found {self.lazy!r}")
         need(isinstance(self.allow_unsafe_objects, bool),
              f"allow_unsafe_objects True or False, found {self.allow_unsafe_objects!r}")
+
+    def _check_best(self, need) -> None:
+        """The fields of retention by metric: ``keep_best`` >= 1 needs ``best_metric``."""
+        need(self.keep_best is None or (type(self.keep_best) is int and self.keep_best >= 1),
+             f"keep_best None or an int >= 1, found {self.keep_best!r}")
+        need(self.best_metric is None or (isinstance(self.best_metric, str) and self.best_metric),
+             f"best_metric None or a metric name (a non-empty str), found {self.best_metric!r}")
+        need(self.keep_best is None or self.best_metric is not None,
+             f"best_metric (the metric keep_best ranks by) with keep_best={self.keep_best}, "
+             "found None")
+        need(self.best_mode in ("min", "max"),
+             f"best_mode in ('min', 'max'), found {self.best_mode!r}")
 
     @property
     def unit_bytes(self) -> int:

@@ -48,6 +48,8 @@ class SaveTarget:
     retention: RetentionPolicy
     #: The writer's catalog of ``root`` (commit numbering reads only what changed since).
     catalog: Catalog | None = None
+    #: The save's metrics, checked by ``save()`` (rank 0's go into the manifest).
+    metrics: dict = dataclasses.field(default_factory=dict)
 
     @property
     def path(self) -> str:
@@ -134,7 +136,7 @@ class _Round:
                                   for r, d in elsewhere.items()})
         verdict, self.manifest = review(
             reports, name=t.name, step=t.step, metadata=self.metadata, save_id=t.sid.nonce,
-            tmp=t.tmp, replica_check=t.replica_check, store=t.store)
+            tmp=t.tmp, replica_check=t.replica_check, store=t.store, metrics=t.metrics)
         return verdict
 
     def publish(self, reports: dict[int, RankReport]) -> Verdict:

@@ -1,9 +1,9 @@
 """Removing checkpoints: deleting one (out of sight first -- a rename, or deleting its manifest --
-then its files), applying the retention policy after a commit, and cleaning up what dead writers
-left: temporary directories, interrupted deletions, a checkpoint whose replacement was interrupted
-between its two renames (put back), object-store data no manifest names, unfinished multipart
-uploads. How each is done on each kind of store is the publisher's (publish.py); this module
-decides what to remove.
+then its files), applying the retention policy (the newest, steps, the best by a metric) after a
+commit, and cleaning up what dead writers left: temporary directories, interrupted deletions, a
+checkpoint whose replacement was interrupted between its two renames (put back), object-store
+data no manifest names, unfinished multipart uploads. How each is done on each kind of store is
+the publisher's (publish.py); this module decides what to remove.
 
 Only checkpoints are ever removed: a directory of the root counts as one when it holds a
 ``manifest.json`` (committed, or damaged since), never merely because of its name. A damaged
@@ -38,11 +38,17 @@ def delete(root: str, name: str, fsync: bool = True, store: Store = LOCAL) -> No
 @dataclass(frozen=True)
 class RetentionPolicy:
     """Which committed checkpoints a root keeps after each commit (``CheckpointConfig``'s
-    ``keep_last`` / ``keep_every``; ``keep_last`` None keeps everything). Applied by the commit,
-    on rank 0, right after a checkpoint became visible (``committer.py``)."""
+    ``keep_last`` / ``keep_every`` / ``keep_best``, ``best_metric``, ``best_mode``). Applied by
+    the commit, on rank 0, right after a checkpoint became visible (``committer.py``).
+
+    ``keep_last`` None keeps everything, ``keep_best`` or not: ``keep_best`` only protects
+    checkpoints that ``keep_last`` would delete, it never deletes one by itself."""
 
     keep_last: int | None = None
     keep_every: int | None = None
+    keep_best: int | None = None
+    best_metric: str | None = None
+    best_mode: str = "min"
 
     def apply(self, root: str, protect: str, fsync: bool, store: Store = LOCAL,
               committed: list[CheckpointInfo] | None = None,
@@ -56,11 +62,14 @@ class RetentionPolicy:
         not an error.
 
         Keeps the ``keep_last`` most recently committed checkpoints (commit order, steps and tags
-        alike), every checkpoint whose step is a multiple of ``keep_every``, and ``protect``. The
-        newest checkpoint is therefore never deleted. A damaged checkpoint is deleted when its
-        ``manifest.json`` is older (modification time) than that of each of the ``keep_last`` most
-        recent ones: it would have been deleted had it been readable; a newer one is kept for
-        inspection. One INFO record per deletion. Also retries the removal of ``.trash.*`` left
+        alike), every checkpoint whose step is a multiple of ``keep_every``, the ``keep_best``
+        ones whose ``best_metric`` is best (:meth:`best`), and ``protect``. The newest checkpoint
+        is therefore never deleted, and a checkpoint saved without the metric is kept or deleted
+        by the other rules alone. A damaged checkpoint is deleted when its ``manifest.json`` is
+        older (modification time) than that of each of the ``keep_last`` most recent ones: it
+        would have been deleted had it been readable; a newer one is kept for inspection, and so
+        is every damaged one under ``keep_best`` (its metric is unreadable: it may have been among
+        the best). One INFO record per deletion. Also retries the removal of ``.trash.*`` left
         by earlier deletions whose files could not be removed, so they do not accumulate
         unnoticed. Every deletion is attempted; then an OSError naming each path that could not
         be removed is raised."""
@@ -71,7 +80,7 @@ class RetentionPolicy:
             catalog = Catalog(root, store)
             committed, damaged = catalog.scan(), catalog.damaged()
         found = committed
-        keep = {i.name for i in found[-self.keep_last:]} | {protect}
+        keep = {i.name for i in found[-self.keep_last:]} | {protect} | set(self.best(found))
         if found:
             keep.add(found[-1].name)
         removed = []
@@ -84,7 +93,9 @@ class RetentionPolicy:
                 removed.append(info.name)
                 log.info("retention deleted %s (%s of files)", info.name,
                          human_bytes(info.nbytes))
-        for gone in _aged_out(damaged or [], found[-self.keep_last:], store, self.keep_every):
+        aged = [] if self.keep_best else \
+            _aged_out(damaged or [], found[-self.keep_last:], store, self.keep_every)
+        for gone in aged:
             if _remove(root, gone.name, fsync, store, failures):
                 removed.append(gone.name)
                 log.info("retention deleted the damaged checkpoint %s, older than every checkpoint "
@@ -93,6 +104,18 @@ class RetentionPolicy:
             raise OSError(failures[0].errno, "retention could not remove: " +
                           "; ".join(str(e) for e in failures), failures[0].filename)
         return removed
+
+    def best(self, found: list[CheckpointInfo]) -> list[str]:
+        """The names of the ``keep_best`` checkpoints of ``found`` (oldest first) with the best
+        value of ``best_metric``, best first: the lowest (``best_mode`` "min") or the highest
+        ("max"); of equal values the newer wins. Those without the metric are never among them;
+        none without ``keep_best``."""
+        if not self.keep_best:
+            return []
+        sign = 1 if self.best_mode == "min" else -1
+        ranked = sorted((sign * info.metrics[self.best_metric], -order, info.name)
+                        for order, info in enumerate(found) if self.best_metric in info.metrics)
+        return [name for _, _, name in ranked[:self.keep_best]]
 
 
 def _remove(root: str, name: str, fsync: bool, store: Store, failures: list) -> bool:

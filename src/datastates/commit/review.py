@@ -21,8 +21,8 @@ Problems = list[tuple[list[int], str]]
 
 
 def review(reports: dict[int, RankReport], *, name: str, step: int | None, metadata: dict,
-           save_id: str, tmp: str, replica_check: bool,
-           store: Store) -> tuple[Verdict | None, Manifest | None]:
+           save_id: str, tmp: str, replica_check: bool, store: Store,
+           metrics: dict | None = None) -> tuple[Verdict | None, Manifest | None]:
     """(abort verdict, None) if the reports do not form one checkpoint of this save, else
     (None, manifest). Checks, in order: a rank's own failure, that every report belongs to this
     save, the manifest merge, exact tiling of every tensor, replica digests (optional), and a
@@ -37,7 +37,7 @@ def review(reports: dict[int, RankReport], *, name: str, step: int | None, metad
                         "committed", problems), None
     try:
         manifest = build_manifest([reports[r] for r in sorted(reports)], name=name, step=step,
-                                  metadata=metadata, save_id=save_id)
+                                  metadata=metadata, save_id=save_id, metrics=metrics)
     except CorruptCheckpointError as exc:
         return _invalid("invalid", f"checkpoint {name!r} was not committed",
                         [([0], str(exc))]), None
@@ -60,7 +60,7 @@ def _invalid(kind: str, message: str, problems: Problems) -> Verdict:
 # ---------------------------------------------------------------- the merge
 
 def build_manifest(reports: list[RankReport], *, name: str, step: int | None, metadata: dict,
-                   save_id: str | None = None) -> Manifest:
+                   save_id: str | None = None, metrics: dict | None = None) -> Manifest:
     """Merge every rank's report into one manifest (its commit number is set when it is
     published: ``seq`` 0 here).
 
@@ -68,7 +68,8 @@ def build_manifest(reports: list[RankReport], *, name: str, step: int | None, me
     shards of one global tensor become one entry with several shards (every written box is kept:
     :func:`check_tiling` rejects overlaps and gaps); anything else stays per rank, so two ranks
     holding different tensors under one key never collapse into one. ``save_id`` (the round's
-    nonce) is recorded so that a rank can recognise its own save on disk."""
+    nonce) is recorded so that a rank can recognise its own save on disk; ``metrics`` (rank 0's,
+    checked by ``save()``) as they are, the field left out when there are none."""
     files, ranks = [], []
     merged = _Merged()
     for report in sorted(reports, key=lambda rep: rep.rank):
@@ -85,7 +86,7 @@ def build_manifest(reports: list[RankReport], *, name: str, step: int | None, me
     return Manifest(version=fmt.VERSION, name=name, step=step, seq=0, created_unix=time.time(),
                     world_size=len(reports), metadata=metadata, files=tuple(files),
                     entries=entries, ranks=tuple(ranks), save_id=save_id,
-                    by_file=regions_by_file(entries, len(files)))
+                    metrics=dict(metrics or {}), by_file=regions_by_file(entries, len(files)))
 
 
 def _remap(node: dict, table: list[int]) -> dict:

@@ -129,6 +129,8 @@ class Manifest:
     #: Object stores: the directory of the checkpoint holding its shard files (None: the
     #: checkpoint directory itself).
     data_dir: str | None = None
+    #: The numbers ``save(metrics=...)`` recorded (name → finite int or float; optional field).
+    metrics: dict = field(default_factory=dict)
     #: per file, its regions (offset, nbytes, entry, shard or None for an object), by offset
     by_file: tuple[tuple[tuple[int, int, Entry, "ShardRef | None"], ...], ...] = \
         field(default=(), repr=False, compare=False)
@@ -155,6 +157,8 @@ class Manifest:
             out["seq"] = self.seq
         if self.data_dir is not None:
             out["data_dir"] = self.data_dir
+        if self.metrics:
+            out["metrics"] = self.metrics
         return out
 
 
@@ -274,11 +278,14 @@ class CheckpointInfo:
     nbytes: int
     metadata: dict = field(default_factory=dict)
     seq: int = 0
+    #: The metrics saved with it (``save(metrics=...)``): name → int or float; empty if none.
+    metrics: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"name": self.name, "path": self.path, "step": self.step,
                 "created_unix": self.created_unix, "world_size": self.world_size,
-                "nbytes": self.nbytes, "metadata": self.metadata, "seq": self.seq}
+                "nbytes": self.nbytes, "metadata": self.metadata, "seq": self.seq,
+                "metrics": self.metrics}
 
 
 def info_of(path: str, manifest: Manifest) -> CheckpointInfo:
@@ -286,7 +293,7 @@ def info_of(path: str, manifest: Manifest) -> CheckpointInfo:
     return CheckpointInfo(name=path.rstrip("/").rsplit("/", 1)[-1], path=path, step=manifest.step,
                           created_unix=manifest.created_unix, world_size=manifest.world_size,
                           nbytes=manifest.nbytes, metadata=dict(manifest.metadata),
-                          seq=manifest.seq)
+                          seq=manifest.seq, metrics=dict(manifest.metrics))
 
 
 #: Why a round did not commit: ``timeout`` (a rank did not report, or its deadline passed),

@@ -74,7 +74,19 @@ def parse_manifest(obj: Any, where: str, *, version_1: bool = False) -> Manifest
         raise (at / "data_dir").bad(f"expected '.data.<run>-<attempt>', found {_show(data_dir)}")
     return Manifest(version=version, name=name, step=step, seq=seq, created_unix=float(created),
                     world_size=world, metadata=metadata, files=files, entries=entries,
-                    ranks=ranks, save_id=save_id, data_dir=data_dir, by_file=by_file)
+                    ranks=ranks, save_id=save_id, data_dir=data_dir,
+                    metrics=_metrics(m.get("metrics", {}), at / "metrics"), by_file=by_file)
+
+
+def _metrics(value: Any, at: _At) -> dict:
+    """The optional ``metrics`` object: string names, each a finite int or float (not a bool)."""
+    metrics = _dict(value, at)
+    for key, number in metrics.items():
+        if type(key) is not str:
+            raise at.bad(f"expected metric names that are strings, found {_show(key)}")
+        if type(number) is not int and (type(number) is not float or not math.isfinite(number)):
+            raise (at / key).bad(f"expected a finite number, found {_show(number)}")
+    return metrics
 
 
 def _files(value: Any, at: _At, world: int) -> tuple[FileRef, ...]:
@@ -350,4 +362,5 @@ def _info(value: Any, at: _At) -> CheckpointInfo:
                           world_size=_int(_get(d, "world_size", at), at / "world_size", 1, 1 << 24),
                           nbytes=_int(_get(d, "nbytes", at), at / "nbytes", 0, _U64),
                           metadata=_dict(d.get("metadata", {}), at / "metadata"),
-                          seq=_int(_get(d, "seq", at), at / "seq", 0, (1 << 63) - 1))
+                          seq=_int(_get(d, "seq", at), at / "seq", 0, (1 << 63) - 1),
+                          metrics=_metrics(d.get("metrics", {}), at / "metrics"))

@@ -120,14 +120,18 @@ def _list(args) -> int:
     found = describe.select(args.path, every=True)
     infos = found.checkpoints
     newest = infos[-1].name if infos else None
-    rows = [(" ", "name", "step", "saved (UTC)", "size", "ranks")]
+    metrics = any(info.metrics for info in infos)  # the column only when some have metrics
+    rows = [(" ", "name", "step", "saved (UTC)", "size", "ranks")
+            + (("metrics",) if metrics else ())]
     for info in infos:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(info.created_unix))
         rows.append(("*" if info.name == newest else " ", info.name,
                      "-" if info.step is None else str(info.step), when,
-                     describe.human_bytes(info.nbytes), str(info.world_size)))
+                     describe.human_bytes(info.nbytes), str(info.world_size))
+                    + ((describe.render_metrics(info.metrics) or "-",) if metrics else ()))
     for d in found.damaged:
-        rows.append(("!", d.name, "-", "-", "-", f"DAMAGED: {' '.join(d.reason.split())}"))
+        reason = f"DAMAGED: {' '.join(d.reason.split())}"
+        rows.append(("!", d.name, "-", "-", "-") + (("-", reason) if metrics else (reason,)))
     _table(rows)
     note = f", {len(found.damaged)} damaged (!: never restored)" if found.damaged else ""
     print(f"{len(infos)} checkpoint(s){note}; * = newest committed (what restore() takes by "

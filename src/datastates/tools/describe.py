@@ -208,10 +208,10 @@ COLLAPSE_ITEMS = 8
 def inspect(path: str | os.PathLike, step: int | None = None, tag: str | None = None, *,
             keys: list[str] | None = None, storage_options: dict | None = None) -> dict:
     """A JSON-ready description of one checkpoint: name, step, commit number, format version,
-    time, metadata, files per rank, and every tensor (key, dtype, shape, bytes, shards and the
-    ranks holding them), object (key, bytes, rank) and plain value of rank 0's tree (a list or
-    tuple of more than ``COLLAPSE_ITEMS`` plain values is one value, the list). ``keys``: only
-    the entries under these key prefixes.
+    time, metadata, metrics (``save(metrics=...)``; empty if none), files per rank, and every
+    tensor (key, dtype, shape, bytes, shards and the ranks holding them), object (key, bytes,
+    rank) and plain value of rank 0's tree (a list or tuple of more than ``COLLAPSE_ITEMS`` plain
+    values is one value, the list). ``keys``: only the entries under these key prefixes.
 
     ``path`` as for :func:`select`; a folder holding several checkpoints without a latest one
     (a DeepSpeed tag) raises ``ConfigError`` asking for ``step``/``tag`` or a single folder."""
@@ -248,7 +248,8 @@ def _describe(info: CheckpointInfo, store) -> dict:
             objects.append({"key": e.key, "nbytes": e.nbytes, "rank": m.files[e.file].rank})
     return {"path": info.path, "name": m.name, "step": m.step, "seq": m.seq,
             "format_version": m.version, "created_unix": m.created_unix,
-            "world_size": m.world_size, "metadata": m.metadata, "nbytes": m.nbytes,
+            "world_size": m.world_size, "metadata": m.metadata, "metrics": m.metrics,
+            "nbytes": m.nbytes,
             "files": [{"name": f.name, "rank": f.rank, "nbytes": f.nbytes} for f in m.files],
             "tensors": tensors, "objects": objects, "values": _values(m.ranks[0].tree)}
 
@@ -287,6 +288,8 @@ def render_inspect(summary: dict) -> str:
              f"{len(s['objects'])} objects, {len(s['values'])} plain values"]
     if s["metadata"]:
         lines.append(f"metadata    {_cut(json.dumps(s['metadata'], sort_keys=True), 200)}")
+    if s["metrics"]:
+        lines.append(f"metrics     {_cut(render_metrics(s['metrics']), 200)}")
     for f in s["files"]:
         lines.append(f"  rank {f['rank']:<5} {f['name']}  {human_bytes(f['nbytes'])}")
     rows = [("key", "dtype", "shape", "size", "where")]
@@ -304,6 +307,13 @@ def render_inspect(summary: dict) -> str:
     lines.append("")
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines)
+
+
+def render_metrics(metrics: dict) -> str:
+    """``acc=0.9 val_loss=0.31``: the metrics by name, floats to 6 significant digits (the JSON
+    of :func:`inspect` keeps them exact)."""
+    return " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in sorted(metrics.items()))
 
 
 def _cut(text: str, limit: int) -> str:
@@ -338,7 +348,7 @@ def _describe_dcp(info: CheckpointInfo) -> dict:
     sizes = [os.path.getsize(os.path.join(info.path, f)) for f in files]
     return {"path": info.path, "name": info.name, "step": None, "seq": 0,
             "format_version": 1, "created_unix": info.created_unix,
-            "world_size": info.world_size, "metadata": {"layout": DCP_LAYOUT},
+            "world_size": info.world_size, "metadata": {"layout": DCP_LAYOUT}, "metrics": {},
             "nbytes": sum(sizes),
             "files": [{"name": f, "rank": i, "nbytes": n} for i, (f, n) in
                       enumerate(zip(files, sizes))],
