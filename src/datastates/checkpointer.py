@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 import warnings
@@ -19,17 +18,17 @@ from .commit.publish import publisher_for
 from .commit.retention import RetentionPolicy
 from .commit.round import LocalCommunicator, StoreCommunicator
 from .config import CheckpointConfig
-from .errors import CheckpointerClosedError, ConfigError, SerializationError
+from .errors import CheckpointerClosedError, ConfigError
 from .format import codec as fmt
-from .format.checks import MAX_TREE_DEPTH
 from .format.records import CheckpointInfo
 from .providers import ProviderRegistry
 from .providers.tree import Flattened, ObjectItem, TensorItem, flatten
 from .restore.reader import Reader, RestoreReport, check_rank_policy
 from .save import capture
+from .save.arguments import check_depth, check_dtypes, check_metrics, check_step, check_tag
 from .save.job import Job, SaveHandle
 from .save.pipeline import Pipeline
-from .save.planning import assign_replicated, plan_layout
+from .save.planning import assign_replicated, plan_layout, units_holding
 from .storage import normalize, open_store
 
 
@@ -149,8 +148,8 @@ class Checkpointer:
         self._check_open()
         if step is None and tag is None:
             raise ValueError("save() needs a step or a tag")
-        _check_step(step)
-        name = _check_tag(tag) if tag is not None else fmt.step_name(step)
+        check_step(step)
+        name = check_tag(tag) if tag is not None else fmt.step_name(step)
         self._report_dropped_failures()
         self._bound_pending()
         # From here on the save has an identity: a failure still takes part in its commit round,
@@ -166,7 +165,7 @@ class Checkpointer:
             retention=self._retention, catalog=self._catalog)
         try:
             job = self._plan_job(state, metadata, replicated, optimizers,
-                                 dataclasses.replace(target, metrics=_check_metrics(metrics)), t0)
+                                 dataclasses.replace(target, metrics=check_metrics(metrics)), t0)
         except BaseException as exc:
             failed = Job(target, flat=Flattened(tree={"t": "value", "v": None}),
                          layout=plan_layout([], [], cfg.unit_bytes), write_tensors=[],
@@ -196,7 +195,7 @@ class Checkpointer:
         """Validate, walk and plan one save on the training thread (the part that may fail)."""
         if metadata is not None and not isinstance(metadata, dict):
             raise TypeError(f"metadata must be a dict, found {type(metadata).__qualname__}")
-        _check_depth(metadata or {})
+        check_depth(metadata or {})
         decoded = json.loads(fmt.encode_json(metadata or {}))
         if decoded != (metadata or {}):  # fail now, not in background
             raise TypeError("metadata must survive a JSON round trip unchanged (string keys; "
@@ -205,7 +204,7 @@ class Checkpointer:
         self._publisher.check_name(self.directory, target.name, target.overwrite)
         flat = flatten(state, self.registry,
                        allow_unsafe=self.config.allow_unsafe_objects)
-        _check_dtypes(flat.items)
+        check_dtypes(flat.items)
         self._decide_capture(flat, optimizers)
         tensors = [i for i, it in enumerate(flat.items) if isinstance(it, TensorItem)]
         _mark_replicated(flat.items, tensors, replicated)
@@ -219,7 +218,7 @@ class Checkpointer:
         ready = self._pipeline.copier.record_ready([flat.items[i].tensor for i in writes])
         return Job(target, flat=flat, layout=layout, write_tensors=writes, objects=objects,
                    metadata=metadata, ready=ready, t0=t0,
-                   eager_units=_units_holding(layout, len(eager)), eager_items=len(eager),
+                   eager_units=units_holding(layout, len(eager)), eager_items=len(eager),
                    digest_replicas=self.config.replica_check and self.world_size > 1)
 
     def guard(self, optimizer: Any) -> None:
@@ -346,7 +345,7 @@ class Checkpointer:
         """The reader of the checkpoint asked for. Finding the latest, each damaged checkpoint
         passed over is logged as a WARNING naming ``caller``, and appended to ``passed``."""
         self._check_open()
-        _check_step(step)
+        check_step(step)
         check_rank_policy(rank_policy)
         self._pipeline.drain()
         info = resolve(self.directory, step, tag, self.store, self._catalog)
@@ -411,7 +410,7 @@ class Checkpointer:
         if (step is None) == (tag is None):
             raise ConfigError(f"delete() needs exactly one of step= or tag= to name the "
                               f"checkpoint; found step={step!r}, tag={tag!r}")
-        _check_step(step)
+        check_step(step)
         name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
         if self.rank == 0:
             retention.delete(self.directory, name, self.config.fsync, self.store)
@@ -480,97 +479,6 @@ class Checkpointer:
         if self._pipeline.closed:
             raise CheckpointerClosedError(f"the Checkpointer whose pipeline the one of "
                                           f"{self.directory} shares was closed")
-
-
-#: Largest step: the manifest holds a signed 64-bit step (docs/format.md), and a reader refuses
-#: any other.
-MAX_STEP = (1 << 63) - 1
-#: Longest tag, in UTF-8 bytes: the checkpoint's temporary names add the writer's run id (which
-#: holds the host name) to it, and must stay within the 255 bytes a file name may have.
-MAX_TAG_BYTES = 128
-#: Deepest nesting of ``metadata`` (a reader's JSON decoder gives up near 1000 levels, fewer the
-#: deeper its own stack): the depth the format allows for state trees.
-MAX_METADATA_DEPTH = MAX_TREE_DEPTH
-
-
-def _check_step(step) -> None:
-    """``step`` is None or what a reader accepts: an int (not a bool) in [0, MAX_STEP]."""
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or
-                             not 0 <= step <= MAX_STEP):
-        raise ConfigError(f"step must be an int in [0, 2**63 - 1], found {step!r}")
-
-
-def _check_tag(tag) -> str:
-    """The name of a save's ``tag``: a valid checkpoint name (``format.check_name``) whose
-    temporaries can exist, at most MAX_TAG_BYTES in UTF-8; ConfigError otherwise."""
-    try:
-        name = fmt.check_name(tag)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    size = len(name.encode("utf-8", "surrogatepass"))
-    if size > MAX_TAG_BYTES:
-        raise ConfigError(f"invalid checkpoint name {name[:40] + '...'!r}: {size} bytes in "
-                          f"UTF-8, expected at most {MAX_TAG_BYTES} (its temporary names must "
-                          "fit the file system's 255-byte limit)")
-    return name
-
-
-def _check_depth(metadata: dict) -> None:
-    """ConfigError when ``metadata`` nests dicts and lists deeper than MAX_METADATA_DEPTH."""
-    level, depth = [metadata], 1
-    while level:
-        if depth > MAX_METADATA_DEPTH:
-            raise ConfigError(f"metadata nests deeper than {MAX_METADATA_DEPTH} levels; a "
-                              "reader could not decode it")
-        below: dict[int, Any] = {}  # each container once per level, even if it holds itself
-        for value in level:
-            for child in value.values() if isinstance(value, dict) else value:
-                if isinstance(child, (dict, list, tuple)):
-                    below[id(child)] = child
-        level, depth = list(below.values()), depth + 1
-
-
-def _check_metrics(metrics: Any) -> dict:
-    """``save(metrics=...)`` as the manifest records it: a dict of str → finite int or float
-    (subclasses such as ``numpy.float64`` become plain int and float); TypeError or ValueError
-    naming the key otherwise."""
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, dict):
-        raise TypeError(f"metrics must be a dict of name -> number, found "
-                        f"{type(metrics).__qualname__}")
-    out = {}
-    for key, value in metrics.items():
-        if not isinstance(key, str):
-            raise TypeError(f"metrics: expected str names, found the key {key!r} "
-                            f"({type(key).__qualname__})")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"metrics[{key!r}]: expected an int or float, found "
-                            f"{type(value).__qualname__} {value!r} (convert with float())")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"metrics[{key!r}]: expected a finite number, found {value!r}")
-        out[key] = int(value) if isinstance(value, int) else float(value)
-    return out
-
-
-def _check_dtypes(items) -> None:
-    """Fail inside save(), not after the I/O, on a tensor the format cannot hold."""
-    for item in items:
-        if isinstance(item, TensorItem):
-            try:
-                fmt.dtype_name(item.dtype)
-            except TypeError as exc:
-                raise SerializationError(f"{item.key!r}: {exc}; convert it first (for example "
-                                         "with .to(torch.float32))") from None
-
-
-def _units_holding(layout, count: int) -> int:
-    """How many leading units of ``layout`` hold pieces of its first ``count`` tensors."""
-    held = 0
-    for number, unit in enumerate(layout.units):
-        if any(piece.item < count for piece in unit.pieces):
-            held = number + 1
-    return held
 
 
 def _mark_replicated(items, tensors: list[int], replicated) -> None:

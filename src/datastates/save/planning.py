@@ -102,3 +102,12 @@ def assign_replicated(sizes_per_key: dict[str, int], world_size: int,
         owner[key] = rank
         load[rank] += size
     return owner
+
+
+def units_holding(layout, count: int) -> int:
+    """How many leading units of ``layout`` hold pieces of its first ``count`` tensors."""
+    held = 0
+    for number, unit in enumerate(layout.units):
+        if any(piece.item < count for piece in unit.pieces):
+            held = number + 1
+    return held

@@ -1,0 +1,94 @@
+"""The checks of ``Checkpointer.save()``'s arguments (step, tag, metadata depth, metrics, the
+dtypes of the state's tensors), run on the training thread before anything is planned or written.
+Each raises naming the argument or the key."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..errors import ConfigError, SerializationError
+from ..format import codec as fmt
+from ..format.checks import MAX_TREE_DEPTH
+from ..providers.tree import TensorItem
+
+
+#: Largest step: the manifest holds a signed 64-bit step (docs/format.md), and a reader refuses
+#: any other.
+MAX_STEP = (1 << 63) - 1
+#: Longest tag, in UTF-8 bytes: the checkpoint's temporary names add the writer's run id (which
+#: holds the host name) to it, and must stay within the 255 bytes a file name may have.
+MAX_TAG_BYTES = 128
+#: Deepest nesting of ``metadata`` (a reader's JSON decoder gives up near 1000 levels, fewer the
+#: deeper its own stack): the depth the format allows for state trees.
+MAX_METADATA_DEPTH = MAX_TREE_DEPTH
+
+
+def check_step(step) -> None:
+    """``step`` is None or what a reader accepts: an int (not a bool) in [0, MAX_STEP]."""
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or
+                             not 0 <= step <= MAX_STEP):
+        raise ConfigError(f"step must be an int in [0, 2**63 - 1], found {step!r}")
+
+
+def check_tag(tag) -> str:
+    """The name of a save's ``tag``: a valid checkpoint name (``format.check_name``) whose
+    temporaries can exist, at most MAX_TAG_BYTES in UTF-8; ConfigError otherwise."""
+    try:
+        name = fmt.check_name(tag)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if size > MAX_TAG_BYTES:
+        raise ConfigError(f"invalid checkpoint name {name[:40] + '...'!r}: {size} bytes in "
+                          f"UTF-8, expected at most {MAX_TAG_BYTES} (its temporary names must "
+                          "fit the file system's 255-byte limit)")
+    return name
+
+
+def check_depth(metadata: dict) -> None:
+    """ConfigError when ``metadata`` nests dicts and lists deeper than MAX_METADATA_DEPTH."""
+    level, depth = [metadata], 1
+    while level:
+        if depth > MAX_METADATA_DEPTH:
+            raise ConfigError(f"metadata nests deeper than {MAX_METADATA_DEPTH} levels; a "
+                              "reader could not decode it")
+        below: dict[int, Any] = {}  # each container once per level, even if it holds itself
+        for value in level:
+            for child in value.values() if isinstance(value, dict) else value:
+                if isinstance(child, (dict, list, tuple)):
+                    below[id(child)] = child
+        level, depth = list(below.values()), depth + 1
+
+
+def check_metrics(metrics: Any) -> dict:
+    """``save(metrics=...)`` as the manifest records it: a dict of str → finite int or float
+    (subclasses such as ``numpy.float64`` become plain int and float); TypeError or ValueError
+    naming the key otherwise."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise TypeError(f"metrics must be a dict of name -> number, found "
+                        f"{type(metrics).__qualname__}")
+    out = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise TypeError(f"metrics: expected str names, found the key {key!r} "
+                            f"({type(key).__qualname__})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"metrics[{key!r}]: expected an int or float, found "
+                            f"{type(value).__qualname__} {value!r} (convert with float())")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"metrics[{key!r}]: expected a finite number, found {value!r}")
+        out[key] = int(value) if isinstance(value, int) else float(value)
+    return out
+
+
+def check_dtypes(items) -> None:
+    """Fail inside save(), not after the I/O, on a tensor the format cannot hold."""
+    for item in items:
+        if isinstance(item, TensorItem):
+            try:
+                fmt.dtype_name(item.dtype)
+            except TypeError as exc:
+                raise SerializationError(f"{item.key!r}: {exc}; convert it first (for example "
+                                         "with .to(torch.float32))") from None
