@@ -46,9 +46,7 @@ def parse_manifest(obj: Any, where: str, *, version_1: bool = False) -> Manifest
         fmt.check_name(name)
     except ValueError as exc:
         raise (at / "name").bad(str(exc)) from None
-    step = m.get("step")
-    if step is not None:
-        step = _int(step, at / "step", 0, (1 << 63) - 1)
+    step = _step(m.get("step"), at / "step")
     seq = 0 if version == 1 else _int(_get(m, "seq", at), at / "seq", 1, (1 << 63) - 1)
     created = m.get("created_unix", 0.0)
     if type(created) not in (int, float) or not math.isfinite(created) or created < 0:
@@ -108,9 +106,19 @@ def _file_ref(value: Any, at: _At, rank: int | None) -> FileRef:
     if name != fmt.shard_file_name(r):
         raise (at / "name").bad(f"expected the file name {fmt.shard_file_name(r)!r}, found "
                                 f"{name!r}")
-    return FileRef(name=name, rank=r,
+    return _file(f, at, name, r)
+
+
+def _file(f: dict, at: _At, name: str, rank: int) -> FileRef:
+    """The size and index CRC of a shard file whose name and rank are checked."""
+    return FileRef(name=name, rank=rank,
                    nbytes=_int(_get(f, "nbytes", at), at / "nbytes", fmt.HEADER_BYTES, _U64),
                    index_crc32=_int(_get(f, "index_crc32", at), at / "index_crc32", 0, _U32))
+
+
+def _step(value: Any, at: _At) -> int | None:
+    """A checkpoint's step: None or an int in [0, 2**63 - 1]."""
+    return None if value is None else _int(value, at, 0, (1 << 63) - 1)
 
 
 def _entry(value: Any, at: _At, files: tuple[FileRef, ...], world: int) -> Entry:
@@ -264,9 +272,7 @@ def parse_rank_report(obj: Any, where: str) -> RankReport:
 
 def _save_ref(value: Any, at: _At) -> SaveRef:
     s = _dict(value, at)
-    step = s.get("step")
-    if step is not None:
-        step = _int(step, at / "step", 0, (1 << 63) - 1)
+    step = _step(s.get("step"), at / "step")
     return SaveRef(name=_str(_get(s, "name", at), at / "name"), step=step,
                    nonce=_str(_get(s, "nonce", at), at / "nonce"),
                    overwrite=_bool(s.get("overwrite", False), at / "overwrite"))
@@ -278,9 +284,7 @@ def _report_file(value: Any, at: _At, rank: int) -> FileRef:
     if name != fmt.shard_file_name(rank):
         raise (at / "name").bad(f"rank {rank} reports the file {name!r}, expected "
                                 f"{fmt.shard_file_name(rank)!r}")
-    return FileRef(name=name, rank=rank,
-                   nbytes=_int(_get(f, "nbytes", at), at / "nbytes", fmt.HEADER_BYTES, _U64),
-                   index_crc32=_int(_get(f, "index_crc32", at), at / "index_crc32", 0, _U32))
+    return _file(f, at, name, rank)
 
 
 def _report_entry(value: Any, at: _At, f: FileRef) -> ReportEntry:
@@ -350,9 +354,7 @@ def parse_verdict(obj: Any, where: str) -> Verdict:
 
 def _info(value: Any, at: _At) -> CheckpointInfo:
     d = _dict(value, at)
-    step = d.get("step")
-    if step is not None:
-        step = _int(step, at / "step", 0, (1 << 63) - 1)
+    step = _step(d.get("step"), at / "step")
     created = d.get("created_unix")
     if type(created) not in (int, float) or not math.isfinite(created) or created < 0:
         raise (at / "created_unix").bad(f"expected a finite time, found {_show(created)}")
