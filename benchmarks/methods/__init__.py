@@ -7,7 +7,8 @@ a reused buffer + two O_DIRECT writers), shown as a row beside the methods.
 from __future__ import annotations
 
 from .base import Checkpoint, Method, Pending
-from .datastates_method import Datastates, DatastatesGuardedStateDict, DatastatesStateDict
+from .datastates_method import (Datastates, DatastatesFallback, DatastatesGuardedStateDict,
+                                DatastatesStateDict)
 from .dcp import (
     DcpAsync, DcpAsyncStager, DcpAsyncStagerBackground, DcpSave, ensure_process_group)
 from .reference import CopyDirect
@@ -18,15 +19,17 @@ from .torchsnapshot_method import SnapshotAsyncTake, SnapshotTake
 REFERENCE = "datastates"
 
 REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (
-    Datastates, DatastatesStateDict, DatastatesGuardedStateDict, CopyDirect, TorchSave, DcpSave,
+    Datastates, DatastatesFallback, DatastatesStateDict, DatastatesGuardedStateDict, CopyDirect, TorchSave, DcpSave,
     DcpAsync, DcpAsyncStager, DcpAsyncStagerBackground, SnapshotTake, SnapshotAsyncTake,
     Safetensors)}
 
 
 #: Run when --methods is not given. ``dcp_async_stager`` (persistent stager, staging on the caller)
 #: is left out by default because it holds a second full copy of the state beside
-#: ``dcp_async_stager_bg``; ask for it explicitly.
-DEFAULT_METHODS = [n for n in REGISTRY if n != "dcp_async_stager"]
+#: ``dcp_async_stager_bg``; ask for it explicitly. So is ``datastates_fallback`` (it differs from
+#: ``datastates`` in the restore only: ``--methods datastates,datastates_fallback`` measures the
+#: cost of the fallback's check).
+DEFAULT_METHODS = [n for n in REGISTRY if n not in ("dcp_async_stager", "datastates_fallback")]
 
 
 def make_methods(names: list[str], options: dict) -> list[Method]:

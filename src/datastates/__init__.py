@@ -10,7 +10,7 @@ Quick start::
         ckpt.restore({"model": model, "optimizer": opt, "rng": datastates.RNGState()})
 """
 from .checkpointer import Checkpointer
-from .format.records import CheckpointInfo
+from .format.records import CheckpointInfo, SkippedCheckpoint
 from .config import CheckpointConfig
 from .commit.round import LocalCommunicator, StoreCommunicator
 from .save.capture import mark_lazy, torch_optimizer
@@ -18,7 +18,8 @@ from .save.job import SaveHandle, SaveStats
 from .providers.tree import TensorShard
 from .errors import (CheckpointerClosedError, CheckpointExistsError, CheckpointNotFoundError,
                      CheckpointWriteError, CommitError, CommitTimeoutError, ConfigError, CorruptCheckpointError,
-                     DatastatesError, ReshardError, SerializationError, StateMismatchError,
+                     DatastatesError, ReshardError, RestoreAbortedError, SerializationError,
+                     StateMismatchError,
                      BucketNotFoundError, StorageAccessError, StorageError,
                      UnsafeObjectError, UnsupportedFormatError)
 from .providers import (Capture, ModuleProvider, NumpyRandomProvider, OptimizerProvider,
@@ -35,7 +36,8 @@ __all__ = [
     "CheckpointNotFoundError", "CheckpointWriteError", "Checkpointer", "CommitError",
     "CommitTimeoutError", "ConfigError", "LocalCommunicator", "StoreCommunicator", "CorruptCheckpointError", "DatastatesError",
     "ModuleProvider", "NumpyRandomProvider", "OptimizerProvider", "ProviderRegistry", "RNGState", "RNGStateProvider",
-    "ReshardError", "RestoreReport", "SaveHandle", "SaveStats", "SerializationError",
+    "ReshardError", "RestoreAbortedError", "RestoreReport", "SaveHandle", "SaveStats", "SerializationError",
+    "SkippedCheckpoint",
     "StateMismatchError", "StateProvider", "StorageAccessError", "StorageError", "BucketNotFoundError", "StatefulProvider", "TensorShard", "UnsafeObjectError",
     "UnsupportedFormatError", "eager", "export", "import_checkpoint", "inspect", "lazy", "mark_lazy", "torch_optimizer",
     "CheckpointEngine",

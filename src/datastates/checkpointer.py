@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 import warnings
@@ -20,9 +21,10 @@ from .commit.round import LocalCommunicator, StoreCommunicator
 from .config import CheckpointConfig
 from .errors import CheckpointerClosedError, ConfigError
 from .format import codec as fmt
-from .format.records import CheckpointInfo
+from .format.records import CheckpointInfo, info_of
 from .providers import ProviderRegistry
 from .providers.tree import Flattened, ObjectItem, TensorItem, flatten
+from .restore import resume
 from .restore.reader import Reader, RestoreReport, check_rank_policy
 from .save import capture
 from .save.arguments import check_depth, check_dtypes, check_metrics, check_step, check_tag
@@ -30,6 +32,8 @@ from .save.job import Job, SaveHandle
 from .save.pipeline import Pipeline
 from .save.planning import assign_replicated, plan_layout, units_holding
 from .storage import normalize, open_store
+
+log = logging.getLogger("datastates")
 
 
 class Checkpointer:
@@ -280,7 +284,8 @@ class Checkpointer:
     def restore(self, state: Any, step: int | None = None, *, tag: str | None = None,
                 keys=None, strict: bool = True, verify: bool | None = None,
                 trusted: bool = False, safe_globals: Iterable[Any] = (),
-                rank_policy: str = "strict", cast: bool = False) -> RestoreReport:
+                rank_policy: str = "strict", cast: bool = False,
+                fallback: bool = False) -> RestoreReport:
         """Restore a committed checkpoint (the latest if no step/tag) into the live ``state``.
 
         Tensors are filled in place on their own devices, and so are NumPy arrays (a writeable
@@ -319,8 +324,26 @@ class Checkpointer:
         (loader positions, RNG, any per-rank value) raises ReshardError unless ``rank_policy``
         is ``"rank0"`` or ``"same"``; only the requested ``keys`` are considered. An unknown
         ``rank_policy`` raises ConfigError before anything is read.
+
+        ``fallback=True`` (the latest only: with ``step`` or ``tag`` it raises ConfigError)
+        restores the newest checkpoint that verifies on every rank: each rank plans its restore
+        and re-reads and checks the files it reads (``verify`` pass) before live state is
+        touched, the ranks agree through the coordination store, and a checkpoint any rank
+        finds damaged is skipped by all of them together and moved aside by rank 0
+        (``<dir>/.damaged.<name>.<uid>``, with ``reason.txt``; never listed), with a WARNING
+        each; ``report.skipped`` says which and why, ``report.verified_nbytes`` and
+        ``report.verify_s`` what the check cost. A mismatch or another error on any rank raises
+        on every rank before anything is modified (RestoreAbortedError on the others); no
+        checkpoint left raises CheckpointNotFoundError. Damage found once live state is being
+        written (the files changed after the check) raises CorruptCheckpointError, never a
+        fallback (datastates/restore/resume.py).
         """
         passed: list[DamagedCheckpoint] = []
+        if fallback:
+            return self._with_fallback(
+                step, tag, trusted, safe_globals, None, rank_policy, "restore()", passed,
+                lambda r: r.plan_restore(state, keys=keys, strict=strict, cast=cast),
+                lambda r, plan: r.apply(plan))
         with self._reader(step, tag, verify, trusted, safe_globals, None, rank_policy,
                           "restore()", passed) as reader:
             report = reader.restore_into(state, keys=keys, strict=strict, cast=cast)
@@ -330,12 +353,19 @@ class Checkpointer:
     def load(self, step: int | None = None, *, tag: str | None = None, keys=None,
              map_location: Any = None, verify: bool | None = None, trusted: bool = False,
              safe_globals: Iterable[Any] = (), rank_policy: str = "strict",
-             dtype: torch.dtype | None = None) -> Any:
+             dtype: torch.dtype | None = None, fallback: bool = False) -> Any:
         """Load a committed checkpoint into new objects: the structure that was saved, with
         modules and optimizers as their state dicts (what ``torch.load`` of them would give).
         ``dtype`` (a floating-point torch dtype, else ConfigError) converts every floating-point
         tensor to it with ``Tensor.to`` (integer, bool and complex tensors, and NumPy arrays,
-        stay as saved). Like ``restore``, first waits for the saves in flight on this pipeline."""
+        stay as saved). Like ``restore``, first waits for the saves in flight on this pipeline.
+        ``fallback=True``: the newest checkpoint every rank reads intact, as for ``restore``
+        (the skipped ones are in the WARNINGs only)."""
+        if fallback:
+            return self._with_fallback(
+                step, tag, trusted, safe_globals, map_location, rank_policy, "load()", None,
+                lambda r: r.plan_load(keys=keys, dtype=dtype),
+                lambda r, planned: r.finish_load(*planned))
         with self._reader(step, tag, verify, trusted, safe_globals, map_location,
                           rank_policy) as reader:
             return reader.load(keys=keys, dtype=dtype)
@@ -361,6 +391,51 @@ class Checkpointer:
                       verify=self.config.verify if verify is None else verify, trusted=trusted,
                       safe_globals=safe_globals, map_location=map_location,
                       rank_policy=rank_policy)
+
+    def _with_fallback(self, step, tag, trusted, safe_globals, map_location, rank_policy,
+                       caller: str, passed: list | None, plan, finish):
+        """``restore``/``load`` with ``fallback=True``: ``plan(reader)`` on each candidate,
+        verified, agreed (restore/resume.py), then ``finish(reader, planned)``."""
+        if step is not None or tag is not None:
+            raise ConfigError(f"{caller}: fallback=True restores the newest intact checkpoint; "
+                              f"it takes no step= or tag= (found step={step!r}, tag={tag!r})")
+        self._check_open()
+        check_rank_policy(rank_policy)
+        self._pipeline.drain()
+
+        def open_reader(info):
+            return Reader(info.path, manifest=self._catalog.manifest(info),
+                          registry=self.registry, rank=self.rank, store=self.store,
+                          world_size=self.world_size, threads=self.config.reader_threads,
+                          verify=True, trusted=trusted, safe_globals=safe_globals,
+                          map_location=map_location, rank_policy=rank_policy)
+
+        def prepare(reader):
+            planned = plan(reader)
+            return planned, reader.verify_planned(planned[0] if isinstance(planned, tuple)
+                                                  else planned)
+
+        def quarantine(name, reason):
+            try:
+                return self._publisher.quarantine(self.directory, name, reason,
+                                                  self.config.fsync)
+            except OSError as exc:  # also CheckpointNotFoundError: deleted meanwhile
+                log.warning("%s: could not move the damaged checkpoint %s aside: %s", caller,
+                            name, exc)
+                return None
+
+        reader, planned, skipped, nbytes, seconds = resume.choose(
+            self._catalog, self.comm, open_reader=open_reader, prepare=prepare,
+            quarantine=quarantine, timeout_s=self.config.commit_timeout_s, caller=caller)
+        with reader:
+            used = info_of(reader.dir, reader.manifest)
+            damaged = self._catalog.passed_over(used)
+            log_passed_over(damaged, used, caller)
+            result = finish(reader, planned)
+        if isinstance(result, RestoreReport):
+            result.skipped, result.verified_nbytes, result.verify_s = skipped, nbytes, seconds
+            result.passed_over = [d.name for d in damaged]
+        return result
 
     # ------------------------------------------------------------ listing
     def list(self) -> list[CheckpointInfo]:

@@ -62,6 +62,17 @@ class CommitTimeoutError(CommitError, TimeoutError):
     """Some ranks did not report within the commit timeout (a rank died or hangs)."""
 
 
+class RestoreAbortedError(DatastatesError, RuntimeError):
+    """A restore with ``fallback=True`` stopped on every rank before live state was modified,
+    because another rank failed it (a mismatch, an error other than damage) or did not answer in
+    time. ``causes`` maps each such rank to the text of its error (the failing rank itself raises
+    its own error)."""
+
+    def __init__(self, message: str, causes: dict[int, str] | None = None):
+        super().__init__(message)
+        self.causes = dict(causes or {})
+
+
 class ReshardError(DatastatesError, ValueError):
     """Per-rank state cannot be mapped onto a different world size without the user saying how."""
 

@@ -93,6 +93,13 @@ class Publisher:
         OSError naming the leftovers if its files could not all be removed."""
         raise NotImplementedError
 
+    def quarantine(self, root: str, name: str, reason: str, fsync: bool) -> str:
+        """Take the committed checkpoint ``root/name``, found damaged by a restore, out of
+        sight under ``root/.damaged.<name>.<uid>`` (never listed, never removed by datastates),
+        with ``reason`` written beside it in ``reason.txt``; return that path.
+        CheckpointNotFoundError, nothing moved, unless ``root/name`` is a checkpoint."""
+        raise NotImplementedError
+
     def write_latest(self, root: str, name: str, fsync: bool) -> None:
         """Point the ``latest`` hint at ``name``."""
         self.store.write_atomic(self.store.join(root, fmt.LATEST), name.encode(), fsync)
@@ -280,12 +287,27 @@ class RenamePublisher(Publisher):
         """Move the damaged checkpoint out of the way of a new save of its name, to
         ``root/.damaged.<name>.<uid>`` (never listed, never removed by datastates: its bytes
         stay for inspection), with a WARNING naming the reason and the new path."""
-        aside = os.path.join(root, f".damaged.{damaged.name}.{uuid.uuid4().hex[:8]}")
-        os.rename(damaged.path, aside)
-        if fsync:
-            posix.fsync_dir(root)
+        aside = self._move_aside(root, damaged.name, damaged.path, fsync)
         log.warning("the damaged checkpoint %s was moved to %s to make room for a new save of "
                     "that name: %s", damaged.name, aside, damaged.reason)
+        return aside
+
+    def quarantine(self, root: str, name: str, reason: str, fsync: bool) -> str:
+        path = os.path.join(root, fmt.check_name(name))
+        _check_checkpoint_dir(root, name, path)
+        aside = self._move_aside(root, name, path, fsync)
+        try:
+            posix.write_file_atomic(os.path.join(aside, "reason.txt"), reason.encode(), fsync)
+        except OSError as exc:  # the move is done; the log keeps the reason
+            log.warning("could not write the reason into %s: %s", aside, exc)
+        return aside
+
+    @staticmethod
+    def _move_aside(root: str, name: str, path: str, fsync: bool) -> str:
+        aside = os.path.join(root, f".damaged.{name}.{uuid.uuid4().hex[:8]}")
+        os.rename(path, aside)
+        if fsync:
+            posix.fsync_dir(root)
         return aside
 
     def discard(self, tmp: str, rank: int, keep_file: bool) -> None:
@@ -444,6 +466,24 @@ class ManifestPublisher(Publisher):
             raise OSError(exc.errno, f"checkpoint {name!r} was deleted (no longer listed) but "
                                      f"its files in {path} could not be removed: "
                                      f"{exc.strerror or exc}", exc.filename) from exc
+
+    def quarantine(self, root: str, name: str, reason: str, fsync: bool) -> str:
+        """An object store renames nothing: the manifest is copied to
+        ``root/.damaged.<name>.<uid>/manifest.json`` with ``reason.txt``, then deleted from the
+        checkpoint (which is then gone). The shard files stay where they are, named by no
+        manifest, until the cleanup of stale data removes them (``stale_tmp_age_s``)."""
+        store = self.store
+        path = store.join(root, fmt.check_name(name))
+        manifest = store.join(path, fmt.MANIFEST)
+        if not store.isfile(manifest):
+            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}: no {manifest}; "
+                                          "nothing was moved")
+        aside = store.join(root, f".damaged.{name}.{uuid.uuid4().hex[:8]}")
+        data = store.read_bytes(manifest, fmt.MAX_MANIFEST_BYTES)
+        store.write_new(store.join(aside, fmt.MANIFEST), data, True)
+        store.write_new(store.join(aside, "reason.txt"), reason.encode(), True)
+        store.remove(manifest)
+        return aside
 
     def clean_stale(self, root: str, max_age_s: float) -> list[str]:
         """Data directories older than ``max_age_s`` that no manifest names, and unfinished

@@ -113,6 +113,7 @@ class StoreCommunicator:
         self._ordinal = 0
         self._lock = threading.Lock()
         self._swept = 0  # rank 0: orphan slots already cleaned
+        self._exchanges: dict[str, int] = {}  # calls of exchange() per topic
 
     @classmethod
     def from_process_group(cls, group=None) -> "StoreCommunicator":
@@ -359,6 +360,58 @@ class StoreCommunicator:
                                  f"failed ({exc}); nothing was committed", {0: repr(exc)})
         return fallback(f"the coordination store is unreachable ({exc}); rank 0, which hosts it "
                         "in the default launch, has probably exited")
+
+    # ------------------------------------------------------------ other agreements
+    def exchange(self, topic: str, value: Any, timeout_s: float) -> dict[int, Any]:
+        """Every rank's ``value`` (small JSON) for the next exchange of ``topic``: an all-gather
+        through the store, off the training group, for agreements other than a commit (a
+        restore choosing its checkpoint). Every rank calls it for the same topics in the same
+        order (the n-th call of a topic meets the n-th call of every other rank).
+
+        All ranks get the same answer: the values, or TimeoutError on every rank. A rank whose
+        ``timeout_s`` passes before every value arrived claims an abort in a decision key, a
+        rank that has them all claims "go", and the first claim holds for everyone (a rank
+        that timed out after another claimed "go" reads the values after all). The last rank
+        to take the values deletes the keys; an aborted exchange leaves its few keys behind."""
+        if self.world_size == 1:
+            return {0: value}
+        with self._lock:
+            count = self._exchanges.get(topic, 0)
+            self._exchanges[topic] = count + 1
+        prefix = f"x/{topic}/{count}"
+        self._set_json(f"{prefix}/r{self.rank}", value)
+        values, missing = self._collect(prefix, time.monotonic() + timeout_s)
+        mine = json.dumps({"go": True} if not missing else
+                          {"go": False, "rank": self.rank, "missing": missing})
+        decision = json.loads(self.store.compare_set(f"{prefix}/decision", "", mine))
+        if not decision["go"]:
+            raise TimeoutError(f"rank(s) {decision['missing']} did not answer the exchange "
+                               f"{topic!r} #{count} within {timeout_s:g} s (seen by rank "
+                               f"{decision['rank']})")
+        if missing:  # another rank saw every value: they are there
+            values, _ = self._collect(prefix, None)
+        if self.store.add(f"{prefix}/done", 1) >= self.world_size:
+            for r in range(self.world_size):
+                self.store.delete_key(f"{prefix}/r{r}")
+            for key in ("decision", "done"):
+                self.store.delete_key(f"{prefix}/{key}")
+        return values
+
+    def _collect(self, prefix: str, deadline: float | None) -> tuple[dict[int, Any], list[int]]:
+        """The values of ``prefix/r<k>`` present by ``deadline`` (None: wait for all)."""
+        values: dict[int, Any] = {}
+        delay = self.poll_s
+        while True:
+            for r in range(self.world_size):
+                if r not in values:
+                    got = self._get_json(f"{prefix}/r{r}")
+                    if got is not None:
+                        values[r] = got
+            missing = [r for r in range(self.world_size) if r not in values]
+            if not missing or (deadline is not None and time.monotonic() >= deadline):
+                return values, missing
+            time.sleep(delay)  # polling store keys, not synchronizing on time
+            delay = min(delay * 1.5, self.max_poll_s)
 
     # ------------------------------------------------------------ helpers
     def _set_json(self, key: str, value: Any) -> None:

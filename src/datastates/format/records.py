@@ -288,6 +288,18 @@ class CheckpointInfo:
                 "metrics": self.metrics}
 
 
+@dataclass(frozen=True)
+class SkippedCheckpoint:
+    """A committed checkpoint that a restore with ``fallback=True`` did not use: its name, why
+    (which rank found what), and where it was moved (``quarantined``: the path, never listed;
+    None when it was not moved: another rank does not list it, its damage is no damage of its
+    bytes, or the move failed — the log says which)."""
+
+    name: str
+    reason: str
+    quarantined: str | None = None
+
+
 def info_of(path: str, manifest: Manifest) -> CheckpointInfo:
     """The description of the checkpoint at ``path`` with this manifest."""
     return CheckpointInfo(name=path.rstrip("/").rsplit("/", 1)[-1], path=path, step=manifest.step,

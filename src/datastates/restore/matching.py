@@ -54,6 +54,12 @@ class RestoreReport:
     #: restored into a live tensor of another floating-point dtype (``cast=True``), each as
     #: ``"model/w (float32 -> bfloat16)"``; these keys are in ``restored`` too
     cast: list[str] = field(default_factory=list)
+    #: newer committed checkpoints a restore with ``fallback=True`` did not use, newest first
+    #: (``SkippedCheckpoint``: name, reason, where it was quarantined)
+    skipped: list = field(default_factory=list)
+    #: bytes re-read and checked before live state was touched (``fallback=True``), and seconds
+    verified_nbytes: int = 0
+    verify_s: float = 0.0
 
 
 @dataclass
@@ -297,6 +303,13 @@ class _Plan:
         """Bytes the plan reads."""
         early = [r for e in self.early for r in e[3] + e[5]]
         return sum(r.nbytes for r in self.reads + self.casts + early)
+
+    def files(self) -> set[int]:
+        """The shard files the plan reads from (a cast counts every file of its tensor)."""
+        early_reads = [r for e in self.early for r in e[3]]
+        casts = self.casts + [c for e in self.early for c in e[5]]
+        return ({r.file for r in self.reads + early_reads} |
+                {s.file for c in casts for s in c.entry.shards})
 
     def resolve(self, value: Any) -> Any:
         """``value`` with every provider's rebuild done: run after the reads, so a provider

@@ -213,9 +213,20 @@ class Reader:
         the saved one are filled through temporaries (``_run_casts``). Logs one INFO record
         when done."""
         start = time.perf_counter()
+        return self.apply(self.plan_restore(state, keys=keys, strict=strict, cast=cast), start)
+
+    def plan_restore(self, state: Any, *, keys=None, strict: bool = True,
+                     cast: bool = False) -> _Plan:
+        """The first half of :meth:`restore_into`: match and check; nothing live changes (the
+        saved Python objects are read and unpickled here, their checksums verified)."""
         plan = _Plan(self, keys, strict, in_place=True, cast=cast)
         plan.match(state, self._tree_for(keys), (), None)
         plan.check()
+        return plan
+
+    def apply(self, plan: _Plan, start: float | None = None) -> RestoreReport:
+        """The second half of :meth:`restore_into`: read, write back, let providers apply."""
+        start = time.perf_counter() if start is None else start
         self._execute(plan)
         for container, key, loaded in plan.writebacks:
             container[key] = plan.resolve(loaded)
@@ -224,6 +235,13 @@ class Reader:
         plan.report.nbytes = plan.nbytes()
         self._log_restore(plan.report, time.perf_counter() - start)
         return plan.report
+
+    def verify_planned(self, plan: _Plan) -> int:
+        """Re-read and check every shard file that ``plan`` reads from, whole (header, index
+        against the manifest, every checksum, zero padding: ``verify.verify_checkpoint``), before
+        anything live changes; return the bytes checked. Raises CorruptCheckpointError."""
+        from .verify import verify_files
+        return verify_files(self, sorted(plan.files()))
 
     def _log_restore(self, report: RestoreReport, seconds: float) -> None:
         rate = report.nbytes / seconds / 1e9 if seconds > 0 else 0.0
@@ -235,11 +253,19 @@ class Reader:
     def load(self, *, keys=None, dtype: torch.dtype | None = None) -> Any:
         """The saved state in new objects; with ``dtype``, its floating-point tensors converted
         to that dtype (others as saved), after ``map_location`` moved them."""
+        return self.finish_load(*self.plan_load(keys=keys, dtype=dtype))
+
+    def plan_load(self, *, keys=None, dtype: torch.dtype | None = None) -> tuple:
+        """The first half of :meth:`load`: (plan, structure, dtype); nothing is read but the
+        Python objects."""
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ConfigError(f"load(dtype=...) takes a floating-point torch.dtype; found "
                               f"{dtype!r}")
         plan = _Plan(self, keys, strict=False, in_place=False)
-        value = plan.match(None, self._tree_for(keys), (), None)
+        return plan, plan.match(None, self._tree_for(keys), (), None), dtype
+
+    def finish_load(self, plan: _Plan, value: Any, dtype: torch.dtype | None) -> Any:
+        """The second half of :meth:`load`: read the tensors into the structure."""
         self._execute(plan)
         value = plan.resolve(value)
         if self.map_location is not None or dtype is not None:

@@ -37,6 +37,11 @@ def verify_checkpoint(reader: Reader, progress: Callable[[int], None] | None = N
                for file_id in range(len(reader.manifest.files)))
 
 
+def verify_files(reader: Reader, file_ids: list[int]) -> int:
+    """:func:`verify_checkpoint` of the shard files ``file_ids`` only."""
+    return sum(_verify_file(reader, file_id, lambda n: None) for file_id in file_ids)
+
+
 def _verify_file(reader: Reader, file_id: int, report: Callable[[int], None]) -> int:
     f, header = reader.files.open_with_header(file_id)
     path = reader.files.path(file_id)

@@ -1,0 +1,133 @@
+"""Resume from the newest checkpoint that every rank can read: the fallback of ``restore()``.
+
+A restore of the latest checkpoint with ``fallback=True`` runs in rounds. In each round every rank
+takes the newest committed checkpoint not yet rejected, plans its restore (every check that
+``restore()`` makes; nothing live changes) and re-reads and checks the shard files that plan
+reads (``Reader.verify_planned``: headers, indexes, every checksum). The ranks then exchange
+what they found through the coordination store (``StoreCommunicator.exchange``, off the
+training group), and every rank applies the same rule to the same answers:
+
+- every rank chose the same checkpoint and found it intact: it is restored, on every rank;
+- any rank failed for another reason than damage (a strict mismatch, an unsafe object, a read
+  error of the storage): every rank raises, that rank its own error and the others
+  RestoreAbortedError naming it; nothing live was modified;
+- otherwise the checkpoints some rank found damaged are rejected (rank 0 quarantines each:
+  ``Publisher.quarantine`` moves it under a name that is never listed, keeping its bytes), so
+  is every choice newer than the oldest choice (a rank that did not choose it does not list it:
+  its manifest is damaged or missing there), and the next round starts.
+
+Damage is CorruptCheckpointError (a checksum, a header, an index, a size) or a shard file that
+is missing. The rounds end with a checkpoint restored, or CheckpointNotFoundError on every rank
+when none is left. A failure while reading into the live state after the checks (the bytes
+changed since) raises CorruptCheckpointError as ``restore()`` does: by then live state may have
+been modified, so it is never turned into a fallback.
+
+The cost is the check: each rank reads the files of its restore twice (once to check, once into
+the live tensors; the second read is usually served by the page cache).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from ..commit.catalog import Catalog
+from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, RestoreAbortedError,
+                      UnsupportedFormatError)
+from ..format.records import CheckpointInfo, SkippedCheckpoint
+from .reader import Reader
+
+log = logging.getLogger("datastates")
+
+TOPIC = "restore-fallback"
+
+
+def choose(catalog: Catalog, comm, *, open_reader: Callable[[CheckpointInfo], Reader],
+           prepare: Callable[[Reader], Any], quarantine: Callable[[str, str], str | None],
+           timeout_s: float, caller: str
+           ) -> tuple[Reader, Any, list[SkippedCheckpoint], int, float]:
+    """Run the rounds (module docstring): (the open reader of the checkpoint chosen, what
+    ``prepare(reader)`` returned for it, the checkpoints skipped newest first, the bytes
+    verified, the seconds spent). ``prepare`` plans and verifies, returning the plan and the
+    bytes it verified; ``quarantine(name, reason)`` (rank 0) returns where the checkpoint went."""
+    start = time.perf_counter()
+    candidates = list(reversed(catalog.scan()))
+    rejected: dict[str, SkippedCheckpoint] = {}
+    verified = 0
+    while True:
+        info = next((c for c in candidates if c.name not in rejected), None)
+        reader, prepared, own_error, status = None, None, None, {"name": None, "seq": -1}
+        if info is not None:
+            status = {"name": info.name, "seq": info.seq}
+            try:
+                reader = open_reader(info)
+                prepared, nbytes = prepare(reader)
+                verified += nbytes
+            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+                status.update(damaged=f"{type(exc).__name__}: {exc}",
+                              quarantine=not isinstance(exc, UnsupportedFormatError))
+            except Exception as exc:  # noqa: BLE001 - every rank must learn of it, then it is raised
+                own_error = exc
+                status["error"] = f"{type(exc).__name__}: {exc}"
+            if "damaged" in status or own_error is not None:
+                if reader is not None:
+                    reader.files.close()
+                reader = None
+        try:
+            answers = comm.exchange(TOPIC, status, timeout_s)
+        except TimeoutError as exc:
+            if reader is not None:
+                reader.files.close()
+            raise RestoreAbortedError(f"{caller}: the ranks could not agree on a checkpoint to "
+                                      f"restore: {exc}") from None
+        errors = {r: a["error"] for r, a in answers.items() if "error" in a}
+        if errors:
+            if reader is not None:
+                reader.files.close()
+            if own_error is not None:
+                raise own_error
+            raise RestoreAbortedError(f"{caller}: rank(s) {sorted(errors)} refused to restore "
+                                      f"{status['name']!r}, so no rank did; nothing was modified: "
+                                      + "; ".join(f"rank {r}: {e}" for r, e in
+                                                  sorted(errors.items())), errors)
+        names = {a["name"] for a in answers.values()}
+        damaged = {r: a for r, a in answers.items() if "damaged" in a}
+        if len(names) == 1 and not damaged:
+            if info is None:
+                raise CheckpointNotFoundError(_none_left(catalog.root, rejected, caller))
+            skipped = [rejected[c.name] for c in candidates if c.name in rejected]
+            return reader, prepared, skipped, verified, time.perf_counter() - start
+        if reader is not None:
+            reader.files.close()
+        _reject(answers, damaged, rejected, quarantine, comm.rank, caller)
+
+
+def _reject(answers: dict, damaged: dict, rejected: dict, quarantine, rank: int,
+            caller: str) -> None:
+    """Add this round's rejections to ``rejected`` (the same on every rank); rank 0 quarantines
+    the damaged checkpoints."""
+    oldest = min(answers.values(), key=lambda a: (a["seq"], a["name"] or ""))
+    found: dict[str, tuple[list[str], bool]] = {}
+    for r, a in sorted(damaged.items()):
+        reasons, movable = found.get(a["name"], ([], False))
+        found[a["name"]] = (reasons + [f"rank {r}: {a['damaged']}"], movable or a["quarantine"])
+    for name, (reasons, movable) in found.items():
+        reason = "; ".join(reasons)
+        where = quarantine(name, reason) if movable and rank == 0 else None
+        rejected[name] = SkippedCheckpoint(name, reason, where)
+        log.warning("%s: the checkpoint %s is damaged (%s)%s; falling back to an older one",
+                    caller, name, reason, f", moved to {where}" if where else "")
+    for r, a in sorted(answers.items()):
+        name = a["name"]
+        if name is not None and name != oldest["name"] and name not in rejected:
+            lacking = sorted(k for k, b in answers.items() if b["name"] != name)
+            reason = (f"rank(s) {lacking} do not list it (its manifest is damaged or missing "
+                      "there)")
+            rejected[name] = SkippedCheckpoint(name, reason)
+            log.warning("%s: the checkpoint %s is skipped: %s; falling back to an older one",
+                        caller, name, reason)
+
+
+def _none_left(root: str, rejected: dict[str, SkippedCheckpoint], caller: str) -> str:
+    why = "".join(f"; {s.name}: {s.reason}" for s in rejected.values())
+    return f"{caller}: no committed checkpoint in {root!r} that every rank can restore{why}"

@@ -1,0 +1,85 @@
+"""Fallback resume agreed by every rank (real gloo processes): one rank's shard of the newest
+checkpoint damaged → every rank restores the same older step bit-exactly; a mismatch on one rank
+→ every rank raises before anything is modified."""
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import datastates
+from datastates import CheckpointConfig, Checkpointer
+from datastates.format import codec as fmt
+
+from launcher import run_ranks
+
+CONFIG = CheckpointConfig(commit_timeout_s=60)
+
+
+def _state(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    shared = torch.randn(2000, generator=g)  # identical on every rank: saved once
+    mine = torch.full((500,), float(100 * step + rank))
+    return {"model": {"w": shared}, "mine": mine, "pos": {"step": step, "rank": rank}}
+
+
+def _blank(rank: int) -> dict:
+    return {"model": {"w": torch.zeros(2000)}, "mine": torch.zeros(500),
+            "pos": {"step": -1, "rank": -1}}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return (torch.equal(a["model"]["w"], b["model"]["w"]) and torch.equal(a["mine"], b["mine"])
+            and a["pos"] == b["pos"])
+
+
+def _damage_one_rank(rank, world, root, victim, mismatch_rank):
+    with Checkpointer(root, CONFIG) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(_state(rank, step), step=step, replicated=["model"]).wait()
+        dist.barrier()
+        if rank == 0 and victim is not None:  # one rank's own shard of the newest checkpoint
+            path = os.path.join(root, fmt.step_name(3), fmt.shard_file_name(victim))
+            with open(path, "r+b") as f:
+                f.seek(4096 + 11)
+                byte = f.read(1)
+                f.seek(4096 + 11)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        dist.barrier()
+        live = _blank(rank)
+        if rank == mismatch_rank:
+            live["mine"] = torch.zeros(3)
+        try:
+            report = ckpt.restore(live, fallback=True)
+        except (datastates.StateMismatchError, datastates.RestoreAbortedError) as exc:
+            return {"error": type(exc).__name__, "untouched": _same(live, _blank(rank)) or
+                    rank == mismatch_rank and live["pos"]["step"] == -1}
+        return {"step": report.step, "exact": _same(live, _state(rank, report.step)),
+                "skipped": [(s.name, s.quarantined is not None) for s in report.skipped],
+                "reason": [s.reason for s in report.skipped],
+                "listed": [i.step for i in ckpt.list()]}
+
+
+@pytest.mark.parametrize("world,victim", [(2, 1), (4, 3)])
+def test_one_rank_damaged_every_rank_restores_the_same_older_step(tmp_path, world, victim):
+    root = str(tmp_path / "ckpts")
+    out = run_ranks(world, _damage_one_rank, root, victim, None)
+    for rank in range(world):
+        assert out[rank]["step"] == 2 and out[rank]["exact"], (rank, out[rank])
+        # every rank reports the same skip; only rank 0 moved it
+        assert [name for name, _ in out[rank]["skipped"]] == [fmt.step_name(3)]
+        assert out[rank]["skipped"][0][1] == (rank == 0)
+        assert out[rank]["reason"][0].startswith(f"rank {victim}:")
+        assert out[rank]["listed"] == [1, 2]
+    assert len(glob.glob(os.path.join(root, f".damaged.{fmt.step_name(3)}.*"))) == 1
+
+
+def test_a_mismatch_on_one_rank_stops_every_rank_before_anything_changes(tmp_path):
+    root = str(tmp_path / "ckpts")
+    out = run_ranks(2, _damage_one_rank, root, None, 1)
+    assert out[1] == {"error": "StateMismatchError", "untouched": True}
+    assert out[0] == {"error": "RestoreAbortedError", "untouched": True}
+    assert not glob.glob(os.path.join(root, ".damaged.*"))
