@@ -124,6 +124,7 @@ class DatastatesFallback(Datastates):
     this row's restore minus ``datastates``'s is the cost of the check. Saves are the same."""
 
     name = "datastates_fallback"
+    label = "datastates, restore(fallback=True): files checked before the live state is touched"
 
     def load_into(self, state: TrainState, ckpt: Checkpoint) -> None:
         report = self.ckpt.restore(self._tree(state), fallback=True)
