@@ -12,6 +12,7 @@ Quick start::
 from .checkpointer import Checkpointer
 from .format.records import CheckpointInfo, SkippedCheckpoint
 from .config import CheckpointConfig
+from .data import ElasticLoader, ElasticSampler
 from .commit.round import LocalCommunicator, StoreCommunicator
 from .save.capture import mark_lazy, torch_optimizer
 from .save.job import SaveHandle, SaveStats
@@ -34,7 +35,7 @@ from ._version import __version__  # noqa: E402,F401
 __all__ = [
     "Capture", "CheckpointConfig", "CheckpointerClosedError", "CheckpointExistsError", "CheckpointInfo",
     "CheckpointNotFoundError", "CheckpointWriteError", "Checkpointer", "CommitError",
-    "CommitTimeoutError", "ConfigError", "LocalCommunicator", "StoreCommunicator", "CorruptCheckpointError", "DatastatesError",
+    "CommitTimeoutError", "ConfigError", "ElasticLoader", "ElasticSampler", "LocalCommunicator", "StoreCommunicator", "CorruptCheckpointError", "DatastatesError",
     "ModuleProvider", "NumpyRandomProvider", "OptimizerProvider", "ProviderRegistry", "RNGState", "RNGStateProvider",
     "ReshardError", "RestoreAbortedError", "RestoreReport", "SaveHandle", "SaveStats", "SerializationError",
     "SkippedCheckpoint",

@@ -20,7 +20,7 @@ PACKAGE = os.path.dirname(datastates.__file__)
 #: on one floor not at all.
 FLOORS = [
     ["datastates._version", "datastates.errors"],
-    ["datastates.config"],
+    ["datastates.config", "datastates.data"],
     ["datastates.storage"],
     ["datastates.format"],
     ["datastates.providers"],
