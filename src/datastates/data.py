@@ -107,17 +107,24 @@ class ElasticSampler(Sampler[int]):
         return {"seed": self.seed, "shuffle": self.shuffle, "epoch": self._epoch,
                 "consumed": self._consumed, "dataset_len": self.dataset_len}
 
+    def check_state_dict(self, state: Any, where: str = "ElasticSampler") -> dict[str, Any]:
+        """The checks of :meth:`load_state_dict`, changing nothing; returns the parsed state.
+        ``Checkpointer.restore`` calls it (through ``StatefulProvider.check``) before any live
+        state is modified, so a refused position fails the restore with the model untouched."""
+        parsed = parse_state(state, where)
+        if parsed["dataset_len"] != self.dataset_len:
+            raise StateMismatchError(f"{where}: the state was saved over a dataset of "
+                                     f"{parsed['dataset_len']} samples, expected the live "
+                                     f"dataset's {self.dataset_len}")
+        return parsed
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a saved position, at this sampler's world size and rank: the saved
         seed and shuffle replace the live ones (the epoch in progress keeps its order);
         ``drop_last`` stays the live one. Checked in full before anything changes: ConfigError
         for a state that is not one :meth:`state_dict` writes (keys, types, ranges),
         StateMismatchError when it was saved over a dataset of another length."""
-        parsed = parse_state(state, "ElasticSampler.load_state_dict")
-        if parsed["dataset_len"] != self.dataset_len:
-            raise StateMismatchError(f"ElasticSampler.load_state_dict: the state was saved over a "
-                                     f"dataset of {parsed['dataset_len']} samples, expected the "
-                                     f"live dataset's {self.dataset_len}")
+        parsed = self.check_state_dict(state, "ElasticSampler.load_state_dict")
         self.seed, self.shuffle = parsed["seed"], parsed["shuffle"]
         self._epoch, self._consumed = parsed["epoch"], parsed["consumed"]
 
@@ -199,6 +206,10 @@ class ElasticLoader:
     def state_dict(self) -> dict[str, Any]:
         """The sampler's state: the global position after the last batch yielded."""
         return self.sampler.state_dict()
+
+    def check_state_dict(self, state: Any) -> dict[str, Any]:
+        """As :meth:`ElasticSampler.check_state_dict`."""
+        return self.sampler.check_state_dict(state, "ElasticLoader")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """As :meth:`ElasticSampler.load_state_dict` (same checks, nothing changes on a

@@ -316,3 +316,19 @@ def test_torchdatas_stateful_dataloader_round_trips_at_the_same_world_size(tmp_p
         ckpt.restore({"loader": resumed})
     assert [b.tolist() for b in resumed] == rest
     assert sorted(flat(before) + flat(rest)) == list(range(N))
+
+
+def test_a_refused_position_fails_the_restore_before_the_model_changes(tmp_path):
+    """StatefulProvider.check calls check_state_dict: the dataset-length mismatch is found while
+    planning, so the model saved beside the loader is not restored either."""
+    model = torch.nn.Linear(3, 2)
+    saved = ElasticLoader(list(range(N)), batch_size=2, num_replicas=1, rank=0)
+    with Checkpointer(str(tmp_path / "c")) as ckpt:
+        ckpt.save({"model": model, "loader": saved}, step=1).wait()
+        fresh = torch.nn.Linear(3, 2)
+        before = {k: v.clone() for k, v in fresh.state_dict().items()}
+        other = ElasticLoader(list(range(N - 1)), batch_size=2, num_replicas=1, rank=0)
+        with pytest.raises(datastates.StateMismatchError, match="loader.*saved over a dataset"):
+            ckpt.restore({"model": fresh, "loader": other})
+        assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+        assert other.state_dict()["consumed"] == 0

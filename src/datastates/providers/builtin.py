@@ -200,6 +200,20 @@ class StatefulProvider(StateProvider):
     def load(self, obj: Any, state: Any) -> None:
         obj.load_state_dict(state)
 
+    def check(self, obj: Any, state: Any, path: str) -> None:
+        """An object may refuse a saved state before anything is modified: if it has
+        ``check_state_dict(state)``, that is called here (the tensors of ``state`` are not
+        read yet: shapes and dtypes only); a ValueError or TypeError it raises becomes
+        StateMismatchError naming ``path``."""
+        hook = getattr(obj, "check_state_dict", None)
+        if not callable(hook):
+            return
+        try:
+            hook(state)
+        except (ValueError, TypeError) as exc:
+            raise StateMismatchError(f"{path}: {type(obj).__name__}.check_state_dict refused "
+                                     f"the saved state: {exc}") from None
+
 
 def _numpy():
     try:
