@@ -83,3 +83,26 @@ def test_a_mismatch_on_one_rank_stops_every_rank_before_anything_changes(tmp_pat
     assert out[1] == {"error": "StateMismatchError", "untouched": True}
     assert out[0] == {"error": "RestoreAbortedError", "untouched": True}
     assert not glob.glob(os.path.join(root, ".damaged.*"))
+
+
+def test_a_rank_opens_only_the_files_its_restore_reads(tmp_path):
+    """Per-rank work independent of the world size: at the same world size a rank opens its own
+    shard file, plus the file of the rank that wrote a replicated tensor it restores; the other
+    ranks' files are never opened (here they are even deleted)."""
+    from datastates.restore.reader import Reader
+    root = str(tmp_path / "ckpts")
+    run_ranks(4, _damage_one_rank, root, None, None)
+    path = os.path.join(root, fmt.step_name(3))
+    registry = datastates.ProviderRegistry.default()
+    for rank in range(4):
+        with Reader(path, registry=registry, rank=rank, world_size=4) as reader:
+            reader.plan_restore(_blank(rank), keys=["mine", "pos"])
+            assert sorted(reader.files._opened) == [rank]
+            owner, = {s.file for e in reader.entries if e.key == "model/w" for s in e.shards}
+    for rank in range(4):
+        if rank != 1 and rank != owner:
+            os.remove(os.path.join(path, fmt.shard_file_name(rank)))
+    with Reader(path, registry=registry, rank=1, world_size=4) as reader:
+        live = _blank(1)
+        reader.restore_into(live)
+        assert _same(live, _state(1, 3)) and sorted(reader.files._opened) == sorted({1, owner})

@@ -44,8 +44,10 @@ log = logging.getLogger("datastates")
 
 
 class _Files:
-    """The shard files of a checkpoint: their sizes checked against the manifest at once, each
-    opened on demand with its header validated against the manifest once."""
+    """The shard files of a checkpoint, each opened only when a read needs it (a rank restoring
+    its own state opens the files its tree refers to, not every rank's: :meth:`check` before
+    planning), its size checked against the manifest when opened, its header validated against
+    the manifest once."""
 
     def __init__(self, ckpt_dir: str, manifest: Manifest, store: Store):
         self.dir, self.manifest, self.store = ckpt_dir, manifest, store
@@ -55,19 +57,22 @@ class _Files:
         self._checked: dict[int, tuple[ReadFile, ShardHeader]] = {}
         self._maps: dict[int, mmap.mmap] = {}
         self._lock = threading.Lock()
-        try:
-            for file_id in range(len(manifest.files)):
-                self._check_size(file_id)
-        except BaseException:
-            self.close()
-            raise
 
     def path(self, file_id: int) -> str:
         return self.store.join(self.data, self.manifest.files[file_id].name)
 
-    def _check_size(self, file_id: int) -> None:
-        """Before anything is allocated from the manifest's sizes: the file is there and has the
-        size the manifest records (which bounds every region in it). The file stays open."""
+    def check(self, file_ids) -> None:
+        """Open the files ``file_ids`` and check their sizes, before anything is allocated
+        from the manifest's sizes (CheckpointNotFoundError, CorruptCheckpointError)."""
+        with self._lock:
+            for file_id in sorted(file_ids):
+                self._check_size(file_id)
+
+    def _check_size(self, file_id: int) -> ReadFile:
+        """The file, opened once: it is there and has the size the manifest records (which
+        bounds every region in it). The file stays open. Called with the lock held."""
+        if file_id in self._opened:
+            return self._opened[file_id]
         path = self.path(file_id)
         try:
             f = self.store.open_read(path)
@@ -76,11 +81,13 @@ class _Files:
                                           "missing") from None
         except OSError as exc:
             raise CorruptCheckpointError(f"{path}: cannot open the shard file ({exc})") from None
-        self._opened[file_id] = f
         if f.size != self.manifest.files[file_id].nbytes:
+            f.close()
             raise CorruptCheckpointError(f"{path}: {f.size} bytes, the manifest records "
                                          f"{self.manifest.files[file_id].nbytes} (truncated or "
                                          "replaced?)")
+        self._opened[file_id] = f
+        return f
 
     def open(self, file_id: int) -> tuple[ReadFile, int]:
         """(file, index offset) of a validated file."""
@@ -92,7 +99,7 @@ class _Files:
         4096-aligned and last in the file, every region the manifest names before the index."""
         with self._lock:
             if file_id not in self._checked:
-                f = self._opened[file_id]
+                f = self._check_size(file_id)
                 self._checked[file_id] = (f, self._check_header(f, file_id, self.path(file_id)))
             return self._checked[file_id]
 
@@ -203,6 +210,19 @@ class Reader:
                     "keys=[...] to restore only global state")
         return trees[rank if rank < saved else 0]
 
+    def _files_of(self, saved: dict, keys) -> set[int]:
+        """The shard files the leaves of ``saved`` within ``keys`` refer to (a superset of what
+        the restore reads: a sharded tensor counts every file of its shards)."""
+        out: set[int] = set()
+        for _, node in tree.leaves(saved, tree.prefixes(keys)):
+            if node["t"] in tree.ENTRY_LEAVES:
+                entry = self.entries[node["e"]]
+                if isinstance(entry, ObjectEntry):
+                    out.add(entry.file)
+                else:
+                    out.update(s.file for s in entry.shards)
+        return out
+
     # ------------------------------------------------------------ public operations
     def restore_into(self, state: Any, *, keys=None, strict: bool = True,
                      cast: bool = False) -> RestoreReport:
@@ -219,8 +239,10 @@ class Reader:
                      cast: bool = False) -> _Plan:
         """The first half of :meth:`restore_into`: match and check; nothing live changes (the
         saved Python objects are read and unpickled here, their checksums verified)."""
+        saved = self._tree_for(keys)
+        self.files.check(self._files_of(saved, keys))
         plan = _Plan(self, keys, strict, in_place=True, cast=cast)
-        plan.match(state, self._tree_for(keys), (), None)
+        plan.match(state, saved, (), None)
         plan.check()
         return plan
 
@@ -261,8 +283,10 @@ class Reader:
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ConfigError(f"load(dtype=...) takes a floating-point torch.dtype; found "
                               f"{dtype!r}")
+        saved = self._tree_for(keys)
+        self.files.check(self._files_of(saved, keys))
         plan = _Plan(self, keys, strict=False, in_place=False)
-        return plan, plan.match(None, self._tree_for(keys), (), None), dtype
+        return plan, plan.match(None, saved, (), None), dtype
 
     def finish_load(self, plan: _Plan, value: Any, dtype: torch.dtype | None) -> Any:
         """The second half of :meth:`load`: read the tensors into the structure."""
