@@ -327,3 +327,53 @@ def test_lost_store_falls_back_to_the_verdict_on_disk():
     verdict = _agree(comm, sid, time.monotonic() + 10, [],
                      fallback=lambda why: seen.append(why) or COMMITTED)
     assert verdict == COMMITTED and "unreachable" in seen[0]
+
+
+class _CountingStore(MemoryStore):
+    """A MemoryStore that counts the report-key reads and lets a test wait for polls."""
+
+    def __init__(self):
+        super().__init__()
+        self.report_reads, self.polls = 0, 0
+        self.polled = threading.Condition()
+
+    def compare_set(self, key, expected, desired):
+        if "/r" in key and key.rsplit("/", 1)[-1].startswith("r"):
+            self.report_reads += 1
+        return super().compare_set(key, expected, desired)
+
+    def add(self, key, amount):
+        value = super().add(key, amount)
+        if key.endswith("/n") and amount == 0:
+            with self.polled:
+                self.polls += 1
+                self.polled.notify_all()
+        return value
+
+
+def test_rank0_reads_each_report_once_however_long_the_others_take():
+    """O(ranks) store requests per round, not per poll: rank 0 polls a counter while the
+    reports arrive one by one, and reads each report key once, when all are there."""
+    world = 12
+    store = _CountingStore()
+    comms, _ = _ranks(world, store)
+    sid = comms[0].save_id("/d", "step-1", 1)
+    commits = []
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(
+        v=_agree(comms[0], sid, time.monotonic() + 60, commits)))
+    thread.start()
+    others = []
+    for r in range(1, world):
+        with store.polled:  # rank 0 has polled again since the previous report
+            seen = store.polls
+            store.polled.wait_for(lambda: store.polls > seen + 1, timeout=30)
+        others.append(threading.Thread(target=_agree, args=(comms[r], sid,
+                                                            time.monotonic() + 60, commits)))
+        others[-1].start()
+    thread.join(60)
+    for t in others:
+        t.join(60)
+    assert result["v"] == COMMITTED and commits == [list(range(world))]
+    assert store.polls >= 2 * (world - 1)  # it did poll while the reports came in
+    assert store.report_reads == world  # and read each report once (its own included)

@@ -12,6 +12,7 @@ of it: ranks may spell one shared directory differently (a link, another mount p
 whether they write into one directory is checked by rank 0's review instead. Keys of a round::
 
     <nonce>/r<k>       rank k's report (its file, entries, or its error)        written by rank k
+    <nonce>/n          reports posted: +1 each, +2**32 for a failed one          every rank
     <nonce>/decision   the verdict: {"pending"} then commit/abort               compare-and-set
     <nonce>/beat       rank 0's heartbeat while it publishes (a counter)          rank 0
     <nonce>/done       how many ranks have taken the verdict (last one deletes the round's keys)
@@ -44,6 +45,9 @@ from ..errors import CorruptCheckpointError
 from ..format.records import PENDING, RankReport, Verdict
 from ..format.validate import parse_rank_report, parse_verdict
 
+#: What a failed report adds to the reports counter ``<nonce>/n`` (a good one adds 1): the
+#: counter says how many reported and how many failed in one read.
+_FAILED = 1 << 32
 _ABSENT = "\x00absent"  # compare_set(key, _ABSENT, _ABSENT): a read that never blocks
 
 
@@ -143,8 +147,8 @@ class StoreCommunicator:
     @staticmethod
     def round_keys(nonce: str, world_size: int) -> list[str]:
         """Every key a round may create (for cleanup and for tests)."""
-        return [f"{nonce}/r{r}" for r in range(world_size)] + [f"{nonce}/decision",
-                                                               f"{nonce}/beat", f"{nonce}/done"]
+        return [f"{nonce}/r{r}" for r in range(world_size)] + [
+            f"{nonce}/{key}" for key in ("n", "decision", "beat", "done")]
 
     # ------------------------------------------------------------ one round
     def agree(self, sid: SaveId, report: RankReport, deadline: float, timeout_s: float, *,
@@ -164,6 +168,7 @@ class StoreCommunicator:
         try:
             if self.world_size > 1:  # alone, the report stays in memory (no JSON round trip)
                 self._set_json(f"{sid.nonce}/r{self.rank}", report.to_json())
+                self.store.add(f"{sid.nonce}/n", _FAILED if report.failed else 1)
             self._set_json(f"announce/r{self.rank}", sid.describe())
         except Exception as exc:  # the store is gone: nothing reported, nothing to clean
             return self._lost(sid, exc, fallback)
@@ -242,24 +247,31 @@ class StoreCommunicator:
 
     def _gather(self, sid: SaveId, deadline: float) -> tuple[dict[int, dict], list[int]]:
         """Every rank's report (JSON), or stop early at the first failed report or claimed
-        decision."""
-        reports: dict[int, dict] = {}
-        pending = list(range(self.world_size))
+        decision. Each poll costs two requests whatever the world size (the reports counter
+        ``<nonce>/n`` and the decision key); the reports are read once, when the counter says
+        they are all there (or one failed, or the decision was claimed, or the deadline
+        passed): O(ranks) requests per round, not per poll. (Not ``multi_get``: a rank that
+        gave up deletes its report, and a ``get`` of a missing key blocks.)"""
         delay = self.poll_s
         while True:
-            for r in list(pending):
-                report = self._get_json(f"{sid.nonce}/r{r}")
-                if report is not None:
-                    reports[r] = report
-                    pending.remove(r)
-                    if isinstance(report, dict) and "error" in report:
-                        return reports, []
-            if not pending or self.store.check([f"{sid.nonce}/decision"]):
-                return reports, pending
-            if time.monotonic() >= deadline:
-                return reports, pending
+            count = self.store.add(f"{sid.nonce}/n", 0)
+            if count // _FAILED or count % _FAILED >= self.world_size or \
+                    self.store.check([f"{sid.nonce}/decision"]) or time.monotonic() >= deadline:
+                return self._reports_present(sid)
             time.sleep(delay)  # polling store keys, not synchronizing on time
             delay = min(delay * 1.5, self.max_poll_s)
+
+    def _reports_present(self, sid: SaveId) -> tuple[dict[int, dict], list[int]]:
+        """The reports present now, one key at a time (a failed one ends the reading: it
+        decides the round), and the ranks whose report is missing."""
+        reports: dict[int, dict] = {}
+        for r in range(self.world_size):
+            report = self._get_json(f"{sid.nonce}/r{r}")
+            if report is not None:
+                reports[r] = report
+                if isinstance(report, dict) and "error" in report:
+                    return reports, []
+        return reports, [r for r in range(self.world_size) if r not in reports]
 
     def _heartbeat(self, sid: SaveId) -> Callable[[], None]:
         """Rank 0, from its claim of the decision: beat ``<nonce>/beat`` every ``beat_s`` in a
