@@ -25,6 +25,7 @@ from .providers import (Capture, ModuleProvider, NumpyRandomProvider, OptimizerP
                         ProviderRegistry, RNGState, RNGStateProvider, StatefulProvider,
                         StateProvider, eager, lazy)
 from .restore.reader import RestoreReport
+from .preemption import Preemption
 from .tools.export import export, import_checkpoint
 from .tools.describe import inspect
 
@@ -34,7 +35,7 @@ __all__ = [
     "Capture", "CheckpointConfig", "CheckpointerClosedError", "CheckpointExistsError", "CheckpointInfo",
     "CheckpointNotFoundError", "CheckpointWriteError", "Checkpointer", "CommitError",
     "CommitTimeoutError", "ConfigError", "LocalCommunicator", "StoreCommunicator", "CorruptCheckpointError", "DatastatesError",
-    "ModuleProvider", "NumpyRandomProvider", "OptimizerProvider", "ProviderRegistry", "RNGState", "RNGStateProvider",
+    "ModuleProvider", "NumpyRandomProvider", "OptimizerProvider", "Preemption", "ProviderRegistry", "RNGState", "RNGStateProvider",
     "ReshardError", "RestoreReport", "SaveHandle", "SaveStats", "SerializationError",
     "StateMismatchError", "StateProvider", "StorageAccessError", "StorageError", "BucketNotFoundError", "StatefulProvider", "TensorShard", "UnsafeObjectError",
     "UnsupportedFormatError", "eager", "export", "import_checkpoint", "inspect", "lazy", "mark_lazy", "torch_optimizer",
