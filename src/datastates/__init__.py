@@ -27,6 +27,7 @@ from .providers import (Capture, ModuleProvider, NumpyRandomProvider, OptimizerP
                         ProviderRegistry, RNGState, RNGStateProvider, StatefulProvider,
                         StateProvider, eager, lazy)
 from .restore.reader import RestoreReport
+from .preemption import Preemption
 from .tools.export import export, import_checkpoint
 from .tools.describe import inspect
 
@@ -36,7 +37,7 @@ __all__ = [
     "Capture", "CheckpointConfig", "CheckpointerClosedError", "CheckpointExistsError", "CheckpointInfo",
     "CheckpointNotFoundError", "CheckpointWriteError", "Checkpointer", "CommitError",
     "CommitTimeoutError", "ConfigError", "ElasticLoader", "ElasticSampler", "LocalCommunicator", "StoreCommunicator", "CorruptCheckpointError", "DatastatesError",
-    "ModuleProvider", "NumpyRandomProvider", "OptimizerProvider", "ProviderRegistry", "RNGState", "RNGStateProvider",
+    "ModuleProvider", "NumpyRandomProvider", "OptimizerProvider", "Preemption", "ProviderRegistry", "RNGState", "RNGStateProvider",
     "ReshardError", "RestoreAbortedError", "RestoreReport", "SaveHandle", "SaveStats", "SerializationError",
     "SkippedCheckpoint",
     "StateMismatchError", "StateProvider", "StorageAccessError", "StorageError", "BucketNotFoundError", "StatefulProvider", "TensorShard", "UnsafeObjectError",

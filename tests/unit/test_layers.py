@@ -27,7 +27,7 @@ FLOORS = [
     ["datastates.commit"],
     ["datastates.restore"],
     ["datastates.save"],
-    ["datastates.checkpointer", "datastates.dcp"],
+    ["datastates.checkpointer", "datastates.dcp", "datastates.preemption"],
     ["datastates.tools", "datastates.testing"],
     ["datastates", "datastates.__main__"],
     ["datastates.integrations"],
