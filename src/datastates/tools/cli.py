@@ -1,4 +1,4 @@
-"""Command line: ``datastates list | inspect | verify | export | import`` (also
+"""Command line: ``datastates list | inspect | verify | export | import | check-resume`` (also
 ``python -m datastates ...``).
 
 Exit codes scripts can rely on: 0 success; 1 an error (damaged checkpoint, missing path, bad
@@ -79,7 +79,36 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trusted", action="store_true",
                    help="allow unpickling: Python objects of a torch.save file, and a stock DCP "
                         "folder (its metadata is a pickle); only for files you trust")
+    _add_check_resume(sub)
     return parser
+
+
+def _add_check_resume(sub) -> None:
+    p = sub.add_parser("check-resume", help="run a training loop uninterrupted and killed at "
+                                            "given steps; report whether the resumed run is "
+                                            "bit-identical (docs/resume-check.md; exit 1 if not)")
+    p.add_argument("target", metavar="MODULE:FUNCTION",
+                   help="the loop, train_fn(run), importable from the current directory")
+    p.add_argument("--steps", type=int, required=True, help="steps each run trains")
+    p.add_argument("--kill-at", required=True, type=_steps, metavar="A,B,...",
+                   help="the steps at which the interrupted run is killed, e.g. 3,7")
+    p.add_argument("--workdir", help="keep the runs' checkpoints, fingerprints and output here")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per process (600)")
+
+
+def _steps(text: str) -> list:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected steps such as 3,7, found {text!r}") from None
+
+
+def _check_resume(args) -> int:
+    from .resumecheck import check_resume
+    report = check_resume(args.target, args.steps, args.kill_at, workdir=args.workdir,
+                          timeout_s=args.timeout)
+    print(report)
+    return EXIT_OK if report.ok else EXIT_ERROR
 
 
 def _add_which(p: argparse.ArgumentParser) -> None:
@@ -222,7 +251,7 @@ def _import(args) -> int:
 
 
 _COMMANDS = {"list": _list, "inspect": _inspect, "verify": _verify, "export": _export,
-             "import": _import}
+             "import": _import, "check-resume": _check_resume}
 
 
 def _table(rows) -> None:
