@@ -19,7 +19,7 @@ from .commit.publish import publisher_for
 from .commit.retention import RetentionPolicy
 from .commit.round import LocalCommunicator, StoreCommunicator
 from .config import CheckpointConfig
-from .errors import CheckpointerClosedError, ConfigError
+from .errors import CheckpointerClosedError, CommitTimeoutError, ConfigError
 from .format import codec as fmt
 from .format.records import CheckpointInfo, info_of
 from .providers import ProviderRegistry
@@ -98,6 +98,7 @@ class Checkpointer:
         self._publisher.check_root(self.directory)
         if self.rank == 0:
             self._publisher.clean_stale(self.directory, self.config.stale_tmp_age_s)
+        self._opened_together()
         if self._owns_pipeline:
             self._pipeline = Pipeline(self.config, self.comm)
         self._pending: list[SaveHandle] = []
@@ -516,6 +517,20 @@ class Checkpointer:
         self.close()
 
     # ------------------------------------------------------------ internals
+    def _opened_together(self) -> None:
+        """No rank lists the directory before rank 0's cleanup is done: that cleanup may put
+        back a checkpoint whose replacement a dead writer cut short between its two renames,
+        and a rank listing before it would resume from another checkpoint than rank 0. One
+        exchange through the store (nothing on the training group); CommitTimeoutError naming
+        the ranks that did not open the directory within ``commit_timeout_s``."""
+        try:
+            self.comm.exchange("open", {}, self.config.commit_timeout_s)
+        except TimeoutError as exc:
+            self._publisher.close()
+            raise CommitTimeoutError(f"Checkpointer({self.directory!r}) on rank {self.rank}: "
+                                     f"every rank must construct it: {exc}") from None
+
+
     def _tensors_to_write(self, items, tensors: list[int]) -> list[int]:
         tensors = [i for i in tensors if items[i].primary]
         replicated = {items[i].key: items[i].nbytes for i in tensors if items[i].replicated}

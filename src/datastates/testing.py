@@ -1,5 +1,7 @@
 """Shipped conformance suites: for state providers (:class:`ProviderConformance`) and for
-checkpoint stores with their publisher (:class:`StoreConformance`).
+checkpoint stores with their publisher (:class:`StoreConformance`); and the resume self-test of
+a user's own training loop, :func:`check_resume` (docs/resume-check.md; it lives in
+``datastates.tools.resumecheck``).
 
 A new provider proves itself with a few lines::
 
@@ -31,9 +33,10 @@ from .checkpointer import Checkpointer
 from .config import CheckpointConfig
 from .errors import CorruptCheckpointError, StateMismatchError
 from .providers import ProviderRegistry, StateProvider
+from .tools.resumecheck import ResumeReport, Run, check_resume
 
 
-__all__ = ["ProviderConformance", "StoreConformance"]
+__all__ = ["ProviderConformance", "ResumeReport", "Run", "StoreConformance", "check_resume"]
 
 
 class _Forged:

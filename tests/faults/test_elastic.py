@@ -14,9 +14,9 @@ final state of every rank (against the reference's), the checkpoints left in the
 attempt, a new run id per attempt, the dead attempt's temporaries present before the new rank 0
 built its Checkpointer and gone after, and nothing left at the end.
 
-The last test shows a defect (xfail): after a writer died between the two renames of an
-overwrite, rank 0's Checkpointer puts the replaced checkpoint back, but only after the collective
-of its construction, so another rank may list the directory first and resume from another step.
+The last test: after a writer died between the two renames of an overwrite, rank 0's
+Checkpointer puts the replaced checkpoint back; no rank lists the directory before that
+(``Checkpointer._opened_together``), so every rank resumes from the same step.
 
 torch 2.13's default under torchrun shares the agent's TCPStore with the workers across
 restarts, and on it ``init_process_group("gloo")`` fails in the restarted workers ("Gloo
@@ -315,10 +315,6 @@ def _latest_on_each_rank(rank: int, world: int, root: str):
         return None if found is None else found.name
 
 
-@pytest.mark.xfail(strict=True, raises=RanksDisagree, reason=(
-    "rank 0's Checkpointer puts back a checkpoint whose overwrite was cut short (the cleanup "
-    "of stale temporaries) after the collective of the construction, so another rank's latest() "
-    "can list the directory before that: the ranks resume from different checkpoints"))
 def test_every_rank_resumes_from_the_same_checkpoint_after_an_interrupted_overwrite(tmp_path):
     launcher = _load_launcher()
     root = str(tmp_path / "ckpt")

@@ -28,7 +28,8 @@ FLOORS = [
     ["datastates.restore"],
     ["datastates.save"],
     ["datastates.checkpointer", "datastates.dcp", "datastates.preemption"],
-    ["datastates.tools", "datastates.testing"],
+    ["datastates.tools"],
+    ["datastates.testing"],
     ["datastates", "datastates.__main__"],
     ["datastates.integrations"],
 ]
