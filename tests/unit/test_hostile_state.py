@@ -91,9 +91,21 @@ def _assert_refused_and_nothing_changed(tmp_path, match: str) -> None:
 
 
 def _python(change):
+    """The Python state in the form of checkpoints written before the 625 words became a
+    tensor (a tuple of ints), changed by ``change``: old checkpoints are validated as strictly."""
     def apply(state):
         version, internal, gauss = state["python"]
-        state["python"] = change(version, list(internal), gauss)
+        state["python"] = change(version, internal.tolist(), gauss)
+    return apply
+
+
+def _python_tensor(index, value):
+    """The Python state as saved now (the words an int64 tensor), one word set to ``value``."""
+    def apply(state):
+        version, internal, gauss = state["python"]
+        words = internal.clone()
+        words[index] = value
+        state["python"] = (version, words, gauss)
     return apply
 
 
@@ -118,6 +130,21 @@ def _word(index, value):
         "position-past-end", "624-words", "version-str", "gauss-str", "two-fields"])
 def test_forged_python_random_state_is_refused_before_anything_changes(tmp_path, change, match):
     _forge(tmp_path, _python(change))
+    _assert_refused_and_nothing_changed(tmp_path, match)
+
+
+@pytest.mark.parametrize("change, match", [
+    (_python_tensor(0, -1), r"rng/python/1/0'.*\[0, 4294967296\)"),
+    (_python_tensor(5, 1 << 32), r"rng/python/1/5'"),
+    (_python_tensor(624, 625), r"rng/python/1/624'.*\[0, 625\)"),
+    (lambda state: state.update(python=(3, state["python"][1][:600].clone(), None)),
+     r"rng/python/1'.*625 elements"),
+    (lambda state: state.update(python=(3, state["python"][1].to(torch.int32), None)),
+     r"rng/python/1'.*int64"),
+], ids=["negative-word", "word-over-32-bits", "position-past-end", "600-words", "int32"])
+def test_forged_python_random_state_tensor_is_refused_before_anything_changes(tmp_path, change,
+                                                                              match):
+    _forge(tmp_path, change)
     _assert_refused_and_nothing_changed(tmp_path, match)
 
 
@@ -226,3 +253,15 @@ def test_the_deepest_state_a_checkpoint_holds_round_trips(tmp_path):
     with Checkpointer(tmp_path, CFG) as ckpt:
         ckpt.save(state, step=1).wait()
         assert ckpt.load() == state
+
+
+def test_a_python_random_state_saved_as_a_tuple_of_ints_still_restores(tmp_path):
+    """Checkpoints written before the 625 words became a tensor hold them as JSON values."""
+    random.seed(42)
+    expected = random.getstate()
+    _forge(tmp_path, lambda state: state.update(python=expected))
+    random.seed(7)
+    with Checkpointer(tmp_path, CFG) as ckpt:
+        ckpt.restore({"epoch": 0, "w": torch.zeros(64), "sched": Scheduler(), "rng": RNGState()})
+        assert random.getstate() == expected
+        assert ckpt.load()["rng"]["python"] == expected

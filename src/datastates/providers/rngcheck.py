@@ -58,20 +58,40 @@ def check_tensor(value: Any, path: str, dtype: torch.dtype, sizes: tuple[int, ..
 
 def check_python_state(state: Any, path: str) -> None:
     """A ``random.getstate()``: (version, 625 ints: 624 32-bit words and a position in
-    [0, 624], gauss: None or a float), accepted by ``setstate`` of a scratch ``random.Random``."""
+    [0, 624], gauss: None or a float), accepted by ``setstate`` of a scratch ``random.Random``.
+    The 625 ints are a 1-D int64 tensor (as ``RNGStateProvider`` saves them) or, in checkpoints
+    written before that, a tuple of ints; a tensor's values are checked by
+    :func:`check_python_state_values` once read."""
     if not isinstance(state, (tuple, list)) or len(state) != 3:
         raise _bad(path, "(version, internal state, gauss)", state)
     version, internal, gauss = state
     check_int(version, f"{path}/0", 2, 4)
+    if gauss is not None:
+        check_float(gauss, f"{path}/2")
+    if isinstance(internal, torch.Tensor):
+        check_tensor(internal, f"{path}/1", torch.int64, (MT_WORDS + 1,))
+        return
     if not isinstance(internal, (tuple, list)) or len(internal) != MT_WORDS + 1:
         raise _bad(f"{path}/1", f"{MT_WORDS + 1} integers", internal)
+    check_python_state_values(state, path)
+
+
+def python_state(state: Any) -> tuple:
+    """The ``random.setstate`` argument of a saved Python state (either form)."""
+    version, internal, gauss = state
+    words = internal.tolist() if isinstance(internal, torch.Tensor) else internal
+    return version, tuple(words), gauss
+
+
+def check_python_state_values(state: Any, path: str) -> None:
+    """The 625 words of a Python state in range, and the state accepted by a scratch
+    ``random.Random``."""
+    version, internal, gauss = python_state(state)
     for i, word in enumerate(internal[:MT_WORDS]):
         check_int(word, f"{path}/1/{i}", 0, _U32)
     check_int(internal[MT_WORDS], f"{path}/1/{MT_WORDS}", 0, MT_WORDS + 1)
-    if gauss is not None:
-        check_float(gauss, f"{path}/2")
     try:
-        random.Random().setstate((version, tuple(internal), gauss))
+        random.Random().setstate((version, internal, gauss))
     except (TypeError, ValueError, OverflowError) as exc:
         raise CorruptCheckpointError(f"{path!r}: random.setstate refuses the saved Python "
                                      f"random state ({exc})") from None
