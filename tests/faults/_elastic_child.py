@@ -176,7 +176,7 @@ def train(ckpt, steps: int, attempt: int, kills: dict[int, tuple[str, int]], run
     model, optim = build()
     # --- the README's resume loop ---
     state = {"model": model, "optim": optim, "seen": {}}
-    start = ckpt.restore(state).step + 1 if ckpt.latest() else 0
+    start = ckpt.restore(state, fallback=True).step + 1 if ckpt.latest() else 0
     emit("resume", run=run, attempt=attempt, rank=rank, start=start)
     for step in range(start, steps):
         train_one_step(state, step, rank, world)
