@@ -161,7 +161,7 @@ assert all(torch.equal(_saved[k], _live[k]) for k in _live), "the checkpoint dif
 
 CHECKS = [
     # the resume loops: the second run starts after the newest checkpoint and ends bit-identical
-    ("start = ckpt.restore(state)", _DIGEST + '''
+    ("start = ckpt.restore(state", _DIGEST + '''
 with open(f"result-{_RUN}.json", "w") as _f:
     _json.dump({"start": start, "position": loader.position,
                 "digest": _digest(model.state_dict(), opt.state_dict())}, _f)
