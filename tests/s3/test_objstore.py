@@ -399,3 +399,30 @@ def test_cli_on_an_s3_path(s3_server, s3_root, tmp_path):
     exported = cli("export", s3_root, "--to", "torch", str(tmp_path / "out.pt"))
     assert exported.returncode == 1 and "local" in exported.stderr
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_scan_never_lists_the_keys_inside_the_checkpoints(s3_server, s3_root):
+    """Listing the committed checkpoints costs a listing of the names under the root (with a
+    delimiter) and a HEAD per checkpoint: never a listing of every shard file of every
+    checkpoint, whose number grows with the world size. Objects planted inside a checkpoint's
+    prefix are not listed."""
+    with Checkpointer(s3_root, CheckpointConfig(),
+                      storage_options=storage_options(s3_server)) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save({"w": torch.full((4,), float(step))}, step=step).wait()
+        client = s3_server.client()
+        for i in range(30):  # as if many ranks had written into step 1
+            client.put_object(Bucket=s3_server.bucket, Body=b"x",
+                              Key=f"{key_of(s3_root)}/step-0000000001/extra-{i}")
+        calls = []
+        ckpt.store.client.meta.events.register(
+            "before-parameter-build.s3.*",
+            lambda model, params, **_: calls.append((model.name, dict(params))))
+        assert [i.step for i in ckpt.list()] == [1, 2, 3]
+        lists = [p for name, p in calls if name == "ListObjectsV2"]
+        # a delimited listing of the names, or the one-key probe of whether the root exists
+        assert lists and all(p.get("Delimiter") == "/" or p.get("MaxKeys") == 1
+                             for p in lists), calls
+        heads = [p["Key"] for name, p in calls if name == "HeadObject"]
+        assert sorted(k.rsplit("/", 2)[-2] for k in heads) == [
+            "step-0000000001", "step-0000000002", "step-0000000003"]

@@ -96,6 +96,11 @@ def _is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, (ConnectTimeoutError, ReadTimeoutError, TimeoutError))
 
 
+#: ``file_stamps``: HEADs in flight at once, and the number of entries past which one listing
+#: of every key is cheaper than a HEAD per entry.
+_STAMP_HEADS, _STAMP_LISTING = 8, 64
+_NO_FILE = object()
+
 class S3Store(Store):
     """One bucket of an S3-compatible service. Thread-safe (one boto3 client, shared).
 
@@ -247,8 +252,30 @@ class S3Store(Store):
         return names
 
     def file_stamps(self, path: str, file_name: str) -> dict[str, Any]:
-        """Stamp: the ETag of ``E/file_name``, from one listing of every key under ``path`` (a
-        replaced object has a new ETag unless its bytes are the same). An empty prefix gives {}."""
+        """Stamp: the ETag of ``E/file_name`` (a replaced object has a new ETag unless its bytes
+        are the same). An empty prefix gives {}. The cost does not grow with what lies inside
+        the entries (every rank's shard file of every checkpoint): one listing of the names
+        directly under ``path`` (with a delimiter; names starting with "." are no checkpoints
+        and are left out), then a HEAD of each ``E/file_name``,
+        ``_STAMP_HEADS`` at a time. Past ``_STAMP_LISTING`` names, one listing of every key
+        under ``path`` costs fewer requests, and is used instead."""
+        prefix = self._prefix(path)
+        names = [p["Prefix"][len(prefix):].rstrip("/") for page in
+                 self._pages(path, Delimiter="/") for p in page.get("CommonPrefixes", [])]
+        names = [n for n in names if n and not n.startswith(".")]
+        if len(names) > _STAMP_LISTING:
+            return self._stamps_by_listing(path, file_name)
+        from concurrent.futures import ThreadPoolExecutor
+
+        def stamp(name: str):
+            try:
+                return name, self._head(self.join(path, name, file_name)).get("ETag")
+            except FileNotFoundError:  # no such file (an entry without one, or a plain object)
+                return name, _NO_FILE
+        with ThreadPoolExecutor(min(_STAMP_HEADS, max(1, len(names)))) as pool:
+            return {n: etag for n, etag in pool.map(stamp, names) if etag is not _NO_FILE}
+
+    def _stamps_by_listing(self, path: str, file_name: str) -> dict[str, Any]:
         prefix, out = self._prefix(path), {}
         for obj in self._objects(path):
             name, sep, rest = obj["Key"][len(prefix):].partition("/")
