@@ -19,9 +19,9 @@ from .torchsnapshot_method import SnapshotAsyncTake, SnapshotTake
 REFERENCE = "datastates"
 
 REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (
-    Datastates, DatastatesFallback, DatastatesStateDict, DatastatesGuardedStateDict, CopyDirect, TorchSave, DcpSave,
+    Datastates, DatastatesStateDict, DatastatesGuardedStateDict, CopyDirect, TorchSave, DcpSave,
     DcpAsync, DcpAsyncStager, DcpAsyncStagerBackground, SnapshotTake, SnapshotAsyncTake,
-    Safetensors)}
+    Safetensors, DatastatesFallback)}
 
 
 #: Run when --methods is not given. ``dcp_async_stager`` (persistent stager, staging on the caller)
