@@ -1,0 +1,35 @@
+"""Smoke tests of the small benchmark scripts: each runs end to end on a tiny input in a
+subprocess and writes its JSON; only the shape of the output is checked, never timings."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, *args: str) -> None:
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_bench_warm_writes_every_row(tmp_path):
+    out = tmp_path / "warm.json"
+    _run("bench_warm.py", "--gib", "0.02", "--reps", "1", "--dir", str(tmp_path),
+         "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"memcpy", "read + CRC", "datastates verify", "datastates restore"}
+    assert all(math.isfinite(r["gb_s"]) and r["gb_s"] > 0 for r in rows.values())
+
+
+def test_commit_scale_measures_each_world_size(tmp_path):
+    _run("commit_scale.py", "--worlds", "1,2", "--saves", "2", "--out", str(tmp_path / "cs"),
+         "--dir", str(tmp_path))
+    rows = json.loads((tmp_path / "cs" / "results.json").read_text())["rows"]
+    assert [r["world"] for r in rows] == [1, 2]
+    assert rows[1]["rank0_requests"] > 0 and rows[1]["other_requests"] > 0
+    assert rows[1]["manifest_bytes"] > rows[0]["manifest_bytes"] > 0
