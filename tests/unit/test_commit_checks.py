@@ -377,3 +377,24 @@ def test_rank0_reads_each_report_once_however_long_the_others_take():
     assert result["v"] == COMMITTED and commits == [list(range(world))]
     assert store.polls >= 2 * (world - 1)  # it did poll while the reports came in
     assert store.report_reads == world  # and read each report once (its own included)
+
+
+def test_a_manifest_larger_than_a_reader_accepts_is_never_committed(tmp_path, monkeypatch):
+    """The writer holds itself to the reader's size limit: past it the save fails, nothing is
+    committed (the limit is lowered here to what a few tensors take)."""
+    from datastates.format import files
+    monkeypatch.setattr(files, "MAX_MANIFEST_BYTES", 2000)
+    with Checkpointer(tmp_path, SMALL) as ckpt:
+        with pytest.raises(datastates.CorruptCheckpointError, match="more than the 2000 a reader"):
+            ckpt.save({f"w{i}": torch.ones(2) for i in range(40)}, step=1).wait()
+        ckpt.save({"w": torch.ones(2)}, step=2).wait()  # a small one still commits
+        assert [i.step for i in ckpt.list()] == [2]
+
+
+def test_waiting_ranks_poll_the_store_less_often_as_the_world_grows():
+    """At 8,192 ranks a waiting rank polls at most every 0.41 s: all of them together send the
+    store at most 20,000 polls a second; small jobs keep the 50 ms bound."""
+    for world, bound in ((2, 0.05), (1000, 0.05), (8192, 8192 * 50e-6)):
+        comm = StoreCommunicator(MemoryStore(), 0, world, "run")
+        assert comm._max_poll == pytest.approx(bound)
+        assert world / comm._max_poll <= 20_000 or comm._max_poll == 0.05

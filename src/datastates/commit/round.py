@@ -104,6 +104,11 @@ class StoreCommunicator:
     #: A waiting rank polls the store every ``poll_s``, backing off to ``max_poll_s`` (so a
     #: long write by rank 0 does not flood the store with requests from every rank).
     poll_s, max_poll_s = 0.002, 0.05
+    #: ... and at most ``max_poll_s`` or ``poll_per_rank_s`` × ranks, whichever is longer: the
+    #: polls of all waiting ranks then reach the store (one thread serving every request, about
+    #: 15 µs each measured here) at most 1 / poll_per_rank_s = 20,000 times a second, at any
+    #: world size (docs/scale.md).
+    poll_per_rank_s = 50e-6
     #: Rank 0 beats every ``beat_s`` while it publishes; the others take a heartbeat silent for
     #: ``max(timeout_s, silent_s)`` as rank 0's death.
     beat_s, silent_s = 1.0, 10.0
@@ -118,6 +123,7 @@ class StoreCommunicator:
         self._lock = threading.Lock()
         self._swept = 0  # rank 0: orphan slots already cleaned
         self._exchanges: dict[str, int] = {}  # calls of exchange() per topic
+        self._max_poll = max(self.max_poll_s, self.poll_per_rank_s * world_size)
 
     @classmethod
     def from_process_group(cls, group=None) -> "StoreCommunicator":
@@ -259,7 +265,7 @@ class StoreCommunicator:
                     self.store.check([f"{sid.nonce}/decision"]) or time.monotonic() >= deadline:
                 return self._reports_present(sid)
             time.sleep(delay)  # polling store keys, not synchronizing on time
-            delay = min(delay * 1.5, self.max_poll_s)
+            delay = min(delay * 1.5, self._max_poll)
 
     def _reports_present(self, sid: SaveId) -> tuple[dict[int, dict], list[int]]:
         """The reports present now, one key at a time (a failed one ends the reading: it
@@ -327,7 +333,7 @@ class StoreCommunicator:
                     return decision
                 continue  # rank 0 claimed it first: wait for its verdict, as above
             time.sleep(delay)
-            delay = min(delay * 1.5, self.max_poll_s)
+            delay = min(delay * 1.5, self._max_poll)
 
     def _claim(self, sid: SaveId, decision: Verdict) -> Verdict:
         """Compare-and-set the decision key if absent; return the decision in force."""
@@ -423,7 +429,7 @@ class StoreCommunicator:
             if not missing or (deadline is not None and time.monotonic() >= deadline):
                 return values, missing
             time.sleep(delay)  # polling store keys, not synchronizing on time
-            delay = min(delay * 1.5, self.max_poll_s)
+            delay = min(delay * 1.5, self._max_poll)
 
     # ------------------------------------------------------------ helpers
     def _set_json(self, key: str, value: Any) -> None:

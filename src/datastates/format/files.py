@@ -64,7 +64,12 @@ def encode_manifest_checked(manifest: dict) -> "tuple[bytes, records.Manifest]":
     objects the garbage collector would otherwise promote and traverse in a full collection,
     holding the GIL (docs/benchmarks.md, "Garbage collection")."""
     parsed = validate.parse_manifest(manifest, "manifest being written")
-    return seal_manifest(encode_json(manifest)), parsed
+    data = seal_manifest(encode_json(manifest))
+    if len(data) > MAX_MANIFEST_BYTES:  # a reader would refuse it: never commit it
+        raise CorruptCheckpointError(f"manifest being written: {len(data)} bytes, more than the "
+                                     f"{MAX_MANIFEST_BYTES} a reader accepts (fewer tensors per "
+                                     "rank, or fewer ranks per checkpoint)")
+    return data, parsed
 
 
 def read_manifest(ckpt_dir: str, store: "Store | None" = None) -> "records.Manifest":
