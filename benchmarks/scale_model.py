@@ -47,8 +47,14 @@ from benchmarks.scale_settings import (  # noqa: E402
     DEV_VM, GB, SETTINGS, GiB, Machine, Setting, sweep)
 
 #: Poll schedule of a rank waiting in the commit round (datastates/commit/round.py): the first
-#: poll after ``POLL_S``, each next one 1.5x later, at most ``MAX_POLL_S`` apart.
-POLL_S, POLL_GROWTH, MAX_POLL_S = 0.002, 1.5, 0.05
+#: poll after ``POLL_S``, each next one 1.5x later, at most ``max_poll(ranks)`` apart:
+#: ``MAX_POLL_S`` or ``POLL_PER_RANK_S`` x ranks, whichever is longer.
+POLL_S, POLL_GROWTH, MAX_POLL_S, POLL_PER_RANK_S = 0.002, 1.5, 0.05, 50e-6
+
+
+def max_poll(ranks: int) -> float:
+    """The longest interval between two polls of one waiting rank at this world size."""
+    return max(MAX_POLL_S, POLL_PER_RANK_S * ranks)
 
 
 @dataclass(frozen=True)
@@ -86,20 +92,20 @@ MEASURED = Costs(save_per_tensor_s=45.5e-6, commit_per_tensor_s=138e-6,
 
 # ---------------------------------------------------------------- the terms
 
-def poll_interval(elapsed_s: float) -> float:
+def poll_interval(elapsed_s: float, ranks: int = 1) -> float:
     """The poll interval in force ``elapsed_s`` after a rank started waiting."""
-    t, delay = 0.0, POLL_S
-    while t + delay < elapsed_s and delay < MAX_POLL_S:
+    t, delay, ceiling = 0.0, POLL_S, max_poll(ranks)
+    while t + delay < elapsed_s and delay < ceiling:
         t += delay
-        delay = min(delay * POLL_GROWTH, MAX_POLL_S)
+        delay = min(delay * POLL_GROWTH, ceiling)
     return delay
 
 
 def store_response_s(ranks: int, c: Costs, m: Machine) -> tuple[float, float]:
     """(response time of one request, server utilisation) while ``ranks`` clients each keep one
-    request in flight every ``MAX_POLL_S`` (the waiting ranks) on the one-threaded TCPStore
+    request in flight every ``max_poll(ranks)`` (the waiting ranks) on the one-threaded TCPStore
     server: exact mean-value analysis of a closed network with one queue and a think time."""
-    service, think = c.store_server_s, MAX_POLL_S
+    service, think = c.store_server_s, max_poll(ranks)
     queue, response = 0.0, service
     for n in range(1, ranks + 1):
         response = service * (1 + queue)
@@ -168,7 +174,7 @@ def commit_terms(s: Setting, c: Costs, requests: tuple[float, float]) -> dict:
     files_s = R * m.fs_stat_s  # rank 0 opens every shard file to check its size
     publish_s = manifest_bytes / (m.ost_gbps * GB) + 6 * m.fs_stat_s  # write, fsync, rename
     work = gather_s + review_s + files_s + publish_s
-    notice = poll_interval(0.0) / 2 + poll_interval(work) * (R - 1) / R if R > 1 else 0.0
+    notice = poll_interval(0.0) / 2 + poll_interval(work, R) * (R - 1) / R if R > 1 else 0.0
     return {"store_response_s": response, "store_load": load, "gather_s": gather_s,
             "review_s": review_s, "check_files_s": files_s, "publish_s": publish_s,
             "notice_s": notice, "commit_s": work + notice, "manifest_bytes": manifest_bytes,

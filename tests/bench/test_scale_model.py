@@ -73,17 +73,19 @@ def test_the_store_saturates_when_polls_outnumber_its_service_rate():
     one, load_one = sm.store_response_s(1, COSTS, ss.POLARIS)
     assert one == pytest.approx(10e-6 + 40e-6 + ss.POLARIS.net_rtt_s)
     assert load_one < 0.01
-    # 50 ms between polls / 10 us per request: 5,000 waiting ranks fill the server
+    # the waiting ranks poll at most every 50 us x ranks: at 10 us per request the server is
+    # at most a fifth busy with them, at any world size
     _, below = sm.store_response_s(2000, COSTS, ss.POLARIS)
     big, above = sm.store_response_s(20000, COSTS, ss.POLARIS)
-    assert below < 0.5 and above == pytest.approx(1.0, abs=1e-3)
-    assert big == pytest.approx(20000 * 10e-6 - sm.MAX_POLL_S + 40e-6 + 30e-6, rel=0.01)
+    assert below < 0.25 and above == pytest.approx(0.2, abs=0.01)
+    assert big < 1e-3
 
 
 def test_poll_interval_follows_the_rounds_backoff():
     assert sm.poll_interval(0.0) == sm.POLL_S
     assert sm.poll_interval(0.0025) == pytest.approx(sm.POLL_S * 1.5)
     assert sm.poll_interval(10.0) == sm.MAX_POLL_S
+    assert sm.poll_interval(100.0, 8192) == pytest.approx(8192 * 50e-6)
 
 
 def test_commit_terms_count_reports_entries_and_files():
@@ -103,9 +105,12 @@ def test_evaluation_flags_what_breaks():
     big["dominant"] = sm.dominant(big)
     flags = sm.breaks(big, ss.POLARIS.host_mem_bytes)
     assert big["ranks"] == 8192
-    assert any("TCPStore" in f for f in flags)  # 8,191 pollers, 10 us each: saturated
-    assert big["times_out"] and big["overhead"] == {1: None, 10: None}
-    assert any("every save fails" in f for f in flags)
+    # 8,191 pollers at most every 0.41 s, 10 us each: the store is not saturated any more
+    assert not any("TCPStore" in f for f in flags) and big["store_load"] < 0.25
+    # rank 0's serial review of 8,192 reports (172 s here) is what is left: a checkpoint every
+    # iteration waits for the commit before last; every 10 iterations it does not
+    assert not big["times_out"] and big["overhead"][1] > 1 and big["overhead"][10] < 0.01
+    assert flags == ["a checkpoint every iteration waits for the commit before last"]
     small = sm.evaluate(ss.SETTINGS[0], COSTS, REQUESTS, [1, 10], None)
     assert sm.breaks(small, ss.POLARIS.host_mem_bytes) == []
     assert 0 < small["overhead"][10] < small["overhead"][1] < 0.01
