@@ -1,0 +1,121 @@
+"""Per-rank state trees written once where the ranks agree (docs/format.md, "Shared subtrees").
+
+A manifest holds one state tree per rank. Under data parallelism most of it is the same on every
+rank: the model and the optimizer are replicated, so their subtrees name the same entries with the
+same keys, and only a few leaves differ (the RNG state, a per-rank value). Written out in full,
+the manifest would grow with ranks × tree and every rank would read all of it. So a rank's tree
+may replace any subtree equal to rank 0's subtree at the same path by ``{"t": "same", "r": 0}``:
+the manifest grows with what differs. A reader puts rank 0's node back (the very object, so the
+parsed trees share memory too) before the trees are validated, so nothing downstream sees the
+marker.
+
+Pure: no I/O. :func:`share` runs on trees this process built; :func:`resolve` on JSON from disk,
+which is bounded here (depth, the rank named, the path existing in that rank's tree) before
+anything relies on it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import CorruptCheckpointError
+
+SAME = "same"
+MAPPINGS = ("dict", "odict")
+SEQUENCES = ("list", "tuple")
+
+
+def share(node: dict, base: dict | None) -> dict:
+    """``node`` (a rank's tree) with every subtree equal to ``base``'s at the same path (rank
+    0's tree) replaced by a ``same`` marker. Only containers with the same type and, for
+    mappings, the same keys in the same order are entered; ``node`` is not modified."""
+    if base is None:
+        return node
+    if node == base:
+        return {"t": SAME, "r": 0}
+    t = node.get("t")
+    if t != base.get("t"):
+        return node
+    if t in MAPPINGS:
+        mine, theirs = node["items"], base["items"]
+        if [k for k, _ in mine] != [k for k, _ in theirs]:
+            return node
+        return {**node, "items": [[k, share(child, other[1])]
+                                  for (k, child), other in zip(mine, theirs)]}
+    if t in SEQUENCES:
+        if len(node["items"]) != len(base["items"]):
+            return node
+        return {**node, "items": [share(c, b) for c, b in zip(node["items"], base["items"])]}
+    if t == "provider" and node.get("name") == base.get("name") and "state" in node:
+        return {**node, "state": share(node["state"], base.get("state"))}
+    return node
+
+
+def resolve(node: Any, rank: int, bases: list[dict], where: str, max_depth: int) -> Any:
+    """``node`` (rank ``rank``'s tree as read) with every ``same`` marker replaced by the node
+    at the same path of the earlier rank it names (``bases[r]``, already resolved and
+    validated). CorruptCheckpointError naming ``where`` and the path for a marker that names no
+    earlier rank, a path that rank's tree does not have, or a tree deeper than ``max_depth``.
+    Containers are resolved in place."""
+    stack = [(node, bases[0] if bases else None, 1, ())]
+    if _is_same(node):
+        return _base(node, bases[0] if bases else None, rank, bases, where, ())
+    while stack:
+        current, base, depth, path = stack.pop()
+        if depth > max_depth:
+            raise CorruptCheckpointError(f"{where}: state tree deeper than {max_depth}")
+        if type(current) is not dict:
+            continue
+        t = current.get("t")
+        if t in MAPPINGS or t in SEQUENCES:
+            items = current.get("items")
+            if type(items) is not list:
+                continue  # the validation names it
+            for i, item in enumerate(items):
+                key, child = (item[0], item[1]) if t in MAPPINGS and type(item) is list and \
+                    len(item) == 2 else (i, item)
+                child_base = _child(base, t, key, i)
+                if _is_same(child):
+                    value = _base(child, child_base, rank, bases, where, path + (key,))
+                    if t in MAPPINGS:
+                        item[1] = value
+                    else:
+                        items[i] = value
+                else:
+                    stack.append((child, child_base, depth + 1, path + (key,)))
+        elif t == "provider" and "state" in current:
+            child = current["state"]
+            child_base = base.get("state") if type(base) is dict else None
+            if _is_same(child):
+                current["state"] = _base(child, child_base, rank, bases, where, path)
+            else:
+                stack.append((child, child_base, depth + 1, path))
+    return node
+
+
+def _is_same(node: Any) -> bool:
+    return type(node) is dict and node.get("t") == SAME
+
+
+def _base(marker: dict, base: Any, rank: int, bases: list[dict], where: str, path: tuple) -> Any:
+    shown = "/".join(map(str, path))
+    if set(marker) != {"t", "r"} or type(marker["r"]) is not int or marker["r"] != 0 or \
+            rank < 1:
+        raise CorruptCheckpointError(f"{where}: at {shown!r}, expected a 'same' node naming rank "
+                                     f"0 (an earlier rank), found {marker!r}")
+    if base is None:
+        raise CorruptCheckpointError(f"{where}: at {shown!r}, a 'same' node refers to rank 0's "
+                                     "tree, which has no node there")
+    return base
+
+
+def _child(base: Any, t: str, key: Any, index: int) -> Any:
+    """The child of ``base`` at ``key`` (mappings: the same key at the same position)."""
+    if type(base) is not dict or base.get("t") != t:
+        return None
+    items = base.get("items")
+    if type(items) is not list or index >= len(items):
+        return None
+    item = items[index]
+    if t in MAPPINGS:
+        return item[1] if type(item) is list and len(item) == 2 and item[0] == key else None
+    return item
