@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
+from ..errors import CorruptCheckpointError
 from . import codec as fmt
-from .checks import (_U32, _U64, _At, _bool, _check_disjoint, _check_tensor_bytes, _dict, _dims,
-                     _dtype, _field_dims, _field_int, _field_str, _get, _int, _list, _numel,
-                     _pieces, _show, _str, _version, check_entry_keys, check_tree)
+from .checks import (MAX_NDIM, _U32, _U64, _At, _bool, _check_disjoint, _check_tensor_bytes,
+                     _dict, _dims, _dtype, _field_dims, _field_int, _field_str, _get, _int, _list,
+                     _numel, _pieces, _show, _str, _version, check_entry_keys, check_tree_refs)
 from .records import (ABORT_KINDS, PENDING, CheckpointInfo, Entry, FileRef, IndexEntry, Manifest,
                       ObjectEntry, RankReport, RankTree, ReportEntry, SaveRef, ShardIndex,
                       ShardRef, TensorEntry, Verdict, regions_by_file)
@@ -28,14 +29,85 @@ from .records import (ABORT_KINDS, PENDING, CheckpointInfo, Entry, FileRef, Inde
 # ---------------------------------------------------------------- manifest
 
 _DATA_DIR = re.compile(r"\.data\.[A-Za-z0-9._@-]+")
+_ITEMSIZES = fmt.ITEMSIZES
 
 
-def parse_manifest(obj: Any, where: str, *, version_1: bool = False) -> Manifest:
+def parse_manifest(obj: Any, where: str, *, version_1: bool = False,
+                   checked: bool = False) -> Manifest:
     """Validate a decoded ``manifest.json`` completely and return the typed manifest.
 
-    ``version_1`` says the file had no checksum trailer (only then is version 1 accepted)."""
+    ``version_1`` says the file had no checksum trailer (only then is version 1 accepted).
+    ``checked``: the decoder of ``obj`` already made the ordinary tensor entries records, with
+    :func:`entry_converter` (every other entry, and every other field, is checked here)."""
     at = _At(where)
     m = _dict(obj, at)
+    head = _head(m, at, version_1)
+    entries = _entries(_list(_get(m, "entries", at), at / "entries"), at / "entries",
+                       head.files, head.world, checked)
+    return _manifest(m, at, head, entries)
+
+
+def entry_converter(fields: dict) -> Callable[[Any], TensorEntry | None] | None:
+    """For a decoder that reaches a manifest's ``entries`` after its ``world_size`` and
+    ``files`` (``fields``: what it decoded so far): the converter making each ordinary tensor
+    entry its record at once (:func:`_plain_tensor`, None for any other entry, left to
+    :func:`parse_manifest`). None when those fields are missing or do not validate: the
+    entries are then decoded as they are, and parsed after every field before them."""
+    at = _At("")
+    try:
+        world = _int(_get(fields, "world_size", at), at, 1, 1 << 24)
+        files = _files(_get(fields, "files", at), at, world)
+    except CorruptCheckpointError:
+        return None
+    return lambda value: _plain_tensor(value, files, world)
+
+
+def check_written_manifest(obj: dict, entries: tuple[Entry, ...], where: str,
+                           encode: Callable[[list], None]) -> Manifest:
+    """The writer's check of the manifest it is about to write: :func:`parse_manifest` of the
+    manifest whose JSON form is ``obj`` (every field but ``entries``, which it holds empty) with
+    the entries ``entries``, and every check it makes.
+
+    The entries are turned into their JSON form a batch at a time; each is checked by the
+    parser and must read back as the record it came from (CorruptCheckpointError naming it
+    otherwise); each batch is then handed to ``encode`` and dropped. So no JSON form of every
+    entry is ever held at once: a manifest of a million tensors stays a million records, not
+    seven million dicts and lists for the garbage collector to walk. The manifest returned
+    holds ``entries`` themselves."""
+    at = _At(where)
+    m = _dict(obj, at)
+    head = _head(m, at, False)
+    at_entries = at / "entries"
+    for start in range(0, len(entries), _BATCH):
+        batch = entries[start:start + _BATCH]
+        values = [e.to_json() for e in batch]
+        for i, (e, value) in enumerate(zip(batch, values), start):
+            parsed = _plain_tensor(value, head.files, head.world)
+            if parsed is None:
+                parsed = _entry(value, at_entries / i, head.files, head.world)
+            if parsed != e:
+                raise (at_entries / i).bad(f"the entry {e!r} reads back as {parsed!r}")
+        encode(values)
+    return _manifest(m, at, head, tuple(entries))
+
+
+_BATCH = fmt.ENCODE_BATCH
+
+
+class _Head(NamedTuple):
+    """The fields of a manifest checked before its entries (which need ``files``)."""
+
+    version: int
+    name: str
+    step: int | None
+    seq: int
+    created: float
+    world: int
+    metadata: dict
+    files: tuple
+
+
+def _head(m: dict, at: _At, version_1: bool) -> _Head:
     version = _version(m, at, fmt.CHECKPOINT_FORMAT)
     if (version == 1) != version_1:
         raise (at / "version").bad(
@@ -54,13 +126,19 @@ def parse_manifest(obj: Any, where: str, *, version_1: bool = False) -> Manifest
     world = _int(_get(m, "world_size", at), at / "world_size", 1, 1 << 24)
     metadata = _dict(m.get("metadata", {}), at / "metadata")
     files = _files(_get(m, "files", at), at / "files", world)
-    entries = tuple(_entry(e, at / "entries" / i, files, world)
-                    for i, e in enumerate(_list(_get(m, "entries", at), at / "entries")))
+    return _Head(version, name, step, seq, float(created), world, metadata, files)
+
+
+def _manifest(m: dict, at: _At, head: _Head, entries: tuple) -> Manifest:
+    """The manifest of ``head`` and its checked ``entries``, once the checks across entries
+    (disjoint regions, the trees' references) and the remaining fields pass."""
+    files, world = head.files, head.world
     by_file = regions_by_file(entries, len(files))
     for file_id, f in enumerate(files):
-        _check_disjoint([(o, n, e.key) for o, n, e, _ in by_file[file_id]], at / "files" / file_id,
-                        f"file {f.name}")
-    refs: dict[int, set[str]] = {}
+        if not _sorted_disjoint(by_file[file_id]):  # names the overlap
+            _check_disjoint([(o, n, e.key) for o, n, e, _ in by_file[file_id]],
+                            at / "files" / file_id, f"file {f.name}")
+    refs: dict = {}
     ranks = _ranks(_get(m, "ranks", at), at / "ranks", world, [e.kind for e in entries], refs)
     check_entry_keys([e.key for e in entries], refs, at / "entries")
     save_id = m.get("save_id")
@@ -70,10 +148,11 @@ def parse_manifest(obj: Any, where: str, *, version_1: bool = False) -> Manifest
     if data_dir is not None and (not _DATA_DIR.fullmatch(_str(data_dir, at / "data_dir")) or
                                  ".." in data_dir):
         raise (at / "data_dir").bad(f"expected '.data.<run>-<attempt>', found {_show(data_dir)}")
-    return Manifest(version=version, name=name, step=step, seq=seq, created_unix=float(created),
-                    world_size=world, metadata=metadata, files=files, entries=entries,
-                    ranks=ranks, save_id=save_id, data_dir=data_dir,
-                    metrics=_metrics(m.get("metrics", {}), at / "metrics"), by_file=by_file)
+    return Manifest(version=head.version, name=head.name, step=head.step, seq=head.seq,
+                    created_unix=head.created, world_size=world, metadata=head.metadata,
+                    files=files, entries=entries, ranks=ranks, save_id=save_id,
+                    data_dir=data_dir, metrics=_metrics(m.get("metrics", {}), at / "metrics"),
+                    by_file=by_file)
 
 
 def _metrics(value: Any, at: _At) -> dict:
@@ -119,6 +198,119 @@ def _file(f: dict, at: _At, name: str, rank: int) -> FileRef:
 def _step(value: Any, at: _At) -> int | None:
     """A checkpoint's step: None or an int in [0, 2**63 - 1]."""
     return None if value is None else _int(value, at, 0, (1 << 63) - 1)
+
+
+def _entries(values: list, at: _At, files: tuple[FileRef, ...], world: int,
+             checked: bool = False) -> tuple:
+    """The manifest's entries: each ordinary tensor entry through :func:`_plain_tensor`, any
+    other (an object, anything unusual or wrong) through :func:`_entry`; with ``checked``, a
+    record among ``values`` is one :func:`entry_converter` made (JSON decodes to no record)."""
+    out = []
+    for i, e in enumerate(values):
+        if checked and type(e) is TensorEntry:
+            out.append(e)
+            continue
+        entry = _plain_tensor(e, files, world)
+        out.append(entry if entry is not None else _entry(e, at / i, files, world))
+    return tuple(out)
+
+
+def _plain_tensor(e: Any, files: tuple[FileRef, ...], world: int) -> TensorEntry | None:
+    """The tensor entry ``e`` when every check of :func:`_entry` passes on it, else None (then
+    :func:`_entry` checks it again and names what is wrong).
+
+    The same rules as :func:`_entry` -- exact types, ranges, offsets inside the file, boxes
+    inside the tensor and the bytes of each box, checksum pieces covering each shard -- written
+    out in one function, without a call or an error path per field: a manifest has one entry
+    per tensor, and this is most of the time spent reading or writing one of many tensors."""
+    if type(e) is not dict or e.get("kind") != "tensor":
+        return None
+    key, dtype, shards = e.get("key"), e.get("dtype"), e.get("shards")
+    if type(key) is not str or type(dtype) is not str or type(shards) is not list or \
+            not shards:
+        return None
+    itemsize = _ITEMSIZES.get(dtype)
+    shape = _plain_dims(e.get("shape"))
+    if itemsize is None or shape is None:
+        return None
+    refs, stored = [], 0
+    for s in shards:
+        ref = _plain_shard(s, files, shape, itemsize)
+        if ref is None:
+            return None
+        refs.append(ref)
+        stored += ref.nbytes
+    numel = 1
+    for n in shape:
+        numel *= n
+    replicated, rank = e.get("replicated", False), e.get("rank")
+    if numel * itemsize > stored or type(replicated) is not bool or (
+            rank is not None and (type(rank) is not int or not 0 <= rank < world)):
+        return None
+    return TensorEntry(key, dtype, shape, tuple(refs), replicated, rank)
+
+
+def _plain_shard(s: Any, files: tuple[FileRef, ...], shape: tuple[int, ...],
+                 itemsize: int) -> ShardRef | None:
+    """One shard of :func:`_plain_tensor` (the checks of :func:`_shard`), or None."""
+    if type(s) is not dict:
+        return None
+    file_id, offset, nbytes = s.get("file"), s.get("offset"), s.get("nbytes")
+    if type(file_id) is not int or type(offset) is not int or type(nbytes) is not int or \
+            not 0 <= file_id < len(files):
+        return None
+    size = files[file_id].nbytes
+    if not fmt.HEADER_BYTES <= offset <= size or offset % fmt.DATA_ALIGN or \
+            not 0 <= nbytes <= size - offset:
+        return None
+    box, origin = _plain_dims(s.get("shape")), _plain_dims(s.get("global_offset"))
+    if box is None or origin is None or len(box) != len(shape) or len(origin) != len(shape):
+        return None
+    numel = 1
+    for o, n, g in zip(origin, box, shape):
+        if o + n > g:
+            return None
+        numel *= n
+    if numel * itemsize != nbytes:
+        return None
+    pieces, total = [], 0
+    found = s.get("checksums")
+    if type(found) is not list:
+        return None
+    for p in found:
+        if type(p) is not list or len(p) != 2:
+            return None
+        length, crc = p
+        if type(length) is not int or type(crc) is not int or not 1 <= length <= nbytes or \
+                not 0 <= crc <= _U32:
+            return None
+        total += length
+        pieces.append((length, crc))
+    if total != nbytes:
+        return None
+    return ShardRef(file_id, offset, nbytes, origin, box, tuple(pieces))
+
+
+def _plain_dims(value: Any) -> tuple[int, ...] | None:
+    """``value`` as a shape (a list of at most MAX_NDIM integers in [0, 2**64)), or None."""
+    if type(value) is not list or len(value) > MAX_NDIM:
+        return None
+    for d in value:
+        if type(d) is not int or not 0 <= d <= _U64:
+            return None
+    return tuple(value)
+
+
+def _sorted_disjoint(regions) -> bool:
+    """Whether the non-empty regions (offset, nbytes, ...), sorted by offset, do not overlap
+    (what :func:`_check_disjoint` checks, without sorting again)."""
+    end = 0
+    for region in regions:
+        if region[1]:
+            if region[0] < end:
+                return False
+            end = region[0] + region[1]
+    return True
 
 
 def _entry(value: Any, at: _At, files: tuple[FileRef, ...], world: int) -> Entry:
@@ -188,7 +380,7 @@ def _shard(value: Any, at: _At, files: tuple[FileRef, ...], dtype: str,
 
 
 def _ranks(value: Any, at: _At, world: int, kinds: list[str],
-           refs: dict[int, set[str]]) -> tuple[RankTree, ...]:
+           refs: dict) -> tuple[RankTree, ...]:
     ranks = _list(value, at)
     if len(ranks) != world:
         raise at.bad(f"expected one tree per rank ({world}), found {len(ranks)}")
@@ -196,8 +388,8 @@ def _ranks(value: Any, at: _At, world: int, kinds: list[str],
     for i, r in enumerate(ranks):
         r = _dict(r, at / i)
         _int(_get(r, "rank", at / i), at / i / "rank", i, i)
-        out.append(RankTree(rank=i, tree=check_tree(_get(r, "tree", at / i), at / i / "tree",
-                                                    kinds, refs)))
+        out.append(RankTree(rank=i, tree=check_tree_refs(_get(r, "tree", at / i),
+                                                         at / i / "tree", kinds, refs)))
     return tuple(out)
 
 
@@ -260,8 +452,8 @@ def parse_rank_report(obj: Any, where: str) -> RankReport:
     entries = tuple(_report_entry(e, at / "entries" / i, f)
                     for i, e in enumerate(_list(_get(d, "entries", at), at / "entries")))
     _check_disjoint([(e.offset, e.nbytes, e.key) for e in entries if e.written], at, "report")
-    refs: dict[int, set[str]] = {}
-    tree = check_tree(_get(d, "tree", at), at / "tree", [e.kind for e in entries], refs)
+    refs: dict = {}
+    tree = check_tree_refs(_get(d, "tree", at), at / "tree", [e.kind for e in entries], refs)
     check_entry_keys([e.key for e in entries], refs, at / "entries")
     replicas = _dict(d.get("replicas", {}), at / "replicas")
     for key, digest in replicas.items():
