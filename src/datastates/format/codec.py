@@ -215,6 +215,7 @@ def _no_constant(name: str) -> Any:
 
 _DECODER = json.JSONDecoder(parse_constant=_no_constant)
 _WS = json.decoder.WHITESPACE.match
+_SPACE = " \t\n\r"  # JSON's whitespace: what _WS skips
 _scanstring = json.decoder.scanstring
 
 
@@ -272,17 +273,25 @@ def _streamed_object(text: str, field: str, start) -> dict | None:
 
 
 def _streamed_array(text: str, idx: int, convert: Callable[[Any], Any]) -> tuple[list, int]:
+    """The array starting at ``text[idx]`` (``[``), each item converted; (list, end)."""
     out: list = []
+    scan = _DECODER.scan_once  # what raw_decode calls, without its frame per item
     idx = _WS(text, idx + 1).end()
     if text[idx] == "]":
         return out, idx + 1
     while True:
-        value, idx = _DECODER.raw_decode(text, idx)
+        try:
+            value, idx = scan(text, idx)
+        except StopIteration:
+            raise ValueError("expected a value") from None
         converted = convert(value)
         out.append(value if converted is None else converted)
-        idx = _WS(text, idx).end()
+        if text[idx] in _SPACE:
+            idx = _WS(text, idx).end()
         if text[idx] == ",":
-            idx = _WS(text, idx + 1).end()
+            idx += 1
+            if text[idx] in _SPACE:
+                idx = _WS(text, idx).end()
         elif text[idx] == "]":
             return out, idx + 1
         else:

@@ -123,8 +123,6 @@ def parse_manifest_bytes(raw: bytes, path: str) -> "records.Manifest":
     return manifest
 
 
-
-
 def _decode_manifest(raw: bytes, path: str) -> tuple[dict, bool]:
     """The decoded JSON object of a manifest, and whether its ordinary tensor entries were
     checked and made records as they were decoded (``codec.parse_json_streamed`` with

@@ -220,6 +220,8 @@ class _Walker:
         self.replicated = replicated
         self.allow_unsafe = allow_unsafe
         self.out = Flattened(tree={})
+        #: item of the first tensor starting at each address, and of each view compared
+        self._starts: dict[int, int] = {}
         self._views: dict[tuple, int] = {}
 
     def node(self, obj: Any, path: tuple, key: str, policy: str | None,
@@ -271,26 +273,30 @@ class _Walker:
             t = shard.local.detach()
         elif not plain or t.requires_grad:
             t = t.detach()  # a plain tensor that needs no grad is kept as it is: no alias made
-        if not t.numel():
-            view = None
-        elif plain:  # _view_of, inline: ``data_ptr`` is the storage's address plus the offset
-            view = (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t.device)
-        else:
-            view = _view_of(t)
         items = self.out.items
-        if view is not None:
-            index = self._views.setdefault(view, len(items))
-            if index < len(items):  # the same view saved under two keys
-                item = items[index]
-                item.policy = _merge(item.policy, policy)
-                return {"t": "tensor", "e": index, "param": param}
         index = len(items)
+        if t.numel():
+            address = t.data_ptr() if type(t) is torch.Tensor else _address_of(t)
+            first = self._starts.setdefault(address, index)
+            if first != index:  # another tensor starts there: the same view, or another one
+                first = self._same_view(t, first, index)
+                if first != index:  # the same view saved under two keys
+                    items[first].policy = _merge(items[first].policy, policy)
+                    return {"t": "tensor", "e": first, "param": param}
         item = TensorItem(key, t, policy, self.replicated)
         if shard is not None:
             item.global_shape, item.global_offset = shard.global_shape, shard.global_offset
             item.primary, item.replicated = shard.primary, False
         items.append(item)
         return {"t": "tensor", "e": index, "param": param}
+
+    def _same_view(self, t: torch.Tensor, first: int, index: int) -> int:
+        """The item of the view ``t`` when one was seen before, else ``index`` (``t``'s, now
+        recorded). Tensors are told apart by the address of their first byte; only those
+        starting where an earlier one does (tied weights, views at the start of a buffer) are
+        compared by their whole view (:func:`_view_of`)."""
+        self._views.setdefault(_view_of(self.out.items[first].tensor), first)
+        return self._views.setdefault(_view_of(t), index)
 
     def object(self, obj: Any, key: str) -> dict:
         if not self.allow_unsafe:
@@ -304,13 +310,16 @@ class _Walker:
 
 
 def _view_of(t: torch.Tensor) -> tuple:
-    """What makes two tensors the same view: the address of their first element (with the
-    offset into the storage, which tells storages without an address apart), shape, strides,
-    dtype and device."""
-    if type(t) is torch.Tensor:  # ``data_ptr`` is the storage's address plus the offset
-        return (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t.device)
+    """What makes two tensors the same view: their storage's address, the offset into it,
+    shape, strides, dtype and device."""
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
             t.dtype, t.device)
+
+
+def _address_of(t: torch.Tensor) -> int:
+    """The address of the first element of ``t``: ``data_ptr()`` of a plain tensor, from its
+    storage for any other (as :func:`_view_of` sees it)."""
+    return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
 
 
 def _too_deep(path: tuple) -> SerializationError:

@@ -367,7 +367,7 @@ class _Plan:
         out = live_map if fill else (OrderedDict() if node["t"] == "odict" else {})
         seen = set()
         everything = self.keys is None  # no keys=: every child is wanted
-        for k, child in tree.items(node):
+        for k, child in node["items"]:  # tree.items of a mapping, without a list of pairs
             sub = path + (k,)
             if not everything and self.wanted(sub) is None:
                 continue

@@ -44,13 +44,6 @@ class Layout:
     #: Where the index starts (4096-aligned, after tensors and blobs).
     index_offset: int
 
-    def pieces_by_item(self) -> dict[int, list[Piece]]:
-        out: dict[int, list[Piece]] = {}
-        for unit in self.units:
-            for piece in unit.pieces:
-                out.setdefault(piece.item, []).append(piece)
-        return out
-
 
 def plan_layout(tensor_sizes: list[int], blob_sizes: list[int], unit_bytes: int) -> Layout:
     """Coalesce tensors into a dense stream cut into units of ``unit_bytes``.

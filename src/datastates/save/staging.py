@@ -167,7 +167,6 @@ def zero_bytes(address: int, nbytes: int) -> None:
     ctypes.memset(address, 0, nbytes)
 
 
-
 class DeviceCopier:
     """Copies item bytes into cache slots.
 
