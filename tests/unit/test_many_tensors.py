@@ -192,6 +192,37 @@ def test_plain_entry_parser_agrees_with_the_general_one():
     assert accepted > 100
 
 
+def _report_json() -> dict:
+    return {"key": "w", "kind": "tensor", "dtype": "int16", "shape": [3], "offset": 4160,
+            "nbytes": 6, "checksums": [[6, 11]]}
+
+
+def test_plain_report_entry_parser_agrees_with_the_general_one():
+    """The same, for the entries of another rank's report."""
+    f = FileRef(name=fmt.shard_file_name(0), rank=0, nbytes=8192, index_crc32=0)
+    values = [None, True, False, 0, 1, 6, 64, 4160, 8192, -1, "", "w", [], [3], [6], [2, 3],
+              [[6, 11]], [[3, 1], [3, 2]], [[6, -1]], "int16", "float32", "uint8"]
+    rng, accepted = random.Random(11), 0
+    for _ in range(3000):
+        e = _report_json()
+        for _ in range(rng.choice([1, 1, 2])):
+            key = rng.choice(sorted(e) + ["replicated", "written", "global_shape", "extra"])
+            if rng.random() < 0.1:
+                e.pop(key, None)
+            else:
+                e[key] = copy.deepcopy(rng.choice(values))
+        fast = validate._plain_report_tensor(e, f)
+        try:
+            general = validate._report_entry(e, _At("r"), f)
+        except CorruptCheckpointError:
+            assert fast is None, e
+            continue
+        if fast is not None:
+            accepted += 1
+            assert fast == general, e
+    assert accepted > 100
+
+
 def _saved_manifest(tmp_path, state=None):
     with Checkpointer(tmp_path, SMALL) as ck:
         info = ck.save(state if state is not None else _many(600), step=1,

@@ -271,12 +271,17 @@ def _plain_shard(s: Any, files: tuple[FileRef, ...], shape: tuple[int, ...],
         if o + n > g:
             return None
         numel *= n
-    if numel * itemsize != nbytes:
+    pieces = _plain_pieces(s.get("checksums"), nbytes)
+    if numel * itemsize != nbytes or pieces is None:
         return None
-    pieces, total = [], 0
-    found = s.get("checksums")
+    return ShardRef(file_id, offset, nbytes, origin, box, pieces)
+
+
+def _plain_pieces(found: Any, nbytes: int) -> tuple[tuple[int, int], ...] | None:
+    """Checksum pieces covering ``nbytes`` exactly (the checks of ``_pieces``), or None."""
     if type(found) is not list:
         return None
+    pieces, total = [], 0
     for p in found:
         if type(p) is not list or len(p) != 2:
             return None
@@ -286,9 +291,7 @@ def _plain_shard(s: Any, files: tuple[FileRef, ...], shape: tuple[int, ...],
             return None
         total += length
         pieces.append((length, crc))
-    if total != nbytes:
-        return None
-    return ShardRef(file_id, offset, nbytes, origin, box, tuple(pieces))
+    return tuple(pieces) if total == nbytes else None
 
 
 def _plain_dims(value: Any) -> tuple[int, ...] | None:
@@ -449,8 +452,9 @@ def parse_rank_report(obj: Any, where: str) -> RankReport:
         return RankReport(rank=rank, save=save, root=root, error=_str(d["error"], at / "error"),
                           expired=expired)
     f = _report_file(_get(d, "file", at), at / "file", rank)
-    entries = tuple(_report_entry(e, at / "entries" / i, f)
-                    for i, e in enumerate(_list(_get(d, "entries", at), at / "entries")))
+    entries_at = at / "entries"
+    entries = tuple(_plain_report_tensor(e, f) or _report_entry(e, entries_at / i, f)
+                    for i, e in enumerate(_list(_get(d, "entries", at), entries_at)))
     _check_disjoint([(e.offset, e.nbytes, e.key) for e in entries if e.written], at, "report")
     refs: dict = {}
     tree = check_tree_refs(_get(d, "tree", at), at / "tree", [e.kind for e in entries], refs)
@@ -477,6 +481,31 @@ def _report_file(value: Any, at: _At, rank: int) -> FileRef:
         raise (at / "name").bad(f"rank {rank} reports the file {name!r}, expected "
                                 f"{fmt.shard_file_name(rank)!r}")
     return _file(f, at, name, rank)
+
+
+def _plain_report_tensor(e: Any, f: FileRef) -> ReportEntry | None:
+    """The report entry ``e`` of a tensor this rank wrote, not a shard of a global one, when
+    every check of :func:`_report_entry` passes on it; else None (:func:`_report_entry` then
+    checks it again and names what is wrong). One function, as :func:`_plain_tensor`."""
+    if type(e) is not dict or e.get("kind") != "tensor" or e.get("global_shape") is not None:
+        return None
+    key, dtype, offset, nbytes = e.get("key"), e.get("dtype"), e.get("offset"), e.get("nbytes")
+    replicated, written = e.get("replicated", False), e.get("written", True)
+    if type(key) is not str or type(dtype) is not str or type(replicated) is not bool or \
+            written is not True or type(offset) is not int or type(nbytes) is not int:
+        return None
+    itemsize, shape = _ITEMSIZES.get(dtype), _plain_dims(e.get("shape"))
+    if itemsize is None or shape is None or not fmt.HEADER_BYTES <= offset <= f.nbytes or \
+            offset % fmt.DATA_ALIGN or not 0 <= nbytes <= f.nbytes - offset:
+        return None
+    numel = 1
+    for n in shape:
+        numel *= n
+    pieces = _plain_pieces(e.get("checksums"), nbytes)
+    if numel * itemsize != nbytes or pieces is None:
+        return None
+    return ReportEntry(key, "tensor", True, offset, nbytes, dtype, shape, pieces,
+                       replicated=replicated)
 
 
 def _report_entry(value: Any, at: _At, f: FileRef) -> ReportEntry:
