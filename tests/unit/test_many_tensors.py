@@ -20,7 +20,7 @@ import torch
 import datastates
 from datastates import Checkpointer, CheckpointConfig, CorruptCheckpointError
 from datastates import format as fmt
-from datastates.format import codec, files, validate
+from datastates.format import codec, files, plain, validate
 from datastates.format.checks import _At
 from datastates.format.records import FileRef
 from datastates.format.tree import key_of
@@ -180,7 +180,7 @@ def test_plain_entry_parser_agrees_with_the_general_one():
               FileRef(name=fmt.shard_file_name(1), rank=1, nbytes=4096 + 64, index_crc32=0))
     accepted = 0
     for e in _mutations(random.Random(7)):
-        fast = validate._plain_tensor(e, files_, 2)
+        fast = plain.tensor_entry(e, files_, 2)
         try:
             general = validate._entry(e, _At("m"), files_, 2)
         except CorruptCheckpointError:
@@ -211,7 +211,7 @@ def test_plain_report_entry_parser_agrees_with_the_general_one():
                 e.pop(key, None)
             else:
                 e[key] = copy.deepcopy(rng.choice(values))
-        fast = validate._plain_report_tensor(e, f)
+        fast = plain.report_entry(e, f)
         try:
             general = validate._report_entry(e, _At("r"), f)
         except CorruptCheckpointError:

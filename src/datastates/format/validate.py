@@ -19,7 +19,8 @@ from typing import Any, Callable, NamedTuple
 
 from ..errors import CorruptCheckpointError
 from . import codec as fmt
-from .checks import (MAX_NDIM, _U32, _U64, _At, _bool, _check_disjoint, _check_tensor_bytes,
+from . import plain
+from .checks import (_U32, _U64, _At, _bool, _check_disjoint, _check_tensor_bytes,
                      _dict, _dims, _dtype, _field_dims, _field_int, _field_str, _get, _int, _list,
                      _numel, _pieces, _show, _str, _version, check_entry_keys, check_tree_refs)
 from .records import (ABORT_KINDS, PENDING, CheckpointInfo, Entry, FileRef, IndexEntry, Manifest,
@@ -29,7 +30,6 @@ from .records import (ABORT_KINDS, PENDING, CheckpointInfo, Entry, FileRef, Inde
 # ---------------------------------------------------------------- manifest
 
 _DATA_DIR = re.compile(r"\.data\.[A-Za-z0-9._@-]+")
-_ITEMSIZES = fmt.ITEMSIZES
 
 
 def parse_manifest(obj: Any, where: str, *, version_1: bool = False,
@@ -50,7 +50,7 @@ def parse_manifest(obj: Any, where: str, *, version_1: bool = False,
 def entry_converter(fields: dict) -> Callable[[Any], TensorEntry | None] | None:
     """For a decoder that reaches a manifest's ``entries`` after its ``world_size`` and
     ``files`` (``fields``: what it decoded so far): the converter making each ordinary tensor
-    entry its record at once (:func:`_plain_tensor`, None for any other entry, left to
+    entry its record at once (``plain.tensor_entry``, None for any other entry, left to
     :func:`parse_manifest`). None when those fields are missing or do not validate: the
     entries are then decoded as they are, and parsed after every field before them."""
     at = _At("")
@@ -59,7 +59,7 @@ def entry_converter(fields: dict) -> Callable[[Any], TensorEntry | None] | None:
         files = _files(_get(fields, "files", at), at, world)
     except CorruptCheckpointError:
         return None
-    return lambda value: _plain_tensor(value, files, world)
+    return lambda value: plain.tensor_entry(value, files, world)
 
 
 def check_written_manifest(obj: dict, entries: tuple[Entry, ...], where: str,
@@ -82,7 +82,7 @@ def check_written_manifest(obj: dict, entries: tuple[Entry, ...], where: str,
         batch = entries[start:start + _BATCH]
         values = [e.to_json() for e in batch]
         for i, (e, value) in enumerate(zip(batch, values), start):
-            parsed = _plain_tensor(value, head.files, head.world)
+            parsed = plain.tensor_entry(value, head.files, head.world)
             if parsed is None:
                 parsed = _entry(value, at_entries / i, head.files, head.world)
             if parsed != e:
@@ -135,7 +135,7 @@ def _manifest(m: dict, at: _At, head: _Head, entries: tuple) -> Manifest:
     files, world = head.files, head.world
     by_file = regions_by_file(entries, len(files))
     for file_id, f in enumerate(files):
-        if not _sorted_disjoint(by_file[file_id]):  # names the overlap
+        if not plain.sorted_disjoint(by_file[file_id]):  # names the overlap
             _check_disjoint([(o, n, e.key) for o, n, e, _ in by_file[file_id]],
                             at / "files" / file_id, f"file {f.name}")
     refs: dict = {}
@@ -202,7 +202,7 @@ def _step(value: Any, at: _At) -> int | None:
 
 def _entries(values: list, at: _At, files: tuple[FileRef, ...], world: int,
              checked: bool = False) -> tuple:
-    """The manifest's entries: each ordinary tensor entry through :func:`_plain_tensor`, any
+    """The manifest's entries: each ordinary tensor entry through ``plain.tensor_entry``, any
     other (an object, anything unusual or wrong) through :func:`_entry`; with ``checked``, a
     record among ``values`` is one :func:`entry_converter` made (JSON decodes to no record)."""
     out = []
@@ -210,110 +210,9 @@ def _entries(values: list, at: _At, files: tuple[FileRef, ...], world: int,
         if checked and type(e) is TensorEntry:
             out.append(e)
             continue
-        entry = _plain_tensor(e, files, world)
+        entry = plain.tensor_entry(e, files, world)
         out.append(entry if entry is not None else _entry(e, at / i, files, world))
     return tuple(out)
-
-
-def _plain_tensor(e: Any, files: tuple[FileRef, ...], world: int) -> TensorEntry | None:
-    """The tensor entry ``e`` when every check of :func:`_entry` passes on it, else None (then
-    :func:`_entry` checks it again and names what is wrong).
-
-    The same rules as :func:`_entry` -- exact types, ranges, offsets inside the file, boxes
-    inside the tensor and the bytes of each box, checksum pieces covering each shard -- written
-    out in one function, without a call or an error path per field: a manifest has one entry
-    per tensor, and this is most of the time spent reading or writing one of many tensors."""
-    if type(e) is not dict or e.get("kind") != "tensor":
-        return None
-    key, dtype, shards = e.get("key"), e.get("dtype"), e.get("shards")
-    if type(key) is not str or type(dtype) is not str or type(shards) is not list or \
-            not shards:
-        return None
-    itemsize = _ITEMSIZES.get(dtype)
-    shape = _plain_dims(e.get("shape"))
-    if itemsize is None or shape is None:
-        return None
-    refs, stored = [], 0
-    for s in shards:
-        ref = _plain_shard(s, files, shape, itemsize)
-        if ref is None:
-            return None
-        refs.append(ref)
-        stored += ref.nbytes
-    numel = 1
-    for n in shape:
-        numel *= n
-    replicated, rank = e.get("replicated", False), e.get("rank")
-    if numel * itemsize > stored or type(replicated) is not bool or (
-            rank is not None and (type(rank) is not int or not 0 <= rank < world)):
-        return None
-    return TensorEntry(key, dtype, shape, tuple(refs), replicated, rank)
-
-
-def _plain_shard(s: Any, files: tuple[FileRef, ...], shape: tuple[int, ...],
-                 itemsize: int) -> ShardRef | None:
-    """One shard of :func:`_plain_tensor` (the checks of :func:`_shard`), or None."""
-    if type(s) is not dict:
-        return None
-    file_id, offset, nbytes = s.get("file"), s.get("offset"), s.get("nbytes")
-    if type(file_id) is not int or type(offset) is not int or type(nbytes) is not int or \
-            not 0 <= file_id < len(files):
-        return None
-    size = files[file_id].nbytes
-    if not fmt.HEADER_BYTES <= offset <= size or offset % fmt.DATA_ALIGN or \
-            not 0 <= nbytes <= size - offset:
-        return None
-    box, origin = _plain_dims(s.get("shape")), _plain_dims(s.get("global_offset"))
-    if box is None or origin is None or len(box) != len(shape) or len(origin) != len(shape):
-        return None
-    numel = 1
-    for o, n, g in zip(origin, box, shape):
-        if o + n > g:
-            return None
-        numel *= n
-    pieces = _plain_pieces(s.get("checksums"), nbytes)
-    if numel * itemsize != nbytes or pieces is None:
-        return None
-    return ShardRef(file_id, offset, nbytes, origin, box, pieces)
-
-
-def _plain_pieces(found: Any, nbytes: int) -> tuple[tuple[int, int], ...] | None:
-    """Checksum pieces covering ``nbytes`` exactly (the checks of ``_pieces``), or None."""
-    if type(found) is not list:
-        return None
-    pieces, total = [], 0
-    for p in found:
-        if type(p) is not list or len(p) != 2:
-            return None
-        length, crc = p
-        if type(length) is not int or type(crc) is not int or not 1 <= length <= nbytes or \
-                not 0 <= crc <= _U32:
-            return None
-        total += length
-        pieces.append((length, crc))
-    return tuple(pieces) if total == nbytes else None
-
-
-def _plain_dims(value: Any) -> tuple[int, ...] | None:
-    """``value`` as a shape (a list of at most MAX_NDIM integers in [0, 2**64)), or None."""
-    if type(value) is not list or len(value) > MAX_NDIM:
-        return None
-    for d in value:
-        if type(d) is not int or not 0 <= d <= _U64:
-            return None
-    return tuple(value)
-
-
-def _sorted_disjoint(regions) -> bool:
-    """Whether the non-empty regions (offset, nbytes, ...), sorted by offset, do not overlap
-    (what :func:`_check_disjoint` checks, without sorting again)."""
-    end = 0
-    for region in regions:
-        if region[1]:
-            if region[0] < end:
-                return False
-            end = region[0] + region[1]
-    return True
 
 
 def _entry(value: Any, at: _At, files: tuple[FileRef, ...], world: int) -> Entry:
@@ -453,7 +352,7 @@ def parse_rank_report(obj: Any, where: str) -> RankReport:
                           expired=expired)
     f = _report_file(_get(d, "file", at), at / "file", rank)
     entries_at = at / "entries"
-    entries = tuple(_plain_report_tensor(e, f) or _report_entry(e, entries_at / i, f)
+    entries = tuple(plain.report_entry(e, f) or _report_entry(e, entries_at / i, f)
                     for i, e in enumerate(_list(_get(d, "entries", at), entries_at)))
     _check_disjoint([(e.offset, e.nbytes, e.key) for e in entries if e.written], at, "report")
     refs: dict = {}
@@ -481,31 +380,6 @@ def _report_file(value: Any, at: _At, rank: int) -> FileRef:
         raise (at / "name").bad(f"rank {rank} reports the file {name!r}, expected "
                                 f"{fmt.shard_file_name(rank)!r}")
     return _file(f, at, name, rank)
-
-
-def _plain_report_tensor(e: Any, f: FileRef) -> ReportEntry | None:
-    """The report entry ``e`` of a tensor this rank wrote, not a shard of a global one, when
-    every check of :func:`_report_entry` passes on it; else None (:func:`_report_entry` then
-    checks it again and names what is wrong). One function, as :func:`_plain_tensor`."""
-    if type(e) is not dict or e.get("kind") != "tensor" or e.get("global_shape") is not None:
-        return None
-    key, dtype, offset, nbytes = e.get("key"), e.get("dtype"), e.get("offset"), e.get("nbytes")
-    replicated, written = e.get("replicated", False), e.get("written", True)
-    if type(key) is not str or type(dtype) is not str or type(replicated) is not bool or \
-            written is not True or type(offset) is not int or type(nbytes) is not int:
-        return None
-    itemsize, shape = _ITEMSIZES.get(dtype), _plain_dims(e.get("shape"))
-    if itemsize is None or shape is None or not fmt.HEADER_BYTES <= offset <= f.nbytes or \
-            offset % fmt.DATA_ALIGN or not 0 <= nbytes <= f.nbytes - offset:
-        return None
-    numel = 1
-    for n in shape:
-        numel *= n
-    pieces = _plain_pieces(e.get("checksums"), nbytes)
-    if numel * itemsize != nbytes or pieces is None:
-        return None
-    return ReportEntry(key, "tensor", True, offset, nbytes, dtype, shape, pieces,
-                       replicated=replicated)
 
 
 def _report_entry(value: Any, at: _At, f: FileRef) -> ReportEntry:
