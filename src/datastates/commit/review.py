@@ -100,14 +100,21 @@ class _Merged:
     one per replicated key and per sharded key (its shards gathered)."""
 
     def __init__(self):
-        self._entries: list[dict[str, Any]] = []
+        #: finished entries (an object, a per-rank tensor), or the fields of a tensor whose
+        #: shards are still gathered (replicated, sharded)
+        self._entries: list[Any] = []
         self._grouped: dict[tuple, int] = {}
 
     def add(self, e: ReportEntry, file_id: int, rank: int) -> int:
         """Merge one report entry; its index in the manifest's entries."""
         if e.kind == "object":
-            self._entries.append({"object": ObjectEntry(key=e.key, file=file_id, offset=e.offset,
-                                                        nbytes=e.nbytes, crc32=e.crc32)})
+            self._entries.append(ObjectEntry(key=e.key, file=file_id, offset=e.offset,
+                                             nbytes=e.nbytes, crc32=e.crc32))
+            return len(self._entries) - 1
+        if e.written and e.global_shape is None and not e.replicated:  # this rank's own tensor
+            shard = ShardRef(file_id, e.offset, e.nbytes, (0,) * len(e.shape), e.shape,
+                             e.checksums)
+            self._entries.append(TensorEntry(e.key, e.dtype, e.shape, (shard,), False, rank))
             return len(self._entries) - 1
         shard = None
         if e.written:
@@ -136,8 +143,8 @@ class _Merged:
     def entries(self) -> tuple:
         out = []
         for e in self._entries:
-            if "object" in e:
-                out.append(e["object"])
+            if type(e) is not dict:  # finished when merged
+                out.append(e)
                 continue
             if not e["shards"]:
                 what = "replicated tensor" if e["replicated"] else "tensor"
@@ -175,6 +182,9 @@ def check_tiling(manifest: Manifest) -> Problems:
         if e.kind != "tensor":
             continue
         shape = e.shape
+        if len(e.shards) == 1 and e.shards[0].shape == shape and \
+                not any(e.shards[0].global_offset):
+            continue  # one box, the whole tensor: tiled
         boxes = [(s.global_offset, s.shape, rank_of[s.file]) for s in e.shards]
         outside = [([r], f"box {_box(off, box)} of {e.key!r} lies outside its global "
                          f"shape {list(shape)}") for off, box, r in boxes

@@ -1,7 +1,8 @@
 """The on-disk model (docs/format.md): the bytes of shard files and manifests (``codec``), reading
 and writing them as checked files (``files``), the typed records of the format and of the commit
 round with their JSON forms (``records``), their validating parsers (``validate``, built on the
-field checks of ``checks``), the one walker of saved state trees (``tree``), the CRC-32
+field checks of ``checks``, with one-function parsers of the ordinary per-tensor entries in
+``plain``), the one walker of saved state trees (``tree``), the CRC-32
 (``checksum``), and Python objects as byte blobs (``serialization``).
 
 The names below are the public surface that code outside the core (the integrations, tools of

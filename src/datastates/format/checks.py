@@ -235,6 +235,19 @@ def check_tree(root: Any, at: _At, entry_kinds: list[str],
     Its own walk, not :func:`tree.leaves`: that walker trusts the nodes it is given, while this
     one checks each node's fields before following them and builds the JSON path of an error
     only when it raises (validating stays cheap on large trees)."""
+    if refs is None:
+        return check_tree_refs(root, at, entry_kinds, None)
+    found: dict = {}
+    check_tree_refs(root, at, entry_kinds, found)
+    for e, keys in found.items():
+        refs.setdefault(e, set()).update(_ref_keys(keys))
+    return root
+
+
+def check_tree_refs(root: Any, at: _At, entry_kinds: list[str], refs: dict | None) -> dict:
+    """:func:`check_tree`, collecting into ``refs`` for each entry index the one key referring
+    to it, or a set of keys once there are several: a manifest of a million entries needs no
+    million sets. :func:`check_entry_keys` reads either form."""
     stack: list = [(root, at, (), 1, "")]  # node, path of its parent, parts below it, depth, key
     kinds = len(entry_kinds)
     while stack:
@@ -244,8 +257,8 @@ def check_tree(root: Any, at: _At, entry_kinds: list[str],
             if type(e) is int and 0 <= e < kinds and entry_kinds[e] == node["t"] and \
                     type(node.get("param", False)) is bool and ("np" not in node or (
                         node["np"] is True and node["t"] == "tensor")):  # np: exactly true
-                if refs is not None:
-                    refs.setdefault(e, set()).add(key)
+                if refs is not None and refs.setdefault(e, key) is not key:
+                    _add_ref(refs, e, key)
                 continue
         where = parent
         for part in parts:
@@ -264,8 +277,8 @@ def check_tree(root: Any, at: _At, entry_kinds: list[str],
                 if entry_kinds else _no_entries(where)
             if entry_kinds[e] != t:
                 raise (where / "e").bad(f"a {t} node refers to entry {e}, a {entry_kinds[e]}")
-            if refs is not None:
-                refs.setdefault(e, set()).add(key)
+            if refs is not None and refs.setdefault(e, key) is not key:
+                _add_ref(refs, e, key)
             if "param" in node:
                 _bool(node["param"], where / "param")
         elif t == "value":
@@ -274,26 +287,48 @@ def check_tree(root: Any, at: _At, entry_kinds: list[str],
             _str(_get(node, "name", where), where / "name")
             stack.append((_get(node, "state", where), where, ("state",), depth + 1, key))
         elif t in tree.MAPPINGS:
+            prefix = key + "/" if key else ""  # tree.child_key, inline
             for i, pair in enumerate(_list(_get(node, "items", where), where / "items")):
                 if type(pair) is not list or len(pair) != 2:
                     raise (where / "items" / i).bad(f"expected a [key, node] pair, found "
                                                     f"{_show(pair)}")
-                if type(pair[0]) is not str:  # a string key is always valid
-                    _scalar(pair[0], where / "items" / i / 0)
-                stack.append((pair[1], where, ("items", i, 1), depth + 1,
-                              tree.child_key(key, pair[0])))
+                part = pair[0]
+                if type(part) is str:  # a string key is always valid
+                    child = prefix + part
+                else:
+                    _scalar(part, where / "items" / i / 0)
+                    child = tree.child_key(key, part)
+                stack.append((pair[1], where, ("items", i, 1), depth + 1, child))
         else:
+            prefix = key + "/" if key else ""
             for i, child in enumerate(_list(_get(node, "items", where), where / "items")):
-                stack.append((child, where, ("items", i), depth + 1, tree.child_key(key, i)))
+                stack.append((child, where, ("items", i), depth + 1, f"{prefix}{i}"))
     return root
 
 
-def check_entry_keys(keys: list[str], refs: dict[int, set[str]], at: _At) -> None:
+def _add_ref(refs: dict, e: int, key: str) -> None:
+    """Record one more key referring to entry ``e`` (``refs[e]`` holds another one already)."""
+    known = refs[e]
+    if type(known) is set:
+        known.add(key)
+    elif known != key:
+        refs[e] = {known, key}
+
+
+def _ref_keys(found: Any) -> set:
+    """The keys of one entry of ``refs`` (see :func:`check_tree`) as a set."""
+    if found is None:
+        return set()
+    return found if type(found) is set else {found}
+
+
+def check_entry_keys(keys: list[str], refs: dict, at: _At) -> None:
     """Each entry is referenced by a tree node at its own key (other nodes may share it, as tied
     weights do): a tree index pointing at another entry of the same kind is caught here."""
     for i, key in enumerate(keys):
-        if key not in refs.get(i, ()):
-            found = sorted(refs.get(i, ()))[:3]
+        found = refs.get(i)
+        if found != key and (type(found) is not set or key not in found):
+            found = sorted(_ref_keys(found))[:3]
             raise (at / i).bad(f"entry {key!r} is not referenced by the tree node at its key "
                                f"(referenced at {found or 'no key'})")
 

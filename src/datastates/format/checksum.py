@@ -66,6 +66,8 @@ _fn = _DEFAULT.fn
 def crc32(data, value: int = 0) -> int:
     """CRC-32 (zlib's polynomial and values) of a bytes-like object, from the fastest installed
     backend; releases the GIL on large buffers. Chain pieces with ``value=``."""
+    if len(data) <= CHUNK:  # the common case, without a further call
+        return _fn(data, value) & 0xFFFFFFFF
     return _chunked(_fn, data, value)
 
 

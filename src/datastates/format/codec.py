@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import re
 import struct
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 
 import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from . import checksum
 
 if TYPE_CHECKING:
     from ..storage.store import ReadFile
@@ -48,14 +49,17 @@ _DTYPES = {
     if hasattr(torch, name)
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+#: The torch dtypes the format holds.
+SUPPORTED_DTYPES = frozenset(_DTYPE_NAMES)
+#: Bytes per element of each dtype name of the format (for checks that must not build a dtype).
+ITEMSIZES = {name: dtype.itemsize for name, dtype in _DTYPES.items()}
 
 
 def crc32(data, value: int = 0) -> int:
     """CRC-32 (zlib's values) of a bytes-like object, continuing from ``value``; computed by the
     fastest installed backend (ISA-L, zlib-ng, else zlib: see checksum.py); releases the GIL for
-    large buffers."""
-    from .checksum import crc32 as fast_crc32
-    return fast_crc32(data, value)
+    large buffers. The backend is looked up at each call (a reloaded checksum module is used)."""
+    return checksum.crc32(data, value)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -109,9 +113,36 @@ def pack_header(index_offset: int, index_bytes: bytes) -> bytes:
     return head + bytes(HEADER_BYTES - len(head))
 
 
-def encode_index(rank: int, entries: list[dict]) -> bytes:
-    return json.dumps({"format": SHARD_FORMAT, "version": VERSION, "rank": rank,
-                       "entries": entries}, separators=(",", ":"), allow_nan=False).encode()
+def encode_index(rank: int, entries: Iterable[dict]) -> bytes:
+    """The index of a shard file: its JSON object holding ``entries``, which may be a generator
+    (they are encoded a batch at a time, see :func:`encode_entries`)."""
+    batches, batch = [], []
+    for entry in entries:
+        batch.append(entry)
+        if len(batch) == ENCODE_BATCH:
+            batches.append(encode_json(batch)[1:-1])
+            batch = []
+    if batch:
+        batches.append(encode_json(batch)[1:-1])
+    return encode_entries({"format": SHARD_FORMAT, "version": VERSION, "rank": rank,
+                           "entries": []}, b",".join(batches))
+
+
+#: JSON objects encoded at a time when a writer encodes many (index and manifest entries): few
+#: enough that the dicts of a batch die in the garbage collector's youngest generations.
+ENCODE_BATCH = 256
+
+
+def encode_entries(head: dict, entries: bytes) -> bytes:
+    """:func:`encode_json` of ``head`` with the encoded items ``entries`` (``item,item,...``)
+    as the value of its ``"entries"`` field, which ``head`` holds empty, in its place: the same
+    bytes as encoding the whole object, without holding all of it at once."""
+    keys = list(head)
+    cut = keys.index("entries")
+    before = encode_json({k: head[k] for k in keys[:cut]})[:-1]
+    after = encode_json({k: head[k] for k in keys[cut + 1:]})[1:]
+    return (before + (b"," if cut else b"") + b'"entries":[' + entries + b"]" +
+            (b"," if cut + 1 < len(keys) else b"") + after)
 
 
 def read_header(f: "ReadFile", path: str, file_size: int) -> ShardHeader:
@@ -180,3 +211,88 @@ def parse_json(raw: bytes, path: str) -> Any:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+_WS = json.decoder.WHITESPACE.match
+_SPACE = " \t\n\r"  # JSON's whitespace: what _WS skips
+_scanstring = json.decoder.scanstring
+
+
+def parse_json_streamed(raw: bytes, field: str,
+                        start: Callable[[dict], Callable[[Any], Any] | None]) -> dict | None:
+    """:func:`parse_json` of a JSON object whose ``field`` is a long array, each item handed
+    to a converter as soon as it is decoded: the object holds what the converter returns for
+    it (the item itself when that is None). ``start(fields)``, called when ``field`` is reached
+    with the fields decoded before it, gives the converter (None: the array is decoded as it
+    is). So an item's dicts and lists live only until it is converted, and the garbage
+    collector never walks a whole manifest of them.
+
+    The same values as ``json.loads``, with the same decoder and the same whitespace and
+    encoding rules; None -- the caller then uses :func:`parse_json` -- for anything unusual or
+    wrong: not an object, a field given twice (``json.loads`` keeps the last), invalid JSON
+    (whose error ``parse_json`` names)."""
+    try:
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+        return _streamed_object(text, field, start)
+    except (UnicodeDecodeError, LookupError, ValueError, IndexError, RecursionError):
+        return None  # JSONDecodeError is a ValueError; IndexError: the text ended early
+
+
+def _streamed_object(text: str, field: str, start) -> dict | None:
+    idx = _WS(text, 0).end()
+    if text[idx] != "{":
+        return None
+    obj: dict = {}
+    idx = _WS(text, idx + 1).end()
+    if text[idx] == "}":
+        idx += 1
+    else:
+        while True:
+            if text[idx] != '"':
+                return None
+            key, idx = _scanstring(text, idx + 1)
+            idx = _WS(text, idx).end()
+            if key in obj or text[idx] != ":":
+                return None
+            idx = _WS(text, idx + 1).end()
+            convert = start(obj) if key == field and text[idx] == "[" else None
+            if convert is not None:
+                obj[key], idx = _streamed_array(text, idx, convert)
+            else:
+                obj[key], idx = _DECODER.raw_decode(text, idx)
+            idx = _WS(text, idx).end()
+            if text[idx] == ",":
+                idx = _WS(text, idx + 1).end()
+            elif text[idx] == "}":
+                idx += 1
+                break
+            else:
+                return None
+    return obj if _WS(text, idx).end() == len(text) else None
+
+
+def _streamed_array(text: str, idx: int, convert: Callable[[Any], Any]) -> tuple[list, int]:
+    """The array starting at ``text[idx]`` (``[``), each item converted; (list, end)."""
+    out: list = []
+    scan = _DECODER.scan_once  # what raw_decode calls, without its frame per item
+    idx = _WS(text, idx + 1).end()
+    if text[idx] == "]":
+        return out, idx + 1
+    while True:
+        try:
+            value, idx = scan(text, idx)
+        except StopIteration:
+            raise ValueError("expected a value") from None
+        converted = convert(value)
+        out.append(value if converted is None else converted)
+        if text[idx] in _SPACE:
+            idx = _WS(text, idx).end()
+        if text[idx] == ",":
+            idx += 1
+            if text[idx] in _SPACE:
+                idx = _WS(text, idx).end()
+        elif text[idx] == "]":
+            return out, idx + 1
+        else:
+            raise ValueError("expected ',' or ']' in an array")

@@ -12,8 +12,8 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, Unsupporte
 from ..storage import Store, open_store
 from . import records, validate
 from .codec import (_TRAILER, CHECKPOINT_FORMAT, MANIFEST, MAX_MANIFEST_BYTES, TRAILER_BYTES,
-                    VERSION, ShardHeader, crc32, encode_json, parse_json, read_header,
-                    seal_manifest)
+                    VERSION, ShardHeader, crc32, encode_entries, encode_json, parse_json,
+                    parse_json_streamed, read_header, seal_manifest)
 
 
 def read_index(path: str, store: "Store | None" = None) -> "records.ShardIndex":
@@ -43,8 +43,15 @@ def manifest_record_bytes(manifest: records.Manifest) -> tuple[bytes, records.Ma
     """The bytes of ``manifest.json`` for a manifest record the review merged, and the record a
     reader makes of them. The merged manifest holds what other processes sent, combined: it is
     checked whole by the reader's own parser before it is written, so a checkpoint is committed
-    only if a reader accepts it (CorruptCheckpointError naming the field otherwise)."""
-    return encode_manifest_checked(manifest.to_json())
+    only if a reader accepts it (CorruptCheckpointError naming the field otherwise). Its entries
+    are checked and encoded a batch at a time (``validate.check_written_manifest``); the
+    bytes are those of encoding its whole JSON form."""
+    head = manifest.to_json(entries=False)
+    batches: list[bytes] = []
+    written = validate.check_written_manifest(
+        head, manifest.entries, "manifest being written",
+        lambda batch: batches.append(encode_json(batch)[1:-1]))
+    return seal_manifest(encode_entries(head, b",".join(batches))), written
 
 
 def encode_manifest(manifest: dict) -> bytes:
@@ -102,10 +109,10 @@ def parse_manifest_bytes(raw: bytes, path: str) -> "records.Manifest":
             raise CorruptCheckpointError(f"{path}: manifest checksum mismatch (CRC-32 of the "
                                          f"first {len(covered)} bytes is {crc32(covered):08x}, "
                                          f"the trailer says {sealed.group(1).decode()})")
-        obj = parse_json(raw, path)
+        obj, checked = _decode_manifest(raw, path)
         obj.pop("manifest_crc32", None)
-        return validate.parse_manifest(obj, path)
-    obj = parse_json(raw, path)
+        return validate.parse_manifest(obj, path, checked=checked)
+    obj, checked = _decode_manifest(raw, path)
     if "manifest_crc32" in obj or obj.get("version") != 1 or "seq" in obj:
         if obj.get("format") == CHECKPOINT_FORMAT and type(obj.get("version")) is int and \
                 obj["version"] > VERSION and "manifest_crc32" not in obj:
@@ -114,10 +121,18 @@ def parse_manifest_bytes(raw: bytes, path: str) -> "records.Manifest":
         raise CorruptCheckpointError(f"{path}: the manifest does not end with its checksum "
                                      f"(expected the last {TRAILER_BYTES} bytes to be "
                                      '\',"manifest_crc32":"<8 hex digits>"}\')')
-    manifest = validate.parse_manifest(obj, path, version_1=True)
+    manifest = validate.parse_manifest(obj, path, version_1=True, checked=checked)
     warnings.warn(f"{path}: a version-1 manifest has no checksum; its fields are validated but "
                   "a damaged value cannot be detected. Save a new checkpoint to get a checked one",
                   RuntimeWarning, stacklevel=3)
     return manifest
 
 
+def _decode_manifest(raw: bytes, path: str) -> tuple[dict, bool]:
+    """The decoded JSON object of a manifest, and whether its ordinary tensor entries were
+    checked and made records as they were decoded (``codec.parse_json_streamed`` with
+    ``validate.entry_converter``: what ``parse_manifest(checked=True)`` takes)."""
+    obj = parse_json_streamed(raw, "entries", validate.entry_converter)
+    if obj is not None:
+        return obj, True
+    return parse_json(raw, path), False

@@ -36,7 +36,7 @@ Path = tuple
 
 def key_of(path: Path) -> str:
     """The key of the node at ``path``: its parts joined with "/" (``()`` is ``""``)."""
-    return "/".join(str(p) for p in path)
+    return "/".join(map(str, path))
 
 
 def child_key(key: str, part: Any) -> str:

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
+from ..errors import CorruptCheckpointError
 from . import codec as fmt
-from .checks import (_U32, _U64, _At, _bool, _check_disjoint, _check_tensor_bytes, _dict, _dims,
-                     _dtype, _field_dims, _field_int, _field_str, _get, _int, _list, _numel,
-                     _pieces, _show, _str, _version, check_entry_keys, check_tree)
+from . import plain
+from .checks import (_U32, _U64, _At, _bool, _check_disjoint, _check_tensor_bytes,
+                     _dict, _dims, _dtype, _field_dims, _field_int, _field_str, _get, _int, _list,
+                     _numel, _pieces, _show, _str, _version, check_entry_keys, check_tree_refs)
 from .records import (ABORT_KINDS, PENDING, CheckpointInfo, Entry, FileRef, IndexEntry, Manifest,
                       ObjectEntry, RankReport, RankTree, ReportEntry, SaveRef, ShardIndex,
                       ShardRef, TensorEntry, Verdict, regions_by_file)
@@ -30,12 +32,82 @@ from .records import (ABORT_KINDS, PENDING, CheckpointInfo, Entry, FileRef, Inde
 _DATA_DIR = re.compile(r"\.data\.[A-Za-z0-9._@-]+")
 
 
-def parse_manifest(obj: Any, where: str, *, version_1: bool = False) -> Manifest:
+def parse_manifest(obj: Any, where: str, *, version_1: bool = False,
+                   checked: bool = False) -> Manifest:
     """Validate a decoded ``manifest.json`` completely and return the typed manifest.
 
-    ``version_1`` says the file had no checksum trailer (only then is version 1 accepted)."""
+    ``version_1`` says the file had no checksum trailer (only then is version 1 accepted).
+    ``checked``: the decoder of ``obj`` already made the ordinary tensor entries records, with
+    :func:`entry_converter` (every other entry, and every other field, is checked here)."""
     at = _At(where)
     m = _dict(obj, at)
+    head = _head(m, at, version_1)
+    entries = _entries(_list(_get(m, "entries", at), at / "entries"), at / "entries",
+                       head.files, head.world, checked)
+    return _manifest(m, at, head, entries)
+
+
+def entry_converter(fields: dict) -> Callable[[Any], TensorEntry | None] | None:
+    """For a decoder that reaches a manifest's ``entries`` after its ``world_size`` and
+    ``files`` (``fields``: what it decoded so far): the converter making each ordinary tensor
+    entry its record at once (``plain.tensor_entry``, None for any other entry, left to
+    :func:`parse_manifest`). None when those fields are missing or do not validate: the
+    entries are then decoded as they are, and parsed after every field before them."""
+    at = _At("")
+    try:
+        world = _int(_get(fields, "world_size", at), at, 1, 1 << 24)
+        files = _files(_get(fields, "files", at), at, world)
+    except CorruptCheckpointError:
+        return None
+    return lambda value: plain.tensor_entry(value, files, world)
+
+
+def check_written_manifest(obj: dict, entries: tuple[Entry, ...], where: str,
+                           encode: Callable[[list], None]) -> Manifest:
+    """The writer's check of the manifest it is about to write: :func:`parse_manifest` of the
+    manifest whose JSON form is ``obj`` (every field but ``entries``, which it holds empty) with
+    the entries ``entries``, and every check it makes.
+
+    The entries are turned into their JSON form a batch at a time; each is checked by the
+    parser and must read back as the record it came from (CorruptCheckpointError naming it
+    otherwise); each batch is then handed to ``encode`` and dropped. So no JSON form of every
+    entry is ever held at once: a manifest of a million tensors stays a million records, not
+    seven million dicts and lists for the garbage collector to walk. The manifest returned
+    holds ``entries`` themselves."""
+    at = _At(where)
+    m = _dict(obj, at)
+    head = _head(m, at, False)
+    at_entries = at / "entries"
+    for start in range(0, len(entries), _BATCH):
+        batch = entries[start:start + _BATCH]
+        values = [e.to_json() for e in batch]
+        for i, (e, value) in enumerate(zip(batch, values), start):
+            parsed = plain.tensor_entry(value, head.files, head.world)
+            if parsed is None:
+                parsed = _entry(value, at_entries / i, head.files, head.world)
+            if parsed != e:
+                raise (at_entries / i).bad(f"the entry {e!r} reads back as {parsed!r}")
+        encode(values)
+    return _manifest(m, at, head, tuple(entries))
+
+
+_BATCH = fmt.ENCODE_BATCH
+
+
+class _Head(NamedTuple):
+    """The fields of a manifest checked before its entries (which need ``files``)."""
+
+    version: int
+    name: str
+    step: int | None
+    seq: int
+    created: float
+    world: int
+    metadata: dict
+    files: tuple
+
+
+def _head(m: dict, at: _At, version_1: bool) -> _Head:
     version = _version(m, at, fmt.CHECKPOINT_FORMAT)
     if (version == 1) != version_1:
         raise (at / "version").bad(
@@ -54,13 +126,19 @@ def parse_manifest(obj: Any, where: str, *, version_1: bool = False) -> Manifest
     world = _int(_get(m, "world_size", at), at / "world_size", 1, 1 << 24)
     metadata = _dict(m.get("metadata", {}), at / "metadata")
     files = _files(_get(m, "files", at), at / "files", world)
-    entries = tuple(_entry(e, at / "entries" / i, files, world)
-                    for i, e in enumerate(_list(_get(m, "entries", at), at / "entries")))
+    return _Head(version, name, step, seq, float(created), world, metadata, files)
+
+
+def _manifest(m: dict, at: _At, head: _Head, entries: tuple) -> Manifest:
+    """The manifest of ``head`` and its checked ``entries``, once the checks across entries
+    (disjoint regions, the trees' references) and the remaining fields pass."""
+    files, world = head.files, head.world
     by_file = regions_by_file(entries, len(files))
     for file_id, f in enumerate(files):
-        _check_disjoint([(o, n, e.key) for o, n, e, _ in by_file[file_id]], at / "files" / file_id,
-                        f"file {f.name}")
-    refs: dict[int, set[str]] = {}
+        if not plain.sorted_disjoint(by_file[file_id]):  # names the overlap
+            _check_disjoint([(o, n, e.key) for o, n, e, _ in by_file[file_id]],
+                            at / "files" / file_id, f"file {f.name}")
+    refs: dict = {}
     ranks = _ranks(_get(m, "ranks", at), at / "ranks", world, [e.kind for e in entries], refs)
     check_entry_keys([e.key for e in entries], refs, at / "entries")
     save_id = m.get("save_id")
@@ -70,10 +148,11 @@ def parse_manifest(obj: Any, where: str, *, version_1: bool = False) -> Manifest
     if data_dir is not None and (not _DATA_DIR.fullmatch(_str(data_dir, at / "data_dir")) or
                                  ".." in data_dir):
         raise (at / "data_dir").bad(f"expected '.data.<run>-<attempt>', found {_show(data_dir)}")
-    return Manifest(version=version, name=name, step=step, seq=seq, created_unix=float(created),
-                    world_size=world, metadata=metadata, files=files, entries=entries,
-                    ranks=ranks, save_id=save_id, data_dir=data_dir,
-                    metrics=_metrics(m.get("metrics", {}), at / "metrics"), by_file=by_file)
+    return Manifest(version=head.version, name=head.name, step=head.step, seq=head.seq,
+                    created_unix=head.created, world_size=world, metadata=head.metadata,
+                    files=files, entries=entries, ranks=ranks, save_id=save_id,
+                    data_dir=data_dir, metrics=_metrics(m.get("metrics", {}), at / "metrics"),
+                    by_file=by_file)
 
 
 def _metrics(value: Any, at: _At) -> dict:
@@ -119,6 +198,21 @@ def _file(f: dict, at: _At, name: str, rank: int) -> FileRef:
 def _step(value: Any, at: _At) -> int | None:
     """A checkpoint's step: None or an int in [0, 2**63 - 1]."""
     return None if value is None else _int(value, at, 0, (1 << 63) - 1)
+
+
+def _entries(values: list, at: _At, files: tuple[FileRef, ...], world: int,
+             checked: bool = False) -> tuple:
+    """The manifest's entries: each ordinary tensor entry through ``plain.tensor_entry``, any
+    other (an object, anything unusual or wrong) through :func:`_entry`; with ``checked``, a
+    record among ``values`` is one :func:`entry_converter` made (JSON decodes to no record)."""
+    out = []
+    for i, e in enumerate(values):
+        if checked and type(e) is TensorEntry:
+            out.append(e)
+            continue
+        entry = plain.tensor_entry(e, files, world)
+        out.append(entry if entry is not None else _entry(e, at / i, files, world))
+    return tuple(out)
 
 
 def _entry(value: Any, at: _At, files: tuple[FileRef, ...], world: int) -> Entry:
@@ -188,7 +282,7 @@ def _shard(value: Any, at: _At, files: tuple[FileRef, ...], dtype: str,
 
 
 def _ranks(value: Any, at: _At, world: int, kinds: list[str],
-           refs: dict[int, set[str]]) -> tuple[RankTree, ...]:
+           refs: dict) -> tuple[RankTree, ...]:
     ranks = _list(value, at)
     if len(ranks) != world:
         raise at.bad(f"expected one tree per rank ({world}), found {len(ranks)}")
@@ -196,8 +290,8 @@ def _ranks(value: Any, at: _At, world: int, kinds: list[str],
     for i, r in enumerate(ranks):
         r = _dict(r, at / i)
         _int(_get(r, "rank", at / i), at / i / "rank", i, i)
-        out.append(RankTree(rank=i, tree=check_tree(_get(r, "tree", at / i), at / i / "tree",
-                                                    kinds, refs)))
+        out.append(RankTree(rank=i, tree=check_tree_refs(_get(r, "tree", at / i),
+                                                         at / i / "tree", kinds, refs)))
     return tuple(out)
 
 
@@ -257,11 +351,12 @@ def parse_rank_report(obj: Any, where: str) -> RankReport:
         return RankReport(rank=rank, save=save, root=root, error=_str(d["error"], at / "error"),
                           expired=expired)
     f = _report_file(_get(d, "file", at), at / "file", rank)
-    entries = tuple(_report_entry(e, at / "entries" / i, f)
-                    for i, e in enumerate(_list(_get(d, "entries", at), at / "entries")))
+    entries_at = at / "entries"
+    entries = tuple(plain.report_entry(e, f) or _report_entry(e, entries_at / i, f)
+                    for i, e in enumerate(_list(_get(d, "entries", at), entries_at)))
     _check_disjoint([(e.offset, e.nbytes, e.key) for e in entries if e.written], at, "report")
-    refs: dict[int, set[str]] = {}
-    tree = check_tree(_get(d, "tree", at), at / "tree", [e.kind for e in entries], refs)
+    refs: dict = {}
+    tree = check_tree_refs(_get(d, "tree", at), at / "tree", [e.kind for e in entries], refs)
     check_entry_keys([e.key for e in entries], refs, at / "entries")
     replicas = _dict(d.get("replicas", {}), at / "replicas")
     for key, digest in replicas.items():

@@ -33,31 +33,42 @@ from .base import AUTO, EAGER, LAZY, Capture, StateProvider
 from .registry import ProviderRegistry
 
 _SCALARS = (str, int, bool, type(None))
+_STR = {str}
 
 
-@dataclass
 class TensorItem:
-    """A tensor to capture. ``tensor`` is the live (detached) tensor, never a copy: eager items
-    are copied into the host cache before ``save()`` returns, lazy ones in the background."""
+    """A tensor to capture. ``tensor`` is the live tensor (detached when it requires grad or is
+    not a plain ``torch.Tensor``), never a copy: eager items are copied into the host cache
+    before ``save()`` returns, lazy ones in the background.
 
-    key: str
-    tensor: torch.Tensor
-    #: "lazy", "eager" (marked) or "auto" (the storage rule decides ``lazy``).
-    policy: str = AUTO
-    lazy: bool = False
-    #: Global shape and the offset of this (local) tensor inside it; set for sharded tensors.
-    global_shape: tuple[int, ...] | None = None
-    global_offset: tuple[int, ...] | None = None
-    #: For replicated tensors: identical on every rank, written once.
-    replicated: bool = False
-    #: False when another rank writes this very shard (a shard replicated over a mesh dim).
-    primary: bool = True
+    A slotted class, not a dataclass: a save of many small tensors makes one per tensor on the
+    training thread, and this is the cheapest record Python builds."""
 
-    def __post_init__(self) -> None:
+    __slots__ = ("key", "tensor", "policy", "lazy", "global_shape", "global_offset",
+                 "replicated", "primary", "shape", "dtype", "nbytes")
+
+    def __init__(self, key: str, tensor: torch.Tensor, policy: str = AUTO,
+                 replicated: bool = False):
+        self.key = key
+        self.tensor = tensor
+        #: "lazy", "eager" (marked) or "auto" (the storage rule decides ``lazy``).
+        self.policy = policy
+        self.lazy = False
+        #: Global shape and the offset of this (local) tensor inside it; set for sharded tensors.
+        self.global_shape: tuple[int, ...] | None = None
+        self.global_offset: tuple[int, ...] | None = None
+        #: For replicated tensors: identical on every rank, written once.
+        self.replicated = replicated
+        #: False when another rank writes this very shard (a shard replicated over a mesh dim).
+        self.primary = True
         # Kept after the snapshot drops the reference to the tensor.
-        self.shape = tuple(self.tensor.shape)
-        self.dtype = self.tensor.dtype
-        self.nbytes = self.tensor.numel() * self.tensor.element_size()
+        self.shape = tuple(tensor.shape)
+        self.dtype = tensor.dtype
+        self.nbytes = tensor.numel() * tensor.element_size()
+
+    def __repr__(self) -> str:
+        return (f"TensorItem(key={self.key!r}, dtype={self.dtype}, shape={self.shape}, "
+                f"policy={self.policy!r}, lazy={self.lazy})")
 
 
 @dataclass
@@ -148,6 +159,15 @@ def numpy_tensor(obj: Any) -> torch.Tensor | None:
     return torch.from_numpy(obj)
 
 
+def plain_cpu(t: torch.Tensor) -> bool:
+    """Whether the bytes of ``t`` are its elements in row-major order at ``t.data_ptr()``: a
+    plain contiguous CPU tensor without a lazy conjugate or negative bit (whose bytes are not
+    its values). Such a tensor is copied by address, as it is saved and as it is restored,
+    without a tensor view made of it."""
+    return type(t) is torch.Tensor and t.is_cpu and t.is_contiguous() and \
+        not t.is_conj() and not t.is_neg()
+
+
 def unwritable(t: torch.Tensor) -> str | None:
     """Why restore cannot fill the live tensor ``t`` in place (None when it can): torch refuses
     to write into an inference tensor outside inference mode, into a tensor that is not strided,
@@ -156,7 +176,7 @@ def unwritable(t: torch.Tensor) -> str | None:
     written."""
     if t.layout != torch.strided:
         return f"has layout {t.layout}; only strided tensors are filled in place"
-    if t.device.type == "meta":
+    if t.is_meta:
         return "is on the meta device (it holds no data to fill)"
     if t.is_inference() and not torch.is_inference_mode_enabled():
         return ("is an inference tensor (made under torch.inference_mode()), which torch does "
@@ -191,72 +211,94 @@ def _distinct_elements(t: torch.Tensor) -> bool:
 
 
 class _Walker:
+    """One walk of a state. Keys are built as the walk descends (a child's key from its
+    parent's), and a plain ``torch.Tensor`` -- the commonest leaf -- is dispatched first, before
+    the checks the other kinds of value need."""
+
     def __init__(self, registry: ProviderRegistry, replicated: bool, allow_unsafe: bool):
         self.registry = registry
         self.replicated = replicated
         self.allow_unsafe = allow_unsafe
         self.out = Flattened(tree={})
+        #: item of the first tensor starting at each address, and of each view compared
+        self._starts: dict[int, int] = {}
         self._views: dict[tuple, int] = {}
 
-    def node(self, obj: Any, path: tuple, policy: str | None,
+    def node(self, obj: Any, path: tuple, key: str, policy: str | None,
              provider: StateProvider | None, depth: int = 1) -> dict:
-        """The tree node of ``obj`` at ``path``, ``depth`` levels down (the root is 1, as the
-        reader counts): deeper than a checkpoint may be is refused here, before recursing."""
+        """The tree node of ``obj`` at ``path`` (whose key is ``key``), ``depth`` levels down
+        (the root is 1, as the reader counts): deeper than a checkpoint may be is refused here,
+        before recursing."""
+        if type(obj) is torch.Tensor:
+            if depth > MAX_TREE_DEPTH:
+                raise _too_deep(path)
+            return self.tensor(obj, key, policy, provider)
         if isinstance(obj, Capture):
-            return self.node(obj.value, path, obj.policy, provider, depth)
+            return self.node(obj.value, path, key, obj.policy, provider, depth)
         if depth > MAX_TREE_DEPTH:
             raise _too_deep(path)
         if isinstance(obj, (torch.Tensor, TensorShard)):
-            return self.tensor(obj, path, policy, provider)
+            return self.tensor(obj, key, policy, provider)
         array = numpy_tensor(obj)
         if array is not None:
-            return {**self.tensor(array, path, policy, provider), "np": True}
+            return {**self.tensor(array, key, policy, provider), "np": True}
         if type(obj) in _SCALARS or (type(obj) is float and math.isfinite(obj)):
             return {"t": "value", "v": obj}  # exact types: an IntEnum is pickled, keeping its class
         kind = type(obj)
-        if kind in (dict, OrderedDict) and all(_json_key(k) for k in obj):
+        prefix = key + "/" if path else ""  # key_of(path + (k,)), the root's children bare
+        if kind in (dict, OrderedDict) and _json_keys(obj):
             return {"t": "odict" if kind is OrderedDict else "dict",
-                    "items": [[k, self.node(v, path + (k,), policy, provider, depth + 1)]
-                              for k, v in obj.items()]}
+                    "items": [[k, self.node(v, path + (k,), f"{prefix}{k}", policy, provider,
+                                            depth + 1)] for k, v in obj.items()]}
         if kind in (list, tuple):
             return {"t": kind.__name__,
-                    "items": [self.node(v, path + (i,), policy, provider, depth + 1)
-                              for i, v in enumerate(obj)]}
+                    "items": [self.node(v, path + (i,), f"{prefix}{i}", policy, provider,
+                                        depth + 1) for i, v in enumerate(obj)]}
         found = self.registry.find(obj)
         if found is not None:
             if isinstance(obj, torch.optim.Optimizer):
                 self.out.optimizers.append(obj)
             return {"t": "provider", "name": found.name,
-                    "state": self.node(found.state(obj), path, policy, found, depth + 1)}
-        return self.object(obj, path)
+                    "state": self.node(found.state(obj), path, key, policy, found, depth + 1)}
+        return self.object(obj, key)
 
-    def tensor(self, t: torch.Tensor, path: tuple, policy: str | None,
+    def tensor(self, t: torch.Tensor, key: str, policy: str | None,
                provider: StateProvider | None) -> dict:
-        key = key_of(path)
-        param = isinstance(t, torch.nn.Parameter)
+        plain = type(t) is torch.Tensor
+        param = not plain and isinstance(t, torch.nn.Parameter)
         if policy is None:
             policy = provider.capture_of(t) if provider is not None else AUTO
-        shard = sharding_of(t)
-        t = shard.local.detach() if shard is not None else t.detach()
-        view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
-                t.dtype, t.device) if t.numel() else None
-        if view is not None and view in self._views:  # the same view saved under two keys
-            index = self._views[view]
-            item = self.out.items[index]
-            item.policy = _merge(item.policy, policy)
-            return {"t": "tensor", "e": index, "param": param}
-        index = len(self.out.items)
-        item = TensorItem(key, t, policy, replicated=self.replicated)
+        shard = None if plain else sharding_of(t)
+        if shard is not None:
+            t = shard.local.detach()
+        elif not plain or t.requires_grad:
+            t = t.detach()  # a plain tensor that needs no grad is kept as it is: no alias made
+        items = self.out.items
+        index = len(items)
+        if t.numel():
+            address = t.data_ptr() if type(t) is torch.Tensor else _address_of(t)
+            first = self._starts.setdefault(address, index)
+            if first != index:  # another tensor starts there: the same view, or another one
+                first = self._same_view(t, first, index)
+                if first != index:  # the same view saved under two keys
+                    items[first].policy = _merge(items[first].policy, policy)
+                    return {"t": "tensor", "e": first, "param": param}
+        item = TensorItem(key, t, policy, self.replicated)
         if shard is not None:
             item.global_shape, item.global_offset = shard.global_shape, shard.global_offset
             item.primary, item.replicated = shard.primary, False
-        self.out.items.append(item)
-        if view is not None:
-            self._views[view] = index
+        items.append(item)
         return {"t": "tensor", "e": index, "param": param}
 
-    def object(self, obj: Any, path: tuple) -> dict:
-        key = key_of(path)
+    def _same_view(self, t: torch.Tensor, first: int, index: int) -> int:
+        """The item of the view ``t`` when one was seen before, else ``index`` (``t``'s, now
+        recorded). Tensors are told apart by the address of their first byte; only those
+        starting where an earlier one does (tied weights, views at the start of a buffer) are
+        compared by their whole view (:func:`_view_of`)."""
+        self._views.setdefault(_view_of(self.out.items[first].tensor), first)
+        return self._views.setdefault(_view_of(t), index)
+
+    def object(self, obj: Any, key: str) -> dict:
         if not self.allow_unsafe:
             serialization.refuse_unsaveable(obj, key)
         data = serialization.dumps(obj, key)
@@ -265,6 +307,19 @@ class _Walker:
         index = len(self.out.items)
         self.out.items.append(ObjectItem(key, data))
         return {"t": "object", "e": index}
+
+
+def _view_of(t: torch.Tensor) -> tuple:
+    """What makes two tensors the same view: their storage's address, the offset into it,
+    shape, strides, dtype and device."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
+            t.dtype, t.device)
+
+
+def _address_of(t: torch.Tensor) -> int:
+    """The address of the first element of ``t``: ``data_ptr()`` of a plain tensor, from its
+    storage for any other (as :func:`_view_of` sees it)."""
+    return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
 
 
 def _too_deep(path: tuple) -> SerializationError:
@@ -285,6 +340,12 @@ def _json_key(k: Any) -> bool:
     return type(k) in _SCALARS or (type(k) is float and math.isfinite(k))
 
 
+def _json_keys(mapping: dict) -> bool:
+    """Every key of ``mapping`` is a JSON scalar (one pass over the key types first: keys are
+    nearly always strings)."""
+    return set(map(type, mapping)) <= _STR or all(_json_key(k) for k in mapping)
+
+
 def flatten(state: Any, registry: ProviderRegistry, *, replicated: bool = False,
             allow_unsafe: bool = False) -> Flattened:
     """Describe ``state``: a JSON tree whose leaves index ``items``.
@@ -301,5 +362,5 @@ def flatten(state: Any, registry: ProviderRegistry, *, replicated: bool = False,
     caller decides it (``datastates.save.capture.decide``).
     """
     walker = _Walker(registry, replicated, allow_unsafe)
-    walker.out.tree = walker.node(state, (), None, None)
+    walker.out.tree = walker.node(state, (), "", None, None)
     return walker.out

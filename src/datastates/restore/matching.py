@@ -28,7 +28,8 @@ import torch
 from ..errors import CorruptCheckpointError, StateMismatchError
 from ..format import tree
 from ..format.tree import key_of
-from ..providers.tree import NUMPY_DTYPES, TensorShard, sharding_of, unwritable
+from ..format import codec as fmt
+from ..providers.tree import NUMPY_DTYPES, TensorShard, plain_cpu, sharding_of, unwritable
 from ..providers import Capture, StateProvider
 from ..format.records import ShardRef, TensorEntry
 
@@ -67,7 +68,8 @@ class _Read:
     file: int
     offset: int
     nbytes: int
-    dest: torch.Tensor        # flat uint8 CPU tensor receiving the bytes
+    #: the CPU tensor receiving the bytes: flat uint8, or any plain contiguous one (``plain_cpu``)
+    dest: torch.Tensor
     checksums: list           # [[length, crc], ...] over [offset, offset + nbytes)
     key: str
 
@@ -135,6 +137,20 @@ def _as_numpy(tensor: torch.Tensor, entry: TensorEntry, where: str) -> Any:
         raise CorruptCheckpointError(f"{where}: {entry.key!r} is marked as a numpy array but "
                                      f"its dtype {entry.dtype} has no numpy equivalent")
     return tensor.numpy()
+
+
+#: The format's name of each torch dtype it holds ("float32"), as ``str(dtype)`` spells it.
+_DTYPE_TEXT = {d: str(d).replace("torch.", "") for d in fmt.SUPPORTED_DTYPES}
+
+
+def _dtype_text(value: Any) -> str:
+    """The dtype of a live tensor (or numpy array) as the manifest names it: numpy spells its
+    own (``'>f4'`` when byte-swapped), and so does a torch dtype the format lacks."""
+    if isinstance(value, torch.Tensor):
+        name = _DTYPE_TEXT.get(value.dtype)
+        if name is not None:
+            return name
+    return str(value.dtype).replace("torch.", "")
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor | None:
@@ -350,9 +366,10 @@ class _Plan:
         fill = self._fills(live_map, provider)
         out = live_map if fill else (OrderedDict() if node["t"] == "odict" else {})
         seen = set()
-        for k, child in tree.items(node):
+        everything = self.keys is None  # no keys=: every child is wanted
+        for k, child in node["items"]:  # tree.items of a mapping, without a list of pairs
             sub = path + (k,)
-            if self.wanted(sub) is None:
+            if not everything and self.wanted(sub) is None:
                 continue
             seen.add(k)
             if live_map is not None and k not in live_map and self._strict_here(provider):
@@ -366,7 +383,7 @@ class _Plan:
                 out[k] = value
         if live_map is not None and self._strict_here(provider):
             for k in live_map:
-                if k not in seen and self.wanted(path + (k,)) == "all":
+                if k not in seen and (everything or self.wanted(path + (k,)) == "all"):
                     self.report.missing.append(key_of(path + (k,)))
         return out
 
@@ -404,6 +421,9 @@ class _Plan:
         saved from numpy (``"np": true``)."""
         entry = self.reader.entries[node["e"]]
         key = key_of(path)
+        if self.in_place and type(live) is torch.Tensor:  # the commonest: a plain live tensor
+            self.into_live(live, None, node, entry, key)
+            return live
         if self.in_place and _is_ndarray(live):
             writable = _writable_tensor(live)
             if writable is not None or tuple(live.shape) != entry.shape or \
@@ -429,7 +449,7 @@ class _Plan:
         saved floating-point one is no mismatch: the tensor is filled through a :class:`_Cast`."""
         local = shard.local if shard is not None else live
         global_shape = shard.global_shape if shard is not None else tuple(live.shape)
-        live_dtype = str(local.dtype).replace("torch.", "")  # numpy: its name, '>f4' if swapped
+        live_dtype = _dtype_text(local)
         cast = live_dtype != entry.dtype and global_shape == entry.shape and self.cast and \
             _castable(local, entry)
         if (global_shape != entry.shape or live_dtype != entry.dtype) and not cast:
@@ -450,10 +470,13 @@ class _Plan:
         if target not in self.filled:  # tied weights: one read for every key
             self.filled.add(target)
             box = shard.global_offset if shard is not None else None
+            # detached only if needed: autograd has nothing to do with bytes read into it
+            dest = local if type(local) is torch.Tensor and not local.requires_grad else \
+                local.detach()
             if cast:
-                self._cast_into(local.detach(), entry, key, box)
+                self._cast_into(dest, entry, key, box)
             else:
-                self._fill(local.detach(), entry, key, box)
+                self._fill(dest, entry, key, box)
 
     def _cast_into(self, dest: torch.Tensor, entry: TensorEntry, key: str, box_offset) -> None:
         """Schedule a :class:`_Cast` of ``dest``. Its regions are planned now on a meta tensor
@@ -467,8 +490,8 @@ class _Plan:
     def _fill(self, dest: torch.Tensor, entry: TensorEntry, key: str, box_offset=None) -> None:
         """Schedule reads filling ``dest``, the box of the global tensor at ``box_offset``
         (the whole tensor by default), from every saved shard that overlaps it."""
-        direct = dest.device.type == "cpu" and dest.is_contiguous() and \
-            _bytes_of(dest) is not None
+        direct = plain_cpu(dest) or (dest.device.type == "cpu" and dest.is_contiguous() and
+                                     _bytes_of(dest) is not None)
         target = dest if direct else torch.empty(dest.shape, dtype=dest.dtype)
         if not direct:
             self.post_copies.append(lambda d=dest, s=target: d.copy_(s))
@@ -499,6 +522,19 @@ class _Plan:
         """Plan reading the part of one saved shard that overlaps the target box into ``reads``
         and ``copies``; return its elements."""
         s_off, s_shape = shard.global_offset, shard.shape
+        if s_off == box_offset and s_shape == target.shape:  # the same box: read in place
+            numel = target.numel()
+            if not numel:  # a dimension of size 0: nothing to read
+                return 0
+            if numel * target.element_size() != shard.nbytes:
+                raise CorruptCheckpointError(
+                    f"{self.reader.dir}: shard of {key!r} at {list(s_off)} holds {shard.nbytes} "
+                    f"bytes, expected {numel * target.element_size()}")
+            # a plain CPU tensor is read into as it is (reads.py views its bytes by address)
+            reads.append(_Read(shard.file, shard.offset, shard.nbytes,
+                               target if plain_cpu(target) else _bytes_of(target),
+                               shard.checksums, key))
+            return numel
         lo = [max(a, b) for a, b in zip(s_off, box_offset)]
         hi = [min(a + n, b + m) for a, n, b, m in zip(s_off, s_shape, box_offset, target.shape)]
         if any(h <= l for l, h in zip(lo, hi)) and target.dim():

@@ -30,17 +30,38 @@ def read_run(f, group: list, path: str, verify: bool) -> None:
     """Read one run (regions of one file, sorted, from :func:`coalesce`) into the regions'
     destinations, step by step; with ``verify``, check every region's checksums as its bytes land.
     Raises CorruptCheckpointError on a short file, a mismatch, or pieces not covering a region
-    (naming the path, key and offsets)."""
-    checks = [Checker(r, path) for r in group] if verify else None
+    (naming the path, key and offsets).
+
+    A region whose bytes land in one step and that has one checksum piece (a small tensor) is
+    checked at once; any other streams through a :class:`Checker`, made when its first bytes
+    land (which also raises for that region, with its message, if the quick check fails)."""
+    checks: dict[int, Checker] = {}
     for step_offset, segments in steps(group, f.step_bytes):
         f.read_into([view for _, view in segments], step_offset)
-        if checks is not None:
+        if verify:
             for index, view in segments:
-                if index >= 0:
-                    checks[index].feed(view)
-    if checks is not None:
-        for check in checks:
-            check.finish()
+                if index < 0:
+                    continue
+                check = checks.get(index)
+                if check is None:
+                    if _whole_and_sound(group[index], view):
+                        continue
+                    check = checks[index] = Checker(group[index], path)
+                check.feed(view)
+    for check in checks.values():
+        check.finish()
+
+
+def _whole_and_sound(region, view: memoryview) -> bool:
+    """Whether ``view`` is all of ``region`` and matches its one checksum piece."""
+    pieces = region.checksums
+    if len(pieces) != 1 or view.nbytes != region.nbytes:
+        return False
+    piece = pieces[0]
+    if type(piece) not in (list, tuple) or len(piece) != 2 or type(piece[0]) is not int or \
+            type(piece[1]) is not int or piece[0] != view.nbytes:
+        return False
+    return fmt.crc32(view) == piece[1]
 
 
 def check_landed(region, path: str) -> None:
@@ -61,21 +82,30 @@ def group_limit(reads: list, threads: int) -> int:
 
 def steps(group: list, step: int):
     """Split a run into steps: (file offset, [(region index in the run or -1 for a gap, view)])
-    covering at most ``step`` bytes and ``MAX_IOV`` buffers each, in file order."""
+    covering at most ``step`` bytes and ``MAX_IOV`` buffers each, in file order. The gaps of a
+    run land in one scratch buffer (their bytes are never looked at)."""
     start, segments, size = group[0].offset, [], 0
-    pos = start
+    pos, scratch = start, memoryview(bytearray(0))
     for index, r in enumerate(group):
-        pieces = [(-1, memoryview(bytearray(r.offset - pos)))] if r.offset > pos else []
-        view, done = buffer_of(r.dest), 0
-        while done < r.nbytes:
-            take = min(r.nbytes - done, step)
-            pieces.append((index, view[done:done + take]))
-            done += take
-        for segment in pieces:
-            while segment[1].nbytes:
-                take = min(segment[1].nbytes, step - size)
-                segments.append((segment[0], segment[1][:take]))
-                segment, size = (segment[0], segment[1][take:]), size + take
+        view = buffer_of(r.dest)
+        if view.nbytes > r.nbytes:
+            view = view[:r.nbytes]
+        parts = [(index, view)]
+        if r.offset > pos:
+            gap = r.offset - pos
+            if scratch.nbytes < gap:
+                scratch = memoryview(bytearray(gap))
+            parts.insert(0, (-1, scratch[:gap]))
+        for part, view in parts:
+            while view.nbytes:
+                take = min(view.nbytes, step - size)
+                if take == view.nbytes:
+                    segments.append((part, view))
+                    view = view[:0]
+                else:
+                    segments.append((part, view[:take]))
+                    view = view[take:]
+                size += take
                 if size >= step or len(segments) >= MAX_IOV:
                     yield start, segments
                     start, segments, size = start + size, [], 0

@@ -85,8 +85,9 @@ def check_metrics(metrics: Any) -> dict:
 
 def check_dtypes(items) -> None:
     """Fail inside save(), not after the I/O, on a tensor the format cannot hold."""
+    supported = fmt.SUPPORTED_DTYPES
     for item in items:
-        if isinstance(item, TensorItem):
+        if isinstance(item, TensorItem) and item.dtype not in supported:
             try:
                 fmt.dtype_name(item.dtype)
             except TypeError as exc:

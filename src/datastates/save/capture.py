@@ -69,20 +69,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def byte_range(t: torch.Tensor) -> tuple[tuple, int, int] | None:
     """(storage key, first byte, end byte) of the memory ``t`` reads; None for a tensor with no
-    bytes or no real address (empty, meta). The storage key is (device type, device index,
-    address of the storage's first byte)."""
-    t = _local(t)
+    bytes or no real address (empty, meta). The storage key is (device, address of the
+    storage's first byte)."""
+    if type(t) is not torch.Tensor:
+        t = _local(t)
     if t.is_meta or t.numel() == 0:
         return None
     start = t.data_ptr()
     if start == 0:
         return None
     size = t.element_size()
-    span = 1 + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
-    device = t.device
+    if t.is_contiguous():  # dimensions of size 1 add nothing to the span, whatever their stride
+        span = t.numel()
+    else:
+        span = 1 + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
     # the storage's first byte, without materialising a storage object per call
-    return (device.type, device.index, start - t.storage_offset() * size), start, \
-        start + span * size
+    return (t.device, start - t.storage_offset() * size), start, start + span * size
 
 
 class ByteRanges:
@@ -137,8 +139,14 @@ class LazyRule:
         self._safe = ByteRanges(t for opt in in_save for t in optimizer_tensors(opt))
         self._unsafe = ByteRanges(t for opt in others for t in optimizer_tensors(opt))
 
+    def __bool__(self) -> bool:
+        """Whether the rule lets any tensor be lazy (False: no optimizer is part of the save)."""
+        return bool(self._safe)
+
     def allows(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (policy ``auto``) may be captured lazily."""
+        if not self._safe:
+            return False
         found = byte_range(t)
         return found is not None and self._safe.covers(t, found) and \
             not (self._unsafe and self._unsafe.touches(t, found))
@@ -147,11 +155,12 @@ class LazyRule:
 def decide(items: Iterable[Any], rule: LazyRule) -> None:
     """Set ``item.lazy`` of every tensor item from its policy (``lazy``/``eager`` as marked,
     ``auto`` by ``rule``)."""
+    ruled = bool(rule)  # without an optimizer in the save, only a marked tensor is lazy
     for item in items:
         policy = getattr(item, "policy", None)
         if policy is None:
             continue  # not a tensor item
-        item.lazy = policy == LAZY or (policy == AUTO and rule.allows(item.tensor))
+        item.lazy = policy == LAZY or (ruled and policy == AUTO and rule.allows(item.tensor))
 
 
 def mark_lazy(state: Any, tensors: Iterable[torch.Tensor]) -> Any:

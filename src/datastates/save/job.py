@@ -89,7 +89,9 @@ class Job:
         self.error: BaseException | None = None
         self.info: CheckpointInfo | None = None
         self.writer: ShardWriter | None = None
-        self.crcs: dict[tuple[int, int], int] = {}
+        #: CRC-32 of every piece of each written unit (by the unit's file offset), in the
+        #: unit's piece order.
+        self.crcs: dict[int, list[int]] = {}
         self._lock = threading.Lock()
         self._outstanding = 0
         self._capture_over = False
@@ -371,11 +373,14 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
     if job.error is not None:
         return None
     position = {flat_i: t_i for t_i, flat_i in enumerate(job.write_tensors)}
-    pieces = job.layout.pieces_by_item()
+    checksums = _checksums(job)
+    offsets = job.layout.tensor_offsets
     for i, item in enumerate(items):
         if isinstance(item, TensorItem):
-            entries[i] = _tensor_entry(job, item, position.get(i), pieces)
-    index = fmt.encode_index(job.target.rank, [e.to_json() for e in entries if e.written])
+            t_i = position.get(i)
+            entries[i] = _tensor_entry(item, None if t_i is None else offsets[t_i],
+                                       checksums[t_i] if t_i is not None else ())
+    index = fmt.encode_index(job.target.rank, (e.to_json() for e in entries if e.written))
     job.writer.write(memoryview(index), job.layout.index_offset)
     job.writer.write(memoryview(fmt.pack_header(job.layout.index_offset, index)), 0)
     size = job.layout.index_offset + len(index)
@@ -391,14 +396,24 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
                       expired=job.expired)
 
 
-def _tensor_entry(job: Job, item: TensorItem, t_i: int | None, pieces: dict) -> ReportEntry:
+def _checksums(job: Job) -> list[tuple[tuple[int, int], ...]]:
+    """The (length, crc32) pieces of every tensor this rank writes (by its position in
+    ``write_tensors``), in one pass over the units: their pieces follow the tensors' order."""
+    out: list = [()] * len(job.write_tensors)
+    crcs = job.crcs
+    for unit in job.layout.units:
+        for piece, crc in zip(unit.pieces, crcs[unit.file_offset]):
+            out[piece.item] += ((piece.nbytes, crc),)
+    return out
+
+
+def _tensor_entry(item: TensorItem, offset: int | None, checksums: tuple) -> ReportEntry:
+    """The report entry of a tensor: written at ``offset`` with these checksum pieces, or not
+    written by this rank (``offset`` None)."""
     local = item.global_shape is not None
-    common = dict(key=item.key, kind="tensor", dtype=fmt.dtype_name(item.dtype),
-                  shape=tuple(item.shape), replicated=bool(item.replicated),
-                  global_shape=tuple(item.global_shape) if local else None,
-                  global_offset=tuple(item.global_offset) if local else None)
-    if t_i is None:
-        return ReportEntry(written=False, **common)
-    return ReportEntry(written=True, offset=job.layout.tensor_offsets[t_i], nbytes=item.nbytes,
-                       checksums=tuple((p.nbytes, job.crcs[(t_i, p.item_offset)])
-                                       for p in pieces.get(t_i, [])), **common)
+    return ReportEntry(key=item.key, kind="tensor", written=offset is not None, offset=offset,
+                       nbytes=item.nbytes if offset is not None else None,
+                       dtype=fmt.dtype_name(item.dtype), shape=item.shape,
+                       checksums=checksums, replicated=bool(item.replicated),
+                       global_shape=tuple(item.global_shape) if local else None,
+                       global_offset=tuple(item.global_offset) if local else None)

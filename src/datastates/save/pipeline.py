@@ -17,6 +17,7 @@ job's events ends, with the data or with an error.
 """
 from __future__ import annotations
 
+import bisect
 import queue
 import threading
 import time
@@ -29,10 +30,14 @@ from ..commit.committer import commit_save
 from ..config import CheckpointConfig
 from ..errors import CheckpointerClosedError, StorageError
 from ..format import codec as fmt
-from ..providers.tree import TensorItem
+from ..providers.tree import TensorItem, plain_cpu
 from .job import Job, failed_report, finish_file, replica_digests, write_error
 from .planning import Unit
-from .staging import DeviceCopier, HostCache
+from .staging import DeviceCopier, HostCache, zero_bytes
+
+#: A unit whose pieces average fewer bytes than this is zeroed whole before its pieces are
+#: copied (one call), rather than gap by gap (a call per piece).
+_DENSE_PIECE_BYTES = 4096
 
 
 class WriteUnit(NamedTuple):
@@ -190,14 +195,10 @@ class Pipeline:
             job.captured.set()
 
     def _capture(self, job: Job) -> None:
-        items, copier = job.flat.items, self.copier
-        remaining = {}
-        for unit in job.layout.units:
-            for piece in unit.pieces:
-                remaining[piece.item] = remaining.get(piece.item, 0) + 1
-        flat_cache: dict[int, torch.Tensor] = {}
+        copier = self.copier
+        kept: dict[int, torch.Tensor] = {}  # flat bytes of a tensor whose pieces span units
         copier.begin(job.ready)
-        sources = []
+        last_unit, last_piece = _last_eager_piece(job)
         for number, unit in enumerate(job.layout.units):
             if number == job.eager_units:
                 self._eager_done(job)
@@ -206,38 +207,72 @@ class Pipeline:
                 return
             job.unit_queued()
             try:
-                dst, pos = self.cache.tensor(slot), 0
-                for piece in unit.pieces:
-                    if piece.unit_offset > pos:
-                        dst[pos:piece.unit_offset].zero_()
-                    src = flat_cache.get(piece.item)
-                    if src is None:
-                        src = copier.flat(items[job.write_tensors[piece.item]].tensor)
-                    remaining[piece.item] -= 1
-                    if remaining[piece.item]:
-                        flat_cache[piece.item] = src
-                    else:
-                        flat_cache.pop(piece.item, None)
-                    end = piece.unit_offset + piece.nbytes
-                    copier.copy(dst[piece.unit_offset:end],
-                                src[piece.item_offset:piece.item_offset + piece.nbytes])
-                    sources.append(src)
-                    pos = end
-                    if piece.item == job.eager_items - 1 and not remaining[piece.item]:
-                        self._eager_done(job)
-                padded = fmt.align_up(pos, fmt.UNIT_ALIGN)
-                if padded > pos:
-                    dst[pos:padded].zero_()
-                fence = copier.fence()
-                if fence is not None:
-                    fence.synchronize()
-                sources.clear()
+                self._fill(job, unit, slot, last_piece if number == last_unit else -1, kept)
             except BaseException:
                 copier.cancel()
                 self.cache.release(slot)
                 job.unit_done()
                 raise
             self._write_q.put(WriteUnit(job, unit, slot))
+
+    def _fill(self, job: Job, unit: Unit, slot: int, eager_cut: int,
+              kept: dict[int, torch.Tensor]) -> None:
+        """Copy the pieces of ``unit`` into cache slot ``slot``, zero its gaps and padding, and
+        wait for the copies (the fence). After piece number ``eager_cut``, the last piece of an
+        eager tensor, the eager tensors are all in the cache (``_eager_done``).
+
+        A plain contiguous CPU tensor is copied by address (``DeviceCopier.copy_addresses``: no
+        tensor view per piece, adjacent sources in one copy); any other (CUDA, non-contiguous)
+        through its flat bytes (``DeviceCopier.flat``, kept in ``kept`` while later units need
+        them). A unit of many small pieces is zeroed whole first, one gap at a time otherwise."""
+        items, write, copier = job.flat.items, job.write_tensors, self.copier
+        dst = self.cache.tensor(slot)
+        base = dst.data_ptr()
+        padded = fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN)
+        dense = len(unit.pieces) * _DENSE_PIECE_BYTES > unit.nbytes
+        if dense:
+            zero_bytes(base, padded)
+        pos, sources = 0, []
+        copies: list[tuple[int, int, int]] = []  # (cache address, source address, bytes)
+        for number, piece in enumerate(unit.pieces):
+            start = piece.unit_offset
+            if start > pos and not dense:
+                zero_bytes(base + pos, start - pos)
+            t = items[write[piece.item]].tensor
+            if plain_cpu(t):
+                copies.append((base + start, t.data_ptr() + piece.item_offset, piece.nbytes))
+                sources.append(t)
+            else:
+                copier.copy_addresses(copies)
+                copies = []
+                sources.append(self._copy_piece(job, piece, dst, kept))
+            pos = start + piece.nbytes
+            if number == eager_cut:
+                copier.copy_addresses(copies)
+                copies = []
+                self._eager_done(job)
+        if padded > pos and not dense:
+            zero_bytes(base + pos, padded - pos)
+        copier.copy_addresses(copies)
+        fence = copier.fence()
+        if fence is not None:
+            fence.synchronize()
+        sources.clear()
+
+    def _copy_piece(self, job: Job, piece, dst: torch.Tensor,
+                    kept: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Copy one piece of a tensor that is not a plain CPU one into the slot ``dst``, through
+        its flat bytes (made once, kept in ``kept`` while a later unit continues the tensor);
+        returns them (the caller keeps them alive until the fence)."""
+        item = job.flat.items[job.write_tensors[piece.item]]
+        src = kept.pop(piece.item, None)
+        if src is None:
+            src = self.copier.flat(item.tensor)
+        start, begin, size = piece.unit_offset, piece.item_offset, piece.nbytes
+        if begin + size < item.nbytes:  # the next unit continues it
+            kept[piece.item] = src
+        self.copier.copy(dst[start:start + size], src[begin:begin + size])
+        return src
 
     def _acquire(self, job: Job) -> int | None:
         """A free slot for the capture; when none is free, checksum (here, at once) the written
@@ -283,11 +318,9 @@ class Pipeline:
         a failure fails the job (any thread may call this)."""
         try:
             if not job.cancelled.is_set():
-                view = self.cache.view(slot)
-                for piece in unit.pieces:
-                    end = piece.unit_offset + piece.nbytes
-                    job.crcs[(piece.item, piece.item_offset)] = \
-                        fmt.crc32(view[piece.unit_offset:end])
+                view, crc32 = self.cache.view(slot), fmt.crc32
+                job.crcs[unit.file_offset] = [
+                    crc32(view[p.unit_offset:p.unit_offset + p.nbytes]) for p in unit.pieces]
         except BaseException as exc:
             job.fail(write_error(job, f"checksumming a unit at offset {unit.file_offset} of "
                                       f"{job.target.tmp}", exc))
@@ -423,3 +456,13 @@ def _caused_by(error: BaseException | None, kind: type) -> bool:
             return True
         error, seen = error.__cause__ or error.__context__, seen + 1
     return False
+
+
+def _last_eager_piece(job: Job) -> tuple[int, int]:
+    """(unit number, piece number) of the last piece of an eager tensor, (-1, -1) if none: a
+    unit's pieces follow the order of the tensors, whose first ``eager_items`` are eager."""
+    if not job.eager_units:
+        return -1, -1
+    number = job.eager_units - 1
+    pieces = job.layout.units[number].pieces
+    return number, bisect.bisect_left([p.item for p in pieces], job.eager_items) - 1

@@ -6,13 +6,14 @@ No I/O, no process group: sizes, reports and trees in, answers out, so it is uni
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..format.codec import DATA_ALIGN, HEADER_BYTES, UNIT_ALIGN, align_up
 
 
-@dataclass(frozen=True)
-class Piece:
-    """``nbytes`` of item ``item`` starting at ``item_offset``, placed at ``unit_offset`` in a unit."""
+class Piece(NamedTuple):
+    """``nbytes`` of item ``item`` starting at ``item_offset``, placed at ``unit_offset`` in a unit.
+    A named tuple: a layout holds one per tensor (and per unit a tensor crosses)."""
 
     item: int
     item_offset: int
@@ -43,13 +44,6 @@ class Layout:
     #: Where the index starts (4096-aligned, after tensors and blobs).
     index_offset: int
 
-    def pieces_by_item(self) -> dict[int, list[Piece]]:
-        out: dict[int, list[Piece]] = {}
-        for unit in self.units:
-            for piece in unit.pieces:
-                out.setdefault(piece.item, []).append(piece)
-        return out
-
 
 def plan_layout(tensor_sizes: list[int], blob_sizes: list[int], unit_bytes: int) -> Layout:
     """Coalesce tensors into a dense stream cut into units of ``unit_bytes``.
@@ -64,14 +58,22 @@ def plan_layout(tensor_sizes: list[int], blob_sizes: list[int], unit_bytes: int)
     units: list[Unit] = []
     offsets = [0] * len(tensor_sizes)
     pos = 0  # offset in the data stream, which starts at HEADER_BYTES in the file
+    base = 0  # where the last unit starts in the stream
     for item, size in enumerate(tensor_sizes):
-        pos = align_up(pos, DATA_ALIGN)
+        pos = (pos + DATA_ALIGN - 1) // DATA_ALIGN * DATA_ALIGN
         offsets[item] = HEADER_BYTES + pos
+        if units and 0 < size <= base + unit_bytes - pos:  # one piece, in the last unit
+            unit = units[-1]
+            unit.pieces.append(Piece(item, 0, pos - base, size))
+            pos += size
+            unit.nbytes = pos - base
+            continue
         done = 0
         while done < size:
             index, within = divmod(pos, unit_bytes)
             while len(units) <= index:
                 units.append(Unit(HEADER_BYTES + len(units) * unit_bytes))
+            base = index * unit_bytes
             n = min(size - done, unit_bytes - within)
             unit = units[index]
             unit.pieces.append(Piece(item, done, within, n))
@@ -108,6 +110,6 @@ def units_holding(layout, count: int) -> int:
     """How many leading units of ``layout`` hold pieces of its first ``count`` tensors."""
     held = 0
     for number, unit in enumerate(layout.units):
-        if any(piece.item < count for piece in unit.pieces):
+        if unit.pieces and unit.pieces[0].item < count:  # a unit's pieces follow item order
             held = number + 1
     return held

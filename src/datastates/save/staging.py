@@ -162,6 +162,11 @@ def _memmove_all(copies: list[tuple[int, int, int]]) -> None:
         ctypes.memmove(d, s, n)
 
 
+def zero_bytes(address: int, nbytes: int) -> None:
+    """Zero ``nbytes`` of host memory at ``address`` (a cache slot's padding), now."""
+    ctypes.memset(address, 0, nbytes)
+
+
 class DeviceCopier:
     """Copies item bytes into cache slots.
 
@@ -229,6 +234,23 @@ class DeviceCopier:
             # the training thread keeps the cores busy.
             self._pending.append((dst.data_ptr(), src.data_ptr(), src.numel()))
             self._pending_bytes += src.numel()
+
+    def copy_addresses(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy, for each (``dst``, ``src``, ``nbytes``), the bytes at the CPU address ``src``
+        (a ``plain_cpu`` tensor's) to the cache address ``dst``, at the next :meth:`fence`, as
+        :meth:`copy` does: the caller keeps both alive, and ``src`` unchanged, until then. A
+        copy continuing the previous one on both sides extends it (views of one buffer, laid
+        out back to back, are copied at once)."""
+        pending = self._pending
+        for dst, src, nbytes in copies:
+            if pending:
+                d, s, n = pending[-1]
+                if d + n == dst and s + n == src:
+                    pending[-1] = (d, s, n + nbytes)
+                    self._pending_bytes += nbytes
+                    continue
+            pending.append((dst, src, nbytes))
+            self._pending_bytes += nbytes
 
     def cancel(self) -> None:
         """Forget the CPU copies not run yet (the capture of their unit failed)."""

@@ -1,0 +1,344 @@
+"""States of many small tensors: what the per-tensor fast paths of the save, commit and restore
+do is what the general code does (the same checks, the same bytes, the same records).
+
+Each fast path stands next to the general code it shortens: the capture copies plain CPU tensors
+by address, the layout places a tensor that fits in the current unit at once, the manifest's
+parser takes an ordinary tensor entry in one function, the writer checks and encodes entries a
+batch at a time, the reader converts entries as they are decoded, the restore reads a plain live
+tensor in place. These tests hold each one to the general code on the inputs where they differ.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import datastates
+from datastates import Checkpointer, CheckpointConfig, CorruptCheckpointError
+from datastates import format as fmt
+from datastates.format import codec, files, plain, validate
+from datastates.format.checks import _At
+from datastates.format.records import FileRef
+from datastates.format.tree import key_of
+from datastates.providers import ProviderRegistry
+from datastates.providers.tree import flatten
+from datastates.save.planning import Piece, Unit, plan_layout
+
+from helpers import assert_same, clone_state
+
+SMALL = CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10)
+
+
+def _many(n: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randn(1 + i % 5, generator=g) for i in range(n)}
+
+
+# ------------------------------------------------------------------ save: capture and layout
+
+def test_many_small_tensors_round_trip_and_verify(tmp_path):
+    """Many tensors of a few bytes (several units of them, each zeroed whole before its copies)
+    restore bit-exact, in place, and the files verify (padding zero, every checksum right)."""
+    state = {**_many(3000), "ints": torch.arange(7, dtype=torch.int16),
+             "flag": torch.tensor(True), "half": torch.ones(3, dtype=torch.float16)}
+    ref = clone_state(state)
+    with Checkpointer(tmp_path, SMALL) as ck:
+        handle = ck.save(state, step=1)
+        for t in state.values():
+            t.zero_()  # eager: already in the host cache when save() returned
+        handle.wait()
+        live = {k: torch.empty_like(v) for k, v in ref.items()}
+        report = ck.restore(live)
+        assert len(report.restored) == len(ref)
+        assert_same(live, ref)
+    from datastates.tools import cli
+    assert cli.main(["verify", str(tmp_path)]) == 0
+
+
+def test_views_of_one_buffer_back_to_back_are_saved_exactly(tmp_path):
+    """Views of one flat buffer laid out back to back in the file (copied as one range) and
+    views with gaps between them (copied one by one) keep their own bytes."""
+    flat = torch.arange(64 * 40, dtype=torch.float32)
+    state = {"dense": [flat[i * 16:(i + 1) * 16] for i in range(40)],       # 64 B each: adjacent
+             "gaps": [flat[i * 64 + 3:i * 64 + 10] for i in range(40)]}     # 28 B, apart
+    with Checkpointer(tmp_path, SMALL) as ck:
+        ck.save(state, step=1).wait()
+        loaded = ck.load()
+    assert_same(loaded, clone_state(state))
+
+
+def test_tensors_that_are_not_plain_go_through_their_bytes(tmp_path):
+    """Non-contiguous, zero-dim, empty, numpy and requires-grad tensors next to plain ones."""
+    base = torch.randn(6, 5)
+    state = {"t": base.t(), "step": base[1:4:2, ::2], "scalar": torch.tensor(3.5),
+             "empty": torch.empty(0, 3), "np": np.arange(5, dtype=np.int32),
+             "param": torch.nn.Parameter(torch.randn(4)), "plain": torch.randn(9)}
+    with Checkpointer(tmp_path, SMALL) as ck:
+        ck.save(state, step=1).wait()
+        loaded = ck.load()
+    assert isinstance(loaded["np"], np.ndarray) and loaded["np"].tolist() == [0, 1, 2, 3, 4]
+    for key in ("t", "step", "scalar", "empty", "param", "plain"):
+        assert torch.equal(loaded[key], state[key].detach()), key
+
+
+def test_a_conjugate_view_is_refused_as_before(tmp_path):
+    """A tensor whose bytes are not its values (a lazy conjugate) is not copied by address: it
+    takes the general path, which refuses it, so nothing wrong is ever written."""
+    state = {"c": torch.randn(3, dtype=torch.complex64).conj()}
+    with Checkpointer(tmp_path, SMALL) as ck:
+        with pytest.raises(Exception, match="conjugate"):
+            ck.save(state, step=1).wait()
+        assert ck.list() == []
+
+
+def _reference_layout(sizes, unit_bytes):
+    """The layout loop without the fast path of a tensor that fits in the last unit."""
+    units, offsets, pos = [], [], 0
+    for item, size in enumerate(sizes):
+        pos = codec.align_up(pos, codec.DATA_ALIGN)
+        offsets.append(codec.HEADER_BYTES + pos)
+        done = 0
+        while done < size:
+            index, within = divmod(pos, unit_bytes)
+            while len(units) <= index:
+                units.append(Unit(codec.HEADER_BYTES + len(units) * unit_bytes))
+            n = min(size - done, unit_bytes - within)
+            units[index].pieces.append(Piece(item, done, within, n))
+            units[index].nbytes = within + n
+            pos, done = pos + n, done + n
+    return units, offsets
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_layout_fast_path_places_every_piece_as_the_general_loop(seed):
+    rng = random.Random(seed)
+    unit = 4096 * rng.choice([1, 2, 4])
+    sizes = [rng.choice([0, 1, 8, 63, 64, 65, 500, 4095, 4096, 4097, 3 * unit + 7])
+             for _ in range(300)]
+    layout = plan_layout(sizes, [], unit)
+    units, offsets = _reference_layout(sizes, unit)
+    assert layout.tensor_offsets == offsets
+    assert [(u.file_offset, u.nbytes, u.pieces) for u in layout.units] == \
+        [(u.file_offset, u.nbytes, u.pieces) for u in units]
+
+
+def test_walker_keys_are_key_of_their_paths():
+    """Keys built as the walk descends are ``key_of(path)``, for every kind of dict key (the
+    root's children bare, an empty key an empty part)."""
+    state = {"": {"x": torch.ones(1), 3: [torch.ones(1), {"": torch.ones(1)}]},
+             "a": {"b": torch.ones(1)}, 1.5: torch.ones(1), None: torch.ones(1),
+             True: torch.ones(1), 7: (torch.ones(1),)}
+    paths = [("", "x"), ("", 3, 0), ("", 3, 1, ""), ("a", "b"), (1.5,), (None,), (True,), (7, 0)]
+    items = flatten(state, ProviderRegistry.default()).items
+    assert [it.key for it in items] == [key_of(p) for p in paths]
+
+
+def test_the_same_view_under_two_keys_is_one_item():
+    t = torch.randn(4)
+    flat = flatten({"a": t, "b": t, "c": t[1:], "d": t.view(2, 2)}, ProviderRegistry.default())
+    assert [it.key for it in flat.items] == ["a", "c", "d"]
+    assert flat.tree["items"][1][1]["e"] == 0
+
+
+# ------------------------------------------------------------------ the manifest's parser
+
+def _entry_json() -> dict:
+    return {"kind": "tensor", "key": "w", "dtype": "float32", "shape": [2, 3],
+            "shards": [{"file": 0, "offset": 4096, "nbytes": 24, "global_offset": [0, 0],
+                        "shape": [2, 3], "checksums": [[16, 5], [8, 9]]}], "rank": 0}
+
+
+def _mutations(rng: random.Random):
+    """Valid and invalid variants of a tensor entry, one field changed at a time."""
+    values = [None, True, False, 0, 1, -1, 2, 3, 24, 4096, 4160, 1 << 64, 1.0, "", "x", [],
+              [0], [2], [2, 3], [3, 2], [0, 0], [1, 0], [True], {}, [[24, 5]], [[16, 5], [8, 9]],
+              [[24, -1]], [[0, 0], [24, 1]], "float32", "bfloat16", "int8", [2, 3, 1]]
+    for _ in range(3000):
+        e = _entry_json()
+        shard = e["shards"][0]
+        for _ in range(rng.choice([1, 1, 2])):
+            target = rng.choice([e, shard, e, shard, None])
+            if target is None:
+                e["shards"] = rng.choice([[], [shard, copy.deepcopy(shard)], "x", [None]])
+                continue
+            key = rng.choice(sorted(target) + ["replicated", "rank", "extra"])
+            if rng.random() < 0.1:
+                target.pop(key, None)
+            else:
+                target[key] = copy.deepcopy(rng.choice(values))
+        yield e
+
+
+def test_plain_entry_parser_agrees_with_the_general_one():
+    """Wherever the one-function parser of a tensor entry accepts, the general parser accepts
+    it too and makes the same record; wherever the general one refuses, the fast one refuses."""
+    files_ = (FileRef(name=fmt.shard_file_name(0), rank=0, nbytes=8192, index_crc32=0),
+              FileRef(name=fmt.shard_file_name(1), rank=1, nbytes=4096 + 64, index_crc32=0))
+    accepted = 0
+    for e in _mutations(random.Random(7)):
+        fast = plain.tensor_entry(e, files_, 2)
+        try:
+            general = validate._entry(e, _At("m"), files_, 2)
+        except CorruptCheckpointError:
+            assert fast is None, e
+            continue
+        if fast is not None:
+            accepted += 1
+            assert fast == general, e
+    assert accepted > 100
+
+
+def _report_json() -> dict:
+    return {"key": "w", "kind": "tensor", "dtype": "int16", "shape": [3], "offset": 4160,
+            "nbytes": 6, "checksums": [[6, 11]]}
+
+
+def test_plain_report_entry_parser_agrees_with_the_general_one():
+    """The same, for the entries of another rank's report."""
+    f = FileRef(name=fmt.shard_file_name(0), rank=0, nbytes=8192, index_crc32=0)
+    values = [None, True, False, 0, 1, 6, 64, 4160, 8192, -1, "", "w", [], [3], [6], [2, 3],
+              [[6, 11]], [[3, 1], [3, 2]], [[6, -1]], "int16", "float32", "uint8"]
+    rng, accepted = random.Random(11), 0
+    for _ in range(3000):
+        e = _report_json()
+        for _ in range(rng.choice([1, 1, 2])):
+            key = rng.choice(sorted(e) + ["replicated", "written", "global_shape", "extra"])
+            if rng.random() < 0.1:
+                e.pop(key, None)
+            else:
+                e[key] = copy.deepcopy(rng.choice(values))
+        fast = plain.report_entry(e, f)
+        try:
+            general = validate._report_entry(e, _At("r"), f)
+        except CorruptCheckpointError:
+            assert fast is None, e
+            continue
+        if fast is not None:
+            accepted += 1
+            assert fast == general, e
+    assert accepted > 100
+
+
+def _saved_manifest(tmp_path, state=None):
+    with Checkpointer(tmp_path, SMALL) as ck:
+        info = ck.save(state if state is not None else _many(600), step=1,
+                       metadata={"entries": [], "note": '"entries":[]'}).wait()
+    return files.read_manifest(info.path)
+
+
+def test_manifest_bytes_are_those_of_its_whole_json_form(tmp_path):
+    """The entries checked and encoded a batch at a time make the same bytes as encoding the
+    whole JSON object (and an ``"entries"`` text inside the metadata is not mistaken for the
+    field); the record given back holds the manifest's own entries, equal to what a reader
+    parses from the bytes."""
+    manifest = _saved_manifest(tmp_path)
+    data, written = fmt.manifest_record_bytes(manifest)
+    assert data == codec.seal_manifest(codec.encode_json(manifest.to_json()))
+    assert written.entries is manifest.entries
+    assert fmt.parse_manifest_bytes(data, "again") == written == manifest
+
+
+def test_index_bytes_are_those_of_its_whole_json_form():
+    entries = [{"key": f"k{i}", "kind": "object", "offset": 4096 + 64 * i, "nbytes": 1,
+                "crc32": i} for i in range(codec.ENCODE_BATCH * 2 + 3)]
+    for some in (entries, entries[:1], []):
+        expect = json.dumps({"format": codec.SHARD_FORMAT, "version": codec.VERSION, "rank": 3,
+                             "entries": some}, separators=(",", ":"), allow_nan=False).encode()
+        assert codec.encode_index(3, iter(some)) == expect
+
+
+def test_written_entry_that_does_not_read_back_is_refused(tmp_path):
+    """An entry record whose JSON form parses into another record (a shape held as a list) is
+    refused by the writer's check, naming it: what is written is what a reader finds."""
+    import dataclasses
+    manifest = _saved_manifest(tmp_path, {"w": torch.ones(2, 3)})
+    odd = manifest.entries[0]._replace(shape=[2, 3])
+    with pytest.raises(CorruptCheckpointError, match=r"manifest being written: entries\[0\]"):
+        fmt.manifest_record_bytes(dataclasses.replace(manifest, entries=(odd,)))
+
+
+@pytest.mark.parametrize("text", [
+    b'{"a":1,"entries":[{"x":1},{"y":[2]}],"b":{"c":null}}',
+    b' \n{ "a" : 1 ,\t"entries" : [ {"x" : 1} , 2 ] , "b" : [] }\r\n',
+    b'{"entries":[]}', b'{}', b'{"entries":{"not":"a list"}}', b'{"entries":"x"}',
+    '{"k\\u00e9":"\\ud83d\\ude00","entries":[1]}'.encode(),
+    '{"entries":["é"]}'.encode("utf-16"), b'\xef\xbb\xbf{"entries":[1]}'])
+def test_streamed_decoding_gives_what_json_gives(text):
+    got = codec.parse_json_streamed(text, "entries", lambda fields: lambda item: None)
+    assert got == json.loads(text)
+
+
+@pytest.mark.parametrize("text", [
+    b'{"a":1,"a":2}', b'[1]', b'{"entries":[1,]}', b'{"entries":[1] "b":2}', b'{"a":NaN}',
+    b'{"entries":[1]} x', b'{"a":1', b'{"entries":[1', b'', b'\xff{}', b'{"a":1,}'])
+def test_streamed_decoding_gives_up_on_anything_unusual(text):
+    assert codec.parse_json_streamed(text, "entries", lambda fields: lambda item: None) is None
+
+
+def test_streamed_decoding_converts_the_entries_it_can(tmp_path):
+    """Entries decoded after ``files`` become records at once; a manifest whose entries come
+    first is decoded whole and parsed as usual; both give the same manifest."""
+    manifest = _saved_manifest(tmp_path)
+    data, _ = fmt.manifest_record_bytes(manifest)
+    obj = codec.parse_json(data, "m")
+    seen = []
+    streamed = codec.parse_json_streamed(data, "entries", lambda fields: seen.append(
+        sorted(fields)) or validate.entry_converter(fields))
+    assert "files" in seen[0] and "ranks" not in seen[0]
+    assert all(type(e) is not dict for e in streamed["entries"])
+    reordered = {"entries": obj.pop("entries"), **obj}
+    again = codec.seal_manifest(codec.encode_json({k: v for k, v in reordered.items()
+                                                   if k != "manifest_crc32"}))
+    assert fmt.parse_manifest_bytes(again, "reordered") == manifest
+
+
+def test_a_bad_entry_among_converted_ones_is_named(tmp_path):
+    manifest = _saved_manifest(tmp_path)
+    obj = codec.parse_json(fmt.manifest_record_bytes(manifest)[0], "m")
+    obj.pop("manifest_crc32")
+    obj["entries"][123]["shards"][0]["nbytes"] += 1
+    with pytest.raises(CorruptCheckpointError, match=r"bad: entries\[123\]"):
+        fmt.parse_manifest_bytes(codec.seal_manifest(codec.encode_json(obj)), "bad")
+
+
+# ------------------------------------------------------------------ restore
+
+def test_restore_in_place_of_plain_and_other_live_tensors(tmp_path):
+    """Plain live tensors are read into as they are; parameters, non-contiguous and numpy
+    live values through the general path; the same values everywhere."""
+    model = torch.nn.Linear(3, 2)
+    state = {**_many(500), "model": model.state_dict(), "np": np.arange(4.0),
+             "wide": torch.randn(4, 6)}
+    ref = clone_state({k: v for k, v in state.items() if k != "np"})
+    with Checkpointer(tmp_path, SMALL) as ck:
+        ck.save(state, step=1).wait()
+        live = {**{k: torch.zeros_like(v) for k, v in _many(500).items()},
+                "model": torch.nn.Linear(3, 2).state_dict(), "np": np.zeros(4),
+                "wide": torch.zeros(6, 4).t()}
+        params = torch.nn.Linear(3, 2)
+        ck.restore({**live, "model": {"weight": params.weight, "bias": params.bias}})
+    assert_same({k: v for k, v in live.items() if k not in ("np", "model")},
+                {k: v for k, v in ref.items() if k != "model"})
+    assert torch.equal(params.weight.detach(), model.weight.detach())
+    assert params.weight.requires_grad
+    assert live["np"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_flipped_byte_of_a_small_tensor_is_caught(tmp_path):
+    state = _many(300)
+    with Checkpointer(tmp_path, SMALL) as ck:
+        info = ck.save(state, step=1).wait()
+    entry = next(e for e in files.read_manifest(info.path).entries if e.key == "t123")
+    path = tmp_path / info.name / fmt.shard_file_name(0)
+    with open(path, "r+b") as f:
+        f.seek(entry.shards[0].offset + 1)
+        byte = f.read(1)
+        f.seek(entry.shards[0].offset + 1)
+        f.write(bytes([byte[0] ^ 1]))
+    with Checkpointer(tmp_path, SMALL) as ck:
+        with pytest.raises(CorruptCheckpointError, match="checksum mismatch for 't123'"):
+            ck.restore({k: torch.empty_like(v) for k, v in state.items()})
