@@ -51,7 +51,7 @@ def manifest_record_bytes(manifest: records.Manifest) -> tuple[bytes, records.Ma
     written = validate.check_written_manifest(
         head, manifest.entries, "manifest being written",
         lambda batch: batches.append(encode_json(batch)[1:-1]))
-    return seal_manifest(encode_entries(head, b",".join(batches))), written
+    return _within_limit(seal_manifest(encode_entries(head, b",".join(batches)))), written
 
 
 def encode_manifest(manifest: dict) -> bytes:
@@ -71,12 +71,17 @@ def encode_manifest_checked(manifest: dict) -> "tuple[bytes, records.Manifest]":
     objects the garbage collector would otherwise promote and traverse in a full collection,
     holding the GIL (docs/benchmarks.md, "Garbage collection")."""
     parsed = validate.parse_manifest(manifest, "manifest being written")
-    data = seal_manifest(encode_json(manifest))
-    if len(data) > MAX_MANIFEST_BYTES:  # a reader would refuse it: never commit it
+    return _within_limit(seal_manifest(encode_json(manifest))), parsed
+
+
+def _within_limit(data: bytes) -> bytes:
+    """``data``, a manifest about to be written, unless a reader would refuse it for its size
+    (then CorruptCheckpointError: such a manifest is never committed)."""
+    if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"manifest being written: {len(data)} bytes, more than the "
                                      f"{MAX_MANIFEST_BYTES} a reader accepts (fewer tensors per "
                                      "rank, or fewer ranks per checkpoint)")
-    return data, parsed
+    return data
 
 
 def read_manifest(ckpt_dir: str, store: "Store | None" = None) -> "records.Manifest":
