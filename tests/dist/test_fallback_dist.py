@@ -106,3 +106,34 @@ def test_a_rank_opens_only_the_files_its_restore_reads(tmp_path):
         live = _blank(1)
         reader.restore_into(live)
         assert _same(live, _state(1, 3)) and sorted(reader.files._opened) == sorted({1, owner})
+
+
+def _ddp_like(rank, world, root):
+    """A replicated model and optimizer, a per-rank RNG state and value: what DDP saves."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(12)])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    torch.manual_seed(rank)
+    state = {"model": model, "opt": opt, "rng": datastates.RNGState(), "rank": rank}
+    with Checkpointer(root, CONFIG) as ckpt:
+        ckpt.save(state, step=1, replicated=["model", "opt"]).wait()
+        live = {"model": torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(12)]),
+                "rank": -1, "rng": datastates.RNGState()}
+        live["opt"] = torch.optim.AdamW(live["model"].parameters())
+        ckpt.restore(live)
+        same = all(torch.equal(a, b) for a, b in zip(live["model"].state_dict().values(),
+                                                    model.state_dict().values()))
+    return {"same": same and live["rank"] == rank,
+            "manifest": os.path.getsize(os.path.join(root, fmt.step_name(1), fmt.MANIFEST))}
+
+
+def test_the_manifest_grows_with_what_differs_between_ranks_not_with_ranks(tmp_path):
+    """Every rank's subtrees equal to rank 0's (the replicated model and optimizer) are written
+    once: at 4 ranks the manifest is far from 4 trees' worth, and every rank restores its own."""
+    one = run_ranks(1, _ddp_like, str(tmp_path / "one"))[0]
+    four = run_ranks(4, _ddp_like, str(tmp_path / "four"))
+    assert all(r["same"] for r in four.values()) and one["same"]
+    # one rank's tree is most of a one-rank manifest; three more ranks add their RNG and value
+    assert four[0]["manifest"] < 1.5 * one["manifest"], (one, four[0])

@@ -264,12 +264,12 @@ def test_object_store_damaged_newest_is_reported_and_replaced(s3_server, s3_root
 
 
 def _newer_format(ckpt_dir) -> None:
-    """Rewrite a checkpoint's manifest as a newer datastates would (version 3), sealed: intact,
+    """Rewrite a checkpoint's manifest as a newer datastates would (a newer version), sealed: intact,
     only unreadable to this version."""
     path = ckpt_dir / fmt.MANIFEST
     raw = path.read_bytes()
     body = json.loads(raw[:raw.rindex(b',"manifest_crc32"')] + b"}")
-    body["version"] = fmt.VERSION + 1
+    body["version"] = fmt.MANIFEST_VERSION + 1
     path.write_bytes(fmt.seal_manifest(json.dumps(body, separators=(",", ":")).encode()))
     old = os.stat(path).st_mtime - 3600
     os.utime(path, (old, old))

@@ -35,7 +35,7 @@ def test_shard_file_matches_the_spec(tmp_path):
     cdir = tmp_path / "step-0000000007"
     raw_manifest = (cdir / "manifest.json").read_bytes()
     manifest = json.loads(raw_manifest)
-    assert manifest["format"] == "datastates-checkpoint" and manifest["version"] == 2
+    assert manifest["format"] == "datastates-checkpoint" and manifest["version"] == 3
     assert manifest["step"] == 7 and manifest["world_size"] == 1 and manifest["seq"] == 1
     # The checksum trailer: the last field, CRC-32 of every byte before ',"manifest_crc32"'.
     trailer = re.fullmatch(rb'(.*),"manifest_crc32":"([0-9a-f]{8})"\}', raw_manifest, re.S)
@@ -88,7 +88,7 @@ def write(cdir: str, raw: bytes) -> None:
 def test_read_manifest_is_typed(tmp_path):
     cdir, obj = saved_manifest(tmp_path)
     m = fmt.read_manifest(cdir)
-    assert isinstance(m, records.Manifest) and m.version == 2 and m.seq == 1 and m.step == 3
+    assert isinstance(m, records.Manifest) and m.version == 3 and m.seq == 1 and m.step == 3
     assert m.files == (records.FileRef("rank-00000.dsf", 0, obj["files"][0]["nbytes"],
                                       obj["files"][0]["index_crc32"]),)
     kinds = {e.key: type(e) for e in m.entries}
@@ -134,7 +134,7 @@ def test_legacy_version_1_loads_with_a_warning(tmp_path):
         fmt.read_manifest(cdir)
 
 
-@pytest.mark.parametrize("version,error", [(3, UnsupportedFormatError), (0, CorruptCheckpointError),
+@pytest.mark.parametrize("version,error", [(4, UnsupportedFormatError), (0, CorruptCheckpointError),
                                            (True, CorruptCheckpointError),
                                            ("2", CorruptCheckpointError)])
 def test_manifest_version_checks(tmp_path, version, error):

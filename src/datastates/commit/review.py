@@ -83,7 +83,7 @@ def build_manifest(reports: list[RankReport], *, name: str, step: int | None, me
             tree = _remap(tree, table)
         ranks.append(RankTree(rank=report.rank, tree=tree))
     entries = merged.entries()
-    return Manifest(version=fmt.VERSION, name=name, step=step, seq=0, created_unix=time.time(),
+    return Manifest(version=fmt.MANIFEST_VERSION, name=name, step=step, seq=0, created_unix=time.time(),
                     world_size=len(reports), metadata=metadata, files=tuple(files),
                     entries=entries, ranks=tuple(ranks), save_id=save_id,
                     metrics=dict(metrics or {}), by_file=regions_by_file(entries, len(files)))

@@ -211,14 +211,14 @@ def _check_disjoint(regions: list[tuple[int, int, str]], at: _At, what: str) -> 
         end, last = offset + nbytes, key
 
 
-def _version(obj: dict, at: _At, expected_format: str) -> int:
+def _version(obj: dict, at: _At, expected_format: str, newest: int = fmt.VERSION) -> int:
     found = obj.get("format")
     if found != expected_format:
         raise at.bad(f"format is {_show(found)}, expected {expected_format!r}")
     version = _int(_get(obj, "version", at), at / "version", 1, _U32)
-    if version > fmt.VERSION:
+    if version > newest:
         raise UnsupportedFormatError(f"{at.file}: format version {version} is newer than this "
-                                     f"reader's {fmt.VERSION}; upgrade datastates")
+                                     f"reader's {newest}; upgrade datastates")
     return version
 
 

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 MAGIC = b"DSTATES\x01"
 VERSION = 2
+#: Manifest versions: 3 may write a rank's subtree equal to rank 0's as a ``same`` node
+#: (format/sharing.py); 2 has every rank's tree in full; 1 lacks the checksum trailer.
+MANIFEST_VERSION = 3
 #: Shard files of these versions have the same layout; version 1 manifests lack the checksum.
 SHARD_VERSIONS = (1, 2)
 HEADER_BYTES = 4096

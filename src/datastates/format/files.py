@@ -11,8 +11,8 @@ import warnings
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from ..storage import Store, open_store
 from . import records, validate
-from .codec import (_TRAILER, CHECKPOINT_FORMAT, MANIFEST, MAX_MANIFEST_BYTES, TRAILER_BYTES,
-                    VERSION, ShardHeader, crc32, encode_entries, encode_json, parse_json,
+from .codec import (_TRAILER, CHECKPOINT_FORMAT, MANIFEST, MANIFEST_VERSION, MAX_MANIFEST_BYTES,
+                    TRAILER_BYTES, ShardHeader, crc32, encode_entries, encode_json, parse_json,
                     parse_json_streamed, read_header, seal_manifest)
 
 
@@ -120,9 +120,9 @@ def parse_manifest_bytes(raw: bytes, path: str) -> "records.Manifest":
     obj, checked = _decode_manifest(raw, path)
     if "manifest_crc32" in obj or obj.get("version") != 1 or "seq" in obj:
         if obj.get("format") == CHECKPOINT_FORMAT and type(obj.get("version")) is int and \
-                obj["version"] > VERSION and "manifest_crc32" not in obj:
+                obj["version"] > MANIFEST_VERSION and "manifest_crc32" not in obj:
             raise UnsupportedFormatError(f"{path}: format version {obj['version']} is newer than "
-                                         f"this reader's {VERSION}; upgrade datastates")
+                                         f"this reader's {MANIFEST_VERSION}; upgrade datastates")
         raise CorruptCheckpointError(f"{path}: the manifest does not end with its checksum "
                                      f"(expected the last {TRAILER_BYTES} bytes to be "
                                      '\',"manifest_crc32":"<8 hex digits>"}\')')

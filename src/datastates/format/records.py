@@ -23,6 +23,7 @@ from typing import Any, Mapping, NamedTuple, Union
 import torch
 
 from . import codec as fmt
+from . import sharing
 
 
 # ---------------------------------------------------------------- records
@@ -144,6 +145,15 @@ class Manifest:
         """(offset, nbytes, key) of every region of file ``file_id`` the manifest references."""
         return [(offset, nbytes, e.key) for offset, nbytes, e, _ in self.by_file[file_id]]
 
+    def _ranks_json(self) -> list[dict]:
+        """The per-rank trees; from version 3 on, what a rank shares with rank 0 is written
+        once (format/sharing.py)."""
+        if self.version < 3 or len(self.ranks) < 2:
+            return [r.to_json() for r in self.ranks]
+        base = self.ranks[0].tree
+        return [self.ranks[0].to_json()] + [
+            {"rank": r.rank, "tree": sharing.share(r.tree, base)} for r in self.ranks[1:]]
+
     def to_json(self, entries: bool = True) -> dict:
         """The JSON object ``manifest.json`` holds (before its checksum seal); with
         ``entries=False`` its ``entries`` field is left empty (for a writer that turns them into
@@ -153,7 +163,7 @@ class Manifest:
                "world_size": self.world_size, "metadata": self.metadata,
                "files": [f.to_json() for f in self.files],
                "entries": [e.to_json() for e in self.entries] if entries else [],
-               "ranks": [r.to_json() for r in self.ranks]}
+               "ranks": self._ranks_json()}
         if self.save_id is not None:
             out["save_id"] = self.save_id
         if self.version > 1:

@@ -11,7 +11,8 @@ marker.
 
 Pure: no I/O. :func:`share` runs on trees this process built; :func:`resolve` on JSON from disk,
 which is bounded here (depth, the rank named, the path existing in that rank's tree) before
-anything relies on it.
+anything relies on it (recursion is bounded by ``max_depth``, 256, far below the interpreter's
+limit).
 """
 from __future__ import annotations
 
@@ -55,40 +56,39 @@ def resolve(node: Any, rank: int, bases: list[dict], where: str, max_depth: int)
     at the same path of the earlier rank it names (``bases[r]``, already resolved and
     validated). CorruptCheckpointError naming ``where`` and the path for a marker that names no
     earlier rank, a path that rank's tree does not have, or a tree deeper than ``max_depth``.
-    Containers are resolved in place."""
-    stack = [(node, bases[0] if bases else None, 1, ())]
-    if _is_same(node):
-        return _base(node, bases[0] if bases else None, rank, bases, where, ())
-    while stack:
-        current, base, depth, path = stack.pop()
-        if depth > max_depth:
-            raise CorruptCheckpointError(f"{where}: state tree deeper than {max_depth}")
-        if type(current) is not dict:
-            continue
-        t = current.get("t")
-        if t in MAPPINGS or t in SEQUENCES:
-            items = current.get("items")
-            if type(items) is not list:
-                continue  # the validation names it
-            for i, item in enumerate(items):
-                key, child = (item[0], item[1]) if t in MAPPINGS and type(item) is list and \
-                    len(item) == 2 else (i, item)
-                child_base = _child(base, t, key, i)
-                if _is_same(child):
-                    value = _base(child, child_base, rank, bases, where, path + (key,))
-                    if t in MAPPINGS:
-                        item[1] = value
-                    else:
-                        items[i] = value
-                else:
-                    stack.append((child, child_base, depth + 1, path + (key,)))
-        elif t == "provider" and "state" in current:
-            child = current["state"]
-            child_base = base.get("state") if type(base) is dict else None
-            if _is_same(child):
-                current["state"] = _base(child, child_base, rank, bases, where, path)
+    ``node`` is not modified: the containers on the way are new (the caller may still encode
+    the JSON it parsed)."""
+    return _resolve(node, bases[0] if bases else None, rank, bases, where, (), 1, max_depth)
+
+
+def _resolve(node: Any, base: Any, rank: int, bases: list, where: str, path: tuple, depth: int,
+             max_depth: int) -> Any:
+    if depth > max_depth:
+        raise CorruptCheckpointError(f"{where}: state tree deeper than {max_depth}")
+    if type(node) is not dict:
+        return node  # the validation names it
+    t = node.get("t")
+    if t == SAME:
+        return _base(node, base, rank, bases, where, path)
+    items = node.get("items")
+    if (t in MAPPINGS or t in SEQUENCES) and type(items) is list:
+        out = []
+        for i, item in enumerate(items):
+            if t in MAPPINGS:
+                if type(item) is not list or len(item) != 2:
+                    out.append(item)
+                    continue
+                key, child = item
+                out.append([key, _resolve(child, _child(base, t, key, i), rank, bases, where,
+                                          path + (key,), depth + 1, max_depth)])
             else:
-                stack.append((child, child_base, depth + 1, path))
+                out.append(_resolve(item, _child(base, t, i, i), rank, bases, where,
+                                    path + (i,), depth + 1, max_depth))
+        return {**node, "items": out}
+    if t == "provider" and "state" in node:
+        child_base = base.get("state") if type(base) is dict else None
+        return {**node, "state": _resolve(node["state"], child_base, rank, bases, where, path,
+                                          depth + 1, max_depth)}
     return node
 
 

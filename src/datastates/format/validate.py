@@ -19,8 +19,8 @@ from typing import Any, Callable, NamedTuple
 
 from ..errors import CorruptCheckpointError
 from . import codec as fmt
-from . import plain
-from .checks import (_U32, _U64, _At, _bool, _check_disjoint, _check_tensor_bytes,
+from . import plain, sharing
+from .checks import (MAX_TREE_DEPTH, _U32, _U64, _At, _bool, _check_disjoint, _check_tensor_bytes,
                      _dict, _dims, _dtype, _field_dims, _field_int, _field_str, _get, _int, _list,
                      _numel, _pieces, _show, _str, _version, check_entry_keys, check_tree_refs)
 from .records import (ABORT_KINDS, PENDING, CheckpointInfo, Entry, FileRef, IndexEntry, Manifest,
@@ -108,7 +108,7 @@ class _Head(NamedTuple):
 
 
 def _head(m: dict, at: _At, version_1: bool) -> _Head:
-    version = _version(m, at, fmt.CHECKPOINT_FORMAT)
+    version = _version(m, at, fmt.CHECKPOINT_FORMAT, fmt.MANIFEST_VERSION)
     if (version == 1) != version_1:
         raise (at / "version").bad(
             f"version {version} {'requires' if version > 1 else 'must not have'} the checksum "
@@ -139,7 +139,8 @@ def _manifest(m: dict, at: _At, head: _Head, entries: tuple) -> Manifest:
             _check_disjoint([(o, n, e.key) for o, n, e, _ in by_file[file_id]],
                             at / "files" / file_id, f"file {f.name}")
     refs: dict = {}
-    ranks = _ranks(_get(m, "ranks", at), at / "ranks", world, [e.kind for e in entries], refs)
+    ranks = _ranks(_get(m, "ranks", at), at / "ranks", world, [e.kind for e in entries], refs,
+                   head.version >= 3)
     check_entry_keys([e.key for e in entries], refs, at / "entries")
     save_id = m.get("save_id")
     if save_id is not None:
@@ -282,7 +283,9 @@ def _shard(value: Any, at: _At, files: tuple[FileRef, ...], dtype: str,
 
 
 def _ranks(value: Any, at: _At, world: int, kinds: list[str],
-           refs: dict) -> tuple[RankTree, ...]:
+           refs: dict, shared: bool) -> tuple[RankTree, ...]:
+    """The per-rank trees; with ``shared`` (version 3), a rank's ``same`` nodes are rank 0's
+    nodes at the same path, put back before the tree is validated (format/sharing.py)."""
     ranks = _list(value, at)
     if len(ranks) != world:
         raise at.bad(f"expected one tree per rank ({world}), found {len(ranks)}")
@@ -290,8 +293,11 @@ def _ranks(value: Any, at: _At, world: int, kinds: list[str],
     for i, r in enumerate(ranks):
         r = _dict(r, at / i)
         _int(_get(r, "rank", at / i), at / i / "rank", i, i)
-        out.append(RankTree(rank=i, tree=check_tree_refs(_get(r, "tree", at / i),
-                                                         at / i / "tree", kinds, refs)))
+        tree = _get(r, "tree", at / i)
+        if shared and i:
+            tree = sharing.resolve(tree, i, [out[0].tree], f"{at / i / 'tree'}",
+                                   MAX_TREE_DEPTH)
+        out.append(RankTree(rank=i, tree=check_tree_refs(tree, at / i / "tree", kinds, refs)))
     return tuple(out)
 
 
