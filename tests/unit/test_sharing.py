@@ -1,70 +1,83 @@
-"""Per-rank subtrees equal to rank 0's are written once (format/sharing.py): the round trip gives
-the same trees, what differs stays per rank, and a forged ``same`` node is refused."""
+"""Checkpointers sharing one pipeline (``Checkpointer(share=...)``): closing the owner while a
+sharer's ``save()`` is still planning leaves nothing waiting for that save."""
 from __future__ import annotations
 
-import copy
-import json
+import threading
 
-import pytest
+import torch
+from torch import nn
 
-from datastates.errors import CorruptCheckpointError
-from datastates.format import sharing
+from datastates import CheckpointConfig, Checkpointer, CheckpointerClosedError
+from datastates.providers import ProviderRegistry
+from datastates.providers.base import StateProvider
 
-BASE = {"t": "dict", "items": [
-    ["model", {"t": "dict", "items": [["w", {"t": "tensor", "e": 0}],
-                                      ["b", {"t": "tensor", "e": 1}]]}],
-    ["rng", {"t": "provider", "name": "datastates.RNGState",
-             "state": {"t": "dict", "items": [["torch", {"t": "tensor", "e": 2}]]}}],
-    ["steps", {"t": "list", "items": [{"t": "value", "v": 1}, {"t": "value", "v": 2}]}]]}
+SMALL = CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10)
 
 
-def _rank1():
-    tree = copy.deepcopy(BASE)
-    tree["items"][1][1]["state"]["items"][0][1]["e"] = 3  # its own RNG tensor
-    return tree
+class Gate:
+    """An object whose state is handed out only once ``release`` is set: it holds ``save()``
+    in its planning for as long as the test wants."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
 
 
-def test_equal_subtrees_become_markers_and_come_back():
-    mine = _rank1()
-    written = json.loads(json.dumps(sharing.share(mine, BASE)))
-    assert written["items"][0][1] == {"t": "same", "r": 0}  # the model: shared
-    assert written["items"][2][1] == {"t": "same", "r": 0}
-    assert written["items"][1][1]["state"]["items"][0][1] == {"t": "tensor", "e": 3}
-    back = sharing.resolve(written, 1, [BASE], "m", 256)
-    assert back == mine and back["items"][0][1] is BASE["items"][0][1]
-    assert sharing.share(copy.deepcopy(BASE), BASE) == {"t": "same", "r": 0}
+class GateProvider(StateProvider):
+    name = "tests.Gate"
+
+    def can_handle(self, obj):
+        return isinstance(obj, Gate)
+
+    def state(self, obj):
+        obj.entered.set()
+        assert obj.release.wait(60), "the test never released the gate"
+        return {"open": True}
+
+    def load(self, obj, state):
+        pass
 
 
-def test_different_keys_or_lengths_are_written_in_full():
-    other = copy.deepcopy(BASE)
-    other["items"][0][1]["items"].reverse()  # same keys, another order
-    other["items"][2][1]["items"].append({"t": "value", "v": 3})
-    written = sharing.share(other, BASE)
-    assert written["items"][0][1] == other["items"][0][1]
-    assert written["items"][2][1] == other["items"][2][1]
+def _in_thread(fn) -> threading.Thread:
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    return thread
 
 
-@pytest.mark.parametrize("marker, rank, match", [
-    ({"t": "same", "r": 1}, 2, "naming rank 0"),
-    ({"t": "same", "r": 0, "x": 1}, 1, "naming rank 0"),
-    ({"t": "same", "r": "0"}, 1, "naming rank 0"),
-    ({"t": "same", "r": 0}, 0, "naming rank 0"),  # rank 0 itself cannot refer to rank 0
-])
-def test_a_forged_marker_is_refused(marker, rank, match):
-    tree = {"t": "dict", "items": [["model", marker]]}
-    with pytest.raises(CorruptCheckpointError, match=match):
-        sharing.resolve(tree, rank, [BASE], "manifest", 256)
+def test_owner_closed_while_a_sharer_plans_leaves_nothing_waiting(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    owner = Checkpointer(tmp_path / "owner", SMALL)
+    sharer = Checkpointer(tmp_path / "sharer", share=owner,
+                          registry=ProviderRegistry.default().register(GateProvider()))
+    assert sharer.save({"model": model, "opt": opt}, step=1).wait().name == "step-0000000001"
+    gate, outcome = Gate(), {}
 
+    def save():
+        try:
+            outcome["handle"] = sharer.save({"model": model, "opt": opt, "gate": gate}, step=2)
+        except CheckpointerClosedError as exc:
+            outcome["error"] = exc
 
-def test_a_marker_where_rank_0_has_no_node_is_refused():
-    tree = {"t": "dict", "items": [["elsewhere", {"t": "same", "r": 0}]]}
-    with pytest.raises(CorruptCheckpointError, match="'elsewhere'.*has no node there"):
-        sharing.resolve(tree, 1, [BASE], "manifest", 256)
-
-
-def test_depth_is_bounded():
-    deep = {"t": "value", "v": 0}
-    for _ in range(300):
-        deep = {"t": "list", "items": [deep]}
-    with pytest.raises(CorruptCheckpointError, match="deeper than 256"):
-        sharing.resolve(deep, 1, [BASE], "manifest", 256)
+    saving = _in_thread(save)
+    assert gate.entered.wait(60)  # save() is planning
+    owner.close()
+    gate.release.set()
+    saving.join(60)
+    assert not saving.is_alive()
+    assert isinstance(outcome.get("error"), CheckpointerClosedError), outcome
+    # the guarded step runs (nothing waits for the refused save) and changes the parameters
+    before = model.weight.detach().clone()
+    model(torch.ones(2, 8)).sum().backward()
+    stepping = _in_thread(opt.step)
+    stepping.join(60)
+    assert not stepping.is_alive(), "opt.step() waits for a save that will never be captured"
+    assert not torch.equal(model.weight, before)
+    closing = _in_thread(sharer.close)
+    closing.join(60)
+    assert not closing.is_alive(), "sharer.close() waits for a save that will never finish"
+    # only the first save was committed; the refused one left nothing behind
+    with Checkpointer(tmp_path / "sharer") as reader:
+        assert [i.name for i in reader.list()] == ["step-0000000001"]
+    assert sorted(p.name for p in (tmp_path / "sharer").iterdir()) == ["latest",
+                                                                       "step-0000000001"]
