@@ -36,6 +36,8 @@ def read_run(f, group: list, path: str, verify: bool) -> None:
     checked at once; any other streams through a :class:`Checker`, made when its first bytes
     land (which also raises for that region, with its message, if the quick check fails)."""
     checks: dict[int, Checker] = {}
+    if verify:
+        _check_pieces(group, path)
     for step_offset, segments in steps(group, f.step_bytes):
         f.read_into([view for _, view in segments], step_offset)
         if verify:
@@ -50,6 +52,18 @@ def read_run(f, group: list, path: str, verify: bool) -> None:
                 check.feed(view)
     for check in checks.values():
         check.finish()
+
+
+def _check_pieces(group: list, path: str) -> None:
+    """Before anything is read: every region's checksum pieces are [length, crc32] pairs of
+    integers (what :class:`Checker` refuses, it refuses here, with its message)."""
+    for r in group:
+        for piece in r.checksums:
+            if type(piece) not in (list, tuple) or len(piece) != 2 or \
+                    type(piece[0]) is not int or type(piece[1]) is not int or \
+                    piece[0] < 0 or piece[1] < 0:
+                Checker(r, path)  # raises for a piece it refuses (names it)
+                break
 
 
 def _whole_and_sound(region, view: memoryview) -> bool:
