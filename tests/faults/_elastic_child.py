@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import hashlib
 import json
 import os
 
@@ -42,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 import _crash_child
+import _resume_child
 
 #: A worker still running after this long prints every thread's stack and exits, so that a hang
 #: shows where it is (the test's own bound on the whole run is longer).
@@ -80,14 +80,7 @@ def train_one_step(state: dict, step: int, rank: int, world: int) -> None:
 
 
 def digest(state: dict) -> str:
-    h = hashlib.sha256()
-    for t in state["model"].state_dict().values():
-        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    for st in state["optim"].state_dict()["state"].values():
-        for k in sorted(st):
-            h.update(st[k].detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    h.update(repr(sorted(state["seen"].items())).encode())
-    return h.hexdigest()
+    return _resume_child.digest(state, "seen")
 
 
 def config():

@@ -36,14 +36,15 @@ def train_one_step(state: dict, step: int) -> None:
     state["extra"] = {(step, "loss"): loss.item()}
 
 
-def digest(state: dict) -> str:
+def digest(state: dict, values: str = "extra") -> str:
+    """sha256 of the model, the optimizer state and the plain values under ``values``."""
     h = hashlib.sha256()
     for t in state["model"].state_dict().values():
         h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     for st in state["optim"].state_dict()["state"].values():
         for k in sorted(st):
             h.update(st[k].detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    h.update(repr(sorted(state["extra"].items())).encode())
+    h.update(repr(sorted(state[values].items())).encode())
     return h.hexdigest()
 
 

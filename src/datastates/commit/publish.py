@@ -454,11 +454,7 @@ class ManifestPublisher(Publisher):
     def delete(self, root: str, name: str, fsync: bool) -> None:
         """Deletes ``manifest.json`` first (the checkpoint is then gone), then the prefix."""
         store = self.store
-        path = store.join(root, fmt.check_name(name))
-        manifest = store.join(path, fmt.MANIFEST)
-        if not store.isfile(manifest):
-            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}: no {manifest}; "
-                                          "nothing was removed")
+        path, manifest = self._checkpoint(root, name, "removed")
         store.remove(manifest)
         try:
             store.remove_tree(path)
@@ -467,17 +463,23 @@ class ManifestPublisher(Publisher):
                                      f"its files in {path} could not be removed: "
                                      f"{exc.strerror or exc}", exc.filename) from exc
 
+    def _checkpoint(self, root: str, name: str, done: str) -> tuple[str, str]:
+        """(prefix, manifest key) of the checkpoint ``root/name``; CheckpointNotFoundError
+        saying nothing was ``done`` unless its manifest exists."""
+        path = self.store.join(root, fmt.check_name(name))
+        manifest = self.store.join(path, fmt.MANIFEST)
+        if not self.store.isfile(manifest):
+            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}: no {manifest}; "
+                                          f"nothing was {done}")
+        return path, manifest
+
     def quarantine(self, root: str, name: str, reason: str, fsync: bool) -> str:
         """An object store renames nothing: the manifest is copied to
         ``root/.damaged.<name>.<uid>/manifest.json`` with ``reason.txt``, then deleted from the
         checkpoint (which is then gone). The shard files stay where they are, named by no
         manifest, until the cleanup of stale data removes them (``stale_tmp_age_s``)."""
         store = self.store
-        path = store.join(root, fmt.check_name(name))
-        manifest = store.join(path, fmt.MANIFEST)
-        if not store.isfile(manifest):
-            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}: no {manifest}; "
-                                          "nothing was moved")
+        _, manifest = self._checkpoint(root, name, "moved")
         aside = store.join(root, f".damaged.{name}.{uuid.uuid4().hex[:8]}")
         data = store.read_bytes(manifest, fmt.MAX_MANIFEST_BYTES)
         store.write_new(store.join(aside, fmt.MANIFEST), data, True)
