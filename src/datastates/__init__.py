@@ -12,6 +12,7 @@ Quick start::
 from .checkpointer import Checkpointer
 from .format.records import CheckpointInfo, SkippedCheckpoint
 from .config import CheckpointConfig
+from .memory import MemoryTier
 from .data import ElasticLoader, ElasticSampler
 from .commit.round import LocalCommunicator, StoreCommunicator
 from .save.capture import mark_lazy, torch_optimizer
@@ -19,7 +20,7 @@ from .save.job import SaveHandle, SaveStats
 from .providers.tree import TensorShard
 from .errors import (CheckpointerClosedError, CheckpointExistsError, CheckpointNotFoundError,
                      CheckpointWriteError, CommitError, CommitTimeoutError, ConfigError, CorruptCheckpointError,
-                     DatastatesError, ReshardError, RestoreAbortedError, SerializationError,
+                     DatastatesError, KeeperError, ReshardError, RestoreAbortedError, SerializationError,
                      StateMismatchError,
                      BucketNotFoundError, StorageAccessError, StorageError,
                      UnsafeObjectError, UnsupportedFormatError)
@@ -37,7 +38,7 @@ __all__ = [
     "Capture", "CheckpointConfig", "CheckpointerClosedError", "CheckpointExistsError", "CheckpointInfo",
     "CheckpointNotFoundError", "CheckpointWriteError", "Checkpointer", "CommitError",
     "CommitTimeoutError", "ConfigError", "ElasticLoader", "ElasticSampler", "LocalCommunicator", "StoreCommunicator", "CorruptCheckpointError", "DatastatesError",
-    "ModuleProvider", "NumpyRandomProvider", "OptimizerProvider", "Preemption", "ProviderRegistry", "RNGState", "RNGStateProvider",
+    "KeeperError", "MemoryTier", "ModuleProvider", "NumpyRandomProvider", "OptimizerProvider", "Preemption", "ProviderRegistry", "RNGState", "RNGStateProvider",
     "ReshardError", "RestoreAbortedError", "RestoreReport", "SaveHandle", "SaveStats", "SerializationError",
     "SkippedCheckpoint",
     "StateMismatchError", "StateProvider", "StorageAccessError", "StorageError", "BucketNotFoundError", "StatefulProvider", "TensorShard", "UnsafeObjectError",

@@ -19,7 +19,8 @@ from .commit.publish import publisher_for
 from .commit.retention import RetentionPolicy
 from .commit.round import LocalCommunicator, StoreCommunicator
 from .config import CheckpointConfig
-from .errors import CheckpointerClosedError, CommitTimeoutError, ConfigError
+from .errors import (CheckpointerClosedError, CheckpointNotFoundError, CommitTimeoutError,
+                     ConfigError)
 from .format import codec as fmt
 from .format.records import CheckpointInfo, info_of
 from .providers import ProviderRegistry
@@ -112,12 +113,26 @@ class Checkpointer:
         cfg = self.config
         self._retention = RetentionPolicy(cfg.keep_last, cfg.keep_every, cfg.keep_best,
                                           cfg.best_metric, cfg.best_mode)
+        #: The memory tier (``config.memory_tier``; docs/memory-tier.md): the Checkpointer of
+        #: the checkpoints kept in shared memory, or None. A Checkpointer made with ``share=``
+        #: has none of its own.
+        self.memory: Checkpointer | None = None
+        self._tiers = None
+        if cfg.memory_tier is not None and share is None:
+            from .memory.tiers import Tiers
+            try:
+                self._tiers = Tiers(self, cfg.memory_tier)
+            except BaseException:
+                self.close()
+                raise
+            self.memory = self._tiers.memory
 
     # ------------------------------------------------------------ save
     def save(self, state: Any, step: int | None = None, *, tag: str | None = None,
              metadata: dict | None = None, overwrite: bool = False,
              replicated: bool | Iterable[str] = False,
-             optimizers: Iterable[Any] = (), metrics: dict | None = None) -> SaveHandle:
+             optimizers: Iterable[Any] = (), metrics: dict | None = None,
+             persist: bool | None = None) -> SaveHandle:
         """Start a checkpoint of ``state`` and return its handle.
 
         ``state`` is any nesting of dicts/lists/tuples, tensors, modules, optimizers, objects
@@ -148,7 +163,20 @@ class Checkpointer:
         Multi-rank: every rank must make the same saves (same name and step) in the same order;
         a save that one rank skips, names differently, or fails (even inside this call) fails on
         every rank within ``commit_timeout_s`` with a CommitError, and the next saves proceed.
+
+        ``persist`` (with ``config.memory_tier``): False commits the save into the memory tier,
+        True into the directory (storage); None lets ``MemoryTier.persist_every`` decide (a
+        tag goes to storage). Without a memory tier every save goes to storage, and
+        ``persist=False`` raises ConfigError.
         """
+        if self._tiers is not None and not self._tiers.goes_to_storage(step, persist):
+            return self.memory.save(state, step, tag=tag, metadata=metadata,
+                                    overwrite=overwrite, replicated=replicated,
+                                    optimizers=optimizers, metrics=metrics)
+        if persist is False and self._tiers is None:
+            raise ConfigError("save(persist=False) keeps a checkpoint in the memory tier; this "
+                              "Checkpointer has none (CheckpointConfig(memory_tier="
+                              "MemoryTier()))")
         t0 = time.perf_counter()
         self._check_open()
         if step is None and tag is None:
@@ -271,12 +299,16 @@ class Checkpointer:
     def wait(self) -> list[CheckpointInfo]:
         """Wait for every in-flight save; raise the first failure."""
         pending, errors, infos = list(self._pending), [], []
+        if self.memory is not None:  # both tiers' saves, in the order they were made
+            pending = sorted(pending + self.memory._pending, key=lambda h: h._job.t0)
         for handle in pending:
             try:
                 infos.append(handle.wait())
             except BaseException as exc:
                 errors.append(exc)
         self._prune()
+        if self.memory is not None:
+            self.memory._prune()
         if errors:
             raise errors[0]
         return infos
@@ -338,7 +370,21 @@ class Checkpointer:
         checkpoint left raises CheckpointNotFoundError. Damage found once live state is being
         written (the files changed after the check) raises CorruptCheckpointError, never a
         fallback (datastates/restore/resume.py).
+
+        With ``config.memory_tier``: the checkpoint asked for, or the newest (the highest step of
+        either tier; memory on a tie), is read from memory when memory holds it, always as with
+        ``fallback=True`` there; when no memory checkpoint is intact on every rank, every rank
+        restores from storage instead (a WARNING says so). ``report.tier`` says which.
         """
+        if self._tiers is not None:
+            report = self._from_memory(
+                step, tag, lambda: self.memory.restore(
+                    state, step, tag=tag, keys=keys, strict=strict, trusted=trusted,
+                    safe_globals=safe_globals, rank_policy=rank_policy, cast=cast,
+                    fallback=step is None and tag is None, verify=True))
+            if report is not None:
+                report.tier = "memory"
+                return report
         passed: list[DamagedCheckpoint] = []
         if fallback:
             return self._with_fallback(
@@ -361,7 +407,15 @@ class Checkpointer:
         tensor to it with ``Tensor.to`` (integer, bool and complex tensors, and NumPy arrays,
         stay as saved). Like ``restore``, first waits for the saves in flight on this pipeline.
         ``fallback=True``: the newest checkpoint every rank reads intact, as for ``restore``
-        (the skipped ones are in the WARNINGs only)."""
+        (the skipped ones are in the WARNINGs only). With ``config.memory_tier``, the tier is
+        chosen as for ``restore``."""
+        if self._tiers is not None:
+            loaded = self._from_memory(step, tag, lambda: self.memory.load(
+                step, tag=tag, keys=keys, map_location=map_location, trusted=trusted,
+                safe_globals=safe_globals, rank_policy=rank_policy, dtype=dtype,
+                fallback=step is None and tag is None, verify=True))
+            if loaded is not None:
+                return loaded
         if fallback:
             return self._with_fallback(
                 step, tag, trusted, safe_globals, map_location, rank_policy, "load()", None,
@@ -370,6 +424,21 @@ class Checkpointer:
         with self._reader(step, tag, verify, trusted, safe_globals, map_location,
                           rank_policy) as reader:
             return reader.load(keys=keys, dtype=dtype)
+
+    def _from_memory(self, step, tag, read):
+        """``read()`` from the memory tier if it holds what is asked for (every rank agrees);
+        None to read storage: memory does not hold it, or no memory checkpoint is intact."""
+        self._check_open()
+        self._pipeline.drain()
+        storage = self._storage_latest() if step is None and tag is None else None
+        if not self._tiers.restore_from_memory(step, tag, storage):
+            return None
+        try:
+            return read()
+        except CheckpointNotFoundError as exc:
+            log.warning("no memory checkpoint is intact on every rank (%s); restoring from "
+                        "storage %s", exc, self.directory)
+            return None
 
     def _reader(self, step, tag, verify, trusted, safe_globals, map_location, rank_policy,
                 caller: str = "load()", passed: list | None = None) -> Reader:
@@ -458,7 +527,14 @@ class Checkpointer:
         (:meth:`Catalog.passed_over`) is named in a WARNING on the ``datastates`` logger, with
         why it is damaged and which checkpoint is used instead (``restore()`` and ``load()`` of
         the latest do the same). The next save of a damaged checkpoint's name moves it aside
-        and commits, so the resume loop keeps running."""
+        and commits, so the resume loop keeps running.
+
+        With ``config.memory_tier``: the newer of storage's and the memory tier's (the higher
+        step; memory on a tie), which is what ``restore()`` reads."""
+        newest = self._storage_latest()
+        return self._tiers.newest(newest) if self._tiers is not None else newest
+
+    def _storage_latest(self) -> CheckpointInfo | None:
         if not self.store.isdir(self.directory):
             return None
         found = self._catalog.scan()
@@ -492,12 +568,18 @@ class Checkpointer:
             retention.delete(self.directory, name, self.config.fsync, self.store)
 
     # ------------------------------------------------------------ lifecycle
-    def close(self) -> None:
+    def close(self, stop_keeper: bool = False) -> None:
         """Wait for in-flight saves, stop the threads, free the host cache (idempotent).
 
-        Failures of saves nobody awaited are re-issued as warnings, never lost."""
+        Failures of saves nobody awaited are re-issued as warnings, never lost. With
+        ``config.memory_tier``, rank 0 then detaches from the keeper, which writes the newest
+        memory checkpoint to storage if storage lacks its step (``persist_on_exit``) and keeps
+        the memory for a trainer that attaches within ``idle_timeout_s``; ``stop_keeper=True``
+        (the job is over) makes it write and then remove the memory and end at once."""
         if self._closed:
             return
+        if self._tiers is not None:
+            self._tiers.close(stop_keeper)
         self._closed = True  # from here on save/restore/load raise CheckpointerClosedError
         for handle in list(self._pending):
             handle._job.finished.wait()

@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .errors import ConfigError
+from .memory.options import MemoryTier
 
 _ALIGN = 4096
 
@@ -76,6 +77,10 @@ class CheckpointConfig:
     #: them, naming the key, so no checkpoint holds what a default restore cannot read. True:
     #: they are saved, and restore()/load() need trusted=True (or safe_globals=[...]).
     allow_unsafe_objects: bool = False
+    #: Keep checkpoints in shared memory, owned by a keeper process that outlives the trainer,
+    #: and write every ``persist_every``-th to the directory (docs/memory-tier.md). None: every
+    #: save goes to the directory.
+    memory_tier: MemoryTier | None = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, what: str) -> None:
@@ -109,6 +114,8 @@ class CheckpointConfig:
              f"lazy in ('auto', 'always', 'never'), found {self.lazy!r}")
         need(isinstance(self.allow_unsafe_objects, bool),
              f"allow_unsafe_objects True or False, found {self.allow_unsafe_objects!r}")
+        need(self.memory_tier is None or isinstance(self.memory_tier, MemoryTier),
+             f"memory_tier None or a MemoryTier, found {self.memory_tier!r}")
 
     def _check_best(self, need) -> None:
         """The fields of retention by metric: ``keep_best`` >= 1 needs ``best_metric``."""

@@ -105,3 +105,8 @@ def write_error(rank: int, what: str, exc: BaseException) -> BaseException:
         error.filename = exc.filename
     error.__cause__ = exc
     return error
+
+
+class KeeperError(DatastatesError, RuntimeError):
+    """The memory tier's keeper process could not be started, reached or trusted (its memory
+    directory is not this user's private directory, it did not answer in time)."""

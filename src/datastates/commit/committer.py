@@ -92,7 +92,7 @@ def commit_save(comm, target: SaveTarget, report: RankReport, metadata: dict,
             info = state.info or _named_here(target, verdict.info)
         except CommitError as exc:  # a committed verdict naming no checkpoint
             return Outcome(error=exc)
-        _after_commit(target, info, state.published)
+        after_commit(target, info, state.published)
         return Outcome(info=info)
     own_error = own_error or state.failure
     error = own_error
@@ -208,7 +208,7 @@ def _named_here(target: SaveTarget, info: CheckpointInfo | None) -> CheckpointIn
     return dataclasses.replace(info, name=target.name, path=target.path, step=target.step)
 
 
-def _after_commit(target: SaveTarget, info: CheckpointInfo, published: Published | None) -> None:
+def after_commit(target: SaveTarget, info: CheckpointInfo, published: Published | None) -> None:
     """Every rank records the checkpoint in its catalog; rank 0 then moves ``latest`` and applies
     retention. The checkpoint is committed whatever happens here: a failure to move ``latest``
     (readers fall back to the newest manifest) or to apply retention is a warning naming what

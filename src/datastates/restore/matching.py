@@ -61,6 +61,8 @@ class RestoreReport:
     #: bytes re-read and checked before live state was touched (``fallback=True``), and seconds
     verified_nbytes: int = 0
     verify_s: float = 0.0
+    #: where it was read from: "storage" (the directory), or "memory" (the memory tier)
+    tier: str = "storage"
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""Command line: ``datastates list | inspect | verify | export | import | check-resume`` (also
-``python -m datastates ...``).
+"""Command line: ``datastates list | inspect | verify | export | import | check-resume |
+keeper`` (also ``python -m datastates ...``).
 
 Exit codes scripts can rely on: 0 success; 1 an error (damaged checkpoint, missing path, bad
 input: one line on stderr, starting with ``error:``, says what and where; no traceback); 2 wrong
@@ -80,7 +80,33 @@ def _parser() -> argparse.ArgumentParser:
                    help="allow unpickling: Python objects of a torch.save file, and a stock DCP "
                         "folder (its metadata is a pickle); only for files you trust")
     _add_check_resume(sub)
+    _add_keeper(sub)
     return parser
+
+
+def _add_keeper(sub) -> None:
+    p = sub.add_parser("keeper", help="run the memory tier's keeper of a job (docs/memory-tier.md)"
+                                      "; --status, --persist or --stop talk to a running one")
+    p.add_argument("path", help="the job's checkpoint directory (the storage tier)")
+    p.add_argument("--root", default=None, help="the shared-memory root (default /dev/shm)")
+    p.add_argument("--idle-timeout", type=float, default=None,
+                   help="end after this many seconds without a trainer (default 300)")
+    p.add_argument("--no-persist", action="store_true",
+                   help="do not write the newest memory checkpoint to storage when the trainer "
+                        "dies, detaches or the keeper ends")
+    act = p.add_mutually_exclusive_group()
+    act.add_argument("--status", action="store_true", help="print the running keeper's state")
+    act.add_argument("--persist", action="store_true",
+                     help="make the running keeper write the newest memory checkpoint to storage")
+    act.add_argument("--stop", action="store_true",
+                     help="make the running keeper persist, remove the memory and end")
+    p.add_argument("--options", help=argparse.SUPPRESS)          # a spawning trainer's MemoryTier
+    p.add_argument("--storage-config", help=argparse.SUPPRESS)   # ... and its retention, fsync
+
+
+def _keeper(args) -> int:
+    from .keeper import run_command
+    return run_command(args)
 
 
 def _add_check_resume(sub) -> None:
@@ -251,7 +277,7 @@ def _import(args) -> int:
 
 
 _COMMANDS = {"list": _list, "inspect": _inspect, "verify": _verify, "export": _export,
-             "import": _import, "check-resume": _check_resume}
+             "import": _import, "check-resume": _check_resume, "keeper": _keeper}
 
 
 def _table(rows) -> None:

@@ -1,0 +1,274 @@
+"""The keeper: one process per node that owns a job's memory tier and outlives its trainers.
+
+It holds the memory directory's lock for its whole life (``place.py``), listens on its socket
+for the trainer's rank 0 and serves, one request at a time, JSON lines:
+
+- ``{"op": "attach", "pid": P}``: a trainer starts using the memory (answered once any write to
+  storage in progress is done, so a restarted trainer never lists storage while the keeper
+  commits into it);
+- ``{"op": "detach"}``: it stops (``Checkpointer.close()``); ``{"op": "stop"}`` as well, and the
+  keeper then ends at once;
+- ``{"op": "persist"}``: write the newest memory checkpoint to storage now (``persist.py``);
+- ``{"op": "status"}``: pid, trainers attached, memory checkpoints.
+
+A connection of an attached trainer that closes without ``detach`` is a dead trainer. When the
+last attached trainer is gone (dead or detached), the keeper writes the newest memory checkpoint
+to storage if storage lacks that step (``persist_on_exit``), then waits ``idle_timeout_s`` for a
+trainer to attach again. SIGTERM or SIGINT: it waits up to ``grace_s`` for attached trainers to
+detach, persists the same way, and ends. Ending, it removes the memory directory (the memory
+checkpoints, the lock) and nothing else; if a trainer is still attached (the grace ran out), it
+leaves the directory to that trainer, whose ``close()`` persists and removes it. It imports no CUDA state: it only copies files.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import time
+
+from ..commit.publish import publisher_for
+from ..commit.round import new_run_id
+from ..config import CheckpointConfig
+from ..storage import LOCAL
+from ..storage.posix import remove_tree
+from . import place
+from .options import MemoryTier
+from .persist import persist_newest
+
+log = logging.getLogger("datastates")
+
+_MAX_LINE = 1 << 16
+
+
+class _Conn:
+    def __init__(self, sock: socket.socket):
+        self.sock, self.buffer = sock, b""
+        self.pid: int | None = None  # set by attach
+        self.detached = False
+
+
+class Keeper:
+    """Serve one job's memory tier until it is stopped or idle (``run``)."""
+
+    def __init__(self, storage_dir: str, tier: MemoryTier, config: CheckpointConfig):
+        self.storage = os.path.abspath(storage_dir)
+        self.tier, self.config = tier, config
+        self.memdir = place.memory_dir(tier.root, self.storage)
+        self.ckpt = os.path.join(self.memdir, place.CKPT)
+        self.run_id = new_run_id()
+        self._conns: dict[int, _Conn] = {}
+        self._stopping = False
+        self._term_at: float | None = None
+        self._idle_since: float | None = time.monotonic()
+        self._sel = selectors.DefaultSelector()
+
+    # ------------------------------------------------------------ lifecycle
+    def run(self) -> int:
+        """Serve until stopped or idle; 0 also when another keeper already serves this job."""
+        place.ensure_private_dir(self.memdir)
+        lock = place.open_lock(self.memdir)
+        if not place.take_lock(lock):
+            log.info("keeper: another keeper serves %s; exiting", self.memdir)
+            os.close(lock)
+            return 0
+        log.info("keeper %d: serving %s for %s", os.getpid(), self.memdir, self.storage)
+        if os.path.isdir(self.ckpt):  # what a trainer that died mid-save left
+            publisher_for(LOCAL).clean_stale(self.ckpt, self.config.stale_tmp_age_s)
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            server.bind(place.socket_address(self.memdir))
+            server.listen(16)
+            self._sel.register(server, selectors.EVENT_READ, "accept")
+            self._sel.register(wake_r, selectors.EVENT_READ, "signal")
+            previous = {s: signal.signal(s, lambda *_: _wake(wake_w))
+                        for s in (signal.SIGTERM, signal.SIGINT)}
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the trainer's terminal closing
+            try:
+                self._serve(server, wake_r)
+            finally:
+                for s, h in previous.items():
+                    signal.signal(s, h)
+            self._finish()
+        finally:
+            server.close()
+            for conn in self._conns.values():
+                conn.sock.close()
+            os.close(wake_r)
+            os.close(wake_w)
+            self._sel.close()
+            os.close(lock)  # after the memory is removed: a new keeper never sees it half gone
+        return 0
+
+    def _serve(self, server: socket.socket, wake_r: int) -> None:
+        while not self._stopping:
+            for key, _ in self._sel.select(self._timeout()):
+                if key.data == "accept":
+                    self._accept(server)
+                elif key.data == "signal":
+                    os.read(wake_r, 64)
+                    if self._term_at is None:
+                        log.info("keeper: SIGTERM/SIGINT; waiting up to %.0f s for %d trainer(s)"
+                                 " to detach", self.tier.grace_s, self._attached())
+                        self._term_at = time.monotonic()
+                else:
+                    self._read(key.data)
+            now = time.monotonic()
+            if self._term_at is not None and (not self._attached() or
+                                              now - self._term_at >= self.tier.grace_s):
+                self._stopping = True
+            if (self._idle_since is not None and not self._attached() and
+                    now - self._idle_since >= self.tier.idle_timeout_s):
+                log.info("keeper: no trainer for %.0f s; ending", self.tier.idle_timeout_s)
+                self._stopping = True
+
+    def _timeout(self) -> float:
+        waits = [self.tier.idle_timeout_s]
+        if self._idle_since is not None:
+            waits.append(self.tier.idle_timeout_s - (time.monotonic() - self._idle_since))
+        if self._term_at is not None:
+            waits.append(self.tier.grace_s - (time.monotonic() - self._term_at))
+        return max(0.0, min(waits))
+
+    def _finish(self) -> None:
+        if self.tier.persist_on_exit and not self._persist("ending")["ok"]:
+            log.error("keeper %d: the memory in %s is kept (storage lacks its newest step); a "
+                      "trainer or keeper started for %s writes it there", os.getpid(),
+                      self.memdir, self.storage)
+            return
+        if self._attached():  # the grace ran out: a trainer still saves into the memory
+            log.warning("keeper %d: ending with %d trainer(s) attached; the memory directory is "
+                        "left to them (their close() writes it to storage and removes it)",
+                        os.getpid(), self._attached())
+            return
+        remove_tree(self.ckpt)
+        try:
+            os.unlink(os.path.join(self.memdir, place.LOCK))
+            os.rmdir(self.memdir)
+        except OSError as exc:
+            log.warning("keeper: could not remove the memory directory %s: %s", self.memdir, exc)
+        log.info("keeper %d: memory removed, exiting", os.getpid())
+
+    # ------------------------------------------------------------ connections
+    def _attached(self) -> int:
+        return sum(1 for c in self._conns.values() if c.pid is not None and not c.detached)
+
+    def _accept(self, server: socket.socket) -> None:
+        sock, _ = server.accept()
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        uid = int.from_bytes(creds[4:8], "little")
+        if uid != os.getuid():
+            log.warning("keeper: refused a connection of uid %d", uid)
+            sock.close()
+            return
+        self._conns[sock.fileno()] = _Conn(sock)
+        self._sel.register(sock, selectors.EVENT_READ, self._conns[sock.fileno()])
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            self._gone(conn)
+            return
+        conn.buffer += data
+        while b"\n" in conn.buffer:
+            line, conn.buffer = conn.buffer.split(b"\n", 1)
+            self._answer(conn, line)
+        if len(conn.buffer) > _MAX_LINE:
+            log.warning("keeper: a request over %d bytes; closing that connection", _MAX_LINE)
+            self._gone(conn)
+
+    def _gone(self, conn: _Conn) -> None:
+        self._sel.unregister(conn.sock)
+        del self._conns[conn.sock.fileno()]
+        conn.sock.close()
+        if conn.pid is not None and not conn.detached:
+            log.warning("keeper: trainer %d ended without detaching", conn.pid)
+            self._last_left("trainer %d died" % conn.pid)
+
+    def _last_left(self, why: str) -> None:
+        if self._attached():
+            return
+        if self.tier.persist_on_exit:
+            self._persist(why)
+        self._idle_since = time.monotonic()
+
+    def _answer(self, conn: _Conn, line: bytes) -> None:
+        try:
+            request = json.loads(line)
+            op = request["op"]
+        except (ValueError, KeyError, TypeError):
+            self._send(conn, {"ok": False, "error": f"not a request: {line[:200]!r}"})
+            return
+        if op == "attach":
+            if self._term_at is not None:
+                self._send(conn, {"ok": False, "error": "the keeper is ending (SIGTERM)"})
+                return
+            conn.pid, conn.detached = int(request.get("pid", 0)), False
+            self._idle_since = None
+            log.info("keeper: trainer %d attached", conn.pid)
+            self._send(conn, {"ok": True, "pid": os.getpid(), "memory": self.memdir})
+        elif op in ("detach", "stop"):
+            was = conn.pid is not None and not conn.detached
+            conn.detached = True
+            self._send(conn, {"ok": True})
+            if op == "stop":
+                self._stopping = True
+            elif was:
+                self._last_left("trainer %d detached" % conn.pid)
+        elif op == "persist":
+            self._send(conn, self._persist("asked"))
+        elif op == "status":
+            self._send(conn, {"ok": True, "pid": os.getpid(), "attached": self._attached(),
+                              "memory": self.memdir, "storage": self.storage})
+        else:
+            self._send(conn, {"ok": False, "error": f"unknown op {op!r}"})
+
+    def _send(self, conn: _Conn, reply: dict) -> None:
+        try:
+            conn.sock.sendall(json.dumps(reply).encode() + b"\n")
+        except OSError as exc:
+            log.info("keeper: could not answer a trainer: %s", exc)
+
+    def _persist(self, why: str) -> dict:
+        try:
+            info = persist_newest(self.ckpt, self.storage, self.config, self.run_id)
+        except Exception as exc:  # noqa: BLE001 - logged and answered; the keeper keeps serving
+            log.error("keeper (%s): writing the newest memory checkpoint to %s failed: %r", why,
+                      self.storage, exc)
+            return {"ok": False, "error": repr(exc)}
+        if info is None:
+            log.info("keeper (%s): storage already holds the newest step", why)
+            return {"ok": True, "persisted": None}
+        log.info("keeper (%s): committed %s to %s", why, info.name, self.storage)
+        return {"ok": True, "persisted": info.name}
+
+
+def _wake(fd: int) -> None:
+    try:
+        os.write(fd, b"x")
+    except OSError:
+        pass
+
+
+def main(storage_dir: str, tier: MemoryTier, config: CheckpointConfig, log_path: str) -> int:
+    """The ``datastates keeper`` command: serve in the foreground, logging to ``log_path``
+    (a trainer that spawns a keeper runs this in a session of its own)."""
+    handler = logging.FileHandler(log_path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        return Keeper(storage_dir, tier, config).run()
+    except Exception:
+        log.exception("keeper: failed")
+        return 1
+    finally:
+        log.removeHandler(handler)
+        handler.close()

@@ -1,0 +1,141 @@
+"""The keeper writes a memory checkpoint to storage through the commit protocol.
+
+:func:`persist_newest` takes the newest committed checkpoint of the memory root; if storage
+holds no checkpoint of that step (or a newer one), it checks every byte of it
+(``verify_checkpoint``: headers, indexes, every checksum, so a damaged memory checkpoint is never
+made durable), copies its shard files into a temporary of the storage root that this process
+owns (a lease, as a trainer's save has), fsyncs them, and commits it there as a save of one
+process would: the manifest numbered after storage's newest, written last, the directory
+renamed into place, ``latest`` moved, retention applied. A crash at any instant leaves storage
+as it was, apart from a temporary the next cleanup removes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import time
+
+from ..commit.catalog import Catalog
+from ..commit.committer import SaveTarget, after_commit, publish_numbered
+from ..commit.publish import publisher_for
+from ..commit.retention import RetentionPolicy
+from ..commit.round import SaveId, new_run_id
+from ..config import CheckpointConfig
+from ..format.records import CheckpointInfo
+from ..providers import ProviderRegistry
+from ..restore.reader import Reader
+from ..restore.verify import verify_checkpoint
+from ..storage import LOCAL, fsync_dir
+
+log = logging.getLogger("datastates")
+
+_COPY_CHUNK = 64 << 20
+
+
+def _order(info: CheckpointInfo) -> int:
+    return -1 if info.step is None else info.step
+
+
+def due(memory: list[CheckpointInfo], storage: list[CheckpointInfo]) -> CheckpointInfo | None:
+    """The memory checkpoint to persist: the newest one, unless storage has its step or a newer
+    one (or a checkpoint of its name)."""
+    if not memory:
+        return None
+    newest = memory[-1]
+    if any(_order(s) >= _order(newest) or s.name == newest.name for s in storage):
+        return None
+    return newest
+
+
+def persist_newest(memory_root: str, storage_root: str, config: CheckpointConfig,
+                   run_id: str | None = None) -> CheckpointInfo | None:
+    """Persist the memory checkpoint :func:`due` names; return what storage committed, or None
+    when nothing was due. Raises what the check, the copy or the commit raised (storage is
+    unchanged but for a temporary)."""
+    memory = Catalog(memory_root, LOCAL).scan() if os.path.isdir(memory_root) else []
+    storage = Catalog(storage_root, LOCAL).scan() if os.path.isdir(storage_root) else []
+    info = due(memory, storage)
+    if info is None:
+        return None
+    return copy_commit(info, storage_root, config, run_id or new_run_id())
+
+
+def copy_commit(info: CheckpointInfo, root: str, config: CheckpointConfig,
+                run_id: str) -> CheckpointInfo:
+    """Commit a copy of the committed checkpoint ``info`` into the storage root ``root``."""
+    t0 = time.perf_counter()
+    with Reader(info.path, registry=ProviderRegistry.default(), verify=True, store=LOCAL,
+                world_size=info.world_size, rank_policy="rank0") as reader:
+        manifest = reader.manifest
+        verify_checkpoint(reader)
+    publisher = publisher_for(LOCAL)
+    try:
+        publisher.check_root(root)
+        LOCAL.makedirs(root, config.fsync)
+        publisher.hold(root, run_id, config.fsync)
+        tmp = publisher.tmp_location(root, info.name, run_id, 0)
+        LOCAL.makedirs(tmp, False)
+        try:
+            for ref in manifest.files:
+                _copy_file(os.path.join(info.path, ref.name), os.path.join(tmp, ref.name),
+                           ref.nbytes, config.fsync)
+            if config.fsync:
+                fsync_dir(tmp)
+            catalog = Catalog(root, LOCAL)
+            target = SaveTarget(
+                sid=SaveId(run_id, info.name, info.step, 0, run_id[:24], 0), name=info.name,
+                step=info.step, root=root, tmp=tmp, rank=0, store=LOCAL, overwrite=False,
+                deadline=time.monotonic() + config.commit_timeout_s,
+                timeout_s=config.commit_timeout_s, fsync=config.fsync, replica_check=False,
+                retention=RetentionPolicy(config.keep_last, config.keep_every, config.keep_best,
+                                          config.best_metric, config.best_mode),
+                catalog=catalog)
+            published = publish_numbered(target, dataclasses.replace(manifest))
+        except BaseException:
+            publisher.discard(tmp, 0, keep_file=False)
+            raise
+        after_commit(target, published.info, published)
+    finally:
+        publisher.close()
+    log.info("persisted the memory checkpoint %s (%d bytes) to %s in %.2f s", info.name,
+             manifest.nbytes, root, time.perf_counter() - t0)
+    return published.info
+
+
+def _copy_file(src: str, dst: str, nbytes: int, fsync: bool) -> None:
+    """Copy ``nbytes`` of ``src`` (a regular file of exactly that size) into a new ``dst``."""
+    fd_in = os.open(src, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd_in).st_size
+        if size != nbytes:
+            raise OSError(f"{src} has {size} bytes, its manifest says {nbytes}")
+        fd_out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            done, same_fs = 0, True
+            while done < nbytes:
+                count = min(_COPY_CHUNK, nbytes - done)
+                if same_fs:
+                    try:
+                        n = os.copy_file_range(fd_in, fd_out, count, done, done)
+                    except OSError as exc:  # from tmpfs to a disk: not across file systems
+                        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL,
+                                             errno.EOPNOTSUPP):
+                            raise
+                        same_fs = False
+                        continue
+                else:
+                    os.lseek(fd_out, done, os.SEEK_SET)
+                    n = os.sendfile(fd_out, fd_in, done, count)
+                if n == 0:
+                    raise OSError(f"{src} ended at {done} bytes, expected {nbytes}")
+                done += n
+            if fsync:
+                os.fsync(fd_out)
+        finally:
+            os.close(fd_out)
+    finally:
+        os.close(fd_in)
+
+

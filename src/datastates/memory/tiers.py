@@ -1,0 +1,133 @@
+"""The Checkpointer's side of the memory tier: open it, send each save to its tier, choose the
+tier a restore reads from (docs/memory-tier.md).
+
+A Checkpointer configured with ``memory_tier`` holds a second Checkpointer, ``memory``, on the
+memory root (``<memdir>/ckpt``) that shares its pipeline (host cache, threads, communicator), so
+a memory save is the same lazy capture and the same commit protocol as a save to storage, only
+into shared memory. Every rank must be on one node: the memory root is one directory that every
+rank's shard goes into (checked at construction).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import TYPE_CHECKING
+
+from ..commit.retention import RetentionPolicy
+from ..errors import ConfigError, KeeperError
+from ..format.records import CheckpointInfo
+from ..storage import is_url
+from ..storage.posix import remove_tree
+from . import place
+from .link import KeeperLink
+from .options import MemoryTier
+from .persist import persist_newest
+
+if TYPE_CHECKING:
+    from ..checkpointer import Checkpointer
+
+log = logging.getLogger("datastates")
+
+
+def order(info: CheckpointInfo | None) -> int:
+    """What "newer" means across the tiers: the step (a tag counts as older than any step)."""
+    return -2 if info is None else -1 if info.step is None else info.step
+
+
+class Tiers:
+    """The memory tier of one Checkpointer (``outer``): its memory Checkpointer, and on rank 0
+    the keeper link."""
+
+    def __init__(self, outer: "Checkpointer", tier: MemoryTier):
+        from ..checkpointer import Checkpointer
+
+        if is_url(outer.directory):
+            raise ConfigError("the memory tier writes its checkpoints to a local directory; "
+                              f"found the storage {outer.directory!r}")
+        self.tier, self.outer = tier, outer
+        self.memdir = place.memory_dir(tier.root, outer.directory)
+        self.link: KeeperLink | None = None
+        error = None
+        if outer.rank == 0:
+            try:
+                self.link = KeeperLink.open(outer.directory, tier, outer.config)
+            except (KeeperError, OSError) as exc:
+                error = exc
+        timeout = tier.start_timeout_s + outer.config.commit_timeout_s
+        try:
+            answers = outer.comm.exchange("memory-tier", {
+                "host": socket.gethostname(), "memdir": self.memdir,
+                "error": None if error is None else f"{type(error).__name__}: {error}"}, timeout)
+        except TimeoutError as exc:
+            self._drop()
+            raise KeeperError(f"rank {outer.rank}: the ranks did not all open the memory "
+                              f"tier: {exc}") from None
+        if error is not None:
+            raise error
+        if answers[0]["error"]:
+            raise KeeperError(f"rank 0 could not attach to the memory keeper: "
+                              f"{answers[0]['error']}")
+        hosts = sorted({a["host"] for a in answers.values()})
+        if len(hosts) > 1 or any(a["memdir"] != self.memdir for a in answers.values()):
+            self._drop()
+            raise ConfigError(f"the memory tier needs every rank on one node (one memory "
+                              f"directory for the job); found the hosts {hosts}")
+        try:
+            self.memory = Checkpointer(os.path.join(self.memdir, place.CKPT), share=outer)
+        except BaseException:
+            self._drop()
+            raise
+        # A tier of its own: the newest keep_last plus the one being written.
+        self.memory._retention = RetentionPolicy(tier.keep_last, None, None, None, "min")
+
+    def goes_to_storage(self, step: int | None, persist: bool | None) -> bool:
+        return self.tier.goes_to_storage(step, persist)
+
+    def newest(self, storage: CheckpointInfo | None) -> CheckpointInfo | None:
+        """The newer of ``storage`` (storage's newest) and the memory's newest; memory on a tie."""
+        memory = self.memory.latest()
+        return memory if memory is not None and order(memory) >= order(storage) else storage
+
+    def restore_from_memory(self, step: int | None, tag: str | None,
+                            storage: CheckpointInfo | None) -> bool:
+        """Whether this restore reads the memory tier: it holds the checkpoint asked for, or,
+        for the latest, a step at least as new as storage's newest. Rank 0 decides for every
+        rank (through the store)."""
+        if step is None and tag is None:
+            memory = self.memory.latest()
+            mine = memory is not None and order(memory) >= order(storage)
+        else:
+            mine = any(i.name == _name(step, tag) for i in self.memory.list())
+        answers = self.outer.comm.exchange("restore-tier", bool(mine),
+                                           self.outer.config.commit_timeout_s)
+        return bool(answers[0])
+
+    def close(self, stop: bool) -> None:
+        """After the memory Checkpointer closed: detach from the keeper (rank 0). A keeper that
+        is gone cannot write the memory to storage any more: rank 0 does it here (when
+        ``persist_on_exit``), then removes the memory directory if no keeper took it over."""
+        self.memory.close()
+        if self.link is None:
+            return
+        lost = self.link.lost
+        self.link.close(stop=stop)
+        if lost and not place.keeper_running(self.memdir):
+            if self.tier.persist_on_exit:
+                try:
+                    persist_newest(os.path.join(self.memdir, place.CKPT), self.outer.directory,
+                                   self.outer.config)
+                except Exception as exc:  # noqa: BLE001 - reported; storage is as it was
+                    log.error("datastates: writing the newest memory checkpoint to %s failed: "
+                              "%r", self.outer.directory, exc)
+                    return  # the memory is kept: a later keeper may persist it
+            remove_tree(self.memdir)
+
+    def _drop(self) -> None:
+        if self.link is not None:
+            self.link.close()
+
+
+def _name(step: int | None, tag: str | None) -> str:
+    from ..format import codec as fmt
+    return tag if tag is not None else fmt.step_name(step)

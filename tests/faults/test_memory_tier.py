@@ -1,0 +1,295 @@
+"""The memory tier with real processes and real signals: a keeper process that outlives the
+trainer (docs/memory-tier.md).
+
+- saves go to their tier (``persist_every``, ``persist=``), ``latest()``/``restore()``/``load()``
+  take the newest of both tiers, bit-exact;
+- a trainer SIGKILLed at every kill point of a memory save (a shard write, a torn write, the
+  commit thread's writes, the fsyncs, the renames, ``latest``): a restarted trainer restores a
+  sealed step from memory, bit-exact, never a torn one, and the dead save's temporaries go;
+- a trainer SIGKILLed after its saves: the keeper writes the newest memory checkpoint to storage;
+- the keeper SIGKILLed: training goes on with a WARNING, ``close()`` persists and removes the
+  memory itself; the keeper SIGTERMed: it persists, removes the memory and ends;
+- a memory directory someone else prepared (a link, open to others, a file) is refused;
+- hundreds of memory snapshots: no growth of descriptors, checkpoints or temporaries.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+import datastates
+from datastates.memory import place
+from datastates.tools.keeper import ask
+
+from _crash_child import make_state
+from _faults_helpers import HERE, assert_bit_exact, zeros_like_state
+
+CHILD = os.path.join(HERE, "_memory_child.py")
+
+
+@pytest.fixture
+def shm_root():
+    """A fresh directory on the real shared memory (``/dev/shm``) when there is one; every
+    keeper serving a job under it is stopped at the end and its memory must then be gone."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    root = tempfile.mkdtemp(prefix="ds-test-", dir=base)
+    yield root
+    leftovers = []
+    for memdir in glob.glob(os.path.join(root, "datastates-*")):
+        try:
+            ask(memdir, "stop", timeout=60)
+        except datastates.KeeperError:
+            pass
+        if not _gone(memdir):
+            leftovers.append(memdir)
+    shutil.rmtree(root, ignore_errors=True)
+    assert not leftovers, f"memory left behind: {leftovers}"
+
+
+def _gone(memdir: str, timeout: float = 60.0) -> bool:
+    """Wait for the keeper of ``memdir`` to end and its memory to go (it ends on its own)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not os.path.exists(memdir) and not _serving(memdir):
+            return True
+        if not _serving(memdir) and os.path.exists(memdir) and not place.keeper_running(memdir):
+            return False  # no keeper, memory still there: left behind
+        time.sleep(0.05)
+    return False
+
+
+def _serving(memdir: str) -> bool:
+    try:
+        ask(memdir, "status", timeout=10)
+        return True
+    except datastates.KeeperError:
+        return False
+
+
+def _tier(shm_root, tmp_path, **kw):
+    kw.setdefault("log_path", str(tmp_path / "keeper.log"))
+    return datastates.MemoryTier(root=shm_root, **kw)
+
+
+def _config(tier, **kw):
+    return datastates.CheckpointConfig(memory_tier=tier, host_cache_bytes=1 << 20,
+                                       chunk_bytes=256 << 10, **kw)
+
+
+def _names(infos):
+    return [i.name for i in infos]
+
+
+def _child(storage, shm_root, log, mode, n=0, steps=0, env=None):
+    return subprocess.Popen([sys.executable, CHILD, str(storage), shm_root, str(log), mode,
+                             str(n), str(steps)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=HERE, env=dict(os.environ, **(env or {})))
+
+
+def _wait_idle(memdir: str, timeout: float = 60.0) -> None:
+    """Until the keeper counts no trainer attached (it has handled a dead trainer: written the
+    memory to storage if it does that)."""
+    deadline = time.monotonic() + timeout
+    while ask(memdir, "status")["attached"]:
+        assert time.monotonic() < deadline, "the keeper still counts a trainer attached"
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- settings
+def test_options_are_checked():
+    for bad in (dict(keep_last=0), dict(persist_every=0), dict(persist_every=2.0),
+                dict(idle_timeout_s=0), dict(spawn="yes"), dict(root=""), dict(log_path="")):
+        with pytest.raises(datastates.ConfigError, match="MemoryTier"):
+            datastates.MemoryTier(**bad)
+    with pytest.raises(datastates.ConfigError, match="memory_tier"):
+        datastates.CheckpointConfig(memory_tier={"root": "/dev/shm"})
+    tier = datastates.MemoryTier(persist_every=5)
+    assert [tier.goes_to_storage(s, None) for s in (1, 5, 9, 10)] == [False, True, False, True]
+    assert tier.goes_to_storage(None, None) and not tier.goes_to_storage(5, False)
+    assert tier.goes_to_storage(3, True)
+    assert not datastates.MemoryTier(persist_every=None).goes_to_storage(10, None)
+
+
+def test_persist_false_needs_a_memory_tier(tmp_path):
+    with datastates.Checkpointer(tmp_path / "c") as ck:
+        with pytest.raises(datastates.ConfigError, match="memory tier"):
+            ck.save({"x": torch.ones(3)}, step=1, persist=False)
+    assert not (tmp_path / "c").exists()
+
+
+# ---------------------------------------------------------------- tiers
+def test_saves_go_to_their_tier_and_the_newest_is_restored(shm_root, tmp_path):
+    storage = tmp_path / "ckpt"
+    tier = _tier(shm_root, tmp_path, persist_every=3)
+    ck = datastates.Checkpointer(storage, _config(tier))
+    memdir = place.memory_dir(shm_root, str(storage))
+    for step in range(1, 8):
+        ck.save(make_state(step, big=False), step=step)
+    ck.wait()
+    assert [i.step for i in ck.list()] == [3, 6]
+    assert [i.step for i in ck.memory.list()] == [7]          # keep_last=1
+    newest = ck.latest()
+    assert newest.step == 7 and newest.path.startswith(memdir)
+    live = zeros_like_state(make_state(0, big=False))
+    report = ck.restore(live)
+    assert (report.step, report.tier) == (7, "memory")
+    assert_bit_exact(live, make_state(7, big=False))
+    report = ck.restore(live, step=6)
+    assert (report.step, report.tier) == (6, "storage")
+    assert_bit_exact(live, make_state(6, big=False))
+    assert_bit_exact(ck.load(), make_state(7, big=False))
+    ck.save(make_state(8, big=False), step=8, persist=True).wait()
+    ck.save(make_state(9, big=False), step=9, persist=False).wait()
+    assert [i.step for i in ck.list()] == [3, 6, 8]
+    ck.close(stop_keeper=True)  # the keeper writes step 9 to storage, removes the memory, ends
+    assert _gone(memdir)
+    with datastates.Checkpointer(storage) as plain:
+        assert [i.step for i in plain.list()] == [3, 6, 8, 9]
+        assert_bit_exact(plain.load(step=9), make_state(9, big=False))
+        assert_bit_exact(plain.load(step=8), make_state(8, big=False))
+
+
+@pytest.mark.parametrize("planted", ["symlink", "open", "file"])
+def test_a_memory_directory_someone_prepared_is_refused(shm_root, tmp_path, planted):
+    storage = tmp_path / "ckpt"
+    memdir = place.memory_dir(shm_root, str(storage))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if planted == "symlink":
+        os.symlink(elsewhere, memdir)
+    elif planted == "open":
+        os.mkdir(memdir)
+        os.chmod(memdir, 0o755)
+    else:
+        open(memdir, "w").close()
+    with pytest.raises(datastates.KeeperError, match="refusing"):
+        datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path)))
+    assert os.listdir(elsewhere) == []
+    assert not storage.exists()
+    if planted == "open":
+        assert os.listdir(memdir) == []
+    os.unlink(memdir) if planted != "open" else os.rmdir(memdir)
+
+
+# ---------------------------------------------------------------- a trainer killed
+KILL_POINTS = [("pwrite", 1), ("pwrite", 9), ("torn", 4), ("commitwrite", 2),
+               ("commitwrite", 4), ("fsync", 2), ("rename-before", 1), ("rename-after", 1),
+               ("rename-after", 2), ("set-latest", 1)]
+
+
+@pytest.mark.parametrize("mode,n", KILL_POINTS, ids=[f"{m}-{n}" for m, n in KILL_POINTS])
+def test_a_trainer_killed_in_a_memory_save_restores_a_sealed_step(shm_root, tmp_path, mode, n):
+    storage, log = tmp_path / "ckpt", tmp_path / "keeper.log"
+    proc = _child(storage, shm_root, log, mode, n)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, out, err[-3000:])
+    markers = out.decode().split()
+    assert "COMMITTED" in markers and "2" not in markers[markers.index("COMMITTED") + 2:], out
+    memdir = place.memory_dir(shm_root, str(storage))
+    assert _serving(memdir), "the keeper died with the trainer"
+    tier = _tier(shm_root, tmp_path, persist_every=None, persist_on_exit=False)
+    with datastates.Checkpointer(storage, _config(tier)) as ck:
+        # the dead save's temporaries went when this Checkpointer opened the memory
+        assert [e for e in os.listdir(os.path.join(memdir, place.CKPT))
+                if e.startswith(".") and not e.startswith(".owner.")] == []
+        live = zeros_like_state(make_state(0, big=False))
+        report = ck.restore(live)
+        assert report.tier == "memory" and report.step in (1, 2)
+        assert_bit_exact(live, make_state(report.step, big=False))
+        if mode == "set-latest":  # killed after the rename: step 2 was sealed
+            assert report.step == 2
+        assert not storage.exists()  # nothing was written to storage
+
+
+def test_a_dead_trainer_s_memory_is_written_to_storage(shm_root, tmp_path):
+    storage, log = tmp_path / "ckpt", tmp_path / "keeper.log"
+    proc = _child(storage, shm_root, log, "die", env={"DS_PERSIST_ON_EXIT": "1"})
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL and b"COMMITTED 2" in out, err[-3000:]
+    memdir = place.memory_dir(shm_root, str(storage))
+    _wait_idle(memdir)
+    with datastates.Checkpointer(storage) as plain:  # storage alone: the keeper's commit
+        assert [i.step for i in plain.list()] == [2]
+        assert_bit_exact(plain.load(), make_state(2, big=False))
+    assert "trainer %d ended without detaching" % proc.pid in log.read_text()
+    tier = _tier(shm_root, tmp_path, persist_every=None)
+    with datastates.Checkpointer(storage, _config(tier)) as ck:  # a tie: memory is read
+        live = zeros_like_state(make_state(0, big=False))
+        assert (ck.restore(live).tier, ck.latest().path.startswith(memdir)) == ("memory", True)
+        assert_bit_exact(live, make_state(2, big=False))
+
+
+# ---------------------------------------------------------------- the keeper killed / stopped
+def test_a_killed_keeper_leaves_training_going(shm_root, tmp_path, caplog):
+    storage = tmp_path / "ckpt"
+    tier = _tier(shm_root, tmp_path, persist_every=4)
+    ck = datastates.Checkpointer(storage, _config(tier))
+    memdir = place.memory_dir(shm_root, str(storage))
+    for step in (1, 2):
+        ck.save(make_state(step, big=False), step=step)
+    ck.wait()
+    link = ck._tiers.link
+    with caplog.at_level(logging.WARNING, logger="datastates"):
+        os.kill(link.keeper_pid, signal.SIGKILL)
+        link._reader.join(timeout=30)
+    assert link.lost and "memory keeper" in caplog.text and "is gone" in caplog.text
+    for step in range(3, 7):  # memory and storage saves go on
+        ck.save(make_state(step, big=False), step=step)
+    ck.wait()
+    assert [i.step for i in ck.list()] == [4] and ck.latest().step == 6
+    ck.close()  # no keeper: rank 0 writes step 6 to storage itself and removes the memory
+    assert not os.path.exists(memdir)
+    with datastates.Checkpointer(storage) as plain:
+        assert [i.step for i in plain.list()] == [4, 6]
+        assert_bit_exact(plain.load(), make_state(6, big=False))
+
+
+def test_sigterm_makes_the_keeper_persist_and_end(shm_root, tmp_path):
+    storage = tmp_path / "ckpt"
+    tier = _tier(shm_root, tmp_path, persist_every=None, grace_s=60)
+    ck = datastates.Checkpointer(storage, _config(tier))
+    memdir = place.memory_dir(shm_root, str(storage))
+    for step in (1, 2, 3):
+        ck.save(make_state(step, big=False), step=step)
+    ck.wait()
+    os.kill(ck._tiers.link.keeper_pid, signal.SIGTERM)
+    with pytest.raises(datastates.KeeperError, match="ending"):  # no new trainer is taken
+        datastates.Checkpointer(storage, _config(tier))
+    ck.close()  # the last trainer detaches: the keeper persists step 3 and ends
+    assert _gone(memdir)
+    with datastates.Checkpointer(storage) as plain:
+        assert [i.step for i in plain.list()] == [3]
+        assert_bit_exact(plain.load(), make_state(3, big=False))
+
+
+# ---------------------------------------------------------------- no growth
+def test_hundreds_of_memory_snapshots_do_not_grow(shm_root, tmp_path):
+    storage = tmp_path / "ckpt"
+    tier = _tier(shm_root, tmp_path, persist_every=None, keep_last=2)
+    state = {"w": torch.zeros(64 << 10), "step": 0}
+    with datastates.Checkpointer(storage, _config(tier)) as ck:
+        memroot = os.path.join(place.memory_dir(shm_root, str(storage)), place.CKPT)
+        counts = []
+        for step in range(1, 301):
+            state["w"].fill_(step)
+            state["step"] = step
+            ck.save(state, step=step)
+            if step in (50, 300):
+                ck.wait()
+                counts.append((len(os.listdir("/proc/self/fd")), sorted(os.listdir(memroot))))
+        assert counts[0][0] == counts[1][0], counts  # no descriptor left open per save
+        entries = [e for e in counts[1][1] if not e.startswith(".owner.")]
+        assert entries == ["latest", "step-0000000299", "step-0000000300"], entries
+        live = {"w": torch.zeros(64 << 10), "step": -1}
+        assert ck.restore(live).step == 300 and live["step"] == 300
+        assert torch.equal(live["w"], torch.full((64 << 10,), 300.0))
