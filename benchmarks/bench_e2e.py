@@ -2,7 +2,8 @@
 """End to end with a checkpoint at EVERY step: the demo's model trained N steps with no checkpoint,
 with the machine's limit for this workload (``limit``: the tensors copied into a reused buffer on
 the training thread, then written with O_DIRECT by one thread -- no metadata, no checksums), with
-datastates (module form and state-dict form, keep_last=3 and keep_last=None), with
+datastates (module form and state-dict form, keep_last=3 and keep_last=None; ``ds_mem_p10``: the
+memory tier, every step into shared memory and every 10th to the directory), with
 ``torch.save`` + fsync and with ``dcp.async_save``, each reported as a ratio to the no-checkpoint
 loop of the same repetition (median over interleaved repetitions).
 
@@ -50,8 +51,8 @@ import datastates  # noqa: E402
 from benchmarks.demo import SyntheticLoader  # noqa: E402
 from benchmarks.gpt import GPT, GPTConfig  # noqa: E402
 
-MODES = ["none", "limit", "ds_module_k3", "ds_module_all", "ds_sd_k3", "ds_sd_all", "torch_save",
-         "dcp_async"]
+MODES = ["none", "limit", "ds_module_k3", "ds_module_all", "ds_sd_k3", "ds_sd_all", "ds_mem_p10",
+         "torch_save", "dcp_async"]
 
 
 def demo_config() -> tuple[GPTConfig, int]:
@@ -90,10 +91,16 @@ class NoSaver:
 
 
 class DatastatesSaver:
-    """``form`` "module": the objects; "sd": their state dicts with ``optimizers=[opt]``."""
+    """``form`` "module": the objects; "sd": their state dicts with ``optimizers=[opt]``.
+    ``persist_every``: the memory tier (shared memory, a keeper process), every save into memory
+    and every ``persist_every``-th to the directory instead."""
 
-    def __init__(self, root: str, form: str, keep_last: int | None):
-        config = datastates.CheckpointConfig(host_cache_bytes=512 << 20, keep_last=keep_last)
+    def __init__(self, root: str, form: str, keep_last: int | None,
+                 persist_every: int | None = None):
+        tier = None if persist_every is None else datastates.MemoryTier(
+            persist_every=persist_every, log_path=os.path.join(root, "..", "keeper.log"))
+        config = datastates.CheckpointConfig(host_cache_bytes=512 << 20, keep_last=keep_last,
+                                             memory_tier=tier)
         self.ckpt = datastates.Checkpointer(root, config)
         self.form, self.handles = form, []
 
@@ -116,7 +123,7 @@ class DatastatesSaver:
                 "commit_s": statistics.median(x.commit_s for x in stats)}
 
     def close(self) -> None:
-        self.ckpt.close()
+        self.ckpt.close(stop_keeper=True)
 
 
 class TorchSaver:
@@ -261,6 +268,8 @@ def make_saver(mode: str, root: str):
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
     if mode == "none":
         return NoSaver()
+    if mode == "ds_mem_p10":
+        return DatastatesSaver(root, "module", 3, persist_every=10)
     if mode.startswith("ds_"):
         _, form, keep = mode.split("_")
         return DatastatesSaver(root, form, 3 if keep == "k3" else None)

@@ -118,6 +118,9 @@ class Checkpointer:
         #: has none of its own.
         self.memory: Checkpointer | None = None
         self._tiers = None
+        #: ``fallback=True`` reads straight into the live state and agrees afterwards (the
+        #: memory tier's Checkpointer: resume.choose's ``apply``), instead of checking first.
+        self._optimistic = False
         if cfg.memory_tier is not None and share is None:
             from .memory.tiers import Tiers
             try:
@@ -169,7 +172,8 @@ class Checkpointer:
         tag goes to storage). Without a memory tier every save goes to storage, and
         ``persist=False`` raises ConfigError.
         """
-        if self._tiers is not None and not self._tiers.goes_to_storage(step, persist):
+        if self._tiers is not None and not self._tiers.goes_to_storage(
+                step if tag is None else None, persist):
             return self.memory.save(state, step, tag=tag, metadata=metadata,
                                     overwrite=overwrite, replicated=replicated,
                                     optimizers=optimizers, metrics=metrics)
@@ -482,6 +486,8 @@ class Checkpointer:
 
         def prepare(reader):
             planned = plan(reader)
+            if self._optimistic:
+                return planned, 0
             return planned, reader.verify_planned(planned[0] if isinstance(planned, tuple)
                                                   else planned)
 
@@ -496,12 +502,13 @@ class Checkpointer:
 
         reader, planned, skipped, nbytes, seconds = resume.choose(
             self._catalog, self.comm, open_reader=open_reader, prepare=prepare,
-            quarantine=quarantine, timeout_s=self.config.commit_timeout_s, caller=caller)
+            quarantine=quarantine, timeout_s=self.config.commit_timeout_s, caller=caller,
+            apply=finish if self._optimistic else None)
         with reader:
             used = info_of(reader.dir, reader.manifest)
             damaged = self._catalog.passed_over(used)
             log_passed_over(damaged, used, caller)
-            result = finish(reader, planned)
+            result = planned if self._optimistic else finish(reader, planned)
         if isinstance(result, RestoreReport):
             result.skipped, result.verified_nbytes, result.verify_s = skipped, nbytes, seconds
             result.passed_over = [d.name for d in damaged]

@@ -127,6 +127,14 @@ def test_persist_false_needs_a_memory_tier(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+def test_named_checkpoints_of_frameworks_refuse_a_memory_tier(tmp_path):
+    from datastates.integrations._paths import PathCheckpoints
+    config = datastates.CheckpointConfig(memory_tier=datastates.MemoryTier(root=str(tmp_path)))
+    with pytest.raises(datastates.ConfigError, match="memory_tier"):
+        PathCheckpoints(config)
+    assert os.listdir(tmp_path) == []
+
+
 # ---------------------------------------------------------------- tiers
 def test_saves_go_to_their_tier_and_the_newest_is_restored(shm_root, tmp_path):
     storage = tmp_path / "ckpt"
@@ -150,11 +158,13 @@ def test_saves_go_to_their_tier_and_the_newest_is_restored(shm_root, tmp_path):
     assert_bit_exact(ck.load(), make_state(7, big=False))
     ck.save(make_state(8, big=False), step=8, persist=True).wait()
     ck.save(make_state(9, big=False), step=9, persist=False).wait()
-    assert [i.step for i in ck.list()] == [3, 6, 8]
+    ck.save(make_state(4, big=False), step=4, tag="best").wait()  # a name: always storage
+    assert [i.name for i in ck.list()] == ["step-0000000003", "step-0000000006",
+                                           "step-0000000008", "best"]
     ck.close(stop_keeper=True)  # the keeper writes step 9 to storage, removes the memory, ends
     assert _gone(memdir)
     with datastates.Checkpointer(storage) as plain:
-        assert [i.step for i in plain.list()] == [3, 6, 8, 9]
+        assert [i.step for i in plain.list()] == [3, 6, 8, 4, 9]
         assert_bit_exact(plain.load(step=9), make_state(9, big=False))
         assert_bit_exact(plain.load(step=8), make_state(8, big=False))
 

@@ -50,6 +50,16 @@ def split_path(path) -> tuple[str, str]:
     return root, name
 
 
+def refuse_memory_tier(config, who: str) -> None:
+    """ConfigError for a config with a memory tier: frameworks name each checkpoint (a path, a
+    ``checkpoint-N`` folder), and a named save always goes to storage (docs/memory-tier.md)."""
+    if config.memory_tier is not None:
+        raise _core().ConfigError(
+            f"{who}: CheckpointConfig(memory_tier=...) is not supported here; each checkpoint "
+            "is named, and named checkpoints go to storage. Use a Checkpointer with steps in "
+            "the training loop for the memory tier")
+
+
 def is_checkpoint_dir(path) -> bool:
     """True if ``path`` is a committed datastates checkpoint."""
     return os.path.isfile(os.path.join(os.fspath(path), "manifest.json"))
@@ -77,6 +87,7 @@ class PathCheckpoints:
                  on_commit: Callable[[str, Any], None] | None = None):
         ds = _core()
         config = config if config is not None else ds.CheckpointConfig()
+        refuse_memory_tier(config, "a framework's checkpoint paths")
         # The core's capture rule decides each tensor; the snapshot waits are ours (save()).
         self.config = config.replace(lazy="always", allow_unsafe_objects=True)
         self.max_open = max(1, int(max_open))

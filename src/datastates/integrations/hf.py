@@ -44,7 +44,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from datastates.storage import LOCAL
-from ._paths import base_optimizer, is_checkpoint_dir
+from ._paths import base_optimizer, is_checkpoint_dir, refuse_memory_tier
 
 log = logging.getLogger("datastates.integrations.hf")
 
@@ -67,6 +67,7 @@ class DatastatesTrainer(Trainer):
         super().__init__(*args, **kwargs)
         import datastates
         self.datastates_config = datastates_config or datastates.CheckpointConfig()
+        refuse_memory_tier(self.datastates_config, "DatastatesTrainer")
         self._ds = None
         self._ds_root: str | None = None
         self._ds_threads: list[threading.Thread] = []

@@ -80,6 +80,9 @@ class Tiers:
             raise
         # A tier of its own: the newest keep_last plus the one being written.
         self.memory._retention = RetentionPolicy(tier.keep_last, None, None, None, "min")
+        # One pass over memory: read into the live state, checksums verified as it goes, then
+        # agree; damage on any rank sends every rank to the next checkpoint, which overwrites.
+        self.memory._optimistic = True
 
     def goes_to_storage(self, step: int | None, persist: bool | None) -> bool:
         return self.tier.goes_to_storage(step, persist)

@@ -44,12 +44,19 @@ TOPIC = "restore-fallback"
 
 def choose(catalog: Catalog, comm, *, open_reader: Callable[[CheckpointInfo], Reader],
            prepare: Callable[[Reader], Any], quarantine: Callable[[str, str], str | None],
-           timeout_s: float, caller: str
+           timeout_s: float, caller: str, apply: Callable[[Reader, Any], Any] | None = None
            ) -> tuple[Reader, Any, list[SkippedCheckpoint], int, float]:
     """Run the rounds (module docstring): (the open reader of the checkpoint chosen, what
     ``prepare(reader)`` returned for it, the checkpoints skipped newest first, the bytes
     verified, the seconds spent). ``prepare`` plans and verifies, returning the plan and the
-    bytes it verified; ``quarantine(name, reason)`` (rank 0) returns where the checkpoint went."""
+    bytes it verified; ``quarantine(name, reason)`` (rank 0) returns where the checkpoint went.
+
+    ``apply`` (optimistic: the memory tier, where a second pass over the bytes would cost as
+    much as the restore): ``prepare`` only plans, and once every rank planned the same
+    checkpoint, each rank runs ``apply(reader, plan)`` (the read into the live state, checksums
+    verified as it goes) and the ranks exchange once more; damage found there on any rank
+    rejects that checkpoint for all and the rounds go on, the next checkpoint overwriting what
+    the failed read wrote. What is returned in place of the plan is what ``apply`` returned."""
     start = time.perf_counter()
     candidates = list(reversed(catalog.scan()))
     rejected: dict[str, SkippedCheckpoint] = {}
@@ -95,11 +102,36 @@ def choose(catalog: Catalog, comm, *, open_reader: Callable[[CheckpointInfo], Re
         if len(names) == 1 and not damaged:
             if info is None:
                 raise CheckpointNotFoundError(_none_left(catalog.root, rejected, caller))
-            skipped = [rejected[c.name] for c in candidates if c.name in rejected]
-            return reader, prepared, skipped, verified, time.perf_counter() - start
+            if apply is not None:
+                prepared, answers = _apply(reader, prepared, apply, status, comm, timeout_s,
+                                           caller)
+                damaged = {r: a for r, a in answers.items() if "damaged" in a}
+            if not damaged:
+                skipped = [rejected[c.name] for c in candidates if c.name in rejected]
+                return reader, prepared, skipped, verified, time.perf_counter() - start
         if reader is not None:
             reader.files.close()
         _reject(answers, damaged, rejected, quarantine, comm.rank, caller)
+
+
+def _apply(reader: Reader, plan, apply, status: dict, comm, timeout_s: float, caller: str):
+    """The optimistic read of :func:`choose`: (what ``apply`` returned, every rank's answer)."""
+    result, answer = None, dict(status)
+    try:
+        result = apply(reader, plan)
+    except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+        answer.update(damaged=f"{type(exc).__name__}: {exc}",
+                      quarantine=not isinstance(exc, UnsupportedFormatError))
+    except BaseException:
+        reader.files.close()
+        raise  # a read error of another kind: as a restore without fallback
+    try:
+        answers = comm.exchange(TOPIC + "-read", answer, timeout_s)
+    except TimeoutError as exc:
+        reader.files.close()
+        raise RestoreAbortedError(f"{caller}: the ranks could not agree that the checkpoint "
+                                  f"{status['name']!r} was read intact: {exc}") from None
+    return result, answers
 
 
 def _reject(answers: dict, damaged: dict, rejected: dict, quarantine, rank: int,

@@ -1,0 +1,284 @@
+"""The memory tier under ``kill -9``: random instants, and the time back to training.
+
+    python benchmarks/memory_kill.py [--trials 200] [--gib 1.0] [--reps 3] [--json out.json]
+
+**Trials.** A trainer process saves a 32 MiB state into memory at every step (a step's tensors
+are a pattern of the step number, so any step's exact bytes are known) and prints ``SAVING s``
+before each ``save()`` and ``SEALED s`` once it is committed. After a random delay (uniform in
+0.2-2.5 s after it started saving, so the kill lands anywhere: in the capture, the shard writes,
+the commit, the retention, between saves) it gets SIGKILL. A new Checkpointer then restores into
+a live state: the step must be at least the last one seen sealed and at most the last one being
+saved, its bytes exact, and it must come from memory. Every trial shares one keeper.
+
+**Back to training.** The same kill of a trainer of ``--gib`` GiB (an MLP and its Adam state,
+memory every step and disk every 5th), then a restarted trainer in a new process, timed from
+its ``Popen`` to its first completed training step: start (to the first line of the script),
+import (torch and datastates), attach (the Checkpointer: keeper and ranks), agree and copy
+(``restore``: choosing the tier and the checkpoint, reading into the live tensors), step. Run
+against the same restart reading storage, cold (its files dropped from the page cache) and warm.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(HERE, "..", "src")
+FLOATS = 8 << 20  # 32 MiB
+
+
+def pattern(step: int):
+    import torch
+    base = torch.arange(FLOATS, dtype=torch.float32)
+    return {"w": base + step, "v": torch.full((1000,), float(step)), "step": step}
+
+
+def _tier(shm: str, log: str, persist_every):
+    import datastates
+    return datastates.MemoryTier(root=shm, persist_every=persist_every, persist_on_exit=False,
+                                 log_path=log, idle_timeout_s=600)
+
+
+# ---------------------------------------------------------------- the children
+def child_trials(storage: str, shm: str, log: str) -> None:
+    import threading
+    import datastates
+    ck = datastates.Checkpointer(storage, datastates.CheckpointConfig(
+        memory_tier=_tier(shm, log, None)))
+    state = pattern(0)
+    for s in range(1, 1_000_000):
+        state["w"].add_(1.0)
+        state["v"].fill_(float(s))
+        state["step"] = s
+        os.write(1, f"SAVING {s}\n".encode())
+        handle = ck.save(state, step=s)
+        threading.Thread(target=lambda h=handle, s=s: (h.wait(), os.write(
+            1, f"SEALED {s}\n".encode())), daemon=True).start()
+        handle.wait_snapshot()  # the loop's next change of the tensors waits for the capture
+
+
+def child_train(storage: str, shm: str, log: str, gib: float, memory: bool, steps: int) -> None:
+    t_first_line = time.time()
+    import torch  # noqa: F401
+    import datastates
+    sys.path.insert(0, HERE)
+    from bench_memory import build, step
+    t_import = time.time()
+    model, opt = build(gib)
+    t_built = time.time()
+    config = datastates.CheckpointConfig(host_cache_bytes=3 << 30, keep_last=2,
+                                         memory_tier=_tier(shm, log, 5) if memory else None)
+    ck = datastates.Checkpointer(storage, config)
+    t_attach = time.time()
+    first = 0
+    if ck.latest() is not None:
+        report = ck.restore({"model": model, "opt": opt})
+        first = report.step + 1
+        tier = report.tier
+    else:
+        tier = None
+    t_restore = time.time()
+    step(model, opt)
+    t_step = time.time()
+    print(json.dumps({"first_line": t_first_line, "import": t_import, "built": t_built,
+                      "attach": t_attach, "restore": t_restore, "step": t_step, "tier": tier,
+                      "resumed_at": first}), flush=True)
+    for s in range(first, first + steps):
+        ck.save({"model": model, "opt": opt}, step=s)
+        os.write(1, f"SAVING {s}\n".encode())
+        step(model, opt)
+    ck.wait()
+    os.write(1, b"SAVED\n")
+    time.sleep(3600)  # killed by the parent
+
+
+# ---------------------------------------------------------------- trials
+def _spawn(*args) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+
+
+def trials(count: int, work: str, shm: str, seed: int) -> dict:
+    import datastates
+    import torch
+    rng = random.Random(seed)
+    storage, log = os.path.join(work, "trials"), os.path.join(work, "keeper-trials.log")
+    config = datastates.CheckpointConfig(memory_tier=_tier(shm, log, None))
+    outcomes, failures = [], []
+    for trial in range(count):
+        proc = _spawn("trials", storage, shm, log)
+        saving, sealed = 0, 0
+        delay, t0 = rng.uniform(0.2, 2.5), None
+        os.set_blocking(proc.stdout.fileno(), False)
+        buffer = b""
+        while True:
+            try:
+                chunk = proc.stdout.read() or b""
+            except BlockingIOError:
+                chunk = b""
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                kind, _, value = line.decode().partition(" ")
+                if kind == "SAVING":
+                    saving = int(value)
+                    t0 = t0 or time.monotonic()
+                elif kind == "SEALED":
+                    sealed = max(sealed, int(value))
+            if t0 is not None and time.monotonic() - t0 >= delay:
+                proc.send_signal(signal.SIGKILL)
+                break
+            if proc.poll() is not None:
+                break
+            time.sleep(0.005)
+        proc.wait()
+        rest = proc.stdout.read() or b""
+        for line in (buffer + rest).split(b"\n"):  # lines written before the kill
+            kind, _, value = line.decode().partition(" ")
+            if kind == "SEALED":
+                sealed = max(sealed, int(value))
+            elif kind == "SAVING":
+                saving = max(saving, int(value))
+        with datastates.Checkpointer(storage, config) as ck:
+            live = {"w": torch.zeros(FLOATS), "v": torch.zeros(1000), "step": -1}
+            report = ck.restore(live)
+            want = pattern(report.step)
+            exact = (torch.equal(live["w"], want["w"]) and torch.equal(live["v"], want["v"])
+                     and live["step"] == report.step)
+        ok = exact and report.tier == "memory" and sealed <= report.step <= saving
+        outcomes.append({"trial": trial, "delay_s": delay, "saving": saving, "sealed": sealed,
+                         "restored": report.step, "tier": report.tier, "exact": exact, "ok": ok})
+        if not ok:
+            failures.append(outcomes[-1])
+        print(f"trial {trial + 1}/{count}: killed saving {saving} (sealed {sealed}), restored "
+              f"{report.step} from {report.tier}, exact {exact}", flush=True)
+    newest = sum(1 for o in outcomes if o["restored"] == o["saving"])
+    return {"trials": count, "ok": count - len(failures), "failures": failures,
+            "restored_the_step_being_saved": newest,
+            "restored_an_older_sealed": count - newest, "outcomes": outcomes}
+
+
+# ---------------------------------------------------------------- back to training
+def back_to_training(work: str, shm: str, gib: float, reps: int) -> dict:
+    rows = {"memory": [], "disk_cold": [], "disk_warm": []}
+    for rep in range(reps):
+        for kind in ("memory", "disk_cold", "disk_warm"):
+            storage = os.path.join(work, f"train-{rep}-{kind}")
+            log = os.path.join(work, f"keeper-{rep}-{kind}.log")
+            memory = kind == "memory"
+            first = _spawn("train", storage, shm, log, str(gib), str(int(memory)), "7")
+            _read_until(first, b"SAVED")
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+            if kind == "disk_cold":
+                _drop(storage)
+            t_spawn = time.time()
+            again = _spawn("train", storage, shm, log, str(gib), str(int(memory)), "0")
+            times = json.loads(_read_until(again, b"{"))
+            again.send_signal(signal.SIGKILL)
+            again.wait()
+            rows[kind].append({"start_s": times["first_line"] - t_spawn,
+                               "import_s": times["import"] - times["first_line"],
+                               "build_s": times["built"] - times["import"],
+                               "attach_s": times["attach"] - times["built"],
+                               "agree_copy_s": times["restore"] - times["attach"],
+                               "step_s": times["step"] - times["restore"],
+                               "total_s": times["step"] - t_spawn, "tier": times["tier"],
+                               "resumed_at": times["resumed_at"]})
+            if memory:
+                _stop_keepers(shm)
+            shutil.rmtree(storage, ignore_errors=True)
+            print(f"{kind}: {rows[kind][-1]}", flush=True)
+    return rows
+
+
+def _read_until(proc: subprocess.Popen, start: bytes) -> str:
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the child ended before printing {start!r}")
+        if line.startswith(start):
+            return line.decode()
+
+
+def _drop(root: str) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def _stop_keepers(shm: str) -> None:
+    from datastates.errors import KeeperError
+    from datastates.tools.keeper import ask
+    for entry in os.listdir(shm):
+        try:
+            ask(os.path.join(shm, entry), "stop", timeout=120)
+        except KeeperError:
+            pass
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        sys.path.insert(0, SRC)
+        if argv[1] == "trials":
+            child_trials(*argv[2:5])
+        else:
+            child_train(argv[2], argv[3], argv[4], float(argv[5]), argv[6] == "1", int(argv[7]))
+        return 0
+    sys.path.insert(0, SRC)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=200)
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--shm", default="/dev/shm")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    work = tempfile.mkdtemp(prefix="memory-kill-", dir=args.dir)
+    shm = tempfile.mkdtemp(prefix="memory-kill-", dir=args.shm)
+    try:
+        result = {"args": vars(args)}
+        if args.trials:
+            result["trials"] = trials(args.trials, work, shm, args.seed)
+            _stop_keepers(shm)
+            t = result["trials"]
+            print(f"\n{t['ok']}/{t['trials']} trials restored a sealed step from memory, "
+                  f"bit-exact ({t['restored_the_step_being_saved']} the step being saved, "
+                  f"{t['restored_an_older_sealed']} the one before)")
+        if args.reps:
+            rows = back_to_training(work, shm, args.gib, args.reps)
+            result["back_to_training"] = rows
+            print("\nkill -9 -> first training step (median s): start, import, build, attach, "
+                  "agree+copy, step, total")
+            for kind, entries in rows.items():
+                med = {k: statistics.median(e[k] for e in entries) for k in
+                       ("start_s", "import_s", "build_s", "attach_s", "agree_copy_s", "step_s",
+                        "total_s")}
+                print(f"  {kind:<10} " + "  ".join(f"{v:6.2f}" for v in med.values()))
+                result.setdefault("median", {})[kind] = med
+    finally:
+        _stop_keepers(shm)
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if not result.get("trials") or not result["trials"]["failures"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""The memory tier at two ranks (real gloo processes, a real keeper): one rank's memory shard of
+the newest step damaged → both ranks restore the same older step from memory; the older one
+damaged too → both restore from storage. Every rank's shard goes into one memory directory
+(docs/memory-tier.md)."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+
+import datastates
+from datastates.format import codec as fmt
+from datastates.memory import place
+from datastates.tools.keeper import ask
+
+from launcher import run_ranks
+
+
+@pytest.fixture
+def shm_root():
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    root = tempfile.mkdtemp(prefix="ds-test-", dir=base)
+    yield root
+    for entry in os.listdir(root):
+        try:
+            ask(os.path.join(root, entry), "stop", timeout=60)
+        except datastates.KeeperError:
+            pass
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _state(rank: int, step: int) -> dict:
+    return {"w": torch.full((3000,), float(100 * step + rank)), "pos": {"step": step}}
+
+
+def _config(shm_root: str, log: str):
+    tier = datastates.MemoryTier(root=shm_root, keep_last=2, persist_every=None,
+                                 persist_on_exit=False, log_path=log)
+    return datastates.CheckpointConfig(memory_tier=tier, commit_timeout_s=60)
+
+
+def _save(rank, world, root, shm_root, log):
+    with datastates.Checkpointer(root, _config(shm_root, log)) as ck:
+        ck.save(_state(rank, 1), step=1, persist=True)
+        for step in (2, 3):
+            ck.save(_state(rank, step), step=step)
+        ck.wait()
+        return {"storage": [i.step for i in ck.list()],
+                "memory": [i.step for i in ck.memory.list()]}
+
+
+def _restore(rank, world, root, shm_root, log):
+    with datastates.Checkpointer(root, _config(shm_root, log)) as ck:
+        live = {"w": torch.zeros(3000), "pos": {"step": -1}}
+        report = ck.restore(live)
+        return {"step": report.step, "tier": report.tier,
+                "exact": torch.equal(live["w"], _state(rank, report.step)["w"])
+                and live["pos"] == {"step": report.step},
+                "skipped": [s.name for s in report.skipped]}
+
+
+def _damage(shm_root: str, root: str, step: int, rank: int) -> None:
+    memdir = place.memory_dir(shm_root, root)
+    path = os.path.join(memdir, place.CKPT, fmt.step_name(step), fmt.shard_file_name(rank))
+    with open(path, "r+b") as f:
+        f.seek(4096 + 11)
+        byte = f.read(1)
+        f.seek(4096 + 11)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_damaged_memory_shard_sends_both_ranks_to_the_same_older_step(shm_root, tmp_path):
+    root, log = str(tmp_path / "ckpt"), str(tmp_path / "keeper.log")
+    out = run_ranks(2, _save, root, shm_root, log)
+    assert out[0] == out[1] == {"storage": [1], "memory": [2, 3]}
+    _damage(shm_root, root, 3, rank=1)
+    out = run_ranks(2, _restore, root, shm_root, log)
+    for rank in (0, 1):
+        assert out[rank] == {"step": 2, "tier": "memory", "exact": True,
+                             "skipped": [fmt.step_name(3)]}, (rank, out[rank])
+    _damage(shm_root, root, 2, rank=0)
+    out = run_ranks(2, _restore, root, shm_root, log)
+    for rank in (0, 1):
+        assert out[rank] == {"step": 1, "tier": "storage", "exact": True, "skipped": []}, \
+            (rank, out[rank])
