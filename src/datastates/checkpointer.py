@@ -71,12 +71,13 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, config: CheckpointConfig | None = None, *,
                  registry: ProviderRegistry | None = None, communicator=None,
                  share: "Checkpointer | None" = None,
-                 storage_options: Mapping[str, Any] | None = None):
+                 storage_options: Mapping[str, Any] | None = None, _store=None):
         self.directory = normalize(directory)
         #: Where the checkpoints live: the local file system, or an object store for
         #: ``s3://bucket/prefix`` (endpoint and credentials from ``storage_options`` or the
-        #: environment; the bucket and credentials are checked here).
-        self.store = open_store(self.directory, storage_options)
+        #: environment; the bucket and credentials are checked here). ``_store`` (internal):
+        #: the memory tier's recycling store.
+        self.store = _store or open_store(self.directory, storage_options)
         if share is not None:
             share._check_open()
             if config is not None and config != share.config:

@@ -10,6 +10,7 @@ import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import datastates
 from datastates.format import codec as fmt
@@ -86,3 +87,24 @@ def test_a_damaged_memory_shard_sends_both_ranks_to_the_same_older_step(shm_root
     for rank in (0, 1):
         assert out[rank] == {"step": 1, "tier": "storage", "exact": True, "skipped": []}, \
             (rank, out[rank])
+
+
+def _other_host(rank, world, root, shm_root, log):
+    import socket
+    if rank == 1:  # this rank reports another host name: its memory would be another machine's
+        socket.gethostname = lambda: "another-node"
+    try:
+        datastates.Checkpointer(root, _config(shm_root, log))
+        outcome = "constructed"
+    except datastates.ConfigError as exc:
+        outcome = str(exc)
+    dist.barrier()  # rank 0 hosts the store: it stays until every rank has its answer
+    return outcome
+
+
+def test_ranks_on_several_hosts_are_refused(shm_root, tmp_path):
+    root, log = str(tmp_path / "ckpt"), str(tmp_path / "keeper.log")
+    out = run_ranks(2, _other_host, root, shm_root, log)
+    for rank in (0, 1):
+        assert "every rank on one node" in out[rank] and "another-node" in out[rank], out
+    assert not os.path.exists(root)

@@ -282,6 +282,49 @@ def test_sigterm_makes_the_keeper_persist_and_end(shm_root, tmp_path):
         assert_bit_exact(plain.load(), make_state(3, big=False))
 
 
+def test_shard_files_are_recycled_and_hold_nothing_of_the_old_one(shm_root, tmp_path):
+    """A removed memory checkpoint's shard file becomes the next save's (no page allocation);
+    a larger old file under a smaller state with objects: every byte the new save does not
+    write is zero, so the reused file verifies as a new one would, and restores exactly."""
+    from datastates.memory.recycle import SPARE
+    from datastates.restore.reader import Reader
+    storage = tmp_path / "ckpt"
+    tier = _tier(shm_root, tmp_path, persist_every=None)
+    memdir = place.memory_dir(shm_root, str(storage))
+    big = {"w": torch.full((3 << 20,), 7.0)}
+    small = {"a": torch.arange(1000.0), "obj": {"k": [1, 2, 3]}, "b": torch.ones(5, 3)}
+    with datastates.Checkpointer(storage, _config(tier)) as ck:
+        ck.save(big, step=1).wait()
+        first = os.stat(os.path.join(ck.memory.list()[0].path, "rank-00000.dsf")).st_ino
+        ck.save(small, step=2).wait()   # step 1 removed: its file is the spare
+        assert os.stat(os.path.join(memdir, SPARE, "rank-00000.dsf")).st_ino == first
+        ck.save(small, step=3).wait()   # takes step 1's file; step 2's becomes the spare
+        newest = ck.memory.list()[-1]
+        path = os.path.join(newest.path, "rank-00000.dsf")
+        assert os.stat(path).st_ino == first and os.path.getsize(path) < 3 << 20
+        with Reader(newest.path, registry=datastates.ProviderRegistry.default()) as reader:
+            assert reader.verify_all() == os.path.getsize(path)  # zero gaps, every checksum
+        live = {"a": torch.zeros(1000), "obj": None, "b": torch.zeros(5, 3)}
+        ck.restore(live)
+        assert_bit_exact(live, small)
+
+
+def test_a_reused_shard_file_keeps_no_old_byte(tmp_path):
+    from datastates.storage.posix import ReusedShardWriter
+    path = tmp_path / "rank-00000.dsf"
+    path.write_bytes(b"\xff" * 50_000)
+    writer = ReusedShardWriter(str(path), "buffered")
+    writer.write(memoryview(b"\x01" * 100), 4096)
+    writer.write(memoryview(b"\x02" * 10), 20_000)
+    writer.write(memoryview(b"\x03" * 8), 0)
+    writer.finish(False, 30_000)
+    writer.close()
+    data = path.read_bytes()
+    assert len(data) == 30_000
+    assert data == (b"\x03" * 8 + bytes(4088) + b"\x01" * 100 + bytes(20_000 - 4196)
+                    + b"\x02" * 10 + bytes(30_000 - 20_010))
+
+
 # ---------------------------------------------------------------- no growth
 def test_hundreds_of_memory_snapshots_do_not_grow(shm_root, tmp_path):
     storage = tmp_path / "ckpt"

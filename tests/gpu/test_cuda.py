@@ -134,3 +134,31 @@ def test_copies_from_two_devices_each_follow_their_device(tmp_path, cache):
     streams = ckpt._pipeline.copier._streams
     assert sorted(d.index for d in streams) == [0, 1]
     assert all(s.device == d for d, s in streams.items())
+
+
+def test_memory_tier_saves_from_cuda_through_the_pinned_cache_and_restores_on_device(tmp_path):
+    """The memory tier's saves are the same lazy capture: CUDA tensors copied on the side stream
+    into the pinned host cache, then into shared memory; a restore reads them back onto the
+    device in place, bit-exact, while the keeper process never touches CUDA."""
+    import os
+    import tempfile
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    shm = tempfile.mkdtemp(prefix="ds-gpu-", dir=base)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _step(model, opt)
+    tier = datastates.MemoryTier(root=shm, persist_every=None, log_path=str(tmp_path / "k.log"))
+    config = CheckpointConfig(host_cache_bytes=64 << 20, chunk_bytes=4 << 20, memory_tier=tier)
+    ckpt = Checkpointer(tmp_path / "ckpt", config)
+    try:
+        reference = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        ckpt.save({"model": model, "opt": opt}, step=1)
+        _step(model, opt)  # waits for the capture, then changes every parameter
+        ckpt.wait()
+        assert ckpt._pipeline.cache.pinned
+        report = ckpt.restore({"model": model, "opt": opt})
+        assert report.tier == "memory" and report.step == 1
+        for k, v in model.state_dict().items():
+            assert v.is_cuda and torch.equal(v.cpu(), reference[k]), k
+    finally:
+        ckpt.close(stop_keeper=True)

@@ -342,7 +342,7 @@ class RenamePublisher(Publisher):
             if fsync:
                 posix.fsync_dir(root)
             try:
-                posix.remove_tree(trash)
+                self.store.remove_tree(trash)
             except OSError as exc:
                 lease.release(leftovers=True)
                 raise OSError(exc.errno, f"checkpoint {name!r} was deleted (no longer listed) "

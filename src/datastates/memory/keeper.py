@@ -16,7 +16,7 @@ last attached trainer is gone (dead or detached), the keeper writes the newest m
 to storage if storage lacks that step (``persist_on_exit``), then waits ``idle_timeout_s`` for a
 trainer to attach again. SIGTERM or SIGINT: it waits up to ``grace_s`` for attached trainers to
 detach, persists the same way, and ends. Ending, it removes the memory directory (the memory
-checkpoints, the lock) and nothing else; if a trainer is still attached (the grace ran out), it
+checkpoints, the spare shard files, the lock) and nothing else; if a trainer is still attached (the grace ran out), it
 leaves the directory to that trainer, whose ``close()`` persists and removes it. It imports no CUDA state: it only copies files.
 """
 from __future__ import annotations
@@ -37,6 +37,7 @@ from ..storage.posix import remove_tree
 from . import place
 from .options import MemoryTier
 from .persist import persist_newest
+from .recycle import SPARE
 
 log = logging.getLogger("datastates")
 
@@ -146,6 +147,7 @@ class Keeper:
                         os.getpid(), self._attached())
             return
         remove_tree(self.ckpt)
+        remove_tree(os.path.join(self.memdir, SPARE))
         try:
             os.unlink(os.path.join(self.memdir, place.LOCK))
             os.rmdir(self.memdir)

@@ -23,6 +23,7 @@ from . import place
 from .link import KeeperLink
 from .options import MemoryTier
 from .persist import persist_newest
+from .recycle import SPARE, RecyclingStore
 
 if TYPE_CHECKING:
     from ..checkpointer import Checkpointer
@@ -74,7 +75,8 @@ class Tiers:
             raise ConfigError(f"the memory tier needs every rank on one node (one memory "
                               f"directory for the job); found the hosts {hosts}")
         try:
-            self.memory = Checkpointer(os.path.join(self.memdir, place.CKPT), share=outer)
+            self.memory = Checkpointer(os.path.join(self.memdir, place.CKPT), share=outer,
+                                       _store=RecyclingStore(os.path.join(self.memdir, SPARE)))
         except BaseException:
             self._drop()
             raise

@@ -44,9 +44,12 @@ class ShardWriter:
     open (another thread may be writing through it) until ``finish`` or ``close``.
     """
 
+    #: how the file is opened: a new file, never one that exists
+    _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+
     def __init__(self, path: str, io_mode: str):
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.fd = os.open(path, self._FLAGS, 0o644)
         self.direct_fd = -1
         self._use_direct = False
         self._lock = threading.Lock()
@@ -109,6 +112,34 @@ class ShardWriter:
             fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+class ReusedShardWriter(ShardWriter):
+    """A :class:`ShardWriter` over a file that exists (a spare of the memory tier: its pages are
+    already allocated, so writing over them costs a copy, not an allocation). What this save does
+    not write is zeroed by :meth:`finish`, so no byte of the old file is left inside the new one
+    (a reader checks that the gaps between regions are zero)."""
+
+    _FLAGS = os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0)
+
+    def __init__(self, path: str, io_mode: str):
+        super().__init__(path, io_mode)
+        self._written: list[tuple[int, int]] = []
+
+    def write(self, data: memoryview, offset: int, padded: memoryview | None = None) -> None:
+        super().write(data, offset, padded)
+        with self._lock:
+            self._written.append((offset, data.nbytes))
+
+    def finish(self, fsync: bool, size: int) -> None:
+        pos, zeros = 0, bytes(1 << 20)
+        for offset, nbytes in sorted(self._written) + [(size, 0)]:
+            while pos < min(offset, size):
+                n = min(len(zeros), offset - pos)
+                pwrite_all(self.fd, memoryview(zeros)[:n], pos)
+                pos += n
+            pos = max(pos, offset + nbytes)
+        super().finish(fsync, size)
 
 
 def fsync_dir(path: str) -> None:
