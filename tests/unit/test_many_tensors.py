@@ -137,6 +137,25 @@ def test_walker_keys_are_key_of_their_paths():
     assert [it.key for it in items] == [key_of(p) for p in paths]
 
 
+def test_empty_dict_keys_round_trip(tmp_path):
+    """An empty key at any depth: the manifest's checker derives the keys the writer did
+    (``{"": {"x": t}}`` has the entry key ``/x``), so it commits and loads bit-exactly."""
+    import datastates
+    state = {"": {"x": torch.arange(3.0), "": {"": torch.ones(2)}, 3: [torch.zeros(1)]},
+             "y": {"": torch.full((2,), 5.0)}}
+    with datastates.Checkpointer(tmp_path) as ck:
+        ck.save(state, step=1).wait()
+        loaded = ck.load()
+        live = {"": {"x": torch.zeros(3), "": {"": torch.zeros(2)}, 3: [torch.ones(1)]},
+                "y": {"": torch.zeros(2)}}
+        ck.restore(live)
+    for got in (loaded, live):
+        assert torch.equal(got[""]["x"], state[""]["x"])
+        assert torch.equal(got[""][""][""], state[""][""][""])
+        assert torch.equal(got[""][3][0], state[""][3][0])
+        assert torch.equal(got["y"][""], state["y"][""])
+
+
 def test_the_same_view_under_two_keys_is_one_item():
     t = torch.randn(4)
     flat = flatten({"a": t, "b": t, "c": t[1:], "d": t.view(2, 2)}, ProviderRegistry.default())

@@ -42,8 +42,9 @@ def test_keys_join_the_parts_with_slashes():
     assert tree.key_of(()) == ""
     assert tree.key_of(("model", 0, "w")) == "model/0/w"
     assert tree.key_of((3, None, True)) == "3/None/True"
-    for path in [(), ("a",), ("a", 1), (1, "b", 2)]:
-        assert tree.child_key(tree.key_of(path), "z") == tree.key_of(path + ("z",))
+    for path in [(), ("a",), ("a", 1), (1, "b", 2), ("",), ("", "")]:
+        key = tree.key_of(path) if path else None  # None: the root
+        assert tree.child_key(key, "z") == tree.key_of(path + ("z",))
 
 
 def test_prefixes_of_a_keys_argument():

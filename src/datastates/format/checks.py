@@ -248,7 +248,9 @@ def check_tree_refs(root: Any, at: _At, entry_kinds: list[str], refs: dict | Non
     """:func:`check_tree`, collecting into ``refs`` for each entry index the one key referring
     to it, or a set of keys once there are several: a manifest of a million entries needs no
     million sets. :func:`check_entry_keys` reads either form."""
-    stack: list = [(root, at, (), 1, "")]  # node, path of its parent, parts below it, depth, key
+    # node, path of its parent, parts below it, depth, key (None: the root's, whose children's
+    # keys are bare; a root dict's child "" has the key "", and its child x the key "/x")
+    stack: list = [(root, at, (), 1, None)]
     kinds = len(entry_kinds)
     while stack:
         node, parent, parts, depth, key = stack.pop()
@@ -257,8 +259,8 @@ def check_tree_refs(root: Any, at: _At, entry_kinds: list[str], refs: dict | Non
             if type(e) is int and 0 <= e < kinds and entry_kinds[e] == node["t"] and \
                     type(node.get("param", False)) is bool and ("np" not in node or (
                         node["np"] is True and node["t"] == "tensor")):  # np: exactly true
-                if refs is not None and refs.setdefault(e, key) is not key:
-                    _add_ref(refs, e, key)
+                if refs is not None:
+                    _ref(refs, e, "" if key is None else key)
                 continue
         where = parent
         for part in parts:
@@ -277,8 +279,8 @@ def check_tree_refs(root: Any, at: _At, entry_kinds: list[str], refs: dict | Non
                 if entry_kinds else _no_entries(where)
             if entry_kinds[e] != t:
                 raise (where / "e").bad(f"a {t} node refers to entry {e}, a {entry_kinds[e]}")
-            if refs is not None and refs.setdefault(e, key) is not key:
-                _add_ref(refs, e, key)
+            if refs is not None:
+                _ref(refs, e, "" if key is None else key)
             if "param" in node:
                 _bool(node["param"], where / "param")
         elif t == "value":
@@ -287,7 +289,7 @@ def check_tree_refs(root: Any, at: _At, entry_kinds: list[str], refs: dict | Non
             _str(_get(node, "name", where), where / "name")
             stack.append((_get(node, "state", where), where, ("state",), depth + 1, key))
         elif t in tree.MAPPINGS:
-            prefix = key + "/" if key else ""  # tree.child_key, inline
+            prefix = "" if key is None else key + "/"  # tree.child_key, inline
             for i, pair in enumerate(_list(_get(node, "items", where), where / "items")):
                 if type(pair) is not list or len(pair) != 2:
                     raise (where / "items" / i).bad(f"expected a [key, node] pair, found "
@@ -300,10 +302,16 @@ def check_tree_refs(root: Any, at: _At, entry_kinds: list[str], refs: dict | Non
                     child = tree.child_key(key, part)
                 stack.append((pair[1], where, ("items", i, 1), depth + 1, child))
         else:
-            prefix = key + "/" if key else ""
+            prefix = "" if key is None else key + "/"
             for i, child in enumerate(_list(_get(node, "items", where), where / "items")):
                 stack.append((child, where, ("items", i), depth + 1, f"{prefix}{i}"))
     return root
+
+
+def _ref(refs: dict, e: int, key: str) -> None:
+    """Record that ``key`` refers to entry ``e``."""
+    if refs.setdefault(e, key) is not key and refs[e] != key:
+        _add_ref(refs, e, key)
 
 
 def _add_ref(refs: dict, e: int, key: str) -> None:

@@ -39,9 +39,10 @@ def key_of(path: Path) -> str:
     return "/".join(map(str, path))
 
 
-def child_key(key: str, part: Any) -> str:
-    """The key of the child ``part`` of the node whose key is ``key``."""
-    return f"{key}/{part}" if key else str(part)
+def child_key(key: str | None, part: Any) -> str:
+    """The key of the child ``part`` of the node whose key is ``key`` (None: the root, whose
+    children's keys are bare; a child of the root's child ``""`` is ``"/part"``)."""
+    return str(part) if key is None else f"{key}/{part}"
 
 
 def prefixes(keys: str | Iterable[str] | None) -> list[str] | None:
