@@ -125,7 +125,8 @@ class Checkpointer:
         if cfg.memory_tier is not None and share is None:
             from .memory.tiers import Tiers
             try:
-                self._tiers = Tiers(self, cfg.memory_tier)
+                self._tiers = Tiers(self, cfg.memory_tier, lambda path, store: Checkpointer(
+                    path, share=self, _store=store))
             except BaseException:
                 self.close()
                 raise

@@ -20,6 +20,7 @@ PACKAGE = os.path.dirname(datastates.__file__)
 #: on one floor not at all.
 FLOORS = [
     ["datastates._version", "datastates.errors"],
+    ["datastates.memory.options"],
     ["datastates.config", "datastates.data"],
     ["datastates.storage"],
     ["datastates.format"],
@@ -27,6 +28,7 @@ FLOORS = [
     ["datastates.commit"],
     ["datastates.restore"],
     ["datastates.save"],
+    ["datastates.memory"],
     ["datastates.checkpointer", "datastates.dcp", "datastates.preemption"],
     ["datastates.tools"],
     ["datastates.testing"],

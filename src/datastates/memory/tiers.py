@@ -40,9 +40,9 @@ class Tiers:
     """The memory tier of one Checkpointer (``outer``): its memory Checkpointer, and on rank 0
     the keeper link."""
 
-    def __init__(self, outer: "Checkpointer", tier: MemoryTier):
-        from ..checkpointer import Checkpointer
-
+    def __init__(self, outer: "Checkpointer", tier: MemoryTier, open_memory):
+        """``open_memory(directory, store)``: a Checkpointer of ``directory`` sharing
+        ``outer``'s pipeline, over ``store``."""
         if is_url(outer.directory):
             raise ConfigError("the memory tier writes its checkpoints to a local directory; "
                               f"found the storage {outer.directory!r}")
@@ -75,8 +75,8 @@ class Tiers:
             raise ConfigError(f"the memory tier needs every rank on one node (one memory "
                               f"directory for the job); found the hosts {hosts}")
         try:
-            self.memory = Checkpointer(os.path.join(self.memdir, place.CKPT), share=outer,
-                                       _store=RecyclingStore(os.path.join(self.memdir, SPARE)))
+            self.memory = open_memory(os.path.join(self.memdir, place.CKPT),
+                                      RecyclingStore(os.path.join(self.memdir, SPARE)))
         except BaseException:
             self._drop()
             raise
