@@ -8,7 +8,8 @@ before each ``save()`` and ``SEALED s`` once it is committed. After a random del
 0.2-2.5 s after it started saving, so the kill lands anywhere: in the capture, the shard writes,
 the commit, the retention, between saves) it gets SIGKILL. A new Checkpointer then restores into
 a live state: the step must be at least the last one seen sealed and at most the last one being
-saved, its bytes exact, and it must come from memory. Every trial shares one keeper.
+saved, its bytes exact, and it must come from memory. Every trial shares one keeper; the trainers
+are forked from one process that imported torch once, so a trial costs no interpreter start.
 
 **Back to training.** The same kill of a trainer of ``--gib`` GiB (an MLP and its Adam state,
 memory every step and disk every 5th), then a restarted trainer in a new process, timed from
@@ -102,10 +103,31 @@ def child_train(storage: str, shm: str, log: str, gib: float, memory: bool, step
 
 
 # ---------------------------------------------------------------- trials
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+
+
 def _spawn(*args) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=_env())
+
+
+def forker(storage: str, shm: str, log: str) -> None:
+    """Imports torch and datastates once, then forks one trainer per line read on stdin and
+    reports ``PID p`` for it and ``EXIT p`` once it ended (a trial then costs no interpreter
+    start). It starts no thread: its forks are safe."""
+    import datastates  # noqa: F401
+    import torch  # noqa: F401
+    for _ in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                child_trials(storage, shm, log)
+            finally:
+                os._exit(0)
+        os.write(1, f"PID {pid}\n".encode())
+        os.waitpid(pid, 0)
+        os.write(1, f"EXIT {pid}\n".encode())
 
 
 def trials(count: int, work: str, shm: str, seed: int) -> dict:
@@ -115,57 +137,87 @@ def trials(count: int, work: str, shm: str, seed: int) -> dict:
     storage, log = os.path.join(work, "trials"), os.path.join(work, "keeper-trials.log")
     config = datastates.CheckpointConfig(memory_tier=_tier(shm, log, None))
     outcomes, failures = [], []
-    for trial in range(count):
-        proc = _spawn("trials", storage, shm, log)
-        saving, sealed = 0, 0
-        delay, t0 = rng.uniform(0.2, 2.5), None
-        os.set_blocking(proc.stdout.fileno(), False)
-        buffer = b""
-        while True:
-            try:
-                chunk = proc.stdout.read() or b""
-            except BlockingIOError:
-                chunk = b""
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                kind, _, value = line.decode().partition(" ")
-                if kind == "SAVING":
-                    saving = int(value)
-                    t0 = t0 or time.monotonic()
-                elif kind == "SEALED":
+    server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", "forker",
+                               storage, shm, log], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, env=_env())
+    lines = _Lines(server.stdout)
+    try:
+        for trial in range(count):
+            server.stdin.write(b"go\n")
+            server.stdin.flush()
+            pid = int(lines.next_with("PID").split()[1])
+            saving, sealed, t0 = 0, 0, None
+            delay = rng.uniform(0.2, 2.5)
+            while True:  # follow the trainer's markers until its kill time
+                line = lines.next(timeout=0.005)
+                if line is not None:
+                    kind, _, value = line.partition(" ")
+                    if kind == "SAVING":
+                        saving = int(value)
+                        t0 = t0 or time.monotonic()
+                    elif kind == "SEALED":
+                        sealed = max(sealed, int(value))
+                if t0 is not None and time.monotonic() - t0 >= delay:
+                    os.kill(pid, signal.SIGKILL)
+                    break
+            while True:  # the lines it wrote before it died, up to the forker's EXIT
+                kind, _, value = lines.next_with("").partition(" ")
+                if kind == "EXIT":
+                    break
+                if kind == "SEALED":
                     sealed = max(sealed, int(value))
-            if t0 is not None and time.monotonic() - t0 >= delay:
-                proc.send_signal(signal.SIGKILL)
-                break
-            if proc.poll() is not None:
-                break
-            time.sleep(0.005)
-        proc.wait()
-        rest = proc.stdout.read() or b""
-        for line in (buffer + rest).split(b"\n"):  # lines written before the kill
-            kind, _, value = line.decode().partition(" ")
-            if kind == "SEALED":
-                sealed = max(sealed, int(value))
-            elif kind == "SAVING":
-                saving = max(saving, int(value))
-        with datastates.Checkpointer(storage, config) as ck:
-            live = {"w": torch.zeros(FLOATS), "v": torch.zeros(1000), "step": -1}
-            report = ck.restore(live)
-            want = pattern(report.step)
-            exact = (torch.equal(live["w"], want["w"]) and torch.equal(live["v"], want["v"])
-                     and live["step"] == report.step)
-        ok = exact and report.tier == "memory" and sealed <= report.step <= saving
-        outcomes.append({"trial": trial, "delay_s": delay, "saving": saving, "sealed": sealed,
-                         "restored": report.step, "tier": report.tier, "exact": exact, "ok": ok})
-        if not ok:
-            failures.append(outcomes[-1])
-        print(f"trial {trial + 1}/{count}: killed saving {saving} (sealed {sealed}), restored "
-              f"{report.step} from {report.tier}, exact {exact}", flush=True)
+                elif kind == "SAVING":
+                    saving = max(saving, int(value))
+            with datastates.Checkpointer(storage, config) as ck:
+                live = {"w": torch.zeros(FLOATS), "v": torch.zeros(1000), "step": -1}
+                report = ck.restore(live)
+                want = pattern(report.step)
+                exact = (torch.equal(live["w"], want["w"]) and torch.equal(live["v"], want["v"])
+                         and live["step"] == report.step)
+            ok = exact and report.tier == "memory" and sealed <= report.step <= saving
+            outcomes.append({"trial": trial, "delay_s": delay, "saving": saving,
+                             "sealed": sealed, "restored": report.step, "tier": report.tier,
+                             "exact": exact, "ok": ok})
+            if not ok:
+                failures.append(outcomes[-1])
+            print(f"trial {trial + 1}/{count}: killed saving {saving} (sealed {sealed}), "
+                  f"restored {report.step} from {report.tier}, exact {exact}", flush=True)
+    finally:
+        server.stdin.close()
+        server.wait()
     newest = sum(1 for o in outcomes if o["restored"] == o["saving"])
     return {"trials": count, "ok": count - len(failures), "failures": failures,
             "restored_the_step_being_saved": newest,
             "restored_an_older_sealed": count - newest, "outcomes": outcomes}
+
+
+class _Lines:
+    """Lines of a child's stdout, read without blocking past a timeout."""
+
+    def __init__(self, stream):
+        self.fd, self.buffer, self.ready = stream.fileno(), b"", []
+        os.set_blocking(self.fd, False)
+
+    def next(self, timeout: float) -> str | None:
+        import select
+        while not self.ready:
+            if not select.select([self.fd], [], [], timeout)[0]:
+                return None
+            chunk = os.read(self.fd, 1 << 16)
+            if not chunk:
+                raise RuntimeError("the trial process ended")
+            self.buffer += chunk
+            *done, self.buffer = self.buffer.split(b"\n")
+            self.ready += [d.decode() for d in done]
+        return self.ready.pop(0)
+
+    def next_with(self, prefix: str) -> str:
+        while True:
+            line = self.next(timeout=60.0)
+            if line is None:
+                raise RuntimeError(f"no line starting with {prefix!r} within 60 s")
+            if line.startswith(prefix):
+                return line
 
 
 # ---------------------------------------------------------------- back to training
@@ -233,8 +285,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
         sys.path.insert(0, SRC)
-        if argv[1] == "trials":
-            child_trials(*argv[2:5])
+        if argv[1] == "forker":
+            forker(*argv[2:5])
         else:
             child_train(argv[2], argv[3], argv[4], float(argv[5]), argv[6] == "1", int(argv[7]))
         return 0
