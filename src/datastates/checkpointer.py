@@ -587,11 +587,11 @@ class Checkpointer:
         (the job is over) makes it write and then remove the memory and end at once."""
         if self._closed:
             return
-        if self._tiers is not None:
-            self._tiers.close(stop_keeper)
         self._closed = True  # from here on save/restore/load raise CheckpointerClosedError
         for handle in list(self._pending):
             handle._job.finished.wait()
+        if self._tiers is not None:  # after storage's saves: the tier may commit there too
+            self._tiers.close(stop_keeper)
         self._report_dropped_failures()
         for hook in list(self._guarded.values()):
             hook.remove()

@@ -161,8 +161,7 @@ class Keeper:
 
     def _accept(self, server: socket.socket) -> None:
         sock, _ = server.accept()
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-        uid = int.from_bytes(creds[4:8], "little")
+        uid = place.peer_uid(sock)
         if uid != os.getuid():
             log.warning("keeper: refused a connection of uid %d", uid)
             sock.close()

@@ -140,13 +140,20 @@ class KeeperLink:
 
 
 def _connect(memdir: str) -> socket.socket | None:
+    """A connection to the keeper of ``memdir``, or None when nothing listens yet. The abstract
+    namespace has no permissions: a listener of another uid is refused (KeeperError)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(place.socket_address(memdir))
-        return sock
     except OSError:
         sock.close()
         return None
+    uid = place.peer_uid(sock)
+    if uid != os.getuid():
+        sock.close()
+        raise KeeperError(f"the keeper's socket of {memdir} is held by uid {uid}, not by this "
+                          f"user ({os.getuid()}); refusing to attach")
+    return sock
 
 
 def spawn(storage_dir: str, tier: MemoryTier, config: CheckpointConfig) -> subprocess.Popen:

@@ -22,7 +22,9 @@ import errno
 import fcntl
 import hashlib
 import os
+import socket
 import stat
+import struct
 import tempfile
 
 from ..errors import KeeperError
@@ -50,6 +52,12 @@ def socket_address(memdir: str) -> bytes:
     """The keeper's abstract socket address for ``memdir``."""
     digest = hashlib.sha256(os.path.realpath(memdir).encode()).hexdigest()[:32]
     return b"\0datastates-keeper-" + digest.encode()
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of the Unix socket ``sock``."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
 
 
 def ensure_private_dir(path: str) -> None:

@@ -53,7 +53,7 @@ class Tiers:
         if outer.rank == 0:
             try:
                 self.link = KeeperLink.open(outer.directory, tier, outer.config)
-            except (KeeperError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - every rank learns of it, then it is raised
                 error = exc
         timeout = tier.start_timeout_s + outer.config.commit_timeout_s
         try:
