@@ -66,6 +66,10 @@ class Checkpointer:
     ``restore`` and ``load`` first wait until every save in flight on the shared pipeline is
     committed or failed, so ``save(); restore()`` sees the checkpoint just saved and a restore
     never changes state that an in-flight snapshot is still reading.
+
+    ``config.memory_tier`` (docs/memory-tier.md): rank 0 attaches to the job's keeper process
+    (starting one if none runs; KeeperError if it cannot), every rank must be on one node
+    (ConfigError otherwise), and ``memory`` is the Checkpointer of the memory tier.
     """
 
     def __init__(self, directory: str | os.PathLike, config: CheckpointConfig | None = None, *,
@@ -303,7 +307,8 @@ class Checkpointer:
                 job.stats.step_wait_s += time.perf_counter() - t0
 
     def wait(self) -> list[CheckpointInfo]:
-        """Wait for every in-flight save; raise the first failure."""
+        """Wait for every in-flight save (of both tiers, with a memory tier); raise the first
+        failure."""
         pending, errors, infos = list(self._pending), [], []
         if self.memory is not None:  # both tiers' saves, in the order they were made
             pending = sorted(pending + self.memory._pending, key=lambda h: h._job.t0)
@@ -519,7 +524,8 @@ class Checkpointer:
     # ------------------------------------------------------------ listing
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints, oldest first, in commit order (``CheckpointInfo.seq``); empty
-        when the directory does not exist yet (nothing was saved there)."""
+        when the directory does not exist yet (nothing was saved there). With a memory tier,
+        the directory's (storage's): ``self.memory.list()`` lists the memory tier's."""
         if not self.store.isdir(self.directory):
             return []
         return self._catalog.scan()
