@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -28,20 +29,45 @@ STEPS = 6  # the loops save after steps 0, 2, 4: a kill at 3 resumes from step 2
 
 # ---------------------------------------------------------------- real loops, real kills
 
+#: The checks on real processes: name -> (loop, kill steps). Each check runs its processes one
+#: after the other (the uninterrupted run alongside the first), which keeps one core busy: the
+#: checks run two at a time, all started when the first test asks for its report.
+CHECKS = {
+    "correct": (loops.correct, (1, 4)),
+    "resumes_at_saved_step": (loops.resumes_at_saved_step, 3),
+    "loader_not_in_state": (loops.loader_not_in_state, 3),
+    "rng_not_in_state": (loops.rng_not_in_state, 3),
+    "randomness_in_loader_workers": (loops.randomness_in_loader_workers, 3),
+}
 
-def test_a_correct_loop_resumes_bit_identical(tmp_path):
-    report = check_resume(loops.correct, steps=STEPS, kill_at=(1, 4), workdir=tmp_path / "w")
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    """``checked(name)``: the ResumeReport of ``CHECKS[name]``, and its workdir."""
+    root = tmp_path_factory.mktemp("resume-checks")
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
+        futures = {name: pool.submit(check_resume, fn, steps=STEPS, kill_at=kill_at,
+                                     workdir=root / name)
+                   for name, (fn, kill_at) in CHECKS.items()}
+        yield lambda name: (futures[name].result(), root / name)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def test_a_correct_loop_resumes_bit_identical(checked):
+    report, workdir = checked("correct")
     assert report.ok and report.first is None, str(report)
     assert report.kills == (Kill(1, 0, 1), Kill(4, 4, 5))
     assert report.compared == 2 + 4 + 1  # steps 0-1, then 1-4 (1 again), then 5
     assert str(report).startswith("resume check OK: all 7 steps")
-    assert sorted(os.listdir(tmp_path / "w")) == [
+    assert sorted(os.listdir(workdir)) == [
         "interrupted", "reference", "reference.jsonl", "reference.out", "run-0.jsonl",
         "run-0.out", "run-1.jsonl", "run-1.out", "run-2.jsonl", "run-2.out"]
 
 
-def test_resuming_at_the_saved_step_reports_the_step_run_again():
-    report = check_resume(loops.resumes_at_saved_step, steps=STEPS, kill_at=3)
+def test_resuming_at_the_saved_step_reports_the_step_run_again(checked):
+    report, _ = checked("resumes_at_saved_step")
     assert not report.ok and report.kills == (Kill(3, 2, 2),)
     first = report.first
     assert (first.step, first.key) == (2, "step")
@@ -51,8 +77,8 @@ def test_resuming_at_the_saved_step_reports_the_step_run_again():
     assert str(report).startswith("resume check FAILED: at step 2, key 'step'\n")
 
 
-def test_a_loader_left_out_of_the_checkpoint_is_named():
-    report = check_resume(loops.loader_not_in_state, steps=STEPS, kill_at=3)
+def test_a_loader_left_out_of_the_checkpoint_is_named(checked):
+    report, _ = checked("loader_not_in_state")
     first = report.first
     assert (first.step, first.key) == (3, "loader/position")
     assert first.what == ("restart 1 (after the kill at step 3) has 1, the uninterrupted run 4")
@@ -60,8 +86,8 @@ def test_a_loader_left_out_of_the_checkpoint_is_named():
     assert not report.ok and report.kills == (Kill(3, 2, 3),)
 
 
-def test_an_rng_left_out_of_the_checkpoint_is_named_before_the_dropout_weights():
-    report = check_resume(loops.rng_not_in_state, steps=STEPS, kill_at=3)
+def test_an_rng_left_out_of_the_checkpoint_is_named_before_the_dropout_weights(checked):
+    report, _ = checked("rng_not_in_state")
     first = report.first
     assert (first.step, first.key) == (3, "rng:torch")
     assert "RNGState()" in first.hint
@@ -69,8 +95,8 @@ def test_an_rng_left_out_of_the_checkpoint_is_named_before_the_dropout_weights()
     assert not report.ok
 
 
-def test_randomness_in_loader_workers_shows_as_the_inputs_with_every_generator_equal():
-    report = check_resume(loops.randomness_in_loader_workers, steps=STEPS, kill_at=3)
+def test_randomness_in_loader_workers_shows_as_the_inputs_with_every_generator_equal(checked):
+    report, _ = checked("randomness_in_loader_workers")
     first = report.first
     assert (first.step, first.key) == (3, "inputs")
     assert first.what == ("restart 1 (after the kill at step 3) has other bytes (float32 [4, 8] "
