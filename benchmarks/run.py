@@ -58,7 +58,7 @@ class Preset:
 PRESETS = {
     # A check that every phase and every method runs and reports, not a measurement: one round,
     # the quick shapes with a one-layer GPT, few fragments, a 2-step end-to-end loop.
-    "smoke": Preset(reps=1, limit_bytes=64 * MiB, e2e_steps=2, e2e_rounds=1, fragments=100,
+    "smoke": Preset(reps=1, limit_bytes=32 * MiB, e2e_steps=2, e2e_rounds=1, fragments=100,
                     shape="quick", n_layer=1, e2e_ks="1,2", limits_at_end=False),
     "quick": Preset(reps=2, limit_bytes=128 * MiB, e2e_steps=10, e2e_rounds=2, fragments=1000,
                     limits_at_end=False),
