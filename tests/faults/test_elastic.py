@@ -8,13 +8,12 @@ attempt: on 2 ranks, three in one run (each after the first lands in a job that 
 recovered), on 4 ranks one. The kill points: a non-zero rank in the write of its shard (rank 3
 of 4), or once its report is in the store and before the verdict (rank 1 of 2); rank 0 while it
 publishes (the manifest written, the directory not renamed), or after the commit and before
-``latest`` (2 ranks). The attempt that
-ends the job then runs it again from step 0 in an empty directory, uninterrupted, on the same
-process group: the reference. What is checked after each run: the
-final state of every rank (against the reference's), the checkpoints left in the directory
-(bit-exact against the reference's, rank by rank), the step every rank resumed at in each
-attempt, a new run id per attempt, the dead attempt's temporaries present before the new rank 0
-built its Checkpointer and gone after, and nothing left at the end.
+``latest`` (2 ranks). The attempt that ends the job then runs it again from step 0 in an empty
+directory, uninterrupted, on the same process group: the reference. What is checked after each
+run: the final state of every rank (against the reference's), the checkpoints left in the
+directory (bit-exact against the reference's, rank by rank), the step every rank resumed at in
+each attempt, a new run id per attempt, the dead attempt's temporaries present before the new
+rank 0 built its Checkpointer and gone after, and nothing left at the end.
 
 The last test: after a writer died between the two renames of an overwrite, rank 0's
 Checkpointer puts the replaced checkpoint back; no rank lists the directory before that
