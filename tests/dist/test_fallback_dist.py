@@ -2,9 +2,10 @@
 checkpoint damaged → every rank restores the same older step bit-exactly; a mismatch on one rank
 → every rank raises before anything is modified.
 
-One launch per world size (2 and 4 ranks, ``launched``) runs both: the mismatch on the intact
-checkpoints first, then the damage and the fallback; the 4-rank checkpoints also serve the check
-of the files a rank opens."""
+One launch per world size (2 and 4 ranks, ``launched``) runs every check of this file at that
+size, each in a directory of its own: the mismatch on the intact checkpoints first, then the
+damage and the fallback; at 4 ranks also the DDP-like save of the manifest check. The 4-rank
+checkpoints also serve the check of the files a rank opens."""
 from __future__ import annotations
 
 import glob
@@ -82,19 +83,29 @@ def _restore_mismatched(ckpt, rank, mismatch_rank) -> dict:
     return {"error": None, "untouched": _same(live, _blank(rank))}
 
 
-#: The launches: world size -> (the victim of the damage, the rank with the mismatch).
-LAUNCHES = {2: (1, 1), 4: (3, 2)}
+#: The launches: world size -> (the victim of the damage, the rank with the mismatch, whether
+#: the launch also runs the DDP-like save).
+LAUNCHES = {2: (1, 1, False), 4: (3, 2, True)}
+
+
+def _launch(rank, world, base, victim, mismatch_rank, ddp):
+    out = _mismatch_then_damage(rank, world, os.path.join(base, "ckpts"), victim, mismatch_rank)
+    if ddp:
+        out["ddp"] = _ddp_like(rank, world, os.path.join(base, "ddp"), os.path.join(base, "one"))
+    return out
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """``launched(world)``: (root, {rank: result}) of the one launch at that world size."""
+    """``launched(world)``: (the damaged checkpoints' root, {rank: result}) of the one launch at
+    that world size."""
     done = {}
 
     def get(world):
         if world not in done:
-            root = str(tmp_path_factory.mktemp(f"w{world}") / "ckpts")
-            done[world] = root, run_ranks(world, _mismatch_then_damage, root, *LAUNCHES[world])
+            base = str(tmp_path_factory.mktemp(f"w{world}"))
+            done[world] = (os.path.join(base, "ckpts"),
+                           run_ranks(world, _launch, base, *LAUNCHES[world]))
         return done[world]
     return get
 
@@ -180,10 +191,10 @@ def _save_and_restore(state, root, rank, ckpt) -> dict:
             "manifest": os.path.getsize(os.path.join(root, fmt.step_name(1), fmt.MANIFEST))}
 
 
-def test_the_manifest_grows_with_what_differs_between_ranks_not_with_ranks(tmp_path):
+def test_the_manifest_grows_with_what_differs_between_ranks_not_with_ranks(launched):
     """Every rank's subtrees equal to rank 0's (the replicated model and optimizer) are written
     once: at 4 ranks the manifest is far from 4 trees' worth, and every rank restores its own."""
-    four = run_ranks(4, _ddp_like, str(tmp_path / "four"), str(tmp_path / "one"))
+    four = {rank: dict(r["ddp"]) for rank, r in launched(4)[1].items()}
     one = four[0].pop("alone")
     assert all(r["same"] for r in four.values()) and one["same"]
     # one rank's tree is most of a one-rank manifest; three more ranks add their RNG and value
