@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 import types
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,9 +31,11 @@ STEPS = 6  # the loops save after steps 0, 2, 4: a kill at 3 resumes from step 2
 
 # ---------------------------------------------------------------- real loops, real kills
 
-#: The checks on real processes: name -> (loop, kill steps). Each check runs its processes one
-#: after the other (the uninterrupted run alongside the first), which keeps one core busy: the
-#: checks run two at a time, all started when the first test asks for its report.
+#: The checks on real processes: name -> (loop, kill steps), and the ``check-resume`` command
+#: (run as ``python -m datastates``). Each check runs its processes one after the other (the
+#: uninterrupted run alongside the first), which keeps one core busy: the checks run two at a
+#: time, all started when the first test asks for its result.
+COMMAND = ["check-resume", "_resume_loops:counter", "--steps", str(STEPS), "--kill-at", "1,3"]
 CHECKS = {
     "correct": (loops.correct, (1, 4)),
     "resumes_at_saved_step": (loops.resumes_at_saved_step, 3),
@@ -43,13 +47,18 @@ CHECKS = {
 
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory):
-    """``checked(name)``: the ResumeReport of ``CHECKS[name]``, and its workdir."""
+    """``checked(name)``: the ResumeReport of ``CHECKS[name]`` and its workdir; ``"command"``:
+    the command's CompletedProcess."""
     root = tmp_path_factory.mktemp("resume-checks")
     pool = ThreadPoolExecutor(max_workers=2)
     try:
-        futures = {name: pool.submit(check_resume, fn, steps=STEPS, kill_at=kill_at,
-                                     workdir=root / name)
-                   for name, (fn, kill_at) in CHECKS.items()}
+        # in this folder: the command imports MODULE:FUNCTION from the current directory
+        futures = {"command": pool.submit(
+            subprocess.run, [sys.executable, "-m", "datastates", *COMMAND], cwd=HERE,
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=1800)}
+        futures.update({name: pool.submit(check_resume, fn, steps=STEPS, kill_at=kill_at,
+                                          workdir=root / name)
+                        for name, (fn, kill_at) in CHECKS.items()})
         yield lambda name: (futures[name].result(), root / name)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -105,13 +114,10 @@ def test_randomness_in_loader_workers_shows_as_the_inputs_with_every_generator_e
     assert not any(k.startswith("rng:") for k in first.keys)
 
 
-def test_the_command_checks_a_loop_named_module_function(capsys, monkeypatch):
-    monkeypatch.chdir(HERE)  # the command imports MODULE:FUNCTION from the current directory
-    code = main(["check-resume", "_resume_loops:counter", "--steps", str(STEPS), "--kill-at",
-                 "1,3"])
-    out = capsys.readouterr().out
-    assert code == EXIT_OK, out
-    assert out == ("resume check OK: all 8 steps of the interrupted run are bit-identical to the "
+def test_the_command_checks_a_loop_named_module_function(checked):
+    proc, _ = checked("command")
+    assert proc.returncode == EXIT_OK, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout == ("resume check OK: all 8 steps of the interrupted run are bit-identical to the "
                    "uninterrupted run (6 steps)\n  kills: step 1 (checkpoint of step 0; the "
                    "restart began at step 1); step 3 (checkpoint of step 2; the restart began "
                    "at step 3)\n")
