@@ -117,10 +117,10 @@ def test_randomness_in_loader_workers_shows_as_the_inputs_with_every_generator_e
 def test_the_command_checks_a_loop_named_module_function(checked):
     proc, _ = checked("command")
     assert proc.returncode == EXIT_OK, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout == ("resume check OK: all 8 steps of the interrupted run are bit-identical to the "
-                   "uninterrupted run (6 steps)\n  kills: step 1 (checkpoint of step 0; the "
-                   "restart began at step 1); step 3 (checkpoint of step 2; the restart began "
-                   "at step 3)\n")
+    assert proc.stdout == (
+        "resume check OK: all 8 steps of the interrupted run are bit-identical to the "
+        "uninterrupted run (6 steps)\n  kills: step 1 (checkpoint of step 0; the restart began "
+        "at step 1); step 3 (checkpoint of step 2; the restart began at step 3)\n")
 
 
 def test_the_command_refuses_bad_kill_steps(capsys):
