@@ -3,6 +3,7 @@
 
     python benchmarks/run.py                      # gpt2-medium preset (~3.65 GB state), ~20-30 min
     python benchmarks/run.py --quick              # tiny state, 2 rounds: a couple of minutes
+    python benchmarks/run.py --preset smoke       # every phase and method once, ~a minute
     python benchmarks/run.py --preset small --methods datastates,torch_save,dcp_async_stager_bg
 
 Writes ``report.md``, ``results.json`` and PNG charts to ``--out`` (default
@@ -45,10 +46,22 @@ class Preset:
     e2e_steps: int
     e2e_rounds: int
     fragments: int
+    #: The GPT shapes (``states.gpt_config`` / ``e2e_config``) of another preset, by its name
+    #: (default: this preset's own), with ``n_layer`` layers (default: that shape's).
+    shape: str | None = None
+    n_layer: int | None = None
+    e2e_ks: str = "1,5,10"
+    #: Measure the disk limits once more at the end of the run.
+    limits_at_end: bool = True
 
 
 PRESETS = {
-    "quick": Preset(reps=2, limit_bytes=128 * MiB, e2e_steps=10, e2e_rounds=2, fragments=1000),
+    # A check that every phase and every method runs and reports, not a measurement: one round,
+    # the quick shapes with a one-layer GPT, few fragments, a 2-step end-to-end loop.
+    "smoke": Preset(reps=1, limit_bytes=32 * MiB, e2e_steps=2, e2e_rounds=1, fragments=100,
+                    shape="quick", n_layer=1, e2e_ks="1,2", limits_at_end=False),
+    "quick": Preset(reps=2, limit_bytes=128 * MiB, e2e_steps=10, e2e_rounds=2, fragments=1000,
+                    limits_at_end=False),
     "small": Preset(reps=3, limit_bytes=512 * MiB, e2e_steps=20, e2e_rounds=2, fragments=1500),
     "gpt2-medium": Preset(reps=3, limit_bytes=2 * GiB, e2e_steps=20, e2e_rounds=2, fragments=1500),
 }
@@ -88,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--writer-threads", type=int, default=2, help="datastates writer threads")
     p.add_argument("--dcp-threads", type=int, default=2, help="FileSystemWriter thread_count")
     p.add_argument("--e2e-steps", type=int, help="training steps per end-to-end loop")
-    p.add_argument("--e2e-ks", default="1,5,10", help="checkpoint intervals (steps)")
+    p.add_argument("--e2e-ks", help="checkpoint intervals (steps; default 1,5,10, smoke 1,2)")
     p.add_argument("--e2e-rounds", type=int, help="rounds of end-to-end loops")
     p.add_argument("--limit-bytes", type=parse_bytes, help="file size for the disk limits")
     p.add_argument("--strict-memory", action="store_true",
@@ -153,6 +166,7 @@ def _remove_tree(path: Path) -> None:
 def run(args: argparse.Namespace) -> dict:
     preset = PRESETS[args.preset]
     reps = args.reps or preset.reps
+    shape = preset.shape or args.preset
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     t_start = time.perf_counter()
     out = args.out or Path("results") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -191,8 +205,8 @@ def run(args: argparse.Namespace) -> dict:
     own_pg = False
     limit_samples: dict = {}
     try:
-        cfg = plan_state(states.gpt_config(args.preset, args.n_layer), live, args.strict_memory,
-                         results["notes"])
+        cfg = plan_state(states.gpt_config(shape, args.n_layer or preset.n_layer), live,
+                         args.strict_memory, results["notes"])
         if any(getattr(m, "needs_process_group", False) for m in live):
             own_pg = ensure_process_group()
         limit_bytes = args.limit_bytes or min(preset.limit_bytes,
@@ -228,12 +242,12 @@ def run(args: argparse.Namespace) -> dict:
         if args.skip_e2e:
             results["skipped"].append("end-to-end phase")
         else:
-            ks = [int(k) for k in args.e2e_ks.split(",") if k.strip()]
-            raw = phases.run_e2e(full, work / "e2e", args.preset,
+            ks = [int(k) for k in (args.e2e_ks or preset.e2e_ks).split(",") if k.strip()]
+            raw = phases.run_e2e(full, work / "e2e", shape,
                                  args.e2e_steps or preset.e2e_steps, ks,
                                  args.e2e_rounds or preset.e2e_rounds)
             results["e2e"] = {"raw": raw, "summary": analysis.analyze_e2e(raw, REFERENCE)}
-        if args.preset != "quick":                 # once more at the end: drift shows as spread
+        if preset.limits_at_end:                   # once more at the end: drift shows as spread
             more = limits.measure_limits(work / "limits", limit_bytes, rounds=1)
             for k, v in more.items():
                 limit_samples.setdefault(k, []).extend(v)

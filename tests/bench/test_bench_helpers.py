@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks import analysis, charts, common, report, states  # noqa: E402
 from benchmarks.memory import MemoryPlan  # noqa: E402
 from benchmarks.methods.base import Checkpoint, Pending  # noqa: E402
-from benchmarks.run import parse_bytes  # noqa: E402
+from benchmarks.run import PRESETS, build_parser, parse_bytes  # noqa: E402
 
 
 def test_summarize_ignores_missing_and_non_finite():
@@ -61,6 +61,15 @@ def test_parse_bytes():
 
 def test_gpt2_medium_preset_is_about_3_6_gb():
     assert 3.4e9 < states.estimate_state_bytes(states.gpt_config("gpt2-medium")) < 3.8e9
+
+
+def test_quick_is_its_own_preset_and_smoke_is_the_quick_shape_on_one_layer():
+    assert build_parser().parse_args(["--quick"]).preset == "quick"
+    quick, smoke = PRESETS["quick"], PRESETS["smoke"]
+    assert (quick.reps, quick.e2e_steps, quick.e2e_ks, quick.shape) == (2, 10, "1,5,10", None)
+    assert smoke.reps == 1 and smoke.e2e_rounds == 1
+    cfg = states.gpt_config(smoke.shape, smoke.n_layer)
+    assert cfg.n_layer == 1 and cfg.n_embd == states.gpt_config("quick").n_embd
 
 
 def test_fragmented_state_has_same_bytes_in_many_tensors():
@@ -173,8 +182,8 @@ def test_run_without_matplotlib_still_writes_md_and_json(tmp_path):
         "        if name == 'matplotlib' or name.startswith('matplotlib.'):\n"
         "            raise ImportError('blocked for the test')\n"
         "sys.meta_path.insert(0, Block())\n"
-        f"sys.argv = ['run.py', '--quick', '--methods', 'torch_save', '--skip-e2e', "
-        f"'--skip-fragmented', '--skip-model-only', '--reps', '1', '--dir', {str(tmp_path)!r}, "
+        f"sys.argv = ['run.py', '--preset', 'smoke', '--methods', 'torch_save', '--skip-e2e', "
+        f"'--skip-fragmented', '--skip-model-only', '--dir', {str(tmp_path)!r}, "
         f"'--out', {str(tmp_path / 'out')!r}]\n"
         f"runpy.run_path({str(REPO / 'benchmarks' / 'run.py')!r}, run_name='__main__')\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

@@ -1,4 +1,6 @@
-"""Smoke test of the benchmark suite: ``benchmarks/run.py --quick`` end to end, in a subprocess.
+"""Smoke test of the benchmark suite: ``benchmarks/run.py --preset smoke`` end to end, in a
+subprocess (every phase and every method once, on a one-layer GPT: one round, a 2-step end-to-end
+loop checkpointing every 1 and every 2 steps).
 
 Checks the outputs' shape only (files exist, JSON schema, every method has numeric fields, PNGs are
 well-formed); never timings. The PNG check is skipped only when matplotlib is not installed.
@@ -18,6 +20,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "benchmarks" / "run.py"
 CHARTS = ["stall.png", "committed_throughput.png", "e2e_slowdown.png", "load_throughput.png"]
+#: The smoke preset's end-to-end loop: its steps and checkpoint intervals.
+E2E_STEPS, E2E_KS = 2, [1, 2]
 SAVE_FIELDS = ["blocked_s", "snapshot_s", "commit_s", "checkpoint_gbps", "committed_gbps",
                "frac_write_limit", "peak_extra_rss"]
 
@@ -42,25 +46,26 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
+def smoke_run(tmp_path_factory):
     base = tmp_path_factory.mktemp("bench")
     work, out = base / "disk", base / "results"
     work.mkdir()
-    proc = subprocess.run([sys.executable, str(RUN), "--quick", "--dir", str(work), "--out",
-                           str(out)], cwd=base, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, str(RUN), "--preset", "smoke", "--dir", str(work),
+                           "--out", str(out)], cwd=base, capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, f"run.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return work, out, proc
 
 
-def test_outputs_exist_and_workdir_is_clean(quick_run):
-    work, out, _ = quick_run
+def test_outputs_exist_and_workdir_is_clean(smoke_run):
+    work, out, _ = smoke_run
     assert (out / "report.md").stat().st_size > 0
     assert (out / "results.json").stat().st_size > 0
     assert list(work.iterdir()) == [], "the run left files in --dir"
 
 
-def test_results_schema(quick_run):
-    _, out, _ = quick_run
+def test_results_schema(smoke_run):
+    _, out, _ = smoke_run
     res = json.loads((out / "results.json").read_text())
     assert res["schema"] == "datastates-bench/1"
     assert res["interrupted"] is False
@@ -92,23 +97,26 @@ def test_results_schema(quick_run):
     assert ref["median"] == pytest.approx(1.0)
 
 
-def test_e2e_schema(quick_run):
-    _, out, _ = quick_run
+def test_e2e_schema(smoke_run):
+    _, out, _ = smoke_run
     res = json.loads((out / "results.json").read_text())
+    assert res["meta"]["preset"] == "smoke" and res["meta"]["reps"] == 1
+    config = res["e2e"]["raw"]["config"]
+    assert (config["steps"], config["ks"], config["rounds"]) == (E2E_STEPS, E2E_KS, 1)
     e2e = res["e2e"]["summary"]
     _check_summary(e2e["baseline_s"], "e2e.baseline_s")
     for n, m in res["methods"].items():
         if not m["available"] or "full" not in m["scopes"]:
             continue
-        assert set(e2e["methods"][n]) == {"1", "5", "10"}, n
+        assert set(e2e["methods"][n]) == {str(k) for k in E2E_KS}, n
         for k, entry in e2e["methods"][n].items():
             _check_summary(entry["total_s"], f"e2e.{n}@{k}.total_s")
             _check_summary(entry["slowdown"], f"e2e.{n}@{k}.slowdown")
-            assert entry["n_ckpt"] == 10 // int(k)
+            assert entry["n_ckpt"] == E2E_STEPS // int(k)
 
 
-def test_report_mentions_every_section(quick_run):
-    _, out, _ = quick_run
+def test_report_mentions_every_section(smoke_run):
+    _, out, _ = smoke_run
     md = (out / "report.md").read_text()
     for heading in ("## Physical limits", "## Save — `gpt/full`", "## Save — `fragmented/full`",
                     "### Load into the live state", "## End-to-end training", "## Charts"):
@@ -117,8 +125,8 @@ def test_report_mentions_every_section(quick_run):
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
                     reason="matplotlib not installed: the run skips charts")
-def test_charts_are_png(quick_run):
-    _, out, _ = quick_run
+def test_charts_are_png(smoke_run):
+    _, out, _ = smoke_run
     res = json.loads((out / "results.json").read_text())
     assert res["charts"]["skipped"] is None
     for name in CHARTS:

@@ -1,10 +1,16 @@
 """Fallback resume agreed by every rank (real gloo processes): one rank's shard of the newest
 checkpoint damaged → every rank restores the same older step bit-exactly; a mismatch on one rank
-→ every rank raises before anything is modified."""
+→ every rank raises before anything is modified.
+
+One launch per world size (2 and 4 ranks, ``launched``) runs every check of this file at that
+size, each in a directory of its own: the mismatch on the intact checkpoints first, then the
+damage and the fallback; at 4 ranks also the DDP-like save of the manifest check. The 4-rank
+checkpoints also serve the check of the files a rank opens."""
 from __future__ import annotations
 
 import glob
 import os
+import shutil
 
 import pytest
 import torch
@@ -36,12 +42,19 @@ def _same(a: dict, b: dict) -> bool:
             and a["pos"] == b["pos"])
 
 
-def _damage_one_rank(rank, world, root, victim, mismatch_rank):
+def _mismatch_then_damage(rank, world, root, victim, mismatch_rank):
+    """Save steps 1-3; restore with a mismatch on ``mismatch_rank``; then damage ``victim``'s
+    shard of step 3 and restore with fallback. Returns {"mismatch": ..., "fallback": ...}."""
     with Checkpointer(root, CONFIG) as ckpt:
         for step in (1, 2, 3):
             ckpt.save(_state(rank, step), step=step, replicated=["model"]).wait()
         dist.barrier()
-        if rank == 0 and victim is not None:  # one rank's own shard of the newest checkpoint
+        mismatch = _restore_mismatched(ckpt, rank, mismatch_rank)
+        dist.barrier()  # every rank is done with the mismatch: what it left is all there is
+        mismatch["listed"] = [i.step for i in ckpt.list()]
+        mismatch["damaged"] = glob.glob(os.path.join(root, ".damaged.*"))
+        dist.barrier()
+        if rank == 0:  # one rank's own shard of the newest checkpoint
             path = os.path.join(root, fmt.step_name(3), fmt.shard_file_name(victim))
             with open(path, "r+b") as f:
                 f.seek(4096 + 11)
@@ -50,23 +63,58 @@ def _damage_one_rank(rank, world, root, victim, mismatch_rank):
                 f.write(bytes([byte[0] ^ 0xFF]))
         dist.barrier()
         live = _blank(rank)
-        if rank == mismatch_rank:
-            live["mine"] = torch.zeros(3)
-        try:
-            report = ckpt.restore(live, fallback=True)
-        except (datastates.StateMismatchError, datastates.RestoreAbortedError) as exc:
-            return {"error": type(exc).__name__, "untouched": _same(live, _blank(rank)) or
-                    rank == mismatch_rank and live["pos"]["step"] == -1}
-        return {"step": report.step, "exact": _same(live, _state(rank, report.step)),
-                "skipped": [(s.name, s.quarantined is not None) for s in report.skipped],
-                "reason": [s.reason for s in report.skipped],
-                "listed": [i.step for i in ckpt.list()]}
+        report = ckpt.restore(live, fallback=True)
+        fallback = {"step": report.step, "exact": _same(live, _state(rank, report.step)),
+                    "skipped": [(s.name, s.quarantined is not None) for s in report.skipped],
+                    "reason": [s.reason for s in report.skipped],
+                    "listed": [i.step for i in ckpt.list()]}
+    return {"mismatch": mismatch, "fallback": fallback}
 
 
-@pytest.mark.parametrize("world,victim", [(2, 1), (4, 3)])
-def test_one_rank_damaged_every_rank_restores_the_same_older_step(tmp_path, world, victim):
-    root = str(tmp_path / "ckpts")
-    out = run_ranks(world, _damage_one_rank, root, victim, None)
+def _restore_mismatched(ckpt, rank, mismatch_rank) -> dict:
+    live = _blank(rank)
+    if rank == mismatch_rank:
+        live["mine"] = torch.zeros(3)
+    try:
+        ckpt.restore(live, fallback=True)
+    except (datastates.StateMismatchError, datastates.RestoreAbortedError) as exc:
+        return {"error": type(exc).__name__, "untouched": _same(live, _blank(rank)) or
+                rank == mismatch_rank and live["pos"]["step"] == -1}
+    return {"error": None, "untouched": _same(live, _blank(rank))}
+
+
+#: The launches: world size -> (the victim of the damage, the rank with the mismatch, whether
+#: the launch also runs the DDP-like save).
+LAUNCHES = {2: (1, 1, False), 4: (3, 2, True)}
+
+
+def _launch(rank, world, base, victim, mismatch_rank, ddp):
+    out = _mismatch_then_damage(rank, world, os.path.join(base, "ckpts"), victim, mismatch_rank)
+    if ddp:
+        out["ddp"] = _ddp_like(rank, world, os.path.join(base, "ddp"), os.path.join(base, "one"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """``launched(world)``: (the damaged checkpoints' root, {rank: result}) of the one launch at
+    that world size."""
+    done = {}
+
+    def get(world):
+        if world not in done:
+            base = str(tmp_path_factory.mktemp(f"w{world}"))
+            done[world] = (os.path.join(base, "ckpts"),
+                           run_ranks(world, _launch, base, *LAUNCHES[world]))
+        return done[world]
+    return get
+
+
+@pytest.mark.parametrize("world", sorted(LAUNCHES))
+def test_one_rank_damaged_every_rank_restores_the_same_older_step(launched, world):
+    root, results = launched(world)
+    victim = LAUNCHES[world][0]
+    out = {rank: r["fallback"] for rank, r in results.items()}
     for rank in range(world):
         assert out[rank]["step"] == 2 and out[rank]["exact"], (rank, out[rank])
         # every rank reports the same skip; only rank 0 moved it
@@ -77,22 +125,26 @@ def test_one_rank_damaged_every_rank_restores_the_same_older_step(tmp_path, worl
     assert len(glob.glob(os.path.join(root, f".damaged.{fmt.step_name(3)}.*"))) == 1
 
 
-def test_a_mismatch_on_one_rank_stops_every_rank_before_anything_changes(tmp_path):
-    root = str(tmp_path / "ckpts")
-    out = run_ranks(2, _damage_one_rank, root, None, 1)
-    assert out[1] == {"error": "StateMismatchError", "untouched": True}
-    assert out[0] == {"error": "RestoreAbortedError", "untouched": True}
-    assert not glob.glob(os.path.join(root, ".damaged.*"))
+@pytest.mark.parametrize("world", sorted(LAUNCHES))
+def test_a_mismatch_on_one_rank_stops_every_rank_before_anything_changes(launched, world):
+    _, results = launched(world)
+    bad = LAUNCHES[world][1]
+    out = {rank: r["mismatch"] for rank, r in results.items()}
+    for rank in range(world):
+        error = "StateMismatchError" if rank == bad else "RestoreAbortedError"
+        assert out[rank] == {"error": error, "untouched": True, "listed": [1, 2, 3],
+                             "damaged": []}, (rank, out[rank])
 
 
-def test_a_rank_opens_only_the_files_its_restore_reads(tmp_path):
+def test_a_rank_opens_only_the_files_its_restore_reads(launched, tmp_path):
     """Per-rank work independent of the world size: at the same world size a rank opens its own
     shard file, plus the file of the rank that wrote a replicated tensor it restores; the other
-    ranks' files are never opened (here they are even deleted)."""
+    ranks' files are never opened (here they are even deleted, in a copy of step 2 of the
+    4-rank launch: intact, newest of its directory after the fallback)."""
     from datastates.restore.reader import Reader
-    root = str(tmp_path / "ckpts")
-    run_ranks(4, _damage_one_rank, root, None, None)
-    path = os.path.join(root, fmt.step_name(3))
+    root, _ = launched(4)
+    path = str(tmp_path / fmt.step_name(2))
+    shutil.copytree(os.path.join(root, fmt.step_name(2)), path)
     registry = datastates.ProviderRegistry.default()
     for rank in range(4):
         with Reader(path, registry=registry, rank=rank, world_size=4) as reader:
@@ -105,11 +157,13 @@ def test_a_rank_opens_only_the_files_its_restore_reads(tmp_path):
     with Reader(path, registry=registry, rank=1, world_size=4) as reader:
         live = _blank(1)
         reader.restore_into(live)
-        assert _same(live, _state(1, 3)) and sorted(reader.files._opened) == sorted({1, owner})
+        assert _same(live, _state(1, 2)) and sorted(reader.files._opened) == sorted({1, owner})
 
 
-def _ddp_like(rank, world, root):
-    """A replicated model and optimizer, a per-rank RNG state and value: what DDP saves."""
+def _ddp_like(rank, world, root, alone):
+    """A replicated model and optimizer, a per-rank RNG state and value: what DDP saves. Rank 0
+    also saves and restores its state in ``alone`` as a job of one rank (a Checkpointer of its
+    own, on a LocalCommunicator), for the size of a one-rank manifest without another launch."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(12)])
     opt = torch.optim.AdamW(model.parameters())
@@ -117,23 +171,31 @@ def _ddp_like(rank, world, root):
     opt.step()
     torch.manual_seed(rank)
     state = {"model": model, "opt": opt, "rng": datastates.RNGState(), "rank": rank}
-    with Checkpointer(root, CONFIG) as ckpt:
+    out = _save_and_restore(state, root, rank, Checkpointer(root, CONFIG))
+    if rank == 0:
+        one = Checkpointer(alone, CONFIG, communicator=datastates.LocalCommunicator())
+        out["alone"] = _save_and_restore(state, alone, rank, one)
+    return out
+
+
+def _save_and_restore(state, root, rank, ckpt) -> dict:
+    with ckpt:
         ckpt.save(state, step=1, replicated=["model", "opt"]).wait()
         live = {"model": torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(12)]),
                 "rank": -1, "rng": datastates.RNGState()}
         live["opt"] = torch.optim.AdamW(live["model"].parameters())
         ckpt.restore(live)
         same = all(torch.equal(a, b) for a, b in zip(live["model"].state_dict().values(),
-                                                    model.state_dict().values()))
+                                                    state["model"].state_dict().values()))
     return {"same": same and live["rank"] == rank,
             "manifest": os.path.getsize(os.path.join(root, fmt.step_name(1), fmt.MANIFEST))}
 
 
-def test_the_manifest_grows_with_what_differs_between_ranks_not_with_ranks(tmp_path):
+def test_the_manifest_grows_with_what_differs_between_ranks_not_with_ranks(launched):
     """Every rank's subtrees equal to rank 0's (the replicated model and optimizer) are written
     once: at 4 ranks the manifest is far from 4 trees' worth, and every rank restores its own."""
-    one = run_ranks(1, _ddp_like, str(tmp_path / "one"))[0]
-    four = run_ranks(4, _ddp_like, str(tmp_path / "four"))
+    four = {rank: dict(r["ddp"]) for rank, r in launched(4)[1].items()}
+    one = four[0].pop("alone")
     assert all(r["same"] for r in four.values()) and one["same"]
     # one rank's tree is most of a one-rank manifest; three more ranks add their RNG and value
     assert four[0]["manifest"] < 1.5 * one["manifest"], (one, four[0])

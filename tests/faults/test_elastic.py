@@ -3,16 +3,17 @@ the agent restarting the whole group, and the README's resume loop taking every 
 same committed checkpoint, until the job ends bit-identical to a run never interrupted.
 
 Each test runs ``_elastic_child.py`` (a small data-parallel job on gloo, a save every step,
-``keep_last=2``) under ``python -m torch.distributed.run --standalone`` with up to two kill points,
-one per attempt (the second lands in a job that already recovered once): a non-zero rank in the
-write of its shard, or once its report is in the store and before the verdict; rank 0 while it
+``keep_last=2``) under ``python -m torch.distributed.run --standalone`` with one kill point per
+attempt: on 2 ranks, three in one run (each after the first lands in a job that already
+recovered), on 4 ranks one. The kill points: a non-zero rank in the write of its shard (rank 3
+of 4), or once its report is in the store and before the verdict (rank 1 of 2); rank 0 while it
 publishes (the manifest written, the directory not renamed), or after the commit and before
-``latest``. The attempt that ends the job then runs it again from step 0 in an empty directory,
-uninterrupted, on the same process group: the reference. What is checked after each run: the
-final state of every rank (against the reference's), the checkpoints left in the directory
-(bit-exact against the reference's, rank by rank), the step every rank resumed at in each
-attempt, a new run id per attempt, the dead attempt's temporaries present before the new rank 0
-built its Checkpointer and gone after, and nothing left at the end.
+``latest`` (2 ranks). The attempt that ends the job then runs it again from step 0 in an empty
+directory, uninterrupted, on the same process group: the reference. What is checked after each
+run: the final state of every rank (against the reference's), the checkpoints left in the
+directory (bit-exact against the reference's, rank by rank), the step every rank resumed at in
+each attempt, a new run id per attempt, the dead attempt's temporaries present before the new
+rank 0 built its Checkpointer and gone after, and nothing left at the end.
 
 The last test: after a writer died between the two renames of an overwrite, rank 0's
 Checkpointer puts the replaced checkpoint back; no rank lists the directory before that
@@ -48,7 +49,7 @@ from _faults_helpers import HERE, assert_bit_exact
 
 CHILD = os.path.join(HERE, "_elastic_child.py")
 STEPS = 6
-#: The bound on one torchrun run (a run takes 15 to 60 s on 2 cores; a worker hung for the
+#: The bound on one torchrun run (a run takes 15 to 90 s on 2 cores; a worker hung for the
 #: child's HANG_S prints its stacks and exits first).
 RUN_TIMEOUT_S = 300
 MARKER = re.compile(r"ELASTIC (\w+) (.*)$")
@@ -74,18 +75,17 @@ class Kill:
         return f"{self.attempt}:{self.rank}:{self.step}:{self.mode}:{self.n}"
 
 
-# Each chain: (world size, kills). A save whose kill came before its rank's report is never
-# committed (resume at its step); once the directory rename is done it is (resume after it); a
-# rank killed after its report leaves the verdict to rank 0, which may commit before the agent
-# stops it (either).
+# Each chain: (world size, kills), one torchrun run (every attempt starts its workers anew, which
+# costs seconds: the kills share runs, and each kill point runs once). A save whose kill came
+# before its rank's report is never committed (resume at its step); once the directory rename is
+# done it is (resume after it); a rank killed after its report leaves the verdict to rank 0,
+# which may commit before the agent stops it (either). Each kill's step is one its attempt
+# reaches whichever start the previous kill allowed.
 CHAINS = {
-    "w2-shard-write-then-publish": (2, (
-        Kill(0, 1, 2, "pwrite", 1, (2,), True),         # rank 1, its first data write of step 2
-        Kill(1, 0, 4, "rename-before", 1, (4,), True),  # rank 0, manifest written, not renamed
-    )),
-    "w2-reported-then-before-latest": (2, (
-        Kill(0, 1, 2, "reported", 1, (2, 3), False),    # rank 1 reported step 2, no verdict yet
-        Kill(1, 0, 3, "set-latest", 1, (4,), False),    # rank 0 committed step 3, latest not
+    "w2-publish-reported-before-latest": (2, (
+        Kill(0, 0, 2, "rename-before", 1, (2,), True),  # rank 0, manifest written, not renamed
+        Kill(1, 1, 3, "reported", 1, (3, 4), False),    # rank 1 reported step 3, no verdict yet
+        Kill(2, 0, 4, "set-latest", 1, (5,), False),    # rank 0 committed step 4, latest not
                                                         # updated
     )),
     "w4-shard-write": (4, (
@@ -125,10 +125,10 @@ def parse_markers(output: str) -> list[tuple[str, dict]]:
 def torchrun(root: str, world: int, kills=()) -> Run:
     """Run the job in ``root/ckpt`` on ``world`` ranks, then (in the attempt that ended it) once
     more from scratch in ``root/uninterrupted``; fail the test, with the output, if it does not
-    end within RUN_TIMEOUT_S."""
+    end within RUN_TIMEOUT_S. One restart per kill: a death no kill planned ends the job."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={world}", "--max-restarts=2", "--monitor-interval=0.1",
-           CHILD, os.path.join(root, "ckpt"), str(STEPS),
+           f"--nproc-per-node={world}", f"--max-restarts={len(kills)}",
+           "--monitor-interval=0.1", CHILD, os.path.join(root, "ckpt"), str(STEPS),
            "--uninterrupted", os.path.join(root, "uninterrupted")]
     for kill in kills:
         cmd += ["--kill", kill.spec()]
@@ -266,9 +266,10 @@ class RanksDisagree(Exception):
     """The ranks of one job found different latest checkpoints in one directory."""
 
 
-#: How long rank 0 holds its cleanup back for rank 1 to list the directory first. Today rank 1
-#: lists within milliseconds; once the Checkpointer makes the other ranks wait for rank 0's
-#: cleanup, rank 1 cannot, and rank 0 goes on after this bound.
+#: How long rank 0 holds its cleanup back at most, for rank 1 to list the directory first or
+#: show that it cannot (it waits in the Checkpointer's "open" exchange, which needs rank 0's
+#: value, sent after the cleanup). Reached only if rank 1 does neither: it would list with
+#: nothing holding it back within milliseconds.
 LISTED_WAIT_S = 20
 
 
@@ -289,29 +290,39 @@ def interrupted_overwrite(root: str) -> None:
 
 def _latest_on_each_rank(rank: int, world: int, root: str):
     """A restarted rank: build the Checkpointer, ask ``latest()`` as the resume loop does. Rank 0
-    cleans only once rank 1 has listed (or after LISTED_WAIT_S)."""
+    cleans only once rank 1 has listed or waits in the "open" exchange of its Checkpointer (so
+    cannot list before that cleanup), or after LISTED_WAIT_S."""
     from datetime import timedelta
 
     from torch.distributed import distributed_c10d as c10d
 
     import datastates
     from datastates.commit.publish import RenamePublisher
+    from datastates.commit.round import StoreCommunicator
 
     store = c10d._get_default_store()
+    if rank == 1:
+        real_exchange = StoreCommunicator.exchange
+
+        def exchange(self, topic, *args, **kwargs):
+            if topic == "open":
+                store.set("listed-or-held", "1")  # no listing before rank 0 joins it
+            return real_exchange(self, topic, *args, **kwargs)
+        StoreCommunicator.exchange = exchange
     if rank == 0:
         real = RenamePublisher.clean_stale
 
         def clean_stale(self, *args, **kwargs):
             try:
-                store.wait(["listed"], timedelta(seconds=LISTED_WAIT_S))
-            except RuntimeError:  # DistStoreError: rank 1 could not list first
+                store.wait(["listed-or-held"], timedelta(seconds=LISTED_WAIT_S))
+            except RuntimeError:  # DistStoreError: rank 1 did neither
                 pass
             return real(self, *args, **kwargs)
         RenamePublisher.clean_stale = clean_stale
     with datastates.Checkpointer(root) as ckpt:
         found = ckpt.latest()
         if rank == 1:
-            store.set("listed", "1")
+            store.set("listed-or-held", "1")
         return None if found is None else found.name
 
 

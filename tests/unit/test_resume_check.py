@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -28,20 +31,52 @@ STEPS = 6  # the loops save after steps 0, 2, 4: a kill at 3 resumes from step 2
 
 # ---------------------------------------------------------------- real loops, real kills
 
+#: The checks on real processes: name -> (loop, kill steps), and the ``check-resume`` command
+#: (run as ``python -m datastates``). Each check runs its processes one after the other (the
+#: uninterrupted run alongside the first), which keeps one core busy: the checks run two at a
+#: time, all started when the first test asks for its result.
+COMMAND = ["check-resume", "_resume_loops:counter", "--steps", str(STEPS), "--kill-at", "1,3"]
+CHECKS = {
+    "correct": (loops.correct, (1, 4)),
+    "resumes_at_saved_step": (loops.resumes_at_saved_step, 3),
+    "loader_not_in_state": (loops.loader_not_in_state, 3),
+    "rng_not_in_state": (loops.rng_not_in_state, 3),
+    "randomness_in_loader_workers": (loops.randomness_in_loader_workers, 3),
+}
 
-def test_a_correct_loop_resumes_bit_identical(tmp_path):
-    report = check_resume(loops.correct, steps=STEPS, kill_at=(1, 4), workdir=tmp_path / "w")
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    """``checked(name)``: the ResumeReport of ``CHECKS[name]`` and its workdir; ``"command"``:
+    the command's CompletedProcess."""
+    root = tmp_path_factory.mktemp("resume-checks")
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
+        # in this folder: the command imports MODULE:FUNCTION from the current directory
+        futures = {"command": pool.submit(
+            subprocess.run, [sys.executable, "-m", "datastates", *COMMAND], cwd=HERE,
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=1800)}
+        futures.update({name: pool.submit(check_resume, fn, steps=STEPS, kill_at=kill_at,
+                                          workdir=root / name)
+                        for name, (fn, kill_at) in CHECKS.items()})
+        yield lambda name: (futures[name].result(), root / name)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def test_a_correct_loop_resumes_bit_identical(checked):
+    report, workdir = checked("correct")
     assert report.ok and report.first is None, str(report)
     assert report.kills == (Kill(1, 0, 1), Kill(4, 4, 5))
     assert report.compared == 2 + 4 + 1  # steps 0-1, then 1-4 (1 again), then 5
     assert str(report).startswith("resume check OK: all 7 steps")
-    assert sorted(os.listdir(tmp_path / "w")) == [
+    assert sorted(os.listdir(workdir)) == [
         "interrupted", "reference", "reference.jsonl", "reference.out", "run-0.jsonl",
         "run-0.out", "run-1.jsonl", "run-1.out", "run-2.jsonl", "run-2.out"]
 
 
-def test_resuming_at_the_saved_step_reports_the_step_run_again():
-    report = check_resume(loops.resumes_at_saved_step, steps=STEPS, kill_at=3)
+def test_resuming_at_the_saved_step_reports_the_step_run_again(checked):
+    report, _ = checked("resumes_at_saved_step")
     assert not report.ok and report.kills == (Kill(3, 2, 2),)
     first = report.first
     assert (first.step, first.key) == (2, "step")
@@ -51,8 +86,8 @@ def test_resuming_at_the_saved_step_reports_the_step_run_again():
     assert str(report).startswith("resume check FAILED: at step 2, key 'step'\n")
 
 
-def test_a_loader_left_out_of_the_checkpoint_is_named():
-    report = check_resume(loops.loader_not_in_state, steps=STEPS, kill_at=3)
+def test_a_loader_left_out_of_the_checkpoint_is_named(checked):
+    report, _ = checked("loader_not_in_state")
     first = report.first
     assert (first.step, first.key) == (3, "loader/position")
     assert first.what == ("restart 1 (after the kill at step 3) has 1, the uninterrupted run 4")
@@ -60,8 +95,8 @@ def test_a_loader_left_out_of_the_checkpoint_is_named():
     assert not report.ok and report.kills == (Kill(3, 2, 3),)
 
 
-def test_an_rng_left_out_of_the_checkpoint_is_named_before_the_dropout_weights():
-    report = check_resume(loops.rng_not_in_state, steps=STEPS, kill_at=3)
+def test_an_rng_left_out_of_the_checkpoint_is_named_before_the_dropout_weights(checked):
+    report, _ = checked("rng_not_in_state")
     first = report.first
     assert (first.step, first.key) == (3, "rng:torch")
     assert "RNGState()" in first.hint
@@ -69,8 +104,8 @@ def test_an_rng_left_out_of_the_checkpoint_is_named_before_the_dropout_weights()
     assert not report.ok
 
 
-def test_randomness_in_loader_workers_shows_as_the_inputs_with_every_generator_equal():
-    report = check_resume(loops.randomness_in_loader_workers, steps=STEPS, kill_at=3)
+def test_randomness_in_loader_workers_shows_as_the_inputs_with_every_generator_equal(checked):
+    report, _ = checked("randomness_in_loader_workers")
     first = report.first
     assert (first.step, first.key) == (3, "inputs")
     assert first.what == ("restart 1 (after the kill at step 3) has other bytes (float32 [4, 8] "
@@ -79,16 +114,13 @@ def test_randomness_in_loader_workers_shows_as_the_inputs_with_every_generator_e
     assert not any(k.startswith("rng:") for k in first.keys)
 
 
-def test_the_command_checks_a_loop_named_module_function(capsys, monkeypatch):
-    monkeypatch.chdir(HERE)  # the command imports MODULE:FUNCTION from the current directory
-    code = main(["check-resume", "_resume_loops:counter", "--steps", str(STEPS), "--kill-at",
-                 "1,3"])
-    out = capsys.readouterr().out
-    assert code == EXIT_OK, out
-    assert out == ("resume check OK: all 8 steps of the interrupted run are bit-identical to the "
-                   "uninterrupted run (6 steps)\n  kills: step 1 (checkpoint of step 0; the "
-                   "restart began at step 1); step 3 (checkpoint of step 2; the restart began "
-                   "at step 3)\n")
+def test_the_command_checks_a_loop_named_module_function(checked):
+    proc, _ = checked("command")
+    assert proc.returncode == EXIT_OK, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout == (
+        "resume check OK: all 8 steps of the interrupted run are bit-identical to the "
+        "uninterrupted run (6 steps)\n  kills: step 1 (checkpoint of step 0; the restart began "
+        "at step 1); step 3 (checkpoint of step 2; the restart began at step 3)\n")
 
 
 def test_the_command_refuses_bad_kill_steps(capsys):
