@@ -272,6 +272,8 @@ def test_sigterm_makes_the_keeper_persist_and_end(shm_root, tmp_path):
     for step in (1, 2, 3):
         ck.save(make_state(step, big=False), step=step)
     ck.wait()
+    with pytest.raises(datastates.KeeperError, match="attached"):  # the trainer's job
+        ask(memdir, "persist")
     os.kill(ck._tiers.link.keeper_pid, signal.SIGTERM)
     with pytest.raises(datastates.KeeperError, match="ending"):  # no new trainer is taken
         datastates.Checkpointer(storage, _config(tier))
@@ -323,6 +325,33 @@ def test_a_reused_shard_file_keeps_no_old_byte(tmp_path):
     assert len(data) == 30_000
     assert data == (b"\x03" * 8 + bytes(4088) + b"\x01" * 100 + bytes(20_000 - 4196)
                     + b"\x02" * 10 + bytes(30_000 - 20_010))
+
+
+def test_the_keeper_command(shm_root, tmp_path, capsys):
+    """``datastates keeper DIR --status / --persist / --stop`` on the keeper a trainer started;
+    without one, exit 1 and one line naming the directory."""
+    import json
+    from datastates.tools import cli
+    storage = tmp_path / "ckpt"
+    memdir = place.memory_dir(shm_root, str(storage))
+    tier = _tier(shm_root, tmp_path, persist_every=None)
+    ck = datastates.Checkpointer(storage, _config(tier))
+    ck.save(make_state(1, big=False), step=1).wait()
+    capsys.readouterr()
+    args = [str(storage), "--root", shm_root]
+    assert cli.main(["keeper", *args, "--status"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["pid"] == ck._tiers.link.keeper_pid and status["attached"] == 1
+    ck.close()  # detached: the keeper wrote step 1 to storage and waits for a trainer
+    assert cli.main(["keeper", *args, "--persist"]) == 0  # nothing newer to write
+    assert json.loads(capsys.readouterr().out)["persisted"] is None
+    assert cli.main(["keeper", *args, "--stop"]) == 0
+    assert _gone(memdir)
+    assert cli.main(["keeper", *args, "--status"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: no keeper serves") and memdir in err
+    with datastates.Checkpointer(storage) as plain:
+        assert [i.step for i in plain.list()] == [1]
 
 
 # ---------------------------------------------------------------- no growth

@@ -8,7 +8,8 @@ for the trainer's rank 0 and serves, one request at a time, JSON lines:
   commits into it);
 - ``{"op": "detach"}``: it stops (``Checkpointer.close()``); ``{"op": "stop"}`` as well, and the
   keeper then ends at once;
-- ``{"op": "persist"}``: write the newest memory checkpoint to storage now (``persist.py``);
+- ``{"op": "persist"}``: write the newest memory checkpoint to storage now (``persist.py``),
+  refused while a trainer is attached (its own saves to storage would race the commit);
 - ``{"op": "status"}``: pid, trainers attached, memory checkpoints.
 
 A connection of an attached trainer that closes without ``detach`` is a dead trainer. When the
@@ -223,8 +224,10 @@ class Keeper:
                 self._stopping = True
             elif was:
                 self._last_left("trainer %d detached" % conn.pid)
-        elif op == "persist":
-            self._send(conn, self._persist("asked"))
+        elif op == "persist":  # never beside an attached trainer's own commits to storage
+            self._send(conn, {"ok": False, "error": f"{self._attached()} trainer(s) attached: "
+                              "they write to storage themselves (save(persist=True))"}
+                       if self._attached() else self._persist("asked"))
         elif op == "status":
             self._send(conn, {"ok": True, "pid": os.getpid(), "attached": self._attached(),
                               "memory": self.memdir, "storage": self.storage})

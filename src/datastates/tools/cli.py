@@ -97,7 +97,8 @@ def _add_keeper(sub) -> None:
     act = p.add_mutually_exclusive_group()
     act.add_argument("--status", action="store_true", help="print the running keeper's state")
     act.add_argument("--persist", action="store_true",
-                     help="make the running keeper write the newest memory checkpoint to storage")
+                     help="make the running keeper write the newest memory checkpoint to storage "
+                          "(refused while a trainer is attached: it saves with persist=True)")
     act.add_argument("--stop", action="store_true",
                      help="make the running keeper persist, remove the memory and end")
     p.add_argument("--options", help=argparse.SUPPRESS)          # a spawning trainer's MemoryTier
