@@ -28,12 +28,15 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 if __package__ in (None, ""):
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    _REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    sys.path[:0] = [os.path.join(_REPO, "src"), _REPO]
 import datastates  # noqa: E402
+from benchmarks.common import drop_from_page_cache  # noqa: E402
 from datastates.format import checksum  # noqa: E402
 from datastates.memory import place  # noqa: E402
 
@@ -73,17 +76,6 @@ def live_tensors(model, opt) -> list[torch.Tensor]:
 def rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def drop_cache(root: str) -> None:
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def read_crc(paths: list[str], buf: bytearray) -> int:
@@ -160,7 +152,7 @@ def main(argv=None) -> int:
                 report = ck.restore({"model": model, "opt": opt})
                 rows["restore_memory"].append(time.perf_counter() - t0)
                 assert report.tier == "memory", report
-                drop_cache(storage)
+                drop_from_page_cache([Path(storage)])
                 t0 = time.perf_counter()
                 ck.restore({"model": model, "opt": opt}, step=newest_disk)
                 rows["restore_disk_cold"].append(time.perf_counter() - t0)

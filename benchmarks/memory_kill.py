@@ -32,9 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(HERE, "..", "src")
+sys.path.insert(0, os.path.join(HERE, ".."))
+from benchmarks.common import drop_from_page_cache, read_through  # noqa: E402
 FLOATS = 8 << 20  # 32 MiB
 
 
@@ -249,9 +252,9 @@ def back_to_training(work: str, shm: str, gib: float, reps: int) -> dict:
             first.send_signal(signal.SIGKILL)
             first.wait()
             if kind == "disk_cold":
-                _drop(storage)
+                drop_from_page_cache([Path(storage)])
             elif kind == "disk_warm":  # O_DIRECT writes left nothing in the page cache
-                _read_all(storage)
+                read_through([Path(storage)])
             t_spawn = time.time()
             again = _spawn("train", storage, shm, log, str(gib), str(int(memory)), "0")
             times = json.loads(_read_until(again, b"{"))
@@ -279,22 +282,6 @@ def _read_until(proc: subprocess.Popen, start: bytes) -> str:
             raise RuntimeError(f"the child ended before printing {start!r}")
         if line.startswith(start):
             return line.decode()
-
-
-def _drop(root: str) -> None:
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-
-
-def _read_all(root: str) -> None:
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                while f.read(64 << 20):
-                    pass
 
 
 def _stop_keepers(shm: str) -> None:

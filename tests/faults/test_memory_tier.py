@@ -239,6 +239,29 @@ def test_a_dead_trainer_s_memory_is_written_to_storage(shm_root, tmp_path):
         assert_bit_exact(live, make_state(2, big=False))
 
 
+def test_the_memory_is_kept_while_storage_lacks_its_newest_step(shm_root, tmp_path):
+    """The keeper's write to storage fails (the storage path is a file): it logs the error, and
+    ending it removes nothing: the memory checkpoint is still there, restorable."""
+    storage = tmp_path / "ckpt"
+    memdir = place.memory_dir(shm_root, str(storage))
+    ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=None)))
+    ck.save(make_state(1, big=False), step=1).wait()
+    storage.write_bytes(b"not a directory")  # nothing went to storage: the path is free
+    ck.close()  # the keeper's write fails; it waits for a trainer
+    ask(memdir, "stop")
+    deadline = time.monotonic() + 60
+    while place.keeper_running(memdir):
+        assert time.monotonic() < deadline, "the keeper did not end"
+        time.sleep(0.05)
+    log = (tmp_path / "keeper.log").read_text()
+    assert "writing the newest memory checkpoint" in log and "is kept" in log
+    kept = os.path.join(memdir, place.CKPT, "step-0000000001")
+    with datastates.Checkpointer(os.path.join(memdir, place.CKPT)) as plain:
+        assert [i.path for i in plain.list()] == [kept]
+        assert_bit_exact(plain.load(), make_state(1, big=False))
+    shutil.rmtree(memdir)  # the fixture checks that nothing else was left
+
+
 # ---------------------------------------------------------------- the keeper killed / stopped
 def test_a_killed_keeper_leaves_training_going(shm_root, tmp_path, caplog):
     storage = tmp_path / "ckpt"
