@@ -206,3 +206,109 @@ def test_local_reads_step_by_one_mib_and_object_reads_by_eight():
     finally:
         local.close()
     assert S3ReadFile.step_bytes == 8 << 20
+
+
+def test_a_large_region_is_cut_at_its_checksum_pieces():
+    """A region larger than a run is cut into parts of whole pieces: each part views the same
+    destination bytes, carries its own pieces and says where it starts in the tensor."""
+    data = torch.arange(250, dtype=torch.float32)
+    raw = data.view(torch.uint8)
+    pieces = [[100, datastates.format.codec.crc32(raw[i:i + 100].numpy())]
+              for i in range(0, 1000, 100)]
+    region = _Read(3, 5000, 1000, data, pieces, "w")
+    parts = reads.split_at_pieces([region], 250)
+    assert [(p.offset, p.nbytes, p.base) for p in parts] == \
+        [(5000 + i, 200, i) for i in range(0, 1000, 200)]
+    assert [p.checksums for p in parts] == [pieces[i:i + 2] for i in range(0, 10, 2)]
+    assert all(p.dest.data_ptr() == data.data_ptr() + p.base and p.file == 3 and p.key == "w"
+               for p in parts)
+    for p in parts:  # each part checks against its own pieces
+        check = Checker(p, "f")
+        check.feed(memoryview(raw[p.base:p.base + p.nbytes].numpy()))
+        check.finish()
+    # left whole: small enough, one piece, pieces not covering it, a non-contiguous destination
+    assert reads.split_at_pieces([region], 1000) == [region]
+    one = _Read(0, 0, 1000, data, [[1000, 0]], "w")
+    bad = _Read(0, 0, 1000, data, pieces[:-1], "w")
+    strided = _Read(0, 0, 1000, torch.zeros(500)[::2], pieces, "w")
+    assert reads.split_at_pieces([one, bad, strided], 250) == [one, bad, strided]
+
+
+@pytest.fixture
+def small_runs(monkeypatch):
+    """Runs of 40 KiB: "big" (160 KB in 16 KiB pieces) is read as several parts."""
+    monkeypatch.setattr(reads, "MIN_RUN", 40 << 10)
+    monkeypatch.setattr(reads, "MAX_RUN", 40 << 10)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_tensor_read_in_parts_round_trips_and_names_the_damaged_bytes(saved, small_steps,
+                                                                         small_runs, monkeypatch,
+                                                                         threads):
+    root, state = saved
+    cfg = CONFIG.replace(reader_threads=threads)
+    live = zeros_like(state)
+    split, parts = reads.split_at_pieces, []
+
+    def recording(regions, limit):
+        out = split(regions, limit)
+        parts.extend(out)
+        return out
+    monkeypatch.setattr(reads, "split_at_pieces", recording)
+    with datastates.Checkpointer(root, cfg) as ck:
+        ck.restore(live, step=1)
+    assert_equal(live, state)
+    assert len([p for p in parts if p.key == "big"]) >= 4  # read as parts of whole pieces
+    path, entry = _tensor_entry(root, "big")
+    shard = entry["shards"][0]
+    piece = shard["checksums"][0][0]
+    assert len(shard["checksums"]) >= 8 and shard["nbytes"] > 2 * (40 << 10)
+    pos = 5 * piece + 7  # inside the sixth piece, in the second or third part
+    _flip(path, shard["offset"] + pos)
+    with datastates.Checkpointer(root, cfg) as ck:
+        with pytest.raises(CorruptCheckpointError) as exc:
+            ck.restore(zeros_like(state), step=1)
+    assert f"checksum mismatch for 'big' in bytes [{5 * piece}, {6 * piece}) of the tensor " \
+        f"(file offset {shard['offset'] + 5 * piece})" in str(exc.value)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("where", ["first", "piece-edge", "middle", "last"])
+def test_verify_in_spans_finds_a_flipped_byte_anywhere(saved, small_steps, monkeypatch,
+                                                       threads, where):
+    """verify_all reads the pieces in spans, several at once, through one small buffer per
+    thread: a flipped byte anywhere is named with its tensor bytes and file offset."""
+    from datastates.restore import verify as verify_mod
+    from datastates.restore.reader import Reader
+    monkeypatch.setattr(verify_mod, "SPAN_BYTES", 40 << 10)
+    root, _ = saved
+    path, entry = _tensor_entry(root, "big")
+    shard = entry["shards"][0]
+    piece = shard["checksums"][0][0]
+    ckpt = os.path.join(root, "step-0000000001")
+    with Reader(ckpt, registry=datastates.ProviderRegistry.default(), threads=threads) as r:
+        assert r.verify_all() == os.path.getsize(path)
+    pos = {"first": 0, "piece-edge": piece, "middle": shard["nbytes"] // 2,
+           "last": shard["nbytes"] - 1}[where]
+    start = pos // piece * piece
+    _flip(path, shard["offset"] + pos)
+    with Reader(ckpt, registry=datastates.ProviderRegistry.default(), threads=threads) as r:
+        with pytest.raises(CorruptCheckpointError) as exc:
+            r.verify_all()
+    assert f"checksum mismatch for 'big' in bytes [{start}, " in str(exc.value)
+    assert f"(file offset {shard['offset'] + start})" in str(exc.value)
+
+
+def test_verify_of_a_truncated_file_is_corrupt(saved):
+    from datastates.restore.reader import Reader
+    root, _ = saved
+    path, entry = _tensor_entry(root, "big")
+    with open(path, "rb") as f:
+        data = f.read()
+    ckpt = os.path.join(root, "step-0000000001")
+    shard = entry["shards"][0]
+    with open(path, "wb") as f:  # the tail (index and all) moved inside the tensor's bytes
+        f.write(data[:shard["offset"] + 100] + data[-4096:])
+    with Reader(ckpt, registry=datastates.ProviderRegistry.default()) as r:
+        with pytest.raises(CorruptCheckpointError):
+            r.verify_all()

@@ -103,8 +103,8 @@ def test_cli_verify_all_summary_and_corruption(tmp_path, capsys):
 
 
 def test_verify_reports_progress_inside_a_checkpoint(tmp_path):
-    """Progress moves inside one checkpoint (one call per 64 MiB batch, then the rest of each
-    file) and the increments add up to the bytes verified, which are the shard files' sizes."""
+    """Progress moves inside one checkpoint (one call per span of checksum pieces, at most
+    64 MiB, then the rest of each file) and the increments add up to the bytes verified, which are the shard files' sizes."""
     from datastates.restore import verify as verify_mod
     from datastates.providers import ProviderRegistry
     from datastates.restore.reader import Reader
@@ -113,12 +113,12 @@ def test_verify_reports_progress_inside_a_checkpoint(tmp_path):
                  "small": torch.ones(3)}, step=1).wait()
         info = ck.latest()
     seen = []
-    old_batch, verify_mod.BATCH_BYTES = verify_mod.BATCH_BYTES, 8 << 20
+    old_span, verify_mod.SPAN_BYTES = verify_mod.SPAN_BYTES, 8 << 20
     try:
         with Reader(info.path, registry=ProviderRegistry.default()) as reader:
             total = reader.verify_all(seen.append)
     finally:
-        verify_mod.BATCH_BYTES = old_batch
+        verify_mod.SPAN_BYTES = old_span
     assert total == info.nbytes == sum(seen)
     assert len(seen) >= 5 and all(n > 0 for n in seen[:-1])  # several steps inside one file
 

@@ -74,6 +74,9 @@ class _Read:
     dest: torch.Tensor
     checksums: list           # [[length, crc], ...] over [offset, offset + nbytes)
     key: str
+    #: where these bytes start in the tensor's own bytes (a part of a larger region: see
+    #: ``reads.split_at_pieces``); error messages count from the tensor's first byte
+    base: int = 0
 
 
 @dataclass

@@ -11,10 +11,14 @@ memory). A step's bytes are checksummed at once (a 1 MiB step is still in the CP
 here, 1 MiB steps restore 20% faster from the page cache than 8 MiB ones, and no slower cold), the
 CRC chained across steps, so verification costs one pass over cached memory and no second trip to
 RAM. Several runs are read at once by the caller's threads, which keeps several requests in flight
-on the disk (and the kernel's read-ahead runs ahead of each).
+on the disk (and the kernel's read-ahead runs ahead of each). A region larger than a run (one big
+tensor) is first cut at its checksum pieces, so that its parts are read by several threads too.
 """
 from __future__ import annotations
 
+import dataclasses
+
+import torch
 
 from ..format import codec as fmt
 from ..errors import CorruptCheckpointError
@@ -164,10 +168,10 @@ class Checker:
 
     def _close_piece(self, length: int, crc: int) -> None:
         if self.value != crc:
-            r, start = self.read, self.pos - length
+            r, start = self.read, self.pos - length + getattr(self.read, "base", 0)
             raise CorruptCheckpointError(
-                f"{self.path}: checksum mismatch for {r.key!r} in bytes [{start}, {self.pos}) of "
-                f"the tensor (file offset {r.offset + start})")
+                f"{self.path}: checksum mismatch for {r.key!r} in bytes [{start}, {start + length}) "
+                f"of the tensor (file offset {r.offset + self.pos - length})")
         self.index, self.done, self.value = self.index + 1, 0, 0
 
     def _uncovered(self) -> CorruptCheckpointError:
@@ -178,9 +182,11 @@ class Checker:
 
 def coalesce(reads: list, max_read: int = MAX_RUN) -> list[list]:
     """Group the regions of one file that lie close together into runs (sorted by file and
-    offset; empty regions are dropped; a run spans at most ``max_read`` bytes)."""
+    offset; empty regions are dropped; a run spans at most ``max_read`` bytes). A region larger
+    than ``max_read`` is first cut at its checksum pieces (:func:`split_at_pieces`), so that the
+    runs of one large tensor are read by several threads at once."""
     groups: list[list] = []
-    for r in sorted(reads, key=lambda r: (r.file, r.offset)):
+    for r in sorted(split_at_pieces(reads, max_read), key=lambda r: (r.file, r.offset)):
         if r.nbytes == 0:
             continue
         last = groups[-1][-1] if groups else None
@@ -190,3 +196,41 @@ def coalesce(reads: list, max_read: int = MAX_RUN) -> list[list]:
         else:
             groups.append([r])
     return groups
+
+
+def split_at_pieces(reads: list, max_read: int) -> list:
+    """``reads`` with every region larger than ``max_read`` cut into parts at its checksum
+    pieces, each part as many whole pieces as fit in ``max_read`` (at least one). A part is a
+    region of its own: its destination a slice of the region's (flat bytes), its checksums its
+    pieces, its ``base`` where it starts in the tensor. A piece's CRC does not chain into the
+    next one, so the parts verify independently. Regions whose pieces are not well-formed
+    integer pairs adding up to their bytes are left whole (their Checker names the fault), and
+    so is a destination that is not contiguous (a view of its bytes would be a copy)."""
+    out = []
+    for r in reads:
+        pieces = r.checksums
+        if r.nbytes <= max_read or len(pieces) < 2 or not _pieces_cover(pieces, r.nbytes) or \
+                not r.dest.is_contiguous():
+            out.append(r)
+            continue
+        flat = r.dest.reshape(-1).view(torch.uint8)
+        start, at, part = 0, 0, []
+        for piece in pieces:
+            if part and at + piece[0] - start > max_read:
+                out.append(_part(r, flat, start, at, part))
+                start, part = at, []
+            part.append(piece)
+            at += piece[0]
+        out.append(_part(r, flat, start, at, part))
+    return out
+
+
+def _pieces_cover(pieces, nbytes: int) -> bool:
+    return all(type(p) in (list, tuple) and len(p) == 2 and type(p[0]) is int and
+               type(p[1]) is int and p[0] >= 0 and p[1] >= 0 for p in pieces) and \
+        sum(p[0] for p in pieces) == nbytes
+
+
+def _part(r, flat, start: int, end: int, pieces: list):
+    return dataclasses.replace(r, offset=r.offset + start, nbytes=end - start,
+                               dest=flat[start:end], checksums=pieces, base=r.base + start)

@@ -4,34 +4,37 @@
 flags and reserved bytes zero), the index (its CRC against the header and the manifest, and every
 manifest entry agreeing with an index entry), every checksum piece of every tensor and object, and
 that the bytes between regions are zero (docs/format.md). Nothing is unpickled, and memory is
-bounded: reads go in batches of ``BATCH_BYTES`` (plus one checksum piece), zero checks in 1 MiB.
+bounded: the checksum pieces are read in spans of at most ``SPAN_BYTES``, several spans at once
+(the reader's ``threads``), each thread streaming its span through one buffer of the file's
+``step_bytes`` (1 MiB locally, so the bytes are checksummed while still in the CPU cache); the
+zero checks read 1 MiB at a time.
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TYPE_CHECKING, Callable
-
-import torch
 
 from ..format import codec as fmt
 from ..format import files
 from ..errors import CorruptCheckpointError
-from .reads import check_landed
-from .matching import _Plan, _Read
+from .reads import COALESCE_GAP, Checker
+from .matching import _Read
 from ..storage.store import ReadFile
 from ..format.records import Manifest, ObjectEntry, ShardIndex
 
 if TYPE_CHECKING:
     from .reader import Reader
 
-BATCH_BYTES = 64 << 20
+SPAN_BYTES = 64 << 20  # the longest span one thread reads (a larger piece is a span alone)
 _ZEROS = bytes(1 << 20)
 
 
 def verify_checkpoint(reader: Reader, progress: Callable[[int], None] | None = None) -> int:
     """Verify every shard file of ``reader``'s checkpoint; return the bytes checked (the sum of
     the file sizes). Raises CorruptCheckpointError naming the file, offset and key. ``progress``
-    is called with the bytes checked so far in increments (every 64 MiB batch, then the rest of
-    each file); the increments add up to the returned total."""
+    is called with the bytes checked so far in increments (as each span of pieces is
+    checked, then the rest of each file); the increments add up to the returned total."""
     report = progress or (lambda n: None)
     return sum(_verify_file(reader, file_id, report)
                for file_id in range(len(reader.manifest.files)))
@@ -49,39 +52,100 @@ def _verify_file(reader: Reader, file_id: int, report: Callable[[int], None]) ->
     f.read_into([memoryview(raw)], header.index_offset)
     index = files.parse_index_bytes(bytes(raw), header, path)
     _check_index_agrees(reader.manifest, file_id, index, path)
-    # One buffer for every batch (a batch is BATCH_BYTES plus at most one piece): fresh memory per
-    # batch would cost a page fault per 4 KiB, slower than the copy and the CRC of a warm file.
-    largest = max((length for e in index.entries for length, _ in e.checksums), default=0)
-    data = sum(length for e in index.entries for length, _ in e.checksums)
-    pool = torch.empty(min(data, BATCH_BYTES + largest), dtype=torch.uint8)
-    batch: list[_Read] = []
-    batch_bytes = reported = 0
+    pieces = []
     for e in index.entries:
         pos = 0
         for length, crc in e.checksums:
-            batch.append(_Read(file_id, e.offset + pos, length,
-                               pool[batch_bytes:batch_bytes + length], [(length, crc)], e.key))
+            if length:
+                pieces.append(_Read(file_id, e.offset + pos, length, None, [(length, crc)],
+                                    e.key, pos))
             pos += length
-            batch_bytes += length
-            if batch_bytes >= BATCH_BYTES:
-                _verify_reads(reader, batch, path)
-                report(batch_bytes)
-                reported += batch_bytes
-                batch, batch_bytes = [], 0
-    _verify_reads(reader, batch, path)
+    for e in index.entries:  # a region the index names must lie before the index
+        if e.offset + e.nbytes > header.index_offset:
+            raise CorruptCheckpointError(f"{path}: {e.key!r} at [{e.offset}, "
+                                         f"{e.offset + e.nbytes}) extends past the data ending "
+                                         f"at {header.index_offset}")
+    reported = _check_spans(f, _spans(pieces), path, reader.threads, report)
     _verify_zero_gaps(f, index, header.index_offset, path)
     total = header.index_offset + header.index_length
     report(total - reported)
     return total
 
 
-def _verify_reads(reader: Reader, reads: list[_Read], path: str) -> None:
-    plan = _Plan(reader, None, False, False)
-    plan.reads = reads
-    reader._execute(plan)
-    if not reader.verify:  # the reader checks what it reads only when it verifies
-        for r in reads:
-            check_landed(r, path)
+def _spans(pieces: list[_Read]) -> list[list[_Read]]:
+    """The pieces in file order, grouped into spans read front to back by one thread: pieces
+    at most ``reads.COALESCE_GAP`` apart, a span at most ``SPAN_BYTES`` long (a larger piece
+    alone). An overlapping piece (a hostile index) starts a span of its own."""
+    spans: list[list[_Read]] = []
+    end = -1
+    for p in sorted(pieces, key=lambda p: p.offset):
+        if spans and end <= p.offset <= end + COALESCE_GAP and \
+                p.offset + p.nbytes - spans[-1][0].offset <= SPAN_BYTES:
+            spans[-1].append(p)
+        else:
+            spans.append([p])
+        end = p.offset + p.nbytes
+    return spans
+
+
+def _check_spans(f: ReadFile, spans: list[list[_Read]], path: str, threads: int,
+                 report: Callable[[int], None]) -> int:
+    """Check every span's pieces, ``threads`` spans at once, each thread streaming its bytes
+    through one reused buffer of ``f.step_bytes`` (memory: a buffer per thread, whatever the
+    pieces' sizes; the bytes are checksummed while in the CPU cache). ``report`` is called on
+    this thread as spans finish; returns the bytes reported. The first failure raises, and
+    spans not yet started are not read."""
+    scratch = threading.local()
+
+    def check(span: list[_Read]) -> int:
+        buf = getattr(scratch, "buf", None)
+        if buf is None:
+            buf = scratch.buf = memoryview(bytearray(f.step_bytes))
+        _check_span(f, span, path, buf)
+        return sum(p.nbytes for p in span)
+
+    done = 0
+    if threads <= 1 or len(spans) <= 1:
+        for span in spans:
+            n = check(span)
+            report(n)
+            done += n
+        return done
+    with ThreadPoolExecutor(min(threads, len(spans)),
+                            thread_name_prefix="datastates-verify") as pool:
+        futures = [pool.submit(check, span) for span in spans]
+        try:
+            for future in as_completed(futures):
+                n = future.result()
+                report(n)
+                done += n
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+    return done
+
+
+def _check_span(f: ReadFile, span: list[_Read], path: str, buf: memoryview) -> None:
+    """Read the bytes of ``span`` (disjoint pieces in file order) through ``buf``, window by
+    window, feeding each piece's bytes to its checksum as they land."""
+    pos, end = span[0].offset, max(p.offset + p.nbytes for p in span)
+    k, checker = 0, None
+    while pos < end:
+        window = buf[:min(buf.nbytes, end - pos)]
+        f.read_into([window], pos)
+        stop = pos + window.nbytes
+        while k < len(span) and span[k].offset < stop:
+            p = span[k]
+            lo, hi = max(p.offset, pos) - pos, min(p.offset + p.nbytes, stop) - pos
+            if checker is None:
+                checker = Checker(p, path)
+            checker.feed(window[lo:hi])
+            if p.offset + p.nbytes > stop:
+                break
+            checker.finish()
+            k, checker = k + 1, None
+        pos = stop
 
 
 def _verify_zero_gaps(f: ReadFile, index: ShardIndex, data_end: int, path: str) -> None:
