@@ -1,7 +1,13 @@
-"""Multi-process benchmark: 2 ranks (gloo), replicated and DTensor-sharded states, datastates vs
-torch.distributed.checkpoint save/async_save, in one run. Prints ratios; writes JSON.
+"""Multi-process benchmark: 2 and 4 ranks (gloo), replicated and DTensor-sharded states,
+datastates vs torch.distributed.checkpoint save/async_save/load, in one run. Prints ratios; writes
+JSON.
 
-    python benchmarks/distributed.py [--mb 400] [--reps 3] [--dir .] [--out dist.json]
+    python benchmarks/distributed.py [--mb 400] [--reps 3] [--worlds 2,4] [--dir .] [--out dist.json]
+
+Per world size and state: the stall of the training loop (``save()`` plus the wait of the next
+optimizer step), the time from the save call until the checkpoint is durable (with
+``--compute-ms`` of compute in between, as in training), and the load in place at the same world
+size from a cold page cache; then the sharded checkpoint loaded by one process (N -> 1).
 """
 from __future__ import annotations
 
@@ -125,8 +131,8 @@ def _rank_main(rank, world, port, args, out_q):
     out_q.put((rank, json.dumps(results)))
 
 
-def _single_process_load(args, total):
-    """World size 2 -> 1: read the sharded checkpoint back as full tensors."""
+def _single_process_load(args):
+    """World size N -> 1: read the sharded checkpoint back as full tensors."""
     import torch.distributed.checkpoint as dcp
     root = os.path.join(args.dir, "sharded")
     out = {}
@@ -144,18 +150,9 @@ def _single_process_load(args, total):
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mb", type=int, default=400, help="total state size in MB")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--dir", default=os.getcwd())
-    parser.add_argument("--out", default="results/distributed.json")
-    parser.add_argument("--compute-ms", type=float, default=300,
-                        help="compute between save and the optimizer step (forward + backward)")
-    args = parser.parse_args()
-    args.bytes = args.mb * 1_000_000
-    world = 2
-    base = tempfile.mkdtemp(prefix="datastates-dist-bench-", dir=args.dir)
+def _run_world(world: int, args) -> dict:
+    """One run at ``world`` ranks: the per-rank results and the N -> 1 load."""
+    base = tempfile.mkdtemp(prefix="datastates-dist-bench-", dir=args.base)
     args.dir = base
     try:
         with socket.socket() as s:
@@ -170,14 +167,18 @@ def main() -> int:
                         (q.get(timeout=1800) for _ in procs))
         for p in procs:
             p.join()
-        one = _single_process_load(args, args.bytes)
+        one = _single_process_load(args)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"2 ranks, {args.mb} MB state, {args.reps} rounds, {args.compute_ms:.0f} ms of compute "
-          "between save and optimizer step; medians of the worst rank\n")
+    return {"per_rank": per_rank, "load_n_to_1_s": one}
+
+
+def _print_world(world: int, run: dict, args) -> None:
+    per_rank, one = run["per_rank"], run["load_n_to_1_s"]
+    print(f"\n{world} ranks, {args.mb} MB state, {args.reps} rounds, {args.compute_ms:.0f} ms of "
+          "compute between save and optimizer step; medians of the worst rank")
     print(f"{'state':<11}{'method':<16}{'stall s':>9}{'committed s':>13}{'commit MB/s':>13}"
-          f"{'stall vs ds':>13}")
-    report = {"mb": args.mb, "reps": args.reps, "per_rank": per_rank, "load_2_to_1_s": one}
+          f"{'stall vs ds':>13}{'commit vs ds':>14}")
     for kind in ("replicated", "sharded"):
         med = {}
         for method in ("datastates", "dcp_save", "dcp_async_save"):
@@ -188,12 +189,35 @@ def main() -> int:
             med[method] = (stall, commit)
         for method, (stall, commit) in med.items():
             print(f"{kind:<11}{method:<16}{stall:>9.3f}{commit:>13.2f}{args.mb / commit:>13.0f}"
-                  f"{stall / med['datastates'][0]:>12.1f}x")
-        loads = {m: max(per_rank[r][kind]["load_s"][m] for r in per_rank) for m in ("datastates", "dcp")}
-        print(f"{kind:<11}load in place, 2 ranks: datastates {args.mb / loads['datastates']:.0f} MB/s,"
-              f" dcp {args.mb / loads['dcp']:.0f} MB/s")
-    print(f"sharded    load 2 -> 1 process: datastates {args.mb / one['datastates']:.0f} MB/s, "
+                  f"{stall / med['datastates'][0]:>12.1f}x{commit / med['datastates'][1]:>13.2f}x")
+        loads = {m: max(per_rank[r][kind]["load_s"][m] for r in per_rank)
+                 for m in ("datastates", "dcp")}
+        print(f"{kind:<11}load in place: datastates {loads['datastates']:.2f} s "
+              f"({args.mb / loads['datastates']:.0f} MB/s), dcp {loads['dcp']:.2f} s "
+              f"({args.mb / loads['dcp']:.0f} MB/s), dcp / datastates "
+              f"{loads['dcp'] / loads['datastates']:.2f}x")
+    print(f"sharded    load {world} -> 1 process: datastates {args.mb / one['datastates']:.0f} MB/s, "
           f"dcp {args.mb / one['dcp']:.0f} MB/s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mb", type=int, default=400, help="total state size in MB")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--worlds", default="2,4", help="world sizes, comma-separated")
+    parser.add_argument("--dir", default=os.getcwd())
+    parser.add_argument("--out", default="results/distributed.json")
+    parser.add_argument("--compute-ms", type=float, default=300,
+                        help="compute between save and the optimizer step (forward + backward)")
+    args = parser.parse_args()
+    args.bytes, args.base = args.mb * 1_000_000, args.dir
+    worlds = [int(w) for w in args.worlds.split(",")]
+    if not worlds or min(worlds) < 1:
+        parser.error(f"--worlds: expected world sizes >= 1, got {args.worlds!r}")
+    report = {"mb": args.mb, "reps": args.reps, "compute_ms": args.compute_ms, "per_world": {}}
+    for world in worlds:
+        report["per_world"][str(world)] = run = _run_world(world, args)
+        _print_world(world, run, args)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
