@@ -126,6 +126,9 @@ class Checkpointer:
         #: ``fallback=True`` reads straight into the live state and agrees afterwards (the
         #: memory tier's Checkpointer: resume.choose's ``apply``), instead of checking first.
         self._optimistic = False
+        #: ``info -> bool``: whether a candidate was checked since its last write, so a
+        #: fallback restore reads it without checksums (the memory tier's marks)
+        self._prechecked = None
         if cfg.memory_tier is not None and share is None:
             from .memory.tiers import Tiers
             try:
@@ -485,10 +488,14 @@ class Checkpointer:
         self._pipeline.drain()
 
         def open_reader(info):
+            prechecked = self._prechecked is not None and self._prechecked(info)
+            if prechecked:
+                log.info("%s: %s was checked by the memory keeper after its last write; "
+                         "copying it without checksumming again", caller, info.name)
             return Reader(info.path, manifest=self._catalog.manifest(info),
                           registry=self.registry, rank=self.rank, store=self.store,
                           world_size=self.world_size, threads=self.config.reader_threads,
-                          verify=True, trusted=trusted, safe_globals=safe_globals,
+                          verify=not prechecked, trusted=trusted, safe_globals=safe_globals,
                           map_location=map_location, rank_policy=rank_policy)
 
         def prepare(reader):
@@ -519,6 +526,7 @@ class Checkpointer:
         if isinstance(result, RestoreReport):
             result.skipped, result.verified_nbytes, result.verify_s = skipped, nbytes, seconds
             result.passed_over = [d.name for d in damaged]
+            result.prechecked = not reader.verify
         return result
 
     # ------------------------------------------------------------ listing

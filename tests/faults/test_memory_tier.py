@@ -235,7 +235,38 @@ def test_a_dead_trainer_s_memory_is_written_to_storage(shm_root, tmp_path):
     tier = _tier(shm_root, tmp_path, persist_every=None)
     with datastates.Checkpointer(storage, _config(tier)) as ck:  # a tie: memory is read
         live = zeros_like_state(make_state(0, big=False))
-        assert (ck.restore(live).tier, ck.latest().path.startswith(memdir)) == ("memory", True)
+        report = ck.restore(live)
+        assert (report.tier, ck.latest().path.startswith(memdir)) == ("memory", True)
+        assert report.prechecked  # the keeper checked it when the trainer died
+        assert_bit_exact(live, make_state(2, big=False))
+
+
+def test_a_memory_checkpoint_written_after_the_keeper_checked_it_is_checked_again(
+        shm_root, tmp_path):
+    """The keeper checks and marks the dead trainer's newest memory checkpoint; a byte of it
+    is then damaged (its mtime set back): the restart's restore checksums it, finds the damage,
+    and restores the same step from storage, bit-exact."""
+    storage, log = tmp_path / "ckpt", tmp_path / "keeper.log"
+    proc = _child(storage, shm_root, log, "die", env={"DS_PERSIST_ON_EXIT": "1"})
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL and b"COMMITTED 2" in out, err[-3000:]
+    memdir = place.memory_dir(shm_root, str(storage))
+    _wait_idle(memdir)
+    newest = os.path.join(memdir, place.CKPT, "step-0000000002")
+    assert os.path.isfile(os.path.join(memdir, "verified", "step-0000000002"))
+    shard = sorted(glob.glob(os.path.join(newest, "*.dsf")))[0]
+    st = os.stat(shard)
+    with open(shard, "r+b") as f:
+        f.seek(st.st_size // 3)
+        byte = f.read(1)
+        f.seek(st.st_size // 3)
+        f.write(bytes([byte[0] ^ 0x10]))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    tier = _tier(shm_root, tmp_path, persist_every=None)
+    with datastates.Checkpointer(storage, _config(tier)) as ck:
+        live = zeros_like_state(make_state(0, big=False))
+        report = ck.restore(live)
+        assert (report.tier, report.step, report.prechecked) == ("storage", 2, False)
         assert_bit_exact(live, make_state(2, big=False))
 
 

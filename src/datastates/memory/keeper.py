@@ -13,12 +13,15 @@ for the trainer's rank 0 and serves, one request at a time, JSON lines:
 - ``{"op": "status"}``: pid, trainers attached, memory checkpoints.
 
 A connection of an attached trainer that closes without ``detach`` is a dead trainer. When the
-last attached trainer is gone (dead or detached), the keeper writes the newest memory checkpoint
-to storage if storage lacks that step (``persist_on_exit``), then waits ``idle_timeout_s`` for a
+last attached trainer is gone (dead or detached), the keeper checks every byte of the newest
+memory checkpoint and marks it checked (``marks.py``: the restarted trainer's restore then copies
+it without checksumming again), writes it to storage if storage lacks that step
+(``persist_on_exit``), then waits ``idle_timeout_s`` for a
 trainer to attach again. SIGTERM or SIGINT: it waits up to ``grace_s`` for attached trainers to
 detach, persists the same way, and ends. Ending, it removes the memory directory (the memory
-checkpoints, the spare shard files, the lock) and nothing else; if a trainer is still attached (the grace ran out), it
-leaves the directory to that trainer, whose ``close()`` persists and removes it. It imports no CUDA state: it only copies files.
+checkpoints, their marks, the spare shard files, the lock) and nothing else; if a trainer is
+still attached (the grace ran out), it leaves the directory to that trainer, whose ``close()``
+persists and removes it. It imports no CUDA state: it only copies files.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from ..storage import LOCAL
 from ..storage.posix import remove_tree
 from . import place
 from .options import MemoryTier
+from . import marks
 from .persist import persist_newest
 from .recycle import SPARE
 
@@ -149,6 +153,7 @@ class Keeper:
             return
         remove_tree(self.ckpt)
         remove_tree(os.path.join(self.memdir, SPARE))
+        remove_tree(os.path.join(self.memdir, marks.MARKS))
         try:
             os.unlink(os.path.join(self.memdir, place.LOCK))
             os.rmdir(self.memdir)
@@ -197,6 +202,11 @@ class Keeper:
     def _last_left(self, why: str) -> None:
         if self._attached():
             return
+        # While the trainer restarts: check the newest memory checkpoint once, so its restore
+        # copies without checksumming again (marks.py), and the copy to storage need not either.
+        checked = marks.verify_newest(self.memdir, self.ckpt)
+        if checked is not None:
+            log.info("keeper (%s): %s checked", why, checked.name)
         if self.tier.persist_on_exit:
             self._persist(why)
         self._idle_since = time.monotonic()
@@ -242,7 +252,8 @@ class Keeper:
 
     def _persist(self, why: str) -> dict:
         try:
-            info = persist_newest(self.ckpt, self.storage, self.config, self.run_id)
+            info = persist_newest(self.ckpt, self.storage, self.config, self.run_id,
+                                  checked=lambda info: marks.holds(self.memdir, info))
         except Exception as exc:  # noqa: BLE001 - logged and answered; the keeper keeps serving
             log.error("keeper (%s): writing the newest memory checkpoint to %s failed: %r", why,
                       self.storage, exc)

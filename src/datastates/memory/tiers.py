@@ -19,7 +19,7 @@ from ..errors import ConfigError, KeeperError
 from ..format.records import CheckpointInfo
 from ..storage import is_url
 from ..storage.posix import remove_tree
-from . import place
+from . import marks, place
 from .link import KeeperLink
 from .options import MemoryTier
 from .persist import persist_newest
@@ -85,6 +85,8 @@ class Tiers:
         # One pass over memory: read into the live state, checksums verified as it goes, then
         # agree; damage on any rank sends every rank to the next checkpoint, which overwrites.
         self.memory._optimistic = True
+        # A checkpoint the keeper checked after its last write is copied without checksums.
+        self.memory._prechecked = lambda info: marks.holds(self.memdir, info)
 
     def goes_to_storage(self, step: int | None, persist: bool | None) -> bool:
         return self.tier.goes_to_storage(step, persist)
@@ -121,7 +123,8 @@ class Tiers:
             if self.tier.persist_on_exit:
                 try:
                     persist_newest(os.path.join(self.memdir, place.CKPT), self.outer.directory,
-                                   self.outer.config)
+                                   self.outer.config,
+                                   checked=lambda info: marks.holds(self.memdir, info))
                 except Exception as exc:  # noqa: BLE001 - reported; storage is as it was
                     log.error("datastates: writing the newest memory checkpoint to %s failed: "
                               "%r", self.outer.directory, exc)

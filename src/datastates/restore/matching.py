@@ -63,6 +63,9 @@ class RestoreReport:
     verify_s: float = 0.0
     #: where it was read from: "storage" (the directory), or "memory" (the memory tier)
     tier: str = "storage"
+    #: True: a memory checkpoint its keeper had checked byte by byte after the last write to it
+    #: (datastates/memory/marks.py), copied without checksumming again
+    prechecked: bool = False
 
 
 @dataclass

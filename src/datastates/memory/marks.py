@@ -1,0 +1,116 @@
+"""Memory checkpoints the keeper has checked: a restart reads them without checking them again.
+
+When the last trainer leaves (it died, or detached), the keeper checks every byte of the newest
+memory checkpoint (``verify_checkpoint``: headers, indexes, every checksum, the zero padding)
+while the trainer restarts, and records that it did in a *mark*, ``<memdir>/verified/<name>``:
+the SHA-256 of the checkpoint's manifest and, for each of its shard files, the size, inode,
+modification and change times (ns). A restore from memory whose checkpoint has a mark matching
+the files as they are now reads them without checksumming every byte a second time: they were
+checked after the last write to them, and a file written since has a new change time (which no
+``utime`` can set back). No mark, a mark that does not parse or does not match: the restore
+checks every checksum as it reads, as without marks.
+
+The memory directory is the user's own, with no access for anyone else (``place.py``), so only
+the user's processes can write to the files or to the marks. Marks of checkpoints that are gone
+are removed when the next mark is written; the memory directory goes with the keeper.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import stat
+
+from ..commit.catalog import Catalog
+from ..errors import CorruptCheckpointError, DatastatesError
+from ..format import codec as fmt
+from ..format.records import CheckpointInfo
+from ..providers import ProviderRegistry
+from ..restore.reader import Reader
+from ..restore.verify import verify_checkpoint
+from ..storage import LOCAL
+from ..storage.store import read_regular
+
+log = logging.getLogger("datastates")
+
+MARKS = "verified"
+_MAX_MARK = 1 << 20       # a mark names a few files; anything larger is not one
+_MAX_MANIFEST = 1 << 30   # as the catalog bounds a manifest
+
+
+def _identity(path: str) -> list[int] | None:
+    """Size, inode, mtime and ctime (ns) of the regular file ``path`` (None: not one)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return [st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _manifest_digest(ckpt: str) -> str:
+    return hashlib.sha256(read_regular(os.path.join(ckpt, fmt.MANIFEST), _MAX_MANIFEST)).hexdigest()
+
+
+def record(memdir: str, info: CheckpointInfo, digest: str, identities: dict) -> None:
+    """Write the mark of ``info``, a checkpoint of ``memdir`` checked just now: ``digest`` and
+    ``identities`` (file name -> :func:`_identity`) as they were taken *before* the check, so a
+    write during the check leaves a mark that no longer holds. Remove the marks of checkpoints
+    that are gone."""
+    marks = os.path.join(memdir, MARKS)
+    os.makedirs(marks, mode=0o700, exist_ok=True)
+    tmp = os.path.join(marks, f".{info.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"name": info.name, "manifest": digest, "files": identities}, f)
+    os.replace(tmp, os.path.join(marks, info.name))
+    parent = os.path.dirname(info.path)
+    for name in os.listdir(marks):
+        if name != info.name and not name.startswith(".") and \
+                not os.path.isdir(os.path.join(parent, name)):
+            try:
+                os.unlink(os.path.join(marks, name))
+            except OSError:
+                pass
+
+
+def holds(memdir: str, info: CheckpointInfo) -> bool:
+    """Whether ``info`` (a checkpoint of ``memdir``) has a mark that matches its manifest and
+    every shard file as they are now. Any doubt is False."""
+    try:
+        mark = json.loads(read_regular(os.path.join(memdir, MARKS, info.name), _MAX_MARK))
+        files = mark["files"]
+        if mark["name"] != info.name or not isinstance(files, dict) or not files:
+            return False
+        if mark["manifest"] != _manifest_digest(info.path):
+            return False
+        return all(_identity(os.path.join(info.path, name)) == list(identity)
+                   for name, identity in files.items())
+    except (OSError, ValueError, KeyError, TypeError, CorruptCheckpointError):
+        return False
+
+
+def verify_newest(memdir: str, ckpt_root: str) -> CheckpointInfo | None:
+    """Check every byte of the newest committed checkpoint of ``ckpt_root`` unless its mark
+    holds, and mark it; return it (None: there is none). A damaged one is logged, not marked
+    (the restore finds the damage itself and passes over it)."""
+    newest = Catalog(ckpt_root, LOCAL).scan() if os.path.isdir(ckpt_root) else []
+    if not newest:
+        return None
+    info = newest[-1]
+    if holds(memdir, info):
+        return info
+    try:
+        with Reader(info.path, registry=ProviderRegistry.default(), verify=True, store=LOCAL,
+                    world_size=info.world_size, rank_policy="rank0") as reader:
+            digest = _manifest_digest(info.path)
+            identities = {ref.name: _identity(os.path.join(info.path, ref.name))
+                          for ref in reader.manifest.files}
+            verify_checkpoint(reader)
+    except (OSError, DatastatesError) as exc:
+        log.warning("keeper: the memory checkpoint %s does not verify: %s", info.name, exc)
+        return None
+    if None not in identities.values():
+        record(memdir, info, digest, identities)
+    return info
