@@ -279,7 +279,7 @@ class S3Store(Store):
         prefix, out = self._prefix(path), {}
         for obj in self._objects(path):
             name, sep, rest = obj["Key"][len(prefix):].partition("/")
-            if sep and rest == file_name and name:
+            if sep and rest == file_name and name and not name.startswith("."):
                 out[name] = obj.get("ETag")
         return out
 
