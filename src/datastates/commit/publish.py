@@ -398,6 +398,21 @@ def _discard_replaced(old: str) -> None:
     posix.remove_tree(trash)
 
 
+#: ManifestPublisher.quarantine: copies in flight at once.
+_COPIES = 8
+
+
+def _data_files(manifest_bytes: bytes, path: str) -> list[tuple[str, ...]]:
+    """The shard files the manifest ``path`` names, as key parts under its checkpoint (inside
+    its data directory); none if it no longer parses (the manifest alone is then moved)."""
+    try:
+        manifest = files.parse_manifest_bytes(manifest_bytes, path)
+    except CorruptCheckpointError:
+        return []
+    where = (manifest.data_dir,) if manifest.data_dir else ()
+    return [(*where, f.name) for f in manifest.files]
+
+
 class ManifestPublisher(Publisher):
     """An object store: data under ``<root>/<name>/.data.<run>-<attempt>/``, committed by the
     PUT of ``<root>/<name>/manifest.json``. Object stores have no locks, so a data directory
@@ -474,18 +489,56 @@ class ManifestPublisher(Publisher):
         return path, manifest
 
     def quarantine(self, root: str, name: str, reason: str, fsync: bool) -> str:
-        """An object store renames nothing: the manifest is copied to
-        ``root/.damaged.<name>.<uid>/manifest.json`` with ``reason.txt``, then deleted from the
-        checkpoint (which is then gone). The shard files stay where they are, named by no
-        manifest, until the cleanup of stale data removes them (``stale_tmp_age_s``)."""
+        """An object store renames nothing, so the checkpoint is moved by copies: the shard
+        files its manifest names are copied by the store (``Store.copy``: server-side, eight at
+        a time; a missing one, the damage found, is not) to the same keys under
+        ``root/.damaged.<name>.<uid>/``, its manifest and ``reason.txt`` are written beside
+        them, then the manifest is deleted from the checkpoint (which is then gone) and the
+        originals after it. Before that deletion a failure leaves the checkpoint as it was and
+        removes the partial copy; after it, an original left behind is data no manifest names,
+        for the cleanup of stale data. Other data directories of the checkpoint (a crashed
+        overwrite's) stay where they are, for that cleanup too."""
         store = self.store
-        _, manifest = self._checkpoint(root, name, "moved")
+        path, manifest = self._checkpoint(root, name, "moved")
         aside = store.join(root, f".damaged.{name}.{uuid.uuid4().hex[:8]}")
         data = store.read_bytes(manifest, fmt.MAX_MANIFEST_BYTES)
-        store.write_new(store.join(aside, fmt.MANIFEST), data, True)
-        store.write_new(store.join(aside, "reason.txt"), reason.encode(), True)
-        store.remove(manifest)
+        try:
+            copied = self._copy_aside(path, aside, _data_files(data, manifest))
+            store.write_new(store.join(aside, fmt.MANIFEST), data, True)
+            store.write_new(store.join(aside, "reason.txt"), reason.encode(), True)
+            store.remove(manifest)
+        except BaseException:
+            try:
+                store.remove_tree(aside)
+            except OSError as exc:
+                log.warning("could not remove %s, the partial copy of the damaged checkpoint "
+                            "%s: %s", aside, path, exc)
+            raise
+        for parts in copied:
+            original = store.join(path, *parts)
+            try:
+                store.remove(original)
+            except OSError as exc:
+                log.warning("the damaged checkpoint %s was moved to %s, but its original %s "
+                            "could not be removed (the cleanup of stale data will): %s", path,
+                            aside, original, exc)
         return aside
+
+    def _copy_aside(self, path: str, aside: str, data_files: list[tuple[str, ...]]
+                    ) -> list[tuple[str, ...]]:
+        """Copy each of ``data_files`` (key parts under ``path``) to the same parts under
+        ``aside``; the ones copied (a missing one is not)."""
+        from concurrent.futures import ThreadPoolExecutor
+        store = self.store
+
+        def copy(parts: tuple[str, ...]) -> bool:
+            try:
+                store.copy(store.join(path, *parts), store.join(aside, *parts))
+            except FileNotFoundError:
+                return False
+            return True
+        with ThreadPoolExecutor(max(1, min(_COPIES, len(data_files)))) as pool:
+            return [p for p, done in zip(data_files, pool.map(copy, data_files)) if done]
 
     def clean_stale(self, root: str, max_age_s: float) -> list[str]:
         """Data directories older than ``max_age_s`` that no manifest names, and unfinished

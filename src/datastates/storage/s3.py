@@ -27,6 +27,8 @@ from .store import ReadFile, Store, url_join
 
 MIN_PART = 5 << 20      # S3: every part but the last is at least 5 MiB ...
 MAX_PARTS = 10_000      # ... and an upload has at most 10,000 parts
+MAX_COPY = 5 << 30      # S3: one CopyObject copies at most 5 GiB; a larger object goes by parts
+_COPY_PART = 1 << 30    # ... of this size (more if 10,000 of them are too few)
 _DELETE_BATCH = 1000    # keys per DeleteObjects request
 #: The request limits ``storage_options`` may change. A healthy server answers a 64 MiB part within
 #: half a second of its last byte (measured on the test server, docs/storage.md): 10 s leaves a 20x
@@ -279,7 +281,7 @@ class S3Store(Store):
         prefix, out = self._prefix(path), {}
         for obj in self._objects(path):
             name, sep, rest = obj["Key"][len(prefix):].partition("/")
-            if sep and rest == file_name and name:
+            if sep and rest == file_name and name and not name.startswith("."):
                 out[name] = obj.get("ETag")
         return out
 
@@ -308,6 +310,36 @@ class S3Store(Store):
             raise StorageError(f"could not delete s3://{self.bucket}/{first.get('Key')} while "
                                f"deleting {path}: {first.get('Code')} {first.get('Message', '')} "
                                f"({len(failed)} error(s))")
+
+    def copy(self, src: str, dst: str) -> None:
+        """A copy made by the service (CopyObject; above :data:`MAX_COPY`, a multipart upload of
+        UploadPartCopy ranges, aborted if a part fails): no byte passes through this process."""
+        source = {"Bucket": self.bucket, "Key": self.key(src)}
+        size = self._head(src)["ContentLength"]
+        if size <= MAX_COPY:
+            self._call("COPY", dst, self.client.copy_object, Key=self.key(dst),
+                       CopySource=source)
+            return
+        key, part = self.key(dst), max(_COPY_PART, -(-size // MAX_PARTS))
+        upload_id = self._call("CreateMultipartUpload (copy)", dst,
+                               self.client.create_multipart_upload, Key=key)["UploadId"]
+        try:
+            parts = []
+            for number, start in enumerate(range(0, size, part), 1):
+                reply = self._call("UploadPartCopy", dst, self.client.upload_part_copy, Key=key,
+                                   UploadId=upload_id, PartNumber=number, CopySource=source,
+                                   CopySourceRange=f"bytes={start}-{min(start + part, size) - 1}")
+                parts.append({"PartNumber": number, "ETag": reply["CopyPartResult"]["ETag"]})
+            self._call("CompleteMultipartUpload (copy)", dst,
+                       self.client.complete_multipart_upload, Key=key, UploadId=upload_id,
+                       MultipartUpload={"Parts": parts})
+        except BaseException:
+            try:
+                self._call("AbortMultipartUpload", dst, self.client.abort_multipart_upload,
+                           Key=key, UploadId=upload_id)
+            except OSError:
+                pass  # left to cleanup_uploads
+            raise
 
     # ---- shard files
     def open_read(self, path: str) -> ReadFile:

@@ -240,6 +240,12 @@ class Store:
         what could not be removed."""
         raise NotImplementedError
 
+    def copy(self, src: str, dst: str) -> None:
+        """Copy the file ``src`` to ``dst`` (replacing it), as the store can without the bytes
+        passing through this process; FileNotFoundError if ``src`` does not exist. Stores that
+        do not rename need it: it is how a damaged checkpoint is moved aside."""
+        raise NotImplementedError
+
     # ---- shard files
     def open_read(self, path: str) -> ReadFile:
         """FileNotFoundError if missing; locally, CorruptCheckpointError naming ``path`` unless

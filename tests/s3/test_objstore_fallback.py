@@ -1,0 +1,237 @@
+"""Fallback resume on the real S3-compatible server: a damaged newest checkpoint is skipped,
+moved aside by rank 0 (``ManifestPublisher.quarantine``) and reported, the older one restored
+bit-exact; the move takes the damaged objects out of the listing and removes nothing else.
+The local-disk counterpart is tests/faults/test_fallback.py."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from datastates import CheckpointConfig, Checkpointer, CorruptCheckpointError
+from datastates.format import codec as fmt
+from datastates.restore.reader import Reader
+
+from server import storage_options
+
+SMALL = dict(chunk_bytes=64 << 10, host_cache_bytes=1 << 20)
+
+
+def key_of(url: str) -> str:
+    return url.split("/", 3)[3]
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(3000, generator=g), "b": torch.randn(7, generator=g),
+            "meta": {"step": step, "name": f"s{step}"}}
+
+
+def _blank() -> dict:
+    return {"w": torch.zeros(3000), "b": torch.zeros(7), "meta": {"step": -1, "name": ""}}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return torch.equal(a["w"], b["w"]) and torch.equal(a["b"], b["b"]) and a["meta"] == b["meta"]
+
+
+def objects(server, url: str) -> dict[str, str]:
+    """Every object under ``url``: its key relative to ``url`` → its ETag."""
+    pages = server.client().get_paginator("list_objects_v2").paginate(
+        Bucket=server.bucket, Prefix=key_of(url) + "/")
+    start = len(key_of(url)) + 1
+    return {o["Key"][start:]: o["ETag"] for p in pages for o in p.get("Contents", [])}
+
+
+def get(server, url: str, rel: str) -> bytes:
+    return server.client().get_object(Bucket=server.bucket,
+                                      Key=f"{key_of(url)}/{rel}")["Body"].read()
+
+
+def flip(server, url: str, rel: str, offset: int) -> None:
+    """Flip bits of one byte of the object ``url/rel`` (an object is replaced whole)."""
+    data = bytearray(get(server, url, rel))
+    data[offset] ^= 0x5A
+    server.client().put_object(Bucket=server.bucket, Key=f"{key_of(url)}/{rel}", Body=bytes(data))
+
+
+def shard_of(found: dict[str, str], name: str) -> str:
+    (shard,) = [k for k in found if k.startswith(f"{name}/.data.") and k.endswith(".dsf")]
+    return shard
+
+
+def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_restored(
+        s3_server, s3_root, caplog):
+    """A flipped byte in the newest checkpoint's shard object: the step before is restored
+    bit-exact; the report and a WARNING name the newest as skipped and where it went; its
+    manifest and damaged shard, byte for byte, are under the quarantine prefix (and read as the
+    damaged checkpoint they are), it is no longer listed, nothing else under the root moved or
+    changed; the step is saved again without overwrite=True, and a later cleanup of stale data
+    leaves the quarantine alone."""
+    options = storage_options(s3_server)
+    newest = fmt.step_name(3)
+    with Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=options) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(_state(step), step=step).wait(60)
+        before = objects(s3_server, s3_root)
+        shard = shard_of(before, newest)
+        manifest = get(s3_server, s3_root, f"{newest}/{fmt.MANIFEST}")
+        flip(s3_server, s3_root, shard, 4096 + 17)  # inside the first tensor's bytes
+        damaged = objects(s3_server, s3_root)
+        live = _blank()
+        with caplog.at_level(logging.WARNING, logger="datastates"):
+            report = ckpt.restore(live, fallback=True)
+
+        assert report.step == 2 and _same(live, _state(2))
+        assert [s.name for s in report.skipped] == [newest] and report.passed_over == []
+        skipped = report.skipped[0]
+        assert skipped.reason.startswith("rank 0:") and "checksum mismatch" in skipped.reason
+        assert skipped.quarantined.startswith(f"{s3_root}/.damaged.{newest}.")
+        assert any(newest in r.getMessage() and skipped.quarantined in r.getMessage()
+                   for r in caplog.records if r.levelno == logging.WARNING)
+        aside = skipped.quarantined[len(s3_root) + 1:]
+        data_dir = shard.split("/")[1]
+
+        # the damaged checkpoint, whole and as it was found, under the quarantine prefix ...
+        after = objects(s3_server, s3_root)
+        moved = {f"{newest}/{fmt.MANIFEST}": f"{aside}/{fmt.MANIFEST}",
+                 shard: f"{aside}/{data_dir}/{fmt.shard_file_name(0)}"}
+        assert {k for k in after if k.startswith(aside + "/")} == \
+            set(moved.values()) | {f"{aside}/reason.txt"}
+        assert get(s3_server, s3_root, f"{aside}/{fmt.MANIFEST}") == manifest
+        assert get(s3_server, s3_root, f"{aside}/reason.txt") == skipped.reason.encode()
+        assert after[moved[shard]] == damaged[shard]  # the damaged bytes, kept
+        with Reader(skipped.quarantined, registry=ckpt.registry, store=ckpt.store) as reader:
+            with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+                reader.verify_all()
+        # ... gone from the checkpoint, and nothing else under the root moved or changed
+        assert {k: e for k, e in after.items() if not k.startswith(aside + "/")} == \
+            {k: e for k, e in damaged.items() if k not in moved}
+        assert [i.step for i in ckpt.list()] == [1, 2] and ckpt.latest().step == 2
+        assert ckpt.damaged() == []
+
+        # the resume loop saves the step again, without overwrite=True
+        ckpt.save(_state(3), step=3).wait(60)
+        live = _blank()
+        report = ckpt.restore(live, fallback=True)
+        assert report.step == 3 and report.skipped == [] and _same(live, _state(3))
+
+    # a later Checkpointer, its cleanup of stale data included, lists what the first one did
+    # and leaves the quarantine as it was
+    quarantined = {k: e for k, e in objects(s3_server, s3_root).items()
+                   if k.startswith(aside + "/")}
+    with Checkpointer(s3_root, CheckpointConfig(stale_tmp_age_s=1e-6, **SMALL),
+                      storage_options=options) as ckpt:
+        assert [i.step for i in ckpt.list()] == [1, 2, 3] and ckpt.damaged() == []
+        assert _same(ckpt.load(fallback=True), _state(3))
+    assert {k: e for k, e in objects(s3_server, s3_root).items()
+            if k.startswith(aside + "/")} == quarantined
+
+
+def test_a_missing_shard_is_moved_aside_with_what_is_left(s3_server, s3_root):
+    """The damage is a shard object that is gone: the checkpoint is skipped and moved aside
+    all the same (its manifest and reason), the older one restored."""
+    options = storage_options(s3_server)
+    with Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=options) as ckpt:
+        for step in (1, 2):
+            ckpt.save(_state(step), step=step).wait(60)
+        before = objects(s3_server, s3_root)
+        shard = shard_of(before, fmt.step_name(2))
+        s3_server.client().delete_object(Bucket=s3_server.bucket, Key=f"{key_of(s3_root)}/{shard}")
+        live = _blank()
+        report = ckpt.restore(live, fallback=True)
+        assert report.step == 1 and _same(live, _state(1))
+        (skipped,) = report.skipped
+        assert skipped.name == fmt.step_name(2) and "CheckpointNotFoundError" in skipped.reason
+        aside = skipped.quarantined[len(s3_root) + 1:]
+        after = objects(s3_server, s3_root)
+        assert {k for k in after if k.startswith(aside + "/")} == \
+            {f"{aside}/{fmt.MANIFEST}", f"{aside}/reason.txt"}
+        manifest = f"{fmt.step_name(2)}/{fmt.MANIFEST}"
+        assert {k: e for k, e in after.items() if not k.startswith(aside + "/")} == \
+            {k: e for k, e in before.items() if k not in (shard, manifest)}
+        assert [i.step for i in ckpt.list()] == [1]
+
+
+def test_a_move_that_fails_before_the_manifest_goes_leaves_the_checkpoint_as_it_was(
+        s3_server, s3_root):
+    """The write of the quarantine's manifest fails (its shard file already copied): the older
+    checkpoint is restored all the same, the damaged one is reported as not moved and stays as
+    it was (listed, its objects unchanged), the partial copy is removed; the next fallback
+    restore moves it."""
+    from botocore.exceptions import ConnectionClosedError
+
+    options = {**storage_options(s3_server), "max_attempts": 1}
+    with Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=options) as ckpt:
+        for step in (1, 2):
+            ckpt.save(_state(step), step=step).wait(60)
+        shard = shard_of(objects(s3_server, s3_root), fmt.step_name(2))
+        flip(s3_server, s3_root, shard, 4096 + 17)
+        damaged = objects(s3_server, s3_root)
+        copied = []
+
+        def fail_the_manifest_aside(request, **_):
+            if ".damaged." in request.url and request.url.endswith(fmt.MANIFEST):
+                raise ConnectionClosedError(endpoint_url=request.url)
+
+        ckpt.store.client.meta.events.register(
+            "after-call.s3.CopyObject", lambda **_: copied.append(True))
+        ckpt.store.client.meta.events.register("before-send.s3.PutObject",
+                                               fail_the_manifest_aside)
+        live = _blank()
+        report = ckpt.restore(live, fallback=True)
+        assert report.step == 1 and _same(live, _state(1)) and copied == [True]
+        assert [(s.name, s.quarantined) for s in report.skipped] == [(fmt.step_name(2), None)]
+        assert objects(s3_server, s3_root) == damaged
+        assert [i.step for i in ckpt.list()] == [1, 2]
+        ckpt.store.client.meta.events.unregister("before-send.s3.PutObject",
+                                                 fail_the_manifest_aside)
+        report = ckpt.restore(_blank(), fallback=True)
+        assert report.step == 1 and report.skipped[0].quarantined is not None
+        assert [i.step for i in ckpt.list()] == [1]
+
+
+def test_a_copy_is_made_by_the_server_whole_or_by_parts(s3_server, s3_root, monkeypatch):
+    """``S3Store.copy``, how the quarantine moves shard files: one CopyObject, or above
+    ``MAX_COPY`` a multipart upload of UploadPartCopy ranges (both lowered here so that 12 MiB
+    goes in three parts); no byte is read or written by this process, the copy is byte-exact. A
+    missing source is FileNotFoundError and creates nothing; a part that fails aborts the
+    upload, nothing is created and no upload is left."""
+    from botocore.exceptions import ConnectionClosedError
+
+    from datastates.storage import open_store, s3
+
+    from server import list_multipart_uploads
+
+    store = open_store(s3_root, {**storage_options(s3_server), "max_attempts": 1})
+    data = torch.randint(0, 256, ((12 << 20) + 3,), generator=torch.Generator().manual_seed(5),
+                         dtype=torch.uint8).numpy().tobytes()
+    s3_server.client().put_object(Bucket=s3_server.bucket, Key=f"{key_of(s3_root)}/src",
+                                  Body=data)
+    calls: list[str] = []
+    store.client.meta.events.register("before-parameter-build.s3.*",
+                                      lambda model, **_: calls.append(model.name))
+    store.copy(f"{s3_root}/src", f"{s3_root}/whole")
+    assert calls == ["HeadObject", "CopyObject"] and get(s3_server, s3_root, "whole") == data
+    monkeypatch.setattr(s3, "MAX_COPY", 0)
+    monkeypatch.setattr(s3, "_COPY_PART", s3.MIN_PART)
+    calls.clear()
+    store.copy(f"{s3_root}/src", f"{s3_root}/parts")
+    assert calls == ["HeadObject", "CreateMultipartUpload", *["UploadPartCopy"] * 3,
+                     "CompleteMultipartUpload"]
+    assert get(s3_server, s3_root, "parts") == data
+    with pytest.raises(FileNotFoundError, match="missing"):
+        store.copy(f"{s3_root}/missing", f"{s3_root}/never")
+
+    def drop_the_second(request, **_):
+        if calls.count("UploadPartCopy") == 2:
+            raise ConnectionClosedError(endpoint_url=request.url)
+
+    store.client.meta.events.register("before-send.s3.UploadPartCopy", drop_the_second)
+    calls.clear()
+    with pytest.raises(OSError, match="UploadPartCopy"):
+        store.copy(f"{s3_root}/src", f"{s3_root}/broken")
+    assert calls[-1] == "AbortMultipartUpload"
+    assert sorted(objects(s3_server, s3_root)) == ["parts", "src", "whole"]
+    assert list_multipart_uploads(s3_server, key_of(s3_root)) == []
