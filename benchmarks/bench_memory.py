@@ -10,8 +10,10 @@ alternating memory and disk so drift spreads over both:
 - **save**: ``save()`` blocking time, the optimizer step right after it (it waits for the lazy
   capture), and the commit, for a save to memory (``persist=False``) and to disk (the same lazy
   capture, the same commit protocol, fsync on);
-- **restore** into the live model and optimizer: from memory, from disk cold (its files dropped
-  from the page cache) and warm; beside them the machine's limits on the same bytes: ``memcpy``
+- **restore** into the live model and optimizer: from memory, from memory after a restart (the
+  trainer detached, so the keeper checked the newest memory checkpoint and marked it, and a new
+  Checkpointer copies it without checksumming again: ``RestoreReport.prechecked``), from disk
+  cold (its files dropped from the page cache) and warm; beside them the machine's limits on the same bytes: ``memcpy``
   (``copy_`` into the live tensors from a reused buffer) and ``read + CRC`` of the memory files;
 - **snapshots**: ``--snapshots`` memory saves of a 16 MiB state: RSS, open descriptors and the
   files in the memory directory, after the first 50 and after the last.
@@ -124,8 +126,8 @@ def main(argv=None) -> int:
     config = datastates.CheckpointConfig(host_cache_bytes=nbytes + (64 << 20), keep_last=1,
                                          memory_tier=tier)
     rows: dict[str, list] = {k: [] for k in ("save_memory", "save_disk", "restore_memory",
-                                              "restore_disk_cold", "restore_disk_warm",
-                                              "memcpy", "read_crc")}
+                                              "restore_memory_restart", "restore_disk_cold",
+                                              "restore_disk_warm", "memcpy", "read_crc")}
     memdir = place.memory_dir(shm, storage)
     try:
         with datastates.Checkpointer(storage, config) as ck:
@@ -159,6 +161,18 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 ck.restore({"model": model, "opt": opt}, step=newest_disk)
                 rows["restore_disk_warm"].append(time.perf_counter() - t0)
+            ck.close(stop_keeper=False)  # detached: the keeper checks and marks the newest
+            with datastates.Checkpointer(storage, config) as again:  # attached once it is done
+                for rep in range(args.reps):
+                    t0 = time.perf_counter()
+                    for dst, src in zip(live, source):
+                        dst.copy_(src)
+                    rows["memcpy"].append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    report = again.restore({"model": model, "opt": opt})
+                    rows["restore_memory_restart"].append(time.perf_counter() - t0)
+                    assert report.tier == "memory" and report.prechecked, report
+                again.close(stop_keeper=True)
             del source
         snapshots = run_snapshots(work, shm, args.snapshots)
     finally:
@@ -206,7 +220,8 @@ def report_rows(rows: dict, nbytes: int, snapshots: dict) -> dict:
         out[k] = {"blocked_ms": b, "step_ms": st, "commit_s": c}
         print(f"  {k:<22} {b:7.1f} ms {st:10.1f} ms {c:10.2f} s")
     print("\nrestore (median)          seconds    GB/s   x memcpy")
-    for k in ("memcpy", "read_crc", "restore_memory", "restore_disk_warm", "restore_disk_cold"):
+    for k in ("memcpy", "read_crc", "restore_memory", "restore_memory_restart",
+              "restore_disk_warm", "restore_disk_cold"):
         gbps = nbytes / med[k] / 1e9
         print(f"  {k:<22} {med[k]:8.3f} {gbps:7.2f} {med['memcpy'] / med[k]:8.2f}")
         out.setdefault("restore", {})[k] = {"s": med[k], "gbps": gbps,

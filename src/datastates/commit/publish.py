@@ -399,7 +399,7 @@ def _discard_replaced(old: str) -> None:
 
 
 #: ManifestPublisher.quarantine: copies in flight at once.
-_COPIES = 8
+_COPIES = 32  # server-side copies: no byte through this process, only requests
 
 
 def _data_files(manifest_bytes: bytes, path: str) -> list[tuple[str, ...]]:
@@ -490,7 +490,7 @@ class ManifestPublisher(Publisher):
 
     def quarantine(self, root: str, name: str, reason: str, fsync: bool) -> str:
         """An object store renames nothing, so the checkpoint is moved by copies: the shard
-        files its manifest names are copied by the store (``Store.copy``: server-side, eight at
+        files its manifest names are copied by the store (``Store.copy``: server-side, 32 at
         a time; a missing one, the damage found, is not) to the same keys under
         ``root/.damaged.<name>.<uid>/``, its manifest and ``reason.txt`` are written beside
         them, then the manifest is deleted from the checkpoint (which is then gone) and the
