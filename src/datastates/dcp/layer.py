@@ -362,13 +362,10 @@ def _encode(item, data) -> tuple[bytes | memoryview, dict]:
     t = data.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
+    info = {"kind": "tensor", "dtype": fmt.dtype_name(t.dtype), "shape": list(t.shape)}
     if t.numel() == 0:
-        return b"", {"kind": "tensor", "dtype": fmt.dtype_name(t.dtype), "shape": list(t.shape)}
-    raw = t.reshape(-1).view(torch.uint8).numpy() if t.dtype != torch.bool else \
-        t.reshape(-1).to(torch.uint8).numpy()
-    return memoryview(raw).cast("B"), {"kind": "tensor", "dtype": fmt.dtype_name(t.dtype),
-                                       "shape": list(t.shape)}
+        return b"", info
+    return memoryview(fmt.tensor_bytes(t).numpy()).cast("B"), info
 
 
 def _runs(reqs: list) -> list[list]:

@@ -79,6 +79,26 @@ def dtype_from_name(name: str, where: str) -> torch.dtype:
         raise CorruptCheckpointError(f"{where}: unknown dtype {name!r}") from None
 
 
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes the format holds for ``t``: its values in row-major order, as a flat uint8
+    tensor on its device. A view of its memory when that memory already is those bytes (a
+    contiguous tensor without a lazy conjugate or negative bit), else of a copy. A contiguous
+    tensor may carry any stride in a dimension of size 1 (``x.t()[2:3, :1]``, one element of
+    stride 4), which ``reshape(-1).view(torch.uint8)`` refuses for elements wider than a byte:
+    its elements fill one dense range all the same, viewed here with stride 1."""
+    t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    flat = t.reshape(-1)
+    if not flat.numel():
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    if flat.stride(0) != 1:
+        flat = t.as_strided((t.numel(),), (1,))
+    return flat.view(torch.uint8)
+
+
 def shard_file_name(rank: int) -> str:
     return f"rank-{rank:05d}.dsf"
 

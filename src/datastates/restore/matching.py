@@ -163,14 +163,12 @@ def _dtype_text(value: Any) -> str:
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor | None:
     """The memory of the contiguous CPU tensor ``t`` as a flat uint8 tensor on it (no copy), or
-    None when torch cannot view it so. A contiguous tensor may carry any stride in a dimension
-    of size 1 (``x.t()[2:3, :1]``), which ``view(torch.uint8)`` refuses for elements wider than
-    a byte: its elements still fill one dense range, viewed here with stride 1."""
-    flat = t.reshape(-1)
-    if flat.numel() and flat.stride(0) != 1:
-        flat = t.as_strided((t.numel(),), (1,))
+    None when its memory is not its values in row-major order (a lazy conjugate or negative
+    bit, or not contiguous), which a restore fills through a temporary instead."""
+    if t.is_conj() or t.is_neg() or not t.is_contiguous():
+        return None
     try:
-        return flat.view(torch.uint8)
+        return fmt.tensor_bytes(t)
     except RuntimeError:
         return None
 
@@ -469,7 +467,8 @@ class _Plan:
             return
         why = unwritable(local)
         if why is not None:
-            self.report.mismatched.append(f"{key} (the live tensor {why})")
+            self.report.mismatched.append(f"{key} (the live tensor {why}; it is {live_dtype}"
+                                          f"{list(local.shape)} of strides {list(local.stride())})")
             return
         self.report.restored.append(key)
         if cast:

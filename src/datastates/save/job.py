@@ -15,9 +15,6 @@ import time
 import warnings
 from dataclasses import dataclass
 
-
-import torch
-
 from .. import errors
 from ..commit.catalog import human_bytes
 from ..commit.committer import SaveTarget
@@ -243,8 +240,7 @@ def replica_digests(items) -> dict[str, str]:
     out = {}
     for item in items:
         if isinstance(item, TensorItem) and item.replicated and item.tensor is not None:
-            flat = item.tensor.detach().reshape(-1)
-            data = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+            data = fmt.tensor_bytes(item.tensor)
             crc, step = 0, 64 << 20
             for start in range(0, data.numel(), step):
                 piece = data[start:start + step]

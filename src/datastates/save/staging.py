@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ..format.codec import UNIT_ALIGN
+from ..format.codec import UNIT_ALIGN, tensor_bytes
 from ..storage.posix import buffer_of
 
 
@@ -112,19 +112,6 @@ class HostCache:
         if self._started:
             self._ready.wait()
         self._buffer = None
-
-
-def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements as a flat uint8 tensor (row-major), copying only if non-contiguous."""
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    t = t.reshape(-1)
-    if t.dtype == torch.uint8:
-        return t
-    if t.dtype == torch.bool:
-        return t.view(torch.uint8)
-    return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
 class CudaStreams:
@@ -284,8 +271,8 @@ class DeviceCopier:
         """``src`` as flat bytes; a non-contiguous CUDA tensor is compacted on its side stream."""
         if src.is_cuda:
             with self._cuda.use(self._stream_for(src.device)):
-                return flat_bytes(src)
-        return flat_bytes(src)
+                return tensor_bytes(src)
+        return tensor_bytes(src)
 
     def fence(self) -> Fence | None:
         """Events after every copy issued so far, one per device that had copies since the last

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..format import codec as fmt
 from ..providers import RNGState
 
 __all__ = ["KINDS", "fingerprint"]
@@ -53,7 +54,7 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     t = t.detach()
     if t.layout != torch.strided:
         t = t.to_dense()
-    return t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return fmt.tensor_bytes(t.to("cpu")).numpy().tobytes()
 
 
 def _process_rngs(out: dict) -> None:
