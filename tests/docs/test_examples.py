@@ -159,13 +159,32 @@ assert _saved.keys() == _live.keys(), (sorted(_saved), sorted(_live))
 assert all(torch.equal(_saved[k], _live[k]) for k in _live), "the checkpoint differs from the model"
 '''
 
-CHECKS = [
-    # the resume loops: the second run starts after the newest checkpoint and ends bit-identical
-    ("start = ckpt.restore(state", _DIGEST + '''
+_RESUMED = _DIGEST + '''
 with open(f"result-{_RUN}.json", "w") as _f:
     _json.dump({"start": start, "position": loader.position,
                 "digest": _digest(model.state_dict(), opt.state_dict())}, _f)
+'''
+
+CHECKS = [
+    # the memory tier's loop: resumed as below, from memory (the first run's keeper still
+    # holds it); the second run then ends the keeper, whose memory must be gone
+    ("memory_tier=tier", _RESUMED + '''
+import os as _os
+from datastates.memory import place as _place
+_memdir = _place.memory_dir(tier.root, "ckpts")
+if _RUN == 2:
+    assert _os.path.isdir(_memdir), "the first run's keeper kept no memory"
+    with datastates.Checkpointer("ckpts", config) as _again:
+        assert _again.restore(state).tier == "memory"
+        _again.close(stop_keeper=True)
+    import time as _time
+    _deadline = _time.monotonic() + 60
+    while _os.path.exists(_memdir) and _time.monotonic() < _deadline:
+        _time.sleep(0.05)  # the keeper removes it as it ends, in its own process
+    assert not _os.path.exists(_memdir), "the stopped keeper left its memory behind"
 '''),
+    # the resume loops: the second run starts after the newest checkpoint and ends bit-identical
+    ("start = ckpt.restore(state", _RESUMED),
     ("s3://ckpt/runs/readme", _SAME_AS_SAVED.format(root="s3://ckpt/runs/readme", which="step=1")),
     ("s3://ckpt/runs/gpt-small", _SAME_AS_SAVED.format(root="s3://ckpt/runs/gpt-small",
                                                        which="step=100")),
