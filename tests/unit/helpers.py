@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from datastates.format.codec import tensor_bytes
+
 from benchmarks.gpt import GPT, GPTConfig, synthetic_batch
 
 TINY = GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -60,8 +62,7 @@ def assert_same(a, b, path="state"):
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), f"{path}: tensor vs {type(b)}"
         assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
-        assert torch.equal(a.cpu().reshape(-1).view(torch.uint8) if a.numel() else a.cpu(),
-                           b.cpu().reshape(-1).view(torch.uint8) if b.numel() else b.cpu()), path
+        assert torch.equal(tensor_bytes(a.cpu()), tensor_bytes(b.cpu())), path
         return
     if isinstance(a, dict):
         assert isinstance(b, dict) and list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} vs {list(b) if isinstance(b, dict) else b}"
