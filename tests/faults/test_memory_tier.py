@@ -429,3 +429,87 @@ def test_hundreds_of_memory_snapshots_do_not_grow(shm_root, tmp_path):
         live = {"w": torch.zeros(64 << 10), "step": -1}
         assert ck.restore(live).step == 300 and live["step"] == 300
         assert torch.equal(live["w"], torch.full((64 << 10,), 300.0))
+
+
+# ---------------------------------------------------------------- another user
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as a second user needs root")
+
+
+def _as_nobody(work) -> tuple[int, int]:
+    """Fork a child that becomes uid/gid ``NOBODY`` and runs ``work(ready_fd)``; it exits 0 if
+    ``work`` returns True. Returns (pid, the read end that ``work`` writes a byte to)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest, no threads of its own; only sockets
+        code = 1
+        try:
+            os.close(r)
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            code = 0 if work(w) else 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    return pid, r
+
+
+@needs_root
+def test_a_keeper_socket_held_by_another_user_is_refused(shm_root, tmp_path):
+    """Another user listens on the keeper's abstract address first (the abstract namespace has
+    no permissions): the trainer refuses to attach (KeeperError naming the uid), and writes
+    nothing into the memory directory."""
+    import socket
+    storage = tmp_path / "ckpt"
+    memdir = place.memory_dir(shm_root, str(storage))
+
+    def impostor(ready: int) -> bool:
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(place.socket_address(memdir))
+        server.listen(4)
+        os.write(ready, b"x")
+        while True:  # held until the parent kills it
+            server.accept()
+
+    pid, ready = _as_nobody(impostor)
+    try:
+        assert os.read(ready, 1) == b"x"
+        with pytest.raises(datastates.KeeperError, match=f"held by uid {NOBODY}"):
+            datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path)))
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert not place.keeper_running(memdir) and os.listdir(memdir) in ([], [place.LOCK])
+    shutil.rmtree(memdir)
+
+
+@needs_root
+def test_the_keeper_refuses_a_connection_of_another_user(shm_root, tmp_path):
+    """Another user connects to a running keeper and asks to attach: the keeper closes the
+    connection without an answer and logs the uid; the trainer attached to it is unaffected."""
+    import socket
+    storage, log = tmp_path / "ckpt", tmp_path / "keeper.log"
+    memdir = place.memory_dir(shm_root, str(storage))
+    tier = _tier(shm_root, tmp_path, persist_every=None, persist_on_exit=False)
+    with datastates.Checkpointer(storage, _config(tier)) as ck:
+        ck.save({"w": torch.arange(10.0)}, step=1).wait()
+
+        def intruder(ready: int) -> bool:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(place.socket_address(memdir))
+            sock.settimeout(60)
+            try:
+                sock.sendall(b'{"op": "status"}\n{"op": "attach", "pid": 1}\n')
+                return sock.recv(1 << 16) == b""  # closed, never answered
+            except (ConnectionResetError, BrokenPipeError):  # closed with the request unread
+                return True
+
+        pid, ready = _as_nobody(intruder)
+        _, status = os.waitpid(pid, 0)
+        os.close(ready)
+        assert os.waitstatus_to_exitcode(status) == 0, "the keeper answered another user"
+        assert ask(memdir, "status")["attached"] == 1
+        live = {"w": torch.zeros(10)}
+        assert ck.restore(live).tier == "memory" and torch.equal(live["w"], torch.arange(10.0))
+        ck.close(stop_keeper=True)
+    assert f"refused a connection of uid {NOBODY}" in log.read_text()
