@@ -156,3 +156,36 @@ def test_another_writers_replacement_and_deletion_are_seen(many, built, s3_serve
                 if other.store.isfile(f"{built}/{fmt.step_name(step)}/{fmt.MANIFEST}"):
                     other.delete(step=step)
     assert [(i.step, i.seq) for i in many.list()] == [(s, s) for s in range(1, COUNT + 1)]
+
+
+def test_entries_of_many_keys_are_stamped_by_heads_not_by_listing_every_key(s3_server,
+                                                                           s3_root):
+    """Past the threshold, a listing of every key is cheaper only while each entry holds few
+    keys (a key per rank's shard file): one page of the last entry's keys decides. Entries of
+    ``_STAMP_KEYS`` keys or more (many ranks) are stamped by a HEAD each, and no listing goes
+    through their keys; both ways give the same stamps."""
+    from datastates.storage import open_store
+
+    client = s3_server.client()
+    names = [fmt.step_name(s) for s in range(1, COUNT + 1)]
+    for name in names:
+        client.put_object(Bucket=s3_server.bucket, Key=f"{key_of(s3_root)}/{name}/{fmt.MANIFEST}",
+                          Body=name.encode())
+    store = open_store(s3_root, storage_options(s3_server))
+    calls: list[tuple[str, dict]] = []
+    store.client.meta.events.register(
+        "before-parameter-build.s3.*",
+        lambda model, params, **_: calls.append((model.name, dict(params))))
+    few = store.file_stamps(s3_root, fmt.MANIFEST)  # one key per entry: the full listing
+    assert sorted(few) == names and not [op for op, _ in calls if op == "HeadObject"]
+    for i in range(s3._STAMP_KEYS):  # the last entry now holds that many shard files more
+        client.put_object(Bucket=s3_server.bucket,
+                          Key=f"{key_of(s3_root)}/{names[-1]}/.data.r/rank-{i:05d}.dsf", Body=b"")
+    calls.clear()
+    many = store.file_stamps(s3_root, fmt.MANIFEST)
+    assert many == few
+    assert len([op for op, _ in calls if op == "HeadObject"]) == COUNT
+    listings = [p for op, p in calls if op == "ListObjectsV2"]
+    assert len(listings) == 2  # the names (with a delimiter), then one page of the last entry
+    assert listings[1]["Prefix"].endswith(f"/{names[-1]}/") and \
+        listings[1]["MaxKeys"] == s3._STAMP_KEYS

@@ -99,8 +99,11 @@ def _is_timeout(exc: BaseException) -> bool:
 
 
 #: ``file_stamps``: HEADs in flight at once, and the number of entries past which one listing
-#: of every key is cheaper than a HEAD per entry.
+#: of every key may be cheaper than a HEAD per entry: it is while an entry holds fewer than
+#: ``_STAMP_KEYS`` keys (a listing page of 1,000 keys costs one round trip, as a round of
+#: ``_STAMP_HEADS`` HEADs does; an entry holds a key per rank's shard file).
 _STAMP_HEADS, _STAMP_LISTING = 8, 64
+_STAMP_KEYS = 1000 // _STAMP_HEADS
 _NO_FILE = object()
 
 class S3Store(Store):
@@ -260,12 +263,14 @@ class S3Store(Store):
         directly under ``path`` (with a delimiter; names starting with "." are no checkpoints
         and are left out), then a HEAD of each ``E/file_name``,
         ``_STAMP_HEADS`` at a time. Past ``_STAMP_LISTING`` names, one listing of every key
-        under ``path`` costs fewer requests, and is used instead."""
+        under ``path`` costs fewer round trips when the entries hold few keys (few ranks), and
+        is used instead: one page of the last entry's keys tells (``_STAMP_KEYS``)."""
         prefix = self._prefix(path)
         names = [p["Prefix"][len(prefix):].rstrip("/") for page in
                  self._pages(path, Delimiter="/") for p in page.get("CommonPrefixes", [])]
         names = [n for n in names if n and not n.startswith(".")]
-        if len(names) > _STAMP_LISTING:
+        if len(names) > _STAMP_LISTING and self._count_keys(
+                self.join(path, names[-1]), _STAMP_KEYS) < _STAMP_KEYS:
             return self._stamps_by_listing(path, file_name)
         from concurrent.futures import ThreadPoolExecutor
 
@@ -276,6 +281,12 @@ class S3Store(Store):
                 return name, _NO_FILE
         with ThreadPoolExecutor(min(_STAMP_HEADS, max(1, len(names)))) as pool:
             return {n: etag for n, etag in pool.map(stamp, names) if etag is not _NO_FILE}
+
+    def _count_keys(self, path: str, limit: int) -> int:
+        """The keys under ``path``, counted up to ``limit`` (one request)."""
+        for page in self._pages(path, MaxKeys=limit):
+            return int(page.get("KeyCount", len(page.get("Contents", []))))
+        return 0
 
     def _stamps_by_listing(self, path: str, file_name: str) -> dict[str, Any]:
         prefix, out = self._prefix(path), {}
