@@ -84,6 +84,7 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_restored(
             report = ckpt.restore(live, fallback=True)
 
         assert report.step == 2 and _same(live, _state(2))
+        assert ckpt._publisher.wait_moves(120)  # the shard files follow on a thread of their own
         assert [s.name for s in report.skipped] == [newest] and report.passed_over == []
         skipped = report.skipped[0]
         assert skipped.reason.startswith("rank 0:") and "checksum mismatch" in skipped.reason
@@ -142,6 +143,7 @@ def test_a_missing_shard_is_moved_aside_with_what_is_left(s3_server, s3_root):
         live = _blank()
         report = ckpt.restore(live, fallback=True)
         assert report.step == 1 and _same(live, _state(1))
+        assert ckpt._publisher.wait_moves(120)
         (skipped,) = report.skipped
         assert skipped.name == fmt.step_name(2) and "CheckpointNotFoundError" in skipped.reason
         aside = skipped.quarantined[len(s3_root) + 1:]
@@ -156,10 +158,10 @@ def test_a_missing_shard_is_moved_aside_with_what_is_left(s3_server, s3_root):
 
 def test_a_move_that_fails_before_the_manifest_goes_leaves_the_checkpoint_as_it_was(
         s3_server, s3_root):
-    """The write of the quarantine's manifest fails (its shard file already copied): the older
-    checkpoint is restored all the same, the damaged one is reported as not moved and stays as
-    it was (listed, its objects unchanged), the partial copy is removed; the next fallback
-    restore moves it."""
+    """The write of the quarantine's manifest fails: the older checkpoint is restored all the
+    same, the damaged one is reported as not moved and stays as it was (listed, its objects
+    unchanged, nothing copied), nothing is left of the quarantine; the next fallback restore
+    moves it, its shard file included."""
     from botocore.exceptions import ConnectionClosedError
 
     options = {**storage_options(s3_server), "max_attempts": 1}
@@ -181,7 +183,8 @@ def test_a_move_that_fails_before_the_manifest_goes_leaves_the_checkpoint_as_it_
                                                fail_the_manifest_aside)
         live = _blank()
         report = ckpt.restore(live, fallback=True)
-        assert report.step == 1 and _same(live, _state(1)) and copied == [True]
+        assert report.step == 1 and _same(live, _state(1))
+        assert ckpt._publisher.wait_moves(120) and copied == []  # nothing copied: not moved
         assert [(s.name, s.quarantined) for s in report.skipped] == [(fmt.step_name(2), None)]
         assert objects(s3_server, s3_root) == damaged
         assert [i.step for i in ckpt.list()] == [1, 2]
@@ -189,6 +192,7 @@ def test_a_move_that_fails_before_the_manifest_goes_leaves_the_checkpoint_as_it_
                                                  fail_the_manifest_aside)
         report = ckpt.restore(_blank(), fallback=True)
         assert report.step == 1 and report.skipped[0].quarantined is not None
+        assert ckpt._publisher.wait_moves(120) and copied == [True]  # the shard file, now
         assert [i.step for i in ckpt.list()] == [1]
 
 
@@ -235,3 +239,33 @@ def test_a_copy_is_made_by_the_server_whole_or_by_parts(s3_server, s3_root, monk
     assert calls[-1] == "AbortMultipartUpload"
     assert sorted(objects(s3_server, s3_root)) == ["parts", "src", "whole"]
     assert list_multipart_uploads(s3_server, key_of(s3_root)) == []
+
+
+def test_a_store_that_cannot_copy_moves_the_record_and_leaves_the_data(s3_server, s3_root,
+                                                                        caplog):
+    """A store without ``copy`` (the base Store's NotImplementedError, as a user's own object
+    store may be): the fallback restore is the same, the quarantine holds the manifest and the
+    reason, the shard file stays where it was (for the cleanup of stale data), a WARNING says
+    so."""
+    options = storage_options(s3_server)
+    with Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=options) as ckpt:
+        for step in (1, 2):
+            ckpt.save(_state(step), step=step).wait(60)
+        shard = shard_of(objects(s3_server, s3_root), fmt.step_name(2))
+        flip(s3_server, s3_root, shard, 4096 + 17)
+        damaged = objects(s3_server, s3_root)
+
+        def cannot(src, dst):
+            raise NotImplementedError
+        ckpt.store.copy = cannot
+        live = _blank()
+        with caplog.at_level(logging.WARNING, logger="datastates"):
+            report = ckpt.restore(live, fallback=True)
+            assert ckpt._publisher.wait_moves(120)
+        assert report.step == 1 and _same(live, _state(1))
+        aside = report.skipped[0].quarantined[len(s3_root) + 1:]
+        after = objects(s3_server, s3_root)
+        assert {k for k in after if k.startswith(aside + "/")} == \
+            {f"{aside}/{fmt.MANIFEST}", f"{aside}/reason.txt"}
+        assert after[shard] == damaged[shard]
+        assert any("cannot copy" in r.getMessage() for r in caplog.records)

@@ -23,6 +23,7 @@ import errno
 import logging
 import os
 import stat
+import threading
 import time
 import uuid
 import warnings
@@ -398,6 +399,8 @@ def _discard_replaced(old: str) -> None:
     posix.remove_tree(trash)
 
 
+#: How long ManifestPublisher.close waits for damaged checkpoints' shard files to be moved.
+_MOVE_WAIT_S = 600.0
 #: ManifestPublisher.quarantine: copies in flight at once.
 _COPIES = 32  # server-side copies: no byte through this process, only requests
 
@@ -419,6 +422,11 @@ class ManifestPublisher(Publisher):
     that no manifest names is removed only once older than ``max_age_s``."""
 
     renames = False
+
+    def __init__(self, store: Store):
+        super().__init__(store)
+        #: threads moving quarantined checkpoints' shard files (:meth:`quarantine`)
+        self._moving: list[threading.Thread] = []
 
     def tmp_location(self, root: str, name: str, run_id: str, attempt: int) -> str:
         return self.store.join(root, name, f".data.{owner_token(run_id)}-{attempt}")
@@ -489,21 +497,24 @@ class ManifestPublisher(Publisher):
         return path, manifest
 
     def quarantine(self, root: str, name: str, reason: str, fsync: bool) -> str:
-        """An object store renames nothing, so the checkpoint is moved by copies: the shard
-        files its manifest names are copied by the store (``Store.copy``: server-side, 32 at
-        a time; a missing one, the damage found, is not) to the same keys under
-        ``root/.damaged.<name>.<uid>/``, its manifest and ``reason.txt`` are written beside
-        them, then the manifest is deleted from the checkpoint (which is then gone) and the
-        originals after it. Before that deletion a failure leaves the checkpoint as it was and
-        removes the partial copy; after it, an original left behind is data no manifest names,
-        for the cleanup of stale data. Other data directories of the checkpoint (a crashed
-        overwrite's) stay where they are, for that cleanup too."""
+        """An object store renames nothing, so the checkpoint is moved by copies, in two parts.
+
+        At once (the ranks of a fallback restore wait for it): its manifest and ``reason.txt``
+        are written to ``root/.damaged.<name>.<uid>/``, then its manifest is deleted (the
+        checkpoint is gone, its name free). A failure before that deletion leaves the
+        checkpoint as it was and removes what was written.
+
+        Then, on a thread of its own (:meth:`close` waits for it): the shard files the manifest
+        names are copied by the store (``Store.copy``: server-side, 32 at a time; a missing one,
+        the damage found, is not) to the same keys under the quarantine, and each original is
+        removed once copied. Until a file is copied it is data no manifest names, which the
+        cleanup of stale data would remove after ``stale_tmp_age_s``. A store that cannot copy
+        leaves the data there (logged)."""
         store = self.store
         path, manifest = self._checkpoint(root, name, "moved")
         aside = store.join(root, f".damaged.{name}.{uuid.uuid4().hex[:8]}")
         data = store.read_bytes(manifest, fmt.MAX_MANIFEST_BYTES)
         try:
-            copied = self._copy_aside(path, aside, _data_files(data, manifest))
             store.write_new(store.join(aside, fmt.MANIFEST), data, True)
             store.write_new(store.join(aside, "reason.txt"), reason.encode(), True)
             store.remove(manifest)
@@ -511,23 +522,20 @@ class ManifestPublisher(Publisher):
             try:
                 store.remove_tree(aside)
             except OSError as exc:
-                log.warning("could not remove %s, the partial copy of the damaged checkpoint "
+                log.warning("could not remove %s, the partial record of the damaged checkpoint "
                             "%s: %s", aside, path, exc)
             raise
-        for parts in copied:
-            original = store.join(path, *parts)
-            try:
-                store.remove(original)
-            except OSError as exc:
-                log.warning("the damaged checkpoint %s was moved to %s, but its original %s "
-                            "could not be removed (the cleanup of stale data will): %s", path,
-                            aside, original, exc)
+        data_files = _data_files(data, manifest)
+        if data_files:
+            mover = threading.Thread(target=self._move_data, args=(path, aside, data_files),
+                                     name="datastates-quarantine", daemon=True)
+            self._moving.append(mover)
+            mover.start()
         return aside
 
-    def _copy_aside(self, path: str, aside: str, data_files: list[tuple[str, ...]]
-                    ) -> list[tuple[str, ...]]:
+    def _move_data(self, path: str, aside: str, data_files: list[tuple[str, ...]]) -> None:
         """Copy each of ``data_files`` (key parts under ``path``) to the same parts under
-        ``aside``; the ones copied (a missing one is not)."""
+        ``aside``, then remove the originals copied. Logs, never raises."""
         from concurrent.futures import ThreadPoolExecutor
         store = self.store
 
@@ -537,8 +545,42 @@ class ManifestPublisher(Publisher):
             except FileNotFoundError:
                 return False
             return True
-        with ThreadPoolExecutor(max(1, min(_COPIES, len(data_files)))) as pool:
-            return [p for p, done in zip(data_files, pool.map(copy, data_files)) if done]
+        try:
+            with ThreadPoolExecutor(max(1, min(_COPIES, len(data_files)))) as pool:
+                copied = [p for p, done in zip(data_files, pool.map(copy, data_files)) if done]
+        except NotImplementedError:
+            log.warning("the store of %s cannot copy: the shard files of the damaged checkpoint "
+                        "stay in %s, for the cleanup of stale data", aside, path)
+            return
+        except Exception as exc:  # noqa: BLE001 - logged; the originals stay where they are
+            log.warning("moving the shard files of the damaged checkpoint %s to %s failed (they "
+                        "stay there, for the cleanup of stale data): %r", path, aside, exc)
+            return
+        for parts in copied:
+            original = store.join(path, *parts)
+            try:
+                store.remove(original)
+            except OSError as exc:
+                log.warning("the damaged checkpoint %s was moved to %s, but its original %s "
+                            "could not be removed (the cleanup of stale data will): %s", path,
+                            aside, original, exc)
+        log.info("moved %d shard file(s) of the damaged checkpoint %s to %s", len(copied), path,
+                 aside)
+
+    def wait_moves(self, timeout_s: float | None = None) -> bool:
+        """Wait for the shard files of quarantined checkpoints to be moved; whether all are."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for mover in list(self._moving):
+            mover.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._moving = [m for m in self._moving if m.is_alive()]
+        return not self._moving
+
+    def close(self) -> None:
+        if not self.wait_moves(_MOVE_WAIT_S):
+            log.warning("the shard files of a damaged checkpoint are still being moved aside "
+                        "after %.0f s; the rest stays for the cleanup of stale data",
+                        _MOVE_WAIT_S)
+        super().close()
 
     def clean_stale(self, root: str, max_age_s: float) -> list[str]:
         """Data directories older than ``max_age_s`` that no manifest names, and unfinished
