@@ -128,3 +128,30 @@ def test_a_prechecked_restore_reads_without_checksums_and_says_so(memdir):
         ck._prechecked = None
         report = ck.restore(live, fallback=True)
         assert not report.prechecked and report.step == 2
+
+
+def test_a_newest_that_storage_has_passed_is_not_checked(memdir, tmp_path):
+    """Storage holds a newer step than memory's newest: a restore of the latest reads storage,
+    so the keeper does not spend the check (and marks nothing)."""
+    root, (_, two) = memdir
+    with datastates.Checkpointer(tmp_path / "storage") as ck:
+        ck.save(STATE, step=3).wait()
+    assert marks.verify_newest(root, os.path.join(root, "ckpt"), str(tmp_path / "storage")) \
+        is None
+    assert not marks.holds(root, two)
+    with datastates.Checkpointer(tmp_path / "older") as ck:
+        ck.save(STATE, step=2).wait()  # a tie: memory is read, so it is checked
+    assert marks.verify_newest(root, os.path.join(root, "ckpt"), str(tmp_path / "older")).name \
+        == two.name
+
+
+def test_a_planted_marks_link_is_refused(memdir, tmp_path):
+    """``verified`` as a link to another directory: nothing is written or removed there."""
+    root, (_, two) = memdir
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep-me").write_text("x")
+    os.symlink(elsewhere, os.path.join(root, marks.MARKS))
+    assert marks.verify_newest(root, os.path.join(root, "ckpt")).name == two.name
+    assert not marks.holds(root, two)  # not marked: its restore checksums
+    assert os.listdir(elsewhere) == ["keep-me"]

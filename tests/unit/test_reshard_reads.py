@@ -168,3 +168,26 @@ def test_plain_tensor_with_odd_strides_restored_in_place(tmp_path):
         ckpt.restore({"w": live})
     assert live.data_ptr() == base[0, 3:].data_ptr()
     assert base[0, 3].item() == 3.5 and int((base != 0).sum()) == 1
+
+
+def test_a_damaged_row_read_names_the_bytes_of_the_tensor(tmp_path):
+    """A resharded read of some rows starts at a checksum piece inside the tensor: a mismatch
+    names that piece's bytes of the tensor (not bytes counted from the read) and its offset in
+    the file."""
+    saved = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save({"w": saved}, step=1).wait(60)
+    d = str(tmp_path / NAME)
+    _split_pieces(d, "w", [5, 35])  # pieces [0, 5), [5, 35), [35, 96)
+    with open(os.path.join(d, fmt.MANIFEST)) as f:
+        offset = json.load(f)["entries"][0]["shards"][0]["offset"]
+    path = os.path.join(d, fmt.shard_file_name(0))
+    with open(path, "r+b") as f:
+        f.seek(offset + 6)
+        byte = f.read(1)
+        f.seek(offset + 6)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with _reader(d) as reader:  # rows 1..3 (bytes [16, 64)) need the pieces from byte 5 on
+        with pytest.raises(datastates.CorruptCheckpointError) as exc:
+            reader.restore_into({"w": TensorShard(torch.zeros(3, 4), (6, 4), (1, 0))})
+    assert f"in bytes [5, 35) of the tensor (file offset {offset + 5})" in str(exc.value)

@@ -204,7 +204,7 @@ class Keeper:
             return
         # While the trainer restarts: check the newest memory checkpoint once, so its restore
         # copies without checksumming again (marks.py), and the copy to storage need not either.
-        checked = marks.verify_newest(self.memdir, self.ckpt)
+        checked = marks.verify_newest(self.memdir, self.ckpt, self.storage)
         if checked is not None:
             log.info("keeper (%s): %s checked", why, checked.name)
         if self.tier.persist_on_exit:

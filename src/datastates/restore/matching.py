@@ -585,7 +585,7 @@ class _Plan:
         lead = first % elem
         buf = torch.empty(lead + last - first, dtype=torch.uint8, device=target.device)
         reads.append(_Read(shard.file, shard.offset + first, last - first, buf[lead:], pieces,
-                           key))
+                           key, first))
         start = lead + r0 * row - first
         rows = buf[start:start + (r1 - r0) * row].view(target.dtype)
         rows = rows.reshape((r1 - r0,) + s_shape[1:])

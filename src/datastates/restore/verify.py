@@ -47,6 +47,7 @@ def verify_files(reader: Reader, file_ids: list[int]) -> int:
 
 def _verify_file(reader: Reader, file_id: int, report: Callable[[int], None]) -> int:
     f, header = reader.files.open_with_header(file_id)
+    f.advise_sequential()
     path = reader.files.path(file_id)
     raw = bytearray(header.index_length)  # bounded: the header was checked against the file size
     f.read_into([memoryview(raw)], header.index_offset)
