@@ -94,6 +94,14 @@ def read_crc(paths: list[str], buf: bytearray) -> int:
     return total
 
 
+def timed_copy(live: list[torch.Tensor], source: list[torch.Tensor]) -> float:
+    """Seconds to ``copy_`` ``source`` into ``live``: the memcpy row."""
+    t0 = time.perf_counter()
+    for dst, src in zip(live, source):
+        dst.copy_(src)
+    return time.perf_counter() - t0
+
+
 def timed_save(ck, model, opt, s: int, persist: bool) -> dict:
     t0 = time.perf_counter()
     handle = ck.save({"model": model, "opt": opt}, step=s, persist=persist)
@@ -143,10 +151,7 @@ def main(argv=None) -> int:
             buf = bytearray(8 << 20)
             newest_disk = ck.list()[-1].step
             for rep in range(args.reps):
-                t0 = time.perf_counter()
-                for dst, src in zip(live, source):
-                    dst.copy_(src)
-                rows["memcpy"].append(time.perf_counter() - t0)
+                rows["memcpy"].append(timed_copy(live, source))
                 t0 = time.perf_counter()
                 read_crc(mem_files, buf)
                 rows["read_crc"].append(time.perf_counter() - t0)
@@ -164,10 +169,7 @@ def main(argv=None) -> int:
             ck.close(stop_keeper=False)  # detached: the keeper checks and marks the newest
             with datastates.Checkpointer(storage, config) as again:  # attached once it is done
                 for rep in range(args.reps):
-                    t0 = time.perf_counter()
-                    for dst, src in zip(live, source):
-                        dst.copy_(src)
-                    rows["memcpy"].append(time.perf_counter() - t0)
+                    rows["memcpy"].append(timed_copy(live, source))
                     t0 = time.perf_counter()
                     report = again.restore({"model": model, "opt": opt})
                     rows["restore_memory_restart"].append(time.perf_counter() - t0)

@@ -221,17 +221,25 @@ def test_a_trainer_killed_in_a_memory_save_restores_a_sealed_step(shm_root, tmp_
         assert not storage.exists()  # nothing was written to storage
 
 
-def test_a_dead_trainer_s_memory_is_written_to_storage(shm_root, tmp_path):
+def _dead_trainer(shm_root, tmp_path):
+    """A trainer that commits steps 1 and 2 into memory and is SIGKILLed, its keeper writing to
+    storage on its death; returns (storage, keeper log, memory dir, pid) once the keeper has
+    handled the death."""
     storage, log = tmp_path / "ckpt", tmp_path / "keeper.log"
     proc = _child(storage, shm_root, log, "die", env={"DS_PERSIST_ON_EXIT": "1"})
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL and b"COMMITTED 2" in out, err[-3000:]
     memdir = place.memory_dir(shm_root, str(storage))
     _wait_idle(memdir)
+    return storage, log, memdir, proc.pid
+
+
+def test_a_dead_trainer_s_memory_is_written_to_storage(shm_root, tmp_path):
+    storage, log, memdir, pid = _dead_trainer(shm_root, tmp_path)
     with datastates.Checkpointer(storage) as plain:  # storage alone: the keeper's commit
         assert [i.step for i in plain.list()] == [2]
         assert_bit_exact(plain.load(), make_state(2, big=False))
-    assert "trainer %d ended without detaching" % proc.pid in log.read_text()
+    assert "trainer %d ended without detaching" % pid in log.read_text()
     tier = _tier(shm_root, tmp_path, persist_every=None)
     with datastates.Checkpointer(storage, _config(tier)) as ck:  # a tie: memory is read
         live = zeros_like_state(make_state(0, big=False))
@@ -246,12 +254,7 @@ def test_a_memory_checkpoint_written_after_the_keeper_checked_it_is_checked_agai
     """The keeper checks and marks the dead trainer's newest memory checkpoint; a byte of it
     is then damaged (its mtime set back): the restart's restore checksums it, finds the damage,
     and restores the same step from storage, bit-exact."""
-    storage, log = tmp_path / "ckpt", tmp_path / "keeper.log"
-    proc = _child(storage, shm_root, log, "die", env={"DS_PERSIST_ON_EXIT": "1"})
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == -signal.SIGKILL and b"COMMITTED 2" in out, err[-3000:]
-    memdir = place.memory_dir(shm_root, str(storage))
-    _wait_idle(memdir)
+    storage, log, memdir, pid = _dead_trainer(shm_root, tmp_path)
     newest = os.path.join(memdir, place.CKPT, "step-0000000002")
     assert os.path.isfile(os.path.join(memdir, "verified", "step-0000000002"))
     shard = sorted(glob.glob(os.path.join(newest, "*.dsf")))[0]
