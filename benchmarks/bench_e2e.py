@@ -3,7 +3,8 @@
 with the machine's limit for this workload (``limit``: the tensors copied into a reused buffer on
 the training thread, then written with O_DIRECT by one thread -- no metadata, no checksums), with
 datastates (module form and state-dict form, keep_last=3 and keep_last=None; ``ds_mem_p10``: the
-memory tier, every step into shared memory and every 10th to the directory), with
+memory tier, every step into shared memory and every 10th to the directory, copied there by the
+keeper; ``ds_mem_p10_trainer``: the same, written to the directory by the trainer), with
 ``torch.save`` + fsync and with ``dcp.async_save``, each reported as a ratio to the no-checkpoint
 loop of the same repetition (median over interleaved repetitions).
 
@@ -52,7 +53,7 @@ from benchmarks.demo import SyntheticLoader  # noqa: E402
 from benchmarks.gpt import GPT, GPTConfig  # noqa: E402
 
 MODES = ["none", "limit", "ds_module_k3", "ds_module_all", "ds_sd_k3", "ds_sd_all", "ds_mem_p10",
-         "torch_save", "dcp_async"]
+         "ds_mem_p10_trainer", "torch_save", "dcp_async"]
 
 
 def demo_config() -> tuple[GPTConfig, int]:
@@ -96,9 +97,10 @@ class DatastatesSaver:
     and every ``persist_every``-th to the directory instead."""
 
     def __init__(self, root: str, form: str, keep_last: int | None,
-                 persist_every: int | None = None):
+                 persist_every: int | None = None, writer: str = "keeper"):
         tier = None if persist_every is None else datastates.MemoryTier(
-            persist_every=persist_every, log_path=os.path.join(root, "..", "keeper.log"))
+            persist_every=persist_every, log_path=os.path.join(root, "..", "keeper.log"),
+            storage_writer=writer)
         config = datastates.CheckpointConfig(host_cache_bytes=512 << 20, keep_last=keep_last,
                                              memory_tier=tier)
         self.ckpt = datastates.Checkpointer(root, config)
@@ -268,8 +270,9 @@ def make_saver(mode: str, root: str):
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
     if mode == "none":
         return NoSaver()
-    if mode == "ds_mem_p10":
-        return DatastatesSaver(root, "module", 3, persist_every=10)
+    if mode.startswith("ds_mem_p10"):
+        return DatastatesSaver(root, "module", 3, persist_every=10,
+                               writer="trainer" if mode.endswith("_trainer") else "keeper")
     if mode.startswith("ds_"):
         _, form, keep = mode.split("_")
         return DatastatesSaver(root, form, 3 if keep == "k3" else None)

@@ -129,6 +129,11 @@ class Checkpointer:
         #: ``info -> bool``: whether a candidate was checked since its last write, so a
         #: fallback restore reads it without checksums (the memory tier's marks)
         self._prechecked = None
+        #: Rank 0 with a memory tier whose keeper writes to storage (memory/handoff.py): the
+        #: memory Checkpointer's ``on_commit`` hands a save due for storage on; the storage
+        #: Checkpointer's ``exclusive`` holds its own commits while one is written there.
+        self._on_commit = None
+        self._exclusive = None
         if cfg.memory_tier is not None and share is None:
             from .memory.tiers import Tiers
             try:
@@ -178,14 +183,18 @@ class Checkpointer:
 
         ``persist`` (with ``config.memory_tier``): False commits the save into the memory tier,
         True into the directory (storage); None lets ``MemoryTier.persist_every`` decide (a
-        tag goes to storage). Without a memory tier every save goes to storage, and
-        ``persist=False`` raises ConfigError.
+        tag goes to storage). With ``MemoryTier(storage_writer="keeper")`` (the default) a save
+        for storage without a tag is committed into memory, and the keeper then copies it into
+        storage (its handle is done with the memory commit; ``wait()`` waits for storage too).
+        Without a memory tier every save goes to storage, and ``persist=False`` raises
+        ConfigError.
         """
-        if self._tiers is not None and not self._tiers.goes_to_storage(
-                step if tag is None else None, persist):
+        where = self._tiers.route(step, tag, persist) if self._tiers is not None else "storage"
+        if where != "storage":
             return self.memory.save(state, step, tag=tag, metadata=metadata,
                                     overwrite=overwrite, replicated=replicated,
-                                    optimizers=optimizers, metrics=metrics)
+                                    optimizers=optimizers, metrics=metrics,
+                                    persist=True if where == "handoff" else None)
         if persist is False and self._tiers is None:
             raise ConfigError("save(persist=False) keeps a checkpoint in the memory tier; this "
                               "Checkpointer has none (CheckpointConfig(memory_tier="
@@ -208,7 +217,8 @@ class Checkpointer:
             tmp=self._publisher.tmp_location(self.directory, name, self.comm.run_id, sid.attempt),
             store=self.store, overwrite=overwrite, deadline=deadline,
             timeout_s=cfg.commit_timeout_s, fsync=cfg.fsync, replica_check=cfg.replica_check,
-            retention=self._retention, catalog=self._catalog)
+            retention=self._retention, catalog=self._catalog, exclusive=self._exclusive,
+            on_commit=self._on_commit if persist else None)
         try:
             job = self._plan_job(state, metadata, replicated, optimizers,
                                  dataclasses.replace(target, metrics=check_metrics(metrics)), t0)
@@ -310,8 +320,9 @@ class Checkpointer:
                 job.stats.step_wait_s += time.perf_counter() - t0
 
     def wait(self) -> list[CheckpointInfo]:
-        """Wait for every in-flight save (of both tiers, with a memory tier); raise the first
-        failure."""
+        """Wait for every in-flight save (of both tiers, with a memory tier, and until the
+        keeper has written the saves due for storage there); raise the first failure (a
+        keeper's write that failed: KeeperError, once)."""
         pending, errors, infos = list(self._pending), [], []
         if self.memory is not None:  # both tiers' saves, in the order they were made
             pending = sorted(pending + self.memory._pending, key=lambda h: h._job.t0)
@@ -325,6 +336,8 @@ class Checkpointer:
             self.memory._prune()
         if errors:
             raise errors[0]
+        if self._tiers is not None:
+            self._tiers.wait()
         return infos
 
     # ------------------------------------------------------------ restore

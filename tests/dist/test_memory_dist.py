@@ -37,9 +37,9 @@ def _state(rank: int, step: int) -> dict:
     return {"w": torch.full((3000,), float(100 * step + rank)), "pos": {"step": step}}
 
 
-def _config(shm_root: str, log: str):
+def _config(shm_root: str, log: str, writer: str = "trainer"):
     tier = datastates.MemoryTier(root=shm_root, keep_last=2, persist_every=None,
-                                 persist_on_exit=False, log_path=log)
+                                 persist_on_exit=False, log_path=log, storage_writer=writer)
     return datastates.CheckpointConfig(memory_tier=tier, commit_timeout_s=60)
 
 
@@ -108,3 +108,34 @@ def test_ranks_on_several_hosts_are_refused(shm_root, tmp_path):
     for rank in (0, 1):
         assert "every rank on one node" in out[rank] and "another-node" in out[rank], out
     assert not os.path.exists(root)
+
+
+def _handoff(rank, world, root, shm_root, log):
+    tier = datastates.MemoryTier(root=shm_root, persist_every=2, log_path=log)
+    config = datastates.CheckpointConfig(memory_tier=tier, commit_timeout_s=60)
+    with datastates.Checkpointer(root, config) as ck:
+        for step in range(1, 6):
+            ck.save(_state(rank, step), step=step)
+            if step == 3:  # the trainer's own commit into storage, beside the keeper's
+                ck.save(_state(rank, 30), tag="best")
+        ck.wait()
+        seen = [(i.name, i.seq) for i in ck.list()]
+    with datastates.Checkpointer(root) as plain:  # no memory tier: what storage holds
+        live = {"w": torch.zeros(3000), "pos": {"step": -1}}
+        report = plain.restore(live, step=4)
+        exact = torch.equal(live["w"], _state(rank, 4)["w"]) and live["pos"] == {"step": 4}
+    return {"storage": seen, "restored": report.step, "exact": exact}
+
+
+def test_saves_due_for_storage_are_written_by_the_keeper_for_both_ranks(shm_root, tmp_path):
+    """Steps 2 and 4 go to memory, and the keeper copies both ranks' shards into storage; the
+    tag saved in between is committed by rank 0 while no keeper write runs (one commit number
+    each, in the order of the saves)."""
+    root, log = str(tmp_path / "ckpt"), str(tmp_path / "keeper.log")
+    out = run_ranks(2, _handoff, root, shm_root, log)
+    expected = [(fmt.step_name(2), 1), ("best", 2), (fmt.step_name(4), 3)]
+    for rank in (0, 1):
+        assert out[rank] == {"storage": expected, "restored": 4, "exact": True}, out[rank]
+    with open(log) as f:
+        text = f.read()
+    assert f"committed {fmt.step_name(2)}" in text and f"committed {fmt.step_name(4)}" in text

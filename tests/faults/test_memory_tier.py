@@ -296,6 +296,99 @@ def test_the_memory_is_kept_while_storage_lacks_its_newest_step(shm_root, tmp_pa
     shutil.rmtree(memdir)  # the fixture checks that nothing else was left
 
 
+# ---------------------------------------------------------------- the keeper writes storage
+def _held_link(ck):
+    """Hold the keeper link's lock: the handoff thread's next request waits for its release
+    (a real lock of the real link; nothing is replaced)."""
+    link = ck._tiers.link
+    assert link._lock.acquire(timeout=30)
+    return link
+
+
+def _until(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_checkpoint_being_written_to_storage_stays_in_memory_and_a_waiting_one_is_replaced(
+        shm_root, tmp_path, caplog):
+    """persist_every=2, keep_last=1. Step 2 is handed on and its write held back: memory keeps
+    it (its shard file is not recycled) through the saves after it; step 4 waits and is
+    replaced by step 6 with a WARNING. Released: storage gets steps 2 and 6, bit-exact, written
+    by the keeper; memory is back to keep_last."""
+    storage = tmp_path / "ckpt"
+    ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2)))
+    handoff = ck._tiers.handoff
+    ck.save(make_state(1, big=False), step=1).wait()
+    link = _held_link(ck)
+    try:
+        ck.save(make_state(2, big=False), step=2).wait()
+        _until(lambda: handoff.held() == {"step-0000000002"} and handoff._waiting is None,
+               "the handoff thread did not take step 2")
+        with caplog.at_level(logging.WARNING, logger="datastates"):
+            for step in range(3, 7):
+                ck.save(make_state(step, big=False), step=step).wait()
+        assert [i.step for i in ck.memory.list()] == [2, 4, 6]  # 2 and 4 held, 6 the newest
+        assert ck.list() == []
+        assert "step-0000000004 was still waiting" in caplog.text
+        assert handoff.replaced == ["step-0000000004"]
+    finally:
+        link._lock.release()
+    ck.wait()
+    assert [i.step for i in ck.list()] == [2, 6]
+    assert [i.step for i in ck.memory.list()] == [6]
+    assert handoff.written == ["step-0000000002", "step-0000000006"]
+    ck.close(stop_keeper=True)
+    log = (tmp_path / "keeper.log").read_text()
+    assert "committed step-0000000002" in log and "committed step-0000000006" in log
+    with datastates.Checkpointer(storage) as plain:
+        assert_bit_exact(plain.load(step=2), make_state(2, big=False))
+        assert_bit_exact(plain.load(step=6), make_state(6, big=False))
+
+
+def test_a_tagged_save_to_storage_waits_for_the_keeper_s_write(shm_root, tmp_path):
+    """While the keeper's write of step 2 is held back, a save with a tag (rank 0's own commit
+    into storage) does not commit; released, the keeper commits first, then the tag."""
+    storage = tmp_path / "ckpt"
+    ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2)))
+    link = _held_link(ck)
+    try:
+        ck.save(make_state(2, big=False), step=2).wait()
+        handle = ck.save(make_state(7, big=False), tag="best")
+        _until(lambda: handle._job.deciding, "the tag's commit did not start")
+        assert not handle.done() and ck.list() == []
+    finally:
+        link._lock.release()
+    assert handle.wait().name == "best"
+    assert [(i.name, i.seq) for i in ck.list()] == [("step-0000000002", 1), ("best", 2)]
+    ck.close(stop_keeper=True)
+
+
+def test_a_failed_write_to_storage_is_raised_by_wait_and_the_memory_kept(shm_root, tmp_path,
+                                                                         caplog):
+    """Storage already has a directory named like step 2 that is no checkpoint: the keeper's
+    commit is refused; wait() raises KeeperError naming it (once), memory still holds step 2,
+    and training saves on."""
+    storage = tmp_path / "ckpt"
+    ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2)))
+    (storage / "step-0000000002").mkdir(parents=True)
+    (storage / "step-0000000002" / "notes.txt").write_text("not a checkpoint")
+    with caplog.at_level(logging.ERROR, logger="datastates"):
+        ck.save(make_state(2, big=False), step=2)
+        with pytest.raises(datastates.KeeperError, match="step-0000000002"):
+            ck.wait()
+    assert "stays in memory only" in caplog.text
+    assert ck.wait() == []  # reported once
+    assert [i.step for i in ck.memory.list()] == [2]
+    assert (storage / "step-0000000002" / "notes.txt").read_text() == "not a checkpoint"
+    ck.save(make_state(4, big=False), step=4)
+    ck.wait()
+    assert [i.step for i in ck.list()] == [4]
+    ck.close(stop_keeper=True)
+
+
 # ---------------------------------------------------------------- the keeper killed / stopped
 def test_a_killed_keeper_leaves_training_going(shm_root, tmp_path, caplog):
     storage = tmp_path / "ckpt"
@@ -310,9 +403,11 @@ def test_a_killed_keeper_leaves_training_going(shm_root, tmp_path, caplog):
         os.kill(link.keeper_pid, signal.SIGKILL)
         link._reader.join(timeout=30)
     assert link.lost and "memory keeper" in caplog.text and "is gone" in caplog.text
-    for step in range(3, 7):  # memory and storage saves go on
-        ck.save(make_state(step, big=False), step=step)
-    ck.wait()
+    with caplog.at_level(logging.WARNING, logger="datastates"):
+        for step in range(3, 7):  # memory and storage saves go on
+            ck.save(make_state(step, big=False), step=step)
+        ck.wait()
+    assert "rank 0 writes step-0000000004 to storage itself" in caplog.text
     assert [i.step for i in ck.list()] == [4] and ck.latest().step == 6
     ck.close()  # no keeper: rank 0 writes step 6 to storage itself and removes the memory
     assert not os.path.exists(memdir)

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 from ..errors import CommitError, CommitTimeoutError, StorageError, write_error
 from ..format import codec as fmt
@@ -50,6 +51,13 @@ class SaveTarget:
     catalog: Catalog | None = None
     #: The save's metrics, checked by ``save()`` (rank 0's go into the manifest).
     metrics: dict = dataclasses.field(default_factory=dict)
+    #: Rank 0, before it publishes: ``exclusive(deadline)`` returns once no other writer
+    #: commits into ``root`` (the memory keeper copying into storage); raises CommitError if
+    #: that does not happen by ``deadline``.
+    exclusive: Callable[[float], None] | None = None
+    #: Rank 0, after the commit, retention and ``latest``: ``on_commit(info)`` (the memory
+    #: tier hands the checkpoint on to be written to storage).
+    on_commit: Callable[[CheckpointInfo], None] | None = None
 
     @property
     def path(self) -> str:
@@ -144,6 +152,8 @@ class _Round:
         commit verdict. Raises what the publish raised (the round makes it an abort)."""
         t = self.target
         try:
+            if t.exclusive is not None:
+                t.exclusive(t.deadline)
             self.published = publish_numbered(t, self.manifest)
         except BaseException as exc:
             self.failure = write_error(t.rank, f"committing {t.name!r}", exc)
@@ -231,6 +241,12 @@ def after_commit(target: SaveTarget, info: CheckpointInfo, published: Published 
     except Exception as exc:
         warnings.warn(f"datastates: {t.name!r} is committed, but applying retention in "
                       f"{t.root} failed: {exc}", RuntimeWarning, stacklevel=2)
+    if t.on_commit is not None:
+        try:
+            t.on_commit(info)
+        except Exception as exc:
+            warnings.warn(f"datastates: {t.name!r} is committed, but handing it on failed: "
+                          f"{exc!r}", RuntimeWarning, stacklevel=2)
 
 
 def _elsewhere(target: SaveTarget, reports: dict[int, RankReport]) -> dict[int, str]:

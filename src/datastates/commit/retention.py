@@ -13,7 +13,8 @@ for inspection and never removed by this module.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Collection
 
 from ..format import codec as fmt
 from .catalog import Catalog, CheckpointInfo, DamagedCheckpoint, human_bytes
@@ -49,8 +50,11 @@ class RetentionPolicy:
     keep_best: int | None = None
     best_metric: str | None = None
     best_mode: str = "min"
+    #: The names another reader still needs (the memory tier's checkpoints being copied to
+    #: storage, ``memory/handoff.py``): kept this time, deleted by a later commit's retention.
+    held: Callable[[], Collection[str]] | None = field(default=None, compare=False)
 
-    def apply(self, root: str, protect: str, fsync: bool, store: Store = LOCAL,
+    def apply(self, root: str, protect: str | None, fsync: bool, store: Store = LOCAL,
               committed: list[CheckpointInfo] | None = None,
               damaged: list[DamagedCheckpoint] | None = None) -> list[str]:
         """Delete committed checkpoints beyond the policy; return the deleted names.
@@ -81,6 +85,8 @@ class RetentionPolicy:
             committed, damaged = catalog.scan(), catalog.damaged()
         found = committed
         keep = {i.name for i in found[-self.keep_last:]} | {protect} | set(self.best(found))
+        keep.discard(None)
+        keep |= set(self.held()) if self.held is not None else set()
         if found:
             keep.add(found[-1].name)
         removed = []

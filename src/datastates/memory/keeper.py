@@ -8,6 +8,9 @@ for the trainer's rank 0 and serves, one request at a time, JSON lines:
   commits into it);
 - ``{"op": "detach"}``: it stops (``Checkpointer.close()``); ``{"op": "stop"}`` as well, and the
   keeper then ends at once;
+- ``{"op": "persist", "name": N}``: the attached trainer hands on its memory checkpoint ``N``,
+  due for storage (``handoff.py``): written there now, answered when committed (the trainer
+  commits nothing to storage meanwhile);
 - ``{"op": "persist"}``: write the newest memory checkpoint to storage now (``persist.py``),
   refused while a trainer is attached (its own saves to storage would race the commit);
 - ``{"op": "status"}``: pid, trainers attached, memory checkpoints.
@@ -54,6 +57,7 @@ class _Conn:
         self.sock, self.buffer = sock, b""
         self.pid: int | None = None  # set by attach
         self.detached = False
+        self.request_id = None  # of the request being answered
 
 
 class Keeper:
@@ -212,12 +216,14 @@ class Keeper:
         self._idle_since = time.monotonic()
 
     def _answer(self, conn: _Conn, line: bytes) -> None:
+        conn.request_id = None
         try:
             request = json.loads(line)
             op = request["op"]
         except (ValueError, KeyError, TypeError):
             self._send(conn, {"ok": False, "error": f"not a request: {line[:200]!r}"})
             return
+        conn.request_id = request.get("id")  # repeated in the answer (link.py)
         if op == "attach":
             if self._term_at is not None:
                 self._send(conn, {"ok": False, "error": "the keeper is ending (SIGTERM)"})
@@ -234,6 +240,14 @@ class Keeper:
                 self._stopping = True
             elif was:
                 self._last_left("trainer %d detached" % conn.pid)
+        elif op == "persist" and request.get("name") is not None:
+            # An attached trainer hands on a save due for storage (handoff.py); it holds back
+            # its own commits to storage until this answer, so the two never overlap.
+            if conn.pid is None or conn.detached:
+                self._send(conn, {"ok": False, "error": "only an attached trainer hands on its "
+                                  "checkpoints"})
+            else:
+                self._send(conn, self._persist(f"trainer {conn.pid}", str(request["name"])))
         elif op == "persist":  # never beside an attached trainer's own commits to storage
             self._send(conn, {"ok": False, "error": f"{self._attached()} trainer(s) attached: "
                               "they write to storage themselves (save(persist=True))"}
@@ -245,21 +259,25 @@ class Keeper:
             self._send(conn, {"ok": False, "error": f"unknown op {op!r}"})
 
     def _send(self, conn: _Conn, reply: dict) -> None:
+        if conn.request_id is not None:
+            reply = dict(reply, id=conn.request_id)
         try:
             conn.sock.sendall(json.dumps(reply).encode() + b"\n")
         except OSError as exc:
             log.info("keeper: could not answer a trainer: %s", exc)
 
-    def _persist(self, why: str) -> dict:
+    def _persist(self, why: str, name: str | None = None) -> dict:
         try:
             info = persist_newest(self.ckpt, self.storage, self.config, self.run_id,
-                                  checked=lambda info: marks.holds(self.memdir, info))
+                                  checked=lambda info: marks.holds(self.memdir, info),
+                                  name=name)
         except Exception as exc:  # noqa: BLE001 - logged and answered; the keeper keeps serving
             log.error("keeper (%s): writing the newest memory checkpoint to %s failed: %r", why,
                       self.storage, exc)
             return {"ok": False, "error": repr(exc)}
         if info is None:
-            log.info("keeper (%s): storage already holds the newest step", why)
+            log.info("keeper (%s): storage already holds %s", why,
+                     "the newest step" if name is None else f"the step of {name} or a newer one")
             return {"ok": True, "persisted": None}
         log.info("keeper (%s): committed %s to %s", why, info.name, self.storage)
         return {"ok": True, "persisted": info.name}

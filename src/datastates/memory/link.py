@@ -35,6 +35,7 @@ class KeeperLink:
         self._sock = sock
         self._replies: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
+        self._count = 0
         self._closing = False
         self._reader = threading.Thread(target=self._read, name="datastates-keeper-link",
                                         daemon=True)
@@ -77,18 +78,32 @@ class KeeperLink:
         link.keeper_pid = reply.get("pid")
         return link
 
-    def request(self, message: dict, timeout: float = _REPLY_TIMEOUT_S) -> dict:
+    def request(self, message: dict, timeout: float | None = _REPLY_TIMEOUT_S) -> dict:
         """Send one request and return the keeper's answer; KeeperError if it refuses, is gone
-        or does not answer within ``timeout``."""
-        with self._lock:
+        or does not answer within ``timeout`` (None: as long as it lives; a request in
+        progress on another thread counts). Each request carries a number the answer repeats,
+        so the late answer of a request that timed out is never taken for another's."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._lock.acquire(timeout=-1 if deadline is None else max(0.0, timeout)):
+            raise KeeperError(f"the keeper of {self.memdir} did not answer {message['op']!r}: "
+                              "still busy with an earlier request")
+        try:
             if self.lost:
                 raise KeeperError(f"the keeper of {self.memdir} is gone")
+            self._count += 1
+            number = self._count
             try:
-                self._sock.sendall(json.dumps(message).encode() + b"\n")
-                reply = self._replies.get(timeout=timeout)
+                self._sock.sendall(json.dumps(dict(message, id=number)).encode() + b"\n")
+                while True:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    reply = self._replies.get(timeout=left)
+                    if reply is None or reply.get("id") in (number, None):
+                        break
             except (OSError, queue.Empty) as exc:
                 raise KeeperError(f"the keeper of {self.memdir} did not answer "
                                   f"{message['op']!r}: {exc or 'timeout'}") from None
+        finally:
+            self._lock.release()
         if reply is None:
             raise KeeperError(f"the keeper of {self.memdir} ended before answering "
                               f"{message['op']!r}")

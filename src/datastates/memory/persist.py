@@ -23,6 +23,7 @@ from ..commit.publish import publisher_for
 from ..commit.retention import RetentionPolicy
 from ..commit.round import SaveId, new_run_id
 from ..config import CheckpointConfig
+from ..errors import CheckpointNotFoundError
 from ..format.records import CheckpointInfo
 from ..providers import ProviderRegistry
 from ..restore.reader import Reader
@@ -50,13 +51,21 @@ def due(memory: list[CheckpointInfo], storage: list[CheckpointInfo]) -> Checkpoi
 
 
 def persist_newest(memory_root: str, storage_root: str, config: CheckpointConfig,
-                   run_id: str | None = None, checked=None) -> CheckpointInfo | None:
-    """Persist the memory checkpoint :func:`due` names; return what storage committed, or None
-    when nothing was due. Raises what the check, the copy or the commit raised (storage is
-    unchanged but for a temporary). ``checked(info)``: whether every byte of ``info`` was
-    checked since it was last written (``marks.holds``), so the copy need not check it again."""
+                   run_id: str | None = None, checked=None,
+                   name: str | None = None) -> CheckpointInfo | None:
+    """Persist the memory checkpoint :func:`due` names (``name``: the memory checkpoint of that
+    name instead, unless storage holds its step or a newer one); return what storage committed,
+    or None when nothing was due. Raises what the check, the copy or the commit raised (storage
+    is unchanged but for a temporary); CheckpointNotFoundError if memory holds no checkpoint
+    ``name``. ``checked(info)``: whether every byte of ``info`` was checked since it was last
+    written (``marks.holds``), so the copy need not check it again."""
     memory = Catalog(memory_root, LOCAL).scan() if os.path.isdir(memory_root) else []
     storage = Catalog(storage_root, LOCAL).scan() if os.path.isdir(storage_root) else []
+    if name is not None:
+        memory = [i for i in memory if i.name == name]
+        if not memory:
+            raise CheckpointNotFoundError(f"the memory tier holds no committed checkpoint "
+                                          f"{name!r} (in {memory_root})")
     info = due(memory, storage)
     if info is None:
         return None

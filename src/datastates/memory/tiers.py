@@ -12,14 +12,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
+import warnings
 from typing import TYPE_CHECKING
 
 from ..commit.retention import RetentionPolicy
-from ..errors import ConfigError, KeeperError
+from ..errors import CommitTimeoutError, ConfigError, KeeperError
 from ..format.records import CheckpointInfo
 from ..storage import is_url
 from ..storage.posix import remove_tree
 from . import marks, place
+from .handoff import Handoff
 from .link import KeeperLink
 from .options import MemoryTier
 from .persist import persist_newest
@@ -80,16 +83,41 @@ class Tiers:
         except BaseException:
             self._drop()
             raise
-        # A tier of its own: the newest keep_last plus the one being written.
-        self.memory._retention = RetentionPolicy(tier.keep_last, None, None, None, "min")
+        #: Rank 0 with ``storage_writer="keeper"``: the saves due for storage, handed on from
+        #: memory to the keeper (handoff.py).
+        self.handoff: Handoff | None = None
+        if outer.rank == 0 and tier.storage_writer == "keeper":
+            self.handoff = Handoff(self)
+            self.memory._on_commit = self.handoff.submit
+            outer._exclusive = self.handoff.idle  # rank 0's own commits into storage wait
+        # A tier of its own: the newest keep_last plus the one being written (and those being
+        # written to storage).
+        self.memory._retention = RetentionPolicy(
+            tier.keep_last, None, None, None, "min",
+            held=self.handoff.held if self.handoff is not None else None)
         # One pass over memory: read into the live state, checksums verified as it goes, then
         # agree; damage on any rank sends every rank to the next checkpoint, which overwrites.
         self.memory._optimistic = True
         # A checkpoint the keeper checked after its last write is copied without checksums.
         self.memory._prechecked = lambda info: marks.holds(self.memdir, info)
 
-    def goes_to_storage(self, step: int | None, persist: bool | None) -> bool:
-        return self.tier.goes_to_storage(step, persist)
+    def route(self, step: int | None, tag: str | None, persist: bool | None) -> str:
+        """Where a save goes: ``"memory"``, ``"storage"``, or ``"handoff"`` (due for storage,
+        written to memory and from there by the keeper). The same on every rank: it depends on
+        the arguments and the config only."""
+        if not self.tier.goes_to_storage(step if tag is None else None, persist):
+            return "memory"
+        return "handoff" if tag is None and self.tier.storage_writer == "keeper" else "storage"
+
+    def wait(self) -> None:
+        """Rank 0: wait until the saves handed on are in storage (at most ``commit_timeout_s``:
+        CommitTimeoutError); raise the first write that failed (KeeperError)."""
+        if self.handoff is None:
+            return
+        self.handoff.idle(time.monotonic() + self.outer.config.commit_timeout_s)
+        errors = self.handoff.take_errors()
+        if errors:
+            raise errors[0]
 
     def newest(self, storage: CheckpointInfo | None) -> CheckpointInfo | None:
         """The newer of ``storage`` (storage's newest) and the memory's newest; memory on a tie."""
@@ -115,6 +143,14 @@ class Tiers:
         is gone cannot write the memory to storage any more: rank 0 does it here (when
         ``persist_on_exit``), then removes the memory directory if no keeper took it over."""
         self.memory.close()
+        if self.handoff is not None:  # before detaching: the keeper is writing for this trainer
+            try:
+                self.handoff.idle(time.monotonic() + self.outer.config.commit_timeout_s)
+                self.handoff.close()
+            except CommitTimeoutError as exc:
+                log.error("datastates: closing: %s; detaching anyway", exc)
+            for error in self.handoff.take_errors():
+                warnings.warn(f"datastates: {error}", RuntimeWarning, stacklevel=3)
         if self.link is None:
             return
         lost = self.link.lost

@@ -1,0 +1,170 @@
+"""Saves due for storage go to memory first; the keeper then writes them to storage.
+
+With ``MemoryTier(storage_writer="keeper")`` (the default), a save due for storage
+(``persist_every``, ``persist=True``) is committed into the memory tier like any other, and rank
+0 hands the committed memory checkpoint on: the keeper copies it into storage through the commit
+protocol (``persist.py``: every byte checked, the copy fsynced, the manifest numbered after
+storage's newest and written last), in its own process. The trainer's threads and host cache
+are free again once the memory commit is done, whatever the disk's speed.
+
+Three rules keep it safe:
+
+- **The bytes stay while they are copied.** The memory tier's retention keeps a checkpoint this
+  module still holds (``held``; ``RetentionPolicy.held``), so its shard files are not recycled
+  into the next save while the keeper reads them, and applies itself again once it is written.
+  Host memory then holds at most two more states: the one being written and the one waiting.
+- **One writer of storage at a time.** Rank 0 commits nothing into storage itself (a save with a
+  tag) while a checkpoint is being written there: its commit waits for :meth:`Handoff.idle`
+  (``SaveTarget.exclusive``). New hand-ons come only from the commit thread, after a memory
+  commit, so none starts while that commit of storage runs.
+- **Nothing is lost silently.** A checkpoint still waiting when a newer one is handed on is
+  replaced by it (storage gets the newer one), with a WARNING; a write that fails is logged as
+  an ERROR and raised by the next ``Checkpointer.wait()`` (KeeperError); a keeper that is gone
+  (``KeeperLink.lost``) makes rank 0 write the checkpoint to storage itself, on this module's
+  thread, with a WARNING.
+
+``storage_writer="trainer"`` commits the saves due for storage straight into storage from the
+trainer's own pipeline, as a Checkpointer without a memory tier does.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ..errors import CommitTimeoutError, KeeperError
+from ..format.records import CheckpointInfo
+from . import marks, place
+from .persist import persist_newest
+
+if TYPE_CHECKING:
+    from .tiers import Tiers
+
+log = logging.getLogger("datastates")
+
+
+class Handoff:
+    """Rank 0's queue of memory checkpoints to be written to storage (module docstring): one
+    being written, one waiting at most."""
+
+    def __init__(self, tiers: "Tiers"):
+        self._tiers = tiers
+        self._cond = threading.Condition()
+        self._waiting: CheckpointInfo | None = None
+        self._writing: CheckpointInfo | None = None
+        self._busy = False  # from taking one until its write and the retention after it end
+        self._errors: list[KeeperError] = []
+        self._closed = False
+        #: The checkpoints handed on and written to storage, by name (what ``wait()`` reports).
+        self.written: list[str] = []
+        #: The checkpoints replaced while waiting by a newer one (storage got the newer one).
+        self.replaced: list[str] = []
+        self._thread = threading.Thread(target=self._loop, name="datastates-handoff",
+                                        daemon=True)
+        self._thread.start()
+
+    def held(self) -> set[str]:
+        """The memory checkpoints waiting or being written (memory retention keeps them)."""
+        with self._cond:
+            return {i.name for i in (self._waiting, self._writing) if i is not None}
+
+    def submit(self, info: CheckpointInfo) -> None:
+        """Hand on the committed memory checkpoint ``info`` (the commit thread, after its memory
+        commit and before any later commit's retention could remove it)."""
+        with self._cond:
+            if self._closed:
+                raise KeeperError(f"{info.name} was committed to memory after the handoff to "
+                                  "storage closed")
+            if self._waiting is not None:
+                log.warning("datastates: %s was still waiting to be written to storage when %s "
+                            "was saved; storage gets %s instead (writing %s takes longer than "
+                            "the saves between them)", self._waiting.name, info.name, info.name,
+                            self._writing.name if self._writing else "the one before")
+                self.replaced.append(self._waiting.name)
+            self._waiting = info
+            self._cond.notify_all()
+
+    def idle(self, deadline: float | None = None) -> None:
+        """Return once nothing is waiting or being written; CommitTimeoutError at ``deadline``
+        (``time.monotonic()``) if something still is."""
+        with self._cond:
+            while self._waiting is not None or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    busy = self._writing or self._waiting
+                    raise CommitTimeoutError(f"the memory tier was still writing "
+                                             f"{busy.name if busy else 'a checkpoint'} to "
+                                             f"storage at the commit deadline", {0: "busy"})
+                self._cond.wait(left)
+
+    def take_errors(self) -> list[KeeperError]:
+        """The failed writes not reported yet (oldest first); they are reported once."""
+        with self._cond:
+            errors, self._errors = self._errors, []
+        return errors
+
+    def close(self) -> None:
+        """Write what is waiting, then stop the thread (idempotent)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    # ------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._waiting is None and not self._closed:
+                    self._cond.wait()
+                if self._waiting is None:
+                    return
+                info = self._writing = self._waiting
+                self._waiting, self._busy = None, True
+            error = None
+            try:
+                self._write(info)
+            except Exception as exc:  # noqa: BLE001 - the thread lives on; wait() raises it
+                log.error("datastates: writing the memory checkpoint %s to storage (%s) failed: "
+                          "%s; it stays in memory only", info.name, self._tiers.outer.directory,
+                          exc)
+                error = KeeperError(f"writing the memory checkpoint {info.name} to storage "
+                                    f"failed: {exc}")
+                error.__cause__ = exc
+            with self._cond:
+                self._writing = None  # released: the retention below may delete it
+            self._tidy()
+            with self._cond:
+                self._busy = False
+                if error is None:
+                    self.written.append(info.name)
+                else:
+                    self._errors.append(error)
+                self._cond.notify_all()
+
+    def _tidy(self) -> None:
+        """Apply the memory tier's retention again, now that a checkpoint it kept is released
+        (a commit thread's retention running meanwhile skips what this one removed)."""
+        memory = self._tiers.memory
+        try:
+            memory._retention.apply(memory.directory, None, False, memory.store)
+        except Exception as exc:  # noqa: BLE001 - the next memory commit's retention retries
+            log.warning("datastates: applying the memory tier's retention failed: %s", exc)
+
+    def _write(self, info: CheckpointInfo) -> None:
+        tiers = self._tiers
+        link = tiers.link
+        if link is not None and not link.lost:
+            try:
+                link.request({"op": "persist", "name": info.name},
+                             tiers.outer.config.commit_timeout_s)
+                return
+            except KeeperError:
+                if not link.lost:
+                    raise
+        log.warning("datastates: the memory keeper is gone; rank 0 writes %s to storage itself",
+                    info.name)
+        persist_newest(os.path.join(tiers.memdir, place.CKPT), tiers.outer.directory,
+                       tiers.outer.config, name=info.name,
+                       checked=lambda i: marks.holds(tiers.memdir, i))
