@@ -185,7 +185,8 @@ class Checkpointer:
         True into the directory (storage); None lets ``MemoryTier.persist_every`` decide (a
         tag goes to storage). With ``MemoryTier(storage_writer="keeper")`` (the default) a save
         for storage without a tag is committed into memory, and the keeper then copies it into
-        storage (its handle is done with the memory commit; ``wait()`` waits for storage too).
+        storage (its handle is done with the memory commit; ``wait()`` on rank 0 waits for
+        storage too).
         Without a memory tier every save goes to storage, and ``persist=False`` raises
         ConfigError.
         """
@@ -320,9 +321,9 @@ class Checkpointer:
                 job.stats.step_wait_s += time.perf_counter() - t0
 
     def wait(self) -> list[CheckpointInfo]:
-        """Wait for every in-flight save (of both tiers, with a memory tier, and until the
-        keeper has written the saves due for storage there); raise the first failure (a
-        keeper's write that failed: KeeperError, once)."""
+        """Wait for every in-flight save (of both tiers, with a memory tier; on rank 0 also
+        until the keeper has written the saves due for storage there); raise the first failure
+        (a keeper's write that failed: KeeperError, once, on rank 0)."""
         pending, errors, infos = list(self._pending), [], []
         if self.memory is not None:  # both tiers' saves, in the order they were made
             pending = sorted(pending + self.memory._pending, key=lambda h: h._job.t0)

@@ -111,16 +111,18 @@ def test_ranks_on_several_hosts_are_refused(shm_root, tmp_path):
 
 
 def _handoff(rank, world, root, shm_root, log):
-    tier = datastates.MemoryTier(root=shm_root, persist_every=2, log_path=log)
+    tier = datastates.MemoryTier(root=shm_root, persist_every=2, log_path=log,
+                                 persist_on_exit=False)
     config = datastates.CheckpointConfig(memory_tier=tier, commit_timeout_s=60)
     with datastates.Checkpointer(root, config) as ck:
         for step in range(1, 6):
             ck.save(_state(rank, step), step=step)
             if step == 3:  # the trainer's own commit into storage, beside the keeper's
                 ck.save(_state(rank, 30), tag="best")
-        ck.wait()
-        seen = [(i.name, i.seq) for i in ck.list()]
+        ck.wait()  # rank 0: until the keeper's copies are committed; rank 1: the memory's
+    # Every rank opens the next Checkpointer together, after rank 0 closed the first.
     with datastates.Checkpointer(root) as plain:  # no memory tier: what storage holds
+        seen = [(i.name, i.seq) for i in plain.list()]
         live = {"w": torch.zeros(3000), "pos": {"step": -1}}
         report = plain.restore(live, step=4)
         exact = torch.equal(live["w"], _state(rank, 4)["w"]) and live["pos"] == {"step": 4}

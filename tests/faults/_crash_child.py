@@ -75,6 +75,8 @@ def _install(mode: str, n: int) -> None:
     - ``set-latest``: before ``commit.set_latest`` (the checkpoint is renamed into place);
     - ``claim``: the new ``.tmp`` directory made, before its shard file is opened;
     - ``gate``: at the n-th data write, print ``PAUSED`` and block until killed from outside;
+    - ``fill``: in the capture of the n-th unit, once half of its bytes reached their place (the
+      cache slot, or the shard file itself when the memory tier captures in place);
     - ``none`` / ``external``: no kill point.
     """
     import datastates.commit.review
@@ -158,6 +160,18 @@ def _install(mode: str, n: int) -> None:
                 _die()
             return real_writer(*a, **k)
         datastates.storage.posix.ShardWriter = shard_writer
+    elif mode == "fill":
+        import datastates.save.pipeline as pipeline
+        real_fill = pipeline.Pipeline._fill
+
+        def fill(self, job, unit, dst, *a, **k):
+            if not hit():
+                return real_fill(self, job, unit, dst, *a, **k)
+            real_fill(self, job, unit, dst, *a, **k)
+            half = dst.numel() // 2
+            dst[half:].fill_(0xA5)  # the second half not copied yet: stale bytes
+            _die()
+        pipeline.Pipeline._fill = fill
     elif mode not in ("none", "external"):
         raise SystemExit(f"unknown mode {mode!r}")
 

@@ -3,8 +3,8 @@ trainer (docs/memory-tier.md).
 
 - saves go to their tier (``persist_every``, ``persist=``), ``latest()``/``restore()``/``load()``
   take the newest of both tiers, bit-exact;
-- a trainer SIGKILLed at every kill point of a memory save (a shard write, a torn write, the
-  commit thread's writes, the fsyncs, the renames, ``latest``): a restarted trainer restores a
+- a trainer SIGKILLed at every kill point of a memory save (half way through a unit captured in
+  place into the shard file, a write, a torn write, the commit thread's writes, the fsyncs, the renames, ``latest``): a restarted trainer restores a
   sealed step from memory, bit-exact, never a torn one, and the dead save's temporaries go;
 - a trainer SIGKILLed after its saves: the keeper writes the newest memory checkpoint to storage;
 - the keeper SIGKILLed: training goes on with a WARNING, ``close()`` persists and removes the
@@ -192,7 +192,7 @@ def test_a_memory_directory_someone_prepared_is_refused(shm_root, tmp_path, plan
 
 
 # ---------------------------------------------------------------- a trainer killed
-KILL_POINTS = [("pwrite", 1), ("pwrite", 9), ("torn", 4), ("commitwrite", 2),
+KILL_POINTS = [("fill", 1), ("fill", 9), ("pwrite", 1), ("torn", 1), ("commitwrite", 2),
                ("commitwrite", 4), ("fsync", 2), ("rename-before", 1), ("rename-after", 1),
                ("rename-after", 2), ("set-latest", 1)]
 
@@ -479,6 +479,66 @@ def test_a_reused_shard_file_keeps_no_old_byte(tmp_path):
                     + b"\x02" * 10 + bytes(30_000 - 20_010))
 
 
+def test_a_mapped_shard_file_keeps_no_old_byte_even_with_a_view_left(tmp_path):
+    """An old file of 0xff under a new layout: the units' region is written through the mapping,
+    a blob and the header through write(); every other byte is zero after finish(), also when a
+    view of the mapping is still alive then (the mapping goes with it)."""
+    from datastates.save.planning import plan_layout
+    from datastates.memory.recycle import MappedShardWriter
+    path = tmp_path / "rank-00000.dsf"
+    path.write_bytes(b"\xff" * 60_000)
+    layout = plan_layout([100, 9000], [10], 8192)
+    writer = MappedShardWriter(str(path), layout, reused=True)
+    kept = None
+    for unit in layout.units:
+        view = writer.unit_view(unit.file_offset, -(-unit.nbytes // 4096) * 4096)
+        view.zero_()
+        for piece in unit.pieces:
+            view[piece.unit_offset:piece.unit_offset + piece.nbytes] = 1 + piece.item
+        kept = view
+    writer.write(memoryview(b"\x09" * 10), layout.blob_offsets[0])
+    writer.write(memoryview(b"\x03" * 8), 0)
+    size = layout.blob_offsets[0] + 10 + 5
+    writer.finish(False, size)
+    writer.close()
+    expected = bytearray(size)
+    expected[:8] = b"\x03" * 8
+    for unit in layout.units:
+        for piece in unit.pieces:
+            at = unit.file_offset + piece.unit_offset
+            expected[at:at + piece.nbytes] = bytes([1 + piece.item]) * piece.nbytes
+    expected[layout.blob_offsets[0]:layout.blob_offsets[0] + 10] = b"\x09" * 10
+    assert path.read_bytes() == bytes(expected)
+    assert int(kept[0]) in (0, 1, 2)  # still mapped while it lives
+    del kept
+
+
+def test_memory_saves_are_captured_in_place_without_a_host_cache(shm_root, tmp_path):
+    """Memory saves of a CPU state (contiguous, transposed, stepped, fp16, a subclass of a view)
+    copy straight into the shard files: the host cache is never allocated; they restore
+    bit-exact. A save to storage then allocates it and goes through it."""
+    storage = tmp_path / "ckpt"
+    base = torch.arange(24000, dtype=torch.float32).reshape(40, 600)
+    state = {"c": base.clone(), "t": base.t(), "s": base[:, ::7], "h": base.half()[3:, 5:],
+             "i": torch.arange(70000, dtype=torch.int64), "obj": {"k": 3}}
+    tier = _tier(shm_root, tmp_path, persist_every=None)
+    with datastates.Checkpointer(storage, _config(tier)) as ck:
+        handles = [ck.save(state, step=s) for s in (1, 2, 3)]
+        ck.wait()
+        assert [h._job.in_place for h in handles] == [True, True, True]
+        assert ck._pipeline.cache.nslots == 0  # never sized: nothing went through it
+        live = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None)
+                for k, v in state.items()}
+        report = ck.restore(live)
+        assert (report.tier, report.step) == ("memory", 3)
+        assert_bit_exact(live, state)
+        tagged = ck.save(state, tag="best", persist=True)
+        tagged.wait()
+        assert not tagged._job.in_place and ck._pipeline.cache.nslots > 0
+    with datastates.Checkpointer(storage) as plain:
+        assert_bit_exact(plain.load(tag="best"), state)
+
+
 def test_the_keeper_command(shm_root, tmp_path, capsys):
     """``datastates keeper DIR --status / --persist / --stop`` on the keeper a trainer started;
     without one, exit 1 and one line naming the directory."""
@@ -520,8 +580,12 @@ def test_hundreds_of_memory_snapshots_do_not_grow(shm_root, tmp_path):
             ck.save(state, step=step)
             if step in (50, 300):
                 ck.wait()
-                counts.append((len(os.listdir("/proc/self/fd")), sorted(os.listdir(memroot))))
+                with open("/proc/self/maps") as f:  # the shard files captured in place
+                    mapped = sum(1 for line in f if os.path.dirname(memroot) in line)
+                counts.append((len(os.listdir("/proc/self/fd")), sorted(os.listdir(memroot)),
+                               mapped))
         assert counts[0][0] == counts[1][0], counts  # no descriptor left open per save
+        assert counts[0][2] == counts[1][2] == 0, counts  # no mapping left per save
         entries = [e for e in counts[1][1] if not e.startswith(".owner.")]
         assert entries == ["latest", "step-0000000299", "step-0000000300"], entries
         live = {"w": torch.zeros(64 << 10), "step": -1}

@@ -5,20 +5,25 @@ one frees them again: for a checkpoint at every step that is more work than the 
 Here, when a checkpoint of the memory root is removed (retention, a delete), each of its shard
 files ``rank-RRRRR.dsf`` is moved to ``<memdir>/spare/`` instead (replacing an older spare of
 that name); the next save of that rank renames the spare into its temporary directory and writes
-over it (:class:`~datastates.storage.posix.ReusedShardWriter`, which zeroes what the save does
-not write). Host memory then holds the committed checkpoints, the one being written, and one
+over it (:class:`MappedShardWriter`: the capture copies the tensors
+straight into a mapping of the file, and what the save does not write is zeroed). Host memory then holds the committed checkpoints, the one being written, and one
 spare per rank at most, which the next save consumes: with ``keep_last=1``, two copies of the
 state, as two slots would. ``spare/`` is outside the checkpoint root, so it is never listed, and
 it goes with the memory directory.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import stat
+import threading
+
+import torch
 
 from ..format import codec as fmt
+from ..format.codec import HEADER_BYTES, UNIT_ALIGN
 from ..storage import LocalStore
-from ..storage.posix import ReusedShardWriter, ShardWriter
+from ..storage.posix import ReusedShardWriter
 
 SPARE = "spare"
 
@@ -47,14 +52,91 @@ class RecyclingStore(LocalStore):
                 pass  # removed with the rest below
         super().remove_tree(path)
 
-    def shard_writer(self, path: str, io_mode: str, layout) -> ShardWriter:
+    #: The pipeline captures the tensor units of a CPU state straight into the shard file
+    #: (``MappedShardWriter.unit_view``) instead of through the host cache.
+    maps_units = True
+
+    def shard_writer(self, path: str, io_mode: str, layout) -> MappedShardWriter:
         try:
             os.rename(os.path.join(self.spare_dir, os.path.basename(path)), path)
         except OSError:
-            return ShardWriter(path, io_mode)
-        return ReusedShardWriter(path, io_mode)
+            return MappedShardWriter(path, layout, reused=False)
+        return MappedShardWriter(path, layout, reused=True)
 
 
 def _is_shard_name(name: str) -> bool:
     return (name.startswith("rank-") and name.endswith(".dsf") and
             name == fmt.shard_file_name(int(name[5:-4])) if name[5:-4].isdigit() else False)
+
+
+class MappedShardWriter(ReusedShardWriter):
+    """A shard file of the memory tier whose tensor units are captured in place: the pipeline
+    copies each unit straight into a shared mapping of the file (:meth:`unit_view`), so a save
+    to memory copies its bytes once, where a save through the host cache copies them into a
+    cache slot and then into the file. The object blobs, the index and the header go through
+    :meth:`write`, as for any shard file.
+
+    ``reused``: the file exists (a spare shard file: its pages are already allocated, and are
+    mapped at once); otherwise it is created, sized to the units' region and mapped. The
+    mapping is populated when made (``MAP_POPULATE``), so the capture takes no page faults. The
+    capture writes every byte of a unit it maps, its gaps and padding zeroed; every other byte
+    is zeroed by :meth:`finish` unless this save wrote it (``ReusedShardWriter``), so no byte of
+    an older file is left inside the new one.
+
+    The mapping is exported to tensor views (``torch.frombuffer``): it cannot be unmapped while
+    any view lives, so a thread still filling a unit of a failed save never writes into
+    unmapped memory; :meth:`finish` and :meth:`close` unmap it now if no view is left, else
+    when the last one goes."""
+
+    def __init__(self, path: str, layout, reused: bool):
+        flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | (0 if reused else
+                                                              os.O_CREAT | os.O_EXCL)
+        self.path = path
+        self.fd = os.open(path, flags, 0o644)
+        self.direct_fd = -1
+        self._use_direct = False
+        self._lock = threading.Lock()
+        self._written = []
+        self._map = self._tensor = None
+        end = max((u.file_offset + u.nbytes for u in layout.units), default=HEADER_BYTES)
+        end = -(-end // UNIT_ALIGN) * UNIT_ALIGN
+        self._start = HEADER_BYTES
+        try:
+            if end > HEADER_BYTES:
+                if os.fstat(self.fd).st_size < end:
+                    os.ftruncate(self.fd, end)
+                self._map = mmap.mmap(self.fd, end - HEADER_BYTES,
+                                      mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                      mmap.PROT_READ | mmap.PROT_WRITE, offset=HEADER_BYTES)
+                # Through a memoryview: the tensor's storage holds it, and it holds an export
+                # of the mapping until the storage's last view is gone (torch.frombuffer keeps
+                # only a reference, and a bare mmap would close under a live view).
+                self._tensor = torch.frombuffer(memoryview(self._map), dtype=torch.uint8)
+        except BaseException:
+            self.close()
+            raise
+
+    def unit_view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The ``nbytes`` of the file at ``offset`` (inside the units' region), as a writable
+        uint8 tensor on the mapping; counted as written by this save."""
+        start = offset - self._start
+        view = self._tensor[start:start + nbytes]
+        with self._lock:
+            self._written.append((offset, nbytes))
+        return view
+
+    def finish(self, fsync: bool, size: int) -> None:
+        self._unmap()
+        super().finish(fsync, size)
+
+    def close(self) -> None:
+        self._unmap()
+        super().close()
+
+    def _unmap(self) -> None:
+        mapping, self._map, self._tensor = self._map, None, None
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:  # a view is still alive: unmapped when it goes
+                pass

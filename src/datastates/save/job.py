@@ -86,6 +86,8 @@ class Job:
         self.error: BaseException | None = None
         self.info: CheckpointInfo | None = None
         self.writer: ShardWriter | None = None
+        #: The capture copies the units straight into the shard file (pipeline.IN_PLACE).
+        self.in_place = False
         #: CRC-32 of every piece of each written unit (by the unit's file offset), in the
         #: unit's piece order.
         self.crcs: dict[int, list[int]] = {}

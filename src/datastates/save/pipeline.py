@@ -34,14 +34,21 @@ from ..providers.tree import TensorItem, plain_cpu
 from .job import Job, failed_report, finish_file, replica_digests, write_error
 from .planning import Unit
 from .staging import DeviceCopier, HostCache, zero_bytes
+from ..storage.posix import buffer_of
 
 #: A unit whose pieces average fewer bytes than this is zeroed whole before its pieces are
 #: copied (one call), rather than gap by gap (a call per piece).
 _DENSE_PIECE_BYTES = 4096
 
 
+#: The "slot" of a unit captured in place: straight into the shard file's mapping (the memory
+#: tier's ``MappedShardWriter``), not into the host cache.
+IN_PLACE = -1
+
+
 class WriteUnit(NamedTuple):
-    """Writer threads: write ``unit`` of ``job`` from cache slot ``slot``."""
+    """Writer threads: write ``unit`` of ``job`` from cache slot ``slot`` (IN_PLACE: nothing to
+    write, only its checksums to take)."""
 
     job: Job
     unit: Unit
@@ -99,7 +106,9 @@ class Pipeline:
             if self._closed:
                 raise CheckpointerClosedError("the Checkpointer owning this pipeline was closed")
             self._active.append(job)
-            self.cache.reserve(len(job.layout.units) * self.config.unit_bytes)
+            job.in_place = _captures_in_place(job)
+            if not job.in_place:
+                self.cache.reserve(len(job.layout.units) * self.config.unit_bytes)
             self._capture_q.put(job)
             self._commit_q.put(job)
             self._wakeup.notify()
@@ -202,31 +211,40 @@ class Pipeline:
         for number, unit in enumerate(job.layout.units):
             if number == job.eager_units:
                 self._eager_done(job)
-            slot = self._acquire(job)
-            if slot is None:
-                return
+            if job.in_place:
+                if job.cancelled.is_set():
+                    return
+                slot = IN_PLACE
+                dst = job.writer.unit_view(unit.file_offset,
+                                           fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN))
+            else:
+                slot = self._acquire(job)
+                if slot is None:
+                    return
+                dst = self.cache.tensor(slot)
             job.unit_queued()
             try:
-                self._fill(job, unit, slot, last_piece if number == last_unit else -1, kept)
+                self._fill(job, unit, dst, last_piece if number == last_unit else -1, kept)
             except BaseException:
                 copier.cancel()
-                self.cache.release(slot)
+                self._release_slot(slot)
                 job.unit_done()
                 raise
+            del dst
             self._write_q.put(WriteUnit(job, unit, slot))
 
-    def _fill(self, job: Job, unit: Unit, slot: int, eager_cut: int,
+    def _fill(self, job: Job, unit: Unit, dst: torch.Tensor, eager_cut: int,
               kept: dict[int, torch.Tensor]) -> None:
-        """Copy the pieces of ``unit`` into cache slot ``slot``, zero its gaps and padding, and
-        wait for the copies (the fence). After piece number ``eager_cut``, the last piece of an
-        eager tensor, the eager tensors are all in the cache (``_eager_done``).
+        """Copy the pieces of ``unit`` into ``dst`` (a cache slot, or the unit's bytes in the
+        shard file when the job captures in place), zero its gaps and padding, and wait for the
+        copies (the fence). After piece number ``eager_cut``, the last piece of an eager tensor,
+        the eager tensors are all captured (``_eager_done``).
 
         A plain contiguous CPU tensor is copied by address (``DeviceCopier.copy_addresses``: no
         tensor view per piece, adjacent sources in one copy); any other (CUDA, non-contiguous)
         through its flat bytes (``DeviceCopier.flat``, kept in ``kept`` while later units need
         them). A unit of many small pieces is zeroed whole first, one gap at a time otherwise."""
         items, write, copier = job.flat.items, job.write_tensors, self.copier
-        dst = self.cache.tensor(slot)
         base = dst.data_ptr()
         padded = fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN)
         dense = len(unit.pieces) * _DENSE_PIECE_BYTES > unit.nbytes
@@ -303,7 +321,7 @@ class Pipeline:
 
     def _write_unit(self, job: Job, unit, slot: int) -> None:
         try:
-            if not job.cancelled.is_set():
+            if not job.cancelled.is_set() and slot != IN_PLACE:  # in place: already there
                 view = self.cache.view(slot)
                 padded = fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN)
                 job.writer.write(view[:unit.nbytes], unit.file_offset, view[:padded])
@@ -318,15 +336,24 @@ class Pipeline:
         a failure fails the job (any thread may call this)."""
         try:
             if not job.cancelled.is_set():
-                view, crc32 = self.cache.view(slot), fmt.crc32
+                if slot == IN_PLACE:  # the tensor keeps the mapping while its bytes are read
+                    mapped = job.writer.unit_view(unit.file_offset, unit.nbytes)
+                    view = buffer_of(mapped)
+                else:
+                    view = self.cache.view(slot)
+                crc32 = fmt.crc32
                 job.crcs[unit.file_offset] = [
                     crc32(view[p.unit_offset:p.unit_offset + p.nbytes]) for p in unit.pieces]
         except BaseException as exc:
             job.fail(write_error(job, f"checksumming a unit at offset {unit.file_offset} of "
                                       f"{job.target.tmp}", exc))
         finally:
-            self.cache.release(slot)
+            self._release_slot(slot)
             job.unit_done()
+
+    def _release_slot(self, slot: int) -> None:
+        if slot != IN_PLACE:
+            self.cache.release(slot)
 
     # ------------------------------------------------------------ deadline thread
     def _deadline_loop(self) -> None:
@@ -456,6 +483,16 @@ def _caused_by(error: BaseException | None, kind: type) -> bool:
             return True
         error, seen = error.__cause__ or error.__context__, seen + 1
     return False
+
+
+def _captures_in_place(job: Job) -> bool:
+    """Whether the capture copies ``job``'s units straight into its shard file: the store maps
+    its shard files (the memory tier) and every tensor written is a CPU one (a CUDA copy into a
+    file mapping would not be pinned: those go through the pinned host cache)."""
+    if not getattr(job.target.store, "maps_units", False):
+        return False
+    items = job.flat.items
+    return not any(items[i].tensor.is_cuda for i in job.write_tensors)
 
 
 def _last_eager_piece(job: Job) -> tuple[int, int]:
