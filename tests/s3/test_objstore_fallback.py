@@ -269,3 +269,37 @@ def test_a_store_that_cannot_copy_moves_the_record_and_leaves_the_data(s3_server
             {f"{aside}/{fmt.MANIFEST}", f"{aside}/reason.txt"}
         assert after[shard] == damaged[shard]
         assert any("cannot copy" in r.getMessage() for r in caplog.records)
+
+
+def test_close_waits_for_the_quarantine_s_shard_files_to_move(s3_server, s3_root):
+    """The copies of a quarantined checkpoint's shard files are held back until something waits
+    for them: ``close()`` does, so once it returns the damaged shard is under the quarantine and
+    gone from its old key (without that wait the copy would still be held when close returned)."""
+    import threading
+    options = storage_options(s3_server)
+    ckpt = Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=options)
+    for step in (1, 2):
+        ckpt.save(_state(step), step=step).wait(60)
+    shard = shard_of(objects(s3_server, s3_root), fmt.step_name(2))
+    flip(s3_server, s3_root, shard, 4096 + 5)
+    damaged = objects(s3_server, s3_root)[shard]
+    gate = threading.Event()
+    store, publisher = ckpt._publisher.store, ckpt._publisher
+    real_copy, real_wait = store.copy, publisher.wait_moves
+
+    def held_copy(src, dst):  # a copy starts only once someone waits for the moves
+        assert gate.wait(120), "nothing waited for the quarantine's copies"
+        return real_copy(src, dst)
+
+    def waiting(timeout_s=None):
+        gate.set()
+        return real_wait(timeout_s)
+    store.copy, publisher.wait_moves = held_copy, waiting
+    report = ckpt.restore(_blank(), fallback=True)
+    assert report.step == 1 and [s.name for s in report.skipped] == [fmt.step_name(2)]
+    assert not gate.is_set() and shard in objects(s3_server, s3_root)  # the copy is held
+    ckpt.close()
+    aside = report.skipped[0].quarantined[len(s3_root) + 1:]
+    after = objects(s3_server, s3_root)
+    moved = f"{aside}/{shard.split('/')[1]}/{fmt.shard_file_name(0)}"
+    assert shard not in after and after[moved] == damaged
