@@ -43,6 +43,8 @@ from pathlib import Path
 import torch
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
+if __package__ in (None, ""):  # run as a script: the repository's root, for ``benchmarks.*``
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if __package__ in (None, "") and not os.environ.get("BENCH_E2E_SRC"):
     sys.path.insert(0, SRC)
 elif os.environ.get("BENCH_E2E_SRC"):

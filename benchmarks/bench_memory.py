@@ -129,8 +129,10 @@ def main(argv=None) -> int:
     model, opt = build(args.gib)
     nbytes = state_bytes(model, opt)
     print(f"state: {len(model)} layers + Adam, {nbytes / 1e9:.2f} GB", flush=True)
+    # The disk rows are the trainer's own saves to disk (persist=True), not the keeper's copies.
     tier = datastates.MemoryTier(root=shm, persist_every=None, persist_on_exit=False,
-                                 log_path=os.path.join(work, "keeper.log"))
+                                 log_path=os.path.join(work, "keeper.log"),
+                                 storage_writer="trainer")
     config = datastates.CheckpointConfig(host_cache_bytes=nbytes + (64 << 20), keep_last=1,
                                          memory_tier=tier)
     rows: dict[str, list] = {k: [] for k in ("save_memory", "save_disk", "restore_memory",

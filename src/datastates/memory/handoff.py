@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 from ..errors import CommitTimeoutError, KeeperError
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
     from .tiers import Tiers
 
 log = logging.getLogger("datastates")
+
+#: How many names ``written`` and ``replaced`` keep (a long run hands on many).
+_KEPT_NAMES = 64
 
 
 class Handoff:
@@ -57,10 +61,10 @@ class Handoff:
         self._busy = False  # from taking one until its write and the retention after it end
         self._errors: list[KeeperError] = []
         self._closed = False
-        #: The checkpoints handed on and written to storage, by name (what ``wait()`` reports).
-        self.written: list[str] = []
-        #: The checkpoints replaced while waiting by a newer one (storage got the newer one).
-        self.replaced: list[str] = []
+        #: The last checkpoints handed on and written to storage, by name, oldest first.
+        self.written: deque[str] = deque(maxlen=_KEPT_NAMES)
+        #: The last checkpoints replaced while waiting by a newer one (storage got the newer).
+        self.replaced: deque[str] = deque(maxlen=_KEPT_NAMES)
         self._thread = threading.Thread(target=self._loop, name="datastates-handoff",
                                         daemon=True)
         self._thread.start()

@@ -33,6 +33,12 @@ class RecyclingStore(LocalStore):
 
     def __init__(self, spare_dir: str):
         self.spare_dir = spare_dir
+        #: The shard files' mappings, kept from one save to the next.
+        self.mappings = Mappings()
+
+    def close(self) -> None:
+        """Unmap the shard files kept mapped (the memory Checkpointer closed)."""
+        self.mappings.close()
 
     def remove_tree(self, path: str) -> None:
         try:
@@ -51,6 +57,7 @@ class RecyclingStore(LocalStore):
             except OSError:
                 pass  # removed with the rest below
         super().remove_tree(path)
+        self.mappings.forget_removed()  # a spare replaced, a file removed: its pages go now
 
     #: The pipeline captures the tensor units of a CPU state straight into the shard file
     #: (``MappedShardWriter.unit_view``) instead of through the host cache.
@@ -60,13 +67,97 @@ class RecyclingStore(LocalStore):
         try:
             os.rename(os.path.join(self.spare_dir, os.path.basename(path)), path)
         except OSError:
-            return MappedShardWriter(path, layout, reused=False)
-        return MappedShardWriter(path, layout, reused=True)
+            return MappedShardWriter(path, layout, reused=False, mappings=self.mappings)
+        return MappedShardWriter(path, layout, reused=True, mappings=self.mappings)
 
 
 def _is_shard_name(name: str) -> bool:
     return (name.startswith("rank-") and name.endswith(".dsf") and
             name == fmt.shard_file_name(int(name[5:-4])) if name[5:-4].isdigit() else False)
+
+
+class _Mapping:
+    """One shard file's shared mapping of ``length`` bytes from ``start``, its tensor, and a
+    descriptor of the file (to tell when it has been removed)."""
+
+    def __init__(self, fd: int, start: int, length: int):
+        self.start, self.length = start, length
+        self.fd = os.dup(fd)
+        try:
+            self.map = mmap.mmap(fd, length, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                 mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        # Through a memoryview: a tensor's storage holds it, and it holds an export of the
+        # mapping until the storage's last view is gone (torch.frombuffer keeps only a
+        # reference, and a bare mmap would close under a live view).
+        self.tensor = torch.frombuffer(memoryview(self.map), dtype=torch.uint8)
+
+    def removed(self) -> bool:
+        try:
+            return os.fstat(self.fd).st_nlink == 0
+        except OSError:
+            return True
+
+    def close(self) -> None:
+        self.tensor = None
+        try:
+            self.map.close()
+        except BufferError:  # a view is still alive: unmapped when it goes
+            pass
+        os.close(self.fd)
+
+
+class Mappings:
+    """The memory shard files' mappings, kept from one save to the next.
+
+    Mapping a file of 4 KiB pages costs a page-table entry per page (``MAP_POPULATE`` makes them
+    all at once), about as much as copying the bytes. The shard files are recycled (an A/B
+    pair with ``keep_last=1``), so a file's mapping is kept after its save and taken again by
+    the save that reuses the file: from the second save on, the capture costs only the copy.
+    A kept mapping whose file has been removed (a spare replaced, the memory removed) is
+    dropped at the next removal or save, so it holds no memory for long; at most ``limit`` are
+    kept (the least recently used go first)."""
+
+    def __init__(self, limit: int = 8):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._kept: dict[tuple[int, int], _Mapping] = {}  # by (device, inode), oldest first
+
+    def take(self, fd: int, start: int, length: int) -> torch.Tensor:
+        """A writable uint8 tensor over ``length`` bytes of the file ``fd`` from ``start``
+        (page-aligned; the file at least that long): a kept mapping of that file, or a new one
+        (kept in turn)."""
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        with self._lock:
+            kept = self._kept.pop(key, None)
+            if kept is not None and (kept.start != start or kept.length < length):
+                kept.close()
+                kept = None
+            if kept is None:
+                kept = _Mapping(fd, start, length)
+            self._kept[key] = kept
+            self._forget(lambda m: m.removed())
+            while len(self._kept) > self.limit:
+                self._kept.pop(next(iter(self._kept))).close()
+            return kept.tensor[:length]
+
+    def forget_removed(self) -> None:
+        with self._lock:
+            self._forget(lambda m: m.removed())
+
+    def close(self) -> None:
+        with self._lock:
+            self._forget(lambda m: True)
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def _forget(self, which) -> None:
+        for key in [k for k, m in self._kept.items() if which(m)]:
+            self._kept.pop(key).close()
 
 
 class MappedShardWriter(ReusedShardWriter):
@@ -76,19 +167,17 @@ class MappedShardWriter(ReusedShardWriter):
     cache slot and then into the file. The object blobs, the index and the header go through
     :meth:`write`, as for any shard file.
 
-    ``reused``: the file exists (a spare shard file: its pages are already allocated, and are
-    mapped at once); otherwise it is created, sized to the units' region and mapped. The
-    mapping is populated when made (``MAP_POPULATE``), so the capture takes no page faults. The
-    capture writes every byte of a unit it maps, its gaps and padding zeroed; every other byte
-    is zeroed by :meth:`finish` unless this save wrote it (``ReusedShardWriter``), so no byte of
-    an older file is left inside the new one.
+    ``reused``: the file exists (a spare shard file: its pages are already allocated);
+    otherwise it is created and sized to the units' region. The mapping comes from
+    ``mappings`` (kept from the save that last wrote this file, else made, populated at once),
+    so the capture takes no page faults. The capture writes every byte of a unit it maps, its
+    gaps and padding zeroed; every other byte is zeroed by :meth:`finish` unless this save
+    wrote it (``ReusedShardWriter``), so no byte of an older file is left inside the new one.
 
-    The mapping is exported to tensor views (``torch.frombuffer``): it cannot be unmapped while
-    any view lives, so a thread still filling a unit of a failed save never writes into
-    unmapped memory; :meth:`finish` and :meth:`close` unmap it now if no view is left, else
-    when the last one goes."""
+    The mapping is exported to tensor views: it cannot be unmapped while any view lives, so a
+    thread still filling a unit of a failed save never writes into unmapped memory."""
 
-    def __init__(self, path: str, layout, reused: bool):
+    def __init__(self, path: str, layout, reused: bool, mappings: Mappings):
         flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | (0 if reused else
                                                               os.O_CREAT | os.O_EXCL)
         self.path = path
@@ -97,7 +186,7 @@ class MappedShardWriter(ReusedShardWriter):
         self._use_direct = False
         self._lock = threading.Lock()
         self._written = []
-        self._map = self._tensor = None
+        self._tensor = None
         end = max((u.file_offset + u.nbytes for u in layout.units), default=HEADER_BYTES)
         end = -(-end // UNIT_ALIGN) * UNIT_ALIGN
         self._start = HEADER_BYTES
@@ -105,13 +194,7 @@ class MappedShardWriter(ReusedShardWriter):
             if end > HEADER_BYTES:
                 if os.fstat(self.fd).st_size < end:
                     os.ftruncate(self.fd, end)
-                self._map = mmap.mmap(self.fd, end - HEADER_BYTES,
-                                      mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                      mmap.PROT_READ | mmap.PROT_WRITE, offset=HEADER_BYTES)
-                # Through a memoryview: the tensor's storage holds it, and it holds an export
-                # of the mapping until the storage's last view is gone (torch.frombuffer keeps
-                # only a reference, and a bare mmap would close under a live view).
-                self._tensor = torch.frombuffer(memoryview(self._map), dtype=torch.uint8)
+                self._tensor = mappings.take(self.fd, HEADER_BYTES, end - HEADER_BYTES)
         except BaseException:
             self.close()
             raise
@@ -126,17 +209,9 @@ class MappedShardWriter(ReusedShardWriter):
         return view
 
     def finish(self, fsync: bool, size: int) -> None:
-        self._unmap()
+        self._tensor = None  # the mapping stays kept, for the next save of this file
         super().finish(fsync, size)
 
     def close(self) -> None:
-        self._unmap()
+        self._tensor = None
         super().close()
-
-    def _unmap(self) -> None:
-        mapping, self._map, self._tensor = self._map, None, None
-        if mapping is not None:
-            try:
-                mapping.close()
-            except BufferError:  # a view is still alive: unmapped when it goes
-                pass

@@ -143,6 +143,7 @@ class Tiers:
         is gone cannot write the memory to storage any more: rank 0 does it here (when
         ``persist_on_exit``), then removes the memory directory if no keeper took it over."""
         self.memory.close()
+        self.memory.store.close()  # the shard files' mappings
         if self.handoff is not None:  # before detaching: the keeper is writing for this trainer
             try:
                 self.handoff.idle(time.monotonic() + self.outer.config.commit_timeout_s)
