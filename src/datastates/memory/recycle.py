@@ -84,8 +84,11 @@ class _Mapping:
         self.start, self.length = start, length
         self.fd = os.dup(fd)
         try:
-            self.map = mmap.mmap(fd, length, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                 mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+            # Not MAP_POPULATE: that would fault in every page inside save() (the capture of
+            # the eager units waits for the file's opening); the capture's copies fault them in
+            # on the capture thread instead, once per kept mapping.
+            self.map = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE,
+                                 offset=start)
         except BaseException:
             os.close(self.fd)
             raise
@@ -112,10 +115,10 @@ class _Mapping:
 class Mappings:
     """The memory shard files' mappings, kept from one save to the next.
 
-    Mapping a file of 4 KiB pages costs a page-table entry per page (``MAP_POPULATE`` makes them
-    all at once), about as much as copying the bytes. The shard files are recycled (an A/B
-    pair with ``keep_last=1``), so a file's mapping is kept after its save and taken again by
-    the save that reuses the file: from the second save on, the capture costs only the copy.
+    The first write of each 4 KiB page of a new mapping is a page fault, which costs about as
+    much as copying the page. The shard files are recycled (an A/B pair with ``keep_last=1``),
+    so a file's mapping is kept after its save and taken again by the save that reuses the
+    file: from then on, the capture costs only the copy.
     A kept mapping whose file has been removed (a spare replaced, the memory removed) is
     dropped at the next removal or save, so it holds no memory for long; at most ``limit`` are
     kept (the least recently used go first)."""
@@ -169,8 +172,7 @@ class MappedShardWriter(ReusedShardWriter):
 
     ``reused``: the file exists (a spare shard file: its pages are already allocated);
     otherwise it is created and sized to the units' region. The mapping comes from
-    ``mappings`` (kept from the save that last wrote this file, else made, populated at once),
-    so the capture takes no page faults. The capture writes every byte of a unit it maps, its
+    ``mappings``: kept from the save that last wrote this file (no page faults), else made. The capture writes every byte of a unit it maps, its
     gaps and padding zeroed; every other byte is zeroed by :meth:`finish` unless this save
     wrote it (``ReusedShardWriter``), so no byte of an older file is left inside the new one.
 
