@@ -132,3 +132,21 @@ def test_optimizers_make_only_their_bytes_lazy(tmp_path):
     paths.wait()
     assert_same(want["module"], paths.load(tmp_path / "x.ckpt")["module"])
     paths.close()
+
+
+def test_deepspeed_refuses_a_memory_tier_and_says_why(tmp_path):
+    from datastates.integrations.deepspeed import CheckpointEngine
+    tier = datastates.MemoryTier(root=str(tmp_path))
+    for value in ({"root": str(tmp_path)}, tier):
+        with pytest.raises(datastates.ConfigError, match="load_checkpoint\\(\\) finds them"):
+            CheckpointEngine({"memory_tier": value})
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_framework_s_step_is_recorded(tmp_path):
+    paths = PathCheckpoints(datastates.CheckpointConfig(host_cache_bytes=1 << 20))
+    paths.save({"x": torch.ones(3)}, tmp_path / "a.ckpt", snapshot=True, step=7)
+    paths.save({"x": torch.ones(3)}, tmp_path / "b.ckpt", snapshot=True)
+    paths.close()
+    with datastates.Checkpointer(tmp_path) as ckpt:
+        assert sorted((i.name, i.step) for i in ckpt.list()) == [("a.ckpt", 7), ("b.ckpt", None)]

@@ -6,7 +6,8 @@ imported, so ``import datastates`` never needs DeepSpeed, Lightning, transformer
 - :mod:`datastates.integrations.deepspeed` — :class:`DeepSpeedCheckpointEngine`, the class
   DeepSpeed's ``"datastates_ckpt"`` config key instantiates as ``datastates.CheckpointEngine``;
 - :mod:`datastates.integrations.lightning` — :class:`DatastatesCheckpointIO`, a Lightning
-  ``CheckpointIO`` plug-in, and its optional lazy-snapshot callback;
+  ``CheckpointIO`` plug-in, its optional lazy-snapshot callback, and the memory-tier callback
+  :class:`DatastatesMemoryCheckpoint`;
 - :mod:`datastates.integrations.hf` — :class:`DatastatesTrainer`, a ``transformers.Trainer``
   whose checkpoints are datastates checkpoints;
 - :mod:`datastates.integrations.dcp` — :class:`DatastatesWriter` / :class:`DatastatesReader`,
@@ -27,6 +28,7 @@ _EXPORTS = {
     "enable_lazy_snapshots": "deepspeed",
     "DatastatesCheckpointIO": "lightning",
     "DatastatesSnapshotCallback": "lightning",
+    "DatastatesMemoryCheckpoint": "lightning",
     "DatastatesTrainer": "hf",
     "DatastatesWriter": "dcp",
     "DatastatesReader": "dcp",

@@ -51,13 +51,17 @@ def split_path(path) -> tuple[str, str]:
 
 
 def refuse_memory_tier(config, who: str) -> None:
-    """ConfigError for a config with a memory tier: frameworks name each checkpoint (a path, a
-    ``checkpoint-N`` folder), and a named save always goes to storage (docs/memory-tier.md)."""
+    """ConfigError for a config with a memory tier where the checkpoints are the framework's named
+    files (a path, a DeepSpeed tag's files): a named save always goes to storage
+    (docs/memory-tier.md). The memory tier is added beside them by the Hugging Face and
+    Lightning adapters (docs/integrations.md)."""
     if config.memory_tier is not None:
         raise _core().ConfigError(
             f"{who}: CheckpointConfig(memory_tier=...) is not supported here; each checkpoint "
-            "is named, and named checkpoints go to storage. Use a Checkpointer with steps in "
-            "the training loop for the memory tier")
+            "is a named file, and named checkpoints go to storage. For checkpoints in memory "
+            "use DatastatesTrainer(datastates_config=...) (Hugging Face), "
+            "DatastatesCheckpointIO(config).memory_checkpoints(dirpath) (Lightning), or a "
+            "Checkpointer saving steps in the training loop")
 
 
 def is_checkpoint_dir(path) -> bool:
@@ -104,8 +108,9 @@ class PathCheckpoints:
 
     # ------------------------------------------------------------ save / load / remove
     def save(self, state: Any, path, *, snapshot: bool, metadata: dict | None = None,
-             optimizers: Iterable[Any] = ()):
-        """Start saving ``state`` to ``path``; return its handle.
+             optimizers: Iterable[Any] = (), step: int | None = None):
+        """Start saving ``state`` to ``path``; return its handle. ``step`` (the framework's
+        global step, if it has one) is recorded as the checkpoint's step.
 
         ``optimizers`` are the optimizers whose parameters and state ``state`` holds (as state
         dicts): tensors on their bytes may be captured lazily (the core's rule), every other
@@ -122,7 +127,7 @@ class PathCheckpoints:
             os.remove(full)  # a plain file from another engine: replaced by the new checkpoint
         os.makedirs(root, exist_ok=True)
         ckpt = self._checkpointer(root)
-        handle = ckpt.save(state, tag=name, metadata=metadata or {}, overwrite=True,
+        handle = ckpt.save(state, step, tag=name, metadata=metadata or {}, overwrite=True,
                            optimizers=optimizers)
         pending = _Pending(handle, full)
         with self._lock:

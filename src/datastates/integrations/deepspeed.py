@@ -35,7 +35,8 @@ What DeepSpeed does *not* do for this engine, and how the contract still holds:
 Config keys (all optional): ``host_cache_size`` (GB, default 1), ``parser_threads`` (alias of
 ``writer_threads``), ``update_latest`` (default true), ``trusted_load`` (default true: DeepSpeed's
 own engine unpickles its files with ``weights_only=False``; set false to refuse arbitrary
-classes), and any :class:`datastates.CheckpointConfig` field by name.
+classes), and any :class:`datastates.CheckpointConfig` field by name except ``memory_tier``
+(ConfigError, :data:`MEMORY_TIER_REFUSED` says why and what to use instead).
 """
 from __future__ import annotations
 
@@ -60,6 +61,18 @@ __all__ = ["CheckpointEngine", "DeepSpeedCheckpointEngine", "config_from_deepspe
 
 _GB = 1 << 30
 
+#: Why ``"datastates_ckpt": {"memory_tier": ...}`` is refused, and what to use instead.
+MEMORY_TIER_REFUSED = (
+    "datastates_ckpt: memory_tier is not supported with DeepSpeed. A DeepSpeed checkpoint is "
+    "a tag folder of files that DeepSpeed names and saves one by one (model states, and with "
+    "ZeRO one optimizer-state file per rank), and load_checkpoint() finds them in that folder "
+    "itself (a glob of mp_rank_*_model_states.pt, os.path.exists of each "
+    "*_optim_states.pt), with no call at the end of save_checkpoint(); a memory checkpoint is "
+    "one commit per step, in a directory DeepSpeed never lists. Keep DeepSpeed's checkpoints in "
+    "storage with \"datastates_ckpt\" (no memory_tier); for a checkpoint every step in memory, "
+    "use the Hugging Face or Lightning integration, or a datastates.Checkpointer with "
+    "CheckpointConfig(memory_tier=...) in a plain PyTorch loop (docs/integrations.md)")
+
 
 def config_from_deepspeed(deepspeed_config: Any):
     """Build a :class:`datastates.CheckpointConfig` and the adapter options from what DeepSpeed
@@ -73,6 +86,8 @@ def config_from_deepspeed(deepspeed_config: Any):
     if not isinstance(raw, dict):
         raise TypeError(f"datastates_ckpt: expected a dict of options, found {type(raw).__name__}")
     raw = dict(raw)
+    if raw.get("memory_tier") is not None:
+        raise datastates.ConfigError(MEMORY_TIER_REFUSED)
     options = {"update_latest": bool(raw.pop("update_latest", True)),
                "trusted_load": bool(raw.pop("trusted_load", True))}
     fields = {f.name for f in dataclasses.fields(datastates.CheckpointConfig)}

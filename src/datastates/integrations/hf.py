@@ -31,12 +31,20 @@ What changes for the user:
   resume.
 - DeepSpeed and FSDP runs keep Trainer's own checkpointing (use DeepSpeed's ``"datastates_ckpt"``
   key for DeepSpeed).
+- With ``CheckpointConfig(memory_tier=MemoryTier(persist_every=None, persist_on_exit=False))``
+  the same state is also saved into the memory tier after every ``memory_every``-th optimizer
+  step (after that step's logging, evaluation and ``checkpoint-N``), and
+  ``resume_from_checkpoint=True`` takes the newest of memory and the ``checkpoint-N`` folders
+  (docs/integrations.md, "The memory tier").
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
+import shutil
+import tempfile
 import threading
 from typing import Any
 
@@ -44,7 +52,8 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from datastates.storage import LOCAL
-from ._paths import base_optimizer, is_checkpoint_dir, refuse_memory_tier
+from ._memory import MemorySaves, check_every, framework_memory_tier, memory_wins
+from ._paths import base_optimizer, is_checkpoint_dir
 
 log = logging.getLogger("datastates.integrations.hf")
 
@@ -61,13 +70,27 @@ class DatastatesTrainer(Trainer):
     Trainer's. Save and load run on the training thread of each rank; with several ranks every
     rank calls the core's collective ``save`` with the same name (replicated model and optimizer
     tensors are written once, the RNG state per rank).
+
+    With ``datastates_config.memory_tier`` (``persist_every=None, persist_on_exit=False``, else
+    ConfigError: storage is ``checkpoint-N``), every ``memory_every``-th optimizer step is also
+    saved into the memory tier of ``output_dir``; ``latest_checkpoint()`` and
+    ``resume_from_checkpoint=True`` take the newest of memory and ``checkpoint-N``.
     """
 
-    def __init__(self, *args, datastates_config: Any = None, **kwargs):
+    def __init__(self, *args, datastates_config: Any = None, memory_every: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
         import datastates
         self.datastates_config = datastates_config or datastates.CheckpointConfig()
-        refuse_memory_tier(self.datastates_config, "DatastatesTrainer")
+        self._ds_tier = framework_memory_tier(self.datastates_config, "DatastatesTrainer")
+        self._ds_memory_every = check_every(memory_every, "DatastatesTrainer(memory_every=)")
+        if self._ds_tier is not None and self._ds_unsupported():
+            raise datastates.ConfigError(
+                "DatastatesTrainer: DeepSpeed and FSDP runs keep Trainer's own checkpointing, "
+                "so the memory tier cannot be used with them; drop memory_tier from "
+                "datastates_config (for DeepSpeed, see its \"datastates_ckpt\" key)")
+        self._ds_memory = MemorySaves()
+        self._ds_memory_step: int | None = None
+        self._ds_resume: tuple[str, int] | None = None  # (folder given to Trainer, memory step)
         self._ds = None
         self._ds_root: str | None = None
         self._ds_threads: list[threading.Thread] = []
@@ -105,10 +128,47 @@ class DatastatesTrainer(Trainer):
             log.warning("push_to_hub of intermediate checkpoints is not supported; "
                         "the final model is pushed by save_model()/push_to_hub() as usual")
 
-    def _ds_state(self, for_restore: bool = False) -> dict:
+    def _maybe_log_save_evaluate(self, *args, **kwargs) -> None:
+        """Trainer's, then the memory save of this step when one is due: after the step's
+        logging, evaluation and ``checkpoint-N``, so it holds the same trainer state."""
+        super()._maybe_log_save_evaluate(*args, **kwargs)
+        step = self.state.global_step
+        if (self._ds_tier is not None and step > 0 and step % self._ds_memory_every == 0
+                and step != self._ds_memory_step):
+            self._ds_save_memory(step)
+
+    def _ds_save_memory(self, step: int) -> None:
+        """Save the state ``checkpoint-N`` holds into the memory tier, as step ``step``: the
+        full state whatever ``save_only_model`` says (it is for resuming), the trainer state
+        with the callbacks' state of now. Lazy as ``checkpoint-N``: the next optimizer step
+        waits for the capture. Raises the failure of an earlier memory save."""
+        self._ds_memory.raise_failed()
+        self.store_flos()
+        ckpt = self._datastates(self.args.output_dir)
+        handle = ckpt.save(self._ds_state(full=True, state_json=self._ds_state_json()),
+                           step=step, persist=False, replicated=self._ds_replicated(),
+                           overwrite=True,  # a step run again (after a resume) replaces it
+                           metadata={"framework": "transformers", "global_step": step})
+        self._ds_memory.add(handle)
+        self._ds_memory_step = step
+
+    def _ds_state_json(self) -> str:
+        """``trainer_state.json`` of now, with the state of every stateful callback, leaving
+        ``self.state`` as it is."""
+        from transformers.trainer_callback import ExportableState
+        found: dict[str, list] = {}
+        for cb in self.callback_handler.callbacks + [self.control]:
+            if isinstance(cb, ExportableState):
+                found.setdefault(type(cb).__name__, []).append(cb.state())
+        snapshot = copy.copy(self.state)
+        snapshot.stateful_callbacks = {k: v[0] if len(v) == 1 else v for k, v in found.items()}
+        return _state_json(snapshot)
+
+    def _ds_state(self, for_restore: bool = False, full: bool = False,
+                  state_json: str | None = None) -> dict:
         import datastates
         state: dict[str, Any] = {"model": self.model}
-        if not self.args.save_only_model or for_restore:
+        if not self.args.save_only_model or for_restore or full:
             opt = base_optimizer(self.optimizer)
             if opt is not None:
                 state["optimizer"] = opt
@@ -119,7 +179,8 @@ class DatastatesTrainer(Trainer):
                 state["scaler"] = scaler
             state["rng"] = datastates.RNGState()
         if not for_restore:
-            state["trainer_state"] = _state_json(self.state)
+            state["trainer_state"] = state_json if state_json is not None else \
+                _state_json(self.state)
         return state
 
     def _ds_replicated(self):
@@ -190,24 +251,50 @@ class DatastatesTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None,
               **kwargs):
         """Trainer.train; ``resume_from_checkpoint=True`` picks the newest committed
-        checkpoint, and in-flight saves are committed before this returns."""
+        checkpoint (:meth:`latest_checkpoint`), and in-flight saves are committed before this
+        returns."""
+        self._ds_memory_step = None
+        if self._ds_tier is not None and trial is not None:
+            import datastates
+            raise datastates.ConfigError("DatastatesTrainer: the memory tier is kept for one "
+                                         "run's output_dir; it cannot be used with a "
+                                         "hyper-parameter search")
         if resume_from_checkpoint is True and not self._ds_unsupported():
             resume_from_checkpoint = self.latest_checkpoint()
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory "
                                  f"({self.args.output_dir})")
-        if isinstance(resume_from_checkpoint, (str, os.PathLike)) and \
-                is_checkpoint_dir(resume_from_checkpoint):
-            self._ds_materialize_state(os.fspath(resume_from_checkpoint))
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            memory = self._ds_memory_info(os.fspath(resume_from_checkpoint))
+            if memory is not None:
+                resume_from_checkpoint = self._ds_resume_folder(memory)
+            elif is_checkpoint_dir(resume_from_checkpoint):
+                self._ds_materialize_state(os.fspath(resume_from_checkpoint))
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                  ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         finally:
+            if self._ds_resume is not None:
+                shutil.rmtree(self._ds_resume[0], ignore_errors=True)
+                self._ds_resume = None
             self.wait_for_checkpoints()
 
     def latest_checkpoint(self) -> str | None:
-        """The committed ``checkpoint-N`` with the highest N in ``output_dir`` (datastates or
-        stock); partial checkpoints are never considered."""
+        """The checkpoint ``resume_from_checkpoint=True`` resumes from: the committed
+        ``checkpoint-N`` with the highest N in ``output_dir`` (datastates or stock; partial
+        checkpoints are never considered), or, with a memory tier, the memory checkpoint's
+        directory when its step is at least N (the newest of both; memory on a tie). A path
+        given to ``train(resume_from_checkpoint=...)`` either way."""
+        storage = self._ds_storage_latest()
+        if self._ds_tier is None:
+            return storage[1] if storage else None
+        memory = self._datastates(self.args.output_dir).memory.latest()
+        if memory_wins(memory.step if memory is not None else None,
+                       storage[0] if storage else None):
+            return memory.path
+        return storage[1] if storage else None
+
+    def _ds_storage_latest(self) -> tuple[int, str] | None:
         root = self.args.output_dir
         if not os.path.isdir(root):
             return None
@@ -220,7 +307,7 @@ class DatastatesTrainer(Trainer):
             if is_checkpoint_dir(path) or os.path.isfile(os.path.join(path, TRAINER_STATE)):
                 if best is None or int(m.group(1)) > best[0]:
                     best = (int(m.group(1)), path)
-        return best[1] if best else None
+        return best
 
     @property
     def last_save_stats(self):
@@ -232,11 +319,43 @@ class DatastatesTrainer(Trainer):
         return None if handle is None else handle.stats
 
     def wait_for_checkpoints(self) -> None:
-        """Block until every checkpoint started so far is committed; raise the first failure."""
+        """Block until every checkpoint started so far (``checkpoint-N`` and memory) is
+        committed; raise the first failure."""
         for thread in list(self._ds_threads):
             thread.join()
         self._ds_threads.clear()
+        self._ds_memory.wait()
         self._ds_raise()
+
+    def _ds_memory_info(self, path: str):
+        """The memory checkpoint at ``path`` (a directory :meth:`latest_checkpoint` gave), or
+        None when ``path`` is not in this run's memory tier."""
+        if self._ds_tier is None:
+            return None
+        memory = self._datastates(self.args.output_dir).memory
+        path = os.path.realpath(path)
+        if os.path.dirname(path) != os.path.realpath(memory.directory):
+            return None
+        for info in memory.list():
+            if info.name == os.path.basename(path):
+                return info
+        import datastates
+        raise datastates.CheckpointNotFoundError(
+            f"{path}: no such memory checkpoint (memory holds "
+            f"{[i.name for i in memory.list()] or 'none'})")
+
+    def _ds_resume_folder(self, memory) -> str:
+        """A folder holding the memory checkpoint's ``trainer_state.json``, given to Trainer
+        as ``resume_from_checkpoint`` (Trainer reads that file itself); the ``_load_*``
+        methods read everything else from memory. Removed when ``train()`` returns."""
+        ckpt = self._datastates(self.args.output_dir)
+        state_json = ckpt.load(step=memory.step, keys="trainer_state")["trainer_state"]
+        folder = tempfile.mkdtemp(prefix=f"datastates-resume-{memory.name}-")
+        _write_atomic(os.path.join(folder, TRAINER_STATE), state_json)
+        self._ds_resume = (os.path.realpath(folder), memory.step)
+        log.info("resuming from the memory checkpoint %s (global step %d)", memory.path,
+                 memory.step)
+        return folder
 
     def _ds_materialize_state(self, path: str) -> None:
         """Rewrite ``trainer_state.json`` from the checkpoint if a crash lost it."""
@@ -247,34 +366,64 @@ class DatastatesTrainer(Trainer):
         state_json = self._datastates(root).load(tag=name, keys="trainer_state")["trainer_state"]
         _write_atomic(target, state_json)
 
-    def _ds_restore(self, checkpoint: str, keys: list[str]) -> None:
+    def _ds_ours(self, checkpoint) -> bool:
+        """Whether ``checkpoint`` is read here: a datastates ``checkpoint-N``, or the folder
+        standing for a memory checkpoint (:meth:`_ds_resume_folder`)."""
+        if checkpoint is None:
+            return False
+        return self._ds_memory_step_of(checkpoint) is not None or is_checkpoint_dir(checkpoint)
+
+    def _ds_memory_step_of(self, checkpoint) -> int | None:
+        """The memory step ``checkpoint`` stands for, if it is :meth:`_ds_resume_folder`'s."""
+        resume = self._ds_resume
+        if resume is None or os.path.realpath(os.fspath(checkpoint)) != resume[0]:
+            return None
+        return resume[1]
+
+    def _ds_restore(self, checkpoint: str, state: dict) -> None:
+        """Restore ``state`` (a part of :meth:`_ds_state`) from ``checkpoint``. A damaged
+        memory checkpoint is removed before the error is raised, so that the next resume
+        takes the newest one left (memory or ``checkpoint-N``)."""
+        import datastates
+        step = self._ds_memory_step_of(checkpoint)
+        if step is not None:
+            ckpt = self._datastates(self.args.output_dir)
+            try:
+                ckpt.restore(state, step=step, keys=list(state))
+            except datastates.CorruptCheckpointError:
+                log.error("the memory checkpoint of step %d is damaged; removing it (resume "
+                          "again: the newest checkpoint left is used)", step)
+                ckpt.memory.delete(step=step)
+                raise
+            return
         root, name = os.path.split(os.path.abspath(checkpoint))
-        full = self._ds_state(for_restore=True)
-        state = {k: v for k, v in full.items() if k in keys}
         self._datastates(root).restore(state, tag=name, keys=list(state))
 
+    def _ds_restore_keys(self, checkpoint: str, keys: list[str]) -> None:
+        full = self._ds_state(for_restore=True)
+        self._ds_restore(checkpoint, {k: v for k, v in full.items() if k in keys})
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        if not is_checkpoint_dir(resume_from_checkpoint):
+        if not self._ds_ours(resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        root, name = os.path.split(os.path.abspath(resume_from_checkpoint))
         target = model if model is not None else self.model
-        self._datastates(root).restore({"model": target}, tag=name, keys="model")
+        self._ds_restore(resume_from_checkpoint, {"model": target})
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        if checkpoint is None or not is_checkpoint_dir(checkpoint):
+        if not self._ds_ours(checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        self._ds_restore(checkpoint, ["optimizer", "scheduler"])
+        self._ds_restore_keys(checkpoint, ["optimizer", "scheduler"])
 
     def _load_scaler(self, checkpoint):
-        if checkpoint is None or not is_checkpoint_dir(checkpoint):
+        if not self._ds_ours(checkpoint):
             return super()._load_scaler(checkpoint)
         if getattr(self.accelerator, "scaler", None) is not None:
-            self._ds_restore(checkpoint, ["scaler"])
+            self._ds_restore_keys(checkpoint, ["scaler"])
 
     def _load_rng_state(self, checkpoint):
-        if checkpoint is None or not is_checkpoint_dir(checkpoint):
+        if not self._ds_ours(checkpoint):
             return super()._load_rng_state(checkpoint)
-        self._ds_restore(checkpoint, ["rng"])
+        self._ds_restore_keys(checkpoint, ["rng"])
 
     def _load_best_model(self):
         best = self.state.best_model_checkpoint
@@ -285,6 +434,8 @@ class DatastatesTrainer(Trainer):
 
     # ------------------------------------------------------------ internals
     def _datastates(self, root: str):
+        """The Checkpointer of ``root``; the one of ``output_dir`` has the memory tier (its
+        memory is keyed on ``output_dir``), any other one none."""
         import datastates
         root = os.path.abspath(root)
         if self._ds is not None and self._ds_root != root:
@@ -292,7 +443,10 @@ class DatastatesTrainer(Trainer):
             self._ds.close()
             self._ds = None
         if self._ds is None:
-            self._ds = datastates.Checkpointer(root, self.datastates_config)
+            config = self.datastates_config
+            if root != os.path.abspath(self.args.output_dir):
+                config = config.replace(memory_tier=None)
+            self._ds = datastates.Checkpointer(root, config)
             self._ds_root = root
         return self._ds
 
@@ -307,11 +461,14 @@ class DatastatesTrainer(Trainer):
             self._ds_errors.clear()
         raise first
 
-    def close_checkpointer(self) -> None:
-        """Wait for in-flight checkpoints and release the host cache and threads."""
+    def close_checkpointer(self, stop_keeper: bool = False) -> None:
+        """Wait for in-flight checkpoints and release the host cache and threads. With a
+        memory tier this detaches from its keeper, which keeps the memory for a trainer that
+        attaches within ``idle_timeout_s``; ``stop_keeper=True`` (the job is over) ends the
+        keeper and frees the memory now."""
         self.wait_for_checkpoints()
         if self._ds is not None:
-            self._ds.close()
+            self._ds.close(stop_keeper=stop_keeper)
             self._ds = None
 
 

@@ -30,29 +30,47 @@ Compared with Lightning's ``AsyncCheckpointIO``:
 ``Model.load_from_checkpoint(path)`` reads one ``torch.load`` file and has no plug-in point: use
 :func:`load_from_checkpoint` (``load_from_checkpoint(Model, path)``), or export the checkpoint once
 with ``datastates export PATH --to torch model.ckpt``.
+
+The memory tier: with ``DatastatesCheckpointIO(CheckpointConfig(memory_tier=MemoryTier(
+persist_every=None, persist_on_exit=False)))``, the callback ``io.memory_checkpoints(dirpath)``
+(:class:`DatastatesMemoryCheckpoint`) saves the full checkpoint dict into memory every
+``every_n_steps`` optimizer steps, beside ModelCheckpoint's files in ``dirpath``, and
+``fit(model, ckpt_path=memory.resume_path())`` resumes from the newest of the two.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback
 
+from ._memory import MemorySaves, check_every, framework_memory_tier, memory_wins
 from ._paths import PathCheckpoints
 
-__all__ = ["DatastatesCheckpointIO", "DatastatesSnapshotCallback", "load_from_checkpoint"]
+__all__ = ["DatastatesCheckpointIO", "DatastatesMemoryCheckpoint", "DatastatesSnapshotCallback",
+           "load_from_checkpoint"]
 
 
 class DatastatesCheckpointIO(CheckpointIO):
     """Lightning ``CheckpointIO`` writing datastates checkpoints (see module docstring).
 
     ``config`` is a :class:`datastates.CheckpointConfig` (host cache size, writer threads, ...).
-    One instance may serve several ``Trainer`` runs in sequence.
+    One instance may serve several ``Trainer`` runs in sequence. A ``config.memory_tier`` is the
+    tier of :meth:`memory_checkpoints`, which the Trainer must then have among its callbacks
+    (ConfigError at the first save or load otherwise); the files Lightning names always go to
+    storage.
     """
 
     def __init__(self, config: Any = None, *, max_open: int = 2):
+        self._config = config
+        self._tier = None if config is None else \
+            framework_memory_tier(config, "DatastatesCheckpointIO")
+        if self._tier is not None:
+            config = config.replace(memory_tier=None)
         self._paths = PathCheckpoints(config, max_open=max_open, trusted=False)
         self._guard: Optional["DatastatesSnapshotCallback"] = None
+        self._memory: Optional["DatastatesMemoryCheckpoint"] = None
 
     # ------------------------------------------------------------ CheckpointIO
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
@@ -62,23 +80,32 @@ class DatastatesCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options; configure "
                             "it through its datastates.CheckpointConfig")
+        self._check_memory()
+        step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
+        step = step if type(step) is int and step >= 0 else None
         guard = self._guard
         if guard is not None and guard.active:
             self._paths.save(checkpoint, path, snapshot=False, optimizers=guard.optimizers(),
-                             metadata={"framework": "lightning"})
+                             metadata={"framework": "lightning"}, step=step)
         else:
-            self._paths.save(checkpoint, path, snapshot=True, metadata={"framework": "lightning"})
+            self._paths.save(checkpoint, path, snapshot=True, metadata={"framework": "lightning"},
+                             step=step)
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         """The checkpoint dict, as ``torch.load`` returned it for ``TorchCheckpointIO``.
 
         ``weights_only`` keeps its ``torch.load`` meaning: unless it is ``False``, Python objects
-        of classes outside PyTorch's safe list are refused."""
-        if not self._paths.exists(path):
-            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        of classes outside PyTorch's safe list are refused. A path
+        :meth:`DatastatesMemoryCheckpoint.resume_path` gave is read from the memory tier."""
+        self._check_memory()
         if callable(map_location) or isinstance(map_location, dict):
             map_location = None  # Lightning's default `lambda storage, loc: storage`
+        memory = self._memory
+        if memory is not None and memory.holds(path):
+            return memory.load(path, map_location=map_location, trusted=weights_only is False)
+        if not self._paths.exists(path):
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
         return self._paths.load(path, map_location=map_location, trusted=weights_only is False)
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -93,6 +120,21 @@ class DatastatesCheckpointIO(CheckpointIO):
     def lazy_snapshots(self) -> "DatastatesSnapshotCallback":
         """The callback that makes saves lazy (add it to ``Trainer(callbacks=[...])``)."""
         return DatastatesSnapshotCallback(self)
+
+    def memory_checkpoints(self, dirpath: Any, every_n_steps: int = 1
+                           ) -> "DatastatesMemoryCheckpoint":
+        """The callback saving into this config's memory tier (add it to
+        ``Trainer(callbacks=[...])``); ``dirpath`` is ModelCheckpoint's directory, on which the
+        memory is keyed."""
+        return DatastatesMemoryCheckpoint(self, dirpath, every_n_steps=every_n_steps)
+
+    def _check_memory(self) -> None:
+        if self._tier is not None and self._memory is None:
+            import datastates
+            raise datastates.ConfigError(
+                "DatastatesCheckpointIO: its config has a memory tier, which only "
+                "io.memory_checkpoints(dirpath) uses; add that callback to "
+                "Trainer(callbacks=[...]), or drop memory_tier from the config")
 
     def wait(self) -> None:
         """Block until every checkpoint is committed; raise the first failure."""
@@ -164,3 +206,136 @@ def load_from_checkpoint(module_class: Any, path: Any, *, trusted: bool = False,
         exported = os.path.join(tmp, "checkpoint.ckpt")
         datastates.export(path, exported, "torch", trusted=trusted)
         return module_class.load_from_checkpoint(exported, weights_only=not trusted, **kwargs)
+
+
+class DatastatesMemoryCheckpoint(Callback):
+    """Saves the full Lightning checkpoint (what ModelCheckpoint saves) into the memory tier of
+    ``io``'s config every ``every_n_steps`` optimizer steps; :meth:`resume_path` is the newest
+    of memory and the datastates checkpoints in ``dirpath`` (ModelCheckpoint's directory, on
+    which the memory is keyed).
+
+    When a step is saved: at ``on_train_batch_end``, or at ``on_train_epoch_end`` for the
+    epoch's last batch, where Lightning resumes from exactly (a dict taken at the last batch's
+    end makes a stateful data loader skip the next epoch on resume). Like ModelCheckpoint's
+    saves, the dict is taken on the training thread; tensors on the bytes of the trainer's
+    optimizers are captured lazily (the optimizer's next step waits for the capture, through
+    the core's step pre-hook, which Lightning runs before the closure), every other tensor
+    inside the save. Global rank 0 only: one process (ConfigError at ``setup`` otherwise).
+
+    A failed memory save is raised by the next one, at the end of ``fit`` (``teardown``), or
+    by :meth:`wait`. The callback holds its own Checkpointer (its own host cache, of the
+    config's ``host_cache_bytes``); :meth:`close` releases it and detaches from the keeper
+    (``stop_keeper=True``: the job is over, the keeper ends and frees the memory).
+    """
+
+    def __init__(self, io: DatastatesCheckpointIO, dirpath: Any, every_n_steps: int = 1):
+        import datastates
+        if not isinstance(io, DatastatesCheckpointIO):
+            raise TypeError(f"DatastatesMemoryCheckpoint: expected a DatastatesCheckpointIO, "
+                            f"found {type(io).__qualname__}")
+        if io._tier is None:
+            raise datastates.ConfigError(
+                "DatastatesMemoryCheckpoint: the DatastatesCheckpointIO's config has no memory "
+                "tier; pass CheckpointConfig(memory_tier=MemoryTier(persist_every=None, "
+                "persist_on_exit=False)) to it")
+        self.io = io
+        self.dirpath = os.path.abspath(os.fspath(dirpath))
+        self.every_n_steps = check_every(every_n_steps, "DatastatesMemoryCheckpoint("
+                                                        "every_n_steps=)")
+        self._config = io._config.replace(allow_unsafe_objects=True)
+        self._ckpt = None
+        self._saves = MemorySaves()
+        self._last_step: int | None = None
+
+    # ------------------------------------------------------------ Lightning hooks
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        import datastates
+        if trainer.strategy.checkpoint_io is not self.io:
+            raise ValueError("DatastatesMemoryCheckpoint: the Trainer does not use its "
+                             "DatastatesCheckpointIO; pass it in Trainer(plugins=[io])")
+        if trainer.world_size != 1:
+            raise datastates.ConfigError(
+                f"DatastatesMemoryCheckpoint: one process only (found world_size="
+                f"{trainer.world_size}); Lightning saves on global rank 0 and loads on every "
+                "rank, and the memory tier would then be opened by every rank on its own")
+        self.io._memory = self
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self._save(trainer)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._save(trainer)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.wait()
+
+    # ------------------------------------------------------------ resuming
+    def resume_path(self) -> str | None:
+        """``ckpt_path`` for ``fit``: the memory checkpoint's directory when its step is at
+        least that of the newest datastates checkpoint in ``dirpath`` (memory on a tie), else
+        that checkpoint's path; None when there is neither. The io reads either path."""
+        ckpt = self._checkpointer()
+        memory = ckpt.memory.latest()
+        found = ckpt.list()  # storage: ModelCheckpoint's datastates checkpoints, oldest first
+        storage = max(found, key=lambda i: (-1 if i.step is None else i.step, i.seq),
+                      default=None)
+        storage_step = None if storage is None else -1 if storage.step is None else storage.step
+        if memory_wins(None if memory is None else memory.step, storage_step):
+            return memory.path
+        return None if storage is None else storage.path
+
+    def holds(self, path: Any) -> bool:
+        """Whether ``path`` is a checkpoint of this memory tier."""
+        path = os.path.realpath(os.fspath(path))
+        memory = self._checkpointer().memory
+        return os.path.dirname(path) == os.path.realpath(memory.directory)
+
+    def load(self, path: Any, *, map_location: Any = None, trusted: bool) -> dict[str, Any]:
+        """The checkpoint dict saved at the memory checkpoint ``path`` (read from memory,
+        every checksum checked)."""
+        import datastates
+        ckpt = self._checkpointer()
+        name = os.path.basename(os.path.realpath(os.fspath(path)))
+        info = next((i for i in ckpt.memory.list() if i.name == name), None)
+        if info is None:
+            raise datastates.CheckpointNotFoundError(f"{path}: no such memory checkpoint")
+        return ckpt.load(step=info.step, map_location=map_location, trusted=trusted)
+
+    # ------------------------------------------------------------ lifecycle
+    def wait(self) -> None:
+        """Block until every memory save is committed; raise the first failure."""
+        self._saves.wait()
+
+    def close(self, stop_keeper: bool = False) -> None:
+        """Wait for the memory saves, release the Checkpointer and detach from the keeper
+        (``stop_keeper=True`` ends it and frees the memory). Reusable: a later save or
+        :meth:`resume_path` opens it again."""
+        try:
+            self.wait()
+        finally:
+            ckpt, self._ckpt = self._ckpt, None
+            if ckpt is not None:
+                ckpt.close(stop_keeper=stop_keeper)
+
+    # ------------------------------------------------------------ internals
+    def _save(self, trainer) -> None:
+        step = trainer.global_step
+        if (step == 0 or step % self.every_n_steps or step == self._last_step
+                or trainer.sanity_checking or not trainer.is_global_zero):
+            return
+        self._saves.raise_failed()
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        handle = self._checkpointer().save(
+            checkpoint, step=step, persist=False, optimizers=list(trainer.optimizers),
+            overwrite=True,  # a step run again (after a resume) replaces it
+            metadata={"framework": "lightning", "global_step": step})
+        self._saves.add(handle)
+        self._last_step = step
+
+    def _checkpointer(self):
+        if self._ckpt is None:
+            import datastates
+            self._ckpt = datastates.Checkpointer(self.dirpath, self._config,
+                                                 communicator=datastates.LocalCommunicator())
+        return self._ckpt
