@@ -8,8 +8,10 @@ model a third of it), trained one step so the optimizer has state. Rows, each re
 alternating memory and disk so drift spreads over both:
 
 - **save**: ``save()`` blocking time, the optimizer step right after it (it waits for the lazy
-  capture), and the commit, for a save to memory (``persist=False``) and to disk (the same lazy
-  capture, the same commit protocol, fsync on);
+  capture), and the commit, for a save to memory (``persist=False``: captured in place, straight
+  into the mapped shard file), the same save to memory through the host cache
+  (``save_memory_cache``: the in-place capture turned off for that save) and to disk (the same
+  lazy capture, the same commit protocol, fsync on);
 - **restore** into the live model and optimizer: from memory, from memory after a restart (the
   trainer detached, so the keeper checked the newest memory checkpoint and marked it, and a new
   Checkpointer copies it without checksumming again: ``RestoreReport.prechecked``), from disk
@@ -135,17 +137,25 @@ def main(argv=None) -> int:
                                  storage_writer="trainer")
     config = datastates.CheckpointConfig(host_cache_bytes=nbytes + (64 << 20), keep_last=1,
                                          memory_tier=tier)
-    rows: dict[str, list] = {k: [] for k in ("save_memory", "save_disk", "restore_memory",
+    rows: dict[str, list] = {k: [] for k in ("save_memory", "save_memory_cache", "save_disk",
+                                              "restore_memory",
                                               "restore_memory_restart", "restore_disk_cold",
                                               "restore_disk_warm", "memcpy", "read_crc")}
     memdir = place.memory_dir(shm, storage)
     try:
         with datastates.Checkpointer(storage, config) as ck:
-            timed_save(ck, model, opt, 0, persist=False)  # warm-up: sizes the host cache
+            # Warm-up: a disk save sizes the host cache; two memory saves map both shard files
+            # of the memory's A/B pair (kept mapped from then on).
+            for s, persist in ((0, True), (1, False), (2, False)):
+                timed_save(ck, model, opt, s, persist=persist)
+            store = ck.memory.store
             for rep in range(args.reps):
-                s = 2 * rep + 1  # memory last: its step is the newest, which restore() reads
+                s = 3 * rep + 3  # memory last: its step is the newest, which restore() reads
                 rows["save_disk"].append(timed_save(ck, model, opt, s, persist=True))
-                rows["save_memory"].append(timed_save(ck, model, opt, s + 1, persist=False))
+                store.maps_units = False  # the same save to memory, through the host cache
+                rows["save_memory_cache"].append(timed_save(ck, model, opt, s + 1, False))
+                del store.maps_units
+                rows["save_memory"].append(timed_save(ck, model, opt, s + 2, persist=False))
             live = live_tensors(model, opt)
             source = [torch.empty_like(t) for t in live]
             mem_files = [os.path.join(dp, f) for dp, _, fs in
@@ -217,7 +227,7 @@ def report_rows(rows: dict, nbytes: int, snapshots: dict) -> dict:
            for k, v in rows.items()}
     out = {"nbytes": nbytes, "rows": rows, "median_s": med}
     print("\nsave (median)            blocked   opt.step after   committed")
-    for k in ("save_memory", "save_disk"):
+    for k in ("save_memory", "save_memory_cache", "save_disk"):
         b = statistics.median(r["blocked_s"] for r in rows[k]) * 1e3
         st = statistics.median(r["step_s"] for r in rows[k]) * 1e3
         c = statistics.median(r["commit_s"] for r in rows[k])
