@@ -18,10 +18,13 @@ Compared with Lightning's ``AsyncCheckpointIO``:
   ``save_checkpoint`` only what the trainer's optimizers do not own (buffers, which forward
   changes, frozen parameters, EMA copies), the rest in the background;
 - lazy: with the :meth:`DatastatesCheckpointIO.lazy_snapshots` callback, ``save_checkpoint``
-  returns after planning, forward and backward overlap the copy, and Lightning's
-  ``on_before_optimizer_step`` (after the closure ran backward, before the weights change) waits
-  for it. Without the callback ``save_checkpoint`` returns once the state is in the host cache;
-  writing, fsync and commit still run in the background;
+  returns after planning, and the next ``optimizer.step()`` waits for the copy (the core's step
+  pre-hook; the callback's ``on_before_optimizer_step`` waits as well). With the default
+  precision Lightning runs forward and backward inside ``optimizer.step()``, after that hook, so
+  the copy overlaps what runs between two steps (logging, callbacks, the next batch's loading);
+  with a gradient scaler (``precision="16-mixed"``) the closure runs before ``step()`` and the
+  copy overlaps forward and backward too. Without the callback ``save_checkpoint`` returns once
+  the state is in the host cache; writing, fsync and commit still run in the background;
 - a failure in the background is raised by the next ``save_checkpoint`` at the latest (and by
   ``teardown``), never swallowed;
 - each path is a datastates checkpoint directory that appears atomically; a crash never leaves
