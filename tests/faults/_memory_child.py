@@ -9,6 +9,8 @@ what this process sealed in memory.
 - ``MODE`` one of ``_crash_child``'s kill points: commits step 1 (``COMMITTED 1``), installs the
   kill point MODE/N, saves step 2 into memory (``SAVING``), waits for it (``COMMITTED 2``).
 - ``MODE`` ``die``: commits steps 1 and 2 into memory, then sends itself SIGKILL (never closes).
+- ``MODE`` ``die-handing-on``: commits steps 1-4 into memory (with ``DS_PERSIST_EVERY=2`` steps 2
+  and 4 are handed on to the keeper for storage), then sends itself SIGKILL at once.
 - ``MODE`` ``loop``: saves steps 1..STEPS, printing ``SAVING s`` before each ``save()`` and
   ``SEALED s`` once it is committed, until the parent kills it at some instant.
 
@@ -20,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from _crash_child import _install, make_state, marker
 
@@ -27,7 +30,8 @@ from _crash_child import _install, make_state, marker
 def open_checkpointer(storage: str, shm_root: str, log_path: str):
     import datastates
     persist = os.environ.get("DS_PERSIST_ON_EXIT") == "1"
-    tier = datastates.MemoryTier(root=shm_root, persist_every=None, persist_on_exit=persist,
+    every = int(os.environ.get("DS_PERSIST_EVERY", "0")) or None
+    tier = datastates.MemoryTier(root=shm_root, persist_every=every, persist_on_exit=persist,
                                  log_path=log_path, idle_timeout_s=120)
     cfg = datastates.CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10,
                                       writer_threads=2, memory_tier=tier)
@@ -51,6 +55,13 @@ def main() -> None:
     if mode == "die":
         ck.save(make_state(2, big=False), step=2).wait()
         marker("COMMITTED 2")
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "die-handing-on":  # DS_PERSIST_EVERY=2: steps 2 and 4 are handed on
+        for step in (2, 3, 4):
+            ck.save(make_state(step, big=False), step=step).wait()
+            while step == 2 and ck._tiers.handoff._waiting is not None:
+                time.sleep(0.001)  # step 2 taken for writing: step 4 cannot replace it
+        marker("COMMITTED 4")  # the keeper may still be copying step 4 (or 2) into storage
         os.kill(os.getpid(), signal.SIGKILL)
     _install(mode, int(n))
     handle = ck.save(make_state(2, big=False), step=2)

@@ -348,6 +348,24 @@ def test_a_checkpoint_being_written_to_storage_stays_in_memory_and_a_waiting_one
         assert_bit_exact(plain.load(step=6), make_state(6, big=False))
 
 
+def test_a_trainer_killed_while_the_keeper_copies_loses_no_step_and_doubles_none(
+        shm_root, tmp_path):
+    """SIGKILL right after step 4's memory commit, steps 2 and 4 handed on (the keeper may be
+    copying either): the keeper finishes what it was asked, then writes the newest if storage
+    lacks it. Storage holds steps 2 and 4 once each, in order, bit-exact."""
+    storage, log = tmp_path / "ckpt", tmp_path / "keeper.log"
+    proc = _child(storage, shm_root, log, "die-handing-on",
+                  env={"DS_PERSIST_ON_EXIT": "1", "DS_PERSIST_EVERY": "2"})
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL and b"COMMITTED 4" in out, err[-3000:]
+    _wait_idle(place.memory_dir(shm_root, str(storage)))
+    with datastates.Checkpointer(storage) as plain:
+        infos = plain.list()
+        assert [i.step for i in infos] == [2, 4] and [i.seq for i in infos] == [1, 2]
+        assert_bit_exact(plain.load(step=2), make_state(2, big=False))
+        assert_bit_exact(plain.load(step=4), make_state(4, big=False))
+
+
 def test_a_tagged_save_to_storage_waits_for_the_keeper_s_write(shm_root, tmp_path):
     """While the keeper's write of step 2 is held back, a save with a tag (rank 0's own commit
     into storage) does not commit; released, the keeper commits first, then the tag."""
