@@ -136,10 +136,12 @@ def test_copies_from_two_devices_each_follow_their_device(tmp_path, cache):
     assert all(s.device == d for d, s in streams.items())
 
 
-def test_memory_tier_saves_from_cuda_through_the_pinned_cache_and_restores_on_device(tmp_path):
+def test_memory_tier_captures_cuda_in_place_into_a_pinned_mapping_and_restores_on_device(
+        tmp_path):
     """The memory tier's saves are the same lazy capture: CUDA tensors copied on the side stream
-    into the pinned host cache, then into shared memory; a restore reads them back onto the
-    device in place, bit-exact, while the keeper process never touches CUDA."""
+    straight into the memory shard file's mapping, registered with CUDA (no host cache); the
+    next save reuses the registered mapping; a restore reads them back onto the device in place,
+    bit-exact, while the keeper process never touches CUDA; closing unregisters and unmaps."""
     import os
     import tempfile
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -151,14 +153,20 @@ def test_memory_tier_saves_from_cuda_through_the_pinned_cache_and_restores_on_de
     config = CheckpointConfig(host_cache_bytes=64 << 20, chunk_bytes=4 << 20, memory_tier=tier)
     ckpt = Checkpointer(tmp_path / "ckpt", config)
     try:
-        reference = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        ckpt.save({"model": model, "opt": opt}, step=1)
-        _step(model, opt)  # waits for the capture, then changes every parameter
+        handles = []
+        for step in (1, 2, 3):  # the third save reuses the first one's file and mapping
+            reference = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            handles.append(ckpt.save({"model": model, "opt": opt}, step=step))
+            _step(model, opt)  # waits for the capture, then changes every parameter
         ckpt.wait()
-        assert ckpt._pipeline.cache.pinned
+        mappings = ckpt.memory.store.mappings
+        assert [h._job.in_place for h in handles] == [True, True, True]
+        assert not mappings.pin_failed and all(m.pinned for m in mappings._kept.values())
+        assert ckpt._pipeline.cache.nslots == 0  # the host cache was never needed
         report = ckpt.restore({"model": model, "opt": opt})
-        assert report.tier == "memory" and report.step == 1
+        assert report.tier == "memory" and report.step == 3
         for k, v in model.state_dict().items():
             assert v.is_cuda and torch.equal(v.cpu(), reference[k]), k
     finally:
         ckpt.close(stop_keeper=True)
+    assert len(ckpt.memory.store.mappings) == 0

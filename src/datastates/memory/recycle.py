@@ -13,6 +13,8 @@ it goes with the memory directory.
 """
 from __future__ import annotations
 
+import ctypes
+import logging
 import mmap
 import os
 import stat
@@ -26,6 +28,8 @@ from ..storage import LocalStore
 from ..storage.posix import ReusedShardWriter
 
 SPARE = "spare"
+
+log = logging.getLogger("datastates")
 
 
 class RecyclingStore(LocalStore):
@@ -59,9 +63,15 @@ class RecyclingStore(LocalStore):
         super().remove_tree(path)
         self.mappings.forget_removed()  # a spare replaced, a file removed: its pages go now
 
-    #: The pipeline captures the tensor units of a CPU state straight into the shard file
+    #: The pipeline captures the tensor units of a state straight into the shard file
     #: (``MappedShardWriter.unit_view``) instead of through the host cache.
     maps_units = True
+
+    @property
+    def maps_cuda(self) -> bool:
+        """Whether a state with CUDA tensors is captured in place too: its mapping registered
+        with CUDA (``MappedShardWriter.pin``), unless a registration failed before."""
+        return torch.cuda.is_available() and not self.mappings.pin_failed
 
     def shard_writer(self, path: str, io_mode: str, layout) -> MappedShardWriter:
         try:
@@ -96,6 +106,25 @@ class _Mapping:
         # mapping until the storage's last view is gone (torch.frombuffer keeps only a
         # reference, and a bare mmap would close under a live view).
         self.tensor = torch.frombuffer(memoryview(self.map), dtype=torch.uint8)
+        #: Registered with CUDA (page-locked), so device copies land in it directly.
+        self.pinned = False
+
+    def pin(self) -> bool:
+        """Register the mapping with CUDA once (``cudaHostRegister``); whether it is. Its pages
+        are touched first (registering faulted-in pages is far cheaper than letting the driver
+        fault them); the bytes are the file's, which the save overwrites anyway."""
+        if self.pinned:
+            return True
+        cudart = torch.cuda.cudart()
+        ctypes.memset(self.tensor.data_ptr(), 0, self.length)  # no OpenMP team off the main thread
+        error = cudart.cudaHostRegister(self.tensor.data_ptr(), self.length, 0)
+        if error != cudart.cudaError.success:
+            log.warning("datastates: cudaHostRegister of a memory shard file's mapping (%d bytes) "
+                        "failed (%s): CUDA states go through the pinned host cache instead",
+                        self.length, error)
+            return False
+        self.pinned = True
+        return True
 
     def removed(self) -> bool:
         try:
@@ -104,6 +133,9 @@ class _Mapping:
             return True
 
     def close(self) -> None:
+        if self.pinned:  # every copy into it was fenced: the writer using it has finished
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
         self.tensor = None
         try:
             self.map.close()
@@ -127,11 +159,14 @@ class Mappings:
         self.limit = limit
         self._lock = threading.Lock()
         self._kept: dict[tuple[int, int], _Mapping] = {}  # by (device, inode), oldest first
+        #: A ``cudaHostRegister`` failed: CUDA states go through the pinned host cache.
+        self.pin_failed = False
 
-    def take(self, fd: int, start: int, length: int) -> torch.Tensor:
+    def take(self, fd: int, start: int, length: int, pin: bool = False) -> torch.Tensor | None:
         """A writable uint8 tensor over ``length`` bytes of the file ``fd`` from ``start``
         (page-aligned; the file at least that long): a kept mapping of that file, or a new one
-        (kept in turn)."""
+        (kept in turn). ``pin``: registered with CUDA as well (kept registered with the
+        mapping); None if that failed."""
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino)
         with self._lock:
@@ -145,6 +180,9 @@ class Mappings:
             self._forget(lambda m: m.removed())
             while len(self._kept) > self.limit:
                 self._kept.pop(next(iter(self._kept))).close()
+            if pin and not kept.pin():
+                self.pin_failed = True
+                return None
             return kept.tensor[:length]
 
     def forget_removed(self) -> None:
@@ -189,6 +227,7 @@ class MappedShardWriter(ReusedShardWriter):
         self._lock = threading.Lock()
         self._written = []
         self._tensor = None
+        self._mappings = mappings
         end = max((u.file_offset + u.nbytes for u in layout.units), default=HEADER_BYTES)
         end = -(-end // UNIT_ALIGN) * UNIT_ALIGN
         self._start = HEADER_BYTES
@@ -200,6 +239,18 @@ class MappedShardWriter(ReusedShardWriter):
         except BaseException:
             self.close()
             raise
+
+    def pin(self) -> bool:
+        """Register the mapping with CUDA (kept registered for the next save of this file), so
+        the capture's device copies go straight into it; False if that failed (the pipeline
+        then stages this save in the pinned host cache and writes it as any file)."""
+        if self._tensor is None:
+            return False
+        pinned = self._mappings.take(self.fd, self._start, self._tensor.numel(), pin=True)
+        if pinned is None:
+            return False
+        self._tensor = pinned
+        return True
 
     def unit_view(self, offset: int, nbytes: int) -> torch.Tensor:
         """The ``nbytes`` of the file at ``offset`` (inside the units' region), as a writable

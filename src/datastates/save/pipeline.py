@@ -180,6 +180,9 @@ class Pipeline:
         store.makedirs(job.target.tmp, False)  # its name says which process owns it
         job.writer = store.shard_writer(store.join(job.target.tmp, fmt.shard_file_name(job.target.rank)),
                                         self.config.io_mode, job.layout)
+        if job.in_place and _has_cuda(job) and not job.writer.pin():
+            job.in_place = False  # staged in the pinned host cache, then written, instead
+            self.cache.reserve(len(job.layout.units) * self.config.unit_bytes)
         job.opened.set()
 
     def _digest_replicas(self, job: Job, lazy: bool) -> None:
@@ -487,12 +490,18 @@ def _caused_by(error: BaseException | None, kind: type) -> bool:
 
 def _captures_in_place(job: Job) -> bool:
     """Whether the capture copies ``job``'s units straight into its shard file: the store maps
-    its shard files (the memory tier) and every tensor written is a CPU one (a CUDA copy into a
-    file mapping would not be pinned: those go through the pinned host cache)."""
-    if not getattr(job.target.store, "maps_units", False):
+    its shard files (the memory tier), and either every tensor written is a CPU one or the
+    store can register its mappings with CUDA (``maps_cuda``; the writer then pins the file's
+    mapping when it opens it, ``_open``)."""
+    store = job.target.store
+    if not getattr(store, "maps_units", False):
         return False
+    return not _has_cuda(job) or getattr(store, "maps_cuda", False)
+
+
+def _has_cuda(job: Job) -> bool:
     items = job.flat.items
-    return not any(items[i].tensor.is_cuda for i in job.write_tensors)
+    return any(items[i].tensor.is_cuda for i in job.write_tensors)
 
 
 def _last_eager_piece(job: Job) -> tuple[int, int]:
