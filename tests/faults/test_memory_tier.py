@@ -11,6 +11,7 @@ trainer (docs/memory-tier.md).
   memory itself; the keeper SIGTERMed: it persists, removes the memory and ends;
 - a memory directory someone else prepared (a link, open to others, a file) is refused;
 - hundreds of memory snapshots: no growth of descriptors, checkpoints or temporaries.
+- a memory root too small for a save: the save fails with ENOSPC, the trainer lives on.
 """
 from __future__ import annotations
 
@@ -479,6 +480,42 @@ def test_shard_files_are_recycled_and_hold_nothing_of_the_old_one(shm_root, tmp_
         live = {"a": torch.zeros(1000), "obj": None, "b": torch.zeros(5, 3)}
         ck.restore(live)
         assert_bit_exact(live, small)
+
+
+def _in_a_small_tmpfs(mount: str, size: str, command: list[str]) -> list[str]:
+    """``command`` in a mount namespace of its own in which ``mount`` is a tmpfs of ``size``
+    (the mount goes with the namespace's last process: the trainer and the keeper it starts)."""
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            'mount -t tmpfs -o size="$1",mode=700 tmpfs "$2" && shift 2 && exec "$@"', "sh",
+            size, mount, *command]
+
+
+def test_a_full_memory_root_fails_the_save_and_the_trainer_lives_on(shm_root, tmp_path):
+    """The memory root is a tmpfs of 8 MiB: step 1 (4 MiB) fits, step 2 (24 MiB) does not. A
+    save to disk that fills it fails with ENOSPC; so must a save captured in place into the
+    mapped shard file, where a page the tmpfs cannot give is a SIGBUS in the copy, which would
+    kill the trainer. The trainer lives on: step 2 fails with CheckpointWriteError (ENOSPC),
+    memory holds step 1 alone, bit-exact, and the keeper ends with its memory."""
+    mount = os.path.join(shm_root, "small")
+    os.mkdir(mount)
+    if shutil.which("unshare") is None or subprocess.run(
+            _in_a_small_tmpfs(mount, "1m", ["true"]), capture_output=True).returncode != 0:
+        pytest.skip("no mount namespace with a tmpfs of its own here (needs unshare and "
+                    "CAP_SYS_ADMIN)")
+    storage, log = tmp_path / "ckpt", tmp_path / "keeper.log"
+    memdir = place.memory_dir(mount, str(storage))
+    command = [sys.executable, CHILD, str(storage), mount, str(log), "full", "0", "0"]
+    try:
+        proc = subprocess.run(_in_a_small_tmpfs(mount, "8m", command), capture_output=True,
+                              cwd=HERE, timeout=120)
+    finally:
+        if _serving(memdir):  # the trainer died: its keeper (in that namespace) still serves
+            ask(memdir, "stop")
+        assert _gone(memdir)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    assert b"FAILED CheckpointWriteError 28" in proc.stdout and b"RESTORED 1" in proc.stdout, \
+        proc.stdout
+    assert not os.listdir(mount)  # everything was inside the tmpfs, gone with it
 
 
 def test_a_reused_shard_file_keeps_no_old_byte(tmp_path):
