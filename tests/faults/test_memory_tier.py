@@ -12,6 +12,8 @@ trainer (docs/memory-tier.md).
 - a memory directory someone else prepared (a link, open to others, a file) is refused;
 - hundreds of memory snapshots: no growth of descriptors, checkpoints or temporaries.
 - a memory root too small for a save: the save fails with ENOSPC, the trainer lives on.
+- the keeper stalled (SIGSTOP) while it copies a save into storage: its checkpoint stays in
+  memory, ``wait()`` and ``close()`` give up at ``commit_timeout_s``, the keeper writes it once.
 """
 from __future__ import annotations
 
@@ -406,6 +408,66 @@ def test_a_failed_write_to_storage_is_raised_by_wait_and_the_memory_kept(shm_roo
     ck.wait()
     assert [i.step for i in ck.list()] == [4]
     ck.close(stop_keeper=True)
+
+
+def test_a_stalled_keeper_s_copy_keeps_its_checkpoint_in_memory_until_it_is_written(
+        shm_root, tmp_path):
+    """The keeper is stopped (SIGSTOP) when step 2 is handed on, commit_timeout_s=5: wait()
+    gives up with CommitTimeoutError (storage does not have step 2 yet; nothing failed), and
+    memory keeps step 2 through the next save, so its shard file is not recycled under the
+    keeper's copy. Continued (SIGCONT), the keeper writes step 2: wait() returns, storage holds
+    it bit-exact, and memory is back to keep_last."""
+    storage = tmp_path / "ckpt"
+    ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2),
+                                                  commit_timeout_s=5))
+    keeper = ck._tiers.link.keeper_pid
+    ck.save(make_state(1, big=False), step=1).wait()
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        ck.save(make_state(2, big=False), step=2).wait()
+        with pytest.raises(datastates.CommitTimeoutError, match="step-0000000002"):
+            ck.wait()
+        ck.save(make_state(3, big=False), step=3).wait()
+        assert [i.step for i in ck.memory.list()] == [2, 3]  # 2 held while the keeper copies
+        assert ck.list() == []
+    finally:
+        os.kill(keeper, signal.SIGCONT)
+    ck.wait()  # until the keeper has written step 2
+    assert [i.step for i in ck.list()] == [2]
+    assert [i.step for i in ck.memory.list()] == [3]
+    assert list(ck._tiers.handoff.written) == ["step-0000000002"]
+    ck.close(stop_keeper=True)
+    with datastates.Checkpointer(storage) as plain:
+        assert_bit_exact(plain.load(step=2), make_state(2, big=False))
+
+
+def test_closing_beside_a_stalled_keeper_leaves_the_copy_to_the_keeper(shm_root, tmp_path,
+                                                                       caplog):
+    """The keeper is stopped while step 2 is handed on: close() gives up at commit_timeout_s
+    with an ERROR and detaches; rank 0 does not write step 2 to storage itself beside the
+    keeper. Continued, the keeper writes step 2 to storage, once."""
+    storage = tmp_path / "ckpt"
+    memdir = place.memory_dir(shm_root, str(storage))
+    ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2),
+                                                  commit_timeout_s=5))
+    keeper = ck._tiers.link.keeper_pid
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        ck.save(make_state(2, big=False), step=2).wait()
+        with caplog.at_level(logging.INFO, logger="datastates"):
+            ck.close()
+        assert not ck._tiers.handoff._thread.is_alive()
+        assert "still writing step-0000000002" in caplog.text
+        assert "writes step-0000000002 to storage itself" not in caplog.text
+        assert not storage.exists() or not os.listdir(storage)
+    finally:
+        os.kill(keeper, signal.SIGCONT)
+    _wait_idle(memdir)
+    with datastates.Checkpointer(storage) as plain:
+        infos = plain.list()
+        assert [(i.step, i.seq) for i in infos] == [(2, 1)]
+        assert_bit_exact(plain.load(step=2), make_state(2, big=False))
+    assert "committed step-0000000002" in (tmp_path / "keeper.log").read_text()
 
 
 # ---------------------------------------------------------------- the keeper killed / stopped
