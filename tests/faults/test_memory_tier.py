@@ -387,6 +387,25 @@ def test_a_tagged_save_to_storage_waits_for_the_keeper_s_write(shm_root, tmp_pat
     ck.close(stop_keeper=True)
 
 
+def test_a_save_due_for_storage_is_written_beside_a_tag_of_the_same_step(shm_root, tmp_path):
+    """A tag saved at step 2, then step 2 itself (persist_every=2, handed on to the keeper):
+    storage gets both, in that order, as when the trainer writes storage itself. A checkpoint
+    handed on by name is skipped only when storage holds that name, not because storage holds
+    its step (or a newer one) under another name."""
+    storage = tmp_path / "ckpt"
+    ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2)))
+    ck.save(make_state(7, big=False), step=2, tag="best").wait()
+    ck.save(make_state(2, big=False), step=2)
+    ck.wait()
+    assert [(i.name, i.step, i.seq) for i in ck.list()] == [("best", 2, 1),
+                                                             ("step-0000000002", 2, 2)]
+    assert list(ck._tiers.handoff.written) == ["step-0000000002"]
+    ck.close(stop_keeper=True)
+    with datastates.Checkpointer(storage) as plain:
+        assert_bit_exact(plain.load(step=2), make_state(2, big=False))
+        assert_bit_exact(plain.load(tag="best"), make_state(7, big=False))
+
+
 def test_a_failed_write_to_storage_is_raised_by_wait_and_the_memory_kept(shm_root, tmp_path,
                                                                          caplog):
     """Storage already has a directory named like step 2 that is no checkpoint: the keeper's
