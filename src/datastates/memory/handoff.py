@@ -127,8 +127,8 @@ class Handoff:
             self._closed = self._abandoned = True
             if self._waiting is not None:
                 log.error("datastates: closing: %s, due for storage, was not written there "
-                          "(still waiting behind %s); it stays in memory, for the keeper to write as "
-                          "the newest (persist_on_exit)", self._waiting.name,
+                          "(still waiting behind %s); it stays in memory, for the keeper to "
+                          "write as the newest (persist_on_exit)", self._waiting.name,
                           self._writing.name if self._writing else "another write")
             self._waiting = None
             self._cond.notify_all()
