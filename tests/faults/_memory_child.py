@@ -11,6 +11,9 @@ what this process sealed in memory.
 - ``MODE`` ``die``: commits steps 1 and 2 into memory, then sends itself SIGKILL (never closes).
 - ``MODE`` ``die-handing-on``: commits steps 1-4 into memory (with ``DS_PERSIST_EVERY=2`` steps 2
   and 4 are handed on to the keeper for storage), then sends itself SIGKILL at once.
+- ``MODE`` ``full``: commits step 1, then saves ``make_state(2, big=True)``, which the memory
+  root (a tmpfs too small for it) cannot hold: prints ``FAILED <error type> <errno>``, then
+  ``RESTORED 1`` once memory holds step 1 alone and loads it back bit-exact, and closes, stopping the keeper.
 - ``MODE`` ``loop``: saves steps 1..STEPS, printing ``SAVING s`` before each ``save()`` and
   ``SEALED s`` once it is committed, until the parent kills it at some instant.
 
@@ -63,12 +66,32 @@ def main() -> None:
                 time.sleep(0.001)  # step 2 taken for writing: step 4 cannot replace it
         marker("COMMITTED 4")  # the keeper may still be copying step 4 (or 2) into storage
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "full":
+        _full(ck)
+        return
     _install(mode, int(n))
     handle = ck.save(make_state(2, big=False), step=2)
     marker("SAVING")
     handle.wait()
     marker("COMMITTED 2")
     ck.close()
+
+
+def _full(ck) -> None:
+    import datastates
+    from _faults_helpers import assert_bit_exact
+    try:
+        ck.save(make_state(2, big=True), step=2).wait()
+        marker("COMMITTED 2")
+    except datastates.DatastatesError as exc:
+        cause = exc
+        while cause is not None and getattr(cause, "errno", None) is None:
+            cause = cause.__cause__
+        marker(f"FAILED {type(exc).__name__} {getattr(cause, 'errno', None)}")
+    assert [i.step for i in ck.memory.list()] == [1] and ck.latest().step == 1
+    assert_bit_exact(ck.load(), make_state(1, big=False))
+    marker("RESTORED 1")
+    ck.close(stop_keeper=True)
 
 
 def _sealed(handle, step: int) -> None:

@@ -11,6 +11,9 @@ trainer (docs/memory-tier.md).
   memory itself; the keeper SIGTERMed: it persists, removes the memory and ends;
 - a memory directory someone else prepared (a link, open to others, a file) is refused;
 - hundreds of memory snapshots: no growth of descriptors, checkpoints or temporaries.
+- a memory root too small for a save: the save fails with ENOSPC, the trainer lives on.
+- the keeper stalled (SIGSTOP) while it copies a save into storage: its checkpoint stays in
+  memory, ``wait()`` and ``close()`` give up at ``commit_timeout_s``, the keeper writes it once.
 """
 from __future__ import annotations
 
@@ -384,6 +387,25 @@ def test_a_tagged_save_to_storage_waits_for_the_keeper_s_write(shm_root, tmp_pat
     ck.close(stop_keeper=True)
 
 
+def test_a_save_due_for_storage_is_written_beside_a_tag_of_the_same_step(shm_root, tmp_path):
+    """A tag saved at step 2, then step 2 itself (persist_every=2, handed on to the keeper):
+    storage gets both, in that order, as when the trainer writes storage itself. A checkpoint
+    handed on by name is skipped only when storage holds that name, not because storage holds
+    its step (or a newer one) under another name."""
+    storage = tmp_path / "ckpt"
+    ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2)))
+    ck.save(make_state(7, big=False), step=2, tag="best").wait()
+    ck.save(make_state(2, big=False), step=2)
+    ck.wait()
+    assert [(i.name, i.step, i.seq) for i in ck.list()] == [("best", 2, 1),
+                                                             ("step-0000000002", 2, 2)]
+    assert list(ck._tiers.handoff.written) == ["step-0000000002"]
+    ck.close(stop_keeper=True)
+    with datastates.Checkpointer(storage) as plain:
+        assert_bit_exact(plain.load(step=2), make_state(2, big=False))
+        assert_bit_exact(plain.load(tag="best"), make_state(7, big=False))
+
+
 def test_a_failed_write_to_storage_is_raised_by_wait_and_the_memory_kept(shm_root, tmp_path,
                                                                          caplog):
     """Storage already has a directory named like step 2 that is no checkpoint: the keeper's
@@ -405,6 +427,66 @@ def test_a_failed_write_to_storage_is_raised_by_wait_and_the_memory_kept(shm_roo
     ck.wait()
     assert [i.step for i in ck.list()] == [4]
     ck.close(stop_keeper=True)
+
+
+def test_a_stalled_keeper_s_copy_keeps_its_checkpoint_in_memory_until_it_is_written(
+        shm_root, tmp_path):
+    """The keeper is stopped (SIGSTOP) when step 2 is handed on, commit_timeout_s=5: wait()
+    gives up with CommitTimeoutError (storage does not have step 2 yet; nothing failed), and
+    memory keeps step 2 through the next save, so its shard file is not recycled under the
+    keeper's copy. Continued (SIGCONT), the keeper writes step 2: wait() returns, storage holds
+    it bit-exact, and memory is back to keep_last."""
+    storage = tmp_path / "ckpt"
+    ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2),
+                                                  commit_timeout_s=5))
+    keeper = ck._tiers.link.keeper_pid
+    ck.save(make_state(1, big=False), step=1).wait()
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        ck.save(make_state(2, big=False), step=2).wait()
+        with pytest.raises(datastates.CommitTimeoutError, match="step-0000000002"):
+            ck.wait()
+        ck.save(make_state(3, big=False), step=3).wait()
+        assert [i.step for i in ck.memory.list()] == [2, 3]  # 2 held while the keeper copies
+        assert ck.list() == []
+    finally:
+        os.kill(keeper, signal.SIGCONT)
+    ck.wait()  # until the keeper has written step 2
+    assert [i.step for i in ck.list()] == [2]
+    assert [i.step for i in ck.memory.list()] == [3]
+    assert list(ck._tiers.handoff.written) == ["step-0000000002"]
+    ck.close(stop_keeper=True)
+    with datastates.Checkpointer(storage) as plain:
+        assert_bit_exact(plain.load(step=2), make_state(2, big=False))
+
+
+def test_closing_beside_a_stalled_keeper_leaves_the_copy_to_the_keeper(shm_root, tmp_path,
+                                                                       caplog):
+    """The keeper is stopped while step 2 is handed on: close() gives up at commit_timeout_s
+    with an ERROR and detaches; rank 0 does not write step 2 to storage itself beside the
+    keeper. Continued, the keeper writes step 2 to storage, once."""
+    storage = tmp_path / "ckpt"
+    memdir = place.memory_dir(shm_root, str(storage))
+    ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2),
+                                                  commit_timeout_s=5))
+    keeper = ck._tiers.link.keeper_pid
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        ck.save(make_state(2, big=False), step=2).wait()
+        with caplog.at_level(logging.INFO, logger="datastates"):
+            ck.close()
+        assert not ck._tiers.handoff._thread.is_alive()
+        assert "still writing step-0000000002" in caplog.text
+        assert "writes step-0000000002 to storage itself" not in caplog.text
+        assert not storage.exists() or not os.listdir(storage)
+    finally:
+        os.kill(keeper, signal.SIGCONT)
+    _wait_idle(memdir)
+    with datastates.Checkpointer(storage) as plain:
+        infos = plain.list()
+        assert [(i.step, i.seq) for i in infos] == [(2, 1)]
+        assert_bit_exact(plain.load(step=2), make_state(2, big=False))
+    assert "committed step-0000000002" in (tmp_path / "keeper.log").read_text()
 
 
 # ---------------------------------------------------------------- the keeper killed / stopped
@@ -479,6 +561,42 @@ def test_shard_files_are_recycled_and_hold_nothing_of_the_old_one(shm_root, tmp_
         live = {"a": torch.zeros(1000), "obj": None, "b": torch.zeros(5, 3)}
         ck.restore(live)
         assert_bit_exact(live, small)
+
+
+def _in_a_small_tmpfs(mount: str, size: str, command: list[str]) -> list[str]:
+    """``command`` in a mount namespace of its own in which ``mount`` is a tmpfs of ``size``
+    (the mount goes with the namespace's last process: the trainer and the keeper it starts)."""
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            'mount -t tmpfs -o size="$1",mode=700 tmpfs "$2" && shift 2 && exec "$@"', "sh",
+            size, mount, *command]
+
+
+def test_a_full_memory_root_fails_the_save_and_the_trainer_lives_on(shm_root, tmp_path):
+    """The memory root is a tmpfs of 8 MiB: step 1 (4 MiB) fits, step 2 (24 MiB) does not. A
+    save to disk that fills it fails with ENOSPC; so must a save captured in place into the
+    mapped shard file, where a page the tmpfs cannot give is a SIGBUS in the copy, which would
+    kill the trainer. The trainer lives on: step 2 fails with CheckpointWriteError (ENOSPC),
+    memory holds step 1 alone, bit-exact, and the keeper ends with its memory."""
+    mount = os.path.join(shm_root, "small")
+    os.mkdir(mount)
+    if shutil.which("unshare") is None or subprocess.run(
+            _in_a_small_tmpfs(mount, "1m", ["true"]), capture_output=True).returncode != 0:
+        pytest.skip("no mount namespace with a tmpfs of its own here (needs unshare and "
+                    "CAP_SYS_ADMIN)")
+    storage, log = tmp_path / "ckpt", tmp_path / "keeper.log"
+    memdir = place.memory_dir(mount, str(storage))
+    command = [sys.executable, CHILD, str(storage), mount, str(log), "full", "0", "0"]
+    try:
+        proc = subprocess.run(_in_a_small_tmpfs(mount, "8m", command), capture_output=True,
+                              cwd=HERE, timeout=120)
+    finally:
+        if _serving(memdir):  # the trainer died: its keeper (in that namespace) still serves
+            ask(memdir, "stop")
+        assert _gone(memdir)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    assert b"FAILED CheckpointWriteError 28" in proc.stdout and b"RESTORED 1" in proc.stdout, \
+        proc.stdout
+    assert not os.listdir(mount)  # everything was inside the tmpfs, gone with it
 
 
 def test_a_reused_shard_file_keeps_no_old_byte(tmp_path):

@@ -22,6 +22,12 @@ Three rules keep it safe:
   an ERROR and raised by the next ``Checkpointer.wait()`` (KeeperError); a keeper that is gone
   (``KeeperLink.lost``) makes rank 0 write the checkpoint to storage itself, on this module's
   thread, with a WARNING.
+- **A slow keeper is waited for, never raced.** The keeper's answer is awaited as long as it
+  lives, however long its copy takes: until then the checkpoint stays held and rank 0 commits
+  nothing to storage. A request given up at a deadline would release both while the keeper
+  still copies (its shard file recycled under the copy; two writers committing into storage).
+  ``wait()`` gives up at ``commit_timeout_s`` (CommitTimeoutError) and the write goes on;
+  ``close()`` then detaches (:meth:`Handoff.abandon`) and leaves the write to the keeper.
 
 ``storage_writer="trainer"`` commits the saves due for storage straight into storage from the
 trainer's own pipeline, as a Checkpointer without a memory tier does.
@@ -61,6 +67,7 @@ class Handoff:
         self._busy = False  # from taking one until its write and the retention after it end
         self._errors: list[KeeperError] = []
         self._closed = False
+        self._abandoned = False  # the trainer closes without waiting for the keeper (abandon)
         #: The last checkpoints handed on and written to storage, by name, oldest first.
         self.written: deque[str] = deque(maxlen=_KEPT_NAMES)
         #: The last checkpoints replaced while waiting by a newer one (storage got the newer).
@@ -109,6 +116,23 @@ class Handoff:
             errors, self._errors = self._errors, []
         return errors
 
+    def abandon(self) -> None:
+        """Stop without waiting (``close()`` past its deadline, the keeper not answering): what
+        is waiting is dropped, and the write in progress is the keeper's. Should the link end
+        before the keeper answers, this process does not write that checkpoint to storage
+        itself, nor apply the memory retention after it: the keeper may still be copying it,
+        and writes the newest memory checkpoint itself once this trainer is gone. Call
+        :meth:`close` once the link is closed (the thread ends with it)."""
+        with self._cond:
+            self._closed = self._abandoned = True
+            if self._waiting is not None:
+                log.error("datastates: closing: %s, due for storage, was not written there "
+                          "(still waiting behind %s); it stays in memory, for the keeper to "
+                          "write as the newest (persist_on_exit)", self._waiting.name,
+                          self._writing.name if self._writing else "another write")
+            self._waiting = None
+            self._cond.notify_all()
+
     def close(self) -> None:
         """Write what is waiting, then stop the thread (idempotent)."""
         with self._cond:
@@ -130,6 +154,10 @@ class Handoff:
             try:
                 self._write(info)
             except Exception as exc:  # noqa: BLE001 - the thread lives on; wait() raises it
+                if self._abandoned:
+                    log.warning("datastates: closing: the write of %s to storage did not end "
+                                "here (%s)", info.name, exc)
+                    return
                 log.error("datastates: writing the memory checkpoint %s to storage (%s) failed: "
                           "%s; it stays in memory only", info.name, self._tiers.outer.directory,
                           exc)
@@ -138,6 +166,8 @@ class Handoff:
                 error.__cause__ = exc
             with self._cond:
                 self._writing = None  # released: the retention below may delete it
+                if self._abandoned:
+                    return
             self._tidy()
             with self._cond:
                 self._busy = False
@@ -161,11 +191,10 @@ class Handoff:
         link = tiers.link
         if link is not None and not link.lost:
             try:
-                link.request({"op": "persist", "name": info.name},
-                             tiers.outer.config.commit_timeout_s)
+                link.request({"op": "persist", "name": info.name}, None)  # see the docstring
                 return
             except KeeperError:
-                if not link.lost:
+                if not link.lost or self._abandoned:
                     raise
         log.warning("datastates: the memory keeper is gone; rank 0 writes %s to storage itself",
                     info.name)

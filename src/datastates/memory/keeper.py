@@ -277,7 +277,7 @@ class Keeper:
             return {"ok": False, "error": repr(exc)}
         if info is None:
             log.info("keeper (%s): storage already holds %s", why,
-                     "the newest step" if name is None else f"the step of {name} or a newer one")
+                     "the newest step" if name is None else name)
             return {"ok": True, "persisted": None}
         log.info("keeper (%s): committed %s to %s", why, info.name, self.storage)
         return {"ok": True, "persisted": info.name}

@@ -101,7 +101,8 @@ class KeeperLink:
                         break
             except (OSError, queue.Empty) as exc:
                 raise KeeperError(f"the keeper of {self.memdir} did not answer "
-                                  f"{message['op']!r}: {exc or 'timeout'}") from None
+                                  f"{message['op']!r}: "
+                                  f"{str(exc) or f'no answer within {timeout:g} s'}") from None
         finally:
             self._lock.release()
         if reply is None:

@@ -54,19 +54,23 @@ def persist_newest(memory_root: str, storage_root: str, config: CheckpointConfig
                    run_id: str | None = None, checked=None,
                    name: str | None = None) -> CheckpointInfo | None:
     """Persist the memory checkpoint :func:`due` names (``name``: the memory checkpoint of that
-    name instead, unless storage holds its step or a newer one); return what storage committed,
-    or None when nothing was due. Raises what the check, the copy or the commit raised (storage
-    is unchanged but for a temporary); CheckpointNotFoundError if memory holds no checkpoint
-    ``name``. ``checked(info)``: whether every byte of ``info`` was checked since it was last
-    written (``marks.holds``), so the copy need not check it again."""
+    name instead, a save due for storage handed on, unless storage holds a checkpoint of that
+    name: committed as the trainer would have committed it, whatever steps storage holds
+    under other names); return what storage committed, or None when nothing was due. Raises
+    what the check, the copy or the commit raised (storage is unchanged but for a temporary);
+    CheckpointNotFoundError if memory holds no checkpoint ``name``. ``checked(info)``: whether
+    every byte of ``info`` was checked since it was last written (``marks.holds``), so the
+    copy need not check it again."""
     memory = Catalog(memory_root, LOCAL).scan() if os.path.isdir(memory_root) else []
     storage = Catalog(storage_root, LOCAL).scan() if os.path.isdir(storage_root) else []
     if name is not None:
-        memory = [i for i in memory if i.name == name]
-        if not memory:
+        named = [i for i in memory if i.name == name]
+        if not named:
             raise CheckpointNotFoundError(f"the memory tier holds no committed checkpoint "
                                           f"{name!r} (in {memory_root})")
-    info = due(memory, storage)
+        info = None if any(s.name == name for s in storage) else named[0]
+    else:
+        info = due(memory, storage)
     if info is None:
         return None
     return copy_commit(info, storage_root, config, run_id or new_run_id(),

@@ -228,12 +228,17 @@ class MappedShardWriter(ReusedShardWriter):
         self._written = []
         self._tensor = None
         self._mappings = mappings
+        self._allocated = 0
         end = max((u.file_offset + u.nbytes for u in layout.units), default=HEADER_BYTES)
         end = -(-end // UNIT_ALIGN) * UNIT_ALIGN
         self._start = HEADER_BYTES
         try:
+            st = os.fstat(self.fd)
+            # Below this offset every page has its block (a file with no hole: a committed
+            # shard file is written whole), so the capture allocates nothing there.
+            self._allocated = st.st_size if st.st_blocks * 512 >= st.st_size else 0
             if end > HEADER_BYTES:
-                if os.fstat(self.fd).st_size < end:
+                if st.st_size < end:
                     os.ftruncate(self.fd, end)
                 self._tensor = mappings.take(self.fd, HEADER_BYTES, end - HEADER_BYTES)
         except BaseException:
@@ -246,7 +251,17 @@ class MappedShardWriter(ReusedShardWriter):
         then stages this save in the pinned host cache and writes it as any file)."""
         if self._tensor is None:
             return False
-        pinned = self._mappings.take(self.fd, self._start, self._tensor.numel(), pin=True)
+        length = self._tensor.numel()
+        try:  # registering touches every page: allocate them first (a full tmpfs: no SIGBUS)
+            if self._start + length > self._allocated:
+                os.posix_fallocate(self.fd, self._start, length)
+                self._allocated = self._start + length
+        except OSError as exc:
+            log.warning("datastates: allocating %d bytes of %s to register its mapping with CUDA "
+                        "failed (%s); this save goes through the pinned host cache", length,
+                        self.path, exc)
+            return False
+        pinned = self._mappings.take(self.fd, self._start, length, pin=True)
         if pinned is None:
             return False
         self._tensor = pinned
@@ -254,12 +269,28 @@ class MappedShardWriter(ReusedShardWriter):
 
     def unit_view(self, offset: int, nbytes: int) -> torch.Tensor:
         """The ``nbytes`` of the file at ``offset`` (inside the units' region), as a writable
-        uint8 tensor on the mapping; counted as written by this save."""
-        start = offset - self._start
-        view = self._tensor[start:start + nbytes]
+        uint8 tensor on the mapping, for the capture to fill; counted as written by this save.
+
+        Their pages are allocated first: a page of a shared mapping that the file system cannot
+        give (a full tmpfs) is a SIGBUS, which kills the process, on the first write through
+        the mapping. Allocated here, a full file system is an OSError (ENOSPC) naming the file,
+        and the save fails as a write to disk would."""
+        begin = max(offset, self._allocated)
+        try:
+            if offset + nbytes > begin:
+                os.posix_fallocate(self.fd, begin, offset + nbytes - begin)
+        except OSError as exc:
+            raise OSError(exc.errno, f"allocating the {nbytes} bytes at offset {offset} of "
+                          f"{self.path} for the capture: {exc.strerror}", self.path) from None
         with self._lock:
             self._written.append((offset, nbytes))
-        return view
+        return self.mapped(offset, nbytes)
+
+    def mapped(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The ``nbytes`` of the file at ``offset`` (inside the units' region, given out by
+        :meth:`unit_view` before), as a uint8 tensor on the mapping (to read them)."""
+        start = offset - self._start
+        return self._tensor[start:start + nbytes]
 
     def finish(self, fsync: bool, size: int) -> None:
         self._tensor = None  # the mapping stays kept, for the next save of this file

@@ -149,13 +149,17 @@ class Tiers:
                 self.handoff.idle(time.monotonic() + self.outer.config.commit_timeout_s)
                 self.handoff.close()
             except CommitTimeoutError as exc:
-                log.error("datastates: closing: %s; detaching anyway", exc)
+                log.error("datastates: closing: %s; detaching anyway (the keeper finishes that "
+                          "write, then writes the newest memory checkpoint to storage)", exc)
+                self.handoff.abandon()
             for error in self.handoff.take_errors():
                 warnings.warn(f"datastates: {error}", RuntimeWarning, stacklevel=3)
         if self.link is None:
             return
         lost = self.link.lost
         self.link.close(stop=stop)
+        if self.handoff is not None:
+            self.handoff.close()  # abandoned: its request ended with the link
         if lost and not place.keeper_running(self.memdir):
             if self.tier.persist_on_exit:
                 try:

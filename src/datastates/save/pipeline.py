@@ -340,7 +340,7 @@ class Pipeline:
         try:
             if not job.cancelled.is_set():
                 if slot == IN_PLACE:  # the tensor keeps the mapping while its bytes are read
-                    mapped = job.writer.unit_view(unit.file_offset, unit.nbytes)
+                    mapped = job.writer.mapped(unit.file_offset, unit.nbytes)
                     view = buffer_of(mapped)
                 else:
                     view = self.cache.view(slot)
