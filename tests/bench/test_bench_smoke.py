@@ -1,6 +1,7 @@
 """Smoke test of the benchmark suite: ``benchmarks/run.py --preset smoke`` end to end, in a
-subprocess (every phase and every method once, on a one-layer GPT: one round, a 2-step end-to-end
-loop checkpointing every 1 and every 2 steps).
+process of its own (forked from the session's zygote, tests/zygote.py: torch already imported;
+every phase and every method once, on a one-layer GPT: one round, a 2-step end-to-end loop
+checkpointing every 1 and every 2 steps).
 
 Checks the outputs' shape only (files exist, JSON schema, every method has numeric fields, PNGs are
 well-formed); never timings. The PNG check is skipped only when matplotlib is not installed.
@@ -11,11 +12,12 @@ import importlib.util
 import json
 import math
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import zygote
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "benchmarks" / "run.py"
@@ -50,9 +52,8 @@ def smoke_run(tmp_path_factory):
     base = tmp_path_factory.mktemp("bench")
     work, out = base / "disk", base / "results"
     work.mkdir()
-    proc = subprocess.run([sys.executable, str(RUN), "--preset", "smoke", "--dir", str(work),
-                           "--out", str(out)], cwd=base, capture_output=True, text=True,
-                          timeout=900)
+    proc = zygote.run([sys.executable, str(RUN), "--preset", "smoke", "--dir", str(work),
+                       "--out", str(out)], cwd=base, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"run.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return work, out, proc
 

@@ -1,15 +1,18 @@
-"""Smoke test of benchmarks/bench_tensors.py: ``--quick`` end to end in a subprocess (every method
-saves, commits and restores bit-exact; the JSON has every metric), and the rotation and medians
-of ``run`` on fake measurements. Never timings."""
+"""Smoke test of benchmarks/bench_tensors.py: one repetition of every method at 2000 tensors, end
+to end (the script forked from the session's zygote, tests/zygote.py; it starts one subprocess
+per measurement itself): every method saves, commits and restores bit-exact, the JSON has every
+metric (a second count would run the same code again, in four more processes). And the rotation
+and medians of ``run`` on fake measurements. Never timings."""
 from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import zygote
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -19,12 +22,12 @@ from benchmarks import bench_tensors  # noqa: E402
 
 def test_quick_run_measures_every_method(tmp_path):
     out = tmp_path / "tensors.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_tensors.py"),
-                           "--quick", "--dir", str(tmp_path), "--json", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    proc = zygote.run([sys.executable, str(REPO / "benchmarks" / "bench_tensors.py"),
+                       "--counts", "2000", "--reps", "1", "--dir", str(tmp_path),
+                       "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
-    counts = [str(c) for c in bench_tensors.QUICK_COUNTS]
+    counts = ["2000"]
     assert sorted(result["summary"]) == sorted(bench_tensors.METHODS)
     for method, by_count in result["summary"].items():
         assert sorted(by_count) == sorted(counts), method

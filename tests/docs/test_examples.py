@@ -1,8 +1,9 @@
 """Every shipped example runs: the ```python blocks of README.md and docs/*.md, and the example in
 the package docstring.
 
-Each block runs in its own subprocess, in an empty directory, after a *prelude* that defines the
-names the examples assume and import nothing of the example's own:
+Each block runs in a process of its own (forked from a zygote of the session, tests/zygote.py,
+started with the examples' environment: torch is already imported), in an empty directory, after a
+*prelude* that defines the names the examples assume and import nothing of the example's own:
 
 - plain PyTorch (any block): ``model`` (a tiny GPT of ``benchmarks.gpt`` whose
   ``model(x, y)`` returns the loss), ``opt`` (AdamW), ``sched`` (StepLR), ``loader`` (a stateful
@@ -29,13 +30,13 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
 import datastates
+import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SRC = os.path.join(ROOT, "src")
@@ -290,8 +291,8 @@ def test_example_runs(where, code, tmp_path, request):
     runs = 2 if (".latest()" in code or ".latest_checkpoint()" in code) else 1
     for run in range(1, runs + 1):
         script.write_text(f"{body}\n# ---- its check\n_RUN = {run}\n{check}")
-        proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=TIMEOUT_S)
+        proc = zygote.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
         assert proc.returncode == 0, (f"{where} (run {run} of {runs}) failed:\n"
                                       f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     if (tmp_path / "result-2.json").exists():  # a resumed loop: same end as the first run

@@ -21,8 +21,8 @@ import threading
 
 import torch
 
-# The big state is 24 MiB of tensors (384 units of 64 KiB); the small one ~4 MiB.
-BIG_FLOATS = 6 << 20
+# The big state is 6 MiB of tensors (97 data writes of 64 KiB units); the small one ~4 MiB.
+BIG_FLOATS = 3 << 19
 SMALL_FLOATS = 1 << 20
 
 
@@ -42,7 +42,7 @@ def make_state(seed: int, big: bool = True) -> dict:
 
 def config(keep_last: int | None):
     import datastates
-    # A small host cache: the state streams through 64 KiB units (hundreds of writes, with
+    # A small host cache: the state streams through 64 KiB units (about a hundred writes, with
     # backpressure), so there are many points at which to die.
     return datastates.CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10,
                                        keep_last=keep_last, writer_threads=2)

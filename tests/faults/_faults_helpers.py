@@ -9,6 +9,8 @@ import sys
 
 import torch
 
+import zygote
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "_crash_child.py")
 
@@ -26,9 +28,10 @@ def child_command(root, mode: str, n: int = 0, keep_last: int | None = None) -> 
 
 def run_child(root, mode: str, n: int = 0,
               keep_last: int | None = None) -> subprocess.CompletedProcess:
-    """Run the child to its injected SIGKILL (or to its end)."""
-    return subprocess.run(child_command(root, mode, n, keep_last), capture_output=True, text=True,
-                          timeout=WAIT_S, cwd=HERE)
+    """Run the child to its injected SIGKILL (or to its end), in a process forked from the
+    session's zygote (torch already imported)."""
+    return zygote.run(child_command(root, mode, n, keep_last), capture_output=True, text=True,
+                      timeout=WAIT_S, cwd=HERE)
 
 
 def bytes_of(t: torch.Tensor) -> torch.Tensor:

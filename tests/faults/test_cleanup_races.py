@@ -1,7 +1,8 @@
 """The cleanup of stale temporaries never disturbs a live writer in another process, a reader
 never needs to write, and of two processes committing one name the loser is told so.
 
-Every process here is real (``subprocess``), the read-only root a real read-only bind mount in
+Every process here is real (forked from the session's zygote, tests/zygote.py, or a plain
+subprocess for the read-only mount), the read-only root a real read-only bind mount in
 a private mount namespace (``unshare -m``; skipped where mounts are not permitted).
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import datastates
 from datastates.format import codec as fmt
 
 from _faults_helpers import WAIT_S, assert_bit_exact, crash_child, hidden_entries, run_child
+import zygote
 
 SMALL = dict(host_cache_bytes=1 << 20, chunk_bytes=1 << 16)
 
@@ -70,14 +72,15 @@ print("READ", flush=True)
 """
 
 
-def _start(code: str, *args) -> subprocess.Popen:
-    child = subprocess.Popen([sys.executable, "-c", code, *map(str, args)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+def _start(code: str, *args) -> zygote.Process:
+    """``python -c CODE ARGS`` forked from the session's zygote, once it printed READY."""
+    child = zygote.Process([sys.executable, "-c", code, *map(str, args)],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline() == "READY\n", "the child did not start"
     return child
 
 
-def _finish(child: subprocess.Popen) -> tuple[int, str]:
+def _finish(child: zygote.Process) -> tuple[int, str]:
     child.stdin.close()
     out = child.stdout.read()
     return child.wait(WAIT_S), out

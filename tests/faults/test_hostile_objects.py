@@ -13,7 +13,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 import zipfile
 
@@ -26,6 +25,7 @@ from datastates.format import serialization
 
 from _integrity_helpers import (index_of, manifest_json, read_bytes, shard_file, with_index,
                                 write_bytes, write_sealed)
+import zygote
 
 CONFIG = datastates.CheckpointConfig(host_cache_bytes=4 << 20, chunk_bytes=1 << 20)
 REGION_PAD = 1 << 20          # the object region is a little over 1 MiB
@@ -190,8 +190,10 @@ print(json.dumps(result))
 
 def run_readers(ckpt: str, tmp_path, trusted: bool) -> dict:
     out = os.path.join(str(tmp_path), "export.pt")
-    proc = subprocess.run([sys.executable, "-c", _CHILD, os.path.dirname(ckpt), ckpt, out,
-                           "1" if trusted else "0"], capture_output=True, text=True, timeout=300)
+    # a process of its own, forked from the session's zygote (tests/zygote.py): torch is
+    # already imported; its memory growth is measured from its own start, as in a fresh one
+    proc = zygote.run([sys.executable, "-c", _CHILD, os.path.dirname(ckpt), ckpt, out,
+                       "1" if trusted else "0"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -23,6 +23,7 @@ import pytest
 import datastates
 
 from _faults_helpers import HERE, WAIT_S
+import zygote
 
 CHILD = os.path.join(HERE, "_preempt_child.py")
 _spec = importlib.util.spec_from_file_location("_datastates_preempt_child", CHILD)
@@ -37,7 +38,8 @@ class Child:
         self.hold_r, self.hold_w = os.pipe() if hold is not None else (None, None)
         extra = ["--hold", str(hold), "--hold-fd", str(self.hold_r)] if hold is not None else []
         self.stderr = open(os.path.join(os.fspath(root) + f".stderr.{id(self)}"), "w+")
-        self.proc = subprocess.Popen(
+        # forked from the session's zygote (tests/zygote.py): torch is already imported
+        self.proc = zygote.Process(
             [sys.executable, CHILD, os.fspath(root), *args, *extra], cwd=HERE, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
             env={**os.environ, **(env or {})}, pass_fds=(self.hold_r,) if hold is not None else ())

@@ -20,6 +20,7 @@ import datastates
 from datastates.commit import catalog
 
 from _faults_helpers import HERE, WAIT_S, assert_bit_exact, hidden_entries
+import zygote
 
 CHILD = os.path.join(HERE, "_resume_child.py")
 STEPS = 6
@@ -39,8 +40,10 @@ CHAINS = {
 
 
 def run_job(root, mode: str = "none", n: int = 0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, CHILD, os.fspath(root), mode, str(n), str(STEPS)],
-                          capture_output=True, text=True, timeout=WAIT_S, cwd=HERE)
+    """One run of the job, in a process of its own (forked from the session's zygote: torch is
+    already imported, so a run costs its saves, not the interpreter's start)."""
+    return zygote.run([sys.executable, CHILD, os.fspath(root), mode, str(n), str(STEPS)],
+                      capture_output=True, text=True, timeout=WAIT_S, cwd=HERE)
 
 
 def final_digest(proc: subprocess.CompletedProcess) -> str:

@@ -4,7 +4,6 @@ server dying in the middle of a save, the training process killed in the middle 
 the tools on s3:// paths."""
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 
@@ -18,6 +17,7 @@ from datastates.commit import retention
 from datastates.errors import (BucketNotFoundError, CheckpointExistsError, CorruptCheckpointError,
                                StorageAccessError, StorageError)
 
+import zygote
 from server import list_multipart_uploads, storage_options
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -316,7 +316,7 @@ def test_a_failed_save_aborts_its_upload(s3_server, s3_root):
 KILLED_SAVE = textwrap.dedent("""
     import os, signal, sys, torch
     import datastates
-    sys.path.insert(0, {here!r})
+    sys.path[:0] = [{here!r}, {tests!r}]  # test_objstore, and the zygote it imports
     from test_objstore import make_state
     root, options = sys.argv[1], eval(sys.argv[2])
     model, opt = make_state(width=1024)
@@ -332,10 +332,9 @@ KILLED_SAVE = textwrap.dedent("""
 
 def test_training_process_killed_during_a_save(s3_server, s3_root, tmp_path):
     script = tmp_path / "killed.py"
-    script.write_text(KILLED_SAVE.format(here=HERE))
-    proc = subprocess.run([sys.executable, str(script), s3_root,
-                           repr(storage_options(s3_server))], capture_output=True, text=True,
-                          timeout=120)
+    script.write_text(KILLED_SAVE.format(here=HERE, tests=os.path.dirname(HERE)))
+    proc = zygote.run([sys.executable, str(script), s3_root, repr(storage_options(s3_server))],
+                      capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert list_multipart_uploads(s3_server, key_of(s3_root))
     # the writer is dead; an object store has no locks to tell it, so its data and uploads go
@@ -384,9 +383,9 @@ def test_cli_on_an_s3_path(s3_server, s3_root, tmp_path):
            "AWS_SECRET_ACCESS_KEY": opts["aws_secret_access_key"],
            "AWS_DEFAULT_REGION": opts["region_name"]}
 
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "datastates", *args], env=env,
-                              capture_output=True, text=True, timeout=60)
+    def cli(*args):  # ``python -m datastates``, forked from the session's zygote
+        return zygote.run([sys.executable, "-m", "datastates", *args], env=env,
+                          capture_output=True, text=True, timeout=60)
 
     listed = cli("list", s3_root)
     assert listed.returncode == 0 and "step-0000000003" in listed.stdout, listed.stderr

@@ -1,7 +1,6 @@
 """The lazy snapshot: values are those at save() time, whatever the loop does afterwards."""
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 
@@ -11,6 +10,7 @@ from torch import nn
 
 from datastates import CheckpointConfig, Checkpointer
 
+import zygote
 from helpers import assert_same, clone_state, make_training, train_step
 
 
@@ -118,8 +118,9 @@ def test_resume_in_fresh_process_is_bit_identical(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(RESUME_SCRIPT.format(unit_dir=os.path.dirname(__file__)))
     root = str(tmp_path / "ckpt")
-    run = lambda mode: subprocess.run([sys.executable, str(script), mode, root, "3", "6"],
-                                      check=True, capture_output=True, timeout=300)
+    # each run a process of its own, forked from the session's zygote (torch already imported)
+    run = lambda mode: zygote.run([sys.executable, str(script), mode, root, "3", "6"],
+                                  check=True, capture_output=True, timeout=300)
     run("uninterrupted")
     run("first")
     run("resume")
