@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -47,6 +48,7 @@ def test_scripts_import_from_any_directory(tmp_path):
                                 "no CUDA" if not torch.cuda.is_available() else None)):
         if says is None:  # a GPU machine runs the benchmark itself in gpu_check.sh
             continue
+        # a plain interpreter, not the zygote: what it imports is what the script finds
         done = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args],
                               capture_output=True, text=True, timeout=300, cwd=tmp_path,
                               env={"PATH": "/usr/bin:/bin"})
