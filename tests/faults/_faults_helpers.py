@@ -9,8 +9,6 @@ import sys
 
 import torch
 
-import zygote
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "_crash_child.py")
 
@@ -30,6 +28,7 @@ def run_child(root, mode: str, n: int = 0,
               keep_last: int | None = None) -> subprocess.CompletedProcess:
     """Run the child to its injected SIGKILL (or to its end), in a process forked from the
     session's zygote (torch already imported)."""
+    import zygote  # here, not at the top: child processes import this module too, without tests/
     return zygote.run(child_command(root, mode, n, keep_last), capture_output=True, text=True,
                       timeout=WAIT_S, cwd=HERE)
 
