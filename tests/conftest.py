@@ -7,6 +7,10 @@ is a fresh ``s3://<bucket>/<unique>`` prefix, emptied (objects and in-progress m
 after the test; ``s3_storage_options`` is ``storage_options(s3_server)``, the keyword arguments the
 object-storage backend takes.
 
+``shm_root`` (function) is a fresh directory on the real shared memory (``/dev/shm`` when there
+is one) for the memory-tier tests; at the end every keeper serving a job under it is stopped, and
+its memory must then be gone.
+
 Processes the tests start find ``benchmarks/`` through ``PYTHONPATH`` (set here).
 
 With ``DATASTATES_REQUIRE_EXTRAS=1`` (set by ``.ci/run``, which installs every optional package), a
@@ -16,8 +20,12 @@ system refusing O_DIRECT, root ignoring permissions) stay skips.
 """
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import sys
+import tempfile
+import time
 import uuid
 
 import pytest
@@ -78,3 +86,36 @@ def s3_root(s3_server: Server) -> str:
 def s3_storage_options(s3_server: Server) -> dict:
     """``{"endpoint_url", "aws_access_key_id", "aws_secret_access_key", "region_name"}``."""
     return storage_options(s3_server)
+
+
+@pytest.fixture
+def shm_root():
+    import datastates
+    from datastates.tools.keeper import ask
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    root = tempfile.mkdtemp(prefix="ds-test-", dir=base)
+    yield root
+    leftovers = []
+    for memdir in glob.glob(os.path.join(root, "datastates-*")):
+        try:
+            ask(memdir, "stop", timeout=60)
+        except datastates.KeeperError:
+            pass  # none serves it (any more)
+        if not _memory_gone(memdir):
+            leftovers.append(memdir)
+    shutil.rmtree(root, ignore_errors=True)
+    assert not leftovers, f"memory left behind: {leftovers}"
+
+
+def _memory_gone(memdir: str, timeout: float = 60.0) -> bool:
+    """Wait until the keeper of ``memdir`` has ended and removed its memory (in its own
+    process, after answering the stop)."""
+    from datastates.memory import place
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not os.path.exists(memdir) and not place.keeper_running(memdir):
+            return True
+        if os.path.exists(memdir) and not place.keeper_running(memdir):
+            return False  # no keeper, memory still there: left behind
+        time.sleep(0.05)
+    return False

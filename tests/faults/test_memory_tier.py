@@ -24,7 +24,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -38,25 +37,6 @@ from _crash_child import make_state
 from _faults_helpers import HERE, assert_bit_exact, zeros_like_state
 
 CHILD = os.path.join(HERE, "_memory_child.py")
-
-
-@pytest.fixture
-def shm_root():
-    """A fresh directory on the real shared memory (``/dev/shm``) when there is one; every
-    keeper serving a job under it is stopped at the end and its memory must then be gone."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    root = tempfile.mkdtemp(prefix="ds-test-", dir=base)
-    yield root
-    leftovers = []
-    for memdir in glob.glob(os.path.join(root, "datastates-*")):
-        try:
-            ask(memdir, "stop", timeout=60)
-        except datastates.KeeperError:
-            pass
-        if not _gone(memdir):
-            leftovers.append(memdir)
-    shutil.rmtree(root, ignore_errors=True)
-    assert not leftovers, f"memory left behind: {leftovers}"
 
 
 def _gone(memdir: str, timeout: float = 60.0) -> bool:
