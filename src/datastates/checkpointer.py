@@ -1,7 +1,9 @@
 """The public entry point: a Checkpointer owns the host cache and threads for one directory."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -134,6 +136,12 @@ class Checkpointer:
         #: Checkpointer's ``exclusive`` holds its own commits while one is written there.
         self._on_commit = None
         self._exclusive = None
+        #: The memory Checkpointer of such a tier, every rank: ``(name, overwrite)`` refuses a
+        #: save due for storage under a name storage holds (CheckpointExistsError), as a save
+        #: straight to storage is refused. Rank 0: ``delete()`` runs inside ``_delete_guard(name)``
+        #: (it never removes what the keeper copies, nor deletes while it commits).
+        self._check_storage_name = None
+        self._delete_guard = None
         if cfg.memory_tier is not None and share is None:
             from .memory.tiers import Tiers
             try:
@@ -219,10 +227,12 @@ class Checkpointer:
             store=self.store, overwrite=overwrite, deadline=deadline,
             timeout_s=cfg.commit_timeout_s, fsync=cfg.fsync, replica_check=cfg.replica_check,
             retention=self._retention, catalog=self._catalog, exclusive=self._exclusive,
-            on_commit=self._on_commit if persist else None)
+            on_commit=functools.partial(self._on_commit, overwrite=overwrite)
+            if persist and self._on_commit is not None else None)
         try:
             job = self._plan_job(state, metadata, replicated, optimizers,
-                                 dataclasses.replace(target, metrics=check_metrics(metrics)), t0)
+                                 dataclasses.replace(target, metrics=check_metrics(metrics)), t0,
+                                 persist)
         except BaseException as exc:
             failed = Job(target, flat=Flattened(tree={"t": "value", "v": None}),
                          layout=plan_layout([], [], cfg.unit_bytes), write_tensors=[],
@@ -248,7 +258,7 @@ class Checkpointer:
         return handle
 
     def _plan_job(self, state, metadata, replicated, optimizers, target: SaveTarget,
-                  t0: float) -> Job:
+                  t0: float, persist: bool | None = None) -> Job:
         """Validate, walk and plan one save on the training thread (the part that may fail)."""
         if metadata is not None and not isinstance(metadata, dict):
             raise TypeError(f"metadata must be a dict, found {type(metadata).__qualname__}")
@@ -259,6 +269,8 @@ class Checkpointer:
                             f"lists, not tuples): {metadata!r}")
         metadata = decoded  # exactly what a reader of the manifest will find
         self._publisher.check_name(self.directory, target.name, target.overwrite)
+        if persist and self._check_storage_name is not None:
+            self._check_storage_name(target.name, target.overwrite)
         flat = flatten(state, self.registry,
                        allow_unsafe=self.config.allow_unsafe_objects)
         check_dtypes(flat.items)
@@ -460,12 +472,14 @@ class Checkpointer:
         self._pipeline.drain()
         storage = self._storage_latest() if step is None and tag is None else None
         if not self._tiers.restore_from_memory(step, tag, storage):
+            self._tiers.quiet_storage()
             return None
         try:
             return read()
         except CheckpointNotFoundError as exc:
             log.warning("no memory checkpoint is intact on every rank (%s); restoring from "
                         "storage %s", exc, self.directory)
+            self._tiers.quiet_storage()
             return None
 
     def _reader(self, step, tag, verify, trusted, safe_globals, map_location, rank_policy,
@@ -595,14 +609,20 @@ class Checkpointer:
         store, a prefix holding one). A name under which there is none, or anything else (a
         file, a symbolic link, a directory without a manifest) raises CheckpointNotFoundError
         and nothing is removed. Exactly one of ``step`` and ``tag`` names it: neither or both
-        raise ConfigError, and so does an invalid step or tag, before anything is removed."""
+        raise ConfigError, and so does an invalid step or tag, before anything is removed.
+
+        With ``config.memory_tier`` whose keeper writes storage: ``self.memory.delete()`` of a
+        memory checkpoint the keeper is writing to storage (or that waits for it) first waits
+        until that write is done, and ``delete()`` in storage until no write to storage runs;
+        CommitTimeoutError, nothing removed, if that takes over ``commit_timeout_s``."""
         if (step is None) == (tag is None):
             raise ConfigError(f"delete() needs exactly one of step= or tag= to name the "
                               f"checkpoint; found step={step!r}, tag={tag!r}")
         check_step(step)
         name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
         if self.rank == 0:
-            retention.delete(self.directory, name, self.config.fsync, self.store)
+            with self._delete_guard(name) if self._delete_guard else contextlib.nullcontext():
+                retention.delete(self.directory, name, self.config.fsync, self.store)
 
     # ------------------------------------------------------------ lifecycle
     def close(self, stop_keeper: bool = False) -> None:

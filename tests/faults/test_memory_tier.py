@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -295,6 +296,14 @@ def _until(condition, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+def _save_taken(ck, step: int) -> None:
+    """Save ``step`` (due for storage) and return once the handoff thread is writing it."""
+    ck.save(make_state(step, big=False), step=step).wait()
+    handoff, name = ck._tiers.handoff, f"step-{step:010d}"
+    _until(lambda: handoff.held() == {name} and handoff._waiting is None,
+           f"the handoff thread did not take step {step}")
+
+
 def test_a_checkpoint_being_written_to_storage_stays_in_memory_and_a_waiting_one_is_replaced(
         shm_root, tmp_path, caplog):
     """persist_every=2, keep_last=1. Step 2 is handed on and its write held back: memory keeps
@@ -307,9 +316,7 @@ def test_a_checkpoint_being_written_to_storage_stays_in_memory_and_a_waiting_one
     ck.save(make_state(1, big=False), step=1).wait()
     link = _held_link(ck)
     try:
-        ck.save(make_state(2, big=False), step=2).wait()
-        _until(lambda: handoff.held() == {"step-0000000002"} and handoff._waiting is None,
-               "the handoff thread did not take step 2")
+        _save_taken(ck, 2)
         with caplog.at_level(logging.WARNING, logger="datastates"):
             for step in range(3, 7):
                 ck.save(make_state(step, big=False), step=step).wait()
@@ -370,7 +377,7 @@ def test_a_tagged_save_to_storage_waits_for_the_keeper_s_write(shm_root, tmp_pat
 def test_a_save_due_for_storage_is_written_beside_a_tag_of_the_same_step(shm_root, tmp_path):
     """A tag saved at step 2, then step 2 itself (persist_every=2, handed on to the keeper):
     storage gets both, in that order, as when the trainer writes storage itself. A checkpoint
-    handed on by name is skipped only when storage holds that name, not because storage holds
+    handed on by name is refused only when storage holds that name, not because storage holds
     its step (or a newer one) under another name."""
     storage = tmp_path / "ckpt"
     ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2)))
@@ -386,17 +393,104 @@ def test_a_save_due_for_storage_is_written_beside_a_tag_of_the_same_step(shm_roo
         assert_bit_exact(plain.load(tag="best"), make_state(7, big=False))
 
 
+def test_a_save_due_for_storage_under_a_name_storage_holds_is_refused_or_replaced(
+        shm_root, tmp_path, caplog):
+    """Storage already holds step 2: a save of step 2 due for storage is refused by save() on
+    its name (CheckpointExistsError, nothing written to memory), as a save straight to storage
+    would be; with overwrite=True the keeper replaces it. When storage gets the name only after
+    save() (another writer, while the handoff is held back), the keeper's write is refused: an
+    ERROR, KeeperError from wait(), the other writer's checkpoint left as it was. Never
+    skipped without a word."""
+    storage = tmp_path / "ckpt"
+    with datastates.Checkpointer(storage) as other:
+        other.save(make_state(7, big=False), step=2).wait()
+    ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2)))
+    with pytest.raises(datastates.CheckpointExistsError, match="step-0000000002"):
+        ck.save(make_state(2, big=False), step=2)
+    assert ck.memory.list() == []
+    ck.save(make_state(2, big=False), step=2, overwrite=True)
+    ck.wait()
+    assert list(ck._tiers.handoff.written) == ["step-0000000002"]
+    link = _held_link(ck)
+    try:
+        handle = ck.save(make_state(4, big=False), step=4)
+        handle.wait()
+        with datastates.Checkpointer(storage) as other:  # commits while the handoff waits
+            other.save(make_state(9, big=False), step=4).wait()
+    finally:
+        link._lock.release()
+    with caplog.at_level(logging.ERROR, logger="datastates"):
+        with pytest.raises(datastates.KeeperError, match="already holds.*step-0000000004"):
+            ck.wait()
+    assert "step-0000000004 to storage" in caplog.text and "stays in memory only" in caplog.text
+    assert [i.step for i in ck.memory.list()] == [4]
+    ck.close(stop_keeper=True)
+    with datastates.Checkpointer(storage) as plain:
+        assert [i.step for i in plain.list()] == [2, 4]
+        assert_bit_exact(plain.load(step=2), make_state(2, big=False))
+        assert_bit_exact(plain.load(step=4), make_state(9, big=False))
+
+
+def test_delete_and_a_restore_from_storage_wait_for_the_keeper_s_write(shm_root, tmp_path):
+    """While the keeper's write of step 2 is held back: deleting step 2 from memory, deleting
+    a checkpoint of storage and restoring one from storage each wait for that write (none
+    of them returns before storage holds step 2), then run; a delete whose wait outlasts
+    ``commit_timeout_s`` raises CommitTimeoutError and removes nothing."""
+    storage = tmp_path / "ckpt"
+    ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2),
+                                                  commit_timeout_s=3))
+    handoff = ck._tiers.handoff
+    ck.save(make_state(5, big=False), tag="old").wait()
+    ck.save(make_state(6, big=False), tag="older").wait()
+    live = zeros_like_state(make_state(5, big=False))
+    link = _held_link(ck)
+    try:
+        _save_taken(ck, 2)
+        with pytest.raises(datastates.CommitTimeoutError, match="step-0000000002"):
+            ck.memory.delete(step=2)
+        assert [i.step for i in ck.memory.list()] == [2]
+        seen: dict[str, list[str]] = {}
+
+        def run(what, call):
+            call()
+            seen[what] = list(handoff.written)  # what storage held when the call returned
+
+        threads = [threading.Thread(target=run, args=args) for args in (
+            ("memory delete", lambda: ck.memory.delete(step=2)),
+            ("storage delete", lambda: ck.delete(tag="older")),
+            ("restore", lambda: ck.restore(live, tag="old")))]
+        for t in threads:
+            t.start()
+        _until(lambda: len(handoff._cond._waiters) == 3, "the three calls did not wait")
+        assert seen == {} and [i.step for i in ck.memory.list()] == [2]
+        assert [i.name for i in ck.list()] == ["old", "older"]
+    finally:
+        link._lock.release()
+    for t in threads:
+        t.join(60)
+    assert seen == {what: ["step-0000000002"] for what in
+                    ("memory delete", "storage delete", "restore")}
+    assert ck.memory.list() == []
+    assert [i.name for i in ck.list()] == ["old", "step-0000000002"]
+    assert_bit_exact(live, make_state(5, big=False))
+    ck.close(stop_keeper=True)
+
+
 def test_a_failed_write_to_storage_is_raised_by_wait_and_the_memory_kept(shm_root, tmp_path,
                                                                          caplog):
-    """Storage already has a directory named like step 2 that is no checkpoint: the keeper's
-    commit is refused; wait() raises KeeperError naming it (once), memory still holds step 2,
-    and training saves on."""
+    """Storage gets a directory named like step 2 that is no checkpoint after save() checked the
+    name (while the handoff is held back): the keeper's commit is refused; wait() raises
+    KeeperError naming it (once), memory still holds step 2, and training saves on."""
     storage = tmp_path / "ckpt"
     ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2)))
-    (storage / "step-0000000002").mkdir(parents=True)
-    (storage / "step-0000000002" / "notes.txt").write_text("not a checkpoint")
+    link = _held_link(ck)
+    try:
+        ck.save(make_state(2, big=False), step=2).wait()
+        (storage / "step-0000000002").mkdir(parents=True)
+        (storage / "step-0000000002" / "notes.txt").write_text("not a checkpoint")
+    finally:
+        link._lock.release()
     with caplog.at_level(logging.ERROR, logger="datastates"):
-        ck.save(make_state(2, big=False), step=2)
         with pytest.raises(datastates.KeeperError, match="step-0000000002"):
             ck.wait()
     assert "stays in memory only" in caplog.text

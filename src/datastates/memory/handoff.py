@@ -7,7 +7,7 @@ protocol (``persist.py``: every byte checked, the copy fsynced, the manifest num
 storage's newest and written last), in its own process. The trainer's threads and host cache
 are free again once the memory commit is done, whatever the disk's speed.
 
-Three rules keep it safe:
+These rules keep it safe:
 
 - **The bytes stay while they are copied.** The memory tier's retention keeps a checkpoint this
   module still holds (``held``; ``RetentionPolicy.held``), so its shard files are not recycled
@@ -22,6 +22,16 @@ Three rules keep it safe:
   an ERROR and raised by the next ``Checkpointer.wait()`` (KeeperError); a keeper that is gone
   (``KeeperLink.lost``) makes rank 0 write the checkpoint to storage itself, on this module's
   thread, with a WARNING.
+- **A name storage holds is never skipped silently.** A handed-on save carries its
+  ``overwrite``: the keeper replaces a checkpoint of that name in storage only with
+  ``overwrite=True``, and otherwise refuses the write (CheckpointExistsError, raised by rank
+  0's next ``wait()`` as a failed write). ``save()`` already refuses the name on every rank
+  when storage holds it at that time, as a save straight to storage would.
+- **Nothing deletes what is being written, and storage is read when no write runs.** ``delete()``
+  of a memory checkpoint held here waits until its write to storage is done
+  (:meth:`Handoff.paused`); ``delete()`` in storage, and a ``restore()``/``load()`` that reads
+  storage, wait until no write to storage runs (a commit there applies retention, which could
+  remove what is being read).
 - **A slow keeper is waited for, never raced.** The keeper's answer is awaited as long as it
   lives, however long its copy takes: until then the checkpoint stays held and rank 0 commits
   nothing to storage. A request given up at a deadline would release both while the keeper
@@ -34,12 +44,14 @@ trainer's own pipeline, as a Checkpointer without a memory tier does.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
 
 from ..errors import CommitTimeoutError, KeeperError
 from ..format.records import CheckpointInfo
@@ -55,6 +67,19 @@ log = logging.getLogger("datastates")
 _KEPT_NAMES = 64
 
 
+@dataclass(frozen=True)
+class Due:
+    """A committed memory checkpoint handed on to be written to storage, and whether that write
+    may replace a checkpoint of the same name there (the save's ``overwrite``)."""
+
+    info: CheckpointInfo
+    overwrite: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+
 class Handoff:
     """Rank 0's queue of memory checkpoints to be written to storage (module docstring): one
     being written, one waiting at most."""
@@ -62,8 +87,8 @@ class Handoff:
     def __init__(self, tiers: "Tiers"):
         self._tiers = tiers
         self._cond = threading.Condition()
-        self._waiting: CheckpointInfo | None = None
-        self._writing: CheckpointInfo | None = None
+        self._waiting: Due | None = None
+        self._writing: Due | None = None
         self._busy = False  # from taking one until its write and the retention after it end
         self._errors: list[KeeperError] = []
         self._closed = False
@@ -81,9 +106,10 @@ class Handoff:
         with self._cond:
             return {i.name for i in (self._waiting, self._writing) if i is not None}
 
-    def submit(self, info: CheckpointInfo) -> None:
+    def submit(self, info: CheckpointInfo, overwrite: bool = False) -> None:
         """Hand on the committed memory checkpoint ``info`` (the commit thread, after its memory
-        commit and before any later commit's retention could remove it)."""
+        commit and before any later commit's retention could remove it); ``overwrite``: its
+        write may replace a checkpoint of that name in storage."""
         with self._cond:
             if self._closed:
                 raise KeeperError(f"{info.name} was committed to memory after the handoff to "
@@ -94,7 +120,7 @@ class Handoff:
                             "the saves between them)", self._waiting.name, info.name, info.name,
                             self._writing.name if self._writing else "the one before")
                 self.replaced.append(self._waiting.name)
-            self._waiting = info
+            self._waiting = Due(info, overwrite)
             self._cond.notify_all()
 
     def idle(self, deadline: float | None = None) -> None:
@@ -109,6 +135,25 @@ class Handoff:
                                              f"{busy.name if busy else 'a checkpoint'} to "
                                              f"storage at the commit deadline", {0: "busy"})
                 self._cond.wait(left)
+
+    @contextlib.contextmanager
+    def paused(self, name: str | None, deadline: float) -> Iterator[None]:
+        """Hold the hand-ons back (``submit`` waits) for the body of the ``with``, once ``name``
+        is neither waiting nor being written (``name=None``: once nothing is): what ``delete()``
+        runs in, so that it never removes what the keeper copies, nor deletes in storage while
+        the keeper commits there. CommitTimeoutError at ``deadline`` (``time.monotonic()``) if
+        it still is; nothing was deleted then."""
+        with self._cond:
+            while (self._busy or self._waiting is not None) if name is None else \
+                    name in {d.name for d in (self._waiting, self._writing) if d is not None}:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CommitTimeoutError(
+                        f"the memory tier was still writing {name or 'a checkpoint'} to "
+                        f"storage at the deadline; nothing was deleted (wait() first)",
+                        {0: "busy"})
+                self._cond.wait(left)
+            yield
 
     def take_errors(self) -> list[KeeperError]:
         """The failed writes not reported yet (oldest first); they are reported once."""
@@ -148,11 +193,11 @@ class Handoff:
                     self._cond.wait()
                 if self._waiting is None:
                     return
-                info = self._writing = self._waiting
+                due = self._writing = self._waiting
                 self._waiting, self._busy = None, True
-            error = None
+            info, error = due.info, None
             try:
-                self._write(info)
+                self._write(due)
             except Exception as exc:  # noqa: BLE001 - the thread lives on; wait() raises it
                 if self._abandoned:
                     log.warning("datastates: closing: the write of %s to storage did not end "
@@ -186,18 +231,19 @@ class Handoff:
         except Exception as exc:  # noqa: BLE001 - the next memory commit's retention retries
             log.warning("datastates: applying the memory tier's retention failed: %s", exc)
 
-    def _write(self, info: CheckpointInfo) -> None:
+    def _write(self, due: Due) -> None:
         tiers = self._tiers
         link = tiers.link
         if link is not None and not link.lost:
-            try:
-                link.request({"op": "persist", "name": info.name}, None)  # see the docstring
+            try:  # waited for as long as the keeper lives: see the docstring
+                link.request({"op": "persist", "name": due.name, "overwrite": due.overwrite},
+                             None)
                 return
             except KeeperError:
                 if not link.lost or self._abandoned:
                     raise
         log.warning("datastates: the memory keeper is gone; rank 0 writes %s to storage itself",
-                    info.name)
+                    due.name)
         persist_newest(os.path.join(tiers.memdir, place.CKPT), tiers.outer.directory,
-                       tiers.outer.config, name=info.name,
+                       tiers.outer.config, name=due.name, overwrite=due.overwrite,
                        checked=lambda i: marks.holds(tiers.memdir, i))

@@ -8,9 +8,10 @@ for the trainer's rank 0 and serves, one request at a time, JSON lines:
   commits into it);
 - ``{"op": "detach"}``: it stops (``Checkpointer.close()``); ``{"op": "stop"}`` as well, and the
   keeper then ends at once;
-- ``{"op": "persist", "name": N}``: the attached trainer hands on its memory checkpoint ``N``,
-  due for storage (``handoff.py``): written there now, answered when committed (the trainer
-  commits nothing to storage meanwhile);
+- ``{"op": "persist", "name": N, "overwrite": B}``: the attached trainer hands on its memory
+  checkpoint ``N``, due for storage (``handoff.py``): written there now, answered when committed
+  (the trainer commits nothing to storage meanwhile); a checkpoint ``N`` in storage is replaced
+  only if ``B``, else the answer is an error (CheckpointExistsError);
 - ``{"op": "persist"}``: write the newest memory checkpoint to storage now (``persist.py``),
   refused while a trainer is attached (its own saves to storage would race the commit);
 - ``{"op": "status"}``: pid, trainers attached, memory checkpoints.
@@ -247,7 +248,8 @@ class Keeper:
                 self._send(conn, {"ok": False, "error": "only an attached trainer hands on its "
                                   "checkpoints"})
             else:
-                self._send(conn, self._persist(f"trainer {conn.pid}", str(request["name"])))
+                self._send(conn, self._persist(f"trainer {conn.pid}", str(request["name"]),
+                                               request.get("overwrite") is True))
         elif op == "persist":  # never beside an attached trainer's own commits to storage
             self._send(conn, {"ok": False, "error": f"{self._attached()} trainer(s) attached: "
                               "they write to storage themselves (save(persist=True))"}
@@ -266,18 +268,17 @@ class Keeper:
         except OSError as exc:
             log.info("keeper: could not answer a trainer: %s", exc)
 
-    def _persist(self, why: str, name: str | None = None) -> dict:
+    def _persist(self, why: str, name: str | None = None, overwrite: bool = False) -> dict:
         try:
             info = persist_newest(self.ckpt, self.storage, self.config, self.run_id,
                                   checked=lambda info: marks.holds(self.memdir, info),
-                                  name=name)
+                                  name=name, overwrite=overwrite)
         except Exception as exc:  # noqa: BLE001 - logged and answered; the keeper keeps serving
             log.error("keeper (%s): writing the newest memory checkpoint to %s failed: %r", why,
                       self.storage, exc)
             return {"ok": False, "error": repr(exc)}
         if info is None:
-            log.info("keeper (%s): storage already holds %s", why,
-                     "the newest step" if name is None else name)
+            log.info("keeper (%s): storage already holds the newest step", why)
             return {"ok": True, "persisted": None}
         log.info("keeper (%s): committed %s to %s", why, info.name, self.storage)
         return {"ok": True, "persisted": info.name}

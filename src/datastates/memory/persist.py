@@ -23,7 +23,7 @@ from ..commit.publish import publisher_for
 from ..commit.retention import RetentionPolicy
 from ..commit.round import SaveId, new_run_id
 from ..config import CheckpointConfig
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointExistsError, CheckpointNotFoundError
 from ..format.records import CheckpointInfo
 from ..providers import ProviderRegistry
 from ..restore.reader import Reader
@@ -51,16 +51,18 @@ def due(memory: list[CheckpointInfo], storage: list[CheckpointInfo]) -> Checkpoi
 
 
 def persist_newest(memory_root: str, storage_root: str, config: CheckpointConfig,
-                   run_id: str | None = None, checked=None,
-                   name: str | None = None) -> CheckpointInfo | None:
-    """Persist the memory checkpoint :func:`due` names (``name``: the memory checkpoint of that
-    name instead, a save due for storage handed on, unless storage holds a checkpoint of that
-    name: committed as the trainer would have committed it, whatever steps storage holds
-    under other names); return what storage committed, or None when nothing was due. Raises
-    what the check, the copy or the commit raised (storage is unchanged but for a temporary);
-    CheckpointNotFoundError if memory holds no checkpoint ``name``. ``checked(info)``: whether
-    every byte of ``info`` was checked since it was last written (``marks.holds``), so the
-    copy need not check it again."""
+                   run_id: str | None = None, checked=None, name: str | None = None,
+                   overwrite: bool = False) -> CheckpointInfo | None:
+    """Persist the memory checkpoint :func:`due` names, or None when nothing is due.
+
+    ``name``: the memory checkpoint of that name instead (a save due for storage, handed on),
+    committed as the trainer would have committed it, whatever steps storage holds under other
+    names; if storage holds a committed checkpoint of that name, it is replaced only with
+    ``overwrite`` (the save's), else CheckpointExistsError, storage unchanged. Returns what
+    storage committed. Raises what the check, the copy or the commit raised (storage is
+    unchanged but for a temporary); CheckpointNotFoundError if memory holds no checkpoint
+    ``name``. ``checked(info)``: whether every byte of ``info`` was checked since it was last
+    written (``marks.holds``), so the copy need not check it again."""
     memory = Catalog(memory_root, LOCAL).scan() if os.path.isdir(memory_root) else []
     storage = Catalog(storage_root, LOCAL).scan() if os.path.isdir(storage_root) else []
     if name is not None:
@@ -68,19 +70,26 @@ def persist_newest(memory_root: str, storage_root: str, config: CheckpointConfig
         if not named:
             raise CheckpointNotFoundError(f"the memory tier holds no committed checkpoint "
                                           f"{name!r} (in {memory_root})")
-        info = None if any(s.name == name for s in storage) else named[0]
+        info = named[0]
+        if not overwrite and any(s.name == name for s in storage):
+            raise CheckpointExistsError(f"storage {storage_root} already holds a committed "
+                                        f"checkpoint {name!r}; the save handed on under that "
+                                        "name was not written there (save(..., overwrite=True) "
+                                        "replaces it)")
     else:
         info = due(memory, storage)
     if info is None:
         return None
     return copy_commit(info, storage_root, config, run_id or new_run_id(),
-                       verify=not (checked is not None and checked(info)))
+                       verify=not (checked is not None and checked(info)),
+                       overwrite=overwrite)
 
 
 def copy_commit(info: CheckpointInfo, root: str, config: CheckpointConfig,
-                run_id: str, verify: bool = True) -> CheckpointInfo:
+                run_id: str, verify: bool = True, overwrite: bool = False) -> CheckpointInfo:
     """Commit a copy of the committed checkpoint ``info`` into the storage root ``root``,
-    after checking every byte of it (``verify=False``: it was checked since its last write)."""
+    after checking every byte of it (``verify=False``: it was checked since its last write);
+    ``overwrite``: it replaces a committed checkpoint of its name there."""
     t0 = time.perf_counter()
     with Reader(info.path, registry=ProviderRegistry.default(), verify=True, store=LOCAL,
                 world_size=info.world_size, rank_policy="rank0") as reader:
@@ -103,7 +112,7 @@ def copy_commit(info: CheckpointInfo, root: str, config: CheckpointConfig,
             catalog = Catalog(root, LOCAL)
             target = SaveTarget(
                 sid=SaveId(run_id, info.name, info.step, 0, run_id[:24], 0), name=info.name,
-                step=info.step, root=root, tmp=tmp, rank=0, store=LOCAL, overwrite=False,
+                step=info.step, root=root, tmp=tmp, rank=0, store=LOCAL, overwrite=overwrite,
                 deadline=time.monotonic() + config.commit_timeout_s,
                 timeout_s=config.commit_timeout_s, fsync=config.fsync, replica_check=False,
                 retention=RetentionPolicy(config.keep_last, config.keep_every, config.keep_best,

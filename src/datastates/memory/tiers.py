@@ -86,10 +86,16 @@ class Tiers:
         #: Rank 0 with ``storage_writer="keeper"``: the saves due for storage, handed on from
         #: memory to the keeper (handoff.py).
         self.handoff: Handoff | None = None
+        if tier.storage_writer == "keeper":
+            self.memory._check_storage_name = lambda name, overwrite: \
+                outer._publisher.check_name(outer.directory, name, overwrite)
         if outer.rank == 0 and tier.storage_writer == "keeper":
-            self.handoff = Handoff(self)
-            self.memory._on_commit = self.handoff.submit
-            outer._exclusive = self.handoff.idle  # rank 0's own commits into storage wait
+            self.handoff = handoff = Handoff(self)
+            self.memory._on_commit = handoff.submit
+            outer._exclusive = handoff.idle  # rank 0's own commits into storage wait
+            deadline = lambda: time.monotonic() + outer.config.commit_timeout_s  # noqa: E731
+            self.memory._delete_guard = lambda name: handoff.paused(name, deadline())
+            outer._delete_guard = lambda name: handoff.paused(None, deadline())
         # A tier of its own: the newest keep_last plus the one being written (and those being
         # written to storage).
         self.memory._retention = RetentionPolicy(
@@ -118,6 +124,23 @@ class Tiers:
         errors = self.handoff.take_errors()
         if errors:
             raise errors[0]
+
+    def quiet_storage(self) -> None:
+        """Every rank, before a restore or load reads storage: return once the keeper writes
+        nothing there (rank 0 waits for the handoff; the others for rank 0), so the commit's
+        retention cannot remove what is read. CommitTimeoutError on every rank if a write takes
+        over ``commit_timeout_s``."""
+        error = None
+        if self.handoff is not None:
+            try:
+                self.handoff.idle(time.monotonic() + self.outer.config.commit_timeout_s)
+            except CommitTimeoutError as exc:
+                error = str(exc)
+        answers = self.outer.comm.exchange("storage-quiet", {"error": error},
+                                           2 * self.outer.config.commit_timeout_s)
+        if answers[0]["error"] is not None:
+            raise CommitTimeoutError(f"rank {self.outer.rank}: not reading storage: "
+                                     f"{answers[0]['error']}", {0: "busy"})
 
     def newest(self, storage: CheckpointInfo | None) -> CheckpointInfo | None:
         """The newer of ``storage`` (storage's newest) and the memory's newest; memory on a tie."""
