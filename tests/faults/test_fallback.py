@@ -13,6 +13,7 @@ import torch
 import datastates
 from datastates import Checkpointer, CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from datastates.format import codec as fmt
+from datastates.storage.store import LocalStore
 
 
 def _state(step: int) -> dict:
@@ -115,6 +116,30 @@ def test_a_mismatch_is_no_damage(root):
         assert [i.step for i in ckpt.list()] == [1, 2]  # nothing skipped or moved
         assert not glob.glob(os.path.join(root, ".damaged.*"))
         assert torch.equal(live["w"], torch.zeros(10)) and live["meta"]["step"] == -1
+
+
+class _ShardsUnreachable(LocalStore):
+    """The local store, its service failing every open of a shard file (a timed-out HEAD)."""
+
+    def open_read(self, path):
+        if path.endswith(".dsf"):
+            raise datastates.StorageError(f"{path}: HEAD failed: read timeout")
+        return super().open_read(path)
+
+
+def test_a_storage_failure_opening_a_shard_is_no_damage(root):
+    """The store fails the opens of the shard files: the restore raises that StorageError; no
+    checkpoint is skipped, moved aside or left out of the listing, and the live state is
+    untouched (an outage never costs a good checkpoint)."""
+    with Checkpointer(root) as ckpt:
+        _save_steps(ckpt, (1, 2))
+    with Checkpointer(root, _store=_ShardsUnreachable()) as ckpt:
+        live = _blank()
+        with pytest.raises(datastates.StorageError, match="HEAD failed"):
+            ckpt.restore(live, fallback=True)
+        assert _same(live, _blank())
+        assert [i.step for i in ckpt.list()] == [1, 2]
+    assert not glob.glob(os.path.join(root, ".damaged.*"))
 
 
 def test_fallback_takes_no_step_or_tag(root):

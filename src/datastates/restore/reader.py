@@ -32,7 +32,8 @@ from ..format import tree
 from ..format.codec import ShardHeader
 from .matching import RestoreReport, _Cast, _Plan, _Read  # RestoreReport: public here too
 from ..format.records import Manifest, ObjectEntry
-from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ReshardError
+from ..errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ReshardError,
+                      StorageError)
 from .ranks import RANK_POLICIES, per_rank_keys
 from ..providers import ProviderRegistry
 from ..commit.catalog import human_bytes
@@ -79,6 +80,8 @@ class _Files:
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{path}: shard file listed in the manifest is "
                                           "missing") from None
+        except StorageError:  # the service failed the request: says nothing of the checkpoint
+            raise             # (taken for damage, a fallback would move a good one aside)
         except OSError as exc:
             raise CorruptCheckpointError(f"{path}: cannot open the shard file ({exc})") from None
         if f.size != self.manifest.files[file_id].nbytes:
