@@ -30,6 +30,16 @@ def test_bench_warm_writes_every_row(tmp_path):
     assert all(math.isfinite(r["gb_s"]) and r["gb_s"] > 0 for r in rows.values())
 
 
+def test_bench_scan_times_every_phase(tmp_path):
+    out = tmp_path / "scan.json"
+    _run("bench_scan.py", "--quick", "--dir", str(tmp_path), "--json", str(out))
+    result = json.loads(out.read_text())
+    assert set(result["median_s"]) == {f"datastates {p}" for p in
+                                       ("scan", "restore", "read_crc", "parse_all")}
+    assert all(math.isfinite(s) and s > 0 for s in result["median_s"].values())
+    assert result["manifest_bytes"] > 0 and not list(tmp_path.glob("bench-scan-*"))
+
+
 def test_commit_scale_measures_each_world_size(tmp_path):
     _run("commit_scale.py", "--worlds", "1,2", "--saves", "2", "--out", str(tmp_path / "cs"),
          "--dir", str(tmp_path))

@@ -4,13 +4,14 @@ another process committed, replaced, damaged or deleted in between (docs/format.
 checkpoint is the latest"). Manifest reads are counted through the store's ``read_bytes``."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
 import pytest
 import torch
 
-from datastates import CheckpointConfig, Checkpointer
+from datastates import CheckpointConfig, Checkpointer, CorruptCheckpointError
 from datastates.commit import catalog, retention
 from datastates.format import codec as fmt
 from datastates.commit.catalog import Catalog
@@ -308,3 +309,100 @@ def test_a_recorded_commit_survives_a_listing_that_lags_behind_it(tmp_path):
     assert [i.name for i in catalog.scan()] == ["step-0000000001"]
     store.hidden.clear()
     assert [i.name for i in catalog.scan()] == ["step-0000000001"]
+
+
+# ---------------------------------------------------------------- the head of a manifest
+def _body(path: str) -> dict:
+    """The JSON object of a checkpoint's manifest, without its checksum field."""
+    with open(os.path.join(path, fmt.MANIFEST), "rb") as f:
+        obj = json.loads(f.read())
+    obj.pop("manifest_crc32")
+    return obj
+
+
+def _reseal(path: str, obj: dict) -> None:
+    """Write ``obj`` as the checkpoint's manifest, sealed with a valid checksum (what a faulty
+    or hostile writer could write: only its fields are wrong)."""
+    with open(os.path.join(path, fmt.MANIFEST), "wb") as f:
+        f.write(fmt.seal_manifest(json.dumps(obj, separators=(",", ":")).encode()))
+
+
+def test_the_fields_a_listing_needs_come_before_the_entries(tmp_path):
+    """docs/format.md, "The head": every field of a checkpoint's description is written before
+    ``entries``, and the description read from the head alone equals the one read whole."""
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
+        save(ck, 1, step=1, metrics={"loss": 0.5}, metadata={"entries": [1], "seq": "x"})
+        save(ck, 2, tag="best")
+    for name in ("step-0000000001", "best"):
+        path = str(tmp_path / name)
+        keys = list(_body(path))
+        assert keys.index("entries") > max(keys.index(k) for k in (
+            "format", "version", "name", "step", "created_unix", "world_size", "seq",
+            "metadata", "files"))
+        assert "metrics" not in keys or keys.index("metrics") < keys.index("entries")
+        head, none = catalog.examine(path, head=True)
+        whole, manifest = catalog.examine(path)
+        assert none is None and manifest is not None and head == whole
+    assert whole.metrics == {} and catalog.examine(str(tmp_path / "step-0000000001"),
+                                                   head=True)[0].metrics == {"loss": 0.5}
+
+
+def test_a_scan_parses_only_the_newest_manifest_whole(tmp_path):
+    """A new catalog of a directory of five checkpoints decodes the entries of the newest only
+    (the one restore() and the next commit's number use); the others are described by their
+    heads, and restoring one of them reads its manifest whole."""
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
+        for step in range(1, 6):
+            save(ck, step, step=step)
+    cat = Catalog(str(tmp_path))
+    infos = cat.scan()
+    assert [i.seq for i in infos] == [1, 2, 3, 4, 5]
+    assert cat._heads == {fmt.step_name(s) for s in range(1, 5)}
+    assert cat.manifest(infos[-1]) is not None and cat.manifest(infos[0]) is None
+    with Checkpointer(tmp_path) as ck:
+        live = {"x": torch.zeros(3)}
+        assert ck.restore(live, step=2).step == 2 and torch.equal(live["x"], torch.full((3,), 2.))
+
+
+def test_a_body_that_fails_behind_a_valid_head(tmp_path):
+    """Manifests sealed with a valid checksum whose heads validate but whose bodies do not (an
+    entry's offset negative), or whose body gives ``seq`` again with another value than the
+    head: the newest such checkpoints are damaged and passed over; an older one is listed from
+    its head, and reading it raises CorruptCheckpointError, never other data."""
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
+        for step in range(1, 6):
+            save(ck, step, step=step)
+    for step in (2, 5):
+        bad = _body(str(tmp_path / fmt.step_name(step)))
+        bad["entries"][0]["shards"][0]["offset"] = -1
+        _reseal(str(tmp_path / fmt.step_name(step)), bad)
+    raw = json.dumps(_body(str(tmp_path / "step-0000000004")), separators=(",", ":")).encode()
+    raw = raw[:-1] + b',"seq":9}'  # json.loads keeps the last: the body says 9, the head 4
+    with open(tmp_path / "step-0000000004" / fmt.MANIFEST, "wb") as f:
+        f.write(fmt.seal_manifest(raw))
+    with Checkpointer(tmp_path) as ck:
+        assert ck.latest().step == 3
+        assert [i.step for i in ck.list()] == [1, 2, 3]
+        assert [d.name for d in ck.damaged()] == ["step-0000000004", "step-0000000005"]
+        assert "head describes" in ck.damaged()[0].reason
+        live = {"x": torch.zeros(3)}
+        with pytest.raises(CorruptCheckpointError, match="offset"):
+            ck.restore(live, step=2)
+        assert torch.equal(live["x"], torch.zeros(3))
+        assert ck.restore(live).step == 3 and torch.equal(live["x"], torch.full((3,), 3.))
+
+
+def test_a_manifest_written_before_the_head_came_first_is_parsed_whole(tmp_path):
+    """A manifest whose ``seq`` and ``metrics`` follow its entries (the order of earlier
+    writers) is read whole by a scan, with the same description."""
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
+        save(ck, 1, step=1, metrics={"loss": 0.25})
+        save(ck, 2, step=2)
+    path = str(tmp_path / "step-0000000001")
+    before = catalog.examine(path)[0]
+    obj = _body(path)
+    tail = {k: obj.pop(k) for k in ("seq", "metrics", "save_id")}
+    _reseal(path, {**obj, **tail})
+    assert list(_body(path))[-3:] == ["seq", "metrics", "save_id"]
+    cat = Catalog(str(tmp_path))
+    assert cat.scan()[0] == before and cat._heads == set()

@@ -13,7 +13,7 @@ from ..storage import Store, open_store
 from . import records, validate
 from .codec import (_TRAILER, CHECKPOINT_FORMAT, MANIFEST, MANIFEST_VERSION, MAX_MANIFEST_BYTES,
                     TRAILER_BYTES, ShardHeader, crc32, encode_entries, encode_json, parse_json,
-                    parse_json_streamed, read_header, seal_manifest)
+                    parse_json_head, parse_json_streamed, read_header, seal_manifest)
 
 
 def read_index(path: str, store: "Store | None" = None) -> "records.ShardIndex":
@@ -100,6 +100,39 @@ def read_manifest(ckpt_dir: str, store: "Store | None" = None) -> "records.Manif
     return parse_manifest_bytes(raw, path)
 
 
+def _check_seal(raw: bytes, path: str) -> bool:
+    """Whether a manifest's bytes end with the checksum trailer; CorruptCheckpointError if they
+    do and the CRC-32 of what it covers differs."""
+    sealed = _TRAILER.search(raw)
+    if sealed is None:
+        return False
+    covered = raw[:sealed.start()]
+    if crc32(covered) != int(sealed.group(1), 16):
+        raise CorruptCheckpointError(f"{path}: manifest checksum mismatch (CRC-32 of the "
+                                     f"first {len(covered)} bytes is {crc32(covered):08x}, "
+                                     f"the trailer says {sealed.group(1).decode()})")
+    return True
+
+
+def parse_manifest_summary(raw: bytes, path: str, ckpt: str) -> "records.CheckpointInfo | None":
+    """The description of the checkpoint ``ckpt`` from its manifest's bytes, without decoding
+    the entries: the checksum trailer checked (CorruptCheckpointError if it fails), then the
+    fields before ``entries`` validated as :func:`parse_manifest_bytes` validates them
+    (docs/format.md, "The head"). None when they do not hold ``seq`` (a manifest written
+    before the head came first, or one without the trailer): the caller parses it whole."""
+    if not _check_seal(raw, path):
+        return None
+    fields = parse_json_head(raw, "entries")
+    if fields is None or "seq" not in fields:
+        return None
+    head, metrics = validate.parse_summary(fields, path)
+    return records.CheckpointInfo(
+        name=ckpt.rstrip("/").rsplit("/", 1)[-1], path=ckpt, step=head.step,
+        created_unix=head.created, world_size=head.world,
+        nbytes=sum(f.nbytes for f in head.files), metadata=dict(head.metadata), seq=head.seq,
+        metrics=dict(metrics))
+
+
 def parse_manifest_bytes(raw: bytes, path: str) -> "records.Manifest":
     """Check the checksum trailer of a manifest's bytes, then validate its JSON.
 
@@ -107,13 +140,7 @@ def parse_manifest_bytes(raw: bytes, path: str) -> "records.Manifest":
     ``manifest_crc32`` field (written before manifests carried a checksum), with a warning; any
     damage to a sealed manifest therefore fails its checksum or its version check, it never
     reaches the unchecked path."""
-    sealed = _TRAILER.search(raw)
-    if sealed is not None:
-        covered = raw[:sealed.start()]
-        if crc32(covered) != int(sealed.group(1), 16):
-            raise CorruptCheckpointError(f"{path}: manifest checksum mismatch (CRC-32 of the "
-                                         f"first {len(covered)} bytes is {crc32(covered):08x}, "
-                                         f"the trailer says {sealed.group(1).decode()})")
+    if _check_seal(raw, path):
         obj, checked = _decode_manifest(raw, path)
         obj.pop("manifest_crc32", None)
         return validate.parse_manifest(obj, path, checked=checked)

@@ -160,18 +160,21 @@ class Manifest:
         JSON a batch at a time: ``validate.check_written_manifest``)."""
         out = {"format": fmt.CHECKPOINT_FORMAT, "version": self.version, "name": self.name,
                "step": self.step, "created_unix": self.created_unix,
-               "world_size": self.world_size, "metadata": self.metadata,
-               "files": [f.to_json() for f in self.files],
-               "entries": [e.to_json() for e in self.entries] if entries else [],
-               "ranks": self._ranks_json()}
-        if self.save_id is not None:
-            out["save_id"] = self.save_id
+               "world_size": self.world_size}
+        # Every field a listing needs comes before "entries" (docs/format.md, "The head"):
+        # a catalog reads a checkpoint's description without decoding its entries.
         if self.version > 1:
             out["seq"] = self.seq
+        if self.save_id is not None:
+            out["save_id"] = self.save_id
         if self.data_dir is not None:
             out["data_dir"] = self.data_dir
         if self.metrics:
             out["metrics"] = self.metrics
+        out["metadata"] = self.metadata
+        out["files"] = [f.to_json() for f in self.files]
+        out["entries"] = [e.to_json() for e in self.entries] if entries else []
+        out["ranks"] = self._ranks_json()
         return out
 
 

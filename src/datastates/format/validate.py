@@ -47,6 +47,15 @@ def parse_manifest(obj: Any, where: str, *, version_1: bool = False,
     return _manifest(m, at, head, entries)
 
 
+def parse_summary(obj: Any, where: str) -> "tuple[_Head, dict]":
+    """The fields of a sealed manifest that describe its checkpoint (``obj``: those before its
+    ``entries``), validated exactly as :func:`parse_manifest` validates them: (the head, the
+    metrics). What a listing trusts of a manifest it did not parse whole."""
+    at = _At(where)
+    m = _dict(obj, at)
+    return _head(m, at, False), _metrics(m.get("metrics", {}), at / "metrics")
+
+
 def entry_converter(fields: dict) -> Callable[[Any], TensorEntry | None] | None:
     """For a decoder that reaches a manifest's ``entries`` after its ``world_size`` and
     ``files`` (``fields``: what it decoded so far): the converter making each ordinary tensor
