@@ -406,3 +406,18 @@ def test_a_manifest_written_before_the_head_came_first_is_parsed_whole(tmp_path)
     assert list(_body(path))[-3:] == ["seq", "metrics", "save_id"]
     cat = Catalog(str(tmp_path))
     assert cat.scan()[0] == before and cat._heads == set()
+
+
+def test_the_head_decoder_stops_at_its_field_only():
+    """``codec.parse_json_head``: the fields before the top-level array field, as json.loads
+    gives them; None (a whole parse follows) for anything else."""
+    head = fmt.parse_json_head
+    assert head(b'{"a":{"entries":[1]},"b":[2],"entries":[{"x":1}],"c":3}', "entries") == \
+        {"a": {"entries": [1]}, "b": [2]}
+    assert head(b' { "a" : 1 , "entries" : [ ] } ', "entries") == {"a": 1}
+    for raw in (b'{"a":1,"a":2,"entries":[]}',  # a field twice: json.loads keeps the last
+                b'{"a":1,"c":[]}',               # never reached
+                b'{"a":1,"entries":7}',          # not an array
+                b'[{"entries":[]}]', b'{"a":NaN,"entries":[]}', b'{"a":1 "entries":[]}',
+                b'{"a":1,', b'\xff\xfe{', b''):
+        assert head(raw, "entries") is None, raw

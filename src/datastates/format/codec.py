@@ -262,33 +262,30 @@ def parse_json_streamed(raw: bytes, field: str,
         return None  # JSONDecodeError is a ValueError; IndexError: the text ended early
 
 
+class _Reached(Exception):
+    """Raised by :func:`parse_json_head`'s converter to stop the decoding at its field."""
+
+    def __init__(self, fields: dict):
+        super().__init__()
+        self.fields = fields
+
+
 def parse_json_head(raw: bytes, field: str) -> dict | None:
-    """The fields of the JSON object ``raw`` that come before its field ``field``, decoded as
-    :func:`parse_json` decodes them, without decoding ``field`` or anything after it. None if
-    ``raw`` is not an object reaching ``field`` at its top level, gives a field twice before it,
-    or is not valid JSON up to it (the caller then parses the whole with :func:`parse_json`)."""
+    """The fields of the JSON object ``raw`` that come before its array field ``field``, decoded
+    as :func:`parse_json` decodes them, without decoding ``field`` or anything after it. None if
+    ``raw`` is not an object reaching an array ``field`` at its top level, gives a field twice
+    before it, or is not valid JSON up to it (the caller then parses the whole with
+    :func:`parse_json`)."""
+    def stop(fields: dict):
+        raise _Reached(fields)
+
     try:
-        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
-        idx = _WS(text, 0).end()
-        if text[idx] != "{":
-            return None
-        obj: dict = {}
-        idx = _WS(text, idx + 1).end()
-        while text[idx] == '"':
-            key, idx = _scanstring(text, idx + 1)
-            idx = _WS(text, idx).end()
-            if key in obj or text[idx] != ":":
-                return None
-            if key == field:
-                return obj
-            obj[key], idx = _DECODER.raw_decode(text, _WS(text, idx + 1).end())
-            idx = _WS(text, idx).end()
-            if text[idx] != ",":
-                return None
-            idx = _WS(text, idx + 1).end()
-        return None
+        _streamed_object(raw.decode(json.detect_encoding(raw), "surrogatepass"), field, stop)
+    except _Reached as reached:
+        return reached.fields
     except (UnicodeDecodeError, LookupError, ValueError, IndexError, RecursionError):
-        return None
+        pass
+    return None
 
 
 def _streamed_object(text: str, field: str, start) -> dict | None:
