@@ -130,6 +130,8 @@ class Tiers:
         nothing there (rank 0 waits for the handoff; the others for rank 0), so the commit's
         retention cannot remove what is read. CommitTimeoutError on every rank if a write takes
         over ``commit_timeout_s``."""
+        if self.tier.storage_writer != "keeper":  # the same on every rank: one config
+            return
         error = None
         if self.handoff is not None:
             try:
