@@ -139,9 +139,12 @@ class Checkpointer:
         #: The memory Checkpointer of such a tier, every rank: ``(name, overwrite)`` refuses a
         #: save due for storage under a name storage holds (CheckpointExistsError), as a save
         #: straight to storage is refused. Rank 0: ``delete()`` runs inside ``_delete_guard(name)``
-        #: (it never removes what the keeper copies, nor deletes while it commits).
+        #: (it never removes what the keeper copies, nor deletes while it commits), and the
+        #: commit of a save replacing a checkpoint waits for ``_released(name, deadline)`` (the
+        #: keeper's copy of the one it replaces is done).
         self._check_storage_name = None
         self._delete_guard = None
+        self._released = None
         if cfg.memory_tier is not None and share is None:
             from .memory.tiers import Tiers
             try:
@@ -226,7 +229,9 @@ class Checkpointer:
             tmp=self._publisher.tmp_location(self.directory, name, self.comm.run_id, sid.attempt),
             store=self.store, overwrite=overwrite, deadline=deadline,
             timeout_s=cfg.commit_timeout_s, fsync=cfg.fsync, replica_check=cfg.replica_check,
-            retention=self._retention, catalog=self._catalog, exclusive=self._exclusive,
+            retention=self._retention, catalog=self._catalog,
+            exclusive=functools.partial(self._released, name)
+            if overwrite and self._released is not None else self._exclusive,
             on_commit=functools.partial(self._on_commit, overwrite=overwrite)
             if persist and self._on_commit is not None else None)
         try:
@@ -472,14 +477,15 @@ class Checkpointer:
         self._pipeline.drain()
         storage = self._storage_latest() if step is None and tag is None else None
         if not self._tiers.restore_from_memory(step, tag, storage):
-            self._tiers.quiet_storage()
+            self._tiers.quiet_storage(together=True)
             return None
         try:
             return read()
         except CheckpointNotFoundError as exc:
             log.warning("no memory checkpoint is intact on every rank (%s); restoring from "
                         "storage %s", exc, self.directory)
-            self._tiers.quiet_storage()
+            # The latest is agreed (every rank is here); a named one is read by each rank alone.
+            self._tiers.quiet_storage(together=step is None and tag is None)
             return None
 
     def _reader(self, step, tag, verify, trusted, safe_globals, map_location, rank_policy,
@@ -596,7 +602,12 @@ class Checkpointer:
     def damaged(self) -> list[DamagedCheckpoint]:
         """The damaged checkpoints of the directory, by name: directories whose
         ``manifest.json`` exists but does not read or validate (one listing of the directory;
-        empty when it does not exist). They are never restored; ``delete()`` removes one."""
+        empty when it does not exist). They are never restored; ``delete()`` removes one.
+        A listing checks every manifest's checksum but validates only the head of all but the
+        newest (docs/format.md, "Which checkpoint is the latest"): an older manifest whose
+        checksum holds and whose body does not validate (only a faulty or hostile writer makes
+        one) is listed, and reading it raises CorruptCheckpointError; ``datastates verify``
+        reads every one whole."""
         if not self.store.isdir(self.directory):
             return []
         self._catalog.scan()

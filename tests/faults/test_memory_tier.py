@@ -434,11 +434,11 @@ def test_a_save_due_for_storage_under_a_name_storage_holds_is_refused_or_replace
 def test_delete_and_a_restore_from_storage_wait_for_the_keeper_s_write(shm_root, tmp_path):
     """While the keeper's write of step 2 is held back: deleting step 2 from memory, deleting
     a checkpoint of storage and restoring one from storage each wait for that write (none
-    of them returns before storage holds step 2), then run; a delete whose wait outlasts
-    ``commit_timeout_s`` raises CommitTimeoutError and removes nothing."""
+    of them returns before storage holds step 2), then run; a wait that outlasts its deadline
+    raises CommitTimeoutError and removes nothing."""
     storage = tmp_path / "ckpt"
     ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2),
-                                                  commit_timeout_s=3))
+                                                  commit_timeout_s=120))
     handoff = ck._tiers.handoff
     ck.save(make_state(5, big=False), tag="old").wait()
     ck.save(make_state(6, big=False), tag="older").wait()
@@ -447,13 +447,17 @@ def test_delete_and_a_restore_from_storage_wait_for_the_keeper_s_write(shm_root,
     try:
         _save_taken(ck, 2)
         with pytest.raises(datastates.CommitTimeoutError, match="step-0000000002"):
-            ck.memory.delete(step=2)
+            with handoff.paused("step-0000000002", time.monotonic() + 0.2):
+                pass
         assert [i.step for i in ck.memory.list()] == [2]
-        seen: dict[str, list[str]] = {}
+        seen: dict[str, object] = {}
 
         def run(what, call):
-            call()
-            seen[what] = list(handoff.written)  # what storage held when the call returned
+            try:
+                call()
+                seen[what] = list(handoff.written)  # what storage held when the call returned
+            except Exception as exc:  # noqa: BLE001 - asserted on below
+                seen[what] = exc
 
         threads = [threading.Thread(target=run, args=args) for args in (
             ("memory delete", lambda: ck.memory.delete(step=2)),
@@ -467,13 +471,37 @@ def test_delete_and_a_restore_from_storage_wait_for_the_keeper_s_write(shm_root,
     finally:
         link._lock.release()
     for t in threads:
-        t.join(60)
+        t.join(120)
     assert seen == {what: ["step-0000000002"] for what in
                     ("memory delete", "storage delete", "restore")}
     assert ck.memory.list() == []
     assert [i.name for i in ck.list()] == ["old", "step-0000000002"]
     assert_bit_exact(live, make_state(5, big=False))
     ck.close(stop_keeper=True)
+
+
+def test_replacing_a_memory_checkpoint_the_keeper_copies_waits_for_the_copy(shm_root, tmp_path):
+    """Step 2 is handed on and its copy held back; a memory save replacing step 2
+    (overwrite=True) does not commit until the copy is done, so the shard files the keeper
+    reads are not recycled under it: storage gets the first step 2, memory the second, both
+    bit-exact."""
+    storage = tmp_path / "ckpt"
+    ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2)))
+    link = _held_link(ck)
+    try:
+        _save_taken(ck, 2)
+        handle = ck.save(make_state(9, big=False), step=2, persist=False, overwrite=True)
+        _until(lambda: handle._job.deciding, "the replacing save's commit did not start")
+        assert not handle.done()
+    finally:
+        link._lock.release()
+    assert handle.wait().name == "step-0000000002"
+    ck.wait()
+    assert [i.step for i in ck.list()] == [2] and [i.step for i in ck.memory.list()] == [2]
+    assert_bit_exact(ck.memory.load(step=2), make_state(9, big=False))
+    ck.close(stop_keeper=True)
+    with datastates.Checkpointer(storage) as plain:
+        assert_bit_exact(plain.load(step=2), make_state(2, big=False))
 
 
 def test_a_failed_write_to_storage_is_raised_by_wait_and_the_memory_kept(shm_root, tmp_path,

@@ -364,32 +364,66 @@ def test_a_scan_parses_only_the_newest_manifest_whole(tmp_path):
         assert ck.restore(live, step=2).step == 2 and torch.equal(live["x"], torch.full((3,), 2.))
 
 
+def _dup(path: str, tail: bytes) -> None:
+    """Give fields of the manifest again after its last one (``tail``: ``,"k":v``), sealed."""
+    raw = json.dumps(_body(path), separators=(",", ":")).encode()
+    with open(os.path.join(path, fmt.MANIFEST), "wb") as f:
+        f.write(fmt.seal_manifest(raw[:-1] + tail + b"}"))
+
+
 def test_a_body_that_fails_behind_a_valid_head(tmp_path):
-    """Manifests sealed with a valid checksum whose heads validate but whose bodies do not (an
-    entry's offset negative), or whose body gives ``seq`` again with another value than the
-    head: the newest such checkpoints are damaged and passed over; an older one is listed from
-    its head, and reading it raises CorruptCheckpointError, never other data."""
+    """Manifests sealed with a valid checksum (what a faulty or hostile writer could write):
+    bodies that do not validate (an entry's offset negative), fields given twice (a head
+    decoder and a whole one would take different values), and a valid manifest whose fields
+    come in another order. The newest ones that fail are damaged and passed over; an older one
+    is listed from its head, and reading it raises CorruptCheckpointError, never other data;
+    the one in another order is listed and restored as written."""
     with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
-        for step in range(1, 6):
-            save(ck, step, step=step)
-    for step in (2, 5):
-        bad = _body(str(tmp_path / fmt.step_name(step)))
+        for step in range(1, 7):
+            save(ck, step, step=step, metrics={"loss": float(step)})
+    paths = {step: str(tmp_path / fmt.step_name(step)) for step in range(1, 7)}
+    for step in (1, 6):
+        bad = _body(paths[step])
         bad["entries"][0]["shards"][0]["offset"] = -1
-        _reseal(str(tmp_path / fmt.step_name(step)), bad)
-    raw = json.dumps(_body(str(tmp_path / "step-0000000004")), separators=(",", ":")).encode()
-    raw = raw[:-1] + b',"seq":9}'  # json.loads keeps the last: the body says 9, the head 4
-    with open(tmp_path / "step-0000000004" / fmt.MANIFEST, "wb") as f:
-        f.write(fmt.seal_manifest(raw))
+        _reseal(paths[step], bad)
+    _dup(paths[2], b',"step":7,"metrics":{"loss":-100}')
+    _dup(paths[5], b',"seq":9')
+    body = _body(paths[3])
+    _reseal(paths[3], {"entries": body.pop("entries"), **body})  # entries first: no head
     with Checkpointer(tmp_path) as ck:
-        assert ck.latest().step == 3
-        assert [i.step for i in ck.list()] == [1, 2, 3]
-        assert [d.name for d in ck.damaged()] == ["step-0000000004", "step-0000000005"]
-        assert "head describes" in ck.damaged()[0].reason
+        assert ck.latest().step == 4
+        assert [(i.step, i.metrics["loss"]) for i in ck.list()] == [(1, 1.0), (2, 2.0),
+                                                                     (3, 3.0), (4, 4.0)]
+        assert [d.name for d in ck.damaged()] == ["step-0000000005", "step-0000000006"]
+        assert "given twice" in ck.damaged()[0].reason and "offset" in ck.damaged()[1].reason
         live = {"x": torch.zeros(3)}
-        with pytest.raises(CorruptCheckpointError, match="offset"):
-            ck.restore(live, step=2)
-        assert torch.equal(live["x"], torch.zeros(3))
-        assert ck.restore(live).step == 3 and torch.equal(live["x"], torch.full((3,), 3.))
+        for step, error in ((1, "offset"), (2, "given twice")):
+            with pytest.raises(CorruptCheckpointError, match=error):
+                ck.restore(live, step=step)
+            assert torch.equal(live["x"], torch.zeros(3))
+        assert ck.restore(live, step=3).step == 3 and torch.equal(live["x"], torch.full((3,), 3.))
+        assert ck.restore(live).step == 4 and torch.equal(live["x"], torch.full((3,), 4.))
+
+
+def test_a_manifest_replaced_after_its_head_was_read_is_no_damage(tmp_path):
+    """The newest checkpoint is known from a head read earlier when its manifest is replaced by
+    another valid one between the listing and the whole read (step 2 saved again with
+    overwrite, its successor deleted): the whole read is compared with its own head, not with
+    the old one, so it is the new checkpoint, not damage."""
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
+        for step in (1, 2, 3):
+            save(ck, step, step=step)
+    cat = Catalog(str(tmp_path))
+    cat.scan()
+    seen, heads = dict(cat._seen), set(cat._heads)
+    assert "step-0000000002" in heads
+    del seen["step-0000000003"]  # as a listing taken after the deletion below saw it
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
+        ck.delete(step=3)
+        save(ck, 20, step=2, overwrite=True)
+    assert cat._parse_newest(seen, heads, None) == []
+    found = seen["step-0000000002"][1]
+    assert isinstance(found, catalog.CheckpointInfo) and found.seq == 3
 
 
 def test_a_manifest_written_before_the_head_came_first_is_parsed_whole(tmp_path):
@@ -415,6 +449,10 @@ def test_the_head_decoder_stops_at_its_field_only():
     assert head(b'{"a":{"entries":[1]},"b":[2],"entries":[{"x":1}],"c":3}', "entries") == \
         {"a": {"entries": [1]}, "b": [2]}
     assert head(b' { "a" : 1 , "entries" : [ ] } ', "entries") == {"a": 1}
+    assert fmt.parse_json(b'{"a":{"b":1,"b":2},"c":1}', "m", unique=True) == \
+        {"a": {"b": 2}, "c": 1}  # only the object's own fields must be unique
+    with pytest.raises(CorruptCheckpointError, match="given twice"):
+        fmt.parse_json(b'{"a":{"b":1},"c":1,"c":1}', "m", unique=True)
     for raw in (b'{"a":1,"a":2,"entries":[]}',  # a field twice: json.loads keeps the last
                 b'{"a":1,"c":[]}',               # never reached
                 b'{"a":1,"entries":7}',          # not an array

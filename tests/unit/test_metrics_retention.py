@@ -169,7 +169,7 @@ def test_metrics_are_recorded_exactly_and_given_back(tmp_path):
     with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:  # read back by a new one
         assert [i.metrics for i in ck.list()] == [metrics, {}]
     raw = json.loads((tmp_path / fmt.step_name(2) / fmt.MANIFEST).read_bytes())
-    assert "metrics" not in raw  # an optional field, left out when there are none
+    assert raw["metrics"] == {}  # optional to readers; written always, in the head
 
 
 # ------------------------------------------------------------------ the manifest field
@@ -191,7 +191,7 @@ def test_manifest_json_round_trips_with_and_without_metrics(metrics):
                                      metadata={}, save_id="n", metrics=metrics)
     manifest = dataclasses.replace(manifest, seq=1)  # as published
     obj = manifest.to_json()
-    assert ("metrics" in obj) == bool(metrics)
+    assert obj["metrics"] == (metrics or {})  # always written: part of the head
     parsed = validate.parse_manifest(json.loads(fmt.encode_json(obj)), "m.json")
     assert parsed == manifest and parsed.metrics == (metrics or {})
     data, written = fmt.manifest_record_bytes(manifest)

@@ -280,18 +280,22 @@ class Catalog:
             info, name = newest
             stamp = seen[name][0]
             raw = newest_raw[1] if newest_raw is not None and newest_raw[0] == info else None
+            # The bytes the head was read from, or the file as it is now (if it was replaced
+            # since, its body is compared with its own head below, never with the old one).
             try:
-                found, manifest, _ = _examine(info.path, self.store, False, raw)
+                found, manifest, raw = _examine(info.path, self.store, False, raw)
             except OSError as exc:
                 return [f"{self.store.join(info.path, fmt.MANIFEST)} ({type(exc).__name__}: "
                         f"{exc})"]
             heads.discard(name)
-            if isinstance(found, CheckpointInfo) and found != info:
-                found = DamagedCheckpoint(name, info.path, "CorruptCheckpointError: the "
-                                          f"manifest's head describes {info}, its body {found}",
-                                          _mtime(self.store, self.store.join(info.path,
-                                                                             fmt.MANIFEST)))
-            elif manifest is not None:
+            if manifest is not None:
+                head = _examine(info.path, self.store, True, raw)[0]
+                if head != found:
+                    found, manifest = DamagedCheckpoint(
+                        name, info.path, f"CorruptCheckpointError: the manifest's head "
+                        f"describes {head}, its body {found}",
+                        _mtime(self.store, self.store.join(info.path, fmt.MANIFEST))), None
+            if manifest is not None:
                 self._keep(found, stamp, manifest)
             seen[name] = (stamp, found)
 

@@ -222,13 +222,26 @@ def encode_json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
 
 
-def parse_json(raw: bytes, path: str) -> Any:
+def parse_json(raw: bytes, path: str, unique: bool = False) -> Any:
+    """The JSON object ``raw`` (CorruptCheckpointError naming ``path`` if it is none).
+    ``unique``: one of its own fields given twice is an error too (parsers differ on which
+    they keep, so a reader of its head and one of the whole could see different values)."""
+    pairs_seen: list[bool] = []
+
+    def fields(pairs: list) -> dict:
+        obj = dict(pairs)
+        pairs_seen.append(len(obj) != len(pairs))  # the outermost object comes last
+        return obj
+
     try:
-        value = json.loads(raw, parse_constant=_no_constant)
+        value = json.loads(raw, parse_constant=_no_constant,
+                           object_pairs_hook=fields if unique else None)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path}: invalid JSON ({exc})") from None
     if not isinstance(value, dict):
         raise CorruptCheckpointError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    if unique and pairs_seen[-1]:
+        raise CorruptCheckpointError(f"{path}: a field of the object is given twice")
     return value
 
 

@@ -114,16 +114,23 @@ def _check_seal(raw: bytes, path: str) -> bool:
     return True
 
 
+#: The fields of a manifest that describe its checkpoint: a listing takes them from the head
+#: only when every one of them is there (a field left out would be taken for its default).
+HEAD_FIELDS = frozenset(("format", "version", "name", "step", "created_unix", "world_size",
+                         "seq", "metrics", "metadata", "files"))
+
+
 def parse_manifest_summary(raw: bytes, path: str, ckpt: str) -> "records.CheckpointInfo | None":
     """The description of the checkpoint ``ckpt`` from its manifest's bytes, without decoding
     the entries: the checksum trailer checked (CorruptCheckpointError if it fails), then the
     fields before ``entries`` validated as :func:`parse_manifest_bytes` validates them
-    (docs/format.md, "The head"). None when they do not hold ``seq`` (a manifest written
-    before the head came first, or one without the trailer): the caller parses it whole."""
+    (docs/format.md, "The head"). None unless the head holds every field that describes the
+    checkpoint (``HEAD_FIELDS``; a manifest written before the head came first, one without
+    the trailer, one in another order): the caller parses it whole."""
     if not _check_seal(raw, path):
         return None
     fields = parse_json_head(raw, "entries")
-    if fields is None or "seq" not in fields:
+    if fields is None or not HEAD_FIELDS <= fields.keys():
         return None
     head, metrics = validate.parse_summary(fields, path)
     return records.CheckpointInfo(
@@ -167,4 +174,4 @@ def _decode_manifest(raw: bytes, path: str) -> tuple[dict, bool]:
     obj = parse_json_streamed(raw, "entries", validate.entry_converter)
     if obj is not None:
         return obj, True
-    return parse_json(raw, path), False
+    return parse_json(raw, path, unique=True), False

@@ -169,7 +169,7 @@ class Manifest:
             out["save_id"] = self.save_id
         if self.data_dir is not None:
             out["data_dir"] = self.data_dir
-        if self.metrics:
+        if self.metrics or self.version > 1:  # always in a head (files.HEAD_FIELDS)
             out["metrics"] = self.metrics
         out["metadata"] = self.metadata
         out["files"] = [f.to_json() for f in self.files]

@@ -144,16 +144,26 @@ class Handoff:
         the keeper commits there. CommitTimeoutError at ``deadline`` (``time.monotonic()``) if
         it still is; nothing was deleted then."""
         with self._cond:
-            while (self._busy or self._waiting is not None) if name is None else \
-                    name in {d.name for d in (self._waiting, self._writing) if d is not None}:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CommitTimeoutError(
-                        f"the memory tier was still writing {name or 'a checkpoint'} to "
-                        f"storage at the deadline; nothing was deleted (wait() first)",
-                        {0: "busy"})
-                self._cond.wait(left)
+            self._wait_free(name, deadline, "nothing was deleted (wait() first)")
             yield
+
+    def released(self, name: str, deadline: float) -> None:
+        """Return once ``name`` is neither waiting nor being written: the memory commit of a
+        save replacing it (``overwrite=True``) waits here, so the files the keeper copies are
+        not recycled under the copy. CommitTimeoutError at ``deadline``."""
+        with self._cond:
+            self._wait_free(name, deadline, "its replacement was not committed")
+
+    def _wait_free(self, name: str | None, deadline: float, outcome: str) -> None:
+        """With the lock held: :meth:`paused`'s wait."""
+        while (self._busy or self._waiting is not None) if name is None else \
+                name in {d.name for d in (self._waiting, self._writing) if d is not None}:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CommitTimeoutError(f"the memory tier was still writing "
+                                         f"{name or 'a checkpoint'} to storage at the "
+                                         f"deadline; {outcome}", {0: "busy"})
+            self._cond.wait(left)
 
     def take_errors(self) -> list[KeeperError]:
         """The failed writes not reported yet (oldest first); they are reported once."""
@@ -236,12 +246,16 @@ class Handoff:
         link = tiers.link
         if link is not None and not link.lost:
             try:  # waited for as long as the keeper lives: see the docstring
-                link.request({"op": "persist", "name": due.name, "overwrite": due.overwrite},
-                             None)
-                return
+                reply = link.request({"op": "persist", "name": due.name,
+                                      "overwrite": due.overwrite}, None)
             except KeeperError:
                 if not link.lost or self._abandoned:
                     raise
+            else:
+                if reply.get("persisted") != due.name:  # a keeper of another version?
+                    raise KeeperError(f"the keeper answered {reply} to the request to write "
+                                      f"{due.name} to storage; it was not written")
+                return
         log.warning("datastates: the memory keeper is gone; rank 0 writes %s to storage itself",
                     due.name)
         persist_newest(os.path.join(tiers.memdir, place.CKPT), tiers.outer.directory,

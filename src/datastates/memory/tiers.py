@@ -95,6 +95,7 @@ class Tiers:
             outer._exclusive = handoff.idle  # rank 0's own commits into storage wait
             deadline = lambda: time.monotonic() + outer.config.commit_timeout_s  # noqa: E731
             self.memory._delete_guard = lambda name: handoff.paused(name, deadline())
+            self.memory._released = handoff.released
             outer._delete_guard = lambda name: handoff.paused(None, deadline())
         # A tier of its own: the newest keep_last plus the one being written (and those being
         # written to storage).
@@ -125,24 +126,30 @@ class Tiers:
         if errors:
             raise errors[0]
 
-    def quiet_storage(self) -> None:
-        """Every rank, before a restore or load reads storage: return once the keeper writes
-        nothing there (rank 0 waits for the handoff; the others for rank 0), so the commit's
-        retention cannot remove what is read. CommitTimeoutError on every rank if a write takes
-        over ``commit_timeout_s``."""
+    def quiet_storage(self, together: bool) -> None:
+        """Before a restore or load reads storage: return once the keeper writes nothing there,
+        so the commit's retention cannot remove what is read. Rank 0 waits for the handoff;
+        ``together`` (every rank reads storage at this point: the choice was agreed) the other
+        ranks wait for rank 0, else they go on. CommitTimeoutError (on every rank, together) if
+        a write takes over ``commit_timeout_s``."""
         if self.tier.storage_writer != "keeper":  # the same on every rank: one config
             return
+        timeout = self.outer.config.commit_timeout_s
         error = None
         if self.handoff is not None:
             try:
-                self.handoff.idle(time.monotonic() + self.outer.config.commit_timeout_s)
+                self.handoff.idle(time.monotonic() + timeout)
             except CommitTimeoutError as exc:
                 error = str(exc)
-        answers = self.outer.comm.exchange("storage-quiet", {"error": error},
-                                           2 * self.outer.config.commit_timeout_s)
-        if answers[0]["error"] is not None:
-            raise CommitTimeoutError(f"rank {self.outer.rank}: not reading storage: "
-                                     f"{answers[0]['error']}", {0: "busy"})
+        if together:
+            try:
+                error = self.outer.comm.exchange("storage-quiet", {"error": error},
+                                                 2 * timeout)[0]["error"]
+            except TimeoutError as exc:
+                error = str(exc)
+        if error is not None:
+            raise CommitTimeoutError(f"rank {self.outer.rank}: not reading storage: {error}",
+                                     {0: "busy"})
 
     def newest(self, storage: CheckpointInfo | None) -> CheckpointInfo | None:
         """The newer of ``storage`` (storage's newest) and the memory's newest; memory on a tie."""

@@ -36,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("list", help="list the committed checkpoints of a folder, and the damaged "
-                                    "ones (marked !, with the reason)")
+                                    "ones (marked !, with the reason; every manifest's checksum "
+                                    "is checked, the newest's fields all: 'verify --all' checks "
+                                    "every one whole)")
     p.add_argument("path", help="a folder of checkpoints (or s3://bucket/prefix)")
 
     p = sub.add_parser("inspect", help="keys, dtypes, shapes, sizes, shards, step, metadata")
