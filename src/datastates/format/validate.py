@@ -63,32 +63,42 @@ def entry_converter(fields: dict) -> Callable[[Any], TensorEntry | None] | None:
 
 
 def check_written_manifest(obj: dict, entries: tuple[Entry, ...], where: str,
-                           encode: Callable[[list], None]) -> Manifest:
+                           encode: Callable[[bytes], None]) -> Manifest:
     """The writer's check of the manifest it is about to write: :func:`parse_manifest` of the
     manifest whose JSON form is ``obj`` (every field but ``entries``, which it holds empty) with
     the entries ``entries``, and every check it makes.
 
-    The entries are turned into their JSON form a batch at a time; each is checked by the
-    parser and must read back as the record it came from (CorruptCheckpointError naming it
-    otherwise); each batch is then handed to ``encode`` and dropped. So no JSON form of every
-    entry is ever held at once: a manifest of a million tensors stays a million records, not
-    seven million dicts and lists for the garbage collector to walk. The manifest returned
-    holds ``entries`` themselves."""
+    Each entry must read back from its JSON form as the record it came from (CorruptCheckpointError
+    naming it otherwise): an ordinary tensor entry is checked on its record and encoded at once
+    (``plain.tensor_entry_json``, the checks of ``plain.tensor_entry`` on its fields); any other
+    is turned into its JSON form, checked by the parser and compared. The entries are encoded a
+    batch at a time, each batch handed to ``encode`` as its items' bytes (``item,item,...``).
+    So no JSON form of every entry is ever held at once: a manifest of a million tensors stays a
+    million records, not seven million dicts and lists for the garbage collector to walk. The
+    manifest returned holds ``entries`` themselves."""
     at = _At(where)
     m = _dict(obj, at)
     head = _head(m, at, False)
     at_entries = at / "entries"
+    files, world = head.files, head.world
     for start in range(0, len(entries), _BATCH):
-        batch = entries[start:start + _BATCH]
-        values = [e.to_json() for e in batch]
-        for i, (e, value) in enumerate(zip(batch, values), start):
-            parsed = plain.tensor_entry(value, head.files, head.world)
-            if parsed is None:
-                parsed = _entry(value, at_entries / i, head.files, head.world)
-            if parsed != e:
-                raise (at_entries / i).bad(f"the entry {e!r} reads back as {parsed!r}")
-        encode(values)
+        items = []
+        for i, e in enumerate(entries[start:start + _BATCH], start):
+            data = plain.tensor_entry_json(e, files, world)
+            items.append(data if data is not None else _written_entry(e, at_entries / i, head))
+        encode(b",".join(items))
     return _manifest(m, at, head, tuple(entries))
+
+
+def _written_entry(e: Entry, at: _At, head: "_Head") -> bytes:
+    """The encoded JSON form of the entry record ``e``, once the parser reads it back as ``e``."""
+    value = e.to_json()
+    parsed = plain.tensor_entry(value, head.files, head.world)
+    if parsed is None:
+        parsed = _entry(value, at, head.files, head.world)
+    if parsed != e:
+        raise at.bad(f"the entry {e!r} reads back as {parsed!r}")
+    return fmt.encode_json(value)
 
 
 _BATCH = fmt.ENCODE_BATCH
