@@ -204,6 +204,17 @@ def test_tiling_fast_path_finds_what_the_general_check_finds(monkeypatch):
     assert fast > 500 and sum(bool(p) for _, p in cases) > 500
 
 
+def test_regions_by_file_are_those_of_the_entries_of_each_copy():
+    """``Manifest.by_file`` is made from the manifest's own entries when first asked: a copy
+    with other entries (``dataclasses.replace``) has the regions of those."""
+    manifest = _manifest((10, 4), [(0, (0, 0), (5, 4)), (1, (5, 0), (5, 4))])
+    entry = manifest.entries[0]
+    assert manifest.by_file == (((0, 0, entry, entry.shards[0]),),
+                                ((0, 0, entry, entry.shards[1]),), (), ())
+    emptied = dataclasses.replace(manifest, entries=())
+    assert emptied.by_file == ((), (), (), ()) and emptied != manifest
+
+
 def test_remapped_tree_is_that_of_map_leaves():
     """The merge's copy of a rank's tree is what ``tree.map_leaves`` makes of it."""
     from datastates.format import tree

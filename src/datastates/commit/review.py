@@ -14,7 +14,7 @@ from ..errors import CorruptCheckpointError
 from ..format import codec as fmt
 from ..format import tree
 from ..format.records import (FileRef, Manifest, ObjectEntry, RankReport, RankTree, ReportEntry,
-                              ShardRef, TensorEntry, Verdict, regions_by_file)
+                              ShardRef, TensorEntry, Verdict)
 from ..storage.store import Store
 
 Problems = list[tuple[list[int], str]]
@@ -86,7 +86,7 @@ def build_manifest(reports: list[RankReport], *, name: str, step: int | None, me
     return Manifest(version=fmt.MANIFEST_VERSION, name=name, step=step, seq=0, created_unix=time.time(),
                     world_size=len(reports), metadata=metadata, files=tuple(files),
                     entries=entries, ranks=tuple(ranks), save_id=save_id,
-                    metrics=dict(metrics or {}), by_file=regions_by_file(entries, len(files)))
+                    metrics=dict(metrics or {}))
 
 
 def _remap(node: dict, table: list[int]) -> dict:

@@ -25,7 +25,7 @@ from .checks import (MAX_TREE_DEPTH, _U32, _U64, _At, _bool, _check_disjoint, _c
                      _numel, _pieces, _show, _str, _version, check_entry_keys, check_tree_refs)
 from .records import (ABORT_KINDS, PENDING, CheckpointInfo, Entry, FileRef, IndexEntry, Manifest,
                       ObjectEntry, RankReport, RankTree, ReportEntry, SaveRef, ShardIndex,
-                      ShardRef, TensorEntry, Verdict, regions_by_file)
+                      ShardRef, TensorEntry, Verdict, regions_by_file, spans_by_file)
 
 # ---------------------------------------------------------------- manifest
 
@@ -143,11 +143,11 @@ def _manifest(m: dict, at: _At, head: _Head, entries: tuple) -> Manifest:
     """The manifest of ``head`` and its checked ``entries``, once the checks across entries
     (disjoint regions, the trees' references) and the remaining fields pass."""
     files, world = head.files, head.world
-    by_file = regions_by_file(entries, len(files))
-    for file_id, f in enumerate(files):
-        if not plain.sorted_disjoint(by_file[file_id]):  # names the overlap
-            _check_disjoint([(o, n, e.key) for o, n, e, _ in by_file[file_id]],
-                            at / "files" / file_id, f"file {f.name}")
+    for file_id, spans in enumerate(spans_by_file(entries, len(files))):
+        if not plain.sorted_disjoint(spans):  # names the overlap
+            regions = regions_by_file(entries, len(files))[file_id]
+            _check_disjoint([(o, n, e.key) for o, n, e, _ in regions],
+                            at / "files" / file_id, f"file {files[file_id].name}")
     refs: dict = {}
     ranks = _ranks(_get(m, "ranks", at), at / "ranks", world, [e.kind for e in entries], refs,
                    head.version >= 3)
@@ -162,8 +162,7 @@ def _manifest(m: dict, at: _At, head: _Head, entries: tuple) -> Manifest:
     return Manifest(version=head.version, name=head.name, step=head.step, seq=head.seq,
                     created_unix=head.created, world_size=world, metadata=head.metadata,
                     files=files, entries=entries, ranks=ranks, save_id=save_id,
-                    data_dir=data_dir, metrics=_metrics(m.get("metrics", {}), at / "metrics"),
-                    by_file=by_file)
+                    data_dir=data_dir, metrics=_metrics(m.get("metrics", {}), at / "metrics"))
 
 
 def _metrics(value: Any, at: _At) -> dict:
