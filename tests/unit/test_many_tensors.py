@@ -276,6 +276,7 @@ def _general_only(monkeypatch):
     through the general parser (and the writer's general check and encoding)."""
     monkeypatch.setattr(plain, "report_entry", lambda e, f: None)
     monkeypatch.setattr(plain, "tensor_entry_json", lambda e, files, world: None)
+    monkeypatch.setattr(validate, "report_entry_converter", lambda fields: None)
 
 
 def _outcome(fn):
@@ -298,8 +299,9 @@ def _sharded_report(rank: int) -> dict:
     tree = {"t": "dict", "items": [[k, {"t": "tensor", "e": i}] for i, k in
                                    enumerate(("a", "b", "c"))]}
     return {"rank": rank, "save": {"name": "step-0000000001", "step": 1, "nonce": "n"},
-            "root": "/d", "entries": entries, "tree": tree, "replicas": {"c": "d0"},
-            "file": {"name": fmt.shard_file_name(rank), "nbytes": 8192, "index_crc32": 1}}
+            "root": "/d", "file": {"name": fmt.shard_file_name(rank), "nbytes": 8192,
+                                   "index_crc32": 1},
+            "entries": entries, "tree": tree, "replicas": {"c": "d0"}}
 
 
 def _report_mutation(rng: random.Random) -> tuple[int, dict]:
@@ -323,13 +325,36 @@ def _review_outcome(reports: dict) -> tuple:
     the problems found), or the error raised on the way."""
     from datastates.commit.review import build_manifest, check_replicas, check_tiling
     import dataclasses
-    parsed = {r: validate.parse_rank_report(copy.deepcopy(rep), f"report {r}")
-              for r, rep in sorted(reports.items())}
+    parsed = {r: _parse_sent(rep, f"report {r}") for r, rep in sorted(reports.items())}
     manifest = build_manifest([parsed[r] for r in sorted(parsed)], name="step-1", step=1,
                               metadata={}, save_id="n")
     manifest = dataclasses.replace(manifest, created_unix=0.0, seq=1)
     problems = check_tiling(manifest) + check_replicas(parsed)
     return parsed, problems, fmt.manifest_record_bytes(manifest)
+
+
+def _parse_sent(report: dict, where: str):
+    """A report as rank 0 parses it from the bytes another rank sent (commit/round.py)."""
+    obj, checked = validate.decode_rank_report(json.dumps(report).encode())
+    return validate.parse_rank_report(obj, where, checked=checked)
+
+
+def test_a_sent_report_is_decoded_as_json_decodes_it():
+    """A report whose file precedes its entries (as a rank sends it) has its ordinary entries
+    made records as they are decoded, and parses into the record the JSON gives; in another
+    order its entries are left as decoded; not an object, or not JSON, it is what
+    ``json.loads`` makes of it (or raises)."""
+    report = _sharded_report(1)
+    expected = validate.parse_rank_report(copy.deepcopy(report), "r")
+    obj, checked = validate.decode_rank_report(json.dumps(report).encode())
+    assert checked and all(type(e) is not dict for e in obj["entries"][:2])
+    assert validate.parse_rank_report(obj, "r", checked=True) == expected
+    in_order = json.dumps(report, sort_keys=True)  # its entries before its file: as decoded
+    assert validate.decode_rank_report(in_order.encode())[0] == json.loads(in_order)
+    for text in ("[1]", '{"entries": [NaN]}'):
+        assert validate.decode_rank_report(text.encode()) == (json.loads(text), False)
+    with pytest.raises(ValueError):
+        validate.decode_rank_report(b'{"rank": 1,')
 
 
 def test_review_of_mutated_reports_is_that_of_the_general_path(monkeypatch):

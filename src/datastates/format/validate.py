@@ -13,6 +13,7 @@ state-tree checks are in ``checks.py``.
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any, Callable, NamedTuple
@@ -353,9 +354,40 @@ def _index_entry(value: Any, at: _At, data_end: FileRef) -> IndexEntry:
 
 # ---------------------------------------------------------------- rank reports
 
-def parse_rank_report(obj: Any, where: str) -> RankReport:
+def decode_rank_report(raw: bytes) -> tuple[Any, bool]:
+    """The decoded JSON of a rank report as another rank sent it, and whether its ordinary
+    tensor entries were checked and made records as they were decoded (what
+    ``parse_rank_report(checked=True)`` takes): ``codec.parse_json_streamed`` with
+    :func:`report_entry_converter`, so that an entry's dicts and lists live only until it is
+    converted. Anything unusual (not an object, its entries before its ``rank`` and ``file``,
+    invalid JSON) is decoded by ``json.loads`` as it is, unchecked, for the parser to judge
+    (invalid JSON raises its ValueError)."""
+    obj = fmt.parse_json_streamed(raw, "entries", report_entry_converter)
+    if obj is not None:
+        return obj, True
+    return json.loads(raw), False
+
+
+def report_entry_converter(fields: dict) -> Callable[[Any], ReportEntry | None] | None:
+    """For a decoder that reaches a report's ``entries`` after its ``rank`` and ``file``
+    (``fields``: what it decoded so far): the converter making each ordinary tensor entry its
+    record at once (``plain.report_entry``, None for any other entry, left to
+    :func:`parse_rank_report`). None when those fields are missing or do not validate."""
+    at = _At("")
+    try:
+        rank = _int(_get(fields, "rank", at), at, 0, 1 << 24)
+        f = _report_file(_get(fields, "file", at), at, rank)
+    except CorruptCheckpointError:
+        return None
+    return lambda value: plain.report_entry(value, f)
+
+
+def parse_rank_report(obj: Any, where: str, *, checked: bool = False) -> RankReport:
     """Validate the report of another rank: its save, its directory, and either its failure or
-    its shard file, entries (disjoint regions inside the file), tree and replica digests."""
+    its shard file, entries (disjoint regions inside the file), tree and replica digests.
+    ``checked``: the decoder of ``obj`` already made the ordinary tensor entries records, with
+    :func:`report_entry_converter` (:func:`decode_rank_report`; every other entry, and every
+    other field, is checked here)."""
     at = _At(where)
     d = _dict(obj, at)
     rank = _int(_get(d, "rank", at), at / "rank", 0, 1 << 24)
@@ -367,7 +399,8 @@ def parse_rank_report(obj: Any, where: str) -> RankReport:
                           expired=expired)
     f = _report_file(_get(d, "file", at), at / "file", rank)
     entries_at = at / "entries"
-    entries = tuple(plain.report_entry(e, f) or _report_entry(e, entries_at / i, f)
+    entries = tuple(e if checked and type(e) is ReportEntry else
+                    plain.report_entry(e, f) or _report_entry(e, entries_at / i, f)
                     for i, e in enumerate(_list(_get(d, "entries", at), entries_at)))
     _check_disjoint([(e.offset, e.nbytes, e.key) for e in entries if e.written], at, "report")
     refs: dict = {}
