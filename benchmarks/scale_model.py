@@ -79,11 +79,12 @@ class Costs:
 
 
 #: results/scale-model/inputs.json (benchmarks/scale_inputs.py on the 2-core VM, 2026-12-01
-#: 18:55, load average 2.7-4.3), and the CRC-32, torch.save and fresh-copy rates of
+#: 18:55, load average 2.7-4.3; rank 0's review by benchmarks/review_cost.py, 2026-12-02 07:44,
+#: load average 1.8-4.2), and the CRC-32, torch.save and fresh-copy rates of
 #: results/bench-gpt-full (2026-11-30). Used when no ``--inputs`` file is found; the file, when
 #: present, replaces all but the last three.
 MEASURED = Costs(save_per_tensor_s=45.5e-6, commit_per_tensor_s=138e-6,
-                 restore_per_tensor_s=52e-6, rank0_fixed_s=0.19e-3, rank0_per_entry_s=117e-6,
+                 restore_per_tensor_s=52e-6, rank0_fixed_s=0.56e-3, rank0_per_entry_s=21.2e-6,
                  report_bytes_fixed=1390.0, report_bytes_per_entry=235.0,
                  manifest_bytes_fixed=1278.0, manifest_bytes_per_entry=167.0,
                  store_rtt_s=36e-6, store_server_s=14.5e-6, store_value_gbps=0.52,
@@ -291,7 +292,8 @@ def load_costs(inputs: str | None, tensors_json: str | None) -> tuple[Costs, lis
             manifest_bytes_per_entry=r0["manifest_bytes"]["per_entry"],
             store_rtt_s=st["round_trip_s"], store_server_s=st["server_cpu_s_per_request"],
             store_value_gbps=st["value_gbps"])
-        sources = [f"{inputs} (measured {d.get('measured', '?')})"]
+        sources = [f"{inputs} (measured {d.get('measured', '?')}"
+                   + (f"; rank 0's review {r0['measured']})" if "measured" in r0 else ")")]
     if tensors_json:
         with open(tensors_json) as f:
             t = json.load(f)["per_tensor_s"]
