@@ -8,7 +8,10 @@ parser then checks the entry again and names what is wrong. So ``validate.py`` k
 definition of every rule (exact types, ranges, offsets inside the file, boxes inside the tensor
 and the bytes of each box, checksum pieces covering each region); these follow it, written out
 without a call or an error path per field, and tests hold them to it on mutated entries
-(tests/unit/test_many_tensors.py).
+(tests/unit/test_many_tensors.py). The writer's side is the same in reverse:
+:func:`tensor_entry_json` takes the record of a manifest entry about to be written and gives its
+bytes when the reader's :func:`tensor_entry` would read them back as that record, else None (the
+writer then takes the general path: JSON form, parse, compare).
 
 Pure: no I/O.
 """

@@ -69,11 +69,12 @@ def check_written_manifest(obj: dict, entries: tuple[Entry, ...], where: str,
     manifest whose JSON form is ``obj`` (every field but ``entries``, which it holds empty) with
     the entries ``entries``, and every check it makes.
 
-    Each entry must read back from its JSON form as the record it came from (CorruptCheckpointError
-    naming it otherwise): an ordinary tensor entry is checked on its record and encoded at once
-    (``plain.tensor_entry_json``, the checks of ``plain.tensor_entry`` on its fields); any other
-    is turned into its JSON form, checked by the parser and compared. The entries are encoded a
-    batch at a time, each batch handed to ``encode`` as its items' bytes (``item,item,...``).
+    Each entry must read back from its JSON form as the record it came from
+    (CorruptCheckpointError naming it otherwise): an ordinary tensor entry is checked on its
+    record and encoded at once (``plain.tensor_entry_json``, the checks of
+    ``plain.tensor_entry`` on its fields); any other is turned into its JSON form, checked by
+    the parser and compared. The entries are encoded a batch at a time, each batch handed to
+    ``encode`` as its items' bytes (``item,item,...``).
     So no JSON form of every entry is ever held at once: a manifest of a million tensors stays a
     million records, not seven million dicts and lists for the garbage collector to walk. The
     manifest returned holds ``entries`` themselves."""
