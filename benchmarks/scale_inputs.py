@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import logging
 import os
@@ -55,6 +56,11 @@ from datastates.format import codec as fmt  # noqa: E402
 from datastates.format.files import manifest_record_bytes  # noqa: E402
 from datastates.format.records import Verdict  # noqa: E402
 from datastates.format.validate import parse_rank_report  # noqa: E402
+
+try:  # how the commit round decodes a report (benchmarks/review_cost.py measures older trees)
+    from datastates.format.validate import decode_rank_report as _decode_rank_report
+except ImportError:
+    _decode_rank_report = None
 
 SCHEMA = "datastates-scale-inputs/1"
 _ABSENT = "\x00absent"  # the never-blocking read of the commit round (round.py)
@@ -230,9 +236,18 @@ def widen(raw: list[str], world: int, tp: int) -> list[str]:
     return out
 
 
+def _parse_report(text: str, where: str):
+    """A report as the commit round parses the bytes it reads (``decode_rank_report``; a tree
+    without it: ``json.loads``)."""
+    if _decode_rank_report is None:
+        return parse_rank_report(json.loads(text), where)
+    obj, checked = _decode_rank_report(text.encode())
+    return parse_rank_report(obj, where, checked=checked)
+
+
 def _review_once(raw: list[str]) -> dict:
     t0 = time.perf_counter()
-    reports = {r: parse_rank_report(json.loads(text), f"report {r}") for r, text in enumerate(raw)}
+    reports = {r: _parse_report(text, f"report {r}") for r, text in enumerate(raw)}
     t1 = time.perf_counter()
     manifest = build_manifest([reports[r] for r in sorted(reports)], name="step-1", step=1,
                               metadata={}, save_id=reports[0].save.nonce)
@@ -248,8 +263,13 @@ def _review_once(raw: list[str]) -> dict:
 
 def _review_run(raw: list[str], reps: int) -> dict:
     """Rank 0's work on ``raw``, each phase the fastest of ``reps`` (CPU cost: other load on a
-    shared machine only ever adds to it)."""
-    runs = [_review_once(raw) for _ in range(reps)]
+    shared machine only ever adds to it). Each repetition starts after a full collection, so
+    that it pays for the collections its own objects cause, not for those of the objects left
+    before it."""
+    runs = []
+    for _ in range(reps):
+        gc.collect()
+        runs.append(_review_once(raw))
     best = dict(runs[0])
     for key in ("parse_s", "merge_check_s", "encode_s"):
         best[key] = min(r[key] for r in runs)
@@ -267,7 +287,12 @@ def _per_rank(worlds: list[int], captured: int, tensors: int, tp: int, base: str
     """Rank 0's cost per rank report (least-squares slope over ``worlds``) for ``tensors`` per
     rank; ``captured`` reports come from real saves, the rest are relabelled copies."""
     raw = capture_reports(captured, tensors, tp, base)
-    runs = [_review_run(widen(raw, w, tp), reps) for w in worlds]
+    return per_rank_costs(tensors, [_review_run(widen(raw, w, tp), reps) for w in worlds])
+
+
+def per_rank_costs(tensors: int, runs: list[dict]) -> dict:
+    """The slopes over the world sizes of ``runs`` (``_review_run``'s, one per world size, at
+    ``tensors`` per rank): rank 0's time, report bytes and manifest bytes per rank report."""
     xs = [r["world"] for r in runs]
     for r in runs:
         r["total_s"] = r["parse_s"] + r["merge_check_s"] + r["encode_s"]
@@ -280,7 +305,13 @@ def _per_rank(worlds: list[int], captured: int, tensors: int, tp: int, base: str
 def rank0_costs(worlds: list[int], captured: int, tensor_counts: tuple[int, int], tp: int,
                 base: str, reps: int) -> dict:
     """Rank 0's cost per report as ``fixed + per_entry x tensors``, from two tensor counts."""
-    a, b = (_per_rank(worlds, captured, t, tp, base, reps) for t in tensor_counts)
+    return rank0_fit(*(_per_rank(worlds, captured, t, tp, base, reps) for t in tensor_counts),
+                     tp)
+
+
+def rank0_fit(a: dict, b: dict, tp: int) -> dict:
+    """``fixed + per_entry x tensors`` through the costs per rank (``per_rank_costs``) at two
+    tensor counts."""
     dt = b["tensors"] - a["tensors"]
 
     def fit(key):

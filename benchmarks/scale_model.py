@@ -2,7 +2,8 @@
 
     python benchmarks/scale_model.py [--inputs results/scale-model/inputs.json]
                                      [--tensors-json FILE] [--commit-scale FILE]
-                                     [--validate | --sweep] [--every 1,10] [--out DIR]
+                                     [--validate | --sweep [--dp 4,8,...]] [--every 1,10]
+                                     [--out DIR]
                                      [--host-cache-gib G] [--cpu-factor F] [--store-server-us US]
                                      [--tensors-per-rank N] [--no-replica-check]
 
@@ -44,7 +45,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import scale_report  # noqa: E402
 from benchmarks.scale_settings import (  # noqa: E402
-    DEV_VM, GB, SETTINGS, GiB, Machine, Setting, sweep)
+    DEV_VM, GB, SETTINGS, SWEEP_DP, GiB, Machine, Setting, sweep)
 
 #: Poll schedule of a rank waiting in the commit round (datastates/commit/round.py): the first
 #: poll after ``POLL_S``, each next one 1.5x later, at most ``max_poll(ranks)`` apart:
@@ -79,11 +80,12 @@ class Costs:
 
 
 #: results/scale-model/inputs.json (benchmarks/scale_inputs.py on the 2-core VM, 2026-12-01
-#: 18:55, load average 2.7-4.3), and the CRC-32, torch.save and fresh-copy rates of
+#: 18:55, load average 2.7-4.3; rank 0's review by benchmarks/review_cost.py, 2026-12-02 07:50,
+#: load average 1.2-4.4), and the CRC-32, torch.save and fresh-copy rates of
 #: results/bench-gpt-full (2026-11-30). Used when no ``--inputs`` file is found; the file, when
 #: present, replaces all but the last three.
 MEASURED = Costs(save_per_tensor_s=45.5e-6, commit_per_tensor_s=138e-6,
-                 restore_per_tensor_s=52e-6, rank0_fixed_s=0.19e-3, rank0_per_entry_s=117e-6,
+                 restore_per_tensor_s=52e-6, rank0_fixed_s=0.40e-3, rank0_per_entry_s=22.6e-6,
                  report_bytes_fixed=1390.0, report_bytes_per_entry=235.0,
                  manifest_bytes_fixed=1278.0, manifest_bytes_per_entry=167.0,
                  store_rtt_s=36e-6, store_server_s=14.5e-6, store_value_gbps=0.52,
@@ -291,7 +293,8 @@ def load_costs(inputs: str | None, tensors_json: str | None) -> tuple[Costs, lis
             manifest_bytes_per_entry=r0["manifest_bytes"]["per_entry"],
             store_rtt_s=st["round_trip_s"], store_server_s=st["server_cpu_s_per_request"],
             store_value_gbps=st["value_gbps"])
-        sources = [f"{inputs} (measured {d.get('measured', '?')})"]
+        sources = [f"{inputs} (measured {d.get('measured', '?')}"
+                   + (f"; rank 0's review {r0['measured']})" if "measured" in r0 else ")")]
     if tensors_json:
         with open(tensors_json) as f:
             t = json.load(f)["per_tensor_s"]
@@ -352,13 +355,16 @@ def main(argv=None) -> int:
                         help="CheckpointConfig(replica_check=False): no replica digests")
     parser.add_argument("--sweep", action="store_true",
                         help="the 70B job at 256 to 8,192 ranks instead of the four settings")
+    parser.add_argument("--dp", default=None,
+                        help="with --sweep: the data parallel sizes (64 ranks each), e.g. 116,120")
     parser.add_argument("--out", default=None, help="write model.json here")
     args = parser.parse_args(argv)
     costs, sources = load_costs(args.inputs, args.tensors_json)
     if args.store_server_us is not None:
         costs = dataclasses.replace(costs, store_server_s=args.store_server_us * 1e-6)
         sources.append(f"store server time {args.store_server_us:g} us (given)")
-    settings = sweep() if args.sweep else SETTINGS
+    dps = tuple(int(x) for x in args.dp.split(",")) if args.dp else SWEEP_DP
+    settings = sweep(dps) if args.sweep else SETTINGS
     if args.cpu_factor is not None:
         settings = [dataclasses.replace(s, machine=dataclasses.replace(
             s.machine, cpu_factor=args.cpu_factor)) for s in settings]

@@ -103,11 +103,13 @@ def _llama70b(dp: int, machine: Machine = POLARIS, name: str | None = None) -> S
     return Setting(name or f"70B, {64 * dp} ranks", 70e9, 4, 16, dp, 200, 23.5, 0.12, machine)
 
 
-def sweep() -> list[Setting]:
-    """The 70B job from 256 to 8,192 ranks (data parallel 4 to 128): Polaris as long as it has
-    the GPUs (2,240), Polaris-like nodes on a larger file system beyond."""
-    return [_llama70b(dp, POLARIS if 64 * dp <= 2240 else POLARIS_BIG_FS)
-            for dp in (4, 8, 16, 32, 48, 64, 96, 128)]
+SWEEP_DP = (4, 8, 16, 32, 48, 64, 96, 128)
+
+
+def sweep(dps: tuple[int, ...] = SWEEP_DP) -> list[Setting]:
+    """The 70B job from 256 to 8,192 ranks (data parallel 4 to 128, or ``dps``): Polaris as
+    long as it has the GPUs (2,240), Polaris-like nodes on a larger file system beyond."""
+    return [_llama70b(dp, POLARIS if 64 * dp <= 2240 else POLARIS_BIG_FS) for dp in dps]
 
 
 SETTINGS = [

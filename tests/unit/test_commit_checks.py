@@ -154,6 +154,82 @@ def test_many_row_shards_are_checked_quickly():
     assert len(problems) == 1 and "[6:7, 0:8] and [6:8, 0:8]" in problems[0][1]
 
 
+def _slab_boxes(rng, shape):
+    """Boxes of ``shape`` cut into slabs along one dimension, then perhaps spoiled: a slab
+    moved, resized, repeated, dropped, given another number of dimensions."""
+    dim = rng.randrange(len(shape))
+    cuts = sorted(rng.randint(0, shape[dim]) for _ in range(rng.randint(0, 3)))
+    bounds = [0] + cuts + [shape[dim]]
+    boxes = []
+    for r, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        off, box = [0] * len(shape), list(shape)
+        off[dim], box[dim] = a, b - a
+        boxes.append([r % 4, off, box])
+    rng.shuffle(boxes)
+    for _ in range(rng.choice([0, 0, 1, 2])):
+        victim = rng.choice(boxes)
+        what = rng.randrange(6)
+        if what == 0:
+            victim[1][rng.randrange(len(shape))] += rng.choice([-1, 1])
+        elif what == 1:
+            victim[2][rng.randrange(len(shape))] += rng.choice([-1, 1, 2])
+        elif what == 2:
+            boxes.append([rng.randrange(4), list(victim[1]), list(victim[2])])
+        elif what == 3 and len(boxes) > 1:
+            boxes.remove(victim)
+        elif what == 4:
+            victim[1].append(0)
+            victim[2].append(1)
+        else:
+            victim[1][rng.randrange(len(shape))] = rng.randint(-2, 6)
+    return boxes
+
+
+def test_tiling_fast_path_finds_what_the_general_check_finds(monkeypatch):
+    """Slabs along one dimension, exact or spoiled: the problems found are those of the general
+    check alone (the fast path only ever says "tiled" where the general check finds nothing)."""
+    import random
+    rng = random.Random(9)
+    cases, fast = [], 0
+    odd = [((4,), [(0, (0,), (6,)), (1, (6,), (-2,))]),        # end to end, past the end
+           ((4, 2), [(0, (0, 0), (4, 2)), (1, (4, 0), (0, 2))])]  # an empty slab after it
+    for i in range(3000):
+        shape = tuple(rng.randint(0, 5) for _ in range(rng.randint(1, 3)))
+        shape, boxes = odd[i] if i < len(odd) else (shape, _slab_boxes(rng, shape))
+        manifest = _manifest(shape, boxes)
+        cases.append((manifest, check_tiling(manifest)))
+        fast += review._slabs(shape, manifest.entries[0].shards)
+    monkeypatch.setattr(review, "_slabs", lambda shape, shards: False)
+    assert [problems for _, problems in cases] == [check_tiling(m) for m, _ in cases]
+    assert fast > 500 and sum(bool(p) for _, p in cases) > 500
+
+
+def test_regions_by_file_are_those_of_the_entries_of_each_copy():
+    """``Manifest.by_file`` is made from the manifest's own entries when first asked: a copy
+    with other entries (``dataclasses.replace``) has the regions of those."""
+    manifest = _manifest((10, 4), [(0, (0, 0), (5, 4)), (1, (5, 0), (5, 4))])
+    entry = manifest.entries[0]
+    assert manifest.by_file == (((0, 0, entry, entry.shards[0]),),
+                                ((0, 0, entry, entry.shards[1]),), (), ())
+    emptied = dataclasses.replace(manifest, entries=())
+    assert emptied.by_file == ((), (), (), ()) and emptied != manifest
+
+
+def test_remapped_tree_is_that_of_map_leaves():
+    """The merge's copy of a rank's tree is what ``tree.map_leaves`` makes of it."""
+    from datastates.format import tree
+    node = {"t": "odict", "items": [
+        ["a", {"t": "tensor", "e": 1, "param": True}], ["b", {"t": "value", "v": 3}],
+        ["c", {"t": "list", "items": [{"t": "object", "e": 0}, {"t": "tuple", "items": []}]}],
+        ["d", {"t": "provider", "name": "rng", "state": {"t": "dict", "items": [
+            ["s", {"t": "tensor", "e": 2, "np": True}]]}}]]}
+    table = [7, 5, 6]
+    expected = tree.map_leaves(node, lambda _path, n: {**n, "e": table[n["e"]]}
+                               if n["t"] in tree.ENTRY_LEAVES else n)
+    assert review._remap(node, table) == expected
+    assert node["items"][0][1]["e"] == 1  # not modified
+
+
 # ------------------------------------------------------------------ identity and replicas
 
 def _report(rank, name="step-1", step=1, nonce="n", replicas=None, overwrite=False):

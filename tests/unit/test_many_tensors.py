@@ -229,26 +229,192 @@ def _report_json() -> dict:
             "nbytes": 6, "checksums": [[6, 11]]}
 
 
-def test_plain_report_entry_parser_agrees_with_the_general_one():
-    """The same, for the entries of another rank's report."""
+def _shard_report_json() -> dict:
+    """A rank's shard of a global tensor (what ``TensorShard`` reports)."""
+    return {"key": "w", "kind": "tensor", "dtype": "int16", "shape": [1, 3],
+            "global_shape": [4, 3], "global_offset": [2, 0], "offset": 4160, "nbytes": 6,
+            "checksums": [[6, 11]]}
+
+
+def _replica_report_json() -> dict:
+    """A replica this rank holds but does not write."""
+    return {"key": "w", "kind": "tensor", "dtype": "int16", "shape": [3], "replicated": True,
+            "written": False}
+
+
+_REPORT_VALUES = [None, True, False, 0, 1, 2, 3, 4, 6, 64, 4160, 8192, -1, "", "w", [], [3],
+                  [6], [2, 3], [1, 3], [4, 3], [2, 0], [3, 0], [-1, 0], [0, 0, 0], [True, 0],
+                  [[6, 11]], [[3, 1], [3, 2]], [[6, -1]], "int16", "float32", "uint8"]
+
+
+def _report_mutations(rng: random.Random, template):
+    """Variants of a report entry, one or two fields changed or removed at a time."""
+    for _ in range(3000):
+        e = template()
+        for _ in range(rng.choice([1, 1, 2])):
+            key = rng.choice(sorted(e) + ["replicated", "written", "global_shape",
+                                          "global_offset", "extra"])
+            if rng.random() < 0.1:
+                e.pop(key, None)
+            else:
+                e[key] = copy.deepcopy(rng.choice(_REPORT_VALUES))
+        yield e
+
+
+@pytest.mark.parametrize("template", [_report_json, _shard_report_json, _replica_report_json])
+def test_plain_report_entry_parser_agrees_with_the_general_one(template):
+    """The same, for the entries of another rank's report: tensors held whole, shards of a
+    global tensor, replicas not written by this rank."""
     f = FileRef(name=fmt.shard_file_name(0), rank=0, nbytes=8192, index_crc32=0)
-    values = [None, True, False, 0, 1, 6, 64, 4160, 8192, -1, "", "w", [], [3], [6], [2, 3],
-              [[6, 11]], [[3, 1], [3, 2]], [[6, -1]], "int16", "float32", "uint8"]
-    rng = random.Random(11)
-
-    def cases():
-        for _ in range(3000):
-            e = _report_json()
-            for _ in range(rng.choice([1, 1, 2])):
-                key = rng.choice(sorted(e) + ["replicated", "written", "global_shape", "extra"])
-                if rng.random() < 0.1:
-                    e.pop(key, None)
-                else:
-                    e[key] = copy.deepcopy(rng.choice(values))
-            yield e
-
-    _assert_agree(cases(), lambda e: plain.report_entry(e, f),
+    _assert_agree(_report_mutations(random.Random(11), template),
+                  lambda e: plain.report_entry(e, f),
                   lambda e: validate._report_entry(e, _At("r"), f))
+
+
+def _general_only(monkeypatch):
+    """Every fast path of the report parser and of the manifest writer off: each entry goes
+    through the general parser (and the writer's general check and encoding)."""
+    monkeypatch.setattr(plain, "report_entry", lambda e, f: None)
+    monkeypatch.setattr(plain, "tensor_entry_json", lambda e, files, world: None)
+    monkeypatch.setattr(validate, "report_entry_converter", lambda fields: None)
+
+
+def _outcome(fn):
+    """What ``fn()`` gives: ("ok", value) or ("error", type, message)."""
+    try:
+        return ("ok", fn())
+    except Exception as exc:  # noqa: BLE001 -- compared, whatever it is
+        return ("error", type(exc), str(exc))
+
+
+def _sharded_report(rank: int) -> dict:
+    """The JSON report of ``rank`` holding rows ``rank`` of two global tensors and a replica."""
+    entries = [{"key": k, "kind": "tensor", "dtype": "float32", "shape": [1, 2],
+                "global_shape": [4, 2], "global_offset": [rank, 0], "offset": 4096 + 64 * i,
+                "nbytes": 8, "checksums": [[8, 100 + i]]} for i, k in enumerate(("a", "b"))]
+    entries.append({"key": "c", "kind": "tensor", "dtype": "int64", "shape": [2],
+                    "replicated": True, **({"offset": 4224, "nbytes": 16,
+                                            "checksums": [[16, 5]]} if rank == 0 else
+                                           {"written": False})})
+    tree = {"t": "dict", "items": [[k, {"t": "tensor", "e": i}] for i, k in
+                                   enumerate(("a", "b", "c"))]}
+    return {"rank": rank, "save": {"name": "step-0000000001", "step": 1, "nonce": "n"},
+            "root": "/d", "file": {"name": fmt.shard_file_name(rank), "nbytes": 8192,
+                                   "index_crc32": 1},
+            "entries": entries, "tree": tree, "replicas": {"c": "d0"}}
+
+
+def _report_mutation(rng: random.Random) -> tuple[int, dict]:
+    """A rank and its report with one or two fields of its entries (or of itself) changed."""
+    rank = rng.randrange(4)
+    report = _sharded_report(rank)
+    for _ in range(rng.choice([1, 1, 2])):
+        entries = report.get("entries")
+        targets = [report, report.get("file")] + (entries if type(entries) is list else [])
+        target = rng.choice([t for t in targets if type(t) is dict])
+        key = rng.choice(sorted(target) + ["written", "replicated", "global_shape"])
+        if rng.random() < 0.15:
+            target.pop(key, None)
+        else:
+            target[key] = copy.deepcopy(rng.choice(_REPORT_VALUES + [[0, 0], [1, 0], [3, 0]]))
+    return rank, report
+
+
+def _review_outcome(reports: dict) -> tuple:
+    """Rank 0's review of the JSON reports: the parsed reports, then the manifest bytes (or
+    the problems found), or the error raised on the way."""
+    from datastates.commit.review import build_manifest, check_replicas, check_tiling
+    import dataclasses
+    parsed = {r: _parse_sent(rep, f"report {r}") for r, rep in sorted(reports.items())}
+    manifest = build_manifest([parsed[r] for r in sorted(parsed)], name="step-1", step=1,
+                              metadata={}, save_id="n")
+    manifest = dataclasses.replace(manifest, created_unix=0.0, seq=1)
+    problems = check_tiling(manifest) + check_replicas(parsed)
+    return parsed, problems, fmt.manifest_record_bytes(manifest)
+
+
+def _parse_sent(report: dict, where: str):
+    """A report as rank 0 parses it from the bytes another rank sent (commit/round.py)."""
+    obj, checked = validate.decode_rank_report(json.dumps(report).encode())
+    return validate.parse_rank_report(obj, where, checked=checked)
+
+
+def test_a_sent_report_is_decoded_as_json_decodes_it():
+    """A report whose file precedes its entries (as a rank sends it) has its ordinary entries
+    made records as they are decoded, and parses into the record the JSON gives; in another
+    order its entries are left as decoded; not an object, or not JSON, it is what
+    ``json.loads`` makes of it (or raises)."""
+    report = _sharded_report(1)
+    expected = validate.parse_rank_report(copy.deepcopy(report), "r")
+    obj, checked = validate.decode_rank_report(json.dumps(report).encode())
+    assert checked and all(type(e) is not dict for e in obj["entries"][:2])
+    assert validate.parse_rank_report(obj, "r", checked=True) == expected
+    in_order = json.dumps(report, sort_keys=True)  # its entries before its file: as decoded
+    assert validate.decode_rank_report(in_order.encode())[0] == json.loads(in_order)
+    for text in ("[1]", '{"entries": [NaN]}'):
+        assert validate.decode_rank_report(text.encode()) == (json.loads(text), False)
+    with pytest.raises(ValueError):
+        validate.decode_rank_report(b'{"rank": 1,')
+
+
+def test_review_of_mutated_reports_is_that_of_the_general_path(monkeypatch):
+    """Rank 0's review of four reports, one of them changed (wrong types, negative or
+    misaligned offsets, boxes outside the tensor or overlapping another rank's, missing
+    fields): the same reports, problems, manifest bytes and record, or the same error (type
+    and message), with the fast paths as with the general parser and writer alone."""
+    rng = random.Random(5)
+    outcomes = []
+    for _ in range(600):
+        rank, changed = _report_mutation(rng)
+        reports = {r: _sharded_report(r) for r in range(4)}
+        reports[rank] = changed
+        outcomes.append((reports, _outcome(lambda: _review_outcome(reports))))
+    with monkeypatch.context() as m:
+        _general_only(m)
+        general = [_outcome(lambda: _review_outcome(reports)) for reports, _ in outcomes]
+    assert [o for _, o in outcomes] == general
+    kinds = {o[0] if o[0] == "ok" else o[1].__name__ for o in general}
+    assert kinds >= {"ok", "CorruptCheckpointError"}, kinds
+    assert sum(o[0] == "ok" and not o[1][1] for o in general) > 50  # committed as they are
+
+
+def _written_mutations(rng: random.Random, entry):
+    """Records of a manifest entry with one field of it or of its shard changed (records a
+    writer must refuse: a list for a tuple, a bool or a numpy int for an int, a box outside,
+    a misaligned offset, pieces not covering the bytes)."""
+    values = [None, True, 0, 1, 2, 3, -1, 24, 4096, 4100, 4160, 1 << 64, 1.0, "x", [2, 3],
+              (2, 3), (3, 2), (1, 3), (0, 0), (1, 0), (2,), (), np.int64(1), ((24, 5),),
+              ((16, 5), (8, 9)), ((0, 1), (24, 5)), [[16, 5], [8, 9]], ([16, 5], [8, 9]),
+              ((24, -1),), ((24, 1 << 32),), "float32", "int8", torch.Size([2, 3])]
+    for _ in range(3000):
+        e = entry
+        for _ in range(rng.choice([1, 1, 2])):
+            if rng.random() < 0.5:
+                e = e._replace(**{rng.choice(e._fields): rng.choice(values)})
+            else:
+                shard = entry.shards[0]
+                shard = shard._replace(**{rng.choice(shard._fields): rng.choice(values)})
+                e = e._replace(shards=rng.choice([(shard,), (shard, shard), [shard]]))
+        yield e
+
+
+def test_written_entry_fast_path_is_the_general_check_and_encoding():
+    """Where the writer's record check of an ordinary tensor entry accepts, its bytes are those
+    of the entry's JSON form and the general check (JSON form, parse, compare) accepts it;
+    so where the general check refuses, the fast one refuses."""
+    files_ = (FileRef(name=fmt.shard_file_name(0), rank=0, nbytes=8192, index_crc32=0),
+              FileRef(name=fmt.shard_file_name(1), rank=1, nbytes=4096 + 64, index_crc32=0))
+    entry = validate._entry(_entry_json(), _At("m"), files_, 2)
+    head = validate._Head(3, "n", 1, 1, 0.0, 2, {}, files_)
+    accepted = 0
+    for e in _written_mutations(random.Random(3), entry):
+        fast = plain.tensor_entry_json(e, head.files, head.world)
+        general = _outcome(lambda: validate._written_entry(e, _At("m"), head))
+        if fast is not None:
+            accepted += 1
+            assert general == ("ok", fast) == ("ok", codec.encode_json(e.to_json())), e
+        # else the writer takes the general path: its outcome is the general one
+    assert accepted > 50
 
 
 def _saved_manifest(tmp_path, state=None):

@@ -68,3 +68,17 @@ def test_depth_is_bounded():
         deep = {"t": "list", "items": [deep]}
     with pytest.raises(CorruptCheckpointError, match="deeper than 256"):
         sharing.resolve(deep, 1, [BASE], "manifest", 256)
+
+
+def test_only_the_containers_on_the_way_to_a_marker_are_new():
+    """A resolved tree is the tree read with rank 0's nodes in place of its markers: the
+    containers leading to a marker are new (the tree read is not modified), every subtree
+    without a marker is the one read (no copy of what shares nothing)."""
+    written = json.loads(json.dumps(sharing.share(_rank1(), BASE)))
+    kept = copy.deepcopy(written)
+    back = sharing.resolve(written, 1, [BASE], "m", 256)
+    assert back == _rank1() and written == kept
+    assert back is not written and back["items"][0] is not written["items"][0]
+    assert back["items"][1] is written["items"][1]  # the provider: no marker below it
+    alone = json.loads(json.dumps(_rank1()))
+    assert sharing.resolve(alone, 1, [BASE], "m", 256) is alone

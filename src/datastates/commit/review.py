@@ -14,7 +14,7 @@ from ..errors import CorruptCheckpointError
 from ..format import codec as fmt
 from ..format import tree
 from ..format.records import (FileRef, Manifest, ObjectEntry, RankReport, RankTree, ReportEntry,
-                              ShardRef, TensorEntry, Verdict, regions_by_file)
+                              ShardRef, TensorEntry, Verdict)
 from ..storage.store import Store
 
 Problems = list[tuple[list[int], str]]
@@ -86,13 +86,23 @@ def build_manifest(reports: list[RankReport], *, name: str, step: int | None, me
     return Manifest(version=fmt.MANIFEST_VERSION, name=name, step=step, seq=0, created_unix=time.time(),
                     world_size=len(reports), metadata=metadata, files=tuple(files),
                     entries=entries, ranks=tuple(ranks), save_id=save_id,
-                    metrics=dict(metrics or {}), by_file=regions_by_file(entries, len(files)))
+                    metrics=dict(metrics or {}))
 
 
 def _remap(node: dict, table: list[int]) -> dict:
-    """A copy of a rank's tree whose tensor and object nodes index the manifest's entries."""
-    return tree.map_leaves(node, lambda _path, n: {**n, "e": table[n["e"]]}
-                           if n["t"] in tree.ENTRY_LEAVES else n)
+    """A copy of a rank's tree whose tensor and object nodes index the manifest's entries: what
+    ``tree.map_leaves`` makes of it with that leaf function, without building the path of every
+    node (a validated tree: its depth is bounded)."""
+    t = node["t"]
+    if t in tree.ENTRY_LEAVES:
+        return {**node, "e": table[node["e"]]}
+    if t in tree.LEAVES:
+        return node
+    if t == "provider":
+        return {**node, "state": _remap(node["state"], table)}
+    if t in tree.MAPPINGS:
+        return {"t": t, "items": [[k, _remap(child, table)] for k, child in node["items"]]}
+    return {"t": t, "items": [_remap(child, table) for child in node["items"]]}
 
 
 class _Merged:
@@ -185,6 +195,8 @@ def check_tiling(manifest: Manifest) -> Problems:
         if len(e.shards) == 1 and e.shards[0].shape == shape and \
                 not any(e.shards[0].global_offset):
             continue  # one box, the whole tensor: tiled
+        if _slabs(shape, e.shards):
+            continue
         boxes = [(s.global_offset, s.shape, rank_of[s.file]) for s in e.shards]
         outside = [([r], f"box {_box(off, box)} of {e.key!r} lies outside its global "
                          f"shape {list(shape)}") for off, box, r in boxes
@@ -203,6 +215,32 @@ def check_tiling(manifest: Manifest) -> Problems:
                              f"{e.key!r} cover {covered} of its {_volume(shape)} elements "
                              f"(shape {list(shape)}): a gap"))
     return problems
+
+
+def _slabs(shape: tuple, shards: tuple) -> bool:
+    """Whether the boxes are slabs of the whole tensor along one dimension (whole in every
+    other) laid end to end from 0 to its extent: an exact tiling, in which the general check of
+    :func:`check_tiling` finds no problem (inside the shape, none overlapping, nothing left
+    uncovered). False leaves the boxes to that check."""
+    ndim = len(shape)
+    first = shards[0]
+    if not ndim or len(first.shape) != ndim:
+        return False
+    dim = next((d for d in range(ndim) if first.shape[d] != shape[d]), 0)
+    rest = [d for d in range(ndim) if d != dim]
+    spans = []
+    for s in shards:
+        off, box = s.global_offset, s.shape
+        if len(off) != ndim or len(box) != ndim or \
+                any(off[d] != 0 or box[d] != shape[d] for d in rest):
+            return False
+        spans.append((off[dim], box[dim]))
+    end = 0
+    for o, n in sorted(spans):
+        if o != end or n < 0:
+            return False
+        end = o + n
+    return end == shape[dim]
 
 
 def check_replicas(reports: dict[int, RankReport]) -> Problems:

@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 from ..errors import CorruptCheckpointError
 from ..format.records import PENDING, RankReport, Verdict
-from ..format.validate import parse_rank_report, parse_verdict
+from ..format.validate import decode_rank_report, parse_rank_report, parse_verdict
 
 #: What a failed report adds to the reports counter ``<nonce>/n`` (a good one adds 1): the
 #: counter says how many reported and how many failed in one read.
@@ -173,7 +173,7 @@ class StoreCommunicator:
         own = report
         try:
             if self.world_size > 1:  # alone, the report stays in memory (no JSON round trip)
-                self._set_json(f"{sid.nonce}/r{self.rank}", report.to_json())
+                self._set_report(sid, report)
                 self.store.add(f"{sid.nonce}/n", _FAILED if report.failed else 1)
             self._set_json(f"announce/r{self.rank}", sid.describe())
         except Exception as exc:  # the store is gone: nothing reported, nothing to clean
@@ -232,16 +232,18 @@ class StoreCommunicator:
             pass  # the others read the verdict from the disk (the manifest records the nonce)
         return final
 
-    def _check(self, sid, own: RankReport, raw: dict[int, dict],
+    def _check(self, sid, own: RankReport, raw: dict[int, tuple[Any, bool]],
                check) -> tuple[Verdict | None, dict[int, RankReport]]:
-        """Rank 0: parse the other ranks' reports (bytes from other processes), each naming the
-        rank whose key it was read from, and ask ``check``; (its verdict, the parsed reports)."""
+        """Rank 0: parse the other ranks' reports (bytes from other processes, decoded by
+        ``decode_rank_report``), each naming the rank whose key it was read from, and ask
+        ``check``; (its verdict, the parsed reports)."""
         reports = {self.rank: own}
-        for r, obj in sorted(raw.items()):
+        for r, (obj, checked) in sorted(raw.items()):
             if r == self.rank:
                 continue
             try:
-                reports[r] = parse_rank_report(obj, f"the report of rank {r} for {sid.name!r}")
+                reports[r] = parse_rank_report(obj, f"the report of rank {r} for {sid.name!r}",
+                                               checked=checked)
             except CorruptCheckpointError as exc:
                 return Verdict.abort("invalid", f"checkpoint {sid.name!r} was not committed: "
                                      f"rank {r}'s report does not validate", {r: str(exc)}), {}
@@ -251,7 +253,8 @@ class StoreCommunicator:
                                      {r: f"reported as rank {reports[r].rank}"}), {}
         return check(reports), reports
 
-    def _gather(self, sid: SaveId, deadline: float) -> tuple[dict[int, dict], list[int]]:
+    def _gather(self, sid: SaveId, deadline: float) -> tuple[dict[int, tuple[Any, bool]],
+                                                             list[int]]:
         """Every rank's report (JSON), or stop early at the first failed report or claimed
         decision. Each poll costs two requests whatever the world size (the reports counter
         ``<nonce>/n`` and the decision key); the reports are read once, when the counter says
@@ -267,15 +270,16 @@ class StoreCommunicator:
             time.sleep(delay)  # polling store keys, not synchronizing on time
             delay = min(delay * 1.5, self._max_poll)
 
-    def _reports_present(self, sid: SaveId) -> tuple[dict[int, dict], list[int]]:
+    def _reports_present(self, sid: SaveId) -> tuple[dict[int, tuple[Any, bool]], list[int]]:
         """The reports present now, one key at a time (a failed one ends the reading: it
-        decides the round), and the ranks whose report is missing."""
-        reports: dict[int, dict] = {}
+        decides the round), each as ``decode_rank_report`` gives it, and the ranks whose report
+        is missing."""
+        reports: dict[int, tuple[Any, bool]] = {}
         for r in range(self.world_size):
-            report = self._get_json(f"{sid.nonce}/r{r}")
-            if report is not None:
-                reports[r] = report
-                if isinstance(report, dict) and "error" in report:
+            raw = self.store.compare_set(f"{sid.nonce}/r{r}", _ABSENT, _ABSENT)
+            if raw != _ABSENT.encode():
+                reports[r] = report = decode_rank_report(raw)
+                if isinstance(report[0], dict) and "error" in report[0]:
                     return reports, []
         return reports, [r for r in range(self.world_size) if r not in reports]
 
@@ -434,6 +438,11 @@ class StoreCommunicator:
     # ------------------------------------------------------------ helpers
     def _set_json(self, key: str, value: Any) -> None:
         self.store.set(key, json.dumps(value, sort_keys=True))
+
+    def _set_report(self, sid: SaveId, report: RankReport) -> None:
+        """This rank's report, its fields in the order of ``to_json`` (its file before its
+        entries: rank 0 checks each entry as it is decoded, ``decode_rank_report``)."""
+        self.store.set(f"{sid.nonce}/r{self.rank}", json.dumps(report.to_json()))
 
     def _get_json(self, key: str) -> Any:
         """The value of ``key``, or None if absent. Never blocks (``Store.get`` waits for a

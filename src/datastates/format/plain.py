@@ -8,12 +8,16 @@ parser then checks the entry again and names what is wrong. So ``validate.py`` k
 definition of every rule (exact types, ranges, offsets inside the file, boxes inside the tensor
 and the bytes of each box, checksum pieces covering each region); these follow it, written out
 without a call or an error path per field, and tests hold them to it on mutated entries
-(tests/unit/test_many_tensors.py).
+(tests/unit/test_many_tensors.py). The writer's side is the same in reverse:
+:func:`tensor_entry_json` takes the record of a manifest entry about to be written and gives its
+bytes when the reader's :func:`tensor_entry` would read them back as that record, else None (the
+writer then takes the general path: JSON form, parse, compare).
 
 Pure: no I/O.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from . import codec as fmt
@@ -37,57 +41,124 @@ def tensor_entry(e: Any, files: tuple[FileRef, ...], world: int) -> TensorEntry 
     shape = _dims(e.get("shape"))
     if itemsize is None or shape is None:
         return None
-    refs, stored = [], 0
+    refs = []
     for s in shards:
         ref = _shard(s, files, shape, itemsize)
         if ref is None:
             return None
         refs.append(ref)
-        stored += ref.nbytes
-    numel = 1
-    for n in shape:
-        numel *= n
     replicated, rank = e.get("replicated", False), e.get("rank")
-    if numel * itemsize > stored or type(replicated) is not bool or (
-            rank is not None and (type(rank) is not int or not 0 <= rank < world)):
+    if not _entry_fields(shape, itemsize, refs, replicated, rank, world):
         return None
     return TensorEntry(key, dtype, shape, tuple(refs), replicated, rank)
 
 
+def tensor_entry_json(e: Any, files: tuple[FileRef, ...], world: int) -> bytes | None:
+    """The encoded JSON form (``codec.encode_json(e.to_json())``) of the tensor entry record
+    ``e`` when :func:`tensor_entry` reads that form back as a record equal to ``e``, else None
+    (the writer's check then takes the general path and names what is wrong). The checks of
+    :func:`tensor_entry` on the record's own fields, and the bytes written out directly: a
+    writer checks and encodes a million entries without their dicts and lists."""
+    if type(e) is not TensorEntry:
+        return None
+    key, dtype, shape, shards, replicated, rank = e
+    itemsize = _ITEMSIZES.get(dtype) if type(dtype) is str else None
+    if type(key) is not str or itemsize is None or not _is_dims(shape) or \
+            type(shards) is not tuple or not shards:
+        return None
+    parts = []
+    for s in shards:
+        if type(s) is not ShardRef or not _is_dims(s.global_offset) or \
+                not _is_dims(s.shape) or _shard_fields(s, files, shape, itemsize, tuple) is None:
+            return None
+        parts.append(_shard_text(s))
+    if not _entry_fields(shape, itemsize, shards, replicated, rank, world):
+        return None
+    tail = (',"replicated":true' if replicated else '') + \
+        ('' if rank is None else f',"rank":{int.__repr__(rank)}')
+    return (f'{{"kind":"tensor","key":{_string(key)},"dtype":{_string(dtype)},"shape":['
+            f'{_ints(shape)}],"shards":[{",".join(parts)}]{tail}}}').encode()
+
+
+def _entry_fields(shape: tuple[int, ...], itemsize: int, shards, replicated: Any, rank: Any,
+                  world: int) -> bool:
+    """The checks of a tensor entry beyond its shards: they store at least its bytes, and its
+    ``replicated`` and ``rank`` fields."""
+    return _numel(shape) * itemsize <= sum(s.nbytes for s in shards) and \
+        type(replicated) is bool and (rank is None or type(rank) is int and 0 <= rank < world)
+
+
 def _shard(s: Any, files: tuple[FileRef, ...], shape: tuple[int, ...],
-                 itemsize: int) -> ShardRef | None:
+           itemsize: int) -> ShardRef | None:
     """One shard of :func:`tensor_entry`, or None."""
     if type(s) is not dict:
         return None
-    file_id, offset, nbytes = s.get("file"), s.get("offset"), s.get("nbytes")
+    return _shard_fields((s.get("file"), s.get("offset"), s.get("nbytes"),
+                          _dims(s.get("global_offset")), _dims(s.get("shape")),
+                          s.get("checksums")), files, shape, itemsize, list)
+
+
+def _shard_fields(fields: tuple, files: tuple[FileRef, ...], shape: tuple[int, ...],
+                  itemsize: int, form: type) -> ShardRef | None:
+    """The shard whose fields are ``fields`` (file, offset, nbytes, global offset, shape,
+    checksums; the two boxes already shapes or None, the checksum pieces in ``form``: list
+    from JSON, tuple in a record) as its record, or None."""
+    file_id, offset, nbytes, origin, box, checksums = fields
+    if origin is None or box is None or not _in_file(file_id, offset, nbytes, files):
+        return None
+    numel = _fits(origin, box, shape)
+    pieces = _pieces(checksums, nbytes, form)
+    if numel is None or numel * itemsize != nbytes or pieces is None:
+        return None
+    return ShardRef(file_id, offset, nbytes, origin, box, pieces)
+
+
+def _shard_text(s: ShardRef) -> str:
+    """The JSON text of a checked shard record (``encode_json(s.to_json())``)."""
+    sums = ",".join([f"[{length},{crc}]" for length, crc in s.checksums])
+    return (f'{{"file":{s.file},"offset":{s.offset},"nbytes":{s.nbytes},"global_offset":['
+            f'{_ints(s.global_offset)}],"shape":[{_ints(s.shape)}],"checksums":[{sums}]}}')
+
+
+def _in_file(file_id: Any, offset: Any, nbytes: Any, files: tuple[FileRef, ...]) -> bool:
+    """Whether ``[offset, offset + nbytes)`` of file ``file_id`` is a region the format allows:
+    integers, the file one of ``files``, the region aligned and inside its data."""
     if type(file_id) is not int or type(offset) is not int or type(nbytes) is not int or \
             not 0 <= file_id < len(files):
-        return None
+        return False
     size = files[file_id].nbytes
-    if not fmt.HEADER_BYTES <= offset <= size or offset % fmt.DATA_ALIGN or \
-            not 0 <= nbytes <= size - offset:
-        return None
-    box, origin = _dims(s.get("shape")), _dims(s.get("global_offset"))
-    if box is None or origin is None or len(box) != len(shape) or len(origin) != len(shape):
+    return fmt.HEADER_BYTES <= offset <= size and not offset % fmt.DATA_ALIGN and \
+        0 <= nbytes <= size - offset
+
+
+def _fits(origin: tuple[int, ...], box: tuple[int, ...], shape: tuple[int, ...]) -> int | None:
+    """The elements of the box ``box`` at ``origin`` when it lies inside ``shape`` (with its
+    number of dimensions), else None."""
+    if len(box) != len(shape) or len(origin) != len(shape):
         return None
     numel = 1
     for o, n, g in zip(origin, box, shape):
         if o + n > g:
             return None
         numel *= n
-    pieces = _pieces(s.get("checksums"), nbytes)
-    if numel * itemsize != nbytes or pieces is None:
-        return None
-    return ShardRef(file_id, offset, nbytes, origin, box, pieces)
+    return numel
 
 
-def _pieces(found: Any, nbytes: int) -> tuple[tuple[int, int], ...] | None:
-    """Checksum pieces covering ``nbytes`` exactly (the checks of ``checks._pieces``), or None."""
-    if type(found) is not list:
+def _numel(shape: tuple[int, ...]) -> int:
+    numel = 1
+    for n in shape:
+        numel *= n
+    return numel
+
+
+def _pieces(found: Any, nbytes: int, form: type = list) -> tuple[tuple[int, int], ...] | None:
+    """Checksum pieces covering ``nbytes`` exactly (the checks of ``checks._pieces``), each
+    piece and their sequence of type ``form``, as a tuple of pairs; or None."""
+    if type(found) is not form:
         return None
     pieces, total = [], 0
     for p in found:
-        if type(p) is not list or len(p) != 2:
+        if type(p) is not form or len(p) != 2:
             return None
         length, crc = p
         if type(length) is not int or type(crc) is not int or not 1 <= length <= nbytes or \
@@ -100,12 +171,30 @@ def _pieces(found: Any, nbytes: int) -> tuple[tuple[int, int], ...] | None:
 
 def _dims(value: Any) -> tuple[int, ...] | None:
     """``value`` as a shape (a list of at most MAX_NDIM integers in [0, 2**64)), or None."""
-    if type(value) is not list or len(value) > MAX_NDIM:
-        return None
-    for d in value:
+    return tuple(value) if type(value) is list and _all_dims(value) else None
+
+
+def _is_dims(value: Any) -> bool:
+    """Whether ``value`` is a shape as :func:`_dims` makes one (a tuple)."""
+    return type(value) is tuple and _all_dims(value)
+
+
+def _all_dims(values) -> bool:
+    """At most MAX_NDIM items, each an integer in [0, 2**64)."""
+    if len(values) > MAX_NDIM:
+        return False
+    for d in values:
         if type(d) is not int or not 0 <= d <= _U64:
-            return None
-    return tuple(value)
+            return False
+    return True
+
+
+def _ints(values: tuple[int, ...]) -> str:
+    """Exact ints as the items of a JSON array (what ``json.dumps`` writes for each)."""
+    return ",".join(map(int.__repr__, values))
+
+
+_string = json.encoder.encode_basestring_ascii  # what encode_json writes for a str
 
 
 def sorted_disjoint(regions) -> bool:
@@ -121,25 +210,35 @@ def sorted_disjoint(regions) -> bool:
 
 
 def report_entry(e: Any, f: FileRef) -> ReportEntry | None:
-    """The report entry ``e`` of a tensor its rank wrote, not a shard of a global one, as its
-    record, or None (``validate._report_entry`` decides): the checks of
-    ``validate._report_entry`` for a report whose shard file is ``f``."""
-    if type(e) is not dict or e.get("kind") != "tensor" or e.get("global_shape") is not None:
+    """The report entry ``e`` of a tensor as its record, or None (``validate._report_entry``
+    decides): the checks of ``validate._report_entry`` for a report whose shard file is ``f``,
+    for a tensor held whole or a shard of a global tensor, written by this rank or not."""
+    if type(e) is not dict or e.get("kind") != "tensor":
         return None
-    key, dtype, offset, nbytes = e.get("key"), e.get("dtype"), e.get("offset"), e.get("nbytes")
+    key, dtype, shape = e.get("key"), e.get("dtype"), _dims(e.get("shape"))
     replicated, written = e.get("replicated", False), e.get("written", True)
     if type(key) is not str or type(dtype) is not str or type(replicated) is not bool or \
-            written is not True or type(offset) is not int or type(nbytes) is not int:
+            type(written) is not bool or shape is None:
         return None
-    itemsize, shape = _ITEMSIZES.get(dtype), _dims(e.get("shape"))
-    if itemsize is None or shape is None or not fmt.HEADER_BYTES <= offset <= f.nbytes or \
-            offset % fmt.DATA_ALIGN or not 0 <= nbytes <= f.nbytes - offset:
+    itemsize = _ITEMSIZES.get(dtype)
+    if itemsize is None:
         return None
-    numel = 1
-    for n in shape:
-        numel *= n
+    global_shape = global_offset = None
+    if e.get("global_shape") is not None:
+        global_shape, global_offset = _dims(e["global_shape"]), _dims(e.get("global_offset"))
+        if global_shape is None or global_offset is None or \
+                _fits(global_offset, shape, global_shape) is None:
+            return None
+    if not written:
+        if not replicated and global_shape is None:
+            return None
+        return ReportEntry(key, "tensor", False, None, None, dtype, shape, (), None, global_shape,
+                           global_offset, replicated)
+    offset, nbytes = e.get("offset"), e.get("nbytes")
+    if not _in_file(0, offset, nbytes, (f,)) or _numel(shape) * itemsize != nbytes:
+        return None
     pieces = _pieces(e.get("checksums"), nbytes)
-    if numel * itemsize != nbytes or pieces is None:
+    if pieces is None:
         return None
-    return ReportEntry(key, "tensor", True, offset, nbytes, dtype, shape, pieces,
-                       replicated=replicated)
+    return ReportEntry(key, "tensor", True, offset, nbytes, dtype, shape, pieces, None,
+                       global_shape, global_offset, replicated)

@@ -16,6 +16,7 @@ Pure: no I/O, no validation here (``validate.py`` validates, ``files.py`` reads 
 """
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple, Union
@@ -133,9 +134,14 @@ class Manifest:
     data_dir: str | None = None
     #: The numbers ``save(metrics=...)`` recorded (name → finite int or float; optional field).
     metrics: dict = field(default_factory=dict)
-    #: per file, its regions (offset, nbytes, entry, shard or None for an object), by offset
-    by_file: tuple[tuple[tuple[int, int, Entry, "ShardRef | None"], ...], ...] = \
-        field(default=(), repr=False, compare=False)
+
+    @functools.cached_property
+    def by_file(self) -> tuple[tuple[tuple[int, int, Entry, "ShardRef | None"], ...], ...]:
+        """Per file, its regions (offset, nbytes, entry, shard or None for an object), by offset
+        (:func:`regions_by_file`), made when first asked: the manifest rank 0 merges and the
+        one it checks before writing never are, and a copy with other entries
+        (``dataclasses.replace``) has its own."""
+        return regions_by_file(self.entries, len(self.files))
 
     @property
     def nbytes(self) -> int:
@@ -368,6 +374,21 @@ PENDING = Verdict(ok=False, pending=True)
 # ---------------------------------------------------------------- shared by writers and parsers
 
 _offset_and_size = operator.itemgetter(0, 1)
+
+
+def spans_by_file(entries: tuple[Entry, ...], nfiles: int) -> list[list[tuple[int, int]]]:
+    """Each file's regions as (offset, nbytes), sorted: what :func:`regions_by_file` gives
+    without the entries (pairs of ints, which the garbage collector stops tracking)."""
+    out: list[list] = [[] for _ in range(nfiles)]
+    for e in entries:
+        if isinstance(e, ObjectEntry):
+            out[e.file].append((e.offset, e.nbytes))
+        else:
+            for s in e.shards:
+                out[s.file].append((s.offset, s.nbytes))
+    for spans in out:
+        spans.sort()
+    return out
 
 
 def regions_by_file(entries: tuple[Entry, ...], nfiles: int) -> tuple:

@@ -56,8 +56,9 @@ def resolve(node: Any, rank: int, bases: list[dict], where: str, max_depth: int)
     at the same path of the earlier rank it names (``bases[r]``, already resolved and
     validated). CorruptCheckpointError naming ``where`` and the path for a marker that names no
     earlier rank, a path that rank's tree does not have, or a tree deeper than ``max_depth``.
-    ``node`` is not modified: the containers on the way are new (the caller may still encode
-    the JSON it parsed)."""
+    ``node`` is not modified: the containers on the way to a marker are new (the caller may
+    still encode the JSON it parsed); a subtree holding no marker is given back as it is (no
+    copy of a tree that shares nothing)."""
     return _resolve(node, bases[0] if bases else None, rank, bases, where, (), 1, max_depth)
 
 
@@ -72,23 +73,28 @@ def _resolve(node: Any, base: Any, rank: int, bases: list, where: str, path: tup
         return _base(node, base, rank, bases, where, path)
     items = node.get("items")
     if (t in MAPPINGS or t in SEQUENCES) and type(items) is list:
-        out = []
+        out, changed = [], False
         for i, item in enumerate(items):
             if t in MAPPINGS:
                 if type(item) is not list or len(item) != 2:
                     out.append(item)
                     continue
                 key, child = item
-                out.append([key, _resolve(child, _child(base, t, key, i), rank, bases, where,
-                                          path + (key,), depth + 1, max_depth)])
+                new = _resolve(child, _child(base, t, key, i), rank, bases, where,
+                               path + (key,), depth + 1, max_depth)
+                out.append(item if new is child else [key, new])
             else:
-                out.append(_resolve(item, _child(base, t, i, i), rank, bases, where,
-                                    path + (i,), depth + 1, max_depth))
-        return {**node, "items": out}
+                child = item
+                new = _resolve(child, _child(base, t, i, i), rank, bases, where, path + (i,),
+                               depth + 1, max_depth)
+                out.append(new)
+            changed = changed or new is not child
+        return {**node, "items": out} if changed else node
     if t == "provider" and "state" in node:
         child_base = base.get("state") if type(base) is dict else None
-        return {**node, "state": _resolve(node["state"], child_base, rank, bases, where, path,
-                                          depth + 1, max_depth)}
+        state = _resolve(node["state"], child_base, rank, bases, where, path, depth + 1,
+                         max_depth)
+        return node if state is node["state"] else {**node, "state": state}
     return node
 
 

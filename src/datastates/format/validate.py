@@ -13,6 +13,7 @@ state-tree checks are in ``checks.py``.
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any, Callable, NamedTuple
@@ -25,7 +26,7 @@ from .checks import (MAX_TREE_DEPTH, _U32, _U64, _At, _bool, _check_disjoint, _c
                      _numel, _pieces, _show, _str, _version, check_entry_keys, check_tree_refs)
 from .records import (ABORT_KINDS, PENDING, CheckpointInfo, Entry, FileRef, IndexEntry, Manifest,
                       ObjectEntry, RankReport, RankTree, ReportEntry, SaveRef, ShardIndex,
-                      ShardRef, TensorEntry, Verdict, regions_by_file)
+                      ShardRef, TensorEntry, Verdict, regions_by_file, spans_by_file)
 
 # ---------------------------------------------------------------- manifest
 
@@ -72,32 +73,43 @@ def entry_converter(fields: dict) -> Callable[[Any], TensorEntry | None] | None:
 
 
 def check_written_manifest(obj: dict, entries: tuple[Entry, ...], where: str,
-                           encode: Callable[[list], None]) -> Manifest:
+                           encode: Callable[[bytes], None]) -> Manifest:
     """The writer's check of the manifest it is about to write: :func:`parse_manifest` of the
     manifest whose JSON form is ``obj`` (every field but ``entries``, which it holds empty) with
     the entries ``entries``, and every check it makes.
 
-    The entries are turned into their JSON form a batch at a time; each is checked by the
-    parser and must read back as the record it came from (CorruptCheckpointError naming it
-    otherwise); each batch is then handed to ``encode`` and dropped. So no JSON form of every
-    entry is ever held at once: a manifest of a million tensors stays a million records, not
-    seven million dicts and lists for the garbage collector to walk. The manifest returned
-    holds ``entries`` themselves."""
+    Each entry must read back from its JSON form as the record it came from
+    (CorruptCheckpointError naming it otherwise): an ordinary tensor entry is checked on its
+    record and encoded at once (``plain.tensor_entry_json``, the checks of
+    ``plain.tensor_entry`` on its fields); any other is turned into its JSON form, checked by
+    the parser and compared. The entries are encoded a batch at a time, each batch handed to
+    ``encode`` as its items' bytes (``item,item,...``).
+    So no JSON form of every entry is ever held at once: a manifest of a million tensors stays a
+    million records, not seven million dicts and lists for the garbage collector to walk. The
+    manifest returned holds ``entries`` themselves."""
     at = _At(where)
     m = _dict(obj, at)
     head = _head(m, at, False)
     at_entries = at / "entries"
+    files, world = head.files, head.world
     for start in range(0, len(entries), _BATCH):
-        batch = entries[start:start + _BATCH]
-        values = [e.to_json() for e in batch]
-        for i, (e, value) in enumerate(zip(batch, values), start):
-            parsed = plain.tensor_entry(value, head.files, head.world)
-            if parsed is None:
-                parsed = _entry(value, at_entries / i, head.files, head.world)
-            if parsed != e:
-                raise (at_entries / i).bad(f"the entry {e!r} reads back as {parsed!r}")
-        encode(values)
+        items = []
+        for i, e in enumerate(entries[start:start + _BATCH], start):
+            data = plain.tensor_entry_json(e, files, world)
+            items.append(data if data is not None else _written_entry(e, at_entries / i, head))
+        encode(b",".join(items))
     return _manifest(m, at, head, tuple(entries))
+
+
+def _written_entry(e: Entry, at: _At, head: "_Head") -> bytes:
+    """The encoded JSON form of the entry record ``e``, once the parser reads it back as ``e``."""
+    value = e.to_json()
+    parsed = plain.tensor_entry(value, head.files, head.world)
+    if parsed is None:
+        parsed = _entry(value, at, head.files, head.world)
+    if parsed != e:
+        raise at.bad(f"the entry {e!r} reads back as {parsed!r}")
+    return fmt.encode_json(value)
 
 
 _BATCH = fmt.ENCODE_BATCH
@@ -142,11 +154,11 @@ def _manifest(m: dict, at: _At, head: _Head, entries: tuple) -> Manifest:
     """The manifest of ``head`` and its checked ``entries``, once the checks across entries
     (disjoint regions, the trees' references) and the remaining fields pass."""
     files, world = head.files, head.world
-    by_file = regions_by_file(entries, len(files))
-    for file_id, f in enumerate(files):
-        if not plain.sorted_disjoint(by_file[file_id]):  # names the overlap
-            _check_disjoint([(o, n, e.key) for o, n, e, _ in by_file[file_id]],
-                            at / "files" / file_id, f"file {f.name}")
+    for file_id, spans in enumerate(spans_by_file(entries, len(files))):
+        if not plain.sorted_disjoint(spans):  # names the overlap
+            regions = regions_by_file(entries, len(files))[file_id]
+            _check_disjoint([(o, n, e.key) for o, n, e, _ in regions],
+                            at / "files" / file_id, f"file {files[file_id].name}")
     refs: dict = {}
     ranks = _ranks(_get(m, "ranks", at), at / "ranks", world, [e.kind for e in entries], refs,
                    head.version >= 3)
@@ -161,8 +173,7 @@ def _manifest(m: dict, at: _At, head: _Head, entries: tuple) -> Manifest:
     return Manifest(version=head.version, name=head.name, step=head.step, seq=head.seq,
                     created_unix=head.created, world_size=world, metadata=head.metadata,
                     files=files, entries=entries, ranks=ranks, save_id=save_id,
-                    data_dir=data_dir, metrics=_metrics(m.get("metrics", {}), at / "metrics"),
-                    by_file=by_file)
+                    data_dir=data_dir, metrics=_metrics(m.get("metrics", {}), at / "metrics"))
 
 
 def _metrics(value: Any, at: _At) -> dict:
@@ -353,9 +364,40 @@ def _index_entry(value: Any, at: _At, data_end: FileRef) -> IndexEntry:
 
 # ---------------------------------------------------------------- rank reports
 
-def parse_rank_report(obj: Any, where: str) -> RankReport:
+def decode_rank_report(raw: bytes) -> tuple[Any, bool]:
+    """The decoded JSON of a rank report as another rank sent it, and whether its ordinary
+    tensor entries were checked and made records as they were decoded (what
+    ``parse_rank_report(checked=True)`` takes): ``codec.parse_json_streamed`` with
+    :func:`report_entry_converter`, so that an entry's dicts and lists live only until it is
+    converted. Anything unusual (not an object, its entries before its ``rank`` and ``file``,
+    invalid JSON) is decoded by ``json.loads`` as it is, unchecked, for the parser to judge
+    (invalid JSON raises its ValueError)."""
+    obj = fmt.parse_json_streamed(raw, "entries", report_entry_converter)
+    if obj is not None:
+        return obj, True
+    return json.loads(raw), False
+
+
+def report_entry_converter(fields: dict) -> Callable[[Any], ReportEntry | None] | None:
+    """For a decoder that reaches a report's ``entries`` after its ``rank`` and ``file``
+    (``fields``: what it decoded so far): the converter making each ordinary tensor entry its
+    record at once (``plain.report_entry``, None for any other entry, left to
+    :func:`parse_rank_report`). None when those fields are missing or do not validate."""
+    at = _At("")
+    try:
+        rank = _int(_get(fields, "rank", at), at, 0, 1 << 24)
+        f = _report_file(_get(fields, "file", at), at, rank)
+    except CorruptCheckpointError:
+        return None
+    return lambda value: plain.report_entry(value, f)
+
+
+def parse_rank_report(obj: Any, where: str, *, checked: bool = False) -> RankReport:
     """Validate the report of another rank: its save, its directory, and either its failure or
-    its shard file, entries (disjoint regions inside the file), tree and replica digests."""
+    its shard file, entries (disjoint regions inside the file), tree and replica digests.
+    ``checked``: the decoder of ``obj`` already made the ordinary tensor entries records, with
+    :func:`report_entry_converter` (:func:`decode_rank_report`; every other entry, and every
+    other field, is checked here)."""
     at = _At(where)
     d = _dict(obj, at)
     rank = _int(_get(d, "rank", at), at / "rank", 0, 1 << 24)
@@ -367,7 +409,8 @@ def parse_rank_report(obj: Any, where: str) -> RankReport:
                           expired=expired)
     f = _report_file(_get(d, "file", at), at / "file", rank)
     entries_at = at / "entries"
-    entries = tuple(plain.report_entry(e, f) or _report_entry(e, entries_at / i, f)
+    entries = tuple(e if checked and type(e) is ReportEntry else
+                    plain.report_entry(e, f) or _report_entry(e, entries_at / i, f)
                     for i, e in enumerate(_list(_get(d, "entries", at), entries_at)))
     _check_disjoint([(e.offset, e.nbytes, e.key) for e in entries if e.written], at, "report")
     refs: dict = {}
