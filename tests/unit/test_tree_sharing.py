@@ -35,6 +35,21 @@ def test_equal_subtrees_become_markers_and_come_back():
     assert sharing.share(copy.deepcopy(BASE), BASE) == {"t": "same", "r": 0}
 
 
+@pytest.mark.parametrize("mine, theirs", [(1, True), (0, False), (1, 1.0), (-0.0, 0.0),
+                                           ("1", 1), (None, False), ([1], [True])])
+def test_values_equal_only_to_python_stay_per_rank(mine, theirs):
+    """Rank 1's value, or a key of its dict, equals rank 0's under Python's ``==`` but is other
+    JSON: it is written, and reads back as its own, with its own type."""
+    def tree(value, key):
+        return {"t": "dict", "items": [[key, {"t": "value", "v": value}],
+                                       ["w", {"t": "tensor", "e": 0}]]}
+    for node, base in ((tree(mine, "k"), tree(theirs, "k")), (tree(0, mine), tree(0, theirs))):
+        written = json.loads(json.dumps(sharing.share(node, base)))
+        assert written != {"t": "same", "r": 0}
+        back = sharing.resolve(written, 1, [base], "m", 256)
+        assert json.dumps(back) == json.dumps(node) != json.dumps(base)
+
+
 def test_different_keys_or_lengths_are_written_in_full():
     other = copy.deepcopy(BASE)
     other["items"][0][1]["items"].reverse()  # same keys, another order

@@ -27,18 +27,19 @@ SEQUENCES = ("list", "tuple")
 
 def share(node: dict, base: dict | None) -> dict:
     """``node`` (a rank's tree) with every subtree equal to ``base``'s at the same path (rank
-    0's tree) replaced by a ``same`` marker. Only containers with the same type and, for
+    0's tree) replaced by a ``same`` marker. Equal means the same JSON (:func:`same_json`:
+    ``1``, ``1.0`` and ``true`` differ). Only containers with the same type and, for
     mappings, the same keys in the same order are entered; ``node`` is not modified."""
     if base is None:
         return node
-    if node == base:
+    if same_json(node, base):
         return {"t": SAME, "r": 0}
     t = node.get("t")
     if t != base.get("t"):
         return node
     if t in MAPPINGS:
         mine, theirs = node["items"], base["items"]
-        if [k for k, _ in mine] != [k for k, _ in theirs]:
+        if not same_json([k for k, _ in mine], [k for k, _ in theirs]):
             return node
         return {**node, "items": [[k, share(child, other[1])]
                                   for (k, child), other in zip(mine, theirs)]}
@@ -49,6 +50,21 @@ def share(node: dict, base: dict | None) -> dict:
     if t == "provider" and node.get("name") == base.get("name") and "state" in node:
         return {**node, "state": share(node["state"], base.get("state"))}
     return node
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` encode to the same JSON: Python's ``==`` takes ``1``, ``1.0``
+    and ``True`` (and ``0.0`` and ``-0.0``) for equal, which would hand a rank another rank's
+    value."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is dict:
+        return a.keys() == b.keys() and all(same_json(v, b[k]) for k, v in a.items())
+    if type(a) in (list, tuple):
+        return len(a) == len(b) and all(map(same_json, a, b))
+    if type(a) is float:
+        return a.hex() == b.hex()
+    return a == b
 
 
 def resolve(node: Any, rank: int, bases: list[dict], where: str, max_depth: int) -> Any:
