@@ -63,3 +63,16 @@ def test_scripts_import_from_any_directory(tmp_path):
                               capture_output=True, text=True, timeout=300, cwd=tmp_path,
                               env={"PATH": "/usr/bin:/bin"})
         assert done.returncode == 0 and says in done.stdout, (script, done.stderr[-2000:])
+
+
+def test_bench_memory_writes_every_row(tmp_path, shm_root):
+    out = tmp_path / "memory.json"
+    _run("bench_memory.py", "--gib", "0.02", "--reps", "1", "--snapshots", "55",
+         "--dir", str(tmp_path), "--shm", shm_root, "--json", str(out))
+    result = json.loads(out.read_text())
+    assert set(result["restore"]) == {"memcpy", "read", "read_crc", "restore_memory",
+                                      "restore_memory_restart", "restore_disk_warm",
+                                      "restore_disk_cold"}
+    assert all(math.isfinite(r["gbps"]) and r["gbps"] > 0 for r in result["restore"].values())
+    snap = result["snapshots"]
+    assert snap["at_end"]["fds"] == snap["at_50"]["fds"]
