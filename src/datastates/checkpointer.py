@@ -624,14 +624,18 @@ class Checkpointer:
 
         With ``config.memory_tier`` whose keeper writes storage: ``self.memory.delete()`` of a
         memory checkpoint the keeper is writing to storage (or that waits for it) first waits
-        until that write is done, and ``delete()`` in storage until no write to storage runs;
-        CommitTimeoutError, nothing removed, if that takes over ``commit_timeout_s``."""
+        until that write is done, and ``delete()`` in storage until no write to storage runs
+        (both first wait for the saves in flight on this pipeline, so a save just committed has
+        been handed on); CommitTimeoutError, nothing removed, if that takes over
+        ``commit_timeout_s``."""
         if (step is None) == (tag is None):
             raise ConfigError(f"delete() needs exactly one of step= or tag= to name the "
                               f"checkpoint; found step={step!r}, tag={tag!r}")
         check_step(step)
         name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
         if self.rank == 0:
+            if self._delete_guard is not None:
+                self._pipeline.drain()  # a save just committed is handed on before we look
             with self._delete_guard(name) if self._delete_guard else contextlib.nullcontext():
                 retention.delete(self.directory, name, self.config.fsync, self.store)
 

@@ -480,6 +480,22 @@ def test_delete_and_a_restore_from_storage_wait_for_the_keeper_s_write(shm_root,
     ck.close(stop_keeper=True)
 
 
+def test_deleting_a_save_just_made_waits_for_its_commit_and_its_copy(shm_root, tmp_path):
+    """``memory.delete()`` right after a save due for storage, not waited for: the delete waits
+    until the save is committed and handed on, then until the keeper's copy is done, and only
+    then removes it from memory; storage holds it bit-exact and no write failed."""
+    storage = tmp_path / "ckpt"
+    ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2)))
+    ck.save(make_state(2, big=False), step=2)
+    ck.memory.delete(step=2)
+    assert ck.memory.list() == []
+    ck.wait()  # no KeeperError: the copy was not disturbed
+    assert [i.step for i in ck.list()] == [2]
+    ck.close(stop_keeper=True)
+    with datastates.Checkpointer(storage) as plain:
+        assert_bit_exact(plain.load(step=2), make_state(2, big=False))
+
+
 def test_replacing_a_memory_checkpoint_the_keeper_copies_waits_for_the_copy(shm_root, tmp_path):
     """Step 2 is handed on and its copy held back; a memory save replacing step 2
     (overwrite=True) does not commit until the copy is done, so the shard files the keeper
