@@ -459,3 +459,24 @@ def test_the_head_decoder_stops_at_its_field_only():
                 b'[{"entries":[]}]', b'{"a":NaN,"entries":[]}', b'{"a":1 "entries":[]}',
                 b'{"a":1,', b'\xff\xfe{', b''):
         assert head(raw, "entries") is None, raw
+
+
+@pytest.mark.parametrize("dim", [1 << 63, (1 << 64) - 1])
+def test_a_dimension_torch_cannot_hold_is_damage_even_with_no_element(tmp_path, dim):
+    """A tensor of shape [0, 2**63] holds no byte, so every byte count checks; its allocation
+    would raise an untyped error in torch. The manifest is refused (the checkpoint damaged,
+    a read of it CorruptCheckpointError); [2**62, 0] is a valid empty tensor."""
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
+        ck.save({"e": torch.empty(0, 3), "b": torch.ones(2)}, step=1).wait()
+        ck.save({"e": torch.empty(0, 3), "b": torch.ones(2)}, step=2).wait()
+    for step, shape in ((1, [1 << 62, 0]), (2, [0, dim])):
+        path = str(tmp_path / fmt.step_name(step))
+        obj = _body(path)
+        entry = next(e for e in obj["entries"] if e["key"] == "e")
+        entry["shape"] = entry["shards"][0]["shape"] = shape
+        _reseal(path, obj)
+    with Checkpointer(tmp_path) as ck:
+        assert [d.name for d in ck.damaged()] == ["step-0000000002"]
+        assert ck.load()["e"].shape == (1 << 62, 0)
+        with pytest.raises(CorruptCheckpointError, match="shape"):
+            ck.load(step=2)

@@ -27,6 +27,9 @@ MAX_TREE_DEPTH = 256
 MAX_NDIM = 64
 _U32 = 0xFFFFFFFF
 _U64 = (1 << 64) - 1
+#: The largest dimension or offset of a tensor: torch's sizes are int64 (a larger one, even in a
+#: tensor of no element, would make its allocation raise an untyped error).
+MAX_DIM = (1 << 63) - 1
 _NODE_TYPES = tree.NODE_TYPES
 
 
@@ -87,7 +90,7 @@ def _field_dims(obj: dict, key: str, at: _At) -> tuple[int, ...]:
     """``obj[key]``, a list of at most MAX_NDIM non-negative integers."""
     value = obj.get(key, _MISSING)
     if type(value) is list and len(value) <= MAX_NDIM and \
-            all(type(d) is int and 0 <= d <= _U64 for d in value):
+            all(type(d) is int and 0 <= d <= MAX_DIM for d in value):
         return tuple(value)
     return _dims(_get(obj, key, at), at / key)
 
@@ -138,9 +141,9 @@ def _dims(value: Any, at: _At) -> tuple[int, ...]:
     dims = _list(value, at)
     if len(dims) > MAX_NDIM:
         raise at.bad(f"expected at most {MAX_NDIM} dimensions, found {len(dims)}")
-    if all(type(d) is int and 0 <= d <= _U64 for d in dims):
+    if all(type(d) is int and 0 <= d <= MAX_DIM for d in dims):
         return tuple(dims)
-    return tuple(_int(d, at / i, 0, _U64) for i, d in enumerate(dims))  # raises for the bad one
+    return tuple(_int(d, at / i, 0, MAX_DIM) for i, d in enumerate(dims))  # raises for the bad one
 
 
 def _numel(shape: tuple[int, ...], cap: int) -> int | None:

@@ -21,7 +21,7 @@ import json
 from typing import Any
 
 from . import codec as fmt
-from .checks import MAX_NDIM, _U32, _U64
+from .checks import MAX_DIM, MAX_NDIM, _U32, _U64
 from .records import FileRef, ReportEntry, ShardRef, TensorEntry
 
 _ITEMSIZES = fmt.ITEMSIZES
@@ -180,11 +180,11 @@ def _is_dims(value: Any) -> bool:
 
 
 def _all_dims(values) -> bool:
-    """At most MAX_NDIM items, each an integer in [0, 2**64)."""
+    """At most MAX_NDIM items, each an integer in [0, 2**63) (``checks.MAX_DIM``)."""
     if len(values) > MAX_NDIM:
         return False
     for d in values:
-        if type(d) is not int or not 0 <= d <= _U64:
+        if type(d) is not int or not 0 <= d <= MAX_DIM:
             return False
     return True
 
