@@ -69,20 +69,23 @@ class Checkpointer:
     committed or failed, so ``save(); restore()`` sees the checkpoint just saved and a restore
     never changes state that an in-flight snapshot is still reading.
 
-    ``config.memory_tier`` (docs/memory-tier.md): rank 0 attaches to the job's keeper process
-    (starting one if none runs; KeeperError if it cannot), every rank must be on one node
-    (ConfigError otherwise), and ``memory`` is the Checkpointer of the memory tier.
+    ``config.memory_tier`` (docs/memory-tier.md): the lowest rank of each node attaches to
+    that node's keeper process (starting one if none runs; KeeperError if it cannot), and
+    ``memory`` is the Checkpointer of the memory tier (of this node's ranks, when the job runs
+    on several nodes).
     """
 
     def __init__(self, directory: str | os.PathLike, config: CheckpointConfig | None = None, *,
                  registry: ProviderRegistry | None = None, communicator=None,
                  share: "Checkpointer | None" = None,
-                 storage_options: Mapping[str, Any] | None = None, _store=None):
+                 storage_options: Mapping[str, Any] | None = None, _store=None, _comm=None):
         self.directory = normalize(directory)
         #: Where the checkpoints live: the local file system, or an object store for
         #: ``s3://bucket/prefix`` (endpoint and credentials from ``storage_options`` or the
         #: environment; the bucket and credentials are checked here). ``_store`` (internal):
-        #: the memory tier's recycling store.
+        #: the memory tier's recycling store; ``_comm`` (internal, with ``share=``): the
+        #: communicator of the ranks this Checkpointer's saves commit among (a node group of
+        #: the memory tier, memory/nodes.py), the shared one's by default.
         self.store = _store or open_store(self.directory, storage_options)
         if share is not None:
             share._check_open()
@@ -93,6 +96,8 @@ class Checkpointer:
                 raise ValueError("a Checkpointer created with share= uses the shared one's "
                                  "communicator")
             self.config, self.comm, self._pipeline = share.config, share.comm, share._pipeline
+            if _comm is not None:  # the memory tier of a node group: its ranks commit together
+                self.comm = _comm
         else:
             self.config = config or CheckpointConfig()
             self.comm = communicator or _default_communicator()
@@ -131,6 +136,16 @@ class Checkpointer:
         #: ``info -> bool``: whether a candidate was checked since its last write, so a
         #: fallback restore reads it without checksums (the memory tier's marks)
         self._prechecked = None
+        #: The memory tier of several nodes (memory/nodes.py): a save of a sharded tensor is
+        #: refused (a node group's checkpoint would hold some boxes of it only); a fallback
+        #: restore agrees
+        #: through ``_agree`` (the job's communicator: every node holds the step restored),
+        #: ranks the candidates by ``_order`` (None: the commit number) and takes those that
+        #: ``_eligible`` accepts (None: all; the memory tier: none older than storage's newest).
+        self._partial = False
+        self._agree = None
+        self._order = None
+        self._eligible = None
         #: Rank 0 with a memory tier whose keeper writes to storage (memory/handoff.py): the
         #: memory Checkpointer's ``on_commit`` hands a save due for storage on; the storage
         #: Checkpointer's ``exclusive`` holds its own commits while one is written there.
@@ -148,8 +163,8 @@ class Checkpointer:
         if cfg.memory_tier is not None and share is None:
             from .memory.tiers import Tiers
             try:
-                self._tiers = Tiers(self, cfg.memory_tier, lambda path, store: Checkpointer(
-                    path, share=self, _store=store))
+                self._tiers = Tiers(self, cfg.memory_tier, lambda path, store, comm:
+                                    Checkpointer(path, share=self, _store=store, _comm=comm))
             except BaseException:
                 self.close()
                 raise
@@ -229,7 +244,7 @@ class Checkpointer:
             tmp=self._publisher.tmp_location(self.directory, name, self.comm.run_id, sid.attempt),
             store=self.store, overwrite=overwrite, deadline=deadline,
             timeout_s=cfg.commit_timeout_s, fsync=cfg.fsync, replica_check=cfg.replica_check,
-            retention=self._retention, catalog=self._catalog,
+            retention=self._retention, catalog=self._catalog, comm=self.comm,
             exclusive=functools.partial(self._released, name)
             if overwrite and self._released is not None else self._exclusive,
             on_commit=functools.partial(self._on_commit, overwrite=overwrite)
@@ -279,6 +294,8 @@ class Checkpointer:
         flat = flatten(state, self.registry,
                        allow_unsafe=self.config.allow_unsafe_objects)
         check_dtypes(flat.items)
+        if self._partial:
+            _check_unsharded(flat.items)
         self._decide_capture(flat, optimizers)
         tensors = [i for i, it in enumerate(flat.items) if isinstance(it, TensorItem)]
         _mark_replicated(flat.items, tensors, replicated)
@@ -476,9 +493,11 @@ class Checkpointer:
         self._check_open()
         self._pipeline.drain()
         storage = self._storage_latest() if step is None and tag is None else None
-        if not self._tiers.restore_from_memory(step, tag, storage):
+        eligible = self._tiers.restore_from_memory(step, tag, storage)
+        if eligible is None:
             self._tiers.quiet_storage(together=True)
             return None
+        self.memory._eligible = eligible  # for this restore only
         try:
             return read()
         except CheckpointNotFoundError as exc:
@@ -487,6 +506,8 @@ class Checkpointer:
             # The latest is agreed (every rank is here); a named one is read by each rank alone.
             self._tiers.quiet_storage(together=step is None and tag is None)
             return None
+        finally:
+            self.memory._eligible = None
 
     def _reader(self, step, tag, verify, trusted, safe_globals, map_location, rank_policy,
                 caller: str = "load()", passed: list | None = None) -> Reader:
@@ -549,9 +570,10 @@ class Checkpointer:
                 return None
 
         reader, planned, skipped, nbytes, seconds = resume.choose(
-            self._catalog, self.comm, open_reader=open_reader, prepare=prepare,
+            self._catalog, self._agree or self.comm, open_reader=open_reader, prepare=prepare,
             quarantine=quarantine, timeout_s=self.config.commit_timeout_s, caller=caller,
-            apply=finish if self._optimistic else None)
+            apply=finish if self._optimistic else None, order=self._order,
+            eligible=self._eligible, mover=self.rank == 0)
         with reader:
             used = info_of(reader.dir, reader.manifest)
             damaged = self._catalog.passed_over(used)
@@ -735,6 +757,18 @@ def _mark_replicated(items, tensors: list[int], replicated) -> None:
             continue
         if prefixes is None or any(item.key == p or item.key.startswith(p + "/") for p in prefixes):
             item.replicated = True
+
+
+def _check_unsharded(items) -> None:
+    """The memory tier of several nodes keeps each node's ranks' tensors: ConfigError for a
+    sharded tensor (TensorShard, DTensor), whose other boxes are on other nodes."""
+    sharded = [it.key for it in items if isinstance(it, TensorItem) and
+               it.global_shape is not None and it.global_shape != it.shape]
+    if sharded:
+        raise ConfigError(f"the memory tier on several nodes keeps per-rank and replicated "
+                          f"tensors; found {len(sharded)} sharded tensor(s) (TensorShard, "
+                          f"DTensor), first {sharded[0]!r}: save them with persist=True, or run "
+                          "the memory tier on one node (docs/memory-tier.md, Several nodes)")
 
 
 def _default_communicator():

@@ -1,7 +1,8 @@
 """The memory tier at two ranks (real gloo processes, a real keeper): one rank's memory shard of
 the newest step damaged → both ranks restore the same older step from memory; the older one
 damaged too → both restore from storage. Every rank's shard goes into one memory directory
-(docs/memory-tier.md)."""
+(docs/memory-tier.md). Then four ranks on two "nodes" (a memory root each): each node keeps its
+ranks' shards, and the ranks agree on a step every node holds."""
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 import datastates
 from datastates.format import codec as fmt
-from datastates.memory import place
+from datastates.memory import nodes, place
 from datastates.tools.keeper import ask
 
 from launcher import run_ranks
@@ -65,7 +66,11 @@ def _restore(rank, world, root, shm_root, log):
 
 def _damage(shm_root: str, root: str, step: int, rank: int) -> None:
     memdir = place.memory_dir(shm_root, root)
-    path = os.path.join(memdir, place.CKPT, fmt.step_name(step), fmt.shard_file_name(rank))
+    _flip(os.path.join(memdir, place.CKPT, fmt.step_name(step), fmt.shard_file_name(rank)))
+
+
+def _flip(path: str) -> None:
+    """Invert one byte of a shard file's first tensor."""
     with open(path, "r+b") as f:
         f.seek(4096 + 11)
         byte = f.read(1)
@@ -89,12 +94,132 @@ def test_a_damaged_memory_shard_sends_both_ranks_to_the_same_older_step(shm_root
             (rank, out[rank])
 
 
-def _other_host(rank, world, root, shm_root, log):
-    import socket
-    if rank == 1:  # this rank reports another host name: its memory would be another machine's
-        socket.gethostname = lambda: "another-node"
+# ---------------------------------------------------------------- several nodes
+# Two node groups of two ranks each: a rank's node is given by the memory root it sees (another
+# tmpfs directory per "node"), as two machines would each have their own /dev/shm.
+
+def _node_root(shm_root: str, node: int) -> str:
+    path = os.path.join(shm_root, f"node{node}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _nodes_config(shm_root, tmp, rank, node_of, **kw):
+    node = node_of(rank)
+    tier = datastates.MemoryTier(root=_node_root(shm_root, node), keep_last=2, persist_every=None,
+                                 log_path=os.path.join(tmp, f"keeper{node}.log"), **kw)
+    return datastates.CheckpointConfig(memory_tier=tier, commit_timeout_s=60)
+
+
+def _by_pairs(rank: int) -> int:
+    return rank // 2
+
+
+def _crossed(rank: int) -> int:
+    return rank % 2
+
+
+def _node_state(rank: int, step: int) -> dict:
+    """A tensor of each rank's own, and one the same on every rank (saved as replicated: one
+    rank of each node writes it)."""
+    return {"w": torch.full((3000,), float(100 * step + rank)),
+            "shared": torch.arange(64, dtype=torch.float64) + 1000 * step,
+            "pos": {"step": step}}
+
+
+def _nodes_save(rank, world, root, shm_root, tmp, node_of):
+    with datastates.Checkpointer(root, _nodes_config(shm_root, tmp, rank, node_of)) as ck:
+        ck.save(_node_state(rank, 1), step=1, persist=True)  # the trainers write storage
+        for step in (2, 3):
+            ck.save(_node_state(rank, step), step=step, replicated=["shared"])
+        ck.wait()
+        memdir = ck._tiers.memdir
+        return {"storage": [i.step for i in ck.list()],
+                "memory": [i.step for i in ck.memory.list()],
+                "shards": sorted(os.listdir(os.path.join(memdir, place.CKPT, fmt.step_name(3)))),
+                "group": ck._tiers.group, "world": ck.memory.world_size}
+
+
+def _nodes_restore(rank, world, root, shm_root, tmp, node_of):
+    with datastates.Checkpointer(root, _nodes_config(shm_root, tmp, rank, node_of)) as ck:
+        live = {"w": torch.zeros(3000), "shared": torch.zeros(64, dtype=torch.float64),
+                "pos": {"step": -1}}
+        report = ck.restore(live)
+        want = _node_state(rank, report.step)
+        return {"step": report.step, "tier": report.tier,
+                "exact": all(torch.equal(live[k], want[k]) for k in ("w", "shared"))
+                and live["pos"] == want["pos"],
+                "skipped": [s.name for s in report.skipped],
+                "memory": [i.step for i in ck.memory.list()]}
+
+
+def _shard_of(shm_root, root, node, step, local):
+    memdir = place.memory_dir(_node_root(shm_root, node), root)
+    return os.path.join(memdir, place.CKPT, fmt.step_name(step), fmt.shard_file_name(local))
+
+
+def test_two_nodes_keep_their_own_ranks_in_memory_and_agree_on_the_step_restored(
+        shm_root, tmp_path):
+    """Each node's memory holds its two ranks' shards (a replicated tensor once) and
+    storage gets only the trainers' own saves: the keepers never write one node's part there,
+    even with ``persist_on_exit``. A restore reads the newest step every node holds intact;
+    damage on one node, or a step one node lacks, moves every rank to the same older step."""
+    root, tmp = str(tmp_path / "ckpt"), str(tmp_path)
+    out = run_ranks(4, _nodes_save, root, shm_root, tmp, _by_pairs)
+    for rank in range(4):
+        assert out[rank] == {"storage": [1], "memory": [2, 3],
+                             "shards": [fmt.MANIFEST, fmt.shard_file_name(0),
+                                        fmt.shard_file_name(1)],
+                             "group": [0, 1] if rank < 2 else [2, 3], "world": 2}, out[rank]
+    for node in (0, 1):
+        memdir = place.memory_dir(_node_root(shm_root, node), root)
+        assert nodes.read(memdir) == nodes.NodeRanks(4, (2 * node, 2 * node + 1))
+        for name in os.listdir(os.path.join(memdir, place.CKPT)):
+            assert not name.startswith(fmt.step_name(1)), name  # storage's save stayed there
+    out = run_ranks(4, _nodes_restore, root, shm_root, tmp, _by_pairs)
+    for rank in range(4):
+        assert out[rank] == {"step": 3, "tier": "memory", "exact": True, "skipped": [],
+                             "memory": [2, 3]}, (rank, out[rank])
+    _flip(_shard_of(shm_root, root, node=1, step=3, local=1))  # rank 3's shard of step 3
+    out = run_ranks(4, _nodes_restore, root, shm_root, tmp, _by_pairs)
+    for rank in range(4):
+        assert out[rank]["step"] == 2 and out[rank]["tier"] == "memory", (rank, out[rank])
+        assert out[rank]["exact"] and out[rank]["skipped"] == [fmt.step_name(3)], out[rank]
+    # Each node moved its own copy of the damaged step aside: neither lists it now.
+    assert all(out[r]["memory"] == [2] for r in range(4)), out
+    shutil.rmtree(os.path.dirname(_shard_of(shm_root, root, node=0, step=2, local=0)))
+    out = run_ranks(4, _nodes_restore, root, shm_root, tmp, _by_pairs)
+    for rank in range(4):
+        assert out[rank]["step"] == 1 and out[rank]["tier"] == "storage", (rank, out[rank])
+        assert out[rank]["exact"], out[rank]
+    with datastates.Checkpointer(root) as plain:
+        assert [i.step for i in plain.list()] == [1]  # no keeper wrote a node's part
+        assert plain.latest().world_size == 4
+    for node in (0, 1):
+        with open(os.path.join(tmp, f"keeper{node}.log")) as f:
+            assert "one node's part of the job" in f.read()
+
+
+def test_a_restart_with_the_ranks_on_other_nodes_drops_the_old_parts(shm_root, tmp_path,
+                                                                     caplog):
+    """Ranks 0 and 1 shared a node before the restart, ranks 0 and 2 after: the memory of each
+    node holds other ranks' shards than it runs now, so it is removed (a WARNING), and the
+    restore reads storage instead of restoring one rank's state into another."""
+    root, tmp = str(tmp_path / "ckpt"), str(tmp_path)
+    run_ranks(4, _nodes_save, root, shm_root, tmp, _by_pairs)
+    out = run_ranks(4, _nodes_restore, root, shm_root, tmp, _crossed)
+    for rank in range(4):
+        assert out[rank] == {"step": 1, "tier": "storage", "exact": True, "skipped": [],
+                             "memory": []}, (rank, out[rank])
+    for node in (0, 1):
+        memdir = place.memory_dir(_node_root(shm_root, node), root)
+        assert nodes.read(memdir) == nodes.NodeRanks(4, (node, node + 2))
+
+
+def _keeper_on_nodes(rank, world, root, shm_root, tmp):
     try:
-        datastates.Checkpointer(root, _config(shm_root, log))
+        datastates.Checkpointer(root, _nodes_config(shm_root, tmp, rank, _by_pairs,
+                                                    storage_writer="keeper"))
         outcome = "constructed"
     except datastates.ConfigError as exc:
         outcome = str(exc)
@@ -102,11 +227,36 @@ def _other_host(rank, world, root, shm_root, log):
     return outcome
 
 
-def test_ranks_on_several_hosts_are_refused(shm_root, tmp_path):
-    root, log = str(tmp_path / "ckpt"), str(tmp_path / "keeper.log")
-    out = run_ranks(2, _other_host, root, shm_root, log)
-    for rank in (0, 1):
-        assert "every rank on one node" in out[rank] and "another-node" in out[rank], out
+def _sharded_on_nodes(rank, world, root, shm_root, tmp):
+    row = torch.arange(8, dtype=torch.float64) + 10 * rank
+    state = {"rows": datastates.TensorShard(row.reshape(1, 8), (4, 8), (rank, 0))}
+    with datastates.Checkpointer(root, _nodes_config(shm_root, tmp, rank, _by_pairs)) as ck:
+        try:
+            ck.save(state, step=1).wait()
+            refused = None
+        except datastates.ConfigError as exc:
+            refused = str(exc)
+        ck.save(state, step=2, persist=True).wait()  # storage takes the whole tensor
+        return {"refused": refused, "storage": [i.step for i in ck.list()],
+                "memory": [i.step for i in ck.memory.list()]}
+
+
+def test_a_sharded_tensor_is_refused_by_the_memory_of_several_nodes(shm_root, tmp_path):
+    """A node's memory would hold some rows of the global tensor only: save() refuses it on
+    every rank (ConfigError, nothing written), and the same state saved to storage commits."""
+    root = str(tmp_path / "ckpt")
+    out = run_ranks(4, _sharded_on_nodes, root, shm_root, str(tmp_path))
+    for rank in range(4):
+        assert "found 1 sharded tensor(s)" in out[rank]["refused"], out[rank]
+        assert out[rank]["storage"] == [2] and out[rank]["memory"] == [], out[rank]
+
+
+def test_a_keeper_writing_storage_needs_one_node(shm_root, tmp_path):
+    root = str(tmp_path / "ckpt")
+    out = run_ranks(4, _keeper_on_nodes, root, shm_root, str(tmp_path))
+    for rank in range(4):
+        assert "storage_writer='keeper') needs every rank on one node" in out[rank], out
+        assert "[[0, 1], [2, 3]]" in out[rank], out
     assert not os.path.exists(root)
 
 

@@ -264,3 +264,38 @@ def test_a_silent_rank0_after_its_claim_is_given_up_on():
                              1: rank1})
     assert gave_up == ["rank 0 started the commit but published no verdict"]
     assert out[1].ok is False and out[0] == COMMITTED
+
+
+# ------------------------------------------------------------------ exchanges and subgroups
+
+def _as_threads(calls: dict) -> dict:
+    """Run each rank's call on a thread of its own; {rank: result}."""
+    out, threads = {}, []
+    for rank, call in calls.items():
+        t = threading.Thread(target=lambda r=rank, c=call: out.__setitem__(r, c()))
+        threads.append(t)
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "an exchange did not end"
+    return out
+
+
+def test_an_exchange_of_none_and_of_subgroups_ends_with_every_value():
+    """None is a value like any other (it was once taken for a missing answer, and the
+    exchange waited for it forever), and two subgroups exchanging the same topic at once keep
+    their values apart, under keys that are gone afterwards."""
+    store = MemoryStore()
+    comms = [StoreCommunicator(store, r, 4, "run") for r in range(4)]
+    out = _as_threads({r: lambda c=comms[r]: c.exchange("t", None if c.rank % 2 else c.rank, 10)
+                       for r in range(4)})
+    assert all(out[r] == {0: 0, 1: None, 2: 2, 3: None} for r in range(4)), out
+    groups = [[0, 1], [2, 3]]
+    subs = [comms[r].subgroup(str(r // 2), groups[r // 2]) for r in range(4)]
+    assert [(s.rank, s.world_size, s.run_id) for s in subs] == \
+        [(0, 2, "run"), (1, 2, "run"), (0, 2, "run"), (1, 2, "run")]
+    out = _as_threads({r: lambda s=subs[r], r=r: s.exchange("t", f"rank {r}", 10)
+                       for r in range(4)})
+    assert out[0] == out[1] == {0: "rank 0", 1: "rank 1"}, out
+    assert out[2] == out[3] == {0: "rank 2", 1: "rank 3"}, out
+    assert store.list_keys() == []

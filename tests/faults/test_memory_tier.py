@@ -153,6 +153,33 @@ def test_saves_go_to_their_tier_and_the_newest_is_restored(shm_root, tmp_path):
         assert_bit_exact(plain.load(step=8), make_state(8, big=False))
 
 
+def test_a_damaged_newest_memory_step_falls_back_to_storage_s_newer_step(shm_root, tmp_path,
+                                                                          caplog):
+    """Memory holds steps 9 and 11, storage step 10 (the trainer's own save). Step 11 damaged in
+    memory: the restore goes to storage's step 10, never back to memory's older step 9."""
+    storage = tmp_path / "ckpt"
+    tier = _tier(shm_root, tmp_path, persist_every=None, keep_last=2, storage_writer="trainer",
+                 persist_on_exit=False)
+    with datastates.Checkpointer(storage, _config(tier)) as ck:
+        for step, persist in ((9, None), (10, True), (11, None)):
+            ck.save(make_state(step, big=False), step=step, persist=persist)
+        ck.wait()
+        assert [i.step for i in ck.memory.list()] == [9, 11]
+        shard = os.path.join(place.memory_dir(shm_root, str(storage)), place.CKPT,
+                             "step-0000000011", "rank-00000.dsf")
+        with open(shard, "r+b") as f:
+            f.seek(4096 + 3)
+            byte = f.read(1)
+            f.seek(4096 + 3)
+            f.write(bytes([byte[0] ^ 0x55]))
+        live = zeros_like_state(make_state(0, big=False))
+        with caplog.at_level(logging.WARNING, logger="datastates"):
+            report = ck.restore(live)
+        assert (report.step, report.tier) == (10, "storage"), report
+        assert_bit_exact(live, make_state(10, big=False))
+        assert "step-0000000011 is damaged" in caplog.text
+
+
 @pytest.mark.parametrize("planted", ["symlink", "open", "file"])
 def test_a_memory_directory_someone_prepared_is_refused(shm_root, tmp_path, planted):
     storage = tmp_path / "ckpt"
@@ -594,6 +621,7 @@ def test_closing_beside_a_stalled_keeper_leaves_the_copy_to_the_keeper(shm_root,
         with caplog.at_level(logging.INFO, logger="datastates"):
             ck.close()
         assert not ck._tiers.handoff._thread.is_alive()
+        ck._tiers.handoff.idle(time.monotonic())  # nothing is left running here
         assert "still writing step-0000000002" in caplog.text
         assert "writes step-0000000002 to storage itself" not in caplog.text
         assert not storage.exists() or not os.listdir(storage)

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from ..errors import CommitError, CommitTimeoutError, StorageError, write_error
 from ..format import codec as fmt
@@ -49,6 +49,8 @@ class SaveTarget:
     retention: RetentionPolicy
     #: The writer's catalog of ``root`` (commit numbering reads only what changed since).
     catalog: Catalog | None = None
+    #: The communicator of the ranks this save commits among (None: the pipeline's).
+    comm: Any = None
     #: The save's metrics, checked by ``save()`` (rank 0's go into the manifest).
     metrics: dict = dataclasses.field(default_factory=dict)
     #: Rank 0, before it publishes: ``exclusive(deadline)`` returns once no other writer

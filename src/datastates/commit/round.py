@@ -138,6 +138,14 @@ class StoreCommunicator:
         store = dist.PrefixStore(f"datastates/{box[0]}/", c10d._get_default_store())
         return cls(store, rank, world, box[0])
 
+    def subgroup(self, name: str, ranks: list[int]) -> "StoreCommunicator":
+        """The communicator of ``ranks`` (this rank among them), under keys of their own in
+        this store (``name`` tells the groups apart): local rank ``i`` is ``ranks[i]``. The run
+        id is this one's, so the save ids of a group are the job's (the memory tier of several
+        nodes: memory/nodes.py)."""
+        return StoreCommunicator(PrefixedStore(f"group/{name}/", self.store),
+                                 ranks.index(self.rank), len(ranks), self.run_id)
+
     # ------------------------------------------------------------ identity
     def save_id(self, directory: str, name: str, step: int | None) -> SaveId:
         """The identity of this rank's next save of ``name`` (counts it). ``directory`` is
@@ -401,7 +409,7 @@ class StoreCommunicator:
             count = self._exchanges.get(topic, 0)
             self._exchanges[topic] = count + 1
         prefix = f"x/{topic}/{count}"
-        self._set_json(f"{prefix}/r{self.rank}", value)
+        self._set_json(f"{prefix}/r{self.rank}", [value])  # boxed: a None value is a value
         values, missing = self._collect(prefix, time.monotonic() + timeout_s)
         mine = json.dumps({"go": True} if not missing else
                           {"go": False, "rank": self.rank, "missing": missing})
@@ -417,7 +425,7 @@ class StoreCommunicator:
                 self.store.delete_key(f"{prefix}/r{r}")
             for key in ("decision", "done"):
                 self.store.delete_key(f"{prefix}/{key}")
-        return values
+        return {r: box[0] for r, box in values.items()}
 
     def _collect(self, prefix: str, deadline: float | None) -> tuple[dict[int, Any], list[int]]:
         """The values of ``prefix/r<k>`` present by ``deadline`` (None: wait for all)."""
@@ -515,6 +523,32 @@ class MemoryStore:
     def list_keys(self) -> list[str]:
         with self._lock:
             return list(self._data)
+
+
+class PrefixedStore:
+    """The keys of ``store`` that start with ``prefix``, as a store of their own (the methods the
+    protocol uses; a c10d store or a :class:`MemoryStore` underneath)."""
+
+    def __init__(self, prefix: str, store):
+        self._prefix, self._store = prefix, store
+
+    def set(self, key: str, value) -> None:
+        self._store.set(self._prefix + key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._store.get(self._prefix + key)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check([self._prefix + k for k in keys])
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._store.compare_set(self._prefix + key, expected, desired)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(self._prefix + key, amount)
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(self._prefix + key)
 
 
 class LocalCommunicator(StoreCommunicator):

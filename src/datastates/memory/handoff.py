@@ -212,6 +212,7 @@ class Handoff:
                 if self._abandoned:
                     log.warning("datastates: closing: the write of %s to storage did not end "
                                 "here (%s)", info.name, exc)
+                    self._end_abandoned()
                     return
                 log.error("datastates: writing the memory checkpoint %s to storage (%s) failed: "
                           "%s; it stays in memory only", info.name, self._tiers.outer.directory,
@@ -221,8 +222,9 @@ class Handoff:
                 error.__cause__ = exc
             with self._cond:
                 self._writing = None  # released: the retention below may delete it
-                if self._abandoned:
-                    return
+            if self._abandoned:
+                self._end_abandoned()
+                return
             self._tidy()
             with self._cond:
                 self._busy = False
@@ -231,6 +233,13 @@ class Handoff:
                 else:
                     self._errors.append(error)
                 self._cond.notify_all()
+
+    def _end_abandoned(self) -> None:
+        """The thread ends after :meth:`abandon`: nothing is written any more (``idle()``
+        returns at once), and the retention is the keeper's."""
+        with self._cond:
+            self._writing, self._busy = None, False
+            self._cond.notify_all()
 
     def _tidy(self) -> None:
         """Apply the memory tier's retention again, now that a checkpoint it kept is released

@@ -42,9 +42,8 @@ from ..commit.round import new_run_id
 from ..config import CheckpointConfig
 from ..storage import LOCAL
 from ..storage.posix import remove_tree
-from . import place
+from . import marks, nodes, place
 from .options import MemoryTier
-from . import marks
 from .persist import persist_newest
 from .recycle import SPARE
 
@@ -160,6 +159,8 @@ class Keeper:
         remove_tree(os.path.join(self.memdir, SPARE))
         remove_tree(os.path.join(self.memdir, marks.MARKS))
         try:
+            if os.path.lexists(os.path.join(self.memdir, nodes.NODE_FILE)):
+                os.unlink(os.path.join(self.memdir, nodes.NODE_FILE))
             os.unlink(os.path.join(self.memdir, place.LOCK))
             os.rmdir(self.memdir)
         except OSError as exc:
@@ -269,6 +270,10 @@ class Keeper:
             log.info("keeper: could not answer a trainer: %s", exc)
 
     def _persist(self, why: str, name: str | None = None, overwrite: bool = False) -> dict:
+        part = nodes.part_only(self.memdir)
+        if part is not None:  # the trainers wrote storage themselves (nodes.py)
+            log.info("keeper (%s): the memory is not written to storage: %s", why, part)
+            return {"ok": True, "persisted": None}
         try:
             info = persist_newest(self.ckpt, self.storage, self.config, self.run_id,
                                   checked=lambda info: marks.holds(self.memdir, info),

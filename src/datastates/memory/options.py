@@ -50,8 +50,10 @@ class MemoryTier:
     #: Who writes the saves due for storage: ``"keeper"`` commits them into memory first and the
     #: keeper copies them into storage in its own process (``memory/handoff.py``: the trainer's
     #: threads and host cache are free once the memory commit is done); ``"trainer"`` commits
-    #: them straight into storage from the trainer's pipeline.
-    storage_writer: str = "keeper"
+    #: them straight into storage from the trainer's pipeline. None (the default): the keeper
+    #: on one node, the trainers on several (a keeper holds its node's shards only; ``"keeper"``
+    #: there is a ConfigError).
+    storage_writer: str | None = None
     #: The keeper's log; None: ``<tempdir>/datastates-keeper-<uid>-<digest>.log``.
     log_path: str | None = None
 
@@ -74,8 +76,8 @@ class MemoryTier:
             value = getattr(self, name)
             need(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
                  f"{name} a number > 0 (seconds), found {value!r}")
-        need(self.storage_writer in ("keeper", "trainer"),
-             f"storage_writer 'keeper' or 'trainer', found {self.storage_writer!r}")
+        need(self.storage_writer in (None, "keeper", "trainer"),
+             f"storage_writer None, 'keeper' or 'trainer', found {self.storage_writer!r}")
         need(self.log_path is None or (isinstance(self.log_path, str) and self.log_path),
              f"log_path None or a file path, found {self.log_path!r}")
 

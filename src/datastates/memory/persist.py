@@ -23,12 +23,13 @@ from ..commit.publish import publisher_for
 from ..commit.retention import RetentionPolicy
 from ..commit.round import SaveId, new_run_id
 from ..config import CheckpointConfig
-from ..errors import CheckpointExistsError, CheckpointNotFoundError
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, KeeperError
 from ..format.records import CheckpointInfo
 from ..providers import ProviderRegistry
 from ..restore.reader import Reader
 from ..restore.verify import verify_checkpoint
 from ..storage import LOCAL, fsync_dir
+from . import nodes
 
 log = logging.getLogger("datastates")
 
@@ -62,7 +63,12 @@ def persist_newest(memory_root: str, storage_root: str, config: CheckpointConfig
     storage committed. Raises what the check, the copy or the commit raised (storage is
     unchanged but for a temporary); CheckpointNotFoundError if memory holds no checkpoint
     ``name``. ``checked(info)``: whether every byte of ``info`` was checked since it was last
-    written (``marks.holds``), so the copy need not check it again."""
+    written (``marks.holds``), so the copy need not check it again. KeeperError, storage
+    untouched, when the memory holds one node's part of the job only (nodes.py)."""
+    part = nodes.part_only(os.path.dirname(memory_root))
+    if part is not None:
+        raise KeeperError(f"the memory checkpoints in {memory_root} are not written to "
+                          f"storage: {part}")
     memory = Catalog(memory_root, LOCAL).scan() if os.path.isdir(memory_root) else []
     storage = Catalog(storage_root, LOCAL).scan() if os.path.isdir(storage_root) else []
     if name is not None:

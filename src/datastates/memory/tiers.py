@@ -4,8 +4,9 @@ tier a restore reads from (docs/memory-tier.md).
 A Checkpointer configured with ``memory_tier`` holds a second Checkpointer, ``memory``, on the
 memory root (``<memdir>/ckpt``) that shares its pipeline (host cache, threads, communicator), so
 a memory save is the same lazy capture and the same commit protocol as a save to storage, only
-into shared memory. Every rank must be on one node: the memory root is one directory that every
-rank's shard goes into (checked at construction).
+into shared memory. The ranks that share a host and a memory directory form a node group
+(nodes.py): on one node the memory checkpoints are the job's, on several each group commits its
+own among its ranks, and a restore agrees on a step every group holds.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ..errors import CommitTimeoutError, ConfigError, KeeperError
 from ..format.records import CheckpointInfo
 from ..storage import is_url
 from ..storage.posix import remove_tree
-from . import marks, place
+from . import marks, nodes, place
 from .handoff import Handoff
 from .link import KeeperLink
 from .options import MemoryTier
@@ -44,52 +45,66 @@ class Tiers:
     the keeper link."""
 
     def __init__(self, outer: "Checkpointer", tier: MemoryTier, open_memory):
-        """``open_memory(directory, store)``: a Checkpointer of ``directory`` sharing
-        ``outer``'s pipeline, over ``store``."""
+        """``open_memory(directory, store, comm)``: a Checkpointer of ``directory`` sharing
+        ``outer``'s pipeline, over ``store``, committing among the ranks of ``comm``."""
         if is_url(outer.directory):
             raise ConfigError("the memory tier writes its checkpoints to a local directory; "
                               f"found the storage {outer.directory!r}")
         self.tier, self.outer = tier, outer
         self.memdir = place.memory_dir(tier.root, outer.directory)
         self.link: KeeperLink | None = None
+        timeout = tier.start_timeout_s + outer.config.commit_timeout_s
+        # The node groups (nodes.py): the ranks that share a host and a memory directory.
+        answers = self._exchange("memory-tier", {"host": socket.gethostname(),
+                                                 "memdir": self.memdir}, timeout)
+        groups = nodes.groups(answers)
+        #: this rank's node group (global ranks, lowest first) and how many groups the job has
+        self.group = next(g for g in groups if outer.rank in g)
+        self.nodes = len(groups)
+        self.writer = tier.storage_writer or ("keeper" if self.nodes == 1 else "trainer")
+        if self.writer == "keeper" and self.nodes > 1:
+            raise ConfigError(f"MemoryTier(storage_writer='keeper') needs every rank on one node "
+                              f"(a keeper holds its node's shards only); found the ranks on "
+                              f"{self.nodes} nodes {groups}: leave storage_writer None or set "
+                              "'trainer'")
         error = None
-        if outer.rank == 0:
+        if outer.rank == self.group[0]:  # the group's keeper, and its record of ranks
             try:
                 self.link = KeeperLink.open(outer.directory, tier, outer.config)
+                nodes.adopt(self.memdir, os.path.join(self.memdir, place.CKPT),
+                            nodes.NodeRanks(outer.world_size, tuple(self.group)))
             except Exception as exc:  # noqa: BLE001 - every rank learns of it, then it is raised
                 error = exc
-        timeout = tier.start_timeout_s + outer.config.commit_timeout_s
-        try:
-            answers = outer.comm.exchange("memory-tier", {
-                "host": socket.gethostname(), "memdir": self.memdir,
-                "error": None if error is None else f"{type(error).__name__}: {error}"}, timeout)
-        except TimeoutError as exc:
-            self._drop()
-            raise KeeperError(f"rank {outer.rank}: the ranks did not all open the memory "
-                              f"tier: {exc}") from None
+        answers = self._exchange("memory-keeper", {"error": None if error is None else
+                                                   f"{type(error).__name__}: {error}"}, timeout)
         if error is not None:
-            raise error
-        if answers[0]["error"]:
-            raise KeeperError(f"rank 0 could not attach to the memory keeper: "
-                              f"{answers[0]['error']}")
-        hosts = sorted({a["host"] for a in answers.values()})
-        if len(hosts) > 1 or any(a["memdir"] != self.memdir for a in answers.values()):
             self._drop()
-            raise ConfigError(f"the memory tier needs every rank on one node (one memory "
-                              f"directory for the job); found the hosts {hosts}")
+            raise error
+        failed = {r: a["error"] for r, a in answers.items() if a["error"]}
+        if failed:
+            self._drop()
+            raise KeeperError(f"rank {outer.rank}: the memory tier did not open on rank(s) "
+                              f"{sorted(failed)}: " + "; ".join(
+                                  f"rank {r}: {e}" for r, e in sorted(failed.items())))
+        comm = outer.comm if self.nodes == 1 else outer.comm.subgroup(
+            str(groups.index(self.group)), self.group)
         try:
             self.memory = open_memory(os.path.join(self.memdir, place.CKPT),
-                                      RecyclingStore(os.path.join(self.memdir, SPARE)))
+                                      RecyclingStore(os.path.join(self.memdir, SPARE)), comm)
         except BaseException:
             self._drop()
             raise
+        if self.nodes > 1:  # memory/nodes.py
+            self.memory._partial = True
+            self.memory._agree = outer.comm
+            self.memory._order = order
         #: Rank 0 with ``storage_writer="keeper"``: the saves due for storage, handed on from
         #: memory to the keeper (handoff.py).
         self.handoff: Handoff | None = None
-        if tier.storage_writer == "keeper":
+        if self.writer == "keeper":
             self.memory._check_storage_name = lambda name, overwrite: \
                 outer._publisher.check_name(outer.directory, name, overwrite)
-        if outer.rank == 0 and tier.storage_writer == "keeper":
+        if outer.rank == 0 and self.writer == "keeper":
             self.handoff = handoff = Handoff(self)
             self.memory._on_commit = handoff.submit
             outer._exclusive = handoff.idle  # rank 0's own commits into storage wait
@@ -108,13 +123,23 @@ class Tiers:
         # A checkpoint the keeper checked after its last write is copied without checksums.
         self.memory._prechecked = lambda info: marks.holds(self.memdir, info)
 
+    def _exchange(self, topic: str, value, timeout: float) -> dict:
+        """``outer.comm.exchange``; KeeperError (the link dropped) if the ranks do not all
+        answer: they did not all open the memory tier."""
+        try:
+            return self.outer.comm.exchange(topic, value, timeout)
+        except TimeoutError as exc:
+            self._drop()
+            raise KeeperError(f"rank {self.outer.rank}: the ranks did not all open the memory "
+                              f"tier: {exc}") from None
+
     def route(self, step: int | None, tag: str | None, persist: bool | None) -> str:
         """Where a save goes: ``"memory"``, ``"storage"``, or ``"handoff"`` (due for storage,
         written to memory and from there by the keeper). The same on every rank: it depends on
         the arguments and the config only."""
         if not self.tier.goes_to_storage(step if tag is None else None, persist):
             return "memory"
-        return "handoff" if tag is None and self.tier.storage_writer == "keeper" else "storage"
+        return "handoff" if tag is None and self.writer == "keeper" else "storage"
 
     def wait(self) -> None:
         """Rank 0: wait until the saves handed on are in storage (at most ``commit_timeout_s``:
@@ -132,7 +157,7 @@ class Tiers:
         ``together`` (every rank reads storage at this point: the choice was agreed) the other
         ranks wait for rank 0, else they go on. CommitTimeoutError (on every rank, together) if
         a write takes over ``commit_timeout_s``."""
-        if self.tier.storage_writer != "keeper":  # the same on every rank: one config
+        if self.writer != "keeper":  # the same on every rank: one config, one set of nodes
             return
         timeout = self.outer.config.commit_timeout_s
         error = None
@@ -157,23 +182,27 @@ class Tiers:
         return memory if memory is not None and order(memory) >= order(storage) else storage
 
     def restore_from_memory(self, step: int | None, tag: str | None,
-                            storage: CheckpointInfo | None) -> bool:
-        """Whether this restore reads the memory tier: it holds the checkpoint asked for, or,
-        for the latest, a step at least as new as storage's newest. Rank 0 decides for every
-        rank (through the store)."""
+                            storage: CheckpointInfo | None):
+        """None when this restore reads storage, else which memory checkpoints it may read
+        (``info -> bool``): it reads memory when memory holds the checkpoint asked for, or, for
+        the latest, a step at least as new as storage's newest. Rank 0 decides for every rank
+        (through the store), and its storage's newest is the oldest memory checkpoint a restore
+        of the latest may fall back to (storage holds a newer step than any older one)."""
         if step is None and tag is None:
             memory = self.memory.latest()
             mine = memory is not None and order(memory) >= order(storage)
         else:
             mine = any(i.name == _name(step, tag) for i in self.memory.list())
-        answers = self.outer.comm.exchange("restore-tier", bool(mine),
+        answers = self.outer.comm.exchange("restore-tier", [bool(mine), order(storage)],
                                            self.outer.config.commit_timeout_s)
-        return bool(answers[0])
+        chosen, floor = answers[0]
+        return (lambda info: order(info) >= floor) if chosen else None
 
     def close(self, stop: bool) -> None:
-        """After the memory Checkpointer closed: detach from the keeper (rank 0). A keeper that
-        is gone cannot write the memory to storage any more: rank 0 does it here (when
-        ``persist_on_exit``), then removes the memory directory if no keeper took it over."""
+        """After the memory Checkpointer closed: detach from the keeper (each node group's
+        lowest rank). A keeper that is gone cannot write the memory to storage any more: that
+        rank does it here (one node, ``persist_on_exit``), then removes the memory directory if
+        no keeper took it over."""
         self.memory.close()
         self.memory.store.close()  # the shard files' mappings
         if self.handoff is not None:  # before detaching: the keeper is writing for this trainer
@@ -193,7 +222,11 @@ class Tiers:
         if self.handoff is not None:
             self.handoff.close()  # abandoned: its request ended with the link
         if lost and not place.keeper_running(self.memdir):
-            if self.tier.persist_on_exit:
+            if self.nodes > 1:  # one node's part: the trainers wrote storage (nodes.py)
+                log.warning("datastates: the memory keeper of this node is gone; its memory "
+                            "checkpoints (this node's ranks only) are removed, storage holds "
+                            "the saves written there")
+            elif self.tier.persist_on_exit:
                 try:
                     persist_newest(os.path.join(self.memdir, place.CKPT), self.outer.directory,
                                    self.outer.config,

@@ -44,7 +44,9 @@ TOPIC = "restore-fallback"
 
 def choose(catalog: Catalog, comm, *, open_reader: Callable[[CheckpointInfo], Reader],
            prepare: Callable[[Reader], Any], quarantine: Callable[[str, str], str | None],
-           timeout_s: float, caller: str, apply: Callable[[Reader, Any], Any] | None = None
+           timeout_s: float, caller: str, apply: Callable[[Reader, Any], Any] | None = None,
+           order: Callable[[CheckpointInfo], int] | None = None,
+           eligible: Callable[[CheckpointInfo], bool] | None = None, mover: bool | None = None
            ) -> tuple[Reader, Any, list[SkippedCheckpoint], int, float]:
     """Run the rounds (module docstring): (the open reader of the checkpoint chosen, what
     ``prepare(reader)`` returned for it, the checkpoints skipped newest first, the bytes
@@ -56,16 +58,25 @@ def choose(catalog: Catalog, comm, *, open_reader: Callable[[CheckpointInfo], Re
     checkpoint, each rank runs ``apply(reader, plan)`` (the read into the live state, checksums
     verified as it goes) and the ranks exchange once more; damage found there on any rank
     rejects that checkpoint for all and the rounds go on, the next checkpoint overwriting what
-    the failed read wrote. What is returned in place of the plan is what ``apply`` returned."""
+    the failed read wrote. What is returned in place of the plan is what ``apply`` returned.
+
+    ``order`` (default: the commit number) ranks the checkpoints, newest first, and compares
+    the ranks' choices; the memory tier of several nodes orders by step, as each node numbers
+    its own commits. ``eligible``: only the checkpoints it accepts are candidates (the memory
+    tier: none older than storage's newest). ``mover`` (default: rank 0 of ``comm``): whether
+    this rank moves the damaged checkpoints aside (each node's lowest rank, its own copy)."""
     start = time.perf_counter()
-    candidates = list(reversed(catalog.scan()))
+    order = order or (lambda c: c.seq)
+    candidates = sorted((c for c in catalog.scan() if eligible is None or eligible(c)),
+                        key=order, reverse=True)
+    mover = comm.rank == 0 if mover is None else mover
     rejected: dict[str, SkippedCheckpoint] = {}
     verified = 0
     while True:
         info = next((c for c in candidates if c.name not in rejected), None)
         reader, prepared, own_error, status = None, None, None, {"name": None, "seq": -1}
         if info is not None:
-            status = {"name": info.name, "seq": info.seq}
+            status = {"name": info.name, "seq": order(info)}
             try:
                 reader = open_reader(info)
                 prepared, nbytes = prepare(reader)
@@ -111,7 +122,7 @@ def choose(catalog: Catalog, comm, *, open_reader: Callable[[CheckpointInfo], Re
                 return reader, prepared, skipped, verified, time.perf_counter() - start
         if reader is not None:
             reader.files.close()
-        _reject(answers, damaged, rejected, quarantine, comm.rank, caller)
+        _reject(answers, damaged, rejected, quarantine, mover, caller)
 
 
 def _apply(reader: Reader, plan, apply, status: dict, comm, timeout_s: float, caller: str):
@@ -134,10 +145,10 @@ def _apply(reader: Reader, plan, apply, status: dict, comm, timeout_s: float, ca
     return result, answers
 
 
-def _reject(answers: dict, damaged: dict, rejected: dict, quarantine, rank: int,
+def _reject(answers: dict, damaged: dict, rejected: dict, quarantine, mover: bool,
             caller: str) -> None:
-    """Add this round's rejections to ``rejected`` (the same on every rank); rank 0 quarantines
-    the damaged checkpoints."""
+    """Add this round's rejections to ``rejected`` (the same on every rank); the ``mover``
+    quarantines the damaged checkpoints."""
     oldest = min(answers.values(), key=lambda a: (a["seq"], a["name"] or ""))
     found: dict[str, tuple[list[str], bool]] = {}
     for r, a in sorted(damaged.items()):
@@ -145,7 +156,7 @@ def _reject(answers: dict, damaged: dict, rejected: dict, quarantine, rank: int,
         found[a["name"]] = (reasons + [f"rank {r}: {a['damaged']}"], movable or a["quarantine"])
     for name, (reasons, movable) in found.items():
         reason = "; ".join(reasons)
-        where = quarantine(name, reason) if movable and rank == 0 else None
+        where = quarantine(name, reason) if movable and mover else None
         rejected[name] = SkippedCheckpoint(name, reason, where)
         log.warning("%s: the checkpoint %s is damaged (%s)%s; falling back to an older one",
                     caller, name, reason, f", moved to {where}" if where else "")

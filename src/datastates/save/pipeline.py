@@ -425,7 +425,8 @@ class Pipeline:
         job.begin_decision()
         if job.error is not None or report is None:
             report = failed_report(job)
-        outcome = commit_save(self.comm, job.target, report, job.metadata, job.error)
+        outcome = commit_save(job.target.comm or self.comm, job.target, report, job.metadata,
+                              job.error)
         job.info, job.error = outcome.info, outcome.error
 
     @staticmethod
