@@ -102,6 +102,7 @@ class Checkpointer:
             self.config = config or CheckpointConfig()
             self.comm = communicator or _default_communicator()
         self._owns_pipeline = share is None
+        self._owns_comm = share is not None and _comm not in (None, share.comm)
         self.registry = registry or ProviderRegistry.default()
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         # The directory is created by the first save, not here: a Checkpointer used to restore or
@@ -141,8 +142,11 @@ class Checkpointer:
         #: restore agrees
         #: through ``_agree`` (the job's communicator: every node holds the step restored),
         #: ranks the candidates by ``_order`` (None: the commit number) and takes those that
-        #: ``_eligible`` accepts (None: all; the memory tier: none older than storage's newest).
+        #: ``_eligible`` accepts (None: all; the memory tier: none older than storage's newest);
+        #: its lowest rank moves aside only the damage that a rank of ``_group`` (the node
+        #: group's ranks of the job) found.
         self._partial = False
+        self._group: set[int] | None = None
         self._agree = None
         self._order = None
         self._eligible = None
@@ -436,8 +440,11 @@ class Checkpointer:
         With ``config.memory_tier``: the checkpoint asked for, or the newest (the highest step of
         either tier; memory on a tie), is read from memory when memory holds it, always as with
         ``fallback=True`` there; when no memory checkpoint is intact on every rank, every rank
-        restores from storage instead (a WARNING says so). ``report.tier`` says which.
+        restores from storage instead (a WARNING says so). ``report.tier`` says which. On
+        several nodes, a restore of the latest then removes each node's memory checkpoints of
+        later steps (docs/memory-tier.md, "Several nodes").
         """
+        report = None
         if self._tiers is not None:
             report = self._from_memory(
                 step, tag, lambda: self.memory.restore(
@@ -446,7 +453,15 @@ class Checkpointer:
                     fallback=step is None and tag is None, verify=True))
             if report is not None:
                 report.tier = "memory"
-                return report
+        if report is None:
+            report = self._restore_storage(state, step, tag, keys, strict, verify, trusted,
+                                           safe_globals, rank_policy, cast, fallback)
+        if self._tiers is not None and step is None and tag is None:
+            self._tiers.after_restore(report.step)
+        return report
+
+    def _restore_storage(self, state, step, tag, keys, strict, verify, trusted, safe_globals,
+                         rank_policy, cast, fallback) -> RestoreReport:
         passed: list[DamagedCheckpoint] = []
         if fallback:
             return self._with_fallback(
@@ -573,7 +588,8 @@ class Checkpointer:
             self._catalog, self._agree or self.comm, open_reader=open_reader, prepare=prepare,
             quarantine=quarantine, timeout_s=self.config.commit_timeout_s, caller=caller,
             apply=finish if self._optimistic else None, order=self._order,
-            eligible=self._eligible, mover=self.rank == 0)
+            eligible=self._eligible, mover=lambda ranks: self.rank == 0 and (
+                self._group is None or not self._group.isdisjoint(ranks)))
         with reader:
             used = info_of(reader.dir, reader.manifest)
             damaged = self._catalog.passed_over(used)
@@ -683,6 +699,7 @@ class Checkpointer:
         self._guarded.clear()
         if self._owns_pipeline:
             self._pipeline.close()
+        if self._owns_pipeline or self._owns_comm:
             self.comm.close()
         self._publisher.close()
 

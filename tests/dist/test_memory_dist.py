@@ -163,7 +163,8 @@ def test_two_nodes_keep_their_own_ranks_in_memory_and_agree_on_the_step_restored
     """Each node's memory holds its two ranks' shards (a replicated tensor once) and
     storage gets only the trainers' own saves: the keepers never write one node's part there,
     even with ``persist_on_exit``. A restore reads the newest step every node holds intact;
-    damage on one node, or a step one node lacks, moves every rank to the same older step."""
+    damage on one node, or a memory one node lost, moves every rank to the same older step (of
+    storage, when no memory step is left on every node), and each node drops the later steps."""
     root, tmp = str(tmp_path / "ckpt"), str(tmp_path)
     out = run_ranks(4, _nodes_save, root, shm_root, tmp, _by_pairs)
     for rank in range(4):
@@ -185,13 +186,19 @@ def test_two_nodes_keep_their_own_ranks_in_memory_and_agree_on_the_step_restored
     for rank in range(4):
         assert out[rank]["step"] == 2 and out[rank]["tier"] == "memory", (rank, out[rank])
         assert out[rank]["exact"] and out[rank]["skipped"] == [fmt.step_name(3)], out[rank]
-    # Each node moved its own copy of the damaged step aside: neither lists it now.
+    # Node 1 moved its damaged copy aside; node 0 removed its intact one, a step no longer
+    # restorable (and trained again from step 2): neither lists it now.
     assert all(out[r]["memory"] == [2] for r in range(4)), out
-    shutil.rmtree(os.path.dirname(_shard_of(shm_root, root, node=0, step=2, local=0)))
+    aside = {node: [n for n in os.listdir(os.path.dirname(os.path.dirname(
+        _shard_of(shm_root, root, node, 2, 0)))) if n.startswith(".damaged.")] for node in (0, 1)}
+    assert aside[0] == [] and len(aside[1]) == 1, aside
+    # Node 1 loses its whole memory (a replaced machine): rank 0's node still holds step 2,
+    # which the nodes then agree no one can restore.
+    shutil.rmtree(os.path.dirname(os.path.dirname(_shard_of(shm_root, root, 1, 2, 0))))
     out = run_ranks(4, _nodes_restore, root, shm_root, tmp, _by_pairs)
     for rank in range(4):
         assert out[rank]["step"] == 1 and out[rank]["tier"] == "storage", (rank, out[rank])
-        assert out[rank]["exact"], out[rank]
+        assert out[rank]["exact"] and out[rank]["memory"] == [], out[rank]
     with datastates.Checkpointer(root) as plain:
         assert [i.step for i in plain.list()] == [1]  # no keeper wrote a node's part
         assert plain.latest().world_size == 4

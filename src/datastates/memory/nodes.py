@@ -129,6 +129,11 @@ def _compatible(before: NodeRanks | None, now: NodeRanks) -> bool:
 def _write(memdir: str, now: NodeRanks) -> None:
     path = os.path.join(memdir, NODE_FILE)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"world_size": now.world_size, "ranks": list(now.ranks)}, f)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"world_size": now.world_size, "ranks": list(now.ranks)}, f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise

@@ -71,8 +71,12 @@ class Tiers:
         if outer.rank == self.group[0]:  # the group's keeper, and its record of ranks
             try:
                 self.link = KeeperLink.open(outer.directory, tier, outer.config)
-                nodes.adopt(self.memdir, os.path.join(self.memdir, place.CKPT),
+                ckpt = os.path.join(self.memdir, place.CKPT)
+                nodes.adopt(self.memdir, ckpt,
                             nodes.NodeRanks(outer.world_size, tuple(self.group)))
+                # Every node lists its memory at a restore, an empty one too (a rank whose
+                # listing raised would leave the others' agreement).
+                os.makedirs(ckpt, 0o700, exist_ok=True)
             except Exception as exc:  # noqa: BLE001 - every rank learns of it, then it is raised
                 error = exc
         answers = self._exchange("memory-keeper", {"error": None if error is None else
@@ -96,6 +100,7 @@ class Tiers:
             raise
         if self.nodes > 1:  # memory/nodes.py
             self.memory._partial = True
+            self.memory._group = set(self.group)
             self.memory._agree = outer.comm
             self.memory._order = order
         #: Rank 0 with ``storage_writer="keeper"``: the saves due for storage, handed on from
@@ -197,6 +202,23 @@ class Tiers:
                                            self.outer.config.commit_timeout_s)
         chosen, floor = answers[0]
         return (lambda info: order(info) >= floor) if chosen else None
+
+    def after_restore(self, step: int | None) -> None:
+        """Several nodes, after a restore of the latest settled on ``step`` (either tier): each
+        node removes its memory checkpoints of later steps, with a WARNING. A node whose peers
+        lack them cannot restore them, and the steps trained again after the restore would
+        collide with them on this node only (CheckpointExistsError on its ranks alone)."""
+        if self.nodes == 1 or step is None:
+            return
+        for info in self.memory.list():
+            if info.step is not None and info.step > step:
+                if self.outer.rank == self.group[0]:
+                    log.warning("datastates: the memory checkpoint %s of this node is removed: "
+                                "the job restored step %d (the other nodes do not all hold %s)",
+                                info.name, step, info.name)
+                self.memory.delete(step=info.step)  # the node's lowest rank removes it
+        # No rank of the node saves before they are gone (its save would find the name taken).
+        self.memory.comm.exchange("memory-trimmed", {}, self.outer.config.commit_timeout_s)
 
     def close(self, stop: bool) -> None:
         """After the memory Checkpointer closed: detach from the keeper (each node group's

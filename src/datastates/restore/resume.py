@@ -46,8 +46,8 @@ def choose(catalog: Catalog, comm, *, open_reader: Callable[[CheckpointInfo], Re
            prepare: Callable[[Reader], Any], quarantine: Callable[[str, str], str | None],
            timeout_s: float, caller: str, apply: Callable[[Reader, Any], Any] | None = None,
            order: Callable[[CheckpointInfo], int] | None = None,
-           eligible: Callable[[CheckpointInfo], bool] | None = None, mover: bool | None = None
-           ) -> tuple[Reader, Any, list[SkippedCheckpoint], int, float]:
+           eligible: Callable[[CheckpointInfo], bool] | None = None,
+           mover: Callable[[list[int]], bool] | None = None) -> tuple[Reader, Any, list[SkippedCheckpoint], int, float]:
     """Run the rounds (module docstring): (the open reader of the checkpoint chosen, what
     ``prepare(reader)`` returned for it, the checkpoints skipped newest first, the bytes
     verified, the seconds spent). ``prepare`` plans and verifies, returning the plan and the
@@ -63,13 +63,14 @@ def choose(catalog: Catalog, comm, *, open_reader: Callable[[CheckpointInfo], Re
     ``order`` (default: the commit number) ranks the checkpoints, newest first, and compares
     the ranks' choices; the memory tier of several nodes orders by step, as each node numbers
     its own commits. ``eligible``: only the checkpoints it accepts are candidates (the memory
-    tier: none older than storage's newest). ``mover`` (default: rank 0 of ``comm``): whether
-    this rank moves the damaged checkpoints aside (each node's lowest rank, its own copy)."""
+    tier: none older than storage's newest). ``mover(ranks)``: whether this rank moves aside a
+    checkpoint that ``ranks`` found damaged (default: rank 0 of ``comm`` moves every one; the
+    memory tier of several nodes: each node's lowest rank, when a rank of its node found it)."""
     start = time.perf_counter()
     order = order or (lambda c: c.seq)
     candidates = sorted((c for c in catalog.scan() if eligible is None or eligible(c)),
                         key=order, reverse=True)
-    mover = comm.rank == 0 if mover is None else mover
+    mover = mover or (lambda ranks: comm.rank == 0)
     rejected: dict[str, SkippedCheckpoint] = {}
     verified = 0
     while True:
@@ -145,18 +146,19 @@ def _apply(reader: Reader, plan, apply, status: dict, comm, timeout_s: float, ca
     return result, answers
 
 
-def _reject(answers: dict, damaged: dict, rejected: dict, quarantine, mover: bool,
-            caller: str) -> None:
-    """Add this round's rejections to ``rejected`` (the same on every rank); the ``mover``
-    quarantines the damaged checkpoints."""
+def _reject(answers: dict, damaged: dict, rejected: dict, quarantine,
+            mover: Callable[[list[int]], bool], caller: str) -> None:
+    """Add this round's rejections to ``rejected`` (the same on every rank); a rank for which
+    ``mover(the ranks that found it)`` holds quarantines a damaged checkpoint."""
     oldest = min(answers.values(), key=lambda a: (a["seq"], a["name"] or ""))
-    found: dict[str, tuple[list[str], bool]] = {}
+    found: dict[str, tuple[list[str], bool, list[int]]] = {}
     for r, a in sorted(damaged.items()):
-        reasons, movable = found.get(a["name"], ([], False))
-        found[a["name"]] = (reasons + [f"rank {r}: {a['damaged']}"], movable or a["quarantine"])
-    for name, (reasons, movable) in found.items():
+        reasons, movable, ranks = found.get(a["name"], ([], False, []))
+        found[a["name"]] = (reasons + [f"rank {r}: {a['damaged']}"], movable or a["quarantine"],
+                            ranks + [r])
+    for name, (reasons, movable, ranks) in found.items():
         reason = "; ".join(reasons)
-        where = quarantine(name, reason) if movable and mover else None
+        where = quarantine(name, reason) if movable and mover(ranks) else None
         rejected[name] = SkippedCheckpoint(name, reason, where)
         log.warning("%s: the checkpoint %s is damaged (%s)%s; falling back to an older one",
                     caller, name, reason, f", moved to {where}" if where else "")
