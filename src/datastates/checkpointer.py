@@ -137,14 +137,13 @@ class Checkpointer:
         #: ``info -> bool``: whether a candidate was checked since its last write, so a
         #: fallback restore reads it without checksums (the memory tier's marks)
         self._prechecked = None
-        #: The memory tier of several nodes (memory/nodes.py): ``_partial`` refuses a save of
-        #: a sharded tensor (a node group's checkpoint would hold some boxes of it only); a
-        #: fallback restore agrees through ``_agree`` (the job's communicator: every node holds
-        #: the step restored), ranks the candidates by ``_order`` (None: the commit number),
-        #: takes those that ``_eligible`` accepts (None: all; the memory tier: none older than
-        #: storage's newest), and its lowest rank moves aside only the damage that a rank of
-        #: ``_group`` (the node group's ranks of the job) found.
-        self._partial = False
+        #: The memory tier of several nodes (memory/nodes.py), ``_group`` the job's ranks of
+        #: this node group (None otherwise): a save of a sharded tensor is refused (a node
+        #: group's checkpoint would hold some boxes of it only); a fallback restore agrees
+        #: through ``_agree`` (the job's communicator: every node holds the step restored),
+        #: ranks the candidates by ``_order`` (None: the commit number), takes those that
+        #: ``_eligible`` accepts (None: all; the memory tier: none older than storage's newest),
+        #: and its lowest rank moves aside only the damage that a rank of ``_group`` found.
         self._group: set[int] | None = None
         self._agree = None
         self._order = None
@@ -297,7 +296,7 @@ class Checkpointer:
         flat = flatten(state, self.registry,
                        allow_unsafe=self.config.allow_unsafe_objects)
         check_dtypes(flat.items)
-        if self._partial:
+        if self._group is not None:
             _check_unsharded(flat.items)
         self._decide_capture(flat, optimizers)
         tensors = [i for i, it in enumerate(flat.items) if isinstance(it, TensorItem)]

@@ -99,7 +99,6 @@ class Tiers:
             self._drop()
             raise
         if self.nodes > 1:  # memory/nodes.py
-            self.memory._partial = True
             self.memory._group = set(self.group)
             self.memory._agree = outer.comm
             self.memory._order = order
@@ -210,15 +209,21 @@ class Tiers:
         collide with them on this node only (CheckpointExistsError on its ranks alone)."""
         if self.nodes == 1 or step is None:
             return
-        for info in self.memory.list():
-            if info.step is not None and info.step > step:
-                if self.outer.rank == self.group[0]:
+        if self.outer.rank == self.group[0]:  # memory.delete() works on the node's lowest rank
+            for info in self.memory.list():
+                if info.step is not None and info.step > step:
                     log.warning("datastates: the memory checkpoint %s of this node is removed: "
                                 "the job restored step %d (the other nodes do not all hold %s)",
                                 info.name, step, info.name)
-                self.memory.delete(step=info.step)  # the node's lowest rank removes it
+                    self.memory.delete(step=info.step)
         # No rank of the node saves before they are gone (its save would find the name taken).
-        self.memory.comm.exchange("memory-trimmed", {}, self.outer.config.commit_timeout_s)
+        timeout = self.outer.config.commit_timeout_s
+        try:
+            self.memory.comm.exchange("memory-trimmed", {}, timeout)
+        except TimeoutError as exc:
+            raise CommitTimeoutError(f"rank {self.outer.rank}: restored step {step}, but the "
+                                     f"ranks of this node did not all return: {exc}",
+                                     {}) from None
 
     def close(self, stop: bool) -> None:
         """After the memory Checkpointer closed: detach from the keeper (each node group's
