@@ -26,7 +26,9 @@ def test_bench_warm_writes_every_row(tmp_path):
     _run("bench_warm.py", "--gib", "0.02", "--reps", "1", "--dir", str(tmp_path),
          "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
-    assert set(rows) == {"memcpy", "read + CRC", "datastates verify", "datastates restore"}
+    assert set(rows) == {"memcpy", "read + CRC", "read + CRC, 2 threads",
+                         "read into tensors + CRC, 2 threads", "datastates verify",
+                         "datastates restore"}
     assert all(math.isfinite(r["gb_s"]) and r["gb_s"] > 0 for r in rows.values())
 
 
