@@ -239,6 +239,27 @@ def test_save_refuses_a_state_nested_too_deep_with_a_typed_error(tmp_path, level
     assert f"nested more than {MAX_TREE_DEPTH} levels deep" in message
 
 
+def _tensor_in_a_dict(levels: int, tensor: torch.Tensor):
+    """A state whose tensor is ``levels`` deep, the child of a dict (the walk's fast path)."""
+    value = {"w": tensor}
+    for _ in range(levels - 3):
+        value = [value]
+    return {"x": value}
+
+
+def test_a_tensor_in_a_dict_is_held_to_the_depth_limit_too(tmp_path):
+    tensor = torch.arange(4.0)
+    with Checkpointer(tmp_path, CFG) as ckpt:
+        ckpt.save(_tensor_in_a_dict(MAX_TREE_DEPTH, tensor), step=1).wait()
+        loaded = ckpt.load()["x"]
+        while isinstance(loaded, list):
+            loaded = loaded[0]
+        assert torch.equal(loaded["w"], tensor)
+        with pytest.raises(SerializationError, match="nested more than"):
+            ckpt.save(_tensor_in_a_dict(MAX_TREE_DEPTH + 1, tensor), step=2)
+        assert [i.step for i in ckpt.list()] == [1]
+
+
 def test_save_refuses_a_list_that_holds_itself(tmp_path):
     loop = [1]
     loop.append(loop)

@@ -247,9 +247,15 @@ class _Walker:
         kind = type(obj)
         prefix = key + "/" if path else ""  # key_of(path + (k,)), the root's children bare
         if kind in (dict, OrderedDict) and _json_keys(obj):
+            # A plain tensor child goes straight to tensor(), as node() would send it, without
+            # the path tuple and the call only an error or a deeper child needs.
+            child, tensor, node = depth + 1, self.tensor, self.node
+            plain = child <= MAX_TREE_DEPTH
             return {"t": "odict" if kind is OrderedDict else "dict",
-                    "items": [[k, self.node(v, path + (k,), f"{prefix}{k}", policy, provider,
-                                            depth + 1)] for k, v in obj.items()]}
+                    "items": [[k, tensor(v, f"{prefix}{k}", policy, provider)
+                               if plain and type(v) is torch.Tensor else
+                               node(v, path + (k,), f"{prefix}{k}", policy, provider, child)]
+                              for k, v in obj.items()]}
         if kind in (list, tuple):
             return {"t": kind.__name__,
                     "items": [self.node(v, path + (i,), f"{prefix}{i}", policy, provider,
