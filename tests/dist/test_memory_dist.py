@@ -298,3 +298,40 @@ def test_saves_due_for_storage_are_written_by_the_keeper_for_both_ranks(shm_root
     with open(log) as f:
         text = f.read()
     assert f"committed {fmt.step_name(2)}" in text and f"committed {fmt.step_name(4)}" in text
+
+
+def _restore_one_rank_gone_after(rank, world, root, shm_root, tmp):
+    """Rank 1 leaves right after the ranks agreed on the step (its node's trim never hears
+    from it), as a rank that dies there would; the others restore as usual."""
+    from datastates.memory.tiers import Tiers
+    if rank == 1:
+        Tiers.after_restore = lambda self, step: None
+    config = _nodes_config(shm_root, tmp, rank, _by_pairs)
+    config = datastates.CheckpointConfig(memory_tier=config.memory_tier, commit_timeout_s=15)
+    with datastates.Checkpointer(root, config) as ck:
+        live = {"w": torch.zeros(3000), "shared": torch.zeros(64, dtype=torch.float64),
+                "pos": {"step": -1}}
+        try:
+            report = ck.restore(live)
+        except datastates.CommitTimeoutError as exc:
+            outcome = f"CommitTimeoutError: {exc}"
+        else:
+            outcome = report.step
+        want = _node_state(rank, 3)
+        return {"outcome": outcome, "exact": torch.equal(live["w"], want["w"]),
+                "memory": [i.step for i in ck.memory.list()]}
+
+
+def test_a_rank_that_leaves_the_trim_after_a_restore_is_a_commit_timeout_on_its_node(
+        shm_root, tmp_path):
+    """The trim of later memory steps after a restore waits for every rank of the node: a rank
+    that never comes back is a CommitTimeoutError on the others of its node (the live state
+    is already restored), and no wait at all on the other node."""
+    root, tmp = str(tmp_path / "ckpt"), str(tmp_path)
+    run_ranks(4, _nodes_save, root, shm_root, tmp, _by_pairs)
+    out = run_ranks(4, _restore_one_rank_gone_after, root, shm_root, tmp)
+    assert out[0]["outcome"].startswith("CommitTimeoutError: rank 0: restored step 3, but the "
+                                        "ranks of this node did not all return"), out[0]
+    for rank in (1, 2, 3):
+        assert out[rank]["outcome"] == 3, (rank, out[rank])
+    assert all(out[r]["exact"] and out[r]["memory"] == [2, 3] for r in range(4)), out
