@@ -47,7 +47,8 @@ def choose(catalog: Catalog, comm, *, open_reader: Callable[[CheckpointInfo], Re
            timeout_s: float, caller: str, apply: Callable[[Reader, Any], Any] | None = None,
            order: Callable[[CheckpointInfo], int] | None = None,
            eligible: Callable[[CheckpointInfo], bool] | None = None,
-           mover: Callable[[list[int]], bool] | None = None) -> tuple[Reader, Any, list[SkippedCheckpoint], int, float]:
+           mover: Callable[[list[int]], bool] | None = None
+           ) -> tuple[Reader, Any, list[SkippedCheckpoint], int, float]:
     """Run the rounds (module docstring): (the open reader of the checkpoint chosen, what
     ``prepare(reader)`` returned for it, the checkpoints skipped newest first, the bytes
     verified, the seconds spent). ``prepare`` plans and verifies, returning the plan and the
