@@ -144,7 +144,7 @@ def test_writer_thread_failure_fails_the_job_and_the_threads_live_on(tmp_path, m
 def test_commit_thread_failure_fails_the_job_and_the_thread_lives_on(tmp_path, monkeypatch):
     """An unexpected exception while the commit thread finishes a file fails that save only."""
     with datastates.Checkpointer(tmp_path, _small()) as ck:
-        monkeypatch.setattr(datastates.format.codec, "encode_index",
+        monkeypatch.setattr(datastates.format.codec, "encode_index_items",
                             lambda *a: (_ for _ in ()).throw(KeyError("injected index failure")))
         with pytest.raises(KeyError, match="injected index failure"):
             ck.save(_state(1), step=1).wait(WAIT_S)

@@ -776,8 +776,8 @@ def test_a_mapped_shard_file_keeps_no_old_byte_even_with_a_view_left(tmp_path):
     for unit in layout.units:
         view = writer.unit_view(unit.file_offset, -(-unit.nbytes // 4096) * 4096)
         view.zero_()
-        for piece in unit.pieces:
-            view[piece.unit_offset:piece.unit_offset + piece.nbytes] = 1 + piece.item
+        for item, _, at, nbytes in unit.pieces:
+            view[at:at + nbytes] = 1 + item
         kept = view
     writer.write(memoryview(b"\x09" * 10), layout.blob_offsets[0])
     writer.write(memoryview(b"\x03" * 8), 0)
@@ -787,9 +787,9 @@ def test_a_mapped_shard_file_keeps_no_old_byte_even_with_a_view_left(tmp_path):
     expected = bytearray(size)
     expected[:8] = b"\x03" * 8
     for unit in layout.units:
-        for piece in unit.pieces:
-            at = unit.file_offset + piece.unit_offset
-            expected[at:at + piece.nbytes] = bytes([1 + piece.item]) * piece.nbytes
+        for item, _, start, nbytes in unit.pieces:
+            at = unit.file_offset + start
+            expected[at:at + nbytes] = bytes([1 + item]) * nbytes
     expected[layout.blob_offsets[0]:layout.blob_offsets[0] + 10] = b"\x09" * 10
     assert path.read_bytes() == bytes(expected)
     assert len(mappings) == 1  # kept for the next save of this file

@@ -22,11 +22,11 @@ from datastates import Checkpointer, CheckpointConfig, CorruptCheckpointError
 from datastates import format as fmt
 from datastates.format import codec, files, plain, validate
 from datastates.format.checks import _At
-from datastates.format.records import FileRef
+from datastates.format.records import FileRef, ReportEntry
 from datastates.format.tree import key_of
 from datastates.providers import ProviderRegistry
 from datastates.providers.tree import flatten
-from datastates.save.planning import Piece, Unit, plan_layout
+from datastates.save.planning import Unit, plan_layout
 
 from helpers import assert_same, clone_state
 
@@ -113,7 +113,7 @@ def _reference_layout(sizes, unit_bytes):
             while len(units) <= index:
                 units.append(Unit(codec.HEADER_BYTES + len(units) * unit_bytes))
             n = min(size - done, unit_bytes - within)
-            units[index].pieces.append(Piece(item, done, within, n))
+            units[index].pieces.append((item, done, within, n))
             units[index].nbytes = within + n
             pos, done = pos + n, done + n
     return units, offsets
@@ -415,6 +415,44 @@ def test_written_entry_fast_path_is_the_general_check_and_encoding():
             assert general == ("ok", fast) == ("ok", codec.encode_json(e.to_json())), e
         # else the writer takes the general path: its outcome is the general one
     assert accepted > 50
+
+
+def _index_mutations(rng: random.Random):
+    """Report entries of tensors (whole, a shard, a replica, not written) and an object, with
+    up to two fields replaced by values of other types or forms (an int subclass, a list for a
+    tuple, NaN)."""
+    import enum
+
+    class Small(enum.IntEnum):
+        ONE = 1
+
+    base = [ReportEntry("w", "tensor", True, 4096, 24, "float32", (2, 3), ((16, 7), (8, 9))),
+            ReportEntry("a/\u00e9\"x", "tensor", True, 4160, 8, "int64", (1,), ((8, 0),), None,
+                        (4,), (3,), False),
+            ReportEntry("r", "tensor", True, 8192, 0, "uint8", (0,), (), None, None, None, True),
+            ReportEntry("r", "tensor", False, None, None, "int16", (3,), (), None, None, None,
+                        True),
+            ReportEntry("o", "object", True, 4096, 5, crc32=3)]
+    values = [None, True, False, 0, 7, Small.ONE, 2 ** 40, -1, float("nan"), 1.0, "", "w",
+              (), (2,), [2], (Small.ONE,), (True,), ((8, 1),), [(8, 1)], ((8, True),),
+              ((8, 1, 2),), ([8, 1],), "float16"]
+    for _ in range(3000):
+        e = rng.choice(base)
+        for _ in range(rng.choice([0, 1, 1, 2])):
+            e = e._replace(**{rng.choice(e._fields): rng.choice(values)})
+        yield e
+
+
+def test_index_entry_fast_path_is_the_entrys_json():
+    """Where the writer's direct encoding of an index entry gives text, it is exactly the
+    JSON of the entry's dict form; anything else goes through that form."""
+    encoded = 0
+    for e in _index_mutations(random.Random(5)):
+        fast = plain.report_entry_json(e)
+        if fast is not None:
+            encoded += 1
+            assert fast.encode() == codec.encode_json(e.to_json()), e
+    assert encoded > 300
 
 
 def _saved_manifest(tmp_path, state=None):

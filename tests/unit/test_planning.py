@@ -12,7 +12,8 @@ UNIT = 16 << 10
 
 
 def pieces_of(layout, item):
-    return sorted((p.item_offset, p.nbytes) for u in layout.units for p in u.pieces if p.item == item)
+    return sorted((begin, nbytes) for u in layout.units for it, begin, _, nbytes in u.pieces
+                  if it == item)
 
 
 def test_small_tensors_are_packed_into_one_unit_at_64_byte_alignment():
@@ -42,9 +43,8 @@ def test_every_tensor_is_covered_exactly_once_in_file_order():
         assert [o for o, _ in pieces] == [sum(n for _, n in pieces[:i]) for i in range(len(pieces))]
         assert layout.tensor_offsets[item] % 64 == 0
     for unit in layout.units:
-        for piece in unit.pieces:  # where a piece sits in the file matches the tensor's offset
-            assert unit.file_offset + piece.unit_offset == \
-                layout.tensor_offsets[piece.item] + piece.item_offset
+        for item, begin, at, _ in unit.pieces:  # where a piece sits matches the tensor's offset
+            assert unit.file_offset + at == layout.tensor_offsets[item] + begin
 
 
 def test_blobs_and_index_follow_the_data():

@@ -103,7 +103,7 @@ def test_restore_waits_for_a_sharers_save_and_leaves_its_failure_on_the_handle(t
     try:
         owner.save({"t": torch.ones(10)}, step=1).wait()
         import datastates.format.codec as fmt
-        monkeypatch.setattr(fmt, "encode_index",
+        monkeypatch.setattr(fmt, "encode_index_items",
                             lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
         failing = sharer.save({"t": torch.randn(50_000)}, step=1)
         live = {"t": torch.zeros(10)}

@@ -147,8 +147,13 @@ def encode_index(rank: int, entries: Iterable[dict]) -> bytes:
             batch = []
     if batch:
         batches.append(encode_json(batch)[1:-1])
+    return encode_index_items(rank, b",".join(batches))
+
+
+def encode_index_items(rank: int, items: bytes) -> bytes:
+    """:func:`encode_index` of entries already encoded, ``items`` (``item,item,...``)."""
     return encode_entries({"format": SHARD_FORMAT, "version": VERSION, "rank": rank,
-                           "entries": []}, b",".join(batches))
+                           "entries": []}, items)
 
 
 #: JSON objects encoded at a time when a writer encodes many (index and manifest entries): few

@@ -242,3 +242,31 @@ def report_entry(e: Any, f: FileRef) -> ReportEntry | None:
         return None
     return ReportEntry(key, "tensor", True, offset, nbytes, dtype, shape, pieces, None,
                        global_shape, global_offset, replicated)
+
+
+def report_entry_json(e: ReportEntry) -> str | None:
+    """The JSON text (``codec.encode_json(e.to_json())``, as str) of the report entry ``e`` of
+    a tensor this rank wrote, for its shard file's index, when every field has the exact type
+    this rank's own records give it; else None (the writer then encodes ``e.to_json()``).
+    Written out directly: the index of a save of many small tensors is encoded without a dict
+    and a JSON encoder pass per tensor."""
+    key, kind, written, offset, nbytes, dtype, shape, checksums, _, global_shape, \
+        global_offset, replicated = e
+    if kind != "tensor" or written is not True or type(key) is not str or \
+            type(dtype) is not str or type(offset) is not int or type(nbytes) is not int or \
+            type(replicated) is not bool or not _is_dims(shape) or type(checksums) is not tuple:
+        return None
+    for piece in checksums:
+        if type(piece) is not tuple or len(piece) != 2 or type(piece[0]) is not int or \
+                type(piece[1]) is not int:
+            return None
+    extra = ""
+    if global_shape is not None:
+        if not _is_dims(global_shape) or not _is_dims(global_offset):
+            return None
+        extra = f',"global_shape":[{_ints(global_shape)}],"global_offset":[{_ints(global_offset)}]'
+    if replicated:
+        extra += ',"replicated":true'
+    sums = ",".join([f"[{length},{crc}]" for length, crc in checksums])
+    return (f'{{"key":{_string(key)},"kind":"tensor","dtype":{_string(dtype)},"shape":['
+            f'{_ints(shape)}]{extra},"offset":{offset},"nbytes":{nbytes},"checksums":[{sums}]}}')

@@ -64,7 +64,7 @@ class TensorItem:
         # Kept after the snapshot drops the reference to the tensor.
         self.shape = tuple(tensor.shape)
         self.dtype = tensor.dtype
-        self.nbytes = tensor.numel() * tensor.element_size()
+        self.nbytes = tensor.nbytes
 
     def __repr__(self) -> str:
         return (f"TensorItem(key={self.key!r}, dtype={self.dtype}, shape={self.shape}, "

@@ -20,6 +20,7 @@ from ..commit.catalog import human_bytes
 from ..commit.committer import SaveTarget
 from ..errors import CommitTimeoutError
 from ..format import codec as fmt
+from ..format import plain
 from ..format.records import CheckpointInfo, FileRef, RankReport, ReportEntry, SaveRef
 from ..providers.tree import Flattened, TensorItem
 from ..storage.posix import ShardWriter, fsync_dir
@@ -378,7 +379,8 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
             t_i = position.get(i)
             entries[i] = _tensor_entry(item, None if t_i is None else offsets[t_i],
                                        checksums[t_i] if t_i is not None else ())
-    index = fmt.encode_index(job.target.rank, (e.to_json() for e in entries if e.written))
+    index = fmt.encode_index_items(job.target.rank, ",".join(
+        [_index_text(e) for e in entries if e.written]).encode())
     job.writer.write(memoryview(index), job.layout.index_offset)
     job.writer.write(memoryview(fmt.pack_header(job.layout.index_offset, index)), 0)
     size = job.layout.index_offset + len(index)
@@ -400,18 +402,24 @@ def _checksums(job: Job) -> list[tuple[tuple[int, int], ...]]:
     out: list = [()] * len(job.write_tensors)
     crcs = job.crcs
     for unit in job.layout.units:
-        for piece, crc in zip(unit.pieces, crcs[unit.file_offset]):
-            out[piece.item] += ((piece.nbytes, crc),)
+        for (item, _, _, nbytes), crc in zip(unit.pieces, crcs[unit.file_offset]):
+            out[item] += ((nbytes, crc),)
     return out
+
+
+def _index_text(e: ReportEntry) -> str:
+    """The JSON text of ``e`` in the shard file's index (``encode_json(e.to_json())``)."""
+    text = plain.report_entry_json(e)
+    return text if text is not None else fmt.encode_json(e.to_json()).decode()
 
 
 def _tensor_entry(item: TensorItem, offset: int | None, checksums: tuple) -> ReportEntry:
     """The report entry of a tensor: written at ``offset`` with these checksum pieces, or not
-    written by this rank (``offset`` None)."""
+    written by this rank (``offset`` None). Its fields in order (one call per tensor of a save,
+    without keyword arguments to match)."""
     local = item.global_shape is not None
-    return ReportEntry(key=item.key, kind="tensor", written=offset is not None, offset=offset,
-                       nbytes=item.nbytes if offset is not None else None,
-                       dtype=fmt.dtype_name(item.dtype), shape=item.shape,
-                       checksums=checksums, replicated=bool(item.replicated),
-                       global_shape=tuple(item.global_shape) if local else None,
-                       global_offset=tuple(item.global_offset) if local else None)
+    return ReportEntry(item.key, "tensor", offset is not None, offset,
+                       item.nbytes if offset is not None else None, fmt.dtype_name(item.dtype),
+                       item.shape, checksums, None,
+                       tuple(item.global_shape) if local else None,
+                       tuple(item.global_offset) if local else None, bool(item.replicated))

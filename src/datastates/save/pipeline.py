@@ -32,7 +32,7 @@ from ..errors import CheckpointerClosedError, StorageError
 from ..format import codec as fmt
 from ..providers.tree import TensorItem, plain_cpu
 from .job import Job, failed_report, finish_file, replica_digests, write_error
-from .planning import Unit
+from .planning import Piece, Unit
 from .staging import DeviceCopier, HostCache, zero_bytes
 from ..storage.posix import buffer_of
 
@@ -256,18 +256,18 @@ class Pipeline:
         pos, sources = 0, []
         copies: list[tuple[int, int, int]] = []  # (cache address, source address, bytes)
         for number, piece in enumerate(unit.pieces):
-            start = piece.unit_offset
+            item, begin, start, nbytes = piece
             if start > pos and not dense:
                 zero_bytes(base + pos, start - pos)
-            t = items[write[piece.item]].tensor
+            t = items[write[item]].tensor
             if plain_cpu(t):
-                copies.append((base + start, t.data_ptr() + piece.item_offset, piece.nbytes))
+                copies.append((base + start, t.data_ptr() + begin, nbytes))
                 sources.append(t)
             else:
                 copier.copy_addresses(copies)
                 copies = []
                 sources.append(self._copy_piece(job, piece, dst, kept))
-            pos = start + piece.nbytes
+            pos = start + nbytes
             if number == eager_cut:
                 copier.copy_addresses(copies)
                 copies = []
@@ -280,18 +280,18 @@ class Pipeline:
             fence.synchronize()
         sources.clear()
 
-    def _copy_piece(self, job: Job, piece, dst: torch.Tensor,
+    def _copy_piece(self, job: Job, piece: Piece, dst: torch.Tensor,
                     kept: dict[int, torch.Tensor]) -> torch.Tensor:
         """Copy one piece of a tensor that is not a plain CPU one into the slot ``dst``, through
         its flat bytes (made once, kept in ``kept`` while a later unit continues the tensor);
         returns them (the caller keeps them alive until the fence)."""
-        item = job.flat.items[job.write_tensors[piece.item]]
-        src = kept.pop(piece.item, None)
+        number, begin, start, size = piece
+        item = job.flat.items[job.write_tensors[number]]
+        src = kept.pop(number, None)
         if src is None:
             src = self.copier.flat(item.tensor)
-        start, begin, size = piece.unit_offset, piece.item_offset, piece.nbytes
         if begin + size < item.nbytes:  # the next unit continues it
-            kept[piece.item] = src
+            kept[number] = src
         self.copier.copy(dst[start:start + size], src[begin:begin + size])
         return src
 
@@ -346,7 +346,7 @@ class Pipeline:
                     view = self.cache.view(slot)
                 crc32 = fmt.crc32
                 job.crcs[unit.file_offset] = [
-                    crc32(view[p.unit_offset:p.unit_offset + p.nbytes]) for p in unit.pieces]
+                    crc32(view[at:at + nbytes]) for _, _, at, nbytes in unit.pieces]
         except BaseException as exc:
             job.fail(write_error(job, f"checksumming a unit at offset {unit.file_offset} of "
                                       f"{job.target.tmp}", exc))
@@ -512,4 +512,4 @@ def _last_eager_piece(job: Job) -> tuple[int, int]:
         return -1, -1
     number = job.eager_units - 1
     pieces = job.layout.units[number].pieces
-    return number, bisect.bisect_left([p.item for p in pieces], job.eager_items) - 1
+    return number, bisect.bisect_left([p[0] for p in pieces], job.eager_items) - 1

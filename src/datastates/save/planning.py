@@ -6,19 +6,15 @@ No I/O, no process group: sizes, reports and trees in, answers out, so it is uni
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from ..format.codec import DATA_ALIGN, HEADER_BYTES, UNIT_ALIGN, align_up
 
-
-class Piece(NamedTuple):
-    """``nbytes`` of item ``item`` starting at ``item_offset``, placed at ``unit_offset`` in a unit.
-    A named tuple: a layout holds one per tensor (and per unit a tensor crosses)."""
-
-    item: int
-    item_offset: int
-    unit_offset: int
-    nbytes: int
+#: A piece of a unit: ``(item, item_offset, unit_offset, nbytes)``, the ``nbytes`` of tensor
+#: ``item`` from ``item_offset`` on, placed at ``unit_offset`` in the unit. A plain tuple of ints,
+#: not a named one: a layout holds one per tensor, and the garbage collector stops tracking a
+#: plain tuple of ints at its first pass, where it keeps scanning a named tuple (a subclass) for
+#: as long as the save lives -- with 100k tensors, a full collection inside ``save()``.
+Piece = tuple[int, int, int, int]
 
 
 @dataclass
@@ -27,7 +23,7 @@ class Unit:
 
     file_offset: int
     nbytes: int = 0
-    pieces: list[Piece] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)  #: in the order of their items
 
     @property
     def end(self) -> int:
@@ -64,7 +60,7 @@ def plan_layout(tensor_sizes: list[int], blob_sizes: list[int], unit_bytes: int)
         offsets[item] = HEADER_BYTES + pos
         if units and 0 < size <= base + unit_bytes - pos:  # one piece, in the last unit
             unit = units[-1]
-            unit.pieces.append(Piece(item, 0, pos - base, size))
+            unit.pieces.append((item, 0, pos - base, size))
             pos += size
             unit.nbytes = pos - base
             continue
@@ -76,7 +72,7 @@ def plan_layout(tensor_sizes: list[int], blob_sizes: list[int], unit_bytes: int)
             base = index * unit_bytes
             n = min(size - done, unit_bytes - within)
             unit = units[index]
-            unit.pieces.append(Piece(item, done, within, n))
+            unit.pieces.append((item, done, within, n))
             unit.nbytes = within + n
             pos += n
             done += n
@@ -110,6 +106,6 @@ def units_holding(layout, count: int) -> int:
     """How many leading units of ``layout`` hold pieces of its first ``count`` tensors."""
     held = 0
     for number, unit in enumerate(layout.units):
-        if unit.pieces and unit.pieces[0].item < count:  # a unit's pieces follow item order
+        if unit.pieces and unit.pieces[0][0] < count:  # a unit's pieces follow item order
             held = number + 1
     return held
