@@ -190,7 +190,13 @@ def _all_dims(values) -> bool:
 
 
 def _ints(values: tuple[int, ...]) -> str:
-    """Exact ints as the items of a JSON array (what ``json.dumps`` writes for each)."""
+    """Exact ints (checked by the caller) as the items of a JSON array (what ``json.dumps``
+    writes for each). One or two written by an f-string: most shapes and offsets, at a quarter
+    of the cost of the join."""
+    if len(values) == 1:
+        return f"{values[0]}"
+    if len(values) == 2:
+        return f"{values[0]},{values[1]}"
     return ",".join(map(int.__repr__, values))
 
 
