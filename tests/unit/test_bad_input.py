@@ -188,6 +188,24 @@ def test_unpicklable_object_fails_in_save(ck, obj, what):
     assert [i.step for i in ck.list()] == [1, 2]
 
 
+@pytest.mark.parametrize("make", [
+    lambda: torch.sparse_coo_tensor(torch.tensor([[0], [1]]), torch.ones(1), (2, 4)),
+    lambda: torch.sparse_coo_tensor(torch.zeros(2, 0, dtype=torch.long), torch.zeros(0), (0, 4)),
+    lambda: torch.eye(3).to_sparse_csr(),
+], ids=["coo", "coo without elements", "csr"])
+def test_a_sparse_tensor_is_refused_in_save_by_its_key(ck, make):
+    """A tensor that is not strided fails inside save() naming its key and layout, before
+    anything is written (one with no elements too: it is not turned into a dense one)."""
+    ck.save({"w": torch.ones(2)}, step=1).wait(60)
+    before = entries(ck.directory)
+    with pytest.raises(SerializationError) as info:
+        ck.save({"w": torch.ones(2), "inner": {"sp": make()}}, step=2)
+    assert "'inner/sp'" in str(info.value) and "torch.sparse_c" in str(info.value)
+    assert entries(ck.directory) == before
+    ck.save({"w": torch.ones(2)}, step=2).wait(60)
+    assert [i.step for i in ck.list()] == [1, 2]
+
+
 def test_custom_class_needs_trust(ck, tmp_path):
     state = {"p": Point(3, 0.5), "plain": {"tuple": (1, "a"), "bytes": b"xy", "set": {1, 2}}}
     with pytest.raises(UnsafeObjectError, match="'p'.*allow_unsafe_objects=True"):

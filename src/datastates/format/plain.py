@@ -11,7 +11,8 @@ without a call or an error path per field, and tests hold them to it on mutated 
 (tests/unit/test_many_tensors.py). The writer's side is the same in reverse:
 :func:`tensor_entry_json` takes the record of a manifest entry about to be written and gives its
 bytes when the reader's :func:`tensor_entry` would read them back as that record, else None (the
-writer then takes the general path: JSON form, parse, compare).
+writer then takes the general path: JSON form, parse, compare), and :func:`report_entry_json`
+writes a rank's own report entry into its shard file's index (the encoder's bytes, or None).
 
 Pure: no I/O.
 """
@@ -115,9 +116,14 @@ def _shard_fields(fields: tuple, files: tuple[FileRef, ...], shape: tuple[int, .
 
 def _shard_text(s: ShardRef) -> str:
     """The JSON text of a checked shard record (``encode_json(s.to_json())``)."""
-    sums = ",".join([f"[{length},{crc}]" for length, crc in s.checksums])
     return (f'{{"file":{s.file},"offset":{s.offset},"nbytes":{s.nbytes},"global_offset":['
-            f'{_ints(s.global_offset)}],"shape":[{_ints(s.shape)}],"checksums":[{sums}]}}')
+            f'{_ints(s.global_offset)}],"shape":[{_ints(s.shape)}],"checksums":['
+            f'{_sums(s.checksums)}]}}')
+
+
+def _sums(pieces: tuple[tuple[int, int], ...]) -> str:
+    """Checked (length, crc32) pieces as the items of a JSON array."""
+    return ",".join([f"[{length},{crc}]" for length, crc in pieces])
 
 
 def _in_file(file_id: Any, offset: Any, nbytes: Any, files: tuple[FileRef, ...]) -> bool:
@@ -273,6 +279,6 @@ def report_entry_json(e: ReportEntry) -> str | None:
         extra = f',"global_shape":[{_ints(global_shape)}],"global_offset":[{_ints(global_offset)}]'
     if replicated:
         extra += ',"replicated":true'
-    sums = ",".join([f"[{length},{crc}]" for length, crc in checksums])
     return (f'{{"key":{_string(key)},"kind":"tensor","dtype":{_string(dtype)},"shape":['
-            f'{_ints(shape)}]{extra},"offset":{offset},"nbytes":{nbytes},"checksums":[{sums}]}}')
+            f'{_ints(shape)}]{extra},"offset":{offset},"nbytes":{nbytes},"checksums":['
+            f'{_sums(checksums)}]}}')

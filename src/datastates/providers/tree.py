@@ -64,7 +64,7 @@ class TensorItem:
         # Kept after the snapshot drops the reference to the tensor.
         self.shape = tuple(tensor.shape)
         self.dtype = tensor.dtype
-        self.nbytes = tensor.nbytes
+        self.nbytes = tensor.numel() * tensor.element_size()  # not .nbytes: a sparse tensor has none
 
     def __repr__(self) -> str:
         return (f"TensorItem(key={self.key!r}, dtype={self.dtype}, shape={self.shape}, "
@@ -282,13 +282,20 @@ class _Walker:
         items = self.out.items
         index = len(items)
         if t.numel():
-            address = t.data_ptr() if type(t) is torch.Tensor else _address_of(t)
+            try:
+                address = t.data_ptr() if type(t) is torch.Tensor else _address_of(t)
+            except RuntimeError:  # a sparse tensor has no data pointer: say so by its key
+                if t.layout != torch.strided:
+                    raise _not_strided(t, key) from None
+                raise
             first = self._starts.setdefault(address, index)
             if first != index:  # another tensor starts there: the same view, or another one
                 first = self._same_view(t, first, index)
                 if first != index:  # the same view saved under two keys
                     items[first].policy = _merge(items[first].policy, policy)
                     return {"t": "tensor", "e": first, "param": param}
+        elif t.layout != torch.strided:
+            raise _not_strided(t, key)
         item = TensorItem(key, t, policy, self.replicated)
         if shard is not None:
             item.global_shape, item.global_offset = shard.global_shape, shard.global_offset
@@ -326,6 +333,12 @@ def _address_of(t: torch.Tensor) -> int:
     """The address of the first element of ``t``: ``data_ptr()`` of a plain tensor, from its
     storage for any other (as :func:`_view_of` sees it)."""
     return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+
+
+def _not_strided(t: torch.Tensor, key: str) -> SerializationError:
+    return SerializationError(f"{key!r}: a tensor of layout {t.layout}; a checkpoint holds "
+                              "strided tensors (convert it first, for example with .to_dense(), "
+                              "or save its indices and values)")
 
 
 def _too_deep(path: tuple) -> SerializationError:
