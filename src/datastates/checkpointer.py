@@ -200,6 +200,9 @@ class Checkpointer:
         prefixes): they are written once, and (``config.replica_check``) a digest of each is
         compared across ranks at commit.
 
+        A tensor no checkpoint holds (sparse, mkldnn, nested, or a meta tensor with elements)
+        raises SerializationError naming its key, with nothing written.
+
         ``metrics`` (``{"val_loss": 0.31}``): numbers recorded in the manifest (rank 0's) and
         given back as ``CheckpointInfo.metrics``, which ``config.keep_best`` ranks by. A name
         is a str, a value a finite int or float (a bool, NaN or infinity is refused): TypeError

@@ -104,13 +104,16 @@ def test_lightning_fit_resume_bit_exact(tmp_path, lazy):
     assert os.path.isfile(tmp_path / "ds2" / "epoch=3-step=16.ckpt" / "manifest.json")
 
 
-def test_lightning_background_error_surfaces_at_next_save(tmp_path):
+def test_lightning_background_error_surfaces_at_next_save(tmp_path, monkeypatch):
+    import datastates.format.codec as codec
     io = DatastatesCheckpointIO(CFG)
-    handle = io._paths.save({"t": torch.empty(4, device="meta")}, tmp_path / "bad.ckpt",
-                            snapshot=False)
-    with pytest.raises(NotImplementedError):
+    monkeypatch.setattr(codec, "encode_index_items",  # fails in the background commit thread
+                        lambda *a: (_ for _ in ()).throw(KeyError("injected background failure")))
+    handle = io._paths.save({"t": torch.ones(4)}, tmp_path / "bad.ckpt", snapshot=False)
+    with pytest.raises(KeyError, match="injected"):
         handle.wait()
-    with pytest.raises(NotImplementedError):
+    monkeypatch.undo()
+    with pytest.raises(KeyError, match="injected"):
         io.save_checkpoint({"x": torch.ones(2)}, tmp_path / "next.ckpt")
     io.teardown()
     assert not os.path.exists(tmp_path / "bad.ckpt")

@@ -80,17 +80,26 @@ def test_overwrite_and_remove(tmp_path):
     assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
 
 
-def test_background_failure_raised_by_next_save(tmp_path):
+def _fail_in_background(monkeypatch):
+    """Make every save fail in the background (its commit thread, writing the shard's index)."""
+    import datastates.format.codec as codec
+    monkeypatch.setattr(codec, "encode_index_items",
+                        lambda *a: (_ for _ in ()).throw(KeyError("injected background failure")))
+
+
+def test_background_failure_raised_by_next_save(tmp_path, monkeypatch):
     paths = PathCheckpoints(SMALL)
-    bad = {"t": torch.empty(16, device="meta")}  # fails in the background capture
+    bad = {"t": torch.ones(16)}
+    _fail_in_background(monkeypatch)
     paths.save(bad, tmp_path / "bad", snapshot=False)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(KeyError, match="injected"):
         paths.wait()
     assert not os.path.exists(tmp_path / "bad")  # nothing partial is visible
     handle = paths.save(bad, tmp_path / "bad", snapshot=False)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(KeyError, match="injected"):
         handle.wait()
-    with pytest.raises(NotImplementedError):  # the next save reports it
+    monkeypatch.undo()
+    with pytest.raises(KeyError, match="injected"):  # the next save reports it
         paths.save({"t": torch.ones(2)}, tmp_path / "ok", snapshot=True)
     paths.close()
 

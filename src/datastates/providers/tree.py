@@ -285,18 +285,23 @@ class _Walker:
             try:
                 address = t.data_ptr() if type(t) is torch.Tensor else _address_of(t)
             except RuntimeError:  # a sparse tensor has no data pointer: say so by its key
-                if t.layout != torch.strided:
-                    raise _not_strided(t, key) from None
+                _refuse(t, key)
                 raise
+            if not address:  # a meta tensor: no data to save
+                _refuse(t, key)
             first = self._starts.setdefault(address, index)
             if first != index:  # another tensor starts there: the same view, or another one
                 first = self._same_view(t, first, index)
                 if first != index:  # the same view saved under two keys
                     items[first].policy = _merge(items[first].policy, policy)
                     return {"t": "tensor", "e": first, "param": param}
-        elif t.layout != torch.strided:
-            raise _not_strided(t, key)
-        item = TensorItem(key, t, policy, self.replicated)
+        else:
+            _refuse(t, key)
+        try:
+            item = TensorItem(key, t, policy, self.replicated)
+        except RuntimeError:  # a nested tensor has no shape
+            _refuse(t, key)
+            raise
         if shard is not None:
             item.global_shape, item.global_offset = shard.global_shape, shard.global_offset
             item.primary, item.replicated = shard.primary, False
@@ -335,10 +340,20 @@ def _address_of(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
 
 
-def _not_strided(t: torch.Tensor, key: str) -> SerializationError:
-    return SerializationError(f"{key!r}: a tensor of layout {t.layout}; a checkpoint holds "
-                              "strided tensors (convert it first, for example with .to_dense(), "
-                              "or save its indices and values)")
+def _refuse(t: torch.Tensor, key: str) -> None:
+    """SerializationError naming ``key`` when ``t`` is a tensor no checkpoint holds: one that is
+    not strided (sparse, mkldnn, jagged), nested, or on the meta device with elements (no data).
+    Called where such a tensor makes torch fail or would be stored as something else, so the
+    check costs nothing on the path of an ordinary tensor."""
+    if t.layout != torch.strided or t.is_nested:
+        kind = "a nested tensor" if t.is_nested else f"a tensor of layout {t.layout}"
+        raise SerializationError(f"{key!r}: {kind}; a checkpoint holds strided tensors (convert "
+                                 "it first: .to_dense() for a sparse or mkldnn one, .unbind() "
+                                 "for a nested one)")
+    if t.is_meta and t.numel():
+        raise SerializationError(f"{key!r}: a meta tensor of {t.numel()} elements holds no "
+                                 "data to save (materialize it first, for example with "
+                                 "module.to_empty(device='cpu') and its initialization)")
 
 
 def _too_deep(path: tuple) -> SerializationError:
@@ -374,7 +389,8 @@ def flatten(state: Any, registry: ProviderRegistry, *, replicated: bool = False,
     the first keys of the path. A Python object that ``restore()``'s default safe loading would
     refuse (a class outside the allowlist, a torch ``DataLoader``) raises UnsafeObjectError
     naming its key, unless ``allow_unsafe``; an object that cannot be pickled raises
-    SerializationError.
+    SerializationError, and so does a tensor no checkpoint holds (not strided, nested, or on the
+    meta device with elements), naming its key.
 
     The same tensor view reached under two keys is one item (shared storage is written once); if
     either key asks for eager capture, it is captured eagerly. ``item.lazy`` is left False: the
