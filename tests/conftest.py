@@ -109,13 +109,14 @@ def shm_root():
 
 def _memory_gone(memdir: str, timeout: float = 60.0) -> bool:
     """Wait until the keeper of ``memdir`` has ended and removed its memory (in its own
-    process, after answering the stop)."""
+    process, after answering the stop). Left behind: the keeper's lock file is there and no
+    keeper holds it (a directory without it is a keeper between its last two removals)."""
     from datastates.memory import place
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not os.path.exists(memdir) and not place.keeper_running(memdir):
+        if not os.path.exists(memdir):
             return True
-        if os.path.exists(memdir) and not place.keeper_running(memdir):
-            return False  # no keeper, memory still there: left behind
+        if not place.keeper_running(memdir) and os.path.lexists(os.path.join(memdir, place.LOCK)):
+            return False
         time.sleep(0.05)
     return False

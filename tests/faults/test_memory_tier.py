@@ -46,8 +46,9 @@ def _gone(memdir: str, timeout: float = 60.0) -> bool:
     while time.monotonic() < deadline:
         if not os.path.exists(memdir) and not _serving(memdir):
             return True
-        if not _serving(memdir) and os.path.exists(memdir) and not place.keeper_running(memdir):
-            return False  # no keeper, memory still there: left behind
+        if (not _serving(memdir) and not place.keeper_running(memdir) and
+                os.path.lexists(os.path.join(memdir, place.LOCK))):
+            return False  # no keeper, its lock and memory still there: left behind
         time.sleep(0.05)
     return False
 
@@ -102,6 +103,16 @@ def test_options_are_checked():
     assert tier.goes_to_storage(None, None) and not tier.goes_to_storage(5, False)
     assert tier.goes_to_storage(3, True)
     assert not datastates.MemoryTier(persist_every=None).goes_to_storage(10, None)
+
+
+def test_probing_for_a_keeper_creates_nothing(tmp_path):
+    """keeper_running() on a directory without a lock file (a keeper between removing its lock
+    and its directory): False, and the directory stays empty, so the keeper's rmdir succeeds."""
+    memdir = tmp_path / "datastates-0-x"
+    memdir.mkdir()
+    assert not place.keeper_running(str(memdir)) and os.listdir(memdir) == []
+    os.rmdir(memdir)
+    assert not place.keeper_running(str(memdir))
 
 
 def test_persist_false_needs_a_memory_tier(tmp_path):

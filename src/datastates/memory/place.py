@@ -32,6 +32,7 @@ from ..errors import KeeperError
 LOCK = "keeper.lock"
 CKPT = "ckpt"
 _OPEN = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_PROBE = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def _digest(storage_dir: str) -> str:
@@ -117,10 +118,18 @@ def take_lock(fd: int) -> bool:
 
 
 def keeper_running(memdir: str) -> bool:
-    """Whether a live keeper holds ``memdir``'s lock (False when there is no such directory)."""
-    if not os.path.isdir(memdir):
+    """Whether a live keeper holds ``memdir``'s lock (False when there is no such directory or
+    no lock file in it).
+
+    A probe: it creates nothing. An ending keeper removes its lock file, then the directory;
+    a probe that created the file between the two would leave the memory directory behind."""
+    try:
+        fd = os.open(os.path.join(memdir, LOCK), _PROBE)
+    except FileNotFoundError:
         return False
-    fd = open_lock(memdir)
+    except OSError as exc:
+        raise KeeperError(f"cannot open the keeper's lock {os.path.join(memdir, LOCK)}: "
+                          f"{exc}") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
