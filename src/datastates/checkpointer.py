@@ -26,7 +26,7 @@ from .errors import (CheckpointerClosedError, CheckpointNotFoundError, CommitTim
 from .format import codec as fmt
 from .format.records import CheckpointInfo, info_of
 from .providers import ProviderRegistry
-from .providers.tree import Flattened, ObjectItem, TensorItem, flatten
+from .providers.tree import Flattened, Items, flatten
 from .restore import resume
 from .restore.reader import Reader, RestoreReport, check_rank_policy
 from .save import capture
@@ -272,8 +272,8 @@ class Checkpointer:
             raise
         handle = SaveHandle(job)
         self._pending.append(handle)
-        job.stats.lazy_nbytes = sum(job.flat.items[i].nbytes for i in job.write_tensors
-                                    if job.flat.items[i].lazy)
+        items = job.flat.items
+        job.stats.lazy_nbytes = sum(items.nbytes[i] for i in job.write_tensors if items.lazy[i])
         if job.reads_lazy() and (self.config.lazy == "never" or
                      (self.config.lazy == "auto" and not self._guarded)):
             job.captured.wait()
@@ -298,20 +298,22 @@ class Checkpointer:
             self._check_storage_name(target.name, target.overwrite)
         flat = flatten(state, self.registry,
                        allow_unsafe=self.config.allow_unsafe_objects)
-        check_dtypes(flat.items)
+        items = flat.items
+        check_dtypes(items)
         if self._group is not None:
-            _check_unsharded(flat.items)
+            _check_unsharded(items)
         self._decide_capture(flat, optimizers)
-        tensors = [i for i, it in enumerate(flat.items) if isinstance(it, TensorItem)]
-        _mark_replicated(flat.items, tensors, replicated)
-        writes = self._tensors_to_write(flat.items, tensors)
-        eager = [i for i in writes if not flat.items[i].lazy]
-        writes = eager + [i for i in writes if flat.items[i].lazy]  # eager units first
-        objects = [i for i, it in enumerate(flat.items) if isinstance(it, ObjectItem)]
-        layout = plan_layout([flat.items[i].nbytes for i in writes],
-                             [flat.items[i].nbytes for i in objects], self.config.unit_bytes)
+        tensors = items.tensor_indexes()
+        _mark_replicated(items, tensors, replicated)
+        writes = self._tensors_to_write(items, tensors)
+        lazy = items.lazy
+        eager = [i for i in writes if not lazy[i]]
+        writes = eager + [i for i in writes if lazy[i]]  # eager units first
+        objects = list(items.blobs)  # in item order: added as the walk found them
+        layout = plan_layout([items.nbytes[i] for i in writes],
+                             [items.nbytes[i] for i in objects], self.config.unit_bytes)
         self._publisher.hold(self.directory, self.comm.run_id, self.config.fsync)
-        ready = self._pipeline.copier.record_ready([flat.items[i].tensor for i in writes])
+        ready = self._pipeline.copier.record_ready([items.tensors[i] for i in writes])
         return Job(target, flat=flat, layout=layout, write_tensors=writes, objects=objects,
                    metadata=metadata, ready=ready, t0=t0,
                    eager_units=units_holding(layout, len(eager)), eager_items=len(eager),
@@ -725,13 +727,15 @@ class Checkpointer:
                                      f"every rank must construct it: {exc}") from None
 
 
-    def _tensors_to_write(self, items, tensors: list[int]) -> list[int]:
-        tensors = [i for i in tensors if items[i].primary]
-        replicated = {items[i].key: items[i].nbytes for i in tensors if items[i].replicated}
+    def _tensors_to_write(self, items: Items, tensors: list[int]) -> list[int]:
+        if items.secondary:
+            tensors = [i for i in tensors if i not in items.secondary]
+        keys, flags = items.keys, items.replicated
+        replicated = {keys[i]: items.nbytes[i] for i in tensors if flags[i]}
         if not replicated or self.world_size == 1:
             return tensors
         owner = assign_replicated(replicated, self.world_size)
-        return [i for i in tensors if not items[i].replicated or owner[items[i].key] == self.rank]
+        return [i for i in tensors if not flags[i] or owner[keys[i]] == self.rank]
 
     def _bound_pending(self) -> None:
         self._prune()
@@ -765,23 +769,22 @@ class Checkpointer:
                                           f"{self.directory} shares was closed")
 
 
-def _mark_replicated(items, tensors: list[int], replicated) -> None:
+def _mark_replicated(items: Items, tensors: list[int], replicated) -> None:
     if replicated is False or replicated is None:
         return
     prefixes = None if replicated is True else [p.strip("/") for p in replicated]
     for i in tensors:
-        item = items[i]
-        if item.global_shape is not None:
+        if i in items.boxes:
             continue
-        if prefixes is None or any(item.key == p or item.key.startswith(p + "/") for p in prefixes):
-            item.replicated = True
+        key = items.keys[i]
+        if prefixes is None or any(key == p or key.startswith(p + "/") for p in prefixes):
+            items.replicated[i] = True
 
 
-def _check_unsharded(items) -> None:
+def _check_unsharded(items: Items) -> None:
     """The memory tier of several nodes keeps each node's ranks' tensors: ConfigError for a
     sharded tensor (TensorShard, DTensor), whose other boxes are on other nodes."""
-    sharded = [it.key for it in items if isinstance(it, TensorItem) and
-               it.global_shape is not None and it.global_shape != it.shape]
+    sharded = [items.keys[i] for i, (shape, _) in items.boxes.items() if shape != items.shapes[i]]
     if sharded:
         raise ConfigError(f"the memory tier on several nodes keeps per-rank and replicated "
                           f"tensors; found {len(sharded)} sharded tensor(s) (TensorShard, "

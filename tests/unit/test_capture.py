@@ -13,7 +13,7 @@ from torch import nn
 import datastates
 from datastates import CheckpointConfig, Checkpointer, ProviderRegistry
 from datastates.save import capture
-from datastates.providers.tree import TensorItem, flatten
+from datastates.providers.tree import flatten
 
 from helpers import assert_same, clone_state
 
@@ -33,7 +33,8 @@ def _decisions(state, optimizers=(), others=()) -> dict[str, bool]:
     in_save = [capture.torch_optimizer(o) for o in [*flat.optimizers, *optimizers]]
     capture.decide(flat.items, capture.LazyRule([o for o in in_save if o is not None],
                                                 [capture.torch_optimizer(o) for o in others]))
-    return {it.key: it.lazy for it in flat.items if isinstance(it, TensorItem)}
+    items = flat.items
+    return {items.keys[i]: items.lazy[i] for i in items.tensor_indexes()}
 
 
 def _step(model, opt):

@@ -110,7 +110,7 @@ def test_contiguous_array_is_shared_others_are_copied():
              "readonly": base.copy()}
     views["readonly"].flags.writeable = False
     flat = flatten(views, ProviderRegistry.default())
-    by_key = {item.key: item.tensor for item in flat.items}
+    by_key = dict(zip(flat.items.keys, flat.items.tensors))
     assert by_key["whole"].data_ptr() == base.ctypes.data  # zero copy
     for key in ("cols", "transposed", "reversed", "readonly"):
         tensor = by_key[key]

@@ -27,7 +27,7 @@ import torch
 
 from ..format import serialization
 from ..format.checks import MAX_TREE_DEPTH
-from ..format.tree import key_of
+from ..format.tree import LEAVES, key_of
 from ..errors import SerializationError
 from .base import AUTO, EAGER, LAZY, Capture, StateProvider
 from .registry import ProviderRegistry
@@ -36,55 +36,84 @@ _SCALARS = (str, int, bool, type(None))
 _STR = {str}
 
 
-class TensorItem:
-    """A tensor to capture. ``tensor`` is the live tensor (detached when it requires grad or is
-    not a plain ``torch.Tensor``), never a copy: eager items are copied into the host cache
-    before ``save()`` returns, lazy ones in the background.
+class Items:
+    """The items of a flattened state, as columns indexed by item number (the ``e`` of the
+    tree's leaves): item ``i`` is an object when ``i in blobs`` (its pickled bytes), else a
+    tensor. A tensor's column ``tensors[i]`` is the live tensor (detached when it requires grad
+    or is not a plain ``torch.Tensor``), never a copy: eager tensors are copied into the host
+    cache before ``save()`` returns, lazy ones in the background; :meth:`release` drops them once
+    the snapshot is complete.
 
-    A slotted class, not a dataclass: a save of many small tensors makes one per tensor on the
-    training thread, and this is the cheapest record Python builds."""
+    Columns, not a record per item: a save of many small tensors builds them on the training
+    thread, and a record is an object the garbage collector tracks for as long as the save lives
+    (at 100k tensors, enough survivors to start a full collection inside ``save()``). Lists of
+    strings, ints, bools and shape tuples leave it nothing new to scan per tensor."""
 
-    __slots__ = ("key", "tensor", "policy", "lazy", "global_shape", "global_offset",
-                 "replicated", "primary", "shape", "dtype", "nbytes")
+    __slots__ = ("keys", "tensors", "policies", "lazy", "nbytes", "shapes", "dtypes",
+                 "replicated", "boxes", "secondary", "blobs")
 
-    def __init__(self, key: str, tensor: torch.Tensor, policy: str = AUTO,
-                 replicated: bool = False):
-        self.key = key
-        self.tensor = tensor
-        #: "lazy", "eager" (marked) or "auto" (the storage rule decides ``lazy``).
-        self.policy = policy
-        self.lazy = False
-        #: Global shape and the offset of this (local) tensor inside it; set for sharded tensors.
-        self.global_shape: tuple[int, ...] | None = None
-        self.global_offset: tuple[int, ...] | None = None
-        #: For replicated tensors: identical on every rank, written once.
-        self.replicated = replicated
-        #: False when another rank writes this very shard (a shard replicated over a mesh dim).
-        self.primary = True
-        # Kept after the snapshot drops the reference to the tensor.
-        self.shape = tuple(tensor.shape)
-        self.dtype = tensor.dtype
-        self.nbytes = tensor.numel() * tensor.element_size()  # not .nbytes: a sparse tensor has none
+    def __init__(self):
+        self.keys: list[str] = []
+        self.tensors: list[torch.Tensor | None] = []  #: None for an object
+        #: "lazy", "eager" (marked) or "auto" (the storage rule decides ``lazy``); None for an
+        #: object.
+        self.policies: list[str | None] = []
+        self.lazy: list[bool] = []  #: decided by ``save.capture.decide``; False for an object
+        self.nbytes: list[int] = []
+        #: Kept after the snapshot drops the tensors; None for an object.
+        self.shapes: list[tuple[int, ...] | None] = []
+        self.dtypes: list[torch.dtype | None] = []
+        #: Identical on every rank, written once (declared by ``save(replicated=)``).
+        self.replicated: list[bool] = []
+        #: ``(global_shape, global_offset)`` of each sharded tensor: the box of the global
+        #: tensor its local tensor is.
+        self.boxes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        #: Sharded tensors another rank writes (the same box replicated over a mesh dimension).
+        self.secondary: set[int] = set()
+        self.blobs: dict[int, bytes] = {}  #: the pickled bytes of each object
 
-    def __repr__(self) -> str:
-        return (f"TensorItem(key={self.key!r}, dtype={self.dtype}, shape={self.shape}, "
-                f"policy={self.policy!r}, lazy={self.lazy})")
+    def __len__(self) -> int:
+        return len(self.keys)
 
+    def add_tensor(self, key: str, t: torch.Tensor, policy: str, replicated: bool,
+                   shard: TensorShard | None = None) -> None:
+        """Append tensor ``t`` (its shape read first: a nested tensor has none and raises
+        RuntimeError before anything is appended)."""
+        shape = tuple(t.shape)
+        self.keys.append(key)
+        self.tensors.append(t)
+        self.policies.append(policy)
+        self.lazy.append(False)
+        self.nbytes.append(t.numel() * t.element_size())  # not .nbytes: a sparse one has none
+        self.shapes.append(shape)
+        self.dtypes.append(t.dtype)
+        if shard is not None:
+            self.boxes[len(self.keys) - 1] = (shard.global_shape, shard.global_offset)
+            if not shard.primary:
+                self.secondary.add(len(self.keys) - 1)
+            replicated = False
+        self.replicated.append(replicated)
 
-@dataclass
-class ObjectItem:
-    key: str
-    data: bytes
+    def add_object(self, key: str, data: bytes) -> None:
+        self.blobs[len(self.keys)] = data
+        for column, value in ((self.keys, key), (self.tensors, None), (self.policies, None),
+                              (self.lazy, False), (self.nbytes, len(data)), (self.shapes, None),
+                              (self.dtypes, None), (self.replicated, False)):
+            column.append(value)
 
-    @property
-    def nbytes(self) -> int:
-        return len(self.data)
+    def tensor_indexes(self) -> list[int]:
+        """The numbers of the tensor items, in order."""
+        return [i for i, policy in enumerate(self.policies) if policy is not None]
+
+    def release(self) -> None:
+        """Drop every reference to a live tensor (the snapshot is complete, or never began)."""
+        self.tensors = [None] * len(self.keys)
 
 
 @dataclass
 class Flattened:
     tree: dict
-    items: list = field(default_factory=list)
+    items: Items = field(default_factory=Items)
     #: Optimizers found in the state (as given, possibly wrappers): part of this save.
     optimizers: list = field(default_factory=list)
 
@@ -251,10 +280,11 @@ class _Walker:
             # the path tuple and the call only an error or a deeper child needs.
             child, tensor, node = depth + 1, self.tensor, self.node
             plain = child <= MAX_TREE_DEPTH
-            return {"t": "odict" if kind is OrderedDict else "dict",
-                    "items": [[k, tensor(v, f"{prefix}{k}", policy, provider)
-                               if plain and type(v) is torch.Tensor else
-                               node(v, path + (k,), f"{prefix}{k}", policy, provider, child)]
+            # Keys and child nodes in two lists, paired by saved_tree() on the commit thread.
+            return {"t": "odict" if kind is OrderedDict else "dict", "keys": list(obj),
+                    "nodes": [tensor(v, f"{prefix}{k}", policy, provider)
+                              if plain and type(v) is torch.Tensor else
+                              node(v, path + (k,), f"{prefix}{k}", policy, provider, child)
                               for k, v in obj.items()]}
         if kind in (list, tuple):
             return {"t": kind.__name__,
@@ -280,7 +310,7 @@ class _Walker:
         elif not plain or t.requires_grad:
             t = t.detach()  # a plain tensor that needs no grad is kept as it is: no alias made
         items = self.out.items
-        index = len(items)
+        index = len(items.keys)
         if t.numel():
             try:
                 address = t.data_ptr() if type(t) is torch.Tensor else _address_of(t)
@@ -293,19 +323,15 @@ class _Walker:
             if first != index:  # another tensor starts there: the same view, or another one
                 first = self._same_view(t, first, index)
                 if first != index:  # the same view saved under two keys
-                    items[first].policy = _merge(items[first].policy, policy)
+                    items.policies[first] = _merge(items.policies[first], policy)
                     return {"t": "tensor", "e": first, "param": param}
         else:
             _refuse(t, key)
         try:
-            item = TensorItem(key, t, policy, self.replicated)
+            items.add_tensor(key, t, policy, self.replicated, shard)
         except RuntimeError:  # a nested tensor has no shape
             _refuse(t, key)
             raise
-        if shard is not None:
-            item.global_shape, item.global_offset = shard.global_shape, shard.global_offset
-            item.primary, item.replicated = shard.primary, False
-        items.append(item)
         return {"t": "tensor", "e": index, "param": param}
 
     def _same_view(self, t: torch.Tensor, first: int, index: int) -> int:
@@ -313,7 +339,7 @@ class _Walker:
         recorded). Tensors are told apart by the address of their first byte; only those
         starting where an earlier one does (tied weights, views at the start of a buffer) are
         compared by their whole view (:func:`_view_of`)."""
-        self._views.setdefault(_view_of(self.out.items[first].tensor), first)
+        self._views.setdefault(_view_of(self.out.items.tensors[first]), first)
         return self._views.setdefault(_view_of(t), index)
 
     def object(self, obj: Any, key: str) -> dict:
@@ -323,7 +349,7 @@ class _Walker:
         if not self.allow_unsafe:
             serialization.check_loadable(obj, data, key)
         index = len(self.out.items)
-        self.out.items.append(ObjectItem(key, data))
+        self.out.items.add_object(key, data)
         return {"t": "object", "e": index}
 
 
@@ -380,9 +406,26 @@ def _json_keys(mapping: dict) -> bool:
     return set(map(type, mapping)) <= _STR or all(_json_key(k) for k in mapping)
 
 
+def saved_tree(node: dict) -> dict:
+    """``node``, a tree :func:`flatten` made, in the form a manifest holds it: the walk keeps a
+    mapping's keys and child nodes in two lists, paired here as ``[key, node]``. Called on the
+    commit thread: each pair is a list the garbage collector tracks, one per key."""
+    t = node["t"]
+    if "keys" in node:
+        return {"t": t, "items": [[k, child if child["t"] in LEAVES else saved_tree(child)]
+                                  for k, child in zip(node["keys"], node["nodes"])]}
+    if t == "provider":
+        return {**node, "state": saved_tree(node["state"])}
+    if t in ("list", "tuple"):
+        return {"t": t, "items": [child if child["t"] in LEAVES else saved_tree(child)
+                                  for child in node["items"]]}
+    return node
+
+
 def flatten(state: Any, registry: ProviderRegistry, *, replicated: bool = False,
             allow_unsafe: bool = False) -> Flattened:
-    """Describe ``state``: a JSON tree whose leaves index ``items``.
+    """Describe ``state``: a tree whose leaves index ``items`` (a mapping's keys and nodes in
+    two lists; :func:`saved_tree` gives the JSON form the manifest holds).
 
     A state nested deeper than ``MAX_TREE_DEPTH`` levels (a dict, list, tuple or provider
     state is one level; a container holding itself has no end) raises SerializationError naming
@@ -393,7 +436,7 @@ def flatten(state: Any, registry: ProviderRegistry, *, replicated: bool = False,
     meta device with elements), naming its key.
 
     The same tensor view reached under two keys is one item (shared storage is written once); if
-    either key asks for eager capture, it is captured eagerly. ``item.lazy`` is left False: the
+    either key asks for eager capture, it is captured eagerly. ``items.lazy`` is left False: the
     caller decides it (``datastates.save.capture.decide``).
     """
     walker = _Walker(registry, replicated, allow_unsafe)

@@ -9,7 +9,7 @@ from typing import Any
 from ..errors import ConfigError, SerializationError
 from ..format import codec as fmt
 from ..format.checks import MAX_TREE_DEPTH
-from ..providers.tree import TensorItem
+from ..providers.tree import Items
 
 
 #: Largest step: the manifest holds a signed 64-bit step (docs/format.md), and a reader refuses
@@ -83,13 +83,13 @@ def check_metrics(metrics: Any) -> dict:
     return out
 
 
-def check_dtypes(items) -> None:
+def check_dtypes(items: Items) -> None:
     """Fail inside save(), not after the I/O, on a tensor the format cannot hold."""
     supported = fmt.SUPPORTED_DTYPES
-    for item in items:
-        if isinstance(item, TensorItem) and item.dtype not in supported:
+    for key, dtype in zip(items.keys, items.dtypes):
+        if dtype is not None and dtype not in supported:
             try:
-                fmt.dtype_name(item.dtype)
+                fmt.dtype_name(dtype)
             except TypeError as exc:
-                raise SerializationError(f"{item.key!r}: {exc}; convert it first (for example "
+                raise SerializationError(f"{key!r}: {exc}; convert it first (for example "
                                          "with .to(torch.float32))") from None

@@ -152,15 +152,14 @@ class LazyRule:
             not (self._unsafe and self._unsafe.touches(t, found))
 
 
-def decide(items: Iterable[Any], rule: LazyRule) -> None:
-    """Set ``item.lazy`` of every tensor item from its policy (``lazy``/``eager`` as marked,
-    ``auto`` by ``rule``)."""
+def decide(items, rule: LazyRule) -> None:
+    """Set ``items.lazy`` of every tensor item (``providers.tree.Items``) from its policy
+    (``lazy``/``eager`` as marked, ``auto`` by ``rule``)."""
     ruled = bool(rule)  # without an optimizer in the save, only a marked tensor is lazy
-    for item in items:
-        policy = getattr(item, "policy", None)
-        if policy is None:
-            continue  # not a tensor item
-        item.lazy = policy == LAZY or (ruled and policy == AUTO and rule.allows(item.tensor))
+    lazy, tensors = items.lazy, items.tensors
+    for i, policy in enumerate(items.policies):
+        if policy is not None:  # None: an object
+            lazy[i] = policy == LAZY or (ruled and policy == AUTO and rule.allows(tensors[i]))
 
 
 def mark_lazy(state: Any, tensors: Iterable[torch.Tensor]) -> Any:

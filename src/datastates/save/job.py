@@ -22,7 +22,7 @@ from ..errors import CommitTimeoutError
 from ..format import codec as fmt
 from ..format import plain
 from ..format.records import CheckpointInfo, FileRef, RankReport, ReportEntry, SaveRef
-from ..providers.tree import Flattened, TensorItem
+from ..providers.tree import Flattened, Items, saved_tree
 from ..storage.posix import ShardWriter, fsync_dir
 from .planning import Layout
 
@@ -71,8 +71,8 @@ class Job:
         #: Flat item indices of the tensors this rank writes (layout order) and of the objects.
         self.write_tensors, self.objects = write_tensors, objects
         self.metadata, self.ready, self.t0 = metadata, ready, t0
-        self.stats = SaveStats(nbytes=sum(flat.items[i].nbytes for i in write_tensors) +
-                               sum(flat.items[i].nbytes for i in objects))
+        self.stats = SaveStats(nbytes=sum(flat.items.nbytes[i] for i in write_tensors) +
+                               sum(flat.items.nbytes[i] for i in objects))
         #: The leading units of the layout that hold eager tensors; once they are in the cache
         #: (or written), ``eager_captured`` is set and ``save()`` may return.
         self.eager_units = eager_units
@@ -113,19 +113,17 @@ class Job:
         """Whether the capture reads a lazy tensor after ``save()`` returned: one this rank
         writes, or a replicated one it only digests. Until every such read is done the
         snapshot is not complete (``captured``), so the guarded step waits for it."""
-        items = self.flat.items
-        if any(items[i].lazy for i in self.write_tensors):
+        lazy = self.flat.items.lazy
+        if any(lazy[i] for i in self.write_tensors):
             return True
-        return self.digest_replicas and any(isinstance(item, TensorItem) and item.lazy and
-                                            item.replicated for item in items)
+        return self.digest_replicas and any(a and b for a, b in zip(lazy,
+                                                                    self.flat.items.replicated))
 
     def abandon(self, exc: BaseException) -> None:
         """Finish a save the pipeline refused (``save()`` raises ``exc``): nothing was
         captured or queued, and nothing may wait for it."""
         self.fail(exc)
-        for item in self.flat.items:
-            if isinstance(item, TensorItem):
-                item.tensor = None
+        self.flat.items.release()
         for event in (self.opened, self.eager_captured, self.captured, self.all_written,
                       self.unblocked, self.finished):
             event.set()
@@ -183,9 +181,7 @@ class Job:
 
     def capture_over(self) -> None:
         self.stats.snapshot_s = time.perf_counter() - self.t0
-        for item in self.flat.items:  # hold no reference to live state after the snapshot
-            if isinstance(item, TensorItem):
-                item.tensor = None
+        self.flat.items.release()  # hold no reference to live state after the snapshot
         with self._lock:
             self._capture_over = True
             done = self._outstanding == 0
@@ -235,21 +231,21 @@ def write_error(job: "Job", what: str, exc: BaseException) -> BaseException:
     return errors.write_error(job.target.rank, what, exc)
 
 
-def replica_digests(items) -> dict[str, str]:
-    """``"<nbytes>:<crc32>"`` of every declared-replicated tensor among ``items``, read from the
+def replica_digests(items: Items, indexes: list[int]) -> dict[str, str]:
+    """``"<nbytes>:<crc32>"`` of the tensors ``indexes`` of ``items``, read from the
     live tensor: the caller digests eager items before ``save()`` returns and lazy ones before the
     snapshot completes, so both still hold their values at ``save()``. Non-CPU tensors are
     digested through bounded host copies."""
     out = {}
-    for item in items:
-        if isinstance(item, TensorItem) and item.replicated and item.tensor is not None:
-            data = fmt.tensor_bytes(item.tensor)
+    for i in indexes:
+        if items.tensors[i] is not None:
+            data = fmt.tensor_bytes(items.tensors[i])
             crc, step = 0, 64 << 20
             for start in range(0, data.numel(), step):
                 piece = data[start:start + step]
                 piece = piece if piece.device.type == "cpu" else piece.cpu()
                 crc = fmt.crc32(piece.contiguous().numpy(), crc)
-            out[item.key] = f"{data.numel()}:{crc:08x}"
+            out[items.keys[i]] = f"{data.numel()}:{crc:08x}"
     return out
 
 
@@ -364,9 +360,9 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
     for i, offset in zip(job.objects, job.layout.blob_offsets):
         if job.writer is None or job.error is not None:
             break
-        data = items[i].data  # written while the tensor units are in flight
+        data = items.blobs[i]  # written while the tensor units are in flight
         job.writer.write(memoryview(data), offset)
-        entries[i] = ReportEntry(key=items[i].key, kind="object", written=True, offset=offset,
+        entries[i] = ReportEntry(key=items.keys[i], kind="object", written=True, offset=offset,
                                  nbytes=len(data), crc32=fmt.crc32(data))
     job.unblocked.wait()  # every unit written, or the deadline passed
     if job.error is not None:
@@ -374,11 +370,10 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
     position = {flat_i: t_i for t_i, flat_i in enumerate(job.write_tensors)}
     checksums = _checksums(job)
     offsets = job.layout.tensor_offsets
-    for i, item in enumerate(items):
-        if isinstance(item, TensorItem):
-            t_i = position.get(i)
-            entries[i] = _tensor_entry(item, None if t_i is None else offsets[t_i],
-                                       checksums[t_i] if t_i is not None else ())
+    for i in items.tensor_indexes():
+        t_i = position.get(i)
+        entries[i] = _tensor_entry(items, i, None if t_i is None else offsets[t_i],
+                                   checksums[t_i] if t_i is not None else ())
     index = fmt.encode_index_items(job.target.rank, ",".join(
         [_index_text(e) for e in entries if e.written]).encode())
     job.writer.write(memoryview(index), job.layout.index_offset)
@@ -392,7 +387,7 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
     return RankReport(rank=rank, save=_save_ref(job), root=job.target.root,
                       file=FileRef(name=fmt.shard_file_name(rank), rank=rank, nbytes=size,
                                    index_crc32=fmt.crc32(index)),
-                      entries=tuple(entries), tree=job.flat.tree, replicas=dict(job.replicas),
+                      entries=tuple(entries), tree=saved_tree(job.flat.tree), replicas=dict(job.replicas),
                       expired=job.expired)
 
 
@@ -413,13 +408,13 @@ def _index_text(e: ReportEntry) -> str:
     return text if text is not None else fmt.encode_json(e.to_json()).decode()
 
 
-def _tensor_entry(item: TensorItem, offset: int | None, checksums: tuple) -> ReportEntry:
-    """The report entry of a tensor: written at ``offset`` with these checksum pieces, or not
-    written by this rank (``offset`` None). Its fields in order (one call per tensor of a save,
-    without keyword arguments to match)."""
-    local = item.global_shape is not None
-    return ReportEntry(item.key, "tensor", offset is not None, offset,
-                       item.nbytes if offset is not None else None, fmt.dtype_name(item.dtype),
-                       item.shape, checksums, None,
-                       tuple(item.global_shape) if local else None,
-                       tuple(item.global_offset) if local else None, bool(item.replicated))
+def _tensor_entry(items: Items, i: int, offset: int | None, checksums: tuple) -> ReportEntry:
+    """The report entry of tensor ``i``: written at ``offset`` with these checksum pieces, or
+    not written by this rank (``offset`` None). Its fields in order (one call per tensor of a
+    save, without keyword arguments to match)."""
+    box = items.boxes.get(i)
+    return ReportEntry(items.keys[i], "tensor", offset is not None, offset,
+                       items.nbytes[i] if offset is not None else None,
+                       fmt.dtype_name(items.dtypes[i]), items.shapes[i], checksums, None,
+                       tuple(box[0]) if box else None, tuple(box[1]) if box else None,
+                       bool(items.replicated[i]))

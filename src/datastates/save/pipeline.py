@@ -30,7 +30,7 @@ from ..commit.committer import commit_save
 from ..config import CheckpointConfig
 from ..errors import CheckpointerClosedError, StorageError
 from ..format import codec as fmt
-from ..providers.tree import TensorItem, plain_cpu
+from ..providers.tree import plain_cpu
 from .job import Job, failed_report, finish_file, replica_digests, write_error
 from .planning import Piece, Unit
 from .staging import DeviceCopier, HostCache, zero_bytes
@@ -190,9 +190,10 @@ class Pipeline:
         of ``save()``: eager ones before ``save()`` may return, lazy ones before the snapshot
         completes (the guarded step waits for it)."""
         if job.digest_replicas:
-            todo = [item for item in job.flat.items if isinstance(item, TensorItem)
-                    and item.lazy == lazy and item.key not in job.replicas]
-            job.replicas.update(replica_digests(todo))
+            items = job.flat.items
+            todo = [i for i in items.tensor_indexes() if items.replicated[i] and
+                    items.lazy[i] == lazy and items.keys[i] not in job.replicas]
+            job.replicas.update(replica_digests(items, todo))
 
     def _eager_done(self, job: Job) -> None:
         """Every eager tensor is in the cache: the caller of ``save()`` may change them now."""
@@ -247,7 +248,7 @@ class Pipeline:
         tensor view per piece, adjacent sources in one copy); any other (CUDA, non-contiguous)
         through its flat bytes (``DeviceCopier.flat``, kept in ``kept`` while later units need
         them). A unit of many small pieces is zeroed whole first, one gap at a time otherwise."""
-        items, write, copier = job.flat.items, job.write_tensors, self.copier
+        tensors, write, copier = job.flat.items.tensors, job.write_tensors, self.copier
         base = dst.data_ptr()
         padded = fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN)
         dense = len(unit.pieces) * _DENSE_PIECE_BYTES > unit.nbytes
@@ -259,7 +260,7 @@ class Pipeline:
             item, begin, start, nbytes = piece
             if start > pos and not dense:
                 zero_bytes(base + pos, start - pos)
-            t = items[write[item]].tensor
+            t = tensors[write[item]]
             if plain_cpu(t):
                 copies.append((base + start, t.data_ptr() + begin, nbytes))
                 sources.append(t)
@@ -286,11 +287,11 @@ class Pipeline:
         its flat bytes (made once, kept in ``kept`` while a later unit continues the tensor);
         returns them (the caller keeps them alive until the fence)."""
         number, begin, start, size = piece
-        item = job.flat.items[job.write_tensors[number]]
+        items, i = job.flat.items, job.write_tensors[number]
         src = kept.pop(number, None)
         if src is None:
-            src = self.copier.flat(item.tensor)
-        if begin + size < item.nbytes:  # the next unit continues it
+            src = self.copier.flat(items.tensors[i])
+        if begin + size < items.nbytes[i]:  # the next unit continues it
             kept[number] = src
         self.copier.copy(dst[start:start + size], src[begin:begin + size])
         return src
@@ -501,8 +502,8 @@ def _captures_in_place(job: Job) -> bool:
 
 
 def _has_cuda(job: Job) -> bool:
-    items = job.flat.items
-    return any(items[i].tensor.is_cuda for i in job.write_tensors)
+    tensors = job.flat.items.tensors
+    return any(tensors[i].is_cuda for i in job.write_tensors)
 
 
 def _last_eager_piece(job: Job) -> tuple[int, int]:
