@@ -135,3 +135,22 @@ def test_capture_markers_override_policy(tmp_path):
         t.add_(1)  # eager: captured inside save(), so this change is not in the checkpoint
         h.wait()
         assert torch.equal(ckpt.load()["t"], torch.zeros(1000))
+
+
+def test_a_provider_whose_capture_is_none_saves_its_tensors_eagerly(tmp_path):
+    """``capture = None`` (outside "auto"/"lazy"/"eager"): its tensors are still saved, captured
+    eagerly, and restored bit-exact."""
+    class NoPolicy(CounterProvider):
+        name = "tests.NoPolicy"
+        capture = None
+
+    registry = ProviderRegistry.default().register(NoPolicy())
+    counter = Counter(5)
+    with datastates.Checkpointer(tmp_path, registry=registry) as ckpt:
+        h = ckpt.save({"c": counter, "t": torch.arange(3.0)}, step=1)
+        counter.history.add_(1)  # eager: already captured when save() returned
+        h.wait()
+        live = {"c": Counter(0), "t": torch.zeros(3)}
+        ckpt.restore(live)
+    assert live["c"].count == 5 and torch.equal(live["c"].history, torch.full((4,), 5.0))
+    assert torch.equal(live["t"], torch.arange(3.0))

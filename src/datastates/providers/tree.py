@@ -57,7 +57,7 @@ class Items:
         self.tensors: list[torch.Tensor | None] = []  #: None for an object
         #: "lazy", "eager" (marked) or "auto" (the storage rule decides ``lazy``); None for an
         #: object.
-        self.policies: list[str | None] = []
+        self.policies: list[str | None] = []  # None too where a provider's capture is None
         self.lazy: list[bool] = []  #: decided by ``save.capture.decide``; False for an object
         self.nbytes: list[int] = []
         #: Kept after the snapshot drops the tensors; None for an object.
@@ -103,7 +103,8 @@ class Items:
 
     def tensor_indexes(self) -> list[int]:
         """The numbers of the tensor items, in order."""
-        return [i for i, policy in enumerate(self.policies) if policy is not None]
+        blobs = self.blobs
+        return [i for i in range(len(self.keys)) if i not in blobs]
 
     def release(self) -> None:
         """Drop every reference to a live tensor (the snapshot is complete, or never began)."""
@@ -280,12 +281,14 @@ class _Walker:
             # the path tuple and the call only an error or a deeper child needs.
             child, tensor, node = depth + 1, self.tensor, self.node
             plain = child <= MAX_TREE_DEPTH
-            # Keys and child nodes in two lists, paired by saved_tree() on the commit thread.
-            return {"t": "odict" if kind is OrderedDict else "dict", "keys": list(obj),
+            # Keys and child nodes in two lists, paired by saved_tree() on the commit thread;
+            # each node from its key (a mapping a provider changes under the walk fails here).
+            keys = list(obj)
+            return {"t": "odict" if kind is OrderedDict else "dict", "keys": keys,
                     "nodes": [tensor(v, f"{prefix}{k}", policy, provider)
                               if plain and type(v) is torch.Tensor else
                               node(v, path + (k,), f"{prefix}{k}", policy, provider, child)
-                              for k, v in obj.items()]}
+                              for k in keys for v in (obj[k],)]}
         if kind in (list, tuple):
             return {"t": kind.__name__,
                     "items": [self.node(v, path + (i,), f"{prefix}{i}", policy, provider,

@@ -158,7 +158,7 @@ def decide(items, rule: LazyRule) -> None:
     ruled = bool(rule)  # without an optimizer in the save, only a marked tensor is lazy
     lazy, tensors = items.lazy, items.tensors
     for i, policy in enumerate(items.policies):
-        if policy is not None:  # None: an object
+        if policy is not None:  # None: an object, or a provider's tensor left eager
             lazy[i] = policy == LAZY or (ruled and policy == AUTO and rule.allows(tensors[i]))
 
 
