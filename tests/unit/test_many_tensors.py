@@ -25,7 +25,7 @@ from datastates import Checkpointer, CheckpointConfig, CorruptCheckpointError
 from datastates import format as fmt
 from datastates.format import codec, files, plain, validate
 from datastates.format.checks import _At
-from datastates.format.records import FileRef, ReportEntry
+from datastates.format.records import FileRef, ReportEntry, ShardRef, TensorEntry
 from datastates.format.tree import key_of
 from datastates.providers import ProviderRegistry
 from datastates.providers.tree import flatten
@@ -208,19 +208,24 @@ def test_the_same_view_under_two_keys_is_one_item():
 
 # ------------------------------------------------------------------ the manifest's parser
 
-def _entry_json() -> dict:
+# an entry's checksum pieces: two, or one (the commonest entry, a whole tensor checked in one
+# piece, which the parser and the writer check in a frame of its own: plain._is_whole)
+PIECES = pytest.mark.parametrize("pieces", [[[16, 5], [8, 9]], [[24, 5]]])
+
+
+def _entry_json(pieces=((16, 5), (8, 9))) -> dict:
     return {"kind": "tensor", "key": "w", "dtype": "float32", "shape": [2, 3],
             "shards": [{"file": 0, "offset": 4096, "nbytes": 24, "global_offset": [0, 0],
-                        "shape": [2, 3], "checksums": [[16, 5], [8, 9]]}], "rank": 0}
+                        "shape": [2, 3], "checksums": [list(p) for p in pieces]}], "rank": 0}
 
 
-def _mutations(rng: random.Random):
+def _mutations(rng: random.Random, pieces=((16, 5), (8, 9))):
     """Valid and invalid variants of a tensor entry, one field changed at a time."""
     values = [None, True, False, 0, 1, -1, 2, 3, 24, 4096, 4160, 1 << 64, 1.0, "", "x", [],
               [0], [2], [2, 3], [3, 2], [0, 0], [1, 0], [True], {}, [[24, 5]], [[16, 5], [8, 9]],
               [[24, -1]], [[0, 0], [24, 1]], "float32", "bfloat16", "int8", [2, 3, 1]]
     for _ in range(3000):
-        e = _entry_json()
+        e = _entry_json(pieces)
         shard = e["shards"][0]
         for _ in range(rng.choice([1, 1, 2])):
             target = rng.choice([e, shard, e, shard, None])
@@ -235,12 +240,14 @@ def _mutations(rng: random.Random):
         yield e
 
 
-def test_plain_entry_parser_agrees_with_the_general_one():
+@PIECES
+def test_plain_entry_parser_agrees_with_the_general_one(pieces):
     """Wherever the one-function parser of a tensor entry accepts, the general parser accepts
     it too and makes the same record; wherever the general one refuses, the fast one refuses."""
     files_ = (FileRef(name=fmt.shard_file_name(0), rank=0, nbytes=8192, index_crc32=0),
               FileRef(name=fmt.shard_file_name(1), rank=1, nbytes=4096 + 64, index_crc32=0))
-    _assert_agree(_mutations(random.Random(7)), lambda e: plain.tensor_entry(e, files_, 2),
+    _assert_agree(_mutations(random.Random(7), pieces),
+                  lambda e: plain.tensor_entry(e, files_, 2),
                   lambda e: validate._entry(e, _At("m"), files_, 2))
 
 
@@ -435,13 +442,14 @@ def _written_mutations(rng: random.Random, entry):
         yield e
 
 
-def test_written_entry_fast_path_is_the_general_check_and_encoding():
+@PIECES
+def test_written_entry_fast_path_is_the_general_check_and_encoding(pieces):
     """Where the writer's record check of an ordinary tensor entry accepts, its bytes are those
     of the entry's JSON form and the general check (JSON form, parse, compare) accepts it;
     so where the general check refuses, the fast one refuses."""
     files_ = (FileRef(name=fmt.shard_file_name(0), rank=0, nbytes=8192, index_crc32=0),
               FileRef(name=fmt.shard_file_name(1), rank=1, nbytes=4096 + 64, index_crc32=0))
-    entry = validate._entry(_entry_json(), _At("m"), files_, 2)
+    entry = validate._entry(_entry_json(pieces), _At("m"), files_, 2)
     head = validate._Head(3, "n", 1, 1, 0.0, 2, {}, files_)
     accepted = 0
     for e in _written_mutations(random.Random(3), entry):
@@ -452,6 +460,26 @@ def test_written_entry_fast_path_is_the_general_check_and_encoding():
             assert general == ("ok", fast) == ("ok", codec.encode_json(e.to_json())), e
         # else the writer takes the general path: its outcome is the general one
     assert accepted > 50
+
+
+@pytest.mark.parametrize("pieces", [[], [[0, 0]], [[0, 7]]])
+def test_an_empty_tensor_is_checked_by_both_paths_alike(pieces):
+    """A tensor without elements stores no bytes: no checksum piece (a piece covers at least
+    one byte). The parsers and the writer's check agree with the general ones on it, the
+    record forms too (three fields changed at once, which the mutations above never reach)."""
+    files_ = (FileRef(name=fmt.shard_file_name(0), rank=0, nbytes=8192, index_crc32=0),)
+    e = _entry_json()
+    e["shape"] = e["shards"][0]["shape"] = [0, 3]
+    e["shards"][0]["nbytes"], e["shards"][0]["checksums"] = 0, pieces
+    general = _outcome(lambda: validate._entry(e, _At("m"), files_, 1))
+    assert general[0] == ("ok" if not pieces else "error")
+    assert plain.tensor_entry(e, files_, 1) == (general[1] if not pieces else None)
+    record = TensorEntry("w", "float32", (0, 3), (ShardRef(
+        0, 4096, 0, (0, 0), (0, 3), tuple(map(tuple, pieces))),), False, 0)
+    head = validate._Head(3, "n", 1, 1, 0.0, 1, {}, files_)
+    written = _outcome(lambda: validate._written_entry(record, _At("m"), head))
+    assert written[0] == general[0]
+    assert plain.tensor_entry_json(record, files_, 1) == (written[1] if not pieces else None)
 
 
 def _index_mutations(rng: random.Random):

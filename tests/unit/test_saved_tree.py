@@ -9,6 +9,7 @@ from collections import OrderedDict
 
 import pytest
 
+from datastates import CorruptCheckpointError
 from datastates.format import checks, tree
 
 
@@ -196,3 +197,22 @@ def test_leaves_and_fold_agree_on_random_trees(seed):
     tree.build(root, lambda path, n: visited.append((path, n["t"])), wanted=wanted)
     assert [(p, n["t"]) for p, n in tree.leaves(root, wanted)] == visited
     assert tree.map_leaves(root, lambda path, n: n) == root
+
+
+@pytest.mark.parametrize("container", ["dict", "list"])
+@pytest.mark.parametrize("leaf", [{"t": "tensor", "e": 0}, {"t": "value", "v": 1}])
+def test_the_validator_holds_a_leaf_to_the_depth_limit(container, leaf):
+    """A leaf is checked where its parent meets it (no stack item for the commonest node), and
+    still counts as one level: at MAX_TREE_DEPTH it is read, one deeper it is refused."""
+    def nested(levels: int) -> dict:
+        node = copy.deepcopy(leaf)
+        for _ in range(levels - 1):
+            node = {"t": container, "items": [["k", node] if container == "dict" else node]}
+        return node
+
+    refs: dict = {}
+    checks.check_tree(nested(checks.MAX_TREE_DEPTH), checks._At("m"), ["tensor"], refs)
+    assert refs == ({0: {"/".join(["k" if container == "dict" else "0"] *
+                                  (checks.MAX_TREE_DEPTH - 1))}} if leaf["t"] == "tensor" else {})
+    with pytest.raises(CorruptCheckpointError, match=f"deeper than {checks.MAX_TREE_DEPTH}"):
+        checks.check_tree(nested(checks.MAX_TREE_DEPTH + 1), checks._At("m"), ["tensor"], refs)

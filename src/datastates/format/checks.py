@@ -255,13 +255,23 @@ def check_tree_refs(root: Any, at: _At, entry_kinds: list[str], refs: dict | Non
     # keys are bare; a root dict's child "" has the key "", and its child x the key "/x")
     stack: list = [(root, at, (), 1, None)]
     kinds = len(entry_kinds)
+
+    def leaf(node: Any) -> int:
+        """The entry of ``node`` if it is a valid leaf (the commonest node), else -1: checked
+        where it is met, with no stack item and no path built."""
+        if type(node) is dict:
+            t, e = node.get("t"), node.get("e")
+            if type(e) is int and 0 <= e < kinds and entry_kinds[e] == t and \
+                    type(node.get("param", False)) is bool and ("np" not in node or (
+                        node["np"] is True and t == "tensor")):  # np: exactly true
+                return e
+        return -1
+
     while stack:
         node, parent, parts, depth, key = stack.pop()
-        if depth <= MAX_TREE_DEPTH and type(node) is dict and node.get("t") in ("tensor", "object"):
-            e = node.get("e")  # fast path of the commonest node, a valid leaf: no path built
-            if type(e) is int and 0 <= e < kinds and entry_kinds[e] == node["t"] and \
-                    type(node.get("param", False)) is bool and ("np" not in node or (
-                        node["np"] is True and node["t"] == "tensor")):  # np: exactly true
+        if depth <= MAX_TREE_DEPTH:
+            e = leaf(node)
+            if e >= 0:
                 if refs is not None:
                     _ref(refs, e, "" if key is None else key)
                 continue
@@ -291,23 +301,30 @@ def check_tree_refs(root: Any, at: _At, entry_kinds: list[str], refs: dict | Non
         elif t == "provider":
             _str(_get(node, "name", where), where / "name")
             stack.append((_get(node, "state", where), where, ("state",), depth + 1, key))
-        elif t in tree.MAPPINGS:
-            prefix = "" if key is None else key + "/"  # tree.child_key, inline
-            for i, pair in enumerate(_list(_get(node, "items", where), where / "items")):
-                if type(pair) is not list or len(pair) != 2:
-                    raise (where / "items" / i).bad(f"expected a [key, node] pair, found "
-                                                    f"{_show(pair)}")
-                part = pair[0]
-                if type(part) is str:  # a string key is always valid
-                    child = prefix + part
-                else:
-                    _scalar(part, where / "items" / i / 0)
-                    child = tree.child_key(key, part)
-                stack.append((pair[1], where, ("items", i, 1), depth + 1, child))
         else:
-            prefix = "" if key is None else key + "/"
-            for i, child in enumerate(_list(_get(node, "items", where), where / "items")):
-                stack.append((child, where, ("items", i), depth + 1, f"{prefix}{i}"))
+            deeper = depth < MAX_TREE_DEPTH  # a child at depth + 1 may be checked in place
+            prefix = "" if key is None else key + "/"  # tree.child_key, inline
+            items = _list(_get(node, "items", where), where / "items")
+            mapping = t in tree.MAPPINGS
+            for i, child in enumerate(items):
+                if mapping:
+                    if type(child) is not list or len(child) != 2:
+                        raise (where / "items" / i).bad(f"expected a [key, node] pair, found "
+                                                        f"{_show(child)}")
+                    part, child = child
+                    if type(part) is str:  # a string key is always valid
+                        child_key = prefix + part
+                    else:
+                        _scalar(part, where / "items" / i / 0)
+                        child_key = tree.child_key(key, part)
+                else:
+                    child_key = f"{prefix}{i}"
+                e = leaf(child) if deeper else -1
+                if e < 0:
+                    path = ("items", i, 1) if mapping else ("items", i)
+                    stack.append((child, where, path, depth + 1, child_key))
+                elif refs is not None:
+                    _ref(refs, e, child_key)
     return root
 
 
