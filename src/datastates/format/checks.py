@@ -253,28 +253,31 @@ def check_tree_refs(root: Any, at: _At, entry_kinds: list[str], refs: dict | Non
     million sets. :func:`check_entry_keys` reads either form."""
     # node, path of its parent, parts below it, depth, key (None: the root's, whose children's
     # keys are bare; a root dict's child "" has the key "", and its child x the key "/x")
-    stack: list = [(root, at, (), 1, None)]
+    stack: list = []
     kinds = len(entry_kinds)
 
     def leaf(node: Any) -> int:
-        """The entry of ``node`` if it is a valid leaf (the commonest node), else -1: checked
-        where it is met, with no stack item and no path built."""
+        """The entry of ``node`` if it is a valid tensor or object leaf (the commonest node),
+        else -1 (the node is then pushed and checked in full)."""
         if type(node) is dict:
             t, e = node.get("t"), node.get("e")
-            if type(e) is int and 0 <= e < kinds and entry_kinds[e] == t and \
-                    type(node.get("param", False)) is bool and ("np" not in node or (
-                        node["np"] is True and t == "tensor")):  # np: exactly true
-                return e
+            if (t == "tensor" or t == "object") and type(e) is int and 0 <= e < kinds and \
+                    entry_kinds[e] == t and type(node.get("param", False)) is bool and (
+                        "np" not in node or (node["np"] is True and t == "tensor")):
+                return e  # (np: exactly true, on a tensor)
         return -1
 
-    while stack:
+    def visit(node: Any, parent: _At, parts: tuple, depth: int, key: str | None) -> None:
+        """Check ``node`` at ``depth`` at once if it is a valid leaf, else push it."""
+        e = leaf(node) if depth <= MAX_TREE_DEPTH else -1
+        if e < 0:
+            stack.append((node, parent, parts, depth, key))
+        elif refs is not None:
+            _ref(refs, e, "" if key is None else key)
+
+    visit(root, at, (), 1, None)
+    while stack:  # nodes that are not valid leaves, checked in full
         node, parent, parts, depth, key = stack.pop()
-        if depth <= MAX_TREE_DEPTH:
-            e = leaf(node)
-            if e >= 0:
-                if refs is not None:
-                    _ref(refs, e, "" if key is None else key)
-                continue
         where = parent
         for part in parts:
             where = where / part
@@ -300,26 +303,26 @@ def check_tree_refs(root: Any, at: _At, entry_kinds: list[str], refs: dict | Non
             _scalar(_get(node, "v", where), where / "v")
         elif t == "provider":
             _str(_get(node, "name", where), where / "name")
-            stack.append((_get(node, "state", where), where, ("state",), depth + 1, key))
+            visit(_get(node, "state", where), where, ("state",), depth + 1, key)
         else:
             deeper = depth < MAX_TREE_DEPTH  # a child at depth + 1 may be checked in place
             prefix = "" if key is None else key + "/"  # tree.child_key, inline
             items = _list(_get(node, "items", where), where / "items")
             mapping = t in tree.MAPPINGS
-            for i, child in enumerate(items):
+            for i, item in enumerate(items):
                 if mapping:
-                    if type(child) is not list or len(child) != 2:
+                    if type(item) is not list or len(item) != 2:
                         raise (where / "items" / i).bad(f"expected a [key, node] pair, found "
-                                                        f"{_show(child)}")
-                    part, child = child
+                                                        f"{_show(item)}")
+                    part, child = item
                     if type(part) is str:  # a string key is always valid
                         child_key = prefix + part
                     else:
                         _scalar(part, where / "items" / i / 0)
                         child_key = tree.child_key(key, part)
                 else:
-                    child_key = f"{prefix}{i}"
-                e = leaf(child) if deeper else -1
+                    child, child_key = item, f"{prefix}{i}"
+                e = leaf(child) if deeper else -1  # visit(), inline: the commonest path
                 if e < 0:
                     path = ("items", i, 1) if mapping else ("items", i)
                     stack.append((child, where, path, depth + 1, child_key))

@@ -46,17 +46,15 @@ def tensor_entry(e: Any, files: tuple[FileRef, ...], world: int) -> TensorEntry 
     if len(shards) == 1:
         ref = _whole(shards[0], files, shape, itemsize)
         if ref is not None:
-            if type(replicated) is not bool or \
-                    rank is not None and (type(rank) is not int or not 0 <= rank < world):
-                return None
-            return TensorEntry(key, dtype, shape, (ref,), replicated, rank)
+            return TensorEntry(key, dtype, shape, (ref,), replicated, rank) \
+                if _owner_fields(replicated, rank, world) else None
     refs = []
     for s in shards:
         ref = _shard(s, files, shape, itemsize)
         if ref is None:
             return None
         refs.append(ref)
-    if not _entry_fields(shape, itemsize, refs, replicated, rank, world):
+    if not _entry_fields(shape, itemsize, refs) or not _owner_fields(replicated, rank, world):
         return None
     return TensorEntry(key, dtype, shape, tuple(refs), replicated, rank)
 
@@ -78,8 +76,8 @@ def _whole(s: Any, files: tuple[FileRef, ...], shape: tuple[int, ...],
 
 def _is_whole(fields: tuple, files: tuple[FileRef, ...], shape: tuple[int, ...], itemsize: int,
               form: type) -> bool:
-    """Whether the shard whose fields are ``fields`` (as :func:`_shard_fields` takes them, each
-    box and the checksum pieces in ``form``) is the commonest one -- the whole tensor of
+    """Whether the shard whose fields are ``fields`` (file, offset, nbytes, global offset, shape,
+    checksums: each box and the checksum pieces as they come, in ``form``) is the commonest one -- the whole tensor of
     ``shape`` in one region with one checksum piece -- and valid: the checks of
     :func:`_shard_fields` for that case, in one frame."""
     file_id, offset, nbytes, origin, box, sums = fields
@@ -129,7 +127,9 @@ def tensor_entry_json(e: Any, files: tuple[FileRef, ...], world: int) -> bytes |
                     _shard_fields(s, files, shape, itemsize, tuple) is None:
                 return None
             parts.append(_shard_text(s))
-    if not _entry_fields(shape, itemsize, shards, replicated, rank, world):
+        if not _entry_fields(shape, itemsize, shards):
+            return None
+    if not _owner_fields(replicated, rank, world):
         return None
     tail = (',"replicated":true' if replicated else '') + \
         ('' if rank is None else f',"rank":{int.__repr__(rank)}')
@@ -137,12 +137,15 @@ def tensor_entry_json(e: Any, files: tuple[FileRef, ...], world: int) -> bytes |
             f'{dims}],"shards":[{",".join(parts)}]{tail}}}').encode()
 
 
-def _entry_fields(shape: tuple[int, ...], itemsize: int, shards, replicated: Any, rank: Any,
-                  world: int) -> bool:
-    """The checks of a tensor entry beyond its shards: they store at least its bytes, and its
-    ``replicated`` and ``rank`` fields."""
-    return _numel(shape) * itemsize <= sum(s.nbytes for s in shards) and \
-        type(replicated) is bool and (rank is None or type(rank) is int and 0 <= rank < world)
+def _entry_fields(shape: tuple[int, ...], itemsize: int, shards) -> bool:
+    """Whether the shards of a tensor entry store at least its bytes (the check beyond each
+    shard's own, which a whole tensor's one shard passes by construction)."""
+    return _numel(shape) * itemsize <= sum(s.nbytes for s in shards)
+
+
+def _owner_fields(replicated: Any, rank: Any, world: int) -> bool:
+    """The checks of a tensor entry's ``replicated`` and ``rank`` fields."""
+    return type(replicated) is bool and (rank is None or type(rank) is int and 0 <= rank < world)
 
 
 def _shard(s: Any, files: tuple[FileRef, ...], shape: tuple[int, ...],
