@@ -208,25 +208,35 @@ def test_the_same_view_under_two_keys_is_one_item():
 
 # ------------------------------------------------------------------ the manifest's parser
 
-# an entry's checksum pieces: two, or one (the commonest entry, a whole tensor checked in one
-# piece, which the parser and the writer check in a frame of its own: plain._is_whole)
-PIECES = pytest.mark.parametrize("pieces", [[[16, 5], [8, 9]], [[24, 5]]])
+# an entry's shards: the tensor whole in two checksum pieces; whole in one piece, or two rows in
+# one piece each (the commonest kinds, which the parser and the writer check in a frame of
+# their own: plain._is_box)
+SHARDS = {
+    "whole, two pieces": [{"file": 0, "offset": 4096, "nbytes": 24, "global_offset": [0, 0],
+                           "shape": [2, 3], "checksums": [[16, 5], [8, 9]]}],
+    "whole, one piece": [{"file": 0, "offset": 4096, "nbytes": 24, "global_offset": [0, 0],
+                          "shape": [2, 3], "checksums": [[24, 5]]}],
+    "two rows": [{"file": 0, "offset": 4096, "nbytes": 12, "global_offset": [0, 0],
+                  "shape": [1, 3], "checksums": [[12, 5]]},
+                 {"file": 1, "offset": 4096, "nbytes": 12, "global_offset": [1, 0],
+                  "shape": [1, 3], "checksums": [[12, 9]]}]}
+FORMS = pytest.mark.parametrize("form", sorted(SHARDS))
 
 
-def _entry_json(pieces=((16, 5), (8, 9))) -> dict:
+def _entry_json(form: str = "whole, two pieces") -> dict:
     return {"kind": "tensor", "key": "w", "dtype": "float32", "shape": [2, 3],
-            "shards": [{"file": 0, "offset": 4096, "nbytes": 24, "global_offset": [0, 0],
-                        "shape": [2, 3], "checksums": [list(p) for p in pieces]}], "rank": 0}
+            "shards": copy.deepcopy(SHARDS[form]), "rank": 0}
 
 
-def _mutations(rng: random.Random, pieces=((16, 5), (8, 9))):
+def _mutations(rng: random.Random, form: str = "whole, two pieces"):
     """Valid and invalid variants of a tensor entry, one field changed at a time."""
-    values = [None, True, False, 0, 1, -1, 2, 3, 24, 4096, 4160, 1 << 64, 1.0, "", "x", [],
-              [0], [2], [2, 3], [3, 2], [0, 0], [1, 0], [True], {}, [[24, 5]], [[16, 5], [8, 9]],
-              [[24, -1]], [[0, 0], [24, 1]], "float32", "bfloat16", "int8", [2, 3, 1]]
+    values = [None, True, False, 0, 1, -1, 2, 3, 12, 24, 4096, 4160, 1 << 64, 1.0, "", "x", [],
+              [0], [2], [2, 3], [3, 2], [1, 3], [0, 0], [1, 0], [2, 0], [True], {}, [[24, 5]],
+              [[12, 5]], [[16, 5], [8, 9]], [[24, -1]], [[0, 0], [24, 1]], "float32",
+              "bfloat16", "int8", [2, 3, 1], [-1, 0], [0, -1], [2, 4], [-1, -3]]
     for _ in range(3000):
-        e = _entry_json(pieces)
-        shard = e["shards"][0]
+        e = _entry_json(form)
+        shard = rng.choice(e["shards"])
         for _ in range(rng.choice([1, 1, 2])):
             target = rng.choice([e, shard, e, shard, None])
             if target is None:
@@ -240,13 +250,13 @@ def _mutations(rng: random.Random, pieces=((16, 5), (8, 9))):
         yield e
 
 
-@PIECES
-def test_plain_entry_parser_agrees_with_the_general_one(pieces):
+@FORMS
+def test_plain_entry_parser_agrees_with_the_general_one(form):
     """Wherever the one-function parser of a tensor entry accepts, the general parser accepts
     it too and makes the same record; wherever the general one refuses, the fast one refuses."""
     files_ = (FileRef(name=fmt.shard_file_name(0), rank=0, nbytes=8192, index_crc32=0),
               FileRef(name=fmt.shard_file_name(1), rank=1, nbytes=4096 + 64, index_crc32=0))
-    _assert_agree(_mutations(random.Random(7), pieces),
+    _assert_agree(_mutations(random.Random(7), form),
                   lambda e: plain.tensor_entry(e, files_, 2),
                   lambda e: validate._entry(e, _At("m"), files_, 2))
 
@@ -426,30 +436,33 @@ def _written_mutations(rng: random.Random, entry):
     """Records of a manifest entry with one field of it or of its shard changed (records a
     writer must refuse: a list for a tuple, a bool or a numpy int for an int, a box outside,
     a misaligned offset, pieces not covering the bytes)."""
-    values = [None, True, 0, 1, 2, 3, -1, 24, 4096, 4100, 4160, 1 << 64, 1.0, "x", [2, 3],
-              (2, 3), (3, 2), (1, 3), (0, 0), (1, 0), (2,), (), np.int64(1), ((24, 5),),
-              ((16, 5), (8, 9)), ((0, 1), (24, 5)), [[16, 5], [8, 9]], ([16, 5], [8, 9]),
-              ((24, -1),), ((24, 1 << 32),), "float32", "int8", torch.Size([2, 3])]
+    values = [None, True, 0, 1, 2, 3, -1, 12, 24, 4096, 4100, 4160, 1 << 64, 1.0, "x", [2, 3],
+              (2, 3), (3, 2), (1, 3), (0, 0), (1, 0), (2, 0), (2,), (), np.int64(1), ((24, 5),),
+              ((12, 5),), ((16, 5), (8, 9)), ((0, 1), (24, 5)), [[16, 5], [8, 9]],
+              ([16, 5], [8, 9]), ((24, -1),), ((24, 1 << 32),), "float32", "int8",
+              torch.Size([2, 3]), (-1, 0), (0, -1), (2, 4), (-1, -3)]
     for _ in range(3000):
         e = entry
         for _ in range(rng.choice([1, 1, 2])):
             if rng.random() < 0.5:
                 e = e._replace(**{rng.choice(e._fields): rng.choice(values)})
             else:
-                shard = entry.shards[0]
+                i = rng.randrange(len(entry.shards))
+                shard = entry.shards[i]
                 shard = shard._replace(**{rng.choice(shard._fields): rng.choice(values)})
-                e = e._replace(shards=rng.choice([(shard,), (shard, shard), [shard]]))
+                shards = entry.shards[:i] + (shard,) + entry.shards[i + 1:]
+                e = e._replace(shards=rng.choice([shards, shards + (shard,), list(shards)]))
         yield e
 
 
-@PIECES
-def test_written_entry_fast_path_is_the_general_check_and_encoding(pieces):
+@FORMS
+def test_written_entry_fast_path_is_the_general_check_and_encoding(form):
     """Where the writer's record check of an ordinary tensor entry accepts, its bytes are those
     of the entry's JSON form and the general check (JSON form, parse, compare) accepts it;
     so where the general check refuses, the fast one refuses."""
     files_ = (FileRef(name=fmt.shard_file_name(0), rank=0, nbytes=8192, index_crc32=0),
               FileRef(name=fmt.shard_file_name(1), rank=1, nbytes=4096 + 64, index_crc32=0))
-    entry = validate._entry(_entry_json(pieces), _At("m"), files_, 2)
+    entry = validate._entry(_entry_json(form), _At("m"), files_, 2)
     head = validate._Head(3, "n", 1, 1, 0.0, 2, {}, files_)
     accepted = 0
     for e in _written_mutations(random.Random(3), entry):

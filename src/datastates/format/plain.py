@@ -42,62 +42,65 @@ def tensor_entry(e: Any, files: tuple[FileRef, ...], world: int) -> TensorEntry 
     shape = _dims(e.get("shape"))
     if itemsize is None or shape is None:
         return None
-    replicated, rank = e.get("replicated", False), e.get("rank")
-    if len(shards) == 1:
-        ref = _whole(shards[0], files, shape, itemsize)
-        if ref is not None:
-            return TensorEntry(key, dtype, shape, (ref,), replicated, rank) \
-                if _owner_fields(replicated, rank, world) else None
-    refs = []
+    refs, stored = [], 0
     for s in shards:
-        ref = _shard(s, files, shape, itemsize)
+        ref = _box(s, files, shape, itemsize)  # the commonest shard, else the general one
         if ref is None:
-            return None
+            ref = _shard(s, files, shape, itemsize)
+            if ref is None:
+                return None
         refs.append(ref)
-    if not _entry_fields(shape, itemsize, refs) or not _owner_fields(replicated, rank, world):
-        return None
+        stored += ref.nbytes
+    replicated, rank = e.get("replicated", False), e.get("rank")
+    if _numel(shape) * itemsize > stored or not _owner_fields(replicated, rank, world):
+        return None  # (the shards must store at least the tensor's bytes)
     return TensorEntry(key, dtype, shape, tuple(refs), replicated, rank)
 
 
-def _whole(s: Any, files: tuple[FileRef, ...], shape: tuple[int, ...],
-           itemsize: int) -> ShardRef | None:
-    """The decoded shard ``s`` as its record when :func:`_is_whole` accepts its fields, else None
-    (the caller then asks :func:`_shard`, which decides). The record shares ``shape`` and a tuple
-    of zeros with every other such shard."""
+def _box(s: Any, files: tuple[FileRef, ...], shape: tuple[int, ...],
+         itemsize: int) -> ShardRef | None:
+    """The decoded shard ``s`` as its record when :func:`_is_box` accepts its fields, else None
+    (the caller then asks :func:`_shard`, which decides). A shard holding the whole tensor
+    shares ``shape`` and a tuple of zeros with every other such shard."""
     if type(s) is not dict:
         return None
     fields = (s.get("file"), s.get("offset"), s.get("nbytes"), s.get("global_offset"),
               s.get("shape"), s.get("checksums"))
-    if not _is_whole(fields, files, shape, itemsize, list):
+    if not _is_box(fields, files, shape, itemsize, list):
         return None
-    return ShardRef(fields[0], fields[1], fields[2], _ZEROS[len(shape)], shape,
-                    ((fields[2], fields[5][0][1]),))
+    file_id, offset, nbytes, origin, box, sums = fields
+    box = tuple(box)
+    return ShardRef(file_id, offset, nbytes,
+                    tuple(origin) if any(origin) else _ZEROS[len(shape)],
+                    shape if box == shape else box, ((nbytes, sums[0][1]),))
 
 
-def _is_whole(fields: tuple, files: tuple[FileRef, ...], shape: tuple[int, ...], itemsize: int,
-              form: type) -> bool:
+def _is_box(fields: tuple, files: tuple[FileRef, ...], shape: tuple[int, ...], itemsize: int,
+            form: type) -> bool:
     """Whether the shard whose fields are ``fields`` (file, offset, nbytes, global offset, shape,
-    checksums: each box and the checksum pieces as they come, in ``form``) is the commonest one -- the whole tensor of
-    ``shape`` in one region with one checksum piece -- and valid: the checks of
-    :func:`_shard_fields` for that case, in one frame."""
+    checksums: each box and the checksum pieces as they come, in ``form``) is of the commonest
+    kind -- one region checked by one checksum piece, a box inside the tensor of ``shape``
+    (the whole tensor, or a rank's part of it) -- and valid: the checks of
+    :func:`_shard_fields` for that kind, in one frame."""
     file_id, offset, nbytes, origin, box, sums = fields
     if type(origin) is not form or type(box) is not form or type(sums) is not form or \
             len(sums) != 1 or len(box) != len(shape) or len(origin) != len(shape):
         return False
+    numel = 1
     for o, n, g in zip(origin, box, shape):
-        if type(o) is not int or type(n) is not int or o or n != g:
+        if type(o) is not int or type(n) is not int or o < 0 or n < 0 or o + n > g:
             return False
+        numel *= n
     piece = sums[0]
     if type(piece) is not form or len(piece) != 2:
         return False
     length, crc = piece
     return type(length) is int and type(crc) is int and length == nbytes and length >= 1 and \
         0 <= crc <= _U32 and _in_file(file_id, offset, nbytes, files) and \
-        _numel(shape) * itemsize == nbytes
+        numel * itemsize == nbytes
 
 
 _ZEROS = [(0,) * n for n in range(MAX_NDIM + 1)]  # the origin of a tensor held whole, shared
-_ZEROS_TEXT = [",".join("0" * n) for n in range(MAX_NDIM + 1)]  # and its JSON items
 
 
 def tensor_entry_json(e: Any, files: tuple[FileRef, ...], world: int) -> bytes | None:
@@ -114,33 +117,26 @@ def tensor_entry_json(e: Any, files: tuple[FileRef, ...], world: int) -> bytes |
             type(shards) is not tuple or not shards:
         return None
     dims = _ints(shape)
-    if len(shards) == 1 and type(shards[0]) is ShardRef and \
-            _is_whole(shards[0], files, shape, itemsize, tuple):
-        file_id, offset, nbytes, _, _, ((_, crc),) = shards[0]
-        parts = (f'{{"file":{file_id},"offset":{offset},"nbytes":{nbytes},"global_offset":['
-                 f'{_ZEROS_TEXT[len(shape)]}],"shape":[{dims}],"checksums":[[{nbytes},{crc}]]}}',)
-    else:
-        parts = []
-        for s in shards:
-            if type(s) is not ShardRef or not _is_dims(s.global_offset) or \
-                    not _is_dims(s.shape) or \
-                    _shard_fields(s, files, shape, itemsize, tuple) is None:
-                return None
-            parts.append(_shard_text(s))
-        if not _entry_fields(shape, itemsize, shards):
+    parts, stored = [], 0
+    for s in shards:
+        if type(s) is ShardRef and _is_box(s, files, shape, itemsize, tuple):
+            file_id, offset, nbytes, origin, box, ((_, crc),) = s  # the commonest shard
+            parts.append(f'{{"file":{file_id},"offset":{offset},"nbytes":{nbytes},'
+                         f'"global_offset":[{_ints(origin)}],"shape":['
+                         f'{dims if box == shape else _ints(box)}],'
+                         f'"checksums":[[{nbytes},{crc}]]}}')
+        elif type(s) is not ShardRef or not _is_dims(s.global_offset) or \
+                not _is_dims(s.shape) or _shard_fields(s, files, shape, itemsize, tuple) is None:
             return None
-    if not _owner_fields(replicated, rank, world):
-        return None
+        else:
+            parts.append(_shard_text(s))
+        stored += s.nbytes
+    if _numel(shape) * itemsize > stored or not _owner_fields(replicated, rank, world):
+        return None  # (the shards must store at least the tensor's bytes)
     tail = (',"replicated":true' if replicated else '') + \
         ('' if rank is None else f',"rank":{int.__repr__(rank)}')
     return (f'{{"kind":"tensor","key":{_string(key)},"dtype":{_string(dtype)},"shape":['
             f'{dims}],"shards":[{",".join(parts)}]{tail}}}').encode()
-
-
-def _entry_fields(shape: tuple[int, ...], itemsize: int, shards) -> bool:
-    """Whether the shards of a tensor entry store at least its bytes (the check beyond each
-    shard's own, which a whole tensor's one shard passes by construction)."""
-    return _numel(shape) * itemsize <= sum(s.nbytes for s in shards)
 
 
 def _owner_fields(replicated: Any, rank: Any, world: int) -> bool:
