@@ -387,7 +387,8 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
     return RankReport(rank=rank, save=_save_ref(job), root=job.target.root,
                       file=FileRef(name=fmt.shard_file_name(rank), rank=rank, nbytes=size,
                                    index_crc32=fmt.crc32(index)),
-                      entries=tuple(entries), tree=saved_tree(job.flat.tree), replicas=dict(job.replicas),
+                      entries=tuple(entries), tree=saved_tree(job.flat.tree),
+                      replicas=dict(job.replicas),
                       expired=job.expired)
 
 
