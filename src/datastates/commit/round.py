@@ -41,6 +41,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .. import collector
 from ..errors import CorruptCheckpointError
 from ..format.records import PENDING, RankReport, Verdict
 from ..format.validate import decode_rank_report, parse_rank_report, parse_verdict
@@ -199,11 +200,20 @@ class StoreCommunicator:
         return decision
 
     def _coordinate(self, sid, deadline, timeout_s, check, commit, own: RankReport) -> Verdict:
+        """Rank 0: wait for the reports, then decide the round. From reading the reports to the
+        published verdict the garbage collector is paused: at scale this reads, checks and
+        writes millions of small records (``collector``)."""
         try:
-            if self.world_size == 1:
-                raw, missing = {}, []
-            else:
-                raw, missing = self._gather(sid, deadline)
+            if self.world_size > 1:
+                self._wait_for_reports(sid, deadline)
+        except Exception as exc:
+            return self._lost(sid, exc, None)
+        with collector.paused():
+            return self._decide(sid, deadline, timeout_s, check, commit, own)
+
+    def _decide(self, sid, deadline, timeout_s, check, commit, own: RankReport) -> Verdict:
+        try:
+            raw, missing = self._reports_present(sid) if self.world_size > 1 else ({}, [])
             announced = {r: self._get_json(f"announce/r{r}") for r in missing}
         except Exception as exc:
             return self._lost(sid, exc, None)
@@ -261,27 +271,25 @@ class StoreCommunicator:
                                      {r: f"reported as rank {reports[r].rank}"}), {}
         return check(reports), reports
 
-    def _gather(self, sid: SaveId, deadline: float) -> tuple[dict[int, tuple[Any, bool]],
-                                                             list[int]]:
-        """Every rank's report (JSON), or stop early at the first failed report or claimed
-        decision. Each poll costs two requests whatever the world size (the reports counter
-        ``<nonce>/n`` and the decision key); the reports are read once, when the counter says
-        they are all there (or one failed, or the decision was claimed, or the deadline
-        passed): O(ranks) requests per round, not per poll. (Not ``multi_get``: a rank that
-        gave up deletes its report, and a ``get`` of a missing key blocks.)"""
+    def _wait_for_reports(self, sid: SaveId, deadline: float) -> None:
+        """Return once every rank has reported, a report failed, the decision was claimed or
+        the deadline passed. Each poll costs two requests whatever the world size (the reports
+        counter ``<nonce>/n`` and the decision key); the reports are then read once
+        (``_reports_present``): O(ranks) requests per round, not per poll."""
         delay = self.poll_s
         while True:
             count = self.store.add(f"{sid.nonce}/n", 0)
             if count // _FAILED or count % _FAILED >= self.world_size or \
                     self.store.check([f"{sid.nonce}/decision"]) or time.monotonic() >= deadline:
-                return self._reports_present(sid)
+                return
             time.sleep(delay)  # polling store keys, not synchronizing on time
             delay = min(delay * 1.5, self._max_poll)
 
     def _reports_present(self, sid: SaveId) -> tuple[dict[int, tuple[Any, bool]], list[int]]:
         """The reports present now, one key at a time (a failed one ends the reading: it
         decides the round), each as ``decode_rank_report`` gives it, and the ranks whose report
-        is missing."""
+        is missing. (Not ``multi_get``: a rank that gave up deletes its report, and a ``get`` of
+        a missing key blocks.)"""
         reports: dict[int, tuple[Any, bool]] = {}
         for r in range(self.world_size):
             raw = self.store.compare_set(f"{sid.nonce}/r{r}", _ABSENT, _ABSENT)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 
+from .. import collector
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from ..storage import Store, open_store
 from . import records, validate
@@ -145,7 +146,13 @@ def parse_manifest_bytes(raw: bytes, path: str) -> "records.Manifest":
     A file without the trailer is accepted only as a version-1 manifest holding no
     ``manifest_crc32`` field (written before manifests carried a checksum), with a warning; any
     damage to a sealed manifest therefore fails its checksum or its version check, it never
-    reaches the unchecked path."""
+    reaches the unchecked path. The garbage collector is paused meanwhile (``collector``): a
+    manifest at scale is millions of small records."""
+    with collector.paused():
+        return _parse_manifest_bytes(raw, path)
+
+
+def _parse_manifest_bytes(raw: bytes, path: str) -> "records.Manifest":
     if _check_seal(raw, path):
         obj, checked = _decode_manifest(raw, path)
         obj.pop("manifest_crc32", None)
@@ -162,7 +169,7 @@ def parse_manifest_bytes(raw: bytes, path: str) -> "records.Manifest":
     manifest = validate.parse_manifest(obj, path, version_1=True, checked=checked)
     warnings.warn(f"{path}: a version-1 manifest has no checksum; its fields are validated but "
                   "a damaged value cannot be detected. Save a new checkpoint to get a checked one",
-                  RuntimeWarning, stacklevel=3)
+                  RuntimeWarning, stacklevel=4)
     return manifest
 
 

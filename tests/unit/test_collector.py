@@ -1,0 +1,140 @@
+"""The garbage collector's pause (datastates.collector): where the library pauses it, and that the
+collector is always left as the program had it."""
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+import torch
+
+from datastates import Checkpointer, collector
+from datastates import format as fmt
+from datastates.commit.round import MemoryStore, StoreCommunicator
+from datastates.errors import CorruptCheckpointError
+from datastates.format import files, validate
+from datastates.format.records import FileRef, RankReport, SaveRef, Verdict
+
+
+@pytest.fixture(autouse=True)
+def collector_enabled():
+    """Every test starts with the collector enabled and leaves it so, whatever it asserts."""
+    gc.enable()
+    yield
+    gc.enable()
+
+
+def test_a_pause_disables_the_collector_and_enables_it_after():
+    with collector.paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_a_pause_leaves_a_disabled_collector_disabled():
+    gc.disable()
+    with collector.paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+
+
+def test_a_pause_ends_when_its_block_raises():
+    with pytest.raises(KeyError):
+        with collector.paused():
+            raise KeyError("x")
+    assert gc.isenabled()
+
+
+def test_nested_pauses_end_with_the_outermost():
+    with collector.paused():
+        with collector.paused():
+            pass
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_overlapping_pauses_in_two_threads_end_with_the_last():
+    """Thread A pauses, B pauses, A ends (still paused: B holds it), B ends (enabled)."""
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with collector.paused():
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def b():
+        a_in.wait(10)
+        with collector.paused():
+            b_in.set()
+            a_out.wait(10)
+            seen["after A ended"] = gc.isenabled()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert seen == {"after A ended": False} and gc.isenabled()
+
+
+# ---------------------------------------------------------------- where the library pauses it
+
+def test_rank_zeros_check_and_commit_run_paused_and_the_collector_resumes():
+    world = 3
+    store = MemoryStore()
+    comms = [StoreCommunicator(store, r, world, "run") for r in range(world)]
+    sid = comms[0].save_id("/d", "step-1", 1)
+    seen = []
+    out = {}
+
+    def rank(r):
+        report = RankReport(rank=r, save=SaveRef(sid.name, sid.step, sid.nonce), root="/d",
+                            file=FileRef(name=fmt.shard_file_name(r), rank=r, nbytes=4096, index_crc32=0),
+                            tree={"t": "dict", "items": []})
+        out[r] = comms[r].agree(
+            sid, report, time.monotonic() + 10, 10,
+            check=lambda reports: seen.append(("check", gc.isenabled())),
+            commit=lambda reports: seen.append(("commit", gc.isenabled()))
+            or Verdict.committed(None),
+            fallback=lambda why: Verdict.abort("store", why, {}))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert seen == [("check", False), ("commit", False)]
+    assert out == {r: Verdict.committed(None) for r in range(world)} and gc.isenabled()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_save_and_its_restore_leave_the_collector_as_they_found_it(tmp_path, enabled):
+    state = {"w": torch.arange(6.0), "step": 3}
+    if not enabled:
+        gc.disable()
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(state, step=1).wait()
+        assert gc.isenabled() is enabled
+        restored = {"w": torch.zeros(6), "step": 0}
+        ckpt.restore(restored, step=1)
+    assert gc.isenabled() is enabled
+    assert torch.equal(restored["w"], state["w"]) and restored["step"] == 3
+
+
+def test_the_manifest_is_parsed_paused_and_a_damaged_one_still_resumes_it(tmp_path,
+                                                                         monkeypatch):
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save({"w": torch.ones(3)}, step=1).wait()
+    [path] = tmp_path.glob("*/manifest.json")
+    raw = path.read_bytes()
+    seen = []
+    parse = validate.parse_manifest
+    monkeypatch.setattr(validate, "parse_manifest",
+                        lambda *a, **k: seen.append(gc.isenabled()) or parse(*a, **k))
+    manifest = files.parse_manifest_bytes(raw, str(path))
+    assert seen == [False] and gc.isenabled() and manifest.step == 1
+    with pytest.raises(CorruptCheckpointError):
+        files.parse_manifest_bytes(raw[:-3] + b"xx}", str(path))
+    assert gc.isenabled()
