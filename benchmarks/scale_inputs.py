@@ -252,8 +252,8 @@ def _parse_report(text: str, where: str):
 
 def _review_once(raw: list[str]) -> dict:
     """Rank 0's work on the reports ``raw``, phase by phase, with the garbage collector paused
-    where the tree pauses it. The young generation's collection that follows (deferred by the
-    pause: everything the review made is young) counts in the last phase, in either tree."""
+    where the tree pauses it. What the pause's end collects, and the young generation's
+    collection that follows it in either tree, count in the last phase."""
     t0 = time.perf_counter()
     with _paused():
         reports = {r: _parse_report(text, f"report {r}") for r, text in enumerate(raw)}

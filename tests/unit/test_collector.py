@@ -3,6 +3,7 @@ collector is always left as the program had it."""
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 
@@ -77,6 +78,46 @@ def test_overlapping_pauses_in_two_threads_end_with_the_last():
     for t in threads:
         t.join(30)
     assert seen == {"after A ended": False} and gc.isenabled()
+
+
+def _full_collections(block) -> list[str]:
+    """The names of the threads that made a full collection while ``block()`` ran."""
+    seen = []
+
+    def callback(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            seen.append(threading.current_thread().name)
+    gc.callbacks.append(callback)
+    try:
+        block()
+    finally:
+        gc.callbacks.remove(callback)
+    return seen
+
+
+def _pause_leaving(n: int, kept: list) -> None:
+    with collector.paused():
+        kept.extend([i] for i in range(n))
+
+
+def test_a_pause_that_leaves_many_objects_ends_with_a_full_collection_on_its_own_thread():
+    kept: list = []
+    many = collector.FULL_AFTER_OBJECTS + sys.getallocatedblocks() // 16
+    seen = _full_collections(lambda: _pause_leaving(many, kept))
+    assert seen == [threading.current_thread().name] and gc.isenabled()
+
+
+def test_a_pause_that_leaves_few_objects_makes_no_collection():
+    kept: list = []
+    assert _full_collections(lambda: _pause_leaving(100, kept)) == []
+
+
+def test_a_pause_in_a_disabled_collector_never_collects():
+    kept: list = []
+    gc.disable()
+    many = collector.FULL_AFTER_OBJECTS + sys.getallocatedblocks() // 16
+    assert _full_collections(lambda: _pause_leaving(many, kept)) == []
+    assert not gc.isenabled()
 
 
 # ---------------------------------------------------------------- where the library pauses it
