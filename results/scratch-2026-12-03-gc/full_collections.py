@@ -12,6 +12,7 @@ def cb(phase, info):
     if phase == "start": starts[threading.get_ident()] = time.perf_counter()
     else: log.append((threading.current_thread().name[:12], info["generation"], round(time.perf_counter()-starts[threading.get_ident()],4), round(time.perf_counter()-T0, 3)))
 root = tempfile.mkdtemp()
+T0 = time.perf_counter()
 gc.callbacks.append(cb)
 with datastates.Checkpointer(root, datastates.CheckpointConfig(keep_last=1)) as ck:
     T0 = time.perf_counter()
