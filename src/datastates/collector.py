@@ -25,11 +25,15 @@ The collector's switch is process-wide, so pauses are counted: the first to begi
 the collector was enabled and disables it, the last to end enables it again only if it was
 enabled before the first began. A program that keeps the collector disabled keeps it disabled,
 and no pause collects in it. (What this cannot see: another thread calling ``gc.enable()`` or
-``gc.disable()`` while a pause is held; the pause's end then wins.)
+``gc.disable()`` while a pause is held; the pause's end then wins.) A child forked while pauses
+are held (a ``DataLoader`` worker, forked during rank 0's review) keeps only the forking thread's
+own: the other threads do not exist in the child, their pauses would never end there, and the
+child would otherwise run without a collector for its whole life.
 """
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 from contextlib import contextmanager
@@ -41,7 +45,8 @@ FULL_AFTER_OBJECTS = 10_000
 FULL_AFTER_SHARE = 32
 
 _lock = threading.Lock()
-_held = 0
+#: how many pauses each thread holds (its ``threading.get_ident()``); none held: empty
+_holders: dict[int, int] = {}
 _was_enabled = False
 _young_at_start = 0
 
@@ -52,19 +57,22 @@ def paused() -> Iterator[None]:
     overlap across threads), then restore the state it had before the first pause began, also
     when the block raises; the last pause to end makes the full collection that large work made
     due (see the module's docstring)."""
-    global _held, _was_enabled, _young_at_start
+    global _was_enabled, _young_at_start
+    me = threading.get_ident()
     with _lock:
-        if _held == 0:
+        if not _holders:
             _was_enabled = gc.isenabled()
             gc.disable()
             _young_at_start = gc.get_count()[0]
-        _held += 1
+        _holders[me] = _holders.get(me, 0) + 1
     try:
         yield
     finally:
         with _lock:
-            _held -= 1
-            resume = _held == 0 and _was_enabled
+            _holders[me] -= 1
+            if not _holders[me]:
+                del _holders[me]
+            resume = not _holders and _was_enabled
             if resume:
                 gc.enable()
         if resume and _due(gc.get_count()[0] - _young_at_start):
@@ -75,3 +83,20 @@ def _due(made: int) -> bool:
     """Whether a pause that left ``made`` more tracked objects than when it began ends with a
     full collection."""
     return made >= FULL_AFTER_OBJECTS and made * FULL_AFTER_SHARE >= sys.getallocatedblocks()
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child only the forking thread exists: keep its pauses, drop the others' (a
+    lock another thread held at the fork is replaced), and resume the collector if none is
+    left and it was enabled before the first pause."""
+    global _lock, _holders
+    _lock = threading.Lock()
+    if not _holders:
+        return  # no pause was held: the collector is as the program left it
+    me = threading.get_ident()
+    _holders = {me: _holders[me]} if me in _holders else {}
+    if not _holders and _was_enabled:
+        gc.enable()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

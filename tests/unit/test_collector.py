@@ -3,6 +3,7 @@ collector is always left as the program had it."""
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 import time
@@ -78,6 +79,62 @@ def test_overlapping_pauses_in_two_threads_end_with_the_last():
     for t in threads:
         t.join(30)
     assert seen == {"after A ended": False} and gc.isenabled()
+
+
+def _in_forked_child(check) -> bool:
+    """``check()`` (a bool) in a child forked from this thread now."""
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        try:
+            code = 0 if check() else 1
+        except BaseException:
+            code = 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) in (0, 1), status
+    return os.WEXITSTATUS(status) == 0
+
+
+def _child_pauses_and_resumes() -> bool:
+    if not gc.isenabled():
+        return False
+    with collector.paused():
+        if gc.isenabled():
+            return False
+    return gc.isenabled()
+
+
+def test_a_child_forked_while_another_thread_pauses_runs_with_the_collector():
+    """A forked child has none of the parent's other threads: their pauses never end there, so
+    the child must not inherit them (a DataLoader worker forked during rank 0's review would
+    otherwise run without a collector for its whole life)."""
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with collector.paused():
+            inside.set()
+            leave.wait(30)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert inside.wait(30) and not gc.isenabled()
+        assert _in_forked_child(_child_pauses_and_resumes)
+    finally:
+        leave.set()
+        holder.join(30)
+    assert gc.isenabled()
+
+
+def test_a_child_forked_inside_a_pause_resumes_when_that_pause_ends():
+    """The forking thread's own pause goes on in the child, and its end there resumes the
+    collector as in the parent."""
+    with collector.paused():
+        pid = os.fork()
+        inside = gc.isenabled()
+    if pid == 0:  # the child: report through the exit status only
+        os._exit(0 if not inside and gc.isenabled() and _child_pauses_and_resumes() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 and gc.isenabled()
 
 
 def _full_collections(block) -> list[str]:
@@ -179,3 +236,13 @@ def test_the_manifest_is_parsed_paused_and_a_damaged_one_still_resumes_it(tmp_pa
     with pytest.raises(CorruptCheckpointError):
         files.parse_manifest_bytes(raw[:-3] + b"xx}", str(path))
     assert gc.isenabled()
+
+
+def test_a_child_forked_without_a_pause_keeps_the_programs_collector_state():
+    with collector.paused():
+        pass
+    gc.disable()  # the program's choice after an earlier pause
+
+    def child() -> bool:
+        return not gc.isenabled()
+    assert _in_forked_child(child)
