@@ -252,8 +252,9 @@ def _parse_report(text: str, where: str):
 
 def _review_once(raw: list[str]) -> dict:
     """Rank 0's work on the reports ``raw``, phase by phase, with the garbage collector paused
-    where the tree pauses it. What the pause's end collects, and the young generation's
-    collection that follows it in either tree, count in the last phase."""
+    where the tree pauses it: reading and checking the reports (the commit round's pause), and
+    encoding the manifest (its own). What a pause's end collects counts in the phase it ends,
+    and the young generation's collection after the last, in either tree, in the last phase."""
     t0 = time.perf_counter()
     with _paused():
         reports = {r: _parse_report(text, f"report {r}") for r, text in enumerate(raw)}
@@ -261,8 +262,8 @@ def _review_once(raw: list[str]) -> dict:
         manifest = build_manifest([reports[r] for r in sorted(reports)], name="step-1", step=1,
                                   metadata={}, save_id=reports[0].save.nonce)
         problems = check_tiling(manifest) + check_replicas(reports)
-        t2 = time.perf_counter()
-        data, _ = manifest_record_bytes(dataclasses.replace(manifest, seq=1))  # as published
+    t2 = time.perf_counter()
+    data, _ = manifest_record_bytes(dataclasses.replace(manifest, seq=1))  # as published
     gc.collect(0)
     t3 = time.perf_counter()
     if problems:

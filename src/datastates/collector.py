@@ -5,7 +5,11 @@ small, long-lived objects at scale (about 15 per tensor per rank). While they ar
 collector's full collections walk all of them again and again: at 1,024 ranks of 200 tensors a
 quarter of rank 0's review was spent in the collector (docs/scale.md). Reference counting frees
 everything these stages drop; the only thing a pause defers is the collection of reference cycles
-made meanwhile by any thread, which the collector reclaims once it resumes.
+made meanwhile by any thread, which the collector reclaims once it resumes. Pauses cover record
+work, not waits: the commit round pauses while it reads and reviews the reports, the manifest's
+encoding and every parse pause themselves, and nothing waits on another rank or on the memory
+tier inside one (the I/O inside: one store read per report, and the review's stat of every
+shard file).
 
 A pause defers work, it must not move it onto the training thread: left running, the collector
 would have made its full collections on the thread that built the records (rank 0's commit
@@ -24,11 +28,16 @@ work resumes the collector and leaves it to its own schedule, as if there had be
 The collector's switch is process-wide, so pauses are counted: the first to begin records whether
 the collector was enabled and disables it, the last to end enables it again only if it was
 enabled before the first began. A program that keeps the collector disabled keeps it disabled,
-and no pause collects in it. (What this cannot see: another thread calling ``gc.enable()`` or
-``gc.disable()`` while a pause is held; the pause's end then wins.) A child forked while pauses
-are held (a ``DataLoader`` worker, forked during rank 0's review) keeps only the forking thread's
-own: the other threads do not exist in the child, their pauses would never end there, and the
-child would otherwise run without a collector for its whole life.
+and no pause collects in it. What this cannot see: a program that calls ``gc.disable()`` while a
+pause is held (on another thread) finds the collector enabled again when the pause ends.
+
+Robust against what can interrupt the bookkeeping: each pause is a token, removed
+idempotently on exit and on a failed entry, and the collector is resumed from the set of tokens
+held, so an exception at any point of the entry or exit (a ``KeyboardInterrupt`` delivered between
+two bytecodes) leaves no pause behind; a signal handler that pauses while its thread is inside
+the bookkeeping re-enters the (reentrant) lock and cannot end the pause it interrupted. A child forked while pauses are held (a ``DataLoader``
+worker, forked during rank 0's review) keeps only the forking thread's own: the other threads do
+not exist in the child, their pauses would never end there.
 """
 from __future__ import annotations
 
@@ -44,9 +53,12 @@ FULL_AFTER_OBJECTS = 10_000
 #: ... and the share of the process's small allocations they must be at least 1/this of.
 FULL_AFTER_SHARE = 32
 
-_lock = threading.Lock()
-#: how many pauses each thread holds (its ``threading.get_ident()``); none held: empty
-_holders: dict[int, int] = {}
+_lock = threading.RLock()
+#: the pauses held: a token per pause, mapped to the thread that holds it
+_holders: dict[object, int] = {}
+#: whether the collector is disabled by pauses (set before disabling, cleared after enabling)
+_owned = False
+#: the program's collector state when the first pause of the current run of pauses began
 _was_enabled = False
 _young_at_start = 0
 
@@ -57,26 +69,47 @@ def paused() -> Iterator[None]:
     overlap across threads), then restore the state it had before the first pause began, also
     when the block raises; the last pause to end makes the full collection that large work made
     due (see the module's docstring)."""
-    global _was_enabled, _young_at_start
-    me = threading.get_ident()
-    with _lock:
-        if not _holders:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-            _young_at_start = gc.get_count()[0]
-        _holders[me] = _holders.get(me, 0) + 1
+    token = object()
     try:
+        _enter(token)
         yield
     finally:
-        with _lock:
-            _holders[me] -= 1
-            if not _holders[me]:
-                del _holders[me]
-            resume = not _holders and _was_enabled
-            if resume:
-                gc.enable()
-        if resume and _due(gc.get_count()[0] - _young_at_start):
+        if _leave(token):
             gc.collect()
+
+
+def _enter(token: object) -> None:
+    global _owned, _was_enabled, _young_at_start
+    with _lock:  # an exception anywhere here is undone by the caller's ``_leave(token)``
+        if not _holders and not _owned:  # the first pause: record the program's state
+            _was_enabled = gc.isenabled()
+            _young_at_start = gc.get_count()[0]
+        _holders[token] = threading.get_ident()  # before disabling: a pause begun inside (a
+        _owned = True                            # signal handler) then cannot resume it
+        gc.disable()
+
+
+def _leave(token: object) -> bool:
+    """End the pause ``token`` (nothing if it was never registered); whether the caller is to
+    make the full collection that the work made due."""
+    with _lock:
+        try:
+            _holders.pop(token, None)
+        finally:
+            resumed = _resume()
+    return resumed and _due(gc.get_count()[0] - _young_at_start)
+
+
+def _resume() -> bool:
+    """Under the lock: once no pause is held, give the collector back as the program had it;
+    whether this call enabled it."""
+    global _owned
+    if _holders or not _owned:
+        return False
+    if _was_enabled:
+        gc.enable()
+    _owned = False
+    return _was_enabled
 
 
 def _due(made: int) -> bool:
@@ -86,17 +119,16 @@ def _due(made: int) -> bool:
 
 
 def _after_fork_in_child() -> None:
-    """In a forked child only the forking thread exists: keep its pauses, drop the others' (a
-    lock another thread held at the fork is replaced), and resume the collector if none is
-    left and it was enabled before the first pause."""
+    """In a forked child only the forking thread exists: keep its pauses, drop the others' and
+    resume the collector if none is left. Whatever bytecode another thread's entry or exit had
+    reached at the fork, this gives the state its completion would have (a token is registered
+    before the collector is disabled, and ``_owned`` outlives the tokens until it is enabled);
+    the lock, which that thread may have held, is replaced."""
     global _lock, _holders
-    _lock = threading.Lock()
-    if not _holders:
-        return  # no pause was held: the collector is as the program left it
+    _lock = threading.RLock()
     me = threading.get_ident()
-    _holders = {me: _holders[me]} if me in _holders else {}
-    if not _holders and _was_enabled:
-        gc.enable()
+    _holders = {t: ident for t, ident in _holders.items() if ident == me}
+    _resume()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import tempfile
 import threading
 import time
 
@@ -179,7 +180,9 @@ def test_a_pause_in_a_disabled_collector_never_collects():
 
 # ---------------------------------------------------------------- where the library pauses it
 
-def test_rank_zeros_check_and_commit_run_paused_and_the_collector_resumes():
+def test_rank_zeros_check_runs_paused_and_its_publish_does_not():
+    """The publish may wait (the memory tier's keeper, the storage): it runs with the collector
+    (the manifest's encoding inside it pauses on its own)."""
     world = 3
     store = MemoryStore()
     comms = [StoreCommunicator(store, r, world, "run") for r in range(world)]
@@ -203,7 +206,7 @@ def test_rank_zeros_check_and_commit_run_paused_and_the_collector_resumes():
         t.start()
     for t in threads:
         t.join(30)
-    assert seen == [("check", False), ("commit", False)]
+    assert seen == [("check", False), ("commit", True)]
     assert out == {r: Verdict.committed(None) for r in range(world)} and gc.isenabled()
 
 
@@ -246,3 +249,152 @@ def test_a_child_forked_without_a_pause_keeps_the_programs_collector_state():
     def child() -> bool:
         return not gc.isenabled()
     assert _in_forked_child(child)
+
+
+def test_the_manifests_encoding_runs_paused(monkeypatch):
+    seen = []
+    check = validate.check_written_manifest
+    monkeypatch.setattr(validate, "check_written_manifest",
+                        lambda *a, **k: seen.append(gc.isenabled()) or check(*a, **k))
+    with Checkpointer(tempfile.mkdtemp()) as ckpt:
+        ckpt.save({"w": torch.ones(3)}, step=1).wait()
+    assert seen == [False] and gc.isenabled()
+
+
+# ---------------------------------------------------------------- the rule for the full collection
+
+def test_the_full_collection_is_due_from_both_bounds(monkeypatch):
+    monkeypatch.setattr(collector.sys, "getallocatedblocks", lambda: 32 * 50_000)
+    assert not collector._due(collector.FULL_AFTER_OBJECTS - 1)
+    assert not collector._due(49_999)  # enough objects, too small a share of the process
+    assert collector._due(50_000)
+    monkeypatch.setattr(collector.sys, "getallocatedblocks", lambda: 1_000)
+    assert not collector._due(collector.FULL_AFTER_OBJECTS - 1)  # a large share, too few
+    assert collector._due(collector.FULL_AFTER_OBJECTS)
+
+
+def test_only_the_objects_made_during_the_pause_count():
+    """Young objects from before the pause are not its work: no full collection for them."""
+    threshold = gc.get_threshold()
+    kept: list = []
+    gc.set_threshold(10**9)  # nothing collects the young generation meanwhile
+    try:
+        kept.extend([i] for i in range(collector.FULL_AFTER_OBJECTS + sys.getallocatedblocks()))
+        assert _full_collections(lambda: _pause_leaving(10, kept)) == []
+    finally:
+        gc.set_threshold(*threshold)
+
+
+# ---------------------------------------------------------------- interruptions and signals
+
+class _Interrupting:
+    """The gc module, except that a KeyboardInterrupt arrives right after the first call of
+    ``name`` returns (as a signal is delivered between two bytecodes)."""
+
+    def __init__(self, name: str):
+        self.name, self.raised = name, False
+
+    def __getattr__(self, attr):
+        real = getattr(gc, attr)
+        if attr != self.name or self.raised:
+            return real
+
+        def interrupt(*args):
+            real(*args)
+            self.raised = True
+            raise KeyboardInterrupt
+        return interrupt
+
+
+@pytest.mark.parametrize("name", ["isenabled", "get_count", "disable", "enable"])
+def test_an_interrupt_inside_the_bookkeeping_leaves_no_pause_behind(monkeypatch, name):
+    interrupting = _Interrupting(name)
+    monkeypatch.setattr(collector, "gc", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        with collector.paused():
+            pass
+    assert interrupting.raised
+    monkeypatch.setattr(collector, "gc", gc)
+    assert collector._holders == {} and gc.isenabled()
+    with collector.paused():  # and the next pause works as ever
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_a_pause_begun_inside_the_bookkeeping_of_another_does_not_deadlock(monkeypatch):
+    """What a signal handler that pauses does when its thread is inside ``paused()``: the lock
+    is reentrant, and both pauses end with the collector as the program had it."""
+    nested = []
+
+    class Reentering:
+        def __getattr__(self, attr):
+            real = getattr(gc, attr)
+            if attr != "disable" or nested:
+                return real
+
+            def disable():
+                nested.append(True)
+                with collector.paused():
+                    nested.append(gc.isenabled())
+                real()
+            return disable
+    monkeypatch.setattr(collector, "gc", Reentering())
+    done = []
+    worker = threading.Thread(target=lambda: done.append(_pause_leaving(1, [])), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert done == [None] and nested == [True, False]
+    monkeypatch.setattr(collector, "gc", gc)
+    assert collector._holders == {} and gc.isenabled()
+
+
+# ---------------------------------------------------------------- fork
+
+def test_a_child_forked_while_a_pause_holds_a_disabled_collector_keeps_it_disabled():
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with collector.paused():
+            inside.set()
+            leave.wait(30)
+    gc.disable()  # the program's choice
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert inside.wait(30)
+        assert _in_forked_child(lambda: not gc.isenabled())
+    finally:
+        leave.set()
+        holder.join(30)
+    assert not gc.isenabled()
+
+
+def test_a_child_can_pause_from_any_of_its_threads():
+    """The child does not inherit the parent's lock in the state the fork found it."""
+    def child() -> bool:
+        out = []
+        t = threading.Thread(target=lambda: out.append(_child_pauses_and_resumes()))
+        t.start()
+        t.join(10)
+        return out == [True]
+    assert _in_forked_child(child)
+
+
+def test_children_forked_while_another_thread_pauses_and_resumes_never_inherit_a_pause():
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            with collector.paused():
+                pass
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    churner = threading.Thread(target=churn)
+    churner.start()
+    try:
+        results = [_in_forked_child(_child_pauses_and_resumes) for _ in range(200)]
+    finally:
+        stop.set()
+        churner.join(30)
+        sys.setswitchinterval(interval)
+    assert results == [True] * 200 and gc.isenabled()

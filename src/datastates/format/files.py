@@ -46,12 +46,14 @@ def manifest_record_bytes(manifest: records.Manifest) -> tuple[bytes, records.Ma
     checked whole by the reader's own parser before it is written, so a checkpoint is committed
     only if a reader accepts it (CorruptCheckpointError naming the field otherwise). Its entries
     are checked and encoded a batch at a time (``validate.check_written_manifest``); the
-    bytes are those of encoding its whole JSON form."""
-    head = manifest.to_json(entries=False)
-    batches: list[bytes] = []
-    written = validate.check_written_manifest(
-        head, manifest.entries, "manifest being written", batches.append)
-    return _within_limit(seal_manifest(encode_entries(head, b",".join(batches)))), written
+    bytes are those of encoding its whole JSON form. The garbage collector is paused meanwhile
+    (``collector``), as for a parse."""
+    with collector.paused():
+        head = manifest.to_json(entries=False)
+        batches: list[bytes] = []
+        written = validate.check_written_manifest(
+            head, manifest.entries, "manifest being written", batches.append)
+        return _within_limit(seal_manifest(encode_entries(head, b",".join(batches)))), written
 
 
 def encode_manifest(manifest: dict) -> bytes:
