@@ -16,7 +16,9 @@ would have made its full collections on the thread that built the records (rank 
 thread), but after a pause the objects it left are all young, and the first collections after it
 (on whichever thread allocates next, often the training thread inside its next ``save()``)
 promote them and make the full collection that was due. So the last pause to end makes that full
-collection itself, on its own thread, when the work left enough new objects that the collector
+collection itself, on its own thread (normally the one that did the work; another thread's pause
+that happens to end last makes it instead), before the collector is enabled again, when the work
+left enough new objects that the collector
 would have made at least one during it: at least ``FULL_AFTER_OBJECTS`` tracked objects more than
 when the first pause began, and at least 1/``FULL_AFTER_SHARE`` of the process's small
 allocations (``sys.getallocatedblocks()``, about three per tracked object in a PyTorch process).
@@ -32,9 +34,10 @@ and no pause collects in it. What this cannot see: a program that calls ``gc.dis
 pause is held (on another thread) finds the collector enabled again when the pause ends.
 
 Robust against what can interrupt the bookkeeping: each pause is a token, removed
-idempotently on exit and on a failed entry, and the collector is resumed from the set of tokens
-held, so an exception at any point of the entry or exit (a ``KeyboardInterrupt`` delivered between
-two bytecodes) leaves no pause behind; a signal handler that pauses while its thread is inside
+idempotently on exit (an exit an exception cut short is run again) and on a failed entry, and
+the collector is resumed from the set of tokens held, so one exception at any point of the entry
+or exit (a ``KeyboardInterrupt`` delivered between two bytecodes) leaves no pause behind (a
+second one microseconds later, inside the repeated exit, can); a signal handler that pauses while its thread is inside
 the bookkeeping re-enters the (reentrant) lock and cannot end the pause it interrupted. A child forked while pauses are held (a ``DataLoader``
 worker, forked during rank 0's review) keeps only the forking thread's own: the other threads do
 not exist in the child, their pauses would never end there.
@@ -74,8 +77,11 @@ def paused() -> Iterator[None]:
         _enter(token)
         yield
     finally:
-        if _leave(token):
-            gc.collect()
+        try:
+            _leave(token)
+        except BaseException:  # an interrupt cut the exit short: finish it (idempotent)
+            _leave(token)
+            raise
 
 
 def _enter(token: object) -> None:
@@ -89,27 +95,29 @@ def _enter(token: object) -> None:
         gc.disable()
 
 
-def _leave(token: object) -> bool:
-    """End the pause ``token`` (nothing if it was never registered); whether the caller is to
-    make the full collection that the work made due."""
+def _leave(token: object) -> None:
+    """End the pause ``token`` (nothing if it was never registered, or already ended). The last
+    pause to end makes the full collection its work made due while the collector is still
+    disabled, so that no other thread's young collection takes that work first."""
     with _lock:
         try:
             _holders.pop(token, None)
+            if not _holders and _owned and _was_enabled and \
+                    _due(gc.get_count()[0] - _young_at_start):
+                gc.collect()
         finally:
-            resumed = _resume()
-    return resumed and _due(gc.get_count()[0] - _young_at_start)
+            _resume()
 
 
-def _resume() -> bool:
-    """Under the lock: once no pause is held, give the collector back as the program had it;
-    whether this call enabled it."""
+def _resume() -> None:
+    """Under the lock: once no pause is held (a finalizer run by the collection may have begun
+    one), give the collector back as the program had it."""
     global _owned
     if _holders or not _owned:
-        return False
+        return
     if _was_enabled:
         gc.enable()
     _owned = False
-    return _was_enabled
 
 
 def _due(made: int) -> bool:

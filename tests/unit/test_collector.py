@@ -91,7 +91,16 @@ def _in_forked_child(check) -> bool:
         except BaseException:
             code = 2
         os._exit(code)
-    _, status = os.waitpid(pid, 0)
+    deadline = time.monotonic() + 60
+    while True:  # a child that hangs fails the test instead of hanging it
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        time.sleep(0.01)  # polling a child's exit, not synchronizing on time
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) in (0, 1), status
     return os.WEXITSTATUS(status) == 0
 
@@ -315,10 +324,30 @@ def test_an_interrupt_inside_the_bookkeeping_leaves_no_pause_behind(monkeypatch,
             pass
     assert interrupting.raised
     monkeypatch.setattr(collector, "gc", gc)
-    assert collector._holders == {} and gc.isenabled()
+    assert collector._holders == {} and not collector._owned and gc.isenabled()
     with collector.paused():  # and the next pause works as ever
         assert not gc.isenabled()
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_an_interrupt_as_the_exit_begins_resuming_leaves_no_pause_behind(monkeypatch, enabled):
+    """The exit is run again: the collector ends as the program had it, nothing owned."""
+    resume, calls = collector._resume, []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        resume()
+    monkeypatch.setattr(collector, "_resume", interrupted)
+    if not enabled:
+        gc.disable()
+    with pytest.raises(KeyboardInterrupt):
+        with collector.paused():
+            pass
+    assert len(calls) == 2 and collector._holders == {} and not collector._owned
+    assert gc.isenabled() is enabled
 
 
 def test_a_pause_begun_inside_the_bookkeeping_of_another_does_not_deadlock(monkeypatch):
