@@ -7,9 +7,9 @@ quarter of rank 0's review was spent in the collector (docs/scale.md). Reference
 everything these stages drop; the only thing a pause defers is the collection of reference cycles
 made meanwhile by any thread, which the collector reclaims once it resumes. Pauses cover record
 work, not waits: the commit round pauses while it reads and reviews the reports, the manifest's
-encoding and every parse pause themselves, and nothing waits on another rank or on the memory
-tier inside one (the I/O inside: one store read per report, and the review's stat of every
-shard file).
+encoding, every parse and a restore's planning pause themselves, and nothing waits on another
+rank or on the memory tier inside one (the I/O inside: one store read per report, the review's
+stat of every shard file, and a restore's reads of the saved Python objects).
 
 A pause defers work, it must not move it onto the training thread: left running, the collector
 would have made its full collections on the thread that built the records (rank 0's commit

@@ -427,3 +427,24 @@ def test_children_forked_while_another_thread_pauses_and_resumes_never_inherit_a
         churner.join(30)
         sys.setswitchinterval(interval)
     assert results == [True] * 200 and gc.isenabled()
+
+
+def test_a_restores_and_a_loads_planning_run_paused(tmp_path, monkeypatch):
+    from datastates.restore import matching
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save({"w": torch.arange(4.0), "n": 7}, step=1).wait()
+    seen = []
+    match = matching._Plan.match
+
+    def recording(self, live, node, path, provider):
+        if path == ():
+            seen.append(gc.isenabled())
+        return match(self, live, node, path, provider)
+    monkeypatch.setattr(matching._Plan, "match", recording)
+    live = {"w": torch.zeros(4), "n": 0}
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.restore(live)
+        loaded = ckpt.load()
+    assert seen == [False, False] and gc.isenabled()
+    assert torch.equal(live["w"], torch.arange(4.0)) and live["n"] == 7
+    assert torch.equal(loaded["w"], torch.arange(4.0)) and loaded["n"] == 7
