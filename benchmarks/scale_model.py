@@ -240,7 +240,11 @@ def evaluate(s: Setting, c: Costs, requests: tuple[float, float], every: list[in
 
 # ---------------------------------------------------------------- what breaks
 
-MAX_MANIFEST_BYTES = 256 << 20   #: the reader's limit (datastates/format/codec.py)
+#: The reader's limits (datastates/format/codec.py): a manifest past SPLIT_BYTES is written as
+#: a head and parts of at most MAX_MANIFEST_BYTES each, MAX_SPLIT_BYTES together.
+MAX_MANIFEST_BYTES = 256 << 20
+SPLIT_BYTES = 32 << 20
+MAX_SPLIT_BYTES = 1 << 30
 COMMIT_TIMEOUT_S = 300.0         #: CheckpointConfig.commit_timeout_s default
 
 
@@ -261,8 +265,9 @@ def breaks(row: dict, machine_mem: float) -> list[str]:
         out.append("a checkpoint every iteration waits for the commit before last")
     if row["store_load"] >= 0.7:
         out.append(f"TCPStore {row['store_load']:.0%} busy with decision polls")
-    if row["manifest_bytes"] > MAX_MANIFEST_BYTES:
-        out.append(f"manifest {row['manifest_bytes'] / 2**20:.0f} MiB > the reader's 256 MiB")
+    if row["manifest_bytes"] > MAX_SPLIT_BYTES:
+        out.append(f"manifest {row['manifest_bytes'] / 2**20:.0f} MiB > the reader's 1 GiB "
+                   "for a split manifest")
     if row["times_out"]:
         out.append(f"rank 0 decides after commit_timeout_s ({COMMIT_TIMEOUT_S:.0f} s): every "
                    "save fails")

@@ -200,7 +200,8 @@ class StoreConformance:
     older than its age limit, kept before; a committed name is refused without ``overwrite``
     (the old checkpoint intact) and replaced with it (no trace of the old data left); a
     deletion removes a checkpoint and refuses, removing nothing, anything that is no
-    checkpoint; a damaged checkpoint is replaced by a new save of its name.
+    checkpoint; a damaged checkpoint is replaced by a new save of its name; a split
+    manifest's parts go with their checkpoint (saved, overwritten, damaged, deleted).
     """
 
     def make_root(self, tmp_path) -> tuple[str, dict | None]:
@@ -320,6 +321,36 @@ class StoreConformance:
             ckpt.save({"x": torch.full((4,), 5.0)}, step=1).wait()
             assert torch.equal(ckpt.load(step=1)["x"], torch.full((4,), 5.0))
             assert [i.name for i in ckpt.list()] == ["step-0000000001"]
+
+    def test_a_split_manifest_travels_with_its_checkpoint(self, tmp_path):
+        """A manifest split into a head and parts (docs/format.md, "Split manifests", forced
+        here by a split threshold of one byte) restores bit-exact, is replaced whole by an
+        overwrite, is damaged without its part (and then replaced by a new save of its name),
+        and is deleted with every file of it."""
+        from .format import codec as fmt
+        root, options, store, publisher = self._open(tmp_path)
+        ckpt = store.join(root, "step-0000000001")
+        saved = fmt.SPLIT_BYTES
+        fmt.SPLIT_BYTES = 1
+        try:
+            with self._checkpointer(root, options) as ckpt_1:
+                ckpt_1.save({"x": torch.arange(10.0)}, step=1).wait()
+                ckpt_1.save({"x": torch.arange(10.0) + 1}, step=1, overwrite=True).wait()
+                live = {"x": torch.zeros(10)}
+                ckpt_1.restore(live)
+            assert torch.equal(live["x"], torch.arange(10.0) + 1)
+            parts = [f for f in _files_under(store, ckpt) if f.endswith(fmt.part_name(0))]
+            assert len(parts) == 1, _files_under(store, ckpt)  # the old one left with its data
+            store.remove(store.join(ckpt, parts[0]))
+            with self._checkpointer(root, options) as ckpt_2:
+                assert ckpt_2.list() == [] and [d.name for d in ckpt_2.damaged()] == \
+                    ["step-0000000001"]
+                ckpt_2.save({"x": torch.arange(10.0) + 2}, step=1).wait()
+                assert torch.equal(ckpt_2.load(step=1)["x"], torch.arange(10.0) + 2)
+        finally:
+            fmt.SPLIT_BYTES = saved
+        publisher.delete(root, "step-0000000001", True)
+        assert _files_under(store, ckpt) == []
 
 
 def _files_under(store, path: str) -> list[str]:

@@ -184,6 +184,10 @@ def main() -> None:
     overwrite = mode.startswith("overwrite-")
     if overwrite:
         mode = mode[len("overwrite-"):]
+    if mode.startswith("split-"):  # every manifest split into a head and a part
+        from datastates.format import codec
+        codec.SPLIT_BYTES = 1
+        mode = mode[len("split-"):]
     ck = datastates.Checkpointer(directory, config(keep_last))
     ck.save(make_state(1), step=1).wait()
     marker("COMMITTED 1")

@@ -102,19 +102,29 @@ INJECTED = [
     ("commitwrite", 3, None, "before the shard header (the index is written)"),
     ("fsync", 1, None, "before the shard file's fsync"),
     ("commitwrite", 4, None, "before manifest.json.tmp is written"),
-    ("fsync", 2, None, "after manifest.json.tmp is written, before its fsync"),
+    ("fsync", 2, None, "the shard file complete, before the second fsync of the commit"),
+    ("fsync", 3, None, "after manifest.json.tmp is written, before its fsync"),
     ("rename-before", 1, None, "manifest.json in place, before the directory rename"),
     ("rename-after", 1, None, "right after the directory rename"),
     ("set-latest", 1, None, "after the rename, before latest is written"),
     ("replace-latest", 1, None, "latest.tmp written, before it replaces latest"),
     ("rename-before", 2, 1, "retention: before step 1 is renamed to .trash"),
     ("rename-after", 2, 1, "retention: step 1 renamed to .trash, not yet deleted"),
+    # both checkpoints with a split manifest: a part written before manifest.json
+    ("split-commitwrite", 4, None, "before the manifest's part is written"),
+    ("split-fsync", 3, None, "the part written, before its fsync"),
+    ("split-commitwrite", 5, None, "the part in place, before manifest.json.tmp is written"),
+    ("split-fsync", 5, None, "manifest.json.tmp written beside the part, before its fsync"),
+    ("split-fsync", 6, None, "the head and its part in place, before the next fsync"),
+    ("split-rename-before", 1, None, "the head and its part in place, before the directory "
+     "rename"),
+    ("split-rename-after", 1, None, "right after the directory rename of a split manifest"),
 ]
 
 
 
 def _param(mode, n, keep_last, what):
-    name = what.split(" (")[0].replace(" ", "_")
+    name = what.split(" (")[0].replace(" ", "_").replace("'", "")
     return pytest.param(mode, n, keep_last, id=f"{mode}-{n}-{name}")
 
 
@@ -132,7 +142,8 @@ def test_kill_at_injected_point(tmp_path, states, mode, n, keep_last):
             assert f.read() == STEP1
         assert catalog.latest(tmp_path).name == STEP2
     names = check_after_crash(tmp_path, states, keep_last=keep_last)
-    after_rename = mode in ("rename-after", "set-latest", "replace-latest") or keep_last
+    after_rename = mode.removeprefix("split-") in ("rename-after", "set-latest", "replace-latest") \
+        or keep_last
     assert (STEP2 in names) == bool(after_rename)
 
 

@@ -269,7 +269,7 @@ def _newer_format(ckpt_dir) -> None:
     path = ckpt_dir / fmt.MANIFEST
     raw = path.read_bytes()
     body = json.loads(raw[:raw.rindex(b',"manifest_crc32"')] + b"}")
-    body["version"] = fmt.MANIFEST_VERSION + 1
+    body["version"] = fmt.SPLIT_VERSION + 1  # newer than any this reader reads
     path.write_bytes(fmt.seal_manifest(json.dumps(body, separators=(",", ":")).encode()))
     old = os.stat(path).st_mtime - 3600
     os.utime(path, (old, old))

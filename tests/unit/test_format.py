@@ -134,7 +134,9 @@ def test_legacy_version_1_loads_with_a_warning(tmp_path):
         fmt.read_manifest(cdir)
 
 
-@pytest.mark.parametrize("version,error", [(4, UnsupportedFormatError), (0, CorruptCheckpointError),
+@pytest.mark.parametrize("version,error", [(5, UnsupportedFormatError),
+                                           (4, CorruptCheckpointError),  # 4 is split: no entries
+                                           (0, CorruptCheckpointError),
                                            (True, CorruptCheckpointError),
                                            ("2", CorruptCheckpointError)])
 def test_manifest_version_checks(tmp_path, version, error):

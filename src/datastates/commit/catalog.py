@@ -106,7 +106,7 @@ def _examine(path: str, store: Store, head: bool, raw: bytes | None = None) -> t
             info = files.parse_manifest_summary(raw, file, path)
             if info is not None:
                 return info, None, raw
-        manifest = files.parse_manifest_bytes(raw, file)
+        manifest = files.parse_manifest_bytes(raw, file, files.part_reader(path, store))
     except FileNotFoundError:
         return None, None, None
     except CorruptCheckpointError as exc:

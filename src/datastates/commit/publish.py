@@ -210,10 +210,12 @@ class RenamePublisher(Publisher):
         damaged checkpoint of that name is moved aside (:meth:`set_aside`); a committed one is
         replaced only with ``overwrite``; a directory that is no checkpoint never."""
         final = os.path.join(root, name)
-        data, written = files.manifest_record_bytes(manifest)
-        stamp = self.store.write_atomic(os.path.join(tmp, fmt.MANIFEST), data, fsync)
+        encoded = files.encode_manifest_record(manifest)
+        for part, data in encoded.parts:  # a split manifest's parts, before its head
+            self.store.write_atomic(os.path.join(tmp, part), data, fsync)
+        stamp = self.store.write_atomic(os.path.join(tmp, fmt.MANIFEST), encoded.data, fsync)
         self.make_visible(root, tmp, name, self._make_room(root, name, overwrite, fsync), fsync)
-        return final, stamp, written
+        return final, stamp, encoded.written
 
     def _make_room(self, root: str, name: str, overwrite: bool, fsync: bool) -> bool:
         """Whether a committed checkpoint ``root/name`` is to be replaced (see :meth:`publish`)."""
@@ -406,14 +408,13 @@ _COPIES = 32  # server-side copies: no byte through this process, only requests
 
 
 def _data_files(manifest_bytes: bytes, path: str) -> list[tuple[str, ...]]:
-    """The shard files the manifest ``path`` names, as key parts under its checkpoint (inside
-    its data directory); none if it no longer parses (the manifest alone is then moved)."""
+    """The shard files (and a split manifest's parts) the manifest ``path`` names, as key parts
+    under its checkpoint (inside its data directory); none if it no longer parses (the manifest
+    alone is then moved)."""
     try:
-        manifest = files.parse_manifest_bytes(manifest_bytes, path)
+        return [tuple(name.split("/")) for name in files.manifest_data_files(manifest_bytes, path)]
     except CorruptCheckpointError:
         return []
-    where = (manifest.data_dir,) if manifest.data_dir else ()
-    return [(*where, f.name) for f in manifest.files]
 
 
 class ManifestPublisher(Publisher):
@@ -451,11 +452,14 @@ class ManifestPublisher(Publisher):
         if old and not overwrite:
             raise CheckpointExistsError(f"{final} already exists (committed meanwhile); pass "
                                         "overwrite=True to replace it")
-        data, written = files.manifest_record_bytes(manifest)
+        encoded = files.encode_manifest_record(manifest)
+        for part, data in encoded.parts:  # a split manifest's parts, in the data directory
+            store.write_atomic(store.join(tmp, part), data, True)
         target = store.join(final, fmt.MANIFEST)
         replace = overwrite or old is False
         try:
-            stamp = (store.write_atomic if replace else store.write_new)(target, data, True)
+            stamp = (store.write_atomic if replace else store.write_new)(target, encoded.data,
+                                                                         True)
         except FileExistsError:
             raise _taken_meanwhile(final) from None
         if old and old.data_dir and old.data_dir != manifest.data_dir:
@@ -463,7 +467,7 @@ class ManifestPublisher(Publisher):
                 store.remove_tree(store.join(final, old.data_dir))
             except OSError as exc:
                 _tidy_warning(final, exc)
-        return final, stamp, written
+        return final, stamp, encoded.written
 
     def discard(self, tmp: str, rank: int, keep_file: bool) -> None:
         try:

@@ -24,6 +24,12 @@ VERSION = 2
 #: Manifest versions: 3 may write a rank's subtree equal to rank 0's as a ``same`` node
 #: (format/sharing.py); 2 has every rank's tree in full; 1 lacks the checksum trailer.
 MANIFEST_VERSION = 3
+#: A manifest whose encoding passes ``SPLIT_BYTES`` is written as version 4: ``manifest.json``
+#: holds the head and a table of parts, each part the trees of a run of ranks and the entries
+#: they brought, about ``SPLIT_BYTES`` each (docs/format.md, "Split manifests").
+SPLIT_VERSION = 4
+SPLIT_BYTES = 32 << 20
+PART_FORMAT = "datastates-manifest-part"
 #: Shard files of these versions have the same layout; version 1 manifests lack the checksum.
 SHARD_VERSIONS = (1, 2)
 HEADER_BYTES = 4096
@@ -39,6 +45,9 @@ _HEADER_USED = _HEADER.size + 4        # ... and the CRC of those 36 bytes; the 
 #: The largest ``manifest.json`` a reader reads (about a million tensors); larger is refused
 #: before a byte is read, so a huge or endless file cannot exhaust memory.
 MAX_MANIFEST_BYTES = 256 << 20
+#: The most bytes the parts of one split manifest hold together (each part is a file of at most
+#: ``MAX_MANIFEST_BYTES``); a head declaring more is refused before a part is read.
+MAX_SPLIT_BYTES = 1 << 30
 #: The largest shard file index a reader reads (the header's index length is checked first).
 MAX_INDEX_BYTES = 256 << 20
 _TRAILER = re.compile(rb',"manifest_crc32":"([0-9a-f]{8})"\}\Z')
@@ -101,6 +110,11 @@ def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def shard_file_name(rank: int) -> str:
     return f"rank-{rank:05d}.dsf"
+
+
+def part_name(index: int) -> str:
+    """The file of part ``index`` of a split manifest (beside the shard files)."""
+    return f"manifest-{index:05d}.json"
 
 
 def step_name(step: int) -> str:

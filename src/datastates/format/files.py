@@ -6,15 +6,18 @@ decoded JSON is then validated completely by ``records`` before anyone uses a va
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from typing import Callable, NamedTuple
 
 from .. import collector
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from ..storage import Store, open_store
-from . import records, validate
+from . import codec, records, tree, validate
 from .codec import (_TRAILER, CHECKPOINT_FORMAT, MANIFEST, MANIFEST_VERSION, MAX_MANIFEST_BYTES,
-                    TRAILER_BYTES, ShardHeader, crc32, encode_entries, encode_json, parse_json,
-                    parse_json_head, parse_json_streamed, read_header, seal_manifest)
+                    PART_FORMAT, SPLIT_VERSION, TRAILER_BYTES, ShardHeader, crc32, encode_entries,
+                    encode_json, parse_json, parse_json_head, parse_json_streamed, part_name,
+                    read_header, seal_manifest)
 
 
 def read_index(path: str, store: "Store | None" = None) -> "records.ShardIndex":
@@ -40,20 +43,103 @@ def parse_index_bytes(raw: bytes, header: ShardHeader, path: str) -> "records.Sh
     return validate.parse_shard_index(parse_json(raw, path), path, header.index_offset)
 
 
-def manifest_record_bytes(manifest: records.Manifest) -> tuple[bytes, records.Manifest]:
-    """The bytes of ``manifest.json`` for a manifest record the review merged, and the record a
-    reader makes of them. The merged manifest holds what other processes sent, combined: it is
+class EncodedManifest(NamedTuple):
+    """What a publisher writes for a manifest record (:func:`encode_manifest_record`)."""
+
+    data: bytes                    #: the bytes of ``manifest.json``
+    written: records.Manifest      #: the record a reader makes of them
+    #: a split manifest's parts, (file name, bytes), to be written beside the shard files
+    #: before ``manifest.json`` (none for a manifest of one file)
+    parts: tuple[tuple[str, bytes], ...] = ()
+
+
+def encode_manifest_record(manifest: records.Manifest, split: bool = True) -> EncodedManifest:
+    """The files to write for a manifest record the review merged, and the record a reader
+    makes of them. The merged manifest holds what other processes sent, combined: it is
     checked whole by the reader's own parser before it is written, so a checkpoint is committed
     only if a reader accepts it (CorruptCheckpointError naming the field otherwise). Its entries
-    are checked and encoded a batch at a time (``validate.check_written_manifest``); the
-    bytes are those of encoding its whole JSON form. The garbage collector is paused meanwhile
-    (``collector``), as for a parse."""
+    are checked and encoded a batch at a time (``validate.check_written_manifest``). The
+    garbage collector is paused meanwhile (``collector``), as for a parse.
+
+    A manifest whose one file would pass ``SPLIT_BYTES`` is split (version 4, with ``split``):
+    ``manifest.json`` holds the head and a table of parts, each part the trees of a run of ranks
+    and the entries they brought, of about ``SPLIT_BYTES`` (docs/format.md, "Split
+    manifests"); the logical manifest, and the record returned, are the same."""
     with collector.paused():
+        if manifest.version == SPLIT_VERSION:  # a split one read back, written again
+            manifest = dataclasses.replace(manifest, version=MANIFEST_VERSION)
         head = manifest.to_json(entries=False)
-        batches: list[bytes] = []
-        written = validate.check_written_manifest(
-            head, manifest.entries, "manifest being written", batches.append)
-        return _within_limit(seal_manifest(encode_entries(head, b",".join(batches)))), written
+        items: list[bytes] = []
+        written = validate.check_written_manifest(head, manifest.entries,
+                                                  "manifest being written", items.extend)
+        if not split or sum(map(len, items)) < codec.SPLIT_BYTES:
+            data = seal_manifest(encode_entries(head, b",".join(items)))
+            if not split or len(data) <= codec.SPLIT_BYTES:
+                return EncodedManifest(_within_limit(data), written)
+        return _split(manifest, head, items, written)
+
+
+def manifest_record_bytes(manifest: records.Manifest) -> tuple[bytes, records.Manifest]:
+    """(the bytes of a one-file ``manifest.json``, the record a reader makes of them) for a
+    manifest record, never split (:func:`encode_manifest_record`)."""
+    encoded = encode_manifest_record(manifest, split=False)
+    return encoded.data, encoded.written
+
+
+def _split(manifest: records.Manifest, head: dict, items: list[bytes],
+           written: records.Manifest) -> EncodedManifest:
+    """The split form of ``manifest`` (its JSON form ``head`` without entries, and ``items``,
+    each entry's bytes): ranks in order, each with the entries first referenced by its tree (so
+    a rank's tree mostly sits beside its own entries), gathered into parts of about
+    ``SPLIT_BYTES``."""
+    trees = [encode_json(r) for r in head.pop("ranks")]
+    head.pop("entries")
+    bounds, last = [], -1
+    for r, rank in enumerate(manifest.ranks):
+        last = max(last, _last_entry(rank.tree))
+        bounds.append(last + 1 if r + 1 < len(manifest.ranks) else len(items))
+    parts, refs = [], []
+    first_rank = first_entry = size = 0
+    for r in range(len(trees)):
+        size += len(trees[r]) + sum(map(len, items[bounds[r - 1] if r else 0:bounds[r]]))
+        if size >= codec.SPLIT_BYTES or r + 1 == len(trees):
+            data = _part_bytes(items[first_entry:bounds[r]], trees[first_rank:r + 1])
+            refs.append(records.PartRef(
+                name=part_name(len(parts)), first_rank=first_rank, rank_count=r + 1 - first_rank,
+                first_entry=first_entry, entry_count=bounds[r] - first_entry,
+                nbytes=len(data), crc32=crc32(data)).to_json())
+            parts.append((refs[-1]["name"], _within_limit(data)))
+            first_rank, first_entry, size = r + 1, bounds[r], 0
+    if sum(len(data) for _, data in parts) > codec.MAX_SPLIT_BYTES:
+        raise CorruptCheckpointError(f"manifest being written: its parts hold more than the "
+                                     f"{codec.MAX_SPLIT_BYTES} bytes a reader accepts (fewer "
+                                     "tensors per rank, or fewer ranks per checkpoint)")
+    head["version"] = SPLIT_VERSION
+    head["parts"] = refs
+    return EncodedManifest(_within_limit(seal_manifest(encode_json(head))),
+                           dataclasses.replace(written, version=SPLIT_VERSION), tuple(parts))
+
+
+def _part_bytes(entries: list[bytes], trees: list[bytes]) -> bytes:
+    return (b'{"format":"%s","version":%d,"entries":[' % (PART_FORMAT.encode(), SPLIT_VERSION) +
+            b",".join(entries) + b'],"ranks":[' + b",".join(trees) + b"]}")
+
+
+def _last_entry(root: dict) -> int:
+    """The highest entry a (validated) state tree references; -1 for none."""
+    last, stack = -1, [root]
+    while stack:
+        node = stack.pop()
+        t = node["t"]
+        if t in tree.ENTRY_LEAVES:
+            last = max(last, node["e"])
+        elif t == "provider":
+            stack.append(node["state"])
+        elif t in tree.MAPPINGS:
+            stack.extend(child for _, child in node["items"])
+        elif t in tree.SEQUENCES:
+            stack.extend(node["items"])
+    return last
 
 
 def encode_manifest(manifest: dict) -> bytes:
@@ -86,10 +172,16 @@ def _within_limit(data: bytes) -> bytes:
     return data
 
 
+#: Reads one part of a split manifest: (its path relative to the checkpoint directory, the
+#: exact size the head records, which bounds the read) -> its bytes.
+PartReader = Callable[[str, int], bytes]
+
+
 def read_manifest(ckpt_dir: str, store: "Store | None" = None) -> "records.Manifest":
-    """Read, checksum and validate ``manifest.json`` of a checkpoint directory: a regular file
-    of at most ``MAX_MANIFEST_BYTES`` in it (CorruptCheckpointError naming the path otherwise:
-    a link, a FIFO, a device, a directory)."""
+    """Read, checksum and validate ``manifest.json`` of a checkpoint directory (and the parts
+    of a split one): regular files of at most ``MAX_MANIFEST_BYTES`` each in it
+    (CorruptCheckpointError naming the path otherwise: a link, a FIFO, a device, a directory,
+    a missing part)."""
     store = store or open_store(ckpt_dir)
     path = store.join(ckpt_dir, MANIFEST)
     try:
@@ -99,7 +191,25 @@ def read_manifest(ckpt_dir: str, store: "Store | None" = None) -> "records.Manif
             from None
     except (IsADirectoryError, NotADirectoryError, PermissionError) as exc:
         raise CorruptCheckpointError(f"{path}: cannot read ({exc})") from None
-    return parse_manifest_bytes(raw, path)
+    return parse_manifest_bytes(raw, path, part_reader(ckpt_dir, store, refused_is_damage=True))
+
+
+def part_reader(ckpt_dir: str, store: Store, refused_is_damage: bool = False) -> PartReader:
+    """The :data:`PartReader` of the checkpoint directory ``ckpt_dir``: a part that is missing,
+    or a directory, makes the manifest damaged (CorruptCheckpointError naming it); a read the
+    storage refused (EACCES) too with ``refused_is_damage``, else it is raised as it is (it
+    says nothing of the checkpoint)."""
+    damage = (FileNotFoundError, IsADirectoryError, NotADirectoryError) + \
+        ((PermissionError,) if refused_is_damage else ())
+
+    def read(name: str, nbytes: int) -> bytes:
+        path = store.join(ckpt_dir, *name.split("/"))
+        try:
+            return store.read_bytes(path, max_bytes=nbytes)
+        except damage as exc:
+            raise CorruptCheckpointError(f"{path}: cannot read this part of the manifest "
+                                         f"({exc})") from None
+    return read
 
 
 def _check_seal(raw: bytes, path: str) -> bool:
@@ -122,17 +232,44 @@ HEAD_FIELDS = frozenset(("format", "version", "name", "step", "created_unix", "w
                          "seq", "metrics", "metadata", "files"))
 
 
+def manifest_data_files(raw: bytes, path: str) -> list[str]:
+    """The files a checkpoint's manifest (its bytes ``raw``) says its data is in, as paths
+    relative to the checkpoint directory: its shard files and, of a split manifest, its parts
+    (read from the head alone). CorruptCheckpointError if the manifest does not validate."""
+    if _check_seal(raw, path):
+        obj, _ = _decode_manifest(raw, path)
+        if "parts" in obj:
+            obj.pop("manifest_crc32", None)
+            refs = validate.parse_parts(obj, path)
+            data_dir = validate.data_dir(obj, path)
+            names = [f["name"] for f in obj["files"]] + [ref.name for ref in refs]
+            return [f"{data_dir}/{name}" if data_dir else name for name in names]
+    manifest = parse_manifest_bytes(raw, path)
+    return [f"{manifest.data_dir}/{f.name}" if manifest.data_dir else f.name
+            for f in manifest.files]
+
+
 def parse_manifest_summary(raw: bytes, path: str, ckpt: str) -> "records.CheckpointInfo | None":
     """The description of the checkpoint ``ckpt`` from its manifest's bytes, without decoding
     the entries: the checksum trailer checked (CorruptCheckpointError if it fails), then the
     fields before ``entries`` validated as :func:`parse_manifest_bytes` validates them
     (docs/format.md, "The head"). None unless the head holds every field that describes the
     checkpoint (``HEAD_FIELDS``; a manifest written before the head came first, one without
-    the trailer, one in another order): the caller parses it whole."""
+    the trailer, one in another order): the caller parses it whole. Of a split manifest,
+    ``manifest.json`` is all head: it is validated whole, its table of parts too, and no part
+    is read."""
     if not _check_seal(raw, path):
         return None
     fields = parse_json_head(raw, "entries")
-    if fields is None or not HEAD_FIELDS <= fields.keys():
+    if fields is not None and fields.get("version") == SPLIT_VERSION:
+        return None  # entries in a split manifest: the whole parse refuses it
+    if fields is None:
+        fields = parse_json(raw, path, unique=True)
+        if "parts" not in fields:
+            return None
+        fields.pop("manifest_crc32", None)
+        validate.parse_parts(fields, path)
+    if not HEAD_FIELDS <= fields.keys():
         return None
     head, metrics = validate.parse_summary(fields, path)
     return records.CheckpointInfo(
@@ -142,8 +279,11 @@ def parse_manifest_summary(raw: bytes, path: str, ckpt: str) -> "records.Checkpo
         metrics=dict(metrics))
 
 
-def parse_manifest_bytes(raw: bytes, path: str) -> "records.Manifest":
-    """Check the checksum trailer of a manifest's bytes, then validate its JSON.
+def parse_manifest_bytes(raw: bytes, path: str,
+                         parts: PartReader | None = None) -> "records.Manifest":
+    """Check the checksum trailer of a manifest's bytes, then validate its JSON; the parts of a
+    split manifest are read through ``parts`` (:func:`part_reader`; without it a split manifest
+    is refused with CorruptCheckpointError).
 
     A file without the trailer is accepted only as a version-1 manifest holding no
     ``manifest_crc32`` field (written before manifests carried a checksum), with a warning; any
@@ -151,20 +291,22 @@ def parse_manifest_bytes(raw: bytes, path: str) -> "records.Manifest":
     reaches the unchecked path. The garbage collector is paused meanwhile (``collector``): a
     manifest at scale is millions of small records."""
     with collector.paused():
-        return _parse_manifest_bytes(raw, path)
+        return _parse_manifest_bytes(raw, path, parts)
 
 
-def _parse_manifest_bytes(raw: bytes, path: str) -> "records.Manifest":
+def _parse_manifest_bytes(raw: bytes, path: str, parts: PartReader | None) -> "records.Manifest":
     if _check_seal(raw, path):
         obj, checked = _decode_manifest(raw, path)
         obj.pop("manifest_crc32", None)
+        if "parts" in obj or obj.get("version") == SPLIT_VERSION:
+            return _assemble(obj, path, parts)
         return validate.parse_manifest(obj, path, checked=checked)
     obj, checked = _decode_manifest(raw, path)
     if "manifest_crc32" in obj or obj.get("version") != 1 or "seq" in obj:
         if obj.get("format") == CHECKPOINT_FORMAT and type(obj.get("version")) is int and \
-                obj["version"] > MANIFEST_VERSION and "manifest_crc32" not in obj:
+                obj["version"] > SPLIT_VERSION and "manifest_crc32" not in obj:
             raise UnsupportedFormatError(f"{path}: format version {obj['version']} is newer than "
-                                         f"this reader's {MANIFEST_VERSION}; upgrade datastates")
+                                         f"this reader's {SPLIT_VERSION}; upgrade datastates")
         raise CorruptCheckpointError(f"{path}: the manifest does not end with its checksum "
                                      f"(expected the last {TRAILER_BYTES} bytes to be "
                                      '\',"manifest_crc32":"<8 hex digits>"}\')')
@@ -173,6 +315,40 @@ def _parse_manifest_bytes(raw: bytes, path: str) -> "records.Manifest":
                   "a damaged value cannot be detected. Save a new checkpoint to get a checked one",
                   RuntimeWarning, stacklevel=4)
     return manifest
+
+
+def _assemble(head: dict, path: str, read: PartReader | None) -> "records.Manifest":
+    """The manifest of a split one's head (docs/format.md, "Split manifests"): the table of
+    parts validated before a part is read, each part read with its recorded size as the bound,
+    its size and CRC-32 checked against the head before it is decoded, then the logical
+    manifest (the parts' entries and trees, in order) validated as a whole."""
+    refs = validate.parse_parts(head, path)
+    if read is None:
+        raise CorruptCheckpointError(f"{path}: a split manifest (version {SPLIT_VERSION}) is "
+                                     "read with its parts, from its checkpoint directory")
+    data_dir = validate.data_dir(head, path)
+    convert = validate.entry_converter(head)
+    entries: list = []
+    ranks: list = []
+    for ref in refs:
+        name = f"{data_dir}/{ref.name}" if data_dir else ref.name
+        where = f"{path} part {name}"
+        raw = read(name, ref.nbytes)
+        if len(raw) != ref.nbytes or crc32(raw) != ref.crc32:
+            raise CorruptCheckpointError(f"{where}: {len(raw)} bytes with CRC-32 {crc32(raw):08x}, "
+                                         f"the manifest records {ref.nbytes} bytes with "
+                                         f"{ref.crc32:08x} (damaged or replaced)")
+        # records among the entries come from ``convert`` only (JSON decodes to none), so a
+        # part decoded without it mixes with the others: its dicts are checked by the parser
+        obj = parse_json_streamed(raw, "entries", lambda _: convert) if convert else None
+        if obj is None:
+            obj = parse_json(raw, where, unique=True)
+        part_entries, part_ranks = validate.parse_part(obj, where, ref)
+        entries += part_entries
+        ranks += part_ranks
+    del head["parts"]
+    head["entries"], head["ranks"] = entries, ranks
+    return validate.parse_manifest(head, path, checked=True)
 
 
 def _decode_manifest(raw: bytes, path: str) -> tuple[dict, bool]:

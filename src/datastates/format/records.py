@@ -43,6 +43,24 @@ class FileRef:
                 "index_crc32": self.index_crc32}
 
 
+class PartRef(NamedTuple):
+    """One part of a split manifest (version 4) as its head lists it: the file ``name`` (beside
+    the shard files) holds the trees of ranks ``[first_rank, first_rank + rank_count)`` and the
+    manifest's entries ``[first_entry, first_entry + entry_count)``; its bytes are exactly
+    ``nbytes`` long with CRC-32 ``crc32``."""
+
+    name: str
+    first_rank: int
+    rank_count: int
+    first_entry: int
+    entry_count: int
+    nbytes: int
+    crc32: int
+
+    def to_json(self) -> dict:
+        return self._asdict()
+
+
 class ShardRef(NamedTuple):
     """A stored box of a tensor: ``shape`` elements at ``global_offset`` of the global tensor,
     raw at ``[offset, offset + nbytes)`` of file ``file``, verified piecewise by ``checksums``."""

@@ -25,8 +25,9 @@ from .checks import (MAX_TREE_DEPTH, _U32, _U64, _At, _bool, _check_disjoint, _c
                      _dict, _dims, _dtype, _field_dims, _field_int, _field_str, _get, _int, _list,
                      _numel, _pieces, _show, _str, _version, check_entry_keys, check_tree_refs)
 from .records import (ABORT_KINDS, PENDING, CheckpointInfo, Entry, FileRef, IndexEntry, Manifest,
-                      ObjectEntry, RankReport, RankTree, ReportEntry, SaveRef, ShardIndex,
-                      ShardRef, TensorEntry, Verdict, regions_by_file, spans_by_file)
+                      ObjectEntry, PartRef, RankReport, RankTree, ReportEntry, SaveRef,
+                      ShardIndex, ShardRef, TensorEntry, Verdict, regions_by_file,
+                      spans_by_file)
 
 # ---------------------------------------------------------------- manifest
 
@@ -73,7 +74,7 @@ def entry_converter(fields: dict) -> Callable[[Any], TensorEntry | None] | None:
 
 
 def check_written_manifest(obj: dict, entries: tuple[Entry, ...], where: str,
-                           encode: Callable[[bytes], None]) -> Manifest:
+                           encode: Callable[[list[bytes]], None]) -> Manifest:
     """The writer's check of the manifest it is about to write: :func:`parse_manifest` of the
     manifest whose JSON form is ``obj`` (every field but ``entries``, which it holds empty) with
     the entries ``entries``, and every check it makes.
@@ -83,7 +84,7 @@ def check_written_manifest(obj: dict, entries: tuple[Entry, ...], where: str,
     record and encoded at once (``plain.tensor_entry_json``, the checks of
     ``plain.tensor_entry`` on its fields); any other is turned into its JSON form, checked by
     the parser and compared. The entries are encoded a batch at a time, each batch handed to
-    ``encode`` as its items' bytes (``item,item,...``).
+    ``encode`` as the list of its items' bytes.
     So no JSON form of every entry is ever held at once: a manifest of a million tensors stays a
     million records, not seven million dicts and lists for the garbage collector to walk. The
     manifest returned holds ``entries`` themselves."""
@@ -97,7 +98,7 @@ def check_written_manifest(obj: dict, entries: tuple[Entry, ...], where: str,
         for i, e in enumerate(entries[start:start + _BATCH], start):
             data = plain.tensor_entry_json(e, files, world)
             items.append(data if data is not None else _written_entry(e, at_entries / i, head))
-        encode(b",".join(items))
+        encode(items)
     return _manifest(m, at, head, tuple(entries))
 
 
@@ -129,7 +130,7 @@ class _Head(NamedTuple):
 
 
 def _head(m: dict, at: _At, version_1: bool) -> _Head:
-    version = _version(m, at, fmt.CHECKPOINT_FORMAT, fmt.MANIFEST_VERSION)
+    version = _version(m, at, fmt.CHECKPOINT_FORMAT, fmt.SPLIT_VERSION)
     if (version == 1) != version_1:
         raise (at / "version").bad(
             f"version {version} {'requires' if version > 1 else 'must not have'} the checksum "
@@ -166,14 +167,88 @@ def _manifest(m: dict, at: _At, head: _Head, entries: tuple) -> Manifest:
     save_id = m.get("save_id")
     if save_id is not None:
         save_id = _str(save_id, at / "save_id")
-    data_dir = m.get("data_dir")
-    if data_dir is not None and (not _DATA_DIR.fullmatch(_str(data_dir, at / "data_dir")) or
-                                 ".." in data_dir):
-        raise (at / "data_dir").bad(f"expected '.data.<run>-<attempt>', found {_show(data_dir)}")
     return Manifest(version=head.version, name=head.name, step=head.step, seq=head.seq,
                     created_unix=head.created, world_size=world, metadata=head.metadata,
                     files=files, entries=entries, ranks=ranks, save_id=save_id,
-                    data_dir=data_dir, metrics=_metrics(m.get("metrics", {}), at / "metrics"))
+                    data_dir=data_dir(m, where=at.file),
+                    metrics=_metrics(m.get("metrics", {}), at / "metrics"))
+
+
+def data_dir(m: dict, where: str) -> str | None:
+    """The manifest's optional ``data_dir`` (``.data.<run>-<attempt>``: one path component)."""
+    value = m.get("data_dir")
+    at = _At(where) / "data_dir"
+    if value is not None and (not _DATA_DIR.fullmatch(_str(value, at)) or ".." in value):
+        raise at.bad(f"expected '.data.<run>-<attempt>', found {_show(value)}")
+    return value
+
+
+_PART_FIELDS = frozenset(PartRef._fields)
+
+
+def parse_parts(m: dict, where: str) -> tuple[PartRef, ...]:
+    """The table of parts of a split manifest's head ``m`` (its other fields validated by
+    :func:`parse_summary`): one entry per part file, in order, named ``manifest-PPPPP.json``
+    after its place, its ranks and entries following on from the previous part's and the ranks
+    covering ``world_size`` exactly, every size within the format's limits -- all checked before
+    a part is read (CorruptCheckpointError naming the field)."""
+    at = _At(where)
+    head = _head(m, at, False)
+    if head.version != fmt.SPLIT_VERSION or "entries" in m or "ranks" in m:
+        raise (at / "version").bad(f"a split manifest (with 'parts') is version "
+                                   f"{fmt.SPLIT_VERSION} and holds no 'entries' or 'ranks' "
+                                   f"(found version {head.version}, fields {sorted(m)})")
+    values = _list(_get(m, "parts", at), at / "parts")
+    if not 1 <= len(values) <= head.world:
+        raise (at / "parts").bad(f"expected 1 to {head.world} parts (one or more ranks "
+                                 f"each), found {len(values)}")
+    out, rank, entry, total = [], 0, 0, 0
+    for i, value in enumerate(values):
+        pat = at / "parts" / i
+        p = _dict(value, pat)
+        if p.keys() != _PART_FIELDS:
+            raise pat.bad(f"expected the fields {sorted(_PART_FIELDS)}, found {sorted(p)}")
+        name = _field_str(p, "name", pat)
+        if name != fmt.part_name(i):
+            raise (pat / "name").bad(f"expected {fmt.part_name(i)!r}, found {_show(name)}")
+        nbytes = _field_int(p, "nbytes", pat, 2, fmt.MAX_MANIFEST_BYTES)
+        total += nbytes
+        if total > fmt.MAX_SPLIT_BYTES:
+            raise (pat / "nbytes").bad(f"the parts hold more than the {fmt.MAX_SPLIT_BYTES} "
+                                       "bytes a reader accepts")
+        part = PartRef(name=name,
+                       first_rank=_field_int(p, "first_rank", pat, rank, rank),
+                       rank_count=_field_int(p, "rank_count", pat, 1, head.world - rank),
+                       first_entry=_field_int(p, "first_entry", pat, entry, entry),
+                       entry_count=_field_int(p, "entry_count", pat, 0, nbytes),
+                       nbytes=nbytes, crc32=_field_int(p, "crc32", pat, 0, _U32))
+        rank, entry = rank + part.rank_count, entry + part.entry_count
+        out.append(part)
+    if rank != head.world:
+        raise (at / "parts").bad(f"the parts hold the trees of {rank} ranks, the checkpoint "
+                                 f"has {head.world}")
+    return tuple(out)
+
+
+_PART_OBJECT = frozenset(("format", "version", "entries", "ranks"))
+
+
+def parse_part(obj: Any, where: str, part: PartRef) -> tuple[list, list]:
+    """(entries, trees) of the decoded part ``part`` of a split manifest: the object
+    ``{"format": "datastates-manifest-part", "version": 4, "entries": [...], "ranks": [...]}``
+    holding as many entries and trees as the head says. The entries and trees themselves are
+    validated with the whole manifest (:func:`parse_manifest`)."""
+    at = _At(where)
+    p = _dict(obj, at)
+    if p.keys() != _PART_OBJECT:
+        raise at.bad(f"expected the fields {sorted(_PART_OBJECT)}, found {sorted(p)}")
+    _version(p, at, fmt.PART_FORMAT, fmt.SPLIT_VERSION)
+    _int(p["version"], at / "version", fmt.SPLIT_VERSION, fmt.SPLIT_VERSION)
+    entries, ranks = _list(p["entries"], at / "entries"), _list(p["ranks"], at / "ranks")
+    if len(entries) != part.entry_count or len(ranks) != part.rank_count:
+        raise at.bad(f"{len(entries)} entries and {len(ranks)} trees, the manifest's table of "
+                     f"parts says {part.entry_count} and {part.rank_count}")
+    return entries, ranks
 
 
 def _metrics(value: Any, at: _At) -> dict:

@@ -43,7 +43,6 @@ log = logging.getLogger("datastates")
 
 MARKS = "verified"
 _MAX_MARK = 1 << 20       # a mark names a few files; anything larger is not one
-_MAX_MANIFEST = 1 << 30   # as the catalog bounds a manifest
 
 
 def _order(info: CheckpointInfo) -> int:
@@ -62,7 +61,8 @@ def _identity(path: str) -> list[int] | None:
 
 
 def _manifest_digest(ckpt: str) -> str:
-    return hashlib.sha256(read_regular(os.path.join(ckpt, fmt.MANIFEST), _MAX_MANIFEST)).hexdigest()
+    return hashlib.sha256(read_regular(os.path.join(ckpt, fmt.MANIFEST),
+                                       fmt.MAX_MANIFEST_BYTES)).hexdigest()
 
 
 def record(memdir: str, info: CheckpointInfo, digest: str, identities: dict) -> None:
