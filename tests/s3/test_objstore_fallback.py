@@ -303,3 +303,37 @@ def test_close_waits_for_the_quarantine_s_shard_files_to_move(s3_server, s3_root
     after = objects(s3_server, s3_root)
     moved = f"{aside}/{shard.split('/')[1]}/{fmt.shard_file_name(0)}"
     assert shard not in after and after[moved] == damaged
+
+
+def test_a_damaged_split_checkpoint_is_moved_aside_with_its_parts(s3_server, s3_root,
+                                                                   monkeypatch):
+    """A split manifest (docs/format.md, "Split manifests"; forced by a threshold of one byte):
+    the quarantine moves its part with its shard file, and reads back there as the damaged
+    checkpoint it is; the older split checkpoint is restored bit-exact."""
+    monkeypatch.setattr(fmt, "SPLIT_BYTES", 1)
+    options = storage_options(s3_server)
+    newest = fmt.step_name(2)
+    with Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=options) as ckpt:
+        for step in (1, 2):
+            ckpt.save(_state(step), step=step).wait(60)
+        before = objects(s3_server, s3_root)
+        shard = shard_of(before, newest)
+        data_dir = shard.split("/")[1]
+        part = f"{newest}/{data_dir}/{fmt.part_name(0)}"
+        assert part in before
+        flip(s3_server, s3_root, shard, 4096 + 17)
+        live = _blank()
+        report = ckpt.restore(live, fallback=True)
+        assert report.step == 1 and _same(live, _state(1))
+        assert ckpt._publisher.wait_moves(120)
+        aside = report.skipped[0].quarantined[len(s3_root) + 1:]
+        after = objects(s3_server, s3_root)
+        assert {k for k in after if k.startswith(aside + "/")} == {
+            f"{aside}/{fmt.MANIFEST}", f"{aside}/reason.txt",
+            f"{aside}/{data_dir}/{fmt.shard_file_name(0)}",
+            f"{aside}/{data_dir}/{fmt.part_name(0)}"}
+        assert after[f"{aside}/{data_dir}/{fmt.part_name(0)}"] == before[part]
+        with Reader(report.skipped[0].quarantined, registry=ckpt.registry,
+                    store=ckpt.store) as reader:
+            with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+                reader.verify_all()
