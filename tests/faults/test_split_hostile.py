@@ -33,14 +33,20 @@ def _state(rank: int) -> dict:
             "rows": TensorShard(torch.full((1, 3), float(rank)), (WORLD, 3), (rank, 0))}
 
 
-def _save(root: str, split: int) -> None:
+def _sharded(rank: int) -> dict:
+    """Every tensor sharded over the ranks (FSDP-like): each one entry, rank 0's tree first."""
+    return {f"p{i}": TensorShard(torch.full((1, 4), float(i + rank)), (WORLD, 4), (rank, 0))
+            for i in range(40)}
+
+
+def _save(root: str, split: int, state=_state) -> None:
     store, run, errors = MemoryStore(), new_run_id(), []
 
     def rank(r: int) -> None:
         try:
             with datastates.Checkpointer(root, communicator=StoreCommunicator(store, r, WORLD,
                                                                                run)) as ck:
-                ck.save(_state(r), step=1).wait(60)
+                ck.save(state(r), step=1).wait(60)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append((r, exc))
     saved = codec.SPLIT_BYTES
@@ -99,6 +105,35 @@ def test_a_small_manifest_is_not_split(tmp_path):
     ckpt = os.path.join(str(tmp_path), STEP)
     assert _parts(ckpt) == [] and "entries" in _head(ckpt)
     assert _head(ckpt)["version"] == codec.MANIFEST_VERSION
+
+
+def test_sharded_entries_spread_over_the_parts(tmp_path):
+    """Sharded tensors all come with rank 0's tree: they go on into the next parts once one is
+    full, so no part holds much more than the threshold, and they read back as saved."""
+    root = str(tmp_path)
+    _save(root, 5000, _sharded)
+    ckpt = os.path.join(root, STEP)
+    head = _head(ckpt)
+    sizes = [p["nbytes"] for p in head["parts"]]
+    assert [p["rank_count"] for p in head["parts"]] == [1] * WORLD, head["parts"]
+    assert all(p["entry_count"] for p in head["parts"]), head["parts"]
+    # each part closed at the threshold; the last takes the rest, far from all of it
+    assert max(sizes[:-1]) < 5000 and sizes[-1] < sum(sizes) / 2, sizes
+    with datastates.Checkpointer(root, communicator=datastates.LocalCommunicator()) as ck:
+        loaded = ck.load(keys=["p0", "p39"])
+    assert torch.equal(loaded["p39"], torch.arange(WORLD, dtype=torch.float32)[:, None]
+                       .expand(WORLD, 4) + 39)
+
+
+def test_export_leaves_the_parts_out_of_a_model_folder(ckpt, tmp_path):
+    """``export --to hf`` copies a checkpoint's config files, never the format's own files."""
+    from datastates.tools.export import _copy_model_files
+    with open(os.path.join(ckpt, "config.json"), "w") as f:
+        f.write('{"model_type": "gpt2"}')
+    dest = tmp_path / "hf"
+    dest.mkdir()
+    _copy_model_files(ckpt, str(dest))
+    assert _parts(ckpt) and os.listdir(dest) == ["config.json"]
 
 
 def test_every_flipped_byte_of_every_part_is_refused(ckpt):

@@ -117,6 +117,10 @@ def part_name(index: int) -> str:
     return f"manifest-{index:05d}.json"
 
 
+#: The names :func:`part_name` gives.
+PART_NAME = re.compile(r"manifest-[0-9]{5}\.json")
+
+
 def step_name(step: int) -> str:
     return f"step-{step:010d}"
 

@@ -6,7 +6,9 @@ decoded JSON is then validated completely by ``records`` before anyone uses a va
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import warnings
 from typing import Callable, NamedTuple
 
@@ -89,27 +91,35 @@ def manifest_record_bytes(manifest: records.Manifest) -> tuple[bytes, records.Ma
 def _split(manifest: records.Manifest, head: dict, items: list[bytes],
            written: records.Manifest) -> EncodedManifest:
     """The split form of ``manifest`` (its JSON form ``head`` without entries, and ``items``,
-    each entry's bytes): ranks in order, each with the entries first referenced by its tree (so
-    a rank's tree mostly sits beside its own entries), gathered into parts of about
-    ``SPLIT_BYTES``."""
+    each entry's bytes): ranks in order, each part closed once it holds about ``SPLIT_BYTES``.
+    A part takes the entries its ranks brought (an entry belongs to the first rank whose tree
+    refers to it), so a rank's tree mostly sits beside its own entries; entries that would
+    overfill it go on into the next parts (the shards of sharded tensors, which all come with
+    rank 0's tree, spread over as many parts as they fill); the last part takes the rest."""
     trees = [encode_json(r) for r in head.pop("ranks")]
     head.pop("entries")
     bounds, last = [], -1
-    for r, rank in enumerate(manifest.ranks):
+    for rank in manifest.ranks:
         last = max(last, _last_entry(rank.tree))
-        bounds.append(last + 1 if r + 1 < len(manifest.ranks) else len(items))
-    parts, refs = [], []
-    first_rank = first_entry = size = 0
+        bounds.append(last + 1)
+    ends = [0, *itertools.accumulate(len(item) + 1 for item in items)]  # bytes before entry i
+    target, parts, refs = codec.SPLIT_BYTES, [], []
+    first_rank = first_entry = tree_bytes = 0
     for r in range(len(trees)):
-        size += len(trees[r]) + sum(map(len, items[bounds[r - 1] if r else 0:bounds[r]]))
-        if size >= codec.SPLIT_BYTES or r + 1 == len(trees):
-            data = _part_bytes(items[first_entry:bounds[r]], trees[first_rank:r + 1])
-            refs.append(records.PartRef(
-                name=part_name(len(parts)), first_rank=first_rank, rank_count=r + 1 - first_rank,
-                first_entry=first_entry, entry_count=bounds[r] - first_entry,
-                nbytes=len(data), crc32=crc32(data)).to_json())
-            parts.append((refs[-1]["name"], _within_limit(data)))
-            first_rank, first_entry, size = r + 1, bounds[r], 0
+        tree_bytes += len(trees[r])
+        fits = bisect.bisect_right(ends, ends[first_entry] + target - tree_bytes) - 1
+        end = max(first_entry, min(bounds[r], fits))
+        if r + 1 == len(trees):
+            end = len(items)
+        elif end == bounds[r] and tree_bytes + ends[end] - ends[first_entry] < target:
+            continue  # room for the next rank
+        data = _part_bytes(items[first_entry:end], trees[first_rank:r + 1])
+        refs.append(records.PartRef(
+            name=part_name(len(parts)), first_rank=first_rank, rank_count=r + 1 - first_rank,
+            first_entry=first_entry, entry_count=end - first_entry,
+            nbytes=len(data), crc32=crc32(data)).to_json())
+        parts.append((refs[-1]["name"], _within_limit(data)))
+        first_rank, first_entry, tree_bytes = r + 1, end, 0
     if sum(len(data) for _, data in parts) > codec.MAX_SPLIT_BYTES:
         raise CorruptCheckpointError(f"manifest being written: its parts hold more than the "
                                      f"{codec.MAX_SPLIT_BYTES} bytes a reader accepts (fewer "
@@ -302,7 +312,7 @@ def _parse_manifest_bytes(raw: bytes, path: str, parts: PartReader | None) -> "r
             return _assemble(obj, path, parts)
         return validate.parse_manifest(obj, path, checked=checked)
     obj, checked = _decode_manifest(raw, path)
-    if "manifest_crc32" in obj or obj.get("version") != 1 or "seq" in obj:
+    if "manifest_crc32" in obj or obj.get("version") != 1 or "seq" in obj or "parts" in obj:
         if obj.get("format") == CHECKPOINT_FORMAT and type(obj.get("version")) is int and \
                 obj["version"] > SPLIT_VERSION and "manifest_crc32" not in obj:
             raise UnsupportedFormatError(f"{path}: format version {obj['version']} is newer than "

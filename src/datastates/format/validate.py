@@ -242,7 +242,9 @@ def parse_part(obj: Any, where: str, part: PartRef) -> tuple[list, list]:
     p = _dict(obj, at)
     if p.keys() != _PART_OBJECT:
         raise at.bad(f"expected the fields {sorted(_PART_OBJECT)}, found {sorted(p)}")
-    _version(p, at, fmt.PART_FORMAT, fmt.SPLIT_VERSION)
+    if p["format"] != fmt.PART_FORMAT:
+        raise (at / "format").bad(f"expected {fmt.PART_FORMAT!r}, found {_show(p['format'])}")
+    # the head's version rules: a part of another version is damage, not a newer format
     _int(p["version"], at / "version", fmt.SPLIT_VERSION, fmt.SPLIT_VERSION)
     entries, ranks = _list(p["entries"], at / "entries"), _list(p["ranks"], at / "ranks")
     if len(entries) != part.entry_count or len(ranks) != part.rank_count:

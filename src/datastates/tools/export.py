@@ -183,7 +183,7 @@ def _copy_model_files(ckpt_dir: str, dest: str) -> tuple:
     each entry left out, each also logged as a WARNING."""
     refused = []
     for name in sorted(os.listdir(ckpt_dir)):
-        if name in _NOT_MODEL_FILES or name.endswith(".dsf"):
+        if name in _NOT_MODEL_FILES or name.endswith(".dsf") or fmt.PART_NAME.fullmatch(name):
             continue
         src = os.path.join(ckpt_dir, name)
         try:
