@@ -134,6 +134,19 @@ def test_legacy_version_1_loads_with_a_warning(tmp_path):
         fmt.read_manifest(cdir)
 
 
+def test_legacy_version_1_with_parts_is_corrupt(tmp_path):
+    """Parts belong to split manifests (version 4): an unsealed version-1 manifest naming
+    parts is damage, never read with the parts ignored."""
+    cdir, obj = saved_manifest(tmp_path)
+    obj["version"] = 1
+    del obj["seq"]
+    obj["parts"] = []
+    write(cdir, json.dumps(obj).encode())
+    with pytest.raises(CorruptCheckpointError, match="checksum") as info:
+        fmt.read_manifest(cdir)
+    assert info.type is CorruptCheckpointError
+
+
 @pytest.mark.parametrize("version,error", [(5, UnsupportedFormatError),
                                            (4, CorruptCheckpointError),  # 4 is split: no entries
                                            (0, CorruptCheckpointError),
