@@ -122,7 +122,7 @@ class Checkpointer:
         self._closed = False
         #: The committed checkpoints of the directory as last listed: each commit, ``list`` and
         #: ``latest`` list the directory but read only the manifests that changed since.
-        self._catalog = Catalog(self.directory, self.store)
+        self._catalog = Catalog(self.directory, self.store, self.world_size)
         cfg = self.config
         self._retention = RetentionPolicy(cfg.keep_last, cfg.keep_every, cfg.keep_best,
                                           cfg.best_metric, cfg.best_mode)
@@ -547,7 +547,7 @@ class Checkpointer:
                       world_size=self.world_size, threads=self.config.reader_threads,
                       verify=self.config.verify if verify is None else verify, trusted=trusted,
                       safe_globals=safe_globals, map_location=map_location,
-                      rank_policy=rank_policy)
+                      rank_policy=rank_policy, view=True)
 
     def _with_fallback(self, step, tag, trusted, safe_globals, map_location, rank_policy,
                        caller: str, passed: list | None, plan, finish):
@@ -569,7 +569,7 @@ class Checkpointer:
                           registry=self.registry, rank=self.rank, store=self.store,
                           world_size=self.world_size, threads=self.config.reader_threads,
                           verify=not prechecked, trusted=trusted, safe_globals=safe_globals,
-                          map_location=map_location, rank_policy=rank_policy)
+                          map_location=map_location, rank_policy=rank_policy, view=True)
 
         def prepare(reader):
             planned = plan(reader)

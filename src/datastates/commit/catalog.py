@@ -95,9 +95,12 @@ def examine(path: str, store: Store = LOCAL, head: bool = False
     return _examine(path, store, head)[:2]
 
 
-def _examine(path: str, store: Store, head: bool, raw: bytes | None = None) -> tuple:
+def _examine(path: str, store: Store, head: bool, raw: bytes | None = None,
+             split_head: bool = False) -> tuple:
     """:func:`examine`, with the manifest's bytes as a third value (None if none were read);
-    ``raw``: those bytes, read before (not read again)."""
+    ``raw``: those bytes, read before (not read again). ``split_head``: a split manifest is
+    described by its head once every part's size and CRC-32 are checked
+    (``files.split_summary``), without a manifest."""
     file = store.join(path, fmt.MANIFEST)
     try:  # read here, not by files.read_manifest, which takes a refused read (EACCES) for damage
         if raw is None:
@@ -106,7 +109,12 @@ def _examine(path: str, store: Store, head: bool, raw: bytes | None = None) -> t
             info = files.parse_manifest_summary(raw, file, path)
             if info is not None:
                 return info, None, raw
-        manifest = files.parse_manifest_bytes(raw, file, files.part_reader(path, store))
+        parts = files.part_reader(path, store)
+        if split_head:
+            info = files.split_summary(raw, file, path, parts)
+            if info is not None:
+                return info, None, raw
+        manifest = files.parse_manifest_bytes(raw, file, parts)
     except FileNotFoundError:
         return None, None, None
     except CorruptCheckpointError as exc:
@@ -134,10 +142,16 @@ class Catalog:
 
     Thread-safe. Holds, per checkpoint name, the stamp of its manifest and what the manifest said
     (or that it was damaged); nothing is trusted across scans without its stamp being unchanged.
-    A store that reports no stamp (None) gets every manifest re-read at every scan."""
+    A store that reports no stamp (None) gets every manifest re-read at every scan.
 
-    def __init__(self, root: str, store: Store = LOCAL):
-        self.root, self.store = root, store
+    ``world_size``: that of the job listing (every rank of it lists). Its ranks read a split
+    manifest saved at that world size (more than one) as views (``files.View``), so a listing
+    does not parse the newest one whole: it checks its head and the size and CRC-32 of every
+    part (``files.split_summary``), the same on every rank; each rank's reader validates what
+    it decodes."""
+
+    def __init__(self, root: str, store: Store = LOCAL, world_size: int = 1):
+        self.root, self.store, self.world_size = root, store, world_size
         self._seen: dict[str, tuple[Any, CheckpointInfo | DamagedCheckpoint | None]] = {}
         #: Names in ``_seen`` known from their manifest's head only (not parsed whole yet).
         self._heads: set[str] = set()
@@ -283,7 +297,8 @@ class Catalog:
             # The bytes the head was read from, or the file as it is now (if it was replaced
             # since, its body is compared with its own head below, never with the old one).
             try:
-                found, manifest, raw = _examine(info.path, self.store, False, raw)
+                found, manifest, raw = _examine(info.path, self.store, False, raw,
+                                                files.viewed(info.world_size, self.world_size))
             except OSError as exc:
                 return [f"{self.store.join(info.path, fmt.MANIFEST)} ({type(exc).__name__}: "
                         f"{exc})"]

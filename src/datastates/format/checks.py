@@ -353,10 +353,11 @@ def _ref_keys(found: Any) -> set:
     return found if type(found) is set else {found}
 
 
-def check_entry_keys(keys: list[str], refs: dict, at: _At) -> None:
-    """Each entry is referenced by a tree node at its own key (other nodes may share it, as tied
-    weights do): a tree index pointing at another entry of the same kind is caught here."""
-    for i, key in enumerate(keys):
+def check_entry_keys(keys: list[str] | dict[int, str], refs: dict, at: _At) -> None:
+    """Each entry (``keys``: their keys in order, or index -> key for some of them) is
+    referenced by a tree node at its own key (other nodes may share it, as tied weights do): a
+    tree index pointing at another entry of the same kind is caught here."""
+    for i, key in keys.items() if type(keys) is dict else enumerate(keys):
         found = refs.get(i)
         if found != key and (type(found) is not set or key not in found):
             found = sorted(_ref_keys(found))[:3]

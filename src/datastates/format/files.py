@@ -131,8 +131,10 @@ def _split(manifest: records.Manifest, head: dict, items: list[bytes],
 
 
 def _part_bytes(entries: list[bytes], trees: list[bytes]) -> bytes:
-    return (b'{"format":"%s","version":%d,"entries":[' % (PART_FORMAT.encode(), SPLIT_VERSION) +
-            b",".join(entries) + b'],"ranks":[' + b",".join(trees) + b"]}")
+    """A part's bytes: its trees before its entries, so that a rank's view takes the trees of a
+    part without decoding its entries (:meth:`_Parts.trees`)."""
+    return (b'{"format":"%s","version":%d,"ranks":[' % (PART_FORMAT.encode(), SPLIT_VERSION) +
+            b",".join(trees) + b'],"entries":[' + b",".join(entries) + b"]}")
 
 
 def _last_entry(root: dict) -> int:
@@ -187,11 +189,24 @@ def _within_limit(data: bytes) -> bytes:
 PartReader = Callable[[str, int], bytes]
 
 
-def read_manifest(ckpt_dir: str, store: "Store | None" = None) -> "records.Manifest":
+#: (rank, world size) of a reader restoring that rank of a job of that many ranks (more than
+#: one): a split manifest saved at that world size is read as that rank's view
+#: (:func:`_view`); any other whole.
+View = tuple[int, int]
+
+
+def viewed(saved_world: int, world: int) -> bool:
+    """Whether a job of ``world`` ranks reads a split manifest saved by ``saved_world`` ranks as
+    views (:data:`View`)."""
+    return saved_world == world > 1
+
+
+def read_manifest(ckpt_dir: str, store: "Store | None" = None,
+                  view: View | None = None) -> "records.Manifest":
     """Read, checksum and validate ``manifest.json`` of a checkpoint directory (and the parts
-    of a split one): regular files of at most ``MAX_MANIFEST_BYTES`` each in it
-    (CorruptCheckpointError naming the path otherwise: a link, a FIFO, a device, a directory,
-    a missing part)."""
+    of a split one; ``view``: see :data:`View`): regular files of at most
+    ``MAX_MANIFEST_BYTES`` each in it (CorruptCheckpointError naming the path otherwise: a
+    link, a FIFO, a device, a directory, a missing part)."""
     store = store or open_store(ckpt_dir)
     path = store.join(ckpt_dir, MANIFEST)
     try:
@@ -201,7 +216,8 @@ def read_manifest(ckpt_dir: str, store: "Store | None" = None) -> "records.Manif
             from None
     except (IsADirectoryError, NotADirectoryError, PermissionError) as exc:
         raise CorruptCheckpointError(f"{path}: cannot read ({exc})") from None
-    return parse_manifest_bytes(raw, path, part_reader(ckpt_dir, store, refused_is_damage=True))
+    return parse_manifest_bytes(raw, path, part_reader(ckpt_dir, store, refused_is_damage=True),
+                                view)
 
 
 def part_reader(ckpt_dir: str, store: Store, refused_is_damage: bool = False) -> PartReader:
@@ -281,6 +297,12 @@ def parse_manifest_summary(raw: bytes, path: str, ckpt: str) -> "records.Checkpo
         validate.parse_parts(fields, path)
     if not HEAD_FIELDS <= fields.keys():
         return None
+    return _info(fields, path, ckpt)
+
+
+def _info(fields: dict, path: str, ckpt: str) -> "records.CheckpointInfo":
+    """The description of the checkpoint ``ckpt`` from the head ``fields`` of its manifest,
+    validated (``validate.parse_summary``)."""
     head, metrics = validate.parse_summary(fields, path)
     return records.CheckpointInfo(
         name=ckpt.rstrip("/").rsplit("/", 1)[-1], path=ckpt, step=head.step,
@@ -289,11 +311,11 @@ def parse_manifest_summary(raw: bytes, path: str, ckpt: str) -> "records.Checkpo
         metrics=dict(metrics))
 
 
-def parse_manifest_bytes(raw: bytes, path: str,
-                         parts: PartReader | None = None) -> "records.Manifest":
+def parse_manifest_bytes(raw: bytes, path: str, parts: PartReader | None = None,
+                         view: View | None = None) -> "records.Manifest":
     """Check the checksum trailer of a manifest's bytes, then validate its JSON; the parts of a
     split manifest are read through ``parts`` (:func:`part_reader`; without it a split manifest
-    is refused with CorruptCheckpointError).
+    is refused with CorruptCheckpointError), as ``view`` says (:data:`View`).
 
     A file without the trailer is accepted only as a version-1 manifest holding no
     ``manifest_crc32`` field (written before manifests carried a checksum), with a warning; any
@@ -301,15 +323,16 @@ def parse_manifest_bytes(raw: bytes, path: str,
     reaches the unchecked path. The garbage collector is paused meanwhile (``collector``): a
     manifest at scale is millions of small records."""
     with collector.paused():
-        return _parse_manifest_bytes(raw, path, parts)
+        return _parse_manifest_bytes(raw, path, parts, view)
 
 
-def _parse_manifest_bytes(raw: bytes, path: str, parts: PartReader | None) -> "records.Manifest":
+def _parse_manifest_bytes(raw: bytes, path: str, parts: PartReader | None,
+                          view: View | None) -> "records.Manifest":
     if _check_seal(raw, path):
         obj, checked = _decode_manifest(raw, path)
         obj.pop("manifest_crc32", None)
         if "parts" in obj or obj.get("version") == SPLIT_VERSION:
-            return _assemble(obj, path, parts)
+            return _assemble(obj, path, parts, view)
         return validate.parse_manifest(obj, path, checked=checked)
     obj, checked = _decode_manifest(raw, path)
     if "manifest_crc32" in obj or obj.get("version") != 1 or "seq" in obj or "parts" in obj:
@@ -327,38 +350,141 @@ def _parse_manifest_bytes(raw: bytes, path: str, parts: PartReader | None) -> "r
     return manifest
 
 
-def _assemble(head: dict, path: str, read: PartReader | None) -> "records.Manifest":
+def _assemble(head: dict, path: str, read: PartReader | None,
+              view: View | None) -> "records.Manifest":
     """The manifest of a split one's head (docs/format.md, "Split manifests"): the table of
     parts validated before a part is read, each part read with its recorded size as the bound,
     its size and CRC-32 checked against the head before it is decoded, then the logical
-    manifest (the parts' entries and trees, in order) validated as a whole."""
+    manifest (the parts' entries and trees, in order) validated as a whole; or, for a
+    ``view`` of its world size, that rank's view (:func:`_view`)."""
     refs = validate.parse_parts(head, path)
     if read is None:
         raise CorruptCheckpointError(f"{path}: a split manifest (version {SPLIT_VERSION}) is "
                                      "read with its parts, from its checkpoint directory")
-    data_dir = validate.data_dir(head, path)
+    parts = _Parts(head, path, read, refs)
+    if view is not None and viewed(head["world_size"], view[1]):
+        if not 0 <= view[0] < view[1]:
+            raise ValueError(f"{path}: no view of rank {view[0]} of {view[1]}")
+        return _view(head, path, parts, view[0])
     convert = validate.entry_converter(head)
     entries: list = []
     ranks: list = []
-    for ref in refs:
-        name = f"{data_dir}/{ref.name}" if data_dir else ref.name
-        where = f"{path} part {name}"
-        raw = read(name, ref.nbytes)
-        if len(raw) != ref.nbytes or crc32(raw) != ref.crc32:
-            raise CorruptCheckpointError(f"{where}: {len(raw)} bytes with CRC-32 {crc32(raw):08x}, "
-                                         f"the manifest records {ref.nbytes} bytes with "
-                                         f"{ref.crc32:08x} (damaged or replaced)")
+    for i in range(len(refs)):
         # records among the entries come from ``convert`` only (JSON decodes to none), so a
         # part decoded without it mixes with the others: its dicts are checked by the parser
-        obj = parse_json_streamed(raw, "entries", lambda _: convert) if convert else None
-        if obj is None:
-            obj = parse_json(raw, where, unique=True)
-        part_entries, part_ranks = validate.parse_part(obj, where, ref)
+        part_entries, part_ranks = parts.decode(i, parts.read(i), convert)
         entries += part_entries
         ranks += part_ranks
     del head["parts"]
     head["entries"], head["ranks"] = entries, ranks
     return validate.parse_manifest(head, path, checked=True)
+
+
+class _Parts:
+    """Reading the parts of the split manifest ``path`` (its head ``head``, its table of parts
+    ``refs``, validated) through ``read``."""
+
+    def __init__(self, head: dict, path: str, read: PartReader,
+                 refs: tuple[records.PartRef, ...]):
+        self.path, self.refs, self.read_bytes = path, refs, read
+        self.data_dir = validate.data_dir(head, path)
+
+    def where(self, i: int) -> str:
+        return f"{self.path} part {self.name(i)}"
+
+    def name(self, i: int) -> str:
+        return f"{self.data_dir}/{self.refs[i].name}" if self.data_dir else self.refs[i].name
+
+    def read(self, i: int) -> bytes:
+        """Part ``i``'s bytes, read with its recorded size as the bound; CorruptCheckpointError
+        naming it unless its size and CRC-32 are those its table records."""
+        ref = self.refs[i]
+        raw = self.read_bytes(self.name(i), ref.nbytes)
+        if len(raw) != ref.nbytes or crc32(raw) != ref.crc32:
+            raise CorruptCheckpointError(f"{self.where(i)}: {len(raw)} bytes with CRC-32 "
+                                         f"{crc32(raw):08x}, the manifest records {ref.nbytes} "
+                                         f"bytes with {ref.crc32:08x} (damaged or replaced)")
+        return raw
+
+    def decode(self, i: int, raw: bytes, convert=None) -> tuple[list, list]:
+        """(entries, trees) of part ``i`` from its bytes ``raw``: each entry as ``convert``
+        returns it as soon as it is decoded (``validate.entry_converter`` makes ordinary tensor
+        entries records; None keeps them JSON), the trees as JSON."""
+        where = self.where(i)
+        obj = parse_json_streamed(raw, "entries", lambda _: convert)
+        if obj is None:
+            obj = parse_json(raw, where, unique=True)
+        return validate.parse_part(obj, where, self.refs[i])
+
+    def trees(self, i: int, raw: bytes) -> list:
+        """The trees of part ``i`` (JSON), its entries not decoded: a part written by this
+        version holds its trees first (:func:`_part_bytes`); one in another order is decoded
+        whole."""
+        fields = parse_json_head(raw, "entries")
+        if fields is None or "ranks" not in fields:
+            return self.decode(i, raw, lambda _: 0)[1]
+        return validate.parse_part(fields, self.where(i), self.refs[i], trees_only=True)[1]
+
+    def entries(self, i: int, raw: bytes, keep: set[int]) -> list:
+        """The entries of part ``i``: those at the places ``keep`` (from 0 in this part) as JSON,
+        each other one 0 once decoded (it is never held)."""
+        places = itertools.count()
+        return self.decode(i, raw, lambda item: item if next(places) in keep else 0)[0]
+
+
+def _view(head: dict, path: str, parts: _Parts, rank: int) -> "records.Manifest":
+    """Rank ``rank``'s view of a split manifest (``Manifest.view``; docs/format.md, "A rank's
+    view"): only the parts holding the trees of rank 0 and ``rank`` and the entries ``rank``'s
+    tree refers to are read (each checked by its size and CRC-32), only their trees (the entries
+    of the first not decoded) and those entries are decoded, and only those entries are
+    validated: a restoring rank's work grows with its own state, not with the number of ranks.
+    (The job's listing checks every part, so that all ranks agree on the latest checkpoint:
+    ``split_summary``.)"""
+    refs = parts.refs
+    count = refs[-1].first_entry + refs[-1].entry_count
+    firsts = [ref.first_rank for ref in refs]
+
+    def part_of(r: int) -> int:
+        return bisect.bisect_right(firsts, r) - 1
+
+    held: dict[int, bytes] = {}  # the bytes of the parts holding the two trees
+    trees: dict[int, list] = {}
+    for i in sorted({part_of(0), part_of(rank)}):
+        held[i] = parts.read(i)
+        trees[i] = parts.trees(i, held[i])
+    mine, base = (trees[part_of(r)][r - refs[part_of(r)].first_rank] for r in (rank, 0))
+    node, wanted = validate.view_tree(path, rank, mine, base, count)
+    del trees, mine, base
+    starts = [ref.first_entry for ref in refs]
+    by_part: dict[int, set[int]] = {}
+    for e in wanted:
+        i = bisect.bisect_right(starts, e) - 1
+        by_part.setdefault(i, set()).add(e - refs[i].first_entry)
+    found: dict[int, object] = {}
+    for i in sorted(by_part):
+        entries = parts.entries(i, held.pop(i) if i in held else parts.read(i), by_part[i])
+        for place in by_part[i]:
+            found[refs[i].first_entry + place] = entries[place]
+    return validate.parse_view(head, path, rank, node, wanted, found, count)
+
+
+def split_summary(raw: bytes, path: str, ckpt: str,
+                  read: PartReader) -> "records.CheckpointInfo | None":
+    """The description of the checkpoint ``ckpt`` if its sealed manifest ``raw`` is split
+    (None otherwise): its head and table of parts validated, then every part read (through
+    ``read``, bounded by its recorded size) and its size and CRC-32 compared with the table's,
+    CorruptCheckpointError naming what fails. Nothing of a part is decoded: what the listing of
+    a job that reads views checks (commit/catalog.py)."""
+    if not _check_seal(raw, path) or parse_json_head(raw, "entries") is not None:
+        return None
+    obj, _ = _decode_manifest(raw, path)
+    if "parts" not in obj:
+        return None
+    obj.pop("manifest_crc32", None)
+    parts = _Parts(obj, path, read, validate.parse_parts(obj, path))
+    for i in range(len(parts.refs)):
+        parts.read(i)
+    return _info(obj, path, ckpt)
 
 
 def _decode_manifest(raw: bytes, path: str) -> tuple[dict, bool]:

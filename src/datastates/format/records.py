@@ -134,7 +134,7 @@ class RankTree:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A validated ``manifest.json``."""
+    """A validated ``manifest.json``; or one rank's view of a split one (``view``, below)."""
 
     version: int
     name: str
@@ -152,6 +152,11 @@ class Manifest:
     data_dir: str | None = None
     #: The numbers ``save(metrics=...)`` recorded (name → finite int or float; optional field).
     metrics: dict = field(default_factory=dict)
+    #: None for a whole manifest. For one rank's view of a split manifest (files._view),
+    #: that rank: ``ranks`` then holds its tree only and ``entries`` is a dict from index to
+    #: entry of the entries its tree refers to (indexed as the whole manifest's tuple is).
+    #: Only a reader restoring that rank at the saved world size is given a view.
+    view: int | None = None
 
     @functools.cached_property
     def by_file(self) -> tuple[tuple[tuple[int, int, Entry, "ShardRef | None"], ...], ...]:
@@ -159,7 +164,8 @@ class Manifest:
         (:func:`regions_by_file`), made when first asked: the manifest rank 0 merges and the
         one it checks before writing never are, and a copy with other entries
         (``dataclasses.replace``) has its own."""
-        return regions_by_file(self.entries, len(self.files))
+        entries = self.entries.values() if self.view is not None else self.entries
+        return regions_by_file(entries, len(self.files))
 
     @property
     def nbytes(self) -> int:
@@ -181,7 +187,11 @@ class Manifest:
     def to_json(self, entries: bool = True) -> dict:
         """The JSON object ``manifest.json`` holds (before its checksum seal); with
         ``entries=False`` its ``entries`` field is left empty (for a writer that turns them into
-        JSON a batch at a time: ``validate.check_written_manifest``)."""
+        JSON a batch at a time: ``validate.check_written_manifest``). ValueError for a rank's
+        view, which holds part of the manifest only."""
+        if self.view is not None:
+            raise ValueError(f"the view of rank {self.view} of checkpoint {self.name!r} is not "
+                             "a whole manifest: it cannot be written")
         out = {"format": fmt.CHECKPOINT_FORMAT, "version": self.version, "name": self.name,
                "step": self.step, "created_unix": self.created_unix,
                "world_size": self.world_size}

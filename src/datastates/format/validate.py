@@ -154,24 +154,113 @@ def _head(m: dict, at: _At, version_1: bool) -> _Head:
 def _manifest(m: dict, at: _At, head: _Head, entries: tuple) -> Manifest:
     """The manifest of ``head`` and its checked ``entries``, once the checks across entries
     (disjoint regions, the trees' references) and the remaining fields pass."""
-    files, world = head.files, head.world
+    _check_regions(entries, head.files, at)
+    refs: dict = {}
+    ranks = _ranks(_get(m, "ranks", at), at / "ranks", head.world, [e.kind for e in entries],
+                   refs, head.version >= 3)
+    check_entry_keys([e.key for e in entries], refs, at / "entries")
+    return _record(m, at, head, entries, ranks)
+
+
+def _check_regions(entries, files: tuple[FileRef, ...], at: _At) -> None:
+    """No two of ``entries`` (a sequence of records) overlap in a file (names the overlap)."""
     for file_id, spans in enumerate(spans_by_file(entries, len(files))):
-        if not plain.sorted_disjoint(spans):  # names the overlap
+        if not plain.sorted_disjoint(spans):
             regions = regions_by_file(entries, len(files))[file_id]
             _check_disjoint([(o, n, e.key) for o, n, e, _ in regions],
                             at / "files" / file_id, f"file {files[file_id].name}")
-    refs: dict = {}
-    ranks = _ranks(_get(m, "ranks", at), at / "ranks", world, [e.kind for e in entries], refs,
-                   head.version >= 3)
-    check_entry_keys([e.key for e in entries], refs, at / "entries")
+
+
+def _record(m: dict, at: _At, head: _Head, entries, ranks: tuple[RankTree, ...],
+            view: int | None = None) -> Manifest:
+    """The manifest record of checked ``head``, ``entries`` and ``ranks``, once the remaining
+    fields of ``m`` validate."""
     save_id = m.get("save_id")
     if save_id is not None:
         save_id = _str(save_id, at / "save_id")
     return Manifest(version=head.version, name=head.name, step=head.step, seq=head.seq,
-                    created_unix=head.created, world_size=world, metadata=head.metadata,
-                    files=files, entries=entries, ranks=ranks, save_id=save_id,
+                    created_unix=head.created, world_size=head.world, metadata=head.metadata,
+                    files=head.files, entries=entries, ranks=ranks, save_id=save_id,
                     data_dir=data_dir(m, where=at.file),
-                    metrics=_metrics(m.get("metrics", {}), at / "metrics"))
+                    metrics=_metrics(m.get("metrics", {}), at / "metrics"), view=view)
+
+
+# ---------------------------------------------------------------- one rank's view
+
+class _AnyKind:
+    """Equal to either kind of entry: the kind of an entry a view has not decoded yet."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+_ANY_KIND = _AnyKind()
+
+
+class _Kinds:
+    """The kinds of a manifest's ``count`` entries as :func:`check_tree_refs` reads them (a
+    sequence), of which a view knows those in ``known`` (index -> kind); any other is
+    :class:`_AnyKind`."""
+
+    def __init__(self, count: int, known: dict[int, str]):
+        self.count, self.known = count, known
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, e: int):
+        return self.known.get(e, _ANY_KIND)
+
+
+def view_tree(where: str, rank: int, item: Any, base_item: Any,
+              entry_count: int) -> tuple[dict, dict]:
+    """The first half of :func:`parse_view`: (rank ``rank``'s tree, the entries it refers to as
+    ``check_tree_refs`` collects them), its ``same`` nodes resolved against rank 0's tree (a
+    split manifest is version 4: its trees share), from their ``ranks`` items ``item`` and
+    ``base_item`` (the same for rank 0), checked as :func:`parse_manifest` checks a tree whose
+    entries' kinds are not known yet (every index below ``entry_count``). Rank 0's tree is
+    checked where ``rank``'s takes its nodes only."""
+    at = _At(where) / "ranks"
+
+    def tree_of(value: Any, r: int) -> Any:
+        value = _dict(value, at / r)
+        _int(_get(value, "rank", at / r), at / r / "rank", r, r)
+        return _get(value, "tree", at / r)
+
+    node = tree_of(item, rank)
+    if rank:
+        node = sharing.resolve(node, rank, [tree_of(base_item, 0)], f"{at / rank / 'tree'}",
+                               MAX_TREE_DEPTH)
+    refs: dict = {}
+    check_tree_refs(node, at / rank / "tree", _Kinds(entry_count, {}), refs)
+    return node, refs
+
+
+def parse_view(m: dict, where: str, rank: int, node: dict, refs: dict, items: dict[int, Any],
+               entry_count: int) -> Manifest:
+    """One rank's view of a split manifest (``Manifest.view``): the head ``m`` validated as
+    :func:`parse_manifest` validates it, with the tree ``node`` of rank ``rank`` and ``refs``
+    from :func:`view_tree`, and ``items`` (index -> JSON value) the entries among the
+    ``entry_count`` of the manifest that the tree refers to, each validated as a whole parse
+    validates it; they do not overlap, the tree's nodes have their kinds, and each is referred
+    to at its own key."""
+    at = _At(where)
+    head = _head(m, at, False)
+    entries: dict[int, Entry] = {}
+    for e, value in sorted(items.items()):
+        entry = plain.tensor_entry(value, head.files, head.world)
+        entries[e] = entry if entry is not None else _entry(value, at / "entries" / e,
+                                                            head.files, head.world)
+    _check_regions(list(entries.values()), head.files, at)
+    check_tree_refs(node, at / "ranks" / rank / "tree",
+                    _Kinds(entry_count, {e: x.kind for e, x in entries.items()}), None)
+    check_entry_keys({e: x.key for e, x in entries.items()}, refs, at / "entries")
+    return _record(m, at, head, entries, (RankTree(rank=rank, tree=node),), view=rank)
 
 
 def data_dir(m: dict, where: str) -> str | None:
@@ -233,23 +322,31 @@ def parse_parts(m: dict, where: str) -> tuple[PartRef, ...]:
 _PART_OBJECT = frozenset(("format", "version", "entries", "ranks"))
 
 
-def parse_part(obj: Any, where: str, part: PartRef) -> tuple[list, list]:
+def parse_part(obj: Any, where: str, part: PartRef,
+               trees_only: bool = False) -> tuple[list, list]:
     """(entries, trees) of the decoded part ``part`` of a split manifest: the object
-    ``{"format": "datastates-manifest-part", "version": 4, "entries": [...], "ranks": [...]}``
-    holding as many entries and trees as the head says. The entries and trees themselves are
-    validated with the whole manifest (:func:`parse_manifest`)."""
+    ``{"format": "datastates-manifest-part", "version": 4, "ranks": [...], "entries": [...]}``
+    (in any order) holding as many entries and trees as the head says. The entries and trees
+    themselves are validated with the whole manifest (:func:`parse_manifest`), or a rank's
+    view (:func:`parse_view`). ``trees_only``: ``obj`` holds the fields before ``entries``
+    only (none are returned)."""
     at = _At(where)
     p = _dict(obj, at)
-    if p.keys() != _PART_OBJECT:
-        raise at.bad(f"expected the fields {sorted(_PART_OBJECT)}, found {sorted(p)}")
+    expected = _PART_OBJECT - {"entries"} if trees_only else _PART_OBJECT
+    if p.keys() != expected:
+        raise at.bad(f"expected the fields {sorted(expected)}, found {sorted(p)}")
     if p["format"] != fmt.PART_FORMAT:
         raise (at / "format").bad(f"expected {fmt.PART_FORMAT!r}, found {_show(p['format'])}")
     # the head's version rules: a part of another version is damage, not a newer format
     _int(p["version"], at / "version", fmt.SPLIT_VERSION, fmt.SPLIT_VERSION)
-    entries, ranks = _list(p["entries"], at / "entries"), _list(p["ranks"], at / "ranks")
-    if len(entries) != part.entry_count or len(ranks) != part.rank_count:
-        raise at.bad(f"{len(entries)} entries and {len(ranks)} trees, the manifest's table of "
-                     f"parts says {part.entry_count} and {part.rank_count}")
+    ranks = _list(p["ranks"], at / "ranks")
+    entries = [] if trees_only else _list(p["entries"], at / "entries")
+    if len(ranks) != part.rank_count or (
+            not trees_only and len(entries) != part.entry_count):
+        found = f"{len(ranks)} trees" if trees_only else \
+            f"{len(entries)} entries and {len(ranks)} trees"
+        raise at.bad(f"{found}, the manifest's table of parts says {part.entry_count} entries "
+                     f"and {part.rank_count} trees")
     return entries, ranks
 
 

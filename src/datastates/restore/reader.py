@@ -163,18 +163,30 @@ def check_rank_policy(rank_policy) -> None:
 
 class Reader:
     """Reads one committed checkpoint. Use as a context manager (it owns file descriptors).
-    ``manifest``: its validated manifest when the caller already holds it (else it is read)."""
+    ``manifest``: its validated manifest when the caller already holds it (else it is read:
+    with ``view``, as this rank's view of a split manifest saved at ``world_size``,
+    ``files.View``)."""
 
     def __init__(self, ckpt_dir: str, *, registry: ProviderRegistry, rank: int = 0,
                  world_size: int = 1, threads: int = 4, verify: bool = True,
                  trusted: bool = False, safe_globals: Iterable[Any] = (),
                  map_location: Any = None, rank_policy: str = "strict",
-                 store: Store | None = None, manifest: Manifest | None = None):
+                 store: Store | None = None, manifest: Manifest | None = None,
+                 view: bool = False):
         check_rank_policy(rank_policy)
         self.dir = ckpt_dir
         self.store = store or open_store(ckpt_dir)
-        self.manifest = manifest if manifest is not None else files.read_manifest(ckpt_dir,
-                                                                               self.store)
+        if manifest is None:  # with ``view``, a split manifest saved at this world size is
+            # read as this rank's view: for restoring or loading this rank's state only (not
+            # for verify_all, nor for a copy of the checkpoint)
+            manifest = files.read_manifest(ckpt_dir, self.store,
+                                           (rank, world_size) if view else None)
+        elif manifest.view is not None and (manifest.view, manifest.world_size) != \
+                (rank, world_size):
+            raise ValueError(f"{ckpt_dir}: the view of rank {manifest.view} of "
+                             f"{manifest.world_size} is no manifest for rank {rank} of "
+                             f"{world_size}")
+        self.manifest = manifest
         self.registry, self.verify, self.threads = registry, verify, threads
         self.trusted, self.safe_globals = trusted, list(safe_globals)
         self.map_location = map_location
@@ -306,7 +318,11 @@ class Reader:
         """Re-read every byte of every shard file and return the bytes checked (see
         ``verify.verify_checkpoint``: headers, indexes against the manifest, every region's
         checksums, zero padding; ``progress(nbytes)`` is called as bytes are checked). Nothing
-        is unpickled; memory is bounded."""
+        is unpickled; memory is bounded. Not on a rank's view (``Manifest.view``): it checks
+        the whole manifest against the files."""
+        if self.manifest.view is not None:
+            raise ValueError(f"{self.dir}: verifying needs the whole manifest, not the view of "
+                             f"rank {self.manifest.view}")
         from .verify import verify_checkpoint
         return verify_checkpoint(self, progress)
 

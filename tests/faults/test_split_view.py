@@ -1,0 +1,287 @@
+"""One rank's view of a split manifest (docs/format.md, "A rank's view"): a rank restoring at the
+saved world size reads only the parts holding its tree, rank 0's tree and the entries its tree
+refers to, each checked by its size and CRC-32, and validates only those entries; the job's
+listing checks every part, so every rank finds the same damage in the newest checkpoint. What a
+view returns is exactly its slice of the whole manifest.
+
+The checkpoint is saved by four ranks in threads of this process (``test_split_hostile._save``),
+with ``SPLIT_BYTES`` lowered so that its manifest splits into several parts."""
+from __future__ import annotations
+
+import bisect
+import json
+import os
+
+import pytest
+
+import datastates
+from datastates.commit.catalog import Catalog
+from datastates.format import codec, files, tree
+from datastates.providers import ProviderRegistry
+from datastates.restore.reader import Reader
+
+from test_split_hostile import STEP, WORLD, _head, _parts, _write_head, ckpt, pristine  # noqa: F401
+
+
+def _refs(node: dict) -> set[int]:
+    """The entries a state tree refers to."""
+    return {n["e"] for _, n in tree.leaves(node) if n["t"] in tree.ENTRY_LEAVES}
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Which parts were read, whose trees were taken alone and which were decoded (their
+    entries: every one, or some kept), in order, while the test runs."""
+    seen = {"read": [], "trees": [], "decoded": []}
+    read, trees, decode = files._Parts.read, files._Parts.trees, files._Parts.decode
+
+    def counting_read(self, i):
+        seen["read"].append(i)
+        return read(self, i)
+
+    def counting_trees(self, i, raw):
+        seen["trees"].append(i)
+        return trees(self, i, raw)
+
+    def counting_decode(self, i, raw, convert=None):
+        seen["decoded"].append(i)
+        return decode(self, i, raw, convert)
+    monkeypatch.setattr(files._Parts, "read", counting_read)
+    monkeypatch.setattr(files._Parts, "trees", counting_trees)
+    monkeypatch.setattr(files._Parts, "decode", counting_decode)
+    return seen
+
+
+def _needed(head: dict, rank: int, entries: set[int]) -> tuple[set[int], set[int]]:
+    """The parts a view of ``rank`` takes trees from (rank 0's and its own), and those whose
+    entries it decodes (those its tree refers to)."""
+    parts = head["parts"]
+    firsts = [p["first_rank"] for p in parts]
+    starts = [p["first_entry"] for p in parts]
+    return ({bisect.bisect_right(firsts, r) - 1 for r in (0, rank)},
+            {bisect.bisect_right(starts, e) - 1 for e in entries})
+
+
+def test_each_view_is_that_ranks_slice_of_the_whole_manifest(ckpt, counted):
+    whole = files.read_manifest(ckpt)
+    head = _head(ckpt)
+    nparts = len(head["parts"])
+    assert counted["decoded"] == list(range(nparts))
+    decoded_by_rank = []
+    for rank in range(WORLD):
+        for seen in counted.values():
+            seen.clear()
+        view = files.read_manifest(ckpt, view=(rank, WORLD))
+        mine = _refs(whole.ranks[rank].tree)
+        assert view.view == rank and view.ranks == (whole.ranks[rank],)
+        assert view.entries == {e: whole.entries[e] for e in mine}
+        assert dataclasses_equal_but(view, whole, "entries", "ranks", "view")
+        # the needed parts read once each (their CRC checked); trees taken from the parts of
+        # rank 0 and this rank without decoding their entries; the entries of the parts
+        # holding this rank's decoded
+        trees, entries = _needed(head, rank, mine)
+        assert sorted(counted["read"]) == sorted(trees | entries), (rank, counted)
+        assert sorted(counted["trees"]) == sorted(trees), (rank, counted)
+        assert sorted(counted["decoded"]) == sorted(entries), (rank, counted)
+        decoded_by_rank.append(len(entries))
+    # ranks past the first decode the entries of fewer parts than there are
+    assert max(decoded_by_rank[1:]) < nparts, decoded_by_rank
+
+
+def dataclasses_equal_but(a, b, *fields: str) -> bool:
+    import dataclasses
+    return all(getattr(a, f.name) == getattr(b, f.name) for f in dataclasses.fields(a)
+               if f.name not in fields)
+
+
+def test_a_view_at_another_world_size_or_of_one_rank_is_the_whole_manifest(ckpt):
+    whole = files.read_manifest(ckpt)
+    assert files.read_manifest(ckpt, view=(1, WORLD + 1)) == whole
+    assert files.read_manifest(ckpt, view=(0, 1)) == whole
+
+
+def test_a_reader_restores_bit_exactly_from_its_view(ckpt):
+    """A Reader of rank r at the saved world size reads through its view and restores what rank
+    r saved; handed the view of another rank, it refuses it."""
+    import torch
+    from test_split_hostile import _state
+    for rank in range(WORLD):
+        live = _state(rank)
+        live["mine"] = [torch.zeros_like(t) for t in live["mine"]]
+        live["rows"].local.zero_()
+        live["rank"] = -1
+        with Reader(ckpt, registry=ProviderRegistry.default(), rank=rank,
+                    world_size=WORLD, view=True) as reader:
+            assert reader.manifest.view == rank
+            reader.restore_into(live)
+            view = reader.manifest
+        saved = _state(rank)
+        assert live["rank"] == rank
+        assert all(t.equal(s) for t, s in zip(live["mine"], saved["mine"]))
+        assert live["rows"].local.equal(saved["rows"].local)
+        with pytest.raises(ValueError, match="view of rank"):
+            Reader(ckpt, registry=ProviderRegistry.default(), rank=(rank + 1) % WORLD,
+                   world_size=WORLD, manifest=view)
+
+
+def test_views_are_asked_for_and_of_a_rank_of_the_job(ckpt):
+    """A Reader reads the whole manifest unless asked for a view (``verify``, a copy to storage
+    and the memory keeper's check read through one at the saved world size); a view cannot be
+    verified whole nor written; a view of a rank outside the job is a ValueError."""
+    with Reader(ckpt, registry=ProviderRegistry.default(), world_size=WORLD) as reader:
+        assert reader.manifest == files.read_manifest(ckpt)
+        assert reader.verify_all() > 0
+    with Reader(ckpt, registry=ProviderRegistry.default(), world_size=WORLD,
+                view=True) as reader:
+        with pytest.raises(ValueError, match="whole manifest"):
+            reader.verify_all()
+        with pytest.raises(ValueError, match="cannot be written"):
+            files.encode_manifest_record(reader.manifest)
+    for rank in (-1, WORLD):
+        with pytest.raises(ValueError, match=f"no view of rank {rank}"):
+            files.read_manifest(ckpt, view=(rank, WORLD))
+
+
+def test_verify_and_a_copy_to_storage_check_every_ranks_entries(ckpt, tmp_path, capsys):
+    """A sealed forgery in an entry rank 0 does not refer to is found by ``datastates verify``
+    of that checkpoint (not only when it is the newest) and refused by the copy of a memory
+    checkpoint to storage: both read the whole manifest."""
+    from datastates import CheckpointConfig
+    from datastates.commit.catalog import list_checkpoints
+    from datastates.commit.round import new_run_id
+    from datastates.memory.persist import copy_commit
+    from datastates.tools.cli import main as cli_main
+    head = _head(ckpt)
+    whole = files.read_manifest(ckpt)
+    last = len(head["parts"]) - 1
+    first = head["parts"][last]["first_entry"]
+    place = next(e for e in range(first, len(whole.entries))
+                 if e not in _refs(whole.ranks[0].tree)) - first
+    (info,) = list_checkpoints(os.path.dirname(ckpt))
+
+    def change(obj):
+        obj["entries"][place]["key"] += "x"
+    _forge_part(ckpt, last, change)
+    assert cli_main(["verify", ckpt]) != 0
+    shown = capsys.readouterr()
+    assert f"entry '{whole.entries[first + place].key}x' is not referenced" in shown.err, shown
+    with pytest.raises(datastates.CorruptCheckpointError):
+        copy_commit(info, str(tmp_path / "copy"), CheckpointConfig(), new_run_id())
+
+
+def test_damage_to_a_part_fails_the_views_that_read_it_and_every_listing(ckpt):
+    """A flipped byte in a part fails the view of every rank that reads that part, naming it,
+    and no other (as damage to another rank's shard file: a rank does not read it); the
+    listing of the job, which every rank makes, checks every part, so all ranks find the newest
+    checkpoint damaged alike."""
+    head = _head(ckpt)
+    whole = files.read_manifest(ckpt)
+    readers = {r: set.union(*_needed(head, r, _refs(whole.ranks[r].tree))) for r in range(WORLD)}
+    for i, name in enumerate(_parts(ckpt)):
+        path = os.path.join(ckpt, name)
+        data = bytearray(open(path, "rb").read())
+        data[len(data) // 2] ^= 0x20
+        open(path, "wb").write(bytes(data))
+        for rank in range(WORLD):
+            if i in readers[rank]:
+                with pytest.raises(datastates.CorruptCheckpointError, match=name):
+                    files.read_manifest(ckpt, view=(rank, WORLD))
+            else:
+                assert files.read_manifest(ckpt, view=(rank, WORLD)).ranks == \
+                    (whole.ranks[rank],)
+        job = Catalog(os.path.dirname(ckpt), world_size=WORLD)
+        assert job.scan() == [] and name in job.damaged()[0].reason
+        data[len(data) // 2] ^= 0x20
+        open(path, "wb").write(bytes(data))
+    assert any(len(parts) < len(_parts(ckpt)) for parts in readers.values()), readers
+
+
+def _forge_part(ckpt: str, i: int, change) -> None:
+    """Change part ``i`` (``change(obj)``) and record its new size and CRC in a sealed head."""
+    head = _head(ckpt)
+    name = head["parts"][i]["name"]
+    path = os.path.join(ckpt, name)
+    obj = json.loads(open(path, "rb").read())
+    change(obj)
+    data = codec.encode_json(obj)
+    open(path, "wb").write(data)
+    head["parts"][i].update(nbytes=len(data), crc32=codec.crc32(data))
+    _write_head(ckpt, head)
+
+
+def _leaf(node, e: int) -> dict:
+    """The leaf of a state tree as written (``same`` markers and all) that refers to ``e``."""
+    if isinstance(node, dict):
+        if node.get("e") == e:
+            return node
+        children = node.get("items", []) + [node.get("state")]
+    else:
+        children = node if isinstance(node, list) else []
+    for child in children:
+        found = _leaf(child, e) if isinstance(child, (dict, list)) else None
+        if found is not None:
+            return found
+    return None
+
+
+@pytest.mark.parametrize("forgery", ["entry size", "entry key", "tree kind", "tree index"])
+def test_a_sealed_forgery_fails_the_views_that_decode_it(ckpt, forgery):
+    """A part whose size and CRC the head records but whose content is wrong (a faulty or
+    hostile writer): every view that validates what is wrong raises CorruptCheckpointError, as
+    the whole parse does; every other view is its slice of the manifest as before."""
+    head = _head(ckpt)
+    whole = files.read_manifest(ckpt)
+    part = 1
+    p = head["parts"][part]
+    owner = p["first_rank"]  # the rank whose tree the part holds
+    target = p["first_entry"] if forgery.startswith("entry") else \
+        min(_refs(whole.ranks[owner].tree) - _refs(whole.ranks[0].tree))
+    assert p["entry_count"] and whole.entries[target].kind == "tensor"
+
+    def change(obj):
+        if forgery == "entry size":
+            obj["entries"][0]["shape"] = [n * 2 for n in obj["entries"][0]["shape"]]
+        elif forgery == "entry key":
+            obj["entries"][0]["key"] += "x"
+        elif forgery == "tree kind":
+            _leaf(obj["ranks"][0]["tree"], target)["t"] = "object"
+        else:
+            _leaf(obj["ranks"][0]["tree"], target)["e"] = 10 ** 6
+    _forge_part(ckpt, part, change)
+    with pytest.raises(datastates.CorruptCheckpointError):
+        files.read_manifest(ckpt)
+    refused = {r for r in range(WORLD) if target in _refs(whole.ranks[r].tree)} \
+        if forgery.startswith("entry") else {owner}
+    assert 0 < len(refused) < WORLD, refused
+    for rank in range(WORLD):
+        if rank in refused:
+            with pytest.raises(datastates.CorruptCheckpointError):
+                files.read_manifest(ckpt, view=(rank, WORLD))
+        else:
+            assert files.read_manifest(ckpt, view=(rank, WORLD)).ranks == (whole.ranks[rank],)
+
+
+def test_a_listing_of_the_job_checks_every_part_and_decodes_none(ckpt, counted):
+    """The listing of a job at the saved world size describes the newest split checkpoint from
+    its head once every part's size and CRC check, decoding no part and keeping no manifest (each
+    rank's reader reads its view); a damaged part makes it damaged there as in a listing of one
+    process, which decodes every part."""
+    root = os.path.dirname(ckpt)
+    whole = Catalog(root)
+    assert [i.name for i in whole.scan()] == [STEP]
+    assert counted["decoded"] == counted["read"] == list(range(len(_parts(ckpt))))
+    counted["read"].clear()
+    counted["decoded"].clear()
+    job = Catalog(root, world_size=WORLD)
+    (info,) = job.scan()
+    assert info == whole.scan()[0]
+    assert sorted(counted["read"]) == list(range(len(_parts(ckpt)))) and counted["decoded"] == []
+    assert job.manifest(info) is None and whole.manifest(info) is not None
+    path = os.path.join(ckpt, _parts(ckpt)[-1])
+    data = bytearray(open(path, "rb").read())
+    data[5] ^= 1
+    open(path, "wb").write(bytes(data))
+    for catalog in (Catalog(root), Catalog(root, world_size=WORLD)):
+        assert catalog.scan() == []
+        (damaged,) = catalog.damaged()
+        assert _parts(ckpt)[-1] in damaged.reason, damaged
