@@ -460,6 +460,7 @@ def _view(head: dict, path: str, parts: _Parts, rank: int) -> "records.Manifest"
     for e in wanted:
         i = bisect.bisect_right(starts, e) - 1
         by_part.setdefault(i, set()).add(e - refs[i].first_entry)
+    held = {i: raw for i, raw in held.items() if i in by_part}  # the others are done with
     found: dict[int, object] = {}
     for i in sorted(by_part):
         entries = parts.entries(i, held.pop(i) if i in held else parts.read(i), by_part[i])
