@@ -422,6 +422,13 @@ class Checkpointer:
         after every read was verified. Run ``verify`` first (``python -m datastates verify DIR``)
         to rule that out without touching live state.
 
+        A job of several ranks restoring a split manifest (docs/format.md, "Split manifests")
+        saved at its own world size reads each rank's view of it ("A rank's view"): its listing
+        checks every part's checksum, so every rank finds a damaged byte and agrees on the
+        latest; a part whose checksum holds but whose content does not validate (only a faulty
+        or hostile writer makes one) raises CorruptCheckpointError on the ranks that read it
+        only. ``fallback=True`` makes the ranks agree on that too.
+
         At another world size than the save's, state that differs between the saved ranks
         (loader positions, RNG, any per-rank value) raises ReshardError unless ``rank_policy``
         is ``"rank0"`` or ``"same"``; only the requested ``keys`` are considered. An unknown

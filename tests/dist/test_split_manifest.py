@@ -76,12 +76,18 @@ def _save_and_restore(rank, world, root):
             return trees(self, i, raw)
         files._Parts.decode, files._Parts.trees = counting, counting_trees
         report = ckpt.restore(live)
-        files._Parts.decode, files._Parts.trees = decode, trees
         exact = _same(live, _state(rank, 2))
+        restored = list(decoded)
+        decoded.clear()
+        again = _blank(rank)
+        fallback = ckpt.restore(again, fallback=True)
+        files._Parts.decode, files._Parts.trees = decode, trees
         older = _blank(rank)
         ckpt.restore(older, step=1)
         return {"step": report.step, "exact": exact, "older": _same(older, _state(rank, 1)),
-                "listed": [(i.step, i.seq) for i in ckpt.list()], "decoded": decoded}
+                "fallback": (fallback.step, _same(again, _state(rank, 2))),
+                "listed": [(i.step, i.seq) for i in ckpt.list()],
+                "decoded": restored, "decoded by fallback": list(decoded)}
 
 
 @pytest.fixture(scope="module")
@@ -93,20 +99,21 @@ def launched(tmp_path_factory):
 def test_every_rank_restores_a_split_manifest_bit_exactly(launched):
     root, results = launched
     for rank in range(WORLD):
-        assert {k: v for k, v in results[rank].items() if k != "decoded"} == {
-            "step": 2, "exact": True, "older": True, "listed": [(1, 1), (2, 2)]}, \
-            (rank, results[rank])
+        assert {k: v for k, v in results[rank].items() if not k.startswith("decoded")} == {
+            "step": 2, "exact": True, "older": True, "fallback": (2, True),
+            "listed": [(1, 1), (2, 2)]}, (rank, results[rank])
     ckpt = os.path.join(root, fmt.step_name(2))
     head = json.loads(open(os.path.join(ckpt, fmt.MANIFEST), "rb").read())
-    # each rank's restore decoded the parts of its view only (the view is exactly
-    # that rank's slice: tests/faults/test_split_view.py); rank 0 restores from the manifest
-    # it committed, kept by its listing, and decodes none
+    # each rank's restore, and its fallback restore, decoded the parts of its view only (the
+    # view is exactly that rank's slice: tests/faults/test_split_view.py); rank 0 restores from
+    # the manifest it committed, kept by its listing, and decodes none
     whole = files.read_manifest(ckpt)
-    assert results[0]["decoded"] == []
-    for rank in range(1, WORLD):
-        decoded = results[rank]["decoded"]
-        assert sorted(set(decoded)) == sorted(_needed(head, rank, whole.ranks[rank].tree)), \
-            (rank, decoded, head["parts"])
+    for how in ("decoded", "decoded by fallback"):
+        assert results[0][how] == []
+        for rank in range(1, WORLD):
+            decoded = results[rank][how]
+            assert sorted(set(decoded)) == sorted(_needed(head, rank, whole.ranks[rank].tree)), \
+                (how, rank, decoded, head["parts"])
     assert min(len(set(results[r]["decoded"])) for r in range(1, WORLD)) < len(head["parts"])
     assert head["version"] == fmt.SPLIT_VERSION and "entries" not in head
     names = sorted(n for n in os.listdir(ckpt) if n.startswith("manifest-"))

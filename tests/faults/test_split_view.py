@@ -224,7 +224,8 @@ def _leaf(node, e: int) -> dict:
     return None
 
 
-@pytest.mark.parametrize("forgery", ["entry size", "entry key", "tree kind", "tree index"])
+@pytest.mark.parametrize("forgery", ["entry size", "entry key", "entry overlap", "tree kind",
+                                     "tree index"])
 def test_a_sealed_forgery_fails_the_views_that_decode_it(ckpt, forgery):
     """A part whose size and CRC the head records but whose content is wrong (a faulty or
     hostile writer): every view that validates what is wrong raises CorruptCheckpointError, as
@@ -239,7 +240,16 @@ def test_a_sealed_forgery_fails_the_views_that_decode_it(ckpt, forgery):
     assert p["entry_count"] and whole.entries[target].kind == "tensor"
 
     def change(obj):
-        if forgery == "entry size":
+        if forgery == "entry overlap":  # its bytes and checksums are another entry's of rank 0
+            # (in the same file, of the same size)
+            shard = next(whole.entries[e].shards[0] for e in sorted(_refs(whole.ranks[0].tree))
+                         if e != target and whole.entries[e].kind == "tensor" and
+                         whole.entries[e].shards[0].file == whole.entries[target].shards[0].file
+                         and whole.entries[e].shards[0].nbytes ==
+                         whole.entries[target].shards[0].nbytes)
+            obj["entries"][0]["shards"][0].update(offset=shard.offset,
+                                                  checksums=[list(c) for c in shard.checksums])
+        elif forgery == "entry size":
             obj["entries"][0]["shape"] = [n * 2 for n in obj["entries"][0]["shape"]]
         elif forgery == "entry key":
             obj["entries"][0]["key"] += "x"
@@ -259,6 +269,57 @@ def test_a_sealed_forgery_fails_the_views_that_decode_it(ckpt, forgery):
                 files.read_manifest(ckpt, view=(rank, WORLD))
         else:
             assert files.read_manifest(ckpt, view=(rank, WORLD)).ranks == (whole.ranks[rank],)
+
+
+def _restore_all(root: str, step: int) -> dict:
+    """Rank -> what ``restore(step=...)`` of rank r's state gave in a job of four ranks
+    (threads of this process): True if it restored what was saved, else the exception."""
+    import threading
+    import torch
+    from datastates.commit.round import MemoryStore, StoreCommunicator, new_run_id
+    from test_split_hostile import _state
+    store, run, out = MemoryStore(), new_run_id(), {}
+
+    def rank(r: int) -> None:
+        live = _state(r)
+        live["mine"] = [torch.zeros_like(t) for t in live["mine"]]
+        try:
+            with datastates.Checkpointer(root, communicator=StoreCommunicator(
+                    store, r, WORLD, run)) as ck:
+                ck.restore(live, step=step)
+            out[r] = all(a.equal(b) for a, b in zip(live["mine"], _state(r)["mine"]))
+        except Exception as exc:  # noqa: BLE001 - the result
+            out[r] = exc
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+def test_a_named_restore_reads_the_parts_of_each_view_only(ckpt):
+    """``restore(step=...)`` finds the checkpoint by its head and reads each rank's view: a
+    flipped byte in a part fails the ranks whose view reads it, naming it, and no other (the
+    listing did not check a checkpoint named by step)."""
+    head = _head(ckpt)
+    whole = files.read_manifest(ckpt)
+    readers = {r: set.union(*_needed(head, r, _refs(whole.ranks[r].tree))) for r in range(WORLD)}
+    part = next(i for i in range(len(head["parts"]))
+                if 0 < sum(i in readers[r] for r in range(WORLD)) < WORLD)
+    name = head["parts"][part]["name"]
+    path = os.path.join(ckpt, name)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x20
+    open(path, "wb").write(bytes(data))
+    results = _restore_all(os.path.dirname(ckpt), 1)
+    for rank in range(WORLD):
+        if part in readers[rank]:
+            assert isinstance(results[rank], datastates.CorruptCheckpointError), results
+            assert name in str(results[rank])
+        else:
+            assert results[rank] is True, results
 
 
 def test_a_listing_of_the_job_checks_every_part_and_decodes_none(ckpt, counted):

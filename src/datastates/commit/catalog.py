@@ -371,8 +371,8 @@ def resolve(root: str, step: int | None = None, tag: str | None = None,
     if tag is not None or step is not None:
         name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
         path = store.join(root, name)
-        try:
-            return info_of(path, files.read_manifest(path, store))
+        try:  # its reader reads the manifest (or its rank's view of it)
+            return files.read_info(path, store)
         except CheckpointNotFoundError:
             if tag is None:
                 matches = [i for i in list_checkpoints(root, store) if i.step == step]

@@ -208,16 +208,36 @@ def read_manifest(ckpt_dir: str, store: "Store | None" = None,
     ``MAX_MANIFEST_BYTES`` each in it (CorruptCheckpointError naming the path otherwise: a
     link, a FIFO, a device, a directory, a missing part)."""
     store = store or open_store(ckpt_dir)
+    path, raw = _read_manifest_file(ckpt_dir, store)
+    return parse_manifest_bytes(raw, path, part_reader(ckpt_dir, store, refused_is_damage=True),
+                                view)
+
+
+def read_info(ckpt_dir: str, store: "Store | None" = None) -> "records.CheckpointInfo":
+    """The description of a checkpoint from its manifest's head, read and checked as by
+    :func:`read_manifest` (the checksum, the head and, of a split manifest, its table; no part
+    is read): what finding a checkpoint by name needs before a reader reads it (the whole
+    manifest, or a rank's view). A manifest without such a head is parsed whole."""
+    store = store or open_store(ckpt_dir)
+    path, raw = _read_manifest_file(ckpt_dir, store)
+    info = parse_manifest_summary(raw, path, ckpt_dir)
+    if info is not None:
+        return info
+    return records.info_of(ckpt_dir, parse_manifest_bytes(
+        raw, path, part_reader(ckpt_dir, store, refused_is_damage=True)))
+
+
+def _read_manifest_file(ckpt_dir: str, store: Store) -> tuple[str, bytes]:
+    """(path, bytes) of the ``manifest.json`` of ``ckpt_dir``: CheckpointNotFoundError if it
+    has none, CorruptCheckpointError if it cannot be read as a file."""
     path = store.join(ckpt_dir, MANIFEST)
     try:
-        raw = store.read_bytes(path, max_bytes=MAX_MANIFEST_BYTES)
+        return path, store.read_bytes(path, max_bytes=MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{ckpt_dir}: no {MANIFEST} (not a committed checkpoint)") \
             from None
     except (IsADirectoryError, NotADirectoryError, PermissionError) as exc:
         raise CorruptCheckpointError(f"{path}: cannot read ({exc})") from None
-    return parse_manifest_bytes(raw, path, part_reader(ckpt_dir, store, refused_is_damage=True),
-                                view)
 
 
 def part_reader(ckpt_dir: str, store: Store, refused_is_damage: bool = False) -> PartReader:

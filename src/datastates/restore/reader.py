@@ -319,10 +319,7 @@ class Reader:
         ``verify.verify_checkpoint``: headers, indexes against the manifest, every region's
         checksums, zero padding; ``progress(nbytes)`` is called as bytes are checked). Nothing
         is unpickled; memory is bounded. Not on a rank's view (``Manifest.view``): it checks
-        the whole manifest against the files."""
-        if self.manifest.view is not None:
-            raise ValueError(f"{self.dir}: verifying needs the whole manifest, not the view of "
-                             f"rank {self.manifest.view}")
+        the whole manifest against the files (ValueError)."""
         from .verify import verify_checkpoint
         return verify_checkpoint(self, progress)
 

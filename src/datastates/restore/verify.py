@@ -35,6 +35,9 @@ def verify_checkpoint(reader: Reader, progress: Callable[[int], None] | None = N
     the file sizes). Raises CorruptCheckpointError naming the file, offset and key. ``progress``
     is called with the bytes checked so far in increments (as each span of pieces is
     checked, then the rest of each file); the increments add up to the returned total."""
+    if reader.manifest.view is not None:
+        raise ValueError(f"{reader.dir}: verifying needs the whole manifest, not the view of "
+                         f"rank {reader.manifest.view}")
     report = progress or (lambda n: None)
     return sum(_verify_file(reader, file_id, report)
                for file_id in range(len(reader.manifest.files)))
