@@ -422,8 +422,9 @@ class Checkpointer:
         after every read was verified. Run ``verify`` first (``python -m datastates verify DIR``)
         to rule that out without touching live state.
 
-        A job of several ranks restoring a split manifest (docs/format.md, "Split manifests")
-        saved at its own world size reads each rank's view of it ("A rank's view"): its listing
+        A split manifest (docs/format.md, "Split manifests") is read as each rank's view of it
+        where one saved rank's state decides what a rank restores (at the saved world size, or
+        with ``rank_policy`` "rank0" or "same"; "A rank's view"). A listing by several ranks
         checks every part's checksum, so every rank finds a damaged byte and agrees on the
         latest; a part whose checksum holds but whose content does not validate (only a faulty
         or hostile writer makes one) raises CorruptCheckpointError on the ranks that read it

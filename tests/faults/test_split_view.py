@@ -23,6 +23,11 @@ from datastates.restore.reader import Reader
 from test_split_hostile import STEP, WORLD, _head, _parts, _write_head, ckpt, pristine  # noqa: F401
 
 
+def _saved(rank: int):
+    """The ``files.View`` of a reader restoring saved rank ``rank``'s state."""
+    return lambda saved_world: rank
+
+
 def _refs(node: dict) -> set[int]:
     """The entries a state tree refers to."""
     return {n["e"] for _, n in tree.leaves(node) if n["t"] in tree.ENTRY_LEAVES}
@@ -71,7 +76,7 @@ def test_each_view_is_that_ranks_slice_of_the_whole_manifest(ckpt, counted):
     for rank in range(WORLD):
         for seen in counted.values():
             seen.clear()
-        view = files.read_manifest(ckpt, view=(rank, WORLD))
+        view = files.read_manifest(ckpt, view=_saved(rank))
         mine = _refs(whole.ranks[rank].tree)
         assert view.view == rank and view.ranks == (whole.ranks[rank],)
         assert view.entries == {e: whole.entries[e] for e in mine}
@@ -94,10 +99,36 @@ def dataclasses_equal_but(a, b, *fields: str) -> bool:
                if f.name not in fields)
 
 
-def test_a_view_at_another_world_size_or_of_one_rank_is_the_whole_manifest(ckpt):
+def test_a_reader_needing_every_tree_reads_the_whole_manifest(ckpt):
     whole = files.read_manifest(ckpt)
-    assert files.read_manifest(ckpt, view=(1, WORLD + 1)) == whole
-    assert files.read_manifest(ckpt, view=(0, 1)) == whole
+    assert files.read_manifest(ckpt, view=lambda saved_world: None) == whole
+
+
+@pytest.mark.parametrize("world, rank, policy, saved_rank", [
+    (2, 1, "same", 1), (2, 1, "rank0", 0), (8, 6, "same", 0), (1, 0, "rank0", 0),
+    (1, 0, "same", 0), (2, 1, "strict", None), (1, 0, "strict", None)])
+def test_a_reader_at_another_world_size_reads_the_view_of_the_rank_its_policy_takes(
+        ckpt, world, rank, policy, saved_rank):
+    """Restoring at another world size, ``rank_policy`` 'rank0' and 'same' take one saved
+    rank's state: its view is read, and loads what a whole read loads; 'strict' compares every
+    saved rank's tree: the whole manifest is read."""
+    keys = ["rows"] if policy == "strict" else ["mine", "rank", "rows"]  # strict: global only
+
+    def opened(view: bool) -> Reader:
+        return Reader(ckpt, registry=ProviderRegistry.default(), rank=rank, world_size=world,
+                      rank_policy=policy, view=view)
+    with opened(True) as reader:
+        assert reader.manifest.view == saved_rank
+        if saved_rank is None:
+            assert reader.manifest == files.read_manifest(ckpt)
+        loaded = reader.load(keys=keys)
+    with opened(False) as reader:
+        expected = reader.load(keys=keys)
+    assert loaded["rows"].equal(expected["rows"]) and loaded["rows"].shape == (WORLD, 3)
+    if policy != "strict":
+        assert loaded["rank"] == expected["rank"] == saved_rank
+        assert all(a.equal(b) for a, b in zip(loaded["mine"], expected["mine"]))
+        assert [len(t) for t in loaded["mine"]] == [saved_rank + 2] * 3
 
 
 def test_a_reader_restores_bit_exactly_from_its_view(ckpt):
@@ -119,7 +150,7 @@ def test_a_reader_restores_bit_exactly_from_its_view(ckpt):
         assert live["rank"] == rank
         assert all(t.equal(s) for t, s in zip(live["mine"], saved["mine"]))
         assert live["rows"].local.equal(saved["rows"].local)
-        with pytest.raises(ValueError, match="view of rank"):
+        with pytest.raises(ValueError, match=f"view of saved rank {rank}"):
             Reader(ckpt, registry=ProviderRegistry.default(), rank=(rank + 1) % WORLD,
                    world_size=WORLD, manifest=view)
 
@@ -139,7 +170,7 @@ def test_views_are_asked_for_and_of_a_rank_of_the_job(ckpt):
             files.encode_manifest_record(reader.manifest)
     for rank in (-1, WORLD):
         with pytest.raises(ValueError, match=f"no view of rank {rank}"):
-            files.read_manifest(ckpt, view=(rank, WORLD))
+            files.read_manifest(ckpt, view=_saved(rank))
 
 
 def test_verify_and_a_copy_to_storage_check_every_ranks_entries(ckpt, tmp_path, capsys):
@@ -185,9 +216,9 @@ def test_damage_to_a_part_fails_the_views_that_read_it_and_every_listing(ckpt):
         for rank in range(WORLD):
             if i in readers[rank]:
                 with pytest.raises(datastates.CorruptCheckpointError, match=name):
-                    files.read_manifest(ckpt, view=(rank, WORLD))
+                    files.read_manifest(ckpt, view=_saved(rank))
             else:
-                assert files.read_manifest(ckpt, view=(rank, WORLD)).ranks == \
+                assert files.read_manifest(ckpt, view=_saved(rank)).ranks == \
                     (whole.ranks[rank],)
         job = Catalog(os.path.dirname(ckpt), world_size=WORLD)
         assert job.scan() == [] and name in job.damaged()[0].reason
@@ -266,9 +297,9 @@ def test_a_sealed_forgery_fails_the_views_that_decode_it(ckpt, forgery):
     for rank in range(WORLD):
         if rank in refused:
             with pytest.raises(datastates.CorruptCheckpointError):
-                files.read_manifest(ckpt, view=(rank, WORLD))
+                files.read_manifest(ckpt, view=_saved(rank))
         else:
-            assert files.read_manifest(ckpt, view=(rank, WORLD)).ranks == (whole.ranks[rank],)
+            assert files.read_manifest(ckpt, view=_saved(rank)).ranks == (whole.ranks[rank],)
 
 
 def _restore_all(root: str, step: int) -> dict:
@@ -323,21 +354,24 @@ def test_a_named_restore_reads_the_parts_of_each_view_only(ckpt):
 
 
 def test_a_listing_of_the_job_checks_every_part_and_decodes_none(ckpt, counted):
-    """The listing of a job at the saved world size describes the newest split checkpoint from
-    its head once every part's size and CRC check, decoding no part and keeping no manifest (each
-    rank's reader reads its view); a damaged part makes it damaged there as in a listing of one
-    process, which decodes every part."""
+    """The listing of a job of several ranks describes the newest split checkpoint from its head
+    once every part's size and CRC check, decoding no part and keeping no manifest (each rank's
+    reader reads its view, or the whole); a damaged part makes it damaged there as in a listing
+    of one process, which decodes every part."""
     root = os.path.dirname(ckpt)
     whole = Catalog(root)
     assert [i.name for i in whole.scan()] == [STEP]
     assert counted["decoded"] == counted["read"] == list(range(len(_parts(ckpt))))
     counted["read"].clear()
     counted["decoded"].clear()
-    job = Catalog(root, world_size=WORLD)
-    (info,) = job.scan()
-    assert info == whole.scan()[0]
-    assert sorted(counted["read"]) == list(range(len(_parts(ckpt)))) and counted["decoded"] == []
-    assert job.manifest(info) is None and whole.manifest(info) is not None
+    for world in (WORLD, 2):  # a job at the saved world size, and one at another
+        counted["read"].clear()
+        job = Catalog(root, world_size=world)
+        (info,) = job.scan()
+        assert info == whole.scan()[0]
+        assert sorted(counted["read"]) == list(range(len(_parts(ckpt))))
+        assert counted["decoded"] == counted["trees"] == []
+        assert job.manifest(info) is None and whole.manifest(info) is not None
     path = os.path.join(ckpt, _parts(ckpt)[-1])
     data = bytearray(open(path, "rb").read())
     data[5] ^= 1

@@ -144,11 +144,11 @@ class Catalog:
     (or that it was damaged); nothing is trusted across scans without its stamp being unchanged.
     A store that reports no stamp (None) gets every manifest re-read at every scan.
 
-    ``world_size``: that of the job listing (every rank of it lists). Its ranks read a split
-    manifest saved at that world size (more than one) as views (``files.View``), so a listing
-    does not parse the newest one whole: it checks its head and the size and CRC-32 of every
-    part (``files.split_summary``), the same on every rank; each rank's reader validates what
-    it decodes."""
+    ``world_size``: that of the job listing (every rank of it lists). A job of several ranks
+    reads a split manifest through each rank's view where it can (``files.View``), so its
+    listing does not parse the newest one whole: it checks its head and the size and CRC-32 of
+    every part (``files.split_summary``), the same on every rank; each rank's reader validates
+    what it decodes (the whole manifest where it needs every rank's tree)."""
 
     def __init__(self, root: str, store: Store = LOCAL, world_size: int = 1):
         self.root, self.store, self.world_size = root, store, world_size
@@ -298,7 +298,7 @@ class Catalog:
             # since, its body is compared with its own head below, never with the old one).
             try:
                 found, manifest, raw = _examine(info.path, self.store, False, raw,
-                                                files.viewed(info.world_size, self.world_size))
+                                                self.world_size > 1)
             except OSError as exc:
                 return [f"{self.store.join(info.path, fmt.MANIFEST)} ({type(exc).__name__}: "
                         f"{exc})"]

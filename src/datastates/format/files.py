@@ -189,16 +189,10 @@ def _within_limit(data: bytes) -> bytes:
 PartReader = Callable[[str, int], bytes]
 
 
-#: (rank, world size) of a reader restoring that rank of a job of that many ranks (more than
-#: one): a split manifest saved at that world size is read as that rank's view
-#: (:func:`_view`); any other whole.
-View = tuple[int, int]
-
-
-def viewed(saved_world: int, world: int) -> bool:
-    """Whether a job of ``world`` ranks reads a split manifest saved by ``saved_world`` ranks as
-    views (:data:`View`)."""
-    return saved_world == world > 1
+#: Of a reader restoring one rank's state: given the world size a split manifest was saved at,
+#: the saved rank whose state it restores, or None when it needs every saved rank's tree. A split
+#: manifest of more than one rank is then read as that rank's view (:func:`_view`).
+View = Callable[[int], "int | None"]
 
 
 def read_manifest(ckpt_dir: str, store: "Store | None" = None,
@@ -382,10 +376,12 @@ def _assemble(head: dict, path: str, read: PartReader | None,
         raise CorruptCheckpointError(f"{path}: a split manifest (version {SPLIT_VERSION}) is "
                                      "read with its parts, from its checkpoint directory")
     parts = _Parts(head, path, read, refs)
-    if view is not None and viewed(head["world_size"], view[1]):
-        if not 0 <= view[0] < view[1]:
-            raise ValueError(f"{path}: no view of rank {view[0]} of {view[1]}")
-        return _view(head, path, parts, view[0])
+    saved = head["world_size"]
+    rank = view(saved) if view is not None and saved > 1 else None
+    if rank is not None:
+        if not 0 <= rank < saved:
+            raise ValueError(f"{path}: no view of rank {rank} of {saved}")
+        return _view(head, path, parts, rank)
     convert = validate.entry_converter(head)
     entries: list = []
     ranks: list = []

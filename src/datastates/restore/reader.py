@@ -176,22 +176,22 @@ class Reader:
         check_rank_policy(rank_policy)
         self.dir = ckpt_dir
         self.store = store or open_store(ckpt_dir)
-        if manifest is None:  # with ``view``, a split manifest saved at this world size is
-            # read as this rank's view: for restoring or loading this rank's state only (not
-            # for verify_all, nor for a copy of the checkpoint)
-            manifest = files.read_manifest(ckpt_dir, self.store,
-                                           (rank, world_size) if view else None)
-        elif manifest.view is not None and (manifest.view, manifest.world_size) != \
-                (rank, world_size):
-            raise ValueError(f"{ckpt_dir}: the view of rank {manifest.view} of "
-                             f"{manifest.world_size} is no manifest for rank {rank} of "
-                             f"{world_size}")
-        self.manifest = manifest
         self.registry, self.verify, self.threads = registry, verify, threads
         self.trusted, self.safe_globals = trusted, list(safe_globals)
         self.map_location = map_location
         self.rank, self.world_size = rank, world_size
         self.rank_policy = rank_policy
+        if manifest is None:  # with ``view``, a split manifest is read as the view of the saved
+            # rank this one restores where one decides it: for restoring or loading this rank's
+            # state only (not for verify_all, nor for a copy of the checkpoint)
+            manifest = files.read_manifest(ckpt_dir, self.store,
+                                           self._saved_rank if view else None)
+        elif manifest.view is not None and manifest.view != self._saved_rank(
+                manifest.world_size):
+            raise ValueError(f"{ckpt_dir}: the view of saved rank {manifest.view} is no "
+                             f"manifest for rank {rank} of {world_size} "
+                             f"(rank_policy={rank_policy!r})")
+        self.manifest = manifest
         self.files = _Files(ckpt_dir, self.manifest, self.store)
         self.entries = self.manifest.entries
 
@@ -202,28 +202,38 @@ class Reader:
         self.files.close()
 
     # ------------------------------------------------------------ tree selection
+    def _saved_rank(self, saved: int) -> int | None:
+        """The saved rank (of ``saved``) whose tree this rank restores, or None when that
+        depends on every saved rank's tree (the strict policy at another world size)."""
+        if saved == self.world_size:
+            return self.rank
+        if self.rank_policy == "rank0":
+            return 0
+        if self.rank_policy == "strict" and saved > 1:
+            return None
+        return self.rank if self.rank < saved else 0
+
     def _tree_for(self, keys=None) -> dict:
         """The saved tree this rank restores. At another world size, state that differs between
         the saved ranks (values, objects, per-rank tensors) among the requested ``keys`` cannot be
         mapped silently: ReshardError unless ``rank_policy`` says how (see RANK_POLICIES)."""
         saved, rank = self.manifest.world_size, self.rank
         trees = {r.rank: r.tree for r in self.manifest.ranks}
-        if saved == self.world_size:
-            return trees[rank]
-        if self.rank_policy == "rank0":
-            return trees[0]
-        if self.rank_policy == "strict" and saved > 1:
-            per_rank = per_rank_keys([trees[r] for r in sorted(trees)], self.entries,
-                                     tree.prefixes(keys))
-            if per_rank:
-                shown = ", ".join(per_rank[:10]) + (f" ... ({len(per_rank)} keys in all)"
-                                                    if len(per_rank) > 10 else "")
-                raise ReshardError(
-                    f"{self.dir}: saved by {saved} ranks, loading on {self.world_size} (this is "
-                    f"rank {rank}); per-rank state differs between the saved ranks and cannot be "
-                    f"remapped ({shown}). Pass rank_policy='rank0' to give every rank rank 0's "
-                    "per-rank state, 'same' to map rank r to saved rank r where it exists, or "
-                    "keys=[...] to restore only global state")
+        chosen = self._saved_rank(saved)
+        if chosen is not None:
+            return trees[chosen]
+        # the strict policy, several saved ranks, another world size
+        per_rank = per_rank_keys([trees[r] for r in sorted(trees)], self.entries,
+                                 tree.prefixes(keys))
+        if per_rank:
+            shown = ", ".join(per_rank[:10]) + (f" ... ({len(per_rank)} keys in all)"
+                                                if len(per_rank) > 10 else "")
+            raise ReshardError(
+                f"{self.dir}: saved by {saved} ranks, loading on {self.world_size} (this is "
+                f"rank {rank}); per-rank state differs between the saved ranks and cannot be "
+                f"remapped ({shown}). Pass rank_policy='rank0' to give every rank rank 0's "
+                "per-rank state, 'same' to map rank r to saved rank r where it exists, or "
+                "keys=[...] to restore only global state")
         return trees[rank if rank < saved else 0]
 
     def _files_of(self, saved: dict, keys) -> set[int]:
