@@ -337,3 +337,59 @@ def test_a_damaged_split_checkpoint_is_moved_aside_with_its_parts(s3_server, s3_
                     store=ckpt.store) as reader:
             with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
                 reader.verify_all()
+
+
+def test_each_rank_restores_a_split_checkpoint_through_its_view(s3_server, s3_root,
+                                                                monkeypatch):
+    """Two ranks (threads, one coordination store) save a split checkpoint on the server and
+    restore it: each rank reads its view of the manifest (docs/format.md, "A rank's view"), its
+    parts in ``data_dir``, and restores its own state bit-exact; each view is that rank's slice
+    of the whole manifest, and the job's listing decodes no part."""
+    import threading
+    from datastates.commit.catalog import Catalog
+    from datastates.commit.round import MemoryStore, StoreCommunicator, new_run_id
+    from datastates.format import files, tree
+    monkeypatch.setattr(fmt, "SPLIT_BYTES", 1)
+    options = storage_options(s3_server)
+    world, coord, run, results = 2, MemoryStore(), new_run_id(), {}
+    decoded, decode = [], files._Parts.decode
+
+    def counting(self, i, raw, convert=None):
+        decoded.append(i)
+        return decode(self, i, raw, convert)
+    monkeypatch.setattr(files._Parts, "decode", counting)
+
+    def mine(rank: int, step: int) -> dict:
+        return {"w": torch.full((1000 + rank,), float(10 * step + rank)), "rank": rank}
+
+    def rank_main(rank: int) -> None:
+        try:
+            with Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=options,
+                              communicator=StoreCommunicator(coord, rank, world, run)) as ck:
+                ck.save(mine(rank, 1), step=1).wait(60)
+                live = {"w": torch.zeros(1000 + rank), "rank": -1}
+                report = ck.restore(live)
+                results[rank] = (report.step, torch.equal(live["w"], mine(rank, 1)["w"]),
+                                 live["rank"])
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            results[rank] = exc
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == {r: (1, True, r) for r in range(world)}, results
+    with Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=options) as ckpt:
+        store = ckpt.store
+    path = store.join(s3_root, fmt.step_name(1))
+    whole = files.read_manifest(path, store)
+    assert whole.version == fmt.SPLIT_VERSION and whole.data_dir is not None
+    for rank in range(world):
+        view = files.read_manifest(path, store, view=lambda saved, r=rank: r)
+        refs = {n["e"] for _, n in tree.leaves(whole.ranks[rank].tree)
+                if n["t"] in tree.ENTRY_LEAVES}
+        assert view.view == rank and view.ranks == (whole.ranks[rank],)
+        assert view.entries == {e: whole.entries[e] for e in refs}
+    decoded.clear()
+    (info,) = Catalog(s3_root, store, world_size=world).scan()
+    assert info.step == 1 and decoded == []
