@@ -302,23 +302,18 @@ def test_a_sealed_forgery_fails_the_views_that_decode_it(ckpt, forgery):
             assert files.read_manifest(ckpt, view=_saved(rank)).ranks == (whole.ranks[rank],)
 
 
-def _restore_all(root: str, step: int) -> dict:
-    """Rank -> what ``restore(step=...)`` of rank r's state gave in a job of four ranks
-    (threads of this process): True if it restored what was saved, else the exception."""
+def _in_ranks(root: str, action) -> dict:
+    """Rank -> what ``action(checkpointer, rank)`` returned (or raised) in each rank of a job of
+    four ranks: threads of this process, one coordination store."""
     import threading
-    import torch
     from datastates.commit.round import MemoryStore, StoreCommunicator, new_run_id
-    from test_split_hostile import _state
     store, run, out = MemoryStore(), new_run_id(), {}
 
     def rank(r: int) -> None:
-        live = _state(r)
-        live["mine"] = [torch.zeros_like(t) for t in live["mine"]]
         try:
             with datastates.Checkpointer(root, communicator=StoreCommunicator(
                     store, r, WORLD, run)) as ck:
-                ck.restore(live, step=step)
-            out[r] = all(a.equal(b) for a, b in zip(live["mine"], _state(r)["mine"]))
+                out[r] = action(ck, r)
         except Exception as exc:  # noqa: BLE001 - the result
             out[r] = exc
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(WORLD)]
@@ -328,6 +323,69 @@ def _restore_all(root: str, step: int) -> dict:
         t.join(120)
     assert not any(t.is_alive() for t in threads)
     return out
+
+
+def _stepped(rank: int, step: int) -> dict:
+    """Rank ``rank``'s state at ``step`` (test_split_hostile's, its values changed by step)."""
+    from test_split_hostile import _state
+    state = _state(rank)
+    state["mine"] = [t + 100 * step for t in state["mine"]]
+    return state
+
+
+def _restored(step: int | None = None, saved_as=_stepped, **kwargs):
+    """The action restoring ``step`` (None: the latest): the step restored if rank r got what
+    it saved then (``saved_as(r, step)``), else what it got."""
+    import torch
+
+    def action(ck, r: int):
+        live = saved_as(r, 0)
+        live["mine"] = [torch.zeros_like(t) for t in live["mine"]]
+        report = ck.restore(live, step=step, **kwargs)
+        saved = saved_as(r, report.step)
+        same = all(a.equal(b) for a, b in zip(live["mine"], saved["mine"]))
+        return report.step if same else live
+    return action
+
+
+def _restore_all(root: str, step: int) -> dict:
+    """Rank -> ``restore(step=...)``'s outcome: True if rank r restored what it saved, else the
+    exception."""
+    from test_split_hostile import _state
+    out = _in_ranks(root, _restored(step, saved_as=lambda r, _: _state(r)))
+    return {r: found == step or found for r, found in out.items()}
+
+
+def test_a_sealed_forgery_in_the_newest_fails_its_ranks_alone_unless_they_fall_back(tmp_path):
+    """A part of the newest checkpoint whose checksum holds but whose content does not validate
+    (a tree node of another kind, in rank 1's tree): the job's listing takes it for intact, and
+    a restore of the latest fails on rank 1 only, the others restoring it; with
+    ``fallback=True`` every rank passes it over and restores the older one together."""
+    root = str(tmp_path / "ckpts")
+    codec_saved = codec.SPLIT_BYTES
+    codec.SPLIT_BYTES = 600
+    try:
+        saved = _in_ranks(root, lambda ck, r: [ck.save(_stepped(r, s), step=s).wait(60)
+                                               and s for s in (1, 2)])
+    finally:
+        codec.SPLIT_BYTES = codec_saved
+    assert all(not isinstance(v, Exception) for v in saved.values()), saved
+    newest = os.path.join(root, codec.step_name(2))
+    whole = files.read_manifest(newest)
+    head = _head(newest)
+    part = next(i for i, p in enumerate(head["parts"]) if p["first_rank"] <= 1 <
+                p["first_rank"] + p["rank_count"])
+    target = min(_refs(whole.ranks[1].tree) - _refs(whole.ranks[0].tree))
+
+    def change(obj):
+        _leaf(obj["ranks"][1 - head["parts"][part]["first_rank"]]["tree"], target)["t"] = \
+            "object"
+    _forge_part(newest, part, change)
+    plain = _in_ranks(root, _restored())
+    assert isinstance(plain[1], datastates.CorruptCheckpointError), plain
+    assert {r: plain[r] for r in (0, 2, 3)} == {0: 2, 2: 2, 3: 2}, plain
+    together = _in_ranks(root, _restored(fallback=True))
+    assert together == {r: 1 for r in range(WORLD)}, together
 
 
 def test_a_named_restore_reads_the_parts_of_each_view_only(ckpt):
