@@ -451,9 +451,10 @@ class _Parts:
 def _view(head: dict, path: str, parts: _Parts, rank: int) -> "records.Manifest":
     """Rank ``rank``'s view of a split manifest (``Manifest.view``; docs/format.md, "A rank's
     view"): only the parts holding the trees of rank 0 and ``rank`` and the entries ``rank``'s
-    tree refers to are read (each checked by its size and CRC-32), only their trees (the entries
-    of the first not decoded) and those entries are decoded, and only those entries are
-    validated: a restoring rank's work grows with its own state, not with the number of ranks.
+    tree refers to are read (each checked by its size and CRC-32); of the first, the trees are
+    decoded without the entries; of the second, the entries, of which only those ``rank``'s
+    tree refers to are kept and validated: a restoring rank's work grows with its own state,
+    not with the number of ranks.
     (The job's listing checks every part, so that all ranks agree on the latest checkpoint:
     ``split_summary``.)"""
     refs = parts.refs

@@ -164,8 +164,8 @@ def check_rank_policy(rank_policy) -> None:
 class Reader:
     """Reads one committed checkpoint. Use as a context manager (it owns file descriptors).
     ``manifest``: its validated manifest when the caller already holds it (else it is read:
-    with ``view``, as this rank's view of a split manifest saved at ``world_size``,
-    ``files.View``)."""
+    with ``view``, a split manifest as the view of the saved rank this rank restores where one
+    saved rank decides it, ``files.View``)."""
 
     def __init__(self, ckpt_dir: str, *, registry: ProviderRegistry, rank: int = 0,
                  world_size: int = 1, threads: int = 4, verify: bool = True,
