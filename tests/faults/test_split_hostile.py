@@ -18,6 +18,7 @@ import torch
 
 import datastates
 from datastates import TensorShard
+from datastates.commit.catalog import Catalog
 from datastates.commit.round import MemoryStore, StoreCommunicator, new_run_id
 from datastates.format import codec, files
 
@@ -286,6 +287,7 @@ def test_a_longer_part_is_refused_before_it_is_read_whole(ckpt):
 @pytest.mark.parametrize("kind", [*KINDS, "directory", "missing"])
 def test_a_special_or_missing_part_is_refused_by_every_reader(ckpt, tmp_path, kind):
     path = os.path.join(ckpt, _parts(ckpt)[1])
+    assert _head(ckpt)["parts"][1]["first_rank"] == 1
     if kind == "directory":
         os.remove(path)
         os.mkdir(path)
@@ -295,11 +297,16 @@ def test_a_special_or_missing_part_is_refused_by_every_reader(ckpt, tmp_path, ki
         plant(path, kind, tmp_path)
     fifos = [path] if kind == "fifo" else []
     assert_refused(bounded(files.read_manifest, ckpt, fifos=fifos), path)
+    # rank 1's view reads this part (it holds rank 1's tree): refused as well
+    assert_refused(bounded(files.read_manifest, ckpt, view=lambda saved: 1, fifos=fifos), path)
     root = os.path.dirname(ckpt)
     with datastates.Checkpointer(root, communicator=datastates.LocalCommunicator()) as ck:
         assert bounded(ck.list, fifos=fifos)["value"] == []  # the newest, read whole: damaged
         (damaged,) = ck.damaged()
         assert path in damaged.reason
+    job = Catalog(root, world_size=WORLD)  # the listing of a job of 4: checks every part
+    assert bounded(job.scan, fifos=fifos)["value"] == []
+    assert path in job.damaged()[0].reason
 
 
 def test_the_writer_refuses_parts_a_reader_would_refuse(pristine, monkeypatch):
