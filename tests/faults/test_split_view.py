@@ -1,14 +1,16 @@
-"""One rank's view of a split manifest (docs/format.md, "A rank's view"): a rank restoring at the
-saved world size reads only the parts holding its tree, rank 0's tree and the entries its tree
-refers to, each checked by its size and CRC-32, and validates only those entries; the job's
-listing checks every part, so every rank finds the same damage in the newest checkpoint. What a
-view returns is exactly its slice of the whole manifest.
+"""One rank's view of a split manifest (docs/format.md, "A rank's view"): a rank restoring one
+saved rank's state (at the saved world size, or under the rank policies 'rank0' and 'same')
+reads only the parts holding that rank's tree, rank 0's tree and the entries the tree refers
+to, each checked by its size and CRC-32, and validates only those entries; the job's listing
+checks every part, so every rank finds the same damage in the newest checkpoint. What a view
+returns is exactly its slice of the whole manifest.
 
 The checkpoint is saved by four ranks in threads of this process (``test_split_hostile._save``),
 with ``SPLIT_BYTES`` lowered so that its manifest splits into several parts."""
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import os
 
@@ -94,7 +96,7 @@ def test_each_view_is_that_ranks_slice_of_the_whole_manifest(ckpt, counted):
 
 
 def dataclasses_equal_but(a, b, *fields: str) -> bool:
-    import dataclasses
+    """Whether the dataclasses ``a`` and ``b`` hold the same values but for ``fields``."""
     return all(getattr(a, f.name) == getattr(b, f.name) for f in dataclasses.fields(a)
                if f.name not in fields)
 
