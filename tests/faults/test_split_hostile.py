@@ -3,15 +3,13 @@ a part is ``CorruptCheckpointError`` (never another manifest), the table of part
 before a part is read, a part is read with the size the head records as its bound, and a part
 that is a link, a FIFO or a directory is refused without blocking.
 
-The checkpoint is saved by four ranks in threads of this process (one ``StoreCommunicator``
-store), with ``SPLIT_BYTES`` lowered so that its manifest splits into several parts."""
+The checkpoint is saved by four ranks in threads of this process (tests/thread_ranks.py), with ``SPLIT_BYTES`` lowered so that its manifest splits into several parts."""
 from __future__ import annotations
 
 import json
 import os
 import random
 import shutil
-import threading
 
 import pytest
 import torch
@@ -19,10 +17,10 @@ import torch
 import datastates
 from datastates import TensorShard
 from datastates.commit.catalog import Catalog
-from datastates.commit.round import MemoryStore, StoreCommunicator, new_run_id
 from datastates.format import codec, files
 
 from test_hostile_files import KINDS, assert_refused, bounded, plant
+from thread_ranks import in_thread_ranks
 
 WORLD = 4
 SPLIT = 600  # bytes: the manifest of the state below splits into a part per rank or two
@@ -41,26 +39,14 @@ def _sharded(rank: int) -> dict:
 
 
 def _save(root: str, split: int, state=_state) -> None:
-    store, run, errors = MemoryStore(), new_run_id(), []
-
-    def rank(r: int) -> None:
-        try:
-            with datastates.Checkpointer(root, communicator=StoreCommunicator(store, r, WORLD,
-                                                                               run)) as ck:
-                ck.save(state(r), step=1).wait(60)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append((r, exc))
     saved = codec.SPLIT_BYTES
     codec.SPLIT_BYTES = split
     try:
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(WORLD)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        results = in_thread_ranks(root, WORLD, lambda ck, r: ck.save(state(r), step=1).wait(60))
     finally:
         codec.SPLIT_BYTES = saved
-    assert not errors and not any(t.is_alive() for t in threads), errors
+    errors = [(r, found) for r, found in results.items() if isinstance(found, BaseException)]
+    assert not errors, errors
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from datastates.format import codec, files, tree
 from datastates.providers import ProviderRegistry
 from datastates.restore.reader import Reader
 
+from thread_ranks import in_thread_ranks
 from test_split_hostile import STEP, WORLD, _head, _parts, _write_head, ckpt, pristine  # noqa: F401
 
 
@@ -306,25 +307,8 @@ def test_a_sealed_forgery_fails_the_views_that_decode_it(ckpt, forgery):
 
 def _in_ranks(root: str, action) -> dict:
     """Rank -> what ``action(checkpointer, rank)`` returned (or raised) in each rank of a job of
-    four ranks: threads of this process, one coordination store."""
-    import threading
-    from datastates.commit.round import MemoryStore, StoreCommunicator, new_run_id
-    store, run, out = MemoryStore(), new_run_id(), {}
-
-    def rank(r: int) -> None:
-        try:
-            with datastates.Checkpointer(root, communicator=StoreCommunicator(
-                    store, r, WORLD, run)) as ck:
-                out[r] = action(ck, r)
-        except Exception as exc:  # noqa: BLE001 - the result
-            out[r] = exc
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(WORLD)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads)
-    return out
+    four ranks (tests/thread_ranks.py)."""
+    return in_thread_ranks(root, WORLD, action)
 
 
 def _stepped(rank: int, step: int) -> dict:

@@ -345,13 +345,12 @@ def test_each_rank_restores_a_split_checkpoint_through_its_view(s3_server, s3_ro
     restore it: each rank reads its view of the manifest (docs/format.md, "A rank's view"), its
     parts in ``data_dir``, and restores its own state bit-exact; each view is that rank's slice
     of the whole manifest, and the job's listing decodes no part."""
-    import threading
     from datastates.commit.catalog import Catalog
-    from datastates.commit.round import MemoryStore, StoreCommunicator, new_run_id
     from datastates.format import files, tree
+    from thread_ranks import in_thread_ranks
     monkeypatch.setattr(fmt, "SPLIT_BYTES", 1)
     options = storage_options(s3_server)
-    world, coord, run, results = 2, MemoryStore(), new_run_id(), {}
+    world = 2
     decoded, decode = [], files._Parts.decode
 
     def counting(self, i, raw, convert=None):
@@ -362,22 +361,13 @@ def test_each_rank_restores_a_split_checkpoint_through_its_view(s3_server, s3_ro
     def mine(rank: int, step: int) -> dict:
         return {"w": torch.full((1000 + rank,), float(10 * step + rank)), "rank": rank}
 
-    def rank_main(rank: int) -> None:
-        try:
-            with Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=options,
-                              communicator=StoreCommunicator(coord, rank, world, run)) as ck:
-                ck.save(mine(rank, 1), step=1).wait(60)
-                live = {"w": torch.zeros(1000 + rank), "rank": -1}
-                report = ck.restore(live)
-                results[rank] = (report.step, torch.equal(live["w"], mine(rank, 1)["w"]),
-                                 live["rank"])
-        except BaseException as exc:  # noqa: BLE001 - asserted below
-            results[rank] = exc
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    def restored(ck, rank: int):
+        ck.save(mine(rank, 1), step=1).wait(60)
+        live = {"w": torch.zeros(1000 + rank), "rank": -1}
+        report = ck.restore(live)
+        return report.step, torch.equal(live["w"], mine(rank, 1)["w"]), live["rank"]
+    results = in_thread_ranks(s3_root, world, restored, config=CheckpointConfig(**SMALL),
+                              storage_options=options)
     assert results == {r: (1, True, r) for r in range(world)}, results
     with Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=options) as ckpt:
         store = ckpt.store
