@@ -203,7 +203,7 @@ def test_a_directory_that_is_not_a_checkpoint_is_never_replaced(tmp_path):
         for overwrite in (False, True):
             with pytest.raises(CheckpointExistsError, match=r"step-0000000003 exists and is not "
                                                             r"a checkpoint \(it holds no "
-                                                            r"manifest.json\)"):
+                                                            r"manifest.json datastates wrote\)"):
                 ckpt.save({"x": torch.ones(4)}, step=3, overwrite=overwrite)
         assert ckpt.list() == []
     assert sorted(os.listdir(taken)) == ["notes.txt"]

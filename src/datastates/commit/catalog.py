@@ -27,7 +27,9 @@ validate that manifest a second time; it is handed out only while its stamp is t
 scan saw.
 
 A directory holding a ``manifest.json`` that does not decode or validate is a damaged checkpoint
-(only a commit writes that file): the catalog keeps it as a :class:`DamagedCheckpoint`, never
+(only a commit writes that file) when it bears a mark of this library
+(:func:`written_by_datastates`; without one it is another program's folder, named in a WARNING
+and left alone): the catalog keeps it as a :class:`DamagedCheckpoint`, never
 restores it, and says which of them are passed over when the latest checkpoint is chosen. A
 manifest that could not be *read* (an I/O error, a store that does not answer) is no damage: it is
 kept nowhere, read again at the next scan, and the scan fails meanwhile -- the newest checkpoint
@@ -118,10 +120,61 @@ def _examine(path: str, store: Store, head: bool, raw: bytes | None = None,
     except FileNotFoundError:
         return None, None, None
     except CorruptCheckpointError as exc:
+        if not written_by_datastates(path, store, raw):
+            _foreign(path, exc)
+            return None, None, raw
         return DamagedCheckpoint(os.path.basename(path), path, f"{type(exc).__name__}: {exc}",
                                  _mtime(store, file),
                                  isinstance(exc, UnsupportedFormatError)), None, raw
     return info_of(path, manifest), manifest, raw
+
+
+#: How a manifest this library wrote begins (every version) and ends (a sealed one).
+_MANIFEST_START = b'{"format":"%s"' % fmt.CHECKPOINT_FORMAT.encode()
+_SEAL = b',"manifest_crc32":"'
+_MARK_BYTES = 64
+_foreign_named: set[str] = set()
+_foreign_lock = threading.Lock()
+
+
+def written_by_datastates(path: str, store: Store = LOCAL, raw: bytes | None = None) -> bool:
+    """Whether the directory ``path``, whose ``manifest.json`` does not validate, bears a mark
+    of this library, so that it counts as a damaged checkpoint (listed, set aside, deleted by
+    retention and ``delete()``): its manifest begins as every manifest written here begins or
+    ends with the checksum field that seals one, or its rank 0 shard file begins with the shard
+    magic. ``raw``: the manifest's bytes if they were read (otherwise its first bytes are read,
+    from a regular file only). A directory without a mark is not a checkpoint: some other
+    program's folder that happens to hold a file named ``manifest.json``, never removed."""
+    if raw is None:
+        raw = _first_bytes(store.join(path, fmt.MANIFEST), store)
+    if raw.startswith(_MANIFEST_START) or _SEAL in raw[-fmt.TRAILER_BYTES:]:
+        return True
+    return _first_bytes(store.join(path, fmt.shard_file_name(0)), store).startswith(fmt.MAGIC)
+
+
+def _first_bytes(path: str, store: Store) -> bytes:
+    """The first ``_MARK_BYTES`` of the regular file ``path``; empty if it cannot be read."""
+    try:
+        f = store.open_read(path)
+    except (OSError, CorruptCheckpointError):
+        return b""
+    try:
+        return bytes(f.pread(min(_MARK_BYTES, f.size), 0))
+    except (OSError, CorruptCheckpointError):
+        return b""
+    finally:
+        f.close()
+
+
+def _foreign(path: str, exc: Exception) -> None:
+    """One WARNING per process and directory: ``path`` holds a ``manifest.json`` that is no
+    checkpoint's, left alone."""
+    with _foreign_lock:
+        if path in _foreign_named:
+            return
+        _foreign_named.add(path)
+    log.warning("%s is not a checkpoint and is left alone: its %s bears no mark of datastates "
+                "(%s)", path, fmt.MANIFEST, exc)
 
 
 def _mtime(store: Store, path: str) -> float | None:

@@ -33,7 +33,7 @@ from ..format import codec as fmt
 from ..format import files
 from ..format import records
 from ..storage import posix
-from .catalog import CheckpointInfo, DamagedCheckpoint, examine
+from .catalog import CheckpointInfo, DamagedCheckpoint, examine, written_by_datastates
 from ..errors import (
     CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError)
 from ..storage.store import Store, file_kind
@@ -123,8 +123,8 @@ def publisher_for(store: Store) -> Publisher:
 
 def not_a_checkpoint(path: str) -> CheckpointExistsError:
     return CheckpointExistsError(f"{path} exists and is not a checkpoint (it holds no "
-                                 f"{fmt.MANIFEST}); it is left alone: remove it or save under "
-                                 "another name")
+                                 f"{fmt.MANIFEST} datastates wrote); it is left alone: remove it "
+                                 "or save under another name")
 
 
 def _tidy_warning(final: str, exc: OSError) -> None:
@@ -370,7 +370,7 @@ class RenamePublisher(Publisher):
 
 def _check_checkpoint_dir(root: str, name: str, path: str) -> None:
     """CheckpointNotFoundError unless ``path`` is a directory, not a link, holding a regular
-    file ``manifest.json``."""
+    file ``manifest.json`` and bearing a mark of this library (``written_by_datastates``)."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -388,6 +388,14 @@ def _check_checkpoint_dir(root: str, name: str, path: str) -> None:
         raise CheckpointNotFoundError(f"{path} is not a checkpoint: {manifest} is "
                                       f"{file_kind(mode)}, expected a regular file; nothing was "
                                       "removed")
+    if not written_by_datastates(path):
+        raise CheckpointNotFoundError(_foreign_text(path))
+
+
+def _foreign_text(path: str, done: str = "removed") -> str:
+    return (f"{path} is not a checkpoint: its {fmt.MANIFEST} is not one datastates wrote (it "
+            "does not begin or end as one, and no datastates shard file lies beside it); "
+            f"nothing was {done}")
 
 
 # ---------------------------------------------------------------- stores the manifest commits
@@ -498,6 +506,8 @@ class ManifestPublisher(Publisher):
         if not self.store.isfile(manifest):
             raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}: no {manifest}; "
                                           f"nothing was {done}")
+        if not written_by_datastates(path, self.store):
+            raise CheckpointNotFoundError(_foreign_text(path, done))
         return path, manifest
 
     def quarantine(self, root: str, name: str, reason: str, fsync: bool) -> str:

@@ -1,0 +1,158 @@
+"""A folder of the checkpoint root that holds a ``manifest.json`` but bears no mark of datastates
+(another program's folder) is no checkpoint: retention, ``delete()``, the listing and a save that
+needs its name leave it and every file in it alone, with one WARNING naming it. A checkpoint
+datastates wrote whose manifest is damaged keeps counting as damaged as long as one mark is
+left: the manifest's beginning, its sealing checksum field, or rank 0's shard file."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from datastates import CheckpointConfig, Checkpointer
+from datastates.commit.catalog import written_by_datastates
+from datastates.errors import CheckpointExistsError, CheckpointNotFoundError
+from datastates.format import codec as fmt
+
+SMALL = dict(host_cache_bytes=256 << 10, chunk_bytes=16 << 10)
+
+#: manifest.json bodies other programs write (a web app's manifest, a note, an empty file,
+#: JSON that merely mentions the field datastates seals with)
+FOREIGN = {
+    "webapp": b'{"name": "my pwa", "icons": []}',
+    "notes": b"hello",
+    "empty": b"",
+    "mentions": b'{"manifest_crc32": "00000000", "files": ["a.bin"]}',
+}
+
+
+def _plant(root, name: str, manifest: bytes | None, *, fifo: bool = False) -> None:
+    folder = root / name
+    folder.mkdir()
+    (folder / "precious.bin").write_bytes(b"user data " + name.encode())
+    path = folder / fmt.MANIFEST
+    if fifo:
+        os.mkfifo(path)
+    else:
+        path.write_bytes(manifest)
+    old = os.stat(folder / "precious.bin").st_mtime - 3600  # older than every checkpoint
+    os.utime(folder / "precious.bin", (old, old))
+    if not fifo:
+        os.utime(path, (old, old))
+
+
+def _untouched(root, name: str) -> bool:
+    return (root / name / "precious.bin").read_bytes() == b"user data " + name.encode()
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "datastates" and r.levelno == logging.WARNING]
+
+
+def test_retention_and_the_listing_leave_foreign_folders_alone(tmp_path, caplog):
+    for name, body in FOREIGN.items():
+        _plant(tmp_path, name, body)
+    _plant(tmp_path, "pipe", None, fifo=True)
+    with Checkpointer(tmp_path, CheckpointConfig(keep_last=1, **SMALL)) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save({"x": torch.full((4,), float(step))}, step=step).wait(60)
+        assert [i.step for i in ckpt.list()] == [3]
+        assert ckpt.damaged() == []
+    for name in [*FOREIGN, "pipe"]:
+        assert _untouched(tmp_path, name), name
+    named = [w for w in _warnings(caplog) if "bears no mark of datastates" in w]
+    assert sorted(w.split(" ", 1)[0] for w in named) == \
+        sorted(str(tmp_path / name) for name in [*FOREIGN, "pipe"])  # once each per process
+
+
+@pytest.mark.parametrize("name", sorted(FOREIGN))
+def test_delete_refuses_a_foreign_folder(tmp_path, name):
+    _plant(tmp_path, name, FOREIGN[name])
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ckpt:
+        ckpt.save({"x": torch.ones(4)}, step=1).wait(60)
+        with pytest.raises(CheckpointNotFoundError, match=f"{name} is not a checkpoint: its "
+                           "manifest.json is not one datastates wrote .*nothing was removed"):
+            ckpt.delete(tag=name)
+        assert [i.step for i in ckpt.list()] == [1]
+    assert _untouched(tmp_path, name)
+
+
+def test_a_save_never_replaces_a_foreign_folder_of_its_name(tmp_path):
+    _plant(tmp_path, fmt.step_name(2), FOREIGN["webapp"])
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ckpt:
+        for overwrite in (False, True):
+            with pytest.raises(CheckpointExistsError, match="step-0000000002 exists and is not "
+                               "a checkpoint .it holds no manifest.json datastates wrote"):
+                ckpt.save({"x": torch.ones(4)}, step=2, overwrite=overwrite).wait(60)
+        assert ckpt.list() == []
+    assert _untouched(tmp_path, fmt.step_name(2))
+
+
+def _damage(path, how: str) -> None:
+    raw = path.read_bytes()
+    if how == "middle":
+        raw = raw[:len(raw) // 2] + bytes([raw[len(raw) // 2] ^ 0x10]) + raw[len(raw) // 2 + 1:]
+    elif how == "beginning":
+        raw = b"\0" * 40 + raw[40:]
+    elif how == "truncated":
+        raw = raw[:len(raw) // 3]
+    elif how == "emptied":
+        raw = b""
+    path.write_bytes(raw)
+
+
+@pytest.mark.parametrize("how", ["middle", "beginning", "truncated", "emptied"])
+def test_a_damaged_checkpoint_datastates_wrote_still_counts_as_damaged(tmp_path, how):
+    """One mark left is enough: the beginning (a truncated manifest), the sealing field (a
+    manifest whose beginning is overwritten), rank 0's shard file (an emptied manifest)."""
+    with Checkpointer(tmp_path, CheckpointConfig(keep_last=None, **SMALL)) as ckpt:
+        for step in (1, 2):
+            ckpt.save({"x": torch.full((4,), float(step))}, step=step).wait(60)
+    folder = tmp_path / fmt.step_name(1)
+    _damage(folder / fmt.MANIFEST, how)
+    assert written_by_datastates(str(folder))
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ckpt:
+        assert [d.name for d in ckpt.damaged()] == [fmt.step_name(1)]
+        ckpt.delete(step=1)
+    assert not folder.exists()
+
+
+def test_without_any_mark_left_a_damaged_checkpoint_is_left_alone(tmp_path, caplog):
+    """Emptied manifest and no rank 0 shard file: nothing tells it from another program's
+    folder, so it is named in a WARNING and kept, never deleted."""
+    with Checkpointer(tmp_path, CheckpointConfig(keep_last=None, **SMALL)) as ckpt:
+        for step in (1, 2):
+            ckpt.save({"x": torch.full((4,), float(step))}, step=step).wait(60)
+    folder = tmp_path / fmt.step_name(1)
+    (folder / fmt.MANIFEST).write_bytes(b"")
+    os.remove(folder / fmt.shard_file_name(0))
+    assert not written_by_datastates(str(folder))
+    with Checkpointer(tmp_path, CheckpointConfig(keep_last=1, **SMALL)) as ckpt:
+        assert ckpt.damaged() == []
+        ckpt.save({"x": torch.ones(4)}, step=3).wait(60)
+        with pytest.raises(CheckpointNotFoundError, match="is not a checkpoint"):
+            ckpt.delete(step=1)
+    assert sorted(os.listdir(folder)) == [fmt.MANIFEST]
+    assert any(w.startswith(f"{folder} is not a checkpoint and is left alone")
+               for w in _warnings(caplog))
+
+
+def test_an_object_store_keeps_a_foreign_prefix(s3_server, s3_root, s3_storage_options):
+    client = s3_server.client()
+    prefix = s3_root.split("/", 3)[3]
+    for name, body in FOREIGN.items():
+        for leaf, data in ((fmt.MANIFEST, body), ("precious.bin", b"mine")):
+            client.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/{name}/{leaf}", Body=data)
+    with Checkpointer(s3_root, CheckpointConfig(keep_last=1, **SMALL),
+                      storage_options=s3_storage_options) as ckpt:
+        for step in (1, 2):
+            ckpt.save({"x": torch.full((4,), float(step))}, step=step).wait(60)
+        assert ckpt.damaged() == []
+        with pytest.raises(CheckpointNotFoundError, match="nothing was removed"):
+            ckpt.delete(tag="webapp")
+    for name in FOREIGN:
+        got = client.get_object(Bucket=s3_server.bucket, Key=f"{prefix}/{name}/precious.bin")
+        assert got["Body"].read() == b"mine"
