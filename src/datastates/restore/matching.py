@@ -244,6 +244,22 @@ class _Plan:
                                      f"checkpoint; {'; '.join(parts)}. Nothing was modified. "
                                      "Pass strict=False to restore what matches, or keys=[...]")
 
+    def match_root(self, live: Any, node: dict) -> None:
+        """:meth:`match` of the whole state. An in-place restore keeps the caller's object, so
+        what it would have to replace at the top level is a mismatch: the state itself when it
+        cannot be filled in place (a read-only or reversed array), and each item of a top-level
+        tuple (immutable) that is not filled in place (a plain value, such an array; items that
+        are themselves tuples are looked into). Nothing is lost in silence: strict, the restore
+        raises before anything changes; otherwise the report names them."""
+        result = self.match(live, node, (), None)
+        if not self.in_place or live is None:
+            return
+        for path, _ in _replaced(result, live, ()):
+            what = "an item of a top-level tuple" if path else "the state passed"
+            self.report.mismatched.append(
+                f"{key_of(path) or '(top level)'} ({what} would have to be replaced, which "
+                "restore() cannot do in place: pass a list or dict, or use load())")
+
     def match(self, live: Any, node: dict, path: tuple, provider: StateProvider | None) -> Any:
         if isinstance(live, Capture):
             live = live.value
@@ -599,3 +615,17 @@ class _Plan:
         for l, h in zip(lo, hi):
             count *= h - l
         return count
+
+
+def _replaced(result: Any, live: Any, path: tuple) -> list[tuple[tuple, Any]]:
+    """(path, live item) of what an in-place restore would have to put in place of ``live``
+    (:meth:`_Plan.match_root`): nothing where ``result`` is ``live`` itself; the items of a
+    tuple rebuilt as a tuple, one by one; else ``live`` at ``path``."""
+    if isinstance(live, Capture):  # a capture policy's wrapper: its value is what is filled
+        live = live.value
+    if result is live:
+        return []
+    if type(live) is tuple and type(result) is tuple and len(result) == len(live):
+        return [found for i, (r, item) in enumerate(zip(result, live))
+                for found in _replaced(r, item, path + (i,))]
+    return [(path, live)]

@@ -269,7 +269,7 @@ class Reader:
         self.files.check(self._files_of(saved, keys))
         plan = _Plan(self, keys, strict, in_place=True, cast=cast)
         with collector.paused():  # a record per tensor and shard: millions at scale
-            plan.match(state, saved, (), None)
+            plan.match_root(state, saved)
             plan.check()
         return plan
 
