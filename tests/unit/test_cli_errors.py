@@ -167,3 +167,22 @@ def test_inspect_and_export_of_the_newest_name_a_damaged_newer_checkpoint(tmp_pa
     named = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(named) == 2 and all("passed over the damaged checkpoint step-0000000002" in m
                                    and "used step-0000000001" in m for m in named), named
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "export", "import"])
+@pytest.mark.parametrize("tag", ["../x", "a/b", "latest", ".hidden"])
+def test_an_invalid_tag_is_a_usage_error_not_a_traceback(tmp_path, capsys, command, tag):
+    """``--tag`` names one checkpoint folder: anything else is refused by the argument parser
+    (exit 2, its usage line), before any folder is opened."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    argv = {"inspect": ["inspect", tmp_path],
+            "verify": ["verify", tmp_path],
+            "export": ["export", tmp_path, tmp_path / "out.pt"],
+            "import": ["import", tmp_path / "w.pt", "--from", "torch", tmp_path / "ck"]}[command]
+    with pytest.raises(SystemExit) as exited:
+        main([str(a) for a in argv] + ["--tag", tag])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert f"error: argument --tag: invalid checkpoint name {tag!r}" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "out.pt").exists()

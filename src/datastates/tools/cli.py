@@ -17,6 +17,7 @@ import time
 from .._version import __version__
 from . import export, describe
 from ..errors import CheckpointNotFoundError, DatastatesError
+from ..format import codec as fmt
 from ..providers import ProviderRegistry
 from ..restore.reader import Reader
 
@@ -76,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="format of SRC")
     p.add_argument("dest", help="the folder of checkpoints to save into")
     p.add_argument("--step", type=int, help="step of the new checkpoint (default 0)")
-    p.add_argument("--tag", help="name of the new checkpoint instead of step-<step>")
+    p.add_argument("--tag", type=_name, help="name of the new checkpoint instead of step-<step>")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint of that name")
     p.add_argument("--trusted", action="store_true",
                    help="allow unpickling: Python objects of a torch.save file, and a stock DCP "
@@ -143,7 +144,15 @@ def _check_resume(args) -> int:
 def _add_which(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help=_WHERE)
     p.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
-    p.add_argument("--tag", help="the checkpoint of this tag")
+    p.add_argument("--tag", type=_name, help="the checkpoint of this tag")
+
+
+def _name(text: str) -> str:
+    """A ``--tag``: a checkpoint name (``codec.check_name``), else argparse's usage error."""
+    try:
+        return fmt.check_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv=None) -> int:
