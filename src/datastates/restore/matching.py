@@ -139,6 +139,12 @@ def _writable_tensor(array: Any) -> torch.Tensor | None:
         return None
 
 
+def _fillable(array: Any) -> bool:
+    """Whether numpy can write the live ndarray ``array`` in place although torch cannot view
+    it (negative strides): writeable, of a native dtype the format holds."""
+    return array.flags.writeable and array.dtype.name in NUMPY_DTYPES and array.dtype.isnative
+
+
 def _as_numpy(tensor: torch.Tensor, entry: TensorEntry, where: str) -> Any:
     """The ndarray of a freshly read tensor whose tree node says it was saved from numpy."""
     if entry.dtype not in NUMPY_DTYPES:
@@ -438,8 +444,9 @@ class _Plan:
     def tensor(self, live: Any, node: dict, path: tuple) -> Any:
         """A tensor node: filled into the live tensor, or into a live numpy array in place
         (a writeable ``np.ndarray`` of the same shape and dtype: other references to it see the
-        restored values; a different shape or dtype is a mismatch, as for tensors; a read-only
-        array is replaced by a new one); else a new tensor, or a new ``np.ndarray`` for a node
+        restored values -- one with strides torch cannot view, negative ones, is filled from a
+        temporary after the reads; a different shape or dtype is a mismatch, as for tensors; a
+        read-only array is replaced by a new one); else a new tensor, or a new ``np.ndarray`` for a node
         saved from numpy (``"np": true``)."""
         entry = self.reader.entries[node["e"]]
         key = key_of(path)
@@ -448,6 +455,10 @@ class _Plan:
             return live
         if self.in_place and _is_ndarray(live):
             writable = _writable_tensor(live)
+            if writable is None and _fillable(live) and tuple(live.shape) == entry.shape and \
+                    live.dtype.name == entry.dtype:  # strides torch cannot view: a temporary
+                writable = torch.empty(entry.shape, dtype=entry.torch_dtype)
+                self.post_copies.append(lambda a=live, t=writable: a.__setitem__(..., t.numpy()))
             if writable is not None or tuple(live.shape) != entry.shape or \
                     live.dtype.name != entry.dtype:
                 self.into_live(writable if writable is not None else live, None, node, entry,
