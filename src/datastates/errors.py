@@ -62,6 +62,18 @@ class CommitTimeoutError(CommitError, TimeoutError):
     """Some ranks did not report within the commit timeout (a rank died or hangs)."""
 
 
+class LazyWriteError(DatastatesError, RuntimeError):
+    """Tensors captured lazily were written in place after ``save()`` while the snapshot was
+    still being copied in the background (their version counter moved), so it cannot be trusted;
+    the save was not committed. ``keys`` are the keys of those tensors on the rank that found
+    it (in a save of several ranks, every rank raises a CommitError whose ``causes`` name that
+    rank, and on that rank its ``__cause__`` is this error)."""
+
+    def __init__(self, message: str, keys: "tuple[str, ...] | list[str]" = ()):
+        super().__init__(message)
+        self.keys = tuple(keys)
+
+
 class RestoreAbortedError(DatastatesError, RuntimeError):
     """A restore with ``fallback=True`` stopped on every rank before live state was modified,
     because another rank failed it (a mismatch, an error other than damage) or did not answer in

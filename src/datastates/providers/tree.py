@@ -49,8 +49,8 @@ class Items:
     (at 100k tensors, enough survivors to start a full collection inside ``save()``). Lists of
     strings, ints, bools and shape tuples leave it nothing new to scan per tensor."""
 
-    __slots__ = ("keys", "tensors", "policies", "lazy", "nbytes", "shapes", "dtypes",
-                 "replicated", "boxes", "secondary", "blobs")
+    __slots__ = ("keys", "tensors", "policies", "lazy", "versions", "nbytes", "shapes",
+                 "dtypes", "replicated", "boxes", "secondary", "blobs")
 
     def __init__(self):
         self.keys: list[str] = []
@@ -59,6 +59,10 @@ class Items:
         #: object.
         self.policies: list[str | None] = []  # None too where a provider's capture is None
         self.lazy: list[bool] = []  #: decided by ``save.capture.decide``; False for an object
+        #: The version counter (``Tensor._version``) of each lazy tensor when ``save()`` decided
+        #: it lazy (``save.capture.decide``): its copy fails the save if it moved meanwhile. No
+        #: entry for a tensor that keeps no counter (an inference tensor).
+        self.versions: dict[int, int] = {}
         self.nbytes: list[int] = []
         #: Kept after the snapshot drops the tensors; None for an object.
         self.shapes: list[tuple[int, ...] | None] = []

@@ -19,7 +19,10 @@ occupies (not by its type, its key or the object that reached it):
 The rule assumes that every optimizer stepping those parameters is part of the save or was passed
 to ``guard()`` (an optimizer nobody told the library about cannot be seen), and that nothing else
 writes them in place between ``save()`` and the next step (weight clipping or
-``nn.Embedding(max_norm=...)`` on optimized parameters need ``datastates.eager(...)``).
+``nn.Embedding(max_norm=...)`` on optimized parameters need ``datastates.eager(...)``). A
+breach is caught through torch's version counter: :func:`decide` records each lazy tensor's
+counter, and once its copy is complete :func:`check_unwritten` fails the save
+(``LazyWriteError``) if the counter moved.
 Wrapper optimizers (accelerate, DeepSpeed, Lightning) are unwrapped through ``.optimizer`` to the
 torch optimizer whose ``step()`` runs: its step pre-hook is the guard.
 """
@@ -32,6 +35,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ..errors import LazyWriteError
 from ..providers.base import AUTO, LAZY, lazy
 
 _UNWRAP_DEPTH = 8
@@ -154,12 +158,58 @@ class LazyRule:
 
 def decide(items, rule: LazyRule) -> None:
     """Set ``items.lazy`` of every tensor item (``providers.tree.Items``) from its policy
-    (``lazy``/``eager`` as marked, ``auto`` by ``rule``)."""
+    (``lazy``/``eager`` as marked, ``auto`` by ``rule``), and record the version counter of each
+    lazy one in ``items.versions``: training thread, inside ``save()``, the moment the values of
+    the snapshot are defined (nothing writes the lazy tensors before ``save()`` returns)."""
     ruled = bool(rule)  # without an optimizer in the save, only a marked tensor is lazy
-    lazy, tensors = items.lazy, items.tensors
+    lazy, tensors, versions = items.lazy, items.tensors, items.versions
     for i, policy in enumerate(items.policies):
         if policy is not None:  # None: an object, or a provider's tensor left eager
-            lazy[i] = policy == LAZY or (ruled and policy == AUTO and rule.allows(tensors[i]))
+            lazy[i] = chosen = policy == LAZY or \
+                (ruled and policy == AUTO and rule.allows(tensors[i]))
+            if chosen:
+                try:
+                    versions[i] = tensors[i]._version
+                except RuntimeError:  # an inference tensor keeps no version counter
+                    pass
+
+
+def check_unwritten(items, indexes: Iterable[int], name: str, rank: int) -> None:
+    """Raise LazyWriteError if the version counter of a lazy tensor among the items ``indexes``
+    moved since :func:`decide` recorded it; the error names every lazy tensor of the save whose
+    counter moved by then.
+
+    Capture thread, once the copy of those tensors is known complete: after the fence (on CUDA,
+    the side streams' events synchronized), before the snapshot is declared complete, so the
+    guarded step, which waits for that, never counts. The rule is conservative: any in-place
+    write dispatched before this check fails the save, even one whose kernel ran after the copy;
+    one dispatched after it cannot have reached the copy, which was already complete. What the
+    counter does not see is not found: writes through ``.data``, through a NumPy array sharing
+    the memory, by a thread still inside the write (the counter moves once the op returns)."""
+    versions, tensors = items.versions, items.tensors
+    if any(i in versions and tensors[i]._version != versions[i] for i in indexes):
+        # name every lazy tensor written so far, not only those of this copy
+        written = [i for i, version in versions.items() if tensors[i]._version != version]
+        raise _written_error([items.keys[i] for i in sorted(written)], name, rank)
+
+
+_SHOWN_KEYS = 8
+
+
+def _written_error(keys: list[str], name: str, rank: int) -> LazyWriteError:
+    shown = ", ".join(repr(k) for k in keys[:_SHOWN_KEYS])
+    if len(keys) > _SHOWN_KEYS:
+        shown += f" and {len(keys) - _SHOWN_KEYS} more"
+    return LazyWriteError(
+        f"checkpoint {name!r} was not committed: on rank {rank}, {len(keys)} tensor(s) captured "
+        "lazily were written in place after save(), while the snapshot was still being copied "
+        f"in the background: {shown} (their version counter changed, so the checkpoint could "
+        "hold values from after save()). Only the next step() of a guarded optimizer may change "
+        "them before the snapshot is complete; this was something else (load_state_dict(), "
+        "copy_() or add_() under torch.no_grad(), an optimizer method other than step() such "
+        "as SAM's first_step(), weight clipping). Save them eagerly with datastates.eager(...), "
+        "or call handle.wait_snapshot() before writing them. The latest checkpoint is still the "
+        "previous one; the next save is not affected", keys)
 
 
 def mark_lazy(state: Any, tensors: Iterable[torch.Tensor]) -> Any:

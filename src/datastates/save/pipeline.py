@@ -3,7 +3,9 @@
 Threads (one set per Checkpointer, started once):
 - capture: for each job in order, copies units of tensors into host-cache slots (blocking on free
   slots: backpressure): first the units holding eager tensors — ``save()`` waits for those
-  (``Job.eager_captured``) — then the lazy ones, then marks the snapshot complete;
+  (``Job.eager_captured``) — then the lazy ones, each unit's copies checked for lazy tensors
+  written since ``save()`` once complete (``capture.check_unwritten``: the save fails), then
+  marks the snapshot complete;
 - writers: checksum each unit's pieces and write the unit at its file offset, release the slot;
 - commit: opens nothing on the training thread; writes the object blobs while tensor units are in
   flight (metadata overlaps bulk I/O), then index + header + fsync, then commits the save
@@ -31,6 +33,7 @@ from ..config import CheckpointConfig
 from ..errors import CheckpointerClosedError, StorageError
 from ..format import codec as fmt
 from ..providers.tree import plain_cpu
+from .capture import check_unwritten
 from .job import Job, failed_report, finish_file, replica_digests, write_error
 from .planning import Piece, Unit
 from .staging import DeviceCopier, HostCache, zero_bytes
@@ -188,12 +191,15 @@ class Pipeline:
     def _digest_replicas(self, job: Job, lazy: bool) -> None:
         """Digest the declared replicas of one capture policy while their values are still those
         of ``save()``: eager ones before ``save()`` may return, lazy ones before the snapshot
-        completes (the guarded step waits for it)."""
+        completes (the guarded step waits for it; a lazy one written since ``save()`` fails the
+        save, as its copy does)."""
         if job.digest_replicas:
             items = job.flat.items
             todo = [i for i in items.tensor_indexes() if items.replicated[i] and
                     items.lazy[i] == lazy and items.keys[i] not in job.replicas]
             job.replicas.update(replica_digests(items, todo))
+            if lazy:
+                check_unwritten(items, todo, job.target.name, job.target.rank)
 
     def _eager_done(self, job: Job) -> None:
         """Every eager tensor is in the cache: the caller of ``save()`` may change them now."""
@@ -208,7 +214,7 @@ class Pipeline:
             job.captured.set()
 
     def _capture(self, job: Job) -> None:
-        copier = self.copier
+        copier, write, target = self.copier, job.write_tensors, job.target
         kept: dict[int, torch.Tensor] = {}  # flat bytes of a tensor whose pieces span units
         copier.begin(job.ready)
         last_unit, last_piece = _last_eager_piece(job)
@@ -229,6 +235,10 @@ class Pipeline:
             job.unit_queued()
             try:
                 self._fill(job, unit, dst, last_piece if number == last_unit else -1, kept)
+                # its copies are complete: were its lazy tensors written since save()?
+                check_unwritten(job.flat.items, [write[p[0]] for p in unit.pieces
+                                                 if p[0] >= job.eager_items],
+                                target.name, target.rank)
             except BaseException:
                 copier.cancel()
                 self._release_slot(slot)
