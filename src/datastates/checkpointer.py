@@ -246,7 +246,7 @@ class Checkpointer:
         cfg = self.config
         target = SaveTarget(
             sid=sid, name=name, step=step, root=self.directory, rank=self.rank,
-            tmp=self._publisher.tmp_location(self.directory, name, self.comm.run_id, sid.attempt),
+            tmp=self._publisher.tmp_location(self.directory, name, self.comm.run_id, sid.serial),
             store=self.store, overwrite=overwrite, deadline=deadline,
             timeout_s=cfg.commit_timeout_s, fsync=cfg.fsync, replica_check=cfg.replica_check,
             retention=self._retention, catalog=self._catalog, comm=self.comm,
@@ -561,12 +561,17 @@ class Checkpointer:
                        caller: str, passed: list | None, plan, finish):
         """``restore``/``load`` with ``fallback=True``: ``plan(reader)`` on each candidate,
         verified, agreed (restore/resume.py), then ``finish(reader, planned)``."""
-        if step is not None or tag is not None:
-            raise ConfigError(f"{caller}: fallback=True restores the newest intact checkpoint; "
-                              f"it takes no step= or tag= (found step={step!r}, tag={tag!r})")
         self._check_open()
-        check_rank_policy(rank_policy)
-        self._pipeline.drain()
+        try:  # a rank refused here still answers the rounds' exchange (resume.refuse)
+            if step is not None or tag is not None:
+                raise ConfigError(f"{caller}: fallback=True restores the newest intact "
+                                  f"checkpoint; it takes no step= or tag= (found step={step!r}, "
+                                  f"tag={tag!r})")
+            check_rank_policy(rank_policy)
+            self._pipeline.drain()
+        except Exception as exc:
+            resume.refuse(self._agree or self.comm, exc, self.config.commit_timeout_s)
+            raise
 
         def open_reader(info):
             prechecked = self._prechecked is not None and self._prechecked(info)

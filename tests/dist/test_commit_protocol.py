@@ -85,9 +85,15 @@ def _mismatch_worker(rank, world, root):
             out["e"] = ("SerializationError", [rank], str(exc))
         dist.barrier()
         scenario("e_next", lambda: save(12))
-        # same name, different step: the reports do not belong to one save
+        # same name, different step: not one save (each rank waits for the others' report)
         scenario("tag", lambda: _verdict(lambda: ckpt.save({"model": model}, step=13 + rank,
                                                            tag="best")))
+        # a tag saved by rank 1 alone, then by every rank at a later step: back in step
+        scenario("tag_lone", lambda: _verdict(lambda: ckpt.save({"model": model}, step=20,
+                                                                tag="best", overwrite=True)),
+                 ranks=[1])
+        scenario("tag_next", lambda: _verdict(lambda: ckpt.save({"model": model}, step=21,
+                                                                tag="best", overwrite=True)))
         # replicas that diverged on rank 2
         good_bias = model[0].bias.detach().clone()
         with torch.no_grad():
@@ -132,11 +138,19 @@ def test_mismatched_calls_fail_on_every_rank_and_stay_in_step(tmp_path):
     assert out[1]["e"][0] == "SerializationError"
     assert out[0]["e"] == out[2]["e"] and out[0]["e"][:2] == ("CommitError", [1])
     assert "SerializationError" in out[0]["e"][2] and "hook" in out[0]["e"][2]
-    # the same tag with different steps, diverged replicas, bad tilings: one error everywhere
-    for case in ("tag", "replicas", "tiling"):
+    # the same tag with different steps: each rank names the others and what they saved
+    for r in range(3):
+        assert out[r]["tag"][:2] == (timeout, [o for o in range(3) if o != r]), out[r]["tag"]
+        others = [o for o in range(3) if o != r]
+        assert all(f"its latest save is 'best' step {13 + o}" in out[r]["tag"][2]
+                   for o in others), out[r]["tag"][2]
+    # a rank that skipped a save of a tag is back in step at the tag's next save
+    assert out[1]["tag_lone"][:2] == (timeout, [0, 2])
+    assert all(out[r]["tag_next"] == ("ok", "best") for r in range(3)), out
+    # diverged replicas, bad tilings: one error everywhere
+    for case in ("replicas", "tiling"):
         assert out[0][case] == out[1][case] == out[2][case], case
         assert out[0][case][0] == "CommitError", out[0][case]
-    assert "rank 0 saves 'best' step 13" in out[0]["tag"][2]
     assert "'model/0.bias' differs across ranks" in out[0]["replicas"][2]
     assert "ranks [2] hold" in out[0]["replicas"][2]
     message = out[0]["tiling"][2]
@@ -146,7 +160,7 @@ def test_mismatched_calls_fail_on_every_rank_and_stay_in_step(tmp_path):
     assert all(out[r]["unchecked"] == ("ok", "step-0000000001") for r in range(3))
     # nothing unrestorable is listed or named by latest; no temporary is left
     names, latest, hidden = _committed(root)
-    assert names == ["step-0000000008", "step-0000000010", "step-0000000012",
+    assert names == ["step-0000000008", "step-0000000010", "step-0000000012", "best",
                      "step-0000000016"]
     assert latest == "step-0000000016" and hidden == []
     # no key of any round is left: only each rank's announcement and the orphan counter

@@ -199,3 +199,36 @@ def test_the_manifest_grows_with_what_differs_between_ranks_not_with_ranks(launc
     assert all(r["same"] for r in four.values()) and one["same"]
     # one rank's tree is most of a one-rank manifest; three more ranks add their RNG and value
     assert four[0]["manifest"] < 1.5 * one["manifest"], (one, four[0])
+
+
+def _refused_then_agreed(rank, world, root):
+    """Rank 1's fallback restore is refused before the rounds (a bad argument), twice; after
+    each, every rank's next fallback restore meets the others' and restores."""
+    out = {}
+    with Checkpointer(root, CheckpointConfig(commit_timeout_s=60)) as ckpt:
+        ckpt.save(_state(rank, 1), step=1, replicated=["model"]).wait()
+        for case, bad in (("policy", {"rank_policy": "bogus"}), ("step", {"step": 1})):
+            live = _blank(rank)
+            try:
+                ckpt.restore(live, fallback=True, **(bad if rank == 1 else {}))
+                out[case] = ("restored",)
+            except datastates.DatastatesError as exc:
+                out[case] = (type(exc).__name__, str(exc))
+            out[case + "_unchanged"] = _same(live, _blank(rank))
+            dist.barrier()
+            live = _blank(rank)
+            out[case + "_next"] = (ckpt.restore(live, fallback=True).step,
+                                   _same(live, _state(rank, 1)))
+            dist.barrier()
+    return out
+
+
+def test_a_rank_refused_before_the_rounds_fails_every_rank_and_the_next_restore_agrees(
+        tmp_path):
+    out = run_ranks(2, _refused_then_agreed, str(tmp_path / "ck"), timeout=240)
+    for case in ("policy", "step"):
+        assert out[1][case][0] == "ConfigError", out[1][case]
+        assert out[0][case][0] == "RestoreAbortedError", out[0][case]
+        assert "rank(s) [1] refused" in out[0][case][1] and "ConfigError" in out[0][case][1]
+        assert out[0][case + "_unchanged"] and out[1][case + "_unchanged"]
+        assert out[0][case + "_next"] == out[1][case + "_next"] == (1, True)

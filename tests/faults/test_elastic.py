@@ -237,7 +237,8 @@ def check_attempts(run: Run, kills) -> None:
         (seen,) = run.of("temporaries", attempt=kill.attempt + 1)
         dead = owner_token(runs[kill.attempt])
         if kill.leaves:
-            assert f".tmp.step-{kill.step:010d}.{dead}-0" in seen["before"], seen
+            assert any(n.startswith(f".tmp.step-{kill.step:010d}.{dead}-")
+                       for n in seen["before"]), seen
             assert LEASE_PREFIX + dead in seen["before"], seen
         older = {owner_token(runs[a]) for a in range(kill.attempt)}
         assert not [n for n in seen["before"] if any(t in n for t in older)], seen

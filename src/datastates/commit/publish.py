@@ -57,9 +57,9 @@ class Publisher:
     def __init__(self, store: Store):
         self.store = store
 
-    def tmp_location(self, root: str, name: str, run_id: str, attempt: int) -> str:
-        """Where every rank writes its file of one save (``run_id`` and ``attempt`` come from
-        the save's identity): a location no reader lists."""
+    def tmp_location(self, root: str, name: str, run_id: str, serial: int) -> str:
+        """Where every rank writes its file of one save (``run_id`` and ``serial`` come from
+        the save's identity, ``SaveId.serial``): a location no reader lists."""
         raise NotImplementedError
 
     def check_root(self, root: str) -> None:
@@ -152,8 +152,8 @@ class RenamePublisher(Publisher):
         super().__init__(store)
         self._leases: dict[tuple[str, str], Lease] = {}
 
-    def tmp_location(self, root: str, name: str, run_id: str, attempt: int) -> str:
-        return os.path.join(root, f".tmp.{name}.{owner_token(run_id)}-{attempt}")
+    def tmp_location(self, root: str, name: str, run_id: str, serial: int) -> str:
+        return os.path.join(root, f".tmp.{name}.{owner_token(run_id)}-{serial}")
 
     def check_root(self, root: str) -> None:
         """NotADirectoryError unless ``root`` is a directory or can become one (its nearest
@@ -437,8 +437,8 @@ class ManifestPublisher(Publisher):
         #: threads moving quarantined checkpoints' shard files (:meth:`quarantine`)
         self._moving: list[threading.Thread] = []
 
-    def tmp_location(self, root: str, name: str, run_id: str, attempt: int) -> str:
-        return self.store.join(root, name, f".data.{owner_token(run_id)}-{attempt}")
+    def tmp_location(self, root: str, name: str, run_id: str, serial: int) -> str:
+        return self.store.join(root, name, f".data.{owner_token(run_id)}-{serial}")
 
     def publish(self, root: str, tmp: str, name: str, manifest: records.Manifest,
                 overwrite: bool, fsync: bool) -> tuple[str, Any, records.Manifest]:

@@ -5,9 +5,12 @@ messages through a c10d ``Store`` (the TCPStore that ``torch.distributed`` alrea
 in-process ``HashStore`` for one process) with explicit deadlines, so a dead rank produces an error
 naming it instead of a hang.
 
-One save is one *round*, named by its :class:`SaveId` (run id, name, attempt → nonce), which every
-rank derives on its own at ``save()``: no collective is needed to agree on it, and a rank that
-skips a save or calls another step simply writes under another nonce. The directory is not part
+One save is one *round*, named by its :class:`SaveId` (run id, name, step, attempt → nonce), which
+every rank derives on its own at ``save()``: no collective is needed to agree on it, and a rank
+that skips a save or calls another step simply writes under another nonce. The attempt counts
+saves of the same name *and step* only, so a rank that skipped one save is back in step at its
+next save of another step, even of the same name (a tag saved again, ``tag="best"``); only a
+retry of the very step it skipped stays apart. The directory is not part
 of it: ranks may spell one shared directory differently (a link, another mount point), and
 whether they write into one directory is checked by rank 0's review instead. Keys of a round::
 
@@ -62,8 +65,8 @@ def new_run_id() -> str:
 class SaveId:
     """The identity of one save, derived independently and identically on every rank.
 
-    ``attempt`` counts this rank's earlier saves of the same name during this run, in any
-    directory (saving a name again with ``overwrite=True`` is a new save); ``ordinal`` counts all
+    ``attempt`` counts this rank's earlier saves of the same name and step during this run, in
+    any directory (saving a name again with ``overwrite=True`` is a new save); ``ordinal`` counts all
     of this rank's saves (only used to explain mismatches). ``nonce`` names the round's keys and
     is recorded in the committed manifest as ``save_id``."""
 
@@ -73,6 +76,12 @@ class SaveId:
     attempt: int
     nonce: str
     ordinal: int
+
+    @property
+    def serial(self) -> int:
+        """A number of this save, the same on every rank and distinct for every save of the
+        run (its nonce's first 48 bits): it names the save's temporary location."""
+        return int(self.nonce[:12], 16)
 
     def describe(self) -> dict:
         return {"name": self.name, "step": self.step, "nonce": self.nonce,
@@ -87,7 +96,9 @@ def timeout_verdict(sid: SaveId, missing: list[int], timeout: float,
         seen = announced.get(r)
         cause = f"no report for {sid.name!r} within {timeout:g} s of save()"
         if seen and seen.get("nonce") != sid.nonce:
-            cause += f" (its latest save is {seen.get('name')!r}, its save #{seen.get('ordinal')})"
+            step = "" if seen.get("step") is None else f" step {seen.get('step')}"
+            cause += (f" (its latest save is {seen.get('name')!r}{step}, its save "
+                      f"#{seen.get('ordinal')})")
         elif not seen:
             cause += " (it has reported no save yet)"
         causes[r] = cause
@@ -119,7 +130,7 @@ class StoreCommunicator:
         self.rank = rank
         self.world_size = world_size
         self.run_id = run_id
-        self._attempts: dict[str, int] = {}
+        self._attempts: dict[tuple[str, int | None], int] = {}
         self._ordinal = 0
         self._lock = threading.Lock()
         self._swept = 0  # rank 0: orphan slots already cleaned
@@ -153,10 +164,10 @@ class StoreCommunicator:
         where it goes, and deliberately not part of the identity: each rank names it in its own
         spelling (the review checks that the files meet in one directory)."""
         with self._lock:
-            attempt = self._attempts.get(name, 0)
-            self._attempts[name] = attempt + 1
+            attempt = self._attempts.get((name, step), 0)
+            self._attempts[(name, step)] = attempt + 1
             ordinal, self._ordinal = self._ordinal, self._ordinal + 1
-        digest = hashlib.sha256(f"{self.run_id}\0{name}\0{attempt}".encode())
+        digest = hashlib.sha256(f"{self.run_id}\0{name}\0{step}\0{attempt}".encode())
         return SaveId(self.run_id, name, step, attempt, digest.hexdigest()[:24], ordinal)
 
     @staticmethod

@@ -69,8 +69,12 @@ def choose(catalog: Catalog, comm, *, open_reader: Callable[[CheckpointInfo], Re
     memory tier of several nodes: each node's lowest rank, when a rank of its node found it)."""
     start = time.perf_counter()
     order = order or (lambda c: c.seq)
-    candidates = sorted((c for c in catalog.scan() if eligible is None or eligible(c)),
-                        key=order, reverse=True)
+    try:
+        candidates = sorted((c for c in catalog.scan() if eligible is None or eligible(c)),
+                            key=order, reverse=True)
+    except Exception as exc:
+        refuse(comm, exc, timeout_s)
+        raise
     mover = mover or (lambda ranks: comm.rank == 0)
     rejected: dict[str, SkippedCheckpoint] = {}
     verified = 0
@@ -125,6 +129,19 @@ def choose(catalog: Catalog, comm, *, open_reader: Callable[[CheckpointInfo], Re
         if reader is not None:
             reader.files.close()
         _reject(answers, damaged, rejected, quarantine, mover, caller)
+
+
+def refuse(comm, exc: BaseException, timeout_s: float) -> None:
+    """Answer the first round's exchange with ``exc`` for a rank that cannot take part in a
+    fallback restore (its call was refused, or its listing failed, before the rounds): the other
+    ranks then raise RestoreAbortedError naming it at once instead of at their timeout, and,
+    the exchanges being counted per rank, every rank's next fallback restore meets the others'.
+    The caller raises ``exc`` after it; an exchange that fails is the other ranks' concern."""
+    try:
+        comm.exchange(TOPIC, {"name": None, "seq": -1, "error": f"{type(exc).__name__}: {exc}"},
+                      timeout_s)
+    except Exception:  # noqa: BLE001 - ``exc`` is what this rank raises
+        pass
 
 
 def _apply(reader: Reader, plan, apply, status: dict, comm, timeout_s: float, caller: str):
