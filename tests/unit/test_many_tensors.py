@@ -472,7 +472,7 @@ def test_written_entry_fast_path_is_the_general_check_and_encoding(form):
             accepted += 1
             assert general == ("ok", fast) == ("ok", codec.encode_json(e.to_json())), e
         # else the writer takes the general path: its outcome is the general one
-    assert accepted > 50
+    assert accepted > 40  # (mutations that duplicate a box overlap: refused by both)
 
 
 @pytest.mark.parametrize("pieces", [[], [[0, 0]], [[0, 7]]])

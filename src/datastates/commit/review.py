@@ -13,6 +13,8 @@ from typing import Any
 from ..errors import CorruptCheckpointError
 from ..format import codec as fmt
 from ..format import tree
+from ..format.tiling import box_text, grid, overlapping, volume
+from ..format.tiling import slabs as _slabs  # (a test replaces it: the general check agrees)
 from ..format.records import (FileRef, Manifest, ObjectEntry, RankReport, RankTree, ReportEntry,
                               ShardRef, TensorEntry, Verdict)
 from ..storage.store import Store
@@ -185,20 +187,16 @@ def check_same_save(reports: dict[int, RankReport]) -> Problems:
 def check_tiling(manifest: Manifest) -> Problems:
     """The written boxes of every tensor tile its shape exactly: inside it, no two overlapping
     (two ranks writing one box is an error unless one declares itself a replica with
-    ``primary=False``), and no element left uncovered."""
+    ``primary=False``), and no element left uncovered. The tiling rules are the format's
+    (``format/tiling.py``), which every reader applies to the manifest committed."""
     problems = []
     rank_of = [f.rank for f in manifest.files]
     for e in manifest.entries:
-        if e.kind != "tensor":
-            continue
+        if e.kind != "tensor" or _slabs(e.shape, e.shards) or grid(e.shape, e.shards):
+            continue  # one box of the whole tensor, slabs, or the cells of a grid: tiled
         shape = e.shape
-        if len(e.shards) == 1 and e.shards[0].shape == shape and \
-                not any(e.shards[0].global_offset):
-            continue  # one box, the whole tensor: tiled
-        if _slabs(shape, e.shards):
-            continue
         boxes = [(s.global_offset, s.shape, rank_of[s.file]) for s in e.shards]
-        outside = [([r], f"box {_box(off, box)} of {e.key!r} lies outside its global "
+        outside = [([r], f"box {box_text(off, box)} of {e.key!r} lies outside its global "
                          f"shape {list(shape)}") for off, box, r in boxes
                    if len(off) != len(shape) or len(box) != len(shape) or
                    any(o < 0 or o + n > g for o, n, g in zip(off, box, shape))]
@@ -206,41 +204,16 @@ def check_tiling(manifest: Manifest) -> Problems:
             problems += outside
             continue
         overlaps = [([a[2], b[2]], f"ranks {a[2]} and {b[2]} both wrote {e.key!r} boxes "
-                     f"{_box(*a[:2])} and {_box(*b[:2])}, which overlap (declare replicas with "
-                     "primary=False or replicated=...)") for a, b in _overlapping(boxes)]
+                     f"{box_text(*a[:2])} and {box_text(*b[:2])}, which overlap (declare "
+                     "replicas with primary=False or replicated=...)")
+                    for a, b in overlapping(boxes)]
         problems += overlaps
-        covered = sum(_volume(box) for _, box, _ in boxes)
-        if not overlaps and covered != _volume(shape):
+        covered = sum(volume(box) for _, box, _ in boxes)
+        if not overlaps and covered != volume(shape):
             problems.append((sorted({r for *_, r in boxes}), f"the boxes written for "
-                             f"{e.key!r} cover {covered} of its {_volume(shape)} elements "
+                             f"{e.key!r} cover {covered} of its {volume(shape)} elements "
                              f"(shape {list(shape)}): a gap"))
     return problems
-
-
-def _slabs(shape: tuple, shards: tuple) -> bool:
-    """Whether the boxes are slabs of the whole tensor along one dimension (whole in every
-    other) laid end to end from 0 to its extent: an exact tiling, in which the general check of
-    :func:`check_tiling` finds no problem (inside the shape, none overlapping, nothing left
-    uncovered). False leaves the boxes to that check."""
-    ndim = len(shape)
-    first = shards[0]
-    if not ndim or len(first.shape) != ndim:
-        return False
-    dim = next((d for d in range(ndim) if first.shape[d] != shape[d]), 0)
-    rest = [d for d in range(ndim) if d != dim]
-    spans = []
-    for s in shards:
-        off, box = s.global_offset, s.shape
-        if len(off) != ndim or len(box) != ndim or \
-                any(off[d] != 0 or box[d] != shape[d] for d in rest):
-            return False
-        spans.append((off[dim], box[dim]))
-    end = 0
-    for o, n in sorted(spans):
-        if o != end or n < 0:
-            return False
-        end = o + n
-    return end == shape[dim]
 
 
 def check_replicas(reports: dict[int, RankReport]) -> Problems:
@@ -275,35 +248,3 @@ def check_files(tmp: str, manifest: Manifest, store: Store) -> Problems:
         if size != f.nbytes:
             problems.append(([f.rank], f"{path}: {size} bytes on disk, {f.nbytes} reported"))
     return problems
-
-
-def _volume(shape) -> int:
-    n = 1
-    for x in shape:
-        n *= x
-    return n
-
-
-def _box(off, box) -> str:
-    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(off, box)) + "]"
-
-
-def _overlapping(boxes: list) -> list[tuple]:
-    """Pairs of non-empty boxes that share an element: a sweep along the dimension with the
-    most distinct offsets, so row or column shardings cost O(n log n)."""
-    boxes = [b for b in boxes if _volume(b[1])]
-    if len(boxes) < 2:
-        return []
-    ndim = len(boxes[0][0])
-    if ndim == 0:
-        return [(boxes[0], b) for b in boxes[1:]]
-    dim = max(range(ndim), key=lambda d: len({b[0][d] for b in boxes}))
-    pairs, active = [], []
-    for b in sorted(boxes, key=lambda b: b[0][dim]):
-        active = [a for a in active if a[0][dim] + a[1][dim] > b[0][dim]]
-        for a in active:
-            if all(max(a[0][d], b[0][d]) < min(a[0][d] + a[1][d], b[0][d] + b[1][d])
-                   for d in range(ndim)):
-                pairs.append((a, b))
-        active.append(b)
-    return pairs

@@ -7,7 +7,8 @@ integer ranges, dtype names, shapes of at most ``MAX_NDIM`` dimensions whose ele
 byte counts, checksum pieces covering a region exactly, disjoint regions, and state trees of
 bounded depth whose nodes index entries of their own kind. None of them knows the records of the
 format: records.py composes them into the parsers of the manifest, the shard index and the rank
-report, so the three parsers share one definition of each rule.
+report, so the three parsers share one definition of each rule. (The tiling of a tensor by its
+shards' boxes is ``tiling.py``'s.)
 
 Pure: no I/O, and no import of records.py.
 """
@@ -23,6 +24,9 @@ from ..errors import CorruptCheckpointError, UnsupportedFormatError
 #: Deepest state tree accepted (a deeper one is rejected as corrupt rather than overflowing the
 #: interpreter's stack in a recursive walk).
 MAX_TREE_DEPTH = 256
+#: Deepest nesting of a manifest's ``metadata`` (the object itself is the first level): that of
+#: state trees. ``save()`` refuses deeper metadata; a reader refuses it as damage.
+MAX_METADATA_DEPTH = MAX_TREE_DEPTH
 #: Most dimensions of a tensor.
 MAX_NDIM = 64
 _U32 = 0xFFFFFFFF
@@ -212,6 +216,31 @@ def _check_disjoint(regions: list[tuple[int, int, str]], at: _At, what: str) -> 
             raise at.bad(f"{what}: region of {key!r} at [{offset}, {offset + nbytes}) overlaps "
                          f"that of {last!r} ending at {end}")
         end, last = offset + nbytes, key
+
+
+def _finite(value: Any, at: _At) -> int | float:
+    """``value``, an integer or a finite float (not a bool): JSON has no NaN or Infinity, and a
+    number too large for a double (``1e400``) decodes to an infinity."""
+    if type(value) is int or type(value) is float and math.isfinite(value):
+        return value
+    raise at.bad(f"expected a finite number, found {_show(value)}")
+
+
+def _nested(value: Any, at: _At, max_depth: int) -> Any:
+    """``value``, decoded JSON whose arrays and objects nest at most ``max_depth`` levels
+    (``value`` itself the first) and whose every number is finite (:func:`_finite`); walked
+    without recursion, so its depth never meets the interpreter's stack."""
+    stack = [(value, at, 1)]
+    while stack:
+        node, where, depth = stack.pop()
+        if depth > max_depth:  # (named at ``at``: the path of the deep node is as deep)
+            raise at.bad(f"arrays and objects nested deeper than {max_depth} levels")
+        for part, child in node.items() if type(node) is dict else enumerate(node):
+            if type(child) is dict or type(child) is list:
+                stack.append((child, where / part, depth + 1))
+            elif type(child) is float and not math.isfinite(child):
+                _finite(child, where / part)  # raises, naming it
+    return value
 
 
 def _version(obj: dict, at: _At, expected_format: str, newest: int = fmt.VERSION) -> int:

@@ -6,9 +6,12 @@ into typed records is ``files.py``; validating decoded JSON is ``records.py``.
 """
 from __future__ import annotations
 
+import array
+import itertools
 import json
 import re
 import struct
+import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 
 import torch
@@ -50,6 +53,14 @@ MAX_MANIFEST_BYTES = 256 << 20
 MAX_SPLIT_BYTES = 1 << 30
 #: The largest shard file index a reader reads (the header's index length is checked first).
 MAX_INDEX_BYTES = 256 << 20
+#: The deepest nesting of arrays and objects in a JSON document of the format (a manifest, a
+#: part, a shard index, a rank report). A valid one needs at most 770 levels: a state tree of
+#: ``checks.MAX_TREE_DEPTH`` (256) levels nests three JSON levels per level inside a manifest's
+#: three, and its metadata is ``checks.MAX_METADATA_DEPTH`` (256) levels inside the manifest.
+#: CPython's decoder reaches about 990 from an empty stack at its default recursion limit: a
+#: caller up to about 190 frames deep decodes every document within the bound, and one nested
+#: deeper is damage whatever the caller (:func:`parse_json`).
+MAX_JSON_DEPTH = 800
 _TRAILER = re.compile(rb',"manifest_crc32":"([0-9a-f]{8})"\}\Z')
 TRAILER_BYTES = len(b',"manifest_crc32":"00000000"}')
 
@@ -248,7 +259,12 @@ def encode_json(value: Any) -> bytes:
 def parse_json(raw: bytes, path: str, unique: bool = False) -> Any:
     """The JSON object ``raw`` (CorruptCheckpointError naming ``path`` if it is none).
     ``unique``: one of its own fields given twice is an error too (parsers differ on which
-    they keep, so a reader of its head and one of the whole could see different values)."""
+    they keep, so a reader of its head and one of the whole could see different values).
+
+    The decoder recurses once per level of nesting. When it runs out of stack, the document is
+    damage if it nests deeper than MAX_JSON_DEPTH (:func:`nesting_depth`); otherwise the
+    caller's own stack is too deep, which says nothing of the document: RecursionError, never
+    CorruptCheckpointError (so whether a checkpoint is damaged never depends on the caller)."""
     pairs_seen: list[bool] = []
 
     def fields(pairs: list) -> dict:
@@ -259,13 +275,44 @@ def parse_json(raw: bytes, path: str, unique: bool = False) -> Any:
     try:
         value = json.loads(raw, parse_constant=_no_constant,
                            object_pairs_hook=fields if unique else None)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+    except (UnicodeDecodeError, ValueError) as exc:
         raise CorruptCheckpointError(f"{path}: invalid JSON ({exc})") from None
+    except RecursionError:
+        raise _too_deep(raw, path) from None
     if not isinstance(value, dict):
         raise CorruptCheckpointError(f"{path}: expected a JSON object, found {type(value).__name__}")
     if unique and pairs_seen[-1]:
         raise CorruptCheckpointError(f"{path}: a field of the object is given twice")
     return value
+
+
+def _too_deep(raw: bytes, path: str) -> Exception:
+    """What the decoder's RecursionError on the document ``raw`` means (see :func:`parse_json`)."""
+    depth = nesting_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        return CorruptCheckpointError(f"{path}: the JSON nests {depth} levels deep, more than "
+                                      f"the format's {MAX_JSON_DEPTH}")
+    return RecursionError(f"{path}: the JSON nests {depth} levels deep, within the format's "
+                          f"{MAX_JSON_DEPTH}, but the caller's stack is too deep to decode it "
+                          f"(recursion limit {sys.getrecursionlimit()}); this is no damage: "
+                          "read it from a shallower stack")
+
+
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 and -1 as signed bytes
+
+
+def nesting_depth(raw: bytes) -> int:
+    """The deepest nesting of arrays and objects in the JSON text ``raw`` (in any of JSON's
+    encodings), counted without decoding it and without recursion: the brackets outside its
+    strings, as a running sum. Valid JSON or not (the decoder judges that)."""
+    try:
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+    except (UnicodeDecodeError, LookupError):
+        return 0
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text)).encode("ascii")
+    return max(itertools.accumulate(array.array("b", brackets.translate(_STEPS))), default=0)
 
 
 def _no_constant(name: str) -> Any:
@@ -290,7 +337,7 @@ def parse_json_streamed(raw: bytes, field: str,
     The same values as ``json.loads``, with the same decoder and the same whitespace and
     encoding rules; None -- the caller then uses :func:`parse_json` -- for anything unusual or
     wrong: not an object, a field given twice (``json.loads`` keeps the last), invalid JSON
-    (whose error ``parse_json`` names)."""
+    (whose error ``parse_json`` names), a RecursionError (which ``parse_json`` judges)."""
     try:
         text = raw.decode(json.detect_encoding(raw), "surrogatepass")
         return _streamed_object(text, field, start)
@@ -310,8 +357,8 @@ def parse_json_head(raw: bytes, field: str) -> dict | None:
     """The fields of the JSON object ``raw`` that come before its array field ``field``, decoded
     as :func:`parse_json` decodes them, without decoding ``field`` or anything after it. None if
     ``raw`` is not an object reaching an array ``field`` at its top level, gives a field twice
-    before it, or is not valid JSON up to it (the caller then parses the whole with
-    :func:`parse_json`)."""
+    before it, is not valid JSON up to it, or nests too deep for the caller's stack (the caller
+    then parses the whole with :func:`parse_json`, which judges each)."""
     def stop(fields: dict):
         raise _Reached(fields)
 

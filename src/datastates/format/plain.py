@@ -6,8 +6,9 @@ form, and valid. Each function here takes the decoded JSON of one entry and retu
 when every check of the general parser of ``validate.py`` passes on it, else None -- the general
 parser then checks the entry again and names what is wrong. So ``validate.py`` keeps the one
 definition of every rule (exact types, ranges, offsets inside the file, boxes inside the tensor
-and the bytes of each box, checksum pieces covering each region); these follow it, written out
-without a call or an error path per field, and tests hold them to it on mutated entries
+and the bytes of each box, checksum pieces covering each region; the tiling of a tensor by its
+boxes is ``tiling.py``'s, called from both); these follow it, written out without a call or an
+error path per field, and tests hold them to it on mutated entries
 (tests/unit/test_many_tensors.py). The writer's side is the same in reverse:
 :func:`tensor_entry_json` takes the record of a manifest entry about to be written and gives its
 bytes when the reader's :func:`tensor_entry` would read them back as that record, else None (the
@@ -22,7 +23,8 @@ import json
 from typing import Any
 
 from . import codec as fmt
-from .checks import MAX_DIM, MAX_NDIM, _U32, _U64
+from .checks import MAX_DIM, MAX_NDIM, _U32
+from .tiling import tiled
 from .records import FileRef, ReportEntry, ShardRef, TensorEntry
 
 _ITEMSIZES = fmt.ITEMSIZES
@@ -52,8 +54,11 @@ def tensor_entry(e: Any, files: tuple[FileRef, ...], world: int) -> TensorEntry 
         refs.append(ref)
         stored += ref.nbytes
     replicated, rank = e.get("replicated", False), e.get("rank")
-    if _numel(shape) * itemsize > stored or not _owner_fields(replicated, rank, world):
-        return None  # (the shards must store at least the tensor's bytes)
+    # the shards store at least the tensor's bytes, and tile it (one box of its shape lies
+    # inside it at its origin: the commonest entry, told at once)
+    if _numel(shape) * itemsize > stored or not _owner_fields(replicated, rank, world) or \
+            (len(refs) != 1 or ref.shape != shape) and not tiled(shape, refs):
+        return None
     return TensorEntry(key, dtype, shape, tuple(refs), replicated, rank)
 
 
@@ -131,8 +136,10 @@ def tensor_entry_json(e: Any, files: tuple[FileRef, ...], world: int) -> bytes |
         else:
             parts.append(_shard_text(s))
         stored += s.nbytes
-    if _numel(shape) * itemsize > stored or not _owner_fields(replicated, rank, world):
-        return None  # (the shards must store at least the tensor's bytes)
+    # the shards store at least the tensor's bytes, and tile it (as in tensor_entry)
+    if _numel(shape) * itemsize > stored or not _owner_fields(replicated, rank, world) or \
+            (len(shards) != 1 or shards[0].shape != shape) and not tiled(shape, shards):
+        return None
     tail = (',"replicated":true' if replicated else '') + \
         ('' if rank is None else f',"rank":{int.__repr__(rank)}')
     return (f'{{"kind":"tensor","key":{_string(key)},"dtype":{_string(dtype)},"shape":['

@@ -21,9 +21,11 @@ from typing import Any, Callable, NamedTuple
 from ..errors import CorruptCheckpointError
 from . import codec as fmt
 from . import plain, sharing
-from .checks import (MAX_TREE_DEPTH, _U32, _U64, _At, _bool, _check_disjoint, _check_tensor_bytes,
-                     _dict, _dims, _dtype, _field_dims, _field_int, _field_str, _get, _int, _list,
+from .checks import (MAX_METADATA_DEPTH, MAX_TREE_DEPTH, _U32, _U64, _At, _bool,
+                     _check_disjoint, _check_tensor_bytes, _dict, _dims, _dtype,
+                     _field_dims, _field_int, _field_str, _finite, _get, _int, _list, _nested,
                      _numel, _pieces, _show, _str, _version, check_entry_keys, check_tree_refs)
+from .tiling import check_tiling
 from .records import (ABORT_KINDS, PENDING, CheckpointInfo, Entry, FileRef, IndexEntry, Manifest,
                       ObjectEntry, PartRef, RankReport, RankTree, ReportEntry, SaveRef,
                       ShardIndex, ShardRef, TensorEntry, Verdict, regions_by_file,
@@ -146,7 +148,7 @@ def _head(m: dict, at: _At, version_1: bool) -> _Head:
     if type(created) not in (int, float) or not math.isfinite(created) or created < 0:
         raise (at / "created_unix").bad(f"expected a finite time, found {_show(created)}")
     world = _int(_get(m, "world_size", at), at / "world_size", 1, 1 << 24)
-    metadata = _dict(m.get("metadata", {}), at / "metadata")
+    metadata = _metadata(m.get("metadata", {}), at / "metadata")
     files = _files(_get(m, "files", at), at / "files", world)
     return _Head(version, name, step, seq, float(created), world, metadata, files)
 
@@ -356,9 +358,14 @@ def _metrics(value: Any, at: _At) -> dict:
     for key, number in metrics.items():
         if type(key) is not str:
             raise at.bad(f"expected metric names that are strings, found {_show(key)}")
-        if type(number) is not int and (type(number) is not float or not math.isfinite(number)):
-            raise (at / key).bad(f"expected a finite number, found {_show(number)}")
+        _finite(number, at / key)
     return metrics
+
+
+def _metadata(value: Any, at: _At) -> dict:
+    """The user's ``metadata``: an object nested at most MAX_METADATA_DEPTH levels (itself the
+    first; what ``save()`` accepts), every number in it finite as in ``metrics``."""
+    return _nested(_dict(value, at), at, MAX_METADATA_DEPTH)
 
 
 def _files(value: Any, at: _At, world: int) -> tuple[FileRef, ...]:
@@ -431,6 +438,7 @@ def _entry(value: Any, at: _At, files: tuple[FileRef, ...], world: int) -> Entry
         raise (at / "shards").bad(f"tensor {key!r} has no stored shard")
     stored = sum(s.nbytes for s in shards)
     _check_tensor_size(dtype, shape, stored, at)
+    check_tiling(key, shape, shards, at)
     replicated = e.get("replicated", False)
     if type(replicated) is not bool:
         _bool(replicated, at / "replicated")
@@ -690,6 +698,6 @@ def _info(value: Any, at: _At) -> CheckpointInfo:
                           created_unix=float(created),
                           world_size=_int(_get(d, "world_size", at), at / "world_size", 1, 1 << 24),
                           nbytes=_int(_get(d, "nbytes", at), at / "nbytes", 0, _U64),
-                          metadata=_dict(d.get("metadata", {}), at / "metadata"),
+                          metadata=_metadata(d.get("metadata", {}), at / "metadata"),
                           seq=_int(_get(d, "seq", at), at / "seq", 0, (1 << 63) - 1),
                           metrics=_metrics(d.get("metrics", {}), at / "metrics"))

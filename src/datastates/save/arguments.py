@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import ConfigError, SerializationError
 from ..format import codec as fmt
-from ..format.checks import MAX_TREE_DEPTH
+from ..format.checks import MAX_METADATA_DEPTH
 from ..providers.tree import Items
 
 
@@ -18,9 +18,6 @@ MAX_STEP = (1 << 63) - 1
 #: Longest tag, in UTF-8 bytes: the checkpoint's temporary names add the writer's run id (which
 #: holds the host name) to it, and must stay within the 255 bytes a file name may have.
 MAX_TAG_BYTES = 128
-#: Deepest nesting of ``metadata`` (a reader's JSON decoder gives up near 1000 levels, fewer the
-#: deeper its own stack): the depth the format allows for state trees.
-MAX_METADATA_DEPTH = MAX_TREE_DEPTH
 
 
 def check_step(step) -> None:
