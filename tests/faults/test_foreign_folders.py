@@ -156,3 +156,36 @@ def test_an_object_store_keeps_a_foreign_prefix(s3_server, s3_root, s3_storage_o
     for name in FOREIGN:
         got = client.get_object(Bucket=s3_server.bucket, Key=f"{prefix}/{name}/precious.bin")
         assert got["Body"].read() == b"mine"
+
+
+def test_an_object_store_save_never_replaces_a_foreign_manifest(s3_server, s3_root,
+                                                                 s3_storage_options):
+    client = s3_server.client()
+    key = f"{s3_root.split('/', 3)[3]}/webapp/{fmt.MANIFEST}"
+    client.put_object(Bucket=s3_server.bucket, Key=key, Body=FOREIGN["webapp"])
+    with Checkpointer(s3_root, CheckpointConfig(**SMALL),
+                      storage_options=s3_storage_options) as ckpt:
+        for overwrite in (False, True):
+            with pytest.raises(CheckpointExistsError, match="webapp exists and is not a "
+                                                            "checkpoint"):
+                ckpt.save({"x": torch.ones(4)}, tag="webapp", overwrite=overwrite).wait(60)
+        assert ckpt.list() == []
+    body = client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read()
+    assert body == FOREIGN["webapp"]
+
+
+def test_an_object_store_checkpoint_with_an_emptied_manifest_is_damaged(
+        s3_server, s3_root, s3_storage_options):
+    """Its shard files lie in the checkpoint's data directory: that is the mark left."""
+    client = s3_server.client()
+    with Checkpointer(s3_root, CheckpointConfig(keep_last=None, **SMALL),
+                      storage_options=s3_storage_options) as ckpt:
+        for step in (1, 2):
+            ckpt.save({"x": torch.full((4,), float(step))}, step=step).wait(60)
+    key = f"{s3_root.split('/', 3)[3]}/{fmt.step_name(1)}/{fmt.MANIFEST}"
+    client.put_object(Bucket=s3_server.bucket, Key=key, Body=b"")
+    with Checkpointer(s3_root, CheckpointConfig(**SMALL),
+                      storage_options=s3_storage_options) as ckpt:
+        assert [d.name for d in ckpt.damaged()] == [fmt.step_name(1)]
+        ckpt.delete(step=1)
+        assert [i.step for i in ckpt.list()] == [2]

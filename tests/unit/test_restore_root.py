@@ -97,3 +97,14 @@ def test_an_array_with_negative_strides_is_filled_in_place(tmp_path, where):
         assert report.mismatched == [] and report.restored == ([""] if where == "top" else ["a"])
         assert np.array_equal(live, saved[::-1, ::-2])
         assert np.array_equal(base[:, 1::2], saved[:, 1::2]) and not base[:, ::2].any()
+
+
+def test_a_top_level_tuple_whose_plain_values_are_equal_restores(tmp_path):
+    """Equal plain values are no replacement, whether or not they are one object."""
+    name, count, rate = "".join(["run", "-A"]), int("1000"), float("0.5")  # built at run time
+    with _saved(tmp_path, (torch.ones(2), "run-A", 1000, 0.5, None)) as ckpt:
+        live = (torch.zeros(2), name, count, rate, None)
+        assert ckpt.restore(live).mismatched == []
+        assert torch.equal(live[0], torch.ones(2))
+        with pytest.raises(StateMismatchError, match=r"do not match: 2 \(an item"):
+            ckpt.restore((torch.zeros(2), name, 1001, rate, None))

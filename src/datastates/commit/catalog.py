@@ -137,19 +137,28 @@ _foreign_named: set[str] = set()
 _foreign_lock = threading.Lock()
 
 
-def written_by_datastates(path: str, store: Store = LOCAL, raw: bytes | None = None) -> bool:
+def written_by_datastates(path: str, store: Store = LOCAL, raw: bytes | None = None,
+                          besides: str | None = None) -> bool:
     """Whether the directory ``path``, whose ``manifest.json`` does not validate, bears a mark
     of this library, so that it counts as a damaged checkpoint (listed, set aside, deleted by
     retention and ``delete()``): its manifest begins as every manifest written here begins or
-    ends with the checksum field that seals one, or its rank 0 shard file begins with the shard
-    magic. ``raw``: the manifest's bytes if they were read (otherwise its first bytes are read,
+    ends with the checksum field that seals one, or its rank 0 shard file (on an object store,
+    in one of its ``.data.`` directories) begins with the shard magic. ``raw``: the manifest's bytes if they were read (otherwise its first bytes are read,
     from a regular file only). A directory without a mark is not a checkpoint: some other
-    program's folder that happens to hold a file named ``manifest.json``, never removed."""
+    program's folder that happens to hold a file named ``manifest.json``, never removed.
+    ``besides``: a data directory that does not count (the one a save is committing now)."""
     if raw is None:
         raw = _first_bytes(store.join(path, fmt.MANIFEST), store)
     if raw.startswith(_MANIFEST_START) or _SEAL in raw[-fmt.TRAILER_BYTES:]:
         return True
-    return _first_bytes(store.join(path, fmt.shard_file_name(0)), store).startswith(fmt.MAGIC)
+    try:  # an object store keeps the shard files in a data directory of the checkpoint
+        folders = [""] + [name for name in store.listdir(path)
+                          if name.startswith(".data.") and name != besides]
+    except OSError:
+        folders = [""]
+    return any(_first_bytes(store.join(path, folder, fmt.shard_file_name(0)) if folder else
+                            store.join(path, fmt.shard_file_name(0)), store).startswith(fmt.MAGIC)
+               for folder in folders)
 
 
 def _first_bytes(path: str, store: Store) -> bytes:

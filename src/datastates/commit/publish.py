@@ -141,7 +141,7 @@ def _taken_meanwhile(final: str) -> CheckpointExistsError:
 
 class RenamePublisher(Publisher):
     """A local (POSIX) root: temporary directories renamed into place. Every temporary is named
-    after an owner holding a lease (``datastates.storage.temporaries``): ``.tmp.<name>.<run>-<attempt>``
+    after an owner holding a lease (``datastates.storage.temporaries``): ``.tmp.<name>.<run>-<serial>``
     (the run's lease, held from the first :meth:`hold` to :meth:`close`),
     ``.old.<name>.<op>.<uid>``, ``.trash.<name>.<op>.<uid>`` and ``latest.tmp.<op>.<uid>`` (a
     lease held for that one operation)."""
@@ -426,7 +426,7 @@ def _data_files(manifest_bytes: bytes, path: str) -> list[tuple[str, ...]]:
 
 
 class ManifestPublisher(Publisher):
-    """An object store: data under ``<root>/<name>/.data.<run>-<attempt>/``, committed by the
+    """An object store: data under ``<root>/<name>/.data.<run>-<serial>/``, committed by the
     PUT of ``<root>/<name>/manifest.json``. Object stores have no locks, so a data directory
     that no manifest names is removed only once older than ``max_age_s``."""
 
@@ -452,6 +452,11 @@ class ManifestPublisher(Publisher):
         # examine: a manifest that cannot be *read* (a refused or failed GET) raises, it is never
         # taken for damage and overwritten without overwrite=True
         found, old = examine(final, store)
+        if isinstance(found, DamagedCheckpoint) and \
+                not written_by_datastates(final, store, besides=manifest.data_dir):
+            found = None  # its only mark is the data this save uploaded into that folder
+        if found is None and store.isfile(store.join(final, fmt.MANIFEST)):
+            raise not_a_checkpoint(final)  # another program's manifest.json: never replaced
         if isinstance(found, DamagedCheckpoint):
             old = False  # a damaged manifest: replace it, leave its data for clean_stale
             log.warning("the damaged checkpoint %s is replaced by a new save of that name (its "

@@ -266,11 +266,11 @@ def parse_view(m: dict, where: str, rank: int, node: dict, refs: dict, items: di
 
 
 def data_dir(m: dict, where: str) -> str | None:
-    """The manifest's optional ``data_dir`` (``.data.<run>-<attempt>``: one path component)."""
+    """The manifest's optional ``data_dir`` (``.data.<run>-<serial>``: one path component)."""
     value = m.get("data_dir")
     at = _At(where) / "data_dir"
     if value is not None and (not _DATA_DIR.fullmatch(_str(value, at)) or ".." in value):
-        raise at.bad(f"expected '.data.<run>-<attempt>', found {_show(value)}")
+        raise at.bad(f"expected '.data.<run>-<serial>', found {_show(value)}")
     return value
 
 

@@ -628,13 +628,18 @@ class _Plan:
         return count
 
 
+#: Plain values whose equal copies are interchangeable.
+_IMMUTABLE = frozenset({int, float, complex, str, bytes, bool, type(None)})
+
+
 def _replaced(result: Any, live: Any, path: tuple) -> list[tuple[tuple, Any]]:
     """(path, live item) of what an in-place restore would have to put in place of ``live``
-    (:meth:`_Plan.match_root`): nothing where ``result`` is ``live`` itself; the items of a
-    tuple rebuilt as a tuple, one by one; else ``live`` at ``path``."""
+    (:meth:`_Plan.match_root`): nothing where ``result`` is ``live`` itself or an equal plain
+    value; the items of a tuple rebuilt as a tuple, one by one; else ``live`` at ``path``."""
     if isinstance(live, Capture):  # a capture policy's wrapper: its value is what is filled
         live = live.value
-    if result is live:
+    if result is live or type(result) is type(live) and type(live) in _IMMUTABLE and \
+            result == live:  # the same value: nothing to replace
         return []
     if type(live) is tuple and type(result) is tuple and len(result) == len(live):
         return [found for i, (r, item) in enumerate(zip(result, live))

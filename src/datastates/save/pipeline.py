@@ -165,6 +165,10 @@ class Pipeline:
                 self._capture(job)
                 self._digest_replicas(job, lazy=False)  # no-op if done before eager_captured
                 self._digest_replicas(job, lazy=True)
+                # every lazy tensor once more, last before the snapshot is complete: a write
+                # still running at its unit's check has returned (or is after save()'s step)
+                items = job.flat.items
+                check_unwritten(items, items.versions, job.target.name, job.target.rank)
             except BaseException as exc:
                 job.fail(write_error(job, f"preparing {job.target.tmp}", exc))
             finally:
