@@ -180,8 +180,9 @@ def check_unwritten(items, indexes: Iterable[int], name: str, rank: int) -> None
     counter moved by then.
 
     Capture thread, once the copy of those tensors is known complete: after the fence (on CUDA,
-    the side streams' events synchronized), before the snapshot is declared complete, so the
-    guarded step, which waits for that, never counts. The rule is conservative: any in-place
+    the side streams' events synchronized), and over every lazy tensor once more right before
+    the snapshot is declared complete, so the guarded step, which waits for that, never
+    counts. The rule is conservative: any in-place
     write dispatched before this check fails the save, even one whose kernel ran after the copy;
     one dispatched after it cannot have reached the copy, which was already complete. What the
     counter does not see is not found: writes through ``.data``, through a NumPy array sharing
