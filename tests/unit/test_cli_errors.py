@@ -170,7 +170,7 @@ def test_inspect_and_export_of_the_newest_name_a_damaged_newer_checkpoint(tmp_pa
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify", "export", "import"])
-@pytest.mark.parametrize("tag", ["../x", "a/b", "latest", ".hidden"])
+@pytest.mark.parametrize("tag", ["../x", "a/b", "latest", ".hidden", "t" * 129])
 def test_an_invalid_tag_is_a_usage_error_not_a_traceback(tmp_path, capsys, command, tag):
     """``--tag`` names one checkpoint folder: anything else is refused by the argument parser
     (exit 2, its usage line), before any folder is opened."""
@@ -183,6 +183,6 @@ def test_an_invalid_tag_is_a_usage_error_not_a_traceback(tmp_path, capsys, comma
         main([str(a) for a in argv] + ["--tag", tag])
     err = capsys.readouterr().err
     assert exited.value.code == 2
-    assert f"error: argument --tag: invalid checkpoint name {tag!r}" in err
+    assert f"error: argument --tag: invalid checkpoint name {tag[:40]!r}"[:-1] in err
     assert "Traceback" not in err
     assert not (tmp_path / "ck").exists() and not (tmp_path / "out.pt").exists()

@@ -16,8 +16,8 @@ import time
 
 from .._version import __version__
 from . import export, describe
-from ..errors import CheckpointNotFoundError, DatastatesError
-from ..format import codec as fmt
+from ..errors import CheckpointNotFoundError, ConfigError, DatastatesError
+from ..save.arguments import check_tag
 from ..providers import ProviderRegistry
 from ..restore.reader import Reader
 
@@ -148,10 +148,11 @@ def _add_which(p: argparse.ArgumentParser) -> None:
 
 
 def _name(text: str) -> str:
-    """A ``--tag``: a checkpoint name (``codec.check_name``), else argparse's usage error."""
+    """A ``--tag``: a name ``save()`` accepts (``arguments.check_tag``), else argparse's usage
+    error."""
     try:
-        return fmt.check_name(text)
-    except ValueError as exc:
+        return check_tag(text)
+    except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
