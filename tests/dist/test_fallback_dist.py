@@ -232,3 +232,39 @@ def test_a_rank_refused_before_the_rounds_fails_every_rank_and_the_next_restore_
         assert "rank(s) [1] refused" in out[0][case][1] and "ConfigError" in out[0][case][1]
         assert out[0][case + "_unchanged"] and out[1][case + "_unchanged"]
         assert out[0][case + "_next"] == out[1][case + "_next"] == (1, True)
+
+
+def _skipped_then_agreed(rank, world, root):
+    """Rank 1 skips one fallback restore the others make (they give up on it); then every
+    rank's fallback restores meet again."""
+    out = {"logs": []}
+    import logging
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            out["logs"].append(record.getMessage())
+    logging.getLogger("datastates").addHandler(Keep(logging.WARNING))
+    with Checkpointer(root, CheckpointConfig(commit_timeout_s=5)) as ckpt:
+        ckpt.save(_state(rank, 1), step=1, replicated=["model"]).wait()
+        if rank != 1:
+            try:
+                ckpt.restore(_blank(rank), fallback=True)
+                out["alone"] = "restored"
+            except datastates.RestoreAbortedError as exc:
+                out["alone"] = str(exc)
+        dist.barrier()
+        for n in range(2):
+            live = _blank(rank)
+            out[f"next{n}"] = (ckpt.restore(live, fallback=True).step,
+                               _same(live, _state(rank, 1)))
+            dist.barrier()
+    return out
+
+
+def test_a_rank_that_skipped_a_fallback_restore_meets_the_others_at_the_next(tmp_path):
+    out = run_ranks(2, _skipped_then_agreed, str(tmp_path / "ck"), timeout=240)
+    assert "rank(s) [1] did not answer the exchange 'restore-fallback' #0" in out[0]["alone"]
+    for r in (0, 1):
+        assert out[r]["next0"] == out[r]["next1"] == (1, True), out[r]
+    assert any("the exchange 'restore-fallback' #0 had ended without rank 1" in m
+               for m in out[1]["logs"]), out[1]["logs"]

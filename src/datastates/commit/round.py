@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -48,6 +49,8 @@ from .. import collector
 from ..errors import CorruptCheckpointError
 from ..format.records import PENDING, RankReport, Verdict
 from ..format.validate import decode_rank_report, parse_rank_report, parse_verdict
+
+log = logging.getLogger("datastates")
 
 #: What a failed report adds to the reports counter ``<nonce>/n`` (a good one adds 1): the
 #: counter says how many reported and how many failed in one read.
@@ -414,7 +417,10 @@ class StoreCommunicator:
         """Every rank's ``value`` (small JSON) for the next exchange of ``topic``: an all-gather
         through the store, off the training group, for agreements other than a commit (a
         restore choosing its checkpoint). Every rank calls it for the same topics in the same
-        order (the n-th call of a topic meets the n-th call of every other rank).
+        order (the n-th call of a topic meets the n-th call of every other rank). A rank that
+        skipped a call the others made, or came after they gave up on it, finds that exchange
+        aborted with itself named missing: it goes on to the next one (a WARNING), so the calls
+        after it meet again.
 
         All ranks get the same answer: the values, or TimeoutError on every rank. A rank whose
         ``timeout_s`` passes before every value arrived claims an abort in a decision key, a
@@ -423,15 +429,27 @@ class StoreCommunicator:
         to take the values deletes the keys; an aborted exchange leaves its few keys behind."""
         if self.world_size == 1:
             return {0: value}
-        with self._lock:
-            count = self._exchanges.get(topic, 0)
-            self._exchanges[topic] = count + 1
-        prefix = f"x/{topic}/{count}"
-        self._set_json(f"{prefix}/r{self.rank}", [value])  # boxed: a None value is a value
-        values, missing = self._collect(prefix, time.monotonic() + timeout_s)
-        mine = json.dumps({"go": True} if not missing else
-                          {"go": False, "rank": self.rank, "missing": missing})
-        decision = json.loads(self.store.compare_set(f"{prefix}/decision", "", mine))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                count = self._exchanges.get(topic, 0)
+                self._exchanges[topic] = count + 1
+            prefix = f"x/{topic}/{count}"
+            self._set_json(f"{prefix}/r{self.rank}", [value])  # boxed: a None value is a value
+            decision = self._get_json(f"{prefix}/decision")
+            if not self._ended_without_me(decision, deadline):
+                values, missing = self._collect(prefix, deadline)
+                mine = json.dumps({"go": True} if not missing else
+                                  {"go": False, "rank": self.rank, "missing": missing})
+                decision = json.loads(self.store.compare_set(f"{prefix}/decision", "", mine))
+                if not self._ended_without_me(decision, deadline):
+                    break
+            # That exchange ended without this rank: it skipped it (or came after the others
+            # gave up on it), so they have gone on to the next one: meet them there.
+            self.store.delete_key(f"{prefix}/r{self.rank}")
+            log.warning("the exchange %r #%d had ended without rank %d (it skipped that call, "
+                        "or came after the others gave up on it); rank %d meets the other ranks "
+                        "at #%d", topic, count, self.rank, self.rank, count + 1)
         if not decision["go"]:
             raise TimeoutError(f"rank(s) {decision['missing']} did not answer the exchange "
                                f"{topic!r} #{count} within {timeout_s:g} s (seen by rank "
@@ -444,6 +462,13 @@ class StoreCommunicator:
             for key in ("decision", "done"):
                 self.store.delete_key(f"{prefix}/{key}")
         return {r: box[0] for r, box in values.items()}
+
+    def _ended_without_me(self, decision: dict | None, deadline: float) -> bool:
+        """Whether ``decision`` (an exchange's, None if not claimed yet) is an abort claimed by
+        another rank that found this one missing, with time left to meet the others at the
+        next exchange of the topic."""
+        return decision is not None and not decision["go"] and \
+            self.rank in decision["missing"] and time.monotonic() < deadline
 
     def _collect(self, prefix: str, deadline: float | None) -> tuple[dict[int, Any], list[int]]:
         """The values of ``prefix/r<k>`` present by ``deadline`` (None: wait for all)."""
