@@ -335,7 +335,7 @@ class Checkpointer:
                             "and has no .optimizer attribute leading to one")
         if opt in self._guarded:
             return
-        self._guarded[opt] = opt.register_step_pre_hook(self._before_step)
+        self._guarded[opt] = capture.add_step_waiter(opt, self._before_step)
 
     def _decide_capture(self, flat, optimizers: Iterable[Any]) -> None:
         """Guard the optimizers part of this save and decide lazy/eager for every tensor."""
@@ -710,8 +710,8 @@ class Checkpointer:
         if self._tiers is not None:  # after storage's saves: the tier may commit there too
             self._tiers.close(stop_keeper)
         self._report_dropped_failures()
-        for hook in list(self._guarded.values()):
-            hook.remove()
+        for remove in list(self._guarded.values()):  # (any thread: see add_step_waiter)
+            remove()
         self._guarded.clear()
         if self._owns_pipeline:
             self._pipeline.close()

@@ -298,3 +298,39 @@ def test_a_write_on_one_rank_fails_the_save_on_every_rank(tmp_path, stall):
         assert "LazyWriteError" in error.causes[1]
     assert isinstance(out[1].__cause__, LazyWriteError) and out[1].__cause__.keys == (PENDING,)
     assert not (tmp_path / "step-0000000001").exists()
+
+
+def test_a_checkpointer_closed_while_a_step_waits_for_another_leaves_the_step_alone(
+        tmp_path, stall):
+    """Two Checkpointers guard one optimizer (the DeepSpeed engine's path layer keeps one per
+    checkpoint directory and closes the old ones from a thread of its own). One is closed while
+    ``step()``, on another thread, waits in its hooks for the other's snapshot: the step runs
+    on (removing a torch hook there made it raise "OrderedDict mutated during iteration")."""
+    model, opt = make()
+    train(model, opt)
+    entered = threading.Event()
+    opt.register_step_pre_hook(lambda *_: entered.set())  # runs before the guards' hook
+    with Checkpointer(tmp_path / "a", SMALL) as waited:
+        waited.save({"model": model, "opt": opt}, step=1).wait()  # its guard comes first
+        old = Checkpointer(tmp_path / "b", SMALL)
+        old.save({"model": model, "opt": opt}, step=1).wait()
+        expected = reference(model, opt)
+        stall.arm()
+        handle = waited.save({"model": model, "opt": opt}, step=2)
+        stall.wait_entered()
+        failures = []
+
+        def step():
+            try:
+                train(model, opt)
+            except BaseException as exc:  # noqa: BLE001 - what the step raised is the result
+                failures.append(exc)
+        stepping = threading.Thread(target=step)
+        stepping.start()
+        assert entered.wait(60)  # the step is inside its hooks: the guard's waits for the copy
+        old.close()
+        stall.release()
+        stepping.join(60)
+        assert not stepping.is_alive() and failures == []
+        handle.wait(60)
+        assert_saved(waited, 2, expected)

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from datastates.save.capture import add_step_waiter
 from datastates.storage import LOCAL
 from ._paths import PathCheckpoints, base_optimizer
 
@@ -183,8 +184,8 @@ class CheckpointEngine:
         if self._closed:
             return
         self._closed = True
-        for hook in self._hooks:
-            hook.remove()
+        for remove in self._hooks:
+            remove()
         self._hooks.clear()
         self._seal_if_new(None)
         self._paths.close()
@@ -212,7 +213,7 @@ class CheckpointEngine:
             raise TypeError(f"guard(): {type(optimizer).__qualname__} is not a torch optimizer "
                             "and has no .optimizer attribute that is one")
         self._guard_optimizers.append(optimizer)
-        self._hooks.append(opt.register_step_pre_hook(self._before_step))
+        self._hooks.append(add_step_waiter(opt, self._before_step))
 
     def _before_step(self, *_args) -> None:
         self._seal_if_new(None)

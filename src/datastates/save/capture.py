@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import bisect
 import sys
+import threading
+import weakref
 from collections import OrderedDict
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -211,6 +213,46 @@ def _written_error(keys: list[str], name: str, rank: int) -> LazyWriteError:
         "as SAM's first_step(), weight clipping). Save them eagerly with datastates.eager(...), "
         "or call handle.wait_snapshot() before writing them. The latest checkpoint is still the "
         "previous one; the next save is not affected", keys)
+
+
+class _StepGuard:
+    """The one step pre-hook datastates installs on an optimizer: it calls the waiters
+    registered now (each Checkpointer's, the DeepSpeed engine's). Waiters come and go on any
+    thread -- a Checkpointer may be closed by a thread of its own while the training thread is
+    inside ``step()`` -- so they are a tuple replaced under a lock, and the torch hook itself is
+    never removed: removing one while ``step()`` runs its hooks on another thread makes that
+    ``step()`` raise ("OrderedDict mutated during iteration")."""
+
+    __slots__ = ("waiters", "__weakref__")
+
+    def __init__(self):
+        self.waiters: tuple = ()
+
+    def __call__(self, *args) -> None:
+        for waiter in self.waiters:  # the tuple of this moment: removals do not disturb it
+            waiter(*args)
+
+
+_guards: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _StepGuard]" = \
+    weakref.WeakKeyDictionary()
+_guards_lock = threading.Lock()
+
+
+def add_step_waiter(opt: torch.optim.Optimizer, waiter) -> Callable[[], None]:
+    """Call ``waiter(optimizer, args, kwargs)`` before every ``opt.step()`` from now on, through
+    the optimizer's one datastates hook (:class:`_StepGuard`, installed at the first waiter);
+    returns the call that removes it, safe on any thread at any time."""
+    with _guards_lock:
+        guard = _guards.get(opt)
+        if guard is None:
+            guard = _guards[opt] = _StepGuard()
+            opt.register_step_pre_hook(guard)
+        guard.waiters += (waiter,)
+
+    def remove() -> None:
+        with _guards_lock:
+            guard.waiters = tuple(w for w in guard.waiters if w is not waiter)
+    return remove
 
 
 def mark_lazy(state: Any, tensors: Iterable[torch.Tensor]) -> Any:
