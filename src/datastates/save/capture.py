@@ -210,7 +210,8 @@ def _written_error(keys: list[str], name: str, rank: int) -> LazyWriteError:
         "hold values from after save()). Only the next step() of a guarded optimizer may change "
         "them before the snapshot is complete; this was something else (load_state_dict(), "
         "copy_() or add_() under torch.no_grad(), an optimizer method other than step() such "
-        "as SAM's first_step(), weight clipping). Save them eagerly with datastates.eager(...), "
+        "as SAM's first_step(), weight clipping, nn.Embedding(max_norm=...) in forward). Save "
+        "them eagerly with datastates.eager(...), "
         "or call handle.wait_snapshot() before writing them. The latest checkpoint is still the "
         "previous one; the next save is not affected", keys)
 
