@@ -143,8 +143,9 @@ def written_by_datastates(path: str, store: Store = LOCAL, raw: bytes | None = N
     of this library, so that it counts as a damaged checkpoint (listed, set aside, deleted by
     retention and ``delete()``): its manifest begins as every manifest written here begins or
     ends with the checksum field that seals one, or its rank 0 shard file (on an object store,
-    in one of its ``.data.`` directories) begins with the shard magic. ``raw``: the manifest's bytes if they were read (otherwise its first bytes are read,
-    from a regular file only). A directory without a mark is not a checkpoint: some other
+    in one of its ``.data.`` directories) begins with the shard magic. ``raw``: the manifest's
+    bytes if they were read (otherwise its first bytes are read, from a regular file only). A
+    directory without a mark is not a checkpoint: some other
     program's folder that happens to hold a file named ``manifest.json``, never removed.
     ``besides``: a data directory that does not count (the one a save is committing now)."""
     if raw is None:
