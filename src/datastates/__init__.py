@@ -15,7 +15,7 @@ from .config import CheckpointConfig
 from .memory import MemoryTier
 from .data import ElasticLoader, ElasticSampler
 from .commit.round import LocalCommunicator, StoreCommunicator
-from .save.capture import mark_lazy, torch_optimizer
+from .save.capture import add_step_waiter, mark_lazy, torch_optimizer
 from .save.job import SaveHandle, SaveStats
 from .providers.tree import TensorShard
 from .errors import (CheckpointerClosedError, CheckpointExistsError, CheckpointNotFoundError,
@@ -42,7 +42,7 @@ __all__ = [
     "ReshardError", "RestoreAbortedError", "RestoreReport", "SaveHandle", "SaveStats", "SerializationError",
     "SkippedCheckpoint",
     "StateMismatchError", "StateProvider", "StorageAccessError", "StorageError", "BucketNotFoundError", "StatefulProvider", "TensorShard", "UnsafeObjectError",
-    "UnsupportedFormatError", "eager", "export", "import_checkpoint", "inspect", "lazy", "mark_lazy", "torch_optimizer",
+    "UnsupportedFormatError", "add_step_waiter", "eager", "export", "import_checkpoint", "inspect", "lazy", "mark_lazy", "torch_optimizer",
     "CheckpointEngine",
 ]
 

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from datastates.save.capture import add_step_waiter
+from datastates import add_step_waiter
 from datastates.storage import LOCAL
 from ._paths import PathCheckpoints, base_optimizer
 
