@@ -130,8 +130,7 @@ def _is_ndarray(value: Any) -> bool:
 def _writable_tensor(array: Any) -> torch.Tensor | None:
     """A tensor on the bytes of the live ndarray ``array``, or None when restore cannot write
     into it: read-only, a dtype torch lacks, or strides torch cannot view (negative)."""
-    if not array.flags.writeable or array.dtype.name not in NUMPY_DTYPES or \
-            not array.dtype.isnative:
+    if not _fillable(array):
         return None
     try:
         return torch.from_numpy(array)
@@ -260,7 +259,7 @@ class _Plan:
         result = self.match(live, node, (), None)
         if not self.in_place or live is None:
             return
-        for path, _ in _replaced(result, live, ()):
+        for path in _replaced(result, live, ()):
             what = "an item of a top-level tuple" if path else "the state passed"
             self.report.mismatched.append(
                 f"{key_of(path) or '(top level)'} ({what} would have to be replaced, which "
@@ -446,8 +445,8 @@ class _Plan:
         (a writeable ``np.ndarray`` of the same shape and dtype: other references to it see the
         restored values -- one with strides torch cannot view, negative ones, is filled from a
         temporary after the reads; a different shape or dtype is a mismatch, as for tensors; a
-        read-only array is replaced by a new one); else a new tensor, or a new ``np.ndarray`` for a node
-        saved from numpy (``"np": true``)."""
+        read-only array is replaced by a new one); else a new tensor, or a new ``np.ndarray``
+        for a node saved from numpy (``"np": true``)."""
         entry = self.reader.entries[node["e"]]
         key = key_of(path)
         if self.in_place and type(live) is torch.Tensor:  # the commonest: a plain live tensor
@@ -632,10 +631,10 @@ class _Plan:
 _IMMUTABLE = frozenset({int, float, complex, str, bytes, bool, type(None)})
 
 
-def _replaced(result: Any, live: Any, path: tuple) -> list[tuple[tuple, Any]]:
-    """(path, live item) of what an in-place restore would have to put in place of ``live``
+def _replaced(result: Any, live: Any, path: tuple) -> list[tuple]:
+    """The paths of what an in-place restore would have to put in place of ``live``
     (:meth:`_Plan.match_root`): nothing where ``result`` is ``live`` itself or an equal plain
-    value; the items of a tuple rebuilt as a tuple, one by one; else ``live`` at ``path``."""
+    value; the items of a tuple rebuilt as a tuple, one by one; else ``path`` itself."""
     if isinstance(live, Capture):  # a capture policy's wrapper: its value is what is filled
         live = live.value
     if result is live or type(result) is type(live) and type(live) in _IMMUTABLE and \
@@ -644,4 +643,4 @@ def _replaced(result: Any, live: Any, path: tuple) -> list[tuple[tuple, Any]]:
     if type(live) is tuple and type(result) is tuple and len(result) == len(live):
         return [found for i, (r, item) in enumerate(zip(result, live))
                 for found in _replaced(r, item, path + (i,))]
-    return [(path, live)]
+    return [path]
