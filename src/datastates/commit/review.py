@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import CorruptCheckpointError
 from ..format import codec as fmt
 from ..format import tree
-from ..format.tiling import box_text, grid, overlapping, volume
+from ..format.tiling import TooIrregular, box_text, grid, overlapping, volume
 from ..format.tiling import slabs as _slabs  # (a test replaces it: the general check agrees)
 from ..format.records import (FileRef, Manifest, ObjectEntry, RankReport, RankTree, ReportEntry,
                               ShardRef, TensorEntry, Verdict)
@@ -203,10 +203,15 @@ def check_tiling(manifest: Manifest) -> Problems:
         if outside:
             problems += outside
             continue
-        overlaps = [([a[2], b[2]], f"ranks {a[2]} and {b[2]} both wrote {e.key!r} boxes "
-                     f"{box_text(*a[:2])} and {box_text(*b[:2])}, which overlap (declare "
-                     "replicas with primary=False or replicated=...)")
-                    for a, b in overlapping(boxes)]
+        try:
+            overlaps = [([a[2], b[2]], f"ranks {a[2]} and {b[2]} both wrote {e.key!r} boxes "
+                         f"{box_text(*a[:2])} and {box_text(*b[:2])}, which overlap (declare "
+                         "replicas with primary=False or replicated=...)")
+                        for a, b in overlapping(boxes)]
+        except TooIrregular as exc:
+            problems.append((sorted({r for *_, r in boxes}), f"the shards of {e.key!r} "
+                             f"(shape {list(shape)}): {exc}"))
+            continue
         problems += overlaps
         covered = sum(volume(box) for _, box, _ in boxes)
         if not overlaps and covered != volume(shape):

@@ -9,6 +9,9 @@ Pure: no I/O.
 """
 from __future__ import annotations
 
+import bisect
+import heapq
+
 def slabs(shape: tuple[int, ...], shards) -> bool:
     """Whether the boxes of ``shards`` are one box holding the whole tensor of ``shape``, or
     slabs of it along one dimension (whole in every other) laid end to end from 0 to its
@@ -82,9 +85,13 @@ def grid(shape: tuple[int, ...], shards) -> bool:
 def tiling_fault(shape: tuple[int, ...], shards) -> str | None:
     """What keeps the boxes of ``shards``, each inside the tensor of ``shape`` (with its number
     of dimensions), from tiling it exactly: the first two non-empty boxes found to overlap, or
-    the elements no box covers; None when they tile it. The general check, for any layout."""
+    the elements no box covers, or that they are too irregular to check (:class:`TooIrregular`);
+    None when they tile it. The general check, for any layout."""
     boxes = [(s.global_offset, s.shape) for s in shards]
-    pair = next(overlapping(boxes), None)
+    try:
+        pair = next(overlapping(boxes), None)
+    except TooIrregular as exc:
+        return str(exc)
     if pair is not None:
         return f"boxes {box_text(*pair[0])} and {box_text(*pair[1])} overlap"
     covered = sum(volume(box) for _, box in boxes)
@@ -112,11 +119,35 @@ def check_tiling(key: str, shape: tuple[int, ...], shards, at) -> None:
                                       f"{list(shape)}: {fault}")
 
 
+#: The general check's budget of box comparisons for one tensor, beyond :data:`COMPARISONS_PER_BOX`
+#: per box: a layout of three or more dimensions that is neither slabs nor a grid, and so
+#: irregular that the sweep would compare more pairs than this, is refused as too irregular to
+#: check (:class:`TooIrregular`) rather than checked for minutes (refused in
+#: about 7 s per million boxes on a 2-core machine, about what parsing their records costs). Writers and readers apply one rule, so a reader accepts exactly
+#: what a writer commits. Layouts whose boxes differ in at most two dimensions are always
+#: decided in O(n log n) and never reach it.
+MAX_COMPARISONS = 1 << 18
+COMPARISONS_PER_BOX = 8
+
+
+class TooIrregular(Exception):
+    """The general tiling check gave up: the boxes need more than their budget of comparisons
+    (:data:`MAX_COMPARISONS`). The message says how many boxes and comparisons."""
+
+
 def overlapping(boxes: list):
     """The pairs of non-empty boxes among ``boxes`` (tuples whose first two items are an origin
-    and a shape, of one number of dimensions) that share an element, as they are found: a sweep
-    along the dimension with the most distinct offsets, so row or column shardings cost
-    O(n log n). A generator: a caller wanting one pair stops at the first."""
+    and a shape, of one number of dimensions) that share an element, as they are found. A
+    generator: a caller wanting one pair stops at the first.
+
+    Where the boxes differ in one or two dimensions only (every box holding the same interval of
+    the others): decided in O(n log n) (a sweep keeping the boxes it crosses ordered along the
+    other dimension); where there is an overlap, the pairs are then enumerated by the general
+    sweep, up to its budget (at least one pair is always yielded). Three or more: the general
+    sweep along the dimension with the most distinct offsets, which compares each box
+    with the boxes it crosses, within a budget of ``MAX_COMPARISONS + COMPARISONS_PER_BOX * n``
+    comparisons; past it, :class:`TooIrregular` if no overlap was found yet (undecided), else
+    the enumeration stops (the pairs found are the answer)."""
     boxes = [b for b in boxes if volume(b[1])]
     if len(boxes) < 2:
         return
@@ -125,15 +156,72 @@ def overlapping(boxes: list):
         for b in boxes[1:]:
             yield boxes[0], b
         return
-    dim = max(range(ndim), key=lambda d: len({b[0][d] for b in boxes}))
+    # a dimension in which every box holds the same interval decides nothing: left out
+    dims = [d for d in range(ndim) if len({(b[0][d], b[1][d]) for b in boxes}) > 1] or [0]
+    dim = max(dims, key=lambda d: len({b[0][d] for b in boxes}))
+    first = None
+    if len(dims) <= 2:
+        first = _first_overlap_planar(boxes, dim, next((d for d in dims if d != dim), None))
+        if first is None:
+            return
+    budget = MAX_COMPARISONS + COMPARISONS_PER_BOX * len(boxes)
+    found = False
+    try:
+        for pair in _sweep(boxes, dim, budget):
+            found = True
+            yield pair
+    except TooIrregular:
+        if first is not None and not found:
+            yield first
+        elif not found:
+            raise
+        return
+
+
+def _sweep(boxes: list, dim: int, budget: int):
+    """Every overlapping pair, by a sweep along ``dim`` comparing each box with the boxes it
+    crosses there; TooIrregular once more than ``budget`` comparisons were made."""
+    ndim = len(boxes[0][0])
     active: list = []
+    spent = 0
     for b in sorted(boxes, key=lambda b: b[0][dim]):
+        spent += 2 * len(active) + 1
+        if spent > budget:
+            raise TooIrregular(f"its {len(boxes)} boxes are neither slabs nor a grid and too "
+                               f"irregular to check within {budget} comparisons")
         active = [a for a in active if a[0][dim] + a[1][dim] > b[0][dim]]
         for a in active:
             if all(max(a[0][d], b[0][d]) < min(a[0][d] + a[1][d], b[0][d] + b[1][d])
                    for d in range(ndim)):
                 yield a, b
         active.append(b)
+
+
+def _first_overlap_planar(boxes: list, dim: int, other: int | None):
+    """One overlapping pair of the non-empty boxes, or None, where only the dimensions ``dim``
+    and ``other`` (None: only ``dim``) tell boxes apart: a sweep along ``dim`` keeping the boxes
+    it crosses ordered by their start in ``other``. Boxes crossed at one point of the sweep
+    must be disjoint in ``other``, so a new box need only be compared with its two neighbours
+    there: O(n log n)."""
+    starts: list[int] = []  # the crossed boxes' starts in the other dimension, ascending
+    crossing: dict[int, tuple] = {}  # start -> (end, box)
+    ends: list[tuple] = []  # heap of (end along dim, order, start)
+    for i, b in enumerate(sorted(boxes, key=lambda b: b[0][dim])):
+        at = b[0][dim]
+        while ends and ends[0][0] <= at:
+            lo = heapq.heappop(ends)[2]
+            del starts[bisect.bisect_left(starts, lo)]
+            del crossing[lo]
+        lo, hi = (b[0][other], b[0][other] + b[1][other]) if other is not None else (0, 1)
+        j = bisect.bisect_right(starts, lo)
+        if j and crossing[starts[j - 1]][0] > lo:
+            return crossing[starts[j - 1]][1], b
+        if j < len(starts) and starts[j] < hi:
+            return crossing[starts[j]][1], b
+        starts.insert(j, lo)
+        crossing[lo] = (hi, b)
+        heapq.heappush(ends, (at + b[1][dim], i, lo))
+    return None
 
 
 def volume(shape) -> int:
