@@ -189,3 +189,57 @@ def test_an_object_store_checkpoint_with_an_emptied_manifest_is_damaged(
         assert [d.name for d in ckpt.damaged()] == [fmt.step_name(1)]
         ckpt.delete(step=1)
         assert [i.step for i in ckpt.list()] == [2]
+
+
+# ---------------------------------------------------------------- a folder without its manifest
+
+def test_a_newest_checkpoint_whose_manifest_was_deleted_is_named_not_skipped(tmp_path, caplog):
+    """The newest checkpoint's manifest deleted by hand: ``latest()`` and ``restore()`` use the
+    one before, name the folder in a WARNING and in the report (a resume must not go back a
+    step without a word), and nothing lists, keeps in ``damaged()`` or deletes it. A folder of
+    another program and an older manifest-less checkpoint are not named."""
+    with Checkpointer(tmp_path, CheckpointConfig(keep_last=None, **SMALL)) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save({"x": torch.full((4,), float(step))}, step=step).wait(60)
+    os.remove(tmp_path / fmt.step_name(1) / fmt.MANIFEST)
+    old = os.stat(tmp_path / fmt.step_name(2) / fmt.MANIFEST).st_mtime - 60
+    os.utime(tmp_path / fmt.step_name(1), (old, old))  # older than the one used
+    os.remove(tmp_path / fmt.step_name(3) / fmt.MANIFEST)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "events.txt").write_text("not a checkpoint")
+    newest = fmt.step_name(3)
+    with Checkpointer(tmp_path, CheckpointConfig(keep_last=1, **SMALL)) as ckpt:
+        caplog.clear()
+        assert ckpt.latest().step == 2
+        named = [w for w in _warnings(caplog) if "passed over" in w]
+        assert len(named) == 1 and f"passed over the damaged checkpoint {newest}" in named[0] \
+            and f"no {fmt.MANIFEST}: its manifest was deleted" in named[0], named
+        live = {"x": torch.zeros(4)}
+        report = ckpt.restore(live)
+        assert report.step == 2 and report.passed_over == [newest]
+        assert torch.equal(live["x"], torch.full((4,), 2.0))
+        assert [i.step for i in ckpt.list()] == [2] and ckpt.damaged() == []
+        ckpt.save({"x": torch.full((4,), 4.0)}, step=4).wait(60)  # retention: keep_last=1
+        assert [i.step for i in ckpt.list()] == [4]
+    for step in (1, 3):
+        assert (tmp_path / fmt.step_name(step) / fmt.shard_file_name(0)).is_file()
+    assert (tmp_path / "logs" / "events.txt").read_text() == "not a checkpoint"
+
+
+def test_an_object_store_checkpoint_without_its_manifest_is_named(s3_server, s3_root,
+                                                                  s3_storage_options, caplog):
+    """On an object store the folder's shard files lie in its data directory: found there."""
+    client = s3_server.client()
+    with Checkpointer(s3_root, CheckpointConfig(keep_last=None, **SMALL),
+                      storage_options=s3_storage_options) as ckpt:
+        for step in (1, 2):
+            ckpt.save({"x": torch.full((4,), float(step))}, step=step).wait(60)
+    key = f"{s3_root.split('/', 3)[3]}/{fmt.step_name(2)}/{fmt.MANIFEST}"
+    client.delete_object(Bucket=s3_server.bucket, Key=key)
+    with Checkpointer(s3_root, CheckpointConfig(**SMALL),
+                      storage_options=s3_storage_options) as ckpt:
+        caplog.clear()
+        report = ckpt.restore({"x": torch.zeros(4)})
+        assert report.step == 1 and report.passed_over == [fmt.step_name(2)]
+        assert any(f"passed over the damaged checkpoint {fmt.step_name(2)}" in w and
+                   "no manifest.json" in w for w in _warnings(caplog))

@@ -309,19 +309,48 @@ class Catalog:
 
     def passed_over(self, used: CheckpointInfo | None) -> list[DamagedCheckpoint]:
         """The damaged checkpoints of the last :meth:`scan` that may be newer than ``used`` (the
-        checkpoint chosen as the latest; None: no readable one), by name.
+        checkpoint chosen as the latest; None: no readable one), by name, then the folders
+        without a manifest that hold shard files of this library (:meth:`_headless`, listed
+        anew).
 
         A damaged checkpoint's commit sequence number is unreadable, so "newer" is decided by the
         modification time of ``manifest.json``: a damaged one whose manifest was modified at or
         after that of ``used`` (or whose time cannot be read) is passed over; an older one would
         not have been chosen anyway. Damage written into a manifest renews its time, so it counts
         as newer: the rule errs towards naming a damaged checkpoint, never towards silence."""
-        found = self.damaged()
+        found = self.damaged() + self._headless()
         if used is None or not found:
             return found
         used_mtime = _mtime(self.store, self.store.join(used.path, fmt.MANIFEST))
         return [d for d in found if d.mtime is None or used_mtime is None or
                 d.mtime >= used_mtime]
+
+    def _headless(self) -> list[DamagedCheckpoint]:
+        """The folders of the root that hold no ``manifest.json`` but a shard file of this
+        library (:func:`written_by_datastates`), as damaged checkpoints that are never listed,
+        deleted or restored: a checkpoint whose manifest was deleted by hand, or one whose
+        save or deletion (on an object store, which has no rename) is under way or was
+        interrupted. :meth:`passed_over` names those newer than the checkpoint used, so that a
+        resume never goes back a step without a word. Hidden names (temporaries) are not
+        looked at; ``mtime`` is the folder's (locally, changed when its manifest is deleted;
+        on an object store, its newest file)."""
+        try:
+            names = self.store.listdir(self.root)
+        except OSError:
+            return []
+        with self._lock:
+            known = set(self._seen)
+        found = []
+        for name in sorted(names):
+            path = self.store.join(self.root, name)
+            if name.startswith(".") or name == fmt.LATEST or name in known or \
+                    not written_by_datastates(path, self.store, raw=b""):
+                continue
+            found.append(DamagedCheckpoint(
+                name, path, f"it holds shard files of datastates but no {fmt.MANIFEST}: its "
+                "manifest was deleted, or a save or deletion of it is under way or was "
+                "interrupted", _mtime(self.store, path)))
+        return found
 
     def manifest(self, info: CheckpointInfo) -> "records.Manifest | None":
         """The validated manifest of ``info`` (from the last scan or the commit that wrote it)
