@@ -22,8 +22,9 @@ from .commit.retention import RetentionPolicy
 from .commit.round import LocalCommunicator, StoreCommunicator
 from .config import CheckpointConfig
 from .errors import (CheckpointerClosedError, CheckpointNotFoundError, CommitTimeoutError,
-                     ConfigError)
+                     ConfigError, CorruptCheckpointError)
 from .format import codec as fmt
+from .format import files
 from .format.records import CheckpointInfo, info_of
 from .providers import ProviderRegistry
 from .providers.tree import Flattened, Items, flatten
@@ -37,6 +38,9 @@ from .save.planning import assign_replicated, plan_layout, units_holding
 from .storage import normalize, open_store
 
 log = logging.getLogger("datastates")
+
+#: How many times a restore or load starts again on a checkpoint replaced while it was read.
+_REREADS = 3
 
 
 class Checkpointer:
@@ -479,10 +483,12 @@ class Checkpointer:
                 step, tag, trusted, safe_globals, None, rank_policy, "restore()", passed,
                 lambda r: r.plan_restore(state, keys=keys, strict=strict, cast=cast),
                 lambda r, plan: r.apply(plan))
-        with self._reader(step, tag, verify, trusted, safe_globals, None, rank_policy,
-                          "restore()", passed) as reader:
-            report = reader.restore_into(state, keys=keys, strict=strict, cast=cast)
+        rereads: list[str] = []
+        report = self._read(step, tag, verify, trusted, safe_globals, None, rank_policy,
+                            "restore()", passed, rereads, lambda reader: reader.restore_into(
+                                state, keys=keys, strict=strict, cast=cast))
         report.passed_over = [d.name for d in passed]
+        report.rereads = rereads
         return report
 
     def load(self, step: int | None = None, *, tag: str | None = None, keys=None,
@@ -509,9 +515,8 @@ class Checkpointer:
                 step, tag, trusted, safe_globals, map_location, rank_policy, "load()", None,
                 lambda r: r.plan_load(keys=keys, dtype=dtype),
                 lambda r, planned: r.finish_load(*planned))
-        with self._reader(step, tag, verify, trusted, safe_globals, map_location,
-                          rank_policy) as reader:
-            return reader.load(keys=keys, dtype=dtype)
+        return self._read(step, tag, verify, trusted, safe_globals, map_location, rank_policy,
+                          "load()", None, [], lambda reader: reader.load(keys=keys, dtype=dtype))
 
     def _from_memory(self, step, tag, read):
         """``read()`` from the memory tier if it holds what is asked for (every rank agrees);
@@ -535,27 +540,60 @@ class Checkpointer:
         finally:
             self.memory._eligible = None
 
-    def _reader(self, step, tag, verify, trusted, safe_globals, map_location, rank_policy,
-                caller: str = "load()", passed: list | None = None) -> Reader:
-        """The reader of the checkpoint asked for. Finding the latest, each damaged checkpoint
-        passed over is logged as a WARNING naming ``caller``, and appended to ``passed``."""
+    def _read(self, step, tag, verify, trusted, safe_globals, map_location, rank_policy,
+              caller: str, passed: list | None, rereads: list[str], read):
+        """``read(reader)`` on the checkpoint asked for. Finding the latest, each damaged
+        checkpoint passed over is logged as a WARNING naming ``caller``, and appended to
+        ``passed``.
+
+        A read that fails (CorruptCheckpointError, CheckpointNotFoundError) because another
+        process replaced or deleted the checkpoint while it was read (an overwrite of a tag
+        between reading its manifest and its shard files; retention deleting the latest) is
+        started again, the checkpoint found anew, up to ``_REREADS`` times, with a WARNING
+        each, and the error appended to ``rereads``. It counts as replaced when its manifest
+        now describes another commit (commit number, creation time) or is gone; a manifest
+        unchanged (real damage) or unreadable raises the error at once."""
         self._check_open()
         check_step(step)
         check_rank_policy(rank_policy)
         self._pipeline.drain()
-        info = resolve(self.directory, step, tag, self.store, self._catalog)
-        latest = step is None and tag is None  # found by a scan just now: the kept manifest holds
-        skipped = self._catalog.passed_over(info) if latest else []
-        log_passed_over(skipped, info, caller)
-        if passed is not None:
-            passed.extend(skipped)
-        manifest = self._catalog.manifest(info) if latest else None
-        return Reader(info.path, manifest=manifest, registry=self.registry, rank=self.rank,
-                      store=self.store,
-                      world_size=self.world_size, threads=self.config.reader_threads,
-                      verify=self.config.verify if verify is None else verify, trusted=trusted,
-                      safe_globals=safe_globals, map_location=map_location,
-                      rank_policy=rank_policy, view=True)
+        latest = step is None and tag is None  # found by a scan: the catalog keeps its manifest
+        while True:
+            info = None
+            try:
+                info = resolve(self.directory, step, tag, self.store, self._catalog)
+                skipped = self._catalog.passed_over(info) if latest else []
+                log_passed_over(skipped, info, caller)
+                if passed is not None:
+                    passed.extend(d for d in skipped if d not in passed)
+                with Reader(info.path, manifest=self._catalog.manifest(info) if latest else None,
+                            registry=self.registry, rank=self.rank, store=self.store,
+                            world_size=self.world_size, threads=self.config.reader_threads,
+                            verify=self.config.verify if verify is None else verify,
+                            trusted=trusted, safe_globals=safe_globals,
+                            map_location=map_location, rank_policy=rank_policy,
+                            view=True) as reader:
+                    return read(reader)
+            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+                name = info.name if info is not None else fmt.check_name(tag) \
+                    if tag is not None else fmt.step_name(step) if step is not None else None
+                if len(rereads) >= _REREADS or name is None or not self._replaced(name, info):
+                    raise
+                rereads.append(f"{name}: {type(exc).__name__}: {exc}")
+                log.warning("%s: the checkpoint %s was replaced or deleted by another process "
+                            "while it was read (%s: %s); finding and reading it again",
+                            caller, name, type(exc).__name__, exc)
+
+    def _replaced(self, name: str, info: CheckpointInfo | None) -> bool:
+        """Whether the checkpoint ``name`` read as ``info`` now describes another commit or is
+        gone; with ``info`` None (it was not found), whether it is there now."""
+        try:
+            now = files.read_info(self.store.join(self.directory, name), self.store)
+        except CheckpointNotFoundError:
+            return info is not None
+        except (CorruptCheckpointError, OSError):
+            return False
+        return info is None or (now.seq, now.created_unix) != (info.seq, info.created_unix)
 
     def _with_fallback(self, step, tag, trusted, safe_globals, map_location, rank_policy,
                        caller: str, passed: list | None, plan, finish):
@@ -592,6 +630,12 @@ class Checkpointer:
                                                   else planned)
 
         def quarantine(name, reason):
+            read = self._catalog.info(name)
+            if read is not None and self._replaced(name, read):
+                log.warning("%s: the checkpoint %s was replaced or deleted by another process "
+                            "while it was read (%s); what is there now is not moved aside",
+                            caller, name, reason)
+                return None
             try:
                 return self._publisher.quarantine(self.directory, name, reason,
                                                   self.config.fsync)

@@ -126,15 +126,19 @@ def _install(mode: str, n: int) -> None:
             return real_ftruncate(fd, size)
         os.ftruncate = ftruncate
     elif mode in ("rename-before", "rename-after"):
-        real_rename = os.rename
+        real_rename, real_exchange = os.rename, datastates.storage.posix.exchange
 
-        def rename(src, dst, *a, **k):
-            if mode == "rename-before" and hit():
-                _die()
-            real_rename(src, dst, *a, **k)
-            if mode == "rename-after" and hit():
-                _die()
-        os.rename = rename
+        def renaming(real):  # an exchange of two names (an overwrite) counts as a rename
+            def rename(src, dst, *a, **k):
+                if mode == "rename-before" and hit():
+                    _die()
+                done = real(src, dst, *a, **k)
+                if mode == "rename-after" and hit():
+                    _die()
+                return done
+            return rename
+        os.rename = renaming(real_rename)
+        datastates.storage.posix.exchange = renaming(real_exchange)
     elif mode == "replace-latest":
         real_replace = os.replace
 

@@ -156,16 +156,19 @@ def test_stale_latest_temporary_is_cleaned(tmp_path, states):
 
 
 @pytest.mark.parametrize("mode,n", [
-    # the old one is about to become .old
+    # the old one and the new one about to be exchanged
     pytest.param("rename-before", 1),
-    # the old one is .old, the new one not yet in place
+    # exchanged: the new one in place, the old one where the new one was written
+    pytest.param("rename-after", 1),
+    # the old one about to be renamed to .trash
     pytest.param("rename-before", 2),
-    # the new one in place, the .old not yet deleted
+    # the old one renamed to .trash, not yet deleted
     ("rename-after", 2),
 ])
 def test_kill_while_overwriting(tmp_path, states, mode, n):
-    """Replacing step 1 with ``overwrite=True``: after a crash the next Checkpointer shows step 1
-    with either the old or the new content, complete, never both missing nor a mix."""
+    """Replacing step 1 with ``overwrite=True`` (the two directories exchanged in one step):
+    after a crash the next Checkpointer shows step 1 with either the old or the new content,
+    complete, never both missing nor a mix."""
     proc = run_child(tmp_path, f"overwrite-{mode}", n)
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     check_after_crash(tmp_path, states, overwrite=True)

@@ -357,24 +357,67 @@ def test_undeletable_temporary_of_a_failed_save_is_removed_later(tmp_path, monke
         assert [i.name for i in ck.list()] == [STEP1, STEP3]
 
 
-def test_failed_rename_of_a_replacement_keeps_the_old_checkpoint(tmp_path, monkeypatch):
-    """overwrite=True and the rename of the new directory fails: the replaced checkpoint is put
-    back at once (not left as ``.old.*`` until some later Checkpointer opens the directory)."""
+@pytest.mark.parametrize("exchange", ["fails", "unsupported"])
+def test_failed_rename_of_a_replacement_keeps_the_old_checkpoint(tmp_path, monkeypatch,
+                                                                  exchange):
+    """overwrite=True and the exchange of the two directories fails (nothing changes), or the
+    file system cannot exchange them and the rename of the new directory fails: the replaced
+    checkpoint stays, or is put back at once (not left as ``.old.*`` until some later
+    Checkpointer opens the directory)."""
     real = os.rename
 
     def rename(src, dst, *args, **kwargs):
         if os.path.basename(os.fspath(src)).startswith(".tmp.step-0000000001"):
             raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(src))
         return real(src, dst, *args, **kwargs)
+
+    def exchanged(a, b):
+        if exchange == "unsupported":
+            return False
+        raise OSError(errno.EIO, os.strerror(errno.EIO), a)
     old = _state(1)
     with datastates.Checkpointer(tmp_path, _small()) as ck:
         ck.save(old, step=1).wait(WAIT_S)
         monkeypatch.setattr(os, "rename", rename)
+        monkeypatch.setattr(datastates.storage.posix, "exchange", exchanged)
         with pytest.raises(CheckpointWriteError):
             ck.save(_state(2), step=1, overwrite=True).wait(WAIT_S)
         monkeypatch.undo()
         assert hidden_entries(ck.directory) == []
         _assert_loaded(ck, old, 1)
+
+
+def test_an_overwrite_never_leaves_the_name_without_a_checkpoint(tmp_path, monkeypatch):
+    """Between any two renames of an overwrite (the exchange counts as one), ``root/<name>``
+    holds a complete checkpoint, the old one or the new one: a reader of the name never finds
+    it missing. With the exchange unavailable (two renames), the name is missing in between:
+    the check below sees that, so it can fail."""
+    seen = []
+    name = os.path.join(tmp_path, "best")
+
+    def watched(real):
+        def call(*args, **kwargs):
+            done = real(*args, **kwargs)
+            try:
+                seen.append(datastates.commit.catalog.examine(name)[0].name)
+            except AttributeError:  # examine found nothing there
+                seen.append(None)
+            return done
+        return call
+    with datastates.Checkpointer(tmp_path, _small()) as ck:
+        ck.save(_state(1), tag="best").wait(WAIT_S)
+        for exchange in (datastates.storage.posix.exchange, lambda a, b: False):
+            monkeypatch.setattr(os, "rename", watched(os.rename))
+            monkeypatch.setattr(datastates.storage.posix, "exchange", watched(exchange))
+            ck.save(_state(2), tag="best", overwrite=True).wait(WAIT_S)
+            monkeypatch.undo()
+            if exchange is not datastates.storage.posix.exchange:
+                assert None in seen  # two renames: the name was missing in between
+            else:
+                assert seen and None not in seen, seen
+            seen.clear()
+        got = ck.load(tag="best")
+        assert got["note"] == _state(2)["note"] and torch.equal(got["a"], _state(2)["a"])
 
 
 # ------------------------------------------------------------------ fail inside save()

@@ -301,6 +301,13 @@ class Catalog:
             else:
                 self._recorded.discard(name)
 
+    def info(self, name: str) -> CheckpointInfo | None:
+        """The committed checkpoint ``name`` as the last :meth:`scan` (or :meth:`record`) saw
+        it; None if it was not one."""
+        with self._lock:
+            known = self._seen.get(name)
+        return known[1] if known is not None and isinstance(known[1], CheckpointInfo) else None
+
     def damaged(self) -> list[DamagedCheckpoint]:
         """The damaged checkpoints the last :meth:`scan` found, by name."""
         with self._lock:

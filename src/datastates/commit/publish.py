@@ -234,17 +234,29 @@ class RenamePublisher(Publisher):
         return True
 
     def make_visible(self, root: str, tmp: str, name: str, replace: bool, fsync: bool) -> None:
-        """Rename the finished directory ``tmp`` to ``root/name``. ``replace``: what is there is
-        moved aside to an owned ``.old.`` first and removed once the new one is in place (put
-        back if the rename fails). CheckpointExistsError if ``root/name`` was taken meanwhile
-        (another writer's commit won the race). After the rename the checkpoint is visible:
-        later failures (the fsync of ``root``, removing the old one) are warnings."""
+        """Rename the finished directory ``tmp`` to ``root/name``. ``replace``: the two are
+        exchanged in one atomic step where the file system can (:func:`posix.exchange`), so a
+        reader of ``root/name`` never finds it missing, and the old one, now at ``tmp``, is
+        removed (a crash first leaves it to the cleanup of dead writers' temporaries); else
+        what is there is moved aside to an owned ``.old.`` first and removed once the new one
+        is in place (put back if the rename fails). CheckpointExistsError if ``root/name`` was
+        taken meanwhile (another writer's commit won the race). After the rename the
+        checkpoint is visible: later failures (the fsync of ``root``, removing the old one) are
+        warnings."""
         final = os.path.join(root, name)
         lease = Lease.hold(root, fresh_token()) if replace else None
         old, left = None, False
         try:
             if lease is not None:
-                old = os.path.join(root, f".old.{name}.{lease.token}.{uuid.uuid4().hex[:8]}")
+                uid = f"{name}.{lease.token}.{uuid.uuid4().hex[:8]}"
+                try:
+                    if posix.exchange(tmp, final):  # the replaced one is at tmp now
+                        left = self._tidy(root, final, tmp, fsync, os.path.join(
+                            root, f".trash.{uid}"))
+                        return
+                except FileNotFoundError:
+                    pass  # deleted meanwhile: renamed below, as when nothing is replaced
+                old = os.path.join(root, f".old.{uid}")
                 try:
                     os.rename(final, old)
                 except FileNotFoundError:
@@ -272,11 +284,13 @@ class RenamePublisher(Publisher):
                         "(%s); it is kept as %s", final, exc, old)
             return False
 
-    def _tidy(self, root: str, final: str, old: str | None, fsync: bool) -> bool:
-        """After the commit: fsync ``root``, remove ``old``; True if ``old`` is left."""
+    def _tidy(self, root: str, final: str, old: str | None, fsync: bool,
+              trash: str | None = None) -> bool:
+        """After the commit: fsync ``root``, remove ``old`` (renamed to ``trash`` first, by
+        default the ``.trash.`` name matching its ``.old.`` one); True if ``old`` is left."""
         left = False
         for step in (lambda: posix.fsync_dir(root) if fsync else None,
-                     lambda: _discard_replaced(old) if old is not None else None):
+                     lambda: _discard_replaced(old, trash) if old is not None else None):
             try:
                 step()
             except FileNotFoundError:
@@ -400,11 +414,14 @@ def _foreign_text(path: str, done: str = "removed") -> str:
 
 # ---------------------------------------------------------------- stores the manifest commits
 
-def _discard_replaced(old: str) -> None:
-    """Remove a replaced checkpoint's ``.old.`` directory. It is first renamed to the matching
-    ``.trash.`` name: a removal that fails halfway then leaves a deletion for the cleanup to
-    finish, never an ``.old.`` that a cleanup would put back under a name deleted since."""
-    trash = os.path.join(os.path.dirname(old), ".trash." + os.path.basename(old)[len(".old."):])
+def _discard_replaced(old: str, trash: str | None = None) -> None:
+    """Remove a replaced checkpoint's directory ``old``. It is first renamed to ``trash`` (by
+    default the ``.trash.`` name matching an ``.old.`` one): a removal that fails halfway then
+    leaves a deletion for the cleanup to finish, never an ``.old.`` that a cleanup would put
+    back under a name deleted since."""
+    if trash is None:
+        trash = os.path.join(os.path.dirname(old),
+                             ".trash." + os.path.basename(old)[len(".old."):])
     os.rename(old, trash)
     posix.remove_tree(trash)
 

@@ -66,6 +66,10 @@ class RestoreReport:
     #: True: a memory checkpoint its keeper had checked byte by byte after the last write to it
     #: (datastates/memory/marks.py), copied without checksumming again
     prechecked: bool = False
+    #: reads started again because another process replaced or deleted the checkpoint while
+    #: it was read (a tag overwritten, the latest deleted by retention): each as
+    #: ``"<name>: <the error it caused>"``; the checkpoint restored is the one found last
+    rereads: list[str] = field(default_factory=list)
 
 
 @dataclass

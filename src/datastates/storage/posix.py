@@ -150,6 +150,33 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+try:
+    _renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                           ctypes.c_uint]
+except (AttributeError, OSError):  # not Linux, or a C library without it
+    _renameat2 = None
+#: errno values by which a file system says it cannot exchange two names (NFS, FUSE...)
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV}
+
+
+def exchange(a: str, b: str) -> bool:
+    """Swap the two existing names ``a`` and ``b`` in one atomic step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``): a reader of either path sees the one entry or the other, never none.
+    False, with nothing changed, where the C library or the file system cannot (the caller then
+    renames twice); OSError otherwise (FileNotFoundError when either name is gone)."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _NO_EXCHANGE:
+        return False
+    raise OSError(code, os.strerror(code), a, None, b)
+
+
 def write_file_atomic(path: str, data: bytes, fsync: bool = True, *,
                       exclusive: bool = False, owner: str | None = None) -> os.stat_result:
     """Write ``path`` through a uniquely named temporary + fsync + rename + fsync of the directory

@@ -22,7 +22,8 @@ import threading
 from typing import Any, Mapping
 
 from ..errors import (
-    BucketNotFoundError, ConfigError, CorruptCheckpointError, StorageAccessError, StorageError)
+    BucketNotFoundError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
+    StorageAccessError, StorageError)
 from .store import ReadFile, Store, url_join
 
 MIN_PART = 5 << 20      # S3: every part but the last is at least 5 MiB ...
@@ -393,8 +394,13 @@ class S3ReadFile(ReadFile):
         if offset + total > self.size:
             raise CorruptCheckpointError(f"{self.path}: unexpected end of file at offset "
                                          f"{self.size} (reading [{offset}, {offset + total}))")
-        reply = self.store._call("GET range", self.path, self.store.client.get_object,
-                                 Key=self._key, Range=f"bytes={offset}-{offset + total - 1}")
+        try:
+            reply = self.store._call("GET range", self.path, self.store.client.get_object,
+                                     Key=self._key, Range=f"bytes={offset}-{offset + total - 1}")
+        except FileNotFoundError:  # opened, then deleted: its checkpoint replaced or deleted
+            raise CheckpointNotFoundError(f"{self.path}: the shard file was deleted while it "
+                                          "was read (its checkpoint replaced or deleted "
+                                          "meanwhile)") from None
         body = reply["Body"]
         raw = getattr(body, "_raw_stream", None)  # urllib3 response: readinto without a copy
         try:

@@ -1,0 +1,149 @@
+"""A checkpoint replaced by another process while it is read (a tag overwritten between reading
+its manifest and its shard files, on a local disk and on an object store): ``load()`` and
+``restore()`` find it again and read the new one, with a WARNING and ``RestoreReport.rereads``;
+``restore(fallback=True)`` never moves the new checkpoint aside as damaged. Real damage is not
+taken for a replacement: it raises at once."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+import datastates
+from datastates import CheckpointConfig, Checkpointer, CorruptCheckpointError
+from datastates.format import codec as fmt
+from datastates.restore import reader as reader_module
+from datastates.storage import s3 as s3_module
+
+SMALL = dict(host_cache_bytes=256 << 10, chunk_bytes=16 << 10)
+
+
+def _state(value: float) -> dict:
+    return {"w": torch.full((1000,), value), "b": torch.full((10,), value), "note": value}
+
+
+def _warnings(caplog, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "datastates" and
+            r.levelno == logging.WARNING and text in r.getMessage()]
+
+
+def _overwrite_on_read(monkeypatch, root, options, times: int = 1, where: str = "open",
+                       first: float = 10.0):
+    """At each of the first ``times`` reads of a shard file (``where``: when it is opened, or
+    at its ranged GETs on an object store), another Checkpointer overwrites ``best`` with the
+    next value from ``first``; returns that Checkpointer and the values written."""
+    written = []
+    other = Checkpointer(root, CheckpointConfig(**SMALL), storage_options=options)
+
+    def overwrite():
+        if len(written) < times:
+            written.append(first + len(written))
+            other.save(_state(written[-1]), tag="best", overwrite=True).wait(60)
+
+    if where == "open":
+        real = reader_module._Files._check_size
+
+        def check_size(self, file_id):
+            overwrite()
+            return real(self, file_id)
+        monkeypatch.setattr(reader_module._Files, "_check_size", check_size)
+    else:
+        real = s3_module.S3ReadFile.read_into
+
+        def read_into(self, views, offset):
+            overwrite()
+            return real(self, views, offset)
+        monkeypatch.setattr(s3_module.S3ReadFile, "read_into", read_into)
+    return other, written
+
+
+def _check_rereads(ck, monkeypatch, root, options, caplog, where):
+    ck.save(_state(1.0), tag="best").wait(60)
+    other, written = _overwrite_on_read(monkeypatch, root, options, times=1, where=where)
+    with other:
+        caplog.clear()
+        assert ck.load(tag="best")["note"] == 10.0
+        assert len(_warnings(caplog, "was replaced or deleted by another process")) == 1
+        monkeypatch.undo()
+        again, more = _overwrite_on_read(monkeypatch, root, options, where=where, first=20.0)
+        with again:
+            live = _state(0.0)
+            report = ck.restore(live, tag="best")
+        assert len(report.rereads) == 1 and report.rereads[0].startswith("best: ")
+        assert torch.equal(live["w"], torch.full((1000,), 20.0)) and live["note"] == 20.0
+    assert written == [10.0] and more == [20.0]
+
+
+def test_a_tag_overwritten_while_read_is_read_again(tmp_path, monkeypatch, caplog):
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
+        _check_rereads(ck, monkeypatch, tmp_path, None, caplog, "open")
+
+
+def test_an_object_store_tag_overwritten_while_read_is_read_again(
+        s3_root, s3_storage_options, monkeypatch, caplog):
+    """The old data directory is deleted by the overwrite: the ranged GET of an opened shard
+    file finds no object (CheckpointNotFoundError, not a bare FileNotFoundError)."""
+    with Checkpointer(s3_root, CheckpointConfig(**SMALL),
+                      storage_options=s3_storage_options) as ck:
+        _check_rereads(ck, monkeypatch, s3_root, s3_storage_options, caplog, "get")
+
+
+def test_rereads_are_bounded(tmp_path, monkeypatch, caplog):
+    """Replaced at every read: three reads again, then the error."""
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
+        ck.save(_state(1.0), tag="best").wait(60)
+        other, written = _overwrite_on_read(monkeypatch, tmp_path, None, times=10)
+        with other:
+            caplog.clear()
+            with pytest.raises((CorruptCheckpointError, datastates.CheckpointNotFoundError)):
+                ck.restore(_state(0.0), tag="best")
+        assert len(written) >= 4  # (a read may open its file more than once)
+        assert len(_warnings(caplog, "was replaced or deleted by another process")) == 3
+
+
+def test_real_damage_is_not_read_again(tmp_path, caplog):
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
+        ck.save(_state(1.0), tag="best").wait(60)
+        path = tmp_path / "best" / fmt.shard_file_name(0)
+        with open(path, "r+b") as f:
+            f.seek(fmt.HEADER_BYTES)
+            byte = f.read(1)
+            f.seek(fmt.HEADER_BYTES)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        caplog.clear()
+        with pytest.raises(CorruptCheckpointError):
+            ck.load(tag="best")
+        assert _warnings(caplog, "replaced") == []
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_fallback_restore_never_moves_aside_a_checkpoint_replaced_while_read(
+        where, tmp_path, monkeypatch, caplog, request):
+    """The newest checkpoint (``best``) is overwritten while a fallback restore reads it: the
+    restore falls back (``best`` in ``skipped``, moved nowhere) and the new ``best`` stays
+    listed and intact."""
+    if where == "s3":
+        root, options = request.getfixturevalue("s3_root"), \
+            request.getfixturevalue("s3_storage_options")
+    else:
+        root, options = tmp_path, None
+    with Checkpointer(root, CheckpointConfig(keep_last=None, **SMALL),
+                      storage_options=options) as ck:
+        ck.save(_state(1.0), step=1).wait(60)
+        ck.save(_state(2.0), tag="best").wait(60)
+        other, written = _overwrite_on_read(monkeypatch, root, options, times=1,
+                                            where="open" if where == "local" else "get")
+        with other:
+            caplog.clear()
+            report = ck.restore(_state(0.0), fallback=True)
+        monkeypatch.undo()
+        assert [(s.name, s.quarantined) for s in report.skipped] == [("best", None)]
+        assert report.name in (fmt.step_name(1), "best")
+        assert len(_warnings(caplog, "what is there now is not moved aside")) == \
+            (report.name != "best")
+        assert sorted(i.name for i in ck.list()) == ["best", fmt.step_name(1)]
+        assert ck.load(tag="best")["note"] == written[0] == 10.0
+        if where == "local":
+            assert not [n for n in os.listdir(root) if n.startswith(".damaged.")]
