@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time as _time
 
 import pytest
 import torch
 
 from datastates import CheckpointConfig, Checkpointer
+from datastates.commit import publish
 from datastates.commit.catalog import written_by_datastates
 from datastates.errors import CheckpointExistsError, CheckpointNotFoundError
 from datastates.format import codec as fmt
@@ -243,3 +245,63 @@ def test_an_object_store_checkpoint_without_its_manifest_is_named(s3_server, s3_
         assert report.step == 1 and report.passed_over == [fmt.step_name(2)]
         assert any(f"passed over the damaged checkpoint {fmt.step_name(2)}" in w and
                    "no manifest.json" in w for w in _warnings(caplog))
+
+
+# ---------------------------------------------------------------- object stores: what a save
+# and the cleanup of stale data may touch
+
+def test_an_object_store_save_never_writes_into_a_foreign_folder(s3_server, s3_root,
+                                                                 s3_storage_options):
+    """A prefix holding another program's objects but no manifest is no checkpoint: a save of
+    its name is refused, and nothing of the save is left in it (retention would otherwise
+    delete the program's files with the checkpoint)."""
+    client, prefix = s3_server.client(), s3_root.split("/", 3)[3]
+    client.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/notes/readme.txt", Body=b"mine")
+    with Checkpointer(s3_root, CheckpointConfig(keep_last=1, **SMALL),
+                      storage_options=s3_storage_options) as ckpt:
+        with pytest.raises(CheckpointExistsError, match="notes exists and is not a checkpoint"):
+            ckpt.save({"x": torch.ones(4)}, tag="notes").wait(60)
+        ckpt.save({"x": torch.ones(4)}, step=1).wait(60)
+        ckpt.save({"x": torch.ones(4)}, step=2).wait(60)
+        assert [i.name for i in ckpt.list()] == [fmt.step_name(2)]
+    keys = [o["Key"] for o in client.list_objects_v2(
+        Bucket=s3_server.bucket, Prefix=f"{prefix}/notes/").get("Contents", [])]
+    assert keys == [f"{prefix}/notes/readme.txt"]
+
+
+def test_the_cleanup_of_stale_data_removes_only_what_a_save_writes(s3_server, s3_root,
+                                                                  s3_storage_options,
+                                                                  monkeypatch):
+    """Opening a Checkpointer removes stale data directories and aborts stale uploads of dead
+    saves (all made an hour old for it), and nothing else: not a folder merely named
+    ``.data.*``, not a data directory holding another program's file, not another program's
+    multipart upload."""
+    class _AnHourLater:
+        monotonic = staticmethod(_time.monotonic)
+
+        @staticmethod
+        def time():
+            return _time.time() + 3600
+    monkeypatch.setattr(publish, "time", _AnHourLater)
+    client, prefix, bucket = s3_server.client(), s3_root.split("/", 3)[3], s3_server.bucket
+    dead = f"{prefix}/{fmt.step_name(9)}/.data.0123456789abcdef-7/{fmt.shard_file_name(0)}"
+    theirs = [f"{prefix}/datasets/.data.cache/shard-0.bin",
+              f"{prefix}/datasets/.data.0123456789abcdef-5/notes.txt",
+              f"{prefix}/{fmt.step_name(8)}/.data.0123456789abcdef-6/notes.txt"]
+    for key in [dead] + theirs:
+        client.put_object(Bucket=bucket, Key=key, Body=b"x")
+    uploads = {key: client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+               for key in (f"{prefix}/logs/big.log", dead + ".other",
+                           f"{prefix}/x/.data.0123456789abcdef-7/{fmt.shard_file_name(3)}")}
+    with Checkpointer(s3_root, CheckpointConfig(stale_tmp_age_s=60.0, **SMALL),
+                      storage_options=s3_storage_options):
+        pass
+    left = {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/")
+            .get("Contents", [])}
+    assert dead not in left and set(theirs) <= left
+    pending = {u["Key"] for u in client.list_multipart_uploads(
+        Bucket=bucket, Prefix=f"{prefix}/").get("Uploads", [])}
+    assert pending == {f"{prefix}/logs/big.log", dead + ".other"}
+    for key, upload in uploads.items():
+        if key in pending:
+            client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)

@@ -75,7 +75,8 @@ def test_tag_of_128_bytes_commits(root, tag):
     assert _entries(root) == sorted(["latest", tag])
 
 
-@pytest.mark.parametrize("tag", ["a/b", ".x", "a\x00b", "latest", ""])
+@pytest.mark.parametrize("tag", ["a/b", ".x", "a\x00b", "latest", "", "bad\x01tag", "a\nb",
+                                 "a\tb", "a\x7fb"])
 def test_invalid_tag_is_a_config_error(root, tag):
     with Checkpointer(root, SMALL) as ckpt:
         with pytest.raises(ConfigError, match="invalid checkpoint name"):

@@ -22,6 +22,7 @@ import dataclasses
 import errno
 import logging
 import os
+import re
 import stat
 import threading
 import time
@@ -414,6 +415,26 @@ def _foreign_text(path: str, done: str = "removed") -> str:
 
 # ---------------------------------------------------------------- stores the manifest commits
 
+#: The data directory of one save (``tmp_location``), and what a save writes into one: shard
+#: files and a split manifest's parts. What the cleanup of stale data may remove.
+_DATA_DIR = re.compile(r"\.data\.[0-9a-f]{16}-[0-9]+")
+_DATA_FILE = re.compile(r"[^/]+/\.data\.[0-9a-f]{16}-[0-9]+/(rank-[0-9]{5,}\.dsf|" +
+                        fmt.PART_NAME.pattern + ")")
+
+
+def _children(store: Store, path: str) -> list[str]:
+    try:
+        return store.listdir(path)
+    except FileNotFoundError:
+        return []
+
+
+def _only_data(store: Store, path: str) -> bool:
+    """Whether the data directory ``path`` holds only files a save writes (nothing else of
+    anyone's is removed with it)."""
+    return all(re.fullmatch(r"rank-[0-9]{5,}\.dsf", name) or fmt.PART_NAME.fullmatch(name)
+               for name in _children(store, path))
+
 def _discard_replaced(old: str, trash: str | None = None) -> None:
     """Remove a replaced checkpoint's directory ``old``. It is first renamed to ``trash`` (by
     default the ``.trash.`` name matching an ``.old.`` one): a removal that fails halfway then
@@ -472,8 +493,9 @@ class ManifestPublisher(Publisher):
         if isinstance(found, DamagedCheckpoint) and \
                 not written_by_datastates(final, store, besides=manifest.data_dir):
             found = None  # its only mark is the data this save uploaded into that folder
-        if found is None and store.isfile(store.join(final, fmt.MANIFEST)):
-            raise not_a_checkpoint(final)  # another program's manifest.json: never replaced
+        if found is None and (store.isfile(store.join(final, fmt.MANIFEST)) or any(
+                not _DATA_DIR.fullmatch(child) for child in _children(store, final))):
+            raise not_a_checkpoint(final)  # another program's folder: never written into
         if isinstance(found, DamagedCheckpoint):
             old = False  # a damaged manifest: replace it, leave its data for clean_stale
             log.warning("the damaged checkpoint %s is replaced by a new save of that name (its "
@@ -630,13 +652,16 @@ class ManifestPublisher(Publisher):
                 continue
             removed += self._clean_checkpoint(root, name, now, max_age_s)
         removed += store.cleanup_uploads(
-            root, lambda key, started: now - started > max_age_s)
+            root, lambda key, started: _DATA_FILE.fullmatch(key) is not None and
+            now - started > max_age_s)
         return removed
 
     def _clean_checkpoint(self, root: str, name: str, now: float, max_age_s: float) -> list[str]:
+        """The stale data directories of the folder ``name``: named as a save names them
+        (``.data.<owner>-<serial>``) and holding only the files a save writes there."""
         store, ckpt = self.store, self.store.join(root, name)
         children = store.listdir(ckpt)
-        data_dirs = [child for child in children if child.startswith(".data.")]
+        data_dirs = [child for child in children if _DATA_DIR.fullmatch(child)]
         committed = fmt.MANIFEST in children
         if not data_dirs or (committed and len(data_dirs) == 1):
             return []
@@ -652,7 +677,8 @@ class ManifestPublisher(Publisher):
         for child in data_dirs:
             path = store.join(ckpt, child)
             try:
-                if child == current or now - store.mtime(path) <= max_age_s:
+                if child == current or now - store.mtime(path) <= max_age_s or \
+                        not _only_data(store, path):
                     continue
                 store.remove_tree(path)
             except FileNotFoundError:

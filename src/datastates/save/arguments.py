@@ -29,11 +29,16 @@ def check_step(step) -> None:
 
 def check_tag(tag) -> str:
     """The name of a save's ``tag``: a valid checkpoint name (``format.check_name``) whose
-    temporaries can exist, at most MAX_TAG_BYTES in UTF-8; ConfigError otherwise."""
+    temporaries can exist, at most MAX_TAG_BYTES in UTF-8, without control characters (which
+    readers accept in names already written); ConfigError otherwise."""
     try:
         name = fmt.check_name(tag)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    control = next((c for c in name if c < " " or c == "\x7f"), None)
+    if control is not None:  # an object store's batch DELETE (XML) cannot name them
+        raise ConfigError(f"invalid checkpoint name {name!r}: it holds the control character "
+                          f"{control!r}; expected printable characters only")
     size = len(name.encode("utf-8", "surrogatepass"))
     if size > MAX_TAG_BYTES:
         raise ConfigError(f"invalid checkpoint name {name[:40] + '...'!r}: {size} bytes in "

@@ -367,9 +367,10 @@ class S3Store(Store):
             pages = list(paginator.paginate(Bucket=self.bucket, Prefix=self._prefix(root)))
         except Exception as exc:
             raise self.error(exc, "LIST uploads", root) from None
+        prefix = self._prefix(root)
         for page in pages:
             for upload in page.get("Uploads", []):
-                if is_stale(upload["Key"], upload["Initiated"].timestamp()):
+                if is_stale(upload["Key"][len(prefix):], upload["Initiated"].timestamp()):
                     path = f"s3://{self.bucket}/{upload['Key']}"
                     self._call("ABORT upload", path, self.client.abort_multipart_upload,
                                Key=upload["Key"], UploadId=upload["UploadId"])

@@ -259,8 +259,8 @@ class Store:
         raise NotImplementedError
 
     def cleanup_uploads(self, root: str, is_stale) -> list[str]:
-        """Abort unfinished uploads under ``root`` for which ``is_stale(key, started_unix)``;
-        return their keys. Nothing to do where writes are not multipart uploads."""
+        """Abort unfinished uploads under ``root`` for which ``is_stale(key relative to root,
+        started_unix)``; return their keys. Nothing to do where writes are not multipart uploads."""
         return []
 
 
