@@ -65,8 +65,8 @@ def test_round_trip_is_bit_exact(s3_server, s3_root, chunk, width):
         assert same(model2.state_dict(), model.state_dict())
         assert state["epoch"] == 3
         assert opt2.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
-        with ckpt._reader(None, None, True, False, (), None, "strict") as reader:
-            assert reader.verify_all() == ckpt.latest().nbytes
+        assert ckpt._read(None, None, True, False, (), None, "strict", "verify", None, [],
+                          lambda reader: reader.verify_all()) == ckpt.latest().nbytes
     files = objects_under(s3_server, s3_root)
     data_dirs = {f.split("/")[1] for f in files if f.startswith("step-0000000007/.data.")}
     assert len(data_dirs) == 1
@@ -109,6 +109,25 @@ def test_retention_and_overwrite(s3_server, s3_root):
         {"step-0000000003", "best", "latest"}
 
 
+def test_a_deletion_leaves_the_data_another_save_of_the_name_is_uploading(s3_server, s3_root):
+    """``delete()`` removes the manifest and the data directory it names, not the prefix: the
+    data directory of a save of the same name in flight in another process survives, so that
+    save's commit publishes a checkpoint whose data is there (before: a checkpoint listed with
+    no data)."""
+    client, prefix = s3_server.client(), key_of(s3_root)
+    options = storage_options(s3_server)
+    with Checkpointer(s3_root, CheckpointConfig(), storage_options=options) as ckpt:
+        ckpt.save({"w": torch.ones(8)}, tag="x").wait()
+        named = {f.split("/")[1] for f in objects_under(s3_server, s3_root) if f.startswith("x/")
+                 and "/.data." in "/" + f}
+        in_flight = f"{prefix}/x/.data.0123456789abcdef-42/rank-00000.dsf"
+        client.put_object(Bucket=s3_server.bucket, Key=in_flight, Body=b"uploading")
+        ckpt.delete(tag="x")
+        assert ckpt.list() == []
+    left = [f for f in objects_under(s3_server, s3_root) if f.startswith("x/")]
+    assert left == ["x/.data.0123456789abcdef-42/rank-00000.dsf"] and len(named) == 1
+
+
 def test_commits_read_only_new_or_replaced_manifests(s3_server, s3_root, monkeypatch):
     """Each commit lists the root once (ETags) and GETs only manifests it has not seen; another
     writer's commits are numbered after and counted by retention; a replaced one is re-read."""
@@ -138,7 +157,9 @@ def test_commits_read_only_new_or_replaced_manifests(s3_server, s3_root, monkeyp
         info, others = save(ck2, 3, "best", tag="best", step=3)
         assert (info.seq, others) == (3, ["step-0000000001", "step-0000000002"])
         info, others = save(ck1, 4, "step-0000000004", step=4)
-        assert (info.seq, others) == (4, ["best"])  # the PUT's ETag stamps its own manifests
+        # the PUT's ETag stamps its own manifests; retention (keep_last=2) reads the manifests
+        # of the two it deletes, for the data directory each names
+        assert (info.seq, others) == (4, ["best", "step-0000000001", "step-0000000002"])
         assert [(i.name, i.seq) for i in ck1.list()] == [("best", 3), ("step-0000000004", 4)]
         info, others = save(ck2, 5, "best", tag="best", step=5, overwrite=True)
         assert (info.seq, others) == (5, ["step-0000000004"])
@@ -165,7 +186,7 @@ def test_cleanup_reads_only_the_manifests_of_checkpoints_with_leftovers(s3_serve
     client = s3_server.client()
     for name in ("step-0000000002", "step-0000000009"):
         client.put_object(Bucket=s3_server.bucket, Body=b"partial",
-                          Key=f"{key_of(s3_root)}/{name}/.data.crashed-1/rank-00000.dsf")
+                          Key=f"{key_of(s3_root)}/{name}/.data.0123456789abcdef-1/rank-00000.dsf")
     store = open_store(s3_root, options)
     read: list[str] = []
 
@@ -175,8 +196,8 @@ def test_cleanup_reads_only_the_manifests_of_checkpoints_with_leftovers(s3_serve
 
     monkeypatch.setattr(store, "read_bytes", counting)
     removed = retention.clean_stale(s3_root, 1e-6, store)
-    assert sorted(removed) == ["step-0000000002/.data.crashed-1",
-                               "step-0000000009/.data.crashed-1"]
+    assert sorted(removed) == ["step-0000000002/.data.0123456789abcdef-1",
+                               "step-0000000009/.data.0123456789abcdef-1"]
     assert read == ["step-0000000002"]
     assert not [f for f in objects_under(s3_server, s3_root) if "crashed" in f]
     with Checkpointer(s3_root, small, storage_options=options) as ck:

@@ -429,6 +429,15 @@ def _children(store: Store, path: str) -> list[str]:
         return []
 
 
+def _written_by(store: Store, path: str, when: float) -> bool:
+    """Whether every file under ``path`` was written before ``when`` (False if none is left;
+    a file of the same second as ``when`` may be a later one: kept)."""
+    try:
+        return store.mtime(path) < when
+    except FileNotFoundError:
+        return False
+
+
 def _only_data(store: Store, path: str) -> bool:
     """Whether the data directory ``path`` holds only files a save writes (nothing else of
     anyone's is removed with it)."""
@@ -531,12 +540,31 @@ class ManifestPublisher(Publisher):
             pass  # left to the stale cleanup
 
     def delete(self, root: str, name: str, fsync: bool) -> None:
-        """Deletes ``manifest.json`` first (the checkpoint is then gone), then the prefix."""
+        """Deletes ``manifest.json`` first (the checkpoint is then gone), then the data it
+        names and the data directories written before it (leftovers of earlier saves of the
+        name), not the prefix: the data another process is uploading for a new save of this
+        name stays (a data directory no manifest names is the stale cleanup's, by age). A
+        damaged manifest names nothing: the prefix goes."""
         store = self.store
         path, manifest = self._checkpoint(root, name, "removed")
+        try:
+            committed = store.mtime(manifest)
+            named = files.manifest_data_files(
+                store.read_bytes(manifest, max_bytes=fmt.MAX_MANIFEST_BYTES), manifest)
+        except CorruptCheckpointError:
+            named = None
         store.remove(manifest)
         try:
-            store.remove_tree(path)
+            if named is None:
+                store.remove_tree(path)
+                return
+            folders = {n.split("/")[0] for n in named if "/" in n}
+            for child in _children(store, path):
+                if child in folders or _DATA_DIR.fullmatch(child) and \
+                        _written_by(store, store.join(path, child), committed):
+                    store.remove_tree(store.join(path, child))
+            for loose in (n for n in named if "/" not in n):
+                store.remove(store.join(path, loose))
         except OSError as exc:
             raise OSError(exc.errno, f"checkpoint {name!r} was deleted (no longer listed) but "
                                      f"its files in {path} could not be removed: "
