@@ -3,6 +3,7 @@
 Usage: python ds_worker.py OUT_DIR MODE   where MODE is
   "zero1-lazy"  : ZeRO-1 + bf16, datastates engine, enable_lazy_snapshots()
   "fp32-default": no ZeRO, fp32, a BatchNorm buffer, datastates engine without the step guard
+  "latest"      : as "fp32-default", checking when `latest` is written (latest_scenario)
 Writes OUT_DIR/result.json; any assertion failure exits non-zero with a traceback.
 """
 from __future__ import annotations
@@ -65,6 +66,75 @@ def train(engine, mode: str, steps: range) -> None:
 
 def params(engine) -> dict:
     return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+
+
+def read_latest(save_dir: str):
+    path = os.path.join(save_dir, "latest")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read()
+
+
+def latest_scenario(out: str) -> dict:
+    """Default mode, no wait and no destroy: once the tag's files are committed and training
+    took a step, `latest` names it, and a copy of the folder then (what a crash leaves) resumes
+    bit-exact. save_checkpoint(save_latest=False) leaves `latest` alone, a later one moves it."""
+    import shutil
+
+    import deepspeed
+    from datastates.integrations.deepspeed import wait_for_checkpoints
+    mode = "fp32-default"
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    ds_dir, crash_dir = os.path.join(out, "ds"), os.path.join(out, "crash")
+    ref = make_engine(mode, datastates=False)
+    train(ref, mode, range(STEPS_BEFORE + STEPS_AFTER))
+    continuous = params(ref)
+    ref.destroy()
+
+    eng = make_engine(mode, datastates=True)
+    ours = eng.checkpoint_engine.ckpt_engine
+    handles, path_save = [], ours._paths.save
+
+    def recording_save(state, path, **kwargs):  # the SaveHandle of each file
+        handles.append(path_save(state, path, **kwargs))
+        return handles[-1]
+    ours._paths.save = recording_save
+    train(eng, mode, range(STEPS_BEFORE))
+    eng.save_checkpoint(ds_dir)
+    result = {"files_saved": len(handles)}
+    train(eng, mode, range(STEPS_BEFORE, STEPS_BEFORE + 1))
+    for handle in handles:
+        handle.wait()  # committed (the public SaveHandle API); no wait() of the engine
+    train(eng, mode, range(STEPS_BEFORE + 1, STEPS_BEFORE + 2))
+    result["latest_after_commit"] = read_latest(ds_dir)
+    shutil.copytree(ds_dir, crash_dir)  # what a crash now would leave on disk
+
+    eng.save_checkpoint(ds_dir, tag="eval_snapshot", save_latest=False)
+    train(eng, mode, range(STEPS_BEFORE + 2, STEPS_BEFORE + 3))
+    wait_for_checkpoints(eng)
+    result["latest_after_save_latest_false"] = read_latest(ds_dir)
+    snapshot_dir = os.path.join(ds_dir, "eval_snapshot")
+    result["eval_snapshot_files"] = sorted(n for n in os.listdir(snapshot_dir) if n.endswith(".pt"))
+    eng.save_checkpoint(ds_dir, tag="final")
+    eng.destroy()
+    result["latest_after_final"] = read_latest(ds_dir)
+
+    resume_into(result, mode, crash_dir, continuous)
+    return result
+
+
+def resume_into(result: dict, mode: str, save_dir: str, continuous: dict) -> None:
+    """Resume a fresh engine from ``save_dir``'s ``latest`` and train on: whether it loaded,
+    at which step, and whether it ends bit-exact with the continuous run (into ``result``)."""
+    eng2 = make_engine(mode, datastates=True)
+    load_path, _ = eng2.load_checkpoint(save_dir)
+    result["loaded"] = load_path is not None
+    result["global_steps"] = eng2.global_steps
+    train(eng2, mode, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+    result["resumed_bit_exact"] = {k: bool(torch.equal(a, continuous[k]))
+                                   for k, a in params(eng2).items()}
+    eng2.destroy()
 
 
 def main(out: str, mode: str) -> None:
@@ -136,14 +206,7 @@ def main(out: str, mode: str) -> None:
             torch.equal(want[k], got[k]) for k in want)
 
     # 4. Resume in a fresh engine from `latest` and continue: bit-exact with the continuous run.
-    eng2 = make_engine(mode, datastates=True)
-    load_path, _ = eng2.load_checkpoint(ds_dir)
-    result["loaded"] = load_path is not None
-    result["global_steps"] = eng2.global_steps
-    train(eng2, mode, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
-    result["resumed_bit_exact"] = {k: bool(torch.equal(a, continuous[k]))
-                                   for k, a in params(eng2).items()}
-    eng2.destroy()
+    resume_into(result, mode, ds_dir, continuous)
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump(result, f)
 
@@ -175,4 +238,8 @@ def compare(a, b, path: str, out: list) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[2] == "latest":
+        with open(os.path.join(sys.argv[1], "result.json"), "w") as f:
+            json.dump(latest_scenario(sys.argv[1]), f)
+    else:
+        main(sys.argv[1], sys.argv[2])

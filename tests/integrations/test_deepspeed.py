@@ -56,6 +56,19 @@ def test_deepspeed_save_resume_bit_exact(tmp_path, mode):
     assert r["resumed_bit_exact"] and all(r["resumed_bit_exact"].values()), r["resumed_bit_exact"]
 
 
+def test_deepspeed_latest_written_without_wait_and_save_latest_honoured(tmp_path):
+    """Default mode: `latest` appears once the tag is committed and training went on, with no
+    later save, wait or destroy (a crash then resumes); save_latest=False leaves it alone."""
+    r = run_worker(tmp_path, "latest")
+    assert r["files_saved"] == 1
+    assert r["latest_after_commit"] == "global_step3"
+    assert r["loaded"] and r["global_steps"] == 3
+    assert r["resumed_bit_exact"] and all(r["resumed_bit_exact"].values()), r["resumed_bit_exact"]
+    assert r["eval_snapshot_files"] == ["mp_rank_00_model_states.pt"]
+    assert r["latest_after_save_latest_false"] == "global_step3"
+    assert r["latest_after_final"] == "final"
+
+
 def test_deepspeed_engine_exposes_last_save_stats(tmp_path):
     """The engine DeepSpeed drives, called as DeepSpeed calls it (save per file, then wait)."""
     import argparse

@@ -134,3 +134,59 @@ def test_hf_trainer_exposes_last_save_stats(tmp_path):
     t.wait_for_checkpoints()
     assert_stats_of(t.last_save_stats, tmp_path / "run" / "checkpoint-4")
     t.close_checkpointer()
+
+
+def test_hf_save_total_limit_counts_stock_checkpoints(tmp_path):
+    """Stock checkpoint-N folders in output_dir count towards save_total_limit (as in Trainer's
+    own rotation) and are removed oldest first; a folder that is neither kind stays."""
+    from transformers import Trainer
+    stock = Trainer(model=tiny_model(), args=args(tmp_path, max_steps=4, save_steps=2),
+                    train_dataset=dataset())
+    stock.train()
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4"]
+    os.makedirs(tmp_path / "checkpoint-1")  # neither: a stock checkpoint cut short
+    with open(tmp_path / "checkpoint-1" / "config.json", "w") as f:
+        f.write("{}")
+    t = DatastatesTrainer(model=tiny_model(), args=args(tmp_path, save_steps=2,
+                                                        save_total_limit=2),
+                          train_dataset=dataset(), datastates_config=CFG)
+    t.train(resume_from_checkpoint=True)
+    t.close_checkpointer()
+    assert t.state.global_step == 8
+    names = sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-"))
+    assert names == ["checkpoint-1", "checkpoint-6", "checkpoint-8"]
+    ckpt = datastates.Checkpointer(tmp_path, CFG)
+    loaded = ckpt.load(tag="checkpoint-8", keys="model")["model"]
+    assert_same(params(t.model), {k: v.detach() for k, v in loaded.items()})
+    ckpt.close()
+
+
+@pytest.mark.parametrize("state_json", [False, True])
+def test_hf_resume_from_a_foreign_checkpoint_is_refused(tmp_path, state_json):
+    """A datastates checkpoint-N without the Trainer's keys (as the Lightning integration
+    writes them) is refused with StateMismatchError saying what was expected and found, before
+    the model is touched."""
+    ckpt = datastates.Checkpointer(tmp_path, CFG)
+    ckpt.save({"state_dict": tiny_model().state_dict(), "epoch": 1}, step=6, tag="checkpoint-6",
+              metadata={"framework": "lightning"}).wait()
+    ckpt.close()
+    if state_json:  # a trainer_state.json copied in does not make it the Trainer's
+        with open(tmp_path / "checkpoint-6" / "trainer_state.json", "w") as f:
+            f.write("{}")
+    model = tiny_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    before = params(model)
+    t = DatastatesTrainer(model=model, args=args(tmp_path), train_dataset=dataset(),
+                          datastates_config=CFG)
+    assert t.latest_checkpoint() == str(tmp_path / "checkpoint-6")
+    with pytest.raises(datastates.StateMismatchError) as err:
+        t.train(resume_from_checkpoint=True)
+    message = str(err.value)
+    for part in (str(tmp_path / "checkpoint-6"), "['model', 'trainer_state']",
+                 "['epoch', 'state_dict']", "'lightning'"):
+        assert part in message, message
+    assert t.state.global_step == 0
+    assert_same(before, params(t.model))
+    t.close_checkpointer()

@@ -155,3 +155,96 @@ def test_lightning_checkpoint_io_exposes_last_save_stats(tmp_path):
     io.wait()
     assert_stats_of(io.last_save_stats, path)
     io.teardown()
+
+
+def _continuous(tmp_path, epochs):
+    """The parameters of an uninterrupted run of ``epochs`` epochs (no checkpoints)."""
+    module = Tiny()
+    pl.Trainer(default_root_dir=str(tmp_path / "cont"), max_epochs=epochs, accelerator="cpu",
+               devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+               enable_checkpointing=False, deterministic=True).fit(module)
+    return params(module)
+
+
+def _resume(tmp_path, ckpt_path, epochs):
+    io = DatastatesCheckpointIO(CFG)
+    resumed = Tiny()
+    with torch.no_grad():
+        for p in resumed.parameters():
+            p.add_(1.0)  # the restore must overwrite everything
+    trainer(tmp_path, epochs, plugins=[io]).fit(resumed, ckpt_path=ckpt_path)
+    return params(resumed)
+
+
+def test_resume_after_interrupted_replacement_of_last(tmp_path):
+    from test_paths import interrupt_replacement
+    io = DatastatesCheckpointIO(CFG)
+    folder = tmp_path / "ds"
+    trainer(tmp_path, 2, plugins=[io],
+            callbacks=[ModelCheckpoint(dirpath=folder, save_top_k=0, save_last=True)]).fit(Tiny())
+    want = io.load_checkpoint(folder / "last.ckpt")
+    interrupt_replacement(folder, "last.ckpt")  # a crash while last.ckpt was replaced
+
+    io2 = DatastatesCheckpointIO(CFG)  # the restarted job: the lookup repairs the directory
+    assert io2.last_path(folder) == str(folder / "last.ckpt")
+    assert_same(_clean(want), _clean(io2.load_checkpoint(folder / "last.ckpt")))
+    io2.teardown()
+    assert_same(_continuous(tmp_path, 3), _resume(tmp_path, str(folder / "last.ckpt"), 3))
+
+
+def test_save_last_link_resumes_through_the_link(tmp_path):
+    io = DatastatesCheckpointIO(CFG)
+    folder = tmp_path / "ds"
+    trainer(tmp_path, 2, plugins=[io], callbacks=[ModelCheckpoint(
+        dirpath=folder, save_top_k=-1, save_last="link", filename="{epoch}-{step}")]).fit(Tiny())
+    link = folder / "last.ckpt"
+    assert os.path.islink(link) and os.readlink(link) == "epoch=1-step=8.ckpt"
+    assert_same(io.load_checkpoint(folder / "epoch=1-step=8.ckpt"), io.load_checkpoint(link))
+    assert io.last_path(folder) == str(link)
+    assert_same(_continuous(tmp_path, 3), _resume(tmp_path, str(link), 3))
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    os.rename(folder / "epoch=0-step=4.ckpt", outside / "epoch=0-step=4.ckpt")
+    os.symlink(outside / "epoch=0-step=4.ckpt", folder / "out.ckpt")
+    with pytest.raises(datastates.CorruptCheckpointError,
+                       match=r"out\.ckpt is a symbolic link to .*elsewhere.*outside"):
+        io.load_checkpoint(folder / "out.ckpt")
+    io.remove_checkpoint(folder / "out.ckpt")  # the link goes, never its target
+    assert not os.path.lexists(folder / "out.ckpt")
+    assert os.path.isfile(outside / "epoch=0-step=4.ckpt" / "manifest.json")
+    io.teardown()
+
+
+class Scalable(Tiny):
+    def __init__(self):
+        super().__init__()
+        self.batch_size = 4
+        self.lr = 1e-2
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g),
+                                              torch.randn(64, 1, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size, shuffle=False)
+
+
+def test_tuner_runs_with_the_plugin(tmp_path):
+    """The Tuner saves and restores the trainer through a hidden ``.lr_find_<uuid>.ckpt``
+    (``TorchCheckpointIO``'s): it restores the initial weights bit-exactly and leaves none."""
+    from lightning.pytorch.tuner import Tuner
+    io = DatastatesCheckpointIO(CFG)
+    module = Scalable()
+    before = params(module)
+    tuner = Tuner(trainer(tmp_path, 1, plugins=[io], callbacks=[io.lazy_snapshots()]))
+    found = tuner.lr_find(module, num_training=6, update_attr=False)
+    assert len(found.results["lr"]) == 6
+    assert_same(before, params(module))
+    size = tuner.scale_batch_size(module, mode="power", steps_per_trial=1, max_trials=2)
+    assert size == module.batch_size >= 4
+    assert_same(before, params(module))
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".ckpt")]
+    io.teardown()

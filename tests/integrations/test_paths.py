@@ -159,3 +159,67 @@ def test_a_framework_s_step_is_recorded(tmp_path):
     paths.close()
     with datastates.Checkpointer(tmp_path) as ckpt:
         assert sorted((i.name, i.step) for i in ckpt.list()) == [("a.ckpt", 7), ("b.ckpt", None)]
+
+
+def interrupt_replacement(root, name: str) -> str:
+    """Leave ``root/name`` as a crash between the core's two renames of an overwrite leaves it
+    (on a file system without an atomic exchange): moved to ``.old.<name>.<token>.<uid>``, the
+    owner of ``token`` dead (its lease file exists, nobody holds its lock). Returns that path."""
+    token = "0123456789abcdef"
+    open(os.path.join(root, f".owner.{token}"), "w").close()
+    old = os.path.join(root, f".old.{name}.{token}.89abcdef")
+    os.rename(os.path.join(root, name), old)
+    return old
+
+
+def test_interrupted_replacement_is_put_back_before_lookup(tmp_path):
+    state = _state()
+    paths = PathCheckpoints(SMALL)
+    paths.save(state, tmp_path / "last.ckpt", snapshot=True)
+    paths.close()
+    old = interrupt_replacement(tmp_path, "last.ckpt")
+    paths = PathCheckpoints(SMALL)  # the restarted job
+    assert paths.exists(tmp_path / "last.ckpt")  # the lookup lets the core repair first
+    assert not os.path.exists(old)
+    assert_same(state, paths.load(tmp_path / "last.ckpt"))
+    paths.close()
+
+
+def test_plain_file_stays_loadable_until_its_replacement_commits(tmp_path):
+    """Another engine's plain file replaced by a datastates checkpoint: the job dies with the
+    save in flight (its commit held back), and the path still loads the old file."""
+    plain = {"v": torch.arange(6.0)}
+    target = tmp_path / "last.ckpt"
+    torch.save(plain, target)
+    code = textwrap.dedent(f"""
+        import os, threading, torch, datastates
+        import datastates.format.codec as codec
+        from datastates.integrations._paths import PathCheckpoints
+        codec.encode_index_items = lambda *a: threading.Event().wait()  # the commit never comes
+        p = PathCheckpoints(datastates.CheckpointConfig(host_cache_bytes=1 << 20))
+        p.save({{"v": torch.zeros(6)}}, {str(target)!r}, snapshot=True)
+        os._exit(0)  # die between the save's return and its commit
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env())
+    paths = PathCheckpoints(SMALL)
+    assert paths.exists(target)
+    assert_same(plain, paths.load(target))
+    paths.save({"v": torch.ones(6)}, target, snapshot=True)  # the next save commits: file gone
+    paths.wait()
+    assert paths.load(target)["v"].tolist() == [1.0] * 6
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".plain.")]
+    paths.close()
+
+
+def test_plain_file_is_put_back_when_its_replacement_fails(tmp_path, monkeypatch):
+    plain = {"v": torch.arange(6.0)}
+    target = tmp_path / "last.ckpt"
+    torch.save(plain, target)
+    paths = PathCheckpoints(SMALL)
+    _fail_in_background(monkeypatch)
+    paths.save({"v": torch.zeros(6)}, target, snapshot=False)
+    with pytest.raises(KeyError, match="injected"):
+        paths.wait()
+    assert os.path.isfile(target)
+    assert_same(plain, torch.load(target))
+    paths.close()

@@ -75,6 +75,52 @@ def base_optimizer(opt: Any) -> torch.optim.Optimizer | None:
     return _core().torch_optimizer(opt)
 
 
+#: The prefix of the name a plain file (another engine's checkpoint) is kept under while the
+#: datastates checkpoint replacing it is saved: ``dir/.plain.<name>``.
+ASIDE_PREFIX = ".plain."
+
+
+def aside_path(full: str) -> str:
+    """Where the plain file ``full`` is kept while its replacement is saved."""
+    root, name = os.path.split(full)
+    return os.path.join(root, ASIDE_PREFIX + name)
+
+
+# Replacing another engine's plain file (a stock Lightning ``last.ckpt`` when a run switches to
+# datastates). The core publishes a checkpoint directory only where nothing but a checkpoint
+# is, and it cannot exchange a file with a directory, so the file cannot stay at its path while
+# the new checkpoint is written in the background. Decision: the file is renamed (atomically)
+# to ``.plain.<name>`` before the save, removed once the new checkpoint is committed, and put
+# back if the save fails. A crash in between leaves no ``<name>`` but the old file aside, and
+# load()/exists() of ``<name>`` read it: the path stays loadable through this layer at every
+# moment (plain before the commit, datastates after).
+
+def set_aside(full: str) -> None:
+    """Move the plain file ``full`` aside (see above)."""
+    os.replace(full, aside_path(full))
+
+
+def put_back(full: str) -> None:
+    """After a failed save: the file set aside goes back to ``full`` if that is still free."""
+    aside = aside_path(full)
+    if os.path.isfile(aside) and not os.path.lexists(full):
+        try:
+            os.rename(aside, full)
+        except OSError as exc:
+            log.warning("could not put %s back as %s: %r", aside, full, exc)
+
+
+def drop_aside(full: str) -> None:
+    """After the commit of ``full``: remove the file it replaced, if one was set aside."""
+    try:
+        os.remove(aside_path(full))
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove %s, replaced by the checkpoint %s: %r",
+                    aside_path(full), full, exc)
+
+
 class _Pending:
     __slots__ = ("handle", "path", "done", "reported")
 
@@ -123,12 +169,18 @@ class PathCheckpoints:
         root, name = split_path(path)
         full = os.path.join(root, name)
         self._wait_path(full)
-        if os.path.isfile(full) or os.path.islink(full):
-            os.remove(full)  # a plain file from another engine: replaced by the new checkpoint
+        if os.path.islink(full):
+            os.remove(full)  # a framework's link (save_last="link"): the link goes, not its target
+        elif os.path.isfile(full):
+            set_aside(full)  # another engine's file: removed once the new checkpoint is committed
         os.makedirs(root, exist_ok=True)
-        ckpt = self._checkpointer(root)
-        handle = ckpt.save(state, step, tag=name, metadata=metadata or {}, overwrite=True,
-                           optimizers=optimizers)
+        try:
+            ckpt = self._checkpointer(root)
+            handle = ckpt.save(state, step, tag=name, metadata=metadata or {}, overwrite=True,
+                               optimizers=optimizers)
+        except BaseException:
+            put_back(full)
+            raise
         pending = _Pending(handle, full)
         with self._lock:
             self._pending[full] = pending
@@ -140,23 +192,42 @@ class PathCheckpoints:
 
     def load(self, path, map_location=None, *, trusted: bool | None = None):
         """What ``torch.load(path)`` would return for the state saved to ``path``; a plain file
-        (written by the framework's default engine) is read with ``torch.load``."""
+        (written by the framework's default engine, also one set aside by a save that a crash
+        interrupted) is read with ``torch.load``. The directory is repaired first
+        (:meth:`repair`)."""
         root, name = split_path(path)
         full = os.path.join(root, name)
         self._wait_path(full)
+        self.repair(root)
         trusted = self.trusted if trusted is None else trusted
-        if os.path.isfile(full):
-            return torch.load(full, map_location=map_location, weights_only=not trusted)
+        plain = full if os.path.isfile(full) else None
+        if plain is None and not os.path.lexists(full) and os.path.isfile(aside_path(full)):
+            plain = aside_path(full)  # a crash came before the checkpoint replacing it committed
+        if plain is not None:
+            return torch.load(plain, map_location=map_location, weights_only=not trusted)
         ckpt = self._checkpointer(root)
         return ckpt.load(tag=name, map_location=map_location, trusted=trusted)
 
     def exists(self, path) -> bool:
+        """Whether :meth:`load` finds a checkpoint at ``path`` (a save of it in flight counts);
+        the directory is repaired first (:meth:`repair`)."""
         root, name = split_path(path)
         full = os.path.join(root, name)
         with self._lock:
             if full in self._pending:
                 return True
-        return os.path.isfile(full) or is_checkpoint_dir(full)
+        self.repair(root)
+        return (os.path.isfile(full) or is_checkpoint_dir(full)
+                or (not os.path.lexists(full) and os.path.isfile(aside_path(full))))
+
+    def repair(self, root) -> None:
+        """Let the core repair what dead writers left in the directory ``root`` before it is
+        looked at: opening its Checkpointer (once per directory) removes their temporaries and
+        puts back a checkpoint whose replacement a crash interrupted between the core's two
+        renames (on file systems without an atomic exchange). A missing ``root`` is left alone."""
+        root = os.path.abspath(os.fspath(root))
+        if os.path.isdir(root):
+            self._checkpointer(root)
 
     def remove(self, path) -> None:
         """Delete the checkpoint at ``path`` (waiting first for a save of it still in flight)."""
@@ -266,6 +337,10 @@ class PathCheckpoints:
         return ckpt
 
     def _finished(self, pending: _Pending, error: BaseException | None, info: Any) -> None:
+        if error is None:
+            drop_aside(pending.path)
+        else:
+            put_back(pending.path)
         if error is None and self.on_commit is not None:
             try:
                 self.on_commit(pending.path, info)

@@ -24,9 +24,17 @@ What DeepSpeed does *not* do for this engine, and how the contract still holds:
   parameters, client state), returns, and the optimizer step waits (a step pre-hook on the
   engine's torch optimizer) until the rest of the snapshot is complete.
 - It never writes ``save_dir/latest`` for this engine. Global rank 0 writes it here (atomically,
-  naming the tag) once all of its own files of that tag are committed. With several ranks
-  ``latest`` therefore trusts the other ranks' files of the tag; disable with
-  ``"update_latest": false``.
+  naming the tag) once the tag is complete and all of its own files of that tag are committed,
+  without waiting for a later save. DeepSpeed tells the engine neither where a tag ends nor its
+  ``save_checkpoint(save_latest=...)``, so: a tag is complete at the first optimizer step that
+  begins on the thread that saved it (any torch optimizer's ``step()``), at a save of another
+  tag, at ``wait()`` or at ``destroy()``; ``latest`` is then written by the background thread
+  that sees the last file commit, or at the first such event after it. So once a tag's files are
+  committed and training has taken one step, a crash leaves ``latest`` naming that tag.
+  ``save_latest`` is read from the ``CheckpointCommitInfo`` that ``save_checkpoint()`` gives
+  DeepSpeed's wrapper (the caller of ``save()``); ``save_latest=False`` leaves ``latest`` alone
+  for that tag. With several ranks ``latest`` trusts the other ranks' files of the tag; disable
+  for every tag with ``"update_latest": false``.
 - A "file" DeepSpeed names (``save_dir/tag/mp_rank_00_model_states.pt``) is a datastates
   checkpoint directory of that name; ``load()`` reads it (and still reads plain ``torch.save``
   files, so a run can switch engines). Offline tools that ``torch.load`` the files (such as
@@ -42,6 +50,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import inspect
 import logging
 import os
 import threading
@@ -49,6 +58,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from datastates import add_step_waiter
 from datastates.storage import LOCAL
@@ -109,11 +119,27 @@ def config_from_deepspeed(deepspeed_config: Any):
     return datastates.CheckpointConfig(**kwargs), options
 
 
+class _Tag:
+    """The saves of one tag folder (``save_dir/tag``) on this rank, for ``latest``."""
+    __slots__ = ("seq", "handles", "save_latest", "sealed", "failed")
+
+    def __init__(self) -> None:
+        self.seq = 0               # order in which tags were opened; `latest` never goes back
+        self.handles: list = []    # one SaveHandle per file of the tag
+        self.save_latest = True    # DeepSpeed's save_checkpoint(save_latest=...)
+        self.sealed = False        # no more save() will come for it
+        self.failed = False        # a save() of one of its files raised
+
+
 class CheckpointEngine:
     """``datastates.CheckpointEngine``: what DeepSpeed's ``DataStatesCheckpointEngine`` drives.
 
     All methods run on the training thread of one rank; each rank has its own instance and
-    writes only the files DeepSpeed gives it (no collective is called here).
+    writes only the files DeepSpeed gives it (no collective is called here). ``latest`` is
+    written by global rank 0 as the module docstring says: once the tag is complete (the first
+    optimizer step on the saving thread, a save of another tag, ``wait()``, ``close()``) and all
+    of its files of the tag are committed, never for a tag saved with ``save_latest=False`` or
+    with a failed file, and never naming an older tag than one it already named.
     """
 
     def __init__(self, config_params: Any = None, rank: int = 0):
@@ -124,11 +150,18 @@ class CheckpointEngine:
                                       on_commit=self._committed)
         self._guard_optimizers: list = []  # as given (wrappers): the core unwraps them
         self._hooks: list = []
-        self._tags: dict[str, int] = {}      # tag dir -> saves not yet committed
+        self._tags: dict[str, _Tag] = {}      # tag dir -> its saves, until `latest` is decided
         self._open_tag: str | None = None     # tag dir whose save() calls may still come
-        self._sealed: set[str] = set()
+        self._tag_seq = 0
+        self._save_thread: int | None = None  # the thread that called save() last
         self._tag_lock = threading.Lock()
+        self._latest_lock = threading.RLock()  # held over deciding and writing `latest` (taken
+        # before _tag_lock): one write at a time, in tag order
+        self._latest_seq: dict[str, int] = {}  # save dir -> seq of the tag its `latest` names
         self._closed = False
+        # DeepSpeed calls nothing at the end of save_checkpoint(): the next optimizer step
+        # (any torch optimizer, on the saving thread) ends the tag (_at_step).
+        self._step_hook = register_optimizer_step_pre_hook(_step_hook(weakref.ref(self)))
         atexit.register(_wait_at_exit, weakref.ref(self))
         _ignore_deepspeed_double_cleanup()
 
@@ -137,8 +170,15 @@ class CheckpointEngine:
         """Checkpoint ``state_dict`` to ``path`` (a new datastates checkpoint of that name).
 
         Returns once the state is captured (default) or planned (after
-        :func:`enable_lazy_snapshots`); raises a failure of an earlier save."""
+        :func:`enable_lazy_snapshots`); raises a failure of an earlier save. Called by
+        DeepSpeed's wrapper inside ``save_checkpoint()``, it honours that call's
+        ``save_latest`` (:meth:`_save_latest_of`)."""
         tag_dir = os.path.dirname(os.path.abspath(path))
+        caller = inspect.currentframe().f_back
+        try:
+            save_latest = self._save_latest_of(caller, tag_dir)
+        finally:
+            del caller
         self._seal_if_new(tag_dir)
         state = state_dict
         if self._guard_optimizers:
@@ -146,16 +186,24 @@ class CheckpointEngine:
             updated = [t for opt in self._guard_optimizers for t in low_precision_params(opt)]
             state = datastates.mark_lazy(state_dict, updated)
         with self._tag_lock:
-            self._tags[tag_dir] = self._tags.get(tag_dir, 0) + 1
+            tag = self._tags.setdefault(tag_dir, _Tag())
+            if self._open_tag != tag_dir:  # (re)opened: it is now the newest tag
+                self._tag_seq += 1
+                tag.seq = self._tag_seq
+            tag.sealed = False
+            tag.save_latest = save_latest
             self._open_tag = tag_dir
+            self._save_thread = threading.get_ident()
         try:
-            self._paths.save(state, path, snapshot=not self._guard_optimizers,
-                             optimizers=self._guard_optimizers,
-                             metadata={"framework": "deepspeed", "rank": self.rank})
+            handle = self._paths.save(state, path, snapshot=not self._guard_optimizers,
+                                      optimizers=self._guard_optimizers,
+                                      metadata={"framework": "deepspeed", "rank": self.rank})
         except BaseException:
             with self._tag_lock:
-                self._tags[tag_dir] -= 1
+                tag.failed = True  # the tag misses a file: never named by `latest`
             raise
+        with self._tag_lock:
+            tag.handles.append(handle)
         return True
 
     def load(self, path: str, map_location: Any = None) -> Any:
@@ -170,6 +218,7 @@ class CheckpointEngine:
         if persist:
             self._seal_if_new(None)
             self._paths.wait()
+            self._poll_latest()
         else:
             self._paths.wait_snapshots()
             self._paths.raise_errors()
@@ -187,8 +236,12 @@ class CheckpointEngine:
         for remove in self._hooks:
             remove()
         self._hooks.clear()
+        self._step_hook.remove()
         self._seal_if_new(None)
-        self._paths.close()
+        try:
+            self._paths.close()
+        finally:
+            self._poll_latest()
 
     shutdown = close
 
@@ -220,6 +273,32 @@ class CheckpointEngine:
         self._paths.wait_snapshots()
 
     # ------------------------------------------------------------ latest
+    def _save_latest_of(self, caller: Any, tag_dir: str) -> bool:
+        """``save_checkpoint(save_latest=...)`` of the DeepSpeed call saving ``tag_dir``.
+
+        DeepSpeed 0.19 gives it only to its wrapper: ``DataStatesCheckpointEngine.create(info)``
+        at the start of ``save_checkpoint()`` keeps the ``CheckpointCommitInfo`` as
+        ``commit_info``, then the wrapper's ``save()`` calls ours. ``caller`` is the frame that
+        called :meth:`save`; True (DeepSpeed's default) when it is not that wrapper's or its
+        info names another tag folder."""
+        wrapper = caller.f_locals.get("self") if caller is not None else None
+        if wrapper is None or getattr(wrapper, "ckpt_engine", None) is not self:
+            return True
+        info = getattr(wrapper, "commit_info", None)
+        if info is None or not hasattr(info, "save_latest"):
+            return True
+        if os.path.join(os.path.abspath(info.save_dir), str(info.tag)) != tag_dir:
+            return True
+        return bool(info.save_latest)
+
+    def _at_step(self) -> None:
+        """An optimizer step begins: on the saving thread it ends the open tag, and any tag
+        whose files are all committed by now gets its ``latest``."""
+        if threading.get_ident() != self._save_thread:
+            return
+        self._seal_if_new(None)
+        self._poll_latest()
+
     def _seal_if_new(self, tag_dir: str | None) -> None:
         """No more save() will come for the open tag (a new tag started, a step or wait came):
         its ``latest`` may be written once its files are committed."""
@@ -228,29 +307,52 @@ class CheckpointEngine:
             if open_tag is None or open_tag == tag_dir:
                 return
             self._open_tag = None
-            self._sealed.add(open_tag)
-            ready = self._tags.get(open_tag, 0) == 0
-        if ready:
-            self._write_latest(open_tag)
+            if open_tag in self._tags:
+                self._tags[open_tag].sealed = True
+        self._write_latest_if_ready(open_tag)
+
+    def _poll_latest(self) -> None:
+        """Decide ``latest`` for every sealed tag whose saves all finished; returns once a
+        write another thread is doing is done too."""
+        with self._latest_lock:
+            with self._tag_lock:
+                sealed = [d for d, tag in self._tags.items() if tag.sealed]
+            for tag_dir in sealed:
+                self._write_latest_if_ready(tag_dir)
 
     def _committed(self, path: str, info: Any) -> None:
-        tag_dir = os.path.dirname(path)
-        with self._tag_lock:
-            self._tags[tag_dir] = self._tags.get(tag_dir, 1) - 1
-            ready = self._tags[tag_dir] == 0 and tag_dir in self._sealed
-        if ready:
-            self._write_latest(tag_dir)
+        """The finisher thread: the file at ``path`` is committed."""
+        self._write_latest_if_ready(os.path.dirname(path))
 
-    def _write_latest(self, tag_dir: str) -> None:
-        with self._tag_lock:
-            if tag_dir not in self._sealed:
+    def _write_latest_if_ready(self, tag_dir: str) -> None:
+        """Decide ``latest`` for ``tag_dir`` once it is sealed and every save of it finished:
+        write it (rank 0, all committed, wanted), else drop the tag. Any thread; a caller
+        finding the tag decided by another thread returns only once that one's write is done."""
+        with self._latest_lock:
+            with self._tag_lock:
+                tag = self._tags.get(tag_dir)
+                if tag is None or not tag.sealed or not all(h.done() for h in tag.handles):
+                    return
+                del self._tags[tag_dir]
+                committed = (bool(tag.handles) and not tag.failed
+                             and all(h.exception() is None for h in tag.handles))
+            if not (committed and tag.save_latest and self.update_latest and self.rank == 0):
                 return
-            self._sealed.discard(tag_dir)
-            self._tags.pop(tag_dir, None)
-        if not self.update_latest or self.rank != 0:
-            return
-        save_dir, tag = os.path.split(tag_dir)
-        LOCAL.write_atomic(os.path.join(save_dir, "latest"), tag.encode(), fsync=True)
+            save_dir, name = os.path.split(tag_dir)
+            if tag.seq < self._latest_seq.get(save_dir, 0):
+                return  # `latest` already names a tag opened after this one
+            LOCAL.write_atomic(os.path.join(save_dir, "latest"), name.encode(), fsync=True)
+            self._latest_seq[save_dir] = tag.seq
+
+
+def _step_hook(ref):
+    """A global optimizer step pre-hook calling ``_at_step`` of the engine behind ``ref``
+    (a weak reference: the hook does not keep the engine alive)."""
+    def hook(_optimizer, _args, _kwargs) -> None:
+        engine = ref()
+        if engine is not None:
+            engine._at_step()
+    return hook
 
 
 #: The same class under a descriptive name.

@@ -23,7 +23,11 @@ What changes for the user:
   (transformers#35782). ``trainer_state.json`` is added inside it after the commit (it is also
   stored in the checkpoint and rewritten on resume if a crash lost it).
 - ``save_total_limit`` is applied only after the new checkpoint is committed, never deleting the
-  best checkpoint (``load_best_model_at_end``).
+  best checkpoint (``load_best_model_at_end``). It counts every ``checkpoint-N`` a resume could
+  pick, datastates and stock alike, as Trainer's own rotation does (``_ds_rotate``).
+- Resuming from a datastates checkpoint that lacks what this Trainer saves (one written by the
+  Lightning or DeepSpeed integration) raises :class:`datastates.StateMismatchError` naming the
+  checkpoint, the keys expected and the keys found, before anything is loaded.
 - A ``checkpoint-N`` holds datastates files plus ``config.json``, ``generation_config.json`` and
   the tokenizer files, not ``model.safetensors``: ``datastates export out/checkpoint-N --to hf
   model_dir`` writes a folder that ``from_pretrained(model_dir)`` loads (or export the final model
@@ -60,6 +64,8 @@ log = logging.getLogger("datastates.integrations.hf")
 __all__ = ["DatastatesTrainer"]
 
 TRAINER_STATE = "trainer_state.json"
+#: The keys every datastates ``checkpoint-N`` of this Trainer holds (``save_only_model`` too).
+TRAINER_KEYS = ("model", "trainer_state")
 _STEP = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
@@ -215,27 +221,40 @@ class DatastatesTrainer(Trainer):
                     if self.processing_class is not None:
                         self.processing_class.save_pretrained(info.path)
                     _write_atomic(os.path.join(info.path, TRAINER_STATE), state_json)
-                    self._ds_rotate(run_dir, best)
+                    self._ds_rotate(run_dir, best, os.path.basename(info.path))
         except BaseException as exc:
             with self._ds_lock:
                 self._ds_errors.append(exc)
 
-    def _ds_rotate(self, run_dir: str, best: str | None) -> None:
+    def _ds_rotate(self, run_dir: str, best: str | None, newest: str) -> None:
+        """Apply ``save_total_limit`` as Trainer's ``rotate_checkpoints`` does, over every
+        ``checkpoint-N`` of ``run_dir`` that a resume could pick (:func:`_resumable`): the
+        datastates ones (deleted through the Checkpointer) and the stock ones (a
+        ``trainer_state.json``; removed with ``shutil.rmtree``, as Trainer removes them).
+        Oldest step first; never the highest step, ``newest`` (the checkpoint just committed)
+        or the best one. A ``checkpoint-N`` that is neither (a partial stock checkpoint) is
+        neither counted nor deleted."""
         limit = self.args.save_total_limit
         if limit is None or limit <= 0:
             return
-        ours = sorted((int(_STEP.match(i.name).group(1)), i.name)
-                      for i in self._ds.list() if _STEP.match(i.name))
-        protected = {ours[-1][1]} if ours else set()
+        found = _resumable(run_dir)
+        protected = {newest}
+        if found:
+            protected.add(os.path.basename(found[-1][1]))
         if best:
             protected.add(os.path.basename(best.rstrip(os.sep)))
-        keep = max(limit, len(protected))
-        for _, name in ours:
-            if len(ours) <= keep:
+        remaining, keep = len(found), max(limit, len(protected))
+        for _, path, ours in found:
+            if remaining <= keep:
                 break
-            if name not in protected:
+            name = os.path.basename(path)
+            if name in protected:
+                continue
+            if ours:
                 self._ds.delete(tag=name)
-                ours = [o for o in ours if o[1] != name]
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+            remaining -= 1
 
     def _update_stateful_callbacks(self) -> None:
         from transformers.trainer_callback import ExportableState
@@ -295,19 +314,8 @@ class DatastatesTrainer(Trainer):
         return storage[1] if storage else None
 
     def _ds_storage_latest(self) -> tuple[int, str] | None:
-        root = self.args.output_dir
-        if not os.path.isdir(root):
-            return None
-        best = None
-        for entry in os.listdir(root):
-            m = _STEP.match(entry)
-            path = os.path.join(root, entry)
-            if m is None or not os.path.isdir(path):
-                continue
-            if is_checkpoint_dir(path) or os.path.isfile(os.path.join(path, TRAINER_STATE)):
-                if best is None or int(m.group(1)) > best[0]:
-                    best = (int(m.group(1)), path)
-        return best
+        found = _resumable(self.args.output_dir)
+        return found[-1][:2] if found else None
 
     @property
     def last_save_stats(self):
@@ -349,7 +357,11 @@ class DatastatesTrainer(Trainer):
         as ``resume_from_checkpoint`` (Trainer reads that file itself); the ``_load_*``
         methods read everything else from memory. Removed when ``train()`` returns."""
         ckpt = self._datastates(self.args.output_dir)
-        state_json = ckpt.load(step=memory.step, keys="trainer_state")["trainer_state"]
+        loaded = ckpt.load(step=memory.step, keys="trainer_state")
+        if not isinstance(loaded.get("trainer_state"), str):
+            _not_a_trainer_checkpoint(f"the memory checkpoint {memory.path} (step {memory.step})",
+                                      "trainer_state is missing", memory.metadata)
+        state_json = loaded["trainer_state"]
         folder = tempfile.mkdtemp(prefix=f"datastates-resume-{memory.name}-")
         _write_atomic(os.path.join(folder, TRAINER_STATE), state_json)
         self._ds_resume = (os.path.realpath(folder), memory.step)
@@ -358,7 +370,10 @@ class DatastatesTrainer(Trainer):
         return folder
 
     def _ds_materialize_state(self, path: str) -> None:
-        """Rewrite ``trainer_state.json`` from the checkpoint if a crash lost it."""
+        """Check that the datastates checkpoint ``path`` is this Trainer's
+        (:func:`_require_trainer_keys`), then rewrite its ``trainer_state.json`` from the
+        checkpoint if a crash lost it."""
+        _require_trainer_keys(path)
         target = os.path.join(path, TRAINER_STATE)
         if os.path.isfile(target):
             return
@@ -470,6 +485,49 @@ class DatastatesTrainer(Trainer):
         if self._ds is not None:
             self._ds.close(stop_keeper=stop_keeper)
             self._ds = None
+
+
+def _resumable(root: str) -> list[tuple[int, str, bool]]:
+    """``(N, path, is datastates)`` for every ``checkpoint-N`` directory of ``root`` that a
+    resume may pick, by N: a committed datastates checkpoint, or a stock one (it holds
+    ``trainer_state.json``, which stock Trainer writes last)."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for entry in os.listdir(root):
+        m = _STEP.match(entry)
+        path = os.path.join(root, entry)
+        if m is None or not os.path.isdir(path):
+            continue
+        if is_checkpoint_dir(path):
+            found.append((int(m.group(1)), path, True))
+        elif os.path.isfile(os.path.join(path, TRAINER_STATE)):
+            found.append((int(m.group(1)), path, False))
+    return sorted(found)
+
+
+def _require_trainer_keys(path: str) -> None:
+    """:class:`datastates.StateMismatchError` unless the datastates checkpoint at ``path`` holds
+    :data:`TRAINER_KEYS` (one written by the Lightning or DeepSpeed integration does not). Reads
+    the manifest only."""
+    import datastates
+    summary = datastates.inspect(path)
+    entries = summary["tensors"] + summary["objects"]
+    found = sorted({e["key"].split("/")[0] for e in entries}
+                   | {k.split("/")[0] for k in summary["values"]})
+    missing = [k for k in TRAINER_KEYS if k not in found]
+    if missing:
+        _not_a_trainer_checkpoint(f"the checkpoint {path}",
+                                  f"it holds the top-level keys {found}", summary["metadata"])
+
+
+def _not_a_trainer_checkpoint(where: str, found: str, metadata: dict) -> None:
+    import datastates
+    raise datastates.StateMismatchError(
+        f"DatastatesTrainer cannot resume from {where}: expected a checkpoint written by "
+        f"DatastatesTrainer, holding the keys {list(TRAINER_KEYS)}, but {found} (written by "
+        f"framework {metadata.get('framework', 'unknown')!r}). Resume from another checkpoint-N, "
+        "or move this one out of output_dir")
 
 
 def _state_json(state) -> str:

@@ -30,6 +30,20 @@ Compared with Lightning's ``AsyncCheckpointIO``:
 - each path is a datastates checkpoint directory that appears atomically; a crash never leaves
   a partial ``.ckpt`` visible, and ``last.ckpt`` is replaced atomically.
 
+Paths Lightning names itself (module docstring of ``_paths``):
+
+- a hidden name (``.lr_find_<uuid>.ckpt``, ``.scale_batch_size_<uuid>.ckpt``: the Tuner's
+  temporary checkpoint, saved, restored and removed at once) is written and read by Lightning's
+  stock ``TorchCheckpointIO``: datastates reserves names starting with '.' for its temporaries;
+- a symbolic link (``ModelCheckpoint(save_last="link")`` makes ``last.ckpt`` one) is read as
+  the checkpoint it points to when that lies in the link's own directory; a link leading out of
+  it is refused (CorruptCheckpointError naming the link and its target); removing or saving to
+  it replaces the link, never its target;
+- before a path is looked up or loaded, the core repairs its directory (a replacement of
+  ``last.ckpt`` that a crash interrupted is put back). ``fit(ckpt_path="last")`` is resolved by
+  Lightning itself, from a listing, before the plug-in is called: resume with
+  ``ckpt_path=io.last_path(dirpath)`` to get that repair.
+
 ``Model.load_from_checkpoint(path)`` reads one ``torch.load`` file and has no plug-in point: use
 :func:`load_from_checkpoint` (``load_from_checkpoint(Model, path)``), or export the checkpoint once
 with ``datastates export PATH --to torch model.ckpt``.
@@ -43,13 +57,15 @@ persist_every=None, persist_on_exit=False)))``, the callback ``io.memory_checkpo
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Optional
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
 
 from ._memory import MemorySaves, check_every, framework_memory_tier, memory_wins
-from ._paths import PathCheckpoints
+from ._paths import ASIDE_PREFIX, PathCheckpoints
 
 __all__ = ["DatastatesCheckpointIO", "DatastatesMemoryCheckpoint", "DatastatesSnapshotCallback",
            "load_from_checkpoint"]
@@ -72,6 +88,7 @@ class DatastatesCheckpointIO(CheckpointIO):
         if self._tier is not None:
             config = config.replace(memory_tier=None)
         self._paths = PathCheckpoints(config, max_open=max_open, trusted=False)
+        self._stock = TorchCheckpointIO()  # hidden (temporary) names, see the module docstring
         self._guard: Optional["DatastatesSnapshotCallback"] = None
         self._memory: Optional["DatastatesMemoryCheckpoint"] = None
 
@@ -83,6 +100,8 @@ class DatastatesCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options; configure "
                             "it through its datastates.CheckpointConfig")
+        if _hidden(path):
+            return self._stock.save_checkpoint(checkpoint, path)
         self._check_memory()
         step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
         step = step if type(step) is int and step >= 0 else None
@@ -100,20 +119,51 @@ class DatastatesCheckpointIO(CheckpointIO):
 
         ``weights_only`` keeps its ``torch.load`` meaning: unless it is ``False``, Python objects
         of classes outside PyTorch's safe list are refused. A path
-        :meth:`DatastatesMemoryCheckpoint.resume_path` gave is read from the memory tier."""
+        :meth:`DatastatesMemoryCheckpoint.resume_path` gave is read from the memory tier; a
+        hidden name with ``TorchCheckpointIO``; a link as its target in the same directory."""
+        if _hidden(path):
+            return self._stock.load_checkpoint(path, map_location=map_location,
+                                               weights_only=weights_only)
         self._check_memory()
         if callable(map_location) or isinstance(map_location, dict):
             map_location = None  # Lightning's default `lambda storage, loc: storage`
         memory = self._memory
         if memory is not None and memory.holds(path):
             return memory.load(path, map_location=map_location, trusted=weights_only is False)
+        path = _resolve_link(path)
         if not self._paths.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         return self._paths.load(path, map_location=map_location, trusted=weights_only is False)
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint (after its save, if still in flight, has finished)."""
+        """Delete the checkpoint (after its save, if still in flight, has finished); a link
+        is removed itself, never its target."""
+        if _hidden(path):
+            return self._stock.remove_checkpoint(path)
         self._paths.remove(path)
+
+    def last_path(self, dirpath: Any) -> Optional[str]:
+        """``ckpt_path`` for ``fit`` in place of ``"last"``: the newest ``last.ckpt`` (or
+        ``last-v<n>.ckpt``) in ModelCheckpoint's ``dirpath``, None if there is none.
+
+        Lightning resolves ``"last"`` from its own listing before calling the plug-in, so it
+        cannot see a ``last.ckpt`` that a crash left moved aside (an interrupted replacement);
+        here the core first repairs ``dirpath``, and a plain ``last.ckpt`` kept aside while
+        its datastates replacement was saved counts too (see ``load_checkpoint``)."""
+        folder = os.path.abspath(os.fspath(dirpath))
+        if not os.path.isdir(folder):
+            return None
+        self._paths.repair(folder)
+        names = {n[len(ASIDE_PREFIX):] if n.startswith(ASIDE_PREFIX) else n
+                 for n in os.listdir(folder)}
+        found = {}
+        for name in names:
+            path = os.path.join(folder, name)
+            if _LAST.fullmatch(name) and self._paths.exists(_resolve_link(path)):
+                stamp = path if os.path.lexists(path) else \
+                    os.path.join(folder, ASIDE_PREFIX + name)
+                found[path] = os.stat(stamp).st_mtime
+        return max(found, key=found.get, default=None)
 
     def teardown(self) -> None:
         """Wait until every checkpoint is committed; raise the first failure."""
@@ -154,6 +204,33 @@ class DatastatesCheckpointIO(CheckpointIO):
         ``blocked_s`` and ``nbytes`` are final once the save call returned; ``snapshot_s`` and
         ``commit_s`` are filled in when the capture and the commit happen (after ``wait()``)."""
         return self._paths.last_save_stats
+
+
+#: ModelCheckpoint's names of ``save_last`` checkpoints.
+_LAST = re.compile(r"last(-v\d+)?\.ckpt")
+
+
+def _hidden(path: Any) -> bool:
+    """Whether ``path`` is a hidden name (Lightning's temporaries, e.g. the Tuner's)."""
+    return os.path.basename(os.fspath(path).rstrip(os.sep)).startswith(".")
+
+
+def _resolve_link(path: Any) -> Any:
+    """``path``, or for a symbolic link the checkpoint it points to, which must lie in the
+    link's own directory (``ModelCheckpoint(save_last="link")``); CorruptCheckpointError for a
+    link leading out of it (never followed there)."""
+    spelled = os.path.abspath(os.fspath(path))
+    if not os.path.islink(spelled):
+        return path
+    folder = os.path.dirname(spelled)
+    target = os.path.realpath(spelled)
+    if os.path.dirname(target) != os.path.realpath(folder):
+        import datastates
+        raise datastates.CorruptCheckpointError(
+            f"{spelled} is a symbolic link to {target}, outside its directory {folder}; only "
+            "a link to a checkpoint in the same directory is followed (as "
+            "ModelCheckpoint(save_last='link') makes them)")
+    return os.path.join(folder, os.path.basename(target))
 
 
 class DatastatesSnapshotCallback(Callback):
