@@ -59,8 +59,9 @@ class Checkpointer:
     (BucketNotFoundError, StorageAccessError).
 
     The directory is created by the first save (a Checkpointer that only restores or lists
-    creates nothing, and allocates no host cache); a path that is, or lies below, a file raises
-    NotADirectoryError at construction.
+    creates nothing, and allocates no host cache); a local path that is, or lies below, a file
+    raises NotADirectoryError at construction (on an object store an object and a prefix of
+    one name are independent: an object at the root's key is left alone).
 
     Resources (host cache, threads) are released by ``close()`` or the ``with`` block, which first
     waits for in-flight saves to commit. ``share=other`` makes this Checkpointer use ``other``'s

@@ -174,7 +174,8 @@ def _tree(root) -> dict:
 
 @pytest.mark.parametrize("mode,n,leftover", [
     ("replace-latest", 1, "latest.tmp."),     # step 2 committed, latest not yet replaced
-    ("overwrite-rename-after", 2, ".old."),   # step 1 replaced, the old one not yet removed
+    # step 1 replaced (the two exchanged), the old one at the temporary's name, not yet removed
+    ("overwrite-rename-after", 1, ".tmp."),
 ])
 def test_a_read_only_copy_with_a_crashed_writers_leftovers_opens(tmp_path, mode, n, leftover):
     """A writer was killed in a commit and left a temporary; the root is then mounted
