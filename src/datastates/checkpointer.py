@@ -551,7 +551,9 @@ class Checkpointer:
         process replaced or deleted the checkpoint while it was read (an overwrite of a tag
         between reading its manifest and its shard files; retention deleting the latest) is
         started again, the checkpoint found anew, up to ``_REREADS`` times, with a WARNING
-        each, and the error appended to ``rereads``. It counts as replaced when its manifest
+        each, and the error appended to ``rereads`` -- in a one-process job only: each rank
+        re-reading on its own could leave the ranks with different commits, so with several
+        ranks the error is raised. It counts as replaced when its manifest
         now describes another commit (commit number, creation time) or is gone; a manifest
         unchanged (real damage) or unreadable raises the error at once."""
         self._check_open()
@@ -578,8 +580,9 @@ class Checkpointer:
             except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
                 name = info.name if info is not None else fmt.check_name(tag) \
                     if tag is not None else fmt.step_name(step) if step is not None else None
-                if len(rereads) >= _REREADS or name is None or not self._replaced(name, info):
-                    raise
+                if len(rereads) >= _REREADS or self.world_size > 1 or name is None or \
+                        not self._replaced(name, info):
+                    raise  # (several ranks re-reading on their own could restore two commits)
                 rereads.append(f"{name}: {type(exc).__name__}: {exc}")
                 log.warning("%s: the checkpoint %s was replaced or deleted by another process "
                             "while it was read (%s: %s); finding and reading it again",

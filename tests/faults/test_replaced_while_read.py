@@ -147,3 +147,27 @@ def test_a_fallback_restore_never_moves_aside_a_checkpoint_replaced_while_read(
         assert ck.load(tag="best")["note"] == written[0] == 10.0
         if where == "local":
             assert not [n for n in os.listdir(root) if n.startswith(".damaged.")]
+
+
+def test_several_ranks_never_read_again_on_their_own(tmp_path, monkeypatch, caplog):
+    """Two ranks restore ``best`` while another process overwrites it during the first shard
+    read: the rank that meets the new files raises (a rank re-reading alone could restore
+    another commit than its peers); none reads again."""
+    from thread_ranks import in_thread_ranks
+    small = CheckpointConfig(**SMALL)
+    saved = in_thread_ranks(str(tmp_path), 2, lambda ck, r: ck.save(
+        _state(1.0), tag="best", replicated=["w", "b", "note"]).wait(60), config=small)
+    assert not [e for e in saved.values() if isinstance(e, BaseException)], saved
+    other, written = _overwrite_on_read(monkeypatch, tmp_path, None)
+    with other:
+        caplog.clear()
+        out = in_thread_ranks(str(tmp_path), 2, lambda ck, r: ck.restore(_state(0.0),
+                                                                         tag="best"),
+                              config=small)
+    assert written == [10.0]
+    failed = [r for r, got in out.items() if isinstance(got, BaseException)]
+    assert failed and all(isinstance(out[r], (CorruptCheckpointError,
+                                              datastates.CheckpointNotFoundError))
+                          for r in failed), out
+    assert all(got.rereads == [] for got in out.values() if not isinstance(got, BaseException))
+    assert _warnings(caplog, "finding and reading it again") == []

@@ -3,6 +3,7 @@ name DeepSpeed imports. No framework needed."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -201,9 +202,14 @@ def test_plain_file_stays_loadable_until_its_replacement_commits(tmp_path):
         os._exit(0)  # die between the save's return and its commit
     """)
     subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env())
+    kept = tmp_path / "kept"
+    shutil.copytree(tmp_path, kept, ignore=shutil.ignore_patterns("kept"))
     paths = PathCheckpoints(SMALL)
     assert paths.exists(target)
     assert_same(plain, paths.load(target))
+    paths.remove(kept / "last.ckpt")  # removing the path removes the file set aside too
+    assert not paths.exists(kept / "last.ckpt")
+    assert not [n for n in os.listdir(kept) if n.startswith(".plain.")]
     paths.save({"v": torch.ones(6)}, target, snapshot=True)  # the next save commits: file gone
     paths.wait()
     assert paths.load(target)["v"].tolist() == [1.0] * 6

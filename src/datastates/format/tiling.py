@@ -122,17 +122,24 @@ def check_tiling(key: str, shape: tuple[int, ...], shards, at) -> None:
 #: The general check's budget of box comparisons for one tensor, beyond :data:`COMPARISONS_PER_BOX`
 #: per box: a layout of three or more dimensions that is neither slabs nor a grid, and so
 #: irregular that the sweep would compare more pairs than this, is refused as too irregular to
-#: check (:class:`TooIrregular`) rather than checked for minutes (refused in
-#: about 7 s per million boxes on a 2-core machine, about what parsing their records costs). Writers and readers apply one rule, so a reader accepts exactly
-#: what a writer commits. Layouts whose boxes differ in at most two dimensions are always
-#: decided in O(n log n) and never reach it.
+#: check (:class:`TooIrregular`) rather than checked for minutes (refused in about 7 s per
+#: million boxes on a 2-core machine, about what parsing their records costs). Writers and
+#: readers apply one rule, so a reader accepts exactly what a writer commits.
 MAX_COMPARISONS = 1 << 18
 COMPARISONS_PER_BOX = 8
+#: The check of layouts differing in at most two dimensions (O(n log n) comparisons) has a
+#: budget too: the boxes crossed at each step of its sweep, summed, beyond
+#: :data:`SHIFTS_PER_BOX` per box (what keeping them ordered moves in memory: n^2/4 for a
+#: hostile layout of n boxes). Real layouts cross few boxes at once (40,000 bricks in 200
+#: rows: 8 million); past the budget (about a second) the layout is refused as too irregular.
+MAX_SHIFTS = 1 << 28
+SHIFTS_PER_BOX = 256
 
 
 class TooIrregular(Exception):
     """The general tiling check gave up: the boxes need more than their budget of comparisons
-    (:data:`MAX_COMPARISONS`). The message says how many boxes and comparisons."""
+    (:data:`MAX_COMPARISONS`) or of crossed boxes (:data:`MAX_SHIFTS`). The message says how
+    many boxes, and the budget."""
 
 
 def overlapping(boxes: list):
@@ -141,8 +148,9 @@ def overlapping(boxes: list):
     generator: a caller wanting one pair stops at the first.
 
     Where the boxes differ in one or two dimensions only (every box holding the same interval of
-    the others): decided in O(n log n) (a sweep keeping the boxes it crosses ordered along the
-    other dimension); where there is an overlap, the pairs are then enumerated by the general
+    the others): decided in O(n log n) comparisons (a sweep keeping the boxes it crosses ordered
+    along the other dimension; :class:`TooIrregular` past ``MAX_SHIFTS + SHIFTS_PER_BOX * n``
+    boxes crossed, summed); where there is an overlap, the pairs are then enumerated by the general
     sweep, up to its budget (at least one pair is always yielded). Three or more: the general
     sweep along the dimension with the most distinct offsets, which compares each box
     with the boxes it crosses, within a budget of ``MAX_COMPARISONS + COMPARISONS_PER_BOX * n``
@@ -202,12 +210,19 @@ def _first_overlap_planar(boxes: list, dim: int, other: int | None):
     and ``other`` (None: only ``dim``) tell boxes apart: a sweep along ``dim`` keeping the boxes
     it crosses ordered by their start in ``other``. Boxes crossed at one point of the sweep
     must be disjoint in ``other``, so a new box need only be compared with its two neighbours
-    there: O(n log n)."""
+    there: O(n log n) comparisons, and TooIrregular once the crossed boxes, summed over the
+    sweep, pass the budget (each insertion and deletion moves them)."""
     starts: list[int] = []  # the crossed boxes' starts in the other dimension, ascending
     crossing: dict[int, tuple] = {}  # start -> (end, box)
     ends: list[tuple] = []  # heap of (end along dim, order, start)
+    budget, shifted = MAX_SHIFTS + SHIFTS_PER_BOX * len(boxes), 0
     for i, b in enumerate(sorted(boxes, key=lambda b: b[0][dim])):
         at = b[0][dim]
+        shifted += len(starts)  # what an insertion or a deletion below moves, at most
+        if shifted > budget:
+            raise TooIrregular(f"its {len(boxes)} boxes are neither slabs nor a grid and too "
+                               f"irregular to check: more than {budget} of them crossed at "
+                               "once, summed over the sweep")
         while ends and ends[0][0] <= at:
             lo = heapq.heappop(ends)[2]
             del starts[bisect.bisect_left(starts, lo)]

@@ -230,10 +230,13 @@ class PathCheckpoints:
             self._checkpointer(root)
 
     def remove(self, path) -> None:
-        """Delete the checkpoint at ``path`` (waiting first for a save of it still in flight)."""
+        """Delete the checkpoint at ``path`` (waiting first for a save of it still in flight),
+        and a plain file of that name set aside by a save a crash interrupted (which
+        :meth:`load` would still read)."""
         root, name = split_path(path)
         full = os.path.join(root, name)
         self._wait_path(full)
+        drop_aside(full)
         if os.path.islink(full) or os.path.isfile(full):
             os.remove(full)
         elif is_checkpoint_dir(full):
