@@ -553,6 +553,9 @@ class ManifestPublisher(Publisher):
                 store.read_bytes(manifest, max_bytes=fmt.MAX_MANIFEST_BYTES), manifest)
         except CorruptCheckpointError:
             named = None
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}: its manifest "
+                                          "was deleted meanwhile; nothing was removed") from None
         store.remove(manifest)
         try:
             if named is None:
@@ -561,7 +564,8 @@ class ManifestPublisher(Publisher):
             folders = {n.split("/")[0] for n in named if "/" in n}
             for child in _children(store, path):
                 if child in folders or _DATA_DIR.fullmatch(child) and \
-                        _written_by(store, store.join(path, child), committed):
+                        _written_by(store, store.join(path, child), committed) and \
+                        _only_data(store, store.join(path, child)):
                     store.remove_tree(store.join(path, child))
             for loose in (n for n in named if "/" not in n):
                 store.remove(store.join(path, loose))
