@@ -272,3 +272,37 @@ def test_decision_survives_rank0_exit(tmp_path):
     assert kind == "CommitError" and blamed == [1] and "store is unreachable" in message
     names, latest, _ = _committed(root)
     assert names == ["step-0000000001"] and latest == "step-0000000001"
+
+
+def _restore_after_exit_worker(rank, world, root):
+    ckpt = Checkpointer(root, FAST)
+    ckpt.save({"x": torch.ones(3) * rank}, step=1).wait(60)
+    dist.barrier()  # every rank's save is committed before rank 0 exits
+    if rank == 0:
+        os._exit(0)  # the store dies with this process
+    for _ in range(6000):  # wait until rank 0's exit has closed the store
+        try:
+            ckpt.comm.store.check(["-"])
+        except Exception:
+            break
+        time.sleep(0.01)
+    try:
+        ckpt.restore({"x": torch.zeros(3)}, fallback=True)
+        return "restored"
+    except Exception as exc:  # noqa: BLE001 - the result
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        try:
+            ckpt.close()
+        except Exception:  # noqa: BLE001 - closing without a store is not what is tested
+            pass
+
+
+def test_a_fallback_restore_without_the_store_is_a_restore_aborted_error(tmp_path):
+    """Rank 0, which hosts the coordination store, exited: the other ranks' fallback restore
+    raises RestoreAbortedError saying so, not torch's network error."""
+    out = run_ranks(3, _restore_after_exit_worker, str(tmp_path / "ckpt"), timeout=90,
+                    allow_dead=(0,))
+    for rank in (1, 2):
+        assert out[rank].startswith("RestoreAbortedError: restore(): the ranks could not agree") \
+            and "coordination store is unreachable" in out[rank], out[rank]

@@ -474,3 +474,18 @@ def test_waiting_ranks_poll_the_store_less_often_as_the_world_grows():
         comm = StoreCommunicator(MemoryStore(), 0, world, "run")
         assert comm._max_poll == pytest.approx(bound)
         assert world / comm._max_poll <= 20_000 or comm._max_poll == 0.05
+
+
+def test_a_key_sharded_on_one_rank_and_whole_on_another_is_named(tmp_path):
+    """Rank 0 saves ``w`` as a TensorShard of a 4x3 tensor, rank 1 as a plain 2x3 tensor of its
+    own: the commit fails on every rank naming rank 1's plain tensor, not only "a gap"."""
+    from thread_ranks import in_thread_ranks
+
+    def save(ck, rank):
+        w = TensorShard(torch.ones(2, 3), (4, 3), (0, 0)) if rank == 0 else torch.ones(2, 3)
+        return ck.save({"w": w}, step=1).wait(60)
+    out = in_thread_ranks(str(tmp_path), 2, save, config=SMALL)
+    for rank in (0, 1):
+        assert isinstance(out[rank], datastates.CommitError), out[rank]
+        assert "rank(s) [1] saved 'w' as a tensor of their own, not a TensorShard" in \
+            str(out[rank]), out[rank]

@@ -191,6 +191,10 @@ def check_tiling(manifest: Manifest) -> Problems:
     (``format/tiling.py``), which every reader applies to the manifest committed."""
     problems = []
     rank_of = [f.rank for f in manifest.files]
+    own: dict[str, list[int]] = {}  # key -> ranks holding a tensor of their own under it
+    for e in manifest.entries:
+        if e.kind == "tensor" and e.rank is not None:
+            own.setdefault(e.key, []).append(e.rank)
     for e in manifest.entries:
         if e.kind != "tensor" or _slabs(e.shape, e.shards) or grid(e.shape, e.shards):
             continue  # one box of the whole tensor, slabs, or the cells of a grid: tiled
@@ -215,9 +219,12 @@ def check_tiling(manifest: Manifest) -> Problems:
         problems += overlaps
         covered = sum(volume(box) for _, box, _ in boxes)
         if not overlaps and covered != volume(shape):
-            problems.append((sorted({r for *_, r in boxes}), f"the boxes written for "
-                             f"{e.key!r} cover {covered} of its {volume(shape)} elements "
-                             f"(shape {list(shape)}): a gap"))
+            plain = sorted(own.get(e.key, ()))
+            hint = (f"; rank(s) {plain} saved {e.key!r} as a tensor of their own, not a "
+                    "TensorShard of it" if plain else "")
+            problems.append((sorted({r for *_, r in boxes} | set(plain)), f"the boxes written "
+                             f"for {e.key!r} cover {covered} of its {volume(shape)} elements "
+                             f"(shape {list(shape)}): a gap{hint}"))
     return problems
 
 

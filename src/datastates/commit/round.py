@@ -414,6 +414,19 @@ class StoreCommunicator:
 
     # ------------------------------------------------------------ other agreements
     def exchange(self, topic: str, value: Any, timeout_s: float) -> dict[int, Any]:
+        """:meth:`_exchange`; a store that fails (its host, rank 0 in the default launch,
+        exited: torch raises a network or store error) is TimeoutError too, saying so, as no
+        agreement can be reached through it."""
+        try:
+            return self._exchange(topic, value, timeout_s)
+        except TimeoutError:
+            raise
+        except (RuntimeError, OSError) as exc:
+            raise TimeoutError(f"the coordination store is unreachable ({type(exc).__name__}: "
+                               f"{exc}); rank 0, which hosts it in the default launch, has "
+                               "probably exited") from exc
+
+    def _exchange(self, topic: str, value: Any, timeout_s: float) -> dict[int, Any]:
         """Every rank's ``value`` (small JSON) for the next exchange of ``topic``: an all-gather
         through the store, off the training group, for agreements other than a commit (a
         restore choosing its checkpoint). Every rank calls it for the same topics in the same
