@@ -142,7 +142,9 @@ class ElasticLoader:
     Epochs: a pass that runs to its end moves to the next epoch from its start; ``set_epoch``
     moves there explicitly. A pass left early (``break``) keeps its position: the next pass
     continues after the last batch yielded. A state saved after the last batch of an epoch but
-    before the loop ended resumes into an empty pass, which then moves to the next epoch. One
+    before the loop ended resumes into an empty pass, which then moves to the next epoch (at the
+    same world size; at another one with ``drop_last=True``, the tail the saving run dropped
+    may come first, as not yet seen). One
     pass at a time: starting a pass, ``set_epoch`` and ``load_state_dict`` end any pass in
     progress (its iterator stops). Used from the training thread of each rank.
 
