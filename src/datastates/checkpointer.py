@@ -553,9 +553,9 @@ class Checkpointer:
         started again, the checkpoint found anew, up to ``_REREADS`` times, with a WARNING
         each, and the error appended to ``rereads`` -- in a one-process job only: each rank
         re-reading on its own could leave the ranks with different commits, so with several
-        ranks the error is raised. It counts as replaced when its manifest
-        now describes another commit (commit number, creation time) or is gone; a manifest
-        unchanged (real damage) or unreadable raises the error at once."""
+        ranks the error is raised. It counts as replaced when its manifest now describes
+        another commit (commit number, creation time) or is gone; a manifest unchanged (real
+        damage) or unreadable raises the error at once."""
         self._check_open()
         check_step(step)
         check_rank_policy(rank_policy)
