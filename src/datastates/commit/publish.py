@@ -418,8 +418,8 @@ def _foreign_text(path: str, done: str = "removed") -> str:
 #: The data directory of one save (``tmp_location``), and what a save writes into one: shard
 #: files and a split manifest's parts. What the cleanup of stale data may remove.
 _DATA_DIR = re.compile(r"\.data\.[0-9a-f]{16}-[0-9]+")
-_DATA_FILE = re.compile(r"[^/]+/\.data\.[0-9a-f]{16}-[0-9]+/(rank-[0-9]{5,}\.dsf|" +
-                        fmt.PART_NAME.pattern + ")")
+_SAVED_FILE = re.compile(r"rank-[0-9]{5,}\.dsf|" + fmt.PART_NAME.pattern)
+_DATA_FILE = re.compile(r"[^/]+/" + _DATA_DIR.pattern + "/(" + _SAVED_FILE.pattern + ")")
 
 
 def _children(store: Store, path: str) -> list[str]:
@@ -441,8 +441,8 @@ def _written_by(store: Store, path: str, when: float) -> bool:
 def _only_data(store: Store, path: str) -> bool:
     """Whether the data directory ``path`` holds only files a save writes (nothing else of
     anyone's is removed with it)."""
-    return all(re.fullmatch(r"rank-[0-9]{5,}\.dsf", name) or fmt.PART_NAME.fullmatch(name)
-               for name in _children(store, path))
+    return all(_SAVED_FILE.fullmatch(name) for name in _children(store, path))
+
 
 def _discard_replaced(old: str, trash: str | None = None) -> None:
     """Remove a replaced checkpoint's directory ``old``. It is first renamed to ``trash`` (by
