@@ -176,15 +176,20 @@ def test_an_object_store_save_never_replaces_a_foreign_manifest(s3_server, s3_ro
     assert body == FOREIGN["webapp"]
 
 
+def _two_steps_on_s3(root: str, options: dict, step: int) -> str:
+    """Steps 1 and 2 saved under ``root``; the key of step ``step``'s manifest."""
+    with Checkpointer(root, CheckpointConfig(keep_last=None, **SMALL),
+                      storage_options=options) as ckpt:
+        for saved in (1, 2):
+            ckpt.save({"x": torch.full((4,), float(saved))}, step=saved).wait(60)
+    return f"{root.split('/', 3)[3]}/{fmt.step_name(step)}/{fmt.MANIFEST}"
+
+
 def test_an_object_store_checkpoint_with_an_emptied_manifest_is_damaged(
         s3_server, s3_root, s3_storage_options):
     """Its shard files lie in the checkpoint's data directory: that is the mark left."""
     client = s3_server.client()
-    with Checkpointer(s3_root, CheckpointConfig(keep_last=None, **SMALL),
-                      storage_options=s3_storage_options) as ckpt:
-        for step in (1, 2):
-            ckpt.save({"x": torch.full((4,), float(step))}, step=step).wait(60)
-    key = f"{s3_root.split('/', 3)[3]}/{fmt.step_name(1)}/{fmt.MANIFEST}"
+    key = _two_steps_on_s3(s3_root, s3_storage_options, 1)
     client.put_object(Bucket=s3_server.bucket, Key=key, Body=b"")
     with Checkpointer(s3_root, CheckpointConfig(**SMALL),
                       storage_options=s3_storage_options) as ckpt:
@@ -232,11 +237,7 @@ def test_an_object_store_checkpoint_without_its_manifest_is_named(s3_server, s3_
                                                                   s3_storage_options, caplog):
     """On an object store the folder's shard files lie in its data directory: found there."""
     client = s3_server.client()
-    with Checkpointer(s3_root, CheckpointConfig(keep_last=None, **SMALL),
-                      storage_options=s3_storage_options) as ckpt:
-        for step in (1, 2):
-            ckpt.save({"x": torch.full((4,), float(step))}, step=step).wait(60)
-    key = f"{s3_root.split('/', 3)[3]}/{fmt.step_name(2)}/{fmt.MANIFEST}"
+    key = _two_steps_on_s3(s3_root, s3_storage_options, 2)
     client.delete_object(Bucket=s3_server.bucket, Key=key)
     with Checkpointer(s3_root, CheckpointConfig(**SMALL),
                       storage_options=s3_storage_options) as ckpt:
