@@ -29,6 +29,16 @@ Decisions, each proved by tests/faults/test_preemption.py:
   retries on EINTR (a collective waiting for a rank that stopped): the scheduler's kill ends that.
 - A further signal before the deadline changes nothing (the first one's deadline and number
   stand); one after it is passed on at once.
+- Each Preemption agrees in keys of its own: the n-th one made on a rank's coordination store
+  (a counter per rank in the store, no collective) uses ``preemption/<n>/``, so a later one on
+  the same Checkpointer starts with no stop. ``exit()``/``close()`` count the ranks done with
+  it, and the last one deletes its keys.
+
+Store keys, under the Checkpointer's run's prefix::
+
+    preemption/made/r<k>   how many Preemptions rank k made on this store     rank k (add)
+    preemption/<n>/stop    the agreed StopPlan of the n-th one                 compare-and-set
+    preemption/<n>/done    ranks done with the n-th one; the last deletes both every rank (add)
 """
 from __future__ import annotations
 
@@ -57,8 +67,10 @@ DEFAULT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1")
 #: Default grace period, in seconds: under the 30 s that SLURM (``KillWait``) and Kubernetes
 #: (``terminationGracePeriodSeconds``) leave by default between the signal and the kill.
 DEFAULT_GRACE_S = 25.0
-#: The store key of the agreed stop. The store is the Checkpointer's run's (a prefix per run).
-STOP_KEY = "preemption/stop"
+#: The store keys of the n-th Preemption of a rank (the store is the Checkpointer's run's, a
+#: prefix per run): its agreed stop, the ranks done with it, and each rank's counter of them.
+PLAN_KEY, DONE_KEY = "preemption/{n}/stop", "preemption/{n}/done"
+MADE_KEY = "preemption/made/r{rank}"
 _ABSENT = "\x00absent"  # compare_set(key, _ABSENT, _ABSENT): a read that never blocks
 _WAKE, _STAND_DOWN = b"s", b"x"  # what the watcher reads from its pipe
 
@@ -93,7 +105,8 @@ class StopPlan:
 
 
 class Preemption:
-    """Stops a training loop cleanly on SIGTERM/SIGUSR1 (opt-in; one per Checkpointer).
+    """Stops a training loop cleanly on SIGTERM/SIGUSR1 (opt-in; one at a time per
+    Checkpointer, and a later one starts with no stop: the module docstring).
 
     ::
 
@@ -134,6 +147,7 @@ class Preemption:
         self.grace_s = _check_grace(grace_s)
         self._ckpt = checkpointer
         self._lead = 0 if checkpointer.world_size == 1 else 1
+        self._keys = _instance_keys(checkpointer)  # (plan, done), or None: no store reached
         self._signum: int | None = None    # the first signal this rank received
         self._deadline: float | None = None
         self._plan: StopPlan | None = None
@@ -165,6 +179,12 @@ class Preemption:
         if self._signum is not None:
             return self._signum
         return self._plan.signum if self._plan is not None else None
+
+    @property
+    def plan_key(self) -> str | None:
+        """This Preemption's key of the agreed stop in ``ckpt.comm.store`` (None if the store
+        could not be reached at construction: a signal then stops this rank alone)."""
+        return self._keys[0] if self._keys is not None else None
 
     @property
     def stop_step(self) -> int | None:
@@ -207,6 +227,7 @@ class Preemption:
         except Exception as exc:  # the process ends anyway: say what was lost
             log.error("datastates: a save failed before the process ends on rank %d: %r",
                       self._ckpt.rank, exc)
+        self._done()
         try:
             self._pass_on()  # a Python handler may raise here (SystemExit, KeyboardInterrupt)
         finally:
@@ -221,6 +242,7 @@ class Preemption:
         if self.signum is not None:  # received before close(), or while it restored
             self.exit()
         else:
+            self._done()
             self._release()
 
     def __enter__(self) -> "Preemption":
@@ -233,22 +255,38 @@ class Preemption:
     def _agree(self, step: int) -> StopPlan | None:
         """The plan in the store, or (after a signal) this rank's proposal, the first one set
         winning. A store that fails leaves a signalled rank to stop alone, at this step."""
-        signum, store = self._signum, self._ckpt.comm.store
+        signum, store, key = self._signum, self._ckpt.comm.store, self.plan_key
         try:
+            if key is None:
+                raise ConnectionError("unreachable when the Preemption was made")
             if signum is None:
-                raw = store.compare_set(STOP_KEY, _ABSENT, _ABSENT)
+                raw = store.compare_set(key, _ABSENT, _ABSENT)
                 if raw == _ABSENT.encode():
                     return None
             else:
                 mine = StopPlan(step + self._lead, signum, self._ckpt.rank)
-                raw = store.compare_set(STOP_KEY, "", mine.to_json())
+                raw = store.compare_set(key, "", mine.to_json())
         except Exception as exc:
             if signum is None:
                 return None
             log.warning("datastates: rank %d could not reach the coordination store (%r): it "
                         "stops alone at step %d", self._ckpt.rank, exc, step)
             return StopPlan(step, signum, self._ckpt.rank)
-        return StopPlan.parse(raw, f"the stop plan {STOP_KEY!r} in the coordination store")
+        return StopPlan.parse(raw, f"the stop plan {key!r} in the coordination store")
+
+    def _done(self) -> None:
+        """This rank is done with the plan (once): the last rank deletes this Preemption's keys.
+        Best effort: the store may be gone (rank 0, which hosts it, may have ended)."""
+        keys, self._keys = self._keys, None
+        if keys is None:
+            return
+        store = self._ckpt.comm.store
+        try:
+            if store.add(keys[1], 1) >= self._ckpt.world_size:
+                for key in keys:
+                    store.delete_key(key)
+        except Exception:  # noqa: BLE001 - nothing to clean in a store that is gone
+            pass
 
     # ------------------------------------------------------------ the signal
     def _on_signal(self, signum: int, frame) -> None:
@@ -330,6 +368,19 @@ class Preemption:
         self._watcher.join()
         os.close(self._read_fd)
         os.close(self._write_fd)
+
+
+def _instance_keys(checkpointer: "Checkpointer") -> tuple[str, str] | None:
+    """The plan and done keys of a new Preemption: the n-th one this rank makes on the store is
+    the n-th one of every rank (each rank makes them in the same order, as it makes saves)."""
+    store, rank = checkpointer.comm.store, checkpointer.rank
+    try:
+        n = store.add(MADE_KEY.format(rank=rank), 1)
+    except Exception as exc:  # noqa: BLE001 - a signal then stops this rank alone
+        log.warning("datastates: rank %d could not reach the coordination store (%r): a signal "
+                    "stops it alone, at the step where it is found", rank, exc)
+        return None
+    return PLAN_KEY.format(n=n), DONE_KEY.format(n=n)
 
 
 def _name(signum: int) -> str:

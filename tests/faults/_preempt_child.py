@@ -1,7 +1,7 @@
 """Child process of the preemption tests (run as a script, never collected by pytest).
 
     python _preempt_child.py DIR [--steps N] [--every K] [--final] [--grace S] [--sync]
-                             [--previous] [--hold STEP --hold-fd FD]
+                             [--previous] [--hold STEP --hold-fd FD] [--twice]
 
 A small deterministic training loop with a ``datastates.Preemption``: it saves every K steps,
 asks ``requested(step)`` at the safe point of each step (after ``opt.step()``) and then, with
@@ -16,6 +16,11 @@ flushes nothing):
     stop <s>              requested(s) was True
     previous <signum>     (--previous) the handler installed before the Preemption was called;
                           it raises SystemExit(3)
+    passed <signum>       (--twice) the handler installed before the first Preemption was
+                          called; it returns, so exit() returns and the loop goes on with a
+                          second Preemption on the same Checkpointer (SIGTERM's default action
+                          restored first), for N more steps
+    closed                (--twice) the second Preemption's close() returned
 
 ``--sync`` waits for each save to commit before the next step. Several ranks: ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` in the environment (gloo, whose TCPStore rank
@@ -95,6 +100,10 @@ def previous_handler(signum, frame) -> None:
     raise SystemExit(3)
 
 
+def passed_handler(signum, frame) -> None:
+    say("passed", signum)
+
+
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("directory")
@@ -106,6 +115,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--previous", action="store_true")
     p.add_argument("--hold", type=int, default=None)
     p.add_argument("--hold-fd", type=int, default=None)
+    p.add_argument("--twice", action="store_true")
     return p.parse_args()
 
 
@@ -121,12 +131,13 @@ def main() -> None:
         dist.init_process_group("gloo")
     if args.previous:
         signal.signal(signal.SIGTERM, previous_handler)
+    if args.twice:
+        signal.signal(signal.SIGTERM, passed_handler)
     comm = held_communicator(args.hold, args.hold_fd, world) if args.hold is not None else None
     config = datastates.CheckpointConfig(host_cache_bytes=1 << 20, writer_threads=2)
     model, opt = build()
     state = {"model": model, "optim": opt}
     with datastates.Checkpointer(args.directory, config, communicator=comm) as ckpt:
-        stop = datastates.Preemption(ckpt, grace_s=args.grace)
 
         def save(step: int) -> None:
             say("saved", step, digest(model, opt))
@@ -134,18 +145,31 @@ def main() -> None:
             if args.sync:
                 handle.wait()
 
-        for step in range(args.steps):
-            say("step", step)
-            sys.stdin.readline()
-            train_one_step(model, opt, step, world)
-            if step % args.every == 0:
-                save(step)
-            if stop.requested(step):          # the safe point
-                say("stop", step)
-                if args.final and step % args.every != 0:
+        def train(stop, steps) -> int | None:
+            """The loop; with --twice it ends at the first stop whose exit() returns."""
+            for step in steps:
+                say("step", step)
+                sys.stdin.readline()
+                train_one_step(model, opt, step, world)
+                if step % args.every == 0:
                     save(step)
-                stop.exit()
+                if stop.requested(step):          # the safe point
+                    say("stop", step)
+                    if args.final and step % args.every != 0:
+                        save(step)
+                    stop.exit()
+                    if args.twice:
+                        return step
+            return None
+
+        stop = datastates.Preemption(ckpt, grace_s=args.grace)
+        last = train(stop, range(args.steps))
         stop.close()
+        if args.twice and last is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            with datastates.Preemption(ckpt, grace_s=args.grace) as again:
+                train(again, range(last + 1, last + 1 + args.steps))
+            say("closed")
 
 
 if __name__ == "__main__":

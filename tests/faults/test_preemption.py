@@ -184,6 +184,19 @@ def test_past_the_grace_period_the_signal_is_passed_on_without_a_safe_point(tmp_
     assert "grace period of 0.2 s" in child.log()
 
 
+def test_a_second_preemption_on_the_same_checkpointer_starts_clean(tmp_path):
+    """The first Preemption gets a real SIGTERM at step 3, commits and passes it on to the
+    child's own handler, which returns; a second Preemption on the same Checkpointer, SIGTERM's
+    default action restored, then sees no stop for four steps, and its close() raises nothing:
+    the process ends with 0."""
+    child = Child(tmp_path / "ckpt", "--twice", "--steps", "4")
+    rc = drive(child, {("step", 3): send(signal.SIGTERM)})
+    assert rc == 0, child.log()
+    assert child.said("stop") == [3] and child.said("passed") == [signal.SIGTERM]
+    assert child.said("step") == list(range(8)) and child.lines[-1] == ["closed"], child.log()
+    assert assert_newest_committed(tmp_path / "ckpt", child) == 6
+
+
 # ---------------------------------------------------------------- two ranks
 def run_two_ranks(root, signals: dict[tuple[int, int], int], *args: str,
                   hold: int | None = None) -> tuple[list[Child], list[int]]:
@@ -241,6 +254,20 @@ def test_a_rank_never_signalled_stops_with_the_others_and_passes_their_signal_on
     assert assert_newest_committed(tmp_path / "ckpt", children[0]) == 4
 
 
+def test_two_ranks_start_clean_with_a_second_preemption(tmp_path):
+    """Rank 1 is signalled in step 3, both ranks stop at step 4 and pass SIGTERM on to their own
+    handler, which returns; a second Preemption on each rank's Checkpointer sees no stop (the
+    first one's plan is not its own) and both processes end with 0."""
+    children, rcs = run_two_ranks(tmp_path / "ckpt", {(1, 3): signal.SIGTERM}, "--twice",
+                                  "--every", "100", "--steps", "5")
+    assert rcs == [0, 0], [c.log() for c in children]
+    assert [c.said("stop") for c in children] == [[4], [4]]
+    assert [c.said("passed") for c in children] == [[signal.SIGTERM]] * 2
+    assert [c.said("step")[-1] for c in children] == [9, 9]
+    assert [c.lines[-1] for c in children] == [["closed"]] * 2
+    assert assert_newest_committed(tmp_path / "ckpt", children[0]) == 4
+
+
 # ---------------------------------------------------------------- in this process
 @pytest.fixture
 def recorded():
@@ -289,13 +316,31 @@ def test_a_plan_set_by_another_rank_is_validated_and_its_signal_passed_on(tmp_pa
     usr1 = int(signal.SIGUSR1)
     with datastates.Checkpointer(tmp_path / "ckpt") as ckpt:
         with datastates.Preemption(ckpt, signals=[signal.SIGUSR1]) as stop:
-            ckpt.comm.store.set("preemption/stop", f'{{"step": -1, "signum": {usr1}, "rank": 1}}')
-            with pytest.raises(datastates.DatastatesError, match="'preemption/stop'.*step"):
+            assert stop.plan_key == "preemption/1/stop"  # the first one on this store
+            ckpt.comm.store.set(stop.plan_key, f'{{"step": -1, "signum": {usr1}, "rank": 1}}')
+            with pytest.raises(datastates.DatastatesError, match="'preemption/1/stop'.*step"):
                 stop.requested(0)
-            ckpt.comm.store.set("preemption/stop", f'{{"step": 7, "signum": {usr1}, "rank": 1}}')
+            ckpt.comm.store.set(stop.plan_key, f'{{"step": 7, "signum": {usr1}, "rank": 1}}')
             assert not stop.requested(6) and stop.requested(7) and stop.signum == usr1
             assert stop.time_left() is None  # no signal reached this rank: no deadline here
         assert recorded == [usr1]  # close() passed the plan's signal on
+
+
+def test_a_preemption_leaves_no_plan_in_the_store(tmp_path, recorded):
+    """Its keys go at exit(); the next one on the same Checkpointer has keys of its own."""
+    usr1 = int(signal.SIGUSR1)
+    with datastates.Checkpointer(tmp_path / "ckpt") as ckpt:
+        with datastates.Preemption(ckpt, signals=[signal.SIGUSR1]) as stop:
+            signal.raise_signal(signal.SIGUSR1)
+            assert stop.requested(2) and stop.plan_key == "preemption/1/stop"
+            stop.exit()
+        assert recorded == [usr1]
+        assert [k for k in ckpt.comm.store.list_keys() if k.startswith("preemption/")] == \
+            ["preemption/made/r0"]
+        with datastates.Preemption(ckpt, signals=[signal.SIGUSR1]) as again:
+            assert not again.requested(3) and again.signum is None and again.stop_step is None
+            assert again.plan_key == "preemption/2/stop"
+        assert recorded == [usr1]
 
 
 @pytest.mark.parametrize("kwargs, found", [
