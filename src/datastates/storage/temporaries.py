@@ -12,6 +12,12 @@ then it removes the lease file, unless a temporary of that owner is left.
 
 A temporary whose token has no lease file (a name of an earlier version, or a lease another
 cleaner is retiring) is nobody's known property: the cleanup removes it only by age.
+
+A file system that refuses ``flock`` (``NO_LOCK_ERRNOS``: Lustre mounted without it, some FUSE
+file systems) has no leases: a writer keeps no lease file there and a cleaner takes a lease file
+it finds for an unknown owner's, so every temporary of that root is removed by age only (one
+WARNING per process and root, :func:`locks_refused`; docs/storage.md, "File systems without
+flock").
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import logging
 import os
 import re
 import stat
+import threading
 import time
 import uuid
 import warnings
@@ -35,6 +42,9 @@ _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXE
 READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 #: what a rename onto a directory that is not empty fails with
 TAKEN_ERRNOS = (errno.EEXIST, errno.ENOTEMPTY)
+#: what ``flock`` fails with on a file system that has no such locks (Lustre without ``flock``,
+#: some FUSE file systems, NFS without a lock manager)
+NO_LOCK_ERRNOS = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK)
 _TOKEN = r"(?P<owner>[0-9a-f]{16})"
 _UID = r"[0-9a-f]{8}"
 #: The temporaries of a rename store, each named after its owner.
@@ -46,6 +56,27 @@ _OWNED = (("latest", re.compile(rf"latest\.tmp\.{_TOKEN}\.{_UID}")),
 _UNOWNED = (("latest", "latest.tmp."), ("tmp", ".tmp."), ("old", ".old."), ("trash", ".trash."))
 
 log = logging.getLogger("datastates")
+_unlocked_roots: set[str] = set()
+_unlocked_lock = threading.Lock()
+
+
+def flock(fd: int, operation: int) -> None:
+    """``fcntl.flock``: the one call through which leases are locked (a test plays a file
+    system without locks by replacing it)."""
+    fcntl.flock(fd, operation)
+
+
+def locks_refused(root: str, exc: OSError) -> None:
+    """One WARNING per process and root: its file system refused ``flock`` (``exc``), so its
+    temporaries are told stale by age alone."""
+    with _unlocked_lock:
+        if root in _unlocked_roots:
+            return
+        _unlocked_roots.add(root)
+    log.warning("the file system of %s refused a lock (flock: %s); saves go on without "
+                "leases, and a temporary there is removed by the cleanup of stale temporaries "
+                "only once older than stale_tmp_age_s, which must exceed the longest save "
+                "(docs/storage.md, \"File systems without flock\")", root, exc.strerror or exc)
 
 
 def owner_token(run_id: str) -> str:
@@ -67,7 +98,8 @@ class Lease:
     """A shared lock on ``<root>/.owner.<token>``, held from :meth:`hold` to :meth:`release`.
 
     Several holders of one token (in one process or several) may hold it at once; it is free
-    only when the last one released it or died."""
+    only when the last one released it or died. On a file system that refuses locks the lease
+    holds nothing and leaves no file: its temporaries are removed by age."""
 
     def __init__(self, root: str, token: str, fd: int):
         self.root, self.token, self._fd = root, token, fd
@@ -76,18 +108,34 @@ class Lease:
     def hold(cls, root: str, token: str) -> "Lease":
         """Create (or open) the lease file and take the shared lock. If a cleaner retired the
         file between the open and the lock (it took it for a dead owner's), start again with a
-        new file. OSError if the root does not take the file (missing, read-only)."""
+        new file. If the file system refuses the lock (``NO_LOCK_ERRNOS``), remove the file and
+        return a lease that holds nothing (:func:`locks_refused` logs it). OSError if the root
+        does not take the file (missing, read-only)."""
         path = lease_path(root, token)
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_SH)
+                flock(fd, fcntl.LOCK_SH)
                 if same_file(path, fd):
                     return cls(root, token, fd)
+            except OSError as exc:
+                if exc.errno not in NO_LOCK_ERRNOS:
+                    os.close(fd)
+                    raise
+                try:
+                    if same_file(path, fd):
+                        os.remove(path)
+                except OSError:
+                    pass  # a lease file without a lock is an unknown owner's: removed by age
+                finally:
+                    os.close(fd)
+                locks_refused(root, exc)
+                return cls(root, token, -1)
             except BaseException:
                 os.close(fd)
                 raise
             os.close(fd)
+
 
     def release(self, leftovers: bool | None = None) -> None:
         """Drop the lock (idempotent). The lease file is removed when no other holder has it and
@@ -97,7 +145,7 @@ class Lease:
         if fd < 0:
             return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if leftovers is None:
                 leftovers = any(self.token in name and not name.startswith(LEASE_PREFIX)
                                 for name in os.listdir(self.root))
@@ -159,11 +207,17 @@ class Owners:
             self._live.add(token)  # so its temporaries are kept, as a live owner's would be
             return "live"
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             self._live.add(token)
             return "live"
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in NO_LOCK_ERRNOS:
+                raise
+            locks_refused(self.root, exc)
+            return "unknown"  # no lock can tell whether its owner lives: removed by age
         if not same_file(path, fd):
             os.close(fd)
             self._live.add(token)
