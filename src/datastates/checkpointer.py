@@ -31,7 +31,7 @@ from .providers.tree import Flattened, Items, flatten
 from .restore import resume
 from .restore.reader import Reader, RestoreReport, check_rank_policy
 from .save import capture
-from .save.arguments import check_depth, check_dtypes, check_metrics, check_step, check_tag
+from .save.arguments import check_depth, check_dtypes, check_metrics, check_target
 from .save.job import Job, SaveHandle
 from .save.pipeline import Pipeline
 from .save.planning import assign_replicated, plan_layout, units_holding
@@ -224,8 +224,13 @@ class Checkpointer:
         storage (its handle is done with the memory commit; ``wait()`` on rank 0 waits for
         storage too).
         Without a memory tier every save goes to storage, and ``persist=False`` raises
-        ConfigError.
+        ConfigError. ``persist`` is None, True or False: another value (0, 1) raises ConfigError.
+
+        ``step``, ``tag`` and ``persist`` are checked first, before a tier is chosen, by the one
+        check that ``restore``, ``load`` and ``delete`` share (``save.arguments.check_target``):
+        ConfigError ``"save(): <expected>, found <value>"``, with nothing written.
         """
+        name = check_target("save", step, tag, persist)  # before routing: one check, every tier
         where = self._tiers.route(step, tag, persist) if self._tiers is not None else "storage"
         if where != "storage":
             return self.memory.save(state, step, tag=tag, metadata=metadata,
@@ -238,10 +243,6 @@ class Checkpointer:
                               "MemoryTier()))")
         t0 = time.perf_counter()
         self._check_open()
-        if step is None and tag is None:
-            raise ValueError("save() needs a step or a tag")
-        check_step(step)
-        name = check_tag(tag) if tag is not None else fmt.step_name(step)
         self._report_dropped_failures()
         self._bound_pending()
         # From here on the save has an identity: a failure still takes part in its commit round,
@@ -459,7 +460,11 @@ class Checkpointer:
         restores from storage instead (a WARNING says so). ``report.tier`` says which. On
         several nodes, a restore of the latest then removes each node's memory checkpoints of
         later steps (docs/memory-tier.md, "Several nodes").
+
+        A step or tag that ``save()`` would refuse raises the same ConfigError as there (named
+        ``restore()``), before a tier is chosen or anything is read.
         """
+        check_target("restore", step, tag)
         report = None
         if self._tiers is not None:
             report = self._from_memory(
@@ -470,8 +475,9 @@ class Checkpointer:
             if report is not None:
                 report.tier = "memory"
         if report is None:
-            report = self._restore_storage(state, step, tag, keys, strict, verify, trusted,
-                                           safe_globals, rank_policy, cast, fallback)
+            at_step, at_tag = self._storage_target(step, tag, fallback)
+            report = self._restore_storage(state, at_step, at_tag, keys, strict, verify,
+                                           trusted, safe_globals, rank_policy, cast, fallback)
         if self._tiers is not None and step is None and tag is None:
             self._tiers.after_restore(report.step)
         return report
@@ -503,7 +509,9 @@ class Checkpointer:
         stay as saved). Like ``restore``, first waits for the saves in flight on this pipeline.
         ``fallback=True``: the newest checkpoint every rank reads intact, as for ``restore``
         (the skipped ones are in the WARNINGs only). With ``config.memory_tier``, the tier is
-        chosen as for ``restore``."""
+        chosen as for ``restore``. A step or tag that ``save()`` would refuse raises the same
+        ConfigError as there (named ``load()``), first."""
+        check_target("load", step, tag)
         if self._tiers is not None:
             loaded = self._from_memory(step, tag, lambda: self.memory.load(
                 step, tag=tag, keys=keys, map_location=map_location, trusted=trusted,
@@ -511,6 +519,7 @@ class Checkpointer:
                 fallback=step is None and tag is None, verify=True))
             if loaded is not None:
                 return loaded
+            step, tag = self._storage_target(step, tag, fallback)
         if fallback:
             return self._with_fallback(
                 step, tag, trusted, safe_globals, map_location, rank_policy, "load()", None,
@@ -557,7 +566,6 @@ class Checkpointer:
         another commit (commit number, creation time) or is gone; a manifest unchanged (real
         damage) or unreadable raises the error at once."""
         self._check_open()
-        check_step(step)
         check_rank_policy(rank_policy)
         self._pipeline.drain()
         latest = step is None and tag is None  # found by a scan: the catalog keeps its manifest
@@ -651,7 +659,7 @@ class Checkpointer:
         reader, planned, skipped, nbytes, seconds = resume.choose(
             self._catalog, self._agree or self.comm, open_reader=open_reader, prepare=prepare,
             quarantine=quarantine, timeout_s=self.config.commit_timeout_s, caller=caller,
-            apply=finish if self._optimistic else None, order=self._order,
+            apply=finish if self._optimistic else None, order=self._order or self._step_order(),
             eligible=self._eligible, mover=lambda ranks: self.rank == 0 and (
                 self._group is None or not self._group.isdisjoint(ranks)))
         with reader:
@@ -697,9 +705,33 @@ class Checkpointer:
         if not self.store.isdir(self.directory):
             return None
         found = self._catalog.scan()
-        newest = found[-1] if found else None
+        step_order = self._step_order()
+        newest = max(found, key=step_order, default=None) if step_order else \
+            found[-1] if found else None
         log_passed_over(self._catalog.passed_over(newest), newest, "latest()")
         return newest
+
+    def _step_order(self):
+        """With a memory tier, storage's newest is its highest step (then the last commit of
+        it), as across the tiers: never a tag saved later, so that memory's older step never
+        looks newer (memory/tiers.py). None: the commit order."""
+        if self._tiers is None:
+            return None
+        from .memory.tiers import step_then_commit
+        return step_then_commit
+
+    def _storage_target(self, step, tag, fallback: bool) -> tuple[int | None, str | None]:
+        """What a restore or load of storage reads: ``(step, tag)`` as asked, or, for the latest
+        with a memory tier (``fallback`` False), storage's newest by step named, when it is not
+        the last commit (``fallback=True`` ranks the candidates the same way)."""
+        if self._tiers is None or fallback or step is not None or tag is not None:
+            return step, tag
+        found = self._catalog.scan() if self.store.isdir(self.directory) else []
+        newest = max(found, key=self._step_order(), default=None)
+        if newest is None or newest.name == found[-1].name:
+            return None, None
+        named_by_step = newest.step is not None and newest.name == fmt.step_name(newest.step)
+        return (newest.step, None) if named_by_step else (None, newest.name)
 
     def damaged(self) -> list[DamagedCheckpoint]:
         """The damaged checkpoints of the directory, by name: directories whose
@@ -722,7 +754,8 @@ class Checkpointer:
         store, a prefix holding one). A name under which there is none, or anything else (a
         file, a symbolic link, a directory without a manifest) raises CheckpointNotFoundError
         and nothing is removed. Exactly one of ``step`` and ``tag`` names it: neither or both
-        raise ConfigError, and so does an invalid step or tag, before anything is removed.
+        raise ConfigError, and so does an invalid step or tag (the rules of ``save()``, checked
+        as it checks them), before anything is removed.
 
         With ``config.memory_tier`` whose keeper writes storage: ``self.memory.delete()`` of a
         memory checkpoint the keeper is writing to storage (or that waits for it) first waits
@@ -730,11 +763,7 @@ class Checkpointer:
         (both first wait for the saves in flight on this pipeline, so a save just committed has
         been handed on); CommitTimeoutError, nothing removed, if that takes over
         ``commit_timeout_s``."""
-        if (step is None) == (tag is None):
-            raise ConfigError(f"delete() needs exactly one of step= or tag= to name the "
-                              f"checkpoint; found step={step!r}, tag={tag!r}")
-        check_step(step)
-        name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
+        name = check_target("delete", step, tag)
         if self.rank == 0:
             if self._delete_guard is not None:
                 self._pipeline.drain()  # a save just committed is handed on before we look

@@ -40,6 +40,22 @@ def order(info: CheckpointInfo | None) -> int:
     return -2 if info is None else -1 if info.step is None else info.step
 
 
+_SEQ_BITS = 48
+
+
+def step_then_commit(info: CheckpointInfo) -> int:
+    """What "newer" means inside storage when it is compared with memory: the step (``order``),
+    then the commit order among checkpoints of one step. One int, as a fallback restore's ranks
+    exchange it (restore/resume.py)."""
+    return (order(info) + 2) << _SEQ_BITS | min(info.seq, (1 << _SEQ_BITS) - 1)
+
+
+def storage_newest(found: list[CheckpointInfo]) -> CheckpointInfo | None:
+    """Storage's candidate against memory: its highest step, not its last commit (a tag saved
+    after step 4, or a tag of an older step, must not let memory's step 3 look newer)."""
+    return max(found, key=step_then_commit, default=None)
+
+
 class Tiers:
     """The memory tier of one Checkpointer (``outer``): its memory Checkpointer, and on rank 0
     the keeper link."""

@@ -1,0 +1,64 @@
+"""The memory tier across restarts, with real processes and real signals
+(docs/memory-tier.md, "When something dies"):
+
+- storage holding a newer step than memory (a tag committed after it): ``latest()``,
+  ``restore()`` and ``load()`` take storage's step, never memory's older one;
+- a second trainer of the job while the first still runs is refused, naming the first's pid;
+  the first's saves go on, none lost;
+- a stopped keeper (SIGSTOP): a restart reads storage, with a WARNING and in the report;
+- the trainer and the keeper both SIGKILLed: ``datastates keeper DIR --stop`` removes what the
+  keeper left, and says what.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import datastates
+from datastates.memory import place
+
+from _crash_child import make_state
+from _faults_helpers import assert_bit_exact, zeros_like_state
+
+
+def _tier(shm_root, tmp_path, **kw):
+    kw.setdefault("log_path", str(tmp_path / "keeper.log"))
+    return datastates.MemoryTier(root=shm_root, **kw)
+
+
+def _config(tier, **kw):
+    return datastates.CheckpointConfig(memory_tier=tier, host_cache_bytes=1 << 20,
+                                       chunk_bytes=256 << 10, **kw)
+
+
+# ---------------------------------------------------------------- which tier is newer
+def test_storage_s_newer_step_wins_over_memory_whatever_was_committed_after_it(shm_root,
+                                                                              tmp_path):
+    """Memory holds step 3; storage step 4, then a tag without a step and a tag of step 2
+    (committed after step 4). A restart's latest(), restore() (with and without fallback) and
+    load() take storage's step 4, and the resumed run's save of step 5 goes on; before, memory's
+    step 3 was restored and the save of step 4 raised CheckpointExistsError."""
+    storage = tmp_path / "ckpt"
+    tier = _tier(shm_root, tmp_path, persist_every=4, storage_writer="trainer",
+                 persist_on_exit=False)
+    with datastates.Checkpointer(storage, _config(tier)) as ck:
+        for step in (1, 2, 3, 4):
+            ck.save(make_state(step, big=False), step=step)
+        ck.save(make_state(40, big=False), tag="final")
+        ck.save(make_state(2, big=False), step=2, tag="best")
+        ck.wait()
+        assert [i.name for i in ck.list()] == ["step-0000000004", "final", "best"]
+        assert [i.step for i in ck.memory.list()] == [3]
+    with datastates.Checkpointer(storage, _config(tier)) as ck:  # the restart
+        newest = ck.latest()
+        assert (newest.name, newest.path) == ("step-0000000004",
+                                              str(storage / "step-0000000004"))
+        for fallback in (False, True):
+            live = zeros_like_state(make_state(0, big=False))
+            report = ck.restore(live, fallback=fallback)
+            assert (report.step, report.tier) == (4, "storage"), report
+            assert_bit_exact(live, make_state(4, big=False))
+        assert_bit_exact(ck.load(), make_state(4, big=False))
+        assert_bit_exact(ck.load(fallback=True), make_state(4, big=False))
+        ck.save(make_state(5, big=False), step=report.step + 1).wait()
+        assert ck.latest().step == 5 and ck.latest().path.startswith(shm_root)
