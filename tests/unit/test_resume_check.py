@@ -131,6 +131,18 @@ def test_the_command_refuses_bad_kill_steps(capsys):
     assert capsys.readouterr().err.startswith("error: check_resume: expected kill_at as ")
 
 
+def test_the_command_refuses_a_loop_that_does_not_import_before_starting_anything(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "datastates", "check-resume", "nosuchmod:fn",
+                           "--steps", "4", "--kill-at", "2", "--workdir", str(tmp_path / "w")],
+                          cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=300)
+    assert (proc.returncode, proc.stdout) == (EXIT_ERROR, "")
+    assert proc.stderr == (f"error: check_resume: expected an importable module 'nosuchmod' "
+                           f"(from {tmp_path} or PYTHONPATH), found that importing it raises "
+                           "ModuleNotFoundError: No module named 'nosuchmod'\n")
+    assert not (tmp_path / "w").exists()  # no run began
+
+
 # ---------------------------------------------------------------- the comparison, on records
 
 
@@ -260,6 +272,9 @@ def _in_main():
     (lambda run: None, 4, 1, "module-level function"),
     (_in_main(), 4, 1, "__main__"),
     ("no_colon", 4, 1, "module:function"),
+    ("no_such_module_here:train", 4, 1, "expected an importable module 'no_such_module_here'"),
+    ("_resume_loops:no_such_loop", 4, 1, "expected a function 'no_such_loop'"),
+    ("_resume_loops:CFG", 4, 1, "found CheckpointConfig"),
     (loops.correct, 0, 0, "steps >= 1"),
     (loops.correct, 4, 4, r"in \[0, 4\)"),
     (loops.correct, 4, (2, 1), "increasing"),

@@ -100,9 +100,11 @@ def check_resume(train_fn: Callable | str, steps: int, kill_at: int | Iterable[i
     as the interrupted run (False for a loop that needs the whole machine or GPU).
 
     Blocks until every process ended; kills what a process leaves behind (loader workers).
-    Raises ConfigError for bad arguments; a loop that fails is reported, not raised."""
-    target, root = _target(train_fn)
+    Raises ConfigError for bad arguments (a ``"module:function"`` that does not import or
+    name a function included: it is imported here first); a loop that fails is reported, not
+    raised."""
     kills = _kill_steps(kill_at, steps)
+    target, root = _target(train_fn)
     folder, temporary = _workdir(workdir)
     env = _child_env(root)
     reference = None
@@ -209,6 +211,7 @@ def _target(train_fn: Callable | str) -> tuple:
         module, _, name = train_fn.partition(":")
         if not module or not name:
             raise ConfigError(f"check_resume: expected 'module:function', found {train_fn!r}")
+        _resolve(module, name)
         return train_fn, None
     module, name = getattr(train_fn, "__module__", None), getattr(train_fn, "__qualname__", "")
     if not callable(train_fn) or module is None or "<" in name:
@@ -217,6 +220,33 @@ def _target(train_fn: Callable | str) -> tuple:
         raise ConfigError(f"check_resume: {name} is defined in __main__ (a script run "
                           "directly), which a new process cannot import: move it to a module")
     return f"{module}:{name}", _import_root(module)
+
+
+def _resolve(module: str, name: str) -> Callable:
+    """The function ``module:name``, imported as the child will: from the current directory,
+    then ``sys.path``. ConfigError saying what failed, before any process starts."""
+    import importlib
+    here = os.getcwd()
+    added = here not in sys.path and "" not in sys.path
+    if added:
+        sys.path.append(here)
+    try:
+        fn: Any = importlib.import_module(module)
+    except Exception as exc:  # not found, or its own import raised (a SyntaxError too)
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ConfigError(f"check_resume: expected an importable module {module!r} (from {here} "
+                          f"or PYTHONPATH), found that importing it raises "
+                          f"{type(exc).__name__}: {first}") from None
+    finally:
+        if added:
+            sys.path.remove(here)
+    for part in name.split("."):
+        fn = getattr(fn, part, None)
+    if not callable(fn):
+        raise ConfigError(f"check_resume: expected a function {name!r} in module {module!r} "
+                          f"({getattr(sys.modules[module], '__file__', None)}), found "
+                          f"{'none' if fn is None else type(fn).__name__}")
+    return fn
 
 
 def _import_root(module: str) -> str | None:
