@@ -1,6 +1,11 @@
-"""The checks of ``Checkpointer.save()``'s arguments (step, tag, metadata depth, metrics, the
-dtypes of the state's tensors), run on the training thread before anything is planned or written.
-Each raises naming the argument or the key."""
+"""The checks of ``Checkpointer.save()``'s arguments (step, tag, persist, metadata depth,
+metrics, the dtypes of the state's tensors), run on the training thread before anything is
+planned or written. Each raises naming the argument or the key.
+
+:func:`check_target` is the one check of which checkpoint a call names (step, tag, persist),
+shared by ``save``, ``restore``, ``load`` and ``delete`` of every Checkpointer, with a memory tier
+or without: it runs first, before any routing to a tier, and a bad value raises the same
+ConfigError, ``"<call>(): <what was expected>, found <value>"``, whichever call got it."""
 from __future__ import annotations
 
 import math
@@ -20,30 +25,64 @@ MAX_STEP = (1 << 63) - 1
 MAX_TAG_BYTES = 128
 
 
-def check_step(step) -> None:
-    """``step`` is None or what a reader accepts: an int (not a bool) in [0, MAX_STEP]."""
+def check_step(step, where: str = "") -> None:
+    """``step`` is None or what a reader accepts: an int (not a bool) in [0, MAX_STEP]
+    (``where``: the call, as a prefix of the message)."""
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or
                              not 0 <= step <= MAX_STEP):
-        raise ConfigError(f"step must be an int in [0, 2**63 - 1], found {step!r}")
+        raise ConfigError(f"{where}step must be an int in [0, 2**63 - 1], found {step!r}")
 
 
-def check_tag(tag) -> str:
+def check_tag(tag, where: str = "") -> str:
     """The name of a save's ``tag``: a valid checkpoint name (``format.check_name``) whose
     temporaries can exist, at most MAX_TAG_BYTES in UTF-8, without control characters (which
-    readers accept in names already written); ConfigError otherwise."""
+    readers accept in names already written); ConfigError otherwise (``where``: as for
+    :func:`check_step`)."""
     try:
         name = fmt.check_name(tag)
     except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+        raise ConfigError(f"{where}{exc}") from None
     control = next((c for c in name if c < " " or c == "\x7f"), None)
     if control is not None:  # an object store's batch DELETE (XML) cannot name them
-        raise ConfigError(f"invalid checkpoint name {name!r}: it holds the control character "
-                          f"{control!r}; expected printable characters only")
+        raise ConfigError(f"{where}invalid checkpoint name {name!r}: it holds the control "
+                          f"character {control!r}; expected printable characters only")
     size = len(name.encode("utf-8", "surrogatepass"))
     if size > MAX_TAG_BYTES:
-        raise ConfigError(f"invalid checkpoint name {name[:40] + '...'!r}: {size} bytes in "
-                          f"UTF-8, expected at most {MAX_TAG_BYTES} (its temporary names must "
-                          "fit the file system's 255-byte limit)")
+        raise ConfigError(f"{where}invalid checkpoint name {name[:40] + '...'!r}: {size} bytes "
+                          f"in UTF-8, expected at most {MAX_TAG_BYTES} (its temporary names "
+                          "must fit the file system's 255-byte limit)")
+    return name
+
+
+#: What ``check_target`` requires of step= and tag= together, by call.
+_NAMED = {"save": "a step= or a tag= (or both)", "delete": "exactly one of step= or tag="}
+
+
+def check_target(call: str, step, tag, persist=None) -> str | None:
+    """The checkpoint that ``call`` ("save", "restore", "load" or "delete") names: its name,
+    or None for the latest (restore/load with neither step nor tag). ConfigError, before
+    anything is routed, read or written, for
+
+    - a step that is not None or an int (not a bool) in [0, 2**63 - 1];
+    - a tag that is not None or a name ``save()`` writes (:func:`check_tag`: one path
+      component, not reserved, printable, at most MAX_TAG_BYTES);
+    - a ``persist`` (save) other than None, True or False: 0 and 1 are refused, not read as
+      booleans (they would choose a tier by their truth);
+    - save() without a step or a tag; delete() without exactly one of them.
+
+    The message is ``"<call>(): <expected>, found <value>"``, the same for every call."""
+    where = f"{call}(): "
+    check_step(step, where)
+    name = check_tag(tag, where) if tag is not None else None
+    if persist is not None and not isinstance(persist, bool):
+        raise ConfigError(f"{where}persist must be None, True or False, found {persist!r}")
+    need = _NAMED.get(call)
+    if need is not None and (step is None and tag is None or
+                             call == "delete" and step is not None and tag is not None):
+        raise ConfigError(f"{where}{need} names the checkpoint, found step={step!r}, "
+                          f"tag={tag!r}")
+    if name is None and step is not None:
+        name = fmt.step_name(step)
     return name
 
 
