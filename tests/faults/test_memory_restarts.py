@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+
+import pytest
 
 import datastates
 from datastates.memory import place
 
 from _crash_child import make_state
-from _faults_helpers import assert_bit_exact, zeros_like_state
+from _faults_helpers import HERE, assert_bit_exact, zeros_like_state
+
+TRAINER = os.path.join(HERE, "_memory_trainer_child.py")
 
 
 def _tier(shm_root, tmp_path, **kw):
@@ -62,3 +68,31 @@ def test_storage_s_newer_step_wins_over_memory_whatever_was_committed_after_it(s
         assert_bit_exact(ck.load(fallback=True), make_state(4, big=False))
         ck.save(make_state(5, big=False), step=report.step + 1).wait()
         assert ck.latest().step == 5 and ck.latest().path.startswith(shm_root)
+
+
+# ---------------------------------------------------------------- one trainer per job's memory
+def test_a_second_trainer_of_the_job_is_refused_while_the_first_runs(shm_root, tmp_path):
+    """A trainer (another process) holds steps 1 and 2 in memory and still runs. A second
+    trainer of the job is refused with KeeperError naming the first's pid, and nothing of the
+    memory changes: the first saves step 3, and memory holds steps 2 and 3, intact. Once the
+    first has ended, a restart is accepted and restores its step 3 from memory, bit-exact."""
+    storage = tmp_path / "ckpt"
+    first = subprocess.Popen([sys.executable, TRAINER, str(storage), shm_root,
+                              str(tmp_path / "keeper.log")], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE)
+    try:
+        assert first.stdout.readline() == b"COMMITTED 2\n", first.stderr.read()[-3000:]
+        tier = _tier(shm_root, tmp_path, persist_every=None, persist_on_exit=False, keep_last=2)
+        with pytest.raises(datastates.KeeperError, match=f"trainer pid {first.pid} is attached"):
+            datastates.Checkpointer(storage, _config(tier))
+        out, err = first.communicate(b"go\n", timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0 and out == b"COMMITTED 3\nINTACT 3\n", err[-3000:]
+    with datastates.Checkpointer(storage, _config(tier)) as ck:
+        live = zeros_like_state(make_state(0, big=False))
+        report = ck.restore(live)
+        assert (report.step, report.tier) == (3, "memory")
+        assert_bit_exact(live, make_state(3, big=False))

@@ -5,7 +5,8 @@ for the trainer's rank 0 and serves, one request at a time, JSON lines:
 
 - ``{"op": "attach", "pid": P}``: a trainer starts using the memory (answered once any write to
   storage in progress is done, so a restarted trainer never lists storage while the keeper
-  commits into it);
+  commits into it); refused while another trainer is attached (one trainer per job's memory:
+  two would recycle each other's shard files);
 - ``{"op": "detach"}``: it stops (``Checkpointer.close()``); ``{"op": "stop"}`` as well, and the
   keeper then ends at once;
 - ``{"op": "persist", "name": N, "overwrite": B}``: the attached trainer hands on its memory
@@ -171,6 +172,25 @@ class Keeper:
     def _attached(self) -> int:
         return sum(1 for c in self._conns.values() if c.pid is not None and not c.detached)
 
+    def _other_trainer(self, asking: _Conn) -> int | None:
+        """The pid of a trainer other than ``asking`` that is attached, or None. A connection
+        already closed by its end (a trainer that died, whose end of file waits in the same
+        round of events) is handled as gone first."""
+        for conn in list(self._conns.values()):
+            if conn is asking or conn.pid is None or conn.detached:
+                continue
+            try:
+                closed = conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                closed = False
+            except OSError:
+                closed = True
+            if closed:
+                self._gone(conn)
+            else:
+                return conn.pid
+        return None
+
     def _accept(self, server: socket.socket) -> None:
         sock, _ = server.accept()
         uid = place.peer_uid(sock)
@@ -182,6 +202,8 @@ class Keeper:
         self._sel.register(sock, selectors.EVENT_READ, self._conns[sock.fileno()])
 
     def _read(self, conn: _Conn) -> None:
+        if self._conns.get(conn.sock.fileno()) is not conn:  # gone earlier in this round
+            return
         try:
             data = conn.sock.recv(1 << 16)
         except OSError:
@@ -229,6 +251,16 @@ class Keeper:
         if op == "attach":
             if self._term_at is not None:
                 self._send(conn, {"ok": False, "error": "the keeper is ending (SIGTERM)"})
+                return
+            other = self._other_trainer(conn)
+            if other is not None:  # two trainers would recycle each other's shard files
+                self._send(conn, {"ok": False, "error": (
+                    f"trainer pid {other} is attached to {self.memdir} and still runs; a "
+                    "second trainer of the job (pid "
+                    f"{int(request.get('pid', 0))}) is refused: end pid {other} first (its "
+                    "close() detaches; if it died, the keeper notices at once)")})
+                log.warning("keeper: refused trainer %s: trainer %d is attached",
+                            request.get("pid"), other)
                 return
             conn.pid, conn.detached = int(request.get("pid", 0)), False
             self._idle_since = None
