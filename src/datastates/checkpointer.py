@@ -457,7 +457,9 @@ class Checkpointer:
         With ``config.memory_tier``: the checkpoint asked for, or the newest (the highest step of
         either tier; memory on a tie), is read from memory when memory holds it, always as with
         ``fallback=True`` there; when no memory checkpoint is intact on every rank, every rank
-        restores from storage instead (a WARNING says so). ``report.tier`` says which. On
+        restores from storage instead (a WARNING says so). ``report.tier`` says which, and
+        ``report.tier_fallback`` why memory was not asked (a keeper that did not answer at
+        construction: the Checkpointer then does without the memory tier, a WARNING). On
         several nodes, a restore of the latest then removes each node's memory checkpoints of
         later steps (docs/memory-tier.md, "Several nodes").
 
@@ -478,6 +480,8 @@ class Checkpointer:
             at_step, at_tag = self._storage_target(step, tag, fallback)
             report = self._restore_storage(state, at_step, at_tag, keys, strict, verify,
                                            trusted, safe_globals, rank_policy, cast, fallback)
+            if self._tiers is not None:
+                report.tier_fallback = self._tiers.unavailable
         if self._tiers is not None and step is None and tag is None:
             self._tiers.after_restore(report.step)
         return report

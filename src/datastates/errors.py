@@ -122,3 +122,9 @@ def write_error(rank: int, what: str, exc: BaseException) -> BaseException:
 class KeeperError(DatastatesError, RuntimeError):
     """The memory tier's keeper process could not be started, reached or trusted (its memory
     directory is not this user's private directory, it did not answer in time)."""
+
+
+class KeeperUnresponsiveError(KeeperError, TimeoutError):
+    """The keeper process lives (it holds its lock, or its socket takes the connection) but
+    does not answer in time: stopped (SIGSTOP, a frozen container) or hung. A Checkpointer
+    being constructed then does without the memory tier (docs/memory-tier.md)."""

@@ -11,8 +11,10 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import signal
 import subprocess
 import sys
 
@@ -20,6 +22,7 @@ import pytest
 
 import datastates
 from datastates.memory import place
+from datastates.tools.keeper import ask
 
 from _crash_child import make_state
 from _faults_helpers import HERE, assert_bit_exact, zeros_like_state
@@ -96,3 +99,41 @@ def test_a_second_trainer_of_the_job_is_refused_while_the_first_runs(shm_root, t
         report = ck.restore(live)
         assert (report.step, report.tier) == (3, "memory")
         assert_bit_exact(live, make_state(3, big=False))
+
+
+# ---------------------------------------------------------------- a stopped keeper
+def test_a_stopped_keeper_makes_the_restart_read_and_write_storage(shm_root, tmp_path, caplog):
+    """The keeper is stopped (SIGSTOP) while no trainer is attached; memory holds step 2,
+    storage step 1. The restart does not fail: construction gives up on the keeper after
+    start_timeout_s with a WARNING, latest() and restore() read storage's step 1 (bit-exact,
+    the reason in report.tier_fallback), and saves go to storage. The memory is left as it
+    was; continued, the keeper still serves it."""
+    storage = tmp_path / "ckpt"
+    memdir = place.memory_dir(shm_root, str(storage))
+    tier = _tier(shm_root, tmp_path, persist_every=None, persist_on_exit=False)
+    with datastates.Checkpointer(storage, _config(tier)) as ck:
+        ck.save(make_state(1, big=False), step=1, persist=True)
+        ck.save(make_state(2, big=False), step=2)
+        ck.wait()
+    keeper = ask(memdir, "status")["pid"]
+    held = sorted(os.listdir(os.path.join(memdir, place.CKPT)))
+    assert "step-0000000002" in held
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        stalled = dataclasses.replace(tier, start_timeout_s=2)
+        with caplog.at_level(logging.WARNING, logger="datastates"):
+            ck = datastates.Checkpointer(storage, _config(stalled))
+        assert "the memory tier is not used" in caplog.text and memdir in caplog.text
+        with ck:
+            assert ck.latest().name == "step-0000000001"
+            live = zeros_like_state(make_state(0, big=False))
+            report = ck.restore(live)
+            assert (report.step, report.tier) == (1, "storage")
+            assert "did not answer" in report.tier_fallback
+            assert_bit_exact(live, make_state(1, big=False))
+            ck.save(make_state(2, big=False), step=2).wait()  # memory is not written
+        assert [i.step for i in datastates.Checkpointer(storage).list()] == [1, 2]
+        assert sorted(os.listdir(os.path.join(memdir, place.CKPT))) == held
+    finally:
+        os.kill(keeper, signal.SIGCONT)
+    assert ask(memdir, "status")["pid"] == keeper

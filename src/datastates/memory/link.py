@@ -13,7 +13,7 @@ import threading
 import time
 
 from ..config import CheckpointConfig
-from ..errors import KeeperError
+from ..errors import KeeperError, KeeperUnresponsiveError
 from . import place
 from .options import STORAGE_FIELDS, MemoryTier
 
@@ -66,15 +66,19 @@ class KeeperLink:
                                           f"{tier.log_path or place.default_log(storage_dir)}")
                     spawned = spawn(storage_dir, tier, config)
             if time.monotonic() > deadline:
-                raise KeeperError(f"the keeper of {memdir} did not answer within "
-                                  f"{tier.start_timeout_s:g} s")
+                raise KeeperUnresponsiveError(f"the keeper of {memdir} did not answer within "
+                                              f"{tier.start_timeout_s:g} s")
             time.sleep(_RETRY_S)
         if spawned is not None:  # reaped when it ends (after this, poll() would not see it)
             threading.Thread(target=spawned.wait, name="datastates-keeper-reaper",
                              daemon=True).start()
         link = cls(sock, memdir)
-        reply = link.request({"op": "attach", "pid": os.getpid()},
-                             max(1.0, deadline - time.monotonic()))
+        try:
+            reply = link.request({"op": "attach", "pid": os.getpid()},
+                                 max(1.0, deadline - time.monotonic()))
+        except KeeperError:
+            link.close(detach=False)  # a keeper that did not answer would not answer that
+            raise
         link.keeper_pid = reply.get("pid")
         return link
 
@@ -85,8 +89,9 @@ class KeeperLink:
         so the late answer of a request that timed out is never taken for another's."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._lock.acquire(timeout=-1 if deadline is None else max(0.0, timeout)):
-            raise KeeperError(f"the keeper of {self.memdir} did not answer {message['op']!r}: "
-                              "still busy with an earlier request")
+            raise KeeperUnresponsiveError(f"the keeper of {self.memdir} did not answer "
+                                          f"{message['op']!r}: still busy with an earlier "
+                                          "request")
         try:
             if self.lost:
                 raise KeeperError(f"the keeper of {self.memdir} is gone")
@@ -99,10 +104,12 @@ class KeeperLink:
                     reply = self._replies.get(timeout=left)
                     if reply is None or reply.get("id") in (number, None):
                         break
-            except (OSError, queue.Empty) as exc:
+            except queue.Empty:
+                raise KeeperUnresponsiveError(f"the keeper of {self.memdir} did not answer "
+                                              f"{message['op']!r} within {timeout:g} s") from None
+            except OSError as exc:
                 raise KeeperError(f"the keeper of {self.memdir} did not answer "
-                                  f"{message['op']!r}: "
-                                  f"{str(exc) or f'no answer within {timeout:g} s'}") from None
+                                  f"{message['op']!r}: {exc}") from None
         finally:
             self._lock.release()
         if reply is None:
@@ -113,12 +120,14 @@ class KeeperLink:
                               f"{reply.get('error')}")
         return reply
 
-    def close(self, stop: bool = False) -> None:
-        """Detach (``stop``: and end the keeper now); idempotent, never raises."""
+    def close(self, stop: bool = False, detach: bool = True) -> None:
+        """Detach (``stop``: and end the keeper now; ``detach`` False: only close the
+        connection, which the keeper takes for a trainer that ended); idempotent, never
+        raises."""
         if self._closing:
             return
         self._closing = True
-        if not self.lost:
+        if not self.lost and detach:
             try:
                 self.request({"op": "stop" if stop else "detach"}, 10.0)
             except KeeperError as exc:

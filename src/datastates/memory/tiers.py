@@ -18,7 +18,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from ..commit.retention import RetentionPolicy
-from ..errors import CommitTimeoutError, ConfigError, KeeperError
+from ..errors import CommitTimeoutError, ConfigError, KeeperError, KeeperUnresponsiveError
 from ..format.records import CheckpointInfo
 from ..storage import is_url
 from ..storage.posix import remove_tree
@@ -83,7 +83,7 @@ class Tiers:
                               f"(a keeper holds its node's shards only); found the ranks on "
                               f"{self.nodes} nodes {groups}: leave storage_writer None or set "
                               "'trainer'")
-        error = None
+        error = stalled = None
         if outer.rank == self.group[0]:  # the group's keeper, and its record of ranks
             try:
                 self.link = KeeperLink.open(outer.directory, tier, outer.config)
@@ -93,10 +93,13 @@ class Tiers:
                 # Every node lists its memory at a restore, an empty one too (a rank whose
                 # listing raised would leave the others' agreement).
                 os.makedirs(ckpt, 0o700, exist_ok=True)
+            except KeeperUnresponsiveError as exc:  # alive but stopped or hung: storage only
+                stalled = str(exc)
             except Exception as exc:  # noqa: BLE001 - every rank learns of it, then it is raised
                 error = exc
         answers = self._exchange("memory-keeper", {"error": None if error is None else
-                                                   f"{type(error).__name__}: {error}"}, timeout)
+                                                   f"{type(error).__name__}: {error}",
+                                                   "stalled": stalled}, timeout)
         if error is not None:
             self._drop()
             raise error
@@ -106,6 +109,22 @@ class Tiers:
             raise KeeperError(f"rank {outer.rank}: the memory tier did not open on rank(s) "
                               f"{sorted(failed)}: " + "; ".join(
                                   f"rank {r}: {e}" for r, e in sorted(failed.items())))
+        stalled_on = {r: a["stalled"] for r, a in answers.items() if a.get("stalled")}
+        #: Why this Checkpointer does without the memory tier (None: it uses it): a keeper
+        #: that lives but does not answer (stopped, hung). Every save then goes to storage and
+        #: every restore reads storage, with this in ``RestoreReport.tier_fallback``; the
+        #: memory is left to that keeper, untouched.
+        self.unavailable: str | None = None
+        if stalled_on:
+            self._drop()
+            self.unavailable = ("the memory tier is not used: " + "; ".join(
+                f"rank {r}: {e}" for r, e in sorted(stalled_on.items())) +
+                "; every save goes to storage and restores read storage")
+            log.warning("datastates: %s (a stopped or hung keeper: continue it, or end it and "
+                        "restart, to use the memory tier again)", self.unavailable)
+            self.memory = None
+            self.handoff = None
+            return
         comm = outer.comm if self.nodes == 1 else outer.comm.subgroup(
             str(groups.index(self.group)), self.group)
         try:
@@ -156,7 +175,9 @@ class Tiers:
     def route(self, step: int | None, tag: str | None, persist: bool | None) -> str:
         """Where a save goes: ``"memory"``, ``"storage"``, or ``"handoff"`` (due for storage,
         written to memory and from there by the keeper). The same on every rank: it depends on
-        the arguments and the config only."""
+        the arguments, the config and ``unavailable`` (agreed at construction) only."""
+        if self.unavailable is not None:
+            return "storage"
         if not self.tier.goes_to_storage(step if tag is None else None, persist):
             return "memory"
         return "handoff" if tag is None and self.writer == "keeper" else "storage"
@@ -177,7 +198,7 @@ class Tiers:
         ``together`` (every rank reads storage at this point: the choice was agreed) the other
         ranks wait for rank 0, else they go on. CommitTimeoutError (on every rank, together) if
         a write takes over ``commit_timeout_s``."""
-        if self.writer != "keeper":  # the same on every rank: one config, one set of nodes
+        if self.writer != "keeper" or self.unavailable is not None:  # the same on every rank
             return
         timeout = self.outer.config.commit_timeout_s
         error = None
@@ -198,6 +219,8 @@ class Tiers:
 
     def newest(self, storage: CheckpointInfo | None) -> CheckpointInfo | None:
         """The newer of ``storage`` (storage's newest) and the memory's newest; memory on a tie."""
+        if self.unavailable is not None:
+            return storage
         memory = self.memory.latest()
         return memory if memory is not None and order(memory) >= order(storage) else storage
 
@@ -208,6 +231,8 @@ class Tiers:
         the latest, a step at least as new as storage's newest. Rank 0 decides for every rank
         (through the store), and its storage's newest is the oldest memory checkpoint a restore
         of the latest may fall back to (storage holds a newer step than any older one)."""
+        if self.unavailable is not None:  # the same on every rank (agreed at construction)
+            return None
         if step is None and tag is None:
             memory = self.memory.latest()
             mine = memory is not None and order(memory) >= order(storage)
@@ -223,7 +248,7 @@ class Tiers:
         node removes its memory checkpoints of later steps, with a WARNING. A node whose peers
         lack them cannot restore them, and the steps trained again after the restore would
         collide with them on this node only (CheckpointExistsError on its ranks alone)."""
-        if self.nodes == 1 or step is None:
+        if self.nodes == 1 or step is None or self.unavailable is not None:
             return
         if self.outer.rank == self.group[0]:  # memory.delete() works on the node's lowest rank
             for info in self.memory.list():
@@ -246,6 +271,8 @@ class Tiers:
         lowest rank). A keeper that is gone cannot write the memory to storage any more: that
         rank does it here (one node, ``persist_on_exit``), then removes the memory directory if
         no keeper took it over."""
+        if self.unavailable is not None:  # the memory is the stalled keeper's, untouched
+            return
         self.memory.close()
         self.memory.store.close()  # the shard files' mappings
         if self.handoff is not None:  # before detaching: the keeper is writing for this trainer

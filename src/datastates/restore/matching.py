@@ -63,6 +63,9 @@ class RestoreReport:
     verify_s: float = 0.0
     #: where it was read from: "storage" (the directory), or "memory" (the memory tier)
     tier: str = "storage"
+    #: with a memory tier, why this restore read storage without asking memory (its keeper
+    #: did not answer when the Checkpointer was constructed: stopped or hung), else None
+    tier_fallback: str | None = None
     #: True: a memory checkpoint its keeper had checked byte by byte after the last write to it
     #: (datastates/memory/marks.py), copied without checksumming again
     prechecked: bool = False
