@@ -27,6 +27,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, StateMismatchError
 from ..format import tree
+from ..format.checks import MAX_TREE_DEPTH
 from ..format.tree import key_of
 from ..format import codec as fmt
 from ..providers.tree import NUMPY_DTYPES, TensorShard, plain_cpu, sharding_of, unwritable
@@ -227,7 +228,11 @@ class _Plan:
         self.fresh: dict[int, torch.Tensor] = {}
         self.filled: set[tuple[int, int]] = set()
         #: (container, key, value): plain values of the live dicts/lists, replaced after the reads
+        #: (the key ``slice(None)``: a grown or shrunk list's whole contents)
         self.writebacks: list = []
+        #: saved Python objects read (unpickled) to tell whether a container is plain, by entry,
+        #: each taken by the one node that restores it
+        self.objects: dict[int, Any] = {}
         #: (provider, state, key) of the providers overriding ``validate_values``, with the reads,
         #: copies and casts of their own tensors: done first, then validated
         self.early: list = []
@@ -254,7 +259,7 @@ class _Plan:
                 parts.append(f"do not match: {show(r.mismatched)}")
             raise StateMismatchError(f"{self.reader.dir}: the live state does not match the "
                                      f"checkpoint; {'; '.join(parts)}. Nothing was modified. "
-                                     "Pass strict=False to restore what matches, or keys=[...]")
+                                     f"{_advice(r)}")
 
     def match_root(self, live: Any, node: dict) -> None:
         """:meth:`match` of the whole state. An in-place restore keeps the caller's object, so
@@ -286,7 +291,7 @@ class _Plan:
                                                   f"live {type(live).__qualname__}")
             return node["v"]
         if t == "object":
-            loaded = self.reader.read_object(self.reader.entries[node["e"]])
+            loaded = self._object(node)
             if checked and type(loaded) is not type(live):
                 return self._mismatch(live, path, f"checkpoint {type(loaded).__qualname__}, "
                                                   f"live {type(live).__qualname__}")
@@ -295,12 +300,39 @@ class _Plan:
             return self.tensor(live, node, path)
         if t == "provider":
             return self.provider(live, node, path)
+        # plain data on both sides: a value, whose saved items are restored whatever the live
+        # length or keys (README, "What can be in a state")
+        grows = self.in_place and live is not None and _same_kind(t, live) and \
+            self.wanted(path) == "all" and _plain(live) and self._plain_saved(node)
         if t in tree.MAPPINGS:
-            return self.mapping(live, node, path, provider)
+            return self.mapping(live, node, path, provider, grows)
         if t in tree.SEQUENCES:
-            return self.sequence(live, node, path, provider)
+            return self.sequence(live, node, path, provider, grows)
         raise CorruptCheckpointError(f"{self.reader.dir}: unknown tree node {t!r} at "
                                      f"{key_of(path)!r}")
+
+    def _plain_saved(self, node: dict) -> bool:
+        """Whether the saved subtree ``node`` holds plain data only: plain values, and saved
+        Python objects that load as plain data (bytes, a non-finite float, a dict with keys
+        JSON lacks), in dicts, lists and tuples. The objects read are kept for :meth:`match`."""
+        t = node["t"]
+        if t == "value":
+            return True
+        if t == "object":
+            e = node["e"]
+            if e not in self.objects:
+                self.objects[e] = self.reader.read_object(self.reader.entries[e])
+            return _plain(self.objects[e])
+        if t in tree.MAPPINGS or t in tree.SEQUENCES:
+            return all(self._plain_saved(child) for _, child in tree.items(node))
+        return False
+
+    def _object(self, node: dict) -> Any:
+        """The saved Python object of the ``object`` node ``node``, read once."""
+        e = node["e"]
+        if e in self.objects:
+            return self.objects.pop(e)
+        return self.reader.read_object(self.reader.entries[e])
 
     def provider(self, live: Any, node: dict, path: tuple) -> Any:
         prov = self.reader.registry.get(node["name"])
@@ -312,7 +344,9 @@ class _Plan:
             if not prov.can_handle(live):
                 raise StateMismatchError(f"{key_of(path)!r}: the checkpoint holds a "
                                          f"{node['name']} state, the live object is a "
-                                         f"{type(live).__qualname__}")
+                                         f"{type(live).__qualname__}; put the kind of object "
+                                         "it was saved from there before restoring, or read "
+                                         "it with load()")
             mark = self._mark()
             loaded = self._provider_state(prov, prov.state(live), node, path)
             try:
@@ -392,10 +426,12 @@ class _Plan:
         provider, whose ``load`` gets the state as saved) rather than replaced."""
         return self.in_place and provider is None and isinstance(live, (dict, list))
 
-    def mapping(self, live: Any, node: dict, path: tuple, provider) -> Any:
+    def mapping(self, live: Any, node: dict, path: tuple, provider, grows: bool = False) -> Any:
         """A dict node. A live dict of the caller's is filled in place (same object, its other
         keys kept); otherwise a new dict is built (the live one, inside a provider's state,
-        still gets its values set)."""
+        still gets its values set). ``grows``: a dict of plain data on both sides (see
+        :meth:`match`), which takes the keys only the checkpoint holds instead of finding
+        them unexpected; keys only the live dict holds are missing all the same."""
         live_map = live if isinstance(live, dict) else None
         fill = self._fills(live_map, provider)
         out = live_map if fill else (OrderedDict() if node["t"] == "odict" else {})
@@ -406,12 +442,14 @@ class _Plan:
             if not everything and self.wanted(sub) is None:
                 continue
             seen.add(k)
-            if live_map is not None and k not in live_map and self._strict_here(provider):
+            if live_map is not None and k not in live_map and self._strict_here(provider) and \
+                    not grows:
                 self.report.unexpected.append(key_of(sub))
                 continue
             current = live_map.get(k) if live_map is not None else None
             value = self.match(current, child, sub, provider)
-            if self.in_place and live_map is not None and current is not value:
+            if self.in_place and live_map is not None and (current is not value or
+                                                           k not in live_map):
                 self.writebacks.append((live_map, k, value))  # set after the reads
             if not fill:
                 out[k] = value
@@ -421,12 +459,19 @@ class _Plan:
                     self.report.missing.append(key_of(path + (k,)))
         return out
 
-    def sequence(self, live: Any, node: dict, path: tuple, provider) -> Any:
+    def sequence(self, live: Any, node: dict, path: tuple, provider, grows: bool = False) -> Any:
+        """A list or tuple node, matched item by item: a live list of the caller's is filled in
+        place, a tuple rebuilt. ``grows``: a sequence of plain data on both sides (see
+        :meth:`match`), which takes the saved items whatever its live length: a live list's
+        whole contents are replaced after the reads (the same list; an item both sides hold is
+        matched as usual, so a nested list or dict stays the same object)."""
         live_seq = live if isinstance(live, (list, tuple)) else None
-        if (self.in_place and live_seq is not None and self._strict_here(provider)
+        if (self.in_place and live_seq is not None and self._strict_here(provider) and not grows
                 and len(live_seq) != len(node["items"]) and self.wanted(path) == "all"):
-            return self._mismatch(live, path, f"checkpoint {len(node['items'])} items, live "
-                                              f"{len(live_seq)}")
+            n = len(node["items"])
+            return self._mismatch(live, path, f"checkpoint {n} items, live {len(live_seq)}; it "
+                                              "holds tensors or objects restored in place, so "
+                                              f"build it with the {n} saved items")
         fill = self._fills(live_seq, provider)
         # a live tuple of the caller's is rebuilt keeping its items that are not restored
         keep = self.in_place and provider is None and live_seq is not None
@@ -437,13 +482,16 @@ class _Plan:
                 if keep and i < len(live_seq):
                     out.append(lv)
                 continue
-            if fill and i >= len(live_seq):  # only when keys= names this item
+            if fill and i >= len(live_seq) and not grows:  # only when keys= names this item
                 self.report.unexpected.append(key_of(path + (i,)))
                 continue
             out.append(self.match(lv, child, path + (i,), provider))
-            if self.in_place and isinstance(live, list) and i < len(live) and lv is not out[-1]:
+            if self.in_place and isinstance(live, list) and i < len(live) and lv is not out[-1] \
+                    and not grows:
                 self.writebacks.append((live, i, out[-1]))
         if fill:
+            if grows:
+                self.writebacks.append((live, slice(None), out))
             return live
         return tuple(out) if node["t"] == "tuple" else out
 
@@ -636,6 +684,43 @@ class _Plan:
 
 #: Plain values whose equal copies are interchangeable.
 _IMMUTABLE = frozenset({int, float, complex, str, bytes, bool, type(None)})
+_PLAIN_CONTAINERS = (dict, OrderedDict, list, tuple)
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is plain data: a value of a type in ``_IMMUTABLE``, or a dict,
+    OrderedDict, list or tuple of plain data (dict keys plain values too). A container nested
+    deeper than a checkpoint may be (one holding itself) is not."""
+    kind = type(value)
+    if kind in _IMMUTABLE:
+        return True
+    if kind not in _PLAIN_CONTAINERS or depth >= MAX_TREE_DEPTH:
+        return False
+    if kind is list or kind is tuple:
+        return all(_plain(v, depth + 1) for v in value)
+    return all(type(k) in _IMMUTABLE and _plain(v, depth + 1) for k, v in value.items())
+
+
+def _advice(report: RestoreReport) -> str:
+    """How to make a strict restore of the state ``report`` describes succeed keeping the saved
+    data: ``strict=False`` is offered as the fix only where it drops nothing saved (keys only the
+    live state has)."""
+    steps = []
+    if report.unexpected:
+        steps.append("add the keys only the checkpoint holds")
+    if report.mismatched:
+        steps.append("give each mismatched container that holds tensors or objects the saved "
+                     "length and keys, each tensor the saved shape and dtype (cast=True converts "
+                     "between floating-point dtypes), each object the saved type -- or, in your "
+                     "own dict or list, set it to None, which takes whatever was saved")
+    if report.missing:
+        steps.append("remove the keys the checkpoint lacks")
+    text = f"To restore the saved data, before restoring {'; '.join(steps)}. load() returns " \
+        "the saved state as new objects."
+    if report.unexpected or report.mismatched:
+        return text + " strict=False would skip what is listed here, dropping its saved data."
+    return text + " Or pass strict=False: everything saved is restored, and the keys the " \
+        "checkpoint lacks keep their live values."
 
 
 def _replaced(result: Any, live: Any, path: tuple) -> list[tuple]:
