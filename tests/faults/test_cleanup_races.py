@@ -62,6 +62,43 @@ with datastates.Checkpointer(sys.argv[1], config) as ck:
             print(f"ERROR {type(exc).__name__}: {exc}".replace("\n", " "), flush=True)
 """
 
+#: Saves the tag ``live`` with overwrite=True for each round number read from stdin; prints the
+#: outcome. Its commit, once it has looked at the name (free or not), prints ROOM and waits for a
+#: line GO, so that the parent lets two of them rename only once both have looked. ``renames``:
+#: as on a file system that cannot exchange two directories (NFS, FUSE).
+OVERWRITER = r"""
+import sys, torch, datastates
+from datastates.commit.publish import RenamePublisher
+from datastates.storage import posix
+me = int(sys.argv[2])
+if sys.argv[3] == "renames":
+    posix._renameat2 = None  # as a C library without renameat2: the two renames are used
+looked = RenamePublisher._make_room
+gate = []
+
+def make_room(self, *args):
+    replace = looked(self, *args)
+    if gate:  # the first look of this save only
+        gate.clear()
+        print("ROOM", flush=True)
+        assert sys.stdin.readline() == "GO\n"
+    return replace
+
+RenamePublisher._make_room = make_room
+config = datastates.CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=1 << 16)
+with datastates.Checkpointer(sys.argv[1], config) as ck:
+    print("READY", flush=True)
+    for line in sys.stdin:
+        k = int(line)
+        gate.append(k)
+        try:
+            ck.save({"x": torch.full((1024,), float(10 * k + me)), "who": me, "round": k},
+                    tag="live", overwrite=True).wait()
+            print("COMMITTED", flush=True)
+        except Exception as exc:
+            print(f"ERROR {type(exc).__name__}: {exc}".replace("\n", " "), flush=True)
+"""
+
 #: Opens a root, lists it and loads the latest checkpoint into a file outside the root.
 READER = r"""
 import sys, torch, datastates
@@ -134,6 +171,38 @@ def test_the_loser_of_a_race_to_commit_one_name_gets_checkpoint_exists_error(tmp
             loaded = ck.load(tag=f"race-{k:02d}")
             assert loaded["who"] == winner
             assert torch.equal(loaded["x"], torch.full((1024,), float(winner)))
+    assert hidden_entries(root) == []
+
+
+@pytest.mark.parametrize("rename", ["exchange", "renames"])
+def test_two_processes_overwriting_one_new_name_both_commit(tmp_path, rename):
+    """Two processes save the tag ``live`` with overwrite=True at the same time, 10 rounds, the
+    tag deleted before each, both renaming only once both found the name free: neither ever
+    fails (the one whose rename finds the name taken replaces what is there), and ``live`` then
+    holds one of the two saves of that round, whole -- with the directories exchanged in one
+    step, and with two renames."""
+    root = tmp_path / "root"
+    racers = [_start(OVERWRITER, root, me, rename) for me in (0, 1)]
+    outcomes = []
+    try:
+        with datastates.Checkpointer(root, datastates.CheckpointConfig(**SMALL)) as ck:
+            for k in range(10):
+                if k:
+                    ck.delete(tag="live")
+                for line in (f"{k}\n", "GO\n"):
+                    for racer in racers:
+                        racer.stdin.write(line)
+                        racer.stdin.flush()
+                    if line != "GO\n":
+                        assert [racer.stdout.readline() for racer in racers] == ["ROOM\n"] * 2
+                outcomes.append([racer.stdout.readline().strip() for racer in racers])
+                loaded = ck.load(tag="live")
+                assert loaded["round"] == k and loaded["who"] in (0, 1), loaded
+                assert torch.equal(loaded["x"], torch.full((1024,), 10.0 * k + loaded["who"]))
+    finally:
+        for racer in racers:
+            _finish(racer)
+    assert outcomes == [["COMMITTED", "COMMITTED"]] * 10, outcomes
     assert hidden_entries(root) == []
 
 

@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 from ..format import codec as fmt
 from ..format import files
@@ -138,6 +138,11 @@ def _taken_meanwhile(final: str) -> CheckpointExistsError:
                                  "overwrite=True to replace it")
 
 
+#: How many times an overwrite makes room and renames before it gives up: each try that fails
+#: lost to another writer's commit, which is then the one replaced.
+_SWAPS = 8
+
+
 # ---------------------------------------------------------------- stores that rename
 
 class RenamePublisher(Publisher):
@@ -215,7 +220,8 @@ class RenamePublisher(Publisher):
         for part, data in encoded.parts:  # a split manifest's parts, before its head
             self.store.write_atomic(os.path.join(tmp, part), data, fsync)
         stamp = self.store.write_atomic(os.path.join(tmp, fmt.MANIFEST), encoded.data, fsync)
-        self.make_visible(root, tmp, name, self._make_room(root, name, overwrite, fsync), fsync)
+        self._swap_in(root, tmp, name, self._make_room(root, name, overwrite, fsync), overwrite,
+                      fsync)
         return final, stamp, encoded.written
 
     def _make_room(self, root: str, name: str, overwrite: bool, fsync: bool) -> bool:
@@ -244,6 +250,33 @@ class RenamePublisher(Publisher):
         taken meanwhile (another writer's commit won the race). After the rename the
         checkpoint is visible: later failures (the fsync of ``root``, removing the old one) are
         warnings."""
+        if not self._rename_in(root, tmp, name, replace, fsync):
+            raise _taken_meanwhile(os.path.join(root, name))
+
+    def _swap_in(self, root: str, tmp: str, name: str, replace: bool, overwrite: bool,
+                 fsync: bool, fence: Callable[[], None] | None = None) -> None:
+        """:meth:`make_visible`, except that with ``overwrite`` a name another writer's commit
+        took meanwhile (between :meth:`_make_room` and the rename: both saved a new name, or it
+        came between the two renames of a replacement) is replaced in turn: room is made again
+        (``fence()`` called again) and ``tmp`` exchanged with what is there now, up to
+        ``_SWAPS`` tries in all."""
+        final = os.path.join(root, name)
+        for attempt in range(_SWAPS):
+            if attempt:
+                replace = self._make_room(root, name, overwrite, fsync)
+                if fence is not None:
+                    fence()
+            if self._rename_in(root, tmp, name, replace, fsync):
+                return
+            if not overwrite:
+                raise _taken_meanwhile(final)
+            log.info("%s was committed by another writer meanwhile; replacing it", final)
+        raise CheckpointExistsError(f"{final}: expected to replace it (overwrite=True), found it "
+                                    f"committed anew by other writers at each of {_SWAPS} "
+                                    f"tries; {tmp} was not committed")
+
+    def _rename_in(self, root: str, tmp: str, name: str, replace: bool, fsync: bool) -> bool:
+        """:meth:`make_visible`; False, nothing changed, if ``root/name`` was taken meanwhile."""
         final = os.path.join(root, name)
         lease = Lease.hold(root, fresh_token()) if replace else None
         old, left = None, False
@@ -254,7 +287,7 @@ class RenamePublisher(Publisher):
                     if posix.exchange(tmp, final):  # the replaced one is at tmp now
                         left = self._tidy(root, final, tmp, fsync, os.path.join(
                             root, f".trash.{uid}"))
-                        return
+                        return True
                 except FileNotFoundError:
                     pass  # deleted meanwhile: renamed below, as when nothing is replaced
                 old = os.path.join(root, f".old.{uid}")
@@ -267,20 +300,28 @@ class RenamePublisher(Publisher):
             except OSError as exc:
                 left = old is not None and not self._put_back(old, final)
                 if exc.errno in TAKEN_ERRNOS:
-                    raise _taken_meanwhile(final) from None
+                    return False
                 raise
             left = self._tidy(root, final, old, fsync)
+            return True
         finally:
             if lease is not None:
                 lease.release(leftovers=left)
 
     def _put_back(self, old: str, final: str) -> bool:
-        """A failed save changes nothing: the replaced checkpoint goes back. False (it stays
-        ``old``, the cleanup's to put back) if that fails too."""
+        """A failed save changes nothing: the replaced checkpoint goes back -- or, if another
+        writer's commit took its name meanwhile, it is replaced by that one and removed. False
+        (it stays ``old``, the cleanup's) if that fails too."""
         try:
             os.rename(old, final)
             return True
         except OSError as exc:
+            if exc.errno in TAKEN_ERRNOS:
+                try:
+                    _discard_replaced(old)
+                    return True
+                except OSError as failed:
+                    exc = failed
             log.warning("the checkpoint %s replaced by a failed save could not be put back "
                         "(%s); it is kept as %s", final, exc, old)
             return False
