@@ -23,7 +23,8 @@ STEP = re.escape("step must be an int in [0, 2**63 - 1], found ")
 NAME = re.escape("invalid checkpoint name ")
 
 #: (step=, tag=, the message after "<call>(): ")
-BAD = [
+BAD = [pytest.param(step, tag, expected, id=f"step={step!r}" if tag is None else
+                    f"tag={tag!r}"[:20]) for step, tag, expected in [
     ("4", None, STEP + re.escape("'4'")),
     (True, None, STEP + "True"),
     (-1, None, STEP + "-1"),
@@ -37,7 +38,7 @@ BAD = [
     (None, 7, NAME + re.escape("7: expected")),
     (None, "a\nb", NAME + re.escape("'a\\nb': it holds the control character '\\n'")),
     (None, "x" * 129, NAME + ".*129 bytes in UTF-8, expected at most 128"),
-]
+]]
 
 #: Every entry point, called with step= and tag= only (and a state where it takes one).
 CALLS = {
