@@ -401,11 +401,14 @@ class Checkpointer:
         providers apply the rest (optimizer state, RNG, schedulers); plain values (ints,
         strings, objects) held by the live dicts and lists are replaced by the saved ones. Strict by default: keys, shapes and dtypes must match, and a
         mismatch raises StateMismatchError before anything is modified. Strict means: the same
-        keys, list lengths, tensor shapes and dtypes, the same type for every plain value (a live
-        ``None`` accepts any saved value), and every check of the providers involved (for an
-        optimizer: its class, the number of parameter groups, the parameters per group, the
-        hyper-parameter names, and the state names of every parameter that has state). With
-        ``strict=False`` what does not match is left alone and listed in the report. ``keys``
+        keys, lengths of the lists holding tensors or objects, tensor shapes and dtypes, the
+        same type for every plain value (a live ``None`` accepts any saved value), and every
+        check of the providers involved (for an optimizer: its class, the number of parameter
+        groups, the parameters per group, the hyper-parameter names, and the state names of
+        every parameter that has state). A dict, list or tuple of plain data only is a value: it
+        takes the saved items whatever its live length (docs/resume.md, "What a restore
+        matches"). With ``strict=False`` what does not match is left alone and listed in the
+        report. ``keys``
         restricts the restore to key prefixes such as ``"model"``. Python objects load safely
         unless ``trusted=True`` (or their classes are in ``safe_globals``).
 
