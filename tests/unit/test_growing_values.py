@@ -183,3 +183,15 @@ def test_load_returns_new_objects_as_saved(ck):
     loaded = ck.load()
     assert loaded["losses"] is not state["losses"] and _bits(loaded["losses"]) == _bits(LOSSES)
     assert loaded["counters"] == {"a": 1} and loaded["counters"] is not state["counters"]
+
+
+def test_a_live_value_where_a_module_was_saved_says_to_build_the_module(ck):
+    saved = torch.nn.Linear(2, 2)
+    ck.save({"m": saved, "losses": [0.5]}, step=1).wait()
+    with pytest.raises(StateMismatchError, match=r"'m': the checkpoint holds a .* state, the "
+                                                 r"live object is a int; put the kind of object "
+                                                 r"it was saved from there before restoring"):
+        ck.restore({"m": 0, "losses": []})
+    built = torch.nn.Linear(2, 2)  # the fix the message names
+    ck.restore({"m": built, "losses": []})
+    assert torch.equal(built.weight, saved.weight) and torch.equal(built.bias, saved.bias)
