@@ -89,6 +89,36 @@ def test_cli_reports_empty_foreign_and_file_paths(tmp_path, capsys):
     assert code == EXIT_ERROR and "does not exist" in err
 
 
+@pytest.fixture(scope="module")
+def one_step(tmp_path_factory):
+    """A folder holding the checkpoint of step 1, and an empty folder beside it."""
+    root = tmp_path_factory.mktemp("not-found")
+    _saved(root / "ck", steps=(1,))
+    (root / "empty").mkdir()
+    return root
+
+
+#: Asking for what is not there, by step, by tag, in an empty folder: exit code 3 for every
+#: command that reads a checkpoint (the README's table), with one error line.
+NOT_FOUND = {"step": (["ck", "--step", "3"], "no checkpoint 'step-0000000003' in '{root}/ck'"),
+             "tag": (["ck", "--tag", "nope"], "no checkpoint 'nope' in '{root}/ck'"),
+             "empty": (["empty"], "no datastates checkpoint in {root}/empty (the folder is empty)")}
+
+
+@pytest.mark.parametrize("command, case", [("list", "empty")] + [
+    (command, case) for command in ("inspect", "verify", "export") for case in sorted(NOT_FOUND)])
+def test_cli_not_found_is_exit_code_3_for_every_command(one_step, command, case):
+    which, line = NOT_FOUND[case]
+    out = one_step / f"out-{command}-{case}.pt"
+    extra = ["--to", "torch", str(out)] if command == "export" else []
+    proc = zygote.run([sys.executable, "-m", "datastates", command,
+                       str(one_step / which[0]), *which[1:], *extra],
+                      capture_output=True, text=True, timeout=300)
+    assert (proc.returncode, proc.stdout) == (EXIT_EMPTY, "")
+    assert proc.stderr == f"error: {line.format(root=one_step)}\n"
+    assert not out.exists()
+
+
 def test_cli_verify_all_summary_and_corruption(tmp_path, capsys):
     _saved(tmp_path, steps=(1, 2, 3))
     code, out, _ = _run(capsys, "verify", str(tmp_path), "--all")

@@ -3,12 +3,14 @@ keeper`` (also ``python -m datastates ...``).
 
 Exit codes scripts can rely on: 0 success; 1 an error (damaged checkpoint, missing path, bad
 input: one line on stderr, starting with ``error:``, says what and where; no traceback); 2 wrong
-usage (argparse); 3 nothing to act on (the folder holds no datastates checkpoint). A reader that
-closes the pipe early (``inspect --json | head``) ends the command quietly.
+usage (argparse); 3 nothing to act on (the folder holds no datastates checkpoint, or none of
+the ``--step``/``--tag`` asked for; a path that does not exist is 1). A reader that closes the
+pipe early (``inspect --json | head``) ends the command quietly.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -20,6 +22,7 @@ from ..errors import CheckpointNotFoundError, ConfigError, DatastatesError
 from ..save.arguments import check_tag
 from ..providers import ProviderRegistry
 from ..restore.reader import Reader
+from ..storage.store import is_url
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_EMPTY = 0, 1, 2, 3
 
@@ -30,7 +33,8 @@ _WHERE = ("a checkpoint folder, or a folder of checkpoints (a Checkpointer's dir
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="datastates", description="Inspect, verify and convert datastates checkpoints.",
-        epilog="exit codes: 0 ok, 1 error, 2 usage, 3 no checkpoint found. s3:// paths take the "
+        epilog="exit codes: 0 ok, 1 error, 2 usage, 3 no checkpoint found (an empty folder, "
+               "no such --step or --tag). s3:// paths take the "
                "endpoint and credentials from the standard AWS variables (AWS_ENDPOINT_URL, "
                "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION)")
     parser.add_argument("--version", action="version", version=f"datastates {__version__}")
@@ -170,12 +174,34 @@ def main(argv=None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return EXIT_OK
-    except CheckpointNotFoundError as exc:
-        _error(exc)
-        return EXIT_EMPTY if "no datastates checkpoint" in str(exc) else EXIT_ERROR
+    except _NothingFound as exc:
+        _error(exc.cause)
+        return EXIT_EMPTY
     except (DatastatesError, OSError) as exc:
         _error(exc)
         return EXIT_ERROR
+
+
+class _NothingFound(Exception):
+    """The folder given exists but holds no checkpoint to act on (exit code 3)."""
+
+    def __init__(self, cause: CheckpointNotFoundError):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+@contextlib.contextmanager
+def _finding(path: str):
+    """Around the selection of the checkpoint(s) ``path`` designates: not finding one in a
+    folder that exists (an empty folder, another framework's files, no such step or tag) is
+    _NothingFound; ``path`` itself missing, or a file, stays an error (exit code 1), as does a
+    file missing inside a checkpoint found (read later, outside this block)."""
+    try:
+        yield
+    except CheckpointNotFoundError as exc:
+        if is_url(path) or os.path.isdir(path):
+            raise _NothingFound(exc) from None
+        raise
 
 
 def _error(exc: BaseException) -> None:
@@ -185,7 +211,8 @@ def _error(exc: BaseException) -> None:
 
 
 def _list(args) -> int:
-    found = describe.select(args.path, every=True)
+    with _finding(args.path):
+        found = describe.select(args.path, every=True)
     infos = found.checkpoints
     newest = infos[-1].name if infos else None
     metrics = any(info.metrics for info in infos)  # the column only when some have metrics
@@ -209,7 +236,8 @@ def _list(args) -> int:
 
 def _inspect(args) -> int:
     # Every checkpoint the path designates: a DeepSpeed tag folder is one per file.
-    infos = describe.find(args.path, args.step, args.tag)
+    with _finding(args.path):
+        infos = describe.find(args.path, args.step, args.tag)
     summaries = [describe.describe(i, keys=args.keys) for i in infos]
     if args.json:
         print(json.dumps(summaries[0] if len(summaries) == 1 else summaries, indent=1))
@@ -219,7 +247,8 @@ def _inspect(args) -> int:
 
 
 def _verify(args) -> int:
-    found = describe.select(args.path, args.step, args.tag, every=args.all)
+    with _finding(args.path):
+        found = describe.select(args.path, args.step, args.tag, every=args.all)
     total, failed, t0 = 0, [], time.perf_counter()
     # one bar in bytes over every checkpoint, moving inside each one as its files are checked
     bar = _progress(sum(i.nbytes for i in found.checkpoints), "B", "verify", args.no_progress)
@@ -259,14 +288,18 @@ def _verify_one(info, progress) -> int:
 
 
 def _export(args) -> int:
+    with _finding(args.path):  # (an object-store path: export's own error)
+        infos = [] if is_url(args.path) else describe.find(args.path, args.step, args.tag)
+    # the one checkpoint found, found once; several (a DeepSpeed tag): export's own error
+    path, step, tag = (infos[0].path, None, None) if len(infos) == 1 else \
+        (args.path, args.step, args.tag)
     bar = None
     if not args.no_progress and sys.stderr.isatty():
-        bar = _progress(export.planned_bytes(args.path, args.to, keys=args.keys,
-                                                  step=args.step, tag=args.tag),
+        bar = _progress(export.planned_bytes(path, args.to, keys=args.keys, step=step, tag=tag),
                         "B", args.out, False)
-    report = export.export(args.path, args.out, args.to, keys=args.keys, step=args.step,
-                                tag=args.tag, trusted=args.trusted,
-                                progress=bar.update if bar is not None else None)
+    report = export.export(path, args.out, args.to, keys=args.keys, step=step, tag=tag,
+                           trusted=args.trusted,
+                           progress=bar.update if bar is not None else None)
     if bar is not None:
         bar.close()
     note = ""
