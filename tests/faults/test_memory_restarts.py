@@ -28,6 +28,7 @@ from _crash_child import make_state
 from _faults_helpers import HERE, assert_bit_exact, zeros_like_state
 
 TRAINER = os.path.join(HERE, "_memory_trainer_child.py")
+MEMORY_CHILD = os.path.join(HERE, "_memory_child.py")
 
 
 def _tier(shm_root, tmp_path, **kw):
@@ -137,3 +138,49 @@ def test_a_stopped_keeper_makes_the_restart_read_and_write_storage(shm_root, tmp
     finally:
         os.kill(keeper, signal.SIGCONT)
     assert ask(memdir, "status")["pid"] == keeper
+
+
+# ---------------------------------------------------------------- what a killed keeper left
+def test_stop_without_a_keeper_removes_what_a_killed_keeper_left(shm_root, tmp_path, capsys):
+    """The trainer (steps 1 and 2 in memory, nothing in storage) and then its keeper are
+    SIGKILLed. ``datastates keeper DIR --stop`` finds no keeper: it writes step 2 to storage,
+    removes the memory the keeper left and prints what it removed. A file the keeper did not
+    write keeps the directory (named in a WARNING), and another job's memory beside it is left
+    alone."""
+    import json
+    from datastates.tools import cli
+    storage = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, MEMORY_CHILD, str(storage), shm_root,
+                             str(tmp_path / "keeper.log"), "die", "0", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL and b"COMMITTED 2" in out, err[-3000:]
+    memdir = place.memory_dir(shm_root, str(storage))
+    while ask(memdir, "status")["attached"]:  # until the keeper has handled the death
+        os.sched_yield()
+    keeper = ask(memdir, "status")["pid"]
+    os.kill(keeper, signal.SIGKILL)
+    while place.keeper_running(memdir):  # the kernel releases its lock as it reaps it
+        os.sched_yield()
+    other = place.memory_dir(shm_root, str(tmp_path / "other"))  # another job's memory
+    os.mkdir(other, 0o700)
+    (tmp_path / "foreign").mkdir()
+    args = ["keeper", str(storage), "--root", shm_root, "--stop"]
+    left = os.path.join(memdir, "notes.txt")
+    with open(left, "w") as f:
+        f.write("not the keeper's")
+    capsys.readouterr()
+    assert cli.main(args) == 0
+    reply = json.loads(capsys.readouterr().out)
+    assert reply["persisted"] == "step-0000000002"
+    assert sorted(reply["removed"]) == sorted(os.path.join(memdir, n) for n in (
+        "ckpt", "keeper.lock", "node.json", "spare", "verified")), reply
+    assert os.listdir(memdir) == ["notes.txt"] and os.path.isdir(other)
+    os.unlink(left)
+    assert cli.main(args) == 0  # nothing the keeper wrote is left: the directory goes
+    assert json.loads(capsys.readouterr().out)["removed"] == [memdir]
+    assert not os.path.exists(memdir) and os.path.isdir(other)
+    os.rmdir(other)
+    with datastates.Checkpointer(storage) as plain:
+        assert [i.step for i in plain.list()] == [2]
+        assert_bit_exact(plain.load(), make_state(2, big=False))

@@ -42,6 +42,7 @@ from ..commit.publish import publisher_for
 from ..commit.round import new_run_id
 from ..config import CheckpointConfig
 from ..storage import LOCAL
+from ..errors import KeeperError
 from ..storage.posix import remove_tree
 from . import marks, nodes, place
 from .options import MemoryTier
@@ -156,17 +157,70 @@ class Keeper:
                         "left to them (their close() writes it to storage and removes it)",
                         os.getpid(), self._attached())
             return
-        remove_tree(self.ckpt)
-        remove_tree(os.path.join(self.memdir, SPARE))
-        remove_tree(os.path.join(self.memdir, marks.MARKS))
-        try:
-            if os.path.lexists(os.path.join(self.memdir, nodes.NODE_FILE)):
-                os.unlink(os.path.join(self.memdir, nodes.NODE_FILE))
-            os.unlink(os.path.join(self.memdir, place.LOCK))
-            os.rmdir(self.memdir)
-        except OSError as exc:
-            log.warning("keeper: could not remove the memory directory %s: %s", self.memdir, exc)
+        self._remove_memory()
         log.info("keeper %d: memory removed, exiting", os.getpid())
+
+    def _remove_memory(self) -> list[str]:
+        """Remove what a keeper and its trainers write into the memory directory (the memory
+        checkpoints, the spare shard files, the marks, the record of ranks, the lock), then the
+        directory if nothing else is left in it; the paths removed. Called holding the lock."""
+        removed = []
+        for name in (place.CKPT, SPARE, marks.MARKS, nodes.NODE_FILE, place.LOCK):
+            path = os.path.join(self.memdir, name)
+            if not os.path.lexists(path):
+                continue
+            try:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    remove_tree(path)
+                else:
+                    os.unlink(path)
+                removed.append(path)
+            except OSError as exc:
+                log.warning("keeper: could not remove %s: %s", path, exc)
+        try:
+            os.rmdir(self.memdir)
+            removed.append(self.memdir)
+        except OSError as exc:
+            log.warning("keeper: the memory directory %s is left (%s): it holds %s, which no "
+                        "keeper wrote", self.memdir, exc.strerror or exc,
+                        sorted(os.listdir(self.memdir)) if os.path.isdir(self.memdir) else [])
+        return removed
+
+    def remove_left(self) -> dict:
+        """``datastates keeper DIR --stop`` when no keeper serves the memory directory: what a
+        keeper that was killed (SIGKILL) left. Under the keeper's lock (no keeper starts
+        meanwhile): the newest memory checkpoint is written to storage first, as a keeper
+        ending writes it (``persist_on_exit``), then the memory is removed as a keeper ending
+        removes it (``_remove_memory``). KeeperError, nothing removed, when the directory is
+        not this user's private one, a keeper holds the lock, a process still maps its files
+        (a trainer whose keeper died: its ``close()`` writes and removes it), or the write to
+        storage fails. Returns ``{"ok", "memory", "persisted", "removed"}``."""
+        place.check_private_dir(self.memdir)
+        had_lock = os.path.lexists(os.path.join(self.memdir, place.LOCK))
+        lock = place.open_lock(self.memdir)
+        try:
+            if not place.take_lock(lock):
+                raise KeeperError(f"a keeper holds the lock of {self.memdir} but does not "
+                                  "answer (stopped or hung); nothing removed")
+            users = place.mapped_by(self.memdir)
+            if users:
+                raise KeeperError(f"process(es) {users} map files of {self.memdir} (a trainer "
+                                  "whose keeper is gone: its close() writes the memory to "
+                                  "storage and removes it); nothing removed")
+            persisted = None
+            if self.tier.persist_on_exit:
+                reply = self._persist("stopped without a keeper")
+                if not reply["ok"]:
+                    raise KeeperError(f"the newest memory checkpoint of {self.memdir} could not "
+                                      f"be written to {self.storage} ({reply['error']}); the "
+                                      "memory is kept, nothing removed")
+                persisted = reply["persisted"]
+            removed = [p for p in self._remove_memory()
+                       if had_lock or p != os.path.join(self.memdir, place.LOCK)]
+        finally:
+            os.close(lock)
+        log.info("keeper: memory of %s removed without a keeper: %s", self.storage, removed)
+        return {"ok": True, "memory": self.memdir, "persisted": persisted, "removed": removed}
 
     # ------------------------------------------------------------ connections
     def _attached(self) -> int:

@@ -140,3 +140,26 @@ def keeper_running(memdir: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def mapped_by(memdir: str) -> list[int]:
+    """The pids of this user's processes (other than this one) that map a file under
+    ``memdir`` (``/proc/<pid>/maps``): a trainer keeps its memory shard files mapped from one
+    save to the next. Empty where ``/proc`` is not there."""
+    prefix = os.path.realpath(memdir) + os.sep
+    pids = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps", "rb") as f:
+                maps = f.read()
+        except OSError:  # ended meanwhile, or another user's
+            continue
+        if b" " + prefix.encode() in maps:
+            pids.append(int(entry))
+    return sorted(pids)

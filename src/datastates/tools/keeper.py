@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 
 from ..config import CheckpointConfig
@@ -79,6 +80,13 @@ def run_command(args) -> int:
     memdir = place.memory_dir(tier.root, args.path)
     for op in ("status", "persist", "stop"):
         if getattr(args, op):
-            print(json.dumps(ask(memdir, op), indent=2))
+            try:
+                reply = ask(memdir, op)
+            except KeeperError:
+                if op != "stop" or not os.path.isdir(memdir) or place.keeper_running(memdir):
+                    raise
+                # No keeper: what a killed one left (the memory, its lock) is removed here.
+                reply = keeper.Keeper(args.path, tier, _config(args)).remove_left()
+            print(json.dumps(reply, indent=2))
             return 0
     return keeper.main(args.path, tier, _config(args), tier.log_path or place.default_log(args.path))
