@@ -4,9 +4,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -125,6 +127,7 @@ class Checkpointer:
         self._guarded: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Any]" = \
             weakref.WeakKeyDictionary()
         self._closed = False
+        self._open_key = _close_at_exit(self)
         #: The committed checkpoints of the directory as last listed: each commit, ``list`` and
         #: ``latest`` list the directory but read only the manifests that changed since.
         self._catalog = Catalog(self.directory, self.store, self.world_size)
@@ -789,6 +792,7 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True  # from here on save/restore/load raise CheckpointerClosedError
+        _OPEN.pop(self._open_key, None)
         for handle in list(self._pending):
             handle._job.finished.wait()
         if self._tiers is not None:  # after storage's saves: the tier may commit there too
@@ -894,3 +898,50 @@ def _default_communicator():
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return StoreCommunicator.from_process_group()
     return LocalCommunicator()
+
+
+
+#: Checkpointers not closed yet, in the order they were made (see ``_close_at_exit``).
+_OPEN: "weakref.WeakValueDictionary[int, Checkpointer]" = weakref.WeakValueDictionary()
+_opened = itertools.count()
+_exit_hook_registered = False
+
+
+def _close_at_exit(checkpointer: Checkpointer) -> int:
+    """Have ``checkpointer`` closed at interpreter exit if it is still open then, as
+    ``concurrent.futures`` finishes its work: a script whose loop ends, or raises outside a
+    ``with`` block, while a save is in flight commits that save instead of losing it (and its
+    threads stop before the interpreter finalizes). Held weakly; returns the key ``close()``
+    removes it by."""
+    global _exit_hook_registered
+    key = next(_opened)
+    _OPEN[key] = checkpointer
+    if not _exit_hook_registered:
+        # threading's exit functions run before atexit's, while executors still take work
+        # (concurrent.futures stops its own in one of them, registered before this one)
+        threading._register_atexit(_close_open_checkpointers)  # type: ignore[attr-defined]
+        _exit_hook_registered = True
+    return key
+
+
+def _close_open_checkpointers() -> None:
+    """At exit: close every open Checkpointer, newest first. Each save's wait is bounded by its
+    ``commit_timeout_s`` (the pipeline's deadline thread); a save that did not commit is named in
+    a WARNING; nothing is raised."""
+    for ck in reversed(list(_OPEN.values())):
+        if ck._closed:
+            continue
+        in_flight = [h for h in ck._pending if not h.done()]
+        if in_flight:
+            log.info("exit: waiting for %d save(s) in flight in %s to commit (at most "
+                     "commit_timeout_s = %s s each)", len(in_flight), ck.directory,
+                     ck.config.commit_timeout_s)
+        try:
+            ck.close()
+        except BaseException as exc:  # at exit: report, never raise
+            log.warning("exit: closing the Checkpointer of %s failed: %r", ck.directory, exc)
+        for handle in in_flight:
+            error = handle.exception()
+            if error is not None:
+                log.warning("exit: the save %r in flight in %s did not commit: %r", handle.name,
+                            ck.directory, error)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
 
@@ -96,3 +97,11 @@ def latest_temporaries(root) -> list[str]:
 
 def shard_path(ckpt_dir, rank: int = 0) -> str:
     return os.path.join(ckpt_dir, f"rank-{rank:05d}.dsf")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a process group's store)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
