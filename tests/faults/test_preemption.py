@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ import pytest
 
 import datastates
 
-from _faults_helpers import HERE, WAIT_S
+from _faults_helpers import HERE, WAIT_S, free_port
 import zygote
 
 CHILD = os.path.join(HERE, "_preempt_child.py")
@@ -224,12 +223,6 @@ def run_two_ranks(root, signals: dict[tuple[int, int], int], *args: str,
         for child in children:
             child.go()
     return children, [c.finish() for c in children]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_ranks_signalled_at_different_steps_stop_at_the_same_one(tmp_path):
