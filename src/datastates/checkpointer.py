@@ -594,7 +594,10 @@ class Checkpointer:
                             trusted=trusted, safe_globals=safe_globals,
                             map_location=map_location, rank_policy=rank_policy,
                             view=True) as reader:
-                    return read(reader)
+                    result = read(reader)
+                if isinstance(result, RestoreReport):  # found at another path (set_aside)
+                    result.name = info.name
+                return result
             except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
                 name = info.name if info is not None else fmt.check_name(tag) \
                     if tag is not None else fmt.step_name(step) if step is not None else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from datastates import CheckpointConfig, Checkpointer, CorruptCheckpointError
 from datastates.format import codec as fmt
 from datastates.restore import reader as reader_module
 from datastates.storage import s3 as s3_module
+
+from _faults_helpers import assert_bit_exact
 
 SMALL = dict(host_cache_bytes=256 << 10, chunk_bytes=16 << 10)
 
@@ -171,3 +174,46 @@ def test_several_ranks_never_read_again_on_their_own(tmp_path, monkeypatch, capl
                           for r in failed), out
     assert all(got.rereads == [] for got in out.values() if not isinstance(got, BaseException))
     assert _warnings(caplog, "finding and reading it again") == []
+
+
+def test_a_reader_between_the_two_renames_of_an_overwrite_finds_the_old_checkpoint(
+        tmp_path, monkeypatch):
+    """Where the file system cannot exchange two directories (NFS, FUSE: here a C library
+    without ``renameat2``), an overwrite renames the old checkpoint to ``.old.``, then the new one
+    into place. A reader on another thread, with its own Checkpointer, that opens the root
+    between the two renames finds the old checkpoint -- as the latest, by step, by tag --
+    bit-exact; once the second rename is done, the new one."""
+    from datastates.storage import posix
+    monkeypatch.setattr(posix, "_renameat2", None)
+    moved_aside, resume = threading.Event(), threading.Event()
+    real_rename = os.rename
+
+    def rename(src, dst, *args, **kwargs):  # the overwrite pauses between its two renames
+        real_rename(src, dst, *args, **kwargs)
+        if os.path.basename(dst).startswith(".old.") and not moved_aside.is_set():
+            moved_aside.set()
+            assert resume.wait(60)
+    config = CheckpointConfig(**SMALL)
+    with Checkpointer(tmp_path, config) as writer, Checkpointer(tmp_path, config) as reader:
+        writer.save(_state(3.0), tag="best", step=0).wait(60)  # older than step 1
+        writer.save(_state(1.0), step=1).wait(60)
+        monkeypatch.setattr(os, "rename", rename)
+        handle = writer.save(_state(2.0), step=1, overwrite=True)
+        try:
+            assert moved_aside.wait(60)
+            assert not (tmp_path / fmt.step_name(1)).exists()  # between the two renames
+            with Checkpointer(tmp_path, config) as opened:  # opening the root puts nothing back
+                assert opened.latest().name == fmt.step_name(1)
+                assert_bit_exact(opened.load(), _state(1.0))
+            assert [i.name for i in reader.list()] == ["best", fmt.step_name(1)]
+            assert_bit_exact(reader.load(step=1), _state(1.0))
+            live = _state(0.0)
+            assert reader.restore(live).name == fmt.step_name(1)
+            assert_bit_exact(live, _state(1.0))
+        finally:
+            resume.set()
+        handle.wait(60)
+        monkeypatch.undo()
+        assert_bit_exact(reader.load(step=1), _state(2.0))
+        assert_bit_exact(reader.load(), _state(2.0))
+    assert not [n for n in os.listdir(tmp_path) if n.startswith((".old.", ".tmp.", ".trash."))]

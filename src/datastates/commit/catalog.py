@@ -34,14 +34,20 @@ restores it, and says which of them are passed over when the latest checkpoint i
 manifest that could not be *read* (an I/O error, a store that does not answer) is no damage: it is
 kept nowhere, read again at the next scan, and the scan fails meanwhile -- the newest checkpoint
 is unknown, and neither an older one nor a reused commit number may stand in for it.
+
+On a local disk whose file system cannot exchange two directories, an overwrite renames the
+replaced checkpoint to ``.old.<name>.…`` before it renames the new one to ``<name>``: a name
+missing while such an entry is there is that checkpoint, read from there (:func:`set_aside`), so
+a reader coming between the two renames finds the old checkpoint, never none.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from ..format import codec as fmt
 from ..format import files
@@ -50,6 +56,7 @@ from ..format.records import CheckpointInfo, info_of
 from ..errors import (
     CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError)
 from ..storage.store import LOCAL, Store
+from ..storage.temporaries import parse_temporary
 
 log = logging.getLogger("datastates")
 
@@ -194,6 +201,29 @@ def _mtime(store: Store, path: str) -> float | None:
         return None
 
 
+def set_aside(names: Iterable[str]) -> dict[str, str]:
+    """Of the entries ``names`` of a local root: checkpoint name -> the ``.old.`` entry holding
+    it, for each name missing from ``names`` whose replaced copy is there. An overwrite where
+    the file system cannot exchange two directories renames the old checkpoint so, then the new
+    one into place (``RenamePublisher.make_visible``); a crash between the two leaves it until a
+    cleanup puts it back. Either way the name is still that checkpoint. Of two such entries, the
+    first in sorted order (the one a cleanup puts back)."""
+    present = set(names)
+    found: dict[str, str] = {}
+    for entry in sorted(present):
+        temp = parse_temporary(entry) if entry.startswith(".old.") else None
+        if temp is not None and temp.kind == "old" and temp.original and \
+                not temp.original.startswith(".") and temp.original != fmt.LATEST and \
+                temp.original not in present:
+            found.setdefault(temp.original, entry)
+    return found
+
+
+def _as_named(found, name: str):
+    """``found`` (an info, a damaged checkpoint or None) under the checkpoint name ``name``."""
+    return found if found is None or found.name == name else dataclasses.replace(found, name=name)
+
+
 def commit_order(info: CheckpointInfo):
     """Sort key of committed checkpoints: by ``seq``; ties (only concurrent writers make them)
     by step, creation time, name. Version-1 checkpoints (seq 0) come first, in step order."""
@@ -241,7 +271,11 @@ class Catalog:
                                               "exist") from None
             seen, heads, unreadable = {}, set(), []
             newest_raw: tuple[CheckpointInfo, bytes] | None = None  # of the newest head read
-            for name, stamp in stamps.items():
+            aside = set_aside(stamps) if self.store.renames else {}
+            entries = list(stamps.items()) + [  # an entry's own stamp would be its old name's
+                (name, None if stamps[entry] is None else (entry, stamps[entry]))
+                for name, entry in aside.items()]
+            for name, stamp in entries:
                 if name.startswith(".") or name == fmt.LATEST:
                     continue
                 known = self._seen.get(name)
@@ -251,8 +285,9 @@ class Catalog:
                         heads.add(name)
                     continue
                 try:
-                    found, manifest, raw = _examine(self.store.join(self.root, name),
-                                                    self.store, head=True)
+                    found, manifest, raw = _examine(
+                        self.store.join(self.root, aside.get(name, name)), self.store, head=True)
+                    found = _as_named(found, name)
                 except OSError as exc:
                     unreadable.append(f"{self.store.join(self.root, name, fmt.MANIFEST)} "
                                       f"({type(exc).__name__}: {exc})")
@@ -401,9 +436,10 @@ class Catalog:
             except OSError as exc:
                 return [f"{self.store.join(info.path, fmt.MANIFEST)} ({type(exc).__name__}: "
                         f"{exc})"]
+            found = _as_named(found, name)  # (read at its .old. name: set_aside)
             heads.discard(name)
             if manifest is not None:
-                head = _examine(info.path, self.store, True, raw)[0]
+                head = _as_named(_examine(info.path, self.store, True, raw)[0], name)
                 if head != found:
                     found, manifest = DamagedCheckpoint(
                         name, info.path, f"CorruptCheckpointError: the manifest's head "
@@ -462,6 +498,28 @@ def latest(root: str, store: Store = LOCAL,
     return found[-1] if found else None
 
 
+def _read_named(root: str, name: str, store: Store) -> CheckpointInfo:
+    """The checkpoint ``root/name`` (``files.read_info``), found at its ``.old.`` name while a
+    replacement by two renames is under way (:func:`set_aside`); CheckpointNotFoundError if
+    neither holds it."""
+    path = store.join(root, name)
+    try:
+        return files.read_info(path, store)
+    except CheckpointNotFoundError:
+        if not store.renames:
+            raise
+    try:
+        entry = set_aside(store.listdir(root)).get(name)
+    except (FileNotFoundError, NotADirectoryError):
+        entry = None
+    if entry is not None:
+        try:
+            return _as_named(files.read_info(store.join(root, entry), store), name)
+        except CheckpointNotFoundError:
+            pass  # the new one is in place now, and the old one removed
+    return files.read_info(path, store)
+
+
 def resolve(root: str, step: int | None = None, tag: str | None = None,
             store: Store = LOCAL, catalog: Catalog | None = None) -> CheckpointInfo:
     """Find a committed checkpoint by tag, by step, or the latest (``catalog``: as for
@@ -469,9 +527,8 @@ def resolve(root: str, step: int | None = None, tag: str | None = None,
     checkpoints found instead."""
     if tag is not None or step is not None:
         name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
-        path = store.join(root, name)
         try:  # its reader reads the manifest (or its rank's view of it)
-            return files.read_info(path, store)
+            return _read_named(root, name, store)
         except CheckpointNotFoundError:
             if tag is None:
                 matches = [i for i in list_checkpoints(root, store) if i.step == step]
