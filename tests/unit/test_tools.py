@@ -44,8 +44,9 @@ def test_inspect_describes_every_key(tmp_path):
     assert s["name"] == "step-0000000002" and s["step"] == 2 and s["format_version"] >= 2
     assert s["metadata"] == {"lr": 0.01} and s["world_size"] == 1
     by_key = {t["key"]: t for t in s["tensors"]}
-    weight = by_key["model/lm_head.weight"] if "model/lm_head.weight" in by_key else \
-        next(t for k, t in by_key.items() if k.startswith("model/"))
+    # the GPT's lm_head.weight is tied to its embedding: listed, stored once under wte.weight
+    assert by_key["model/lm_head.weight"]["alias_of"] == "model/wte.weight"
+    weight = by_key["model/wte.weight"]
     assert weight["dtype"] == "float32" and weight["ranks"] == [0]
     assert weight["nbytes"] == 4 * int(torch.tensor(weight["shape"]).prod())
     assert s["values"]["epoch"] == 3 and s["values"]["name"] == "run-a"
@@ -87,6 +88,44 @@ def test_cli_reports_empty_foreign_and_file_paths(tmp_path, capsys):
     assert code == EXIT_ERROR and "is a file" in err
     code, _, err = _run(capsys, "list", str(tmp_path / "missing"))
     assert code == EXIT_ERROR and "does not exist" in err
+
+
+class _Tied(torch.nn.Module):
+    """A tiny language model whose output layer is tied to its embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_cli_inspect_lists_tied_names_as_sharing_the_storage(tmp_path):
+    with Checkpointer(tmp_path, CFG) as ck:
+        ck.save({"model": _Tied()}, step=1).wait()
+        loaded = ck.load()
+    assert sorted(loaded["model"]) == ["emb.weight", "head.weight"]
+    run = lambda *extra: zygote.run([sys.executable, "-m", "datastates", "inspect",
+                                     str(tmp_path), *extra],
+                                    capture_output=True, text=True, timeout=300)
+    proc = run()
+    assert (proc.returncode, proc.stderr) == (EXIT_OK, "")
+    lines = proc.stdout.splitlines()
+    assert lines[3] == ("contents    1 tensors (60 B) and 1 tied name(s) sharing their storage, "
+                        "0 objects, 0 plain values")
+    assert lines[-3:] == [
+        "key                dtype    shape   size  where",
+        "model/emb.weight   float32  [5, 3]  60 B  rank 0",
+        "model/head.weight  float32  [5, 3]  -     shares the storage of model/emb.weight"]
+    proc = run("--json")
+    assert proc.returncode == EXIT_OK
+    tensors = {t["key"]: t for t in json.loads(proc.stdout)["tensors"]}
+    assert set(tensors) == {f"model/{k}" for k in loaded["model"]}
+    assert tensors["model/emb.weight"]["alias_of"] is None
+    assert tensors["model/head.weight"]["alias_of"] == "model/emb.weight"
+    assert (tensors["model/head.weight"]["nbytes"], tensors["model/emb.weight"]["nbytes"]) == \
+        (0, 60)  # stored once: the bytes of the summary add up to what the files hold
+    assert tensors["model/head.weight"]["shape"] == [5, 3]
 
 
 @pytest.fixture(scope="module")

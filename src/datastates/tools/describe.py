@@ -209,8 +209,10 @@ def inspect(path: str | os.PathLike, step: int | None = None, tag: str | None = 
             keys: list[str] | None = None, storage_options: dict | None = None) -> dict:
     """A JSON-ready description of one checkpoint: name, step, commit number, format version,
     time, metadata, metrics (``save(metrics=...)``; empty if none), files per rank, and every
-    tensor (key, dtype, shape, bytes, shards and the ranks holding them), object (key, bytes,
-    rank) and plain value of rank 0's tree (a list or tuple of more than ``COLLAPSE_ITEMS`` plain
+    tensor (key, dtype, shape, bytes, shards and the ranks holding them; ``alias_of``: None, or
+    for a name tied to another one, as a tied ``head.weight`` is to the embedding, the key whose
+    storage it shares, stored once under that key: its ``nbytes`` is 0), object (key, bytes, rank) and plain value of
+    rank 0's tree (a list or tuple of more than ``COLLAPSE_ITEMS`` plain
     values is one value, the list). ``keys``: only the entries under these key prefixes.
 
     ``path`` as for :func:`select`; a folder holding several checkpoints without a latest one
@@ -243,15 +245,33 @@ def _describe(info: CheckpointInfo, store) -> dict:
             tensors.append({"key": e.key, "dtype": e.dtype, "shape": list(e.shape),
                             "nbytes": _numel(e.shape) * e.torch_dtype.itemsize,
                             "shards": len(e.shards), "ranks": ranks,
-                            "replicated": e.replicated, "rank": e.rank})
+                            "replicated": e.replicated, "rank": e.rank, "alias_of": None})
         else:
             objects.append({"key": e.key, "nbytes": e.nbytes, "rank": m.files[e.file].rank})
+    stored = {t["key"]: t for t in tensors}
+    for key, index in _aliases(m):
+        tensors.append({**stored[m.entries[index].key], "key": key, "nbytes": 0,
+                        "alias_of": m.entries[index].key})  # it stores nothing of its own
     return {"path": info.path, "name": m.name, "step": m.step, "seq": m.seq,
             "format_version": m.version, "created_unix": m.created_unix,
             "world_size": m.world_size, "metadata": m.metadata, "metrics": m.metrics,
             "nbytes": m.nbytes,
             "files": [{"name": f.name, "rank": f.rank, "nbytes": f.nbytes} for f in m.files],
             "tensors": tensors, "objects": objects, "values": _values(m.ranks[0].tree)}
+
+
+def _aliases(m) -> list[tuple[str, int]]:
+    """``(key, entry index)`` of every tensor name of the ranks' trees that reaches an entry
+    stored under another key (tied weights: the tree points at the entry saved first)."""
+    seen: set[str] = set()
+    out = []
+    for r in m.ranks:
+        for path, node in tree.leaves(r.tree):
+            key = tree.key_of(path)
+            if node["t"] == "tensor" and key != m.entries[node["e"]].key and key not in seen:
+                seen.add(key)
+                out.append((key, node["e"]))
+    return out
 
 
 def _under(key: str, prefixes: list[str]) -> bool:
@@ -279,12 +299,15 @@ def render_inspect(summary: dict) -> str:
     """The human form of :func:`inspect`'s result: one line per entry, long values cut."""
     s = summary
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(s["created_unix"]))
-    tensor_bytes = sum(t["nbytes"] for t in s["tensors"])
+    stored = [t for t in s["tensors"] if not t.get("alias_of")]
+    tied = len(s["tensors"]) - len(stored)
+    tensor_bytes = sum(t["nbytes"] for t in stored)
     lines = [f"checkpoint  {s['path']}",
              f"name        {s['name']}   step {s['step']}   commit #{s['seq']}   saved {when}",
              f"format      datastates-checkpoint version {s['format_version']}, "
              f"{s['world_size']} rank(s), {human_bytes(s['nbytes'])} in {len(s['files'])} file(s)",
-             f"contents    {len(s['tensors'])} tensors ({human_bytes(tensor_bytes)}), "
+             f"contents    {len(stored)} tensors ({human_bytes(tensor_bytes)})"
+             + (f" and {tied} tied name(s) sharing their storage" if tied else "") + ", "
              f"{len(s['objects'])} objects, {len(s['values'])} plain values"]
     if s["metadata"]:
         lines.append(f"metadata    {_cut(json.dumps(s['metadata'], sort_keys=True), 200)}")
@@ -294,10 +317,12 @@ def render_inspect(summary: dict) -> str:
         lines.append(f"  rank {f['rank']:<5} {f['name']}  {human_bytes(f['nbytes'])}")
     rows = [("key", "dtype", "shape", "size", "where")]
     for t in s["tensors"]:
-        where = ("replicated" if t["replicated"] else
+        where = (f"shares the storage of {t['alias_of']}" if t.get("alias_of") else
+                 "replicated" if t["replicated"] else
                  f"rank {t['rank']}" if t["rank"] is not None else
                  f"{t['shards']} shards on ranks {t['ranks']}")
-        rows.append((t["key"], t["dtype"], str(t["shape"]), human_bytes(t["nbytes"]), where))
+        size = "-" if t.get("alias_of") else human_bytes(t["nbytes"])
+        rows.append((t["key"], t["dtype"], str(t["shape"]), size, where))
     for o in s["objects"]:
         rows.append((o["key"], "object", "", human_bytes(o["nbytes"]), f"rank {o['rank']}"))
     for key, value in s["values"].items():
@@ -341,7 +366,7 @@ def _describe_dcp(info: CheckpointInfo) -> dict:
             tensors.append({"key": key, "dtype": fmt.dtype_name(dtype), "shape": list(item.size),
                             "nbytes": _numel(item.size) * dtype.itemsize,
                             "shards": len(item.chunks), "ranks": [], "replicated": False,
-                            "rank": None})
+                            "rank": None, "alias_of": None})
         else:
             objects.append({"key": key, "nbytes": 0, "rank": 0})
     files = sorted({d["file"] for d in meta.storage_data.values()})
