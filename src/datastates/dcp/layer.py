@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from ..errors import CorruptCheckpointError, UnsafeObjectError
+from ..errors import ConfigError, CorruptCheckpointError, UnsafeObjectError
 from ..format import codec as fmt
 from ..commit.publish import RenamePublisher
 from ..storage.posix import fsync_dir
@@ -81,7 +81,10 @@ class DatastatesWriter(StorageWriter, AsyncStager):
 
     ``sync_files=False`` skips fsync (throwaway benchmarks only); ``overwrite=False`` refuses to
     replace an existing checkpoint at the path; ``cache_staged_state_dict`` keeps the CPU staging
-    buffers of ``dcp.async_save`` between saves.
+    buffers of ``dcp.async_save`` between saves. ``thread_count`` (an int >= 1) is accepted as
+    ``FileSystemWriter`` takes it and does not change how the one shard file per rank is
+    written; ``_extensions`` (DCP's stream transforms, compression) must be None or empty:
+    ConfigError otherwise, since datastates does not compress.
 
     ``last_save_stats`` is the :class:`datastates.SaveStats` of this rank's most recent save
     (None before the first): ``nbytes`` the item bytes this rank wrote, ``blocked_s`` the
@@ -95,8 +98,21 @@ class DatastatesWriter(StorageWriter, AsyncStager):
     _synchronize_after_execute = False
 
     def __init__(self, path: str | os.PathLike | None = None, *, sync_files: bool = True,
-                 overwrite: bool = True, cache_staged_state_dict: bool = True):
+                 overwrite: bool = True, cache_staged_state_dict: bool = True,
+                 thread_count: int = 1, _extensions: Any = None):
         super().__init__()
+        if type(thread_count) is not int or thread_count < 1:
+            raise ConfigError(f"DatastatesWriter: thread_count must be an int >= 1 (as for "
+                              f"FileSystemWriter), found {thread_count!r}")
+        if _extensions:
+            names = ", ".join(type(e).__name__ for e in _extensions)
+            raise ConfigError(f"DatastatesWriter: _extensions=[{names}] asks for a stream "
+                              "transform (compression) of every item; datastates writes raw "
+                              "tensor bytes with a CRC-32 each and does not compress: pass "
+                              "_extensions=None (or use FileSystemWriter for compressed files)")
+        #: Accepted for FileSystemWriter's signature; each rank writes its one coalesced shard
+        #: file from the thread that calls ``write_data``, whatever the count.
+        self.thread_count = thread_count
         self.path = os.path.abspath(os.fspath(path)) if path is not None else None
         self.sync_files, self.overwrite = sync_files, overwrite
         self.cache_staged_state_dict = cache_staged_state_dict

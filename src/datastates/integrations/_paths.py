@@ -134,7 +134,7 @@ class PathCheckpoints:
     """Saves, loads and removes checkpoints addressed by file-like paths (see module docstring)."""
 
     def __init__(self, config=None, *, max_open: int = 2, trusted: bool = True,
-                 on_commit: Callable[[str, Any], None] | None = None):
+                 on_commit: Callable[[str, Any], None] | None = None, idle_close: bool = False):
         ds = _core()
         config = config if config is not None else ds.CheckpointConfig()
         refuse_memory_tier(config, "a framework's checkpoint paths")
@@ -143,14 +143,35 @@ class PathCheckpoints:
         self.max_open = max(1, int(max_open))
         self.trusted = trusted
         self.on_commit = on_commit
+        #: Close every Checkpointer (its threads, its lease) once no save is in flight, unless
+        #: :attr:`attended` (see :meth:`_idle`).
+        self.idle_close = idle_close
+        #: Set by the owner while a run that will call :meth:`close` is using this object.
+        self.attended = False
+        self._start()
+
+    def _start(self) -> None:
+        """The runtime state: nothing here survives a pickle (:meth:`__getstate__`)."""
         self._ckpts: OrderedDict[str, Any] = OrderedDict()
         self._base = None  # the Checkpointer owning the shared host cache and threads
         self._pending: dict[str, _Pending] = {}
+        self._starting = 0  # saves between their start and their entry in _pending
         self._last_handle = None
         self._errors: list[BaseException] = []
         self._lock = threading.RLock()
-        self._closed_event = threading.Condition(self._lock)
         self._finisher = _Finisher(self)
+
+    def __getstate__(self) -> dict:
+        """The configuration only: a copy (a pickle sent to a spawned process, ``torch.save``
+        of a Trainer) starts with no Checkpointer, thread or save in flight; the saves in
+        flight stay with this object and are committed and reported by it."""
+        return {"config": self.config, "max_open": self.max_open, "trusted": self.trusted,
+                "on_commit": self.on_commit, "idle_close": self.idle_close}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.attended = False
+        self._start()
 
     # ------------------------------------------------------------ save / load / remove
     def save(self, state: Any, path, *, snapshot: bool, metadata: dict | None = None,
@@ -169,22 +190,28 @@ class PathCheckpoints:
         root, name = split_path(path)
         full = os.path.join(root, name)
         self._wait_path(full)
-        if os.path.islink(full):
-            os.remove(full)  # a framework's link (save_last="link"): the link goes, not its target
-        elif os.path.isfile(full):
-            set_aside(full)  # another engine's file: removed once the new checkpoint is committed
-        os.makedirs(root, exist_ok=True)
-        try:
-            ckpt = self._checkpointer(root)
-            handle = ckpt.save(state, step, tag=name, metadata=metadata or {}, overwrite=True,
-                               optimizers=optimizers)
-        except BaseException:
-            put_back(full)
-            raise
-        pending = _Pending(handle, full)
         with self._lock:
-            self._pending[full] = pending
-            self._last_handle = handle
+            self._starting += 1  # no idle close of the Checkpointer this save is given
+        try:
+            if os.path.islink(full):
+                os.remove(full)  # a framework's link (save_last="link"): the link goes
+            elif os.path.isfile(full):
+                set_aside(full)  # another engine's file: removed once the new one is committed
+            os.makedirs(root, exist_ok=True)
+            try:
+                ckpt = self._checkpointer(root)
+                handle = ckpt.save(state, step, tag=name, metadata=metadata or {},
+                                   overwrite=True, optimizers=optimizers)
+            except BaseException:
+                put_back(full)
+                raise
+            pending = _Pending(handle, full)
+            with self._lock:
+                self._pending[full] = pending
+                self._last_handle = handle
+        finally:
+            with self._lock:
+                self._starting -= 1
         self._finisher.submit(pending)
         if snapshot:
             handle.wait_snapshot()
@@ -294,16 +321,45 @@ class PathCheckpoints:
         try:
             self.wait()
         finally:
-            with self._lock:
-                ckpts = list(self._ckpts.values())
-                self._ckpts.clear()
-                base, self._base = self._base, None
-            for ckpt in ckpts:  # the sharers first, then the owner of the pipeline
-                if ckpt is not base:
-                    ckpt.close()
-            if base is not None:
-                base.close()
+            self._close_checkpointers()
             self._finisher.stop()
+
+    def _close_checkpointers(self) -> None:
+        with self._lock:
+            taken = self._take_checkpointers()
+        self._close_taken(*taken)
+
+    def _take_checkpointers(self) -> tuple[list, Any]:
+        """With the lock held: every Checkpointer, out of reach of later saves."""
+        ckpts = list(self._ckpts.values())
+        self._ckpts.clear()
+        base, self._base = self._base, None
+        return ckpts, base
+
+    @staticmethod
+    def _close_taken(ckpts: list, base: Any) -> None:
+        for ckpt in ckpts:  # the sharers first, then the owner of the pipeline
+            if ckpt is not base:
+                ckpt.close()
+        if base is not None:
+            base.close()
+
+    def close_if_idle(self) -> None:
+        """Caller's thread, after a load or removal: with ``idle_close``, close every
+        Checkpointer (threads, lease) if no save is in flight and no run is :attr:`attended`."""
+        with self._lock:
+            if not self._idle():
+                return
+            taken = self._take_checkpointers()
+        self._close_taken(*taken)
+
+    def _idle(self) -> bool:
+        """Finisher thread, with the lock held: whether to close every Checkpointer now. Only
+        with ``idle_close``, when no save is in flight or starting and no run that will call
+        :meth:`close` is :attr:`attended` (a save outside a run: nothing else would end the
+        threads, release the lease or report a failure). The next save opens them again."""
+        return (self.idle_close and not self.attended and not self._pending
+                and not self._starting)
 
     # ------------------------------------------------------------ internals
     def _wait_path(self, full: str) -> None:
@@ -367,6 +423,7 @@ class _Finisher:
         self._owner = owner
         self._q: "queue.Queue" = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._retiring: threading.Thread | None = None
         self._lock = threading.Lock()
 
     def _ensure(self) -> None:
@@ -384,12 +441,26 @@ class _Finisher:
         self._ensure()
         self._q.put(("close", (root, ckpt)))
 
+    def _retire(self) -> tuple[list, Any] | None:
+        """This thread, after a save finished: if the owner is idle
+        (:meth:`PathCheckpoints._idle`) and no work is queued, this thread stops being the
+        finisher and takes the owner's Checkpointers to close them (returned); else None."""
+        with self._owner._lock, self._lock:
+            if self._q.empty() and self._owner._idle():
+                self._retiring, self._thread = self._thread, None
+                return self._owner._take_checkpointers()
+        return None
+
     def stop(self) -> None:
+        """End the thread (after the work queued) and a retired one still closing."""
         with self._lock:
             thread, self._thread = self._thread, None
+            retiring, self._retiring = self._retiring, None
         if thread is not None:
             self._q.put(None)
             thread.join()
+        if retiring is not None and retiring is not threading.current_thread():
+            retiring.join()
 
     def _run(self) -> None:
         while (work := self._q.get()) is not None:
@@ -401,6 +472,13 @@ class _Finisher:
                 except BaseException as exc:
                     error = exc
                 self._owner._finished(arg, error, info)
+                taken = self._retire()
+                if taken is not None:
+                    try:
+                        self._owner._close_taken(*taken)
+                    except BaseException as exc:
+                        log.error("closing the idle checkpointers failed: %r", exc)
+                    return
             else:
                 root, ckpt = arg
                 try:

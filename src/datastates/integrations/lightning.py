@@ -56,8 +56,10 @@ persist_every=None, persist_on_exit=False)))``, the callback ``io.memory_checkpo
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
+import threading
 from typing import Any, Optional
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -66,6 +68,8 @@ from lightning.pytorch.callbacks import Callback
 
 from ._memory import MemorySaves, check_every, framework_memory_tier, memory_wins
 from ._paths import ASIDE_PREFIX, PathCheckpoints
+
+log = logging.getLogger("datastates.integrations")
 
 __all__ = ["DatastatesCheckpointIO", "DatastatesMemoryCheckpoint", "DatastatesSnapshotCallback",
            "load_from_checkpoint"]
@@ -87,10 +91,20 @@ class DatastatesCheckpointIO(CheckpointIO):
             framework_memory_tier(config, "DatastatesCheckpointIO")
         if self._tier is not None:
             config = config.replace(memory_tier=None)
-        self._paths = PathCheckpoints(config, max_open=max_open, trusted=False)
-        self._stock = TorchCheckpointIO()  # hidden (temporary) names, see the module docstring
+        self._paths = PathCheckpoints(config, max_open=max_open, trusted=False,
+                                      on_commit=_drop_latest, idle_close=True)
+        self._stock = TorchCheckpointIO()  # hidden names and URLs, see the module docstring
         self._guard: Optional["DatastatesSnapshotCallback"] = None
         self._memory: Optional["DatastatesMemoryCheckpoint"] = None
+        self._warned: set[str] = set()  # the URL schemes already reported
+
+    def __getstate__(self) -> dict:
+        """Picklable (``ddp_spawn`` sends the Trainer to its processes, ``torch.save(trainer)``):
+        the copy has the configuration and no Checkpointer, thread or save in flight (those
+        stay with this object), and no callback attached (a run attaches them at ``setup``)."""
+        state = dict(self.__dict__)
+        state["_guard"] = state["_memory"] = None
+        return state
 
     # ------------------------------------------------------------ CheckpointIO
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
@@ -100,8 +114,10 @@ class DatastatesCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options; configure "
                             "it through its datastates.CheckpointConfig")
-        if _hidden(path):
-            return self._stock.save_checkpoint(checkpoint, path)
+        orig_path = path
+        path = self._local(path)
+        if path is None or _hidden(path):
+            return self._stock.save_checkpoint(checkpoint, orig_path)
         self._check_memory()
         step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
         step = step if type(step) is int and step >= 0 else None
@@ -109,6 +125,13 @@ class DatastatesCheckpointIO(CheckpointIO):
         if guard is not None and guard.active:
             self._paths.save(checkpoint, path, snapshot=False, optimizers=guard.optimizers(),
                              metadata={"framework": "lightning"}, step=step)
+        elif threading.current_thread() is not threading.main_thread():
+            # Another thread saves for the training loop (AsyncCheckpointIO's): commit here,
+            # so that its wait (its teardown) covers the commit, nothing stays running after
+            # fit() and a failure reaches it; this io's own teardown is not called then.
+            self._paths.save(checkpoint, path, snapshot=True, metadata={"framework": "lightning"},
+                             step=step)
+            self._paths.close()
         else:
             self._paths.save(checkpoint, path, snapshot=True, metadata={"framework": "lightning"},
                              step=step)
@@ -121,26 +144,36 @@ class DatastatesCheckpointIO(CheckpointIO):
         of classes outside PyTorch's safe list are refused. A path
         :meth:`DatastatesMemoryCheckpoint.resume_path` gave is read from the memory tier; a
         hidden name with ``TorchCheckpointIO``; a link as its target in the same directory."""
-        if _hidden(path):
+        local = self._local(path)
+        if local is None or _hidden(local):
             return self._stock.load_checkpoint(path, map_location=map_location,
                                                weights_only=weights_only)
+        path = local
         self._check_memory()
         if callable(map_location) or isinstance(map_location, dict):
             map_location = None  # Lightning's default `lambda storage, loc: storage`
         memory = self._memory
         if memory is not None and memory.holds(path):
             return memory.load(path, map_location=map_location, trusted=weights_only is False)
-        path = _resolve_link(path)
-        if not self._paths.exists(path):
-            raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        return self._paths.load(path, map_location=map_location, trusted=weights_only is False)
+        try:
+            path = _resolve_link(path)
+            if not self._paths.exists(path):
+                raise FileNotFoundError(f"Checkpoint file not found: {path}")
+            return self._paths.load(path, map_location=map_location,
+                                    trusted=weights_only is False)
+        finally:
+            self._paths.close_if_idle()
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint (after its save, if still in flight, has finished); a link
         is removed itself, never its target."""
-        if _hidden(path):
+        local = self._local(path)
+        if local is None or _hidden(local):
             return self._stock.remove_checkpoint(path)
-        self._paths.remove(path)
+        try:
+            self._paths.remove(local)
+        finally:
+            self._paths.close_if_idle()
 
     def last_path(self, dirpath: Any) -> Optional[str]:
         """``ckpt_path`` for ``fit`` in place of ``"last"``: the newest ``last.ckpt`` (or
@@ -150,24 +183,55 @@ class DatastatesCheckpointIO(CheckpointIO):
         cannot see a ``last.ckpt`` that a crash left moved aside (an interrupted replacement);
         here the core first repairs ``dirpath``, and a plain ``last.ckpt`` kept aside while
         its datastates replacement was saved counts too (see ``load_checkpoint``)."""
-        folder = os.path.abspath(os.fspath(dirpath))
+        local = self._local(dirpath, report=False)
+        if local is None:
+            import datastates
+            raise datastates.ConfigError(
+                f"DatastatesCheckpointIO.last_path: expected a local directory, found the URL "
+                f"{dirpath!r} (checkpoints at URLs are Lightning's own files: use "
+                "ckpt_path='last')")
+        folder = os.path.abspath(local)
         if not os.path.isdir(folder):
             return None
-        self._paths.repair(folder)
-        names = {n[len(ASIDE_PREFIX):] if n.startswith(ASIDE_PREFIX) else n
-                 for n in os.listdir(folder)}
-        found = {}
-        for name in names:
-            path = os.path.join(folder, name)
-            if _LAST.fullmatch(name) and self._paths.exists(_resolve_link(path)):
-                stamp = path if os.path.lexists(path) else \
-                    os.path.join(folder, ASIDE_PREFIX + name)
-                found[path] = os.stat(stamp).st_mtime
-        return max(found, key=found.get, default=None)
+        try:
+            self._paths.repair(folder)
+            names = {n[len(ASIDE_PREFIX):] if n.startswith(ASIDE_PREFIX) else n
+                     for n in os.listdir(folder)}
+            found = {}
+            for name in names:
+                path = os.path.join(folder, name)
+                if _LAST.fullmatch(name) and self._paths.exists(_resolve_link(path)):
+                    stamp = path if os.path.lexists(path) else \
+                        os.path.join(folder, ASIDE_PREFIX + name)
+                    found[path] = os.stat(stamp).st_mtime
+            return max(found, key=found.get, default=None)
+        finally:
+            self._paths.close_if_idle()
 
     def teardown(self) -> None:
-        """Wait until every checkpoint is committed; raise the first failure."""
+        """Wait until every checkpoint is committed, end the threads; raise the first failure.
+        (Lightning calls it at the end of ``fit``/``validate``/``test``.)"""
         self._paths.close()
+
+    def _local(self, path: Any, report: bool = True) -> Optional[str]:
+        """``path`` as a local path (``file://`` URLs included), or None for a URL of another
+        scheme, which Lightning's ``TorchCheckpointIO`` handles (a WARNING, once per scheme)."""
+        text = os.fspath(path)
+        if not isinstance(text, str):
+            text = os.fsdecode(text)
+        found = _URL.match(text)
+        if found is None:
+            return text
+        scheme = found.group(1).lower()
+        if scheme == "file":
+            return text[len(found.group(0)):]
+        if report and scheme not in self._warned:
+            self._warned.add(scheme)
+            log.warning("DatastatesCheckpointIO writes local paths only; %s is a %s:// URL, so "
+                        "it and every other %s:// path are saved, loaded and removed by "
+                        "Lightning's TorchCheckpointIO (one torch.save file, written "
+                        "synchronously)", text, scheme, scheme)
+        return None
 
     # ------------------------------------------------------------ extras
     def lazy_snapshots(self) -> "DatastatesSnapshotCallback":
@@ -190,8 +254,13 @@ class DatastatesCheckpointIO(CheckpointIO):
                 "Trainer(callbacks=[...]), or drop memory_tier from the config")
 
     def wait(self) -> None:
-        """Block until every checkpoint is committed; raise the first failure."""
-        self._paths.wait()
+        """Block until every checkpoint is committed; raise the first failure. Outside a run
+        with the :meth:`lazy_snapshots` callback, the threads end too (a later save starts
+        them again)."""
+        if self._paths.attended:
+            self._paths.wait()
+        else:
+            self._paths.close()
 
     @property
     def in_flight(self) -> int:
@@ -208,6 +277,23 @@ class DatastatesCheckpointIO(CheckpointIO):
 
 #: ModelCheckpoint's names of ``save_last`` checkpoints.
 _LAST = re.compile(r"last(-v\d+)?\.ckpt")
+#: A URL's scheme (fsspec's spelling: ``memory://``, ``s3://``, ``file://``).
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def _drop_latest(path: str, info: Any) -> None:
+    """After the commit of ``path``: remove the core's ``latest`` hint beside it if it names
+    that checkpoint (Lightning lists ``dirpath``; the hint is not read by any loader here)."""
+    latest = os.path.join(os.path.dirname(path), "latest")
+    try:
+        with open(latest, "rb") as f:
+            named = f.read(4096)
+        if named == os.path.basename(path).encode():
+            os.remove(latest)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove the hint %s: %r", latest, exc)
 
 
 def _hidden(path: Any) -> bool:
@@ -255,6 +341,7 @@ class DatastatesSnapshotCallback(Callback):
                              "DatastatesCheckpointIO; pass it in Trainer(plugins=[io])")
         self._trainer = trainer
         self.io._guard = self
+        self.io._paths.attended = True  # the run's teardown closes the io
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.io._paths.wait_snapshots()
@@ -263,6 +350,7 @@ class DatastatesSnapshotCallback(Callback):
         self.io._paths.wait_snapshots()
         if self.io._guard is self:
             self.io._guard = None
+            self.io._paths.attended = False
         self._trainer = None
 
 
