@@ -25,8 +25,9 @@ from .errors import ConfigError, StateMismatchError
 STATE_KEYS = ("seed", "shuffle", "epoch", "consumed", "dataset_len")
 #: seed and epoch stay below this, so seed + epoch fits ``torch.Generator.manual_seed``.
 MAX_SEED = 2 ** 63
-#: DataLoader arguments the loader sets itself: the order is the sampler's alone.
-_OWNED_ARGS = ("sampler", "batch_sampler", "shuffle")
+#: DataLoader arguments the loader sets itself: the order is the sampler's alone, and the
+#: generator the DataLoader draws its workers' base seed from is the loader's own.
+_OWNED_ARGS = ("sampler", "batch_sampler", "shuffle", "generator")
 
 
 class ElasticSampler(Sampler[int]):
@@ -148,11 +149,16 @@ class ElasticLoader:
     pass at a time: starting a pass, ``set_epoch`` and ``load_state_dict`` end any pass in
     progress (its iterator stops). Used from the training thread of each rank.
 
+    Randomness: the loader draws nothing from the global torch generator, so a restored
+    ``RNGState`` continues the stream of the run that saved it (dropout draws the same masks).
+    A DataLoader draws its workers' base seed from a generator at the start of every pass; the
+    loader gives it its own, seeded with ``seed + epoch`` at each pass.
+
     ``dataloader_kwargs`` go to the DataLoader (``num_workers``, ``collate_fn``,
-    ``pin_memory``, ``prefetch_factor``...), except ``sampler``, ``batch_sampler`` and
-    ``shuffle``, which the loader sets itself, and ``in_order=False``, under which the batches
-    yielded would not be a prefix of the order (ConfigError for each). ``drop_last`` is the
-    sampler's; a pass's last batch may be smaller than ``batch_size``.
+    ``pin_memory``, ``prefetch_factor``...), except ``sampler``, ``batch_sampler``,
+    ``shuffle`` and ``generator``, which the loader sets itself, and ``in_order=False``, under
+    which the batches yielded would not be a prefix of the order (ConfigError for each).
+    ``drop_last`` is the sampler's; a pass's last batch may be smaller than ``batch_size``.
     """
 
     def __init__(self, dataset: Any, *, batch_size: int, num_replicas: int | None = None,
@@ -165,8 +171,9 @@ class ElasticLoader:
         self.batch_size = batch_size
         self.sampler = ElasticSampler(dataset, num_replicas=num_replicas, rank=rank, seed=seed,
                                       shuffle=shuffle, drop_last=drop_last)
+        self._generator = torch.Generator()  # the workers' base seed: never the global one
         self._loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler,
-                                  **dataloader_kwargs)
+                                  generator=self._generator, **dataloader_kwargs)
         self._active: weakref.ref | None = None  # the pass in progress
 
     @property
@@ -188,6 +195,7 @@ class ElasticLoader:
 
     def _run(self) -> Iterator[Any]:
         left = len(self.sampler)  # read with the indices the DataLoader draws just below
+        self._generator.manual_seed(self.sampler.seed + self.sampler.epoch)
         for batch in self._loader:
             taken = min(self.batch_size, left)
             left -= taken

@@ -162,7 +162,7 @@ assert all(torch.equal(_saved[k], _live[k]) for k in _live), "the checkpoint dif
 
 _RESUMED = _DIGEST + '''
 with open(f"result-{_RUN}.json", "w") as _f:
-    _json.dump({"start": start, "position": loader.position,
+    _json.dump({"start": start, "position": loader.state_dict(),
                 "digest": _digest(model.state_dict(), opt.state_dict())}, _f)
 '''
 

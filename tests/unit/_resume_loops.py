@@ -86,6 +86,25 @@ def correct(run):
     _loop(run, dropout=True)
 
 
+def elastic_loader(run):
+    """The README's loop with the loader it recommends: an ElasticLoader (its DataLoader draws
+    its base seed at each pass), dropout and RNGState, everything saved."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 8, generator=g)
+    state = _training(dropout=True)
+    state["loader"] = datastates.ElasticLoader(torch.utils.data.TensorDataset(x, x.sum(1, True)),
+                                               batch_size=4, seed=3)
+    with datastates.Checkpointer(run.directory, CFG) as ckpt:
+        start = ckpt.restore(state).step + 1 if ckpt.latest() else 0
+        batches = iter(state["loader"])
+        for step in range(start, run.steps):
+            x, y = next(batches)
+            _step(state, x, y)
+            if step % 2 == 0:
+                ckpt.save(state, step=step).wait()
+            run.step_done(step, state, inputs=x)
+
+
 def loader_not_in_state(run):
     """The loader's position is not checkpointed: a restart reads the first batches again."""
     _loop(run, leave_out=("loader",))

@@ -162,6 +162,18 @@ def test_the_count_is_exact_with_prefetching_workers(tmp_path, persistent):
     assert [b + a for b, a in zip(before, finish(resumed))] == reference
 
 
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_pass_draws_nothing_from_the_global_generator(num_workers):
+    """A DataLoader draws its workers' base seed at each pass; the loader's own generator gives
+    it, so the global stream (what RNGState saves and restores) is the same with or without a
+    pass."""
+    torch.manual_seed(11)
+    before = torch.get_rng_state()
+    loader = loaders(1, 5, num_workers=num_workers)[0]
+    assert flat(finish([loader])) == order()
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_a_pass_left_early_continues_after_the_last_batch_yielded():
     loader = loaders(1, 5)[0]
     first = []
@@ -274,6 +286,7 @@ class Stream(IterableDataset):
     (dict(sampler=[0, 1]), "expected no sampler"),
     (dict(shuffle=True, batch_sampler=None), "expected no batch_sampler"),
     (dict(in_order=False), "in_order=False"),
+    (dict(generator=torch.Generator()), "expected no generator"),
     (dict(dataset=Stream()), "IterableDataset Stream"),
     (dict(dataset=iter(range(3))), "without len()"),
 ])

@@ -38,6 +38,7 @@ STEPS = 6  # the loops save after steps 0, 2, 4: a kill at 3 resumes from step 2
 COMMAND = ["check-resume", "_resume_loops:counter", "--steps", str(STEPS), "--kill-at", "1,3"]
 CHECKS = {
     "correct": (loops.correct, (1, 4)),
+    "elastic_loader": (loops.elastic_loader, 3),
     "resumes_at_saved_step": (loops.resumes_at_saved_step, 3),
     "loader_not_in_state": (loops.loader_not_in_state, 3),
     "rng_not_in_state": (loops.rng_not_in_state, 3),
@@ -73,6 +74,14 @@ def test_a_correct_loop_resumes_bit_identical(checked):
     assert sorted(os.listdir(workdir)) == [
         "interrupted", "reference", "reference.jsonl", "reference.out", "run-0.jsonl",
         "run-0.out", "run-1.jsonl", "run-1.out", "run-2.jsonl", "run-2.out"]
+
+
+def test_the_recommended_loader_with_dropout_resumes_bit_identical(checked):
+    """ElasticLoader draws nothing from the global generator: the restored RNGState is the
+    stream the uninterrupted run had, so dropout draws the same masks after the restart."""
+    report, _ = checked("elastic_loader")
+    assert report.ok and report.first is None, str(report)
+    assert report.kills == (Kill(3, 2, 3),)
 
 
 def test_resuming_at_the_saved_step_reports_the_step_run_again(checked):
