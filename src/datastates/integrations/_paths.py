@@ -121,6 +121,22 @@ def drop_aside(full: str) -> None:
                     aside_path(full), full, exc)
 
 
+def drop_latest(path: str, info: Any = None) -> None:
+    """After the commit of ``path``: remove the core's ``latest`` hint beside it if it names
+    that checkpoint. A framework lists that directory itself (Lightning's ``dirpath``, Hugging
+    Face's ``output_dir``) and reads no such hint; loads here never read it either."""
+    latest = os.path.join(os.path.dirname(path), "latest")
+    try:
+        with open(latest, "rb") as f:
+            named = f.read(4096)
+        if named == os.path.basename(path).encode():
+            os.remove(latest)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove the hint %s: %r", latest, exc)
+
+
 class _Pending:
     __slots__ = ("handle", "path", "done", "reported")
 

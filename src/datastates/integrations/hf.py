@@ -57,7 +57,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from datastates.storage import LOCAL
 from ._memory import MemorySaves, check_every, framework_memory_tier, memory_wins
-from ._paths import base_optimizer, is_checkpoint_dir
+from ._paths import base_optimizer, drop_latest, is_checkpoint_dir
 
 log = logging.getLogger("datastates.integrations.hf")
 
@@ -214,6 +214,7 @@ class DatastatesTrainer(Trainer):
         save_total_limit."""
         try:
             info = handle.wait()
+            drop_latest(info.path)  # output_dir holds what Trainer writes there, no hint
             with self._ds_lock:
                 if self.args.should_save:
                     for name, text in model_files.items():
@@ -296,7 +297,10 @@ class DatastatesTrainer(Trainer):
             if self._ds_resume is not None:
                 shutil.rmtree(self._ds_resume[0], ignore_errors=True)
                 self._ds_resume = None
-            self.wait_for_checkpoints()
+            if self._ds_tier is None:
+                self.close_checkpointer()  # no thread or lease file left; a save reopens it
+            else:
+                self.wait_for_checkpoints()  # attached to its keeper until close_checkpointer
 
     def latest_checkpoint(self) -> str | None:
         """The checkpoint ``resume_from_checkpoint=True`` resumes from: the committed

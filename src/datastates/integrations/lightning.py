@@ -67,7 +67,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
 
 from ._memory import MemorySaves, check_every, framework_memory_tier, memory_wins
-from ._paths import ASIDE_PREFIX, PathCheckpoints
+from ._paths import ASIDE_PREFIX, PathCheckpoints, drop_latest
 
 log = logging.getLogger("datastates.integrations")
 
@@ -92,7 +92,7 @@ class DatastatesCheckpointIO(CheckpointIO):
         if self._tier is not None:
             config = config.replace(memory_tier=None)
         self._paths = PathCheckpoints(config, max_open=max_open, trusted=False,
-                                      on_commit=_drop_latest, idle_close=True)
+                                      on_commit=drop_latest, idle_close=True)
         self._stock = TorchCheckpointIO()  # hidden names and URLs, see the module docstring
         self._guard: Optional["DatastatesSnapshotCallback"] = None
         self._memory: Optional["DatastatesMemoryCheckpoint"] = None
@@ -279,21 +279,6 @@ class DatastatesCheckpointIO(CheckpointIO):
 _LAST = re.compile(r"last(-v\d+)?\.ckpt")
 #: A URL's scheme (fsspec's spelling: ``memory://``, ``s3://``, ``file://``).
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def _drop_latest(path: str, info: Any) -> None:
-    """After the commit of ``path``: remove the core's ``latest`` hint beside it if it names
-    that checkpoint (Lightning lists ``dirpath``; the hint is not read by any loader here)."""
-    latest = os.path.join(os.path.dirname(path), "latest")
-    try:
-        with open(latest, "rb") as f:
-            named = f.read(4096)
-        if named == os.path.basename(path).encode():
-            os.remove(latest)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("could not remove the hint %s: %r", latest, exc)
 
 
 def _hidden(path: Any) -> bool:
