@@ -40,9 +40,10 @@ def test_license_file_matches_the_spdx_expression():
     assert project["version"] == datastates.__version__
 
 
-def test_numpy_is_a_declared_dependency():
+def test_numpy_and_tqdm_are_declared_dependencies():
+    # tqdm: the command line's progress bars, drawn whenever stderr is a terminal
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert {d.split(">")[0].split("=")[0].strip() for d in deps} == {"torch", "numpy"}
+    assert {d.split(">")[0].split("=")[0].strip() for d in deps} == {"torch", "numpy", "tqdm"}
 
 
 def test_docs_install_from_the_repository_not_from_an_index_it_is_not_on():

@@ -2,9 +2,14 @@
 and the command line (its output and exit codes)."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
+import struct
+import subprocess
 import sys
+import termios
 
 import pytest
 import torch
@@ -156,6 +161,47 @@ def test_cli_not_found_is_exit_code_3_for_every_command(one_step, command, case)
     assert (proc.returncode, proc.stdout) == (EXIT_EMPTY, "")
     assert proc.stderr == f"error: {line.format(root=one_step)}\n"
     assert not out.exists()
+
+
+def _on_a_terminal(argv, cwd) -> tuple[int, bytes, bytes]:
+    """Run the command with stderr on a pseudo-terminal of 24 x 80: its exit code, its stdout
+    and what it drew on the terminal."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    with os.fdopen(slave, "wb") as terminal:
+        proc = zygote.run([sys.executable, "-m", "datastates", *argv], cwd=cwd,
+                          stdout=subprocess.PIPE, stderr=terminal, timeout=300)
+    screen = b""
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # EIO: every writer of the terminal has closed it, all is read
+            break
+        if not chunk:
+            break
+        screen += chunk
+    os.close(master)
+    return proc.returncode, proc.stdout, screen
+
+
+def test_cli_draws_progress_bars_on_a_terminal_unless_told_not_to(one_step):
+    code, out, screen = _on_a_terminal(["verify", "ck"], one_step)
+    assert code == EXIT_OK and b": OK, manifest and 1 shard file(s)" in out
+    assert b"verify:" in screen and b"0%" in screen
+    code, out, screen = _on_a_terminal(["export", "ck", "--to", "torch", "w.pt"], one_step)
+    assert code == EXIT_OK and out.startswith(b"wrote ") and b"w.pt:" in screen
+    code, _, screen = _on_a_terminal(["verify", "ck", "--no-progress"], one_step)
+    assert (code, screen) == (EXIT_OK, b"")
+
+
+def test_the_cli_imports_tqdm_unconditionally():
+    """tqdm is a dependency: the command line has no path without it."""
+    proc = subprocess.run([sys.executable, "-c", "import sys; sys.modules['tqdm'] = None\n"
+                           "import datastates.tools.cli"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1] == ("ModuleNotFoundError: import of tqdm halted; None "
+                                            "in sys.modules")
 
 
 def test_cli_verify_all_summary_and_corruption(tmp_path, capsys):

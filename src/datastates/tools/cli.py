@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from tqdm import tqdm
+
 from .._version import __version__
 from . import export, describe
 from ..errors import CheckpointNotFoundError, ConfigError, DatastatesError
@@ -255,7 +257,7 @@ def _verify(args) -> int:
     for info in found.checkpoints:
         start = time.perf_counter()
         try:
-            n = _verify_one(info, bar.update if bar is not None else None)
+            n = _verify_one(info, bar.update)
         except (DatastatesError, OSError) as exc:
             failed.append(info.name)
             _write(bar, f"error: {info.name}: FAILED: {' '.join(str(exc).split())}", sys.stderr)
@@ -266,8 +268,7 @@ def _verify(args) -> int:
     for d in found.damaged:
         failed.append(d.name)
         _write(bar, f"error: {d.name}: DAMAGED: {' '.join(d.reason.split())}", sys.stderr)
-    if bar is not None:
-        bar.close()
+    bar.close()
     seconds = time.perf_counter() - t0
     checked = len(found.checkpoints) + len(found.damaged)
     verdict = "all OK" if not failed else f"{len(failed)} failed ({', '.join(failed)})"
@@ -293,15 +294,12 @@ def _export(args) -> int:
     # the one checkpoint found, found once; several (a DeepSpeed tag): export's own error
     path, step, tag = (infos[0].path, None, None) if len(infos) == 1 else \
         (args.path, args.step, args.tag)
-    bar = None
-    if not args.no_progress and sys.stderr.isatty():
-        bar = _progress(export.planned_bytes(path, args.to, keys=args.keys, step=step, tag=tag),
-                        "B", args.out, False)
-    report = export.export(path, args.out, args.to, keys=args.keys, step=step, tag=tag,
-                           trusted=args.trusted,
-                           progress=bar.update if bar is not None else None)
-    if bar is not None:
-        bar.close()
+    with _progress(None, "B", args.out, args.no_progress) as bar:
+        if not bar.disable:  # its total only for a bar drawn
+            bar.reset(total=export.planned_bytes(path, args.to, keys=args.keys, step=step,
+                                                 tag=tag))
+        report = export.export(path, args.out, args.to, keys=args.keys, step=step, tag=tag,
+                               trusted=args.trusted, progress=bar.update)
     note = ""
     if report.skipped:
         note = f"; left out {len(report.skipped)} non-tensor value(s) (safetensors holds tensors)"
@@ -332,20 +330,13 @@ def _table(rows) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
-def _progress(total, unit: str, desc: str, disabled: bool):
-    """A tqdm bar on stderr when tqdm is installed, stderr is a terminal and it is wanted."""
-    if disabled or not sys.stderr.isatty():
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
+def _progress(total, unit: str, desc: str, disabled: bool) -> tqdm:
+    """A progress bar on stderr, drawn when stderr is a terminal (tqdm decides) unless
+    ``disabled`` (``--no-progress``); a bar not drawn takes its updates and draws nothing."""
     return tqdm(total=total, unit=unit, unit_scale=unit == "B", desc=desc, leave=False,
-                file=sys.stderr)
+                file=sys.stderr, disable=True if disabled else None)
 
 
-def _write(bar, line: str, file=None) -> None:
-    if bar is not None:
-        bar.write(line, file=file or sys.stdout)
-    else:
-        print(line, file=file or sys.stdout)
+def _write(bar: tqdm, line: str, file=None) -> None:
+    """``line`` on ``file`` (stdout) above the bar, which is drawn again below it."""
+    bar.write(line, file=file or sys.stdout)
