@@ -83,7 +83,11 @@ def test_import_from_safetensors_without_the_package(tmp_path):
               f"{str(tmp_path / 'ck')!r}]))")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300)
-    _one_error(proc.returncode, proc.stderr, "pip install safetensors")
+    assert (proc.returncode, proc.stdout) == (EXIT_ERROR, "")
+    assert proc.stderr == (f"error: import --from safetensors: expected the safetensors package "
+                           f"to read {bad}, found it not installed: pip install safetensors (or "
+                           "pip install '.[safetensors]' in a datastates checkout)\n")
+    assert not (tmp_path / "ck").exists()
 
 
 def test_import_of_an_empty_dcp_folder_is_one_line(tmp_path, capsys):

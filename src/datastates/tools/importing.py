@@ -28,7 +28,8 @@ def import_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, *, source
 
     ``source``: ``"torch"`` (a ``torch.save`` file, loaded with ``weights_only=True`` unless
     ``trusted``; memory-mapped when it is the zip format, read whole when it is the legacy
-    one), ``"safetensors"`` (a flat dict of tensors) or ``"dcp"`` (a
+    one), ``"safetensors"`` (a flat dict of tensors, read with the safetensors package: the
+    ``safetensors`` extra; ConfigError saying so without it) or ``"dcp"`` (a
     ``torch.distributed.checkpoint`` folder, converted as DCP's own ``dcp_to_torch_save`` does:
     one ``DatastatesWriter`` wrote is read without unpickling anything but its values, with
     ``weights_only=True``; a stock one, written by ``FileSystemWriter``, keeps its metadata as
@@ -90,8 +91,9 @@ def _read_safetensors(src: str) -> Any:
     try:
         from safetensors.torch import load_file
     except ImportError:
-        raise ConfigError("import --from safetensors needs the safetensors package, which is "
-                          "not installed: pip install safetensors") from None
+        raise ConfigError(f"import --from safetensors: expected the safetensors package to read "
+                          f"{src}, found it not installed: pip install safetensors (or "
+                          "pip install '.[safetensors]' in a datastates checkout)") from None
     if not os.path.isfile(src):
         raise ConfigError(f"import: {src} is not a file; --from safetensors reads one file")
     try:
