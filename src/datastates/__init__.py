@@ -19,7 +19,7 @@ from .save.capture import add_step_waiter, mark_lazy, torch_optimizer
 from .save.job import SaveHandle, SaveStats
 from .providers.tree import TensorShard
 from .errors import (CheckpointerClosedError, CheckpointExistsError, CheckpointNotFoundError,
-                     CheckpointWriteError, CommitError, CommitTimeoutError, ConfigError, CorruptCheckpointError,
+                     CheckpointWriteError, CommitError, CommitTimeoutError, CommitUnknownError, ConfigError, CorruptCheckpointError,
                      DatastatesError, KeeperError, LazyWriteError, ReshardError, RestoreAbortedError, SerializationError,
                      StateMismatchError,
                      BucketNotFoundError, StorageAccessError, StorageError,
@@ -37,7 +37,7 @@ from ._version import __version__  # noqa: E402,F401
 __all__ = [
     "Capture", "CheckpointConfig", "CheckpointerClosedError", "CheckpointExistsError", "CheckpointInfo",
     "CheckpointNotFoundError", "CheckpointWriteError", "Checkpointer", "CommitError",
-    "CommitTimeoutError", "ConfigError", "ElasticLoader", "ElasticSampler", "LocalCommunicator", "StoreCommunicator", "CorruptCheckpointError", "DatastatesError",
+    "CommitTimeoutError", "CommitUnknownError", "ConfigError", "ElasticLoader", "ElasticSampler", "LocalCommunicator", "StoreCommunicator", "CorruptCheckpointError", "DatastatesError",
     "KeeperError", "LazyWriteError", "MemoryTier", "ModuleProvider", "NumpyRandomProvider", "OptimizerProvider", "Preemption", "ProviderRegistry", "RNGState", "RNGStateProvider",
     "ReshardError", "RestoreAbortedError", "RestoreReport", "SaveHandle", "SaveStats", "SerializationError",
     "SkippedCheckpoint",

@@ -62,6 +62,13 @@ class CommitTimeoutError(CommitError, TimeoutError):
     """Some ranks did not report within the commit timeout (a rank died or hangs)."""
 
 
+class CommitUnknownError(CommitError):
+    """This rank cannot learn whether the checkpoint was committed: the coordination store is
+    unreachable (or rank 0 fell silent while making it visible) and no manifest of this save
+    appeared on disk within the commit timeout. The checkpoint may still appear; a restore
+    finds whatever is on disk. ``causes`` maps this rank to what it saw."""
+
+
 class LazyWriteError(DatastatesError, RuntimeError):
     """Tensors captured lazily were written in place after ``save()`` while the snapshot was
     still being copied in the background (their version counter moved), so it cannot be trusted;

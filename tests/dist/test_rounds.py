@@ -221,8 +221,9 @@ def test_ranks_wait_for_a_publish_that_outlasts_the_deadline():
     sid = comms[0].save_id("/d", "step-1", 1)
     gave_up = []
 
-    def slow_commit(reports):
+    def slow_commit(reports, fence):
         store.late.wait(60)  # publishing until rank 1 has waited past its deadline
+        fence()
         return COMMITTED
 
     def rank1():
@@ -241,15 +242,20 @@ def test_ranks_wait_for_a_publish_that_outlasts_the_deadline():
 
 
 def test_a_silent_rank0_after_its_claim_is_given_up_on():
+    """Rank 1 gives up on a silent rank 0 by replacing its claim with an abort; rank 0, back,
+    loses the fence and makes nothing visible: both take that abort (real processes and
+    signals: test_verdicts.py)."""
     store = MemoryStore()
     comms = [StoreCommunicator(store, r, 2, "run") for r in range(2)]
     comms[0].beat_s = 3600.0  # rank 0 never beats: it is as good as dead after its claim
     comms[1].silent_s = 0.2
     sid = comms[0].save_id("/d", "step-1", 1)
-    rank1_done, gave_up = threading.Event(), []
+    rank1_done, gave_up, visible = threading.Event(), [], []
 
-    def stuck_commit(reports):
+    def stuck_commit(reports, fence):
         rank1_done.wait(60)
+        fence()
+        visible.append(True)
         return COMMITTED
 
     def rank1():
@@ -262,8 +268,9 @@ def test_a_silent_rank0_after_its_claim_is_given_up_on():
     out = _two_ranks(store, {0: lambda: _round(comms[0], sid, time.monotonic() + 10, 0.05,
                                                stuck_commit, None),
                              1: rank1})
-    assert gave_up == ["rank 0 started the commit but published no verdict"]
-    assert out[1].ok is False and out[0] == COMMITTED
+    assert gave_up == [] and visible == []
+    assert out[1].ok is False and out[0] == out[1] and out[1].kind == "timeout"
+    assert "fell silent" in out[1].message and "rank 1 gave up" in out[1].message
 
 
 # ------------------------------------------------------------------ exchanges and subgroups

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import CommitError, CommitTimeoutError, StorageError, write_error
+from ..errors import (CommitError, CommitTimeoutError, CommitUnknownError, StorageError,
+                      write_error)
 from ..format import codec as fmt
 from ..format.records import CheckpointInfo, Manifest, RankReport, Verdict, info_of
 from ..storage.store import Store
@@ -24,7 +26,7 @@ from .catalog import Catalog, committed_save
 from .publish import publisher_for
 from .retention import RetentionPolicy
 from .review import review
-from .round import SaveId
+from .round import FenceLost, SaveId
 
 log = logging.getLogger("datastates")
 
@@ -90,37 +92,48 @@ def commit_save(comm, target: SaveTarget, report: RankReport, metadata: dict,
 
     ``report``: this rank's report (its failure, when ``own_error`` is set); ``metadata``: the
     checkpoint's metadata (rank 0's goes into the manifest). Never raises."""
-    state = _Round(target, metadata)
+    state = _Round(target, metadata, comm.members[target.rank])
     try:
         verdict = comm.agree(target.sid, report, target.deadline, target.timeout_s,
                              check=state.check, commit=state.publish, fallback=state.on_disk)
     except BaseException as exc:  # never hang or crash the commit thread
         verdict = Verdict.abort("store", f"checkpoint {target.name!r}: coordination with the "
                                 f"other ranks failed ({exc})", {target.rank: repr(exc)})
+    try:  # a group of some ranks (the memory tier of several nodes): did every group commit?
+        elsewhere = comm.settle(target.sid, verdict.ok, target.timeout_s)
+    except Exception as exc:  # noqa: BLE001 - then it is not known to be committed everywhere
+        elsewhere = repr(exc)
     if verdict.ok:
         try:
             info = state.info or _named_here(target, verdict.info)
         except CommitError as exc:  # a committed verdict naming no checkpoint
             return Outcome(error=exc)
-        after_commit(target, info, state.published)
+        if elsewhere is not None:
+            log.warning("datastates: %r is committed by the ranks %s, but not known to be "
+                        "committed by every group of the job (%s): it evicts no older "
+                        "checkpoint", target.name, comm.members, elsewhere)
+        after_commit(target, info, state.published, retain=elsewhere is None)
         return Outcome(info=info)
     own_error = own_error or state.failure
     error = own_error
     if comm.world_size > 1 or own_error is None:
-        kind = CommitTimeoutError if verdict.kind == "timeout" else CommitError
-        error = kind(f"{verdict.message}: {_by_cause(verdict.causes)}", dict(verdict.causes))
+        kind = {"timeout": CommitTimeoutError, "unknown": CommitUnknownError}.get(verdict.kind,
+                                                                                 CommitError)
+        causes = {comm.members[r] if 0 <= r < len(comm.members) else r: cause
+                  for r, cause in verdict.causes.items()}  # the job's ranks
+        error = kind(f"{verdict.message}: {_by_cause(causes)}", causes)
         error.__cause__ = own_error
     if target.rank != 0:  # rank 0 removes the whole temporary location (the pipeline's tidy)
         publisher_for(target.store).discard(target.tmp, target.rank,
-                                            keep_file=verdict.kind == "store")
+                                            keep_file=verdict.kind in ("store", "unknown"))
     return Outcome(error=error)
 
 
 class _Round:
     """The callbacks of one round on this rank, and what they learn for the outcome."""
 
-    def __init__(self, target: SaveTarget, metadata: dict):
-        self.target, self.metadata = target, metadata
+    def __init__(self, target: SaveTarget, metadata: dict, job_rank: int):
+        self.target, self.metadata, self.job_rank = target, metadata, job_rank
         self.manifest: Manifest | None = None
         self.published: Published | None = None
         self.info: CheckpointInfo | None = None
@@ -149,32 +162,48 @@ class _Round:
             tmp=t.tmp, replica_check=t.replica_check, store=t.store, metrics=t.metrics)
         return verdict
 
-    def publish(self, reports: dict[int, RankReport]) -> Verdict:
-        """Rank 0, after winning the decision: number and publish the reviewed manifest; the
-        commit verdict. Raises what the publish raised (the round makes it an abort)."""
+    def publish(self, reports: dict[int, RankReport], fence: Callable[[], None]) -> Verdict:
+        """Rank 0, after claiming the decision: number and publish the reviewed manifest, calling
+        ``fence()`` right before the checkpoint becomes visible; the commit verdict. Raises what
+        the publish raised (the round makes it an abort), FenceLost as it is."""
         t = self.target
         try:
             if t.exclusive is not None:
                 t.exclusive(t.deadline)
-            self.published = publish_numbered(t, self.manifest)
+            self.published = publish_numbered(t, self.manifest, fence)
+        except FenceLost:
+            raise
         except BaseException as exc:
             self.failure = write_error(t.rank, f"committing {t.name!r}", exc)
             raise
         self.info = self.published.info
         return Verdict.committed(self.info)
 
-    def on_disk(self, why: str) -> Verdict:
-        """The verdict when the store is gone: committed iff the manifest records this save."""
+    def on_disk(self, why: str, until: float) -> Verdict:
+        """The verdict when only the disk can tell (``why``): committed once the manifest of
+        ``root/name`` records this save, looked for until ``until`` (``time.monotonic()``;
+        at least once); else unknown (kind ``unknown``: the checkpoint may still appear)."""
         t = self.target
-        info = committed_save(t.root, t.name, t.sid.nonce, t.store)
-        if info is not None:
-            self.info = info
-            return Verdict.committed(info)
-        return Verdict.abort("store", f"checkpoint {t.name!r} was not committed (no manifest of "
-                             "this save on disk)", {t.rank: why})
+        delay = 0.01
+        while True:
+            info = committed_save(t.root, t.name, t.sid.nonce, t.store)
+            if info is not None:
+                self.info = info
+                return Verdict.committed(info)
+            left = until - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(delay, left))  # waiting for a file, with a deadline
+            delay = min(delay * 2, 0.25)
+        return Verdict.abort("unknown", f"checkpoint {t.name!r}: whether it was committed is "
+                             f"unknown on rank {self.job_rank}: {why}, and no manifest of this save "
+                             f"appeared at {t.path} by the commit deadline (it may still "
+                             "appear; a restore reads what is on disk)",
+                             {t.rank: why})
 
 
-def publish_numbered(target: SaveTarget, manifest: Manifest) -> Published:
+def publish_numbered(target: SaveTarget, manifest: Manifest,
+                     fence: Callable[[], None] | None = None) -> Published:
     """Make the save's temporary location the committed checkpoint ``root/name`` atomically
     (:meth:`Publisher.publish`), the manifest numbered one more than the highest commit number of
     the root (a copy of ``manifest`` is written: the reviewed record is never changed).
@@ -196,7 +225,7 @@ def publish_numbered(target: SaveTarget, manifest: Manifest) -> Published:
     catalog = t.catalog if t.catalog is not None else Catalog(t.root, t.store)
     numbered = dataclasses.replace(manifest, seq=_next_seq(catalog, t.name))
     final, stamp, written = publisher_for(t.store).publish(t.root, t.tmp, t.name, numbered,
-                                                           t.overwrite, t.fsync)
+                                                           t.overwrite, t.fsync, fence=fence)
     info = info_of(final, written)
     return Published(info, catalog.record(info, stamp, written))
 
@@ -220,9 +249,11 @@ def _named_here(target: SaveTarget, info: CheckpointInfo | None) -> CheckpointIn
     return dataclasses.replace(info, name=target.name, path=target.path, step=target.step)
 
 
-def after_commit(target: SaveTarget, info: CheckpointInfo, published: Published | None) -> None:
+def after_commit(target: SaveTarget, info: CheckpointInfo, published: Published | None,
+                 retain: bool = True) -> None:
     """Every rank records the checkpoint in its catalog; rank 0 then moves ``latest`` and applies
-    retention. The checkpoint is committed whatever happens here: a failure to move ``latest``
+    retention (unless ``retain`` is False: a group's commit that not every group of the job
+    made evicts nothing). The checkpoint is committed whatever happens here: a failure to move ``latest``
     (readers fall back to the newest manifest) or to apply retention is a warning naming what
     failed, not a failed save."""
     t = target
@@ -237,9 +268,10 @@ def after_commit(target: SaveTarget, info: CheckpointInfo, published: Published 
                       f"{t.store.join(t.root, fmt.LATEST)} failed: {exc}", RuntimeWarning,
                       stacklevel=2)
     try:
-        t.retention.apply(t.root, protect=t.name, fsync=t.fsync, store=t.store,
-                          committed=published.committed if published else None,
-                          damaged=t.catalog.damaged() if t.catalog is not None else None)
+        if retain:
+            t.retention.apply(t.root, protect=t.name, fsync=t.fsync, store=t.store,
+                              committed=published.committed if published else None,
+                              damaged=t.catalog.damaged() if t.catalog is not None else None)
     except Exception as exc:
         warnings.warn(f"datastates: {t.name!r} is committed, but applying retention in "
                       f"{t.root} failed: {exc}", RuntimeWarning, stacklevel=2)

@@ -75,10 +75,12 @@ class Publisher:
         the live owner of the temporaries of ``run_id`` in ``root`` (idempotent)."""
 
     def publish(self, root: str, tmp: str, name: str, manifest: records.Manifest,
-                overwrite: bool, fsync: bool) -> tuple[str, Any, records.Manifest]:
+                overwrite: bool, fsync: bool,
+                fence: Callable[[], None] | None = None) -> tuple[str, Any, records.Manifest]:
         """Rank 0: write ``manifest`` and make ``tmp`` the checkpoint ``root/name`` atomically;
         (its path, the manifest's stamp, the manifest as written: a store may record where the
-        data is, ``data_dir``).
+        data is, ``data_dir``). ``fence()`` is called right before the atomic step (nothing is
+        visible yet); what it raises propagates and nothing becomes visible.
         CheckpointExistsError if a committed checkpoint holds ``name`` and ``overwrite`` is
         False (also when another writer committed it meanwhile); a damaged one is replaced."""
         raise NotImplementedError
@@ -210,9 +212,11 @@ class RenamePublisher(Publisher):
 
     # ---- publish
     def publish(self, root: str, tmp: str, name: str, manifest: records.Manifest,
-                overwrite: bool, fsync: bool) -> tuple[str, Any, records.Manifest]:
-        """Writes the manifest into ``tmp``, then renames ``tmp`` into place (the manifest's
-        stamp, taken before the rename, stays valid: the rename does not touch the file). A
+                overwrite: bool, fsync: bool,
+                fence: Callable[[], None] | None = None) -> tuple[str, Any, records.Manifest]:
+        """Writes the manifest into ``tmp``, then (after ``fence()``) renames ``tmp`` into place
+        (the manifest's stamp, taken before the rename, stays valid: the rename does not touch
+        the file). A
         damaged checkpoint of that name is moved aside (:meth:`set_aside`); a committed one is
         replaced only with ``overwrite``; a directory that is no checkpoint never."""
         final = os.path.join(root, name)
@@ -220,8 +224,10 @@ class RenamePublisher(Publisher):
         for part, data in encoded.parts:  # a split manifest's parts, before its head
             self.store.write_atomic(os.path.join(tmp, part), data, fsync)
         stamp = self.store.write_atomic(os.path.join(tmp, fmt.MANIFEST), encoded.data, fsync)
-        self._swap_in(root, tmp, name, self._make_room(root, name, overwrite, fsync), overwrite,
-                      fsync)
+        replace = self._make_room(root, name, overwrite, fsync)
+        if fence is not None:
+            fence()
+        self._swap_in(root, tmp, name, replace, overwrite, fsync, fence)
         return final, stamp, encoded.written
 
     def _make_room(self, root: str, name: str, overwrite: bool, fsync: bool) -> bool:
@@ -529,12 +535,13 @@ class ManifestPublisher(Publisher):
         return self.store.join(root, name, f".data.{owner_token(run_id)}-{serial}")
 
     def publish(self, root: str, tmp: str, name: str, manifest: records.Manifest,
-                overwrite: bool, fsync: bool) -> tuple[str, Any, records.Manifest]:
-        """The shard files are already in place; writing ``manifest.json`` (one PUT, atomic)
-        commits. Without ``overwrite`` the PUT is conditional, so the store refuses it if
-        another writer committed meanwhile. A replaced checkpoint's data directory is deleted
-        after the new manifest is in place, so a reader sees the old manifest with the old data
-        or the new manifest with the new data, never a mix."""
+                overwrite: bool, fsync: bool,
+                fence: Callable[[], None] | None = None) -> tuple[str, Any, records.Manifest]:
+        """The shard files are already in place; writing ``manifest.json`` (one PUT, atomic,
+        after ``fence()``) commits. Without ``overwrite`` the PUT is conditional, so the store
+        refuses it if another writer committed meanwhile. A replaced checkpoint's data directory
+        is deleted after the new manifest is in place, so a reader sees the old manifest with the
+        old data or the new manifest with the new data, never a mix."""
         store, final = self.store, self.store.join(root, name)
         manifest = dataclasses.replace(manifest, data_dir=tmp.rstrip("/").rsplit("/", 1)[-1])
         # examine: a manifest that cannot be *read* (a refused or failed GET) raises, it is never
@@ -559,6 +566,8 @@ class ManifestPublisher(Publisher):
             store.write_atomic(store.join(tmp, part), data, True)
         target = store.join(final, fmt.MANIFEST)
         replace = overwrite or old is False
+        if fence is not None:
+            fence()
         try:
             stamp = (store.write_atomic if replace else store.write_new)(target, encoded.data,
                                                                          True)

@@ -16,21 +16,46 @@ whether they write into one directory is checked by rank 0's review instead. Key
 
     <nonce>/r<k>       rank k's report (its file, entries, or its error)        written by rank k
     <nonce>/n          reports posted: +1 each, +2**32 for a failed one          every rank
-    <nonce>/decision   the verdict: {"pending"} then commit/abort               compare-and-set
+    <nonce>/decision   the verdict: pending, publishing, commit/abort (below)    compare-and-set
     <nonce>/beat       rank 0's heartbeat while it publishes (a counter)          rank 0
     <nonce>/done       how many ranks have taken the verdict (last one deletes the round's keys)
     announce/r<k>      the last save rank k reported (to explain a mismatch)
     orphans/n, orphans/<i>  rounds some rank never finished; rank 0 deletes their keys later
 
-The decision key is the arbiter. Rank 0 claims it with ``{"pending"}`` (compare-and-set on an
-absent key) before it renames anything, then overwrites it with the final verdict; a rank whose
-deadline passes without a decision claims it with an abort. Whoever claims first wins, so rank 0
-never commits a save that another rank has already given up on. Once rank 0 has claimed it, the
-others wait for the final verdict however long the publish takes (its deadline no longer applies:
-rank 0 may be committing); rank 0 beats a counter meanwhile, and only a silence of the heartbeat
-(``max(timeout_s, silent_s)``) makes them stop waiting. If the store becomes unreachable
-(rank 0 hosts it with ``init_method="env://"`` and its process may exit right after ``wait()``),
-the other ranks read the verdict from the disk: the committed manifest records the nonce.
+The decision key is the arbiter, and what a rank reports is what it says. Its states::
+
+    absent --rank 0's claim--> PENDING --rank 0's fence--> PUBLISHING --rank 0--> commit | abort
+       |                          |
+       +--a rank's deadline-->  abort  <--a rank that gave up on a silent rank 0 (the fence)
+                                          (and rank 0 when its review or publish failed)
+
+Every arrow is a compare-and-set from the state at its tail, so of the writers racing from one
+state exactly one wins, and the others read the winner. Rank 0 claims PENDING (on an absent key)
+before it writes the manifest, then wins PUBLISHING (from PENDING) right before the single step
+that makes the checkpoint visible (``fence`` in :meth:`agree`: the rename, or the PUT of the
+manifest), and only after the step writes the final verdict (commit, or abort if the step
+failed). A rank whose deadline passes before any claim claims an abort; once PENDING, the others
+wait however long the publish takes while rank 0 beats ``<nonce>/beat`` (its deadline no longer
+applies), and after a silence of ``max(timeout_s, silent_s)`` (a stopped or dead rank 0) replace
+PENDING by an abort. Why every rank gets the verdict the disk shows, in every interleaving:
+
+- Nothing becomes visible without PUBLISHING, and PUBLISHING is won only from PENDING: once a
+  rank's abort is in the key, rank 0 (resumed after SIGSTOP, a VM pause) loses the fence, makes
+  nothing visible and reports that abort (``tests/dist/test_verdicts.py``).
+- After PUBLISHING the others can no longer abort: they wait for rank 0's final verdict. Should
+  rank 0 fall silent between the fence and that verdict, only the disk can tell: a rank takes
+  the commit if the manifest records this save, else raises CommitUnknownError (the rename may
+  still come; a restore reads what is on disk) -- never a verdict it cannot know.
+- If the store becomes unreachable (its host exited: rank 0 with ``init_method="env://"``, whose
+  process may exit right after ``wait()``; or the agent's host died), a rank other than 0 waits
+  until the deadline for the manifest of this save to appear (the manifest records the nonce):
+  committed if it does, CommitUnknownError if not. Rank 0 without the store loses the fence, so
+  it commits nothing it cannot record.
+
+A group of some ranks (:meth:`subgroup`: the memory tier of several nodes) runs the same round
+among its ranks, names them by their job rank in its messages, and then calls :meth:`settle`:
+an exchange of the job tells every rank whether every group committed the save; a group's commit
+that not every group made stays committed on that group but evicts nothing (``committer.py``).
 """
 from __future__ import annotations
 
@@ -47,7 +72,7 @@ from typing import Any, Callable
 
 from .. import collector
 from ..errors import CorruptCheckpointError
-from ..format.records import PENDING, RankReport, Verdict
+from ..format.records import PENDING, PUBLISHING, RankReport, Verdict
 from ..format.validate import decode_rank_report, parse_rank_report, parse_verdict
 
 log = logging.getLogger("datastates")
@@ -92,9 +117,11 @@ class SaveId:
 
 
 def timeout_verdict(sid: SaveId, missing: list[int], timeout: float,
-                    announced: dict[int, dict | None]) -> Verdict:
-    """The abort verdict for reports that did not arrive, naming each missing rank."""
+                    announced: dict[int, dict | None], members: list[int] | None = None) -> Verdict:
+    """The abort verdict for reports that did not arrive, naming each missing rank (its job rank:
+    ``members[r]`` in a group of some ranks; the causes stay keyed by the round's ranks)."""
     causes = {}
+    named = missing if members is None else [members[r] for r in missing]
     for r in missing:
         seen = announced.get(r)
         cause = f"no report for {sid.name!r} within {timeout:g} s of save()"
@@ -106,8 +133,18 @@ def timeout_verdict(sid: SaveId, missing: list[int], timeout: float,
             cause += " (it has reported no save yet)"
         causes[r] = cause
     return Verdict.abort("timeout", f"checkpoint {sid.name!r} was not committed: rank(s) "
-                         f"{missing} did not report in time (dead, hung, or making another save)",
+                         f"{named} did not report in time (dead, hung, or making another save)",
                          causes)
+
+
+class FenceLost(Exception):
+    """Raised by the ``fence`` that :meth:`StoreCommunicator.agree` hands to rank 0's
+    ``commit``: the other ranks gave up on this save (or the store failed) before it was made
+    visible; ``verdict`` is the verdict in force. Nothing may be made visible after it."""
+
+    def __init__(self, verdict: Verdict):
+        super().__init__(verdict.message)
+        self.verdict = verdict
 
 
 class StoreCommunicator:
@@ -139,6 +176,10 @@ class StoreCommunicator:
         self._swept = 0  # rank 0: orphan slots already cleaned
         self._exchanges: dict[str, int] = {}  # calls of exchange() per topic
         self._max_poll = max(self.max_poll_s, self.poll_per_rank_s * world_size)
+        #: The job's rank of each rank of this communicator (a group of some ranks, subgroup()).
+        self.members: list[int] = list(range(world_size))
+        #: The job's communicator, for a group of some ranks (subgroup()); None: this is it.
+        self.job: "StoreCommunicator | None" = None
 
     @classmethod
     def from_process_group(cls, group=None) -> "StoreCommunicator":
@@ -158,8 +199,28 @@ class StoreCommunicator:
         this store (``name`` tells the groups apart): local rank ``i`` is ``ranks[i]``. The run
         id is this one's, so the save ids of a group are the job's (the memory tier of several
         nodes: memory/nodes.py)."""
-        return StoreCommunicator(PrefixedStore(f"group/{name}/", self.store),
-                                 ranks.index(self.rank), len(ranks), self.run_id)
+        group = StoreCommunicator(PrefixedStore(f"group/{name}/", self.store),
+                                  ranks.index(self.rank), len(ranks), self.run_id)
+        group.members = [self.members[r] for r in ranks]
+        group.job = self
+        return group
+
+    def settle(self, sid: SaveId, ok: bool, timeout_s: float) -> str | None:
+        """A group's round (:meth:`subgroup`), once it has its verdict: every rank of the job
+        says whether its group committed ``sid`` (an :meth:`exchange` of the job's
+        communicator); None when every group did (and for the job's own communicator), else
+        which job ranks' groups did not, or did not answer within ``timeout_s``. Every rank of
+        the job calls it once per round of its group, in save order."""
+        if self.job is None:
+            return None
+        try:
+            answers = self.job.exchange("group-commit", {"nonce": sid.nonce, "ok": ok}, timeout_s)
+        except TimeoutError as exc:
+            return str(exc)
+        failed = sorted(r for r, a in answers.items()
+                        if not (isinstance(a, dict) and a.get("ok") is True
+                                and a.get("nonce") == sid.nonce))
+        return f"the groups of job rank(s) {failed} did not commit it" if failed else None
 
     # ------------------------------------------------------------ identity
     def save_id(self, directory: str, name: str, step: int | None) -> SaveId:
@@ -187,11 +248,16 @@ class StoreCommunicator:
         """Run the round of ``sid`` and return its verdict, the same on every rank.
 
         ``deadline`` is ``time.monotonic()`` at ``save()`` plus ``timeout_s``. Rank 0 calls
-        ``check(reports)`` (an abort verdict, or None to commit) and ``commit(reports)`` (renames,
-        returns the commit verdict, may raise) only after winning the decision key; ``reports``
-        holds rank 0's own report as built and the others' as parsed from the store (a report
-        that does not validate aborts the round as ``invalid``, naming its rank). Other ranks
-        call ``fallback(why)`` (reads the verdict from the disk) when the store is unreachable.
+        ``check(reports)`` (an abort verdict, or None to commit) and ``commit(reports, fence)``
+        (publishes, returns the commit verdict, may raise) only after claiming the decision key;
+        ``commit`` calls ``fence()`` right before the step that makes the checkpoint visible, and
+        ``fence`` raises :class:`FenceLost` (carrying the verdict in force) if the other ranks
+        gave up meanwhile. ``reports`` holds rank 0's own report as built and the others' as
+        parsed from the store (a report that does not validate aborts the round as ``invalid``,
+        naming its rank). Other ranks call ``fallback(why, until)`` when only the disk can tell
+        (the store is unreachable, or rank 0 fell silent after winning the fence): committed if
+        a manifest of this save appears by ``until`` (``time.monotonic()``), else the verdict is
+        unknown (kind ``unknown``).
         """
         own = report
         try:
@@ -199,17 +265,19 @@ class StoreCommunicator:
                 self._set_report(sid, report)
                 self.store.add(f"{sid.nonce}/n", _FAILED if report.failed else 1)
             self._set_json(f"announce/r{self.rank}", sid.describe())
-        except Exception as exc:  # the store is gone: nothing reported, nothing to clean
-            return self._lost(sid, exc, fallback)
+        except Exception as exc:  # the store is gone: nothing to clean
+            return self._lost(sid, exc, fallback, deadline)
         if self.rank == 0:
             decision = self._coordinate(sid, deadline, timeout_s, check, commit, own)
         else:
             try:
                 decision = self._await(sid, deadline, timeout_s)
             except Exception as exc:
-                return self._lost(sid, exc, fallback)
-            if decision is None:  # rank 0 claimed the round but never finished it
-                decision = fallback("rank 0 started the commit but published no verdict")
+                return self._lost(sid, exc, fallback, deadline)
+            if decision is None:  # rank 0 won the fence, then fell silent: the disk tells
+                decision = fallback(f"rank {self.members[0]} began making the checkpoint "
+                                    "visible, then fell silent (stopped or dead)",
+                                    time.monotonic())
         self._finish(sid, decision)
         return decision
 
@@ -231,7 +299,7 @@ class StoreCommunicator:
                 return self._lost(sid, exc, None)
             reports: dict[int, RankReport] = {}
             if missing:
-                decision = timeout_verdict(sid, missing, timeout_s, announced)
+                decision = timeout_verdict(sid, missing, timeout_s, announced, self.members)
             else:
                 try:
                     decision, reports = self._check(sid, own, raw, check)
@@ -242,23 +310,44 @@ class StoreCommunicator:
         if decision is None and time.monotonic() > deadline:
             decision = Verdict.abort("timeout", f"checkpoint {sid.name!r} was not committed "
                                      "within the commit timeout", {0: "deadline passed before "
-                                     "rank 0 could commit"})
+                                     f"rank {self.members[0]} could commit"})
         try:
             claimed = self._claim(sid, decision if decision is not None else PENDING)
         except Exception as exc:
-            return self._lost(sid, exc, None)
+            return self._lost(sid, exc, None, deadline)
         if claimed != PENDING:
             return claimed  # ours, or an abort claimed first by a rank whose deadline passed
         beating = self._heartbeat(sid)
+        fenced = False
+
+        def fence() -> None:  # idempotent: a publish may call it before each try
+            nonlocal fenced
+            if fenced:
+                return
+            try:
+                won = self._replace(sid, PENDING, PUBLISHING)
+            except Exception as exc:  # the store is gone: nothing may become visible now
+                raise FenceLost(Verdict.abort(
+                    "store", f"checkpoint {sid.name!r} was not committed: the coordination "
+                    f"store failed before rank {self.members[0]} could make it visible ({exc})",
+                    {0: repr(exc)})) from exc
+            if won != PUBLISHING:
+                raise FenceLost(won)  # the others gave up on this rank: their abort stands
+            fenced = True
         try:
-            final = commit(reports)
+            final = commit(reports, fence)
+        except FenceLost as lost:
+            return lost.verdict  # nothing was made visible; the key holds this verdict
         except BaseException as exc:
-            final = Verdict.abort("commit", f"committing {sid.name!r} failed on rank 0: {exc}",
-                                  {0: repr(exc)})
+            final = Verdict.abort("commit", f"committing {sid.name!r} failed on rank "
+                                  f"{self.members[0]}: {exc}", {0: repr(exc)})
         finally:
             beating()
         try:
-            self._set_json(f"{sid.nonce}/decision", final.to_json())
+            if fenced:  # after the fence only this rank writes the key
+                self._set_json(f"{sid.nonce}/decision", final.to_json())
+            else:  # failed before the fence: an abort, unless the others gave up first
+                final = self._replace(sid, PENDING, final)
         except Exception:
             pass  # the others read the verdict from the disk (the manifest records the nonce)
         return final
@@ -337,32 +426,45 @@ class StoreCommunicator:
     def _await(self, sid: SaveId, deadline: float, timeout_s: float) -> Verdict | None:
         """Non-zero rank: wait for the verdict; claim an abort when the deadline passes before
         rank 0 claimed the decision. After its claim, wait for the final verdict while rank 0's
-        heartbeat goes on; None once it fell silent (rank 0 died while publishing)."""
+        heartbeat goes on. Once it fell silent: replace a PENDING claim with an abort (the fence:
+        rank 0 then publishes nothing); after PUBLISHING, None (only the disk can tell)."""
         key = f"{sid.nonce}/decision"
         beat, heard_at = None, None
+        silence = max(timeout_s, self.silent_s)
         delay = self.poll_s
         while True:
             decision = self._get_verdict(key)
             if decision is not None:
-                if decision != PENDING:
+                if not decision.pending:
                     return decision
                 now, last = time.monotonic(), self._get_json(f"{sid.nonce}/beat")
                 if heard_at is None or last != beat:
                     beat, heard_at = last, now
-                elif now - heard_at > max(timeout_s, self.silent_s):
-                    return None
+                elif now - heard_at > silence:
+                    if decision.publishing:
+                        return None
+                    first, me = self.members[0], self.members[self.rank]
+                    decision = self._replace(sid, PENDING, Verdict.abort(
+                        "timeout", f"checkpoint {sid.name!r} was not committed: rank {first} "
+                        f"claimed the commit, then fell silent for {silence:g} s (stopped or "
+                        f"dead); rank {me} gave up on it", {0: f"no heartbeat for {silence:g} s "
+                                                            "while committing"}))
+                    if not decision.pending:
+                        return decision
+                    heard_at = now  # rank 0 won the fence meanwhile: it is alive, wait again
             elif time.monotonic() >= deadline:
                 missing = [r for r in range(self.world_size)
                            if not self.store.check([f"{sid.nonce}/r{r}"])]
                 if missing:
                     announced = {r: self._get_json(f"announce/r{r}") for r in missing}
-                    mine = timeout_verdict(sid, missing, timeout_s, announced)
+                    mine = timeout_verdict(sid, missing, timeout_s, announced, self.members)
                 else:
                     mine = Verdict.abort("timeout", f"checkpoint {sid.name!r} was not committed: "
-                                         "rank 0 published no verdict in time", {0: "no verdict "
-                                         "within the commit timeout (rank 0 stalled or dead)"})
+                                         f"rank {self.members[0]} published no verdict in time",
+                                         {0: "no verdict within the commit timeout (stalled or "
+                                          "dead)"})
                 decision = self._claim(sid, mine)
-                if decision != PENDING:
+                if not decision.pending:
                     return decision
                 continue  # rank 0 claimed it first: wait for its verdict, as above
             time.sleep(delay)
@@ -372,6 +474,14 @@ class StoreCommunicator:
         """Compare-and-set the decision key if absent; return the decision in force."""
         value = json.dumps(decision.to_json(), sort_keys=True)
         raw = self.store.compare_set(f"{sid.nonce}/decision", "", value)
+        return self._verdict(raw, f"{sid.nonce}/decision")
+
+    def _replace(self, sid: SaveId, expected: Verdict, decision: Verdict) -> Verdict:
+        """Compare-and-set the decision key from ``expected`` to ``decision``; return the
+        decision in force (``decision`` if it replaced ``expected``)."""
+        raw = self.store.compare_set(f"{sid.nonce}/decision",
+                                     json.dumps(expected.to_json(), sort_keys=True),
+                                     json.dumps(decision.to_json(), sort_keys=True))
         return self._verdict(raw, f"{sid.nonce}/decision")
 
     def _finish(self, sid: SaveId, decision: Verdict) -> None:
@@ -405,12 +515,14 @@ class StoreCommunicator:
             for key in self.round_keys(nonce, self.world_size) + [f"orphans/{self._swept}"]:
                 self.store.delete_key(key)
 
-    def _lost(self, sid: SaveId, exc: BaseException, fallback) -> Verdict:
+    def _lost(self, sid: SaveId, exc: BaseException, fallback, deadline: float) -> Verdict:
+        """The verdict of a rank that lost the store. Rank 0, before the fence: nothing was
+        committed. Another rank cannot know: it waits for the manifest until the deadline."""
         if self.rank == 0:
             return Verdict.abort("store", f"checkpoint {sid.name!r}: the coordination store "
                                  f"failed ({exc}); nothing was committed", {0: repr(exc)})
-        return fallback(f"the coordination store is unreachable ({exc}); rank 0, which hosts it "
-                        "in the default launch, has probably exited")
+        return fallback(f"the coordination store is unreachable ({type(exc).__name__}: {exc})",
+                        deadline)
 
     # ------------------------------------------------------------ other agreements
     def exchange(self, topic: str, value: Any, timeout_s: float) -> dict[int, Any]:
@@ -423,8 +535,8 @@ class StoreCommunicator:
             raise
         except (RuntimeError, OSError) as exc:
             raise TimeoutError(f"the coordination store is unreachable ({type(exc).__name__}: "
-                               f"{exc}); rank 0, which hosts it in the default launch, has "
-                               "probably exited") from exc
+                               f"{exc}): its host (rank 0 in the default launch) exited or "
+                               "cannot be reached") from exc
 
     def _exchange(self, topic: str, value: Any, timeout_s: float) -> dict[int, Any]:
         """Every rank's ``value`` (small JSON) for the next exchange of ``topic``: an all-gather

@@ -358,16 +358,19 @@ def info_of(path: str, manifest: Manifest) -> CheckpointInfo:
 
 #: Why a round did not commit: ``timeout`` (a rank did not report, or its deadline passed),
 #: ``failed`` (a rank's own error), ``mismatch`` (different saves), ``invalid`` (the reports do not
-#: form a checkpoint), ``store`` (coordination lost), ``commit`` (rank 0's publish failed).
-ABORT_KINDS = ("timeout", "failed", "mismatch", "invalid", "store", "commit")
+#: form a checkpoint), ``store`` (coordination lost), ``commit`` (rank 0's publish failed),
+#: ``unknown`` (this rank cannot learn the verdict: no store and no manifest of the save on disk;
+#: never written to the store).
+ABORT_KINDS = ("timeout", "failed", "mismatch", "invalid", "store", "commit", "unknown")
 
 
 @dataclass(frozen=True)
 class Verdict:
     """The outcome of one commit round, the same on every rank: committed (``info``: the
     checkpoint, as rank 0 names it; None when a rank learnt it from the disk and named it itself),
-    pending (rank 0 claimed the round and is publishing), or aborted (``kind`` in ABORT_KINDS,
-    ``message``, and each involved rank's cause)."""
+    pending (rank 0 claimed the round and is reviewing; ``publishing``: it won the fence and
+    makes the checkpoint visible now), or aborted (``kind`` in ABORT_KINDS, ``message``, and each
+    involved rank's cause). See commit/round.py for the order of these states."""
 
     ok: bool
     kind: str = ""
@@ -375,6 +378,7 @@ class Verdict:
     causes: Mapping[int, str] = field(default_factory=dict)
     info: CheckpointInfo | None = None
     pending: bool = False
+    publishing: bool = False
 
     @classmethod
     def committed(cls, info: CheckpointInfo | None) -> "Verdict":
@@ -388,15 +392,19 @@ class Verdict:
 
     def to_json(self) -> dict:
         if self.pending:
-            return {"pending": True}
+            return {"pending": True, "publishing": True} if self.publishing else {"pending": True}
         if self.ok:
             return {"ok": True, "info": self.info.to_json() if self.info is not None else None}
         return {"ok": False, "kind": self.kind, "message": self.message,
                 "causes": {str(r): c for r, c in self.causes.items()}}
 
 
-#: Rank 0's claim of a round: it is publishing, the final verdict follows.
+#: Rank 0's claim of a round: it reviews the reports and writes the manifest; until it moves the
+#: key on to PUBLISHING, a rank that gives up on it can still replace it with an abort.
 PENDING = Verdict(ok=False, pending=True)
+#: Rank 0 won the fence (compare-and-set from PENDING): it makes the checkpoint visible now; the
+#: final verdict (commit, or abort if that failed) follows, written by rank 0 only.
+PUBLISHING = Verdict(ok=False, pending=True, publishing=True)
 
 
 # ---------------------------------------------------------------- shared by writers and parsers

@@ -26,7 +26,8 @@ from .checks import (MAX_METADATA_DEPTH, MAX_TREE_DEPTH, _U32, _U64, _At, _bool,
                      _field_dims, _field_int, _field_str, _finite, _get, _int, _list, _nested,
                      _numel, _pieces, _show, _str, _version, check_entry_keys, check_tree_refs)
 from .tiling import check_tiling
-from .records import (ABORT_KINDS, PENDING, CheckpointInfo, Entry, FileRef, IndexEntry, Manifest,
+from .records import (ABORT_KINDS, PENDING, PUBLISHING, CheckpointInfo, Entry, FileRef,
+                      IndexEntry, Manifest,
                       ObjectEntry, PartRef, RankReport, RankTree, ReportEntry, SaveRef,
                       ShardIndex, ShardRef, TensorEntry, Verdict, regions_by_file,
                       spans_by_file)
@@ -672,7 +673,7 @@ def parse_verdict(obj: Any, where: str) -> Verdict:
     at = _At(where)
     d = _dict(obj, at)
     if d.get("pending") is True:
-        return PENDING
+        return PUBLISHING if d.get("publishing") is True else PENDING
     if _bool(_get(d, "ok", at), at / "ok"):
         info = d.get("info")
         return Verdict.committed(None if info is None else _info(info, at / "info"))
