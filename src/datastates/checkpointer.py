@@ -127,6 +127,7 @@ class Checkpointer:
         self._guarded: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Any]" = \
             weakref.WeakKeyDictionary()
         self._closed = False
+        self._pid = os.getpid()  # a forked child inherits this object, not its threads
         self._open_key = _close_at_exit(self)
         #: The committed checkpoints of the directory as last listed: each commit, ``list`` and
         #: ``latest`` list the directory but read only the manifests that changed since.
@@ -932,7 +933,7 @@ def _close_open_checkpointers() -> None:
     ``commit_timeout_s`` (the pipeline's deadline thread); a save that did not commit is named in
     a WARNING; nothing is raised."""
     for ck in reversed(list(_OPEN.values())):
-        if ck._closed:
+        if ck._closed or ck._pid != os.getpid():  # a forked child: the threads are the parent's
             continue
         in_flight = [h for h in ck._pending if not h.done()]
         if in_flight:

@@ -30,6 +30,12 @@ _SCRIPT = textwrap.dedent("""
         ck.save({"w": torch.full((8 << 20,), float(step)), "step": step}, step=step)
     if ending == "raises":
         raise RuntimeError("the loop failed")
+    if ending == "forks":  # a child forked with the save in flight ends: it owns no save
+        import os
+        child = os.fork()
+        if child == 0:
+            sys.exit(5)
+        print("child exit status", os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), flush=True)
     print("script ended", flush=True)
 """)
 
@@ -65,6 +71,16 @@ def test_a_script_that_raises_outside_with_commits_the_save_in_flight(tmp_path):
     result = _run(tmp_path, "raises")
     assert result.returncode == 1, result.stderr
     assert result.stderr.rstrip().endswith("RuntimeError: the loop failed")
+    _assert_committed(tmp_path / "ckpt", [0, 1, 2])
+
+
+def test_a_forked_child_ending_leaves_the_parents_save_to_the_parent(tmp_path):
+    """The child inherits the open Checkpointer but not its threads: it exits at once with its
+    own status (no wait for a save it cannot finish), and the parent commits the save."""
+    result = _run(tmp_path, "forks")
+    assert result.returncode == 0, result.stderr
+    assert "child exit status 5" in result.stdout
+    assert "did not commit" not in result.stderr
     _assert_committed(tmp_path / "ckpt", [0, 1, 2])
 
 
