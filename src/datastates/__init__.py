@@ -20,7 +20,7 @@ from .save.job import SaveHandle, SaveStats
 from .providers.tree import TensorShard
 from .errors import (CheckpointerClosedError, CheckpointExistsError, CheckpointNotFoundError,
                      CheckpointWriteError, CommitError, CommitTimeoutError, CommitUnknownError, ConfigError, CorruptCheckpointError,
-                     DatastatesError, KeeperError, LazyWriteError, ReshardError, RestoreAbortedError, SerializationError,
+                     DatastatesError, KeeperError, KeeperUnresponsiveError, LazyWriteError, ReshardError, RestoreAbortedError, SerializationError,
                      StateMismatchError,
                      BucketNotFoundError, StorageAccessError, StorageError,
                      UnsafeObjectError, UnsupportedFormatError)
@@ -38,7 +38,7 @@ __all__ = [
     "Capture", "CheckpointConfig", "CheckpointerClosedError", "CheckpointExistsError", "CheckpointInfo",
     "CheckpointNotFoundError", "CheckpointWriteError", "Checkpointer", "CommitError",
     "CommitTimeoutError", "CommitUnknownError", "ConfigError", "ElasticLoader", "ElasticSampler", "LocalCommunicator", "StoreCommunicator", "CorruptCheckpointError", "DatastatesError",
-    "KeeperError", "LazyWriteError", "MemoryTier", "ModuleProvider", "NumpyRandomProvider", "OptimizerProvider", "Preemption", "ProviderRegistry", "RNGState", "RNGStateProvider",
+    "KeeperError", "KeeperUnresponsiveError", "LazyWriteError", "MemoryTier", "ModuleProvider", "NumpyRandomProvider", "OptimizerProvider", "Preemption", "ProviderRegistry", "RNGState", "RNGStateProvider",
     "ReshardError", "RestoreAbortedError", "RestoreReport", "SaveHandle", "SaveStats", "SerializationError",
     "SkippedCheckpoint",
     "StateMismatchError", "StateProvider", "StorageAccessError", "StorageError", "BucketNotFoundError", "StatefulProvider", "TensorShard", "UnsafeObjectError",
