@@ -62,7 +62,7 @@ try:  # how the commit round decodes a report (benchmarks/review_cost.py measure
     from datastates.format.validate import decode_rank_report as _decode_rank_report
 except ImportError:
     _decode_rank_report = None
-try:  # a tree with the garbage collector's pause runs rank 0's review under it, as its round does
+try:  # an older tree with the garbage collector's pause runs rank 0's review under it, as its round did
     from datastates.collector import paused as _paused  # noqa: E402
 except ImportError:
     _paused = contextlib.nullcontext

@@ -19,7 +19,7 @@ PACKAGE = os.path.dirname(datastates.__file__)
 #: Floors, lowest first: a module imports modules of its own floor or lower only; across packages
 #: on one floor not at all.
 FLOORS = [
-    ["datastates._version", "datastates.errors", "datastates.collector"],
+    ["datastates._version", "datastates.errors"],
     ["datastates.memory.options"],
     ["datastates.config", "datastates.data"],
     ["datastates.storage"],

@@ -70,7 +70,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .. import collector
 from ..errors import CorruptCheckpointError
 from ..format.records import PENDING, PUBLISHING, RankReport, Verdict
 from ..format.validate import decode_rank_report, parse_rank_report, parse_verdict
@@ -282,31 +281,27 @@ class StoreCommunicator:
         return decision
 
     def _coordinate(self, sid, deadline, timeout_s, check, commit, own: RankReport) -> Verdict:
-        """Rank 0: wait for the reports, read and check them, claim the decision and publish.
-        Reading and checking run with the garbage collector paused (``collector``): at scale
-        they build millions of small records; the waits before and the publish after do not
-        (the publish pauses where it encodes the manifest)."""
+        """Rank 0: wait for the reports, read and check them, claim the decision and publish."""
         try:
             if self.world_size > 1:
                 self._wait_for_reports(sid, deadline)
         except Exception as exc:
             return self._lost(sid, exc, None)
-        with collector.paused():
+        try:
+            raw, missing = self._reports_present(sid) if self.world_size > 1 else ({}, [])
+            announced = {r: self._get_json(f"announce/r{r}") for r in missing}
+        except Exception as exc:
+            return self._lost(sid, exc, None)
+        reports: dict[int, RankReport] = {}
+        if missing:
+            decision = timeout_verdict(sid, missing, timeout_s, announced, self.members)
+        else:
             try:
-                raw, missing = self._reports_present(sid) if self.world_size > 1 else ({}, [])
-                announced = {r: self._get_json(f"announce/r{r}") for r in missing}
-            except Exception as exc:
-                return self._lost(sid, exc, None)
-            reports: dict[int, RankReport] = {}
-            if missing:
-                decision = timeout_verdict(sid, missing, timeout_s, announced, self.members)
-            else:
-                try:
-                    decision, reports = self._check(sid, own, raw, check)
-                except Exception as exc:  # a bug in a check: abort, never crash
-                    decision = Verdict.abort("invalid", f"checkpoint {sid.name!r}: the reports "
-                                             f"could not be checked ({exc!r})", {0: repr(exc)})
-            del raw  # decoded: what the check kept is in ``reports``
+                decision, reports = self._check(sid, own, raw, check)
+            except Exception as exc:  # a bug in a check: abort, never crash
+                decision = Verdict.abort("invalid", f"checkpoint {sid.name!r}: the reports "
+                                         f"could not be checked ({exc!r})", {0: repr(exc)})
+        del raw  # decoded: what the check kept is in ``reports``
         if decision is None and time.monotonic() > deadline:
             decision = Verdict.abort("timeout", f"checkpoint {sid.name!r} was not committed "
                                      "within the commit timeout", {0: "deadline passed before "

@@ -12,7 +12,6 @@ import itertools
 import warnings
 from typing import Callable, NamedTuple
 
-from .. import collector
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from ..storage import Store, open_store
 from . import codec, records, tree, validate
@@ -60,25 +59,23 @@ def encode_manifest_record(manifest: records.Manifest, split: bool = True) -> En
     makes of them. The merged manifest holds what other processes sent, combined: it is
     checked whole by the reader's own parser before it is written, so a checkpoint is committed
     only if a reader accepts it (CorruptCheckpointError naming the field otherwise). Its entries
-    are checked and encoded a batch at a time (``validate.check_written_manifest``). The
-    garbage collector is paused meanwhile (``collector``), as for a parse.
+    are checked and encoded a batch at a time (``validate.check_written_manifest``).
 
     A manifest whose one file would pass ``SPLIT_BYTES`` is split (version 4, with ``split``):
     ``manifest.json`` holds the head and a table of parts, each part the trees of a run of ranks
     and the entries they brought, of about ``SPLIT_BYTES`` (docs/format.md, "Split
     manifests"); the logical manifest, and the record returned, are the same."""
-    with collector.paused():
-        if manifest.version == SPLIT_VERSION:  # a split one read back, written again
-            manifest = dataclasses.replace(manifest, version=MANIFEST_VERSION)
-        head = manifest.to_json(entries=False)
-        items: list[bytes] = []
-        written = validate.check_written_manifest(head, manifest.entries,
-                                                  "manifest being written", items.extend)
-        if not split or sum(map(len, items)) < codec.SPLIT_BYTES:
-            data = seal_manifest(encode_entries(head, b",".join(items)))
-            if not split or len(data) <= codec.SPLIT_BYTES:
-                return EncodedManifest(_within_limit(data), written)
-        return _split(manifest, head, items, written)
+    if manifest.version == SPLIT_VERSION:  # a split one read back, written again
+        manifest = dataclasses.replace(manifest, version=MANIFEST_VERSION)
+    head = manifest.to_json(entries=False)
+    items: list[bytes] = []
+    written = validate.check_written_manifest(head, manifest.entries,
+                                              "manifest being written", items.extend)
+    if not split or sum(map(len, items)) < codec.SPLIT_BYTES:
+        data = seal_manifest(encode_entries(head, b",".join(items)))
+        if not split or len(data) <= codec.SPLIT_BYTES:
+            return EncodedManifest(_within_limit(data), written)
+    return _split(manifest, head, items, written)
 
 
 def manifest_record_bytes(manifest: records.Manifest) -> tuple[bytes, records.Manifest]:
@@ -334,10 +331,8 @@ def parse_manifest_bytes(raw: bytes, path: str, parts: PartReader | None = None,
     A file without the trailer is accepted only as a version-1 manifest holding no
     ``manifest_crc32`` field (written before manifests carried a checksum), with a warning; any
     damage to a sealed manifest therefore fails its checksum or its version check, it never
-    reaches the unchecked path. The garbage collector is paused meanwhile (``collector``): a
-    manifest at scale is millions of small records."""
-    with collector.paused():
-        return _parse_manifest_bytes(raw, path, parts, view)
+    reaches the unchecked path."""
+    return _parse_manifest_bytes(raw, path, parts, view)
 
 
 def _parse_manifest_bytes(raw: bytes, path: str, parts: PartReader | None,

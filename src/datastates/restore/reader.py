@@ -25,7 +25,6 @@ from typing import Any, Iterable
 
 import torch
 
-from .. import collector
 from ..format import codec as fmt
 from ..format import files
 from ..format import serialization
@@ -268,9 +267,8 @@ class Reader:
         saved = self._tree_for(keys)
         self.files.check(self._files_of(saved, keys))
         plan = _Plan(self, keys, strict, in_place=True, cast=cast)
-        with collector.paused():  # a record per tensor and shard: millions at scale
-            plan.match_root(state, saved)
-            plan.check()
+        plan.match_root(state, saved)
+        plan.check()
         return plan
 
     def apply(self, plan: _Plan, start: float | None = None) -> RestoreReport:
@@ -313,8 +311,7 @@ class Reader:
         saved = self._tree_for(keys)
         self.files.check(self._files_of(saved, keys))
         plan = _Plan(self, keys, strict=False, in_place=False)
-        with collector.paused():  # as in plan_restore
-            return plan, plan.match(None, saved, (), None), dtype
+        return plan, plan.match(None, saved, (), None), dtype
 
     def finish_load(self, plan: _Plan, value: Any, dtype: torch.dtype | None) -> Any:
         """The second half of :meth:`load`: read the tensors into the structure."""
