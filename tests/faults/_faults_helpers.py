@@ -79,6 +79,13 @@ def tensors_of(state, prefix=""):
     return out
 
 
+def tmp_of(entry: str, name: str) -> bool:
+    """Whether the entry name ``entry`` is the temporary directory of a save of ``name``
+    (``.tmp.<run>-<serial>.<key of name>``, docs/format.md)."""
+    from datastates.storage.temporaries import name_key
+    return entry.startswith(".tmp.") and entry.endswith("." + name_key(name))
+
+
 def hidden_entries(root) -> list[str]:
     """Temporaries of the commit protocol left in ``root``."""
     return sorted(n for n in os.listdir(root) if n.startswith((".tmp.", ".old.", ".trash.")))

@@ -26,7 +26,7 @@ import pytest
 import datastates
 from datastates.commit import catalog
 
-from _faults_helpers import (WAIT_S, assert_bit_exact, child_command, crash_child, hidden_entries,
+from _faults_helpers import (WAIT_S, tmp_of, assert_bit_exact, child_command, crash_child, hidden_entries,
                              latest_temporaries, run_child, tensors_of, visible_entries,
                              zeros_like_state)
 import zygote
@@ -249,7 +249,7 @@ def test_external_sigkill_free_running(tmp_path, states, trigger):
 
 def _shard_bigger_than(root, nbytes: int) -> bool:
     for name in hidden_entries(root):
-        if not name.startswith(f".tmp.{STEP2}."):
+        if not tmp_of(name, STEP2):
             continue
         try:
             return os.path.getsize(os.path.join(root, name, "rank-00000.dsf")) > nbytes

@@ -43,7 +43,7 @@ import pytest
 from datastates.commit import catalog
 from datastates.providers import ProviderRegistry
 from datastates.restore.reader import Reader
-from datastates.storage.temporaries import LEASE_PREFIX, owner_token, parse_temporary
+from datastates.storage.temporaries import LEASE_PREFIX, name_key, owner_token, parse_temporary
 
 from _faults_helpers import HERE, assert_bit_exact
 
@@ -237,7 +237,8 @@ def check_attempts(run: Run, kills) -> None:
         (seen,) = run.of("temporaries", attempt=kill.attempt + 1)
         dead = owner_token(runs[kill.attempt])
         if kill.leaves:
-            assert any(n.startswith(f".tmp.step-{kill.step:010d}.{dead}-")
+            assert any(n.startswith(f".tmp.{dead}-")
+                       and n.endswith("." + name_key(f"step-{kill.step:010d}"))
                        for n in seen["before"]), seen
             assert LEASE_PREFIX + dead in seen["before"], seen
         older = {owner_token(runs[a]) for a in range(kill.attempt)}

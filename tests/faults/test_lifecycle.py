@@ -21,7 +21,9 @@ from datastates import (CheckpointerClosedError, CheckpointWriteError, Datastate
                         SerializationError)
 from datastates.storage.posix import ShardWriter, remove_tree
 
-from _faults_helpers import WAIT_S, hidden_entries, latest_temporaries, visible_entries
+from _faults_helpers import (WAIT_S, hidden_entries, latest_temporaries, tmp_of,
+                             visible_entries)
+from datastates.storage.temporaries import name_key
 
 STEP1, STEP2, STEP3 = "step-0000000001", "step-0000000002", "step-0000000003"
 
@@ -248,7 +250,7 @@ def test_retention_failure_warns_naming_the_path_and_is_retried(tmp_path, monkey
         ck.save(_state(1), step=1).wait(WAIT_S)
         _failing_unlink(monkeypatch, ".trash.")
         state = _state(2)
-        with pytest.warns(RuntimeWarning, match=r"retention.*\.trash\.step-0000000001"):
+        with pytest.warns(RuntimeWarning, match=r"retention.*'step-0000000001'.*\.trash\."):
             ck.save(state, step=2).wait(WAIT_S)
         monkeypatch.undo()
         assert [i.name for i in ck.list()] == [STEP2]
@@ -313,7 +315,7 @@ def test_failed_rename_leaves_no_temporary_directory(tmp_path, monkeypatch):
     real = os.rename
 
     def rename(src, dst, *args, **kwargs):
-        if os.path.basename(os.fspath(src)).startswith(".tmp.step-0000000002"):
+        if tmp_of(os.path.basename(os.fspath(src)), STEP2):
             raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(src))
         return real(src, dst, *args, **kwargs)
     with datastates.Checkpointer(tmp_path, _small()) as ck:
@@ -335,22 +337,22 @@ def test_undeletable_temporary_of_a_failed_save_is_removed_later(tmp_path, monke
     real_rename, real_rmdir = os.rename, os.rmdir
 
     def rename(src, dst, *args, **kwargs):
-        if os.path.basename(os.fspath(src)).startswith(".tmp.step-0000000002"):
+        if tmp_of(os.path.basename(os.fspath(src)), STEP2):
             raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(src))
         return real_rename(src, dst, *args, **kwargs)
 
     def rmdir(path, *args, **kwargs):
-        if ".tmp.step-0000000002" in os.fspath(path):
+        if tmp_of(os.path.basename(os.fspath(path)), STEP2):
             raise OSError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
         return real_rmdir(path, *args, **kwargs)
     with datastates.Checkpointer(tmp_path, _small()) as ck:
         ck.save(_state(1), step=1).wait(WAIT_S)
         monkeypatch.setattr(os, "rename", rename)
         monkeypatch.setattr(os, "rmdir", rmdir)
-        with pytest.warns(RuntimeWarning, match=r"\.tmp\.step-0000000002.*could not be removed"):
+        with pytest.warns(RuntimeWarning, match=rf"\.tmp\.[0-9a-f]{{16}}-\d+\.{name_key(STEP2)}.*could not be removed"):
             with pytest.raises(CheckpointWriteError):
                 ck.save(_state(2), step=2).wait(WAIT_S)
-        assert [n for n in hidden_entries(ck.directory) if n.startswith(".tmp.step-0000000002")]
+        assert [n for n in hidden_entries(ck.directory) if tmp_of(n, STEP2)]
         monkeypatch.undo()
         ck.save(_state(3), step=3).wait(WAIT_S)
         assert hidden_entries(ck.directory) == []
@@ -367,7 +369,7 @@ def test_failed_rename_of_a_replacement_keeps_the_old_checkpoint(tmp_path, monke
     real = os.rename
 
     def rename(src, dst, *args, **kwargs):
-        if os.path.basename(os.fspath(src)).startswith(".tmp.step-0000000001"):
+        if tmp_of(os.path.basename(os.fspath(src)), STEP1):
             raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(src))
         return real(src, dst, *args, **kwargs)
 

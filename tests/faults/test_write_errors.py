@@ -22,6 +22,7 @@ import torch
 import datastates
 import datastates.storage.posix
 from datastates import CheckpointWriteError
+from datastates.storage.temporaries import name_key
 
 from _faults_helpers import WAIT_S, assert_bit_exact, hidden_entries, visible_entries
 
@@ -145,9 +146,9 @@ BEFORE_COMMIT = {
     "manifest-write": (lambda f: f.writes("manifest.json.tmp", 1), errno.ENOSPC),
     "manifest-fsync": (lambda f: f.fd_call("fsync", "manifest.json.tmp"), errno.EIO),
     "manifest-rename": (lambda f: f.path_call("replace", "manifest.json.tmp"), errno.EACCES),
-    "directory-rename": (lambda f: f.path_call("rename", ".tmp.step-0000000002"), errno.EACCES),
+    "directory-rename": (lambda f: f.path_call("rename", "." + name_key("step-0000000002")), errno.EACCES),
     "shard-open-eacces": (lambda f: f.path_call("open", ".dsf"), errno.EACCES),
-    "tmp-mkdir-eacces": (lambda f: f.path_call("mkdir", ".tmp.step-0000000002"), errno.EACCES),
+    "tmp-mkdir-eacces": (lambda f: f.path_call("mkdir", "." + name_key("step-0000000002")), errno.EACCES),
 }
 
 # Failures raised as the raw OSError instead of CheckpointWriteError (see the report).

@@ -117,10 +117,15 @@ def test_crash_never_exposes_a_partial_checkpoint(tmp_path):
     """)
     subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env())
     target = tmp_path / "x.pt"
-    if os.path.exists(target):  # the commit won the race: then it must be complete
-        paths = PathCheckpoints(SMALL)
+    paths = PathCheckpoints(SMALL)
+    if os.listdir(target):  # the commit won the race: then it must be complete
         assert torch.equal(paths.load(target)["t"], torch.ones(8 << 20))
-        paths.close()
+    else:  # the placeholder the save made: no checkpoint, and the next save takes the name
+        assert not paths.exists(target)
+        paths.save({"t": torch.zeros(2)}, target, snapshot=True)
+        paths.wait()
+        assert torch.equal(paths.load(target)["t"], torch.zeros(2))
+    paths.close()
     visible = [n for n in os.listdir(tmp_path) if not n.startswith(".")]
     assert visible in ([], ["x.pt"], ["latest", "x.pt"])
 

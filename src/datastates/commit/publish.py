@@ -38,7 +38,8 @@ from .catalog import CheckpointInfo, DamagedCheckpoint, examine, written_by_data
 from ..errors import (
     CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError)
 from ..storage.store import Store, file_kind
-from ..storage.temporaries import TAKEN_ERRNOS, Lease, fresh_token, owner_token, skipped, sweep
+from ..storage.temporaries import (
+    TAKEN_ERRNOS, Lease, fresh_token, old_name, owner_token, skipped, sweep, tmp_name, trash_name)
 
 log = logging.getLogger("datastates")
 
@@ -124,6 +125,21 @@ def publisher_for(store: Store) -> Publisher:
     return RenamePublisher(store) if store.renames else ManifestPublisher(store)
 
 
+def placeholder(path: str) -> bool:
+    """Whether ``path`` is free for a checkpoint: missing, or an empty directory (not a link),
+    which a framework's adapter makes at once so that the name of a save in flight exists
+    (docs/integrations.md, Lightning)."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+        with os.scandir(path) as entries:
+            return next(entries, None) is None
+    except FileNotFoundError:
+        return True
+    except NotADirectoryError:
+        return False
+
+
 def not_a_checkpoint(path: str) -> CheckpointExistsError:
     return CheckpointExistsError(f"{path} exists and is not a checkpoint (it holds no "
                                  f"{fmt.MANIFEST} datastates wrote); it is left alone: remove it "
@@ -149,10 +165,15 @@ _SWAPS = 8
 
 class RenamePublisher(Publisher):
     """A local (POSIX) root: temporary directories renamed into place. Every temporary is named
-    after an owner holding a lease (``datastates.storage.temporaries``): ``.tmp.<name>.<run>-<serial>``
-    (the run's lease, held from the first :meth:`hold` to :meth:`close`),
-    ``.old.<name>.<op>.<uid>``, ``.trash.<name>.<op>.<uid>`` and ``latest.tmp.<op>.<uid>`` (a
-    lease held for that one operation)."""
+    after an owner holding a lease (``datastates.storage.temporaries``, docs/format.md "Names"):
+    ``.tmp.<run>-<serial>.<key>`` (the run's lease, held from the first :meth:`hold` to
+    :meth:`close`), ``.old.<op>.<uid>.<hex name>``, ``.trash.<op>.<uid>`` and
+    ``latest.tmp.<op>.<uid>`` (a lease held for that one operation).
+
+    An empty directory at a checkpoint's name (not a link) is a placeholder: the name is free,
+    and the commit renames the new checkpoint over it in one atomic step (a rename onto an
+    empty directory). A directory holding anything else that is not a checkpoint is never
+    replaced."""
 
     renames = True
 
@@ -161,7 +182,7 @@ class RenamePublisher(Publisher):
         self._leases: dict[tuple[str, str], Lease] = {}
 
     def tmp_location(self, root: str, name: str, run_id: str, serial: int) -> str:
-        return os.path.join(root, f".tmp.{name}.{owner_token(run_id)}-{serial}")
+        return os.path.join(root, tmp_name(name, owner_token(run_id), serial))
 
     def check_root(self, root: str) -> None:
         """NotADirectoryError unless ``root`` is a directory or can become one (its nearest
@@ -180,7 +201,7 @@ class RenamePublisher(Publisher):
         replaced); a damaged checkpoint is no obstacle (the commit moves it aside). Reads the
         manifest only when the name is taken and ``overwrite`` is False."""
         path = os.path.join(root, name)
-        if not os.path.lexists(path):
+        if placeholder(path):
             return
         if not os.path.lexists(os.path.join(path, fmt.MANIFEST)):
             raise not_a_checkpoint(path)
@@ -233,8 +254,8 @@ class RenamePublisher(Publisher):
     def _make_room(self, root: str, name: str, overwrite: bool, fsync: bool) -> bool:
         """Whether a committed checkpoint ``root/name`` is to be replaced (see :meth:`publish`)."""
         final = os.path.join(root, name)
-        if not os.path.lexists(final):
-            return False
+        if placeholder(final):
+            return False  # renamed over: a rename replaces an empty directory atomically
         found, _ = examine(final, self.store)
         if isinstance(found, DamagedCheckpoint):
             self.set_aside(root, found, fsync)  # its bytes are kept, never replaced
@@ -288,15 +309,18 @@ class RenamePublisher(Publisher):
         old, left = None, False
         try:
             if lease is not None:
-                uid = f"{name}.{lease.token}.{uuid.uuid4().hex[:8]}"
                 try:
                     if posix.exchange(tmp, final):  # the replaced one is at tmp now
                         left = self._tidy(root, final, tmp, fsync, os.path.join(
-                            root, f".trash.{uid}"))
+                            root, trash_name(lease.token)))
                         return True
                 except FileNotFoundError:
                     pass  # deleted meanwhile: renamed below, as when nothing is replaced
-                old = os.path.join(root, f".old.{uid}")
+                try:
+                    old = os.path.join(root, old_name(name, lease.token))
+                except ValueError as exc:
+                    raise CheckpointWriteError(errno.ENAMETOOLONG, f"{final}: {exc}; nothing "
+                                               "was changed", final) from None
                 try:
                     os.rename(final, old)
                 except FileNotFoundError:
@@ -398,7 +422,7 @@ class RenamePublisher(Publisher):
         path = os.path.join(root, fmt.check_name(name))
         _check_checkpoint_dir(root, name, path)
         with Lease.hold(root, fresh_token()) as lease:
-            trash = os.path.join(root, f".trash.{name}.{lease.token}.{uuid.uuid4().hex[:8]}")
+            trash = os.path.join(root, trash_name(lease.token))
             try:
                 os.rename(path, trash)
             except FileNotFoundError:
@@ -493,12 +517,12 @@ def _only_data(store: Store, path: str) -> bool:
 
 def _discard_replaced(old: str, trash: str | None = None) -> None:
     """Remove a replaced checkpoint's directory ``old``. It is first renamed to ``trash`` (by
-    default the ``.trash.`` name matching an ``.old.`` one): a removal that fails halfway then
+    default a ``.trash.`` name of the ``.old.``'s owner): a removal that fails halfway then
     leaves a deletion for the cleanup to finish, never an ``.old.`` that a cleanup would put
     back under a name deleted since."""
     if trash is None:
         trash = os.path.join(os.path.dirname(old),
-                             ".trash." + os.path.basename(old)[len(".old."):])
+                             trash_name(os.path.basename(old).split(".")[2]))
     os.rename(old, trash)
     posix.remove_tree(trash)
 

@@ -121,6 +121,50 @@ def drop_aside(full: str) -> None:
                     aside_path(full), full, exc)
 
 
+# The name of a save in flight exists (a framework decides on a new name, ModelCheckpoint's
+# ``-v<n>``, by asking whether the path exists): ``save`` makes an empty directory at the path
+# before the save starts, unless something is there already, and the core's commit renames the
+# checkpoint over it in one atomic step (an empty directory at a checkpoint's name is free to
+# take: docs/format.md, "Commit protocol"). A failed save removes the placeholder it made if it
+# is still that empty directory. Readers here take an empty directory for no checkpoint
+# (:func:`vacant`); a crash during the save leaves it, and the next save of the name takes it.
+
+def make_placeholder(full: str) -> tuple[int, int] | None:
+    """Make the empty directory ``full``; its (device, inode), or None if ``full`` exists."""
+    try:
+        os.mkdir(full)
+        st = os.lstat(full)
+    except FileExistsError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def drop_placeholder(full: str, made: tuple[int, int] | None) -> None:
+    """After a failed save: remove the placeholder ``made`` at ``full`` if it is still that
+    empty directory (anything else there is left alone)."""
+    if made is None:
+        return
+    try:
+        st = os.lstat(full)
+        if (st.st_dev, st.st_ino) == made:
+            os.rmdir(full)  # refused if anything was put into it
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove %s, the placeholder of a failed save (expected an empty "
+                    "directory): %r", full, exc)
+
+
+def vacant(full: str) -> bool:
+    """Whether no checkpoint and no file is at ``full``: missing, or an empty directory."""
+    try:
+        return os.path.isdir(full) and not os.path.islink(full) and not os.listdir(full)
+    except FileNotFoundError:
+        return True
+    except NotADirectoryError:
+        return False
+
+
 def drop_latest(path: str, info: Any = None) -> None:
     """After the commit of ``path``: remove the core's ``latest`` hint beside it if it names
     that checkpoint. A framework lists that directory itself (Lightning's ``dirpath``, Hugging
@@ -138,10 +182,10 @@ def drop_latest(path: str, info: Any = None) -> None:
 
 
 class _Pending:
-    __slots__ = ("handle", "path", "done", "reported")
+    __slots__ = ("handle", "path", "done", "reported", "placeholder")
 
-    def __init__(self, handle, path: str):
-        self.handle, self.path = handle, path
+    def __init__(self, handle, path: str, placeholder: tuple[int, int] | None):
+        self.handle, self.path, self.placeholder = handle, path, placeholder
         self.done = threading.Event()
         self.reported = False
 
@@ -193,7 +237,8 @@ class PathCheckpoints:
     def save(self, state: Any, path, *, snapshot: bool, metadata: dict | None = None,
              optimizers: Iterable[Any] = (), step: int | None = None):
         """Start saving ``state`` to ``path``; return its handle. ``step`` (the framework's
-        global step, if it has one) is recorded as the checkpoint's step.
+        global step, if it has one) is recorded as the checkpoint's step. ``path`` exists from
+        here on (an empty directory until the commit, :func:`make_placeholder`).
 
         ``optimizers`` are the optimizers whose parameters and state ``state`` holds (as state
         dicts): tensors on their bytes may be captured lazily (the core's rule), every other
@@ -214,14 +259,16 @@ class PathCheckpoints:
             elif os.path.isfile(full):
                 set_aside(full)  # another engine's file: removed once the new one is committed
             os.makedirs(root, exist_ok=True)
+            made = make_placeholder(full)
             try:
                 ckpt = self._checkpointer(root)
                 handle = ckpt.save(state, step, tag=name, metadata=metadata or {},
                                    overwrite=True, optimizers=optimizers)
             except BaseException:
+                drop_placeholder(full, made)
                 put_back(full)
                 raise
-            pending = _Pending(handle, full)
+            pending = _Pending(handle, full, made)
             with self._lock:
                 self._pending[full] = pending
                 self._last_handle = handle
@@ -244,7 +291,7 @@ class PathCheckpoints:
         self.repair(root)
         trusted = self.trusted if trusted is None else trusted
         plain = full if os.path.isfile(full) else None
-        if plain is None and not os.path.lexists(full) and os.path.isfile(aside_path(full)):
+        if plain is None and vacant(full) and os.path.isfile(aside_path(full)):
             plain = aside_path(full)  # a crash came before the checkpoint replacing it committed
         if plain is not None:
             return torch.load(plain, map_location=map_location, weights_only=not trusted)
@@ -261,7 +308,7 @@ class PathCheckpoints:
                 return True
         self.repair(root)
         return (os.path.isfile(full) or is_checkpoint_dir(full)
-                or (not os.path.lexists(full) and os.path.isfile(aside_path(full))))
+                or (vacant(full) and os.path.isfile(aside_path(full))))
 
     def repair(self, root) -> None:
         """Let the core repair what dead writers left in the directory ``root`` before it is
@@ -415,6 +462,7 @@ class PathCheckpoints:
         if error is None:
             drop_aside(pending.path)
         else:
+            drop_placeholder(pending.path, pending.placeholder)
             put_back(pending.path)
         if error is None and self.on_commit is not None:
             try:

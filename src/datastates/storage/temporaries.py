@@ -47,13 +47,22 @@ TAKEN_ERRNOS = (errno.EEXIST, errno.ENOTEMPTY)
 NO_LOCK_ERRNOS = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK)
 _TOKEN = r"(?P<owner>[0-9a-f]{16})"
 _UID = r"[0-9a-f]{8}"
-#: The temporaries of a rename store, each named after its owner.
+#: The temporaries of a rename store, each named after its owner (docs/format.md, "Names"). No
+#: name carries the checkpoint's name as it is spelled: a framework that lists the root and
+#: matches its own names in it (Lightning's ``hpc_ckpt_<n>``, ``last``) never takes one for a
+#: checkpoint. An ``.old.`` carries the name hex-encoded (``encoded``), to be put back under it.
 _OWNED = (("latest", re.compile(rf"latest\.tmp\.{_TOKEN}\.{_UID}")),
-          ("tmp", re.compile(rf"\.tmp\.(?P<original>.+)\.{_TOKEN}-\d+")),
-          ("old", re.compile(rf"\.old\.(?P<original>.+)\.{_TOKEN}\.{_UID}")),
-          ("trash", re.compile(rf"\.trash\.(?P<original>.+)\.{_TOKEN}\.{_UID}")))
-#: The same kinds as earlier versions named them (no owner: removed by age only).
+          ("tmp", re.compile(rf"\.tmp\.{_TOKEN}-\d+\.[0-9a-f]{{8}}")),
+          ("old", re.compile(rf"\.old\.{_TOKEN}\.{_UID}\.(?P<encoded>(?:[0-9a-f]{{2}})+)")),
+          ("trash", re.compile(rf"\.trash\.{_TOKEN}\.{_UID}")))
+#: Earlier versions' owned names, which spelled the checkpoint's name out (``original``).
+_EARLIER = (("tmp", re.compile(rf"\.tmp\.(?P<original>.+)\.{_TOKEN}-\d+")),
+            ("old", re.compile(rf"\.old\.(?P<original>.+)\.{_TOKEN}\.{_UID}")),
+            ("trash", re.compile(rf"\.trash\.(?P<original>.+)\.{_TOKEN}\.{_UID}")))
+#: The same kinds as still earlier versions named them (no owner: removed by age only).
 _UNOWNED = (("latest", "latest.tmp."), ("tmp", ".tmp."), ("old", ".old."), ("trash", ".trash."))
+#: The longest entry name a local file system takes (POSIX ``NAME_MAX`` on Linux file systems).
+NAME_MAX = 255
 
 log = logging.getLogger("datastates")
 _unlocked_roots: set[str] = set()
@@ -88,6 +97,34 @@ def owner_token(run_id: str) -> str:
 def fresh_token() -> str:
     """A token for one operation of this process (an overwrite, a deletion)."""
     return uuid.uuid4().hex[:16]
+
+
+def name_key(name: str) -> str:
+    """8 hex digits of the SHA-256 of the checkpoint name ``name``: in a ``.tmp.`` name, so that
+    saves of two names with one run token and serial never share a directory."""
+    return hashlib.sha256(name.encode()).hexdigest()[:8]
+
+
+def tmp_name(name: str, token: str, serial: int) -> str:
+    """The temporary directory of a save of ``name``: ``.tmp.<token>-<serial>.<key>``."""
+    return f".tmp.{token}-{serial}.{name_key(name)}"
+
+
+def old_name(name: str, token: str) -> str:
+    """Where an overwrite keeps the checkpoint ``name`` it replaces, between its two renames:
+    ``.old.<token>.<uid>.<hex of name>``. ValueError if that is longer than ``NAME_MAX`` (a name
+    of more than 112 bytes), before anything is renamed."""
+    entry = f".old.{token}.{uuid.uuid4().hex[:8]}.{name.encode().hex()}"
+    if len(entry.encode()) > NAME_MAX:
+        raise ValueError(f"cannot set the checkpoint {name!r} aside to replace it: expected a "
+                         f"name of at most {(NAME_MAX - 31) // 2} bytes (its aside name is "
+                         f"its hex encoding), found {len(name.encode())} bytes")
+    return entry
+
+
+def trash_name(token: str) -> str:
+    """A checkpoint being deleted: ``.trash.<token>.<uid>``."""
+    return f".trash.{token}.{uuid.uuid4().hex[:8]}"
 
 
 def lease_path(root: str, token: str) -> str:
@@ -273,11 +310,19 @@ class Temporary:
 
 
 def parse_temporary(name: str) -> Temporary | None:
-    """The temporary ``name`` names, or None if it names none."""
-    for kind, pattern in _OWNED:
+    """The temporary ``name`` names, or None if it names none: this version's names, then
+    those of earlier versions."""
+    for kind, pattern in _OWNED + _EARLIER:
         found = pattern.fullmatch(name)
         if found:
-            return Temporary(kind, name, found.groupdict().get("original"), found["owner"])
+            fields = found.groupdict()
+            original = fields.get("original")
+            if fields.get("encoded") is not None:
+                try:
+                    original = bytes.fromhex(fields["encoded"]).decode()
+                except UnicodeDecodeError:
+                    continue  # not a name this library encoded
+            return Temporary(kind, name, original, found["owner"])
     for kind, prefix in _UNOWNED:
         if name.startswith(prefix):
             original = name[len(prefix):].rsplit(".", 1)[0] if kind == "old" else None
