@@ -248,3 +248,103 @@ def test_tuner_runs_with_the_plugin(tmp_path):
     assert_same(before, params(module))
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".ckpt")]
     io.teardown()
+
+
+class _Gate:
+    """Holds each commit of the core until released (the library's own publish, wrapped by the
+    test): a save stays in flight for as long as the test wants, with no timing involved."""
+
+    def __init__(self, monkeypatch):
+        import threading
+        from datastates.commit.publish import RenamePublisher
+        self.permits = threading.Semaphore(0)
+        real = RenamePublisher.publish
+
+        def publish(publisher, *args, **kwargs):
+            if not self.permits.acquire(timeout=30):
+                raise AssertionError("a commit was held for 30 s: the test never released it")
+            return real(publisher, *args, **kwargs)
+        monkeypatch.setattr(RenamePublisher, "publish", publish)
+
+    def release(self, n: int = 1) -> None:
+        self.permits.release(n)
+
+
+class _ReleaseOnNextSave(pl.Callback):
+    """Lets the commit of the previous save go once Lightning has named the next one (and at
+    the end of training): ModelCheckpoint decides on each name while the save before is still
+    in flight."""
+
+    def __init__(self, gate: _Gate):
+        self.gate, self.saves = gate, 0
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.saves += 1
+        if self.saves > 1:
+            self.gate.release()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.gate.release()
+
+
+def test_model_checkpoint_versions_a_name_whose_save_is_in_flight(tmp_path, monkeypatch):
+    """ModelCheckpoint(filename="fixed", save_top_k=-1, monitor=...) saves every step under one
+    name and needs fixed-v1..v3 for the later ones: it asks whether the name exists while the
+    previous save is still in flight (held). All four are kept, distinct and loadable."""
+    gate = _Gate(monkeypatch)
+    io = DatastatesCheckpointIO(CFG)
+    mc = ModelCheckpoint(dirpath=tmp_path / "ds", filename="fixed", save_top_k=-1,
+                         monitor="step", mode="max", every_n_train_steps=1,
+                         save_on_train_epoch_end=False)
+    trainer(tmp_path, 1, plugins=[io], callbacks=[mc, _ReleaseOnNextSave(gate)]).fit(Tiny())
+    names = sorted(os.listdir(tmp_path / "ds"))
+    assert names == ["fixed-v1.ckpt", "fixed-v2.ckpt", "fixed-v3.ckpt", "fixed.ckpt"]
+    steps = [io.load_checkpoint(tmp_path / "ds" / n)["global_step"] for n in names]
+    assert sorted(steps) == [1, 2, 3, 4]
+    io.teardown()
+
+
+def test_a_name_whose_save_is_in_flight_exists_for_lightning(tmp_path, monkeypatch):
+    """Lightning's own check (ModelCheckpoint.file_exists, fsspec's exists) finds the path of a
+    save still in flight; a failed save leaves nothing at its path."""
+    gate = _Gate(monkeypatch)
+    io = DatastatesCheckpointIO(CFG)
+    t = trainer(tmp_path, 1, plugins=[io])
+    path = str(tmp_path / "a.ckpt")
+    io.save_checkpoint({"x": torch.arange(4.0)}, path)
+    assert io.in_flight == 1
+    assert ModelCheckpoint(dirpath=tmp_path).file_exists(path, t)
+    gate.release()
+    io.wait()
+    assert torch.equal(io.load_checkpoint(path)["x"], torch.arange(4.0))
+    io.teardown()
+
+
+def test_hpc_resume_lookup_while_a_save_is_in_flight(tmp_path, monkeypatch):
+    """Lightning's SLURM auto-resume lists the names containing 'hpc_ckpt_' and reads their
+    digits. A save held in flight leaves no temporary it would read: before the first commit
+    it finds nothing; afterwards the newest committed number (the core's saves); through the
+    plug-in, the name of the save in flight, whose load waits for its commit."""
+    import datastates.commit.publish  # noqa: F401
+    gate = _Gate(monkeypatch)
+    root = tmp_path / "run"
+    root.mkdir()
+    lookup = trainer(root, 1)._checkpoint_connector
+    with datastates.Checkpointer(root, CFG) as ck:
+        first = ck.save({"x": torch.ones(2)}, tag="hpc_ckpt_1.ckpt")
+        assert any(n.startswith(".tmp.") for n in os.listdir(root))
+        assert lookup._hpc_resume_path is None
+        gate.release()
+        first.wait()
+        second = ck.save({"x": torch.ones(2)}, tag="hpc_ckpt_12.ckpt")
+        assert lookup._hpc_resume_path == str(root / "hpc_ckpt_1.ckpt")
+        gate.release()
+        second.wait()
+        assert lookup._hpc_resume_path == str(root / "hpc_ckpt_12.ckpt")
+    io = DatastatesCheckpointIO(CFG)
+    io.save_checkpoint({"x": torch.full((2,), 3.0)}, root / "hpc_ckpt_13.ckpt")
+    assert any(n.startswith(".tmp.") for n in os.listdir(root))
+    assert lookup._hpc_resume_path == str(root / "hpc_ckpt_13.ckpt")
+    gate.release()
+    assert torch.equal(io.load_checkpoint(lookup._hpc_resume_path)["x"], torch.full((2,), 3.0))
+    io.teardown()

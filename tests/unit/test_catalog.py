@@ -480,3 +480,48 @@ def test_a_dimension_torch_cannot_hold_is_damage_even_with_no_element(tmp_path, 
         assert ck.load()["e"].shape == (1 << 62, 0)
         with pytest.raises(CorruptCheckpointError, match="shape"):
             ck.load(step=2)
+
+
+def test_an_empty_directory_at_a_name_is_free_and_quiet(tmp_path, caplog):
+    """An empty directory at a checkpoint's name (the placeholder a path adapter makes for a
+    save in flight) is no checkpoint, named in no WARNING, and the commit of that name renames
+    the checkpoint over it; a folder holding anything else is still never replaced."""
+    import logging
+    from datastates import CheckpointExistsError
+    (tmp_path / "held").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("kept")
+    with caplog.at_level(logging.WARNING, logger="datastates"):
+        with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
+            assert ck.list() == [] and ck.latest() is None
+            ck.save({"x": torch.arange(3.0)}, tag="held").wait()
+            assert [i.name for i in ck.list()] == ["held"]
+            assert torch.equal(ck.load(tag="held")["x"], torch.arange(3.0))
+            with pytest.raises(CheckpointExistsError, match="not a checkpoint"):
+                ck.save({"x": torch.ones(1)}, tag="other").wait()
+    assert (tmp_path / "other" / "notes.txt").read_text() == "kept"
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [m for m in warned if "held" in m] == [] and len(warned) == 1  # the refused save
+
+
+@pytest.mark.parametrize("name", ["hpc_ckpt_3.ckpt", "last.ckpt", "step-0000000007"])
+def test_temporaries_do_not_spell_the_checkpoint_name(name):
+    """What a framework matches in a listing (Lightning: 'hpc_ckpt_' and its digits, 'last')
+    is in no temporary's name; an .old. still gives back the name it is to be put back under,
+    and the names of earlier versions are still recognised, with their owner."""
+    from datastates.storage.temporaries import (
+        old_name, owner_token, parse_temporary, tmp_name, trash_name)
+    token = owner_token("a-run")
+    made = [tmp_name(name, token, 123456789), old_name(name, token), trash_name(token)]
+    for entry in made:
+        assert name not in entry and "ckpt_" not in entry and "last" not in entry, entry
+        assert parse_temporary(entry).owner == token
+    assert [parse_temporary(e).kind for e in made] == ["tmp", "old", "trash"]
+    assert parse_temporary(made[1]).original == name
+    earlier = [f".tmp.{name}.{token}-7", f".old.{name}.{token}.89abcdef",
+               f".trash.{name}.{token}.89abcdef"]
+    assert [(parse_temporary(e).kind, parse_temporary(e).owner) for e in earlier] == \
+        [("tmp", token), ("old", token), ("trash", token)]
+    assert parse_temporary(earlier[1]).original == name
+    with pytest.raises(ValueError, match="at most 112 bytes.*found 113 bytes"):
+        old_name("x" * 113, token)
