@@ -348,3 +348,15 @@ def test_hpc_resume_lookup_while_a_save_is_in_flight(tmp_path, monkeypatch):
     gate.release()
     assert torch.equal(io.load_checkpoint(lookup._hpc_resume_path)["x"], torch.full((2,), 3.0))
     io.teardown()
+
+
+def test_storage_options_none_is_taken_anything_else_refused(tmp_path):
+    io = DatastatesCheckpointIO(CFG)
+    io.save_checkpoint({"x": torch.ones(2)}, tmp_path / "a.ckpt", storage_options=None)
+    with pytest.raises(datastates.ConfigError, match=r"expected storage_options=None, found "
+                                                     r"dict \{'compress': True\}"):
+        io.save_checkpoint({"x": torch.ones(2)}, tmp_path / "b.ckpt",
+                           storage_options={"compress": True})
+    io.teardown()
+    assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["x"], torch.ones(2))
+    assert not os.path.exists(tmp_path / "b.ckpt")

@@ -110,10 +110,15 @@ class DatastatesCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Optional[Any] = None) -> None:
         """Start saving; see the module docstring for when it returns. Raises an earlier
-        background failure."""
+        background failure. ``storage_options`` must be None (ConfigError otherwise): the
+        storage is configured through the io's datastates.CheckpointConfig."""
         if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} does not take storage_options; configure "
-                            "it through its datastates.CheckpointConfig")
+            import datastates
+            raise datastates.ConfigError(
+                f"{type(self).__name__}.save_checkpoint({os.fspath(path)!r}): expected "
+                f"storage_options=None, found {type(storage_options).__name__} "
+                f"{storage_options!r}; configure the storage through its "
+                "datastates.CheckpointConfig")
         orig_path = path
         path = self._local(path)
         if path is None or _hidden(path):
