@@ -1,6 +1,7 @@
 """The public entry point: a Checkpointer owns the host cache and threads for one directory."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -128,6 +129,8 @@ class Checkpointer:
             weakref.WeakKeyDictionary()
         self._closed = False
         self._pid = os.getpid()  # a forked child inherits this object, not its threads
+        #: Threads that called save(): at exit, the non-daemon ones are waited for first.
+        self._savers: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
         self._open_key = _close_at_exit(self)
         #: The committed checkpoints of the directory as last listed: each commit, ``list`` and
         #: ``latest`` list the directory but read only the manifests that changed since.
@@ -235,6 +238,7 @@ class Checkpointer:
         ConfigError ``"save(): <expected>, found <value>"``, with nothing written.
         """
         name = check_target("save", step, tag, persist)  # before routing: one check, every tier
+        self._savers.add(threading.current_thread())
         where = self._tiers.route(step, tag, persist) if self._tiers is not None else "storage"
         if where != "storage":
             return self.memory.save(state, step, tag=tag, metadata=metadata,
@@ -905,36 +909,52 @@ def _default_communicator():
 
 
 
-#: Checkpointers not closed yet, in the order they were made (see ``_close_at_exit``).
-_OPEN: "weakref.WeakValueDictionary[int, Checkpointer]" = weakref.WeakValueDictionary()
+#: Checkpointers not closed yet, in the order they were made (see ``_close_at_exit``). Held
+#: strongly, as its threads hold its pipeline: one dropped unclosed (a local of a function that
+#: returned) with a save in flight still commits it at exit.
+_OPEN: dict[int, Checkpointer] = {}
 _opened = itertools.count()
-_exit_hook_registered = False
+_exit_hooks_registered = False
 
 
 def _close_at_exit(checkpointer: Checkpointer) -> int:
     """Have ``checkpointer`` closed at interpreter exit if it is still open then, as
     ``concurrent.futures`` finishes its work: a script whose loop ends, or raises outside a
     ``with`` block, while a save is in flight commits that save instead of losing it (and its
-    threads stop before the interpreter finalizes). Held weakly; returns the key ``close()``
-    removes it by."""
-    global _exit_hook_registered
+    threads stop before the interpreter finalizes). Returns the key ``close()`` removes it by.
+
+    Two exit functions run :func:`_close_open_checkpointers`: threading's (before executors stop
+    taking work: concurrent.futures stops its own in one registered before this one), and
+    ``atexit``'s (later: for a Checkpointer made after the first one ran, by a thread still
+    running then; its saves may fail for want of executors, and are then named in a WARNING)."""
+    global _exit_hooks_registered
     key = next(_opened)
     _OPEN[key] = checkpointer
-    if not _exit_hook_registered:
-        # threading's exit functions run before atexit's, while executors still take work
-        # (concurrent.futures stops its own in one of them, registered before this one)
-        threading._register_atexit(_close_open_checkpointers)  # type: ignore[attr-defined]
-        _exit_hook_registered = True
+    if not _exit_hooks_registered:
+        _exit_hooks_registered = True
+        atexit.register(_close_open_checkpointers)
+        try:
+            threading._register_atexit(_close_open_checkpointers)  # type: ignore[attr-defined]
+        except RuntimeError:  # made while the interpreter shuts down: atexit's alone
+            pass
     return key
 
 
 def _close_open_checkpointers() -> None:
-    """At exit: close every open Checkpointer, newest first. Each save's wait is bounded by its
+    """At exit: close every open Checkpointer of this process, newest first, once the non-daemon
+    threads that saved into one have ended. Each save's wait is bounded by its
     ``commit_timeout_s`` (the pipeline's deadline thread); a save that did not commit is named in
     a WARNING; nothing is raised."""
-    for ck in reversed(list(_OPEN.values())):
-        if ck._closed or ck._pid != os.getpid():  # a forked child: the threads are the parent's
-            continue
+    def still_open() -> list[Checkpointer]:  # a forked child has none of their threads
+        return [ck for ck in reversed(list(_OPEN.values()))
+                if not ck._closed and ck._pid == os.getpid()]
+
+    current = threading.current_thread()
+    for ck in still_open():  # a non-daemon thread still saving: the interpreter joins it next
+        for thread in list(ck._savers):
+            if thread is not current and not thread.daemon and thread.is_alive():
+                thread.join()
+    for ck in still_open():
         in_flight = [h for h in ck._pending if not h.done()]
         if in_flight:
             log.info("exit: waiting for %d save(s) in flight in %s to commit (at most "

@@ -23,11 +23,24 @@ _SCRIPT = textwrap.dedent("""
     import datastates
 
     root, ending = sys.argv[1], sys.argv[2]
-    ck = datastates.Checkpointer(root, datastates.CheckpointConfig(host_cache_bytes=8 << 20,
-                                                                   commit_timeout_s=60.0))
-    for step in range(3):
-        # 32 MiB per save through an 8 MiB cache: the last save is still in flight at the end
-        ck.save({"w": torch.full((8 << 20,), float(step)), "step": step}, step=step)
+
+
+    def train():  # the Checkpointer is a local: dropped, unclosed, when this returns
+        ck = datastates.Checkpointer(root, datastates.CheckpointConfig(host_cache_bytes=8 << 20,
+                                                                       commit_timeout_s=60.0))
+        for step in range(3):
+            # 32 MiB per save through an 8 MiB cache: the last save is still in flight at the end
+            ck.save({"w": torch.full((8 << 20,), float(step)), "step": step}, step=step)
+
+
+    if ending == "thread":  # a non-daemon thread trains on after the main thread's end
+        import threading
+        started = threading.Event()
+        threading.Thread(target=lambda: (started.wait(), train())).start()
+        print("script ended", flush=True)
+        started.set()
+        sys.exit(0)
+    train()
     if ending == "raises":
         raise RuntimeError("the loop failed")
     if ending == "forks":  # a child forked with the save in flight ends: it owns no save
@@ -64,6 +77,15 @@ def test_a_script_whose_loop_ends_commits_the_save_in_flight(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "script ended" in result.stdout
     assert "terminate called" not in result.stderr
+    _assert_committed(tmp_path / "ckpt", [0, 1, 2])
+
+
+def test_a_thread_training_after_the_main_thread_ended_commits_every_save(tmp_path):
+    """The exit waits for a non-daemon thread that saved (the interpreter would join it next)
+    before it closes the Checkpointer that thread made after the main thread's end."""
+    result = _run(tmp_path, "thread")
+    assert result.returncode == 0, result.stderr
+    assert "terminate called" not in result.stderr and "did not commit" not in result.stderr
     _assert_committed(tmp_path / "ckpt", [0, 1, 2])
 
 
