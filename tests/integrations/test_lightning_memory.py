@@ -70,7 +70,7 @@ def test_a_killed_trainer_resumes_from_memory_bit_exact(uninterrupted, shm_root,
     assert report["losses"] == uninterrupted[1][:k]
     stored = sorted(n for n in os.listdir(root / "ckpts") if not n.startswith("."))
     epochs = k // BATCHES  # ModelCheckpoint keeps the newest epoch's file, and last.ckpt
-    assert stored == [f"epoch={epochs - 1}-step={epochs * BATCHES}.ckpt", "last.ckpt", "latest"]
+    assert stored == [f"epoch={epochs - 1}-step={epochs * BATCHES}.ckpt", "last.ckpt"]
 
     memory, resumed_run = with_memory(root, shm_root, log)
     try:

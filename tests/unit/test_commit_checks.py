@@ -337,8 +337,9 @@ def _agree(comm, sid, deadline, commits, report=None, fallback=None):
                      index_crc32=0), tree={"t": "dict", "items": []})
     return comm.agree(sid, report, deadline, 0.5,
                       check=lambda reports: None,
-                      commit=lambda reports: commits.append(sorted(reports)) or COMMITTED,
-                      fallback=fallback or (lambda why: Verdict.abort("store", why, {})))
+                      commit=lambda reports, fence: (fence(), commits.append(sorted(reports)))
+                      and COMMITTED,
+                      fallback=fallback or (lambda why, until: Verdict.abort("store", why, {})))
 
 
 def _in_threads(fns):
@@ -401,7 +402,7 @@ def test_lost_store_falls_back_to_the_verdict_on_disk():
     sid = StoreCommunicator(MemoryStore(), 1, 2, "run").save_id("/d", "step-1", 1)
     seen = []
     verdict = _agree(comm, sid, time.monotonic() + 10, [],
-                     fallback=lambda why: seen.append(why) or COMMITTED)
+                     fallback=lambda why, until: seen.append(why) or COMMITTED)
     assert verdict == COMMITTED and "unreachable" in seen[0]
 
 
