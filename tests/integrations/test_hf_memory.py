@@ -73,8 +73,7 @@ def test_a_killed_trainer_resumes_from_memory_bit_exact(uninterrupted, shm_root,
     assert report["memory"] == [f"step-{k:010d}"]           # keep_last=1: the newest
     assert report["losses"] == uninterrupted[1][:k]
     # Storage holds the Trainer's checkpoint-4 only; nothing else appeared in output_dir.
-    assert sorted(n for n in os.listdir(out) if not n.startswith(".")) == \
-        ["checkpoint-4", "latest"]
+    assert sorted(n for n in os.listdir(out) if not n.startswith(".")) == ["checkpoint-4"]
 
     started = StartedAt()
     resumed = trainer(out, config(shm_root, tmp_path / "keeper.log"), callbacks=[started])
@@ -97,7 +96,7 @@ def test_a_killed_trainer_resumes_from_memory_bit_exact(uninterrupted, shm_root,
         assert resumed.latest_checkpoint() == os.path.join(memdir, "ckpt",
                                                            f"step-{STEPS:010d}")
         assert sorted(n for n in os.listdir(out) if not n.startswith(".")) == \
-            ["checkpoint-4", "checkpoint-8", "latest"]
+            ["checkpoint-4", "checkpoint-8"]
     finally:
         resumed.close_checkpointer(stop_keeper=True)
 
