@@ -119,4 +119,10 @@ def test_a_call_without_the_checkpoint_it_needs_is_a_config_error(checkpointers,
                 f"delete(): exactly one of step= or tag= names the checkpoint, found "
                 f"step={step!r}, tag={tag!r}")):
             ck.delete(step, tag=tag)
+    for call in ("restore", "load"):
+        with pytest.raises(ConfigError, match=re.escape(
+                f"{call}(): at most one of step= or tag= names the checkpoint, found step=1, "
+                f"tag='best'")):
+            getattr(ck, call)(*(({"w": torch.ones(2)},) if call == "restore" else ()), 1,
+                              tag="best")
     assert 1 in [i.step for i in ck.list() + (ck.memory.list() if ck.memory else [])]

@@ -55,7 +55,8 @@ def check_tag(tag, where: str = "") -> str:
 
 
 #: What ``check_target`` requires of step= and tag= together, by call.
-_NAMED = {"save": "a step= or a tag= (or both)", "delete": "exactly one of step= or tag="}
+_NAMED = {"save": "a step= or a tag= (or both)", "delete": "exactly one of step= or tag=",
+          "restore": "at most one of step= or tag=", "load": "at most one of step= or tag="}
 
 
 def check_target(call: str, step, tag, persist=None) -> str | None:
@@ -68,7 +69,8 @@ def check_target(call: str, step, tag, persist=None) -> str | None:
       component, not reserved, printable, at most MAX_TAG_BYTES);
     - a ``persist`` (save) other than None, True or False: 0 and 1 are refused, not read as
       booleans (they would choose a tier by their truth);
-    - save() without a step or a tag; delete() without exactly one of them.
+    - save() without a step or a tag; delete() without exactly one of them; restore() and
+      load() with both (a tag's step is not checked against a step: one names the checkpoint).
 
     The message is ``"<call>(): <expected>, found <value>"``, the same for every call."""
     where = f"{call}(): "
@@ -77,8 +79,8 @@ def check_target(call: str, step, tag, persist=None) -> str | None:
     if persist is not None and not isinstance(persist, bool):
         raise ConfigError(f"{where}persist must be None, True or False, found {persist!r}")
     need = _NAMED.get(call)
-    if need is not None and (step is None and tag is None or
-                             call == "delete" and step is not None and tag is not None):
+    if need is not None and (step is None and tag is None and call in ("save", "delete") or
+                             call != "save" and step is not None and tag is not None):
         raise ConfigError(f"{where}{need} names the checkpoint, found step={step!r}, "
                           f"tag={tag!r}")
     if name is None and step is not None:
