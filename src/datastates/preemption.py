@@ -143,6 +143,7 @@ class Preemption:
                  grace_s: float | None = DEFAULT_GRACE_S):
         _check_main_thread("Preemption()")
         self._signals = _check_signals(signals)
+        _check_no_other(self._signals)
         #: Seconds from the signal to the end of the process (None: no limit).
         self.grace_s = _check_grace(grace_s)
         self._ckpt = checkpointer
@@ -417,3 +418,17 @@ def _check_grace(grace_s) -> float | None:
         raise ConfigError(f"grace_s must be a positive number of seconds or None, "
                           f"found {grace_s!r}")
     return float(grace_s)
+
+
+def _check_no_other(signals: Iterable[int]) -> None:
+    """ConfigError when an open Preemption of this process handles one of ``signals``: signals
+    are the process's, and a second one would pass a signal on to the first, which would take
+    it as its own and keep the process running (one Preemption at a time; close() the first)."""
+    for signum in signals:
+        handler = signal.getsignal(signum)
+        other = getattr(handler, "__self__", None)
+        if isinstance(other, Preemption) and not other._restored:
+            raise ConfigError(f"Preemption(): expected no other open Preemption handling "
+                              f"{signal.Signals(signum).name} in this process, found one on "
+                              f"{other._ckpt.directory}; close() it first")
+

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -334,6 +335,25 @@ def test_a_preemption_leaves_no_plan_in_the_store(tmp_path, recorded):
             assert not again.requested(3) and again.signum is None and again.stop_step is None
             assert again.plan_key == "preemption/2/stop"
         assert recorded == [usr1]
+
+
+def test_a_second_open_preemption_of_the_process_is_refused(tmp_path, recorded):
+    """Signals are the process's: a second open Preemption would pass a signal on to the first,
+    which would take it as its own and keep training. Refused until the first is closed."""
+    with datastates.Checkpointer(tmp_path / "a") as ckpt, \
+            datastates.Checkpointer(tmp_path / "b") as other:
+        first = datastates.Preemption(ckpt, signals=[signal.SIGUSR1])
+        for target in (ckpt, other):
+            with pytest.raises(datastates.ConfigError, match=re.escape(
+                    "Preemption(): expected no other open Preemption handling SIGUSR1 in this "
+                    f"process, found one on {ckpt.directory}; close() it first")):
+                datastates.Preemption(target, signals=[signal.SIGTERM, signal.SIGUSR1])
+        first.close()
+        with datastates.Preemption(other, signals=[signal.SIGUSR1]) as second:
+            signal.raise_signal(signal.SIGUSR1)
+            assert second.requested(0) and second.signum == signal.SIGUSR1
+            second.exit()
+        assert recorded == [int(signal.SIGUSR1)]
 
 
 @pytest.mark.parametrize("kwargs, found", [
