@@ -128,3 +128,37 @@ def test_configs_the_adapter_cannot_honour_are_refused(shm_root, tmp_path):
     with pytest.raises(datastates.ConfigError, match="memory_checkpoints"):
         trainer(tmp_path, [], [io]).fit(Tiny())
     assert os.listdir(shm_root) == []  # no keeper was started
+
+
+def test_a_stopped_keeper_leaves_lightning_on_its_own_files(shm_root, tmp_path, caplog):
+    """The keeper of a finished run is stopped (SIGSTOP): a new run's io does without the memory
+    tier (WARNING), resume_path() names the newest ModelCheckpoint file, and a fit saves
+    ModelCheckpoint's files only (no memory save goes to storage instead)."""
+    import dataclasses
+    import logging
+
+    from datastates.tools.keeper import ask
+
+    root, log = tmp_path / "run", tmp_path / "keeper.log"
+    memory, first = with_memory(root, shm_root, log)
+    first.fit(Tiny())
+    memory.close()
+    files = sorted(os.listdir(root / "ckpts"))
+    keeper = ask(place.memory_dir(shm_root, str(root / "ckpts")), "status")["pid"]
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        cfg = config(shm_root, log)
+        cfg = dataclasses.replace(cfg, memory_tier=dataclasses.replace(cfg.memory_tier,
+                                                                      start_timeout_s=2))
+        io = DatastatesCheckpointIO(cfg)
+        again = io.memory_checkpoints(os.path.join(root, "ckpts"))
+        with caplog.at_level(logging.WARNING, logger="datastates"):
+            path = again.resume_path()
+        assert "the memory tier is not used" in caplog.text
+        assert path == os.path.join(root, "ckpts", "last.ckpt")
+        assert not again.holds(path)
+        trainer(tmp_path / "second", [again], [io]).fit(Tiny())
+        again.close()
+        assert sorted(os.listdir(root / "ckpts")) == files
+    finally:
+        os.kill(keeper, signal.SIGCONT)

@@ -151,6 +151,8 @@ class DatastatesTrainer(Trainer):
         self._ds_memory.raise_failed()
         self.store_flos()
         ckpt = self._datastates(self.args.output_dir)
+        if ckpt.memory is None:  # the keeper did not answer: no tier (WARNING at construction)
+            return
         handle = ckpt.save(self._ds_state(full=True, state_json=self._ds_state_json()),
                            step=step, persist=False, replicated=self._ds_replicated(),
                            overwrite=True,  # a step run again (after a resume) replaces it
@@ -311,7 +313,8 @@ class DatastatesTrainer(Trainer):
         storage = self._ds_storage_latest()
         if self._ds_tier is None:
             return storage[1] if storage else None
-        memory = self._datastates(self.args.output_dir).memory.latest()
+        tier = self._datastates(self.args.output_dir).memory
+        memory = tier.latest() if tier is not None else None
         if memory_wins(memory.step if memory is not None else None,
                        storage[0] if storage else None):
             return memory.path
@@ -345,6 +348,8 @@ class DatastatesTrainer(Trainer):
         if self._ds_tier is None:
             return None
         memory = self._datastates(self.args.output_dir).memory
+        if memory is None:  # the keeper did not answer: no tier
+            return None
         path = os.path.realpath(path)
         if os.path.dirname(path) != os.path.realpath(memory.directory):
             return None

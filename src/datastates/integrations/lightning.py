@@ -434,7 +434,7 @@ class DatastatesMemoryCheckpoint(Callback):
         least that of the newest datastates checkpoint in ``dirpath`` (memory on a tie), else
         that checkpoint's path; None when there is neither. The io reads either path."""
         ckpt = self._checkpointer()
-        memory = ckpt.memory.latest()
+        memory = ckpt.memory.latest() if ckpt.memory is not None else None
         found = ckpt.list()  # storage: ModelCheckpoint's datastates checkpoints, oldest first
         storage = max(found, key=lambda i: (-1 if i.step is None else i.step, i.seq),
                       default=None)
@@ -447,7 +447,7 @@ class DatastatesMemoryCheckpoint(Callback):
         """Whether ``path`` is a checkpoint of this memory tier."""
         path = os.path.realpath(os.fspath(path))
         memory = self._checkpointer().memory
-        return os.path.dirname(path) == os.path.realpath(memory.directory)
+        return memory is not None and os.path.dirname(path) == os.path.realpath(memory.directory)
 
     def load(self, path: Any, *, map_location: Any = None, trusted: bool) -> dict[str, Any]:
         """The checkpoint dict saved at the memory checkpoint ``path`` (read from memory,
@@ -483,8 +483,11 @@ class DatastatesMemoryCheckpoint(Callback):
                 or trainer.sanity_checking or not trainer.is_global_zero):
             return
         self._saves.raise_failed()
+        ckpt = self._checkpointer()
+        if ckpt.memory is None:  # the keeper did not answer: no tier (WARNING at construction)
+            return
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        handle = self._checkpointer().save(
+        handle = ckpt.save(
             checkpoint, step=step, persist=False, optimizers=list(trainer.optimizers),
             overwrite=True,  # a step run again (after a resume) replaces it
             metadata={"framework": "lightning", "global_step": step})
