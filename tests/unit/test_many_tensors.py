@@ -183,7 +183,6 @@ def test_walker_keys_are_key_of_their_paths():
 def test_empty_dict_keys_round_trip(tmp_path):
     """An empty key at any depth: the manifest's checker derives the keys the writer did
     (``{"": {"x": t}}`` has the entry key ``/x``), so it commits and loads bit-exactly."""
-    import datastates
     state = {"": {"x": torch.arange(3.0), "": {"": torch.ones(2)}, 3: [torch.zeros(1)]},
              "y": {"": torch.full((2,), 5.0)}}
     with datastates.Checkpointer(tmp_path) as ck:
