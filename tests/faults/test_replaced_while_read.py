@@ -2,11 +2,14 @@
 its manifest and its shard files, on a local disk and on an object store): ``load()`` and
 ``restore()`` find it again and read the new one, with a WARNING and ``RestoreReport.rereads``;
 ``restore(fallback=True)`` never moves the new checkpoint aside as damaged. Real damage is not
-taken for a replacement: it raises at once."""
+taken for a replacement: it raises at once. A listing (``latest()``) during another process's
+commit or overwrite finds the old checkpoint or the new one, and names no damage."""
 from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -217,3 +220,95 @@ def test_a_reader_between_the_two_renames_of_an_overwrite_finds_the_old_checkpoi
         assert_bit_exact(reader.load(step=1), _state(2.0))
         assert_bit_exact(reader.load(), _state(2.0))
     assert not [n for n in os.listdir(tmp_path) if n.startswith((".old.", ".tmp.", ".trash."))]
+
+
+#: Another process saves ``_state(2.0)`` as ``argv[2]`` (overwrite=True). With ``pause``, as a
+#: file system that cannot exchange two directories, and it reads a line of its stdin before
+#: it renames the old checkpoint to ``.old.``, then says ``moved`` and reads another line.
+_WRITER = """
+import os, sys, torch
+from datastates import Checkpointer, CheckpointConfig
+from datastates.storage import posix
+root, tag, pause = sys.argv[1], sys.argv[2], sys.argv[3] == "pause"
+if pause:
+    posix._renameat2 = None
+    real_rename = os.rename
+    def rename(src, dst, *args, **kwargs):
+        if not os.path.basename(dst).startswith(".old."):
+            return real_rename(src, dst, *args, **kwargs)
+        sys.stdin.readline()
+        real_rename(src, dst, *args, **kwargs)
+        print("moved", flush=True)
+        sys.stdin.readline()
+    os.rename = rename
+state = {"w": torch.full((1000,), 2.0), "b": torch.full((10,), 2.0), "note": 2.0}
+with Checkpointer(root, CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=16 << 10)) as ck:
+    ck.save(state, tag=tag, overwrite=True).wait(60)
+"""
+
+
+def test_a_checkpoint_committed_by_another_process_during_latest_is_no_damage(
+        tmp_path, monkeypatch, caplog):
+    """Another process commits ``new`` after ``latest()`` listed the root and before it looks
+    for folders without a manifest: ``latest()`` returns the checkpoint its listing found and
+    names no damage (it named ``new`` as holding shard files but no manifest.json); the next
+    call returns ``new``. A folder that stays without a manifest is still named."""
+    from datastates.commit.catalog import Catalog
+    real = Catalog.passed_over
+
+    def passed_over(self, used):
+        subprocess.run([sys.executable, "-c", _WRITER, self.root, "new", "-"], check=True,
+                       timeout=120)
+        return real(self, used)
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
+        ck.save(_state(1.0), tag="old").wait(60)
+        monkeypatch.setattr(Catalog, "passed_over", passed_over)
+        caplog.clear()
+        assert ck.latest().name == "old"
+        monkeypatch.undo()
+        assert _warnings(caplog, "passed over") == []
+        assert ck.latest().name == "new"
+        assert_bit_exact(ck.load(), _state(2.0))
+        (tmp_path / "new" / fmt.MANIFEST).unlink()  # real damage: named
+        assert ck.latest().name == "old"
+        assert len(_warnings(caplog, "passed over the damaged checkpoint new")) == 1
+
+
+def test_a_listing_that_meets_an_overwrite_between_its_two_renames_lists_again(
+        tmp_path, monkeypatch, caplog):
+    """Another process overwrites ``best`` (the newest) by two renames, the first one just
+    after ``latest()`` listed the root and before it looked at ``best``: the listing is done
+    again, finds the old ``best`` at its ``.old.`` name and returns it (it returned the older
+    ``step_1``, with no word); once the overwrite is done, the new one. No damage is named."""
+    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
+        ck.save(_state(1.0), step=1).wait(60)
+        ck.save(_state(3.0), tag="best").wait(60)
+        writer = subprocess.Popen([sys.executable, "-c", _WRITER, ck.directory, "best",
+                                   "pause"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True)
+        real_listdir, armed = os.listdir, [True]
+
+        def listdir(path="."):
+            names = real_listdir(path)
+            if armed and os.fspath(path) == ck.directory:
+                armed.clear()  # the root is listed: the overwrite moves best aside now
+                writer.stdin.write("go\n")
+                writer.stdin.flush()
+                assert writer.stdout.readline() == "moved\n"
+            return names
+        try:
+            monkeypatch.setattr(os, "listdir", listdir)
+            caplog.clear()
+            found = ck.latest()
+            monkeypatch.undo()
+            assert not armed and not (tmp_path / "best").exists()  # between the two renames
+            assert found.name == "best" and found.seq == ck.list()[-1].seq
+            assert_bit_exact(ck.load(), _state(3.0))
+        finally:
+            monkeypatch.undo()
+            writer.stdin.write("resume\n")
+            writer.stdin.close()
+        assert writer.wait(120) == 0
+        assert ck.latest().name == "best"
+        assert_bit_exact(ck.load(), _state(2.0))
+        assert _warnings(caplog, "passed over") == []

@@ -60,6 +60,9 @@ from ..storage.temporaries import parse_temporary
 
 log = logging.getLogger("datastates")
 
+#: How many times a scan lists the root again when a name moved while it was listed.
+_RESCANS = 3
+
 
 @dataclass(frozen=True)
 class DamagedCheckpoint:
@@ -257,58 +260,86 @@ class Catalog:
     def scan(self) -> list[CheckpointInfo]:
         """Committed checkpoints, oldest first (:func:`commit_order`); damaged ones are left out
         of it and kept for :meth:`damaged`. One listing of the root; a manifest is read only if
-        new or changed since the last scan. CheckpointNotFoundError if ``root`` does not exist.
+        new or changed since the last scan. A name that moved while the root was listed (its
+        manifest gone when read: another process overwrote it by two renames, or deleted it)
+        makes it listed again, up to ``_RESCANS`` times, so that a checkpoint at that name
+        all along is found, old or new, never skipped. CheckpointNotFoundError if ``root``
+        does not exist.
 
         StorageError naming each manifest that could not be read (an ``OSError``: EIO, ESTALE,
         a store that does not answer after its retries): the newest checkpoint cannot be known
         then, and an older one is never returned in its place. Nothing is kept of that read:
         the next scan reads that manifest again."""
         with self._lock:
-            try:
-                stamps = self.store.file_stamps(self.root, fmt.MANIFEST)
-            except (FileNotFoundError, NotADirectoryError):
-                raise CheckpointNotFoundError(f"checkpoint directory {self.root!r} does not "
-                                              "exist") from None
-            seen, heads, unreadable = {}, set(), []
-            newest_raw: tuple[CheckpointInfo, bytes] | None = None  # of the newest head read
-            aside = set_aside(stamps) if self.store.renames else {}
-            entries = list(stamps.items()) + [  # an entry's own stamp would be its old name's
-                (name, None if stamps[entry] is None else (entry, stamps[entry]))
-                for name, entry in aside.items()]
-            for name, stamp in entries:
-                if name.startswith(".") or name == fmt.LATEST:
-                    continue
-                known = self._seen.get(name)
-                if stamp is not None and known is not None and known[0] == stamp:
-                    seen[name] = known
-                    if name in self._heads:
-                        heads.add(name)
-                    continue
-                try:
-                    found, manifest, raw = _examine(
-                        self.store.join(self.root, aside.get(name, name)), self.store, head=True)
-                    found = _as_named(found, name)
-                except OSError as exc:
-                    unreadable.append(f"{self.store.join(self.root, name, fmt.MANIFEST)} "
-                                      f"({type(exc).__name__}: {exc})")
-                    continue
-                seen[name] = (stamp, found)
-                if manifest is not None:
-                    self._keep(found, stamp, manifest)
-                elif isinstance(found, CheckpointInfo):
+            for _ in range(_RESCANS):
+                found = self._scan_once(last=False)
+                if found is not None:
+                    return found
+            return self._scan_once(last=True)
+
+    def _scan_once(self, last: bool) -> list[CheckpointInfo] | None:
+        """One listing of :meth:`scan` (lock held); None if a name moved while it was listed
+        (:meth:`_moved`) and this is not the ``last`` listing: nothing is kept of it then."""
+        try:
+            stamps = self.store.file_stamps(self.root, fmt.MANIFEST)
+        except (FileNotFoundError, NotADirectoryError):
+            raise CheckpointNotFoundError(f"checkpoint directory {self.root!r} does not "
+                                          "exist") from None
+        seen, heads, unreadable, moved = {}, set(), [], []
+        newest_raw: tuple[CheckpointInfo, bytes] | None = None  # of the newest head read
+        aside = set_aside(stamps) if self.store.renames else {}
+        entries = list(stamps.items()) + [  # an entry's own stamp would be its old name's
+            (name, None if stamps[entry] is None else (entry, stamps[entry]))
+            for name, entry in aside.items()]
+        for name, stamp in entries:
+            if name.startswith(".") or name == fmt.LATEST:
+                continue
+            known = self._seen.get(name)
+            if stamp is not None and known is not None and known[0] == stamp:
+                seen[name] = known
+                if name in self._heads:
                     heads.add(name)
-                    if newest_raw is None or commit_order(found) > commit_order(newest_raw[0]):
-                        newest_raw = (found, raw)  # likely parsed whole next: not read twice
-            self._keep_recorded(seen)
-            if not unreadable:
-                unreadable = self._parse_newest(seen, heads, newest_raw)
-            self._seen, self._heads = seen, heads
-            if unreadable:
-                raise StorageError(f"could not read the manifest of {len(unreadable)} "
-                                   f"checkpoint(s) of {self.root}, so its newest checkpoint is "
-                                   f"unknown (retry once the storage answers): "
-                                   f"{'; '.join(unreadable)}")
-            return self._committed()
+                continue
+            try:
+                found, manifest, raw = _examine(
+                    self.store.join(self.root, aside.get(name, name)), self.store, head=True)
+                found = _as_named(found, name)
+            except OSError as exc:
+                unreadable.append(f"{self.store.join(self.root, name, fmt.MANIFEST)} "
+                                  f"({type(exc).__name__}: {exc})")
+                continue
+            if found is None and raw is None and self._moved(name, stamp):
+                moved.append(name)
+                continue
+            seen[name] = (stamp, found)
+            if manifest is not None:
+                self._keep(found, stamp, manifest)
+            elif isinstance(found, CheckpointInfo):
+                heads.add(name)
+                if newest_raw is None or commit_order(found) > commit_order(newest_raw[0]):
+                    newest_raw = (found, raw)  # likely parsed whole next: not read twice
+        if moved and not last:
+            log.debug("%s: %s moved while the root was listed (a commit, an overwrite "
+                      "or a deletion by another process); listing it again", self.root,
+                      ", ".join(moved))
+            return None
+        self._keep_recorded(seen)
+        if not unreadable:
+            unreadable = self._parse_newest(seen, heads, newest_raw)
+        self._seen, self._heads = seen, heads
+        if unreadable:
+            raise StorageError(f"could not read the manifest of {len(unreadable)} "
+                               f"checkpoint(s) of {self.root}, so its newest checkpoint is "
+                               f"unknown (retry once the storage answers): "
+                               f"{'; '.join(unreadable)}")
+        return self._committed()
+
+    def _moved(self, name: str, stamp: Any) -> bool:
+        """Whether ``name``, listed by a scan and found without a manifest when read, moved
+        meanwhile: a manifest was stamped at the listing (``stamp``), or nothing is at the
+        name any more (an overwrite between its two renames, a deletion)."""
+        path = self.store.join(self.root, name)
+        return stamp is not None or not (self.store.isdir(path) or self.store.isfile(path))
 
     def record(self, info: CheckpointInfo, stamp: Any,
                manifest: "records.Manifest | None" = None) -> list[CheckpointInfo]:
@@ -375,7 +406,9 @@ class Catalog:
         interrupted. :meth:`passed_over` names those newer than the checkpoint used, so that a
         resume never goes back a step without a word. Hidden names (temporaries) are not
         looked at; ``mtime`` is the folder's (locally, changed when its manifest is deleted;
-        on an object store, its newest file)."""
+        on an object store, its newest file). A folder the scan did not see that holds a
+        manifest now was committed (or an overwrite's new copy put in place) since the scan:
+        it is no damage, and the next scan lists it."""
         try:
             names = self.store.listdir(self.root)
         except OSError:
@@ -386,8 +419,9 @@ class Catalog:
         for name in sorted(names):
             path = self.store.join(self.root, name)
             if name.startswith(".") or name == fmt.LATEST or name in known or \
-                    not written_by_datastates(path, self.store, raw=b""):
-                continue
+                    not written_by_datastates(path, self.store, raw=b"") or \
+                    self.store.isfile(self.store.join(path, fmt.MANIFEST)):
+                continue  # (a manifest now: committed or put in place since the scan)
             found.append(DamagedCheckpoint(
                 name, path, f"it holds shard files of datastates but no {fmt.MANIFEST}: its "
                 "manifest was deleted, or a save or deletion of it is under way or was "

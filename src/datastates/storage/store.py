@@ -333,7 +333,9 @@ class LocalStore(Store):
         """Stamp: (inode, size, modification time in ns) of the entry itself (``lstat``: a link
         is not followed) — a replaced file is a new inode, and a file rewritten in place changes
         size or time. An entry that is a symbolic link to a folder holding ``file_name`` is
-        reported with stamp None: its reader refuses the link, so it is named, never skipped."""
+        reported with stamp None: its reader refuses the link, so it is named, never skipped.
+        So is an entry gone by the time it is looked at (renamed or deleted since the listing):
+        its reader finds it gone and lists again (``Catalog.scan``)."""
         out = {}
         for name in os.listdir(path):
             entry = os.path.join(path, name)
@@ -344,6 +346,8 @@ class LocalStore(Store):
                 else:
                     out[name] = _stamp(os.lstat(os.path.join(entry, file_name)))
             except (FileNotFoundError, NotADirectoryError):
+                if not os.path.lexists(entry):
+                    out[name] = None
                 continue
             except OSError:
                 out[name] = None  # unreadable here: let the reader report it
