@@ -17,11 +17,15 @@ from datastates.integrations.hf import DatastatesTrainer  # noqa: E402
 from test_hf import CFG, args, dataset, tiny_model  # noqa: E402
 
 
-def ours() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("datastates"))
+@pytest.fixture
+def ours():
+    """The datastates threads started since the test began (not those of other tests)."""
+    before = set(threading.enumerate())
+    return lambda: sorted(t.name for t in threading.enumerate()
+                          if t.name.startswith("datastates") and t not in before)
 
 
-def test_train_leaves_only_checkpoint_folders_and_no_thread(tmp_path):
+def test_train_leaves_only_checkpoint_folders_and_no_thread(tmp_path, ours):
     t = DatastatesTrainer(model=tiny_model(), args=args(tmp_path, save_steps=4),
                           train_dataset=dataset(), datastates_config=CFG)
     t.train()

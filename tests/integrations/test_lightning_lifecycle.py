@@ -30,8 +30,12 @@ CFG = datastates.CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=1 << 18,
                                   writer_threads=1)
 
 
-def ours() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("datastates"))
+@pytest.fixture
+def ours():
+    """The datastates threads started since the test began (not those of other tests)."""
+    before = set(threading.enumerate())
+    return lambda: sorted(t.name for t in threading.enumerate()
+                          if t.name.startswith("datastates") and t not in before)
 
 
 def trainer(root, plugin, epochs=2, callbacks=(), **kwargs):
@@ -48,7 +52,7 @@ EXPECTED = ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
 
 @pytest.mark.parametrize("wrap,lazy", [(False, False), (False, True), (True, False)],
                          ids=["plain", "lazy_snapshots", "AsyncCheckpointIO"])
-def test_fit_leaves_only_lightning_names_and_no_thread(tmp_path, wrap, lazy):
+def test_fit_leaves_only_lightning_names_and_no_thread(tmp_path, wrap, lazy, ours):
     io = DatastatesCheckpointIO(CFG)
     assert not ours()
     t = trainer(tmp_path, AsyncCheckpointIO(io) if wrap else io,
@@ -60,7 +64,7 @@ def test_fit_leaves_only_lightning_names_and_no_thread(tmp_path, wrap, lazy):
     assert loaded["global_step"] == 4
 
 
-def test_save_outside_fit_ends_its_threads_once_committed(tmp_path):
+def test_save_outside_fit_ends_its_threads_once_committed(tmp_path, ours):
     model = BoringModel()
     io = DatastatesCheckpointIO(CFG)
     t = trainer(tmp_path, io, epochs=1)
@@ -74,7 +78,7 @@ def test_save_outside_fit_ends_its_threads_once_committed(tmp_path):
     assert not ours()
 
 
-def test_pickle_round_trip_saves_and_loads(tmp_path):
+def test_pickle_round_trip_saves_and_loads(tmp_path, ours):
     io = DatastatesCheckpointIO(CFG)
     state = {"w": torch.arange(6.0), "epoch": 3}
     io.save_checkpoint(state, tmp_path / "a.ckpt")  # a save in flight stays with `io`
