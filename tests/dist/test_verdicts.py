@@ -17,7 +17,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
 import datastates
 from datastates import CheckpointConfig, Checkpointer
@@ -25,22 +24,11 @@ from datastates.commit import committer
 from datastates.format import files
 
 from launcher import free_port, run_ranks
+from test_commit_protocol import _model, _verdict
 from test_memory_dist import shm_root  # noqa: F401 - the fixture
 
 FAST = CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10, commit_timeout_s=2)
 
-
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
-
-
-def _verdict(start):
-    """("ok", name) or (error class, ranks blamed, message) of one save."""
-    try:
-        return ("ok", start().wait().name)
-    except datastates.CommitError as exc:
-        return (type(exc).__name__, sorted(exc.causes), str(exc))
 
 
 def _on_disk(root):
