@@ -26,19 +26,10 @@ from datastates.tools.keeper import ask
 
 from _crash_child import make_state
 from _faults_helpers import HERE, assert_bit_exact, zeros_like_state
+from test_memory_tier import _config, _tier
 
 TRAINER = os.path.join(HERE, "_memory_trainer_child.py")
 MEMORY_CHILD = os.path.join(HERE, "_memory_child.py")
-
-
-def _tier(shm_root, tmp_path, **kw):
-    kw.setdefault("log_path", str(tmp_path / "keeper.log"))
-    return datastates.MemoryTier(root=shm_root, **kw)
-
-
-def _config(tier, **kw):
-    return datastates.CheckpointConfig(memory_tier=tier, host_cache_bytes=1 << 20,
-                                       chunk_bytes=256 << 10, **kw)
 
 
 # ---------------------------------------------------------------- which tier is newer
