@@ -146,7 +146,7 @@ def _latest_worker(rank, world, root):
     model = _model()
     out = {"recorded": [], "latest": [], "restored": []}
     with Checkpointer(root, FAST) as ckpt:
-        ckpt._catalog = catalog = RecordingCatalog(ckpt.directory)
+        ckpt.storage._catalog = catalog = RecordingCatalog(ckpt.directory)
         ckpt.save({"model": model}, step=1, replicated=True).wait()
         catalog.scan()  # this rank's listing is now older than the commits below
         for step in (2, 3):

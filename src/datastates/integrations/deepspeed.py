@@ -438,6 +438,10 @@ def export_torch_files(tag_dir: str, out_root: str | None = None) -> list[str]:
     return written
 
 
+#: The hooks ``_ignore_deepspeed_double_cleanup`` installed (one per process).
+_FILTERS: set = set()
+
+
 def _ignore_deepspeed_double_cleanup() -> None:
     """DeepSpeed 0.19's ``DataStatesCheckpointEngine.cleanup()`` deletes its ``ckpt_engine``
     attribute and its ``__del__`` then calls ``cleanup()`` again, which raises AttributeError
@@ -447,7 +451,7 @@ def _ignore_deepspeed_double_cleanup() -> None:
     that was installed before. Installed once per process."""
     import sys
     previous = sys.unraisablehook
-    if getattr(previous, "_datastates_filter", False):
+    if previous in _FILTERS:
         return
 
     def hook(unraisable) -> None:
@@ -457,7 +461,7 @@ def _ignore_deepspeed_double_cleanup() -> None:
             return
         previous(unraisable)
 
-    hook._datastates_filter = True
+    _FILTERS.add(hook)
     sys.unraisablehook = hook
 
 

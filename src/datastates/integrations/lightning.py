@@ -106,6 +106,26 @@ class DatastatesCheckpointIO(CheckpointIO):
         state["_guard"] = state["_memory"] = None
         return state
 
+    # ------------------------------------------------------------ the callbacks attached
+    def attach_guard(self, callback: Optional["DatastatesSnapshotCallback"]) -> None:
+        """Called by :class:`DatastatesSnapshotCallback` at ``setup`` (``callback``) and
+        ``teardown`` (None): while attached, saves are lazy snapshots guarded by the run's
+        optimizers and the run's teardown closes this io."""
+        self._guard = callback
+        self._paths.attended = callback is not None
+
+    def guarded_by(self, callback: "DatastatesSnapshotCallback") -> bool:
+        """Whether ``callback`` is the one attached."""
+        return self._guard is callback
+
+    def attach_memory(self, callback: "DatastatesMemoryCheckpoint") -> None:
+        """Called by :class:`DatastatesMemoryCheckpoint` at ``setup``: loads ask it first."""
+        self._memory = callback
+
+    def wait_snapshots(self) -> None:
+        """Return once every save in flight has captured its state."""
+        self._paths.wait_snapshots()
+
     # ------------------------------------------------------------ CheckpointIO
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Optional[Any] = None) -> None:
@@ -330,17 +350,15 @@ class DatastatesSnapshotCallback(Callback):
             raise ValueError("DatastatesSnapshotCallback: the Trainer does not use its "
                              "DatastatesCheckpointIO; pass it in Trainer(plugins=[io])")
         self._trainer = trainer
-        self.io._guard = self
-        self.io._paths.attended = True  # the run's teardown closes the io
+        self.io.attach_guard(self)  # the run's teardown closes the io
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.io._paths.wait_snapshots()
+        self.io.wait_snapshots()
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        self.io._paths.wait_snapshots()
-        if self.io._guard is self:
-            self.io._guard = None
-            self.io._paths.attended = False
+        self.io.wait_snapshots()
+        if self.io.guarded_by(self):
+            self.io.attach_guard(None)
         self._trainer = None
 
 
@@ -416,7 +434,7 @@ class DatastatesMemoryCheckpoint(Callback):
                 f"DatastatesMemoryCheckpoint: one process only (found world_size="
                 f"{trainer.world_size}); Lightning saves on global rank 0 and loads on every "
                 "rank, and the memory tier would then be opened by every rank on its own")
-        self.io._memory = self
+        self.io.attach_memory(self)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:

@@ -277,6 +277,15 @@ class SaveHandle:
         """The nonce of this save (the same on every rank; recorded in the manifest)."""
         return self._job.target.sid.nonce
 
+    @property
+    def started(self) -> float:
+        """When ``save()`` was called (``time.perf_counter()``): the order saves were made in."""
+        return self._job.t0
+
+    def wait_finished(self) -> None:
+        """Block until the save has committed or failed, raising nothing (see :meth:`wait`)."""
+        self._job.finished.wait()
+
     def snapshot_done(self) -> bool:
         """True once the state is captured in host memory (or the save failed)."""
         return self._job.captured.is_set()
