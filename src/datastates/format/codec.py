@@ -130,6 +130,14 @@ def part_name(index: int) -> str:
 
 #: The names :func:`part_name` gives.
 PART_NAME = re.compile(r"manifest-[0-9]{5}\.json")
+#: What a save writes beside a manifest: shard files (of any rank) and a split manifest's parts.
+_SAVED_FILE = re.compile(r"rank-[0-9]{5,}\.dsf|" + PART_NAME.pattern)
+
+
+def saved_file(name: str) -> bool:
+    """Whether ``name`` is one a save gives a file it writes into a checkpoint's directory (or
+    its data directory): a shard file (:func:`shard_file_name`) or a part (:func:`part_name`)."""
+    return _SAVED_FILE.fullmatch(name) is not None
 
 
 def step_name(step: int) -> str:
