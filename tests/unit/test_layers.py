@@ -21,10 +21,10 @@ PACKAGE = os.path.dirname(datastates.__file__)
 FLOORS = [
     ["datastates._version", "datastates.errors"],
     ["datastates.memory.options"],
-    ["datastates.config", "datastates.data"],
+    ["datastates.config"],
     ["datastates.storage"],
     ["datastates.format"],
-    ["datastates.providers"],
+    ["datastates.providers", "datastates.data"],
     ["datastates.commit"],
     ["datastates.restore"],
     ["datastates.save"],

@@ -19,7 +19,7 @@ from typing import Any
 
 from . import codec as fmt
 from . import tree
-from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from ..errors import CorruptCheckpointError, DatastatesError, UnsupportedFormatError
 
 #: Deepest state tree accepted (a deeper one is rejected as corrupt rather than overflowing the
 #: interpreter's stack in a recursive walk).
@@ -62,7 +62,9 @@ class _At:
             out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
         return out
 
-    def bad(self, what: str) -> CorruptCheckpointError:
+    def bad(self, what: str) -> DatastatesError:
+        """The error to raise for a violation ``what`` here: CorruptCheckpointError (a subclass
+        may give another of the tree, for a value that is an argument rather than data)."""
         return CorruptCheckpointError(f"{self.file}: {self.path or 'top level'}: {what}")
 
 
