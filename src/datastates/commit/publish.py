@@ -26,7 +26,7 @@ import stat
 import threading
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from ..format import codec as fmt
 from ..format import files
@@ -563,6 +563,7 @@ class ManifestPublisher(Publisher):
         manifest = dataclasses.replace(manifest, data_dir=tmp.rstrip("/").rsplit("/", 1)[-1])
         # examine: a manifest that cannot be *read* (a refused or failed GET) raises, it is never
         # taken for damage and overwritten without overwrite=True
+        old: records.Manifest | Literal[False] | None  # False: a damaged one, to replace
         found, old = examine(final, store)
         if isinstance(found, DamagedCheckpoint) and \
                 not written_by_datastates(final, store, besides=manifest.data_dir):

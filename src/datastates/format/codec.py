@@ -264,7 +264,7 @@ def encode_json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
 
 
-def parse_json(raw: bytes, path: str, unique: bool = False) -> Any:
+def parse_json(raw: bytes | bytearray, path: str, unique: bool = False) -> Any:
     """The JSON object ``raw`` (CorruptCheckpointError naming ``path`` if it is none).
     ``unique``: one of its own fields given twice is an error too (parsers differ on which
     they keep, so a reader of its head and one of the whole could see different values).
@@ -294,7 +294,7 @@ def parse_json(raw: bytes, path: str, unique: bool = False) -> Any:
     return value
 
 
-def _too_deep(raw: bytes, path: str) -> Exception:
+def _too_deep(raw: bytes | bytearray, path: str) -> Exception:
     """What the decoder's RecursionError on the document ``raw`` means (see :func:`parse_json`)."""
     depth = nesting_depth(raw)
     if depth > MAX_JSON_DEPTH:
@@ -311,7 +311,7 @@ _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 and -1 as signed bytes
 
 
-def nesting_depth(raw: bytes) -> int:
+def nesting_depth(raw: bytes | bytearray) -> int:
     """The deepest nesting of arrays and objects in the JSON text ``raw`` (in any of JSON's
     encodings), counted without decoding it and without recursion: the brackets outside its
     strings, as a running sum. Valid JSON or not (the decoder judges that)."""
@@ -338,7 +338,7 @@ _WS = cast("Callable[[str, int], re.Match[str]]", re.compile(r"[ \t\n\r]*").matc
 _SPACE = " \t\n\r"
 
 
-def text_of(raw: bytes) -> str:
+def text_of(raw: bytes | bytearray) -> str:
     """The text of the JSON document ``raw`` in the encoding ``json.loads`` reads it in: UTF-8
     (its BOM dropped), or UTF-16/32 of either byte order, told by the BOM or by
     the zero bytes of the first character (RFC 4627, section 3). UnicodeDecodeError if it is

@@ -130,7 +130,8 @@ def read_regular(path: str, max_bytes: int | None = None) -> bytes:
     grows past ``max_bytes`` while it is read."""
     fd, st = open_regular(path, max_bytes)
     try:
-        chunks, total, want = [], 0, st.st_size + 1  # one read, unless the file grew
+        chunks: list[bytes] = []
+        total, want = 0, st.st_size + 1  # one read, unless the file grew
         while True:
             chunk = os.read(fd, want)
             want = 1 << 20
@@ -194,7 +195,7 @@ class Store:
         local disk, not a regular file in its folder (:func:`open_regular`)."""
         raise NotImplementedError
 
-    def write_atomic(self, path: str, data: bytes, fsync: bool) -> Any:
+    def write_atomic(self, path: str, data: bytes | bytearray, fsync: bool) -> Any:
         """Replace ``path`` with ``data`` so that a reader sees the old or the new bytes. Returns
         the stamp of the file written, as :meth:`file_stamps` reports it (None if unknown)."""
         raise NotImplementedError
@@ -305,7 +306,7 @@ class LocalStore(Store):
     def read_bytes(self, path: str, max_bytes: int | None = None) -> bytes:
         return read_regular(path, max_bytes)
 
-    def write_atomic(self, path: str, data: bytes, fsync: bool) -> Any:
+    def write_atomic(self, path: str, data: bytes | bytearray, fsync: bool) -> Any:
         return _stamp(posix.write_file_atomic(path, data, fsync))
 
     def write_new(self, path: str, data: bytes, fsync: bool) -> Any:
@@ -336,7 +337,7 @@ class LocalStore(Store):
         reported with stamp None: its reader refuses the link, so it is named, never skipped.
         So is an entry gone by the time it is looked at (renamed or deleted since the listing):
         its reader finds it gone and lists again (``Catalog.scan``)."""
-        out = {}
+        out: dict[str, Any] = {}
         for name in os.listdir(path):
             entry = os.path.join(path, name)
             try:
