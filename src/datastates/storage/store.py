@@ -13,7 +13,10 @@ import errno
 import os
 import posixpath
 import stat
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
 
 from ..errors import CorruptCheckpointError
 from . import posix
@@ -148,6 +151,33 @@ def read_regular(path: str, max_bytes: int | None = None) -> bytes:
 
 # ---------------------------------------------------------------- the storage interface
 
+class ShardFileWriter(Protocol):
+    """What :meth:`Store.shard_writer` returns (``posix.ShardWriter`` is the model): the writer
+    of one shard file, ``write`` callable from several threads at once, then ``finish`` once
+    every write returned, or ``close`` to give up (an object store aborts its upload)."""
+
+    path: str
+
+    def write(self, data: memoryview, offset: int, padded: memoryview | None = None) -> None: ...
+
+    def finish(self, fsync: bool, size: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class MappedFileWriter(ShardFileWriter, Protocol):
+    """A shard writer whose file is mapped in memory (the memory tier's), so that units are
+    captured straight into it: ``pin`` registers the mapping with CUDA (False: it cannot),
+    ``unit_view`` is the mapped range a unit is copied into, ``mapped`` the range to read back."""
+
+    def pin(self) -> bool: ...
+
+    def unit_view(self, offset: int, nbytes: int) -> torch.Tensor: ...
+
+    def mapped(self, offset: int, nbytes: int) -> torch.Tensor: ...
+
+
 class ReadFile:
     """One file opened for reading: its size and positional reads into caller buffers."""
 
@@ -253,10 +283,9 @@ class Store:
         it is a regular file in its folder (:func:`open_regular`)."""
         raise NotImplementedError
 
-    def shard_writer(self, path: str, io_mode: str, layout: Any) -> Any:
-        """A writer for one shard file with ``write(data, offset, padded=None)``,
-        ``finish(fsync, size)`` and ``close()`` (see ``posix.ShardWriter``); ``layout`` is the
-        file's ``planning.Layout`` (object stores cut their upload parts from it)."""
+    def shard_writer(self, path: str, io_mode: str, layout: Any) -> ShardFileWriter:
+        """A writer for one shard file (:class:`ShardFileWriter`); ``layout`` is the file's
+        ``planning.Layout`` (object stores cut their upload parts from it)."""
         raise NotImplementedError
 
     def cleanup_uploads(self, root: str, is_stale) -> list[str]:
