@@ -53,7 +53,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
-from .errors import ConfigError, DatastatesError
+from .errors import ConfigError
+from .format.small_records import parse_stop_plan
 from .save.arguments import check_step
 
 if TYPE_CHECKING:
@@ -90,18 +91,9 @@ class StopPlan:
 
     @classmethod
     def parse(cls, raw: bytes, where: str) -> "StopPlan":
-        """The plan written by a rank (bytes from another process): every field checked."""
-        try:
-            obj = json.loads(raw)
-        except ValueError:
-            obj = None
-        fields = ("rank", "signum", "step")
-        if not isinstance(obj, dict) or sorted(obj) != list(fields) or any(
-                not isinstance(obj[k], int) or isinstance(obj[k], bool) or obj[k] < 0
-                for k in fields) or obj["signum"] not in signal.valid_signals():
-            raise DatastatesError(f"{where}: expected a JSON object of the ints 'step', 'signum' "
-                                  f"(a signal number) and 'rank', found {raw[:200]!r}")
-        return cls(obj["step"], obj["signum"], obj["rank"])
+        """The plan written by a rank (bytes from another process): every field checked
+        (``format.small_records.parse_stop_plan``; CorruptCheckpointError naming the field)."""
+        return cls(*parse_stop_plan(raw, where))
 
 
 class Preemption:

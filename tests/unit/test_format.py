@@ -281,3 +281,27 @@ def test_manifest_errors_name_the_field(tmp_path, change, where):
     with pytest.raises(CorruptCheckpointError) as info:
         validate.parse_manifest(obj, "m.json")
     assert f"m.json: {where.format(i=i)}" in str(info.value)
+
+
+# ---------------------------------------------------------------- the json module's public API
+
+def test_the_streamed_parsers_need_raw_decode_with_a_start_index():
+    """codec's streamed parsers call ``JSONDecoder.raw_decode(text, idx)``: a value starting at
+    ``idx`` exactly (no whitespace skipped), and the index just after it."""
+    decode = json.JSONDecoder().raw_decode
+    assert decode('  [1] {"a": "b"} x', 6) == ({"a": "b"}, 16)
+    assert decode('{"k":"v"}', 5) == ("v", 8)
+    with pytest.raises(ValueError):
+        decode(" 1", 0)
+
+
+@pytest.mark.parametrize("text", ['{"a": "\u00e9\U0001f600"}', "[]", "1", "12", ""])
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be",
+                                      "utf-32", "utf-32-le", "utf-32-be"])
+def test_json_text_is_decoded_as_json_loads_decodes_it(text, encoding):
+    raw = text.encode(encoding)
+    assert fmt.codec.text_of(raw) == raw.decode(json.detect_encoding(raw), "surrogatepass")
+    if text:
+        obj = fmt.codec.parse_json_streamed(b'{"x": %s, "e": [%s]}' % (
+            text.encode() or b"0", text.encode() or b"0"), "e", lambda _: None)
+        assert obj == json.loads('{"x": %s, "e": [%s]}' % (text, text))

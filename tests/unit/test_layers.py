@@ -21,8 +21,8 @@ PACKAGE = os.path.dirname(datastates.__file__)
 #: floor or lower only (within a floor, with no circle: test_no_import_cycles).
 FLOORS = [
     ["datastates._version", "datastates.errors", "datastates.memory.options",
-     "datastates.config", "datastates.data"],
-    ["datastates.storage", "datastates.format", "datastates.providers"],
+     "datastates.config"],
+    ["datastates.storage", "datastates.format", "datastates.providers", "datastates.data"],
     ["datastates.commit"],
     ["datastates.save", "datastates.restore"],
     ["datastates.directory"],

@@ -275,7 +275,9 @@ class Catalog:
                 found = self._scan_once(last=False)
                 if found is not None:
                     return found
-            return self._scan_once(last=True)
+            found = self._scan_once(last=True)
+            assert found is not None, "the last listing is always kept"  # _scan_once's contract
+            return found
 
     def _scan_once(self, last: bool) -> list[CheckpointInfo] | None:
         """One listing of :meth:`scan` (lock held); None if a name moved while it was listed
@@ -559,8 +561,9 @@ def resolve(root: str, step: int | None = None, tag: str | None = None,
     """Find a committed checkpoint by tag, by step, or the latest (``catalog``: as for
     :func:`latest`). CheckpointNotFoundError when there is none, naming the damaged
     checkpoints found instead."""
-    if tag is not None or step is not None:
-        name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
+    name = fmt.check_name(tag) if tag is not None else \
+        fmt.step_name(step) if step is not None else None
+    if name is not None:
         try:  # its reader reads the manifest (or its rank's view of it)
             return _read_named(root, name, store)
         except CheckpointNotFoundError:

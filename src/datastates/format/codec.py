@@ -12,7 +12,7 @@ import json
 import re
 import struct
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, cast
 
 import torch
 
@@ -130,6 +130,14 @@ def part_name(index: int) -> str:
 
 #: The names :func:`part_name` gives.
 PART_NAME = re.compile(r"manifest-[0-9]{5}\.json")
+#: What a save writes beside a manifest: shard files (of any rank) and a split manifest's parts.
+_SAVED_FILE = re.compile(r"rank-[0-9]{5,}\.dsf|" + PART_NAME.pattern)
+
+
+def saved_file(name: str) -> bool:
+    """Whether ``name`` is one a save gives a file it writes into a checkpoint's directory (or
+    its data directory): a shard file (:func:`shard_file_name`) or a part (:func:`part_name`)."""
+    return _SAVED_FILE.fullmatch(name) is not None
 
 
 def step_name(step: int) -> str:
@@ -256,7 +264,7 @@ def encode_json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
 
 
-def parse_json(raw: bytes, path: str, unique: bool = False) -> Any:
+def parse_json(raw: bytes | bytearray, path: str, unique: bool = False) -> Any:
     """The JSON object ``raw`` (CorruptCheckpointError naming ``path`` if it is none).
     ``unique``: one of its own fields given twice is an error too (parsers differ on which
     they keep, so a reader of its head and one of the whole could see different values).
@@ -286,7 +294,7 @@ def parse_json(raw: bytes, path: str, unique: bool = False) -> Any:
     return value
 
 
-def _too_deep(raw: bytes, path: str) -> Exception:
+def _too_deep(raw: bytes | bytearray, path: str) -> Exception:
     """What the decoder's RecursionError on the document ``raw`` means (see :func:`parse_json`)."""
     depth = nesting_depth(raw)
     if depth > MAX_JSON_DEPTH:
@@ -303,13 +311,13 @@ _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 and -1 as signed bytes
 
 
-def nesting_depth(raw: bytes) -> int:
+def nesting_depth(raw: bytes | bytearray) -> int:
     """The deepest nesting of arrays and objects in the JSON text ``raw`` (in any of JSON's
     encodings), counted without decoding it and without recursion: the brackets outside its
     strings, as a running sum. Valid JSON or not (the decoder judges that)."""
     try:
-        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
-    except (UnicodeDecodeError, LookupError):
+        text = text_of(raw)
+    except UnicodeDecodeError:
         return 0
     brackets = _NOT_BRACKET.sub("", _STRING.sub("", text)).encode("ascii")
     return max(itertools.accumulate(array.array("b", brackets.translate(_STEPS))), default=0)
@@ -319,10 +327,39 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+#: The decoder of the streamed parsers. They use its public ``raw_decode(text, idx)`` only (the
+#: start index is in its signature, and in typeshed's, since Python 2.6; tests/unit/test_format.py
+#: pins it): nothing of the ``json`` module's private scanner.
 _DECODER = json.JSONDecoder(parse_constant=_no_constant)
-_WS = json.decoder.WHITESPACE.match
-_SPACE = " \t\n\r"  # JSON's whitespace: what _WS skips
-_scanstring = json.decoder.scanstring
+_decode = _DECODER.raw_decode
+#: JSON's whitespace (RFC 8259: space, tab, line feed, carriage return), what separates tokens.
+#: A run of zero or more always matches: the match is never None.
+_WS = cast("Callable[[str, int], re.Match[str]]", re.compile(r"[ \t\n\r]*").match)
+_SPACE = " \t\n\r"
+
+
+def text_of(raw: bytes | bytearray) -> str:
+    """The text of the JSON document ``raw`` in the encoding ``json.loads`` reads it in: UTF-8
+    (its BOM dropped), or UTF-16/32 of either byte order, told by the BOM or by
+    the zero bytes of the first character (RFC 4627, section 3). UnicodeDecodeError if it is
+    not valid in that encoding."""
+    if raw.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
+        return raw.decode("utf-32", "surrogatepass")
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return raw.decode("utf-16", "surrogatepass")
+    if raw.startswith(b"\xef\xbb\xbf"):
+        return raw.decode("utf-8-sig", "surrogatepass")
+    if len(raw) >= 4:
+        if not raw[0]:
+            return raw.decode("utf-16-be" if raw[1] else "utf-32-be", "surrogatepass")
+        if not raw[1]:
+            return raw.decode("utf-16-le" if raw[2] or raw[3] else "utf-32-le", "surrogatepass")
+    elif len(raw) == 2:
+        if not raw[0]:
+            return raw.decode("utf-16-be", "surrogatepass")
+        if not raw[1]:
+            return raw.decode("utf-16-le", "surrogatepass")
+    return raw.decode("utf-8", "surrogatepass")
 
 
 def parse_json_streamed(raw: bytes, field: str,
@@ -339,8 +376,7 @@ def parse_json_streamed(raw: bytes, field: str,
     wrong: not an object, a field given twice (``json.loads`` keeps the last), invalid JSON
     (whose error ``parse_json`` names), a RecursionError (which ``parse_json`` judges)."""
     try:
-        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
-        return _streamed_object(text, field, start)
+        return _streamed_object(text_of(raw), field, start)
     except (UnicodeDecodeError, LookupError, ValueError, IndexError, RecursionError):
         return None  # JSONDecodeError is a ValueError; IndexError: the text ended early
 
@@ -363,7 +399,7 @@ def parse_json_head(raw: bytes, field: str) -> dict | None:
         raise _Reached(fields)
 
     try:
-        _streamed_object(raw.decode(json.detect_encoding(raw), "surrogatepass"), field, stop)
+        _streamed_object(text_of(raw), field, stop)
     except _Reached as reached:
         return reached.fields
     except (UnicodeDecodeError, LookupError, ValueError, IndexError, RecursionError):
@@ -383,7 +419,7 @@ def _streamed_object(text: str, field: str, start) -> dict | None:
         while True:
             if text[idx] != '"':
                 return None
-            key, idx = _scanstring(text, idx + 1)
+            key, idx = _decode(text, idx)
             idx = _WS(text, idx).end()
             if key in obj or text[idx] != ":":
                 return None
@@ -392,7 +428,7 @@ def _streamed_object(text: str, field: str, start) -> dict | None:
             if convert is not None:
                 obj[key], idx = _streamed_array(text, idx, convert)
             else:
-                obj[key], idx = _DECODER.raw_decode(text, idx)
+                obj[key], idx = _decode(text, idx)
             idx = _WS(text, idx).end()
             if text[idx] == ",":
                 idx = _WS(text, idx + 1).end()
@@ -407,15 +443,11 @@ def _streamed_object(text: str, field: str, start) -> dict | None:
 def _streamed_array(text: str, idx: int, convert: Callable[[Any], Any]) -> tuple[list, int]:
     """The array starting at ``text[idx]`` (``[``), each item converted; (list, end)."""
     out: list = []
-    scan = _DECODER.scan_once  # what raw_decode calls, without its frame per item
     idx = _WS(text, idx + 1).end()
     if text[idx] == "]":
         return out, idx + 1
     while True:
-        try:
-            value, idx = scan(text, idx)
-        except StopIteration:
-            raise ValueError("expected a value") from None
+        value, idx = _decode(text, idx)
         converted = convert(value)
         out.append(value if converted is None else converted)
         if text[idx] in _SPACE:

@@ -102,7 +102,7 @@ def config_from_deepspeed(deepspeed_config: Any):
     options = {"update_latest": bool(raw.pop("update_latest", True)),
                "trusted_load": bool(raw.pop("trusted_load", True))}
     fields = {f.name for f in dataclasses.fields(datastates.CheckpointConfig)}
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if "host_cache_size" in raw:
         kwargs["host_cache_bytes"] = int(float(raw.pop("host_cache_size")) * _GB)
     if "parser_threads" in raw:
@@ -174,7 +174,8 @@ class CheckpointEngine:
         DeepSpeed's wrapper inside ``save_checkpoint()``, it honours that call's
         ``save_latest`` (:meth:`_save_latest_of`)."""
         tag_dir = os.path.dirname(os.path.abspath(path))
-        caller = inspect.currentframe().f_back
+        frame = inspect.currentframe()  # None on a Python without stack frames
+        caller = frame.f_back if frame is not None else None
         try:
             save_latest = self._save_latest_of(caller, tag_dir)
         finally:
@@ -404,7 +405,7 @@ def low_precision_params(optimizer: Any) -> list[torch.Tensor]:
         return []
     if isinstance(optimizer, torch.optim.Optimizer):
         return []
-    out = []
+    out: list[torch.Tensor] = []
     for attr in ("bit16_groups", "bf16_groups", "fp16_groups"):
         for group in getattr(optimizer, attr, None) or ():
             out.extend(t for t in group if isinstance(t, torch.Tensor))

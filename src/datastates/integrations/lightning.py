@@ -229,7 +229,7 @@ class DatastatesCheckpointIO(CheckpointIO):
                     stamp = path if os.path.lexists(path) else \
                         os.path.join(folder, ASIDE_PREFIX + name)
                     found[path] = os.stat(stamp).st_mtime
-            return max(found, key=found.get, default=None)
+            return max(found, key=lambda p: found[p], default=None)
         finally:
             self._paths.close_if_idle()
 
@@ -457,7 +457,7 @@ class DatastatesMemoryCheckpoint(Callback):
         storage = max(found, key=lambda i: (-1 if i.step is None else i.step, i.seq),
                       default=None)
         storage_step = None if storage is None else -1 if storage.step is None else storage.step
-        if memory_wins(None if memory is None else memory.step, storage_step):
+        if memory is not None and memory_wins(memory.step, storage_step):
             return memory.path
         return None if storage is None else storage.path
 

@@ -14,6 +14,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
+from typing import cast
 
 from .. import errors
 from ..commit.catalog import human_bytes
@@ -23,7 +24,8 @@ from ..format import codec as fmt
 from ..format import plain
 from ..format.records import CheckpointInfo, FileRef, RankReport, ReportEntry, SaveRef
 from ..providers.tree import Flattened, Items, saved_tree
-from ..storage.posix import ShardWriter, fsync_dir
+from ..storage.posix import fsync_dir
+from ..storage.store import ShardFileWriter
 from .planning import Layout
 
 log = logging.getLogger("datastates")
@@ -86,7 +88,7 @@ class Job:
         self.cancelled = threading.Event()
         self.error: BaseException | None = None
         self.info: CheckpointInfo | None = None
-        self.writer: ShardWriter | None = None
+        self.writer: ShardFileWriter | None = None
         #: The capture copies the units straight into the shard file (pipeline.IN_PLACE).
         self.in_place = False
         #: CRC-32 of every piece of each written unit (by the unit's file offset), in the
@@ -238,8 +240,9 @@ def replica_digests(items: Items, indexes: list[int]) -> dict[str, str]:
     digested through bounded host copies."""
     out = {}
     for i in indexes:
-        if items.tensors[i] is not None:
-            data = fmt.tensor_bytes(items.tensors[i])
+        t = items.tensors[i]
+        if t is not None:
+            data = fmt.tensor_bytes(t)
             crc, step = 0, 64 << 20
             for start in range(0, data.numel(), step):
                 piece = data[start:start + step]
@@ -316,7 +319,9 @@ class SaveHandle:
         if self._job.error is not None:
             self._raise()
         self._observed = True
-        return self._job.info
+        info = self._job.info
+        assert info is not None, "a job finished without an error has its checkpoint's info"
+        return info
 
     result = wait
 
@@ -376,6 +381,10 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
     job.unblocked.wait()  # every unit written, or the deadline passed
     if job.error is not None:
         return None
+    writer = job.writer
+    if writer is None:  # opened is set without a writer only for a failed job
+        raise RuntimeError(f"the shard file of {job.target.name!r} was never opened, and the "
+                           "save recorded no error")
     position = {flat_i: t_i for t_i, flat_i in enumerate(job.write_tensors)}
     checksums = _checksums(job)
     offsets = job.layout.tensor_offsets
@@ -383,12 +392,14 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
         t_i = position.get(i)
         entries[i] = _tensor_entry(items, i, None if t_i is None else offsets[t_i],
                                    checksums[t_i] if t_i is not None else ())
+    assert None not in entries, "every item has its entry: objects above, tensors just now"
+    done = cast("list[ReportEntry]", entries)
     index = fmt.encode_index_items(job.target.rank, ",".join(
-        [_index_text(e) for e in entries if e.written]).encode())
-    job.writer.write(memoryview(index), job.layout.index_offset)
-    job.writer.write(memoryview(fmt.pack_header(job.layout.index_offset, index)), 0)
+        [_index_text(e) for e in done if e.written]).encode())
+    writer.write(memoryview(index), job.layout.index_offset)
+    writer.write(memoryview(fmt.pack_header(job.layout.index_offset, index)), 0)
     size = job.layout.index_offset + len(index)
-    job.writer.finish(fsync, size)
+    writer.finish(fsync, size)
     job.stats.file_nbytes = size
     if fsync and job.target.store.renames:  # the file's entry in the temporary directory
         fsync_dir(job.target.tmp)
@@ -396,7 +407,7 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
     return RankReport(rank=rank, save=_save_ref(job), root=job.target.root,
                       file=FileRef(name=fmt.shard_file_name(rank), rank=rank, nbytes=size,
                                    index_crc32=fmt.crc32(index)),
-                      entries=tuple(entries), tree=saved_tree(job.flat.tree),
+                      entries=tuple(done), tree=saved_tree(job.flat.tree),
                       replicas=dict(job.replicas),
                       expired=job.expired)
 
@@ -423,8 +434,10 @@ def _tensor_entry(items: Items, i: int, offset: int | None, checksums: tuple) ->
     not written by this rank (``offset`` None). Its fields in order (one call per tensor of a
     save, without keyword arguments to match)."""
     box = items.boxes.get(i)
+    dtype = items.dtypes[i]
+    assert dtype is not None, "a tensor item has its dtype"
     return ReportEntry(items.keys[i], "tensor", offset is not None, offset,
                        items.nbytes[i] if offset is not None else None,
-                       fmt.dtype_name(items.dtypes[i]), items.shapes[i], checksums, None,
+                       fmt.dtype_name(dtype), items.shapes[i], checksums, None,
                        tuple(box[0]) if box else None, tuple(box[1]) if box else None,
                        bool(items.replicated[i]))
