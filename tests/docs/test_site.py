@@ -67,3 +67,49 @@ def test_the_site_builds_strict_and_shows_the_version(tmp_path):
     assert f"datastates {datastates.__version__}" in index
     reference = (site / "reference" / "checkpointer" / "index.html").read_text(encoding="utf-8")
     assert "datastates.Checkpointer" in reference and "restore" in reference
+
+
+def _cited_tests():
+    """``test_file.py::test_name`` cited by README.md and the pages, with where."""
+    pages = [os.path.join(ROOT, "README.md")] + glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
+                                                          recursive=True)
+    for page in pages:
+        with open(page, encoding="utf-8") as f:
+            text = f.read()
+        for m in re.finditer(r"\b(test_\w+\.py)::(test_\w+)", text):
+            yield os.path.relpath(page, ROOT), m.group(1), m.group(2)
+
+
+def test_every_test_the_docs_cite_exists():
+    files = {}
+    for path in glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True):
+        files.setdefault(os.path.basename(path), []).append(path)
+    cited = list(_cited_tests())
+    assert len(cited) > 20
+    missing = []
+    for page, name, test in cited:
+        sources = []
+        for path in files.get(name, []):
+            with open(path, encoding="utf-8") as f:
+                sources.append(f.read())
+        if not any(re.search(rf"^\s*(async )?def {test}\(", s, re.M) for s in sources):
+            missing.append(f"{page}: {name}::{test}")
+    assert not missing, "tests cited by the documentation that do not exist:\n" + "\n".join(missing)
+
+
+#: Test files of other projects that the pages name (Lightning's own, run by
+#: scripts/run_upstream_tests.py).
+UPSTREAM = {"test_async_checkpoint.py", "test_checkpoint_io_plugin.py"}
+
+
+def test_every_test_file_the_docs_cite_exists():
+    names = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"),
+                                                    recursive=True)}
+    pages = [os.path.join(ROOT, "README.md")] + glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
+                                                          recursive=True)
+    missing = set()
+    for page in pages:
+        with open(page, encoding="utf-8") as f:
+            cited = set(re.findall(r"\b(test_\w+\.py)\b", f.read()))
+        missing |= {f"{os.path.relpath(page, ROOT)}: {n}" for n in cited - names - UPSTREAM}
+    assert not missing, sorted(missing)
