@@ -265,7 +265,7 @@ def _ints(values: tuple[int, ...]) -> str:
     """Exact ints (checked by the caller) as the items of a JSON array (what ``json.dumps``
     writes for each). One or two, most shapes and offsets, written by an f-string, which costs
     less than the join (0.14–0.17 µs against 0.65–0.82 µs for one int on the 2-core VM;
-    results/scratch-2026-12-02/index_encoding.py)."""
+    docs/benchmarks-history.md, "One-off probes")."""
     if len(values) == 1:
         return f"{values[0]}"
     if len(values) == 2:

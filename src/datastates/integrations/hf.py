@@ -7,39 +7,14 @@ Usage (replace ``Trainer`` by ``DatastatesTrainer``; everything else stays)::
     trainer.train()                               # checkpoints: out/checkpoint-<step>/
     trainer.train(resume_from_checkpoint=True)    # newest *committed* checkpoint
 
-The extension points are the ones ``Trainer`` documents for overriding and DLRover's
-``FlashCkptTrainer`` uses: ``_save_checkpoint`` and the ``_load_*`` methods; ``train`` is wrapped
-to pick the checkpoint to resume from and to wait for in-flight saves at the end. No Trainer code
-is patched.
+The extension points are the ones ``Trainer`` documents for overriding: ``_save_checkpoint`` and
+the ``_load_*`` methods; ``train`` is wrapped to pick the checkpoint to resume from and to wait for
+in-flight saves at the end. No Trainer code is patched. ``checkpoint-N`` is written
+asynchronously and appears atomically; ``save_total_limit`` applies after the commit. Resuming
+from a checkpoint without this Trainer's keys raises :class:`datastates.StateMismatchError`
+before anything is loaded.
 
-What changes for the user:
-
-- ``checkpoint-N`` is written asynchronously: model (parameters lazily, buffers eagerly),
-  optimizer (lazily; its next ``step()`` waits for the capture, through a step pre-hook that the
-  core installs), scheduler, grad scaler, RNG state and ``trainer_state.json``. Training goes on
-  while it is copied, written and fsynced.
-- ``checkpoint-N`` appears atomically (temp dir + fsync + rename): a crash never leaves a partial
-  ``checkpoint-N`` that ``resume_from_checkpoint=True`` could pick, as stock Trainer can
-  (transformers#35782). ``trainer_state.json`` is added inside it after the commit (it is also
-  stored in the checkpoint and rewritten on resume if a crash lost it).
-- ``save_total_limit`` is applied only after the new checkpoint is committed, never deleting the
-  best checkpoint (``load_best_model_at_end``). It counts every ``checkpoint-N`` a resume could
-  pick, datastates and stock alike, as Trainer's own rotation does (``_ds_rotate``).
-- Resuming from a datastates checkpoint that lacks what this Trainer saves (one written by the
-  Lightning or DeepSpeed integration) raises :class:`datastates.StateMismatchError` naming the
-  checkpoint, the keys expected and the keys found, before anything is loaded.
-- A ``checkpoint-N`` holds datastates files plus ``config.json``, ``generation_config.json`` and
-  the tokenizer files, not ``model.safetensors``: ``datastates export out/checkpoint-N --to hf
-  model_dir`` writes a folder that ``from_pretrained(model_dir)`` loads (or export the final model
-  with ``trainer.save_model()`` as usual). Stock checkpoints in the same ``output_dir`` still
-  resume.
-- DeepSpeed and FSDP runs keep Trainer's own checkpointing (use DeepSpeed's ``"datastates_ckpt"``
-  key for DeepSpeed).
-- With ``CheckpointConfig(memory_tier=MemoryTier(persist_every=None, persist_on_exit=False))``
-  the same state is also saved into the memory tier after every ``memory_every``-th optimizer
-  step (after that step's logging, evaluation and ``checkpoint-N``), and
-  ``resume_from_checkpoint=True`` takes the newest of memory and the ``checkpoint-N`` folders
-  (docs/integrations.md, "The memory tier").
+What is saved, rotation, export, the memory tier and the limits: docs/huggingface.md.
 """
 from __future__ import annotations
 

@@ -11,48 +11,15 @@ Lightning calls, on global rank 0 only (``Strategy.save_checkpoint`` / ``remove_
 ``load_checkpoint(path, map_location, weights_only)`` for ``fit(ckpt_path=...)`` and
 ``teardown()`` at the end of ``fit``/``validate``/``test``.
 
-Compared with Lightning's ``AsyncCheckpointIO``:
+Each path is a datastates checkpoint directory that appears atomically. A background failure is
+raised by the next ``save_checkpoint`` at the latest, and by ``teardown``. With the
+:meth:`DatastatesCheckpointIO.lazy_snapshots` callback ``save_checkpoint`` returns after planning
+and the next ``optimizer.step()`` waits for the copy; without it, once the state is in the host
+cache. ``Model.load_from_checkpoint`` has no plug-in point: use :func:`load_from_checkpoint`.
+The memory tier: :class:`DatastatesMemoryCheckpoint` (``io.memory_checkpoints(dirpath)``).
 
-- no clone of the state on the device: tensors are copied once, into the bounded host cache
-  that is reused by every save; with lazy snapshots on, the core's capture rule copies inside
-  ``save_checkpoint`` only what the trainer's optimizers do not own (buffers, which forward
-  changes, frozen parameters, EMA copies), the rest in the background;
-- lazy: with the :meth:`DatastatesCheckpointIO.lazy_snapshots` callback, ``save_checkpoint``
-  returns after planning, and the next ``optimizer.step()`` waits for the copy (the core's step
-  pre-hook; the callback's ``on_before_optimizer_step`` waits as well). With the default
-  precision Lightning runs forward and backward inside ``optimizer.step()``, after that hook, so
-  the copy overlaps what runs between two steps (logging, callbacks, the next batch's loading);
-  with a gradient scaler (``precision="16-mixed"``) the closure runs before ``step()`` and the
-  copy overlaps forward and backward too. Without the callback ``save_checkpoint`` returns once
-  the state is in the host cache; writing, fsync and commit still run in the background;
-- a failure in the background is raised by the next ``save_checkpoint`` at the latest (and by
-  ``teardown``), never swallowed;
-- each path is a datastates checkpoint directory that appears atomically; a crash never leaves
-  a partial ``.ckpt`` visible, and ``last.ckpt`` is replaced atomically.
-
-Paths Lightning names itself (module docstring of ``_paths``):
-
-- a hidden name (``.lr_find_<uuid>.ckpt``, ``.scale_batch_size_<uuid>.ckpt``: the Tuner's
-  temporary checkpoint, saved, restored and removed at once) is written and read by Lightning's
-  stock ``TorchCheckpointIO``: datastates reserves names starting with '.' for its temporaries;
-- a symbolic link (``ModelCheckpoint(save_last="link")`` makes ``last.ckpt`` one) is read as
-  the checkpoint it points to when that lies in the link's own directory; a link leading out of
-  it is refused (CorruptCheckpointError naming the link and its target); removing or saving to
-  it replaces the link, never its target;
-- before a path is looked up or loaded, the core repairs its directory (a replacement of
-  ``last.ckpt`` that a crash interrupted is put back). ``fit(ckpt_path="last")`` is resolved by
-  Lightning itself, from a listing, before the plug-in is called: resume with
-  ``ckpt_path=io.last_path(dirpath)`` to get that repair.
-
-``Model.load_from_checkpoint(path)`` reads one ``torch.load`` file and has no plug-in point: use
-:func:`load_from_checkpoint` (``load_from_checkpoint(Model, path)``), or export the checkpoint once
-with ``datastates export PATH --to torch model.ckpt``.
-
-The memory tier: with ``DatastatesCheckpointIO(CheckpointConfig(memory_tier=MemoryTier(
-persist_every=None, persist_on_exit=False)))``, the callback ``io.memory_checkpoints(dirpath)``
-(:class:`DatastatesMemoryCheckpoint`) saves the full checkpoint dict into memory every
-``every_n_steps`` optimizer steps, beside ModelCheckpoint's files in ``dirpath``, and
-``fit(model, ckpt_path=memory.resume_path())`` resumes from the newest of the two.
+The comparison with ``AsyncCheckpointIO``, the paths Lightning names itself (hidden Tuner
+files, ``save_last="link"``, ``ckpt_path="last"``) and the memory tier: docs/lightning.md.
 """
 from __future__ import annotations
 
