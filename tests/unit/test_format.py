@@ -42,9 +42,15 @@ def test_shard_file_matches_the_spec(tmp_path):
     assert trailer and int(trailer.group(2), 16) == zlib.crc32(trailer.group(1))
     assert list(manifest)[-1] == "manifest_crc32"
     raw = (cdir / manifest["files"][0]["name"]).read_bytes()
-    magic, version, flags, ioff, ilen, icrc = struct.unpack_from("<8sIIQQI", raw, 0)
-    assert magic == b"DSTATES\x01" and version == 2 and flags == 0
-    assert raw[40:4096] == bytes(4056) and ioff % 4096 == 0 and ioff + ilen == len(raw)
+    # Version 3: an empty ZIP record's local header at 0, the header at 64, the tail last.
+    assert raw[:4] == b"PK\x03\x04"
+    (magic, version, flags, ioff, ilen, icrc, toff, tlen,
+     tcrc) = struct.unpack_from("<8sIIQQIQQI", raw, 64)
+    assert magic == b"DSTATES\x01" and version == 3 and flags == 0
+    assert struct.unpack_from("<I", raw, 120)[0] == zlib.crc32(raw[64:120])
+    assert raw[124:4096] == bytes(3972) and ioff % 4096 == 0
+    assert toff == -(-(ioff + ilen) // 64) * 64 and toff + tlen == len(raw)
+    assert zlib.crc32(raw[toff:]) == tcrc
     assert zlib.crc32(raw[ioff:ioff + ilen]) == icrc == manifest["files"][0]["index_crc32"]
     index = json.loads(raw[ioff:ioff + ilen])
     by_key = {e["key"]: e for e in index["entries"]}
