@@ -14,6 +14,9 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
+from typing import cast
+
+import torch
 
 from .. import errors
 from ..commit.catalog import human_bytes
@@ -239,8 +242,9 @@ def replica_digests(items: Items, indexes: list[int]) -> dict[str, str]:
     digested through bounded host copies."""
     out = {}
     for i in indexes:
-        if items.tensors[i] is not None:
-            data = fmt.tensor_bytes(items.tensors[i])
+        t = items.tensors[i]
+        if t is not None:
+            data = fmt.tensor_bytes(t)
             crc, step = 0, 64 << 20
             for start in range(0, data.numel(), step):
                 piece = data[start:start + step]
@@ -308,7 +312,9 @@ class SaveHandle:
         if self._job.error is not None:
             self._raise()
         self._observed = True
-        return self._job.info
+        info = self._job.info
+        assert info is not None  # set by the commit before the job is done without an error
+        return info
 
     result = wait
 
@@ -368,6 +374,8 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
     job.unblocked.wait()  # every unit written, or the deadline passed
     if job.error is not None:
         return None
+    writer = job.writer
+    assert writer is not None  # opened by the capture thread before any unit
     position = {flat_i: t_i for t_i, flat_i in enumerate(job.write_tensors)}
     checksums = _checksums(job)
     offsets = job.layout.tensor_offsets
@@ -375,16 +383,17 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
         t_i = position.get(i)
         entries[i] = _tensor_entry(items, i, None if t_i is None else offsets[t_i],
                                    checksums[t_i] if t_i is not None else ())
+    written = cast("list[ReportEntry]", entries)  # every item has its entry now
     index = fmt.encode_index_items(job.target.rank, ",".join(
-        [_index_text(e) for e in entries if e.written]).encode())
+        [_index_text(e) for e in written if e.written]).encode())
     tree = saved_tree(job.flat.tree)
     if job.layout.framed:
         size = _write_framed(job, index, checksums, tree)
     else:
-        job.writer.write(memoryview(index), job.layout.index_offset)
-        job.writer.write(memoryview(fmt.pack_header(job.layout.index_offset, index)), 0)
+        writer.write(memoryview(index), job.layout.index_offset)
+        writer.write(memoryview(fmt.pack_header(job.layout.index_offset, index)), 0)
         size = job.layout.index_offset + len(index)
-    job.writer.finish(fsync, size)
+    writer.finish(fsync, size)
     job.stats.file_nbytes = size
     if fsync and job.target.store.renames:  # the file's entry in the temporary directory
         fsync_dir(job.target.tmp)
@@ -392,7 +401,7 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
     return RankReport(rank=rank, save=_save_ref(job), root=job.target.root,
                       file=FileRef(name=fmt.shard_file_name(rank), rank=rank, nbytes=size,
                                    index_crc32=fmt.crc32(index)),
-                      entries=tuple(entries), tree=tree,
+                      entries=tuple(written), tree=tree,
                       replicas=dict(job.replicas),
                       expired=job.expired)
 
@@ -455,6 +464,7 @@ def _tensor_entry(items: Items, i: int, offset: int | None, checksums: tuple) ->
     box = items.boxes.get(i)
     return ReportEntry(items.keys[i], "tensor", offset is not None, offset,
                        items.nbytes[i] if offset is not None else None,
-                       fmt.dtype_name(items.dtypes[i]), items.shapes[i], checksums, None,
+                       fmt.dtype_name(cast(torch.dtype, items.dtypes[i])), items.shapes[i],
+                       checksums, None,
                        tuple(box[0]) if box else None, tuple(box[1]) if box else None,
                        bool(items.replicated[i]))

@@ -99,7 +99,9 @@ class HostCache:
 
     def tensor(self, slot: int) -> torch.Tensor:
         start = slot * self.slot_bytes
-        return self._buffer[start:start + self.slot_bytes]
+        buffer = self._buffer
+        assert buffer is not None, "the host cache is allocated before a slot is handed out"
+        return buffer[start:start + self.slot_bytes]
 
     def view(self, slot: int) -> memoryview:
         return buffer_of(self.tensor(slot))
