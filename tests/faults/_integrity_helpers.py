@@ -13,6 +13,7 @@ import torch
 
 import datastates
 from datastates.format import codec as fmt
+from datastates.format import zipframe
 from datastates.providers import ProviderRegistry
 from datastates.restore.reader import Reader
 
@@ -155,8 +156,12 @@ def with_index(shard: bytes, index: bytes) -> bytes:
         return fmt.pack_header(offset, index) + shard[fmt.HEADER_BYTES:offset] + index
     tail = shard[fmt.align_up(offset + len(old), 64):]
     tail_at = fmt.align_up(offset + len(index), 64)
-    return (fmt.pack_header_v3(offset, index, tail_at, tail) + shard[fmt.HEADER_BYTES:offset] +
-            index + bytes(tail_at - offset - len(index)) + tail)
+    first = struct.unpack_from("<I", shard, 120)[0]  # tensor 0's local header ends the block
+    slot = zipframe.local_header(zipframe.INDEX_RECORD, len(index), 64, fmt.crc32(index))
+    return (fmt.pack_header_v3(offset, index, tail_at, tail,
+                               shard[fmt.HEADER_BYTES - first:fmt.HEADER_BYTES]) +
+            shard[fmt.HEADER_BYTES:offset - 64] + slot + index +
+            bytes(tail_at - offset - len(index)) + tail)
 
 
 # ---------------------------------------------------------------- bounded memory

@@ -86,10 +86,10 @@ def flip_byte(path: str, offset: int) -> None:
 def set_header(path: str, fmt: str, offset: int, value, fix_crc: bool) -> None:
     """Set a header field (``offset`` from the header's start); with ``fix_crc`` recompute the
     header CRC (of bytes 0-35 at 36; of a version-3 file, whose header starts at 64 after a ZIP
-    local header, of its 56 bytes at 56)."""
+    local header, of its 60 bytes at 60)."""
     with open(path, "r+b") as f:
         v3 = f.read(4) == b"PK\x03\x04"
-        at, used = (64, 56) if v3 else (0, 36)
+        at, used = (64, 60) if v3 else (0, 36)
         f.seek(at)
         head = bytearray(f.read(used + 4))
         struct.pack_into(fmt, head, offset, value)

@@ -215,8 +215,8 @@ def test_header_fields_with_valid_crc(pristine, work):
     """Header fields changed and the header CRC recomputed: only the manifest ties it down."""
     at, used = _header_at(pristine["shard"])
     fields = [(8, "<I"), (12, "<I"), (16, "<Q"), (24, "<Q"), (32, "<I")]
-    if at:  # version 3: the tail's offset, length and CRC too
-        fields += [(36, "<Q"), (44, "<Q"), (52, "<I")]
+    if at:  # version 3: the tail's offset, length and CRC, the first slot's length too
+        fields += [(36, "<Q"), (44, "<Q"), (52, "<I"), (56, "<I")]
 
     def make(rng):
         head = bytearray(pristine["shard"][:at + used])
@@ -233,8 +233,8 @@ def test_header_fields_with_valid_crc(pristine, work):
 
 def _header_at(shard: bytes) -> tuple[int, int]:
     """(where the header starts, the bytes of its fields and CRC): at 0, 40 bytes (versions 1
-    and 2), or at 64 after the first ZIP local header, 60 bytes (version 3)."""
-    return (64, 60) if shard.startswith(b"PK\x03\x04") else (0, 40)
+    and 2), or at 64 after the first ZIP local header, 64 bytes (version 3)."""
+    return (64, 64) if shard.startswith(b"PK\x03\x04") else (0, 40)
 
 
 def test_index_flips(pristine, work):

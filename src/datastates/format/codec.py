@@ -178,7 +178,7 @@ class ShardHeader(NamedTuple):
         return self.index_offset + self.index_length
 
 
-_HEADER3 = struct.Struct("<8sIIQQIQQI")  # ... and tail offset, length, crc
+_HEADER3 = struct.Struct("<8sIIQQIQQII")  # ... and tail offset, length, crc, first slot
 _HEADER3_USED = _HEADER3.size + 4
 
 
@@ -190,16 +190,17 @@ def pack_header(index_offset: int, index_bytes: bytes) -> bytes:
     return head + bytes(HEADER_BYTES - len(head))
 
 
-def pack_header_v3(index_offset: int, index_bytes: bytes, tail_offset: int,
-                   tail: bytes) -> bytes:
-    """The first 4096 bytes of a version-3 shard file: the local header of the empty first record,
-    then the header (docs/format.md, "Shard file version 3")."""
+def pack_header_v3(index_offset: int, index_bytes: bytes, tail_offset: int, tail: bytes,
+                   first_slot: bytes = b"") -> bytes:
+    """The first 4096 bytes of a version-3 shard file: the local header of the empty first
+    record, the header, zeros, and ``first_slot``, the local header of the first tensor (which
+    starts at 4096), if any (docs/format.md, "Shard file version 3")."""
     from . import zipframe
     head = _HEADER3.pack(MAGIC, VERSION, 0, index_offset, len(index_bytes), crc32(index_bytes),
-                         tail_offset, len(tail), crc32(tail))
+                         tail_offset, len(tail), crc32(tail), len(first_slot))
     head += struct.pack("<I", crc32(head))
     return zipframe.header_record_header() + head + \
-        bytes(HEADER_BYTES - zipframe.HEADER_AT - len(head))
+        bytes(HEADER_BYTES - zipframe.HEADER_AT - len(head) - len(first_slot)) + first_slot
 
 
 def is_shard_start(raw: bytes) -> bool:
@@ -266,7 +267,7 @@ def read_header(f: "ReadFile", path: str, file_size: int) -> ShardHeader:
     if head_crc != crc32(raw[:_HEADER.size]):
         raise CorruptCheckpointError(f"{path}: header checksum mismatch")
     _check_version(version, (1, 2), path)
-    _check_rest(flags, raw, _HEADER_USED, 0, path)
+    _check_rest(flags, raw, _HEADER_USED, path)
     _check_index(offset, length, file_size, path)
     return ShardHeader(offset, length, index_crc, version)
 
@@ -278,7 +279,7 @@ def _read_header_v3(raw: bytes, path: str, file_size: int) -> ShardHeader:
         raise CorruptCheckpointError(f"{path}: bytes 0-{at - 1} are not the local header of "
                                      "the first record (damaged header)")
     (magic, version, flags, offset, length, index_crc, tail_offset, tail_length,
-     tail_crc) = _HEADER3.unpack_from(raw, at)
+     tail_crc, first_slot) = _HEADER3.unpack_from(raw, at)
     if magic != MAGIC:
         raise CorruptCheckpointError(f"{path}: wrong magic {magic!r} at offset {at}, expected "
                                      f"{MAGIC!r} (not a datastates shard file)")
@@ -286,7 +287,12 @@ def _read_header_v3(raw: bytes, path: str, file_size: int) -> ShardHeader:
     if head_crc != crc32(raw[at:at + _HEADER3.size]):
         raise CorruptCheckpointError(f"{path}: header checksum mismatch")
     _check_version(version, (3,), path)
-    _check_rest(flags, raw, at + _HEADER3_USED, at, path)
+    if first_slot not in (0, zipframe.SLOT, zipframe.BIG_SLOT) or \
+            (first_slot and not raw[HEADER_BYTES - first_slot:].startswith(_ZIP_START)):
+        raise CorruptCheckpointError(f"{path}: the header gives a first local header of "
+                                     f"{first_slot} bytes, expected 0, {zipframe.SLOT} or "
+                                     f"{zipframe.BIG_SLOT} bytes beginning with a signature")
+    _check_rest(flags, raw[:HEADER_BYTES - first_slot], at + _HEADER3_USED, path)
     _check_index(offset, length, file_size, path)
     if tail_offset != align_up(offset + length, DATA_ALIGN) or tail_length > MAX_TAIL_BYTES \
             or tail_offset + tail_length != file_size:
@@ -306,11 +312,12 @@ def _check_version(version: int, known: tuple, path: str) -> None:
                                      f"{list(known)}")
 
 
-def _check_rest(flags: int, raw: bytes, used: int, at: int, path: str) -> None:
+def _check_rest(flags: int, raw: bytes, used: int, path: str) -> None:
+    """Flags zero, and every byte of ``raw`` from ``used`` on (the reserved bytes)."""
     if flags:
         raise CorruptCheckpointError(f"{path}: header flags are {flags:#x}, expected 0")
-    if raw[used:].count(0) != HEADER_BYTES - used:
-        first = next(i for i in range(used, HEADER_BYTES) if raw[i])
+    if raw[used:].count(0) != len(raw) - used:
+        first = next(i for i in range(used, len(raw)) if raw[i])
         raise CorruptCheckpointError(f"{path}: reserved header byte at offset {first} is "
                                      f"{raw[first]:#x}, expected 0")
 

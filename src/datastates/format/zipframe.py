@@ -79,18 +79,6 @@ class Record(NamedTuple):
     crc: int
 
 
-def tensor_offsets(sizes: Iterable[int], start: int) -> list[int]:
-    """Where the tensors of ``sizes`` start, in file order, from ``start`` (the end of what
-    precedes them): each after its slot, on a multiple of 64 (128 for a big slot)."""
-    out, pos = [], start
-    for size in sizes:
-        slot = slot_of(size)
-        pos = -(-(pos + slot) // slot) * slot
-        out.append(pos)
-        pos += size
-    return out
-
-
 def slot_bytes(offsets_sizes: Iterable[tuple[int, int]]) -> Iterable[tuple[int, bytes]]:
     """(where, bytes) of each tensor record's local header, for the tensors of an index given
     as (offset, nbytes) in ascending offset order (what ``verify`` compares a file against)."""
@@ -141,11 +129,47 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return crc1 ^ crc2
 
 
+def _native_combine() -> Callable[[int, int, int], int] | None:
+    """A compiled crc32_combine (ISA-L, zlib-ng, or the system zlib through ctypes), if any:
+    microseconds where the Python one takes milliseconds."""
+    try:
+        from isal import isal_zlib
+        return isal_zlib.crc32_combine
+    except (ImportError, AttributeError):
+        pass
+    try:
+        from zlib_ng import zlib_ng
+        return zlib_ng.crc32_combine
+    except (ImportError, AttributeError):
+        pass
+    try:
+        import ctypes
+        import ctypes.util
+        name = ctypes.util.find_library("z")
+        if name is None:
+            return None
+        function = ctypes.CDLL(name).crc32_combine64
+        function.restype = ctypes.c_ulong
+        function.argtypes = [ctypes.c_ulong, ctypes.c_ulong, ctypes.c_int64]
+        return lambda crc1, crc2, len2: int(function(crc1, crc2, len2)) & 0xFFFFFFFF
+    except (OSError, AttributeError):
+        return None
+
+
+_COMBINE: list = []  # [the combine function], found at the first use
+
+
 def crc_of_pieces(pieces: Iterable[tuple[int, int]]) -> int:
-    """The CRC-32 of a region from its checksum pieces, ``(length, crc32)`` in order."""
-    crc = 0
+    """The CRC-32 of a region from its checksum pieces, ``(length, crc32)`` in order (one
+    piece, the common case: its CRC-32)."""
+    crc, first = 0, True
     for length, piece in pieces:
-        crc = crc32_combine(crc, piece, length) if crc or length else piece
+        if first:
+            crc, first = piece, False
+            continue
+        if not _COMBINE:
+            _COMBINE.append(_native_combine() or crc32_combine)
+        crc = _COMBINE[0](crc, piece, length)
     return crc
 
 

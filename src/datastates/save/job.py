@@ -436,7 +436,11 @@ def _write_framed(job: Job, index: bytes, checksums: list, tree: dict) -> int:
     tail_at = fmt.align_up(at + len(index), fmt.DATA_ALIGN)
     tail = zipframe.tail(tail_at, records, pickled, fmt.crc32)
     writer.write(memoryview(tail), tail_at)
-    writer.write(memoryview(fmt.pack_header_v3(at, index, tail_at, tail)), 0)
+    first = b""
+    if job.write_tensors:
+        n0 = items.nbytes[job.write_tensors[0]]
+        first = zipframe.local_header(zipframe.tensor_name(0), n0, zipframe.slot_of(n0))
+    writer.write(memoryview(fmt.pack_header_v3(at, index, tail_at, tail, first)), 0)
     return tail_at + len(tail)
 
 

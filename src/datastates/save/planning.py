@@ -57,7 +57,8 @@ def plan_layout(tensor_sizes: list[int], blob_sizes: list[int], unit_bytes: int,
     slots and every unit is one aligned write. Blobs follow on a 4096 boundary, then the index.
     ``framed`` (format version 3): each tensor is preceded by its ZIP local header slot (64
     bytes, 128 from 4 GiB; docs/format.md, "Shard file version 3"), planned in the unit that
-    holds it, and the index by 64 bytes for its own.
+    holds it -- but the first tensor's, which ends the header block (the first tensor stays at
+    4096) -- and the index by 64 bytes for its own.
     """
     if unit_bytes <= 0 or unit_bytes % UNIT_ALIGN:
         raise ValueError(f"unit_bytes must be a positive multiple of {UNIT_ALIGN}, got {unit_bytes}")
@@ -66,7 +67,9 @@ def plan_layout(tensor_sizes: list[int], blob_sizes: list[int], unit_bytes: int,
     pos = 0  # offset in the data stream, which starts at HEADER_BYTES in the file
     base = 0  # where the last unit starts in the stream
     for item, size in enumerate(tensor_sizes):
-        if framed:
+        if framed and item == 0:  # at 4096: its slot ends the header block (finish_file)
+            pass
+        elif framed:
             slot = slot_of(size)
             pos = (pos + slot + slot - 1) // slot * slot
             index = (pos - slot) // unit_bytes
