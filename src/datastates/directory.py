@@ -236,7 +236,8 @@ class TierCheckpointer:
         writes = eager + [i for i in writes if lazy[i]]  # eager units first
         objects = list(items.blobs)  # in item order: added as the walk found them
         layout = plan_layout([items.nbytes[i] for i in writes],
-                             [items.nbytes[i] for i in objects], self.config.unit_bytes)
+                             [items.nbytes[i] for i in objects], self.config.unit_bytes,
+                             framed=True)
         self._publisher.hold(self.directory, self.comm.run_id, self.config.fsync)
         ready = self._pipeline.copier.record_ready([items.tensors[i] for i in writes])
         return Job(target, flat=flat, layout=layout, write_tensors=writes, objects=objects,

@@ -142,7 +142,7 @@ def _examine(path: str, store: Store, head: bool, raw: bytes | None = None,
 #: How a manifest this library wrote begins (every version) and ends (a sealed one).
 _MANIFEST_START = b'{"format":"%s"' % fmt.CHECKPOINT_FORMAT.encode()
 _SEAL = b',"manifest_crc32":"'
-_MARK_BYTES = 64
+_MARK_BYTES = 72
 _foreign_named: set[str] = set()
 _foreign_lock = threading.Lock()
 
@@ -167,8 +167,9 @@ def written_by_datastates(path: str, store: Store = LOCAL, raw: bytes | None = N
                           if name.startswith(".data.") and name != besides]
     except OSError:
         folders = [""]
-    return any(_first_bytes(store.join(path, folder, fmt.shard_file_name(0)) if folder else
-                            store.join(path, fmt.shard_file_name(0)), store).startswith(fmt.MAGIC)
+    return any(fmt.is_shard_start(_first_bytes(
+        store.join(path, folder, fmt.shard_file_name(0)) if folder else
+        store.join(path, fmt.shard_file_name(0)), store))
                for folder in folders)
 
 

@@ -16,11 +16,14 @@ import warnings
 from dataclasses import dataclass
 from typing import cast
 
+import torch
+
 from .. import errors
 from ..commit.catalog import human_bytes
 from ..commit.committer import SaveTarget
 from ..errors import CommitTimeoutError
 from ..format import codec as fmt
+from ..format import zipframe
 from ..format import plain
 from ..format.records import CheckpointInfo, FileRef, RankReport, ReportEntry, SaveRef
 from ..providers.tree import Flattened, Items, saved_tree
@@ -396,9 +399,13 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
     done = cast("list[ReportEntry]", entries)
     index = fmt.encode_index_items(job.target.rank, ",".join(
         [_index_text(e) for e in done if e.written]).encode())
-    writer.write(memoryview(index), job.layout.index_offset)
-    writer.write(memoryview(fmt.pack_header(job.layout.index_offset, index)), 0)
-    size = job.layout.index_offset + len(index)
+    tree = saved_tree(job.flat.tree)
+    if job.layout.framed:
+        size = _write_framed(job, index, checksums, tree)
+    else:
+        writer.write(memoryview(index), job.layout.index_offset)
+        writer.write(memoryview(fmt.pack_header(job.layout.index_offset, index)), 0)
+        size = job.layout.index_offset + len(index)
     writer.finish(fsync, size)
     job.stats.file_nbytes = size
     if fsync and job.target.store.renames:  # the file's entry in the temporary directory
@@ -407,9 +414,47 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
     return RankReport(rank=rank, save=_save_ref(job), root=job.target.root,
                       file=FileRef(name=fmt.shard_file_name(rank), rank=rank, nbytes=size,
                                    index_crc32=fmt.crc32(index)),
-                      entries=tuple(done), tree=saved_tree(job.flat.tree),
+                      entries=tuple(done), tree=tree,
                       replicas=dict(job.replicas),
                       expired=job.expired)
+
+
+def _write_framed(job: Job, index: bytes, checksums: list, tree: dict) -> int:
+    """Write the index as a ZIP record, the tail (the pickle of the rank's state naming the
+    tensor records, the central directory) and the header of a version-3 file (docs/format.md,
+    "Shard file version 3"); return the file's size."""
+    items, layout, writer = job.flat.items, job.layout, job.writer
+    assert writer is not None  # opened by the capture thread before any unit
+    at = layout.index_offset
+    index_crc = fmt.crc32(index)
+    writer.write(memoryview(zipframe.local_header(zipframe.INDEX_RECORD, len(index),
+                                                      zipframe.SLOT, index_crc)),
+                     at - zipframe.SLOT)
+    writer.write(memoryview(index), at)
+    records = [zipframe.Record(zipframe.HEADER_RECORD, 0, 0, 0)]
+    for k, i in enumerate(job.write_tensors):
+        nbytes = items.nbytes[i]
+        records.append(zipframe.Record(zipframe.tensor_name(k),
+                                       layout.tensor_offsets[k] - zipframe.slot_of(nbytes),
+                                       nbytes, zipframe.crc_of_pieces(checksums[k])))
+    records.append(zipframe.Record(zipframe.INDEX_RECORD, at - zipframe.SLOT, len(index),
+                                   index_crc))
+    position = {flat_i: k for k, flat_i in enumerate(job.write_tensors)}
+
+    def held(i: int):
+        k = position.get(i)
+        return None if k is None else (k, items.dtypes[i], items.shapes[i])
+
+    pickled = zipframe.pickle_state(zipframe.plain_state(tree, held))
+    tail_at = fmt.align_up(at + len(index), fmt.DATA_ALIGN)
+    tail = zipframe.tail(tail_at, records, pickled, fmt.crc32)
+    writer.write(memoryview(tail), tail_at)
+    first = b""
+    if job.write_tensors:
+        n0 = items.nbytes[job.write_tensors[0]]
+        first = zipframe.local_header(zipframe.tensor_name(0), n0, zipframe.slot_of(n0))
+    writer.write(memoryview(fmt.pack_header_v3(at, index, tail_at, tail, first)), 0)
+    return tail_at + len(tail)
 
 
 def _checksums(job: Job) -> list[tuple[tuple[int, int], ...]]:

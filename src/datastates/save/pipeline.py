@@ -20,6 +20,7 @@ job's events ends, with the data or with an error.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import queue
 import threading
 import time
@@ -32,6 +33,7 @@ from ..commit.committer import commit_save
 from ..config import CheckpointConfig
 from ..errors import CheckpointerClosedError, StorageError
 from ..format import codec as fmt
+from ..format import zipframe
 from ..providers.tree import plain_cpu
 from .capture import check_unwritten
 from .job import Job, failed_report, finish_file, replica_digests, write_error
@@ -292,6 +294,9 @@ class Pipeline:
                 self._eager_done(job)
         if padded > pos and not dense:
             zero_bytes(base + pos, padded - pos)
+        for at, k, nbytes in unit.slots:  # in gaps zeroed above, apart from every piece
+            data = zipframe.local_header(zipframe.tensor_name(k), nbytes, zipframe.slot_of(nbytes))
+            ctypes.memmove(base + at, data, len(data))
         copier.copy_addresses(copies)
         fence = copier.fence()
         if fence is not None:
