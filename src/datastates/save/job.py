@@ -16,7 +16,6 @@ import warnings
 from dataclasses import dataclass
 from typing import cast
 
-import torch
 
 from .. import errors
 from ..commit.catalog import human_bytes
