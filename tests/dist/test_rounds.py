@@ -421,3 +421,30 @@ def test_a_rank_at_its_deadline_takes_the_values_when_all_are_there():
     out = _as_threads({0: lambda: comms[0].exchange("t", "zero", 30), 1: rank1})
     assert out[0] == out[1] == {0: "zero", 1: "one"}, out
     assert store.list_keys() == []
+
+
+class _Decisions(MemoryStore):
+    """Keeps every decision claimed."""
+
+    def __init__(self):
+        super().__init__()
+        self.claimed = []
+
+    def compare_set(self, key, expected, desired):
+        value = super().compare_set(key, expected, desired)
+        if key.endswith("/decision") and expected == "" and value == desired.encode():
+            self.claimed.append(json.loads(value))
+        return value
+
+
+def test_equal_values_are_published_once_whatever_the_world_size():
+    """The decision key holds runs of equal values: 16 ranks sending one value and two others
+    publish three runs, and every rank reads every value back in rank order."""
+    store = _Decisions()
+    comms = [StoreCommunicator(store, r, 16, "run") for r in range(16)]
+    value = {"name": "step-0000000001", "seq": 1}
+    sent = {r: (value if r not in (5, 6) else {"name": None, "seq": -1}) for r in range(16)}
+    out = _as_threads({r: lambda c=comms[r]: c.exchange("t", sent[c.rank], 30)
+                       for r in range(16)})
+    assert all(out[r] == sent for r in range(16)), out
+    assert [d["runs"] for d in store.claimed] == [[[value, 5], [sent[5], 2], [value, 9]]]

@@ -61,18 +61,20 @@ tier's agreements). The n-th exchange of a topic has the keys::
 
     x/<topic>/<n>/r<k>       rank k's value (boxed in a list)    written, then deleted, by rank k
     x/<topic>/<n>/n          values posted: +1 each, +2**32 once an abort wins  every rank (add)
-    x/<topic>/<n>/decision   every value in rank order, or an abort naming the ranks missing
-                                                                                 claimed (below)
+    x/<topic>/<n>/decision   every value in rank order (runs of equal ones     claimed (below)
+                             as one), or an abort naming the ranks missing
     x/<topic>/<n>/done       ranks that took the values; the last deletes n, decision, done
 
 Rank 0 gathers: it polls the counter (one request per poll, which also shows an abort), reads
 each value once when all are counted, and claims the decision key with all of them; every
 other rank posts its value, counts itself in, and polls the one decision key. Each rank then
 deletes its own value. So an exchange costs rank 0 ranks + 5 requests and every other rank 4,
-plus their polls and 3 for the last rank to finish (docs/scale.md, "Restart"), where an all-gather reading every rank's key from every rank cost
-each rank about ranks + 4. A rank whose deadline passes claims the decision itself: an abort
-naming the ranks whose values are missing, or, when they are all there (rank 0 slow), the
-values; the first claim holds for all. An aborted exchange leaves its counter and decision
+plus their polls and 3 for the last rank to finish (docs/scale.md, "Restart"); an all-gather
+in which every rank read every rank's key cost each rank about ranks + 4. Equal values of
+ranks in a row are published once, so the key each rank reads does not grow with the ranks
+when they send the same value. A rank whose deadline passes claims the decision itself: an
+abort naming the ranks whose values are missing, or, when they are all there (rank 0 slow),
+the values; the first claim holds for all. An aborted exchange leaves its counter and decision
 behind, so that a rank that skipped it sees, in the count it posts, that it ended without it.
 
 A group of some ranks (:meth:`subgroup`: the memory tier of several nodes) runs the same round
@@ -586,7 +588,8 @@ class StoreCommunicator:
         requests per exchange: O(ranks) at rank 0, O(1) at every other rank (polls aside:
         one request each, backing off as the round's).
 
-        All ranks get the same answer: the values, or TimeoutError on every rank. A rank whose
+        All ranks get the same answer: the values (read-only: ranks that sent equal values
+        may share one object), or TimeoutError on every rank. A rank whose
         ``timeout_s`` passes first claims an abort naming the ranks whose values are missing,
         and the first claim holds for everyone (a rank that timed out after rank 0 claimed the
         values takes the values). A rank that skipped a call the others made, or came after
@@ -637,7 +640,11 @@ class StoreCommunicator:
         if self.store.add(f"{prefix}/done", 1) >= self.world_size:
             for key in ("n", "decision", "done"):
                 self.store.delete_key(f"{prefix}/{key}")
-        return dict(enumerate(outcome["values"]))
+        values = [value for value, ranks in outcome["runs"] for _ in range(ranks)]
+        if len(values) != self.world_size:
+            raise TimeoutError(f"the exchange {topic!r} #{count} decided {len(values)} values "
+                               f"for {self.world_size} ranks")
+        return dict(enumerate(values))
 
     def _gather(self, prefix: str, own: Any, deadline: float) -> dict:
         """Rank 0: wait until every rank counted itself in (one request per poll, which also
@@ -686,12 +693,22 @@ class StoreCommunicator:
 
     def _conclude(self, prefix: str, boxes: list[Any]) -> dict:
         """Claim the decision: every value when ``boxes`` (every rank's, None if missing) are
-        all there, else an abort naming the ranks missing. The outcome in force."""
+        all there, else an abort naming the ranks missing. The outcome in force. The values are
+        written as runs (a value and how many ranks in a row sent it): an exchange whose ranks
+        send equal values, the usual case, publishes one value, not one per rank."""
         missing = [r for r, box in enumerate(boxes) if box is None]
         if missing:
             return self._decide(prefix, {"go": False, "rank": self.rank, "missing": missing})
-        return self._decide(prefix, {"go": True, "rank": self.rank,
-                                     "values": [box[0] for box in boxes]})
+        runs: list[list[Any]] = []  # [value, how many ranks in a row sent it]
+        last = None
+        for box in boxes:
+            text = json.dumps(box[0], sort_keys=True)
+            if text == last:
+                runs[-1][1] += 1
+            else:
+                runs.append([box[0], 1])
+                last = text
+        return self._decide(prefix, {"go": True, "rank": self.rank, "runs": runs})
 
     def _decide(self, prefix: str, outcome: dict) -> dict:
         """Claim the exchange's decision key with ``outcome``; an abort that wins also marks
