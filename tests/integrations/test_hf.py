@@ -22,6 +22,9 @@ from datastates.integrations.hf import DatastatesTrainer  # noqa: E402
 
 from integration_helpers import assert_same  # noqa: E402
 
+# slow: Hugging Face Trainer runs
+pytestmark = pytest.mark.slow
+
 
 def tiny_model():
     torch.manual_seed(0)

@@ -17,6 +17,9 @@ from datastates.integrations.hf import DatastatesTrainer  # noqa: E402
 from test_hf import args, dataset, tiny_model  # noqa: E402
 from testkit import ONE_WRITER  # noqa: E402
 
+# slow: a Hugging Face Trainer run
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def ours():

@@ -20,6 +20,9 @@ from datastates.integrations.lightning import DatastatesCheckpointIO  # noqa: E4
 
 from integration_helpers import assert_same  # noqa: E402
 
+# slow: Lightning Trainer runs
+pytestmark = pytest.mark.slow
+
 
 class Tiny(pl.LightningModule):
     def __init__(self):

@@ -28,6 +28,9 @@ from datastates.integrations.lightning import DatastatesCheckpointIO  # noqa: E4
 
 from integration_helpers import assert_same, subprocess_env  # noqa: E402
 
+# slow: Lightning Trainer runs, some in processes of their own
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def ours():

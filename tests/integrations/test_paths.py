@@ -23,6 +23,7 @@ def test_deepspeed_imports_our_engine():
     assert datastates.CheckpointEngine is CheckpointEngine
 
 
+@pytest.mark.slow
 def test_core_imports_without_frameworks():
     code = textwrap.dedent("""
         import sys
@@ -103,6 +104,7 @@ def test_background_failure_raised_by_next_save(tmp_path, monkeypatch):
     paths.close()
 
 
+@pytest.mark.slow
 def test_crash_never_exposes_a_partial_checkpoint(tmp_path):
     code = textwrap.dedent(f"""
         import os, torch, datastates
@@ -189,6 +191,7 @@ def test_interrupted_replacement_is_put_back_before_lookup(tmp_path):
     paths.close()
 
 
+@pytest.mark.slow
 def test_plain_file_stays_loadable_until_its_replacement_commits(tmp_path):
     """Another engine's plain file replaced by a datastates checkpoint: the job dies with the
     save in flight (its commit held back), and the path still loads the old file."""
