@@ -56,6 +56,7 @@ def shard_of(found: dict[str, str], name: str) -> str:
     return shard
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_restored(
         s3_server, s3_root, caplog):
     """A flipped byte in the newest checkpoint's shard object: the step before is restored
