@@ -49,14 +49,20 @@ from server import Server, delete_prefix, find_weed, start_server, storage_optio
 _MISSING = ("could not import", "not installed", "binary not found")
 
 
+#: Folders whose every test is ``slow``: real gloo processes (dist), the documentation's examples
+#: run end to end, several of them training loops (docs).
+_SLOW_FOLDERS = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name) + os.sep
+                      for name in ("dist", "docs"))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Two kinds of tests are ``slow`` wherever they are, left out of the fast lane
-    (``python -m pytest -m "not slow" tests``): those under ``tests/dist`` (each starts real
-    gloo processes) and those that take ``shm_root`` (each starts memory-tier keepers). Other
-    long tests carry the marker themselves (``pytestmark = pytest.mark.slow``)."""
-    dist = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist") + os.sep
+    """Some tests are ``slow`` wherever they are, left out of the fast lane (``python -m pytest
+    -m "not slow" tests``): those under ``_SLOW_FOLDERS`` and those that take ``shm_root`` (each
+    starts memory-tier keepers). Other long tests carry the marker themselves (``pytestmark =
+    pytest.mark.slow``)."""
     for item in items:
-        if str(item.path).startswith(dist) or "shm_root" in getattr(item, "fixturenames", ()):
+        if (str(item.path).startswith(_SLOW_FOLDERS)
+                or "shm_root" in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 
