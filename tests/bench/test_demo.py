@@ -5,9 +5,14 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 import zygote
 
 from benchmarks import demo
+
+# slow: the demo trains, checkpoints, restores and resumes in a process of its own
+pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

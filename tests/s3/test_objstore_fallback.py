@@ -16,6 +16,9 @@ from datastates.restore.reader import Reader
 from server import storage_options
 from testkit import step_state
 
+# slow: damaged checkpoints on a real object store, moved aside and copied back
+pytestmark = pytest.mark.slow
+
 SMALL = dict(chunk_bytes=64 << 10, host_cache_bytes=1 << 20)
 
 
@@ -56,7 +59,6 @@ def shard_of(found: dict[str, str], name: str) -> str:
     return shard
 
 
-@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_restored(
         s3_server, s3_root, caplog):
     """A flipped byte in the newest checkpoint's shard object: the step before is restored
