@@ -59,7 +59,8 @@ MODES = ["none", "limit", "ds_module_k3", "ds_module_all", "ds_sd_k3", "ds_sd_al
 
 
 def demo_config() -> tuple[GPTConfig, int]:
-    """The shape ``python -m benchmarks.demo`` trains by default, and its batch size."""
+    """The shape ``python -m benchmarks.demo --long`` trains (the README's demo numbers), and its
+    batch size."""
     return GPTConfig(vocab_size=8192, block_size=64, n_layer=6, n_head=6, n_embd=384), 8
 
 

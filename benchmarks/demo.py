@@ -1,8 +1,10 @@
 """The demo: train a small GPT on synthetic data with checkpoints, restore, continue, compare.
 
-It prints what it measured: the training stall each checkpoint caused (save() blocking plus the
-optimizer step waiting for the snapshot), the bytes, the persist throughput, the same checkpoint
-with torch.save for comparison, and whether the resumed run is bit-identical.
+It prints a line per checkpoint as training goes, then what it measured: the training stall each
+checkpoint caused (save() blocking plus the optimizer step waiting for the snapshot), the bytes,
+the persist throughput, the same checkpoint with torch.save for comparison, and whether the
+resumed run is bit-identical. The default run is small (about a minute on a 2-core machine);
+``--long`` runs the larger model the README's numbers were measured with.
 """
 from __future__ import annotations
 
@@ -56,13 +58,36 @@ def _step(state) -> float:
     return loss.item()
 
 
-def run(steps: int, every: int, directory: str, cfg: GPTConfig, batch: int) -> int:
+#: What each column of the table means, one line each (printed under it).
+COLUMNS = (
+    ("MB", "bytes of tensors and objects in the checkpoint (model, optimizer, scheduler, loader, "
+           "RNG)"),
+    ("save() ms", "how long save() blocked the training loop (planning + the eager copies)"),
+    ("step wait ms", "how long the next optimizer step waited for the background snapshot"),
+    ("captured s", "from save() until every tensor was copied into the host cache"),
+    ("committed s", "from save() until the checkpoint was on disk, fsynced and visible"),
+    ("persist MB/s", "MB / committed s"),
+)
+
+#: ``--long``: the shape the README's demo numbers were measured with (166 MB of state, 45 steps
+#: of ~300 ms on an idle 2-core machine; several minutes on a loaded one).
+LONG = {"steps": 45, "every": 10, "layers": 6, "width": 384, "vocab": 8192, "batch": 8,
+        "cache_mb": 512}
+#: The default: the same loop on a smaller model (31 MB of state), about a minute on a loaded
+#: 2-core machine. The last checkpoint is a few steps before the end, so the resumed run has
+#: steps of its own to replay.
+SHORT = {"steps": 24, "every": 5, "layers": 4, "width": 192, "vocab": 4096, "batch": 8,
+         "cache_mb": 96}
+
+
+def run(steps: int, every: int, directory: str, cfg: GPTConfig, batch: int,
+        cache_mb: int = 512) -> int:
     torch.manual_seed(1234)
     state = _build(cfg, batch)
     n_params = sum(p.numel() for p in state["model"].parameters())
     print(f"model: GPT {cfg.n_layer} layers x {cfg.n_embd} wide, {n_params / 1e6:.1f}M parameters; "
-          f"{steps} steps, checkpoint every {every}; directory {directory}")
-    config = CheckpointConfig(host_cache_bytes=512 << 20, keep_last=2)
+          f"{steps} steps, checkpoint every {every}; directory {directory}", flush=True)
+    config = CheckpointConfig(host_cache_bytes=cache_mb << 20, keep_last=2)
     handles, step_times = [], []
     with Checkpointer(directory, config) as ckpt:
         t_train = time.perf_counter()
@@ -71,7 +96,11 @@ def run(steps: int, every: int, directory: str, cfg: GPTConfig, batch: int) -> i
             loss = _step(state)
             step_times.append(time.perf_counter() - t0)
             if step % every == 0:
-                handles.append(ckpt.save(state, step=step, metadata={"loss": loss}))
+                handle = ckpt.save(state, step=step, metadata={"loss": loss})
+                handles.append(handle)
+                print(f"step {step:>4}/{steps}  loss {loss:.3f}  checkpoint {handle.name}: save() "
+                      f"returned in {handle.stats.blocked_s * 1e3:.1f} ms, the rest runs in the "
+                      f"background", flush=True)
         ckpt.wait()
         train_s = time.perf_counter() - t_train
         final = {k: v.detach().clone() for k, v in state["model"].state_dict().items()}
@@ -84,10 +113,13 @@ def run(steps: int, every: int, directory: str, cfg: GPTConfig, batch: int) -> i
             print(f"{h.name:<18}{s.nbytes / 1e6:>8.1f}{s.blocked_s * 1e3:>11.1f}"
                   f"{s.step_wait_s * 1e3:>14.1f}{s.snapshot_s:>12.2f}{s.commit_s:>13.2f}"
                   f"{s.nbytes / 1e6 / s.commit_s:>14.0f}")
+        for name, meaning in COLUMNS:
+            print(f"  {name:<14}{meaning}")
         stalls = [h.stats.blocked_s + h.stats.step_wait_s for h in handles]
         median_step = sorted(step_times)[len(step_times) // 2]
-        print(f"median training stall per checkpoint: {sorted(stalls)[len(stalls) // 2] * 1e3:.1f} ms"
-              f" (a training step takes {median_step * 1e3:.0f} ms)")
+        print(f"median training stall per checkpoint (save() + step wait): "
+              f"{sorted(stalls)[len(stalls) // 2] * 1e3:.1f} ms"
+              f" (a training step takes {median_step * 1e3:.0f} ms)", flush=True)
 
         # The same state with torch.save (synchronous, + fsync) for comparison.
         path = os.path.join(directory, "torch_save.pt")
@@ -99,7 +131,8 @@ def run(steps: int, every: int, directory: str, cfg: GPTConfig, batch: int) -> i
             os.fsync(f.fileno())
         torch_save_s = time.perf_counter() - t0
         os.remove(path)
-        print(f"torch.save of the same state blocks training for {torch_save_s * 1e3:.0f} ms")
+        print(f"torch.save of the same state blocks training for {torch_save_s * 1e3:.0f} ms",
+              flush=True)
 
         # Restore the latest checkpoint into fresh objects and continue.
         latest = ckpt.latest()
@@ -110,8 +143,8 @@ def run(steps: int, every: int, directory: str, cfg: GPTConfig, batch: int) -> i
         t0 = time.perf_counter()
         report = ckpt.restore(fresh, step=latest.step)
         restore_s = time.perf_counter() - t0
-        print(f"restored {latest.name} ({report.nbytes / 1e6:.1f} MB) in {restore_s:.2f} s "
-              f"({report.nbytes / 1e6 / restore_s:.0f} MB/s)")
+        print(f"restored {latest.name} ({report.nbytes / 1e6:.1f} MB) into fresh objects in "
+              f"{restore_s:.2f} s ({report.nbytes / 1e6 / restore_s:.0f} MB/s)", flush=True)
     # The run above is the uninterrupted reference; continue the restored one to the same step.
     for _ in range(latest.step + 1, steps + 1):
         _step(fresh)
@@ -124,19 +157,22 @@ def run(steps: int, every: int, directory: str, cfg: GPTConfig, batch: int) -> i
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.demo", description=__doc__)
-    parser.add_argument("--steps", type=int, default=45)
-    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--long", action="store_true",
+                        help="the larger run the README's numbers come from: "
+                             + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in LONG.items()))
+    for name, value in SHORT.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                            help=f"(default {value}; {LONG[name]} with --long)")
     parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir)")
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--width", type=int, default=384)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args(argv)
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=64, n_layer=args.layers, n_head=6,
-                    n_embd=args.width)
+    preset = LONG if args.long else SHORT
+    shape = {name: preset[name] if getattr(args, name) is None else getattr(args, name)
+             for name in preset}
+    cfg = GPTConfig(vocab_size=shape["vocab"], block_size=64, n_layer=shape["layers"],
+                    n_head=6, n_embd=shape["width"])
     directory = args.dir or tempfile.mkdtemp(prefix="datastates-demo-", dir=os.getcwd())
     try:
-        return run(args.steps, args.every, directory, cfg, args.batch)
+        return run(shape["steps"], shape["every"], directory, cfg, shape["batch"], shape["cache_mb"])
     finally:
         if args.dir is None:
             shutil.rmtree(directory, ignore_errors=True)

@@ -11,6 +11,12 @@ object-storage backend takes.
 is one) for the memory-tier tests; at the end every keeper serving a job under it is stopped, and
 its memory must then be gone.
 
+``pristine`` (session) builds a checkpoint folder once per session: ``pristine(build)`` calls
+``build(root)`` the first time it is asked for ``build`` and returns ``(root, what build
+returned)``; tests that damage a checkpoint take ``private_copy(root)`` (function), a copy of it
+in the test's own ``tmp_path``. Builders of states and the shared cache configurations are in
+``tests/testkit.py``.
+
 Processes the tests start find ``benchmarks/`` through ``PYTHONPATH`` (set here).
 
 With ``DATASTATES_REQUIRE_EXTRAS=1`` (set by ``.ci/run``, which installs every optional package), a
@@ -41,6 +47,23 @@ from server import Server, delete_prefix, find_weed, start_server, storage_optio
 #: Skip reasons that mean "something installable is missing" (pytest.importorskip, the docs
 #: harness, the s3_server fixture).
 _MISSING = ("could not import", "not installed", "binary not found")
+
+
+#: Folders whose every test is ``slow``: real gloo processes (dist), the documentation's examples
+#: run end to end, several of them training loops (docs).
+_SLOW_FOLDERS = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name) + os.sep
+                      for name in ("dist", "docs"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Some tests are ``slow`` wherever they are, left out of the fast lane (``python -m pytest
+    -m "not slow" tests``): those under ``_SLOW_FOLDERS`` and those that take ``shm_root`` (each
+    starts memory-tier keepers). Other long tests carry the marker themselves (``pytestmark =
+    pytest.mark.slow``)."""
+    for item in items:
+        if (str(item.path).startswith(_SLOW_FOLDERS)
+                or "shm_root" in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 def _skip_reason(report) -> str:
@@ -86,6 +109,32 @@ def s3_root(s3_server: Server) -> str:
 def s3_storage_options(s3_server: Server) -> dict:
     """``{"endpoint_url", "aws_access_key_id", "aws_secret_access_key", "region_name"}``."""
     return storage_options(s3_server)
+
+
+@pytest.fixture(scope="session")
+def pristine(tmp_path_factory):
+    """``pristine(build) -> (root, value)``: the folder ``build(root)`` filled, built once per
+    session; never written to by a test (take :func:`private_copy` of it)."""
+    built: dict = {}
+
+    def get(build):
+        if build not in built:
+            root = str(tmp_path_factory.mktemp(build.__name__.strip("_")))
+            built[build] = (root, build(root))
+        return built[build]
+
+    return get
+
+
+@pytest.fixture
+def private_copy(tmp_path):
+    """``private_copy(src) -> str``: a copy of the folder ``src`` at ``<tmp_path>/ck``."""
+    def copy(src) -> str:
+        dst = str(tmp_path / "ck")
+        shutil.copytree(src, dst)
+        return dst
+
+    return copy
 
 
 @pytest.fixture

@@ -14,6 +14,9 @@ import pytest
 
 import zygote
 
+# slow: every test forks interpreters from the zygote
+pytestmark = pytest.mark.slow
+
 SCRIPT = textwrap.dedent("""
     import atexit, os, sys, threading
     print("argv", sys.argv[1:], "path0", sys.path[0], "name", __name__, flush=True)

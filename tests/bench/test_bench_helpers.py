@@ -83,6 +83,7 @@ def test_fragmented_state_has_same_bytes_in_many_tensors():
     assert frag.ntensors > 4 * 400 and frag.ntensors > 5 * gpt.ntensors
 
 
+@pytest.mark.slow
 def test_fingerprint_detects_perturbation_and_copy_into_live_restores():
     st = states.build_gpt_state(states.gpt_config("quick"))
     sd = {k: v for k, v in states.plain_state_dict(st).items()}
@@ -174,6 +175,7 @@ def test_charts_unavailable_without_matplotlib(monkeypatch):
         charts.draw_all({}, Path("."))
 
 
+@pytest.mark.slow
 def test_run_without_matplotlib_still_writes_md_and_json(tmp_path):
     """A minimal real run with matplotlib made unimportable."""
     script = (

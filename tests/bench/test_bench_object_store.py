@@ -15,6 +15,9 @@ import pytest
 
 import zygote
 
+# slow: a real object-store run of the benchmark
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "bench_object_store.py"
 

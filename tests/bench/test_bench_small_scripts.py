@@ -9,7 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import zygote
+
+# slow: each test runs a benchmark script end to end in processes of its own
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -19,6 +19,9 @@ import pytest
 
 import zygote
 
+# slow: the benchmark's smoke run, every method end to end
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "benchmarks" / "run.py"
 CHARTS = ["stall.png", "committed_throughput.png", "e2e_slowdown.png", "load_throughput.png"]

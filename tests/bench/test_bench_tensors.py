@@ -14,6 +14,9 @@ import pytest
 
 import zygote
 
+# slow: a quick run of the benchmark still measures every method
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 

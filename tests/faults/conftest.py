@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-import datastates
+from testkit import SMALL
 
 
 @pytest.fixture
 def small_config():
     """A small cache with several units, so saves go through the whole pipeline."""
-    return datastates.CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10,
-                                       writer_threads=2)
+    return SMALL.replace(writer_threads=2)

@@ -23,6 +23,9 @@ from datastates.format import codec as fmt
 from _faults_helpers import WAIT_S, assert_bit_exact, crash_child, hidden_entries, run_child
 import zygote
 
+# slow: writers and readers in processes of their own
+pytestmark = pytest.mark.slow
+
 SMALL = dict(host_cache_bytes=1 << 20, chunk_bytes=1 << 16)
 
 #: Saves in a loop -- an overwrite of one tag, then a new step, keep_last=2 (so every save also

@@ -15,9 +15,9 @@ import datastates
 from datastates import (CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError)
 
 from _faults_helpers import assert_bit_exact, shard_path, tensors_of, zeros_like_state
+from testkit import SMALL
 
 STEP1, STEP2 = "step-0000000001", "step-0000000002"
-CONFIG = datastates.CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
 
 
 def make_state(seed: int) -> dict:
@@ -28,21 +28,16 @@ def make_state(seed: int) -> dict:
             "meta": {("tuple", "key"): f"object {seed}"}}
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pristine")
-    with datastates.Checkpointer(root, CONFIG) as ck:
+def _two_steps(root) -> None:
+    with datastates.Checkpointer(root, SMALL) as ck:
         ck.save(make_state(1), step=1).wait(60)
         ck.save(make_state(2), step=2).wait(60)
-    return root
 
 
 @pytest.fixture
-def root(pristine, tmp_path):
+def root(pristine, private_copy):
     """A private copy of two committed checkpoints (step 1 and step 2) to damage."""
-    dst = tmp_path / "ck"
-    shutil.copytree(pristine, dst)
-    return dst
+    return private_copy(pristine(_two_steps)[0])
 
 
 def step2(root) -> str:
@@ -100,20 +95,20 @@ def set_header(path: str, fmt: str, offset: int, value, fix_crc: bool) -> None:
 
 
 def load_step2(root, **kwargs):
-    with datastates.Checkpointer(root, CONFIG) as ck:
+    with datastates.Checkpointer(root, SMALL) as ck:
         return ck.load(step=2, **kwargs)
 
 
 def restore_step2(root, **kwargs):
     live = zeros_like_state(make_state(2))
-    with datastates.Checkpointer(root, CONFIG) as ck:
+    with datastates.Checkpointer(root, SMALL) as ck:
         ck.restore(live, step=2, **kwargs)
     return live
 
 
 def assert_others_intact(root) -> None:
     """Step 1 still loads bit-exactly next to the damaged step 2."""
-    with datastates.Checkpointer(root, CONFIG) as ck:
+    with datastates.Checkpointer(root, SMALL) as ck:
         assert_bit_exact(ck.load(step=1, trusted=True), make_state(1), STEP1)
 
 
@@ -262,7 +257,7 @@ def test_manifest_edited_without_its_checksum_is_corrupt(root, seal):
         with pytest.raises(CorruptCheckpointError, match="checksum") as info:
             action(root)
         assert info.type is CorruptCheckpointError
-    with datastates.Checkpointer(root, CONFIG) as ck:
+    with datastates.Checkpointer(root, SMALL) as ck:
         assert [i.name for i in ck.list()] == [STEP1]
     assert_others_intact(root)
 
@@ -323,7 +318,7 @@ def test_manifest_shape_inconsistent_with_bytes(root):
 def test_garbage_manifest_is_not_a_checkpoint(root, garbage):
     with open(os.path.join(step2(root), "manifest.json"), "wb") as f:
         f.write(garbage)
-    with datastates.Checkpointer(root, CONFIG) as ck:
+    with datastates.Checkpointer(root, SMALL) as ck:
         assert [i.name for i in ck.list()] == [STEP1]
         # latest names step 2, which is no checkpoint any more: fall back to step 1.
         with open(os.path.join(root, "latest")) as f:
@@ -341,7 +336,7 @@ def test_latest_file_is_only_a_hint(root, content):
     """Whatever the ``latest`` file says, the newest committed checkpoint is the latest."""
     with open(os.path.join(root, "latest"), "wb") as f:
         f.write(content)
-    with datastates.Checkpointer(root, CONFIG) as ck:
+    with datastates.Checkpointer(root, SMALL) as ck:
         assert ck.latest().name == STEP2
         live = zeros_like_state(make_state(2))
         assert ck.restore(live).name == STEP2
@@ -352,7 +347,7 @@ def test_latest_file_is_only_a_hint(root, content):
 
 def test_latest_missing_falls_back(root):
     os.remove(os.path.join(root, "latest"))
-    with datastates.Checkpointer(root, CONFIG) as ck:
+    with datastates.Checkpointer(root, SMALL) as ck:
         assert ck.latest().name == STEP2
         assert_bit_exact(ck.load(trusted=True), make_state(2), STEP2)
 
@@ -361,7 +356,7 @@ def test_a_directory_without_manifest_is_ignored(root):
     """A checkpoint-looking directory (say, copied half-way by hand) without manifest.json."""
     os.makedirs(os.path.join(root, "step-0000000003"))
     shutil.copyfile(shard_path(step2(root)), shard_path(os.path.join(root, "step-0000000003")))
-    with datastates.Checkpointer(root, CONFIG) as ck:
+    with datastates.Checkpointer(root, SMALL) as ck:
         assert [i.name for i in ck.list()] == [STEP1, STEP2]
         with pytest.raises(CheckpointNotFoundError, match="step-0000000003"):
             ck.load(step=3)

@@ -31,6 +31,9 @@ from _faults_helpers import (WAIT_S, tmp_of, assert_bit_exact, child_command, cr
                              zeros_like_state)
 import zygote
 
+# slow: each test kills a child process at an injected point
+pytestmark = pytest.mark.slow
+
 STEP1 = "step-0000000001"
 STEP2 = "step-0000000002"
 

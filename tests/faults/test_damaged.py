@@ -93,6 +93,7 @@ def run_loop(directory, seed: int, stop: int, saved: dict):
     return start, report, resumed
 
 
+@pytest.mark.slow
 def test_readme_loop_resumes_past_a_damaged_newest_manifest(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="datastates")
     saved: dict[int, dict] = {}

@@ -47,6 +47,9 @@ from datastates.storage.temporaries import LEASE_PREFIX, name_key, owner_token, 
 
 from _faults_helpers import HERE, assert_bit_exact
 
+# slow: torchrun jobs killed and restarted at every world size
+pytestmark = pytest.mark.slow
+
 CHILD = os.path.join(HERE, "_elastic_child.py")
 STEPS = 6
 #: The bound on one torchrun run (a run takes 15 to 90 s on 2 cores; a worker hung for the

@@ -11,11 +11,15 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 import datastates
 
 from _faults_helpers import WAIT_S, free_port
+
+# slow: each test runs a script in a process of its own to its exit
+pytestmark = pytest.mark.slow
 
 _SCRIPT = textwrap.dedent("""
     import sys

@@ -15,11 +15,7 @@ from datastates import Checkpointer, CheckpointNotFoundError, ConfigError, Corru
 from datastates.format import codec as fmt
 from datastates.storage.store import LocalStore
 
-
-def _state(step: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(3000, generator=g), "b": torch.randn(7, generator=g),
-            "meta": {"step": step, "name": f"s{step}"}}
+from testkit import step_state
 
 
 def _blank() -> dict:
@@ -32,7 +28,7 @@ def _same(a: dict, b: dict) -> bool:
 
 def _save_steps(ckpt: Checkpointer, steps) -> None:
     for s in steps:
-        ckpt.save(_state(s), step=s).wait()
+        ckpt.save(step_state(s), step=s).wait()
 
 
 def _shard(root: str, step: int) -> str:
@@ -59,7 +55,7 @@ def test_a_damaged_payload_falls_back_and_is_quarantined(root, caplog):
         live = _blank()
         with caplog.at_level(logging.WARNING, logger="datastates"):
             report = ckpt.restore(live, fallback=True)
-        assert report.step == 2 and _same(live, _state(2))
+        assert report.step == 2 and _same(live, step_state(2))
         assert [s.name for s in report.skipped] == [fmt.step_name(3)]
         skipped = report.skipped[0]
         assert "checksum mismatch" in skipped.reason and skipped.reason.startswith("rank 0:")
@@ -74,9 +70,9 @@ def test_a_damaged_payload_falls_back_and_is_quarantined(root, caplog):
         assert any(fmt.step_name(3) in r.getMessage() and "damaged" in r.getMessage()
                    for r in caplog.records if r.levelno == logging.WARNING)
         # the resume loop goes on: step 3 is saved again without overwrite=True
-        ckpt.save(_state(3), step=3).wait()
+        ckpt.save(step_state(3), step=3).wait()
         live = _blank()
-        assert ckpt.restore(live, fallback=True).skipped == [] and _same(live, _state(3))
+        assert ckpt.restore(live, fallback=True).skipped == [] and _same(live, step_state(3))
 
 
 def test_a_damaged_index_and_a_missing_file_fall_back_further(root):
@@ -87,7 +83,7 @@ def test_a_damaged_index_and_a_missing_file_fall_back_further(root):
         os.remove(_shard(root, 2))
         live = _blank()
         report = ckpt.restore(live, fallback=True)
-        assert report.step == 1 and _same(live, _state(1))
+        assert report.step == 1 and _same(live, step_state(1))
         assert [s.name for s in report.skipped] == [fmt.step_name(3), fmt.step_name(2)]
         assert "CheckpointNotFoundError" in report.skipped[1].reason
         assert all(s.quarantined for s in report.skipped)
@@ -156,7 +152,7 @@ def test_load_falls_back_too(root):
         _save_steps(ckpt, (1, 2))
         _flip(_shard(root, 2), 4096 + 5)
         loaded = ckpt.load(fallback=True)
-        assert _same(loaded, _state(1))
+        assert _same(loaded, step_state(1))
         assert [i.step for i in ckpt.list()] == [1]
 
 
@@ -168,7 +164,7 @@ def test_a_damaged_manifest_is_passed_over_and_named(root):
             f.write(b"#")
         live = _blank()
         report = ckpt.restore(live, fallback=True)
-        assert report.step == 1 and _same(live, _state(1))
+        assert report.step == 1 and _same(live, step_state(1))
         assert report.passed_over == [fmt.step_name(2)] and report.skipped == []
 
 

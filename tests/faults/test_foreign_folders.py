@@ -18,6 +18,9 @@ from datastates.commit.catalog import written_by_datastates
 from datastates.errors import CheckpointExistsError, CheckpointNotFoundError
 from datastates.format import codec as fmt
 
+# slow: many object-store round trips
+pytestmark = pytest.mark.slow
+
 SMALL = dict(host_cache_bytes=256 << 10, chunk_bytes=16 << 10)
 
 #: manifest.json bodies other programs write (a web app's manifest, a note, an empty file,

@@ -21,7 +21,6 @@ import json
 import os
 import random
 import re
-import shutil
 import sys
 
 import pytest
@@ -81,18 +80,8 @@ def _save_ranks(root: str) -> None:
     assert not errors, errors
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("forged"))
-    _save_ranks(root)
-    return root
-
-
-@pytest.fixture(scope="module")
-def pristine_split(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("forged_split"))
+def _save_split(root: str) -> None:
     _save(root, 600, _state_replicated_none)
-    return root
 
 
 def _state_replicated_none(rank: int) -> dict:
@@ -103,20 +92,20 @@ def _state_replicated_none(rank: int) -> dict:
     return state
 
 
-def _copy(src: str, tmp_path) -> tuple[str, str]:
-    root = str(tmp_path / "ck")
-    shutil.copytree(src, root)
+def _copy(pristine, private_copy, build) -> tuple[str, str]:
+    """(root, checkpoint) of a private copy of what ``build`` saved."""
+    root = private_copy(pristine(build)[0])
     return root, os.path.join(root, STEP)
 
 
 @pytest.fixture
-def ck(pristine, tmp_path):
-    return _copy(pristine, tmp_path)
+def ck(pristine, private_copy):
+    return _copy(pristine, private_copy, _save_ranks)
 
 
 @pytest.fixture
-def ck_split(pristine_split, tmp_path):
-    return _copy(pristine_split, tmp_path)
+def ck_split(pristine, private_copy):
+    return _copy(pristine, private_copy, _save_split)
 
 
 def _checkpointer(root: str) -> datastates.Checkpointer:
@@ -358,17 +347,14 @@ def test_the_review_and_every_reader_judge_a_layout_by_the_same_rule():
 
 # ---------------------------------------------------------------- nesting and metadata
 
-@pytest.fixture(scope="module")
-def pristine_one(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("one"))
+def _save_one(root: str) -> None:
     with datastates.Checkpointer(root) as checkpointer:
         checkpointer.save({"w": torch.arange(3.0)}, step=1).wait(60)
-    return root
 
 
 @pytest.fixture
-def one(pristine_one, tmp_path):
-    return _copy(pristine_one, tmp_path)
+def one(pristine, private_copy):
+    return _copy(pristine, private_copy, _save_one)
 
 
 def _with_metadata(ckpt: str, text: bytes) -> None:

@@ -19,7 +19,6 @@ import copy
 import json
 import os
 import random
-import shutil
 import struct
 
 import pytest
@@ -33,6 +32,9 @@ from _integrity_helpers import (NAME, assert_same_view, bounded_memory, index_of
                                 manifest_path, read_bytes, restore, restore_live, save_pristine, shard_file,
                                 verify, with_index, write_bytes)
 
+# slow: 540 damaged copies, each read three ways
+pytestmark = pytest.mark.slow
+
 CASES = int(os.environ.get("FUZZ_CASES", "60"))  # per test below: 9 tests, 540 cases
 
 _ODD_VALUES = [None, True, False, "", "x", "../x", 1.5, -1, 0, 1, 2 ** 31, 2 ** 64, 10 ** 30,
@@ -41,10 +43,9 @@ _ODD_VALUES = [None, True, False, "", "x", "../x", 1.5, -1, 0, 1, 2 ** 31, 2 ** 
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    """(root, checkpoint dir, saved view, pristine load, manifest bytes, shard bytes)."""
-    root = tmp_path_factory.mktemp("fuzz-pristine")
-    saved, loaded = save_pristine(root)
+def original(pristine):
+    """{root, saved view, pristine load, shard size, manifest bytes, shard bytes}."""
+    root, (saved, loaded) = pristine(save_pristine)
     ckpt = os.path.join(root, NAME)
     return {"root": root, "saved": saved, "loaded": loaded, "size": os.path.getsize(
         shard_file(ckpt)), "manifest": read_bytes(manifest_path(ckpt)),
@@ -52,10 +53,8 @@ def pristine(tmp_path_factory):
 
 
 @pytest.fixture
-def work(pristine, tmp_path):
-    dst = tmp_path / "ck"
-    shutil.copytree(pristine["root"], dst)
-    return str(dst / NAME)
+def work(original, private_copy):
+    return os.path.join(private_copy(original["root"]), NAME)
 
 
 # ---------------------------------------------------------------- mutations
@@ -136,7 +135,7 @@ def manifest_obj(raw: bytes) -> dict:
 
 # ---------------------------------------------------------------- running a case
 
-def run_case(pristine, ckpt: str, manifest: bytes, shard: bytes, forged: bool, what: str) -> None:
+def run_case(original, ckpt: str, manifest: bytes, shard: bytes, forged: bool, what: str) -> None:
     write_bytes(manifest_path(ckpt), manifest)
     write_bytes(shard_file(ckpt), shard)
     outcomes = {}
@@ -156,79 +155,79 @@ def run_case(pristine, ckpt: str, manifest: bytes, shard: bytes, forged: bool, w
             raise AssertionError(f"{what}: {name} raised {type(exc).__name__}: {exc}") from exc
     if not forged:  # damage: whatever was returned is exactly what was saved
         if "load" in outcomes:
-            assert_bit_exact(outcomes["load"], pristine["loaded"], f"{what}: load")
+            assert_bit_exact(outcomes["load"], original["loaded"], f"{what}: load")
         if "restore" in outcomes:
-            assert_same_view(outcomes["restore"], pristine["saved"])
+            assert_same_view(outcomes["restore"], original["saved"])
         if "verify" in outcomes:
-            assert outcomes["verify"] == pristine["size"], what
+            assert outcomes["verify"] == original["size"], what
     root = os.path.dirname(ckpt)
     assert {i.name for i in catalog.list_checkpoints(root)} <= {NAME, "step-0000000006"}, what
     assert catalog.latest(root) is not None, what
 
 
-def run_cases(pristine, ckpt: str, seed: int, make) -> None:
+def run_cases(original, ckpt: str, seed: int, make) -> None:
     with bounded_memory():
         for i in range(CASES):
             rng = random.Random(seed * 1000 + i)
             manifest, shard, forged, what = make(rng)
-            run_case(pristine, ckpt, manifest, shard, forged, f"case {seed}/{i}: {what}")
+            run_case(original, ckpt, manifest, shard, forged, f"case {seed}/{i}: {what}")
 
 
 # ---------------------------------------------------------------- the cases
 
 @pytest.mark.parametrize("how", ["byte", "bit"])
-def test_manifest_flips(pristine, work, how):
+def test_manifest_flips(original, work, how):
     flip = flip_byte if how == "byte" else flip_bit
 
     def make(rng):
-        return flip(pristine["manifest"], rng), pristine["shard"], False, f"manifest {how} flip"
-    run_cases(pristine, work, 1 if how == "byte" else 2, make)
+        return flip(original["manifest"], rng), original["shard"], False, f"manifest {how} flip"
+    run_cases(original, work, 1 if how == "byte" else 2, make)
 
 
 @pytest.mark.parametrize("sealed", [False, True])
-def test_manifest_json_mutations(pristine, work, sealed):
-    base = manifest_obj(pristine["manifest"])
+def test_manifest_json_mutations(original, work, sealed):
+    base = manifest_obj(original["manifest"])
 
     def make(rng):
         obj, what = mutate_json(base, rng)
         body = encode(obj)
-        return (fmt.seal_manifest(body) if sealed else body), pristine["shard"], sealed, \
+        return (fmt.seal_manifest(body) if sealed else body), original["shard"], sealed, \
             f"manifest {what}"
-    run_cases(pristine, work, 3 if sealed else 4, make)
+    run_cases(original, work, 3 if sealed else 4, make)
 
 
 @pytest.mark.parametrize("how", ["byte", "bit"])
-def test_header_flips(pristine, work, how):
+def test_header_flips(original, work, how):
     flip = flip_byte if how == "byte" else flip_bit
 
-    at, used = _header_at(pristine["shard"])
+    at, used = _header_at(original["shard"])
 
     def make(rng):
         # mostly the fields (and a version-3 file's first local header), some reserved bytes
         hi = at + used if rng.random() < 0.8 else fmt.HEADER_BYTES
-        return pristine["manifest"], flip(pristine["shard"], rng, 0, hi), False, \
+        return original["manifest"], flip(original["shard"], rng, 0, hi), False, \
             f"header {how} flip"
-    run_cases(pristine, work, 5 if how == "byte" else 6, make)
+    run_cases(original, work, 5 if how == "byte" else 6, make)
 
 
-def test_header_fields_with_valid_crc(pristine, work):
+def test_header_fields_with_valid_crc(original, work):
     """Header fields changed and the header CRC recomputed: only the manifest ties it down."""
-    at, used = _header_at(pristine["shard"])
+    at, used = _header_at(original["shard"])
     fields = [(8, "<I"), (12, "<I"), (16, "<Q"), (24, "<Q"), (32, "<I")]
     if at:  # version 3: the tail's offset, length and CRC, the first slot's length too
         fields += [(36, "<Q"), (44, "<Q"), (52, "<I"), (56, "<I")]
 
     def make(rng):
-        head = bytearray(pristine["shard"][:at + used])
+        head = bytearray(original["shard"][:at + used])
         field = rng.choice(fields)
         (old,) = struct.unpack_from(field[1], head, at + field[0])
         new = rng.choice([0, 1, 3, old + 1, old - 1 if old else 7, old + 4096, 2 ** 32 - 1])
         struct.pack_into(field[1], head, at + field[0],
                          new & (2 ** (8 * struct.calcsize(field[1])) - 1))
         struct.pack_into("<I", head, at + used - 4, fmt.crc32(bytes(head[at:at + used - 4])))
-        return pristine["manifest"], bytes(head) + pristine["shard"][at + used:], False, \
+        return original["manifest"], bytes(head) + original["shard"][at + used:], False, \
             f"header field at {at + field[0]} = {new}"
-    run_cases(pristine, work, 7, make)
+    run_cases(original, work, 7, make)
 
 
 def _header_at(shard: bytes) -> tuple[int, int]:
@@ -237,28 +236,28 @@ def _header_at(shard: bytes) -> tuple[int, int]:
     return (64, 64) if shard.startswith(b"PK\x03\x04") else (0, 40)
 
 
-def test_index_flips(pristine, work):
-    offset, index = index_of(pristine["shard"])
+def test_index_flips(original, work):
+    offset, index = index_of(original["shard"])
 
     def make(rng):
         flip = flip_byte if rng.random() < 0.5 else flip_bit
-        return pristine["manifest"], flip(pristine["shard"], rng, offset), False, "index flip"
-    run_cases(pristine, work, 8, make)
+        return original["manifest"], flip(original["shard"], rng, offset), False, "index flip"
+    run_cases(original, work, 8, make)
 
 
 @pytest.mark.parametrize("forged", [False, True])
-def test_index_json_mutations(pristine, work, forged):
+def test_index_json_mutations(original, work, forged):
     """Index mutated with the header made valid; forged: the manifest updated to match it."""
-    _, index = index_of(pristine["shard"])
+    _, index = index_of(original["shard"])
     base = json.loads(index)
 
     def make(rng):
         obj, what = mutate_json(base, rng)
-        shard = with_index(pristine["shard"], encode(obj))
-        manifest = pristine["manifest"]
+        shard = with_index(original["shard"], encode(obj))
+        manifest = original["manifest"]
         if forged:
             m = manifest_obj(manifest)
             m["files"][0].update(nbytes=len(shard), index_crc32=fmt.crc32(encode(obj)))
             manifest = fmt.seal_manifest(encode(m))
         return manifest, shard, forged, f"index {what}"
-    run_cases(pristine, work, 9 if forged else 10, make)
+    run_cases(original, work, 9 if forged else 10, make)

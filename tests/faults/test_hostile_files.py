@@ -21,8 +21,8 @@ from datastates.storage.posix import remove_tree
 
 from _faults_helpers import assert_bit_exact
 from _integrity_helpers import bounded_memory
+from testkit import SMALL
 
-CONFIG = datastates.CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
 STEP1, STEP2 = fmt.step_name(1), fmt.step_name(2)
 
 
@@ -36,21 +36,16 @@ def fresh_state() -> dict:
     return {"w": torch.zeros(64, 100), "n": torch.zeros(50, dtype=torch.int64), "meta": None}
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pristine")
-    with datastates.Checkpointer(root, CONFIG) as ck:
+def _two_steps(root) -> None:
+    with datastates.Checkpointer(root, SMALL) as ck:
         ck.save(make_state(1), step=1).wait(60)
         ck.save(make_state(2), step=2).wait(60)
-    return root
 
 
 @pytest.fixture
-def root(pristine, tmp_path):
+def root(pristine, private_copy):
     """A private copy of two committed checkpoints (step 1 and step 2) to damage."""
-    dst = tmp_path / "ck"
-    shutil.copytree(pristine, dst)
-    return str(dst)
+    return private_copy(pristine(_two_steps)[0])
 
 
 def bounded(fn, *args, fifos=(), **kwargs) -> dict:
@@ -109,7 +104,7 @@ def test_special_manifest_is_refused_by_every_reader(root, tmp_path, kind, capsy
     fifos = [manifest] if kind == "fifo" else []
 
     assert_refused(bounded(describe.find, ckpt, fifos=fifos), manifest, KINDS[kind])
-    with datastates.Checkpointer(root, CONFIG) as ck:
+    with datastates.Checkpointer(root, SMALL) as ck:
         state = fresh_state()
         assert_refused(bounded(ck.restore, state, step=2, fifos=fifos), manifest, KINDS[kind])
         assert_refused(bounded(ck.load, step=2, fifos=fifos), manifest, KINDS[kind])
@@ -148,7 +143,7 @@ def test_special_shard_file_is_refused_by_every_reader(root, tmp_path, kind, cap
     plant(shard, kind, tmp_path)
     fifos = [shard] if kind == "fifo" else []
 
-    with datastates.Checkpointer(root, CONFIG) as ck:
+    with datastates.Checkpointer(root, SMALL) as ck:
         state = fresh_state()
         assert_refused(bounded(ck.restore, state, fifos=fifos), shard, KINDS[kind])
         assert_refused(bounded(ck.load, fifos=fifos), shard, KINDS[kind])
@@ -184,11 +179,11 @@ def test_linked_checkpoint_folder_inside_the_root_is_refused(root, tmp_path, cap
     """root/step-3 -> an intact checkpoint elsewhere: never read, and no checkpoint of this
     root (datastates writes no links): named in a WARNING, left alone."""
     elsewhere = os.path.join(str(tmp_path), "elsewhere", fmt.step_name(3))
-    with datastates.Checkpointer(os.path.dirname(elsewhere), CONFIG) as ck:
+    with datastates.Checkpointer(os.path.dirname(elsewhere), SMALL) as ck:
         ck.save(make_state(3), step=3).wait(60)
     link = os.path.join(root, fmt.step_name(3))
     os.symlink(elsewhere, link)
-    with datastates.Checkpointer(root, CONFIG) as ck:
+    with datastates.Checkpointer(root, SMALL) as ck:
         assert [i.name for i in bounded(ck.list)["value"]] == [STEP1, STEP2]
         assert bounded(ck.latest)["value"].name == STEP2
         assert_refused(bounded(ck.load, step=3), link, "symbolic link")
@@ -205,7 +200,7 @@ def test_linked_root_and_a_named_linked_checkpoint_are_read(root, tmp_path, caps
     """The folder a user names may itself be a link: it is followed, and restores bit-exactly."""
     link_root = os.path.join(str(tmp_path), "link-root")
     os.symlink(root, link_root)
-    with datastates.Checkpointer(link_root, CONFIG) as ck:
+    with datastates.Checkpointer(link_root, SMALL) as ck:
         state = fresh_state()
         ck.restore(state)
     expected = make_state(2)

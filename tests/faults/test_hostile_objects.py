@@ -12,7 +12,6 @@ import io
 import json
 import os
 import pickle
-import shutil
 import sys
 import zipfile
 
@@ -27,6 +26,9 @@ from _integrity_helpers import (index_of, manifest_json, read_bytes, shard_file,
                                 write_bytes, write_sealed)
 import zygote
 
+# slow: forged pickles loaded under a memory bound (the zip bombs inflate to 512 MiB)
+pytestmark = pytest.mark.slow
+
 CONFIG = datastates.CheckpointConfig(host_cache_bytes=4 << 20, chunk_bytes=1 << 20)
 REGION_PAD = 1 << 20          # the object region is a little over 1 MiB
 BOMB_BYTES = 512 << 20        # what the bomb's data.pkl inflates to
@@ -37,20 +39,15 @@ def fresh_state() -> dict:
     return {"w": torch.zeros(8), "obj": None}
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pristine")
+def _one_object(root) -> None:
     state = {"w": torch.arange(8.0), "obj": bytes(REGION_PAD)}
     with datastates.Checkpointer(root, CONFIG) as ck:
         ck.save(state, step=1).wait(60)
-    return root
 
 
 @pytest.fixture
-def ckpt(pristine, tmp_path):
-    dst = tmp_path / "ck"
-    shutil.copytree(pristine, dst)
-    return str(dst / NAME)
+def ckpt(pristine, private_copy):
+    return os.path.join(private_copy(pristine(_one_object)[0]), NAME)
 
 
 # ---------------------------------------------------------------- forging a region

@@ -24,19 +24,13 @@ from datastates.storage.posix import ShardWriter, remove_tree
 from _faults_helpers import (WAIT_S, hidden_entries, latest_temporaries, tmp_of,
                              visible_entries)
 from datastates.storage.temporaries import name_key
+from testkit import ROOMY, TWO_UNITS, random_tensors
 
 STEP1, STEP2, STEP3 = "step-0000000001", "step-0000000002", "step-0000000003"
 
 
-def _small(**kw):
-    """Two 16 KiB slots: a state of many units streams through the cache (backpressure)."""
-    return datastates.CheckpointConfig(host_cache_bytes=32 << 10, chunk_bytes=16 << 10, **kw)
-
-
 def _state(seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"a": torch.randn(64, 1024, generator=g), "b": torch.randn(4000, generator=g),
-            "note": f"seed {seed}"}
+    return {**random_tensors(seed, a=(64, 1024), b=4000), "note": f"seed {seed}"}
 
 
 def _assert_loaded(ck, expected: dict, step: int) -> None:
@@ -76,7 +70,7 @@ def test_owner_close_drains_a_sharers_queued_save(tmp_path):
     """The owner closes while a sharer's save of many units is queued behind a full cache: close
     waits for it (the stop signals queue behind its units), the save commits, the sharer then
     raises CheckpointerClosedError and closes at once."""
-    owner = datastates.Checkpointer(tmp_path / "owner", _small())
+    owner = datastates.Checkpointer(tmp_path / "owner", TWO_UNITS)
     sharer = datastates.Checkpointer(tmp_path / "sharer", share=owner)
     state = _state(1)
     handle = sharer.save(state, step=1)
@@ -92,7 +86,7 @@ def test_owner_close_drains_a_sharers_queued_save(tmp_path):
 
 
 def test_sharer_close_then_owner_close_with_saves_in_flight(tmp_path):
-    owner = datastates.Checkpointer(tmp_path / "owner", _small())
+    owner = datastates.Checkpointer(tmp_path / "owner", TWO_UNITS)
     sharer = datastates.Checkpointer(tmp_path / "sharer", share=owner)
     s1, s2 = _state(1), _state(2)
     h_owner, h_sharer = owner.save(s1, step=1), sharer.save(s2, step=1)
@@ -106,7 +100,7 @@ def test_sharer_close_then_owner_close_with_saves_in_flight(tmp_path):
 
 
 def test_use_after_close_raises_a_datastates_error(tmp_path):
-    ck = datastates.Checkpointer(tmp_path, _small())
+    ck = datastates.Checkpointer(tmp_path, TWO_UNITS)
     ck.save(_state(1), step=1).wait(WAIT_S)
     ck.close()
     for call in (lambda: ck.save(_state(2), step=2), lambda: ck.load(),
@@ -129,8 +123,7 @@ def test_writer_thread_failure_fails_the_job_and_the_threads_live_on(tmp_path, m
         if threading.current_thread().name.startswith("datastates-writer"):
             raise RuntimeError("injected checksum failure")
         return real(data, value)
-    config = datastates.CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=16 << 10)
-    with datastates.Checkpointer(tmp_path, config) as ck:
+    with datastates.Checkpointer(tmp_path, ROOMY) as ck:
         monkeypatch.setattr(datastates.format.codec, "crc32", crc32)
         handle = ck.save(_state(1), step=1)
         with pytest.raises(RuntimeError, match="injected checksum failure"):
@@ -145,7 +138,7 @@ def test_writer_thread_failure_fails_the_job_and_the_threads_live_on(tmp_path, m
 
 def test_commit_thread_failure_fails_the_job_and_the_thread_lives_on(tmp_path, monkeypatch):
     """An unexpected exception while the commit thread finishes a file fails that save only."""
-    with datastates.Checkpointer(tmp_path, _small()) as ck:
+    with datastates.Checkpointer(tmp_path, TWO_UNITS) as ck:
         monkeypatch.setattr(datastates.format.codec, "encode_index_items",
                             lambda *a: (_ for _ in ()).throw(KeyError("injected index failure")))
         with pytest.raises(KeyError, match="injected index failure"):
@@ -167,7 +160,7 @@ def test_wait_with_a_timeout_raises_timeouterror_and_the_save_still_commits(tmp_
         if threading.current_thread().name.startswith("datastates-writer"):
             gate.wait(WAIT_S)
         return real(data, value)
-    with datastates.Checkpointer(tmp_path, _small()) as ck:
+    with datastates.Checkpointer(tmp_path, TWO_UNITS) as ck:
         monkeypatch.setattr(datastates.format.codec, "crc32", crc32)
         state = _state(1)
         handle = ck.save(state, step=1)
@@ -246,7 +239,7 @@ def test_remove_tree_raises_naming_what_it_could_not_remove(tmp_path, monkeypatc
 def test_retention_failure_warns_naming_the_path_and_is_retried(tmp_path, monkeypatch):
     """keep_last=1: the old checkpoint is renamed away but its files cannot be deleted. The new
     save commits, a RuntimeWarning names the leftover, and the next retention removes it."""
-    with datastates.Checkpointer(tmp_path, _small(keep_last=1)) as ck:
+    with datastates.Checkpointer(tmp_path, TWO_UNITS.replace(keep_last=1)) as ck:
         ck.save(_state(1), step=1).wait(WAIT_S)
         _failing_unlink(monkeypatch, ".trash.")
         state = _state(2)
@@ -274,7 +267,7 @@ def test_close_error_of_the_shard_file_fails_the_save(tmp_path, monkeypatch):
         if path.endswith(".dsf") and threading.current_thread().name == "datastates-commit":
             fired.append(path)
             raise OSError(errno.EIO, os.strerror(errno.EIO))
-    with datastates.Checkpointer(tmp_path, _small(io_mode="buffered")) as ck:
+    with datastates.Checkpointer(tmp_path, TWO_UNITS.replace(io_mode="buffered")) as ck:
         monkeypatch.setattr(os, "close", close)
         handle = ck.save(_state(1), step=1)
         with pytest.raises(CheckpointWriteError) as info:
@@ -299,7 +292,7 @@ def test_latest_update_failure_leaves_no_temporary(tmp_path, monkeypatch):
         if os.path.basename(_fd_path(fd)).startswith("latest.tmp"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(fd, data, offset)
-    with datastates.Checkpointer(tmp_path, _small()) as ck:
+    with datastates.Checkpointer(tmp_path, TWO_UNITS) as ck:
         ck.save(_state(1), step=1).wait(WAIT_S)
         monkeypatch.setattr(datastates.storage.posix, "pwrite_all", pwrite_all)
         with pytest.warns(RuntimeWarning, match="latest"):
@@ -318,14 +311,14 @@ def test_failed_rename_leaves_no_temporary_directory(tmp_path, monkeypatch):
         if tmp_of(os.path.basename(os.fspath(src)), STEP2):
             raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(src))
         return real(src, dst, *args, **kwargs)
-    with datastates.Checkpointer(tmp_path, _small()) as ck:
+    with datastates.Checkpointer(tmp_path, TWO_UNITS) as ck:
         ck.save(_state(1), step=1).wait(WAIT_S)
         monkeypatch.setattr(os, "rename", rename)
         with pytest.raises(CheckpointWriteError):
             ck.save(_state(2), step=2).wait(WAIT_S)
         monkeypatch.undo()
         assert hidden_entries(ck.directory) == []
-    with datastates.Checkpointer(tmp_path, _small()) as second:
+    with datastates.Checkpointer(tmp_path, TWO_UNITS) as second:
         assert hidden_entries(second.directory) == []
         assert [i.name for i in second.list()] == [STEP1]
 
@@ -345,7 +338,7 @@ def test_undeletable_temporary_of_a_failed_save_is_removed_later(tmp_path, monke
         if tmp_of(os.path.basename(os.fspath(path)), STEP2):
             raise OSError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
         return real_rmdir(path, *args, **kwargs)
-    with datastates.Checkpointer(tmp_path, _small()) as ck:
+    with datastates.Checkpointer(tmp_path, TWO_UNITS) as ck:
         ck.save(_state(1), step=1).wait(WAIT_S)
         monkeypatch.setattr(os, "rename", rename)
         monkeypatch.setattr(os, "rmdir", rmdir)
@@ -378,7 +371,7 @@ def test_failed_rename_of_a_replacement_keeps_the_old_checkpoint(tmp_path, monke
             return False
         raise OSError(errno.EIO, os.strerror(errno.EIO), a)
     old = _state(1)
-    with datastates.Checkpointer(tmp_path, _small()) as ck:
+    with datastates.Checkpointer(tmp_path, TWO_UNITS) as ck:
         ck.save(old, step=1).wait(WAIT_S)
         monkeypatch.setattr(os, "rename", rename)
         monkeypatch.setattr(datastates.storage.posix, "exchange", exchanged)
@@ -406,7 +399,7 @@ def test_an_overwrite_never_leaves_the_name_without_a_checkpoint(tmp_path, monke
                 seen.append(None)
             return done
         return call
-    with datastates.Checkpointer(tmp_path, _small()) as ck:
+    with datastates.Checkpointer(tmp_path, TWO_UNITS) as ck:
         ck.save(_state(1), tag="best").wait(WAIT_S)
         for exchange in (datastates.storage.posix.exchange, lambda a, b: False):
             monkeypatch.setattr(os, "rename", watched(os.rename))
@@ -426,7 +419,7 @@ def test_an_overwrite_never_leaves_the_name_without_a_checkpoint(tmp_path, monke
 
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_unsupported_dtype_fails_inside_save_naming_the_key(tmp_path):
-    with datastates.Checkpointer(tmp_path, _small()) as ck:
+    with datastates.Checkpointer(tmp_path, TWO_UNITS) as ck:
         with pytest.raises(SerializationError) as info:
             ck.save({"ok": torch.ones(3), "inner": {"z": torch.zeros(3, dtype=torch.complex32)}},
                     step=1)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 
 import pytest
 
@@ -22,19 +21,16 @@ from _integrity_helpers import (NAME, STEP, assert_same_view, bounded_memory, in
 PREVIOUS = "step-0000000006"
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("validation")
-    saved, loaded = save_pristine(root)
-    return root, saved
+@pytest.fixture
+def saved(pristine):
+    """The view of the state saved at step 7."""
+    return pristine(save_pristine)[1][0]
 
 
 @pytest.fixture
-def ckpt(pristine, tmp_path):
+def ckpt(pristine, private_copy):
     """A private copy of the pristine directory; returns the path of step 7."""
-    root, _ = pristine
-    shutil.copytree(root, tmp_path / "ck")
-    return str(tmp_path / "ck" / NAME)
+    return os.path.join(private_copy(pristine(save_pristine)[0]), NAME)
 
 
 def assert_all_refuse(ckpt_dir: str, match: str | None = None) -> None:
@@ -51,8 +47,7 @@ def assert_all_refuse(ckpt_dir: str, match: str | None = None) -> None:
     assert cli_main(["verify", root, "--step", str(STEP)]) == 1
 
 
-def test_pristine_copy_loads_restores_and_verifies(pristine, ckpt, capsys):
-    _, saved = pristine
+def test_pristine_copy_loads_restores_and_verifies(saved, ckpt, capsys):
     assert_same_view(restore(ckpt), saved)
     size = os.path.getsize(shard_file(ckpt))
     assert verify(ckpt) == size  # every byte of the file
@@ -211,9 +206,8 @@ def patch(path: str, offset: int, data: bytes) -> None:
         f.write(data)
 
 
-def test_verify_finds_a_nonzero_padding_byte(pristine, ckpt):
+def test_verify_finds_a_nonzero_padding_byte(saved, ckpt):
     """A byte between regions is no data: load does not need it, verify reports it."""
-    _, saved = pristine
     m = manifest_json(ckpt)
     ends = sorted(s["offset"] + s["nbytes"] for e in m["entries"] if e["kind"] == "tensor"
                   for s in e["shards"])

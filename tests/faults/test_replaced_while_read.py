@@ -22,12 +22,16 @@ from datastates.restore import reader as reader_module
 from datastates.storage import s3 as s3_module
 
 from _faults_helpers import assert_bit_exact
+from testkit import filled_tensors
+
+# slow: another process commits while this one reads
+pytestmark = pytest.mark.slow
 
 SMALL = dict(host_cache_bytes=256 << 10, chunk_bytes=16 << 10)
 
 
 def _state(value: float) -> dict:
-    return {"w": torch.full((1000,), value), "b": torch.full((10,), value), "note": value}
+    return {**filled_tensors(value, w=1000, b=10), "note": value}
 
 
 def _warnings(caplog, text: str) -> list[str]:

@@ -22,6 +22,9 @@ from datastates.commit import catalog
 from _faults_helpers import HERE, WAIT_S, assert_bit_exact, hidden_entries
 import zygote
 
+# slow: jobs killed and resumed in child processes
+pytestmark = pytest.mark.slow
+
 CHILD = os.path.join(HERE, "_resume_child.py")
 STEPS = 6
 LAST = f"step-{STEPS - 1:010d}"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 
 import pytest
 import torch
@@ -49,18 +48,13 @@ def _save(root: str, split: int, state=_state) -> None:
     assert not errors, errors
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("split"))
+def _split(root: str) -> None:
     _save(root, SPLIT)
-    return root
 
 
 @pytest.fixture
-def ckpt(pristine, tmp_path):
-    dst = str(tmp_path / "ck")
-    shutil.copytree(pristine, dst)
-    return os.path.join(dst, STEP)
+def ckpt(pristine, private_copy):
+    return os.path.join(private_copy(pristine(_split)[0]), STEP)
 
 
 def _parts(ckpt: str) -> list[str]:
@@ -142,6 +136,7 @@ def test_every_flipped_byte_of_every_part_is_refused(ckpt):
     files.read_manifest(ckpt)
 
 
+@pytest.mark.slow
 def test_every_flipped_byte_of_the_head_is_refused(ckpt):
     path = os.path.join(ckpt, codec.MANIFEST)
     with open(path, "rb") as f:
@@ -296,7 +291,8 @@ def test_a_special_or_missing_part_is_refused_by_every_reader(ckpt, tmp_path, ki
 
 
 def test_the_writer_refuses_parts_a_reader_would_refuse(pristine, monkeypatch):
-    manifest = files.read_manifest(os.path.join(pristine, STEP))
+    root, _ = pristine(_split)
+    manifest = files.read_manifest(os.path.join(root, STEP))
     monkeypatch.setattr(codec, "SPLIT_BYTES", SPLIT)
     encoded = files.encode_manifest_record(manifest)
     assert len(encoded.parts) >= 3

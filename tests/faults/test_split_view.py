@@ -23,7 +23,7 @@ from datastates.providers import ProviderRegistry
 from datastates.restore.reader import Reader
 
 from thread_ranks import in_thread_ranks
-from test_split_hostile import STEP, WORLD, _head, _parts, _write_head, ckpt, pristine  # noqa: F401
+from test_split_hostile import STEP, WORLD, _head, _parts, _write_head, ckpt  # noqa: F401
 
 
 def _saved(rank: int):

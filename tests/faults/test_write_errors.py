@@ -25,6 +25,7 @@ from datastates import CheckpointWriteError
 from datastates.storage.temporaries import name_key
 
 from _faults_helpers import WAIT_S, assert_bit_exact, hidden_entries, visible_entries
+from testkit import SMALL
 
 STEP1, STEP2 = "step-0000000001", "step-0000000002"
 
@@ -261,7 +262,7 @@ def test_retention_failure_keeps_new_checkpoint(tmp_path, monkeypatch):
     """keep_last=1: deleting the old checkpoint fails (EACCES on its rename to .trash). The new
     checkpoint is committed and complete, the save succeeds with a RuntimeWarning, the old one is
     intact (not half deleted) and goes at the next save."""
-    cfg = datastates.CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10, keep_last=1)
+    cfg = SMALL.replace(keep_last=1)
     with datastates.Checkpointer(tmp_path, cfg) as ck:
         (model, opt, extra), reference = _save_reference(ck)
         faults = Faults(monkeypatch, ck.directory)

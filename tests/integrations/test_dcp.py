@@ -18,6 +18,9 @@ from datastates.integrations.dcp import DatastatesReader, DatastatesWriter  # no
 
 from integration_helpers import HERE, free_port, subprocess_env  # noqa: E402
 
+# slow: DCP saves and loads across world sizes in worker processes
+pytestmark = pytest.mark.slow
+
 
 def run(mode: str, root, world: int) -> None:
     port = free_port()

@@ -18,6 +18,9 @@ pytest.importorskip("deepspeed")
 
 from integration_helpers import HERE, free_port, subprocess_env  # noqa: E402
 
+# slow: DeepSpeed engines trained in processes of their own
+pytestmark = pytest.mark.slow
+
 
 def run_worker(tmp_path, mode: str) -> dict:
     proc = subprocess.run(

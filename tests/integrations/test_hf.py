@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+from testkit import ONE_WRITER
+
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,8 +22,8 @@ from datastates.integrations.hf import DatastatesTrainer  # noqa: E402
 
 from integration_helpers import assert_same  # noqa: E402
 
-CFG = datastates.CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=1 << 18,
-                                  writer_threads=1)
+# slow: Hugging Face Trainer runs
+pytestmark = pytest.mark.slow
 
 
 def tiny_model():
@@ -61,7 +63,7 @@ def params(model):
 
 def test_hf_trainer_resume_bit_exact(tmp_path):
     full = DatastatesTrainer(model=tiny_model(), args=args(tmp_path / "full"),
-                             train_dataset=dataset(), datastates_config=CFG)
+                             train_dataset=dataset(), datastates_config=ONE_WRITER)
     full.train()
     continuous = params(full.model)
     full.close_checkpointer()
@@ -73,7 +75,7 @@ def test_hf_trainer_resume_bit_exact(tmp_path):
     # Interrupted at step 4, then a fresh Trainer resumes from the newest committed checkpoint.
     out = tmp_path / "run"
     first = DatastatesTrainer(model=tiny_model(), args=args(out), train_dataset=dataset(),
-                              datastates_config=CFG, callbacks=[StopAt(4)])
+                              datastates_config=ONE_WRITER, callbacks=[StopAt(4)])
     first.train()
     first.close_checkpointer()
     os.makedirs(out / "checkpoint-100")  # a partial stock checkpoint (crash while writing)
@@ -85,7 +87,7 @@ def test_hf_trainer_resume_bit_exact(tmp_path):
         for p in resumed_model.parameters():
             p.mul_(0.5)
     second = DatastatesTrainer(model=resumed_model, args=args(out), train_dataset=dataset(),
-                               datastates_config=CFG)
+                               datastates_config=ONE_WRITER)
     assert second.latest_checkpoint() == str(out / "checkpoint-4")
     second.train(resume_from_checkpoint=True)
     second.close_checkpointer()
@@ -96,12 +98,12 @@ def test_hf_trainer_resume_bit_exact(tmp_path):
 def test_hf_save_total_limit_after_commit(tmp_path):
     t = DatastatesTrainer(model=tiny_model(), args=args(tmp_path, save_steps=2,
                                                         save_total_limit=2),
-                          train_dataset=dataset(), datastates_config=CFG)
+                          train_dataset=dataset(), datastates_config=ONE_WRITER)
     t.train()
     t.close_checkpointer()
     names = sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-"))
     assert names == ["checkpoint-6", "checkpoint-8"]
-    ckpt = datastates.Checkpointer(tmp_path, CFG)
+    ckpt = datastates.Checkpointer(tmp_path, ONE_WRITER)
     loaded = ckpt.load(tag="checkpoint-8", keys="model")["model"]
     assert_same(params(t.model), {k: v.detach() for k, v in loaded.items()})
     ckpt.close()
@@ -109,7 +111,7 @@ def test_hf_save_total_limit_after_commit(tmp_path):
 
 def test_hf_checkpoint_exports_to_a_folder_from_pretrained_loads(tmp_path):
     t = DatastatesTrainer(model=tiny_model(), args=args(tmp_path / "run", max_steps=4),
-                          train_dataset=dataset(), datastates_config=CFG)
+                          train_dataset=dataset(), datastates_config=ONE_WRITER)
     t.train()
     t.close_checkpointer()
     ckpt = tmp_path / "run" / "checkpoint-4"
@@ -128,7 +130,7 @@ def test_hf_trainer_exposes_last_save_stats(tmp_path):
     from integration_helpers import assert_stats_of
     t = DatastatesTrainer(model=tiny_model(), args=args(tmp_path / "run", max_steps=4,
                                                         save_steps=2),
-                          train_dataset=dataset(), datastates_config=CFG)
+                          train_dataset=dataset(), datastates_config=ONE_WRITER)
     assert t.last_save_stats is None
     t.train()
     t.wait_for_checkpoints()
@@ -149,13 +151,13 @@ def test_hf_save_total_limit_counts_stock_checkpoints(tmp_path):
         f.write("{}")
     t = DatastatesTrainer(model=tiny_model(), args=args(tmp_path, save_steps=2,
                                                         save_total_limit=2),
-                          train_dataset=dataset(), datastates_config=CFG)
+                          train_dataset=dataset(), datastates_config=ONE_WRITER)
     t.train(resume_from_checkpoint=True)
     t.close_checkpointer()
     assert t.state.global_step == 8
     names = sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-"))
     assert names == ["checkpoint-1", "checkpoint-6", "checkpoint-8"]
-    ckpt = datastates.Checkpointer(tmp_path, CFG)
+    ckpt = datastates.Checkpointer(tmp_path, ONE_WRITER)
     loaded = ckpt.load(tag="checkpoint-8", keys="model")["model"]
     assert_same(params(t.model), {k: v.detach() for k, v in loaded.items()})
     ckpt.close()
@@ -166,7 +168,7 @@ def test_hf_resume_from_a_foreign_checkpoint_is_refused(tmp_path, state_json):
     """A datastates checkpoint-N without the Trainer's keys (as the Lightning integration
     writes them) is refused with StateMismatchError saying what was expected and found, before
     the model is touched."""
-    ckpt = datastates.Checkpointer(tmp_path, CFG)
+    ckpt = datastates.Checkpointer(tmp_path, ONE_WRITER)
     ckpt.save({"state_dict": tiny_model().state_dict(), "epoch": 1}, step=6, tag="checkpoint-6",
               metadata={"framework": "lightning"}).wait()
     ckpt.close()
@@ -179,7 +181,7 @@ def test_hf_resume_from_a_foreign_checkpoint_is_refused(tmp_path, state_json):
             p.mul_(0.5)
     before = params(model)
     t = DatastatesTrainer(model=model, args=args(tmp_path), train_dataset=dataset(),
-                          datastates_config=CFG)
+                          datastates_config=ONE_WRITER)
     assert t.latest_checkpoint() == str(tmp_path / "checkpoint-6")
     with pytest.raises(datastates.StateMismatchError) as err:
         t.train(resume_from_checkpoint=True)

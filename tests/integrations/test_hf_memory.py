@@ -30,6 +30,9 @@ from datastates.memory import place  # noqa: E402
 from hf_memory_worker import REPORT, STEPS, args, config, dataset, losses, tiny_model  # noqa: E402
 from integration_helpers import HERE, assert_same, subprocess_env  # noqa: E402
 
+# slow: Hugging Face Trainer runs with memory-tier keepers
+pytestmark = pytest.mark.slow
+
 
 def params(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

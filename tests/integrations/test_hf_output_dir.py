@@ -14,7 +14,11 @@ pytest.importorskip("accelerate")
 import datastates  # noqa: E402
 from datastates.integrations.hf import DatastatesTrainer  # noqa: E402
 
-from test_hf import CFG, args, dataset, tiny_model  # noqa: E402
+from test_hf import args, dataset, tiny_model  # noqa: E402
+from testkit import ONE_WRITER  # noqa: E402
+
+# slow: a Hugging Face Trainer run
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
@@ -27,7 +31,7 @@ def ours():
 
 def test_train_leaves_only_checkpoint_folders_and_no_thread(tmp_path, ours):
     t = DatastatesTrainer(model=tiny_model(), args=args(tmp_path, save_steps=4),
-                          train_dataset=dataset(), datastates_config=CFG)
+                          train_dataset=dataset(), datastates_config=ONE_WRITER)
     t.train()
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", "checkpoint-8"]
     assert not ours()
@@ -37,6 +41,6 @@ def test_train_leaves_only_checkpoint_folders_and_no_thread(tmp_path, ours):
     assert not ours()
     assert t.latest_checkpoint() == str(tmp_path / "checkpoint-12")
     t.close_checkpointer()
-    ckpt = datastates.Checkpointer(tmp_path, CFG)
+    ckpt = datastates.Checkpointer(tmp_path, ONE_WRITER)
     assert ckpt.load(tag="checkpoint-12", keys="trainer_state")["trainer_state"]
     ckpt.close()

@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+from testkit import ONE_WRITER
+
 pytest.importorskip("lightning")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -18,8 +20,8 @@ from datastates.integrations.lightning import DatastatesCheckpointIO  # noqa: E4
 
 from integration_helpers import assert_same  # noqa: E402
 
-CFG = datastates.CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=1 << 18,
-                                  writer_threads=1)
+# slow: Lightning Trainer runs
+pytestmark = pytest.mark.slow
 
 
 class Tiny(pl.LightningModule):
@@ -73,7 +75,7 @@ def test_lightning_fit_resume_bit_exact(tmp_path, lazy):
     continuous = params(ref)
 
     # Interrupted run: 2 epochs through datastates, keeping the best 2 by step, plus last.
-    io = DatastatesCheckpointIO(CFG)
+    io = DatastatesCheckpointIO(ONE_WRITER)
     extra = [io.lazy_snapshots()] if lazy else []
     ckpt_cb = ModelCheckpoint(dirpath=tmp_path / "ds", monitor="step", mode="max",
                               save_top_k=1, save_last=True, filename="{epoch}-{step}")
@@ -91,7 +93,7 @@ def test_lightning_fit_resume_bit_exact(tmp_path, lazy):
     assert_same(_clean(want), _clean(got))
 
     # Resume from last.ckpt in a fresh module and Trainer; finish the 4 epochs.
-    io2 = DatastatesCheckpointIO(CFG)
+    io2 = DatastatesCheckpointIO(ONE_WRITER)
     resumed = Tiny()
     with torch.no_grad():
         for p in resumed.parameters():
@@ -106,7 +108,7 @@ def test_lightning_fit_resume_bit_exact(tmp_path, lazy):
 
 def test_lightning_background_error_surfaces_at_next_save(tmp_path, monkeypatch):
     import datastates.format.codec as codec
-    io = DatastatesCheckpointIO(CFG)
+    io = DatastatesCheckpointIO(ONE_WRITER)
     monkeypatch.setattr(codec, "encode_index_items",  # fails in the background commit thread
                         lambda *a: (_ for _ in ()).throw(KeyError("injected background failure")))
     handle = io._paths.save({"t": torch.ones(4)}, tmp_path / "bad.ckpt", snapshot=False)
@@ -127,7 +129,7 @@ class WithHparams(Tiny):
 
 def test_load_from_checkpoint_helper_and_export(tmp_path):
     from datastates.integrations.lightning import load_from_checkpoint
-    io = DatastatesCheckpointIO(CFG)
+    io = DatastatesCheckpointIO(ONE_WRITER)
     model = WithHparams(width=16, note="b")
     t = trainer(tmp_path, 2, plugins=[io])
     t.fit(model)
@@ -145,7 +147,7 @@ def test_load_from_checkpoint_helper_and_export(tmp_path):
 
 def test_lightning_checkpoint_io_exposes_last_save_stats(tmp_path):
     from integration_helpers import assert_stats_of
-    io = DatastatesCheckpointIO(CFG)
+    io = DatastatesCheckpointIO(ONE_WRITER)
     assert io.last_save_stats is None
     model = WithHparams(width=16, note="c")  # hyper-parameters: a framework object is saved
     t = trainer(tmp_path, 1, plugins=[io])
@@ -167,7 +169,7 @@ def _continuous(tmp_path, epochs):
 
 
 def _resume(tmp_path, ckpt_path, epochs):
-    io = DatastatesCheckpointIO(CFG)
+    io = DatastatesCheckpointIO(ONE_WRITER)
     resumed = Tiny()
     with torch.no_grad():
         for p in resumed.parameters():
@@ -178,14 +180,14 @@ def _resume(tmp_path, ckpt_path, epochs):
 
 def test_resume_after_interrupted_replacement_of_last(tmp_path):
     from test_paths import interrupt_replacement
-    io = DatastatesCheckpointIO(CFG)
+    io = DatastatesCheckpointIO(ONE_WRITER)
     folder = tmp_path / "ds"
     trainer(tmp_path, 2, plugins=[io],
             callbacks=[ModelCheckpoint(dirpath=folder, save_top_k=0, save_last=True)]).fit(Tiny())
     want = io.load_checkpoint(folder / "last.ckpt")
     interrupt_replacement(folder, "last.ckpt")  # a crash while last.ckpt was replaced
 
-    io2 = DatastatesCheckpointIO(CFG)  # the restarted job: the lookup repairs the directory
+    io2 = DatastatesCheckpointIO(ONE_WRITER)  # the restarted job: the lookup repairs the directory
     assert io2.last_path(folder) == str(folder / "last.ckpt")
     assert_same(_clean(want), _clean(io2.load_checkpoint(folder / "last.ckpt")))
     io2.teardown()
@@ -193,7 +195,7 @@ def test_resume_after_interrupted_replacement_of_last(tmp_path):
 
 
 def test_save_last_link_resumes_through_the_link(tmp_path):
-    io = DatastatesCheckpointIO(CFG)
+    io = DatastatesCheckpointIO(ONE_WRITER)
     folder = tmp_path / "ds"
     trainer(tmp_path, 2, plugins=[io], callbacks=[ModelCheckpoint(
         dirpath=folder, save_top_k=-1, save_last="link", filename="{epoch}-{step}")]).fit(Tiny())
@@ -236,7 +238,7 @@ def test_tuner_runs_with_the_plugin(tmp_path):
     """The Tuner saves and restores the trainer through a hidden ``.lr_find_<uuid>.ckpt``
     (``TorchCheckpointIO``'s): it restores the initial weights bit-exactly and leaves none."""
     from lightning.pytorch.tuner import Tuner
-    io = DatastatesCheckpointIO(CFG)
+    io = DatastatesCheckpointIO(ONE_WRITER)
     module = Scalable()
     before = params(module)
     tuner = Tuner(trainer(tmp_path, 1, plugins=[io], callbacks=[io.lazy_snapshots()]))
@@ -292,7 +294,7 @@ def test_model_checkpoint_versions_a_name_whose_save_is_in_flight(tmp_path, monk
     name and needs fixed-v1..v3 for the later ones: it asks whether the name exists while the
     previous save is still in flight (held). All four are kept, distinct and loadable."""
     gate = _Gate(monkeypatch)
-    io = DatastatesCheckpointIO(CFG)
+    io = DatastatesCheckpointIO(ONE_WRITER)
     mc = ModelCheckpoint(dirpath=tmp_path / "ds", filename="fixed", save_top_k=-1,
                          monitor="step", mode="max", every_n_train_steps=1,
                          save_on_train_epoch_end=False)
@@ -308,7 +310,7 @@ def test_a_name_whose_save_is_in_flight_exists_for_lightning(tmp_path, monkeypat
     """Lightning's own check (ModelCheckpoint.file_exists, fsspec's exists) finds the path of a
     save still in flight; a failed save leaves nothing at its path."""
     gate = _Gate(monkeypatch)
-    io = DatastatesCheckpointIO(CFG)
+    io = DatastatesCheckpointIO(ONE_WRITER)
     t = trainer(tmp_path, 1, plugins=[io])
     path = str(tmp_path / "a.ckpt")
     io.save_checkpoint({"x": torch.arange(4.0)}, path)
@@ -330,7 +332,7 @@ def test_hpc_resume_lookup_while_a_save_is_in_flight(tmp_path, monkeypatch):
     root = tmp_path / "run"
     root.mkdir()
     lookup = trainer(root, 1)._checkpoint_connector
-    with datastates.Checkpointer(root, CFG) as ck:
+    with datastates.Checkpointer(root, ONE_WRITER) as ck:
         first = ck.save({"x": torch.ones(2)}, tag="hpc_ckpt_1.ckpt")
         assert any(n.startswith(".tmp.") for n in os.listdir(root))
         assert lookup._hpc_resume_path is None
@@ -341,7 +343,7 @@ def test_hpc_resume_lookup_while_a_save_is_in_flight(tmp_path, monkeypatch):
         gate.release()
         second.wait()
         assert lookup._hpc_resume_path == str(root / "hpc_ckpt_12.ckpt")
-    io = DatastatesCheckpointIO(CFG)
+    io = DatastatesCheckpointIO(ONE_WRITER)
     io.save_checkpoint({"x": torch.full((2,), 3.0)}, root / "hpc_ckpt_13.ckpt")
     assert any(n.startswith(".tmp.") for n in os.listdir(root))
     assert lookup._hpc_resume_path == str(root / "hpc_ckpt_13.ckpt")
@@ -351,7 +353,7 @@ def test_hpc_resume_lookup_while_a_save_is_in_flight(tmp_path, monkeypatch):
 
 
 def test_storage_options_none_is_taken_anything_else_refused(tmp_path):
-    io = DatastatesCheckpointIO(CFG)
+    io = DatastatesCheckpointIO(ONE_WRITER)
     io.save_checkpoint({"x": torch.ones(2)}, tmp_path / "a.ckpt", storage_options=None)
     with pytest.raises(datastates.ConfigError, match=r"expected storage_options=None, found "
                                                      r"dict \{'compress': True\}"):

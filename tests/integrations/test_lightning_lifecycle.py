@@ -14,6 +14,8 @@ import threading
 import pytest
 import torch
 
+from testkit import ONE_WRITER
+
 pytest.importorskip("lightning")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -26,8 +28,8 @@ from datastates.integrations.lightning import DatastatesCheckpointIO  # noqa: E4
 
 from integration_helpers import assert_same, subprocess_env  # noqa: E402
 
-CFG = datastates.CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=1 << 18,
-                                  writer_threads=1)
+# slow: Lightning Trainer runs, some in processes of their own
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
@@ -53,7 +55,7 @@ EXPECTED = ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
 @pytest.mark.parametrize("wrap,lazy", [(False, False), (False, True), (True, False)],
                          ids=["plain", "lazy_snapshots", "AsyncCheckpointIO"])
 def test_fit_leaves_only_lightning_names_and_no_thread(tmp_path, wrap, lazy, ours):
-    io = DatastatesCheckpointIO(CFG)
+    io = DatastatesCheckpointIO(ONE_WRITER)
     assert not ours()
     t = trainer(tmp_path, AsyncCheckpointIO(io) if wrap else io,
                 callbacks=[io.lazy_snapshots()] if lazy else [])
@@ -66,7 +68,7 @@ def test_fit_leaves_only_lightning_names_and_no_thread(tmp_path, wrap, lazy, our
 
 def test_save_outside_fit_ends_its_threads_once_committed(tmp_path, ours):
     model = BoringModel()
-    io = DatastatesCheckpointIO(CFG)
+    io = DatastatesCheckpointIO(ONE_WRITER)
     t = trainer(tmp_path, io, epochs=1)
     t.fit(model)
     t.save_checkpoint(tmp_path / "after.ckpt")  # no teardown will follow
@@ -79,7 +81,7 @@ def test_save_outside_fit_ends_its_threads_once_committed(tmp_path, ours):
 
 
 def test_pickle_round_trip_saves_and_loads(tmp_path, ours):
-    io = DatastatesCheckpointIO(CFG)
+    io = DatastatesCheckpointIO(ONE_WRITER)
     state = {"w": torch.arange(6.0), "epoch": 3}
     io.save_checkpoint(state, tmp_path / "a.ckpt")  # a save in flight stays with `io`
     copy = pickle.loads(pickle.dumps(io))
@@ -93,7 +95,7 @@ def test_pickle_round_trip_saves_and_loads(tmp_path, ours):
 
 
 def test_torch_save_of_a_trainer_with_the_plugin(tmp_path):
-    io = DatastatesCheckpointIO(CFG)
+    io = DatastatesCheckpointIO(ONE_WRITER)
     t = trainer(tmp_path / "ckpt", io, epochs=1, callbacks=[io.lazy_snapshots()])
     t.fit(BoringModel())
     torch.save(t, tmp_path / "trainer.pt")
@@ -104,7 +106,7 @@ def test_torch_save_of_a_trainer_with_the_plugin(tmp_path):
 def test_unpickled_plugin_saves_and_loads_in_another_process(tmp_path):
     """What ``ddp_spawn`` does with the plug-in (a full 2-process fit takes a minute on a
     small machine): the pickled io is used by a fresh process, and its checkpoint is read here."""
-    io = DatastatesCheckpointIO(CFG)
+    io = DatastatesCheckpointIO(ONE_WRITER)
     io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "parent.ckpt")  # threads running
     (tmp_path / "io.pkl").write_bytes(pickle.dumps(io))
     code = ("import pickle, sys, torch; io = pickle.load(open(sys.argv[1], 'rb')); "
@@ -120,7 +122,7 @@ def test_unpickled_plugin_saves_and_loads_in_another_process(tmp_path):
 
 def test_url_is_saved_by_lightnings_own_io_with_a_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.chdir(tmp_path)
-    io = DatastatesCheckpointIO(CFG)
+    io = DatastatesCheckpointIO(ONE_WRITER)
     state = {"w": torch.arange(3.0)}
     with caplog.at_level(logging.WARNING, logger="datastates.integrations"):
         io.save_checkpoint(state, "memory://dsdir/x.ckpt")

@@ -27,6 +27,9 @@ from integration_helpers import HERE, assert_same, subprocess_env  # noqa: E402
 from lightning_memory_worker import (BATCHES, EPOCHS, REPORT, Tiny, config,  # noqa: E402
                                      trainer, with_memory)
 
+# slow: Lightning Trainer runs with memory-tier keepers
+pytestmark = pytest.mark.slow
+
 STEPS = EPOCHS * BATCHES
 
 

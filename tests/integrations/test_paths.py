@@ -15,9 +15,7 @@ import datastates
 from datastates.integrations._paths import PathCheckpoints
 
 from integration_helpers import assert_same, subprocess_env
-
-SMALL = datastates.CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=1 << 18,
-                                    writer_threads=1)
+from testkit import ONE_WRITER
 
 
 def test_deepspeed_imports_our_engine():
@@ -25,6 +23,7 @@ def test_deepspeed_imports_our_engine():
     assert datastates.CheckpointEngine is CheckpointEngine
 
 
+@pytest.mark.slow
 def test_core_imports_without_frameworks():
     code = textwrap.dedent("""
         import sys
@@ -49,7 +48,7 @@ def _state():
 def test_save_load_equals_torch_load(tmp_path):
     state = _state()
     torch.save(state, tmp_path / "ref.pt")
-    paths = PathCheckpoints(SMALL)
+    paths = PathCheckpoints(ONE_WRITER)
     paths.save(state, tmp_path / "x.ckpt", snapshot=True)
     paths.wait()
     assert os.path.isfile(tmp_path / "x.ckpt" / "manifest.json")
@@ -61,7 +60,7 @@ def test_save_load_equals_torch_load(tmp_path):
 def test_snapshot_is_taken_at_save_time(tmp_path):
     t = torch.arange(300_000, dtype=torch.float32)  # larger than the host cache: backpressure
     want = t.clone()
-    paths = PathCheckpoints(SMALL)
+    paths = PathCheckpoints(ONE_WRITER)
     paths.save({"t": t}, tmp_path / "a", snapshot=True)
     t.add_(1)  # the caller mutates right after save() returned
     paths.wait()
@@ -70,7 +69,7 @@ def test_snapshot_is_taken_at_save_time(tmp_path):
 
 
 def test_overwrite_and_remove(tmp_path):
-    paths = PathCheckpoints(SMALL)
+    paths = PathCheckpoints(ONE_WRITER)
     for v in range(3):
         paths.save({"v": torch.full((4,), v)}, tmp_path / "last.ckpt",
                    snapshot=True)
@@ -89,7 +88,7 @@ def _fail_in_background(monkeypatch):
 
 
 def test_background_failure_raised_by_next_save(tmp_path, monkeypatch):
-    paths = PathCheckpoints(SMALL)
+    paths = PathCheckpoints(ONE_WRITER)
     bad = {"t": torch.ones(16)}
     _fail_in_background(monkeypatch)
     paths.save(bad, tmp_path / "bad", snapshot=False)
@@ -105,6 +104,7 @@ def test_background_failure_raised_by_next_save(tmp_path, monkeypatch):
     paths.close()
 
 
+@pytest.mark.slow
 def test_crash_never_exposes_a_partial_checkpoint(tmp_path):
     code = textwrap.dedent(f"""
         import os, torch, datastates
@@ -117,7 +117,7 @@ def test_crash_never_exposes_a_partial_checkpoint(tmp_path):
     """)
     subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env())
     target = tmp_path / "x.pt"
-    paths = PathCheckpoints(SMALL)
+    paths = PathCheckpoints(ONE_WRITER)
     if os.listdir(target):  # the commit won the race: then it must be complete
         assert torch.equal(paths.load(target)["t"], torch.ones(8 << 20))
     else:  # the placeholder the save made: no checkpoint, and the next save takes the name
@@ -139,7 +139,7 @@ def test_optimizers_make_only_their_bytes_lazy(tmp_path):
     opt.step()
     state = {"module": m.state_dict(), "optimizer": opt.state_dict()}
     want = {"module": type(state["module"])((k, v.clone()) for k, v in state["module"].items())}
-    paths = PathCheckpoints(SMALL)
+    paths = PathCheckpoints(ONE_WRITER)
     handle = paths.save(state, tmp_path / "x.ckpt", snapshot=False, optimizers=[opt])
     assert 0 < handle.stats.lazy_nbytes
     m(torch.randn(4, 8)).sum().backward()  # changes the running statistics
@@ -180,17 +180,18 @@ def interrupt_replacement(root, name: str) -> str:
 
 def test_interrupted_replacement_is_put_back_before_lookup(tmp_path):
     state = _state()
-    paths = PathCheckpoints(SMALL)
+    paths = PathCheckpoints(ONE_WRITER)
     paths.save(state, tmp_path / "last.ckpt", snapshot=True)
     paths.close()
     old = interrupt_replacement(tmp_path, "last.ckpt")
-    paths = PathCheckpoints(SMALL)  # the restarted job
+    paths = PathCheckpoints(ONE_WRITER)  # the restarted job
     assert paths.exists(tmp_path / "last.ckpt")  # the lookup lets the core repair first
     assert not os.path.exists(old)
     assert_same(state, paths.load(tmp_path / "last.ckpt"))
     paths.close()
 
 
+@pytest.mark.slow
 def test_plain_file_stays_loadable_until_its_replacement_commits(tmp_path):
     """Another engine's plain file replaced by a datastates checkpoint: the job dies with the
     save in flight (its commit held back), and the path still loads the old file."""
@@ -209,7 +210,7 @@ def test_plain_file_stays_loadable_until_its_replacement_commits(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env())
     kept = tmp_path / "kept"
     shutil.copytree(tmp_path, kept, ignore=shutil.ignore_patterns("kept"))
-    paths = PathCheckpoints(SMALL)
+    paths = PathCheckpoints(ONE_WRITER)
     assert paths.exists(target)
     assert_same(plain, paths.load(target))
     paths.remove(kept / "last.ckpt")  # removing the path removes the file set aside too
@@ -226,7 +227,7 @@ def test_plain_file_is_put_back_when_its_replacement_fails(tmp_path, monkeypatch
     plain = {"v": torch.arange(6.0)}
     target = tmp_path / "last.ckpt"
     torch.save(plain, target)
-    paths = PathCheckpoints(SMALL)
+    paths = PathCheckpoints(ONE_WRITER)
     _fail_in_background(monkeypatch)
     paths.save({"v": torch.zeros(6)}, target, snapshot=False)
     with pytest.raises(KeyError, match="injected"):

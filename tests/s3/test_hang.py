@@ -25,8 +25,9 @@ FAST = {"connect_timeout": 1, "read_timeout": 2, "max_attempts": 2}
 #: against commit_timeout_s=6).
 PATIENT = {"connect_timeout": 10, "read_timeout": 10, "max_attempts": 2}
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:datastates.*could (still )?not be removed:RuntimeWarning")
+# slow: each test waits out a deadline against a hung server
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings(
+    "ignore:datastates.*could (still )?not be removed:RuntimeWarning")]
 
 
 def outcome_of(fn):

@@ -15,6 +15,9 @@ from datastates.storage import s3
 
 from server import delete_prefix, storage_options
 
+# slow: more checkpoints than the listing threshold, saved and listed
+pytestmark = pytest.mark.slow
+
 COUNT = s3._STAMP_LISTING + 2  # past the threshold, whatever it is
 SMALL = dict(chunk_bytes=64 << 10, host_cache_bytes=1 << 20)
 

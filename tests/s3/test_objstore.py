@@ -20,6 +20,9 @@ from datastates.errors import (BucketNotFoundError, CheckpointExistsError, Corru
 import zygote
 from server import list_multipart_uploads, storage_options
 
+# slow: object-store saves with processes and servers killed mid-save, ranks, the CLI
+pytestmark = pytest.mark.slow
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 MiB = 1 << 20
 

@@ -6,6 +6,9 @@ import pytest
 
 from datastates.testing import StoreConformance
 
+# slow: the whole StoreConformance suite against a real object store
+pytestmark = pytest.mark.slow
+
 
 class TestS3Store(StoreConformance):
     @pytest.fixture(autouse=True)

@@ -14,18 +14,16 @@ from datastates.format import codec as fmt
 from datastates.restore.reader import Reader
 
 from server import storage_options
+from testkit import step_state
+
+# slow: damaged checkpoints on a real object store, moved aside and copied back
+pytestmark = pytest.mark.slow
 
 SMALL = dict(chunk_bytes=64 << 10, host_cache_bytes=1 << 20)
 
 
 def key_of(url: str) -> str:
     return url.split("/", 3)[3]
-
-
-def _state(step: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(3000, generator=g), "b": torch.randn(7, generator=g),
-            "meta": {"step": step, "name": f"s{step}"}}
 
 
 def _blank() -> dict:
@@ -73,7 +71,7 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_restored(
     newest = fmt.step_name(3)
     with Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=options) as ckpt:
         for step in (1, 2, 3):
-            ckpt.save(_state(step), step=step).wait(60)
+            ckpt.save(step_state(step), step=step).wait(60)
         before = objects(s3_server, s3_root)
         shard = shard_of(before, newest)
         manifest = get(s3_server, s3_root, f"{newest}/{fmt.MANIFEST}")
@@ -83,7 +81,7 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_restored(
         with caplog.at_level(logging.WARNING, logger="datastates"):
             report = ckpt.restore(live, fallback=True)
 
-        assert report.step == 2 and _same(live, _state(2))
+        assert report.step == 2 and _same(live, step_state(2))
         assert ckpt.storage._publisher.wait_moves(120)  # the shard files follow on a thread of their own
         assert [s.name for s in report.skipped] == [newest] and report.passed_over == []
         skipped = report.skipped[0]
@@ -113,10 +111,10 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_restored(
         assert ckpt.damaged() == []
 
         # the resume loop saves the step again, without overwrite=True
-        ckpt.save(_state(3), step=3).wait(60)
+        ckpt.save(step_state(3), step=3).wait(60)
         live = _blank()
         report = ckpt.restore(live, fallback=True)
-        assert report.step == 3 and report.skipped == [] and _same(live, _state(3))
+        assert report.step == 3 and report.skipped == [] and _same(live, step_state(3))
 
     # a later Checkpointer, its cleanup of stale data included, lists what the first one did
     # and leaves the quarantine as it was
@@ -125,7 +123,7 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_restored(
     with Checkpointer(s3_root, CheckpointConfig(stale_tmp_age_s=1e-6, **SMALL),
                       storage_options=options) as ckpt:
         assert [i.step for i in ckpt.list()] == [1, 2, 3] and ckpt.damaged() == []
-        assert _same(ckpt.load(fallback=True), _state(3))
+        assert _same(ckpt.load(fallback=True), step_state(3))
     assert {k: e for k, e in objects(s3_server, s3_root).items()
             if k.startswith(aside + "/")} == quarantined
 
@@ -136,13 +134,13 @@ def test_a_missing_shard_is_moved_aside_with_what_is_left(s3_server, s3_root):
     options = storage_options(s3_server)
     with Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=options) as ckpt:
         for step in (1, 2):
-            ckpt.save(_state(step), step=step).wait(60)
+            ckpt.save(step_state(step), step=step).wait(60)
         before = objects(s3_server, s3_root)
         shard = shard_of(before, fmt.step_name(2))
         s3_server.client().delete_object(Bucket=s3_server.bucket, Key=f"{key_of(s3_root)}/{shard}")
         live = _blank()
         report = ckpt.restore(live, fallback=True)
-        assert report.step == 1 and _same(live, _state(1))
+        assert report.step == 1 and _same(live, step_state(1))
         assert ckpt.storage._publisher.wait_moves(120)
         (skipped,) = report.skipped
         assert skipped.name == fmt.step_name(2) and "CheckpointNotFoundError" in skipped.reason
@@ -167,7 +165,7 @@ def test_a_move_that_fails_before_the_manifest_goes_leaves_the_checkpoint_as_it_
     options = {**storage_options(s3_server), "max_attempts": 1}
     with Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=options) as ckpt:
         for step in (1, 2):
-            ckpt.save(_state(step), step=step).wait(60)
+            ckpt.save(step_state(step), step=step).wait(60)
         shard = shard_of(objects(s3_server, s3_root), fmt.step_name(2))
         flip(s3_server, s3_root, shard, 4096 + 17)
         damaged = objects(s3_server, s3_root)
@@ -183,7 +181,7 @@ def test_a_move_that_fails_before_the_manifest_goes_leaves_the_checkpoint_as_it_
                                                fail_the_manifest_aside)
         live = _blank()
         report = ckpt.restore(live, fallback=True)
-        assert report.step == 1 and _same(live, _state(1))
+        assert report.step == 1 and _same(live, step_state(1))
         assert ckpt.storage._publisher.wait_moves(120) and copied == []  # nothing copied: not moved
         assert [(s.name, s.quarantined) for s in report.skipped] == [(fmt.step_name(2), None)]
         assert objects(s3_server, s3_root) == damaged
@@ -250,7 +248,7 @@ def test_a_store_that_cannot_copy_moves_the_record_and_leaves_the_data(s3_server
     options = storage_options(s3_server)
     with Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=options) as ckpt:
         for step in (1, 2):
-            ckpt.save(_state(step), step=step).wait(60)
+            ckpt.save(step_state(step), step=step).wait(60)
         shard = shard_of(objects(s3_server, s3_root), fmt.step_name(2))
         flip(s3_server, s3_root, shard, 4096 + 17)
         damaged = objects(s3_server, s3_root)
@@ -262,7 +260,7 @@ def test_a_store_that_cannot_copy_moves_the_record_and_leaves_the_data(s3_server
         with caplog.at_level(logging.WARNING, logger="datastates"):
             report = ckpt.restore(live, fallback=True)
             assert ckpt.storage._publisher.wait_moves(120)
-        assert report.step == 1 and _same(live, _state(1))
+        assert report.step == 1 and _same(live, step_state(1))
         aside = report.skipped[0].quarantined[len(s3_root) + 1:]
         after = objects(s3_server, s3_root)
         assert {k for k in after if k.startswith(aside + "/")} == \
@@ -279,7 +277,7 @@ def test_close_waits_for_the_quarantine_s_shard_files_to_move(s3_server, s3_root
     options = storage_options(s3_server)
     ckpt = Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=options)
     for step in (1, 2):
-        ckpt.save(_state(step), step=step).wait(60)
+        ckpt.save(step_state(step), step=step).wait(60)
     shard = shard_of(objects(s3_server, s3_root), fmt.step_name(2))
     flip(s3_server, s3_root, shard, 4096 + 5)
     damaged = objects(s3_server, s3_root)[shard]
@@ -315,7 +313,7 @@ def test_a_damaged_split_checkpoint_is_moved_aside_with_its_parts(s3_server, s3_
     newest = fmt.step_name(2)
     with Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=options) as ckpt:
         for step in (1, 2):
-            ckpt.save(_state(step), step=step).wait(60)
+            ckpt.save(step_state(step), step=step).wait(60)
         before = objects(s3_server, s3_root)
         shard = shard_of(before, newest)
         data_dir = shard.split("/")[1]
@@ -324,7 +322,7 @@ def test_a_damaged_split_checkpoint_is_moved_aside_with_its_parts(s3_server, s3_
         flip(s3_server, s3_root, shard, 4096 + 17)
         live = _blank()
         report = ckpt.restore(live, fallback=True)
-        assert report.step == 1 and _same(live, _state(1))
+        assert report.step == 1 and _same(live, step_state(1))
         assert ckpt.storage._publisher.wait_moves(120)
         aside = report.skipped[0].quarantined[len(s3_root) + 1:]
         after = objects(s3_server, s3_root)

@@ -225,6 +225,7 @@ def test_storage_options_name_the_endpoint_and_identity(s3_server, s3_storage_op
         "aws_secret_access_key": s3_server.secret_key, "region_name": "us-east-1"}
 
 
+@pytest.mark.slow
 def test_kill_and_restart_keep_committed_objects(s3_server, s3_root):
     client = s3_server.client()
     small, large = os.urandom(1000), os.urandom(7 * MIB)
@@ -257,6 +258,7 @@ def test_a_server_that_cannot_start_raises_with_its_log_tail(tmp_path):
     assert not list(tmp_path.glob("data/*.dat"))
 
 
+@pytest.mark.slow
 def test_an_upload_in_progress_at_a_kill_is_listed_after_restart_and_can_be_aborted(
         s3_server, s3_root):
     key, client = key_of(s3_root, "pending.bin"), s3_server.client()

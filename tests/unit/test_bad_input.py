@@ -14,8 +14,7 @@ import datastates
 from datastates import (CheckpointConfig, CheckpointExistsError, CheckpointNotFoundError,
                         Checkpointer, ConfigError, RestoreReport, SerializationError,
                         StateMismatchError, UnsafeObjectError)
-
-CONFIG = CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
+from testkit import SMALL
 
 
 @dataclasses.dataclass
@@ -38,7 +37,7 @@ def entries(directory) -> list[str]:
 
 @pytest.fixture
 def ck(tmp_path):
-    with Checkpointer(tmp_path / "ck", CONFIG) as ck:
+    with Checkpointer(tmp_path / "ck", SMALL) as ck:
         yield ck
 
 
@@ -53,10 +52,10 @@ def test_directory_is_a_file(tmp_path):
     path = tmp_path / "a-file"
     path.write_text("x")
     with pytest.raises((FileExistsError, NotADirectoryError)) as info:
-        Checkpointer(path, CONFIG)
+        Checkpointer(path, SMALL)
     assert str(path) in str(info.value)
     with pytest.raises(NotADirectoryError):
-        Checkpointer(path / "sub", CONFIG)
+        Checkpointer(path / "sub", SMALL)
     assert path.read_text() == "x"
 
 
@@ -218,7 +217,7 @@ def test_custom_class_needs_trust(ck, tmp_path):
         ck.save(state, step=1)  # what a default restore would refuse is refused at save
     assert ck.list() == []
     ck.close()
-    ck = Checkpointer(tmp_path / "ck", CONFIG.replace(allow_unsafe_objects=True))
+    ck = Checkpointer(tmp_path / "ck", SMALL.replace(allow_unsafe_objects=True))
     ck.save(state, step=1).wait(60)
     with pytest.raises(UnsafeObjectError) as info:
         ck.load()
@@ -275,7 +274,7 @@ def test_invalid_config(field, value):
     assert field in str(info.value) and repr(value) in str(info.value)
     assert isinstance(info.value, ValueError)
     with pytest.raises(ConfigError, match=field):
-        CONFIG.replace(**{field: value})
+        SMALL.replace(**{field: value})
 
 
 @pytest.mark.parametrize("field,value", [
@@ -334,7 +333,7 @@ def test_metadata_not_json_fails_in_save(ck, metadata, error):
 
 
 def test_use_after_close(tmp_path):
-    ck = Checkpointer(tmp_path, CONFIG)
+    ck = Checkpointer(tmp_path, SMALL)
     ck.save({"w": torch.ones(1)}, step=1).wait(60)
     ck.close()
     ck.close()  # idempotent

@@ -11,13 +11,12 @@ import torch
 from torch import nn
 
 import datastates
-from datastates import CheckpointConfig, Checkpointer, ProviderRegistry
+from datastates import Checkpointer, ProviderRegistry
 from datastates.save import capture
 from datastates.providers.tree import flatten
 
 from helpers import assert_same, clone_state
-
-SMALL = CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
+from testkit import SMALL
 
 
 def _big():

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 import datastates
-from datastates import CheckpointConfig, Checkpointer, RNGState
+from datastates import Checkpointer, RNGState
 from datastates.tools.cli import EXIT_ERROR, EXIT_OK, main
-
-CFG = CheckpointConfig(host_cache_bytes=8 << 20, chunk_bytes=1 << 20)
+from testkit import LARGE
 
 
 def _run(capsys, *argv):
@@ -97,7 +96,7 @@ def test_import_of_an_empty_dcp_folder_is_one_line(tmp_path, capsys):
 
 
 def test_export_safetensors_of_complex128_is_one_line(tmp_path, capsys):
-    with Checkpointer(tmp_path / "ck", CFG) as ck:
+    with Checkpointer(tmp_path / "ck", LARGE) as ck:
         ck.save({"z": torch.randn(3, dtype=torch.complex128), "w": torch.ones(2)}, step=1).wait()
     code, _, err = _run(capsys, "export", tmp_path / "ck", "--to", "safetensors",
                         tmp_path / "z.safetensors", "--no-progress")
@@ -114,7 +113,7 @@ def test_a_message_over_several_lines_is_printed_on_one(tmp_path, capsys):
 
 
 def _rng_checkpoint(root):
-    with Checkpointer(root, CFG) as ck:
+    with Checkpointer(root, LARGE) as ck:
         ck.save({"model": {"w": torch.ones(3)}, "rng": RNGState(), "epoch": 4,
                  "history": list(range(100))}, step=1).wait()
 
@@ -142,7 +141,7 @@ def test_inspect_json_into_a_closed_pipe_is_quiet(tmp_path):
     """`datastates inspect --json | head`: the reader goes away; no BrokenPipeError, no
     traceback. The output is larger than a pipe's buffer, so the write fails whatever the
     timing."""
-    with Checkpointer(tmp_path, CFG) as ck:
+    with Checkpointer(tmp_path, LARGE) as ck:
         ck.save({f"t{i:04d}": torch.ones(1) for i in range(2000)}, step=1).wait()
     proc = subprocess.Popen([sys.executable, "-m", "datastates", "inspect", str(tmp_path),
                              "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -157,7 +156,7 @@ def test_inspect_and_export_of_the_newest_name_a_damaged_newer_checkpoint(tmp_pa
     """The newest readable checkpoint is used, and the damaged newer one is named on stderr
     (a WARNING: the CLI prints it through logging's last-resort handler)."""
     root = tmp_path / "ckpts"
-    with Checkpointer(root, CFG) as ck:
+    with Checkpointer(root, LARGE) as ck:
         for step in (1, 2):
             ck.save({"w": torch.full((4,), float(step))}, step=step).wait()
     manifest = root / "step-0000000002" / "manifest.json"

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import datastates
-from datastates import Checkpointer, CheckpointConfig, TensorShard
+from datastates import Checkpointer, TensorShard
 from datastates.commit import catalog, review
 from datastates import format as fmt
 from datastates.commit.round import MemoryStore, StoreCommunicator
@@ -20,8 +20,7 @@ from datastates.format import validate
 from datastates.format.records import (FileRef, Manifest, RankReport, SaveRef, ShardRef,
                                        TensorEntry, Verdict)
 from datastates.restore.ranks import per_rank_keys
-
-SMALL = CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10)
+from testkit import MEDIUM
 
 
 # ------------------------------------------------------------------ tiling
@@ -72,7 +71,7 @@ def test_merged_trees_index_the_global_entries():
 def test_a_tensor_no_rank_stored_fails_the_save_and_keeps_the_checkpoints(tmp_path):
     """Every rank declaring its (empty) copy a replica leaves the tensor with no stored shard: the
     review refuses the save, nothing is committed, and retention deletes nothing."""
-    config = CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10, keep_last=1)
+    config = MEDIUM.replace(keep_last=1)
     with Checkpointer(tmp_path, config) as ckpt:
         ckpt.save({"x": torch.arange(4)}, step=1).wait()
         empty = TensorShard(torch.ones(0, 2), (0, 2), (0, 0), primary=False)
@@ -287,7 +286,7 @@ def test_per_rank_keys_are_the_values_that_differ():
 # ------------------------------------------------------------------ one process, end to end
 
 def test_unknown_rank_policy_is_a_config_error_before_anything(tmp_path):
-    with Checkpointer(tmp_path / "nothing-here", SMALL) as ckpt:
+    with Checkpointer(tmp_path / "nothing-here", MEDIUM) as ckpt:
         with pytest.raises(datastates.ConfigError, match="'everyone'"):
             ckpt.load(rank_policy="everyone")  # raised before looking for a checkpoint
         with pytest.raises(datastates.ConfigError):
@@ -295,7 +294,7 @@ def test_unknown_rank_policy_is_a_config_error_before_anything(tmp_path):
 
 
 def test_manifest_records_the_save_id(tmp_path):
-    with Checkpointer(tmp_path, SMALL) as ckpt:
+    with Checkpointer(tmp_path, MEDIUM) as ckpt:
         first = ckpt.save({"x": torch.arange(4)}, step=1)
         first.wait()
         again = ckpt.save({"x": torch.arange(4)}, step=1, overwrite=True)
@@ -308,7 +307,7 @@ def test_manifest_records_the_save_id(tmp_path):
 
 def test_shards_leaving_a_gap_fail_the_save(tmp_path):
     piece = TensorShard(torch.ones(3, 2), (4, 2), (0, 0))
-    with Checkpointer(tmp_path, SMALL) as ckpt:
+    with Checkpointer(tmp_path, MEDIUM) as ckpt:
         with pytest.raises(datastates.CommitError, match="cover 6 of its 8 elements"):
             ckpt.save({"w": piece}, step=1).wait()
         assert ckpt.list() == []
@@ -461,7 +460,7 @@ def test_a_manifest_larger_than_a_reader_accepts_is_never_committed(tmp_path, mo
     committed (the limit is lowered here to what a few tensors take)."""
     from datastates.format import files
     monkeypatch.setattr(files, "MAX_MANIFEST_BYTES", 2000)
-    with Checkpointer(tmp_path, SMALL) as ckpt:
+    with Checkpointer(tmp_path, MEDIUM) as ckpt:
         with pytest.raises(datastates.CorruptCheckpointError, match="more than the 2000 a reader"):
             ckpt.save({f"w{i}": torch.ones(2) for i in range(40)}, step=1).wait()
         ckpt.save({"w": torch.ones(2)}, step=2).wait()  # a small one still commits
@@ -485,7 +484,7 @@ def test_a_key_sharded_on_one_rank_and_whole_on_another_is_named(tmp_path):
     def save(ck, rank):
         w = TensorShard(torch.ones(2, 3), (4, 3), (0, 0)) if rank == 0 else torch.ones(2, 3)
         return ck.save({"w": w}, step=1).wait(60)
-    out = in_thread_ranks(str(tmp_path), 2, save, config=SMALL)
+    out = in_thread_ranks(str(tmp_path), 2, save, config=MEDIUM)
     for rank in (0, 1):
         assert isinstance(out[rank], datastates.CommitError), out[rank]
         assert "rank(s) [1] saved 'w' as a tensor of their own, not a TensorShard" in \

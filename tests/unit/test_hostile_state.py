@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from datastates import (Checkpointer, CheckpointConfig, CorruptCheckpointError, ProviderRegistry,
+from datastates import (Checkpointer, CorruptCheckpointError, ProviderRegistry,
                         RNGState, RNGStateProvider, SerializationError, StatefulProvider,
                         StateProvider)
 from datastates.format.checks import MAX_TREE_DEPTH
-
-CFG = CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=16 << 10)
+from testkit import ROOMY
 
 
 class Forged:
@@ -65,7 +64,7 @@ def _forge(tmp_path, change) -> None:
     state = _real_rng_state()
     change(state)
     registry = ProviderRegistry([Impostor(state), StatefulProvider()])
-    with Checkpointer(tmp_path, CFG, registry=registry) as ckpt:
+    with Checkpointer(tmp_path, ROOMY, registry=registry) as ckpt:
         sched = Scheduler()
         sched.last_epoch = 9
         ckpt.save({"epoch": 5, "w": torch.arange(64.0), "sched": sched, "rng": Forged()},
@@ -78,7 +77,7 @@ def _assert_refused_and_nothing_changed(tmp_path, match: str) -> None:
     torch.manual_seed(2)
     np.random.seed(3)
     before = (random.getstate(), torch.get_rng_state(), np.random.get_state()[1].copy())
-    with Checkpointer(tmp_path, CFG) as ckpt:
+    with Checkpointer(tmp_path, ROOMY) as ckpt:
         for strict in (True, False):
             with pytest.raises(CorruptCheckpointError, match=match):
                 ckpt.restore(live, strict=strict)
@@ -206,7 +205,7 @@ def test_a_valid_rng_state_still_restores_every_generator(tmp_path):
     random.seed(11)
     torch.manual_seed(12)
     np.random.seed(13)
-    with Checkpointer(tmp_path, CFG) as ckpt:
+    with Checkpointer(tmp_path, ROOMY) as ckpt:
         ckpt.save({"rng": RNGState()}, step=1).wait()
         expected = (random.random(), torch.rand(3), np.random.rand(3))
         random.seed(0)
@@ -229,7 +228,7 @@ def _nested(levels: int):
 
 @pytest.mark.parametrize("levels", [MAX_TREE_DEPTH + 1, 300, 1000])
 def test_save_refuses_a_state_nested_too_deep_with_a_typed_error(tmp_path, levels):
-    with Checkpointer(tmp_path, CFG) as ckpt:
+    with Checkpointer(tmp_path, ROOMY) as ckpt:
         with pytest.raises(SerializationError) as info:
             ckpt.save(_nested(levels), step=1)
         assert ckpt.list() == []
@@ -249,7 +248,7 @@ def _tensor_in_a_dict(levels: int, tensor: torch.Tensor):
 
 def test_a_tensor_in_a_dict_is_held_to_the_depth_limit_too(tmp_path):
     tensor = torch.arange(4.0)
-    with Checkpointer(tmp_path, CFG) as ckpt:
+    with Checkpointer(tmp_path, ROOMY) as ckpt:
         ckpt.save(_tensor_in_a_dict(MAX_TREE_DEPTH, tensor), step=1).wait()
         loaded = ckpt.load()["x"]
         while isinstance(loaded, list):
@@ -263,7 +262,7 @@ def test_a_tensor_in_a_dict_is_held_to_the_depth_limit_too(tmp_path):
 def test_save_refuses_a_list_that_holds_itself(tmp_path):
     loop = [1]
     loop.append(loop)
-    with Checkpointer(tmp_path, CFG) as ckpt:
+    with Checkpointer(tmp_path, ROOMY) as ckpt:
         with pytest.raises(SerializationError, match=r"'loop/1/1/1/1/1/1/1/\.\.\.'"):
             ckpt.save({"loop": loop}, step=1)
         assert ckpt.list() == []
@@ -271,7 +270,7 @@ def test_save_refuses_a_list_that_holds_itself(tmp_path):
 
 def test_the_deepest_state_a_checkpoint_holds_round_trips(tmp_path):
     state = _nested(MAX_TREE_DEPTH)
-    with Checkpointer(tmp_path, CFG) as ckpt:
+    with Checkpointer(tmp_path, ROOMY) as ckpt:
         ckpt.save(state, step=1).wait()
         assert ckpt.load() == state
 
@@ -282,7 +281,7 @@ def test_a_python_random_state_saved_as_a_tuple_of_ints_still_restores(tmp_path)
     expected = random.getstate()
     _forge(tmp_path, lambda state: state.update(python=expected))
     random.seed(7)
-    with Checkpointer(tmp_path, CFG) as ckpt:
+    with Checkpointer(tmp_path, ROOMY) as ckpt:
         ckpt.restore({"epoch": 0, "w": torch.zeros(64), "sched": Scheduler(), "rng": RNGState()})
         assert random.getstate() == expected
         assert ckpt.load()["rng"]["python"] == expected

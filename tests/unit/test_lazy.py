@@ -12,6 +12,7 @@ from datastates import CheckpointConfig, Checkpointer
 
 import zygote
 from helpers import assert_same, clone_state, make_training, train_step
+from testkit import SMALL
 
 
 class ConvNet(nn.Module):
@@ -75,7 +76,7 @@ def test_save_returns_before_capture_when_guarded(tmp_path):
 
 def test_unguarded_lazy_state_is_captured_before_save_returns(tmp_path):
     model = nn.Linear(256, 256)
-    with Checkpointer(tmp_path, CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)) as ckpt:
+    with Checkpointer(tmp_path, SMALL) as ckpt:
         reference = clone_state(model.state_dict())
         handle = ckpt.save({"model": model}, step=1)
         assert handle.snapshot_done()

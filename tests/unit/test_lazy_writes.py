@@ -25,10 +25,11 @@ from datastates.storage.posix import ShardWriter
 
 from helpers import assert_same, clone_state
 from thread_ranks import in_thread_ranks
+from testkit import TWO_UNITS
 
-#: Two cache slots of 16 KiB: the model's 130 KiB of parameters take nine units, so with the
-#: writes stalled the capture cannot get past the second one.
-SMALL = CheckpointConfig(host_cache_bytes=32 << 10, chunk_bytes=16 << 10)
+# TWO_UNITS, two cache slots of 16 KiB: the model's 130 KiB of parameters take nine units, so
+# with the writes stalled the capture cannot get past the second one.
+
 #: Laid out after the first two units (layer 7 of the model): never copied while writes stall.
 PENDING = "model/7.weight"
 
@@ -113,7 +114,7 @@ def test_load_state_dict_before_the_copy_fails_the_save(tmp_path, stall):
     model, opt = make()
     train(model, opt)
     other = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
-    with Checkpointer(tmp_path, SMALL) as ckpt:
+    with Checkpointer(tmp_path, TWO_UNITS) as ckpt:
         ckpt.save({"model": model, "opt": opt}, step=1).wait()
         stall.arm()
         handle = ckpt.save({"model": model, "opt": opt}, step=2)
@@ -127,7 +128,7 @@ def test_load_state_dict_before_the_copy_fails_the_save(tmp_path, stall):
 def test_copy_under_no_grad_fails_the_save_naming_that_tensor(tmp_path, stall):
     model, opt = make()
     train(model, opt)
-    with Checkpointer(tmp_path, SMALL) as ckpt:
+    with Checkpointer(tmp_path, TWO_UNITS) as ckpt:
         ckpt.save({"model": model, "opt": opt}, step=1).wait()
         stall.arm()
         handle = ckpt.save({"model": model, "opt": opt}, step=2)
@@ -179,7 +180,7 @@ def test_sam_first_step_before_the_copy_fails_the_save(tmp_path, stall):
     model(x).square().mean().backward()
     opt.second_step()
     opt.zero_grad()
-    with Checkpointer(tmp_path, SMALL) as ckpt:
+    with Checkpointer(tmp_path, TWO_UNITS) as ckpt:
         ckpt.save({"model": model, "opt": opt}, step=1).wait()
         stall.arm()
         handle = ckpt.save({"model": model, "opt": opt}, step=2)
@@ -206,7 +207,7 @@ def test_the_guarded_step_never_fails_a_save(tmp_path, stall, stalled):
     opt.register_step_pre_hook(before_step)
     train(model, opt)
     expected = {}
-    with Checkpointer(tmp_path, SMALL) as ckpt:
+    with Checkpointer(tmp_path, TWO_UNITS) as ckpt:
         for step in range(1, 7):
             expected[step] = reference(model, opt)
             if stalled:
@@ -227,7 +228,7 @@ def test_the_guarded_step_never_fails_a_save(tmp_path, stall, stalled):
 def test_writes_after_the_snapshot_keep_the_values_at_save(tmp_path):
     model, opt = make()
     train(model, opt)
-    with Checkpointer(tmp_path, SMALL) as ckpt:
+    with Checkpointer(tmp_path, TWO_UNITS) as ckpt:
         expected = reference(model, opt)
         handle = ckpt.save({"model": model, "opt": opt}, step=1)
         handle.wait_snapshot()
@@ -246,7 +247,7 @@ def test_eager_tensors_written_after_save_keep_the_values_at_save(tmp_path, stal
     torch.manual_seed(1)
     clipped = nn.Linear(16, 16)
     clipped_opt = torch.optim.SGD(clipped.parameters(), lr=0.1)
-    with Checkpointer(tmp_path, SMALL) as ckpt:
+    with Checkpointer(tmp_path, TWO_UNITS) as ckpt:
         expected = {**reference(model, opt), "clipped": clone_state(clipped.state_dict())}
         stall.arm()
         handle = ckpt.save({"clipped": datastates.eager(clipped), "model": model, "opt": opt},
@@ -290,7 +291,7 @@ def test_a_write_on_one_rank_fails_the_save_on_every_rank(tmp_path, stall):
             handle.wait(60)
         except CommitError as exc:
             return exc
-    out = in_thread_ranks(str(tmp_path), 2, action, config=SMALL)
+    out = in_thread_ranks(str(tmp_path), 2, action, config=TWO_UNITS)
     for rank in (0, 1):
         error = out[rank]
         assert isinstance(error, CommitError), error
@@ -310,9 +311,9 @@ def test_a_checkpointer_closed_while_a_step_waits_for_another_leaves_the_step_al
     train(model, opt)
     entered = threading.Event()
     opt.register_step_pre_hook(lambda *_: entered.set())  # runs before the guards' hook
-    with Checkpointer(tmp_path / "a", SMALL) as waited:
+    with Checkpointer(tmp_path / "a", TWO_UNITS) as waited:
         waited.save({"model": model, "opt": opt}, step=1).wait()  # its guard comes first
-        old = Checkpointer(tmp_path / "b", SMALL)
+        old = Checkpointer(tmp_path / "b", TWO_UNITS)
         old.save({"model": model, "opt": opt}, step=1).wait()
         expected = reference(model, opt)
         stall.arm()

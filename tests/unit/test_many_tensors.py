@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import datastates
-from datastates import Checkpointer, CheckpointConfig, CorruptCheckpointError
+from datastates import Checkpointer, CorruptCheckpointError
 from datastates import format as fmt
 from datastates.format import codec, files, plain, validate
 from datastates.format.checks import _At
@@ -32,8 +32,7 @@ from datastates.providers.tree import flatten
 from datastates.save.planning import Unit, plan_layout
 
 from helpers import assert_same, clone_state
-
-SMALL = CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10)
+from testkit import MEDIUM
 
 
 def _many(n: int, seed: int = 0) -> dict:
@@ -49,7 +48,7 @@ def test_many_small_tensors_round_trip_and_verify(tmp_path):
     state = {**_many(3000), "ints": torch.arange(7, dtype=torch.int16),
              "flag": torch.tensor(True), "half": torch.ones(3, dtype=torch.float16)}
     ref = clone_state(state)
-    with Checkpointer(tmp_path, SMALL) as ck:
+    with Checkpointer(tmp_path, MEDIUM) as ck:
         handle = ck.save(state, step=1)
         for t in state.values():
             t.zero_()  # eager: already in the host cache when save() returned
@@ -68,7 +67,7 @@ def test_views_of_one_buffer_back_to_back_are_saved_exactly(tmp_path):
     flat = torch.arange(64 * 40, dtype=torch.float32)
     state = {"dense": [flat[i * 16:(i + 1) * 16] for i in range(40)],       # 64 B each: adjacent
              "gaps": [flat[i * 64 + 3:i * 64 + 10] for i in range(40)]}     # 28 B, apart
-    with Checkpointer(tmp_path, SMALL) as ck:
+    with Checkpointer(tmp_path, MEDIUM) as ck:
         ck.save(state, step=1).wait()
         loaded = ck.load()
     assert_same(loaded, clone_state(state))
@@ -80,7 +79,7 @@ def test_tensors_that_are_not_plain_go_through_their_bytes(tmp_path):
     state = {"t": base.t(), "step": base[1:4:2, ::2], "scalar": torch.tensor(3.5),
              "empty": torch.empty(0, 3), "np": np.arange(5, dtype=np.int32),
              "param": torch.nn.Parameter(torch.randn(4)), "plain": torch.randn(9)}
-    with Checkpointer(tmp_path, SMALL) as ck:
+    with Checkpointer(tmp_path, MEDIUM) as ck:
         ck.save(state, step=1).wait()
         loaded = ck.load()
     assert isinstance(loaded["np"], np.ndarray) and loaded["np"].tolist() == [0, 1, 2, 3, 4]
@@ -95,7 +94,7 @@ def test_a_conjugate_or_negative_view_is_saved_with_its_values(tmp_path):
     base = torch.randn(3, dtype=torch.complex64)
     state = {"c": base.conj(), "n": torch.randn(4, dtype=torch.complex64).conj().imag}
     assert state["c"].is_conj() and state["n"].is_neg()
-    with Checkpointer(tmp_path, SMALL) as ck:
+    with Checkpointer(tmp_path, MEDIUM) as ck:
         ck.save(state, step=1).wait()
         loaded = ck.load()
     for key, value in state.items():
@@ -533,7 +532,7 @@ def test_index_entry_fast_path_is_the_entrys_json():
 
 
 def _saved_manifest(tmp_path, state=None):
-    with Checkpointer(tmp_path, SMALL) as ck:
+    with Checkpointer(tmp_path, MEDIUM) as ck:
         info = ck.save(state if state is not None else _many(600), step=1,
                        metadata={"entries": [], "note": '"entries":[]'}).wait()
     return files.read_manifest(info.path)
@@ -623,7 +622,7 @@ def test_restore_in_place_of_plain_and_other_live_tensors(tmp_path):
     state = {**_many(500), "model": model.state_dict(), "np": np.arange(4.0),
              "wide": torch.randn(4, 6)}
     ref = clone_state({k: v for k, v in state.items() if k != "np"})
-    with Checkpointer(tmp_path, SMALL) as ck:
+    with Checkpointer(tmp_path, MEDIUM) as ck:
         ck.save(state, step=1).wait()
         live = {**{k: torch.zeros_like(v) for k, v in _many(500).items()},
                 "model": torch.nn.Linear(3, 2).state_dict(), "np": np.zeros(4),
@@ -639,7 +638,7 @@ def test_restore_in_place_of_plain_and_other_live_tensors(tmp_path):
 
 def test_a_flipped_byte_of_a_small_tensor_is_caught(tmp_path):
     state = _many(300)
-    with Checkpointer(tmp_path, SMALL) as ck:
+    with Checkpointer(tmp_path, MEDIUM) as ck:
         info = ck.save(state, step=1).wait()
     entry = next(e for e in files.read_manifest(info.path).entries if e.key == "t123")
     path = tmp_path / info.name / fmt.shard_file_name(0)
@@ -648,7 +647,7 @@ def test_a_flipped_byte_of_a_small_tensor_is_caught(tmp_path):
         byte = f.read(1)
         f.seek(entry.shards[0].offset + 1)
         f.write(bytes([byte[0] ^ 1]))
-    with Checkpointer(tmp_path, SMALL) as ck:
+    with Checkpointer(tmp_path, MEDIUM) as ck:
         with pytest.raises(CorruptCheckpointError, match="checksum mismatch for 't123'"):
             ck.restore({k: torch.empty_like(v) for k, v in state.items()})
 

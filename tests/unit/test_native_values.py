@@ -27,9 +27,9 @@ from datastates.providers.tree import flatten
 from datastates.providers import NumpyRandomProvider, ProviderRegistry
 from datastates.restore.reader import Reader
 from datastates.testing import ProviderConformance
+from testkit import SMALL
 
-CONFIG = CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
-UNSAFE = CONFIG.replace(allow_unsafe_objects=True)
+UNSAFE = SMALL.replace(allow_unsafe_objects=True)
 NATIVE_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
                  "uint64", "float16", "float32", "float64", "complex64", "complex128"]
 BIT_GENERATORS = ["MT19937", "PCG64", "PCG64DXSM", "Philox", "SFC64"]
@@ -37,7 +37,7 @@ BIT_GENERATORS = ["MT19937", "PCG64", "PCG64DXSM", "Philox", "SFC64"]
 
 @pytest.fixture
 def ck(tmp_path):
-    with Checkpointer(tmp_path / "ck", CONFIG) as ck:
+    with Checkpointer(tmp_path / "ck", SMALL) as ck:
         yield ck
 
 
@@ -212,7 +212,7 @@ def test_restore_replaces_read_only_live_array(ck):
 ], ids=["object", "str", "datetime64", "clongdouble", "big-endian", "masked"])
 def test_arrays_torch_cannot_hold_are_pickled(tmp_path, array):
     # With the default config they are refused at save (a default restore refuses them) ...
-    with Checkpointer(tmp_path / "safe", CONFIG) as ck:
+    with Checkpointer(tmp_path / "safe", SMALL) as ck:
         with pytest.raises(UnsafeObjectError, match="'inner/a'"):
             ck.save({"inner": {"a": array}}, step=1)
         assert ck.list() == []
@@ -383,7 +383,7 @@ def test_no_numpy_or_os_callable_is_allowed_by_safe_loading(tmp_path, make):
             with pytest.raises(UnsafeObjectError, match="'x'"):
                 action()
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned.npy").exists()
-    with Checkpointer(tmp_path / "default", CONFIG) as ck:
+    with Checkpointer(tmp_path / "default", SMALL) as ck:
         with pytest.raises(UnsafeObjectError, match="'x'"):
             ck.save({"x": obj}, step=1)
 
@@ -455,11 +455,11 @@ def test_forged_bit_generator_states_are_refused_on_restore_and_load(tmp_path, k
         def load(self, obj, state):
             raise AssertionError("only saves")
 
-    with Checkpointer(tmp_path, CONFIG, registry=ProviderRegistry([Impostor()])) as writer:
+    with Checkpointer(tmp_path, SMALL, registry=ProviderRegistry([Impostor()])) as writer:
         writer.save({"g": Forged()}, step=1).wait()
     live = build(getattr(np.random, bits)(2))
     before = json.dumps(_plain(provider.state(live)))
-    with Checkpointer(tmp_path, CONFIG) as reader:
+    with Checkpointer(tmp_path, SMALL) as reader:
         with pytest.raises(CorruptCheckpointError, match=match):
             reader.restore({"g": live})
         with pytest.raises(CorruptCheckpointError, match=match):

@@ -12,12 +12,11 @@ import torch
 import datastates
 from datastates.commit.catalog import human_bytes
 
-CFG = datastates.CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=16 << 10)
+from testkit import ROOMY, random_tensors
 
 
 def _state(seed: int) -> dict:
-    torch.manual_seed(seed)
-    return {"w": torch.randn(20_000), "epoch": seed}
+    return {**random_tensors(seed, w=20_000), "epoch": seed}
 
 
 def _failing_writers(monkeypatch):
@@ -32,7 +31,7 @@ def _failing_writers(monkeypatch):
 
 def test_one_info_line_per_committed_save(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="datastates")
-    with datastates.Checkpointer(tmp_path, CFG) as ck:
+    with datastates.Checkpointer(tmp_path, ROOMY) as ck:
         handle = ck.save(_state(1), step=1)
         handle.wait()
         ck.save(_state(2), step=2).wait()
@@ -54,7 +53,7 @@ def test_human_bytes():
 
 def test_one_info_line_per_retention_deletion(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="datastates")
-    cfg = CFG.replace(keep_last=1)
+    cfg = ROOMY.replace(keep_last=1)
     with datastates.Checkpointer(tmp_path, cfg) as ck:
         first = ck.save(_state(1), step=1).wait()
         second = ck.save(_state(2), step=2).wait()
@@ -69,7 +68,7 @@ def test_one_info_line_per_retention_deletion(tmp_path, caplog):
 
 
 def test_a_failure_nobody_waits_for_is_logged_when_it_happens(tmp_path, caplog, monkeypatch):
-    with datastates.Checkpointer(tmp_path, CFG) as ck:
+    with datastates.Checkpointer(tmp_path, ROOMY) as ck:
         _failing_writers(monkeypatch)
         handle = ck.save(_state(1), step=1)
         handle._job.finished.wait(120)  # nobody is in wait(): the failure is logged by itself
@@ -84,7 +83,7 @@ def test_a_failure_nobody_waits_for_is_logged_when_it_happens(tmp_path, caplog, 
 
 
 def test_a_failure_raised_to_a_waiter_is_not_logged_again(tmp_path, caplog, monkeypatch):
-    with datastates.Checkpointer(tmp_path, CFG) as ck:
+    with datastates.Checkpointer(tmp_path, ROOMY) as ck:
         _failing_writers(monkeypatch)
         handle = ck.save(_state(1), step=1)
         with pytest.raises(RuntimeError, match="injected checksum failure"):
@@ -96,14 +95,14 @@ def test_a_failure_raised_to_a_waiter_is_not_logged_again(tmp_path, caplog, monk
 
 def test_a_reading_checkpointer_creates_no_folder(tmp_path):
     typo = tmp_path / "chekpoints"
-    with datastates.Checkpointer(typo, CFG) as ck:
+    with datastates.Checkpointer(typo, ROOMY) as ck:
         assert ck.list() == [] and ck.latest() is None
         with pytest.raises(datastates.CheckpointNotFoundError, match="does not exist"):
             ck.restore(_state(0))
         with pytest.raises(datastates.CheckpointNotFoundError):
             ck.load()
     assert not typo.exists()
-    with datastates.Checkpointer(typo, CFG) as ck:  # the first save creates it
+    with datastates.Checkpointer(typo, ROOMY) as ck:  # the first save creates it
         state = _state(3)
         ck.save(state, step=3).wait()
         assert [i.step for i in ck.list()] == [3] and ck.latest().step == 3

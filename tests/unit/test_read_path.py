@@ -14,9 +14,10 @@ from datastates.restore import reads
 from datastates.restore.reads import Checker, coalesce, group_limit, steps
 from datastates.restore.matching import _Read
 from datastates.storage.store import LOCAL, ReadFile
+from testkit import SMALL
 
-# Small units: a tensor spans several checksum pieces, and pieces span several read steps.
-CONFIG = datastates.CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
+# The SMALL cache's 16 KiB units: a tensor spans several checksum pieces, and pieces span
+# several read steps.
 
 
 def make_state(seed: int = 0) -> dict:
@@ -52,7 +53,7 @@ def small_steps(monkeypatch):
 @pytest.fixture
 def saved(tmp_path):
     state = make_state(3)
-    with datastates.Checkpointer(tmp_path, CONFIG) as ck:
+    with datastates.Checkpointer(tmp_path, SMALL) as ck:
         ck.save(state, step=1).wait(60)
     return tmp_path, state
 
@@ -61,7 +62,7 @@ def saved(tmp_path):
 def test_round_trip_with_small_steps(saved, small_steps, threads):
     root, state = saved
     live = zeros_like(state)
-    cfg = CONFIG.replace(reader_threads=threads)
+    cfg = SMALL.replace(reader_threads=threads)
     with datastates.Checkpointer(root, cfg) as ck:
         report = ck.restore(live, step=1)
         loaded = ck.load(step=1)
@@ -74,7 +75,7 @@ def test_round_trip_with_small_steps(saved, small_steps, threads):
 def test_round_trip_default_steps_subset_of_keys(saved):
     root, state = saved
     live = zeros_like(state)
-    with datastates.Checkpointer(root, CONFIG) as ck:
+    with datastates.Checkpointer(root, SMALL) as ck:
         ck.restore(live, step=1, keys=["big", "half"], strict=False)
     assert torch.equal(live["big"], state["big"])
     assert torch.equal(live["half"].view(torch.int16), state["half"].view(torch.int16))
@@ -107,7 +108,7 @@ def test_a_flipped_byte_anywhere_is_caught(saved, small_steps, where):
            "step-edge": SMALL_STEP - 1, "middle": shard["nbytes"] // 2}[where]
     _flip(path, shard["offset"] + pos)
     live = zeros_like(state)
-    with datastates.Checkpointer(root, CONFIG) as ck:
+    with datastates.Checkpointer(root, SMALL) as ck:
         with pytest.raises(CorruptCheckpointError, match=r"checksum mismatch for 'big'") as exc:
             ck.restore(live, step=1)
         assert path in str(exc.value)
@@ -123,7 +124,7 @@ def test_truncated_file_is_corrupt_not_short(saved, small_steps):
     shard = entry["shards"][0]
     # Keep the header readable but cut the file inside the tensor's bytes.
     os.truncate(path, shard["offset"] + shard["nbytes"] // 2)
-    with datastates.Checkpointer(root, CONFIG) as ck:
+    with datastates.Checkpointer(root, SMALL) as ck:
         with pytest.raises(CorruptCheckpointError):
             ck.restore(zeros_like(state), step=1)
 
@@ -246,7 +247,7 @@ def test_a_tensor_read_in_parts_round_trips_and_names_the_damaged_bytes(saved, s
                                                                          small_runs, monkeypatch,
                                                                          threads):
     root, state = saved
-    cfg = CONFIG.replace(reader_threads=threads)
+    cfg = SMALL.replace(reader_threads=threads)
     live = zeros_like(state)
     split, parts = reads.split_at_pieces, []
 

@@ -17,9 +17,8 @@ import torch
 from torch import nn
 
 import datastates
-from datastates import Checkpointer, CheckpointConfig, StateMismatchError, TensorShard
-
-SMALL = CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
+from datastates import Checkpointer, StateMismatchError, TensorShard
+from testkit import SMALL
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

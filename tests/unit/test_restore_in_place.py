@@ -8,9 +8,8 @@ from collections import OrderedDict, defaultdict
 import pytest
 import torch
 
-from datastates import Checkpointer, CheckpointConfig, StateMismatchError
-
-CFG = CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=16 << 10)
+from datastates import Checkpointer, StateMismatchError
+from testkit import ROOMY
 
 
 # ---------------------------------------------------------------- containers keep their identity
@@ -18,13 +17,13 @@ CFG = CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=16 << 10)
 def test_a_kept_reference_sees_the_restore_and_every_later_save_holds_its_values(tmp_path):
     """The loop keeps its own reference to a nested dict; after a resume, each later checkpoint
     holds what the loop wrote into that reference, not the values restored."""
-    with Checkpointer(tmp_path, CFG) as ckpt:
+    with Checkpointer(tmp_path, ROOMY) as ckpt:
         ckpt.save({"progress": {"epoch": 4, "samples": [400, 4]}, "w": torch.full((8,), 4.0)},
                   step=4).wait()
     progress = {"epoch": 0, "samples": [0, 0]}
     samples = progress["samples"]
     state = {"progress": progress, "w": torch.zeros(8)}
-    with Checkpointer(tmp_path, CFG) as ckpt:
+    with Checkpointer(tmp_path, ROOMY) as ckpt:
         start = ckpt.restore(state).step + 1
         assert state["progress"] is progress and progress["samples"] is samples
         assert progress == {"epoch": 4, "samples": [400, 4]}
@@ -47,7 +46,7 @@ def test_dict_subclasses_and_nested_lists_keep_their_type_and_identity(tmp_path)
             "nest": [[0, 0], {"k": ""}]}
     objects = [live["od"], live["od"]["b"], live["dd"], live["nest"], live["nest"][0],
                live["nest"][1]]
-    with Checkpointer(tmp_path, CFG) as ckpt:
+    with Checkpointer(tmp_path, ROOMY) as ckpt:
         ckpt.save(saved, step=1).wait()
         ckpt.restore(live)
     after = [live["od"], live["od"]["b"], live["dd"], live["nest"], live["nest"][0],
@@ -59,7 +58,7 @@ def test_dict_subclasses_and_nested_lists_keep_their_type_and_identity(tmp_path)
 
 
 def test_restoring_some_keys_leaves_the_neighbours_in_the_same_containers(tmp_path):
-    with Checkpointer(tmp_path, CFG) as ckpt:
+    with Checkpointer(tmp_path, ROOMY) as ckpt:
         ckpt.save({"a": {"x": 1, "y": 2}, "l": [1, 2, 3], "t": (1, 2)}, step=1).wait()
         live = {"a": {"x": 0, "y": 0}, "l": [0, 0, 0], "t": (0, 0)}
         a, lst = live["a"], live["l"]
@@ -70,7 +69,7 @@ def test_restoring_some_keys_leaves_the_neighbours_in_the_same_containers(tmp_pa
 
 
 def test_non_strict_keeps_live_keys_the_checkpoint_lacks_in_nested_dicts(tmp_path):
-    with Checkpointer(tmp_path, CFG) as ckpt:
+    with Checkpointer(tmp_path, ROOMY) as ckpt:
         ckpt.save({"cfg": {"lr": 0.1}}, step=1).wait()
         live = {"cfg": {"lr": 1.0, "new_option": "kept"}}
         cfg = live["cfg"]
@@ -88,7 +87,7 @@ def _saved_and_live(tmp_path, bad_live: torch.Tensor, bad_saved: torch.Tensor):
     as the live tensor of the key ``x`` (planned after all of them)."""
     saved = {f"t{i:02d}": torch.full((64,), float(i + 1)) for i in range(21)}
     saved["x"] = bad_saved
-    ckpt = Checkpointer(tmp_path, CFG)
+    ckpt = Checkpointer(tmp_path, ROOMY)
     ckpt.save(saved, step=1).wait()
     live = {f"t{i:02d}": torch.full((64,), -1.0) for i in range(21)}
     live["x"] = bad_live
@@ -154,7 +153,7 @@ def test_interleaved_strides_without_shared_elements_are_filled(tmp_path):
 # ---------------------------------------------------------------- one log record per restore
 
 def test_one_info_record_per_restore_names_checkpoint_bytes_seconds_and_rate(tmp_path, caplog):
-    with Checkpointer(tmp_path, CFG) as ckpt:
+    with Checkpointer(tmp_path, ROOMY) as ckpt:
         ckpt.save({"w": torch.zeros(3 << 16), "epoch": 1}, step=7).wait()
         caplog.set_level(logging.INFO, logger="datastates")
         caplog.clear()

@@ -16,12 +16,11 @@ import torch
 from torch import nn
 
 import datastates
-from datastates import Checkpointer, CheckpointConfig, StateMismatchError
+from datastates import Checkpointer, StateMismatchError
 from datastates.providers.builtin import OPTIMIZER_CLASS_KEY
 
 from helpers import assert_same, clone_state
-
-SMALL = CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
+from testkit import SMALL
 
 
 def _model(seed: int) -> nn.Module:

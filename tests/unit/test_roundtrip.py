@@ -11,8 +11,7 @@ import datastates
 from datastates import CheckpointConfig, Checkpointer
 
 from helpers import assert_same, clone_state, make_training, train_step
-
-SMALL_CACHE = CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
+from testkit import SMALL
 
 
 def odd_tensors():
@@ -35,7 +34,7 @@ def odd_tensors():
     }
 
 
-@pytest.mark.parametrize("config", [CheckpointConfig(), SMALL_CACHE], ids=["default", "tiny-cache"])
+@pytest.mark.parametrize("config", [CheckpointConfig(), SMALL], ids=["default", "tiny-cache"])
 def test_realistic_state_round_trip(tmp_path, config):
     model, opt, sched, loader = make_training()
     for _ in range(3):
@@ -153,7 +152,7 @@ def test_queued_saves_do_not_mix(tmp_path):
 
 
 def test_checkpointers_sharing_one_pipeline(tmp_path):
-    config = CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
+    config = SMALL
     owner = Checkpointer(tmp_path / "a", config)
     sharer = Checkpointer(tmp_path / "b", share=owner)
     assert sharer.storage._pipeline is owner.storage._pipeline and sharer.config is owner.config

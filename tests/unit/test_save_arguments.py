@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import datastates
-from datastates import Checkpointer, CheckpointConfig, ConfigError
+from datastates import Checkpointer, ConfigError
+from testkit import SMALL
 
-SMALL = CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
 MAX_STEP = 2 ** 63 - 1
 
 

@@ -8,8 +8,7 @@ import os
 import torch
 
 from datastates import CheckpointConfig, Checkpointer
-
-CONFIG = CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
+from testkit import SMALL
 
 
 def save(ck: Checkpointer, value: float, **kwargs) -> None:
@@ -17,7 +16,7 @@ def save(ck: Checkpointer, value: float, **kwargs) -> None:
 
 
 def test_sequence_numbers_follow_commits(tmp_path):
-    with Checkpointer(tmp_path, CONFIG) as ck:
+    with Checkpointer(tmp_path, SMALL) as ck:
         save(ck, 1, step=10)
         save(ck, 2, tag="best")
         save(ck, 3, step=5)  # a lower step committed later is newer
@@ -32,12 +31,12 @@ def test_sequence_numbers_follow_commits(tmp_path):
 
 
 def test_latest_file_is_a_hint_only(tmp_path):
-    with Checkpointer(tmp_path, CONFIG) as ck:
+    with Checkpointer(tmp_path, SMALL) as ck:
         save(ck, 1, step=1)
         save(ck, 2, step=2)
     with open(tmp_path / "latest", "w") as f:
         f.write("step-0000000001")  # as a crash between the commit and its update leaves it
-    with Checkpointer(tmp_path, CONFIG) as ck:
+    with Checkpointer(tmp_path, SMALL) as ck:
         assert ck.latest().name == "step-0000000002"
         assert ck.restore({"x": torch.zeros(3)}).step == 2
         save(ck, 3, step=3)  # the resume loop's next save does not collide
@@ -70,7 +69,7 @@ def test_keep_every_applies_to_steps(tmp_path):
 
 
 def test_seq_is_one_more_than_the_highest_committed(tmp_path):
-    with Checkpointer(tmp_path, CONFIG) as ck:
+    with Checkpointer(tmp_path, SMALL) as ck:
         save(ck, 1, step=1)
         assert ck.latest().seq == 1
         save(ck, 2, step=2)

@@ -7,11 +7,10 @@ import threading
 import torch
 from torch import nn
 
-from datastates import CheckpointConfig, Checkpointer, CheckpointerClosedError
+from datastates import Checkpointer, CheckpointerClosedError
 from datastates.providers import ProviderRegistry
 from datastates.providers.base import StateProvider
-
-SMALL = CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10)
+from testkit import MEDIUM
 
 
 class Gate:
@@ -47,7 +46,7 @@ def test_owner_closed_while_a_sharer_plans_leaves_nothing_waiting(tmp_path):
     torch.manual_seed(0)
     model = nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    owner = Checkpointer(tmp_path / "owner", SMALL)
+    owner = Checkpointer(tmp_path / "owner", MEDIUM)
     sharer = Checkpointer(tmp_path / "sharer", share=owner,
                           registry=ProviderRegistry.default().register(GateProvider()))
     assert sharer.save({"model": model, "opt": opt}, step=1).wait().name == "step-0000000001"

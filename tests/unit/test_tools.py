@@ -15,14 +15,13 @@ import pytest
 import torch
 
 import datastates
-from datastates import CheckpointConfig, Checkpointer
+from datastates import Checkpointer
 from datastates.tools import describe
 from datastates.tools.cli import EXIT_EMPTY, EXIT_ERROR, EXIT_OK, main
 
 import zygote
 from helpers import assert_same, make_training, train_step
-
-CFG = CheckpointConfig(host_cache_bytes=8 << 20, chunk_bytes=1 << 20)
+from testkit import LARGE
 
 
 def _saved(root, steps=(1, 2), **extra):
@@ -30,7 +29,7 @@ def _saved(root, steps=(1, 2), **extra):
     tied = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     state = {"model": model, "optimizer": opt, "epoch": 3, "name": "run-a",
              "tied": {"a": tied, "b": tied}, **extra}
-    with Checkpointer(root, CFG) as ck:
+    with Checkpointer(root, LARGE) as ck:
         for step in steps:
             train_step(model, opt, sched, loader)
             ck.save(state, step=step, metadata={"lr": 0.01}).wait()
@@ -106,7 +105,7 @@ class _Tied(torch.nn.Module):
 
 
 def test_cli_inspect_lists_tied_names_as_sharing_the_storage(tmp_path):
-    with Checkpointer(tmp_path, CFG) as ck:
+    with Checkpointer(tmp_path, LARGE) as ck:
         ck.save({"model": _Tied()}, step=1).wait()
         loaded = ck.load()
     assert sorted(loaded["model"]) == ["emb.weight", "head.weight"]
@@ -283,7 +282,7 @@ def test_export_of_a_damaged_checkpoint_leaves_no_file(tmp_path):
 def test_export_memory_stays_bounded(tmp_path):
     """A 256 MiB state exports without the process's anonymous memory growing by its size."""
     big = torch.randn(64 << 20)  # 256 MiB
-    with Checkpointer(tmp_path / "ck", CFG) as ck:
+    with Checkpointer(tmp_path / "ck", LARGE) as ck:
         ck.save({"w": big}, step=1).wait()
     del big
     script = (
@@ -346,7 +345,7 @@ def test_cli_export_import_round_trip(tmp_path, capsys):
 
 def test_find_rejects_ambiguous_folder_for_inspect(tmp_path):
     for name in ("a.pt", "b.pt"):  # path-addressed checkpoints, as the integrations write them
-        with Checkpointer(tmp_path, CFG) as ck:
+        with Checkpointer(tmp_path, LARGE) as ck:
             ck.save({"x": torch.ones(2)}, tag=name).wait()
     os.remove(tmp_path / "latest")
     assert [i.name for i in describe.find(tmp_path)] == ["a.pt", "b.pt"]
@@ -357,7 +356,7 @@ def test_find_rejects_ambiguous_folder_for_inspect(tmp_path):
 
 def test_cli_inspect_shows_every_checkpoint_of_a_tag_folder(tmp_path, capsys):
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
-        with Checkpointer(tmp_path, CFG) as ck:  # the layout the DeepSpeed engine writes
+        with Checkpointer(tmp_path, LARGE) as ck:  # the layout the DeepSpeed engine writes
             ck.save({"x": torch.ones(2)}, tag=name).wait()
     os.remove(tmp_path / "latest")
     code, out, _ = _run(capsys, "inspect", str(tmp_path))

@@ -10,15 +10,15 @@ import pickle
 import pytest
 import torch
 
+from testkit import LARGE
+
 pytest.importorskip("torch.distributed.checkpoint")
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import datastates  # noqa: E402
-from datastates import CheckpointConfig, Checkpointer  # noqa: E402
+from datastates import Checkpointer  # noqa: E402
 from datastates.tools.cli import EXIT_ERROR, EXIT_OK, main  # noqa: E402
 from datastates.integrations.dcp import DatastatesReader, DatastatesWriter  # noqa: E402
-
-CFG = CheckpointConfig(host_cache_bytes=8 << 20, chunk_bytes=1 << 20)
 
 
 class _Touch:
@@ -150,7 +150,7 @@ def _deepspeed_save_dir(root, tags=("global_step1", "global_step2")):
     ``root/latest`` naming the newest tag."""
     for step, tag in enumerate(tags, 1):
         for name in _DS_FILES:
-            with Checkpointer(root / tag, CFG) as ck:
+            with Checkpointer(root / tag, LARGE) as ck:
                 ck.save({"x": torch.full((64,), float(step)), "file": name}, tag=name).wait()
     (root / "latest").write_text(tags[-1])
     return root
@@ -217,7 +217,7 @@ def test_dcp_folders_are_listed_verified_and_inspected(tmp_path, capsys):
 def test_damaged_newest_is_listed_and_fails_verify_all(tmp_path, capsys):
     """One flipped bit in the newest manifest: list shows it marked with the reason, and
     verify --all checks every other checkpoint too, then fails naming each bad one."""
-    with Checkpointer(tmp_path, CFG) as ck:
+    with Checkpointer(tmp_path, LARGE) as ck:
         for step in (1, 2, 3):
             ck.save({"w": torch.full((1024,), float(step))}, step=step).wait()
     _flip(tmp_path / "step-0000000003" / "manifest.json", 40)
@@ -242,7 +242,7 @@ def test_export_hf_copies_no_link_out_of_the_checkpoint(tmp_path, capsys, caplog
     and a FIFO are not copied: logged as WARNINGs, named in the report; the rest is copied."""
     secret = tmp_path / "id_rsa"
     secret.write_text("PRIVATE KEY")
-    with Checkpointer(tmp_path / "run", CFG) as ck:
+    with Checkpointer(tmp_path / "run", LARGE) as ck:
         info = ck.save({"model": {"w": torch.arange(6.0)}}, tag="checkpoint-1").wait()
     ckpt = tmp_path / "run" / "checkpoint-1"
     assert info.path == str(ckpt)
