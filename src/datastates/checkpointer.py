@@ -15,7 +15,7 @@ import torch
 
 from .commit.catalog import DamagedCheckpoint
 from .config import CheckpointConfig
-from .directory import TierCheckpointer, default_communicator, wait_all
+from .directory import TierCheckpointer, wait_all
 from .errors import CheckpointerClosedError, CheckpointNotFoundError, ConfigError
 from .format.records import CheckpointInfo
 from .memory.tiers import Tiers
@@ -61,7 +61,7 @@ class Checkpointer:
 
     ``config.memory_tier`` (docs/memory-tier.md): the lowest rank of each node attaches to
     that node's keeper process (starting one if none runs; KeeperError if it cannot), and
-    ``memory`` is the Checkpointer of the memory tier (of this node's ranks, when the job runs
+    ``memory`` is the memory tier's TierCheckpointer (of this node's ranks, when the job runs
     on several nodes).
     """
 
@@ -432,25 +432,14 @@ class Checkpointer:
 
 def _open_tiered(directory, config, registry, communicator, storage_options):
     """The storage and memory TierCheckpointers of a Checkpointer with ``config.memory_tier``,
-    and the tier's parts: the ranks first agree on the node groups and open the keepers
-    (memory/tiers.py), then each tier opens with the policy the tier gives it."""
-    comm = communicator or default_communicator()
+    and the tier's parts: storage opens first, with the policy the tier gives it, then the tier
+    beside it (memory/tiers.py: node groups, keepers, the memory TierCheckpointer)."""
+    tiers = Tiers(normalize(directory), config.memory_tier, config)
+    storage = TierCheckpointer(directory, config, registry=registry, communicator=communicator,
+                               storage_options=storage_options, policy=tiers.storage_policy())
     try:
-        tiers = Tiers(normalize(directory), config.memory_tier, config, comm)
+        memory = tiers.open(storage)
     except BaseException:
-        comm.close()
-        raise
-    try:
-        storage = TierCheckpointer(directory, config, registry=registry, communicator=comm,
-                                   storage_options=storage_options, policy=tiers.storage_policy())
-    except BaseException:
-        tiers.detach()
-        comm.close()
-        raise
-    try:
-        memory = tiers.open_memory(storage)
-    except BaseException:
-        tiers.detach()
         storage.close()
         raise
     return storage, memory, tiers

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import datastates
+from datastates.directory import TierCheckpointer
 from datastates import Checkpointer, CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from datastates.format import codec as fmt
 from datastates.storage.store import LocalStore
@@ -129,7 +130,7 @@ def test_a_storage_failure_opening_a_shard_is_no_damage(root):
     untouched (an outage never costs a good checkpoint)."""
     with Checkpointer(root) as ckpt:
         _save_steps(ckpt, (1, 2))
-    with Checkpointer(root, _store=_ShardsUnreachable()) as ckpt:
+    with TierCheckpointer(root, store=_ShardsUnreachable()) as ckpt:
         live = _blank()
         with pytest.raises(datastates.StorageError, match="HEAD failed"):
             ckpt.restore(live, fallback=True)

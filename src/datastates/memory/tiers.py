@@ -62,22 +62,60 @@ class Tiers:
     """The memory tier of one Checkpointer: its node group, on the group's lowest rank the
     keeper link, on rank 0 the hand-off to storage, and the policies of its two tiers."""
 
-    def __init__(self, directory: str, tier: MemoryTier, config: CheckpointConfig, comm):
-        """Agree on the node groups with every rank (through ``comm``, the job's communicator)
-        and open this node's keeper: KeeperError if it does not open on every rank."""
+    def __init__(self, directory: str, tier: MemoryTier, config: CheckpointConfig):
+        """The tier of the storage ``directory``, not open yet (:meth:`open`): ConfigError for a
+        storage the memory tier cannot serve."""
         if is_url(directory):
             raise ConfigError("the memory tier writes its checkpoints to a local directory; "
                               f"found the storage {directory!r}")
-        self.tier, self.directory, self.config, self.comm = tier, directory, config, comm
-        self.rank = comm.rank
+        self.tier, self.directory, self.config = tier, directory, config
         self.memdir = place.memory_dir(tier.root, directory)
         self.link: KeeperLink | None = None
-        #: The memory tier's TierCheckpointer (``open_memory``; None while not open or not used).
+        #: The memory tier's TierCheckpointer (:meth:`open`; None before, or when not used).
         self.memory: TierCheckpointer | None = None
         #: Rank 0 with ``storage_writer="keeper"``: the saves due for storage, handed on from
         #: memory to the keeper (handoff.py).
         self.handoff: Handoff | None = None
+        #: Why this Checkpointer does without the memory tier (None: it uses it): a keeper
+        #: that lives but does not answer (stopped, hung). Every save then goes to storage and
+        #: every restore reads storage, with this in ``RestoreReport.tier_fallback``; the
+        #: memory is left to that keeper, untouched.
+        self.unavailable: str | None = None
         self._floor: int | None = None  # a restore of the latest: the oldest step it may read
+
+    def storage_policy(self) -> TierPolicy:
+        """Storage's: its newest is its highest step (then the last commit of it), as across
+        the tiers, never a tag saved later, so that memory's older step never looks newer; on
+        rank 0 with a keeper writing storage, its own commits and deletes wait while the keeper
+        writes there (:meth:`_storage_quiet`)."""
+        return TierPolicy(order=step_then_commit, exclusive=self._storage_quiet,
+                          delete_guard=self._storage_delete)
+
+    def _storage_quiet(self, deadline: float) -> None:
+        if self.handoff is not None:
+            self.handoff.idle(deadline)
+
+    def _storage_delete(self, name: str):
+        if self.handoff is None:
+            return contextlib.nullcontext()
+        return self.handoff.paused(None, self._deadline())
+
+    def open(self, storage: TierCheckpointer) -> TierCheckpointer | None:
+        """Open the tier beside ``storage`` (built with :meth:`storage_policy`): agree on the
+        node groups with every rank (through storage's communicator), open this node's keeper
+        (KeeperError if it does not open on every rank), and return the memory tier's
+        TierCheckpointer, sharing storage's pipeline (None when a stalled keeper leaves the
+        tier unused: ``unavailable``)."""
+        tier, directory, config = self.tier, self.directory, self.config
+        self.comm = comm = storage.comm
+        self.rank = comm.rank
+        try:
+            return self._open(storage, tier, directory, config, comm)
+        except BaseException:
+            self.detach()
+            raise
+
+    def _open(self, storage, tier, directory, config, comm) -> TierCheckpointer | None:
         timeout = tier.start_timeout_s + config.commit_timeout_s
         # The node groups (nodes.py): the ranks that share a host and a memory directory.
         answers = self._exchange("memory-tier", {"host": socket.gethostname(),
@@ -120,11 +158,6 @@ class Tiers:
                               f"{sorted(failed)}: " + "; ".join(
                                   f"rank {r}: {e}" for r, e in sorted(failed.items())))
         stalled_on = {r: a["stalled"] for r, a in answers.items() if a.get("stalled")}
-        #: Why this Checkpointer does without the memory tier (None: it uses it): a keeper
-        #: that lives but does not answer (stopped, hung). Every save then goes to storage and
-        #: every restore reads storage, with this in ``RestoreReport.tier_fallback``; the
-        #: memory is left to that keeper, untouched.
-        self.unavailable: str | None = None
         if stalled_on:
             self.detach()
             self.unavailable = ("the memory tier is not used: " + "; ".join(
@@ -132,28 +165,15 @@ class Tiers:
                 "; every save goes to storage and restores read storage")
             log.warning("datastates: %s (a stopped or hung keeper: continue it, or end it and "
                         "restart, to use the memory tier again)", self.unavailable)
-            return
+            return None
         self.store = RecyclingStore(os.path.join(self.memdir, SPARE))
         if self.rank == 0 and self.writer == "keeper":
             self.handoff = Handoff(self.link, self.memdir, directory, config, tier.keep_last,
                                    self.store)
+        return self._open_memory(storage)
 
-    def storage_policy(self) -> TierPolicy:
-        """Storage's: its newest is its highest step (then the last commit of it), as across
-        the tiers, never a tag saved later, so that memory's older step never looks newer; on
-        rank 0 with a keeper writing storage, its own commits and deletes wait while the keeper
-        writes there."""
-        handoff = self.handoff
-        if handoff is None:
-            return TierPolicy(order=step_then_commit)
-        return TierPolicy(order=step_then_commit, exclusive=handoff.idle,
-                          delete_guard=lambda name: handoff.paused(None, self._deadline()))
-
-    def open_memory(self, storage: TierCheckpointer) -> TierCheckpointer | None:
-        """The memory tier's TierCheckpointer, sharing ``storage``'s pipeline (None when the
-        tier is not used: ``unavailable``)."""
-        if self.unavailable is not None:
-            return None
+    def _open_memory(self, storage: TierCheckpointer) -> TierCheckpointer:
+        """The memory tier's TierCheckpointer, sharing ``storage``'s pipeline."""
         handoff = self.handoff
         several = self.nodes > 1
         policy = TierPolicy(
@@ -167,9 +187,11 @@ class Tiers:
             # A checkpoint the keeper checked after its last write is copied without checksums.
             prechecked=lambda info: marks.holds(self.memdir, info),
             eligible=self._eligible,
+            # Newer is the higher step, as across the tiers (then the last commit of a step).
+            order=step_then_commit,
             # Several nodes (nodes.py): each group commits among its ranks and the job agrees.
             group=frozenset(self.group) if several else None,
-            agree=self.comm if several else None, order=order if several else None,
+            agree=self.comm if several else None,
             check_name=storage.check_name if self.writer == "keeper" else None,
             on_commit=handoff.submit if handoff is not None else None,
             released=handoff.released if handoff is not None else None,
@@ -346,7 +368,9 @@ class Tiers:
             remove_tree(self.memdir)
 
     def detach(self) -> None:
-        """Close the keeper link (a Checkpointer whose opening failed after this one's)."""
+        """Stop the hand-off and close the keeper link (an opening that failed)."""
+        if self.handoff is not None:
+            self.handoff.close()
         if self.link is not None:
             self.link.close()
 
