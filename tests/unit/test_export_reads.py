@@ -142,5 +142,5 @@ def test_only_a_local_file_is_mapped(tmp_path):
         entry = next(e for e in reader.entries if e.kind == "tensor" and e.key == "model/w")
         shard = entry.shards[0]
         with pytest.raises(ConfigError, match="local disk"):
-            reader.mapped(shard.file, shard.offset, shard.nbytes, shard.checksums, entry.key)
+            reader.checkpoint.mapped(shard.file, shard.offset, shard.nbytes, shard.checksums, entry.key)
         assert torch.equal(reader.load()["model"]["w"], state["model"]["w"])  # reads still work

@@ -669,18 +669,18 @@ class _File:
 
 
 def test_small_regions_are_checked_at_once_with_the_checkers_messages():
-    from datastates.restore.matching import _Read
+    from datastates.restore.plan import Read
     from datastates.restore.reads import read_run
     data = bytes(range(256)) * 2
-    good = [_Read(0, 64 * i, 8, torch.zeros(8, dtype=torch.uint8),
+    good = [Read(0, 64 * i, 8, torch.zeros(8, dtype=torch.uint8),
                   [[8, codec.crc32(data[64 * i:64 * i + 8])]], f"k{i}") for i in range(4)]
     read_run(_File(data), good, "f", verify=True)
     assert bytes(good[2].dest.tolist()) == data[128:136]
-    bad = good[:2] + [_Read(0, 128, 8, torch.zeros(8, dtype=torch.uint8), [[8, 1]], "k2")]
+    bad = good[:2] + [Read(0, 128, 8, torch.zeros(8, dtype=torch.uint8), [[8, 1]], "k2")]
     with pytest.raises(CorruptCheckpointError, match=r"f: checksum mismatch for 'k2' in bytes "
                                                      r"\[0, 8\) of the tensor \(file offset 128\)"):
         read_run(_File(data), bad, "f", verify=True)
-    odd = _Read(0, 0, 8, torch.zeros(8, dtype=torch.uint8), [[-8, 0]], "k")
+    odd = Read(0, 0, 8, torch.zeros(8, dtype=torch.uint8), [[-8, 0]], "k")
     f = _File(data)
     with pytest.raises(CorruptCheckpointError, match="invalid checksum piece"):
         read_run(f, [odd], "f", verify=True)

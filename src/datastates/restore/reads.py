@@ -214,7 +214,8 @@ def split_at_pieces(reads: list, max_read: int) -> list:
             out.append(r)
             continue
         flat = r.dest.reshape(-1).view(torch.uint8)
-        start, at, part = 0, 0, []
+        start, at = 0, 0
+        part: list = []
         for piece in pieces:
             if part and at + piece[0] - start > max_read:
                 out.append(_part(r, flat, start, at, part))

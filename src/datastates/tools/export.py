@@ -262,7 +262,7 @@ class _MappedCheckpoint:
             return node["v"]
         if not self.load_objects:  # never unpickled when the export has no use for it
             return None
-        return self.reader.read_object(self.manifest.entries[node["e"]])
+        return self.reader.checkpoint.read_object(self.manifest.entries[node["e"]])
 
     def _rebuild(self, path: tuple, node: dict, state: Any) -> Any:
         provider = self.registry.get(node["name"])
@@ -294,7 +294,8 @@ class _MappedCheckpoint:
     def _view(self, shard: ShardRef, dtype: torch.dtype, key: str) -> torch.Tensor:
         if _numel(shard.shape) == 0:
             return torch.empty(shard.shape, dtype=dtype)
-        raw = self.reader.mapped(shard.file, shard.offset, shard.nbytes, shard.checksums, key)
+        raw = self.reader.checkpoint.mapped(shard.file, shard.offset, shard.nbytes,
+                                            shard.checksums, key)
         return raw.view(dtype).reshape(shard.shape)
 
 
