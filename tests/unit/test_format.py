@@ -91,9 +91,9 @@ def test_read_manifest_is_typed(tmp_path):
     assert isinstance(m, records.Manifest) and m.version == 3 and m.seq == 1 and m.step == 3
     assert m.files == (records.FileRef("rank-00000.dsf", 0, obj["files"][0]["nbytes"],
                                       obj["files"][0]["index_crc32"]),)
-    kinds = {e.key: type(e) for e in m.entries}
+    kinds = {e.key: type(e) for e in m.entries.values()}
     assert kinds == {"t": records.TensorEntry, "o": records.ObjectEntry}
-    t = next(e for e in m.entries if e.key == "t")
+    t = next(e for e in m.entries.values() if e.key == "t")
     assert t.shape == (4,) and t.torch_dtype == torch.int64 and t.shards[0].nbytes == 32
     index = fmt.read_index(os.path.join(cdir, "rank-00000.dsf"))
     assert isinstance(index, records.ShardIndex) and {e.key for e in index.entries} == {"t", "o"}

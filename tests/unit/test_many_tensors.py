@@ -567,7 +567,7 @@ def test_written_entry_that_does_not_read_back_is_refused(tmp_path):
     manifest = _saved_manifest(tmp_path, {"w": torch.ones(2, 3)})
     odd = manifest.entries[0]._replace(shape=[2, 3])
     with pytest.raises(CorruptCheckpointError, match=r"manifest being written: entries\[0\]"):
-        fmt.manifest_record_bytes(dataclasses.replace(manifest, entries=(odd,)))
+        fmt.manifest_record_bytes(dataclasses.replace(manifest, entries={0: odd}))
 
 
 @pytest.mark.parametrize("text", [
@@ -641,7 +641,7 @@ def test_a_flipped_byte_of_a_small_tensor_is_caught(tmp_path):
     state = _many(300)
     with Checkpointer(tmp_path, SMALL) as ck:
         info = ck.save(state, step=1).wait()
-    entry = next(e for e in files.read_manifest(info.path).entries if e.key == "t123")
+    entry = next(e for e in files.read_manifest(info.path).entries.values() if e.key == "t123")
     path = tmp_path / info.name / fmt.shard_file_name(0)
     with open(path, "r+b") as f:
         f.seek(entry.shards[0].offset + 1)

@@ -32,7 +32,7 @@ from ..format.tree import key_of
 from ..format import codec as fmt
 from ..providers.tree import NUMPY_DTYPES, TensorShard, plain_cpu, sharding_of, unwritable
 from ..providers import Capture, StateProvider
-from ..format.records import ObjectEntry, ShardRef, TensorEntry
+from ..format.records import ShardRef, TensorEntry
 from ..providers import ProviderRegistry
 from .opened import OpenCheckpoint
 from .plan import Cast, Early, Plan, Read, Rebuild, RestoreReport
@@ -182,10 +182,7 @@ class _Matcher:
                     finalizers=self.finalizers, deferred=self.deferred)
 
     def _read_object(self, e: int) -> Any:
-        entry = self.ckpt.entries[e]
-        if not isinstance(entry, ObjectEntry):  # the tree's checks gave objects object entries
-            raise CorruptCheckpointError(f"{self.ckpt.dir}: entry {e} is no object")
-        return self.ckpt.read_object(entry)
+        return self.ckpt.read_object(self.ckpt.entries[e])
 
     def wanted(self, path: tuple) -> str | None:
         """``"all"``, ``"some"`` or None: where ``path`` stands relative to ``keys=``."""

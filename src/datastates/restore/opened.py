@@ -180,9 +180,12 @@ class OpenCheckpoint:
                     out.update(s.file for s in entry.shards)
         return out
 
-    def read_object(self, entry: ObjectEntry) -> Any:
+    def read_object(self, entry: Entry) -> Any:
         """The saved Python object of ``entry``, its checksum verified (with ``verify``), loaded
-        as ``trusted`` and ``safe_globals`` allow. CorruptCheckpointError, SerializationError."""
+        as ``trusted`` and ``safe_globals`` allow. CorruptCheckpointError (also for an entry
+        that is no object), SerializationError."""
+        if not isinstance(entry, ObjectEntry):  # the tree's checks give objects object entries
+            raise CorruptCheckpointError(f"{self.dir}: {entry.key!r} is no object")
         f, _ = self.files.open(entry.file)  # validates that the region lies before the index
         path = self.files.path(entry.file)
         buf = bytearray(entry.nbytes)
