@@ -31,9 +31,8 @@ from ..format.checks import MAX_TREE_DEPTH
 from ..format.tree import key_of
 from ..format import codec as fmt
 from ..providers.tree import NUMPY_DTYPES, TensorShard, plain_cpu, sharding_of, unwritable
-from ..providers import Capture, StateProvider
+from ..providers import Capture, ProviderRegistry, StateProvider
 from ..format.records import ShardRef, TensorEntry
-from ..providers import ProviderRegistry
 from .opened import OpenCheckpoint
 from .plan import Cast, Early, Plan, Read, Rebuild, RestoreReport
 
@@ -358,7 +357,8 @@ class _Matcher:
         them unexpected; keys only the live dict holds are missing all the same."""
         live_map = live if isinstance(live, dict) else None
         fill = self._fills(live_map, provider)
-        out: dict = live_map if fill and live_map is not None else (OrderedDict() if node["t"] == "odict" else {})
+        out: dict = live_map if fill and live_map is not None else \
+            (OrderedDict() if node["t"] == "odict" else {})
         seen = set()
         everything = self.keys is None  # no keys=: every child is wanted
         for k, child in node["items"]:  # tree.items of a mapping, without a list of pairs

@@ -3,7 +3,7 @@ destination tensors, every byte checksummed right after it lands.
 
 A *region* is anything with ``file``, ``offset``, ``nbytes``, ``dest`` (a flat uint8 CPU tensor
 receiving the bytes), ``checksums`` (``[[length, crc32], ...]`` covering the region in order) and
-``key`` (matching.py's ``_Read``). Regions of one file that lie close together are coalesced into
+``key`` (plan.py's ``Read``). Regions of one file that lie close together are coalesced into
 runs; each run is read by one thread, front to back, in steps of at most ``ReadFile.step_bytes``
 bytes (1 MiB from a local file, 8 MiB per ranged GET), each step one vectored read
 (``ReadFile.read_into``: a ``preadv``, or a ranged GET) into the destinations (gaps go to scratch

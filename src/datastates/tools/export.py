@@ -12,9 +12,9 @@ points one way. The bytes are read through restore's ``Reader``, the one read pa
 library: the same shard file paths (the manifest's ``data_dir`` included), file and region checks,
 checksum verification and object loading as a restore. Nothing is unpickled unless the caller
 says the checkpoint is trusted, and Python objects are only loaded when an export needs them.
-Exports stream: tensors are memory-mapped views of the shard files (``Reader.mapped``), verified
-piece by piece and written one after the other, so a state larger than RAM exports with bounded
-memory.
+Exports stream: tensors are memory-mapped views of the shard files (``OpenCheckpoint.mapped``),
+verified piece by piece and written one after the other, so a state larger than RAM exports with
+bounded memory.
 """
 from __future__ import annotations
 
