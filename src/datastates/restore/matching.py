@@ -158,6 +158,7 @@ class _Matcher:
                  keys: str | Iterable[str] | None, strict: bool, in_place: bool,
                  cast: bool = False):
         self.ckpt, self.registry = ckpt, registry
+        self.entries = ckpt.entries
         self.strict, self.in_place, self.cast = strict, in_place, cast
         self.keys = tree.prefixes(keys)
         self.reads: list[Read] = []
@@ -181,7 +182,7 @@ class _Matcher:
                     finalizers=self.finalizers, deferred=self.deferred)
 
     def _read_object(self, e: int) -> Any:
-        return self.ckpt.read_object(self.ckpt.entries[e])
+        return self.ckpt.read_object(self.entries[e])
 
     def wanted(self, path: tuple) -> str | None:
         """``"all"``, ``"some"`` or None: where ``path`` stands relative to ``keys=``."""
@@ -427,7 +428,7 @@ class _Matcher:
         temporary after the reads; a different shape or dtype is a mismatch, as for tensors; a
         read-only array is replaced by a new one); else a new tensor, or a new ``np.ndarray``
         for a node saved from numpy (``"np": true``)."""
-        entry = self.ckpt.entries[node["e"]]
+        entry = self.entries[node["e"]]
         if not isinstance(entry, TensorEntry):  # the tree's checks gave tensors tensor entries
             raise CorruptCheckpointError(f"{self.ckpt.dir}: entry {node['e']} is no tensor")
         key = key_of(path)
