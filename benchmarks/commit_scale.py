@@ -1,7 +1,7 @@
 """Commit latency against the world size: the protocol, measured with real processes.
 
     python benchmarks/commit_scale.py [--worlds 1,2,4,8,16,32] [--saves 5] [--tensors 8]
-                                      [--out results/commit-scale] [--dir /tmp]
+                                      [--out results/commit-scale] [--dir /tmp] [--restart]
 
 Each world size runs that many processes (gloo + the TCPStore of ``torch.distributed``), each
 saving a tiny state (``--tensors`` tensors of 64 floats, a per-rank value, an RNG state) so that
@@ -12,6 +12,11 @@ what is measured is the commit protocol, not the disk. Per save it records:
 - **store requests per rank**: every call each rank's communicator made on the store during its
   rounds, per save (rank 0 and the mean of the others);
 - **manifest bytes** of the committed checkpoint.
+
+``--restart`` measures a restart instead: after one committed save, every rank makes a new
+``Checkpointer`` on the same directory, asks ``latest()``, restores it with ``fallback=True``
+and closes it; the store requests each rank's communicator made for that (rank 0, the mean and
+the largest of the others) are what is recorded (``restart.json``; no latency, no chart).
 
 Writes ``results.json`` and ``commit_scale.png`` (when matplotlib is installed) to ``--out`` and
 prints a table. On a machine with fewer cores than ranks the processes share the CPUs, so the
@@ -104,12 +109,53 @@ def _rank_main(rank: int, world: int, port: int, args, root: str, out_q) -> None
     dist.destroy_process_group()
 
 
-def run_world(world: int, args, base: str) -> dict:
-    root = os.path.join(base, f"w{world}")
+def _restart_main(rank: int, world: int, port: int, args, root: str, out_q) -> None:
+    """One committed save, then a restart counted: a new Checkpointer, ``latest()``, a
+    fallback restore of it, ``close()``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed import distributed_c10d as c10d
+    state = {"model": {f"w{i}": torch.full((64,), float(i)) for i in range(args.tensors)},
+             "mine": torch.full((4,), float(rank))}
+    config = datastates.CheckpointConfig(keep_last=2, fsync=False, commit_timeout_s=600)
+    with datastates.Checkpointer(root, config) as ckpt:
+        ckpt.save(state, step=1, replicated=["model"]).wait()
+    box = [new_run_id() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    store = CountingStore(dist.PrefixStore(f"bench/{box[0]}/", c10d._get_default_store()))
+    comm = StoreCommunicator(store, rank, world, box[0])
+    blank = {"model": {f"w{i}": torch.zeros(64) for i in range(args.tensors)},
+             "mine": torch.zeros(4)}
+    dist.barrier()
+    with datastates.Checkpointer(root, config, communicator=comm) as ckpt:
+        opened = store.calls
+        latest = ckpt.latest()
+        listed = store.calls
+        report = ckpt.restore(blank, fallback=True)
+    assert latest is not None and report.step == 1 and torch.equal(blank["mine"], state["mine"])
+    calls = {"open": opened, "latest": listed - opened, "total": store.calls}
+    dist.barrier()
+    out_q.put((rank, json.dumps({"calls": calls})))
+    dist.destroy_process_group()
+
+
+def run_restart(world: int, args, base: str) -> dict:
+    results = _spawn(world, args, os.path.join(base, f"w{world}"), _restart_main)
+    others = [results[r]["calls"]["total"] for r in range(1, world)]
+    return {"world": world, "rank0_requests": results[0]["calls"]["total"],
+            "other_requests": statistics.mean(others) if others else 0.0,
+            "other_max": max(others) if others else 0,
+            "rank0_open": results[0]["calls"]["open"],
+            "other_open": statistics.mean(results[r]["calls"]["open"] for r in range(1, world))
+            if others else 0.0}
+
+
+def _spawn(world: int, args, root: str, main) -> dict:
+    """{rank: what ``main`` put on the queue} from ``world`` spawned ranks."""
     ctx = mp.get_context("spawn")
     out_q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, args, root, out_q))
+    procs = [ctx.Process(target=main, args=(r, world, port, args, root, out_q))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -120,6 +166,11 @@ def run_world(world: int, args, base: str) -> dict:
     for p in procs:
         p.join(60)
     shutil.rmtree(root, ignore_errors=True)
+    return results
+
+
+def run_world(world: int, args, base: str) -> dict:
+    results = _spawn(world, args, os.path.join(base, f"w{world}"), _rank_main)
     latencies = []
     for i in range(args.saves):
         entered = max(results[r]["rounds"][i][0] for r in range(world))
@@ -164,8 +215,12 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--out", default="results/commit-scale")
     parser.add_argument("--dir", default=None, help="where the checkpoints go (a temp dir)")
+    parser.add_argument("--restart", action="store_true",
+                        help="count the store requests of a restart instead (restart.json)")
     args = parser.parse_args(argv)
     base = tempfile.mkdtemp(prefix="ds-commit-scale-", dir=args.dir)
+    if args.restart:
+        return _restarts(args, base)
     rows = []
     try:
         for world in (int(w) for w in args.worlds.split(",")):
@@ -183,6 +238,26 @@ def main(argv=None) -> int:
                    "cpus": os.cpu_count()}, f, indent=1)
     if _chart(rows, os.path.join(args.out, "commit_scale.png")):
         print(f"chart: {os.path.join(args.out, 'commit_scale.png')}")
+    return 0
+
+
+def _restarts(args, base: str) -> int:
+    rows = []
+    try:
+        for world in (int(w) for w in args.worlds.split(",")):
+            if world < 2:
+                continue
+            rows.append(run_restart(world, args, base))
+            r = rows[-1]
+            print(f"{r['world']:>5} ranks  restart store requests: rank 0 "
+                  f"{r['rank0_requests']:6d} (constructor {r['rank0_open']})  others mean "
+                  f"{r['other_requests']:6.1f} max {r['other_max']:4d} (constructor "
+                  f"{r['other_open']:.1f})", flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "restart.json"), "w") as f:
+        json.dump({"rows": rows, "tensors": args.tensors, "cpus": os.cpu_count()}, f, indent=1)
     return 0
 
 

@@ -75,7 +75,7 @@ class Costs:
     store_server_s: float           #: server CPU per request (its service time)
     store_value_gbps: float         #: bytes per second of large values read from the store
     crc_gbps: float                 #: CRC-32 (ISA-L), one thread, results/bench-gpt-full
-    torch_save_gbps: float          #: torch.save + fsync of a GPT state, README "Performance"
+    torch_save_gbps: float          #: torch.save + fsync of a GPT state, docs/benchmarks.md "Current numbers"
     fresh_copy_gbps: float          #: copy into freshly allocated host memory, same run
 
 

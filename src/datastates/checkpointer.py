@@ -1,49 +1,31 @@
-"""The public entry point: a Checkpointer owns the host cache and threads for one directory."""
+"""The public entry point: a Checkpointer saves and restores training state in one directory,
+through one TierCheckpointer for storage and, with ``config.memory_tier``, one for memory."""
 from __future__ import annotations
 
 import atexit
-import contextlib
-import dataclasses
-import functools
+import builtins
 import itertools
-import json
 import logging
 import os
 import threading
-import time
-import warnings
 import weakref
 from typing import Any, Iterable, Mapping
 
 import torch
 
-from .commit import retention
-from .commit.catalog import Catalog, DamagedCheckpoint, log_passed_over, resolve
-from .commit.committer import SaveTarget
-from .commit.publish import publisher_for
-from .commit.retention import RetentionPolicy
-from .commit.round import LocalCommunicator, StoreCommunicator
+from .commit.catalog import DamagedCheckpoint
 from .config import CheckpointConfig
-from .errors import (CheckpointerClosedError, CheckpointNotFoundError, CommitTimeoutError,
-                     ConfigError, CorruptCheckpointError)
-from .format import codec as fmt
-from .format import files
-from .format.records import CheckpointInfo, info_of
+from .directory import TierCheckpointer, default_communicator, wait_all
+from .errors import CheckpointerClosedError, CheckpointNotFoundError, ConfigError
+from .format.records import CheckpointInfo
+from .memory.tiers import Tiers
 from .providers import ProviderRegistry
-from .providers.tree import Flattened, Items, flatten
-from .restore import resume
-from .restore.reader import Reader, RestoreReport, check_rank_policy
-from .save import capture
-from .save.arguments import check_depth, check_dtypes, check_metrics, check_target
-from .save.job import Job, SaveHandle
-from .save.pipeline import Pipeline
-from .save.planning import assign_replicated, plan_layout, units_holding
-from .storage import normalize, open_store
+from .restore.reader import RestoreReport
+from .save.arguments import check_target
+from .save.job import SaveHandle
+from .storage import normalize
 
 log = logging.getLogger("datastates")
-
-#: How many times a restore or load starts again on a checkpoint replaced while it was read.
-_REREADS = 3
 
 
 class Checkpointer:
@@ -83,106 +65,43 @@ class Checkpointer:
     on several nodes).
     """
 
+    storage: TierCheckpointer
+    comm: Any
+
     def __init__(self, directory: str | os.PathLike, config: CheckpointConfig | None = None, *,
                  registry: ProviderRegistry | None = None, communicator=None,
                  share: "Checkpointer | None" = None,
-                 storage_options: Mapping[str, Any] | None = None, _store=None, _comm=None):
-        self.directory = normalize(directory)
-        #: Where the checkpoints live: the local file system, or an object store for
-        #: ``s3://bucket/prefix`` (endpoint and credentials from ``storage_options`` or the
-        #: environment; the bucket and credentials are checked here). ``_store`` (internal):
-        #: the memory tier's recycling store; ``_comm`` (internal, with ``share=``): the
-        #: communicator of the ranks this Checkpointer's saves commit among (a node group of
-        #: the memory tier, memory/nodes.py), the shared one's by default.
-        self.store = _store or open_store(self.directory, storage_options)
+                 storage_options: Mapping[str, Any] | None = None):
         if share is not None:
             share._check_open()
-            if config is not None and config != share.config:
-                raise ConfigError("a Checkpointer created with share= uses the shared one's "
-                                  f"config; found a different one: {config}")
             if communicator is not None and communicator is not share.comm:
                 raise ValueError("a Checkpointer created with share= uses the shared one's "
                                  "communicator")
-            self.config, self.comm, self._pipeline = share.config, share.comm, share._pipeline
-            if _comm is not None:  # the memory tier of a node group: its ranks commit together
-                self.comm = _comm
+        if share is None:
+            config = config if config is not None else CheckpointConfig()
+        #: The memory tier's parts (node groups, keeper link, hand-off; memory/tiers.py), or
+        #: None: ``config.memory_tier`` unset, or a Checkpointer made with ``share=``.
+        self.tiers: Tiers | None = None
+        #: The Checkpointer of the memory tier, or None (docs/memory-tier.md).
+        self.memory: TierCheckpointer | None = None
+        if share is not None or config is None or config.memory_tier is None:
+            #: The tier of the directory's checkpoints (storage).
+            self.storage = TierCheckpointer(
+                directory, config, registry=registry, communicator=communicator,
+                share=share.storage if share is not None else None,
+                storage_options=storage_options)
         else:
-            self.config = config or CheckpointConfig()
-            self.comm = communicator or _default_communicator()
-        self._owns_pipeline = share is None
-        self._owns_comm = share is not None and _comm not in (None, share.comm)
-        self.registry = registry or ProviderRegistry.default()
-        self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        # The directory is created by the first save, not here: a Checkpointer used to restore or
-        # list a mistyped path must not leave an empty folder behind.
-        #: How checkpoints become visible in this store; owns this run's temporaries in it.
-        self._publisher = publisher_for(self.store)
-        self._publisher.check_root(self.directory)
-        if self.rank == 0:
-            self._publisher.clean_stale(self.directory, self.config.stale_tmp_age_s)
-        self._opened_together()
-        if self._owns_pipeline:
-            self._pipeline = Pipeline(self.config, self.comm)
-        self._pending: list[SaveHandle] = []
-        self._dropped: list[SaveHandle] = []  # finished with a failure nobody looked at
-        self._guarded: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Any]" = \
-            weakref.WeakKeyDictionary()
+            self.storage, self.memory, self.tiers = _open_tiered(
+                directory, config, registry, communicator, storage_options)
+        storage = self.storage
+        self.directory, self.store, self.config = storage.directory, storage.store, storage.config
+        self.comm, self.registry = storage.comm, storage.registry
+        self.rank, self.world_size = storage.rank, storage.world_size
         self._closed = False
         self._pid = os.getpid()  # a forked child inherits this object, not its threads
         #: Threads that called save(): at exit, the non-daemon ones are waited for first.
         self._savers: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
         self._open_key = _close_at_exit(self)
-        #: The committed checkpoints of the directory as last listed: each commit, ``list`` and
-        #: ``latest`` list the directory but read only the manifests that changed since.
-        self._catalog = Catalog(self.directory, self.store, self.world_size)
-        cfg = self.config
-        self._retention = RetentionPolicy(cfg.keep_last, cfg.keep_every, cfg.keep_best,
-                                          cfg.best_metric, cfg.best_mode)
-        #: The memory tier (``config.memory_tier``; docs/memory-tier.md): the Checkpointer of
-        #: the checkpoints kept in shared memory, or None. A Checkpointer made with ``share=``
-        #: has none of its own.
-        self.memory: Checkpointer | None = None
-        self._tiers = None
-        #: ``fallback=True`` reads straight into the live state and agrees afterwards (the
-        #: memory tier's Checkpointer: resume.choose's ``apply``), instead of checking first.
-        self._optimistic = False
-        #: ``info -> bool``: whether a candidate was checked since its last write, so a
-        #: fallback restore reads it without checksums (the memory tier's marks)
-        self._prechecked = None
-        #: The memory tier of several nodes (memory/nodes.py), ``_group`` the job's ranks of
-        #: this node group (None otherwise): a save of a sharded tensor is refused (a node
-        #: group's checkpoint would hold some boxes of it only); a fallback restore agrees
-        #: through ``_agree`` (the job's communicator: every node holds the step restored),
-        #: ranks the candidates by ``_order`` (None: the commit number), takes those that
-        #: ``_eligible`` accepts (None: all; the memory tier: none older than storage's newest),
-        #: and its lowest rank moves aside only the damage that a rank of ``_group`` found.
-        self._group: set[int] | None = None
-        self._agree = None
-        self._order = None
-        self._eligible = None
-        #: Rank 0 with a memory tier whose keeper writes to storage (memory/handoff.py): the
-        #: memory Checkpointer's ``on_commit`` hands a save due for storage on; the storage
-        #: Checkpointer's ``exclusive`` holds its own commits while one is written there.
-        self._on_commit = None
-        self._exclusive = None
-        #: The memory Checkpointer of such a tier, every rank: ``(name, overwrite)`` refuses a
-        #: save due for storage under a name storage holds (CheckpointExistsError), as a save
-        #: straight to storage is refused. Rank 0: ``delete()`` runs inside ``_delete_guard(name)``
-        #: (it never removes what the keeper copies, nor deletes while it commits), and the
-        #: commit of a save replacing a checkpoint waits for ``_released(name, deadline)`` (the
-        #: keeper's copy of the one it replaces is done).
-        self._check_storage_name = None
-        self._delete_guard = None
-        self._released = None
-        if cfg.memory_tier is not None and share is None:
-            from .memory.tiers import Tiers
-            try:
-                self._tiers = Tiers(self, cfg.memory_tier, lambda path, store, comm:
-                                    Checkpointer(path, share=self, _store=store, _comm=comm))
-            except BaseException:
-                self.close()
-                raise
-            self.memory = self._tiers.memory
 
     # ------------------------------------------------------------ save
     def save(self, state: Any, step: int | None = None, *, tag: str | None = None,
@@ -237,101 +156,18 @@ class Checkpointer:
         check that ``restore``, ``load`` and ``delete`` share (``save.arguments.check_target``):
         ConfigError ``"save(): <expected>, found <value>"``, with nothing written.
         """
-        name = check_target("save", step, tag, persist)  # before routing: one check, every tier
+        check_target("save", step, tag, persist)  # before routing: one check, every tier
+        self._check_open()
         self._savers.add(threading.current_thread())
-        where = self._tiers.route(step, tag, persist) if self._tiers is not None else "storage"
-        if where != "storage":
-            return self.memory.save(state, step, tag=tag, metadata=metadata,
-                                    overwrite=overwrite, replicated=replicated,
-                                    optimizers=optimizers, metrics=metrics,
-                                    persist=True if where == "handoff" else None)
-        if persist is False and self._tiers is None:
+        where = self.tiers.route(step, tag, persist) if self.tiers is not None else "storage"
+        if persist is False and self.tiers is None:
             raise ConfigError("save(persist=False) keeps a checkpoint in the memory tier; this "
                               "Checkpointer has none (CheckpointConfig(memory_tier="
                               "MemoryTier()))")
-        t0 = time.perf_counter()
-        self._check_open()
-        self._report_dropped_failures()
-        self._bound_pending()
-        # From here on the save has an identity: a failure still takes part in its commit round,
-        # so the other ranks fail this save too (and stay in step for the next one).
-        sid = self.comm.save_id(self.directory, name, step)
-        deadline = time.monotonic() + self.config.commit_timeout_s
-        cfg = self.config
-        target = SaveTarget(
-            sid=sid, name=name, step=step, root=self.directory, rank=self.rank,
-            tmp=self._publisher.tmp_location(self.directory, name, self.comm.run_id, sid.serial),
-            store=self.store, overwrite=overwrite, deadline=deadline,
-            timeout_s=cfg.commit_timeout_s, fsync=cfg.fsync, replica_check=cfg.replica_check,
-            retention=self._retention, catalog=self._catalog, comm=self.comm,
-            exclusive=functools.partial(self._released, name)
-            if overwrite and self._released is not None else self._exclusive,
-            on_commit=functools.partial(self._on_commit, overwrite=overwrite)
-            if persist and self._on_commit is not None else None)
-        try:
-            job = self._plan_job(state, metadata, replicated, optimizers,
-                                 dataclasses.replace(target, metrics=check_metrics(metrics)), t0,
-                                 persist)
-        except BaseException as exc:
-            failed = Job(target, flat=Flattened(tree={"t": "value", "v": None}),
-                         layout=plan_layout([], [], cfg.unit_bytes), write_tensors=[],
-                         objects=[], metadata={}, ready=None, t0=t0)
-            failed.error = exc
-            self._pipeline.submit_failed(failed)
-            raise
-        try:
-            self._pipeline.submit(job)
-        except CheckpointerClosedError as exc:  # the owner closed while this save was planning
-            job.abandon(exc)
-            raise
-        handle = SaveHandle(job)
-        self._pending.append(handle)
-        items = job.flat.items
-        job.stats.lazy_nbytes = sum(items.nbytes[i] for i in job.write_tensors if items.lazy[i])
-        if job.reads_lazy() and (self.config.lazy == "never" or
-                     (self.config.lazy == "auto" and not self._guarded)):
-            job.captured.wait()
-        else:
-            job.eager_captured.wait()
-        job.stats.blocked_s = time.perf_counter() - t0
-        return handle
-
-    def _plan_job(self, state, metadata, replicated, optimizers, target: SaveTarget,
-                  t0: float, persist: bool | None = None) -> Job:
-        """Validate, walk and plan one save on the training thread (the part that may fail)."""
-        if metadata is not None and not isinstance(metadata, dict):
-            raise TypeError(f"metadata must be a dict, found {type(metadata).__qualname__}")
-        check_depth(metadata or {})
-        decoded = json.loads(fmt.encode_json(metadata or {}))
-        if decoded != (metadata or {}):  # fail now, not in background
-            raise TypeError("metadata must survive a JSON round trip unchanged (string keys; "
-                            f"lists, not tuples): {metadata!r}")
-        metadata = decoded  # exactly what a reader of the manifest will find
-        self._publisher.check_name(self.directory, target.name, target.overwrite)
-        if persist and self._check_storage_name is not None:
-            self._check_storage_name(target.name, target.overwrite)
-        flat = flatten(state, self.registry,
-                       allow_unsafe=self.config.allow_unsafe_objects)
-        items = flat.items
-        check_dtypes(items)
-        if self._group is not None:
-            _check_unsharded(items)
-        self._decide_capture(flat, optimizers)
-        tensors = items.tensor_indexes()
-        _mark_replicated(items, tensors, replicated)
-        writes = self._tensors_to_write(items, tensors)
-        lazy = items.lazy
-        eager = [i for i in writes if not lazy[i]]
-        writes = eager + [i for i in writes if lazy[i]]  # eager units first
-        objects = list(items.blobs)  # in item order: added as the walk found them
-        layout = plan_layout([items.nbytes[i] for i in writes],
-                             [items.nbytes[i] for i in objects], self.config.unit_bytes)
-        self._publisher.hold(self.directory, self.comm.run_id, self.config.fsync)
-        ready = self._pipeline.copier.record_ready([items.tensors[i] for i in writes])
-        return Job(target, flat=flat, layout=layout, write_tensors=writes, objects=objects,
-                   metadata=metadata, ready=ready, t0=t0,
-                   eager_units=units_holding(layout, len(eager)), eager_items=len(eager),
-                   digest_replicas=self.config.replica_check and self.world_size > 1)
+        tier = self.storage if where == "storage" or self.memory is None else self.memory
+        return tier.save(state, step, tag=tag, metadata=metadata, overwrite=overwrite,
+                         replicated=replicated, optimizers=optimizers, metrics=metrics,
+                         persist=True if where == "handoff" else None)
 
     def guard(self, optimizer: Any) -> None:
         """Make ``optimizer.step()`` wait until in-flight snapshots are captured (idempotent).
@@ -343,57 +179,20 @@ class Checkpointer:
         a step pre-hook; no framework code is patched. The hook never raises: a failed save
         surfaces on its handle. Raises TypeError when no torch optimizer is found.
         """
-        opt = capture.torch_optimizer(optimizer)
-        if opt is None:
-            raise TypeError(f"guard(): {type(optimizer).__qualname__} is not a torch optimizer "
-                            "and has no .optimizer attribute leading to one")
-        if opt in self._guarded:
-            return
-        self._guarded[opt] = capture.add_step_waiter(opt, self._before_step)
-
-    def _decide_capture(self, flat, optimizers: Iterable[Any]) -> None:
-        """Guard the optimizers part of this save and decide lazy/eager for every tensor."""
-        in_save = []
-        for found, given in [*((True, o) for o in flat.optimizers),
-                             *((False, o) for o in optimizers)]:
-            opt = capture.torch_optimizer(given)
-            if opt is None:  # an optimizer in the state that cannot be guarded: eager tensors
-                if not found:
-                    self.guard(given)  # raises the TypeError
-                continue
-            if all(opt is not o for o in in_save):
-                self.guard(opt)
-                in_save.append(opt)
-        others = [o for o in list(self._guarded.keys()) if all(o is not s for s in in_save)]
-        capture.decide(flat.items, capture.LazyRule(in_save, others))
-
-    def _before_step(self, *_args) -> None:
-        for handle in list(self._pending):
-            job = handle._job
-            if not job.captured.is_set():
-                t0 = time.perf_counter()
-                job.captured.wait()
-                job.stats.step_wait_s += time.perf_counter() - t0
+        self.storage.guard(optimizer)
 
     def wait(self) -> list[CheckpointInfo]:
         """Wait for every in-flight save (of both tiers, with a memory tier; on rank 0 also
         until the keeper has written the saves due for storage there); raise the first failure
         (a keeper's write that failed: KeeperError, once, on rank 0)."""
-        pending, errors, infos = list(self._pending), [], []
-        if self.memory is not None:  # both tiers' saves, in the order they were made
-            pending = sorted(pending + self.memory._pending, key=lambda h: h._job.t0)
-        for handle in pending:
-            try:
-                infos.append(handle.wait())
-            except BaseException as exc:
-                errors.append(exc)
-        self._prune()
-        if self.memory is not None:
-            self.memory._prune()
-        if errors:
-            raise errors[0]
-        if self._tiers is not None:
-            self._tiers.wait()
+        try:
+            infos = wait_all(sorted(self._in_flight(), key=lambda h: h.started))
+        finally:
+            for tier in (self.storage, self.memory):
+                if tier is not None:
+                    tier.forget_finished()
+        if self.tiers is not None:
+            self.tiers.wait()
         return infos
 
     # ------------------------------------------------------------ restore
@@ -478,39 +277,24 @@ class Checkpointer:
         ``restore()``), before a tier is chosen or anything is read.
         """
         check_target("restore", step, tag)
+        self._check_open()
         report = None
-        if self._tiers is not None:
-            report = self._from_memory(
-                step, tag, lambda: self.memory.restore(
-                    state, step, tag=tag, keys=keys, strict=strict, trusted=trusted,
-                    safe_globals=safe_globals, rank_policy=rank_policy, cast=cast,
-                    fallback=step is None and tag is None, verify=True))
+        if self.tiers is not None:
+            report = self._from_memory(step, tag, lambda memory: memory.restore(
+                state, step, tag=tag, keys=keys, strict=strict, trusted=trusted,
+                safe_globals=safe_globals, rank_policy=rank_policy, cast=cast,
+                fallback=step is None and tag is None, verify=True))
             if report is not None:
                 report.tier = "memory"
         if report is None:
-            at_step, at_tag = self._storage_target(step, tag, fallback)
-            report = self._restore_storage(state, at_step, at_tag, keys, strict, verify,
-                                           trusted, safe_globals, rank_policy, cast, fallback)
-            if self._tiers is not None:
-                report.tier_fallback = self._tiers.unavailable
-        if self._tiers is not None and step is None and tag is None:
-            self._tiers.after_restore(report.step)
-        return report
-
-    def _restore_storage(self, state, step, tag, keys, strict, verify, trusted, safe_globals,
-                         rank_policy, cast, fallback) -> RestoreReport:
-        passed: list[DamagedCheckpoint] = []
-        if fallback:
-            return self._with_fallback(
-                step, tag, trusted, safe_globals, None, rank_policy, "restore()", passed,
-                lambda r: r.plan_restore(state, keys=keys, strict=strict, cast=cast),
-                lambda r, plan: r.apply(plan))
-        rereads: list[str] = []
-        report = self._read(step, tag, verify, trusted, safe_globals, None, rank_policy,
-                            "restore()", passed, rereads, lambda reader: reader.restore_into(
-                                state, keys=keys, strict=strict, cast=cast))
-        report.passed_over = [d.name for d in passed]
-        report.rereads = rereads
+            report = self.storage.restore(state, step, tag=tag, keys=keys, strict=strict,
+                                          verify=verify, trusted=trusted,
+                                          safe_globals=safe_globals, rank_policy=rank_policy,
+                                          cast=cast, fallback=fallback)
+            if self.tiers is not None:
+                report.tier_fallback = self.tiers.unavailable
+        if self.tiers is not None and step is None and tag is None:
+            self.tiers.after_restore(report.step)
         return report
 
     def load(self, step: int | None = None, *, tag: str | None = None, keys=None,
@@ -527,178 +311,42 @@ class Checkpointer:
         chosen as for ``restore``. A step or tag that ``save()`` would refuse raises the same
         ConfigError as there (named ``load()``), first."""
         check_target("load", step, tag)
-        if self._tiers is not None:
-            loaded = self._from_memory(step, tag, lambda: self.memory.load(
+        self._check_open()
+        if self.tiers is not None:
+            loaded = self._from_memory(step, tag, lambda memory: memory.load(
                 step, tag=tag, keys=keys, map_location=map_location, trusted=trusted,
                 safe_globals=safe_globals, rank_policy=rank_policy, dtype=dtype,
                 fallback=step is None and tag is None, verify=True))
             if loaded is not None:
                 return loaded
-            step, tag = self._storage_target(step, tag, fallback)
-        if fallback:
-            return self._with_fallback(
-                step, tag, trusted, safe_globals, map_location, rank_policy, "load()", None,
-                lambda r: r.plan_load(keys=keys, dtype=dtype),
-                lambda r, planned: r.finish_load(*planned))
-        return self._read(step, tag, verify, trusted, safe_globals, map_location, rank_policy,
-                          "load()", None, [], lambda reader: reader.load(keys=keys, dtype=dtype))
+        return self.storage.load(step, tag=tag, keys=keys, map_location=map_location,
+                                 verify=verify, trusted=trusted, safe_globals=safe_globals,
+                                 rank_policy=rank_policy, dtype=dtype, fallback=fallback)
 
     def _from_memory(self, step, tag, read):
-        """``read()`` from the memory tier if it holds what is asked for (every rank agrees);
-        None to read storage: memory does not hold it, or no memory checkpoint is intact."""
-        self._check_open()
-        self._pipeline.drain()
-        storage = self._storage_latest() if step is None and tag is None else None
-        eligible = self._tiers.restore_from_memory(step, tag, storage)
-        if eligible is None:
-            self._tiers.quiet_storage(together=True)
-            return None
-        self.memory._eligible = eligible  # for this restore only
-        try:
-            return read()
-        except CheckpointNotFoundError as exc:
-            log.warning("no memory checkpoint is intact on every rank (%s); restoring from "
-                        "storage %s", exc, self.directory)
-            # The latest is agreed (every rank is here); a named one is read by each rank alone.
-            self._tiers.quiet_storage(together=step is None and tag is None)
-            return None
-        finally:
-            self.memory._eligible = None
-
-    def _read(self, step, tag, verify, trusted, safe_globals, map_location, rank_policy,
-              caller: str, passed: list | None, rereads: list[str], read):
-        """``read(reader)`` on the checkpoint asked for. Finding the latest, each damaged
-        checkpoint passed over is logged as a WARNING naming ``caller``, and appended to
-        ``passed``.
-
-        A read that fails (CorruptCheckpointError, CheckpointNotFoundError) because another
-        process replaced or deleted the checkpoint while it was read (an overwrite of a tag
-        between reading its manifest and its shard files; retention deleting the latest) is
-        started again, the checkpoint found anew, up to ``_REREADS`` times, with a WARNING
-        each, and the error appended to ``rereads`` -- in a one-process job only: each rank
-        re-reading on its own could leave the ranks with different commits, so with several
-        ranks the error is raised. It counts as replaced when its manifest now describes
-        another commit (commit number, creation time) or is gone; a manifest unchanged (real
-        damage) or unreadable raises the error at once."""
-        self._check_open()
-        check_rank_policy(rank_policy)
-        self._pipeline.drain()
-        latest = step is None and tag is None  # found by a scan: the catalog keeps its manifest
-        while True:
-            info = None
-            try:
-                info = resolve(self.directory, step, tag, self.store, self._catalog)
-                skipped = self._catalog.passed_over(info) if latest else []
-                log_passed_over(skipped, info, caller)
-                if passed is not None:
-                    passed.extend(d for d in skipped if d not in passed)
-                with Reader(info.path, manifest=self._catalog.manifest(info) if latest else None,
-                            registry=self.registry, rank=self.rank, store=self.store,
-                            world_size=self.world_size, threads=self.config.reader_threads,
-                            verify=self.config.verify if verify is None else verify,
-                            trusted=trusted, safe_globals=safe_globals,
-                            map_location=map_location, rank_policy=rank_policy,
-                            view=True) as reader:
-                    result = read(reader)
-                if isinstance(result, RestoreReport):  # found at another path (set_aside)
-                    result.name = info.name
-                return result
-            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-                name = info.name if info is not None else fmt.check_name(tag) \
-                    if tag is not None else fmt.step_name(step) if step is not None else None
-                if len(rereads) >= _REREADS or self.world_size > 1 or name is None or \
-                        not self._replaced(name, info):
-                    raise  # (several ranks re-reading on their own could restore two commits)
-                rereads.append(f"{name}: {type(exc).__name__}: {exc}")
-                log.warning("%s: the checkpoint %s was replaced or deleted by another process "
-                            "while it was read (%s: %s); finding and reading it again",
-                            caller, name, type(exc).__name__, exc)
-
-    def _replaced(self, name: str, info: CheckpointInfo | None) -> bool:
-        """Whether the checkpoint ``name`` read as ``info`` now describes another commit or is
-        gone; with ``info`` None (it was not found), whether it is there now."""
-        try:
-            now = files.read_info(self.store.join(self.directory, name), self.store)
-        except CheckpointNotFoundError:
-            return info is not None
-        except (CorruptCheckpointError, OSError):
-            return False
-        return info is None or (now.seq, now.created_unix) != (info.seq, info.created_unix)
-
-    def _with_fallback(self, step, tag, trusted, safe_globals, map_location, rank_policy,
-                       caller: str, passed: list | None, plan, finish):
-        """``restore``/``load`` with ``fallback=True``: ``plan(reader)`` on each candidate,
-        verified, agreed (restore/resume.py), then ``finish(reader, planned)``."""
-        self._check_open()
-        try:  # a rank refused here still answers the rounds' exchange (resume.refuse)
-            if step is not None or tag is not None:
-                raise ConfigError(f"{caller}: fallback=True restores the newest intact "
-                                  f"checkpoint; it takes no step= or tag= (found step={step!r}, "
-                                  f"tag={tag!r})")
-            check_rank_policy(rank_policy)
-            self._pipeline.drain()
-        except Exception as exc:
-            resume.refuse(self._agree or self.comm, exc, self.config.commit_timeout_s)
-            raise
-
-        def open_reader(info):
-            prechecked = self._prechecked is not None and self._prechecked(info)
-            if prechecked:
-                log.info("%s: %s was checked by the memory keeper after its last write; "
-                         "copying it without checksumming again", caller, info.name)
-            return Reader(info.path, manifest=self._catalog.manifest(info),
-                          registry=self.registry, rank=self.rank, store=self.store,
-                          world_size=self.world_size, threads=self.config.reader_threads,
-                          verify=not prechecked, trusted=trusted, safe_globals=safe_globals,
-                          map_location=map_location, rank_policy=rank_policy, view=True)
-
-        def prepare(reader):
-            planned = plan(reader)
-            if self._optimistic:
-                return planned, 0
-            return planned, reader.verify_planned(planned[0] if isinstance(planned, tuple)
-                                                  else planned)
-
-        def quarantine(name, reason):
-            read = self._catalog.info(name)
-            if read is not None and self._replaced(name, read):
-                log.warning("%s: the checkpoint %s was replaced or deleted by another process "
-                            "while it was read (%s); what is there now is not moved aside",
-                            caller, name, reason)
-                return None
-            try:
-                return self._publisher.quarantine(self.directory, name, reason,
-                                                  self.config.fsync)
-            except OSError as exc:  # also CheckpointNotFoundError: deleted meanwhile
-                log.warning("%s: could not move the damaged checkpoint %s aside: %s", caller,
-                            name, exc)
-                return None
-
-        reader, planned, skipped, nbytes, seconds = resume.choose(
-            self._catalog, self._agree or self.comm, open_reader=open_reader, prepare=prepare,
-            quarantine=quarantine, timeout_s=self.config.commit_timeout_s, caller=caller,
-            apply=finish if self._optimistic else None, order=self._order or self._step_order(),
-            eligible=self._eligible, mover=lambda ranks: self.rank == 0 and (
-                self._group is None or not self._group.isdisjoint(ranks)))
-        with reader:
-            used = info_of(reader.dir, reader.manifest)
-            damaged = self._catalog.passed_over(used)
-            log_passed_over(damaged, used, caller)
-            result = planned if self._optimistic else finish(reader, planned)
-        if isinstance(result, RestoreReport):
-            result.skipped, result.verified_nbytes, result.verify_s = skipped, nbytes, seconds
-            result.passed_over = [d.name for d in damaged]
-            result.prechecked = not reader.verify
-        return result
+        """``read(memory)`` with the memory tier's Checkpointer if it holds what is asked for
+        (every rank agrees: ``Tiers.choosing``); None to read storage: memory does not hold it,
+        or no memory checkpoint is intact on every rank (a WARNING). Before storage is read,
+        the keeper writes nothing there (``Tiers.quiet_storage``)."""
+        latest = step is None and tag is None
+        self.storage.drain()
+        with self.tiers.choosing(step, tag, self.storage.latest() if latest else None) as chosen:
+            if chosen:
+                try:
+                    return read(self.memory)
+                except CheckpointNotFoundError as exc:
+                    log.warning("no memory checkpoint is intact on every rank (%s); restoring "
+                                "from storage %s", exc, self.directory)
+        # The latest is agreed (every rank is here); a named one is read by each rank alone.
+        self.tiers.quiet_storage(together=latest or not chosen)
+        return None
 
     # ------------------------------------------------------------ listing
-    def list(self) -> list[CheckpointInfo]:
+    def list(self) -> builtins.list[CheckpointInfo]:
         """Committed checkpoints, oldest first, in commit order (``CheckpointInfo.seq``); empty
         when the directory does not exist yet (nothing was saved there). With a memory tier,
         the directory's (storage's): ``self.memory.list()`` lists the memory tier's."""
-        if not self.store.isdir(self.directory):
-            return []
-        return self._catalog.scan()
+        return self.storage.list()
 
     def latest(self) -> CheckpointInfo | None:
         """The most recently committed checkpoint (highest commit sequence number, tags and steps
@@ -716,42 +364,10 @@ class Checkpointer:
 
         With ``config.memory_tier``: the newer of storage's and the memory tier's (the higher
         step; memory on a tie), which is what ``restore()`` reads."""
-        newest = self._storage_latest()
-        return self._tiers.newest(newest) if self._tiers is not None else newest
+        newest = self.storage.latest()
+        return self.tiers.newest(newest) if self.tiers is not None else newest
 
-    def _storage_latest(self) -> CheckpointInfo | None:
-        if not self.store.isdir(self.directory):
-            return None
-        found = self._catalog.scan()
-        step_order = self._step_order()
-        newest = max(found, key=step_order, default=None) if step_order else \
-            found[-1] if found else None
-        log_passed_over(self._catalog.passed_over(newest), newest, "latest()")
-        return newest
-
-    def _step_order(self):
-        """With a memory tier, storage's newest is its highest step (then the last commit of
-        it), as across the tiers: never a tag saved later, so that memory's older step never
-        looks newer (memory/tiers.py). None: the commit order."""
-        if self._tiers is None:
-            return None
-        from .memory.tiers import step_then_commit
-        return step_then_commit
-
-    def _storage_target(self, step, tag, fallback: bool) -> tuple[int | None, str | None]:
-        """What a restore or load of storage reads: ``(step, tag)`` as asked, or, for the latest
-        with a memory tier (``fallback`` False), storage's newest by step named, when it is not
-        the last commit (``fallback=True`` ranks the candidates the same way)."""
-        if self._tiers is None or fallback or step is not None or tag is not None:
-            return step, tag
-        found = self._catalog.scan() if self.store.isdir(self.directory) else []
-        newest = max(found, key=self._step_order(), default=None)
-        if newest is None or newest.name == found[-1].name:
-            return None, None
-        named_by_step = newest.step is not None and newest.name == fmt.step_name(newest.step)
-        return (newest.step, None) if named_by_step else (None, newest.name)
-
-    def damaged(self) -> list[DamagedCheckpoint]:
+    def damaged(self) -> builtins.list[DamagedCheckpoint]:
         """The damaged checkpoints of the directory, by name: directories whose
         ``manifest.json`` exists but does not read or validate (one listing of the directory;
         empty when it does not exist). They are never restored; ``delete()`` removes one.
@@ -760,10 +376,7 @@ class Checkpointer:
         checksum holds and whose body does not validate (only a faulty or hostile writer makes
         one) is listed, and reading it raises CorruptCheckpointError; ``datastates verify``
         reads every one whole."""
-        if not self.store.isdir(self.directory):
-            return []
-        self._catalog.scan()
-        return self._catalog.damaged()
+        return self.storage.damaged()
 
     def delete(self, step: int | None = None, *, tag: str | None = None) -> None:
         """Delete a checkpoint, committed or damaged (rank 0 only does the work).
@@ -781,12 +394,7 @@ class Checkpointer:
         (both first wait for the saves in flight on this pipeline, so a save just committed has
         been handed on); CommitTimeoutError, nothing removed, if that takes over
         ``commit_timeout_s``."""
-        name = check_target("delete", step, tag)
-        if self.rank == 0:
-            if self._delete_guard is not None:
-                self._pipeline.drain()  # a save just committed is handed on before we look
-            with self._delete_guard(name) if self._delete_guard else contextlib.nullcontext():
-                retention.delete(self.directory, name, self.config.fsync, self.store)
+        self.storage.delete(step, tag=tag)
 
     # ------------------------------------------------------------ lifecycle
     def close(self, stop_keeper: bool = False) -> None:
@@ -799,21 +407,14 @@ class Checkpointer:
         (the job is over) makes it write and then remove the memory and end at once."""
         if self._closed:
             return
-        self._closed = True  # from here on save/restore/load raise CheckpointerClosedError
+        self._closed = True
         _OPEN.pop(self._open_key, None)
-        for handle in list(self._pending):
-            handle._job.finished.wait()
-        if self._tiers is not None:  # after storage's saves: the tier may commit there too
-            self._tiers.close(stop_keeper)
-        self._report_dropped_failures()
-        for remove in list(self._guarded.values()):  # (any thread: see add_step_waiter)
-            remove()
-        self._guarded.clear()
-        if self._owns_pipeline:
-            self._pipeline.close()
-        if self._owns_pipeline or self._owns_comm:
-            self.comm.close()
-        self._publisher.close()
+        try:
+            if self.tiers is not None:  # after storage's saves: the tier may commit there too
+                self.storage.finish()
+                self.tiers.close(stop_keeper)
+        finally:
+            self.storage.close()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -821,92 +422,38 @@ class Checkpointer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ------------------------------------------------------------ internals
-    def _opened_together(self) -> None:
-        """No rank lists the directory before rank 0's cleanup is done: that cleanup may put
-        back a checkpoint whose replacement a dead writer cut short between its two renames,
-        and a rank listing before it would resume from another checkpoint than rank 0. One
-        exchange through the store (nothing on the training group); CommitTimeoutError naming
-        the ranks that did not open the directory within ``commit_timeout_s``."""
-        try:
-            self.comm.exchange("open", {}, self.config.commit_timeout_s)
-        except TimeoutError as exc:
-            self._publisher.close()
-            raise CommitTimeoutError(f"Checkpointer({self.directory!r}) on rank {self.rank}: "
-                                     f"every rank must construct it: {exc}") from None
-
-
-    def _tensors_to_write(self, items: Items, tensors: list[int]) -> list[int]:
-        if items.secondary:
-            tensors = [i for i in tensors if i not in items.secondary]
-        keys, flags = items.keys, items.replicated
-        replicated = {keys[i]: items.nbytes[i] for i in tensors if flags[i]}
-        if not replicated or self.world_size == 1:
-            return tensors
-        owner = assign_replicated(replicated, self.world_size)
-        return [i for i in tensors if not flags[i] or owner[keys[i]] == self.rank]
-
-    def _bound_pending(self) -> None:
-        self._prune()
-        while len(self._pending) >= self.config.max_pending_saves:
-            self._pending[0]._job.finished.wait()
-            self._prune()
-
-    def _prune(self) -> None:
-        keep = []
-        for h in self._pending:
-            if not h.done():
-                keep.append(h)
-            elif h._unobserved_error() is not None:
-                self._dropped.append(h)
-        self._pending = keep
-
-    def _report_dropped_failures(self) -> None:
-        self._prune()
-        while self._dropped:
-            handle = self._dropped.pop(0)
-            err = handle.exception()
-            if err is not None:
-                warnings.warn(f"datastates: an earlier checkpoint {handle.name!r} failed: {err!r}",
-                              RuntimeWarning, stacklevel=3)
+    def _in_flight(self) -> builtins.list[SaveHandle]:
+        return self.storage.in_flight() + (self.memory.in_flight() if self.memory else [])
 
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointerClosedError(f"the Checkpointer of {self.directory} is closed")
-        if self._pipeline.closed:
-            raise CheckpointerClosedError(f"the Checkpointer whose pipeline the one of "
-                                          f"{self.directory} shares was closed")
 
 
-def _mark_replicated(items: Items, tensors: list[int], replicated) -> None:
-    if replicated is False or replicated is None:
-        return
-    prefixes = None if replicated is True else [p.strip("/") for p in replicated]
-    for i in tensors:
-        if i in items.boxes:
-            continue
-        key = items.keys[i]
-        if prefixes is None or any(key == p or key.startswith(p + "/") for p in prefixes):
-            items.replicated[i] = True
-
-
-def _check_unsharded(items: Items) -> None:
-    """The memory tier of several nodes keeps each node's ranks' tensors: ConfigError for a
-    sharded tensor (TensorShard, DTensor), whose other boxes are on other nodes."""
-    sharded = [items.keys[i] for i, (shape, _) in items.boxes.items() if shape != items.shapes[i]]
-    if sharded:
-        raise ConfigError(f"the memory tier on several nodes keeps per-rank and replicated "
-                          f"tensors; found {len(sharded)} sharded tensor(s) (TensorShard, "
-                          f"DTensor), first {sharded[0]!r}: save them with persist=True, or run "
-                          "the memory tier on one node (docs/memory-tier.md, Several nodes)")
-
-
-def _default_communicator():
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return StoreCommunicator.from_process_group()
-    return LocalCommunicator()
-
+def _open_tiered(directory, config, registry, communicator, storage_options):
+    """The storage and memory TierCheckpointers of a Checkpointer with ``config.memory_tier``,
+    and the tier's parts: the ranks first agree on the node groups and open the keepers
+    (memory/tiers.py), then each tier opens with the policy the tier gives it."""
+    comm = communicator or default_communicator()
+    try:
+        tiers = Tiers(normalize(directory), config.memory_tier, config, comm)
+    except BaseException:
+        comm.close()
+        raise
+    try:
+        storage = TierCheckpointer(directory, config, registry=registry, communicator=comm,
+                                   storage_options=storage_options, policy=tiers.storage_policy())
+    except BaseException:
+        tiers.detach()
+        comm.close()
+        raise
+    try:
+        memory = tiers.open_memory(storage)
+    except BaseException:
+        tiers.detach()
+        storage.close()
+        raise
+    return storage, memory, tiers
 
 
 #: Checkpointers not closed yet, in the order they were made (see ``_close_at_exit``). Held
@@ -955,7 +502,7 @@ def _close_open_checkpointers() -> None:
             if thread is not current and not thread.daemon and thread.is_alive():
                 thread.join()
     for ck in still_open():
-        in_flight = [h for h in ck._pending if not h.done()]
+        in_flight = [h for h in ck._in_flight() if not h.done()]
         if in_flight:
             log.info("exit: waiting for %d save(s) in flight in %s to commit (at most "
                      "commit_timeout_s = %s s each)", len(in_flight), ck.directory,

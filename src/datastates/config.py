@@ -64,7 +64,7 @@ class CheckpointConfig:
     #: Temporaries older than this are removed when a Checkpointer opens the directory.
     stale_tmp_age_s: float = 24 * 3600.0
     #: Whether ``save()`` waits for the lazy tensors of its state. It never changes which tensors
-    #: are lazy: the capture rule decides that (README, "What is captured lazily"). "auto":
+    #: are lazy: the capture rule decides that (docs/loop.md, "What is captured lazily"). "auto":
     #: ``save()`` returns before they are copied when this Checkpointer guards an optimizer (one
     #: part of a save, or passed to guard(); its next step waits for the copy), and waits for the
     #: whole snapshot otherwise. "always": ``save()`` never waits for them, guarded or not; the

@@ -20,11 +20,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from .errors import ConfigError, StateMismatchError
+from .format.small_records import MAX_SEED, POSITION_FIELDS, parse_position
 
 #: The keys of a saved state, identical on every rank.
-STATE_KEYS = ("seed", "shuffle", "epoch", "consumed", "dataset_len")
-#: seed and epoch stay below this, so seed + epoch fits ``torch.Generator.manual_seed``.
-MAX_SEED = 2 ** 63
+STATE_KEYS = POSITION_FIELDS
 #: DataLoader arguments the loader sets itself: the order is the sampler's alone, and the
 #: generator the DataLoader draws its workers' base seed from is the loader's own.
 _OWNED_ARGS = ("sampler", "batch_sampler", "shuffle", "generator")
@@ -231,22 +230,9 @@ class ElasticLoader:
 
 def parse_state(state: Any, where: str) -> dict[str, Any]:
     """``state`` checked as one ``ElasticSampler.state_dict()`` writes, as a new dict; ConfigError
-    naming ``where`` and the key otherwise."""
-    if not isinstance(state, Mapping) or set(state) != set(STATE_KEYS):
-        found = sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__
-        raise ConfigError(f"{where}: expected a dict with keys {sorted(STATE_KEYS)}, found "
-                          f"{found}")
-    for key in ("seed", "epoch"):
-        _seed_like(key, state[key], where)
-    _flag("shuffle", state["shuffle"], where)
-    length = state["dataset_len"]
-    if not _is_int(length) or length < 0:
-        raise ConfigError(f"{where}: 'dataset_len' expected a non-negative int, found {length!r}")
-    consumed = state["consumed"]
-    if not _is_int(consumed) or not 0 <= consumed <= length:
-        raise ConfigError(f"{where}: 'consumed' expected an int in [0, {length}] (the dataset's "
-                          f"length), found {consumed!r}")
-    return {key: state[key] for key in STATE_KEYS}
+    naming ``where``, the key, what was expected and what was found otherwise
+    (``format.small_records.parse_position``)."""
+    return parse_position(state, where)
 
 
 def _order(length: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:

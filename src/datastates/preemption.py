@@ -37,7 +37,7 @@ Decisions, each proved by tests/faults/test_preemption.py:
 Store keys, under the Checkpointer's run's prefix::
 
     preemption/made/r<k>   how many Preemptions rank k made on this store     rank k (add)
-    preemption/<n>/stop    the agreed StopPlan of the n-th one                 compare-and-set
+    preemption/<n>/stop    the agreed StopPlan of the n-th one                 every rank (claim)
     preemption/<n>/done    ranks done with the n-th one; the last deletes both every rank (add)
 """
 from __future__ import annotations
@@ -53,7 +53,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
-from .errors import ConfigError, DatastatesError
+from .commit.round import claim, peek
+from .errors import ConfigError
+from .format.small_records import parse_stop_plan
 from .save.arguments import check_step
 
 if TYPE_CHECKING:
@@ -71,7 +73,6 @@ DEFAULT_GRACE_S = 25.0
 #: prefix per run): its agreed stop, the ranks done with it, and each rank's counter of them.
 PLAN_KEY, DONE_KEY = "preemption/{n}/stop", "preemption/{n}/done"
 MADE_KEY = "preemption/made/r{rank}"
-_ABSENT = "\x00absent"  # compare_set(key, _ABSENT, _ABSENT): a read that never blocks
 _WAKE, _STAND_DOWN = b"s", b"x"  # what the watcher reads from its pipe
 
 
@@ -90,18 +91,9 @@ class StopPlan:
 
     @classmethod
     def parse(cls, raw: bytes, where: str) -> "StopPlan":
-        """The plan written by a rank (bytes from another process): every field checked."""
-        try:
-            obj = json.loads(raw)
-        except ValueError:
-            obj = None
-        fields = ("rank", "signum", "step")
-        if not isinstance(obj, dict) or sorted(obj) != list(fields) or any(
-                not isinstance(obj[k], int) or isinstance(obj[k], bool) or obj[k] < 0
-                for k in fields) or obj["signum"] not in signal.valid_signals():
-            raise DatastatesError(f"{where}: expected a JSON object of the ints 'step', 'signum' "
-                                  f"(a signal number) and 'rank', found {raw[:200]!r}")
-        return cls(obj["step"], obj["signum"], obj["rank"])
+        """The plan written by a rank (bytes from another process): every field checked
+        (``format.small_records.parse_stop_plan``; CorruptCheckpointError naming the field)."""
+        return cls(*parse_stop_plan(raw, where))
 
 
 class Preemption:
@@ -129,14 +121,14 @@ class Preemption:
     Thread model: ``requested``, ``exit`` and ``close`` are called by the main thread, which
     also trains (Python delivers signals there only).
 
-    Several ranks: the first rank that finds a signal at its safe point ``s`` sets the stop step
-    ``s + 1`` in the store (compare-and-set: the first rank wins); every rank asks the store at
-    each ``requested()`` until it learns the plan, and answers True from that step on, signalled
-    or not, so every rank takes its last save at the same step and passes on the plan's signal.
-    This assumes the ranks are within one step of each other at their safe points, which holds
-    when every step holds a collective of the training group (the gradient all-reduce): no rank
-    can pass the safe point of ``s + 1`` before every rank passed that of ``s``. Alone, the stop
-    step is the step at which the signal is found.
+    Several ranks: the first rank that finds a signal at its safe point ``s`` claims the stop
+    step ``s + 1`` in the store (``commit.round.claim``: the first claim wins); every rank
+    peeks at the store at each ``requested()`` until it learns the plan, and answers True from
+    that step on, signalled or not, so every rank takes its last save at the same step and
+    passes on the plan's signal. This assumes the ranks are within one step of each other at
+    their safe points, which holds when every step holds a collective of the training group
+    (the gradient all-reduce): no rank can pass the safe point of ``s + 1`` before every rank
+    passed that of ``s``. Alone, the stop step is the step at which the signal is found.
     """
 
     def __init__(self, checkpointer: "Checkpointer", signals: Iterable[int] = DEFAULT_SIGNALS,
@@ -147,7 +139,6 @@ class Preemption:
         #: Seconds from the signal to the end of the process (None: no limit).
         self.grace_s = _check_grace(grace_s)
         self._ckpt = checkpointer
-        self._lead = 0 if checkpointer.world_size == 1 else 1
         self._keys = _instance_keys(checkpointer)  # (plan, done), or None: no store reached
         self._signum: int | None = None    # the first signal this rank received
         self._deadline: float | None = None
@@ -158,7 +149,7 @@ class Preemption:
         # One-element lists popped as an atomic test-and-set: a handler can interrupt the main
         # thread between two bytecodes, never inside list.pop().
         self._first, self._pass_token = [None], [None]
-        self._main = threading.main_thread().ident
+        self._main = threading.get_ident()  # the main thread's (checked above)
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
         self._watcher = threading.Thread(target=self._watch, name="datastates-preemption",
@@ -261,12 +252,13 @@ class Preemption:
             if key is None:
                 raise ConnectionError("unreachable when the Preemption was made")
             if signum is None:
-                raw = store.compare_set(key, _ABSENT, _ABSENT)
-                if raw == _ABSENT.encode():
+                raw = peek(store, key)
+                if raw is None:
                     return None
             else:
-                mine = StopPlan(step + self._lead, signum, self._ckpt.rank)
-                raw = store.compare_set(key, "", mine.to_json())
+                lead = 0 if self._ckpt.world_size == 1 else 1  # alone: stop at this step
+                raw = claim(store, key, StopPlan(step + lead, signum,
+                                                 self._ckpt.rank).to_json())
         except Exception as exc:
             if signum is None:
                 return None
@@ -334,9 +326,9 @@ class Preemption:
         until the deadline; past it, send the signal to the main thread again. The signals are
         blocked here, so the kernel gives them to a thread that can run the handler soon."""
         signal.pthread_sigmask(signal.SIG_BLOCK, self._signals)
-        if os.read(self._read_fd, 1) != _WAKE:
+        if os.read(self._read_fd, 1) != _WAKE or (signum := self._signum) is None:
             return  # closed before any signal
-        name = _name(self._signum)
+        name = _name(signum)
         limit = "no time limit" if self._deadline is None else f"within {self.grace_s:g} s"
         log.warning("datastates: %s received on rank %d: the loop stops at its next safe point "
                     "(Preemption.requested), %s", name, self._ckpt.rank, limit)
@@ -349,7 +341,7 @@ class Preemption:
                     "exit() has not passed the signal on: passing it on now (saves still in "
                     "flight are not committed)", self.grace_s, name, self._ckpt.rank)
         try:
-            signal.pthread_kill(self._main, self._signum)
+            signal.pthread_kill(self._main, signum)
         except OSError:  # the main thread has ended: so does the process
             pass
 

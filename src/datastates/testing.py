@@ -217,8 +217,8 @@ class StoreConformance:
         store = open_store(root, options)
         return root, options, store, publisher_for(store)
 
-    def _checkpointer(self, root: str, options, **config) -> Checkpointer:
-        config = CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=1 << 16, **config)
+    def _checkpointer(self, root: str, options, **fields) -> Checkpointer:
+        config = CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=1 << 16, **fields)
         return Checkpointer(root, config, storage_options=options)
 
     def test_whole_files_round_trip_with_their_stamp(self, tmp_path):
@@ -360,7 +360,7 @@ class StoreConformance:
 
 def _files_under(store, path: str) -> list[str]:
     """Every file below ``path``, as paths relative to it (empty if there is none)."""
-    out = []
+    out: list[str] = []
     try:
         names = store.listdir(path)
     except FileNotFoundError:

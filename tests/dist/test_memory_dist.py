@@ -133,11 +133,11 @@ def _nodes_save(rank, world, root, shm_root, tmp, node_of):
         for step in (2, 3):
             ck.save(_node_state(rank, step), step=step, replicated=["shared"])
         ck.wait()
-        memdir = ck._tiers.memdir
+        memdir = ck.tiers.memdir
         return {"storage": [i.step for i in ck.list()],
                 "memory": [i.step for i in ck.memory.list()],
                 "shards": sorted(os.listdir(os.path.join(memdir, place.CKPT, fmt.step_name(3)))),
-                "group": ck._tiers.group, "world": ck.memory.world_size}
+                "group": ck.tiers.group, "world": ck.memory.world_size}
 
 
 def _nodes_restore(rank, world, root, shm_root, tmp, node_of):

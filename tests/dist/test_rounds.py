@@ -7,6 +7,7 @@ Real gloo processes where ranks save; threads as ranks over a MemoryStore for th
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -146,7 +147,7 @@ def _latest_worker(rank, world, root):
     model = _model()
     out = {"recorded": [], "latest": [], "restored": []}
     with Checkpointer(root, FAST) as ckpt:
-        ckpt._catalog = catalog = RecordingCatalog(ckpt.directory)
+        ckpt.storage._catalog = catalog = RecordingCatalog(ckpt.directory)
         ckpt.save({"model": model}, step=1, replicated=True).wait()
         catalog.scan()  # this rank's listing is now older than the commits below
         for step in (2, 3):
@@ -306,3 +307,144 @@ def test_an_exchange_of_none_and_of_subgroups_ends_with_every_value():
     assert out[0] == out[1] == {0: "rank 0", 1: "rank 1"}, out
     assert out[2] == out[3] == {0: "rank 2", 1: "rank 3"}, out
     assert store.list_keys() == []
+
+
+class _Recorded:
+    """One rank's view of a shared store, recording ``(method, key)`` of every request."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def call(key, *args):
+            self.calls.append((name, key if isinstance(key, str) else tuple(key)))
+            return method(key, *args)
+        return call
+
+
+@pytest.mark.parametrize("world", [2, 8, 16])
+def test_rank_0_gathers_an_exchange_and_the_others_read_one_key(world):
+    """Rank 0 reads every other rank's value once and publishes them in one key; every other
+    rank writes its own value, counts itself in and polls that one key: a few requests besides
+    its polls, whatever the world size, and no other rank's key."""
+    store = MemoryStore()
+    views = [_Recorded(store) for _ in range(world)]
+    comms = [StoreCommunicator(views[r], r, world, "run") for r in range(world)]
+    out = _as_threads({r: lambda c=comms[r]: c.exchange("t", {"rank": c.rank}, 30)
+                       for r in range(world)})
+    assert all(out[r] == {k: {"rank": k} for k in range(world)} for r in range(world)), out
+    assert store.list_keys() == []
+    p = "x/t/0/"
+    rank0 = views[0].calls
+    for r in range(1, world):
+        assert rank0.count(("compare_set", f"{p}r{r}")) == 1, rank0  # one read of each value
+        calls = views[r].calls
+        polls = calls.count(("compare_set", f"{p}decision"))
+        assert polls >= 1
+        rest = [c for c in calls if c != ("compare_set", f"{p}decision")]
+        assert rest[:4] == [("set", f"{p}r{r}"), ("add", f"{p}n"), ("delete_key", f"{p}r{r}"),
+                            ("add", f"{p}done")], calls
+        assert set(rest[4:]) <= {("delete_key", f"{p}{k}") for k in ("n", "decision", "done")}
+    assert ("compare_set", f"{p}decision") in rank0  # its claim of the values
+    assert {key for _, key in rank0 if key.startswith(f"{p}r")} == \
+        {f"{p}r{r}" for r in range(world)}  # its own, and one read of each other's
+
+
+def test_an_exchange_a_rank_missed_aborts_for_the_others_and_the_next_one_meets_it():
+    """Ranks 0 and 1 exchange without rank 2: both raise TimeoutError naming it at their
+    deadline. Rank 2's next call finds that exchange ended without it (a WARNING) and meets the
+    others at the next one; the aborted exchange leaves its counter and decision only."""
+    store = MemoryStore()
+    comms = [StoreCommunicator(store, r, 3, "run") for r in range(3)]
+
+    def alone(c):
+        try:
+            return c.exchange("t", c.rank, 1)
+        except TimeoutError as exc:
+            return str(exc)
+    out = _as_threads({r: lambda c=comms[r]: alone(c) for r in (0, 1)})
+    for r in (0, 1):
+        assert out[r].startswith("rank(s) [2] did not answer the exchange 't' #0 within 1 s"), \
+            out[r]
+    assert sorted(store.list_keys()) == ["x/t/0/decision", "x/t/0/n"]
+    messages = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+    keep = Keep(logging.WARNING)
+    logging.getLogger("datastates").addHandler(keep)
+    try:
+        out = _as_threads({r: lambda c=comms[r]: c.exchange("t", c.rank * 10, 30)
+                           for r in range(3)})
+    finally:
+        logging.getLogger("datastates").removeHandler(keep)
+    assert all(out[r] == {0: 0, 1: 10, 2: 20} for r in range(3)), out
+    assert any("the exchange 't' #0 had ended without rank 2" in m for m in messages), messages
+    assert sorted(store.list_keys()) == ["x/t/0/decision", "x/t/0/n"]
+
+
+class _HeldRank0(MemoryStore):
+    """Rank 0's polls of an exchange's counter wait until its decision key is claimed."""
+
+    def __init__(self):
+        super().__init__()
+        self.claimed = threading.Event()
+
+    def compare_set(self, key, expected, desired):
+        value = super().compare_set(key, expected, desired)
+        if key.endswith("/decision") and expected == "":
+            self.claimed.set()
+        return value
+
+
+def test_a_rank_at_its_deadline_takes_the_values_when_all_are_there():
+    """Rank 0 is slow (its polls held until another rank claims the decision): rank 1, at its
+    deadline, finds every value posted and claims them for all instead of an abort."""
+    store, posted = _HeldRank0(), threading.Event()
+
+    class Rank0View(_Recorded):
+        def add(self, key, amount):
+            if amount == 0:
+                assert store.claimed.wait(30)
+            value = store.add(key, amount)
+            posted.set()
+            return value
+    comms = [StoreCommunicator(Rank0View(store), 0, 2, "run"),
+             StoreCommunicator(store, 1, 2, "run")]
+
+    def rank1():
+        assert posted.wait(30)  # its deadline runs from when rank 0's value is there
+        return comms[1].exchange("t", "one", 0.2)
+    out = _as_threads({0: lambda: comms[0].exchange("t", "zero", 30), 1: rank1})
+    assert out[0] == out[1] == {0: "zero", 1: "one"}, out
+    assert store.list_keys() == []
+
+
+class _Decisions(MemoryStore):
+    """Keeps every decision claimed."""
+
+    def __init__(self):
+        super().__init__()
+        self.claimed = []
+
+    def compare_set(self, key, expected, desired):
+        value = super().compare_set(key, expected, desired)
+        if key.endswith("/decision") and expected == "" and value == desired.encode():
+            self.claimed.append(json.loads(value))
+        return value
+
+
+def test_equal_values_are_published_once_whatever_the_world_size():
+    """The decision key holds runs of equal values: 16 ranks sending one value and two others
+    publish three runs, and every rank reads every value back in rank order."""
+    store = _Decisions()
+    comms = [StoreCommunicator(store, r, 16, "run") for r in range(16)]
+    value = {"name": "step-0000000001", "seq": 1}
+    sent = {r: (value if r not in (5, 6) else {"name": None, "seq": -1}) for r in range(16)}
+    out = _as_threads({r: lambda c=comms[r]: c.exchange("t", sent[c.rank], 30)
+                       for r in range(16)})
+    assert all(out[r] == sent for r in range(16)), out
+    assert [d["runs"] for d in store.claimed] == [[[value, 5], [sent[5], 2], [value, 9]]]

@@ -13,6 +13,7 @@ import torch
 
 import datastates
 from datastates.format import codec as fmt
+from datastates.format import zipframe
 from datastates.providers import ProviderRegistry
 from datastates.restore.reader import Reader
 
@@ -142,14 +143,25 @@ def write_sealed(ckpt_dir: str, obj) -> None:
 
 
 def index_of(shard: bytes) -> tuple[int, bytes]:
-    offset, length = struct.unpack_from("<QQ", shard, 16)
+    at = 64 if shard.startswith(b"PK\x03\x04") else 0  # a version-3 file's header is at 64
+    offset, length = struct.unpack_from("<QQ", shard, at + 16)
     return offset, shard[offset:offset + length]
 
 
 def with_index(shard: bytes, index: bytes) -> bytes:
-    """The shard file with its index replaced and the header (index length, CRCs) made valid."""
-    offset, _ = index_of(shard)
-    return fmt.pack_header(offset, index) + shard[fmt.HEADER_BYTES:offset] + index
+    """The shard file with its index replaced and the header (index length, CRCs) made valid
+    (of a version-3 file, its tail moved after the new index and its CRC made valid)."""
+    offset, old = index_of(shard)
+    if not shard.startswith(b"PK\x03\x04"):
+        return fmt.pack_header(offset, index) + shard[fmt.HEADER_BYTES:offset] + index
+    tail = shard[fmt.align_up(offset + len(old), 64):]
+    tail_at = fmt.align_up(offset + len(index), 64)
+    first = struct.unpack_from("<I", shard, 120)[0]  # tensor 0's local header ends the block
+    slot = zipframe.local_header(zipframe.INDEX_RECORD, len(index), 64, fmt.crc32(index))
+    return (fmt.pack_header_v3(offset, index, tail_at, tail,
+                               shard[fmt.HEADER_BYTES - first:fmt.HEADER_BYTES]) +
+            shard[fmt.HEADER_BYTES:offset - 64] + slot + index +
+            bytes(tail_at - offset - len(index)) + tail)
 
 
 # ---------------------------------------------------------------- bounded memory

@@ -62,7 +62,7 @@ def main() -> None:
     if mode == "die-handing-on":  # DS_PERSIST_EVERY=2: steps 2 and 4 are handed on
         for step in (2, 3, 4):
             ck.save(make_state(step, big=False), step=step).wait()
-            while step == 2 and ck._tiers.handoff._waiting is not None:
+            while step == 2 and ck.tiers.handoff.waiting() is not None:
                 time.sleep(0.001)  # step 2 taken for writing: step 4 cannot replace it
         marker("COMMITTED 4")  # the keeper may still be copying step 4 (or 2) into storage
         os.kill(os.getpid(), signal.SIGKILL)

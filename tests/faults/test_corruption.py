@@ -84,13 +84,18 @@ def flip_byte(path: str, offset: int) -> None:
 
 
 def set_header(path: str, fmt: str, offset: int, value, fix_crc: bool) -> None:
-    """Set a header field; with ``fix_crc`` recompute the header CRC (bytes 0-35 at offset 36)."""
+    """Set a header field (``offset`` from the header's start); with ``fix_crc`` recompute the
+    header CRC (of bytes 0-35 at 36; of a version-3 file, whose header starts at 64 after a ZIP
+    local header, of its 60 bytes at 60)."""
     with open(path, "r+b") as f:
-        head = bytearray(f.read(40))
+        v3 = f.read(4) == b"PK\x03\x04"
+        at, used = (64, 60) if v3 else (0, 36)
+        f.seek(at)
+        head = bytearray(f.read(used + 4))
         struct.pack_into(fmt, head, offset, value)
         if fix_crc:
-            struct.pack_into("<I", head, 36, zlib.crc32(bytes(head[:36])) & 0xFFFFFFFF)
-        f.seek(0)
+            struct.pack_into("<I", head, used, zlib.crc32(bytes(head[:used])) & 0xFFFFFFFF)
+        f.seek(at)
         f.write(head)
 
 

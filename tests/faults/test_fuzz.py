@@ -201,8 +201,11 @@ def test_manifest_json_mutations(pristine, work, sealed):
 def test_header_flips(pristine, work, how):
     flip = flip_byte if how == "byte" else flip_bit
 
+    at, used = _header_at(pristine["shard"])
+
     def make(rng):
-        hi = 40 if rng.random() < 0.8 else fmt.HEADER_BYTES  # mostly the fields, some reserved
+        # mostly the fields (and a version-3 file's first local header), some reserved bytes
+        hi = at + used if rng.random() < 0.8 else fmt.HEADER_BYTES
         return pristine["manifest"], flip(pristine["shard"], rng, 0, hi), False, \
             f"header {how} flip"
     run_cases(pristine, work, 5 if how == "byte" else 6, make)
@@ -210,16 +213,28 @@ def test_header_flips(pristine, work, how):
 
 def test_header_fields_with_valid_crc(pristine, work):
     """Header fields changed and the header CRC recomputed: only the manifest ties it down."""
+    at, used = _header_at(pristine["shard"])
+    fields = [(8, "<I"), (12, "<I"), (16, "<Q"), (24, "<Q"), (32, "<I")]
+    if at:  # version 3: the tail's offset, length and CRC, the first slot's length too
+        fields += [(36, "<Q"), (44, "<Q"), (52, "<I"), (56, "<I")]
+
     def make(rng):
-        head = bytearray(pristine["shard"][:40])
-        field = rng.choice([(8, "<I"), (12, "<I"), (16, "<Q"), (24, "<Q"), (32, "<I")])
-        (old,) = struct.unpack_from(field[1], head, field[0])
+        head = bytearray(pristine["shard"][:at + used])
+        field = rng.choice(fields)
+        (old,) = struct.unpack_from(field[1], head, at + field[0])
         new = rng.choice([0, 1, 3, old + 1, old - 1 if old else 7, old + 4096, 2 ** 32 - 1])
-        struct.pack_into(field[1], head, field[0], new & (2 ** (8 * struct.calcsize(field[1])) - 1))
-        struct.pack_into("<I", head, 36, fmt.crc32(bytes(head[:36])))
-        return pristine["manifest"], bytes(head) + pristine["shard"][40:], False, \
-            f"header field at {field[0]} = {new}"
+        struct.pack_into(field[1], head, at + field[0],
+                         new & (2 ** (8 * struct.calcsize(field[1])) - 1))
+        struct.pack_into("<I", head, at + used - 4, fmt.crc32(bytes(head[at:at + used - 4])))
+        return pristine["manifest"], bytes(head) + pristine["shard"][at + used:], False, \
+            f"header field at {at + field[0]} = {new}"
     run_cases(pristine, work, 7, make)
+
+
+def _header_at(shard: bytes) -> tuple[int, int]:
+    """(where the header starts, the bytes of its fields and CRC): at 0, 40 bytes (versions 1
+    and 2), or at 64 after the first ZIP local header, 64 bytes (version 3)."""
+    return (64, 64) if shard.startswith(b"PK\x03\x04") else (0, 40)
 
 
 def test_index_flips(pristine, work):

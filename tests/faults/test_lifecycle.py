@@ -432,5 +432,5 @@ def test_unsupported_dtype_fails_inside_save_naming_the_key(tmp_path):
                     step=1)
         assert "'inner/z'" in str(info.value) and "complex32" in str(info.value)
         assert isinstance(info.value, TypeError)
-        assert ck._pending == [] and os.listdir(ck.directory) == []
+        assert ck.storage._pending == [] and os.listdir(ck.directory) == []
         ck.save({"ok": torch.ones(3)}, step=1).wait(WAIT_S)

@@ -322,9 +322,7 @@ def test_the_memory_is_kept_while_storage_lacks_its_newest_step(shm_root, tmp_pa
 def _held_link(ck):
     """Hold the keeper link's lock: the handoff thread's next request waits for its release
     (a real lock of the real link; nothing is replaced)."""
-    link = ck._tiers.link
-    assert link._lock.acquire(timeout=30)
-    return link
+    return ck.tiers.link.hold(timeout=30)
 
 
 def _until(condition, what: str, timeout: float = 60.0) -> None:
@@ -337,8 +335,8 @@ def _until(condition, what: str, timeout: float = 60.0) -> None:
 def _save_taken(ck, step: int) -> None:
     """Save ``step`` (due for storage) and return once the handoff thread is writing it."""
     ck.save(make_state(step, big=False), step=step).wait()
-    handoff, name = ck._tiers.handoff, f"step-{step:010d}"
-    _until(lambda: handoff.held() == {name} and handoff._waiting is None,
+    handoff, name = ck.tiers.handoff, f"step-{step:010d}"
+    _until(lambda: handoff.held() == {name} and handoff.waiting() is None,
            f"the handoff thread did not take step {step}")
 
 
@@ -350,7 +348,7 @@ def test_a_checkpoint_being_written_to_storage_stays_in_memory_and_a_waiting_one
     by the keeper; memory is back to keep_last."""
     storage = tmp_path / "ckpt"
     ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2)))
-    handoff = ck._tiers.handoff
+    handoff = ck.tiers.handoff
     ck.save(make_state(1, big=False), step=1).wait()
     link = _held_link(ck)
     try:
@@ -363,7 +361,7 @@ def test_a_checkpoint_being_written_to_storage_stays_in_memory_and_a_waiting_one
         assert "step-0000000004 was still waiting" in caplog.text
         assert list(handoff.replaced) == ["step-0000000004"]
     finally:
-        link._lock.release()
+        link.release()
     ck.wait()
     assert [i.step for i in ck.list()] == [2, 6]
     assert [i.step for i in ck.memory.list()] == [6]
@@ -406,7 +404,7 @@ def test_a_tagged_save_to_storage_waits_for_the_keeper_s_write(shm_root, tmp_pat
         _until(lambda: handle._job.deciding, "the tag's commit did not start")
         assert not handle.done() and ck.list() == []
     finally:
-        link._lock.release()
+        link.release()
     assert handle.wait().name == "best"
     assert [(i.name, i.seq) for i in ck.list()] == [("step-0000000002", 1), ("best", 2)]
     ck.close(stop_keeper=True)
@@ -424,7 +422,7 @@ def test_a_save_due_for_storage_is_written_beside_a_tag_of_the_same_step(shm_roo
     ck.wait()
     assert [(i.name, i.step, i.seq) for i in ck.list()] == [("best", 2, 1),
                                                              ("step-0000000002", 2, 2)]
-    assert list(ck._tiers.handoff.written) == ["step-0000000002"]
+    assert list(ck.tiers.handoff.written) == ["step-0000000002"]
     ck.close(stop_keeper=True)
     with datastates.Checkpointer(storage) as plain:
         assert_bit_exact(plain.load(step=2), make_state(2, big=False))
@@ -448,7 +446,7 @@ def test_a_save_due_for_storage_under_a_name_storage_holds_is_refused_or_replace
     assert ck.memory.list() == []
     ck.save(make_state(2, big=False), step=2, overwrite=True)
     ck.wait()
-    assert list(ck._tiers.handoff.written) == ["step-0000000002"]
+    assert list(ck.tiers.handoff.written) == ["step-0000000002"]
     link = _held_link(ck)
     try:
         handle = ck.save(make_state(4, big=False), step=4)
@@ -456,7 +454,7 @@ def test_a_save_due_for_storage_under_a_name_storage_holds_is_refused_or_replace
         with datastates.Checkpointer(storage) as other:  # commits while the handoff waits
             other.save(make_state(9, big=False), step=4).wait()
     finally:
-        link._lock.release()
+        link.release()
     with caplog.at_level(logging.ERROR, logger="datastates"):
         with pytest.raises(datastates.KeeperError, match="already holds.*step-0000000004"):
             ck.wait()
@@ -477,7 +475,7 @@ def test_delete_and_a_restore_from_storage_wait_for_the_keeper_s_write(shm_root,
     storage = tmp_path / "ckpt"
     ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2),
                                                   commit_timeout_s=120))
-    handoff = ck._tiers.handoff
+    handoff = ck.tiers.handoff
     ck.save(make_state(5, big=False), tag="old").wait()
     ck.save(make_state(6, big=False), tag="older").wait()
     live = zeros_like_state(make_state(5, big=False))
@@ -507,7 +505,7 @@ def test_delete_and_a_restore_from_storage_wait_for_the_keeper_s_write(shm_root,
         assert seen == {} and [i.step for i in ck.memory.list()] == [2]
         assert [i.name for i in ck.list()] == ["old", "older"]
     finally:
-        link._lock.release()
+        link.release()
     for t in threads:
         t.join(120)
     assert seen == {what: ["step-0000000002"] for what in
@@ -548,7 +546,7 @@ def test_replacing_a_memory_checkpoint_the_keeper_copies_waits_for_the_copy(shm_
         _until(lambda: handle._job.deciding, "the replacing save's commit did not start")
         assert not handle.done()
     finally:
-        link._lock.release()
+        link.release()
     assert handle.wait().name == "step-0000000002"
     ck.wait()
     assert [i.step for i in ck.list()] == [2] and [i.step for i in ck.memory.list()] == [2]
@@ -571,7 +569,7 @@ def test_a_failed_write_to_storage_is_raised_by_wait_and_the_memory_kept(shm_roo
         (storage / "step-0000000002").mkdir(parents=True)
         (storage / "step-0000000002" / "notes.txt").write_text("not a checkpoint")
     finally:
-        link._lock.release()
+        link.release()
     with caplog.at_level(logging.ERROR, logger="datastates"):
         with pytest.raises(datastates.KeeperError, match="step-0000000002"):
             ck.wait()
@@ -595,7 +593,7 @@ def test_a_stalled_keeper_s_copy_keeps_its_checkpoint_in_memory_until_it_is_writ
     storage = tmp_path / "ckpt"
     ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2),
                                                   commit_timeout_s=5))
-    keeper = ck._tiers.link.keeper_pid
+    keeper = ck.tiers.link.keeper_pid
     ck.save(make_state(1, big=False), step=1).wait()
     os.kill(keeper, signal.SIGSTOP)
     try:
@@ -610,7 +608,7 @@ def test_a_stalled_keeper_s_copy_keeps_its_checkpoint_in_memory_until_it_is_writ
     ck.wait()  # until the keeper has written step 2
     assert [i.step for i in ck.list()] == [2]
     assert [i.step for i in ck.memory.list()] == [3]
-    assert list(ck._tiers.handoff.written) == ["step-0000000002"]
+    assert list(ck.tiers.handoff.written) == ["step-0000000002"]
     ck.close(stop_keeper=True)
     with datastates.Checkpointer(storage) as plain:
         assert_bit_exact(plain.load(step=2), make_state(2, big=False))
@@ -625,14 +623,14 @@ def test_closing_beside_a_stalled_keeper_leaves_the_copy_to_the_keeper(shm_root,
     memdir = place.memory_dir(shm_root, str(storage))
     ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2),
                                                   commit_timeout_s=5))
-    keeper = ck._tiers.link.keeper_pid
+    keeper = ck.tiers.link.keeper_pid
     os.kill(keeper, signal.SIGSTOP)
     try:
         ck.save(make_state(2, big=False), step=2).wait()
         with caplog.at_level(logging.INFO, logger="datastates"):
             ck.close()
-        assert not ck._tiers.handoff._thread.is_alive()
-        ck._tiers.handoff.idle(time.monotonic())  # nothing is left running here
+        assert not ck.tiers.handoff.running
+        ck.tiers.handoff.idle(time.monotonic())  # nothing is left running here
         assert "still writing step-0000000002" in caplog.text
         assert "writes step-0000000002 to storage itself" not in caplog.text
         assert not storage.exists() or not os.listdir(storage)
@@ -655,10 +653,10 @@ def test_a_killed_keeper_leaves_training_going(shm_root, tmp_path, caplog):
     for step in (1, 2):
         ck.save(make_state(step, big=False), step=step)
     ck.wait()
-    link = ck._tiers.link
+    link = ck.tiers.link
     with caplog.at_level(logging.WARNING, logger="datastates"):
         os.kill(link.keeper_pid, signal.SIGKILL)
-        link._reader.join(timeout=30)
+        assert link.wait_lost(timeout=30)
     assert link.lost and "memory keeper" in caplog.text and "is gone" in caplog.text
     with caplog.at_level(logging.WARNING, logger="datastates"):
         for step in range(3, 7):  # memory and storage saves go on
@@ -683,7 +681,7 @@ def test_sigterm_makes_the_keeper_persist_and_end(shm_root, tmp_path):
     ck.wait()
     with pytest.raises(datastates.KeeperError, match="attached"):  # the trainer's job
         ask(memdir, "persist")
-    os.kill(ck._tiers.link.keeper_pid, signal.SIGTERM)
+    os.kill(ck.tiers.link.keeper_pid, signal.SIGTERM)
     with pytest.raises(datastates.KeeperError, match="ending"):  # no new trainer is taken
         datastates.Checkpointer(storage, _config(tier))
     ck.close()  # the last trainer detaches: the keeper persists step 3 and ends
@@ -823,7 +821,7 @@ def test_memory_saves_are_captured_in_place_without_a_host_cache(shm_root, tmp_p
         handles = [ck.save(state, step=s) for s in (1, 2, 3)]
         ck.wait()
         assert [h._job.in_place for h in handles] == [True, True, True]
-        assert ck._pipeline.cache.nslots == 0  # never sized: nothing went through it
+        assert ck.storage._pipeline.cache.nslots == 0  # never sized: nothing went through it
         live = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None)
                 for k, v in state.items()}
         report = ck.restore(live)
@@ -831,7 +829,7 @@ def test_memory_saves_are_captured_in_place_without_a_host_cache(shm_root, tmp_p
         assert_bit_exact(live, state)
         tagged = ck.save(state, tag="best", persist=True)
         tagged.wait()
-        assert not tagged._job.in_place and ck._pipeline.cache.nslots > 0
+        assert not tagged._job.in_place and ck.storage._pipeline.cache.nslots > 0
     with datastates.Checkpointer(storage) as plain:
         assert_bit_exact(plain.load(tag="best"), state)
 
@@ -850,7 +848,7 @@ def test_the_keeper_command(shm_root, tmp_path, capsys):
     args = [str(storage), "--root", shm_root]
     assert cli.main(["keeper", *args, "--status"]) == 0
     status = json.loads(capsys.readouterr().out)
-    assert status["pid"] == ck._tiers.link.keeper_pid and status["attached"] == 1
+    assert status["pid"] == ck.tiers.link.keeper_pid and status["attached"] == 1
     ck.close()  # detached: the keeper wrote step 1 to storage and waits for a trainer
     assert cli.main(["keeper", *args, "--persist"]) == 0  # nothing newer to write
     assert json.loads(capsys.readouterr().out)["persisted"] is None

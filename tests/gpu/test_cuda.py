@@ -26,7 +26,7 @@ def _step(model, opt):
 def test_host_cache_is_pinned(tmp_path):
     with Checkpointer(tmp_path, CheckpointConfig(host_cache_bytes=8 << 20, chunk_bytes=1 << 20)) as ckpt:
         ckpt.save({"x": torch.ones(10, device="cuda")}, step=1).wait()
-        cache = ckpt._pipeline.cache
+        cache = ckpt.storage._pipeline.cache
         assert cache.pinned and cache.tensor(0).is_pinned()
 
 
@@ -131,7 +131,7 @@ def test_copies_from_two_devices_each_follow_their_device(tmp_path, cache):
     assert torch.equal(loaded["x0"], torch.full((2048, 2048), 1.0))
     assert torch.equal(loaded["x1"], torch.full((2048, 2048), 2.0))
     assert torch.equal(loaded["e1"], torch.full((16, 2048), 2.0))
-    streams = ckpt._pipeline.copier._streams
+    streams = ckpt.storage._pipeline.copier._streams
     assert sorted(d.index for d in streams) == [0, 1]
     assert all(s.device == d for d, s in streams.items())
 
@@ -162,7 +162,7 @@ def test_memory_tier_captures_cuda_in_place_into_a_pinned_mapping_and_restores_o
         mappings = ckpt.memory.store.mappings
         assert [h._job.in_place for h in handles] == [True, True, True]
         assert not mappings.pin_failed and all(m.pinned for m in mappings._kept.values())
-        assert ckpt._pipeline.cache.nslots == 0  # the host cache was never needed
+        assert ckpt.storage._pipeline.cache.nslots == 0  # the host cache was never needed
         report = ckpt.restore({"model": model, "opt": opt})
         assert report.tier == "memory" and report.step == 3
         for k, v in model.state_dict().items():

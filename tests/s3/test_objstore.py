@@ -65,7 +65,7 @@ def test_round_trip_is_bit_exact(s3_server, s3_root, chunk, width):
         assert same(model2.state_dict(), model.state_dict())
         assert state["epoch"] == 3
         assert opt2.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
-        assert ckpt._read(None, None, True, False, (), None, "strict", "verify", None, [],
+        assert ckpt.storage._read(None, None, True, False, (), None, "strict", "verify", None, [],
                           lambda reader: reader.verify_all()) == ckpt.latest().nbytes
     files = objects_under(s3_server, s3_root)
     data_dirs = {f.split("/")[1] for f in files if f.startswith("step-0000000007/.data.")}

@@ -84,7 +84,7 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_restored(
             report = ckpt.restore(live, fallback=True)
 
         assert report.step == 2 and _same(live, _state(2))
-        assert ckpt._publisher.wait_moves(120)  # the shard files follow on a thread of their own
+        assert ckpt.storage._publisher.wait_moves(120)  # the shard files follow on a thread of their own
         assert [s.name for s in report.skipped] == [newest] and report.passed_over == []
         skipped = report.skipped[0]
         assert skipped.reason.startswith("rank 0:") and "checksum mismatch" in skipped.reason
@@ -143,7 +143,7 @@ def test_a_missing_shard_is_moved_aside_with_what_is_left(s3_server, s3_root):
         live = _blank()
         report = ckpt.restore(live, fallback=True)
         assert report.step == 1 and _same(live, _state(1))
-        assert ckpt._publisher.wait_moves(120)
+        assert ckpt.storage._publisher.wait_moves(120)
         (skipped,) = report.skipped
         assert skipped.name == fmt.step_name(2) and "CheckpointNotFoundError" in skipped.reason
         aside = skipped.quarantined[len(s3_root) + 1:]
@@ -184,7 +184,7 @@ def test_a_move_that_fails_before_the_manifest_goes_leaves_the_checkpoint_as_it_
         live = _blank()
         report = ckpt.restore(live, fallback=True)
         assert report.step == 1 and _same(live, _state(1))
-        assert ckpt._publisher.wait_moves(120) and copied == []  # nothing copied: not moved
+        assert ckpt.storage._publisher.wait_moves(120) and copied == []  # nothing copied: not moved
         assert [(s.name, s.quarantined) for s in report.skipped] == [(fmt.step_name(2), None)]
         assert objects(s3_server, s3_root) == damaged
         assert [i.step for i in ckpt.list()] == [1, 2]
@@ -192,7 +192,7 @@ def test_a_move_that_fails_before_the_manifest_goes_leaves_the_checkpoint_as_it_
                                                  fail_the_manifest_aside)
         report = ckpt.restore(_blank(), fallback=True)
         assert report.step == 1 and report.skipped[0].quarantined is not None
-        assert ckpt._publisher.wait_moves(120) and copied == [True]  # the shard file, now
+        assert ckpt.storage._publisher.wait_moves(120) and copied == [True]  # the shard file, now
         assert [i.step for i in ckpt.list()] == [1]
 
 
@@ -261,7 +261,7 @@ def test_a_store_that_cannot_copy_moves_the_record_and_leaves_the_data(s3_server
         live = _blank()
         with caplog.at_level(logging.WARNING, logger="datastates"):
             report = ckpt.restore(live, fallback=True)
-            assert ckpt._publisher.wait_moves(120)
+            assert ckpt.storage._publisher.wait_moves(120)
         assert report.step == 1 and _same(live, _state(1))
         aside = report.skipped[0].quarantined[len(s3_root) + 1:]
         after = objects(s3_server, s3_root)
@@ -284,7 +284,7 @@ def test_close_waits_for_the_quarantine_s_shard_files_to_move(s3_server, s3_root
     flip(s3_server, s3_root, shard, 4096 + 5)
     damaged = objects(s3_server, s3_root)[shard]
     gate = threading.Event()
-    store, publisher = ckpt._publisher.store, ckpt._publisher
+    store, publisher = ckpt.storage._publisher.store, ckpt.storage._publisher
     real_copy, real_wait = store.copy, publisher.wait_moves
 
     def held_copy(src, dst):  # a copy starts only once someone waits for the moves
@@ -325,7 +325,7 @@ def test_a_damaged_split_checkpoint_is_moved_aside_with_its_parts(s3_server, s3_
         live = _blank()
         report = ckpt.restore(live, fallback=True)
         assert report.step == 1 and _same(live, _state(1))
-        assert ckpt._publisher.wait_moves(120)
+        assert ckpt.storage._publisher.wait_moves(120)
         aside = report.skipped[0].quarantined[len(s3_root) + 1:]
         after = objects(s3_server, s3_root)
         assert {k for k in after if k.startswith(aside + "/")} == {

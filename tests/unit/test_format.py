@@ -42,14 +42,21 @@ def test_shard_file_matches_the_spec(tmp_path):
     assert trailer and int(trailer.group(2), 16) == zlib.crc32(trailer.group(1))
     assert list(manifest)[-1] == "manifest_crc32"
     raw = (cdir / manifest["files"][0]["name"]).read_bytes()
-    magic, version, flags, ioff, ilen, icrc = struct.unpack_from("<8sIIQQI", raw, 0)
-    assert magic == b"DSTATES\x01" and version == 2 and flags == 0
-    assert raw[40:4096] == bytes(4056) and ioff % 4096 == 0 and ioff + ilen == len(raw)
+    # Version 3: an empty ZIP record's local header at 0, the header at 64, the tail last.
+    assert raw[:4] == b"PK\x03\x04"
+    (magic, version, flags, ioff, ilen, icrc, toff, tlen, tcrc,
+     first) = struct.unpack_from("<8sIIQQIQQII", raw, 64)
+    assert magic == b"DSTATES\x01" and version == 3 and flags == 0 and first == 64
+    assert struct.unpack_from("<I", raw, 124)[0] == zlib.crc32(raw[64:124])
+    assert raw[128:4032] == bytes(3904) and raw[4032:4036] == b"PK\x03\x04"
+    assert ioff % 4096 == 0
+    assert toff == -(-(ioff + ilen) // 64) * 64 and toff + tlen == len(raw)
+    assert zlib.crc32(raw[toff:]) == tcrc
     assert zlib.crc32(raw[ioff:ioff + ilen]) == icrc == manifest["files"][0]["index_crc32"]
     index = json.loads(raw[ioff:ioff + ilen])
     by_key = {e["key"]: e for e in index["entries"]}
     e = by_key["t"]
-    assert e["dtype"] == "int32" and e["shape"] == [10] and e["offset"] % 64 == 0
+    assert e["dtype"] == "int32" and e["shape"] == [10] and e["offset"] == 4096
     assert raw[e["offset"]:e["offset"] + e["nbytes"]] == t.numpy().tobytes()
     assert e["checksums"] == [[40, zlib.crc32(t.numpy().tobytes())]]
     e = by_key["b"]
@@ -296,3 +303,27 @@ def test_manifest_errors_name_the_field(tmp_path, change, where):
     with pytest.raises(CorruptCheckpointError) as info:
         validate.parse_manifest(obj, "m.json")
     assert f"m.json: {where.format(i=i)}" in str(info.value)
+
+
+# ---------------------------------------------------------------- the json module's public API
+
+def test_the_streamed_parsers_need_raw_decode_with_a_start_index():
+    """codec's streamed parsers call ``JSONDecoder.raw_decode(text, idx)``: a value starting at
+    ``idx`` exactly (no whitespace skipped), and the index just after it."""
+    decode = json.JSONDecoder().raw_decode
+    assert decode('  [1] {"a": "b"} x', 6) == ({"a": "b"}, 16)
+    assert decode('{"k":"v"}', 5) == ("v", 8)
+    with pytest.raises(ValueError):
+        decode(" 1", 0)
+
+
+@pytest.mark.parametrize("text", ['{"a": "\u00e9\U0001f600"}', "[]", "1", "12", ""])
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be",
+                                      "utf-32", "utf-32-le", "utf-32-be"])
+def test_json_text_is_decoded_as_json_loads_decodes_it(text, encoding):
+    raw = text.encode(encoding)
+    assert fmt.codec.text_of(raw) == raw.decode(json.detect_encoding(raw), "surrogatepass")
+    if text:
+        obj = fmt.codec.parse_json_streamed(b'{"x": %s, "e": [%s]}' % (
+            text.encode() or b"0", text.encode() or b"0"), "e", lambda _: None)
+        assert obj == json.loads('{"x": %s, "e": [%s]}' % (text, text))

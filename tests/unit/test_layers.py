@@ -1,8 +1,8 @@
 """The import structure of the package (docs/architecture.md): stages on floors, imports pointing
 down only, no cycle, integrations on the public API only, no demo or benchmark code installed.
 
-Every import statement counts, also one inside a function (a lazy import is still a dependency);
-imports under ``if TYPE_CHECKING:`` are annotations only and do not.
+Every import statement counts, also one inside a function (a lazy import is still a dependency)
+and one under ``if TYPE_CHECKING:`` (an annotation names an object that flows in at run time).
 """
 from __future__ import annotations
 
@@ -16,27 +16,19 @@ import datastates
 
 PACKAGE = os.path.dirname(datastates.__file__)
 
-#: Floors, lowest first: a module imports modules of its own floor or lower only; across packages
-#: on one floor not at all.
+#: Floors, lowest first, in the order of the stages: records, commit, save and restore, one tier,
+#: the tiers, the public entry points, tools, integrations. A module imports modules of its own
+#: floor or lower only (within a floor, with no circle: test_no_import_cycles).
 FLOORS = [
-    ["datastates._version", "datastates.errors"],
-    ["datastates.memory.options"],
-    ["datastates.config", "datastates.data"],
-    ["datastates.storage"],
-    ["datastates.format"],
-    ["datastates.providers"],
+    ["datastates._version", "datastates.errors", "datastates.memory.options",
+     "datastates.config"],
+    ["datastates.storage", "datastates.format", "datastates.providers", "datastates.data"],
     ["datastates.commit"],
-    ["datastates.restore.plan", "datastates.restore.ranks", "datastates.restore.reads"],
-    ["datastates.restore.opened"],
-    ["datastates.restore.matching", "datastates.restore.verify"],
-    ["datastates.restore.reader"],
-    ["datastates.restore"],
-    ["datastates.save"],
+    ["datastates.save", "datastates.restore"],
+    ["datastates.directory"],
     ["datastates.memory"],
     ["datastates.checkpointer", "datastates.dcp", "datastates.preemption"],
-    ["datastates.tools"],
-    ["datastates.testing"],
-    ["datastates", "datastates.__main__"],
+    ["datastates.tools", "datastates.testing", "datastates", "datastates.__main__"],
     ["datastates.integrations"],
 ]
 #: What code outside the core (the integrations) may import: these modules and the names in
@@ -68,23 +60,12 @@ def _is_package(module: str) -> bool:
     return MODULES.get(module, "").endswith("__init__.py")
 
 
-def _type_only(tree: ast.AST) -> set[int]:
-    ids = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            ids.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return ids
-
-
 def imports(module: str) -> list[tuple[str, list[str], int]]:
     """(imported module, names taken from it, line) for every datastates import of ``module``."""
     tree = ast.parse(open(MODULES[module]).read())
-    skip = _type_only(tree)
     package = module if _is_package(module) else module.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             out += [(a.name, [], node.lineno) for a in node.names
                     if a.name.split(".")[0] == "datastates"]
@@ -125,12 +106,12 @@ def test_every_module_is_on_a_floor():
 def test_imports_point_down():
     wrong = []
     for module in MODULES:
-        level, group = floor_of(module)
+        level, _ = floor_of(module)
         for target, _, line in imports(module):
             if (module, target) in ALLOWED_UP or target not in MODULES:
                 continue
-            t_level, t_group = floor_of(target)
-            if t_level > level or (t_level == level and t_group != group):
+            t_level, _ = floor_of(target)
+            if t_level > level:
                 wrong.append(f"{MODULES[module]}:{line}: {module} (floor {level}) imports "
                              f"{target} (floor {t_level})")
     assert not wrong, "\n".join(wrong)
@@ -213,3 +194,41 @@ def test_every_public_name_exists(module):
 
 def test_no_demo_or_benchmark_code_is_installed():
     assert not [m for m in MODULES if any(w in m for w in ("demo", "bench"))]
+
+
+def _private_writes(path: str) -> list[str]:
+    """``x._name = ...`` (or ``+=``) where ``x`` is not ``self``/``cls``: an object configured
+    from outside through its private attributes."""
+    found = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for sub in ast.walk(target):
+                if isinstance(sub, ast.Attribute) and sub.attr.startswith("_") \
+                        and not sub.attr.startswith("__") \
+                        and not (isinstance(sub.value, ast.Name) and sub.value.id in
+                                 ("self", "cls")):
+                    found.append(f"{path}:{node.lineno}: {ast.unparse(sub)}")
+    return found
+
+
+def test_no_object_is_configured_through_its_private_attributes():
+    wrong = [w for path in MODULES.values() for w in _private_writes(path)]
+    assert not wrong, "\n".join(wrong)
+
+
+#: What a Checkpointer's tier once read from slots the memory tier wrote into it; a tier's
+#: differences are its TierPolicy now (directory.py), given at construction.
+HOOK_SLOTS = ["_optimistic", "_prechecked", "_group", "_agree", "_order", "_eligible",
+              "_on_commit", "_exclusive", "_check_storage_name", "_delete_guard", "_released",
+              "_retention", "_tiers"]
+
+
+def test_a_checkpointer_has_no_hook_slots():
+    for module in ("datastates.checkpointer", "datastates.directory"):
+        tree = ast.parse(open(MODULES[module]).read())
+        slots = {f"{MODULES[module]}:{n.lineno}: self.{n.attr}" for n in ast.walk(tree)
+                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                 and n.value.id == "self" and n.attr in HOOK_SLOTS}
+        assert not slots, "\n".join(sorted(slots))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import datastates
+from datastates.directory import TierCheckpointer, TierPolicy
 from datastates.memory import marks
 
 STATE = {"w": torch.arange(70_000, dtype=torch.float32), "n": torch.arange(5)}
@@ -114,18 +115,18 @@ def test_marks_of_checkpoints_that_are_gone_are_removed(memdir):
 
 
 def test_a_prechecked_restore_reads_without_checksums_and_says_so(memdir):
-    """The Checkpointer hook the memory tier sets: a candidate whose mark holds is read with
-    verify off, and the report says so; without the hook, the same restore checks."""
+    """The policy the memory tier gives its TierCheckpointer: a candidate whose mark holds is
+    read with verify off, and the report says so; without it, the same restore checks."""
     root, (_, two) = memdir
     marks.verify_newest(root, os.path.join(root, "ckpt"))
-    with datastates.Checkpointer(os.path.join(root, "ckpt")) as ck:
-        ck._optimistic = True
-        ck._prechecked = lambda info: marks.holds(root, info)
-        live = {k: torch.zeros_like(v) for k, v in STATE.items()}
+    prechecked = TierPolicy(optimistic=True, prechecked=lambda info: marks.holds(root, info))
+    live = {k: torch.zeros_like(v) for k, v in STATE.items()}
+    with TierCheckpointer(os.path.join(root, "ckpt"), policy=prechecked) as ck:
         report = ck.restore(live, fallback=True)
         assert report.prechecked and report.step == 2
         assert all(torch.equal(live[k], STATE[k]) for k in STATE)
-        ck._prechecked = None
+    with TierCheckpointer(os.path.join(root, "ckpt"),
+                          policy=TierPolicy(optimistic=True)) as ck:
         report = ck.restore(live, fallback=True)
         assert not report.prechecked and report.step == 2
 

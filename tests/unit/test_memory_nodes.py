@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import datastates
+from datastates import CorruptCheckpointError
 from datastates.memory import nodes
 from datastates.memory.persist import persist_newest
 
@@ -29,16 +30,31 @@ def test_groups_are_the_ranks_sharing_a_host_and_a_memory_directory():
     assert nodes.groups(answers) == [[0, 2], [1, 3], [4]]
 
 
-@pytest.mark.parametrize("text", [
-    "", "{", "[]", '{"world_size": 4}', '{"world_size": 0, "ranks": [0]}',
-    '{"world_size": 4, "ranks": []}', '{"world_size": 4, "ranks": [4]}',
-    '{"world_size": 4, "ranks": [1, 1]}', '{"world_size": true, "ranks": [0]}',
-    '{"world_size": 4, "ranks": [0.0]}', '{"world_size": 4, "ranks": "01"}'])
-def test_a_record_that_does_not_describe_ranks_is_refused(tmp_path, text):
+@pytest.mark.parametrize("text, where, found", [
+    ("", "top level", "expected JSON, found b''"),
+    ("{", "top level", "expected JSON, found b'{'"),
+    ("[]", "top level", "expected an object, found list []"),
+    ('{"world_size": 4}', "top level",
+     "expected the fields ['ranks', 'world_size'], found ['world_size']"),
+    ('{"world_size": 4, "ranks": [0], "x": 1}', "top level",
+     "expected the fields ['ranks', 'world_size'], found ['ranks', 'world_size', 'x']"),
+    ('{"world_size": 0, "ranks": [0]}', "world_size",
+     f"expected an integer in [1, {1 << 24}], found 0"),
+    ('{"world_size": 4, "ranks": []}', "ranks", "expected at least one rank, found none"),
+    ('{"world_size": 4, "ranks": [4]}', "ranks[0]", "expected an integer in [0, 3], found 4"),
+    ('{"world_size": 4, "ranks": [1, 1]}', "ranks", "expected distinct ranks, found [1, 1]"),
+    ('{"world_size": true, "ranks": [0]}', "world_size", "expected an integer, found bool True"),
+    ('{"world_size": 4, "ranks": [0, 0.0]}', "ranks[1]", "expected an integer, found float 0.0"),
+    ('{"world_size": 4, "ranks": "01"}', "ranks", "expected a list, found str '01'"),
+])
+def test_a_record_that_does_not_describe_ranks_is_refused(tmp_path, text, where, found):
     _record(tmp_path, text)
-    with pytest.raises(ValueError, match="not a record of ranks"):
+    path = os.path.join(tmp_path, nodes.NODE_FILE)
+    with pytest.raises(CorruptCheckpointError) as info:
         nodes.read(str(tmp_path))
-    assert nodes.part_only(str(tmp_path)).startswith("its record of ranks does not read")
+    assert str(info.value) == f"{path} (a record of ranks): {where}: {found}"
+    assert isinstance(info.value, ValueError)  # what adopt() takes for another job's record
+    assert nodes.part_only(str(tmp_path)) == f"its record of ranks does not read ({info.value})"
 
 
 def test_a_record_that_is_no_regular_file_is_never_opened_for_reading(tmp_path):

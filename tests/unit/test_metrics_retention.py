@@ -102,7 +102,7 @@ def test_the_config_builds_the_policy(tmp_path):
     config = CheckpointConfig(**SMALL, keep_last=2, keep_every=5, keep_best=3,
                               best_metric="acc", best_mode="max")
     with Checkpointer(tmp_path, config) as ck:
-        assert ck._retention == RetentionPolicy(2, 5, 3, "acc", "max")
+        assert ck.storage.retention == RetentionPolicy(2, 5, 3, "acc", "max")
 
 
 # ------------------------------------------------------------------ the configuration

@@ -115,13 +115,13 @@ def test_host_cache_is_sized_by_the_first_save_and_absent_for_readers(tmp_path):
     cfg = datastates.CheckpointConfig(host_cache_bytes=64 * unit, chunk_bytes=unit)
     with datastates.Checkpointer(tmp_path, cfg) as ck:
         ck.save({"w": torch.ones(3 * unit // 4)}, step=1).wait()  # 3 units of data
-        assert ck._pipeline.cache.nbytes == 4 * unit  # the state plus one unit, not 64 units
+        assert ck.storage._pipeline.cache.nbytes == 4 * unit  # the state plus one unit, not 64 units
     with datastates.Checkpointer(tmp_path, cfg) as reader:
         loaded = reader.load()
-        assert reader.list()[0].step == 1 and reader._pipeline.cache.nbytes == 0
+        assert reader.list()[0].step == 1 and reader.storage._pipeline.cache.nbytes == 0
     assert torch.equal(loaded["w"], torch.ones(3 * unit // 4))
     with datastates.Checkpointer(tmp_path / "big", cfg.replace(host_cache_bytes=4 * unit)) as ck:
         state = {"w": torch.arange(40 * unit // 4, dtype=torch.float32)}  # 10x the cache
         ck.save(state, step=1).wait()
-        assert ck._pipeline.cache.nbytes == 4 * unit
+        assert ck.storage._pipeline.cache.nbytes == 4 * unit
         assert torch.equal(ck.load()["w"], state["w"])

@@ -20,6 +20,7 @@ import torch
 import datastates
 from datastates import Checkpointer, CheckpointConfig, TensorShard
 from datastates.format import codec as fmt
+from datastates.format import zipframe
 from datastates.commit.round import MemoryStore, StoreCommunicator
 from datastates.providers import ProviderRegistry
 from datastates.restore.reader import Reader
@@ -60,12 +61,24 @@ def _split_pieces(ckpt_dir: str, key: str, cuts: list[int]) -> list[list[int]]:
     pieces = [[end - start, fmt.crc32(region[start:end])]
               for start, end in zip(bounds, bounds[1:])]
     shard["checksums"] = pieces
-    index_offset, index_length = struct.unpack_from("<QQ", data, 16)
+    v3 = data.startswith(b"PK\x03\x04")  # version 3: the header at 64, a tail after the index
+    index_offset, index_length = struct.unpack_from("<QQ", data, 64 * v3 + 16)
     index = json.loads(data[index_offset:index_offset + index_length])
     next(e for e in index["entries"] if e["key"] == key)["checksums"] = pieces
     raw_index = fmt.encode_json(index)
-    data = fmt.pack_header(index_offset, raw_index) + data[fmt.HEADER_BYTES:index_offset] + \
-        raw_index
+    body = data[fmt.HEADER_BYTES:index_offset] + raw_index
+    if v3:  # the index record's local header, before the index, names its length and CRC
+        body = body[:index_offset - 64 - fmt.HEADER_BYTES] + zipframe.local_header(
+            zipframe.INDEX_RECORD, len(raw_index), 64, fmt.crc32(raw_index)) + \
+            body[index_offset - fmt.HEADER_BYTES:]
+        tail = data[fmt.align_up(index_offset + index_length, 64):]
+        tail_at = fmt.align_up(index_offset + len(raw_index), 64)
+        first = struct.unpack_from("<I", data, 120)[0]  # tensor 0's local header ends the block
+        data = fmt.pack_header_v3(index_offset, raw_index, tail_at, tail,
+                                  data[fmt.HEADER_BYTES - first:fmt.HEADER_BYTES]) + \
+            body + bytes(tail_at - index_offset - len(raw_index)) + tail
+    else:
+        data = fmt.pack_header(index_offset, raw_index) + body
     _write(shard_path, data)
     manifest["files"][shard["file"]].update(nbytes=len(data), index_crc32=fmt.crc32(raw_index))
     _write(manifest_path, fmt.seal_manifest(fmt.encode_json(manifest)))

@@ -156,7 +156,7 @@ def test_checkpointers_sharing_one_pipeline(tmp_path):
     config = CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
     owner = Checkpointer(tmp_path / "a", config)
     sharer = Checkpointer(tmp_path / "b", share=owner)
-    assert sharer._pipeline is owner._pipeline and sharer.config is owner.config
+    assert sharer.storage._pipeline is owner.storage._pipeline and sharer.config is owner.config
     with pytest.raises(datastates.ConfigError):
         Checkpointer(tmp_path / "c", CheckpointConfig(), share=owner)
     one, two = torch.randn(30_000), torch.randn(30_000)

@@ -142,7 +142,7 @@ def _examine(path: str, store: Store, head: bool, raw: bytes | None = None,
 #: How a manifest this library wrote begins (every version) and ends (a sealed one).
 _MANIFEST_START = b'{"format":"%s"' % fmt.CHECKPOINT_FORMAT.encode()
 _SEAL = b',"manifest_crc32":"'
-_MARK_BYTES = 64
+_MARK_BYTES = 72
 _foreign_named: set[str] = set()
 _foreign_lock = threading.Lock()
 
@@ -167,8 +167,9 @@ def written_by_datastates(path: str, store: Store = LOCAL, raw: bytes | None = N
                           if name.startswith(".data.") and name != besides]
     except OSError:
         folders = [""]
-    return any(_first_bytes(store.join(path, folder, fmt.shard_file_name(0)) if folder else
-                            store.join(path, fmt.shard_file_name(0)), store).startswith(fmt.MAGIC)
+    return any(fmt.is_shard_start(_first_bytes(
+        store.join(path, folder, fmt.shard_file_name(0)) if folder else
+        store.join(path, fmt.shard_file_name(0)), store))
                for folder in folders)
 
 
@@ -275,7 +276,9 @@ class Catalog:
                 found = self._scan_once(last=False)
                 if found is not None:
                     return found
-            return self._scan_once(last=True)
+            found = self._scan_once(last=True)
+            assert found is not None, "the last listing is always kept"  # _scan_once's contract
+            return found
 
     def _scan_once(self, last: bool) -> list[CheckpointInfo] | None:
         """One listing of :meth:`scan` (lock held); None if a name moved while it was listed
@@ -559,8 +562,9 @@ def resolve(root: str, step: int | None = None, tag: str | None = None,
     """Find a committed checkpoint by tag, by step, or the latest (``catalog``: as for
     :func:`latest`). CheckpointNotFoundError when there is none, naming the damaged
     checkpoints found instead."""
-    if tag is not None or step is not None:
-        name = fmt.check_name(tag) if tag is not None else fmt.step_name(step)
+    name = fmt.check_name(tag) if tag is not None else \
+        fmt.step_name(step) if step is not None else None
+    if name is not None:
         try:  # its reader reads the manifest (or its rank's view of it)
             return _read_named(root, name, store)
         except CheckpointNotFoundError:

@@ -167,6 +167,9 @@ class _Round:
         ``fence()`` right before the checkpoint becomes visible; the commit verdict. Raises what
         the publish raised (the round makes it an abort), FenceLost as it is."""
         t = self.target
+        if self.manifest is None:
+            raise RuntimeError(f"committing {t.name!r}: publish() was called before review() "
+                               "made the manifest")
         try:
             if t.exclusive is not None:
                 t.exclusive(t.deadline)

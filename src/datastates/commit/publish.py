@@ -22,13 +22,11 @@ import dataclasses
 import errno
 import logging
 import os
-import re
 import stat
 import threading
 import time
-import uuid
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from ..format import codec as fmt
 from ..format import files
@@ -39,7 +37,8 @@ from ..errors import (
     CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError)
 from ..storage.store import Store, file_kind
 from ..storage.temporaries import (
-    TAKEN_ERRNOS, Lease, fresh_token, old_name, owner_token, skipped, sweep, tmp_name, trash_name)
+    TAKEN_ERRNOS, Lease, damaged_name, data_dir_name, fresh_token, is_data_dir, is_data_key, old_name,
+    owner_token, parse_temporary, skipped, sweep, tmp_name, trash_name)
 
 log = logging.getLogger("datastates")
 
@@ -393,7 +392,7 @@ class RenamePublisher(Publisher):
 
     @staticmethod
     def _move_aside(root: str, name: str, path: str, fsync: bool) -> str:
-        aside = os.path.join(root, f".damaged.{name}.{uuid.uuid4().hex[:8]}")
+        aside = os.path.join(root, damaged_name(name))
         os.rename(path, aside)
         if fsync:
             posix.fsync_dir(root)
@@ -486,13 +485,6 @@ def _foreign_text(path: str, done: str = "removed") -> str:
 
 # ---------------------------------------------------------------- stores the manifest commits
 
-#: The data directory of one save (``tmp_location``), and what a save writes into one: shard
-#: files and a split manifest's parts. What the cleanup of stale data may remove.
-_DATA_DIR = re.compile(r"\.data\.[0-9a-f]{16}-[0-9]+")
-_SAVED_FILE = re.compile(r"rank-[0-9]{5,}\.dsf|" + fmt.PART_NAME.pattern)
-_DATA_FILE = re.compile(r"[^/]+/" + _DATA_DIR.pattern + "/(" + _SAVED_FILE.pattern + ")")
-
-
 def _children(store: Store, path: str) -> list[str]:
     try:
         return store.listdir(path)
@@ -512,7 +504,7 @@ def _written_by(store: Store, path: str, when: float) -> bool:
 def _only_data(store: Store, path: str) -> bool:
     """Whether the data directory ``path`` holds only files a save writes (nothing else of
     anyone's is removed with it)."""
-    return all(_SAVED_FILE.fullmatch(name) for name in _children(store, path))
+    return all(fmt.saved_file(name) for name in _children(store, path))
 
 
 def _discard_replaced(old: str, trash: str | None = None) -> None:
@@ -521,8 +513,9 @@ def _discard_replaced(old: str, trash: str | None = None) -> None:
     leaves a deletion for the cleanup to finish, never an ``.old.`` that a cleanup would put
     back under a name deleted since."""
     if trash is None:
-        trash = os.path.join(os.path.dirname(old),
-                             trash_name(os.path.basename(old).split(".")[2]))
+        aside = parse_temporary(os.path.basename(old))
+        owner = aside.owner if aside is not None and aside.owner else fresh_token()
+        trash = os.path.join(os.path.dirname(old), trash_name(owner))
     os.rename(old, trash)
     posix.remove_tree(trash)
 
@@ -556,7 +549,7 @@ class ManifestPublisher(Publisher):
         self._moving: list[threading.Thread] = []
 
     def tmp_location(self, root: str, name: str, run_id: str, serial: int) -> str:
-        return self.store.join(root, name, f".data.{owner_token(run_id)}-{serial}")
+        return self.store.join(root, name, data_dir_name(owner_token(run_id), serial))
 
     def publish(self, root: str, tmp: str, name: str, manifest: records.Manifest,
                 overwrite: bool, fsync: bool,
@@ -570,12 +563,13 @@ class ManifestPublisher(Publisher):
         manifest = dataclasses.replace(manifest, data_dir=tmp.rstrip("/").rsplit("/", 1)[-1])
         # examine: a manifest that cannot be *read* (a refused or failed GET) raises, it is never
         # taken for damage and overwritten without overwrite=True
+        old: records.Manifest | Literal[False] | None  # False: a damaged one, to replace
         found, old = examine(final, store)
         if isinstance(found, DamagedCheckpoint) and \
                 not written_by_datastates(final, store, besides=manifest.data_dir):
             found = None  # its only mark is the data this save uploaded into that folder
         if found is None and (store.isfile(store.join(final, fmt.MANIFEST)) or any(
-                not _DATA_DIR.fullmatch(child) for child in _children(store, final))):
+                not is_data_dir(child) for child in _children(store, final))):
             raise not_a_checkpoint(final)  # another program's folder: never written into
         if isinstance(found, DamagedCheckpoint):
             old = False  # a damaged manifest: replace it, leave its data for clean_stale
@@ -637,7 +631,7 @@ class ManifestPublisher(Publisher):
                 return
             folders = {n.split("/")[0] for n in named if "/" in n}
             for child in _children(store, path):
-                if child in folders or _DATA_DIR.fullmatch(child) and \
+                if child in folders or is_data_dir(child) and \
                         _written_by(store, store.join(path, child), committed) and \
                         _only_data(store, store.join(path, child)):
                     store.remove_tree(store.join(path, child))
@@ -676,7 +670,7 @@ class ManifestPublisher(Publisher):
         leaves the data there (logged)."""
         store = self.store
         path, manifest = self._checkpoint(root, name, "moved")
-        aside = store.join(root, f".damaged.{name}.{uuid.uuid4().hex[:8]}")
+        aside = store.join(root, damaged_name(name))
         data = store.read_bytes(manifest, fmt.MAX_MANIFEST_BYTES)
         try:
             store.write_new(store.join(aside, fmt.MANIFEST), data, True)
@@ -758,7 +752,7 @@ class ManifestPublisher(Publisher):
                 continue
             removed += self._clean_checkpoint(root, name, now, max_age_s)
         removed += store.cleanup_uploads(
-            root, lambda key, started: _DATA_FILE.fullmatch(key) is not None and
+            root, lambda key, started: is_data_key(key, fmt.saved_file) and
             now - started > max_age_s)
         return removed
 
@@ -767,7 +761,7 @@ class ManifestPublisher(Publisher):
         (``.data.<owner>-<serial>``) and holding only the files a save writes there."""
         store, ckpt = self.store, self.store.join(root, name)
         children = store.listdir(ckpt)
-        data_dirs = [child for child in children if _DATA_DIR.fullmatch(child)]
+        data_dirs = [child for child in children if is_data_dir(child)]
         committed = fmt.MANIFEST in children
         if not data_dirs or (committed and len(data_dirs) == 1):
             return []

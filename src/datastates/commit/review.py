@@ -29,7 +29,7 @@ def review(reports: dict[int, RankReport], *, name: str, step: int | None, metad
     (None, manifest). Checks, in order: a rank's own failure, that every report belongs to this
     save, the manifest merge, exact tiling of every tensor, replica digests (optional), and a
     stat of every file the manifest will reference."""
-    failed = {r: rep.error for r, rep in reports.items() if rep.failed}
+    failed = {r: rep.error for r, rep in reports.items() if rep.error is not None}
     if failed:
         return Verdict.abort("failed", f"checkpoint {name!r} failed on rank(s) {sorted(failed)}; "
                              "nothing was committed", failed), None
@@ -72,15 +72,18 @@ def build_manifest(reports: list[RankReport], *, name: str, step: int | None, me
     holding different tensors under one key never collapse into one. ``save_id`` (the round's
     nonce) is recorded so that a rank can recognise its own save on disk; ``metrics`` (rank 0's,
     checked by ``save()``) as they are, the field left out when there are none."""
-    files, ranks = [], []
+    files: list[FileRef] = []
+    ranks: list[RankTree] = []
     merged = _Merged()
     for report in sorted(reports, key=lambda rep: rep.rank):
         file_id = len(files)
-        f = report.file
+        f, tree = report.file, report.tree
+        if f is None or tree is None:
+            raise CorruptCheckpointError(f"rank {report.rank} reported no shard file and tree "
+                                         f"to merge (its failure: {report.error})")
         files.append(FileRef(name=f.name, rank=report.rank, nbytes=f.nbytes,
                              index_crc32=f.index_crc32))
         table = [merged.add(e, file_id, report.rank) for e in report.entries]
-        tree = report.tree
         if table != list(range(len(table))):  # else (rank 0): as it is
             tree = _remap(tree, table)
         ranks.append(RankTree(rank=report.rank, tree=tree))
@@ -111,7 +114,7 @@ class _Merged:
     """The manifest's entries while the reports are merged: one per object and per-rank tensor,
     one per replicated key and per sharded key (its shards gathered)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         #: finished entries (an object, a per-rank tensor), or the fields of a tensor whose
         #: shards are still gathered (replicated, sharded)
         self._entries: list[Any] = []
@@ -119,17 +122,23 @@ class _Merged:
 
     def add(self, e: ReportEntry, file_id: int, rank: int) -> int:
         """Merge one report entry; its index in the manifest's entries."""
+        # The parser of reports (validate.parse_rank_report) gave every written entry its
+        # region, and every tensor entry its dtype and shape.
         if e.kind == "object":
+            assert e.offset is not None and e.nbytes is not None and e.crc32 is not None
             self._entries.append(ObjectEntry(key=e.key, file=file_id, offset=e.offset,
                                              nbytes=e.nbytes, crc32=e.crc32))
             return len(self._entries) - 1
+        assert e.dtype is not None and e.shape is not None
         if e.written and e.global_shape is None and not e.replicated:  # this rank's own tensor
-            shard = ShardRef(file_id, e.offset, e.nbytes, (0,) * len(e.shape), e.shape,
-                             e.checksums)
-            self._entries.append(TensorEntry(e.key, e.dtype, e.shape, (shard,), False, rank))
+            assert e.offset is not None and e.nbytes is not None
+            own = ShardRef(file_id, e.offset, e.nbytes, (0,) * len(e.shape), e.shape,
+                           e.checksums)
+            self._entries.append(TensorEntry(e.key, e.dtype, e.shape, (own,), False, rank))
             return len(self._entries) - 1
         shard = None
         if e.written:
+            assert e.offset is not None and e.nbytes is not None
             shard = ShardRef(file=file_id, offset=e.offset, nbytes=e.nbytes,
                              global_offset=e.global_offset or (0,) * len(e.shape),
                              shape=e.shape, checksums=e.checksums)
@@ -194,10 +203,11 @@ def check_tiling(manifest: Manifest) -> Problems:
     rank_of = [f.rank for f in manifest.files]
     own: dict[str, list[int]] = {}  # key -> ranks holding a tensor of their own under it
     for e in manifest.entries.values():
-        if e.kind == "tensor" and e.rank is not None:
+        if isinstance(e, TensorEntry) and e.rank is not None:
             own.setdefault(e.key, []).append(e.rank)
     for e in manifest.entries.values():
-        if e.kind != "tensor" or _slabs(e.shape, e.shards) or grid(e.shape, e.shards):
+        if not isinstance(e, TensorEntry) or _slabs(e.shape, e.shards) or \
+                grid(e.shape, e.shards):
             continue  # one box of the whole tensor, slabs, or the cells of a grid: tiled
         shape = e.shape
         boxes = [(s.global_offset, s.shape, rank_of[s.file]) for s in e.shards]

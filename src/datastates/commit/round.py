@@ -52,6 +52,31 @@ PENDING by an abort. Why every rank gets the verdict the disk shows, in every in
   committed if it does, CommitUnknownError if not. Rank 0 without the store loses the fence, so
   it commits nothing it cannot record.
 
+Every other agreement of the ranks goes through the same store with two primitives and one
+gather, all in this module: :func:`claim` (the first compare-and-set of an absent key wins and
+holds: a decision key, preemption's stop step), :func:`peek` (one request that never blocks)
+and :meth:`StoreCommunicator.exchange` (an all-gather of small JSON values under a topic: the
+constructor's agreement that rank 0's cleanup is done, a fallback restore's rounds, the memory
+tier's agreements). The n-th exchange of a topic has the keys::
+
+    x/<topic>/<n>/r<k>       rank k's value (boxed in a list)    written, then deleted, by rank k
+    x/<topic>/<n>/n          values posted: +1 each, +2**32 once an abort wins  every rank (add)
+    x/<topic>/<n>/decision   every value in rank order (runs of equal ones     claimed (below)
+                             as one), or an abort naming the ranks missing
+    x/<topic>/<n>/done       ranks that took the values; the last deletes n, decision, done
+
+Rank 0 gathers: it polls the counter (one request per poll, which also shows an abort), reads
+each value once when all are counted, and claims the decision key with all of them; every
+other rank posts its value, counts itself in, and polls the one decision key. Each rank then
+deletes its own value. So an exchange costs rank 0 ranks + 5 requests and every other rank 4,
+plus their polls and 3 for the last rank to finish (docs/scale.md, "Restart"); an all-gather
+in which every rank read every rank's key cost each rank about ranks + 4. Equal values of
+ranks in a row are published once, so the key each rank reads does not grow with the ranks
+when they send the same value. A rank whose deadline passes claims the decision itself: an
+abort naming the ranks whose values are missing, or, when they are all there (rank 0 slow),
+the values; the first claim holds for all. An aborted exchange leaves its counter and decision
+behind, so that a rank that skipped it sees, in the count it posts, that it ended without it.
+
 A group of some ranks (:meth:`subgroup`: the memory tier of several nodes) runs the same round
 among its ranks, names them by their job rank in its messages, and then calls :meth:`settle`:
 an exchange of the job tells every rank whether every group committed the save; a group's commit
@@ -79,7 +104,25 @@ log = logging.getLogger("datastates")
 #: What a failed report adds to the reports counter ``<nonce>/n`` (a good one adds 1): the
 #: counter says how many reported and how many failed in one read.
 _FAILED = 1 << 32
-_ABSENT = "\x00absent"  # compare_set(key, _ABSENT, _ABSENT): a read that never blocks
+#: What no rank ever writes: ``compare_set(key, _ABSENT, _ABSENT)`` reads a key without
+#: blocking (:func:`peek`).
+_ABSENT = "\x00absent"
+
+
+def claim(store, key: str, value: str) -> bytes:
+    """Set ``key`` to ``value`` if it is absent (compare-and-set), in one request: the first
+    claim of a key wins and holds. Returns the value in force: ``value`` (encoded) when this
+    call won, the winner's otherwise. Thread-safe, any rank; ``store`` is a c10d ``Store`` or
+    one of this module's."""
+    return store.compare_set(key, "", value)
+
+
+def peek(store, key: str) -> bytes | None:
+    """The value of ``key``, or None if it is absent, in one request that never blocks
+    (``Store.get`` waits for a missing key, and another rank may delete a key between a
+    ``check`` and a ``get``): a compare-and-set of a value no rank writes."""
+    raw = store.compare_set(key, _ABSENT, _ABSENT)
+    return None if raw == _ABSENT.encode() else raw
 
 
 def new_run_id() -> str:
@@ -190,8 +233,9 @@ class StoreCommunicator:
         box = [new_run_id() if rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0,
                                    group=group)
-        store = dist.PrefixStore(f"datastates/{box[0]}/", c10d._get_default_store())
-        return cls(store, rank, world, box[0])
+        run_id = str(box[0])
+        store = dist.PrefixStore(f"datastates/{run_id}/", c10d._get_default_store())
+        return cls(store, rank, world, run_id)
 
     def subgroup(self, name: str, ranks: list[int]) -> "StoreCommunicator":
         """The communicator of ``ranks`` (this rank among them), under keys of their own in
@@ -243,7 +287,7 @@ class StoreCommunicator:
     def agree(self, sid: SaveId, report: RankReport, deadline: float, timeout_s: float, *,
               check: Callable[[dict[int, RankReport]], Verdict | None],
               commit: Callable[[dict[int, RankReport]], Verdict],
-              fallback: Callable[[str], Verdict]) -> Verdict:
+              fallback: Callable[[str, float], Verdict]) -> Verdict:
         """Run the round of ``sid`` and return its verdict, the same on every rank.
 
         ``deadline`` is ``time.monotonic()`` at ``save()`` plus ``timeout_s``. Rank 0 calls
@@ -266,6 +310,7 @@ class StoreCommunicator:
             self._set_json(f"announce/r{self.rank}", sid.describe())
         except Exception as exc:  # the store is gone: nothing to clean
             return self._lost(sid, exc, fallback, deadline)
+        decision: Verdict | None
         if self.rank == 0:
             decision = self._coordinate(sid, deadline, timeout_s, check, commit, own)
         else:
@@ -286,13 +331,14 @@ class StoreCommunicator:
             if self.world_size > 1:
                 self._wait_for_reports(sid, deadline)
         except Exception as exc:
-            return self._lost(sid, exc, None)
+            return self._lost(sid, exc, None, deadline)
         try:
             raw, missing = self._reports_present(sid) if self.world_size > 1 else ({}, [])
             announced = {r: self._get_json(f"announce/r{r}") for r in missing}
         except Exception as exc:
-            return self._lost(sid, exc, None)
+            return self._lost(sid, exc, None, deadline)
         reports: dict[int, RankReport] = {}
+        decision: Verdict | None
         if missing:
             decision = timeout_verdict(sid, missing, timeout_s, announced, self.members)
         else:
@@ -389,8 +435,8 @@ class StoreCommunicator:
         a missing key blocks.)"""
         reports: dict[int, tuple[Any, bool]] = {}
         for r in range(self.world_size):
-            raw = self.store.compare_set(f"{sid.nonce}/r{r}", _ABSENT, _ABSENT)
-            if raw != _ABSENT.encode():
+            raw = self.peek(f"{sid.nonce}/r{r}")
+            if raw is not None:
                 reports[r] = report = decode_rank_report(raw)
                 if isinstance(report[0], dict) and "error" in report[0]:
                     return reports, []
@@ -468,7 +514,7 @@ class StoreCommunicator:
     def _claim(self, sid: SaveId, decision: Verdict) -> Verdict:
         """Compare-and-set the decision key if absent; return the decision in force."""
         value = json.dumps(decision.to_json(), sort_keys=True)
-        raw = self.store.compare_set(f"{sid.nonce}/decision", "", value)
+        raw = self.claim(f"{sid.nonce}/decision", value)
         return self._verdict(raw, f"{sid.nonce}/decision")
 
     def _replace(self, sid: SaveId, expected: Verdict, decision: Verdict) -> Verdict:
@@ -520,12 +566,41 @@ class StoreCommunicator:
                         deadline)
 
     # ------------------------------------------------------------ other agreements
+    def claim(self, key: str, value: str) -> bytes:
+        """:func:`claim` in this communicator's store."""
+        return claim(self.store, key, value)
+
+    def peek(self, key: str) -> bytes | None:
+        """:func:`peek` in this communicator's store."""
+        return peek(self.store, key)
+
     def exchange(self, topic: str, value: Any, timeout_s: float) -> dict[int, Any]:
-        """:meth:`_exchange`; a store that fails (its host, rank 0 in the default launch,
-        exited: torch raises a network or store error) is TimeoutError too, saying so, as no
-        agreement can be reached through it."""
+        """Every rank's ``value`` (small JSON) for the next exchange of ``topic``, as
+        ``{rank: value}``: an all-gather through the store, off the training group, for the
+        agreements other than a commit (the constructor's, a restore choosing its checkpoint,
+        the memory tier's). Every rank calls it for the same topics in the same order (the
+        n-th call of a topic meets the n-th call of every other rank); the calls block the
+        calling thread, whichever it is.
+
+        Rank 0 gathers and publishes (module docstring, "Exchanges"): each rank posts its
+        value and counts itself in; rank 0 reads the values once all are counted and claims
+        the exchange's decision key with all of them; the others read that one key. Store
+        requests per exchange: O(ranks) at rank 0, O(1) at every other rank (polls aside:
+        one request each, backing off as the round's).
+
+        All ranks get the same answer: the values (read-only: ranks that sent equal values
+        may share one object), or TimeoutError on every rank. A rank whose
+        ``timeout_s`` passes first claims an abort naming the ranks whose values are missing,
+        and the first claim holds for everyone (a rank that timed out after rank 0 claimed the
+        values takes the values). A rank that skipped a call the others made, or came after
+        they gave up on it, finds that exchange aborted with itself named missing: it goes on
+        to the next one (a WARNING), so the calls after it meet again. A store that fails (its
+        host, rank 0 in the default launch, exited: torch raises a network or store error) is
+        TimeoutError too, saying so, as no agreement can be reached through it."""
+        if self.world_size == 1:
+            return {0: value}
         try:
-            return self._exchange(topic, value, timeout_s)
+            return self._exchange(topic, value, time.monotonic() + timeout_s, timeout_s)
         except TimeoutError:
             raise
         except (RuntimeError, OSError) as exc:
@@ -533,78 +608,124 @@ class StoreCommunicator:
                                f"{exc}): its host (rank 0 in the default launch) exited or "
                                "cannot be reached") from exc
 
-    def _exchange(self, topic: str, value: Any, timeout_s: float) -> dict[int, Any]:
-        """Every rank's ``value`` (small JSON) for the next exchange of ``topic``: an all-gather
-        through the store, off the training group, for agreements other than a commit (a
-        restore choosing its checkpoint). Every rank calls it for the same topics in the same
-        order (the n-th call of a topic meets the n-th call of every other rank). A rank that
-        skipped a call the others made, or came after they gave up on it, finds that exchange
-        aborted with itself named missing: it goes on to the next one (a WARNING), so the calls
-        after it meet again.
-
-        All ranks get the same answer: the values, or TimeoutError on every rank. A rank whose
-        ``timeout_s`` passes before every value arrived claims an abort in a decision key, a
-        rank that has them all claims "go", and the first claim holds for everyone (a rank
-        that timed out after another claimed "go" reads the values after all). The last rank
-        to take the values deletes the keys; an aborted exchange leaves its few keys behind."""
-        if self.world_size == 1:
-            return {0: value}
-        deadline = time.monotonic() + timeout_s
+    def _exchange(self, topic: str, value: Any, deadline: float,
+                  timeout_s: float) -> dict[int, Any]:
         while True:
             with self._lock:
                 count = self._exchanges.get(topic, 0)
                 self._exchanges[topic] = count + 1
             prefix = f"x/{topic}/{count}"
             self._set_json(f"{prefix}/r{self.rank}", [value])  # boxed: a None value is a value
-            decision = self._get_json(f"{prefix}/decision")
-            if not self._ended_without_me(decision, deadline):
-                values, missing = self._collect(prefix, deadline)
-                mine = json.dumps({"go": True} if not missing else
-                                  {"go": False, "rank": self.rank, "missing": missing})
-                decision = json.loads(self.store.compare_set(f"{prefix}/decision", "", mine))
-                if not self._ended_without_me(decision, deadline):
-                    break
+            posted = self.store.add(f"{prefix}/n", 1)
+            if posted >= _FAILED:  # an abort was claimed: maybe without this rank
+                outcome = self._outcome(prefix)
+            elif self.rank == 0:
+                outcome = self._gather(prefix, value, deadline)
+            else:
+                outcome = self._await_outcome(prefix, deadline)
+            if not (outcome["go"] is False and self.rank in outcome["missing"]
+                    and time.monotonic() < deadline):
+                break
             # That exchange ended without this rank: it skipped it (or came after the others
             # gave up on it), so they have gone on to the next one: meet them there.
             self.store.delete_key(f"{prefix}/r{self.rank}")
             log.warning("the exchange %r #%d had ended without rank %d (it skipped that call, "
                         "or came after the others gave up on it); rank %d meets the other ranks "
                         "at #%d", topic, count, self.rank, self.rank, count + 1)
-        if not decision["go"]:
-            raise TimeoutError(f"rank(s) {decision['missing']} did not answer the exchange "
+        self.store.delete_key(f"{prefix}/r{self.rank}")  # in the decision, or not needed
+        if outcome["go"] is not True:  # the counter and the decision stay for late ranks
+            raise TimeoutError(f"rank(s) {outcome['missing']} did not answer the exchange "
                                f"{topic!r} #{count} within {timeout_s:g} s (seen by rank "
-                               f"{decision['rank']})")
-        if missing:  # another rank saw every value: they are there
-            values, _ = self._collect(prefix, None)
+                               f"{outcome['rank']})")
         if self.store.add(f"{prefix}/done", 1) >= self.world_size:
-            for r in range(self.world_size):
-                self.store.delete_key(f"{prefix}/r{r}")
-            for key in ("decision", "done"):
+            for key in ("n", "decision", "done"):
                 self.store.delete_key(f"{prefix}/{key}")
-        return {r: box[0] for r, box in values.items()}
+        values = [value for value, ranks in outcome["runs"] for _ in range(ranks)]
+        if len(values) != self.world_size:
+            raise TimeoutError(f"the exchange {topic!r} #{count} decided {len(values)} values "
+                               f"for {self.world_size} ranks")
+        return dict(enumerate(values))
 
-    def _ended_without_me(self, decision: dict | None, deadline: float) -> bool:
-        """Whether ``decision`` (an exchange's, None if not claimed yet) is an abort claimed by
-        another rank that found this one missing, with time left to meet the others at the
-        next exchange of the topic."""
-        return decision is not None and not decision["go"] and \
-            self.rank in decision["missing"] and time.monotonic() < deadline
-
-    def _collect(self, prefix: str, deadline: float | None) -> tuple[dict[int, Any], list[int]]:
-        """The values of ``prefix/r<k>`` present by ``deadline`` (None: wait for all)."""
-        values: dict[int, Any] = {}
+    def _gather(self, prefix: str, own: Any, deadline: float) -> dict:
+        """Rank 0: wait until every rank counted itself in (one request per poll, which also
+        sees an abort claimed meanwhile), then read each other rank's value once and claim the
+        decision with all of them (:meth:`_conclude`). The outcome in force."""
         delay = self.poll_s
         while True:
-            for r in range(self.world_size):
-                if r not in values:
-                    got = self._get_json(f"{prefix}/r{r}")
-                    if got is not None:
-                        values[r] = got
-            missing = [r for r in range(self.world_size) if r not in values]
-            if not missing or (deadline is not None and time.monotonic() >= deadline):
-                return values, missing
+            posted = self.store.add(f"{prefix}/n", 0)
+            if posted >= _FAILED:
+                return self._outcome(prefix)
+            late = time.monotonic() >= deadline
+            if posted >= self.world_size or late:
+                boxes = [[own]] + self._values(prefix, range(1, self.world_size))
+                if late or all(box is not None for box in boxes):
+                    return self._conclude(prefix, boxes)
+                # Counted in, then gone: another rank claimed the decision meanwhile (at its
+                # deadline: the values, then deleted its own, or an abort not marked yet)
+                raw = self.peek(f"{prefix}/decision")
+                if raw is not None:
+                    return json.loads(raw)
             time.sleep(delay)  # polling store keys, not synchronizing on time
             delay = min(delay * 1.5, self._max_poll)
+
+    def _await_outcome(self, prefix: str, deadline: float) -> dict:
+        """A rank other than 0: poll the decision key (one request per poll) until it is
+        claimed; at the deadline, read every value and claim the decision itself
+        (:meth:`_conclude`: the values if all are there, rank 0 being slow, else an abort
+        naming the ranks missing; a request per rank, on this path only)."""
+        delay = self.poll_s
+        while True:
+            raw = self.peek(f"{prefix}/decision")
+            if raw is not None:
+                return json.loads(raw)
+            if time.monotonic() >= deadline:
+                return self._conclude(prefix, self._values(prefix, range(self.world_size)))
+            time.sleep(delay)  # polling store keys, not synchronizing on time
+            delay = min(delay * 1.5, self._max_poll)
+
+    def _values(self, prefix: str, ranks: range) -> list[Any]:
+        """The boxed values of ``ranks`` posted now, None for each one missing."""
+        out = []
+        for r in ranks:
+            raw = self.peek(f"{prefix}/r{r}")
+            out.append(None if raw is None else json.loads(raw))
+        return out
+
+    def _conclude(self, prefix: str, boxes: list[Any]) -> dict:
+        """Claim the decision: every value when ``boxes`` (every rank's, None if missing) are
+        all there, else an abort naming the ranks missing. The outcome in force. The values are
+        written as runs (a value and how many ranks in a row sent it): an exchange whose ranks
+        send equal values, the usual case, publishes one value, not one per rank."""
+        missing = [r for r, box in enumerate(boxes) if box is None]
+        if missing:
+            return self._decide(prefix, {"go": False, "rank": self.rank, "missing": missing})
+        runs: list[list[Any]] = []  # [value, how many ranks in a row sent it]
+        last = None
+        for box in boxes:
+            text = json.dumps(box[0], sort_keys=True)
+            if text == last:
+                runs[-1][1] += 1
+            else:
+                runs.append([box[0], 1])
+                last = text
+        return self._decide(prefix, {"go": True, "rank": self.rank, "runs": runs})
+
+    def _decide(self, prefix: str, outcome: dict) -> dict:
+        """Claim the exchange's decision key with ``outcome``; an abort that wins also marks
+        the counter (``+_FAILED``), so that rank 0 and every late rank see it in the request
+        they make anyway. The outcome in force."""
+        mine = json.dumps(outcome, sort_keys=True)
+        raw = self.claim(f"{prefix}/decision", mine)
+        if outcome["go"] is False and raw == mine.encode():
+            self.store.add(f"{prefix}/n", _FAILED)
+        return json.loads(raw)
+
+    def _outcome(self, prefix: str) -> dict:
+        """The decision claimed (an abort marked in the counter: it is there)."""
+        raw = self.peek(f"{prefix}/decision")
+        if raw is None:  # deleted: only after every rank took the values, so not of this rank
+            raise TimeoutError(f"the exchange {prefix!r} has no decision")
+        return json.loads(raw)
 
     # ------------------------------------------------------------ helpers
     def _set_json(self, key: str, value: Any) -> None:
@@ -616,14 +737,13 @@ class StoreCommunicator:
         self.store.set(f"{sid.nonce}/r{self.rank}", json.dumps(report.to_json()))
 
     def _get_json(self, key: str) -> Any:
-        """The value of ``key``, or None if absent. Never blocks (``Store.get`` waits for a
-        missing key, and another rank may delete a key between a check and a get)."""
-        raw = self.store.compare_set(key, _ABSENT, _ABSENT)
-        return None if raw == _ABSENT.encode() else json.loads(raw)
+        """The value of ``key`` parsed, or None if absent (:func:`peek`: never blocks)."""
+        raw = self.peek(key)
+        return None if raw is None else json.loads(raw)
 
     def _get_verdict(self, key: str) -> Verdict | None:
-        raw = self.store.compare_set(key, _ABSENT, _ABSENT)
-        return None if raw == _ABSENT.encode() else self._verdict(raw, key)
+        raw = self.peek(key)
+        return None if raw is None else self._verdict(raw, key)
 
     @staticmethod
     def _verdict(raw: bytes, key: str) -> Verdict:

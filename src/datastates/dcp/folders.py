@@ -14,7 +14,7 @@ import pickle
 from typing import Any, Callable
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, StorageReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -45,6 +45,7 @@ def load_state(path: str | os.PathLike, *, trusted: bool = False) -> dict:
     ``FileSystemWriter``) is a pickle through and through, so it is read only when ``trusted``
     (UnsafeObjectError otherwise); CheckpointNotFoundError if ``path`` holds neither."""
     path = os.path.abspath(os.fspath(path))
+    reader: StorageReader
     if is_folder(path):
         reader = DatastatesReader(path, trusted=trusted)
         reader.read_metadata()  # its errors raised here, not logged with a traceback by DCP

@@ -42,7 +42,7 @@ import os
 import pickle
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.futures import Future
@@ -61,6 +61,9 @@ from ..storage.store import LOCAL
 from . import metadata as dcp_metadata
 from .metadata import (FORMAT, MANIFEST, METADATA, PICKLED_METADATA, VERSION, check_regular,
                            check_span, read_checked, read_manifest)
+
+if TYPE_CHECKING:
+    from ..save.job import SaveStats
 
 __all__ = ["DatastatesWriter", "DatastatesReader"]
 
@@ -118,7 +121,7 @@ class DatastatesWriter(StorageWriter, AsyncStager):
         self.cache_staged_state_dict = cache_staged_state_dict
         self._staged: Any = None
         self.save_id = uuid.uuid4().hex
-        self.last_save_stats = None
+        self.last_save_stats: SaveStats | None = None
         self._staged_at: tuple[float, float] | None = None  # (start, seconds) of the last stage
         self._stats_t0: float | None = None
         self.is_coordinator, self.rank = True, 0
@@ -133,16 +136,21 @@ class DatastatesWriter(StorageWriter, AsyncStager):
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0) or 0)
 
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+    def _root(self) -> str:
+        """The checkpoint's folder; ValueError when none was given yet."""
         if self.path is None:
             raise ValueError("DatastatesWriter: no checkpoint path (pass one to the writer or "
                              "checkpoint_id= to dcp.save)")
-        if not self.overwrite and os.path.exists(self.path):
-            raise FileExistsError(f"{self.path} exists and overwrite=False")
+        return self.path
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        path = self._root()
+        if not self.overwrite and os.path.exists(path):
+            raise FileExistsError(f"{path} exists and overwrite=False")
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        os.makedirs(os.path.dirname(self._root()), exist_ok=True)
         tmp = self._tmp_dir()
         os.makedirs(tmp)
         return [dataclasses.replace(p, storage_data=_PlanData(tmp, i)) for i, p in enumerate(plans)]
@@ -175,7 +183,7 @@ class DatastatesWriter(StorageWriter, AsyncStager):
         finally:
             os.close(fd)
         self._record_stats(t0, sum(r.size_in_bytes for r in results))
-        fut = Future()
+        fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
@@ -197,10 +205,11 @@ class DatastatesWriter(StorageWriter, AsyncStager):
                     self.sync_files)
         if self.sync_files:
             fsync_dir(tmp_dir)
-        parent, name = os.path.split(self.path)
-        if not self.overwrite and os.path.lexists(self.path):
-            raise FileExistsError(f"{self.path} exists and overwrite=False")
-        _PUBLISHER.make_visible(parent, tmp_dir, name, replace=os.path.lexists(self.path),
+        path = self._root()
+        parent, name = os.path.split(path)
+        if not self.overwrite and os.path.lexists(path):
+            raise FileExistsError(f"{path} exists and overwrite=False")
+        _PUBLISHER.make_visible(parent, tmp_dir, name, replace=os.path.lexists(path),
                                 fsync=self.sync_files)
         if self.last_save_stats is not None and self._stats_t0 is not None:
             self.last_save_stats.commit_s = time.perf_counter() - self._stats_t0
@@ -217,7 +226,7 @@ class DatastatesWriter(StorageWriter, AsyncStager):
                                          commit_s=written, nbytes=nbytes, files=1)
 
     def _tmp_dir(self) -> str:
-        parent, name = os.path.split(self.path)
+        parent, name = os.path.split(self._root())
         return _PUBLISHER.tmp_location(parent, name, self.save_id, 0)
 
     def storage_meta(self) -> StorageMeta | None:
@@ -270,6 +279,13 @@ class DatastatesReader(StorageReader):
         self.storage_data: dict = {}
         self.load_id = uuid.uuid4().hex
 
+    def _root(self) -> str:
+        """The checkpoint's folder; ValueError when none was given yet."""
+        if self.path is None:
+            raise ValueError("DatastatesReader: no checkpoint path (pass one to the reader or "
+                             "checkpoint_id= to dcp.load)")
+        return self.path
+
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
         if checkpoint_id is not None:
@@ -280,25 +296,27 @@ class DatastatesReader(StorageReader):
         """The DCP ``Metadata``, every field checked. CheckpointNotFoundError if the folder holds
         no manifest, CorruptCheckpointError if the manifest or the metadata do not validate,
         UnsafeObjectError for pickled (version 1) metadata unless trusted."""
-        manifest = read_manifest(self.path)
+        root = self._root()
+        manifest = read_manifest(root)
         if manifest["version"] == 1:
             metadata = self._read_pickled(manifest)
         else:
-            blob = read_checked(self.path, METADATA, manifest)
-            metadata = dcp_metadata.decode(blob, os.path.join(self.path, METADATA),
+            blob = read_checked(root, METADATA, manifest)
+            metadata = dcp_metadata.decode(blob, os.path.join(root, METADATA),
                                            manifest["files"])
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is not None:
+            storage_meta.load_id = self.load_id
         return metadata
 
     def _read_pickled(self, manifest: dict) -> Metadata:
-        path = os.path.join(self.path, PICKLED_METADATA)
+        path = os.path.join(self._root(), PICKLED_METADATA)
         if not self.trusted:
             raise UnsafeObjectError(
                 f"{path}: the DCP metadata of this folder (datastates-dcp version 1) is a "
                 "pickle, and unpickling it can run code from the folder; pass trusted=True "
                 "(--trusted) only if you trust where the folder came from")
-        metadata = pickle.loads(read_checked(self.path, PICKLED_METADATA, manifest))
+        metadata = pickle.loads(read_checked(self._root(), PICKLED_METADATA, manifest))
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(f"{path}: not DCP Metadata")
         return metadata
@@ -319,7 +337,7 @@ class DatastatesReader(StorageReader):
             info = self.storage_data[req.storage_index]
             by_file.setdefault(info["file"], []).append((info, req))
         for fname, reqs in by_file.items():
-            path = os.path.join(self.path, fname)
+            path = os.path.join(self._root(), fname)
             check_regular(path)
             f = LOCAL.open_read(path)
             try:
@@ -339,7 +357,7 @@ class DatastatesReader(StorageReader):
                         self._apply(req, info, view, planner)
             finally:
                 f.close()
-        fut = Future()
+        fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
@@ -381,7 +399,7 @@ def _encode(item, data) -> tuple[bytes | memoryview, dict]:
     info = {"kind": "tensor", "dtype": fmt.dtype_name(t.dtype), "shape": list(t.shape)}
     if t.numel() == 0:
         return b"", info
-    return memoryview(fmt.tensor_bytes(t).numpy()).cast("B"), info
+    return fmt.tensor_bytes(t).numpy().data.cast("B"), info
 
 
 def _runs(reqs: list) -> list[list]:

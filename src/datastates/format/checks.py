@@ -15,11 +15,11 @@ Pure: no I/O, and no import of records.py.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 from . import codec as fmt
 from . import tree
-from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from ..errors import CorruptCheckpointError, DatastatesError, UnsupportedFormatError
 
 #: Deepest state tree accepted (a deeper one is rejected as corrupt rather than overflowing the
 #: interpreter's stack in a recursive walk).
@@ -35,6 +35,15 @@ _U64 = (1 << 64) - 1
 #: tensor of no element, would make its allocation raise an untyped error).
 MAX_DIM = (1 << 63) - 1
 _NODE_TYPES = tree.NODE_TYPES
+
+
+class EntryKinds(Protocol):
+    """The kinds of a manifest's entries, by index (a list of ``"tensor"``/``"object"``, or a
+    view's stand-in for the entries it has not decoded)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> Any: ...
 
 
 # ---------------------------------------------------------------- field checks
@@ -62,7 +71,9 @@ class _At:
             out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
         return out
 
-    def bad(self, what: str) -> CorruptCheckpointError:
+    def bad(self, what: str) -> DatastatesError:
+        """The error to raise for a violation ``what`` here: CorruptCheckpointError (a subclass
+        may give another of the tree, for a value that is an argument rather than data)."""
         return CorruptCheckpointError(f"{self.file}: {self.path or 'top level'}: {what}")
 
 
@@ -276,7 +287,7 @@ def check_tree(root: Any, at: _At, entry_kinds: list[str],
     return root
 
 
-def check_tree_refs(root: Any, at: _At, entry_kinds: list[str], refs: dict | None) -> dict:
+def check_tree_refs(root: Any, at: _At, entry_kinds: "EntryKinds", refs: dict | None) -> dict:
     """:func:`check_tree`, collecting into ``refs`` for each entry index the one key referring
     to it, or a set of keys once there are several: a manifest of a million entries needs no
     million sets. :func:`check_entry_keys` reads either form."""

@@ -12,7 +12,7 @@ import json
 import re
 import struct
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, cast
 
 import torch
 
@@ -23,7 +23,10 @@ if TYPE_CHECKING:
     from ..storage.store import ReadFile
 
 MAGIC = b"DSTATES\x01"
-VERSION = 2
+#: The shard file version written by a framed writer (also a ``torch.save`` archive); writers
+#: that do not frame write ``PLAIN_VERSION``.
+VERSION = 3
+PLAIN_VERSION = 2
 #: Manifest versions: 3 may write a rank's subtree equal to rank 0's as a ``same`` node
 #: (format/sharing.py); 2 has every rank's tree in full; 1 lacks the checksum trailer.
 MANIFEST_VERSION = 3
@@ -33,8 +36,12 @@ MANIFEST_VERSION = 3
 SPLIT_VERSION = 4
 SPLIT_BYTES = 32 << 20
 PART_FORMAT = "datastates-manifest-part"
-#: Shard files of these versions have the same layout; version 1 manifests lack the checksum.
-SHARD_VERSIONS = (1, 2)
+#: Shard files of versions 1 and 2 have one layout (the header at 0); version 3 is also a ZIP
+#: archive, its header at 64 (docs/format.md, "Shard file version 3").
+SHARD_VERSIONS = (1, 2, 3)
+#: The largest tail of a version-3 file (its pickle, torch's small records, the ZIP directory).
+MAX_TAIL_BYTES = (256 << 20) + (64 << 10)
+_ZIP_START = b"PK\x03\x04"
 HEADER_BYTES = 4096
 DATA_ALIGN = 64
 UNIT_ALIGN = 4096
@@ -130,6 +137,14 @@ def part_name(index: int) -> str:
 
 #: The names :func:`part_name` gives.
 PART_NAME = re.compile(r"manifest-[0-9]{5}\.json")
+#: What a save writes beside a manifest: shard files (of any rank) and a split manifest's parts.
+_SAVED_FILE = re.compile(r"rank-[0-9]{5,}\.dsf|" + PART_NAME.pattern)
+
+
+def saved_file(name: str) -> bool:
+    """Whether ``name`` is one a save gives a file it writes into a checkpoint's directory (or
+    its data directory): a shard file (:func:`shard_file_name`) or a part (:func:`part_name`)."""
+    return _SAVED_FILE.fullmatch(name) is not None
 
 
 def step_name(step: int) -> str:
@@ -152,17 +167,54 @@ def align_up(value: int, alignment: int) -> int:
 # ---------------------------------------------------------------- shard file header and index
 
 class ShardHeader(NamedTuple):
-    """The validated fields of a shard file header that locate its index."""
+    """The validated fields of a shard file header that locate its index (and, of a version-3
+    file, its tail)."""
 
     index_offset: int
     index_length: int
     index_crc32: int
+    version: int = PLAIN_VERSION
+    tail_offset: int = 0
+    tail_length: int = 0
+    tail_crc32: int = 0
+
+    @property
+    def end(self) -> int:
+        """Where the file ends: after the index, or after the tail of a version-3 file."""
+        if self.version >= 3:
+            return self.tail_offset + self.tail_length
+        return self.index_offset + self.index_length
+
+
+_HEADER3 = struct.Struct("<8sIIQQIQQII")  # ... and tail offset, length, crc, first slot
+_HEADER3_USED = _HEADER3.size + 4
 
 
 def pack_header(index_offset: int, index_bytes: bytes) -> bytes:
-    head = _HEADER.pack(MAGIC, VERSION, 0, index_offset, len(index_bytes), crc32(index_bytes))
+    """The 4096-byte header of a version-2 shard file (a writer that does not frame)."""
+    head = _HEADER.pack(MAGIC, PLAIN_VERSION, 0, index_offset, len(index_bytes),
+                        crc32(index_bytes))
     head += struct.pack("<I", crc32(head))
     return head + bytes(HEADER_BYTES - len(head))
+
+
+def pack_header_v3(index_offset: int, index_bytes: bytes, tail_offset: int, tail: bytes,
+                   first_slot: bytes = b"") -> bytes:
+    """The first 4096 bytes of a version-3 shard file: the local header of the empty first
+    record, the header, zeros, and ``first_slot``, the local header of the first tensor (which
+    starts at 4096), if any (docs/format.md, "Shard file version 3")."""
+    from . import zipframe
+    head = _HEADER3.pack(MAGIC, VERSION, 0, index_offset, len(index_bytes), crc32(index_bytes),
+                         tail_offset, len(tail), crc32(tail), len(first_slot))
+    head += struct.pack("<I", crc32(head))
+    return zipframe.header_record_header() + head + \
+        bytes(HEADER_BYTES - zipframe.HEADER_AT - len(head) - len(first_slot)) + first_slot
+
+
+def is_shard_start(raw: bytes) -> bool:
+    """Whether the first bytes of a file (at least 72) are those of a shard file of any
+    version: the magic at 0, or a ZIP local header and the magic at 64."""
+    return raw.startswith(MAGIC) or (raw.startswith(_ZIP_START) and raw[64:72] == MAGIC)
 
 
 def encode_index(rank: int, entries: Iterable[dict]) -> bytes:
@@ -181,7 +233,7 @@ def encode_index(rank: int, entries: Iterable[dict]) -> bytes:
 
 def encode_index_items(rank: int, items: bytes) -> bytes:
     """:func:`encode_index` of entries already encoded, ``items`` (``item,item,...``)."""
-    return encode_entries({"format": SHARD_FORMAT, "version": VERSION, "rank": rank,
+    return encode_entries({"format": SHARD_FORMAT, "version": PLAIN_VERSION, "rank": rank,
                            "entries": []}, items)
 
 
@@ -204,7 +256,8 @@ def encode_entries(head: dict, entries: bytes) -> bytes:
 
 def read_header(f: "ReadFile", path: str, file_size: int) -> ShardHeader:
     """Validate a shard file's header (magic, CRC, version, flags and reserved bytes zero, index
-    inside the file); return where its index is."""
+    inside the file; of a version-3 file also its first record's local header and its tail);
+    return where its index is."""
     try:
         raw = bytes(f.pread(min(HEADER_BYTES, file_size), 0))
     except OSError as exc:
@@ -212,6 +265,8 @@ def read_header(f: "ReadFile", path: str, file_size: int) -> ShardHeader:
     if len(raw) < HEADER_BYTES:
         raise CorruptCheckpointError(f"{path}: truncated header ({len(raw)} bytes, expected "
                                      f"{HEADER_BYTES})")
+    if raw.startswith(_ZIP_START):
+        return _read_header_v3(raw, path, file_size)
     magic, version, flags, offset, length, index_crc = _HEADER.unpack_from(raw)
     if magic != MAGIC:
         raise CorruptCheckpointError(f"{path}: wrong magic {magic!r}, expected {MAGIC!r} "
@@ -219,25 +274,69 @@ def read_header(f: "ReadFile", path: str, file_size: int) -> ShardHeader:
     (head_crc,) = struct.unpack_from("<I", raw, _HEADER.size)
     if head_crc != crc32(raw[:_HEADER.size]):
         raise CorruptCheckpointError(f"{path}: header checksum mismatch")
+    _check_version(version, (1, 2), path)
+    _check_rest(flags, raw, _HEADER_USED, path)
+    _check_index(offset, length, file_size, path)
+    return ShardHeader(offset, length, index_crc, version)
+
+
+def _read_header_v3(raw: bytes, path: str, file_size: int) -> ShardHeader:
+    from . import zipframe
+    at = zipframe.HEADER_AT
+    if raw[:at] != zipframe.header_record_header():
+        raise CorruptCheckpointError(f"{path}: bytes 0-{at - 1} are not the local header of "
+                                     "the first record (damaged header)")
+    (magic, version, flags, offset, length, index_crc, tail_offset, tail_length,
+     tail_crc, first_slot) = _HEADER3.unpack_from(raw, at)
+    if magic != MAGIC:
+        raise CorruptCheckpointError(f"{path}: wrong magic {magic!r} at offset {at}, expected "
+                                     f"{MAGIC!r} (not a datastates shard file)")
+    (head_crc,) = struct.unpack_from("<I", raw, at + _HEADER3.size)
+    if head_crc != crc32(raw[at:at + _HEADER3.size]):
+        raise CorruptCheckpointError(f"{path}: header checksum mismatch")
+    _check_version(version, (3,), path)
+    if first_slot not in (0, zipframe.SLOT, zipframe.BIG_SLOT) or \
+            (first_slot and not raw[HEADER_BYTES - first_slot:].startswith(_ZIP_START)):
+        raise CorruptCheckpointError(f"{path}: the header gives a first local header of "
+                                     f"{first_slot} bytes, expected 0, {zipframe.SLOT} or "
+                                     f"{zipframe.BIG_SLOT} bytes beginning with a signature")
+    _check_rest(flags, raw[:HEADER_BYTES - first_slot], at + _HEADER3_USED, path)
+    _check_index(offset, length, file_size, path)
+    if tail_offset != align_up(offset + length, DATA_ALIGN) or tail_length > MAX_TAIL_BYTES \
+            or tail_offset + tail_length != file_size:
+        raise CorruptCheckpointError(f"{path}: tail at [{tail_offset}, "
+                                     f"{tail_offset + tail_length}) is not the end of the file "
+                                     f"of {file_size} bytes after the index at [{offset}, "
+                                     f"{offset + length}) (truncated?)")
+    return ShardHeader(offset, length, index_crc, version, tail_offset, tail_length, tail_crc)
+
+
+def _check_version(version: int, known: tuple, path: str) -> None:
     if version > VERSION:
         raise UnsupportedFormatError(f"{path}: format version {version} is newer than this "
                                      f"reader's {VERSION}; upgrade datastates")
-    if version not in SHARD_VERSIONS:
+    if version not in known:
         raise CorruptCheckpointError(f"{path}: header version {version}, expected one of "
-                                     f"{list(SHARD_VERSIONS)}")
+                                     f"{list(known)}")
+
+
+def _check_rest(flags: int, raw: bytes, used: int, path: str) -> None:
+    """Flags zero, and every byte of ``raw`` from ``used`` on (the reserved bytes)."""
     if flags:
         raise CorruptCheckpointError(f"{path}: header flags are {flags:#x}, expected 0")
-    if raw[_HEADER_USED:].count(0) != HEADER_BYTES - _HEADER_USED:
-        first = next(i for i in range(_HEADER_USED, HEADER_BYTES) if raw[i])
+    if raw[used:].count(0) != len(raw) - used:
+        first = next(i for i in range(used, len(raw)) if raw[i])
         raise CorruptCheckpointError(f"{path}: reserved header byte at offset {first} is "
                                      f"{raw[first]:#x}, expected 0")
+
+
+def _check_index(offset: int, length: int, file_size: int, path: str) -> None:
     if length > MAX_INDEX_BYTES:
         raise CorruptCheckpointError(f"{path}: the header gives an index of {length} bytes, more "
                                      f"than the format's limit of {MAX_INDEX_BYTES}")
     if offset < HEADER_BYTES or length == 0 or offset + length > file_size:
         raise CorruptCheckpointError(f"{path}: index at [{offset}, {offset + length}) lies outside "
                                      f"the file of {file_size} bytes (truncated?)")
-    return ShardHeader(offset, length, index_crc)
 
 
 # ---------------------------------------------------------------- manifest and JSON
@@ -256,7 +355,7 @@ def encode_json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
 
 
-def parse_json(raw: bytes, path: str, unique: bool = False) -> Any:
+def parse_json(raw: bytes | bytearray, path: str, unique: bool = False) -> Any:
     """The JSON object ``raw`` (CorruptCheckpointError naming ``path`` if it is none).
     ``unique``: one of its own fields given twice is an error too (parsers differ on which
     they keep, so a reader of its head and one of the whole could see different values).
@@ -286,7 +385,7 @@ def parse_json(raw: bytes, path: str, unique: bool = False) -> Any:
     return value
 
 
-def _too_deep(raw: bytes, path: str) -> Exception:
+def _too_deep(raw: bytes | bytearray, path: str) -> Exception:
     """What the decoder's RecursionError on the document ``raw`` means (see :func:`parse_json`)."""
     depth = nesting_depth(raw)
     if depth > MAX_JSON_DEPTH:
@@ -303,13 +402,13 @@ _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 and -1 as signed bytes
 
 
-def nesting_depth(raw: bytes) -> int:
+def nesting_depth(raw: bytes | bytearray) -> int:
     """The deepest nesting of arrays and objects in the JSON text ``raw`` (in any of JSON's
     encodings), counted without decoding it and without recursion: the brackets outside its
     strings, as a running sum. Valid JSON or not (the decoder judges that)."""
     try:
-        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
-    except (UnicodeDecodeError, LookupError):
+        text = text_of(raw)
+    except UnicodeDecodeError:
         return 0
     brackets = _NOT_BRACKET.sub("", _STRING.sub("", text)).encode("ascii")
     return max(itertools.accumulate(array.array("b", brackets.translate(_STEPS))), default=0)
@@ -319,10 +418,39 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+#: The decoder of the streamed parsers. They use its public ``raw_decode(text, idx)`` only (the
+#: start index is in its signature, and in typeshed's, since Python 2.6; tests/unit/test_format.py
+#: pins it): nothing of the ``json`` module's private scanner.
 _DECODER = json.JSONDecoder(parse_constant=_no_constant)
-_WS = json.decoder.WHITESPACE.match
-_SPACE = " \t\n\r"  # JSON's whitespace: what _WS skips
-_scanstring = json.decoder.scanstring
+_decode = _DECODER.raw_decode
+#: JSON's whitespace (RFC 8259: space, tab, line feed, carriage return), what separates tokens.
+#: A run of zero or more always matches: the match is never None.
+_WS = cast("Callable[[str, int], re.Match[str]]", re.compile(r"[ \t\n\r]*").match)
+_SPACE = " \t\n\r"
+
+
+def text_of(raw: bytes | bytearray) -> str:
+    """The text of the JSON document ``raw`` in the encoding ``json.loads`` reads it in: UTF-8
+    (its BOM dropped), or UTF-16/32 of either byte order, told by the BOM or by
+    the zero bytes of the first character (RFC 4627, section 3). UnicodeDecodeError if it is
+    not valid in that encoding."""
+    if raw.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
+        return raw.decode("utf-32", "surrogatepass")
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return raw.decode("utf-16", "surrogatepass")
+    if raw.startswith(b"\xef\xbb\xbf"):
+        return raw.decode("utf-8-sig", "surrogatepass")
+    if len(raw) >= 4:
+        if not raw[0]:
+            return raw.decode("utf-16-be" if raw[1] else "utf-32-be", "surrogatepass")
+        if not raw[1]:
+            return raw.decode("utf-16-le" if raw[2] or raw[3] else "utf-32-le", "surrogatepass")
+    elif len(raw) == 2:
+        if not raw[0]:
+            return raw.decode("utf-16-be", "surrogatepass")
+        if not raw[1]:
+            return raw.decode("utf-16-le", "surrogatepass")
+    return raw.decode("utf-8", "surrogatepass")
 
 
 def parse_json_streamed(raw: bytes, field: str,
@@ -339,8 +467,7 @@ def parse_json_streamed(raw: bytes, field: str,
     wrong: not an object, a field given twice (``json.loads`` keeps the last), invalid JSON
     (whose error ``parse_json`` names), a RecursionError (which ``parse_json`` judges)."""
     try:
-        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
-        return _streamed_object(text, field, start)
+        return _streamed_object(text_of(raw), field, start)
     except (UnicodeDecodeError, LookupError, ValueError, IndexError, RecursionError):
         return None  # JSONDecodeError is a ValueError; IndexError: the text ended early
 
@@ -363,7 +490,7 @@ def parse_json_head(raw: bytes, field: str) -> dict | None:
         raise _Reached(fields)
 
     try:
-        _streamed_object(raw.decode(json.detect_encoding(raw), "surrogatepass"), field, stop)
+        _streamed_object(text_of(raw), field, stop)
     except _Reached as reached:
         return reached.fields
     except (UnicodeDecodeError, LookupError, ValueError, IndexError, RecursionError):
@@ -383,7 +510,7 @@ def _streamed_object(text: str, field: str, start) -> dict | None:
         while True:
             if text[idx] != '"':
                 return None
-            key, idx = _scanstring(text, idx + 1)
+            key, idx = _decode(text, idx)
             idx = _WS(text, idx).end()
             if key in obj or text[idx] != ":":
                 return None
@@ -392,7 +519,7 @@ def _streamed_object(text: str, field: str, start) -> dict | None:
             if convert is not None:
                 obj[key], idx = _streamed_array(text, idx, convert)
             else:
-                obj[key], idx = _DECODER.raw_decode(text, idx)
+                obj[key], idx = _decode(text, idx)
             idx = _WS(text, idx).end()
             if text[idx] == ",":
                 idx = _WS(text, idx + 1).end()
@@ -407,15 +534,11 @@ def _streamed_object(text: str, field: str, start) -> dict | None:
 def _streamed_array(text: str, idx: int, convert: Callable[[Any], Any]) -> tuple[list, int]:
     """The array starting at ``text[idx]`` (``[``), each item converted; (list, end)."""
     out: list = []
-    scan = _DECODER.scan_once  # what raw_decode calls, without its frame per item
     idx = _WS(text, idx + 1).end()
     if text[idx] == "]":
         return out, idx + 1
     while True:
-        try:
-            value, idx = scan(text, idx)
-        except StopIteration:
-            raise ValueError("expected a value") from None
+        value, idx = _decode(text, idx)
         converted = convert(value)
         out.append(value if converted is None else converted)
         if text[idx] in _SPACE:

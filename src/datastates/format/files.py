@@ -36,7 +36,7 @@ def read_index(path: str, store: "Store | None" = None) -> "records.ShardIndex":
     return parse_index_bytes(raw, header, path)
 
 
-def parse_index_bytes(raw: bytes, header: ShardHeader, path: str) -> "records.ShardIndex":
+def parse_index_bytes(raw: bytes | bytearray, header: ShardHeader, path: str) -> "records.ShardIndex":
     """Check the index bytes against the header's CRC, then validate them."""
     if len(raw) != header.index_length or crc32(raw) != header.index_crc32:
         raise CorruptCheckpointError(f"{path}: index checksum mismatch (index at "
@@ -100,7 +100,8 @@ def _split(manifest: records.Manifest, head: dict, items: list[bytes],
         last = max(last, _last_entry(rank.tree))
         bounds.append(last + 1)
     ends = [0, *itertools.accumulate(len(item) + 1 for item in items)]  # bytes before entry i
-    target, parts, refs = codec.SPLIT_BYTES, [], []
+    target, refs = codec.SPLIT_BYTES, []
+    parts: list[tuple[str, bytes]] = []
     first_rank = first_entry = tree_bytes = 0
     for r in range(len(trees)):
         tree_bytes += len(trees[r])

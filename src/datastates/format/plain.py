@@ -20,7 +20,10 @@ Pure: no I/O.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing import TypeGuard  # Python 3.10
 
 from . import codec as fmt
 from .checks import MAX_DIM, MAX_NDIM, _U32
@@ -57,7 +60,7 @@ def tensor_entry(e: Any, files: tuple[FileRef, ...], world: int) -> TensorEntry 
     # the shards store at least the tensor's bytes, and tile it (one box of its shape lies
     # inside it at its origin: the commonest entry, told at once)
     if _numel(shape) * itemsize > stored or not _owner_fields(replicated, rank, world) or \
-            (len(refs) != 1 or ref.shape != shape) and not tiled(shape, refs):
+            (len(refs) != 1 or refs[0].shape != shape) and not tiled(shape, refs):
         return None
     return TensorEntry(key, dtype, shape, tuple(refs), replicated, rank)
 
@@ -69,7 +72,8 @@ def _box(s: Any, files: tuple[FileRef, ...], shape: tuple[int, ...],
     shares ``shape`` and a tuple of zeros with every other such shard."""
     if type(s) is not dict:
         return None
-    fields = (s.get("file"), s.get("offset"), s.get("nbytes"), s.get("global_offset"),
+    fields: tuple[Any, ...] = (
+        s.get("file"), s.get("offset"), s.get("nbytes"), s.get("global_offset"),
               s.get("shape"), s.get("checksums"))
     if not _is_box(fields, files, shape, itemsize, list):
         return None
@@ -80,8 +84,8 @@ def _box(s: Any, files: tuple[FileRef, ...], shape: tuple[int, ...],
                     shape if box == shape else box, ((nbytes, sums[0][1]),))
 
 
-def _is_box(fields: tuple, files: tuple[FileRef, ...], shape: tuple[int, ...], itemsize: int,
-            form: type) -> bool:
+def _is_box(fields: tuple[Any, ...], files: tuple[FileRef, ...], shape: tuple[int, ...],
+            itemsize: int, form: type[list] | type[tuple]) -> bool:
     """Whether the shard whose fields are ``fields`` (file, offset, nbytes, global offset, shape,
     checksums: each box and the checksum pieces as they come, in ``form``) is of the commonest
     kind -- one region checked by one checksum piece, a box inside the tensor of ``shape``
@@ -162,7 +166,7 @@ def _shard(s: Any, files: tuple[FileRef, ...], shape: tuple[int, ...],
 
 
 def _shard_fields(fields: tuple, files: tuple[FileRef, ...], shape: tuple[int, ...],
-                  itemsize: int, form: type) -> ShardRef | None:
+                  itemsize: int, form: type[list] | type[tuple]) -> ShardRef | None:
     """The shard whose fields are ``fields`` (file, offset, nbytes, global offset, shape,
     checksums; the two boxes already shapes or None, the checksum pieces in ``form``: list
     from JSON, tuple in a record) as its record, or None."""
@@ -219,7 +223,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return numel
 
 
-def _pieces(found: Any, nbytes: int, form: type = list) -> tuple[tuple[int, int], ...] | None:
+def _pieces(found: Any, nbytes: int, form: type[list] | type[tuple] = list) -> tuple[tuple[int, int], ...] | None:
     """Checksum pieces covering ``nbytes`` exactly (the checks of ``checks._pieces``), each
     piece and their sequence of type ``form``, as a tuple of pairs; or None."""
     if type(found) is not form:
@@ -242,7 +246,7 @@ def _dims(value: Any) -> tuple[int, ...] | None:
     return tuple(value) if type(value) is list and _all_dims(value) else None
 
 
-def _is_dims(value: Any) -> bool:
+def _is_dims(value: Any) -> TypeGuard[tuple[int, ...]]:
     """Whether ``value`` is a shape as :func:`_dims` makes one (a tuple)."""
     return type(value) is tuple and _all_dims(value)
 
@@ -261,7 +265,7 @@ def _ints(values: tuple[int, ...]) -> str:
     """Exact ints (checked by the caller) as the items of a JSON array (what ``json.dumps``
     writes for each). One or two, most shapes and offsets, written by an f-string, which costs
     less than the join (0.14–0.17 µs against 0.65–0.82 µs for one int on the 2-core VM;
-    results/scratch-2026-12-02/index_encoding.py)."""
+    docs/benchmarks-history.md, "One-off probes")."""
     if len(values) == 1:
         return f"{values[0]}"
     if len(values) == 2:

@@ -114,7 +114,7 @@ def check_written_manifest(obj: dict, entries: Mapping[int, Entry], where: str,
 def _written_entry(e: Entry, at: _At, head: "_Head") -> bytes:
     """The encoded JSON form of the entry record ``e``, once the parser reads it back as ``e``."""
     value = e.to_json()
-    parsed = plain.tensor_entry(value, head.files, head.world)
+    parsed: Entry | None = plain.tensor_entry(value, head.files, head.world)
     if parsed is None:
         parsed = _entry(value, at, head.files, head.world)
     if parsed != e:
@@ -499,7 +499,7 @@ def _ranks(value: Any, at: _At, world: int, kinds: list[str],
     ranks = _list(value, at)
     if len(ranks) != world:
         raise at.bad(f"expected one tree per rank ({world}), found {len(ranks)}")
-    out = []
+    out: list[RankTree] = []
     for i, r in enumerate(ranks):
         r = _dict(r, at / i)
         _int(_get(r, "rank", at / i), at / i / "rank", i, i)
@@ -602,7 +602,9 @@ def parse_rank_report(obj: Any, where: str, *, checked: bool = False) -> RankRep
     entries = tuple(e if checked and type(e) is ReportEntry else
                     plain.report_entry(e, f) or _report_entry(e, entries_at / i, f)
                     for i, e in enumerate(_list(_get(d, "entries", at), entries_at)))
-    _check_disjoint([(e.offset, e.nbytes, e.key) for e in entries if e.written], at, "report")
+    _check_disjoint([(e.offset, e.nbytes, e.key) for e in entries  # a written one has both
+                     if e.written and e.offset is not None and e.nbytes is not None],
+                    at, "report")
     refs: dict = {}
     tree = check_tree_refs(_get(d, "tree", at), at / "tree", [e.kind for e in entries], refs)
     check_entry_keys([e.key for e in entries], refs, at / "entries")
@@ -699,7 +701,8 @@ def _info(value: Any, at: _At) -> CheckpointInfo:
     d = _dict(value, at)
     step = _step(d.get("step"), at / "step")
     created = d.get("created_unix")
-    if type(created) not in (int, float) or not math.isfinite(created) or created < 0:
+    if not (type(created) is int or type(created) is float) or not math.isfinite(created) or \
+            created < 0:
         raise (at / "created_unix").bad(f"expected a finite time, found {_show(created)}")
     return CheckpointInfo(name=_str(_get(d, "name", at), at / "name"),
                           path=_str(_get(d, "path", at), at / "path"), step=step,

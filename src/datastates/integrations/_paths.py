@@ -446,7 +446,7 @@ class PathCheckpoints:
             else:
                 ckpt = _core().Checkpointer(root, share=self._base)
             self._ckpts[root] = ckpt
-            evict = []
+            evict: list[tuple[str, Any]] = []
             for old_root in list(self._ckpts):
                 if len(self._ckpts) - len(evict) <= self.max_open:
                     break

@@ -10,41 +10,20 @@ every rank (``deepspeed/runtime/checkpoint_engine/datastates_checkpoint_engine.p
     wait(persist=True)                        # from its commit() and cleanup()
 
 ``datastates.CheckpointEngine`` is :class:`CheckpointEngine` (alias
-:data:`DeepSpeedCheckpointEngine`).
-
-What DeepSpeed does *not* do for this engine, and how the contract still holds:
-
-- Its ``is_decoupled()`` is True but ``get_commit_info()`` is the base class's ``None``, so
-  ``DeepSpeedEngine._commit_decoupled_checkpoint()`` returns at once: nothing waits before the
-  optimizer step, and ``commit()``/``wait()`` run only at ``destroy()``. Therefore every
-  ``save(path)`` here commits *on its own* in the background (atomic per path), and by default
-  ``save()`` returns only once its state is copied into the host cache (no device clone; the
-  write, fsync and commit overlap training). Call :func:`enable_lazy_snapshots` with the engine to
-  go lazy: ``save()`` copies only what the core's capture rule makes eager (buffers, frozen
-  parameters, client state), returns, and the optimizer step waits (a step pre-hook on the
-  engine's torch optimizer) until the rest of the snapshot is complete.
-- It never writes ``save_dir/latest`` for this engine. Global rank 0 writes it here (atomically,
-  naming the tag) once the tag is complete and all of its own files of that tag are committed,
-  without waiting for a later save. DeepSpeed tells the engine neither where a tag ends nor its
-  ``save_checkpoint(save_latest=...)``, so: a tag is complete at the first optimizer step that
-  begins on the thread that saved it (any torch optimizer's ``step()``), at a save of another
-  tag, at ``wait()`` or at ``destroy()``; ``latest`` is then written by the background thread
-  that sees the last file commit, or at the first such event after it. So once a tag's files are
-  committed and training has taken one step, a crash leaves ``latest`` naming that tag.
-  ``save_latest`` is read from the ``CheckpointCommitInfo`` that ``save_checkpoint()`` gives
-  DeepSpeed's wrapper (the caller of ``save()``); ``save_latest=False`` leaves ``latest`` alone
-  for that tag. With several ranks ``latest`` trusts the other ranks' files of the tag; disable
-  for every tag with ``"update_latest": false``.
-- A "file" DeepSpeed names (``save_dir/tag/mp_rank_00_model_states.pt``) is a datastates
-  checkpoint directory of that name; ``load()`` reads it (and still reads plain ``torch.save``
-  files, so a run can switch engines). Offline tools that ``torch.load`` the files (such as
-  ``zero_to_fp32.py``) need :func:`export_torch_files` first (it writes the layout they expect).
+:data:`DeepSpeedCheckpointEngine`). Every ``save(path)`` commits on its own in the background
+(atomic per path) and returns once its state is in the host cache; :func:`enable_lazy_snapshots`
+makes it return after planning, the optimizer step waiting for the copy. Global rank 0 writes
+``save_dir/latest`` once a tag is complete (DeepSpeed does not for this engine). A "file"
+DeepSpeed names is a datastates checkpoint directory of that name; offline tools that
+``torch.load`` the files need :func:`export_torch_files` first.
 
 Config keys (all optional): ``host_cache_size`` (GB, default 1), ``parser_threads`` (alias of
-``writer_threads``), ``update_latest`` (default true), ``trusted_load`` (default true: DeepSpeed's
-own engine unpickles its files with ``weights_only=False``; set false to refuse arbitrary
-classes), and any :class:`datastates.CheckpointConfig` field by name except ``memory_tier``
-(ConfigError, :data:`MEMORY_TIER_REFUSED` says why and what to use instead).
+``writer_threads``), ``update_latest`` (default true), ``trusted_load`` (default true), and any
+:class:`datastates.CheckpointConfig` field by name except ``memory_tier`` (ConfigError,
+:data:`MEMORY_TIER_REFUSED` says why).
+
+When a tag is complete, when ``latest`` moves, and why DeepSpeed's own commit path does not
+wait: docs/deepspeed.md.
 """
 from __future__ import annotations
 
@@ -102,7 +81,7 @@ def config_from_deepspeed(deepspeed_config: Any):
     options = {"update_latest": bool(raw.pop("update_latest", True)),
                "trusted_load": bool(raw.pop("trusted_load", True))}
     fields = {f.name for f in dataclasses.fields(datastates.CheckpointConfig)}
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if "host_cache_size" in raw:
         kwargs["host_cache_bytes"] = int(float(raw.pop("host_cache_size")) * _GB)
     if "parser_threads" in raw:
@@ -174,7 +153,8 @@ class CheckpointEngine:
         DeepSpeed's wrapper inside ``save_checkpoint()``, it honours that call's
         ``save_latest`` (:meth:`_save_latest_of`)."""
         tag_dir = os.path.dirname(os.path.abspath(path))
-        caller = inspect.currentframe().f_back
+        frame = inspect.currentframe()  # None on a Python without stack frames
+        caller = frame.f_back if frame is not None else None
         try:
             save_latest = self._save_latest_of(caller, tag_dir)
         finally:
@@ -404,7 +384,7 @@ def low_precision_params(optimizer: Any) -> list[torch.Tensor]:
         return []
     if isinstance(optimizer, torch.optim.Optimizer):
         return []
-    out = []
+    out: list[torch.Tensor] = []
     for attr in ("bit16_groups", "bf16_groups", "fp16_groups"):
         for group in getattr(optimizer, attr, None) or ():
             out.extend(t for t in group if isinstance(t, torch.Tensor))
@@ -438,6 +418,10 @@ def export_torch_files(tag_dir: str, out_root: str | None = None) -> list[str]:
     return written
 
 
+#: The hooks ``_ignore_deepspeed_double_cleanup`` installed (one per process).
+_FILTERS: set = set()
+
+
 def _ignore_deepspeed_double_cleanup() -> None:
     """DeepSpeed 0.19's ``DataStatesCheckpointEngine.cleanup()`` deletes its ``ckpt_engine``
     attribute and its ``__del__`` then calls ``cleanup()`` again, which raises AttributeError
@@ -447,7 +431,7 @@ def _ignore_deepspeed_double_cleanup() -> None:
     that was installed before. Installed once per process."""
     import sys
     previous = sys.unraisablehook
-    if getattr(previous, "_datastates_filter", False):
+    if previous in _FILTERS:
         return
 
     def hook(unraisable) -> None:
@@ -457,7 +441,7 @@ def _ignore_deepspeed_double_cleanup() -> None:
             return
         previous(unraisable)
 
-    hook._datastates_filter = True
+    _FILTERS.add(hook)
     sys.unraisablehook = hook
 
 

@@ -7,39 +7,14 @@ Usage (replace ``Trainer`` by ``DatastatesTrainer``; everything else stays)::
     trainer.train()                               # checkpoints: out/checkpoint-<step>/
     trainer.train(resume_from_checkpoint=True)    # newest *committed* checkpoint
 
-The extension points are the ones ``Trainer`` documents for overriding and DLRover's
-``FlashCkptTrainer`` uses: ``_save_checkpoint`` and the ``_load_*`` methods; ``train`` is wrapped
-to pick the checkpoint to resume from and to wait for in-flight saves at the end. No Trainer code
-is patched.
+The extension points are the ones ``Trainer`` documents for overriding: ``_save_checkpoint`` and
+the ``_load_*`` methods; ``train`` is wrapped to pick the checkpoint to resume from and to wait for
+in-flight saves at the end. No Trainer code is patched. ``checkpoint-N`` is written
+asynchronously and appears atomically; ``save_total_limit`` applies after the commit. Resuming
+from a checkpoint without this Trainer's keys raises :class:`datastates.StateMismatchError`
+before anything is loaded.
 
-What changes for the user:
-
-- ``checkpoint-N`` is written asynchronously: model (parameters lazily, buffers eagerly),
-  optimizer (lazily; its next ``step()`` waits for the capture, through a step pre-hook that the
-  core installs), scheduler, grad scaler, RNG state and ``trainer_state.json``. Training goes on
-  while it is copied, written and fsynced.
-- ``checkpoint-N`` appears atomically (temp dir + fsync + rename): a crash never leaves a partial
-  ``checkpoint-N`` that ``resume_from_checkpoint=True`` could pick, as stock Trainer can
-  (transformers#35782). ``trainer_state.json`` is added inside it after the commit (it is also
-  stored in the checkpoint and rewritten on resume if a crash lost it).
-- ``save_total_limit`` is applied only after the new checkpoint is committed, never deleting the
-  best checkpoint (``load_best_model_at_end``). It counts every ``checkpoint-N`` a resume could
-  pick, datastates and stock alike, as Trainer's own rotation does (``_ds_rotate``).
-- Resuming from a datastates checkpoint that lacks what this Trainer saves (one written by the
-  Lightning or DeepSpeed integration) raises :class:`datastates.StateMismatchError` naming the
-  checkpoint, the keys expected and the keys found, before anything is loaded.
-- A ``checkpoint-N`` holds datastates files plus ``config.json``, ``generation_config.json`` and
-  the tokenizer files, not ``model.safetensors``: ``datastates export out/checkpoint-N --to hf
-  model_dir`` writes a folder that ``from_pretrained(model_dir)`` loads (or export the final model
-  with ``trainer.save_model()`` as usual). Stock checkpoints in the same ``output_dir`` still
-  resume.
-- DeepSpeed and FSDP runs keep Trainer's own checkpointing (use DeepSpeed's ``"datastates_ckpt"``
-  key for DeepSpeed).
-- With ``CheckpointConfig(memory_tier=MemoryTier(persist_every=None, persist_on_exit=False))``
-  the same state is also saved into the memory tier after every ``memory_every``-th optimizer
-  step (after that step's logging, evaluation and ``checkpoint-N``), and
-  ``resume_from_checkpoint=True`` takes the newest of memory and the ``checkpoint-N`` folders
-  (docs/integrations.md, "The memory tier").
+What is saved, rotation, export, the memory tier and the limits: docs/huggingface.md.
 """
 from __future__ import annotations
 
@@ -50,7 +25,7 @@ import re
 import shutil
 import tempfile
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -58,6 +33,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from datastates.storage import LOCAL
 from ._memory import MemorySaves, check_every, framework_memory_tier, memory_wins
 from ._paths import base_optimizer, drop_latest, is_checkpoint_dir
+
+if TYPE_CHECKING:
+    from datastates import Checkpointer, SaveHandle
 
 log = logging.getLogger("datastates.integrations.hf")
 
@@ -97,12 +75,12 @@ class DatastatesTrainer(Trainer):
         self._ds_memory = MemorySaves()
         self._ds_memory_step: int | None = None
         self._ds_resume: tuple[str, int] | None = None  # (folder given to Trainer, memory step)
-        self._ds = None
+        self._ds: Checkpointer | None = None
         self._ds_root: str | None = None
         self._ds_threads: list[threading.Thread] = []
         self._ds_errors: list[BaseException] = []
         self._ds_lock = threading.Lock()
-        self._ds_last_handle = None
+        self._ds_last_handle: SaveHandle | None = None
 
     # ------------------------------------------------------------ saving
     def _save_checkpoint(self, model, trial) -> None:
@@ -150,7 +128,7 @@ class DatastatesTrainer(Trainer):
         waits for the capture. Raises the failure of an earlier memory save."""
         self._ds_memory.raise_failed()
         self.store_flos()
-        ckpt = self._datastates(self.args.output_dir)
+        ckpt = self._datastates(self._ds_output_dir())
         if ckpt.memory is None:  # the keeper did not answer: no tier (WARNING at construction)
             return
         handle = ckpt.save(self._ds_state(full=True, state_json=self._ds_state_json()),
@@ -169,7 +147,9 @@ class DatastatesTrainer(Trainer):
             if isinstance(cb, ExportableState):
                 found.setdefault(type(cb).__name__, []).append(cb.state())
         snapshot = copy.copy(self.state)
-        snapshot.stateful_callbacks = {k: v[0] if len(v) == 1 else v for k, v in found.items()}
+        # transformers annotates it as a list of callbacks; it holds name -> state(s)
+        snapshot.stateful_callbacks = cast(Any, {k: v[0] if len(v) == 1 else v
+                                                 for k, v in found.items()})
         return _state_json(snapshot)
 
     def _ds_state(self, for_restore: bool = False, full: bool = False,
@@ -254,6 +234,8 @@ class DatastatesTrainer(Trainer):
             if name in protected:
                 continue
             if ours:
+                if self._ds is None:
+                    raise RuntimeError(f"no Checkpointer of {run_dir} is open to delete {name}")
                 self._ds.delete(tag=name)
             else:
                 shutil.rmtree(path, ignore_errors=True)
@@ -261,13 +243,15 @@ class DatastatesTrainer(Trainer):
 
     def _update_stateful_callbacks(self) -> None:
         from transformers.trainer_callback import ExportableState
+        # transformers annotates it as a list of callbacks; it holds name -> state(s)
+        states = cast("dict[str, Any]", self.state.stateful_callbacks)
         for cb in [cb for cb in self.callback_handler.callbacks + [self.control]
                    if isinstance(cb, ExportableState)]:
             name = cb.__class__.__name__
-            if isinstance(self.state.stateful_callbacks.get(name), list):
-                self.state.stateful_callbacks[name].append(cb.state())
+            if isinstance(states.get(name), list):
+                states[name].append(cb.state())
             else:
-                self.state.stateful_callbacks[name] = cb.state()
+                states[name] = cb.state()
 
     # ------------------------------------------------------------ resuming
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None,
@@ -313,15 +297,14 @@ class DatastatesTrainer(Trainer):
         storage = self._ds_storage_latest()
         if self._ds_tier is None:
             return storage[1] if storage else None
-        tier = self._datastates(self.args.output_dir).memory
+        tier = self._datastates(self._ds_output_dir()).memory
         memory = tier.latest() if tier is not None else None
-        if memory_wins(memory.step if memory is not None else None,
-                       storage[0] if storage else None):
+        if memory is not None and memory_wins(memory.step, storage[0] if storage else None):
             return memory.path
         return storage[1] if storage else None
 
     def _ds_storage_latest(self) -> tuple[int, str] | None:
-        found = _resumable(self.args.output_dir)
+        found = _resumable(self._ds_output_dir())
         return found[-1][:2] if found else None
 
     @property
@@ -347,7 +330,7 @@ class DatastatesTrainer(Trainer):
         None when ``path`` is not in this run's memory tier."""
         if self._ds_tier is None:
             return None
-        memory = self._datastates(self.args.output_dir).memory
+        memory = self._datastates(self._ds_output_dir()).memory
         if memory is None:  # the keeper did not answer: no tier
             return None
         path = os.path.realpath(path)
@@ -365,7 +348,7 @@ class DatastatesTrainer(Trainer):
         """A folder holding the memory checkpoint's ``trainer_state.json``, given to Trainer
         as ``resume_from_checkpoint`` (Trainer reads that file itself); the ``_load_*``
         methods read everything else from memory. Removed when ``train()`` returns."""
-        ckpt = self._datastates(self.args.output_dir)
+        ckpt = self._datastates(self._ds_output_dir())
         loaded = ckpt.load(step=memory.step, keys="trainer_state")
         if not isinstance(loaded.get("trainer_state"), str):
             _not_a_trainer_checkpoint(f"the memory checkpoint {memory.path} (step {memory.step})",
@@ -411,13 +394,14 @@ class DatastatesTrainer(Trainer):
         import datastates
         step = self._ds_memory_step_of(checkpoint)
         if step is not None:
-            ckpt = self._datastates(self.args.output_dir)
+            ckpt = self._datastates(self._ds_output_dir())
             try:
                 ckpt.restore(state, step=step, keys=list(state))
             except datastates.CorruptCheckpointError:
                 log.error("the memory checkpoint of step %d is damaged; removing it (resume "
                           "again: the newest checkpoint left is used)", step)
-                ckpt.memory.delete(step=step)
+                if ckpt.memory is not None:  # it read the step from there
+                    ckpt.memory.delete(step=step)
                 raise
             return
         root, name = os.path.split(os.path.abspath(checkpoint))
@@ -457,7 +441,15 @@ class DatastatesTrainer(Trainer):
         self._load_from_checkpoint(best)
 
     # ------------------------------------------------------------ internals
-    def _datastates(self, root: str):
+    def _ds_output_dir(self) -> str:
+        """``args.output_dir`` (TrainingArguments gives it a default: never None here)."""
+        out = self.args.output_dir
+        if out is None:
+            raise ValueError("DatastatesTrainer: TrainingArguments.output_dir is None; the "
+                             "checkpoints need a folder")
+        return out
+
+    def _datastates(self, root: str) -> Checkpointer:
         """The Checkpointer of ``root``; the one of ``output_dir`` has the memory tier (its
         memory is keyed on ``output_dir``), any other one none."""
         import datastates
@@ -468,7 +460,7 @@ class DatastatesTrainer(Trainer):
             self._ds = None
         if self._ds is None:
             config = self.datastates_config
-            if root != os.path.abspath(self.args.output_dir):
+            if root != os.path.abspath(self._ds_output_dir()):
                 config = config.replace(memory_tier=None)
             self._ds = datastates.Checkpointer(root, config)
             self._ds_root = root

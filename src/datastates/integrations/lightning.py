@@ -11,48 +11,15 @@ Lightning calls, on global rank 0 only (``Strategy.save_checkpoint`` / ``remove_
 ``load_checkpoint(path, map_location, weights_only)`` for ``fit(ckpt_path=...)`` and
 ``teardown()`` at the end of ``fit``/``validate``/``test``.
 
-Compared with Lightning's ``AsyncCheckpointIO``:
+Each path is a datastates checkpoint directory that appears atomically. A background failure is
+raised by the next ``save_checkpoint`` at the latest, and by ``teardown``. With the
+:meth:`DatastatesCheckpointIO.lazy_snapshots` callback ``save_checkpoint`` returns after planning
+and the next ``optimizer.step()`` waits for the copy; without it, once the state is in the host
+cache. ``Model.load_from_checkpoint`` has no plug-in point: use :func:`load_from_checkpoint`.
+The memory tier: :class:`DatastatesMemoryCheckpoint` (``io.memory_checkpoints(dirpath)``).
 
-- no clone of the state on the device: tensors are copied once, into the bounded host cache
-  that is reused by every save; with lazy snapshots on, the core's capture rule copies inside
-  ``save_checkpoint`` only what the trainer's optimizers do not own (buffers, which forward
-  changes, frozen parameters, EMA copies), the rest in the background;
-- lazy: with the :meth:`DatastatesCheckpointIO.lazy_snapshots` callback, ``save_checkpoint``
-  returns after planning, and the next ``optimizer.step()`` waits for the copy (the core's step
-  pre-hook; the callback's ``on_before_optimizer_step`` waits as well). With the default
-  precision Lightning runs forward and backward inside ``optimizer.step()``, after that hook, so
-  the copy overlaps what runs between two steps (logging, callbacks, the next batch's loading);
-  with a gradient scaler (``precision="16-mixed"``) the closure runs before ``step()`` and the
-  copy overlaps forward and backward too. Without the callback ``save_checkpoint`` returns once
-  the state is in the host cache; writing, fsync and commit still run in the background;
-- a failure in the background is raised by the next ``save_checkpoint`` at the latest (and by
-  ``teardown``), never swallowed;
-- each path is a datastates checkpoint directory that appears atomically; a crash never leaves
-  a partial ``.ckpt`` visible, and ``last.ckpt`` is replaced atomically.
-
-Paths Lightning names itself (module docstring of ``_paths``):
-
-- a hidden name (``.lr_find_<uuid>.ckpt``, ``.scale_batch_size_<uuid>.ckpt``: the Tuner's
-  temporary checkpoint, saved, restored and removed at once) is written and read by Lightning's
-  stock ``TorchCheckpointIO``: datastates reserves names starting with '.' for its temporaries;
-- a symbolic link (``ModelCheckpoint(save_last="link")`` makes ``last.ckpt`` one) is read as
-  the checkpoint it points to when that lies in the link's own directory; a link leading out of
-  it is refused (CorruptCheckpointError naming the link and its target); removing or saving to
-  it replaces the link, never its target;
-- before a path is looked up or loaded, the core repairs its directory (a replacement of
-  ``last.ckpt`` that a crash interrupted is put back). ``fit(ckpt_path="last")`` is resolved by
-  Lightning itself, from a listing, before the plug-in is called: resume with
-  ``ckpt_path=io.last_path(dirpath)`` to get that repair.
-
-``Model.load_from_checkpoint(path)`` reads one ``torch.load`` file and has no plug-in point: use
-:func:`load_from_checkpoint` (``load_from_checkpoint(Model, path)``), or export the checkpoint once
-with ``datastates export PATH --to torch model.ckpt``.
-
-The memory tier: with ``DatastatesCheckpointIO(CheckpointConfig(memory_tier=MemoryTier(
-persist_every=None, persist_on_exit=False)))``, the callback ``io.memory_checkpoints(dirpath)``
-(:class:`DatastatesMemoryCheckpoint`) saves the full checkpoint dict into memory every
-``every_n_steps`` optimizer steps, beside ModelCheckpoint's files in ``dirpath``, and
-``fit(model, ckpt_path=memory.resume_path())`` resumes from the newest of the two.
+The comparison with ``AsyncCheckpointIO``, the paths Lightning names itself (hidden Tuner
+files, ``save_last="link"``, ``ckpt_path="last"``) and the memory tier: docs/lightning.md.
 """
 from __future__ import annotations
 
@@ -105,6 +72,26 @@ class DatastatesCheckpointIO(CheckpointIO):
         state = dict(self.__dict__)
         state["_guard"] = state["_memory"] = None
         return state
+
+    # ------------------------------------------------------------ the callbacks attached
+    def attach_guard(self, callback: Optional["DatastatesSnapshotCallback"]) -> None:
+        """Called by :class:`DatastatesSnapshotCallback` at ``setup`` (``callback``) and
+        ``teardown`` (None): while attached, saves are lazy snapshots guarded by the run's
+        optimizers and the run's teardown closes this io."""
+        self._guard = callback
+        self._paths.attended = callback is not None
+
+    def guarded_by(self, callback: "DatastatesSnapshotCallback") -> bool:
+        """Whether ``callback`` is the one attached."""
+        return self._guard is callback
+
+    def attach_memory(self, callback: "DatastatesMemoryCheckpoint") -> None:
+        """Called by :class:`DatastatesMemoryCheckpoint` at ``setup``: loads ask it first."""
+        self._memory = callback
+
+    def wait_snapshots(self) -> None:
+        """Return once every save in flight has captured its state."""
+        self._paths.wait_snapshots()
 
     # ------------------------------------------------------------ CheckpointIO
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
@@ -209,7 +196,7 @@ class DatastatesCheckpointIO(CheckpointIO):
                     stamp = path if os.path.lexists(path) else \
                         os.path.join(folder, ASIDE_PREFIX + name)
                     found[path] = os.stat(stamp).st_mtime
-            return max(found, key=found.get, default=None)
+            return max(found, key=lambda p: found[p], default=None)
         finally:
             self._paths.close_if_idle()
 
@@ -330,17 +317,15 @@ class DatastatesSnapshotCallback(Callback):
             raise ValueError("DatastatesSnapshotCallback: the Trainer does not use its "
                              "DatastatesCheckpointIO; pass it in Trainer(plugins=[io])")
         self._trainer = trainer
-        self.io._guard = self
-        self.io._paths.attended = True  # the run's teardown closes the io
+        self.io.attach_guard(self)  # the run's teardown closes the io
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.io._paths.wait_snapshots()
+        self.io.wait_snapshots()
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        self.io._paths.wait_snapshots()
-        if self.io._guard is self:
-            self.io._guard = None
-            self.io._paths.attended = False
+        self.io.wait_snapshots()
+        if self.io.guarded_by(self):
+            self.io.attach_guard(None)
         self._trainer = None
 
 
@@ -416,7 +401,7 @@ class DatastatesMemoryCheckpoint(Callback):
                 f"DatastatesMemoryCheckpoint: one process only (found world_size="
                 f"{trainer.world_size}); Lightning saves on global rank 0 and loads on every "
                 "rank, and the memory tier would then be opened by every rank on its own")
-        self.io._memory = self
+        self.io.attach_memory(self)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
@@ -439,7 +424,7 @@ class DatastatesMemoryCheckpoint(Callback):
         storage = max(found, key=lambda i: (-1 if i.step is None else i.step, i.seq),
                       default=None)
         storage_step = None if storage is None else -1 if storage.step is None else storage.step
-        if memory_wins(None if memory is None else memory.step, storage_step):
+        if memory is not None and memory_wins(memory.step, storage_step):
             return memory.path
         return None if storage is None else storage.path
 

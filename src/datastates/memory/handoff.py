@@ -51,15 +51,16 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
+from ..commit.retention import RetentionPolicy
+from ..config import CheckpointConfig
 from ..errors import CommitTimeoutError, KeeperError
 from ..format.records import CheckpointInfo
+from ..storage.store import Store
 from . import marks, place
+from .link import KeeperLink
 from .persist import persist_newest
-
-if TYPE_CHECKING:
-    from .tiers import Tiers
 
 log = logging.getLogger("datastates")
 
@@ -84,8 +85,14 @@ class Handoff:
     """Rank 0's queue of memory checkpoints to be written to storage (module docstring): one
     being written, one waiting at most."""
 
-    def __init__(self, tiers: "Tiers"):
-        self._tiers = tiers
+    def __init__(self, link: KeeperLink | None, memdir: str, storage: str,
+                 config: CheckpointConfig, keep_last: int | None, store: Store):
+        """Hand on from the memory directory ``memdir`` (its checkpoints in ``store``) to the
+        storage directory ``storage``, through the keeper at ``link``."""
+        self._link, self._memdir, self._storage, self._config = link, memdir, storage, config
+        self._store = store
+        #: The memory tier's retention: the newest ``keep_last``, and those held here.
+        self.retention = RetentionPolicy(keep_last, None, None, None, "min", held=self.held)
         self._cond = threading.Condition()
         self._waiting: Due | None = None
         self._writing: Due | None = None
@@ -105,6 +112,16 @@ class Handoff:
         """The memory checkpoints waiting or being written (memory retention keeps them)."""
         with self._cond:
             return {i.name for i in (self._waiting, self._writing) if i is not None}
+
+    def waiting(self) -> str | None:
+        """The name of the checkpoint waiting behind the one being written, or None."""
+        with self._cond:
+            return None if self._waiting is None else self._waiting.name
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread that hands on is still running (it ends with :meth:`close`)."""
+        return self._thread.is_alive()
 
     def submit(self, info: CheckpointInfo, overwrite: bool = False) -> None:
         """Hand on the committed memory checkpoint ``info`` (the commit thread, after its memory
@@ -215,7 +232,7 @@ class Handoff:
                     self._end_abandoned()
                     return
                 log.error("datastates: writing the memory checkpoint %s to storage (%s) failed: "
-                          "%s; it stays in memory only", info.name, self._tiers.outer.directory,
+                          "%s; it stays in memory only", info.name, self._storage,
                           exc)
                 error = KeeperError(f"writing the memory checkpoint {info.name} to storage "
                                     f"failed: {exc}")
@@ -244,15 +261,14 @@ class Handoff:
     def _tidy(self) -> None:
         """Apply the memory tier's retention again, now that a checkpoint it kept is released
         (a commit thread's retention running meanwhile skips what this one removed)."""
-        memory = self._tiers.memory
         try:
-            memory._retention.apply(memory.directory, None, False, memory.store)
+            self.retention.apply(os.path.join(self._memdir, place.CKPT), None, False,
+                                 self._store)
         except Exception as exc:  # noqa: BLE001 - the next memory commit's retention retries
             log.warning("datastates: applying the memory tier's retention failed: %s", exc)
 
     def _write(self, due: Due) -> None:
-        tiers = self._tiers
-        link = tiers.link
+        link = self._link
         if link is not None and not link.lost:
             try:  # waited for as long as the keeper lives: see the docstring
                 reply = link.request({"op": "persist", "name": due.name,
@@ -267,6 +283,6 @@ class Handoff:
                 return
         log.warning("datastates: the memory keeper is gone; rank 0 writes %s to storage itself",
                     due.name)
-        persist_newest(os.path.join(tiers.memdir, place.CKPT), tiers.outer.directory,
-                       tiers.outer.config, name=due.name, overwrite=due.overwrite,
-                       checked=lambda i: marks.holds(tiers.memdir, i))
+        persist_newest(os.path.join(self._memdir, place.CKPT), self._storage, self._config,
+                       name=due.name, overwrite=due.overwrite,
+                       checked=lambda i: marks.holds(self._memdir, i))

@@ -327,7 +327,7 @@ class Keeper:
             if op == "stop":
                 self._stopping = True
             elif was:
-                self._last_left("trainer %d detached" % conn.pid)
+                self._last_left(f"trainer {conn.pid} detached")
         elif op == "persist" and request.get("name") is not None:
             # An attached trainer hands on a save due for storage (handoff.py); it holds back
             # its own commits to storage until this answer, so the two never overlap.

@@ -82,13 +82,27 @@ class KeeperLink:
         link.keeper_pid = reply.get("pid")
         return link
 
+    def wait_lost(self, timeout: float) -> bool:
+        """Wait until the connection has ended (``lost``, or closed); whether it has."""
+        self._reader.join(timeout)
+        return not self._reader.is_alive()
+
+    def hold(self, timeout: float) -> "threading.Lock":
+        """Hold every request back (each waits, as behind a request in progress) until the
+        returned lock is released: a pause of the hand-off's writes to storage. TimeoutError if
+        a request in progress does not end within ``timeout``."""
+        if not self._lock.acquire(timeout=timeout):
+            raise TimeoutError(f"a request to the keeper of {self.memdir} did not end within "
+                               f"{timeout:g} s")
+        return self._lock
+
     def request(self, message: dict, timeout: float | None = _REPLY_TIMEOUT_S) -> dict:
         """Send one request and return the keeper's answer; KeeperError if it refuses, is gone
         or does not answer within ``timeout`` (None: as long as it lives; a request in
         progress on another thread counts). Each request carries a number the answer repeats,
         so the late answer of a request that timed out is never taken for another's."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._lock.acquire(timeout=-1 if deadline is None else max(0.0, timeout)):
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             raise KeeperUnresponsiveError(f"the keeper of {self.memdir} did not answer "
                                           f"{message['op']!r}: still busy with an earlier "
                                           "request")

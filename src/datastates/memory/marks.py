@@ -32,6 +32,7 @@ from ..commit.catalog import Catalog
 from ..errors import CorruptCheckpointError, DatastatesError
 from ..format import codec as fmt
 from ..format.records import CheckpointInfo
+from ..format.small_records import Mark, parse_mark
 from ..providers import ProviderRegistry
 from ..restore.reader import Reader
 from ..restore.verify import verify_checkpoint
@@ -74,7 +75,7 @@ def record(memdir: str, info: CheckpointInfo, digest: str, identities: dict) -> 
     place.ensure_private_dir(marks)  # a real directory of this user's, never a link
     tmp = os.path.join(marks, f".{info.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
-        json.dump({"name": info.name, "manifest": digest, "files": identities}, f)
+        json.dump(Mark(info.name, digest, identities).to_json(), f)
     os.replace(tmp, os.path.join(marks, info.name))
     parent = os.path.dirname(info.path)
     for name in os.listdir(marks):
@@ -89,16 +90,14 @@ def record(memdir: str, info: CheckpointInfo, digest: str, identities: dict) -> 
 def holds(memdir: str, info: CheckpointInfo) -> bool:
     """Whether ``info`` (a checkpoint of ``memdir``) has a mark that matches its manifest and
     every shard file as they are now. Any doubt is False."""
+    path = os.path.join(memdir, MARKS, info.name)
     try:
-        mark = json.loads(read_regular(os.path.join(memdir, MARKS, info.name), _MAX_MARK))
-        files = mark["files"]
-        if mark["name"] != info.name or not isinstance(files, dict) or not files:
-            return False
-        if mark["manifest"] != _manifest_digest(info.path):
+        mark = parse_mark(read_regular(path, _MAX_MARK), path)
+        if mark.name != info.name or mark.manifest != _manifest_digest(info.path):
             return False
         return all(_identity(os.path.join(info.path, name)) == list(identity)
-                   for name, identity in files.items())
-    except (OSError, ValueError, KeyError, TypeError, CorruptCheckpointError):
+                   for name, identity in mark.files.items())
+    except (OSError, CorruptCheckpointError):  # the mark, or the manifest, does not read
         return False
 
 

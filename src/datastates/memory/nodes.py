@@ -21,31 +21,14 @@ import json
 import logging
 import os
 import stat
-from dataclasses import dataclass
 
+from ..format.small_records import NodeRanks, parse_node_ranks
 from ..storage.posix import remove_tree
 
 log = logging.getLogger("datastates")
 
 NODE_FILE = "node.json"
 _MAX_BYTES = 1 << 22  # a rank list of a million ranks fits
-
-
-@dataclass(frozen=True)
-class NodeRanks:
-    """Which ranks of a job of ``world_size`` ranks one memory directory holds the shards of
-    (in group order: local rank ``i`` is ``ranks[i]``)."""
-
-    world_size: int
-    ranks: tuple[int, ...]
-
-    @property
-    def whole(self) -> bool:
-        """Every rank of the job: the checkpoints are the job's (one node)."""
-        return self.ranks == tuple(range(self.world_size))
-
-    def describe(self) -> str:
-        return f"ranks {list(self.ranks)} of {self.world_size}"
 
 
 def groups(answers: dict[int, dict]) -> list[list[int]]:
@@ -58,9 +41,13 @@ def groups(answers: dict[int, dict]) -> list[list[int]]:
     return sorted(by_place.values())
 
 
+__all__ = ["NODE_FILE", "NodeRanks", "adopt", "groups", "part_only", "read"]
+
+
 def read(memdir: str) -> NodeRanks | None:
     """The ranks recorded in ``memdir`` (None: no record). A record that is not a regular file
-    of this shape is treated as a record of other ranks (ValueError, for :func:`adopt`)."""
+    of this shape is treated as a record of other ranks: ValueError for :func:`adopt` (the
+    parser's CorruptCheckpointError, a ValueError, naming the field, for a file that is one)."""
     path = os.path.join(memdir, NODE_FILE)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -76,16 +63,7 @@ def read(memdir: str) -> NodeRanks | None:
         raw = os.read(fd, _MAX_BYTES + 1)
     finally:
         os.close(fd)
-    try:
-        doc = json.loads(raw)
-        world, ranks = doc["world_size"], doc["ranks"]
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{path}: not a record of ranks") from None
-    if type(world) is not int or world < 1 or not isinstance(ranks, list) or not ranks or \
-            any(type(r) is not int or not 0 <= r < world for r in ranks) or \
-            len(set(ranks)) != len(ranks):
-        raise ValueError(f"{path}: not a record of ranks")
-    return NodeRanks(world, tuple(ranks))
+    return parse_node_ranks(raw, f"{path} (a record of ranks)")
 
 
 def part_only(memdir: str) -> str | None:
@@ -131,7 +109,7 @@ def _write(memdir: str, now: NodeRanks) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "w") as f:
-            json.dump({"world_size": now.world_size, "ranks": list(now.ranks)}, f)
+            json.dump(now.to_json(), f)
         os.replace(tmp, path)
     except BaseException:
         if os.path.lexists(tmp):

@@ -78,7 +78,7 @@ class MemoryTier:
                  f"{name} a number > 0 (seconds), found {value!r}")
         need(self.storage_writer in (None, "keeper", "trainer"),
              f"storage_writer None, 'keeper' or 'trainer', found {self.storage_writer!r}")
-        need(self.log_path is None or (isinstance(self.log_path, str) and self.log_path),
+        need(self.log_path is None or (isinstance(self.log_path, str) and self.log_path != ""),
              f"log_path None or a file path, found {self.log_path!r}")
 
     def goes_to_storage(self, step: int | None, persist: bool | None) -> bool:

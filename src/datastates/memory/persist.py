@@ -76,7 +76,7 @@ def persist_newest(memory_root: str, storage_root: str, config: CheckpointConfig
         if not named:
             raise CheckpointNotFoundError(f"the memory tier holds no committed checkpoint "
                                           f"{name!r} (in {memory_root})")
-        info = named[0]
+        info: CheckpointInfo | None = named[0]
         if not overwrite and any(s.name == name for s in storage):
             raise CheckpointExistsError(f"storage {storage_root} already holds a committed "
                                         f"checkpoint {name!r}; the save handed on under that "

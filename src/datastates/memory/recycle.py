@@ -136,7 +136,7 @@ class _Mapping:
         if self.pinned:  # every copy into it was fenced: the writer using it has finished
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
-        self.tensor = None
+        self.tensor = torch.empty(0, dtype=torch.uint8)  # the mapping's last view let go
         try:
             self.map.close()
         except BufferError:  # a view is still alive: unmapped when it goes
@@ -290,6 +290,7 @@ class MappedShardWriter(ReusedShardWriter):
         """The ``nbytes`` of the file at ``offset`` (inside the units' region, given out by
         :meth:`unit_view` before), as a uint8 tensor on the mapping (to read them)."""
         start = offset - self._start
+        assert self._tensor is not None, "mapped() before unit_view()"
         return self._tensor[start:start + nbytes]
 
     def finish(self, fsync: bool, size: int) -> None:

@@ -1,23 +1,28 @@
 """The Checkpointer's side of the memory tier: open it, send each save to its tier, choose the
 tier a restore reads from (docs/memory-tier.md).
 
-A Checkpointer configured with ``memory_tier`` holds a second Checkpointer, ``memory``, on the
-memory root (``<memdir>/ckpt``) that shares its pipeline (host cache, threads, communicator), so
-a memory save is the same lazy capture and the same commit protocol as a save to storage, only
-into shared memory. The ranks that share a host and a memory directory form a node group
+A Checkpointer configured with ``memory_tier`` is made of two TierCheckpointers (directory.py):
+``storage`` on its directory, and ``memory`` on the memory root (``<memdir>/ckpt``), which shares
+storage's pipeline (host cache, threads, communicator), so a memory save is the same lazy capture
+and the same commit protocol as a save to storage, only into shared memory. This module opens
+the tier (node groups, keepers, the hand-off) and gives each TierCheckpointer its
+:class:`TierPolicy`: what differs between the two is only there. The ranks that share a host and a memory directory form a node group
 (nodes.py): on one node the memory checkpoints are the job's, on several each group commits its
 own among its ranks, and a restore agrees on a step every group holds.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import time
 import warnings
-from typing import TYPE_CHECKING
+from typing import Iterator
 
 from ..commit.retention import RetentionPolicy
+from ..config import CheckpointConfig
+from ..directory import TierCheckpointer, TierPolicy
 from ..errors import CommitTimeoutError, ConfigError, KeeperError, KeeperUnresponsiveError
 from ..format.records import CheckpointInfo
 from ..storage import is_url
@@ -28,9 +33,6 @@ from .link import KeeperLink
 from .options import MemoryTier
 from .persist import persist_newest
 from .recycle import SPARE, RecyclingStore
-
-if TYPE_CHECKING:
-    from ..checkpointer import Checkpointer
 
 log = logging.getLogger("datastates")
 
@@ -57,26 +59,34 @@ def storage_newest(found: list[CheckpointInfo]) -> CheckpointInfo | None:
 
 
 class Tiers:
-    """The memory tier of one Checkpointer (``outer``): its memory Checkpointer, and on rank 0
-    the keeper link."""
+    """The memory tier of one Checkpointer: its node group, on the group's lowest rank the
+    keeper link, on rank 0 the hand-off to storage, and the policies of its two tiers."""
 
-    def __init__(self, outer: "Checkpointer", tier: MemoryTier, open_memory):
-        """``open_memory(directory, store, comm)``: a Checkpointer of ``directory`` sharing
-        ``outer``'s pipeline, over ``store``, committing among the ranks of ``comm``."""
-        if is_url(outer.directory):
+    def __init__(self, directory: str, tier: MemoryTier, config: CheckpointConfig, comm):
+        """Agree on the node groups with every rank (through ``comm``, the job's communicator)
+        and open this node's keeper: KeeperError if it does not open on every rank."""
+        if is_url(directory):
             raise ConfigError("the memory tier writes its checkpoints to a local directory; "
-                              f"found the storage {outer.directory!r}")
-        self.tier, self.outer = tier, outer
-        self.memdir = place.memory_dir(tier.root, outer.directory)
+                              f"found the storage {directory!r}")
+        self.tier, self.directory, self.config, self.comm = tier, directory, config, comm
+        self.rank = comm.rank
+        self.memdir = place.memory_dir(tier.root, directory)
         self.link: KeeperLink | None = None
-        timeout = tier.start_timeout_s + outer.config.commit_timeout_s
+        #: The memory tier's TierCheckpointer (``open_memory``; None while not open or not used).
+        self.memory: TierCheckpointer | None = None
+        #: Rank 0 with ``storage_writer="keeper"``: the saves due for storage, handed on from
+        #: memory to the keeper (handoff.py).
+        self.handoff: Handoff | None = None
+        self._floor: int | None = None  # a restore of the latest: the oldest step it may read
+        timeout = tier.start_timeout_s + config.commit_timeout_s
         # The node groups (nodes.py): the ranks that share a host and a memory directory.
         answers = self._exchange("memory-tier", {"host": socket.gethostname(),
                                                  "memdir": self.memdir}, timeout)
         groups = nodes.groups(answers)
         #: this rank's node group (global ranks, lowest first) and how many groups the job has
-        self.group = next(g for g in groups if outer.rank in g)
+        self.group = next(g for g in groups if self.rank in g)
         self.nodes = len(groups)
+        self._group_index = groups.index(self.group)
         self.writer = tier.storage_writer or ("keeper" if self.nodes == 1 else "trainer")
         if self.writer == "keeper" and self.nodes > 1:
             raise ConfigError(f"MemoryTier(storage_writer='keeper') needs every rank on one node "
@@ -84,12 +94,12 @@ class Tiers:
                               f"{self.nodes} nodes {groups}: leave storage_writer None or set "
                               "'trainer'")
         error = stalled = None
-        if outer.rank == self.group[0]:  # the group's keeper, and its record of ranks
+        if self.rank == self.group[0]:  # the group's keeper, and its record of ranks
             try:
-                self.link = KeeperLink.open(outer.directory, tier, outer.config)
+                self.link = KeeperLink.open(directory, tier, config)
                 ckpt = os.path.join(self.memdir, place.CKPT)
                 nodes.adopt(self.memdir, ckpt,
-                            nodes.NodeRanks(outer.world_size, tuple(self.group)))
+                            nodes.NodeRanks(comm.world_size, tuple(self.group)))
                 # Every node lists its memory at a restore, an empty one too (a rank whose
                 # listing raised would leave the others' agreement).
                 os.makedirs(ckpt, 0o700, exist_ok=True)
@@ -101,12 +111,12 @@ class Tiers:
                                                    f"{type(error).__name__}: {error}",
                                                    "stalled": stalled}, timeout)
         if error is not None:
-            self._drop()
+            self.detach()
             raise error
         failed = {r: a["error"] for r, a in answers.items() if a["error"]}
         if failed:
-            self._drop()
-            raise KeeperError(f"rank {outer.rank}: the memory tier did not open on rank(s) "
+            self.detach()
+            raise KeeperError(f"rank {self.rank}: the memory tier did not open on rank(s) "
                               f"{sorted(failed)}: " + "; ".join(
                                   f"rank {r}: {e}" for r, e in sorted(failed.items())))
         stalled_on = {r: a["stalled"] for r, a in answers.items() if a.get("stalled")}
@@ -116,60 +126,82 @@ class Tiers:
         #: memory is left to that keeper, untouched.
         self.unavailable: str | None = None
         if stalled_on:
-            self._drop()
+            self.detach()
             self.unavailable = ("the memory tier is not used: " + "; ".join(
                 f"rank {r}: {e}" for r, e in sorted(stalled_on.items())) +
                 "; every save goes to storage and restores read storage")
             log.warning("datastates: %s (a stopped or hung keeper: continue it, or end it and "
                         "restart, to use the memory tier again)", self.unavailable)
-            self.memory = None
-            self.handoff = None
             return
-        comm = outer.comm if self.nodes == 1 else outer.comm.subgroup(
-            str(groups.index(self.group)), self.group)
-        try:
-            self.memory = open_memory(os.path.join(self.memdir, place.CKPT),
-                                      RecyclingStore(os.path.join(self.memdir, SPARE)), comm)
-        except BaseException:
-            self._drop()
-            raise
-        if self.nodes > 1:  # memory/nodes.py
-            self.memory._group = set(self.group)
-            self.memory._agree = outer.comm
-            self.memory._order = order
-        #: Rank 0 with ``storage_writer="keeper"``: the saves due for storage, handed on from
-        #: memory to the keeper (handoff.py).
-        self.handoff: Handoff | None = None
-        if self.writer == "keeper":
-            self.memory._check_storage_name = lambda name, overwrite: \
-                outer._publisher.check_name(outer.directory, name, overwrite)
-        if outer.rank == 0 and self.writer == "keeper":
-            self.handoff = handoff = Handoff(self)
-            self.memory._on_commit = handoff.submit
-            outer._exclusive = handoff.idle  # rank 0's own commits into storage wait
-            deadline = lambda: time.monotonic() + outer.config.commit_timeout_s  # noqa: E731
-            self.memory._delete_guard = lambda name: handoff.paused(name, deadline())
-            self.memory._released = handoff.released
-            outer._delete_guard = lambda name: handoff.paused(None, deadline())
-        # A tier of its own: the newest keep_last plus the one being written (and those being
-        # written to storage).
-        self.memory._retention = RetentionPolicy(
-            tier.keep_last, None, None, None, "min",
-            held=self.handoff.held if self.handoff is not None else None)
-        # One pass over memory: read into the live state, checksums verified as it goes, then
-        # agree; damage on any rank sends every rank to the next checkpoint, which overwrites.
-        self.memory._optimistic = True
-        # A checkpoint the keeper checked after its last write is copied without checksums.
-        self.memory._prechecked = lambda info: marks.holds(self.memdir, info)
+        self.store = RecyclingStore(os.path.join(self.memdir, SPARE))
+        if self.rank == 0 and self.writer == "keeper":
+            self.handoff = Handoff(self.link, self.memdir, directory, config, tier.keep_last,
+                                   self.store)
+
+    def storage_policy(self) -> TierPolicy:
+        """Storage's: its newest is its highest step (then the last commit of it), as across
+        the tiers, never a tag saved later, so that memory's older step never looks newer; on
+        rank 0 with a keeper writing storage, its own commits and deletes wait while the keeper
+        writes there."""
+        handoff = self.handoff
+        if handoff is None:
+            return TierPolicy(order=step_then_commit)
+        return TierPolicy(order=step_then_commit, exclusive=handoff.idle,
+                          delete_guard=lambda name: handoff.paused(None, self._deadline()))
+
+    def open_memory(self, storage: TierCheckpointer) -> TierCheckpointer | None:
+        """The memory tier's TierCheckpointer, sharing ``storage``'s pipeline (None when the
+        tier is not used: ``unavailable``)."""
+        if self.unavailable is not None:
+            return None
+        handoff = self.handoff
+        several = self.nodes > 1
+        policy = TierPolicy(
+            # A tier of its own: the newest keep_last plus the one being written (and those
+            # being written to storage).
+            retention=handoff.retention if handoff is not None else RetentionPolicy(
+                self.tier.keep_last, None, None, None, "min"),
+            # One pass over memory: read into the live state, checksums verified as it goes,
+            # then agree; damage on any rank sends every rank to the next checkpoint.
+            optimistic=True,
+            # A checkpoint the keeper checked after its last write is copied without checksums.
+            prechecked=lambda info: marks.holds(self.memdir, info),
+            eligible=self._eligible,
+            # Several nodes (nodes.py): each group commits among its ranks and the job agrees.
+            group=frozenset(self.group) if several else None,
+            agree=self.comm if several else None, order=order if several else None,
+            check_name=storage.check_name if self.writer == "keeper" else None,
+            on_commit=handoff.submit if handoff is not None else None,
+            released=handoff.released if handoff is not None else None,
+            delete_guard=(lambda name: handoff.paused(name, self._deadline()))
+            if handoff is not None else None)
+        comm = self.comm if not several else self.comm.subgroup(str(self._group_index),
+                                                                self.group)
+        self.memory = TierCheckpointer(os.path.join(self.memdir, place.CKPT), share=storage,
+                                       store=self.store, communicator=comm, policy=policy)
+        return self.memory
+
+    @property
+    def _open(self) -> TierCheckpointer:
+        """The memory tier's TierCheckpointer, which every caller past ``unavailable`` has."""
+        assert self.memory is not None, "the memory tier is not open"
+        return self.memory
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.config.commit_timeout_s
+
+    def _eligible(self, info: CheckpointInfo) -> bool:
+        """Whether a restore of the latest may read the memory checkpoint ``info``."""
+        return self._floor is None or order(info) >= self._floor
 
     def _exchange(self, topic: str, value, timeout: float) -> dict:
-        """``outer.comm.exchange``; KeeperError (the link dropped) if the ranks do not all
-        answer: they did not all open the memory tier."""
+        """``comm.exchange``; KeeperError (the link dropped) if the ranks do not all answer:
+        they did not all open the memory tier."""
         try:
-            return self.outer.comm.exchange(topic, value, timeout)
+            return self.comm.exchange(topic, value, timeout)
         except TimeoutError as exc:
-            self._drop()
-            raise KeeperError(f"rank {self.outer.rank}: the ranks did not all open the memory "
+            self.detach()
+            raise KeeperError(f"rank {self.rank}: the ranks did not all open the memory "
                               f"tier: {exc}") from None
 
     def route(self, step: int | None, tag: str | None, persist: bool | None) -> str:
@@ -187,7 +219,7 @@ class Tiers:
         CommitTimeoutError); raise the first write that failed (KeeperError)."""
         if self.handoff is None:
             return
-        self.handoff.idle(time.monotonic() + self.outer.config.commit_timeout_s)
+        self.handoff.idle(time.monotonic() + self.config.commit_timeout_s)
         errors = self.handoff.take_errors()
         if errors:
             raise errors[0]
@@ -200,7 +232,7 @@ class Tiers:
         a write takes over ``commit_timeout_s``."""
         if self.writer != "keeper" or self.unavailable is not None:  # the same on every rank
             return
-        timeout = self.outer.config.commit_timeout_s
+        timeout = self.config.commit_timeout_s
         error = None
         if self.handoff is not None:
             try:
@@ -209,39 +241,45 @@ class Tiers:
                 error = str(exc)
         if together:
             try:
-                error = self.outer.comm.exchange("storage-quiet", {"error": error},
-                                                 2 * timeout)[0]["error"]
+                error = self.comm.exchange("storage-quiet", {"error": error},
+                                           2 * timeout)[0]["error"]
             except TimeoutError as exc:
                 error = str(exc)
         if error is not None:
-            raise CommitTimeoutError(f"rank {self.outer.rank}: not reading storage: {error}",
+            raise CommitTimeoutError(f"rank {self.rank}: not reading storage: {error}",
                                      {0: "busy"})
 
     def newest(self, storage: CheckpointInfo | None) -> CheckpointInfo | None:
         """The newer of ``storage`` (storage's newest) and the memory's newest; memory on a tie."""
         if self.unavailable is not None:
             return storage
-        memory = self.memory.latest()
+        memory = self._open.latest()
         return memory if memory is not None and order(memory) >= order(storage) else storage
 
-    def restore_from_memory(self, step: int | None, tag: str | None,
-                            storage: CheckpointInfo | None):
-        """None when this restore reads storage, else which memory checkpoints it may read
-        (``info -> bool``): it reads memory when memory holds the checkpoint asked for, or, for
-        the latest, a step at least as new as storage's newest. Rank 0 decides for every rank
-        (through the store), and its storage's newest is the oldest memory checkpoint a restore
-        of the latest may fall back to (storage holds a newer step than any older one)."""
-        if self.unavailable is not None:  # the same on every rank (agreed at construction)
-            return None
+    @contextlib.contextmanager
+    def choosing(self, step: int | None, tag: str | None,
+                 storage: CheckpointInfo | None) -> Iterator[bool]:
+        """Whether a restore or load reads memory, for the body of the ``with`` (the read): when
+        memory holds the checkpoint asked for, or, for the latest, a step at least as new as
+        ``storage`` (storage's newest). Rank 0 decides for every rank (through the store), and
+        its storage's newest is the oldest memory checkpoint a restore of the latest may fall
+        back to in the body (storage holds a newer step than any older one)."""
+        if self.memory is None:  # the same on every rank (agreed at construction)
+            yield False
+            return
         if step is None and tag is None:
-            memory = self.memory.latest()
+            memory = self._open.latest()
             mine = memory is not None and order(memory) >= order(storage)
         else:
-            mine = any(i.name == _name(step, tag) for i in self.memory.list())
-        answers = self.outer.comm.exchange("restore-tier", [bool(mine), order(storage)],
-                                           self.outer.config.commit_timeout_s)
+            mine = any(i.name == _name(step, tag) for i in self._open.list())
+        answers = self.comm.exchange("restore-tier", [bool(mine), order(storage)],
+                                     self.config.commit_timeout_s)
         chosen, floor = answers[0]
-        return (lambda info: order(info) >= floor) if chosen else None
+        self._floor = floor if chosen else None
+        try:
+            yield bool(chosen)
+        finally:
+            self._floor = None
 
     def after_restore(self, step: int | None) -> None:
         """Several nodes, after a restore of the latest settled on ``step`` (either tier): each
@@ -250,19 +288,19 @@ class Tiers:
         collide with them on this node only (CheckpointExistsError on its ranks alone)."""
         if self.nodes == 1 or step is None or self.unavailable is not None:
             return
-        if self.outer.rank == self.group[0]:  # memory.delete() works on the node's lowest rank
-            for info in self.memory.list():
+        if self.rank == self.group[0]:  # memory.delete() works on the node's lowest rank
+            for info in self._open.list():
                 if info.step is not None and info.step > step:
                     log.warning("datastates: the memory checkpoint %s of this node is removed: "
                                 "the job restored step %d (the other nodes do not all hold %s)",
                                 info.name, step, info.name)
-                    self.memory.delete(step=info.step)
+                    self._open.delete(step=info.step)
         # No rank of the node saves before they are gone (its save would find the name taken).
-        timeout = self.outer.config.commit_timeout_s
+        timeout = self.config.commit_timeout_s
         try:
-            self.memory.comm.exchange("memory-trimmed", {}, timeout)
+            self._open.comm.exchange("memory-trimmed", {}, timeout)
         except TimeoutError as exc:
-            raise CommitTimeoutError(f"rank {self.outer.rank}: restored step {step}, but the "
+            raise CommitTimeoutError(f"rank {self.rank}: restored step {step}, but the "
                                      f"ranks of this node did not all return: {exc}",
                                      {}) from None
 
@@ -273,11 +311,11 @@ class Tiers:
         no keeper took it over."""
         if self.unavailable is not None:  # the memory is the stalled keeper's, untouched
             return
-        self.memory.close()
-        self.memory.store.close()  # the shard files' mappings
+        self._open.close()
+        self.store.close()  # the shard files' mappings
         if self.handoff is not None:  # before detaching: the keeper is writing for this trainer
             try:
-                self.handoff.idle(time.monotonic() + self.outer.config.commit_timeout_s)
+                self.handoff.idle(time.monotonic() + self.config.commit_timeout_s)
                 self.handoff.close()
             except CommitTimeoutError as exc:
                 log.error("datastates: closing: %s; detaching anyway (the keeper finishes that "
@@ -298,20 +336,24 @@ class Tiers:
                             "the saves written there")
             elif self.tier.persist_on_exit:
                 try:
-                    persist_newest(os.path.join(self.memdir, place.CKPT), self.outer.directory,
-                                   self.outer.config,
+                    persist_newest(os.path.join(self.memdir, place.CKPT), self.directory,
+                                   self.config,
                                    checked=lambda info: marks.holds(self.memdir, info))
                 except Exception as exc:  # noqa: BLE001 - reported; storage is as it was
                     log.error("datastates: writing the newest memory checkpoint to %s failed: "
-                              "%r", self.outer.directory, exc)
+                              "%r", self.directory, exc)
                     return  # the memory is kept: a later keeper may persist it
             remove_tree(self.memdir)
 
-    def _drop(self) -> None:
+    def detach(self) -> None:
+        """Close the keeper link (a Checkpointer whose opening failed after this one's)."""
         if self.link is not None:
             self.link.close()
 
 
 def _name(step: int | None, tag: str | None) -> str:
     from ..format import codec as fmt
-    return tag if tag is not None else fmt.step_name(step)
+    if tag is not None:
+        return tag
+    assert step is not None  # a named checkpoint: a step or a tag
+    return fmt.step_name(step)

@@ -121,7 +121,7 @@ class RNGState:
 
 
 class RNGStateProvider(StateProvider):
-    """``RNGState``: saved as {"torch", "python"[, "cuda"][, "numpy"]}. Before anything is
+    """``RNGState``: saved as ``{"torch", "python"[, "cuda"][, "numpy"]}``. Before anything is
     applied, ``validate`` checks the shape and ranges of every part (a Python state is also set
     on a scratch ``random.Random``) and ``validate_values`` the bytes of the torch states (set on
     a scratch ``torch.Generator``), so ``load`` sets the generators without failing halfway."""

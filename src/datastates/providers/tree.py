@@ -21,7 +21,7 @@ import math
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -100,10 +100,14 @@ class Items:
 
     def add_object(self, key: str, data: bytes) -> None:
         self.blobs[len(self.keys)] = data
-        for column, value in ((self.keys, key), (self.tensors, None), (self.policies, None),
-                              (self.lazy, False), (self.nbytes, len(data)), (self.shapes, None),
-                              (self.dtypes, None), (self.replicated, False)):
-            column.append(value)
+        self.keys.append(key)
+        self.tensors.append(None)
+        self.policies.append(None)
+        self.lazy.append(False)
+        self.nbytes.append(len(data))
+        self.shapes.append(None)
+        self.dtypes.append(None)
+        self.replicated.append(False)
 
     def tensor_indexes(self) -> list[int]:
         """The numbers of the tensor items, in order."""
@@ -305,17 +309,22 @@ class _Walker:
                     "state": self.node(found.state(obj), path, key, policy, found, depth + 1)}
         return self.object(obj, key)
 
-    def tensor(self, t: torch.Tensor, key: str, policy: str | None,
+    def tensor(self, obj: torch.Tensor | TensorShard, key: str, policy: str | None,
                provider: StateProvider | None) -> dict:
-        plain = type(t) is torch.Tensor
-        param = not plain and isinstance(t, torch.nn.Parameter)
-        if policy is None:
-            policy = provider.capture_of(t) if provider is not None else AUTO
-        shard = None if plain else sharding_of(t)
+        plain = type(obj) is torch.Tensor
+        param = not plain and isinstance(obj, torch.nn.Parameter)
+        if policy is None and provider is not None:
+            # a TensorShard is asked as it is, though capture_of's annotation names tensors
+            policy = provider.capture_of(obj)  # type: ignore[arg-type]
+        elif policy is None:
+            policy = AUTO
+        shard = None if plain else sharding_of(obj)
         if shard is not None:
             t = shard.local.detach()
-        elif not plain or t.requires_grad:
-            t = t.detach()  # a plain tensor that needs no grad is kept as it is: no alias made
+        else:
+            t = cast(torch.Tensor, obj)  # sharding_of gives every TensorShard its shard
+            if not plain or t.requires_grad:
+                t = t.detach()  # a plain tensor that needs no grad is kept as it is: no alias
         items = self.out.items
         index = len(items.keys)
         if t.numel():
@@ -346,7 +355,9 @@ class _Walker:
         recorded). Tensors are told apart by the address of their first byte; only those
         starting where an earlier one does (tied weights, views at the start of a buffer) are
         compared by their whole view (:func:`_view_of`)."""
-        self._views.setdefault(_view_of(self.out.items.tensors[first]), first)
+        seen = self.out.items.tensors[first]
+        assert seen is not None, "the live tensors are released after the walk only"
+        self._views.setdefault(_view_of(seen), first)
         return self._views.setdefault(_view_of(t), index)
 
     def object(self, obj: Any, key: str) -> dict:
@@ -370,7 +381,7 @@ def _view_of(t: torch.Tensor) -> tuple:
 def _address_of(t: torch.Tensor) -> int:
     """The address of the first element of ``t``: ``data_ptr()`` of a plain tensor, from its
     storage for any other (as :func:`_view_of` sees it)."""
-    return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+    return t.untyped_storage().data_ptr() + int(t.storage_offset()) * t.element_size()
 
 
 def _refuse(t: torch.Tensor, key: str) -> None:
@@ -396,7 +407,7 @@ def _too_deep(path: tuple) -> SerializationError:
                               "holds; a container that holds itself is nested without end")
 
 
-def _merge(a: str, b: str) -> str:
+def _merge(a: str | None, b: str) -> str:
     """The policy of one view reached under two keys: eager wins, then an explicit lazy."""
     if EAGER in (a, b):
         return EAGER

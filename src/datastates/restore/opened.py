@@ -98,7 +98,7 @@ class ShardFiles:
             raise CorruptCheckpointError(f"{path}: index checksum {header.index_crc32} differs "
                                          f"from the manifest's {ref.index_crc32} (file replaced?)")
         if header.index_offset % fmt.UNIT_ALIGN or \
-                header.index_offset + header.index_length != size or size != ref.nbytes:
+                header.end != size or size != ref.nbytes:
             raise CorruptCheckpointError(
                 f"{path}: index at [{header.index_offset}, "
                 f"{header.index_offset + header.index_length}) is not the 4096-aligned end of "

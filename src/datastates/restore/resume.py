@@ -80,7 +80,10 @@ def choose(catalog: Catalog, comm, *, open_reader: Callable[[CheckpointInfo], Re
     verified = 0
     while True:
         info = next((c for c in candidates if c.name not in rejected), None)
-        reader, prepared, own_error, status = None, None, None, {"name": None, "seq": -1}
+        reader: Reader | None = None
+        prepared: Any = None
+        own_error: Exception | None = None
+        status: dict[str, Any] = {"name": None, "seq": -1}
         if info is not None:
             status = {"name": info.name, "seq": order(info)}
             try:
@@ -117,7 +120,7 @@ def choose(catalog: Catalog, comm, *, open_reader: Callable[[CheckpointInfo], Re
         names = {a["name"] for a in answers.values()}
         damaged = {r: a for r, a in answers.items() if "damaged" in a}
         if len(names) == 1 and not damaged:
-            if info is None:
+            if info is None or reader is None:  # (no rank chose one: none is left)
                 raise CheckpointNotFoundError(_none_left(catalog.root, rejected, caller))
             if apply is not None:
                 prepared, answers = _apply(reader, prepared, apply, status, comm, timeout_s,

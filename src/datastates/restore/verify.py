@@ -17,7 +17,8 @@ from typing import Callable, Sequence
 
 from ..errors import CorruptCheckpointError
 from ..format import codec as fmt
-from ..format import files
+from ..format import files, zipframe
+from ..format.codec import ShardHeader
 from ..format.records import Manifest, ObjectEntry, ShardIndex
 from ..storage.store import ReadFile
 from .opened import OpenCheckpoint
@@ -71,8 +72,8 @@ def _verify_file(ckpt: OpenCheckpoint, file_id: int, report: Callable[[int], Non
                                          f"{e.offset + e.nbytes}) extends past the data ending "
                                          f"at {header.index_offset}")
     reported = _check_spans(f, _spans(pieces), path, threads, report)
-    _verify_zero_gaps(f, index, header.index_offset, path)
-    total = header.index_offset + header.index_length
+    _verify_zero_gaps(f, index, header, path)
+    total = header.end
     report(total - reported)
     return total
 
@@ -153,13 +154,41 @@ def _check_span(f: ReadFile, span: list[Read], path: str, buf: memoryview) -> No
         pos = stop
 
 
-def _verify_zero_gaps(f: ReadFile, index: ShardIndex, data_end: int, path: str) -> None:
-    """The bytes not covered by a region, from the header to the index, are zero."""
+def _verify_zero_gaps(f: ReadFile, index: ShardIndex, header: ShardHeader, path: str) -> None:
+    """The bytes not covered by a region, from the header to the index, are zero -- but, in a
+    version-3 file, the ZIP framing: each tensor's local header slot and the index record's
+    local header are what a writer makes of the index, and the tail has its CRC-32."""
+    slots = {}
+    if header.version >= 3:
+        tensors = sorted((e.offset, e.nbytes) for e in index.entries if e.kind == "tensor")
+        slots = dict(zipframe.slot_bytes(tensors))
+        at = header.index_offset - zipframe.SLOT
+        slots[at] = zipframe.local_header(zipframe.INDEX_RECORD, header.index_length,
+                                          zipframe.SLOT, header.index_crc32)
     pos = fmt.HEADER_BYTES
-    for e in sorted((e for e in index.entries if e.nbytes), key=lambda e: e.offset):
-        _check_zero(f, pos, e.offset, path)
-        pos = e.offset + e.nbytes
-    _check_zero(f, pos, data_end, path)
+    regions = [(e.offset, e.nbytes) for e in index.entries if e.nbytes]
+    regions += [(at, len(data)) for at, data in slots.items()]
+    for offset, nbytes in sorted(regions):
+        _check_zero(f, pos, offset, path)
+        if offset in slots:
+            _check_slot(f, offset, slots.pop(offset), path)
+        pos = max(pos, offset + nbytes)
+    _check_zero(f, pos, header.index_offset, path)
+    if header.version >= 3:
+        _check_zero(f, header.index_offset + header.index_length, header.tail_offset, path)
+        tail = bytearray(header.tail_length)  # bounded by the header's check
+        f.read_into([memoryview(tail)], header.tail_offset)
+        if fmt.crc32(tail) != header.tail_crc32:
+            raise CorruptCheckpointError(f"{path}: the tail at {header.tail_offset} "
+                                         f"({header.tail_length} bytes) fails its CRC-32")
+
+
+def _check_slot(f: ReadFile, at: int, expected: bytes, path: str) -> None:
+    found = bytearray(len(expected))
+    f.read_into([memoryview(found)], at)
+    if found != expected:
+        raise CorruptCheckpointError(f"{path}: the ZIP local header at offset {at} is not the "
+                                     "one the index makes")
 
 
 def _check_zero(f: ReadFile, start: int, end: int, path: str) -> None:

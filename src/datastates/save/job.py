@@ -14,16 +14,20 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
+from typing import cast
+
 
 from .. import errors
 from ..commit.catalog import human_bytes
 from ..commit.committer import SaveTarget
 from ..errors import CommitTimeoutError
 from ..format import codec as fmt
+from ..format import zipframe
 from ..format import plain
 from ..format.records import CheckpointInfo, FileRef, RankReport, ReportEntry, SaveRef
 from ..providers.tree import Flattened, Items, saved_tree
-from ..storage.posix import ShardWriter, fsync_dir
+from ..storage.posix import fsync_dir
+from ..storage.store import ShardFileWriter
 from .planning import Layout
 
 log = logging.getLogger("datastates")
@@ -86,7 +90,7 @@ class Job:
         self.cancelled = threading.Event()
         self.error: BaseException | None = None
         self.info: CheckpointInfo | None = None
-        self.writer: ShardWriter | None = None
+        self.writer: ShardFileWriter | None = None
         #: The capture copies the units straight into the shard file (pipeline.IN_PLACE).
         self.in_place = False
         #: CRC-32 of every piece of each written unit (by the unit's file offset), in the
@@ -238,8 +242,9 @@ def replica_digests(items: Items, indexes: list[int]) -> dict[str, str]:
     digested through bounded host copies."""
     out = {}
     for i in indexes:
-        if items.tensors[i] is not None:
-            data = fmt.tensor_bytes(items.tensors[i])
+        t = items.tensors[i]
+        if t is not None:
+            data = fmt.tensor_bytes(t)
             crc, step = 0, 64 << 20
             for start in range(0, data.numel(), step):
                 piece = data[start:start + step]
@@ -277,6 +282,15 @@ class SaveHandle:
         """The nonce of this save (the same on every rank; recorded in the manifest)."""
         return self._job.target.sid.nonce
 
+    @property
+    def started(self) -> float:
+        """When ``save()`` was called (``time.perf_counter()``): the order saves were made in."""
+        return self._job.t0
+
+    def wait_finished(self) -> None:
+        """Block until the save has committed or failed, raising nothing (see :meth:`wait`)."""
+        self._job.finished.wait()
+
     def snapshot_done(self) -> bool:
         """True once the state is captured in host memory (or the save failed)."""
         return self._job.captured.is_set()
@@ -307,7 +321,9 @@ class SaveHandle:
         if self._job.error is not None:
             self._raise()
         self._observed = True
-        return self._job.info
+        info = self._job.info
+        assert info is not None, "a job finished without an error has its checkpoint's info"
+        return info
 
     result = wait
 
@@ -367,6 +383,10 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
     job.unblocked.wait()  # every unit written, or the deadline passed
     if job.error is not None:
         return None
+    writer = job.writer
+    if writer is None:  # opened is set without a writer only for a failed job
+        raise RuntimeError(f"the shard file of {job.target.name!r} was never opened, and the "
+                           "save recorded no error")
     position = {flat_i: t_i for t_i, flat_i in enumerate(job.write_tensors)}
     checksums = _checksums(job)
     offsets = job.layout.tensor_offsets
@@ -374,12 +394,18 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
         t_i = position.get(i)
         entries[i] = _tensor_entry(items, i, None if t_i is None else offsets[t_i],
                                    checksums[t_i] if t_i is not None else ())
+    assert None not in entries, "every item has its entry: objects above, tensors just now"
+    done = cast("list[ReportEntry]", entries)
     index = fmt.encode_index_items(job.target.rank, ",".join(
-        [_index_text(e) for e in entries if e.written]).encode())
-    job.writer.write(memoryview(index), job.layout.index_offset)
-    job.writer.write(memoryview(fmt.pack_header(job.layout.index_offset, index)), 0)
-    size = job.layout.index_offset + len(index)
-    job.writer.finish(fsync, size)
+        [_index_text(e) for e in done if e.written]).encode())
+    tree = saved_tree(job.flat.tree)
+    if job.layout.framed:
+        size = _write_framed(job, index, checksums, tree)
+    else:
+        writer.write(memoryview(index), job.layout.index_offset)
+        writer.write(memoryview(fmt.pack_header(job.layout.index_offset, index)), 0)
+        size = job.layout.index_offset + len(index)
+    writer.finish(fsync, size)
     job.stats.file_nbytes = size
     if fsync and job.target.store.renames:  # the file's entry in the temporary directory
         fsync_dir(job.target.tmp)
@@ -387,9 +413,47 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
     return RankReport(rank=rank, save=_save_ref(job), root=job.target.root,
                       file=FileRef(name=fmt.shard_file_name(rank), rank=rank, nbytes=size,
                                    index_crc32=fmt.crc32(index)),
-                      entries=tuple(entries), tree=saved_tree(job.flat.tree),
+                      entries=tuple(done), tree=tree,
                       replicas=dict(job.replicas),
                       expired=job.expired)
+
+
+def _write_framed(job: Job, index: bytes, checksums: list, tree: dict) -> int:
+    """Write the index as a ZIP record, the tail (the pickle of the rank's state naming the
+    tensor records, the central directory) and the header of a version-3 file (docs/format.md,
+    "Shard file version 3"); return the file's size."""
+    items, layout, writer = job.flat.items, job.layout, job.writer
+    assert writer is not None  # opened by the capture thread before any unit
+    at = layout.index_offset
+    index_crc = fmt.crc32(index)
+    writer.write(memoryview(zipframe.local_header(zipframe.INDEX_RECORD, len(index),
+                                                      zipframe.SLOT, index_crc)),
+                     at - zipframe.SLOT)
+    writer.write(memoryview(index), at)
+    records = [zipframe.Record(zipframe.HEADER_RECORD, 0, 0, 0)]
+    for k, i in enumerate(job.write_tensors):
+        nbytes = items.nbytes[i]
+        records.append(zipframe.Record(zipframe.tensor_name(k),
+                                       layout.tensor_offsets[k] - zipframe.slot_of(nbytes),
+                                       nbytes, zipframe.crc_of_pieces(checksums[k])))
+    records.append(zipframe.Record(zipframe.INDEX_RECORD, at - zipframe.SLOT, len(index),
+                                   index_crc))
+    position = {flat_i: k for k, flat_i in enumerate(job.write_tensors)}
+
+    def held(i: int):
+        k = position.get(i)
+        return None if k is None else (k, items.dtypes[i], items.shapes[i])
+
+    pickled = zipframe.pickle_state(zipframe.plain_state(tree, held))
+    tail_at = fmt.align_up(at + len(index), fmt.DATA_ALIGN)
+    tail = zipframe.tail(tail_at, records, pickled, fmt.crc32)
+    writer.write(memoryview(tail), tail_at)
+    first = b""
+    if job.write_tensors:
+        n0 = items.nbytes[job.write_tensors[0]]
+        first = zipframe.local_header(zipframe.tensor_name(0), n0, zipframe.slot_of(n0))
+    writer.write(memoryview(fmt.pack_header_v3(at, index, tail_at, tail, first)), 0)
+    return tail_at + len(tail)
 
 
 def _checksums(job: Job) -> list[tuple[tuple[int, int], ...]]:
@@ -414,8 +478,10 @@ def _tensor_entry(items: Items, i: int, offset: int | None, checksums: tuple) ->
     not written by this rank (``offset`` None). Its fields in order (one call per tensor of a
     save, without keyword arguments to match)."""
     box = items.boxes.get(i)
+    dtype = items.dtypes[i]
+    assert dtype is not None, "a tensor item has its dtype"
     return ReportEntry(items.keys[i], "tensor", offset is not None, offset,
                        items.nbytes[i] if offset is not None else None,
-                       fmt.dtype_name(items.dtypes[i]), items.shapes[i], checksums, None,
+                       fmt.dtype_name(dtype), items.shapes[i], checksums, None,
                        tuple(box[0]) if box else None, tuple(box[1]) if box else None,
                        bool(items.replicated[i]))

@@ -20,6 +20,7 @@ job's events ends, with the data or with an error.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import queue
 import threading
 import time
@@ -32,12 +33,14 @@ from ..commit.committer import commit_save
 from ..config import CheckpointConfig
 from ..errors import CheckpointerClosedError, StorageError
 from ..format import codec as fmt
+from ..format import zipframe
 from ..providers.tree import plain_cpu
 from .capture import check_unwritten
 from .job import Job, failed_report, finish_file, replica_digests, write_error
 from .planning import Piece, Unit
 from .staging import DeviceCopier, HostCache, zero_bytes
 from ..storage.posix import buffer_of
+from ..storage.store import MappedFileWriter
 
 #: A unit whose pieces average fewer bytes than this is zeroed whole before its pieces are
 #: copied (one call), rather than gap by gap (a call per piece).
@@ -187,7 +190,7 @@ class Pipeline:
         store.makedirs(job.target.tmp, False)  # its name says which process owns it
         job.writer = store.shard_writer(store.join(job.target.tmp, fmt.shard_file_name(job.target.rank)),
                                         self.config.io_mode, job.layout)
-        if job.in_place and _has_cuda(job) and not job.writer.pin():
+        if job.in_place and _has_cuda(job) and not _mapped(job).pin():
             job.in_place = False  # staged in the pinned host cache, then written, instead
             self.cache.reserve(len(job.layout.units) * self.config.unit_bytes)
         job.opened.set()
@@ -229,12 +232,13 @@ class Pipeline:
                 if job.cancelled.is_set():
                     return
                 slot = IN_PLACE
-                dst = job.writer.unit_view(unit.file_offset,
-                                           fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN))
+                dst = _mapped(job).unit_view(unit.file_offset,
+                                             fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN))
             else:
-                slot = self._acquire(job)
-                if slot is None:
+                acquired = self._acquire(job)
+                if acquired is None:
                     return
+                slot = acquired
                 dst = self.cache.tensor(slot)
             job.unit_queued()
             try:
@@ -275,6 +279,7 @@ class Pipeline:
             if start > pos and not dense:
                 zero_bytes(base + pos, start - pos)
             t = tensors[write[item]]
+            assert t is not None, "a unit is captured before its tensors are released"
             if plain_cpu(t):
                 copies.append((base + start, t.data_ptr() + begin, nbytes))
                 sources.append(t)
@@ -289,6 +294,9 @@ class Pipeline:
                 self._eager_done(job)
         if padded > pos and not dense:
             zero_bytes(base + pos, padded - pos)
+        for at, k, nbytes in unit.slots:  # in gaps zeroed above, apart from every piece
+            data = zipframe.local_header(zipframe.tensor_name(k), nbytes, zipframe.slot_of(nbytes))
+            ctypes.memmove(base + at, data, len(data))
         copier.copy_addresses(copies)
         fence = copier.fence()
         if fence is not None:
@@ -304,7 +312,9 @@ class Pipeline:
         items, i = job.flat.items, job.write_tensors[number]
         src = kept.pop(number, None)
         if src is None:
-            src = self.copier.flat(items.tensors[i])
+            t = items.tensors[i]
+            assert t is not None, "a unit is captured before its tensors are released"
+            src = self.copier.flat(t)
         if begin + size < items.nbytes[i]:  # the next unit continues it
             kept[number] = src
         self.copier.copy(dst[start:start + size], src[begin:begin + size])
@@ -342,6 +352,8 @@ class Pipeline:
             if not job.cancelled.is_set() and slot != IN_PLACE:  # in place: already there
                 view = self.cache.view(slot)
                 padded = fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN)
+                if job.writer is None:  # failed below like a write that failed
+                    raise RuntimeError("the shard file is not open")
                 job.writer.write(view[:unit.nbytes], unit.file_offset, view[:padded])
         except BaseException as exc:
             job.fail(write_error(job, f"writing {job.writer.path if job.writer else job.target.tmp}"
@@ -355,7 +367,7 @@ class Pipeline:
         try:
             if not job.cancelled.is_set():
                 if slot == IN_PLACE:  # the tensor keeps the mapping while its bytes are read
-                    mapped = job.writer.mapped(unit.file_offset, unit.nbytes)
+                    mapped = _mapped(job).mapped(unit.file_offset, unit.nbytes)
                     view = buffer_of(mapped)
                 else:
                     view = self.cache.view(slot)
@@ -515,9 +527,23 @@ def _captures_in_place(job: Job) -> bool:
     return not _has_cuda(job) or getattr(store, "maps_cuda", False)
 
 
+def _mapped(job: Job) -> MappedFileWriter:
+    """The writer of a job captured in place: a mapped one (``_captures_in_place`` chose it)."""
+    writer = job.writer
+    if not isinstance(writer, MappedFileWriter):
+        raise RuntimeError(f"{job.target.name!r}: a unit captured in place needs a mapped shard "
+                           f"file, found the writer {type(writer).__name__}")
+    return writer
+
+
 def _has_cuda(job: Job) -> bool:
     tensors = job.flat.items.tensors
-    return any(tensors[i].is_cuda for i in job.write_tensors)
+    for i in job.write_tensors:
+        t = tensors[i]
+        assert t is not None, "asked before the save's tensors are released"
+        if t.is_cuda:
+            return True
+    return False
 
 
 def _last_eager_piece(job: Job) -> tuple[int, int]:

@@ -98,8 +98,13 @@ class HostCache:
         self._free.put(slot)
 
     def tensor(self, slot: int) -> torch.Tensor:
+        """Slot ``slot`` of the cache, once it is allocated (a slot is acquired only then);
+        RuntimeError after :meth:`close`."""
+        buffer = self._buffer
+        if buffer is None:
+            raise RuntimeError("the host cache is not allocated (it was closed)")
         start = slot * self.slot_bytes
-        return self._buffer[start:start + self.slot_bytes]
+        return buffer[start:start + self.slot_bytes]
 
     def view(self, slot: int) -> memoryview:
         return buffer_of(self.tensor(slot))

@@ -12,6 +12,7 @@ import socket
 import sys
 import threading
 import uuid
+from typing import Any
 
 import torch
 
@@ -152,6 +153,7 @@ def fsync_dir(path: str) -> None:
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
+_renameat2: Any
 try:
     _renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
     _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
@@ -177,7 +179,7 @@ def exchange(a: str, b: str) -> bool:
     raise OSError(code, os.strerror(code), a, None, b)
 
 
-def write_file_atomic(path: str, data: bytes, fsync: bool = True, *,
+def write_file_atomic(path: str, data: bytes | bytearray, fsync: bool = True, *,
                       exclusive: bool = False, owner: str | None = None) -> os.stat_result:
     """Write ``path`` through a uniquely named temporary + fsync + rename + fsync of the directory
     (unique, so that several processes replacing the same file never share a temporary). Returns

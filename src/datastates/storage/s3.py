@@ -205,7 +205,7 @@ class S3Store(Store):
                                          "bytes for this file")
         return data
 
-    def write_atomic(self, path: str, data: bytes, fsync: bool) -> Any:
+    def write_atomic(self, path: str, data: bytes | bytearray, fsync: bool) -> Any:
         """One PUT; returns the object's ETag (the stamp :meth:`file_stamps` lists)."""
         reply = self._call("PUT", path, self.client.put_object, Key=self.key(path),
                            Body=ViewReader(memoryview(data)))
@@ -518,7 +518,8 @@ class S3ShardWriter:
     def write(self, data: memoryview, offset: int, padded: memoryview | None = None) -> None:
         part = self.parts[bisect.bisect_right(self._starts, offset) - 1]
         body = padded if padded is not None else data
-        if part.direct and offset == part.start and body.nbytes == part.end - part.start:
+        if part.direct and offset == part.start and part.end is not None and \
+                body.nbytes == part.end - part.start:
             self._upload(part, ViewReader(body))  # straight from the cache slot
             return
         with self._lock:
@@ -578,6 +579,9 @@ class S3ShardWriter:
             self._completed = True
             return
         first = self.parts[0]
+        if first.buf is None:  # write() fills it, header first, before finish() is called
+            raise StorageError(f"{self.path}: part 1 of the upload (the header) was never "
+                               "written")
         self._upload(first, first.buf)
         first.buf = None
         self._upload(last, tail)

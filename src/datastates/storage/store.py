@@ -13,7 +13,10 @@ import errno
 import os
 import posixpath
 import stat
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
 
 from ..errors import CorruptCheckpointError
 from . import posix
@@ -130,7 +133,8 @@ def read_regular(path: str, max_bytes: int | None = None) -> bytes:
     grows past ``max_bytes`` while it is read."""
     fd, st = open_regular(path, max_bytes)
     try:
-        chunks, total, want = [], 0, st.st_size + 1  # one read, unless the file grew
+        chunks: list[bytes] = []
+        total, want = 0, st.st_size + 1  # one read, unless the file grew
         while True:
             chunk = os.read(fd, want)
             want = 1 << 20
@@ -146,6 +150,33 @@ def read_regular(path: str, max_bytes: int | None = None) -> bytes:
 
 
 # ---------------------------------------------------------------- the storage interface
+
+class ShardFileWriter(Protocol):
+    """What :meth:`Store.shard_writer` returns (``posix.ShardWriter`` is the model): the writer
+    of one shard file, ``write`` callable from several threads at once, then ``finish`` once
+    every write returned, or ``close`` to give up (an object store aborts its upload)."""
+
+    path: str
+
+    def write(self, data: memoryview, offset: int, padded: memoryview | None = None) -> None: ...
+
+    def finish(self, fsync: bool, size: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class MappedFileWriter(ShardFileWriter, Protocol):
+    """A shard writer whose file is mapped in memory (the memory tier's), so that units are
+    captured straight into it: ``pin`` registers the mapping with CUDA (False: it cannot),
+    ``unit_view`` is the mapped range a unit is copied into, ``mapped`` the range to read back."""
+
+    def pin(self) -> bool: ...
+
+    def unit_view(self, offset: int, nbytes: int) -> torch.Tensor: ...
+
+    def mapped(self, offset: int, nbytes: int) -> torch.Tensor: ...
+
 
 class ReadFile:
     """One file opened for reading: its size and positional reads into caller buffers."""
@@ -194,7 +225,7 @@ class Store:
         local disk, not a regular file in its folder (:func:`open_regular`)."""
         raise NotImplementedError
 
-    def write_atomic(self, path: str, data: bytes, fsync: bool) -> Any:
+    def write_atomic(self, path: str, data: bytes | bytearray, fsync: bool) -> Any:
         """Replace ``path`` with ``data`` so that a reader sees the old or the new bytes. Returns
         the stamp of the file written, as :meth:`file_stamps` reports it (None if unknown)."""
         raise NotImplementedError
@@ -252,10 +283,9 @@ class Store:
         it is a regular file in its folder (:func:`open_regular`)."""
         raise NotImplementedError
 
-    def shard_writer(self, path: str, io_mode: str, layout: Any) -> Any:
-        """A writer for one shard file with ``write(data, offset, padded=None)``,
-        ``finish(fsync, size)`` and ``close()`` (see ``posix.ShardWriter``); ``layout`` is the
-        file's ``planning.Layout`` (object stores cut their upload parts from it)."""
+    def shard_writer(self, path: str, io_mode: str, layout: Any) -> ShardFileWriter:
+        """A writer for one shard file (:class:`ShardFileWriter`); ``layout`` is the file's
+        ``planning.Layout`` (object stores cut their upload parts from it)."""
         raise NotImplementedError
 
     def cleanup_uploads(self, root: str, is_stale) -> list[str]:
@@ -305,7 +335,7 @@ class LocalStore(Store):
     def read_bytes(self, path: str, max_bytes: int | None = None) -> bytes:
         return read_regular(path, max_bytes)
 
-    def write_atomic(self, path: str, data: bytes, fsync: bool) -> Any:
+    def write_atomic(self, path: str, data: bytes | bytearray, fsync: bool) -> Any:
         return _stamp(posix.write_file_atomic(path, data, fsync))
 
     def write_new(self, path: str, data: bytes, fsync: bool) -> Any:
@@ -336,7 +366,7 @@ class LocalStore(Store):
         reported with stamp None: its reader refuses the link, so it is named, never skipped.
         So is an entry gone by the time it is looked at (renamed or deleted since the listing):
         its reader finds it gone and lists again (``Catalog.scan``)."""
-        out = {}
+        out: dict[str, Any] = {}
         for name in os.listdir(path):
             entry = os.path.join(path, name)
             try:

@@ -33,6 +33,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 from .posix import remove_tree
 
@@ -61,6 +62,8 @@ _EARLIER = (("tmp", re.compile(rf"\.tmp\.(?P<original>.+)\.{_TOKEN}-\d+")),
             ("trash", re.compile(rf"\.trash\.(?P<original>.+)\.{_TOKEN}\.{_UID}")))
 #: The same kinds as still earlier versions named them (no owner: removed by age only).
 _UNOWNED = (("latest", "latest.tmp."), ("tmp", ".tmp."), ("old", ".old."), ("trash", ".trash."))
+#: The data directories of saves in a store without rename (:func:`data_dir_name`).
+_DATA_DIR = re.compile(rf"\.data\.{_TOKEN}-[0-9]+")
 #: The longest entry name a local file system takes (POSIX ``NAME_MAX`` on Linux file systems).
 NAME_MAX = 255
 
@@ -125,6 +128,32 @@ def old_name(name: str, token: str) -> str:
 def trash_name(token: str) -> str:
     """A checkpoint being deleted: ``.trash.<token>.<uid>``."""
     return f".trash.{token}.{uuid.uuid4().hex[:8]}"
+
+
+def damaged_name(name: str) -> str:
+    """Where a damaged checkpoint ``name`` is set aside: ``.damaged.<name>.<uid>``. Not a
+    temporary: never listed as a checkpoint, never removed by datastates."""
+    return f".damaged.{name}.{uuid.uuid4().hex[:8]}"
+
+
+def data_dir_name(token: str, serial: int) -> str:
+    """The data directory of a save in a store without rename, inside its checkpoint's folder
+    (``<name>/.data.<token>-<serial>``): its shard files and parts go there, and the manifest
+    committing the save names it. Not a temporary of the root: :func:`is_data_dir` finds it."""
+    return f".data.{token}-{serial}"
+
+
+def is_data_dir(name: str) -> bool:
+    """Whether the entry ``name`` of a checkpoint's folder is a name :func:`data_dir_name`
+    gives."""
+    return _DATA_DIR.fullmatch(name) is not None
+
+
+def is_data_key(key: str, saved: Callable[[str], bool]) -> bool:
+    """Whether ``key`` (relative to a root) is ``<name>/<data directory>/<file>``, ``file`` a
+    name ``saved`` says a save writes there: what the cleanup of stale uploads may abort."""
+    parts = key.split("/")
+    return len(parts) == 3 and bool(parts[0]) and is_data_dir(parts[1]) and saved(parts[2])
 
 
 def lease_path(root: str, token: str) -> str:

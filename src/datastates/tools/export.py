@@ -110,7 +110,8 @@ def export(path: str | os.PathLike, out: str | os.PathLike, to: str = "torch", *
         out = os.path.abspath(os.fspath(out))
         if to == "torch":
             _write_atomic(out, lambda f: torch.save(state, f))
-            skipped, aliases = (), None
+            skipped: list = []
+            aliases = None
         else:
             skipped, aliases = _write_safetensors(out, ckpt, prefixes)
         return ExportReport(out, to, len(ckpt.tensors), ckpt.nbytes,
@@ -139,7 +140,15 @@ def planned_bytes(path: str | os.PathLike, to: str = "torch", *,
     prefixes = ["model"] if to == "hf" else tree.prefixes(keys)
     manifest = files.read_manifest(info.path)
     return sum(_numel(e.shape) * e.torch_dtype.itemsize for e in
-               (manifest.entries[i] for i in _tensor_indexes(manifest.ranks[0].tree, prefixes)))
+               (_tensor(manifest, i) for i in _tensor_indexes(manifest.ranks[0].tree, prefixes)))
+
+
+def _tensor(manifest: Manifest, i: int) -> TensorEntry:
+    """Entry ``i`` of ``manifest``, which a tree's tensor node refers to (the parser checked
+    that it is a tensor entry)."""
+    entry = manifest.entries[i]
+    assert isinstance(entry, TensorEntry), f"entry {i} is referred to as a tensor"
+    return entry
 
 
 def _tensor_indexes(root: dict, prefixes: list[str] | None) -> set[int]:
@@ -342,7 +351,7 @@ def _check_safetensors_dtypes(ckpt: "_MappedCheckpoint", prefixes) -> None:
     """ConfigError naming the first tensor whose dtype safetensors cannot hold, before any
     byte is read or written."""
     for i in sorted(_tensor_indexes(ckpt.manifest.ranks[0].tree, prefixes)):
-        entry = ckpt.manifest.entries[i]
+        entry = _tensor(ckpt.manifest, i)
         if entry.torch_dtype not in _SAFETENSORS_DTYPES:
             raise ConfigError(f"export: tensor {entry.key!r} is {entry.dtype}, which safetensors "
                               f"cannot hold (it holds {', '.join(sorted(_ST_NAMES))}); export "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import random
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -67,7 +67,9 @@ def _process_rngs(out: dict) -> None:
         import numpy as np
     except ImportError:
         return
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # the legacy form (the default): the tuple, never the dict of get_state(legacy=False)
+    kind, keys, pos, has_gauss, cached = cast("tuple[str, Any, int, int, float]",
+                                              np.random.get_state())
     out["rng:numpy"] = ["rng", _digest(keys.tobytes(), repr((kind, pos, has_gauss,
                                                              cached)).encode()), "numpy"]
 

@@ -153,7 +153,11 @@ class _Process:
         """Wait for the process, at most until ``timeout_s`` after its start."""
         expired = threading.Event()
         left = max(0.0, self.started + timeout_s - time.monotonic())
-        timer = threading.Timer(left, lambda: (expired.set(), self.abort()))
+        def expire() -> None:
+            expired.set()
+            self.abort()
+
+        timer = threading.Timer(left, expire)
         timer.start()
         try:
             # Wait without reaping: while the leader is a zombie its group id stays its own, so
@@ -213,13 +217,14 @@ def _target(train_fn: Callable | str) -> tuple:
             raise ConfigError(f"check_resume: expected 'module:function', found {train_fn!r}")
         _resolve(module, name)
         return train_fn, None
-    module, name = getattr(train_fn, "__module__", None), getattr(train_fn, "__qualname__", "")
-    if not callable(train_fn) or module is None or "<" in name:
+    where = getattr(train_fn, "__module__", None)
+    name = getattr(train_fn, "__qualname__", "")
+    if not callable(train_fn) or where is None or "<" in name:
         raise ConfigError(f"check_resume: expected a module-level function, found {train_fn!r}")
-    if module == "__main__":
+    if where == "__main__":
         raise ConfigError(f"check_resume: {name} is defined in __main__ (a script run "
                           "directly), which a new process cannot import: move it to a module")
-    return f"{module}:{name}", _import_root(module)
+    return f"{where}:{name}", _import_root(where)
 
 
 def _resolve(module: str, name: str) -> Callable:

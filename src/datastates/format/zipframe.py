@@ -1,0 +1,303 @@
+"""The ZIP framing of a version-3 shard file (docs/format.md, "Shard file version 3"): the
+bytes that make a shard file also a ``torch.save`` archive, around regions that stay where
+version 2 puts them.
+
+Pure functions over sizes, names and trees; no I/O. The writer places the local header of
+each tensor record in the slot before the tensor (:func:`local_header`), builds the tail
+(:func:`tail`) and the first record's local header (:func:`header_record_header`); the
+verifier rebuilds the slots from the index (:func:`slot_bytes`).
+"""
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import struct
+from typing import Any, Callable, Iterable, NamedTuple
+
+import torch
+
+FOLDER = "archive"
+#: The first record: empty, its local header fills bytes 0-63 (the datastates header follows it,
+#: in no record: a record holding it would have to hold the CRC-32 of the tail, which holds the
+#: record's own CRC-32 in the central directory).
+HEADER_RECORD = "archive/.datastates/shard"
+INDEX_RECORD = "archive/.datastates/index"
+#: The bytes of a local header slot; ``BIG_SLOT`` for a record of ``ZIP64_LIMIT`` bytes or more.
+SLOT = 64
+BIG_SLOT = 128
+ZIP64_LIMIT = 0xFFFFFFFF
+#: The offset of the datastates header in a version-3 file (the data of the first record).
+HEADER_AT = SLOT
+_PAD_ID = 0x5344  # "DS"
+_DATE = 0x21  # 1980-01-01
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
+_Z64_EOCD = struct.Struct("<IQHHIIQQQQ")
+_Z64_LOC = struct.Struct("<IIQI")
+_EOCD = struct.Struct("<IHHHHIIH")
+#: Records of the tail after data.pkl: (name, data).
+_TAIL_RECORDS = ((f"{FOLDER}/.format_version", b"1"), (f"{FOLDER}/.storage_alignment", b"64"),
+                 (f"{FOLDER}/byteorder", b"little"), (f"{FOLDER}/version", b"3\n"))
+
+
+def slot_of(nbytes: int) -> int:
+    """The bytes of the local header slot before a record of ``nbytes``."""
+    return BIG_SLOT if nbytes >= ZIP64_LIMIT else SLOT
+
+
+def tensor_name(k: int) -> str:
+    return f"{FOLDER}/data/{k}"
+
+
+def local_header(name: str, nbytes: int, slot: int, crc: int = 0) -> bytes:
+    """The local header of a stored record of ``nbytes`` named ``name``, exactly ``slot``
+    bytes (padded with the ``DS`` extra field), so that its data starts right after it."""
+    raw = name.encode("ascii")
+    z64 = nbytes >= ZIP64_LIMIT
+    extra = struct.pack("<HHQQ", 1, 16, nbytes, nbytes) if z64 else b""
+    pad = slot - _LOCAL.size - len(raw) - len(extra) - 4
+    if pad < 0:
+        raise ValueError(f"a local header for {name!r} does not fit in {slot} bytes")
+    extra += struct.pack("<HH", _PAD_ID, pad) + bytes(pad)
+    size = ZIP64_LIMIT if z64 else nbytes
+    return _LOCAL.pack(0x04034B50, 45 if z64 else 20, 0, 0, 0, _DATE, crc, size, size,
+                       len(raw), len(extra)) + raw + extra
+
+
+def header_record_header() -> bytes:
+    """Bytes 0-63 of a version-3 file: the local header of the empty first record."""
+    return local_header(HEADER_RECORD, 0, SLOT)
+
+
+class Record(NamedTuple):
+    """A record of the archive: its name, where its local header is, its bytes and CRC-32."""
+
+    name: str
+    header_at: int
+    nbytes: int
+    crc: int
+
+
+def slot_bytes(offsets_sizes: Iterable[tuple[int, int]]) -> Iterable[tuple[int, bytes]]:
+    """(where, bytes) of each tensor record's local header, for the tensors of an index given
+    as (offset, nbytes) in ascending offset order (what ``verify`` compares a file against)."""
+    for k, (offset, nbytes) in enumerate(offsets_sizes):
+        slot = slot_of(nbytes)
+        yield offset - slot, local_header(tensor_name(k), nbytes, slot)
+
+
+# ---------------------------------------------------------------- CRC-32 combination
+
+_POLY = 0xEDB88320
+
+
+def _times(mat: list[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _square(mat: list[int]) -> list[int]:
+    return [_times(mat, mat[n]) for n in range(32)]
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``A + B`` from CRC-32(A), CRC-32(B) and len(B) (zlib's crc32_combine)."""
+    if len2 <= 0:
+        return crc1
+    odd = [_POLY] + [1 << n for n in range(31)]  # the operator for one zero bit
+    even = _square(odd)  # two zero bits
+    odd = _square(even)  # four
+    while True:
+        even = _square(odd)
+        if len2 & 1:
+            crc1 = _times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _square(even)
+        if len2 & 1:
+            crc1 = _times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+def _native_combine() -> Callable[[int, int, int], int] | None:
+    """A compiled crc32_combine (ISA-L, zlib-ng, or the system zlib through ctypes), if any:
+    microseconds where the Python one takes milliseconds."""
+    try:
+        from isal import isal_zlib
+        return isal_zlib.crc32_combine
+    except (ImportError, AttributeError):
+        pass
+    try:
+        from zlib_ng import zlib_ng
+        return zlib_ng.crc32_combine
+    except (ImportError, AttributeError):
+        pass
+    try:
+        import ctypes
+        import ctypes.util
+        name = ctypes.util.find_library("z")
+        if name is None:
+            return None
+        function = ctypes.CDLL(name).crc32_combine64
+        function.restype = ctypes.c_ulong
+        function.argtypes = [ctypes.c_ulong, ctypes.c_ulong, ctypes.c_int64]
+        return lambda crc1, crc2, len2: int(function(crc1, crc2, len2)) & 0xFFFFFFFF
+    except (OSError, AttributeError):
+        return None
+
+
+_COMBINE: list = []  # [the combine function], found at the first use
+
+
+def crc_of_pieces(pieces: Iterable[tuple[int, int]]) -> int:
+    """The CRC-32 of a region from its checksum pieces, ``(length, crc32)`` in order (one
+    piece, the common case: its CRC-32)."""
+    crc, first = 0, True
+    for length, piece in pieces:
+        if first:
+            crc, first = piece, False
+            continue
+        if not _COMBINE:
+            _COMBINE.append(_native_combine() or crc32_combine)
+        crc = _COMBINE[0](crc, piece, length)
+    return crc
+
+
+# ---------------------------------------------------------------- the pickle
+
+class _Storage(NamedTuple):
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+class _Tensor(NamedTuple):
+    key: str
+    dtype: torch.dtype
+    shape: tuple
+
+
+def _legacy_storage(dtype: torch.dtype):
+    try:
+        return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+    except (KeyError, AttributeError):
+        return None
+
+
+class _Pickler(pickle.Pickler):
+    """Writes the placeholders of tensors as ``torch.save`` writes tensors."""
+
+    def persistent_id(self, obj: Any):
+        if type(obj) is _Storage:
+            legacy = _legacy_storage(obj.dtype)
+            if legacy is None:
+                return ("storage", torch.UntypedStorage, obj.key, "cpu",
+                        obj.numel * obj.dtype.itemsize)
+            return ("storage", legacy, obj.key, "cpu", obj.numel)
+        return None
+
+    def reducer_override(self, obj: Any):
+        if type(obj) is not _Tensor:
+            return NotImplemented
+        shape = tuple(obj.shape)
+        stride, acc = [], 1
+        for size in reversed(shape):
+            stride.append(acc)
+            acc *= max(size, 1)
+        numel = 1
+        for size in shape:
+            numel *= size
+        storage = _Storage(obj.key, obj.dtype, numel)
+        if _legacy_storage(obj.dtype) is None:
+            return (torch._utils._rebuild_tensor_v3,
+                    (storage, 0, shape, tuple(reversed(stride)), False,
+                     collections.OrderedDict(), obj.dtype))
+        return (torch._utils._rebuild_tensor_v2,
+                (storage, 0, shape, tuple(reversed(stride)), False, collections.OrderedDict()))
+
+
+#: Of a tensor entry of the rank's tree (its item number): (record key, dtype, shape of what
+#: this file holds) or None when this file holds none of it.
+TensorOf = Callable[[int], "tuple[int, torch.dtype, tuple] | None"]
+
+
+def plain_state(node: dict, tensor_of: TensorOf) -> Any:
+    """The weights_only-loadable form of a rank's state tree (docs/format.md, "The pickle"):
+    containers and values as they are, tensors as placeholders, everything else None."""
+    t = node["t"]
+    if t == "dict":
+        return {k: plain_state(v, tensor_of) for k, v in node["items"]}
+    if t == "odict":
+        return collections.OrderedDict((k, plain_state(v, tensor_of)) for k, v in node["items"])
+    if t == "list":
+        return [plain_state(v, tensor_of) for v in node["items"]]
+    if t == "tuple":
+        return tuple(plain_state(v, tensor_of) for v in node["items"])
+    if t == "value":
+        return node["v"]
+    if t == "provider":
+        return plain_state(node["state"], tensor_of)
+    if t == "tensor":
+        held = tensor_of(node["e"])
+        return None if held is None else _Tensor(str(held[0]), held[1], tuple(held[2]))
+    return None
+
+
+def pickle_state(state: Any) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(state)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------- the tail
+
+def _padded(name: str, at: int, data: bytes, crc: int) -> bytes:
+    """A tail record at ``at``: its local header, padded so that its data starts on 64."""
+    base = _LOCAL.size + len(name) + 4
+    slot = -(-(at + base) // SLOT) * SLOT - at
+    return local_header(name, len(data), slot, crc) + data
+
+
+def tail(at: int, records: list[Record], pickled: bytes, crc32: Callable[[bytes], int]) -> bytes:
+    """The tail of a version-3 file starting at ``at`` (a multiple of 64): the records of the
+    pickle and of torch's small files, then the central directory of ``records`` (header,
+    tensors, index: those already in the file) and of these, then the end records."""
+    out = bytearray()
+    everything = list(records)
+    for name, data in ((f"{FOLDER}/data.pkl", pickled), *_TAIL_RECORDS):
+        crc = crc32(data)
+        everything.append(Record(name, at + len(out), len(data), crc))
+        out += _padded(name, at + len(out), data, crc)
+    directory_at = at + len(out)
+    for r in everything:
+        out += _central(r)
+    directory_size = at + len(out) - directory_at
+    count = len(everything)
+    z64_at = at + len(out)
+    out += _Z64_EOCD.pack(0x06064B50, 44, 45, 45, 0, 0, count, count, directory_size,
+                          directory_at)
+    out += _Z64_LOC.pack(0x07064B50, 0, z64_at, 1)
+    out += _EOCD.pack(0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
+                      min(directory_size, ZIP64_LIMIT), min(directory_at, ZIP64_LIMIT), 0)
+    return bytes(out)
+
+
+def _central(r: Record) -> bytes:
+    raw = r.name.encode("ascii")
+    z64 = [v for v in (r.nbytes, r.nbytes, r.header_at) if v >= ZIP64_LIMIT]
+    extra = struct.pack("<HH", 1, 8 * len(z64)) + struct.pack(f"<{len(z64)}Q", *z64) \
+        if z64 else b""
+    size = min(r.nbytes, ZIP64_LIMIT)
+    return _CENTRAL.pack(0x02014B50, 45, 45 if r.nbytes >= ZIP64_LIMIT else 20, 0, 0, 0, _DATE,
+                         r.crc, size, size, len(raw), len(extra), 0, 0, 0, 0,
+                         min(r.header_at, ZIP64_LIMIT)) + raw + extra

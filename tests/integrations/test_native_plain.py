@@ -1,0 +1,137 @@
+"""A rank's shard file is also a ``torch.save`` archive (docs/format.md, "Shard file version 3"):
+``torch.load(shard, weights_only=True, mmap=True)`` returns the rank's state, tensors
+bit-equal, while datastates' own readers keep every check."""
+from __future__ import annotations
+
+import collections
+import os
+import zipfile
+
+import pytest
+import torch
+
+import datastates
+from datastates import Checkpointer, CheckpointConfig, CorruptCheckpointError
+from datastates.restore.reader import Reader
+
+
+def _state():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.LayerNorm(6))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    extra = {"u16": torch.arange(7).to(torch.uint16), "bf": torch.randn(5).to(torch.bfloat16),
+             "f8": torch.randn(4).to(torch.float8_e4m3fn), "empty": torch.empty(0, 3),
+             "big": torch.randn(3000), "c": torch.randn(2, 2, dtype=torch.complex64),
+             "od": collections.OrderedDict(a=torch.ones(2)), "tup": (1, "x", torch.zeros(1)),
+             "obj": {1, 2}, "n": 3, "s": "text", "f": 0.5, "none": None}
+    return model, opt, {"model": model, "optimizer": opt, "extra": extra}
+
+
+def _shard(tmp_path, state, **config) -> str:
+    with Checkpointer(tmp_path, CheckpointConfig(**config)) as ckpt:
+        ckpt.save(state, step=1).wait()
+    return os.path.join(tmp_path, "step-0000000001", "rank-00000.dsf")
+
+
+def _equal(a, b) -> bool:
+    """Bit-equal tensors (NaN-safe), by bytes."""
+    return a.dtype == b.dtype and a.shape == b.shape and bytes(
+        a.reshape(-1).contiguous().view(torch.uint8).numpy()) == bytes(
+        b.reshape(-1).contiguous().view(torch.uint8).numpy())
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_torch_load_reads_a_shard_file_as_the_rank_state(tmp_path, mmap):
+    model, opt, state = _state()
+    # small units: tensors cross unit boundaries, slots lie in other units than their data
+    path = _shard(tmp_path, state, host_cache_bytes=16384, chunk_bytes=4096)
+    got = torch.load(path, weights_only=True, mmap=mmap)
+    assert set(got) == {"model", "optimizer", "extra"}
+    for key, value in model.state_dict().items():
+        assert _equal(got["model"][key], value), key
+    for p, s in opt.state_dict()["state"].items():
+        for name, value in s.items():
+            assert _equal(got["optimizer"]["state"][p][name], value), (p, name)
+    assert got["optimizer"]["param_groups"][0]["lr"] == opt.param_groups[0]["lr"]
+    extra = got["extra"]
+    for key in ("u16", "bf", "f8", "empty", "big", "c"):
+        assert _equal(extra[key], state["extra"][key]), key
+    assert type(extra["od"]) is collections.OrderedDict and _equal(extra["od"]["a"], torch.ones(2))
+    assert extra["tup"][:2] == (1, "x") and _equal(extra["tup"][2], torch.zeros(1))
+    assert (extra["n"], extra["s"], extra["f"], extra["none"]) == (3, "text", 0.5, None)
+    assert extra["obj"] is None  # a pickled object: datastates reads it, weights_only cannot
+
+
+def test_the_shard_file_is_a_valid_zip_archive_with_every_crc(tmp_path):
+    _, _, state = _state()
+    path = _shard(tmp_path, state, host_cache_bytes=16384, chunk_bytes=4096)
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None  # every record's CRC-32 in the central directory holds
+        names = z.namelist()
+        assert names[0] == "archive/.datastates/shard" and "archive/data.pkl" in names
+        index = z.read("archive/.datastates/index")
+        assert datastates.format.read_index(path).rank == 0 and index.startswith(b'{"format"')
+    for info in zipfile.ZipFile(path).infolist():
+        assert info.compress_type == zipfile.ZIP_STORED
+        if info.filename.startswith("archive/data/"):
+            with open(path, "rb") as f:  # the record's data is the tensor region itself
+                f.seek(info.header_offset + 26)
+                n, m = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+                assert (info.header_offset + 30 + n + m) % 64 == 0
+
+
+def test_datastates_reads_and_verifies_version_3(tmp_path):
+    model, _, state = _state()
+    path = _shard(tmp_path, state, host_cache_bytes=16384, chunk_bytes=4096)
+    with Checkpointer(tmp_path) as ckpt:
+        loaded = ckpt.load()
+    for key, value in model.state_dict().items():
+        assert _equal(loaded["model"][key], value), key
+    assert loaded["extra"]["obj"] == {1, 2}
+    ckpt_dir = os.path.dirname(path)
+    with Reader(ckpt_dir, registry=datastates.ProviderRegistry.default()) as r:
+        assert r.verify_all() == os.path.getsize(path)
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("where", ["first_record", "header", "slot", "index_slot", "tail"])
+def test_a_damaged_framing_byte_is_a_typed_error(tmp_path, where):
+    """Bytes datastates' reading does not use (the local header slots) are still checked by
+    ``verify``; the header, its first record and the tail by every reader."""
+    _, _, state = _state()
+    path = _shard(tmp_path, state)
+    with zipfile.ZipFile(path) as z:
+        infos = {i.filename: i for i in z.infolist()}
+    offset = {"first_record": 10, "header": 90,
+              "slot": infos["archive/data/1"].header_offset + 40,
+              "index_slot": infos["archive/.datastates/index"].header_offset + 5,
+              "tail": os.path.getsize(path) - 30}[where]
+    _flip(path, offset)
+    ckpt_dir = os.path.dirname(path)
+    with pytest.raises(CorruptCheckpointError):
+        with Reader(ckpt_dir, registry=datastates.ProviderRegistry.default()) as r:
+            r.verify_all()
+
+
+def test_the_crc_of_pieces_is_the_crc_of_the_whole():
+    import zlib
+
+    from datastates.format import zipframe
+    data = bytes(range(256)) * 300
+    for cuts in ([], [1], [4096, 8192], [100, 101, 60000]):
+        bounds = [0, *cuts, len(data)]
+        pieces = [(b - a, zlib.crc32(data[a:b])) for a, b in zip(bounds, bounds[1:])]
+        assert zipframe.crc_of_pieces(pieces) == zlib.crc32(data)
+        crc = pieces[0][1]
+        for length, piece in pieces[1:]:  # the Python fallback agrees
+            crc = zipframe.crc32_combine(crc, piece, length)
+        assert crc == zlib.crc32(data)
