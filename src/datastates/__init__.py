@@ -27,7 +27,7 @@ from .errors import (CheckpointerClosedError, CheckpointExistsError, CheckpointN
 from .providers import (Capture, ModuleProvider, NumpyRandomProvider, OptimizerProvider,
                         ProviderRegistry, RNGState, RNGStateProvider, StatefulProvider,
                         StateProvider, eager, lazy)
-from .restore.reader import RestoreReport
+from .restore.plan import RestoreReport
 from .preemption import Preemption
 from .tools.export import export, import_checkpoint
 from .tools.describe import inspect

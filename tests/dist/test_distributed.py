@@ -75,10 +75,10 @@ def _check_data_parallel(out, world, root):
     # replicated state is stored once, not `world` times
     assert one_copy <= out[0]["bytes"] < 1.25 * one_copy + world * 64 * 1024
     manifest = datastates.format.read_manifest(os.path.join(root, "step-0000000001"))
-    writers = {s.file for e in manifest.entries if getattr(e, "replicated", False)
+    writers = {s.file for e in manifest.entries.values() if getattr(e, "replicated", False)
                for s in e.shards}
     assert len(writers) == world  # the replicated writing is spread over every rank
-    mine = [e for e in manifest.entries if e.key == "mine"]
+    mine = [e for e in manifest.entries.values() if e.key == "mine"]
     assert sorted(e.rank for e in mine) == list(range(world))  # same key, kept per rank
 
 

@@ -150,7 +150,7 @@ def test_a_rank_opens_only_the_files_its_restore_reads(launched, tmp_path):
         with Reader(path, registry=registry, rank=rank, world_size=4) as reader:
             reader.plan_restore(_blank(rank), keys=["mine", "pos"])
             assert sorted(reader.files._opened) == [rank]
-            owner, = {s.file for e in reader.entries if e.key == "model/w" for s in e.shards}
+            owner, = {s.file for e in reader.entries.values() if e.key == "model/w" for s in e.shards}
     for rank in range(4):
         if rank != 1 and rank != owner:
             os.remove(os.path.join(path, fmt.shard_file_name(rank)))

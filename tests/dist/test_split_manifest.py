@@ -141,7 +141,7 @@ def test_the_split_manifest_holds_what_one_file_would(launched):
     assert whole.version == fmt.MANIFEST_VERSION and split.version == fmt.SPLIT_VERSION
     assert dataclasses.replace(whole, version=split.version) == split
     assert files.parse_manifest_bytes(data, "whole") == whole
-    rows = [e for e in split.entries if e.key == "rows"]
+    rows = [e for e in split.entries.values() if e.key == "rows"]
     assert len(rows) == 1 and len(rows[0].shards) == WORLD  # one entry, a shard from each rank
     assert cli_main(["verify", root]) == 0
     # one process loads the global state of the four ranks' checkpoint: "rows" whole

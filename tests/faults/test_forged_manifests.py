@@ -147,11 +147,11 @@ def _assert_restored(live: dict, saved: dict) -> None:
 def test_every_layout_a_writer_commits_reads_back_bit_exactly(ck, capsys):
     root, ckpt = ck
     layouts = {e.key: [(s.global_offset, s.shape) for s in e.shards]
-               for e in files.read_manifest(ckpt).entries}
+               for e in files.read_manifest(ckpt).entries.values()}
     assert layouts["grid"] == [((0, 0), (2, 3)), ((0, 3), (2, 3)), ((2, 0), (2, 3)),
                                ((2, 3), (2, 3))]
     assert layouts["pairs"] == [((0, 0), (2, 6)), ((2, 0), (2, 6))]  # the replicas unwritten
-    bricks = [(e.shape, e.shards) for e in files.read_manifest(ckpt).entries
+    bricks = [(e.shape, e.shards) for e in files.read_manifest(ckpt).entries.values()
               if e.key == "bricks"][0]
     assert not _slabs(*bricks) and not _grid(*bricks)  # the general check's to judge
     assert layouts["rep"] == [((0,), (5,))] and len(layouts["empty"]) == WORLD
@@ -171,7 +171,7 @@ def test_every_view_of_a_split_manifest_restores_bit_exactly(ck_split):
     whole = files.read_manifest(ckpt)
     for rank in range(WORLD):
         view = files.read_manifest(ckpt, view=lambda saved_world, r=rank: r)
-        assert view.view == rank and set(view.entries.values()) <= set(whole.entries)
+        assert view.view == rank and set(view.entries.values()) <= set(whole.entries.values())
     results = in_thread_ranks(root, WORLD, lambda ck_, r: _restore_rank(ck_, r))
     for rank in range(WORLD):
         assert not isinstance(results[rank], BaseException), results[rank]
@@ -278,7 +278,7 @@ def _manifest(shape: tuple, boxes: list) -> Manifest:
     entry = TensorEntry("w", "float32", tuple(shape), tuple(shards), False, None)
     return Manifest(version=3, name="a", step=1, seq=1, created_unix=0.0, world_size=1,
                     metadata={}, files=(FileRef(codec.shard_file_name(0), 0, offset, 0),),
-                    entries=(entry,), ranks=())
+                    entries={0: entry}, ranks=())
 
 
 def _volume(shape) -> int:

@@ -18,7 +18,7 @@ import torch
 import datastates
 from datastates import CheckpointConfig, Checkpointer, CorruptCheckpointError
 from datastates.format import codec as fmt
-from datastates.restore import reader as reader_module
+from datastates.restore import opened as opened_module
 from datastates.storage import s3 as s3_module
 
 from _faults_helpers import assert_bit_exact
@@ -53,12 +53,12 @@ def _overwrite_on_read(monkeypatch, root, options, times: int = 1, where: str = 
             other.save(_state(written[-1]), tag="best", overwrite=True).wait(60)
 
     if where == "open":
-        real = reader_module._Files._check_size
+        real = opened_module.ShardFiles._check_size
 
         def check_size(self, file_id):
             overwrite()
             return real(self, file_id)
-        monkeypatch.setattr(reader_module._Files, "_check_size", check_size)
+        monkeypatch.setattr(opened_module.ShardFiles, "_check_size", check_size)
     else:
         real = s3_module.S3ReadFile.read_into
 

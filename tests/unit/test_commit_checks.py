@@ -33,7 +33,7 @@ def _manifest(shape, boxes):
                             shape=tuple(box), checksums=()) for r, off, box in boxes)
     entry = TensorEntry(key="w", dtype="float32", shape=tuple(shape), shards=shards)
     return Manifest(version=2, name="step-1", step=1, seq=1, created_unix=0.0, world_size=4,
-                    metadata={}, files=files, entries=(entry,), ranks=())
+                    metadata={}, files=files, entries={0: entry}, ranks=())
 
 
 def _scalars_report(rank: int, keys: list[str]) -> RankReport:
@@ -56,7 +56,7 @@ def test_merged_trees_index_the_global_entries():
     one a reader accepts, and its JSON form parses back into an equal record."""
     reports = [_scalars_report(0, ["a", "b"]), _scalars_report(1, ["c"])]
     manifest = review.build_manifest(reports, name="step-0000000001", step=1, metadata={})
-    assert [e.key for e in manifest.entries] == ["a", "b", "c"]
+    assert [e.key for e in manifest.entries.values()] == ["a", "b", "c"]
     assert manifest.ranks[0].tree is reports[0].tree
     assert manifest.ranks[1].tree == {"t": "dict", "items": [["c", {"t": "tensor", "e": 2}]]}
     assert reports[1].tree["items"][0][1]["e"] == 0  # the report itself is not modified
@@ -210,7 +210,7 @@ def test_regions_by_file_are_those_of_the_entries_of_each_copy():
     entry = manifest.entries[0]
     assert manifest.by_file == (((0, 0, entry, entry.shards[0]),),
                                 ((0, 0, entry, entry.shards[1]),), (), ())
-    emptied = dataclasses.replace(manifest, entries=())
+    emptied = dataclasses.replace(manifest, entries={})
     assert emptied.by_file == ((), (), (), ()) and emptied != manifest
 
 

@@ -53,7 +53,7 @@ def _flip(path: str, offset: int) -> None:
 def _first_region(ckpt: str) -> tuple[str, int]:
     """(file name, offset) of the first tensor region of the checkpoint."""
     m = read_manifest(ckpt)
-    shard = next(e for e in m.entries if e.kind == "tensor").shards[0]
+    shard = next(e for e in m.entries.values() if e.kind == "tensor").shards[0]
     return m.files[shard.file].name, shard.offset
 
 
@@ -139,8 +139,8 @@ class _UnmappableStore(LocalStore):
 def test_only_a_local_file_is_mapped(tmp_path):
     ckpt, state = _saved(tmp_path / "ck")
     with Reader(ckpt, registry=ProviderRegistry.default(), store=_UnmappableStore()) as reader:
-        entry = next(e for e in reader.entries if e.kind == "tensor" and e.key == "model/w")
+        entry = next(e for e in reader.entries.values() if e.kind == "tensor" and e.key == "model/w")
         shard = entry.shards[0]
         with pytest.raises(ConfigError, match="local disk"):
-            reader.mapped(shard.file, shard.offset, shard.nbytes, shard.checksums, entry.key)
+            reader.checkpoint.mapped(shard.file, shard.offset, shard.nbytes, shard.checksums, entry.key)
         assert torch.equal(reader.load()["model"]["w"], state["model"]["w"])  # reads still work

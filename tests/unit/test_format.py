@@ -98,12 +98,27 @@ def test_read_manifest_is_typed(tmp_path):
     assert isinstance(m, records.Manifest) and m.version == 3 and m.seq == 1 and m.step == 3
     assert m.files == (records.FileRef("rank-00000.dsf", 0, obj["files"][0]["nbytes"],
                                       obj["files"][0]["index_crc32"]),)
-    kinds = {e.key: type(e) for e in m.entries}
+    kinds = {e.key: type(e) for e in m.entries.values()}
     assert kinds == {"t": records.TensorEntry, "o": records.ObjectEntry}
-    t = next(e for e in m.entries if e.key == "t")
+    t = next(e for e in m.entries.values() if e.key == "t")
     assert t.shape == (4,) and t.torch_dtype == torch.int64 and t.shards[0].nbytes == 32
     index = fmt.read_index(os.path.join(cdir, "rank-00000.dsf"))
     assert isinstance(index, records.ShardIndex) and {e.key for e in index.entries} == {"t", "o"}
+
+
+def test_manifest_entries_map_each_index_from_zero_to_its_entry(tmp_path):
+    """``Manifest.entries`` is one shape: index -> entry (a rank's view holds some indexes, a
+    whole manifest every one from 0, in the order of the JSON list). A writer handed entries
+    with an index missing refuses them, naming the place."""
+    import dataclasses
+    cdir, obj = saved_manifest(tmp_path)
+    m = fmt.read_manifest(cdir)
+    assert list(m.entries) == list(range(len(obj["entries"])))
+    assert [e.to_json() for e in m.entries.values()] == obj["entries"]
+    assert m.to_json()["entries"] == obj["entries"]
+    gap = dataclasses.replace(m, entries={i + 1: e for i, e in m.entries.items()})
+    with pytest.raises(CorruptCheckpointError, match=r"entries\[0\]: .*entry 0 is missing"):
+        fmt.manifest_record_bytes(gap)
 
 
 def test_unsealed_version_2_manifest_is_corrupt(tmp_path):

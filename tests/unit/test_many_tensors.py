@@ -566,7 +566,7 @@ def test_written_entry_that_does_not_read_back_is_refused(tmp_path):
     manifest = _saved_manifest(tmp_path, {"w": torch.ones(2, 3)})
     odd = manifest.entries[0]._replace(shape=[2, 3])
     with pytest.raises(CorruptCheckpointError, match=r"manifest being written: entries\[0\]"):
-        fmt.manifest_record_bytes(dataclasses.replace(manifest, entries=(odd,)))
+        fmt.manifest_record_bytes(dataclasses.replace(manifest, entries={0: odd}))
 
 
 @pytest.mark.parametrize("text", [
@@ -640,7 +640,7 @@ def test_a_flipped_byte_of_a_small_tensor_is_caught(tmp_path):
     state = _many(300)
     with Checkpointer(tmp_path, MEDIUM) as ck:
         info = ck.save(state, step=1).wait()
-    entry = next(e for e in files.read_manifest(info.path).entries if e.key == "t123")
+    entry = next(e for e in files.read_manifest(info.path).entries.values() if e.key == "t123")
     path = tmp_path / info.name / fmt.shard_file_name(0)
     with open(path, "r+b") as f:
         f.seek(entry.shards[0].offset + 1)
@@ -668,18 +668,18 @@ class _File:
 
 
 def test_small_regions_are_checked_at_once_with_the_checkers_messages():
-    from datastates.restore.matching import _Read
+    from datastates.restore.plan import Read
     from datastates.restore.reads import read_run
     data = bytes(range(256)) * 2
-    good = [_Read(0, 64 * i, 8, torch.zeros(8, dtype=torch.uint8),
+    good = [Read(0, 64 * i, 8, torch.zeros(8, dtype=torch.uint8),
                   [[8, codec.crc32(data[64 * i:64 * i + 8])]], f"k{i}") for i in range(4)]
     read_run(_File(data), good, "f", verify=True)
     assert bytes(good[2].dest.tolist()) == data[128:136]
-    bad = good[:2] + [_Read(0, 128, 8, torch.zeros(8, dtype=torch.uint8), [[8, 1]], "k2")]
+    bad = good[:2] + [Read(0, 128, 8, torch.zeros(8, dtype=torch.uint8), [[8, 1]], "k2")]
     with pytest.raises(CorruptCheckpointError, match=r"f: checksum mismatch for 'k2' in bytes "
                                                      r"\[0, 8\) of the tensor \(file offset 128\)"):
         read_run(_File(data), bad, "f", verify=True)
-    odd = _Read(0, 0, 8, torch.zeros(8, dtype=torch.uint8), [[-8, 0]], "k")
+    odd = Read(0, 0, 8, torch.zeros(8, dtype=torch.uint8), [[-8, 0]], "k")
     f = _File(data)
     with pytest.raises(CorruptCheckpointError, match="invalid checksum piece"):
         read_run(f, [odd], "f", verify=True)

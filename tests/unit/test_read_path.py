@@ -12,7 +12,7 @@ import datastates
 from datastates import CorruptCheckpointError
 from datastates.restore import reads
 from datastates.restore.reads import Checker, coalesce, group_limit, steps
-from datastates.restore.matching import _Read
+from datastates.restore.plan import Read
 from datastates.storage.store import LOCAL, ReadFile
 from testkit import SMALL
 
@@ -129,8 +129,8 @@ def test_truncated_file_is_corrupt_not_short(saved, small_steps):
             ck.restore(zeros_like(state), step=1)
 
 
-def _read(nbytes: int, checksums, offset: int = 0, key: str = "k") -> _Read:
-    return _Read(0, offset, nbytes, torch.zeros(nbytes, dtype=torch.uint8), checksums, key)
+def _read(nbytes: int, checksums, offset: int = 0, key: str = "k") -> Read:
+    return Read(0, offset, nbytes, torch.zeros(nbytes, dtype=torch.uint8), checksums, key)
 
 
 def test_checker_refuses_pieces_that_do_not_cover_the_region():
@@ -178,7 +178,7 @@ def test_group_limit_gives_every_thread_work():
     regions = [_read(1 << 20, [], i << 20) for i in range(64)]        # 64 MiB in all
     limit = group_limit(regions, threads=4)
     assert len(coalesce(regions, limit)) >= 4
-    huge = _Read(0, 0, 1 << 30, torch.zeros(1, dtype=torch.uint8), [], "k")  # only nbytes used
+    huge = Read(0, 0, 1 << 30, torch.zeros(1, dtype=torch.uint8), [], "k")  # only nbytes used
     assert group_limit([huge], threads=4) == reads.MAX_RUN
 
 
@@ -216,7 +216,7 @@ def test_a_large_region_is_cut_at_its_checksum_pieces():
     raw = data.view(torch.uint8)
     pieces = [[100, datastates.format.codec.crc32(raw[i:i + 100].numpy())]
               for i in range(0, 1000, 100)]
-    region = _Read(3, 5000, 1000, data, pieces, "w")
+    region = Read(3, 5000, 1000, data, pieces, "w")
     parts = reads.split_at_pieces([region], 250)
     assert [(p.offset, p.nbytes, p.base) for p in parts] == \
         [(5000 + i, 200, i) for i in range(0, 1000, 200)]
@@ -229,9 +229,9 @@ def test_a_large_region_is_cut_at_its_checksum_pieces():
         check.finish()
     # left whole: small enough, one piece, pieces not covering it, a non-contiguous destination
     assert reads.split_at_pieces([region], 1000) == [region]
-    one = _Read(0, 0, 1000, data, [[1000, 0]], "w")
-    bad = _Read(0, 0, 1000, data, pieces[:-1], "w")
-    strided = _Read(0, 0, 1000, torch.zeros(500)[::2], pieces, "w")
+    one = Read(0, 0, 1000, data, [[1000, 0]], "w")
+    bad = Read(0, 0, 1000, data, pieces[:-1], "w")
+    strided = Read(0, 0, 1000, torch.zeros(500)[::2], pieces, "w")
     assert reads.split_at_pieces([one, bad, strided], 250) == [one, bad, strided]
 
 

@@ -85,7 +85,7 @@ def _manifest(shape, boxes) -> Manifest:
                   for r in range(4))
     entry = TensorEntry(key="w", dtype="float32", shape=tuple(shape), shards=shards)
     return Manifest(version=3, name="step-1", step=1, seq=1, created_unix=0.0, world_size=4,
-                    metadata={}, files=files, entries=(entry,), ranks=())
+                    metadata={}, files=files, entries={0: entry}, ranks=())
 
 
 def test_forty_thousand_bricks_tile_and_one_moved_brick_is_named():

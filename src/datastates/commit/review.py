@@ -15,8 +15,8 @@ from ..format import codec as fmt
 from ..format import tree
 from ..format.tiling import TooIrregular, box_text, grid, overlapping, volume
 from ..format.tiling import slabs as _slabs  # (a test replaces it: the general check agrees)
-from ..format.records import (FileRef, Manifest, ObjectEntry, RankReport, RankTree, ReportEntry,
-                              ShardRef, TensorEntry, Verdict)
+from ..format.records import (Entry, FileRef, Manifest, ObjectEntry, RankReport, RankTree,
+                              ReportEntry, ShardRef, TensorEntry, Verdict, entry_table)
 from ..storage.store import Store
 
 Problems = list[tuple[list[int], str]]
@@ -161,8 +161,9 @@ class _Merged:
             self._grouped[group] = len(self._entries) - 1
         return len(self._entries) - 1
 
-    def entries(self) -> tuple:
-        out = []
+    def entries(self) -> dict[int, Entry]:
+        """The merged entries by index (``Manifest.entries``)."""
+        out: list[Entry] = []
         for e in self._entries:
             if type(e) is not dict:  # finished when merged
                 out.append(e)
@@ -174,7 +175,7 @@ class _Merged:
             out.append(TensorEntry(key=e["key"], dtype=e["dtype"], shape=e["shape"],
                                    shards=tuple(e["shards"]), replicated=e["replicated"],
                                    rank=e["rank"]))
-        return tuple(out)
+        return entry_table(out)
 
 
 # ---------------------------------------------------------------- the checks
@@ -201,10 +202,10 @@ def check_tiling(manifest: Manifest) -> Problems:
     problems = []
     rank_of = [f.rank for f in manifest.files]
     own: dict[str, list[int]] = {}  # key -> ranks holding a tensor of their own under it
-    for e in manifest.entries:
+    for e in manifest.entries.values():
         if isinstance(e, TensorEntry) and e.rank is not None:
             own.setdefault(e.key, []).append(e.rank)
-    for e in manifest.entries:
+    for e in manifest.entries.values():
         if not isinstance(e, TensorEntry) or _slabs(e.shape, e.shards) or \
                 grid(e.shape, e.shards):
             continue  # one box of the whole tensor, slabs, or the cells of a grid: tiled

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple, Union
+from typing import Any, Iterable, Literal, Mapping, NamedTuple, Union
 
 import torch
 
@@ -81,7 +81,6 @@ class ShardRef(NamedTuple):
 class TensorEntry(NamedTuple):
     """A tensor of the checkpoint: its global dtype and shape and the shards that cover it."""
 
-    kind = "tensor"
     key: str
     dtype: str
     shape: tuple[int, ...]
@@ -90,12 +89,17 @@ class TensorEntry(NamedTuple):
     rank: int | None = None    #: the rank whose per-rank tensor this is (None: shared/sharded)
 
     @property
+    def kind(self) -> Literal["tensor"]:
+        return "tensor"
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return fmt.dtype_from_name(self.dtype, self.key)
 
     def to_json(self) -> dict:
-        out = {"kind": "tensor", "key": self.key, "dtype": self.dtype, "shape": list(self.shape),
-               "shards": list(map(ShardRef.to_json, self.shards))}
+        out: dict[str, Any] = {"kind": "tensor", "key": self.key, "dtype": self.dtype,
+                               "shape": list(self.shape),
+                               "shards": list(map(ShardRef.to_json, self.shards))}
         if self.replicated:
             out["replicated"] = True
         if self.rank is not None:
@@ -106,12 +110,15 @@ class TensorEntry(NamedTuple):
 class ObjectEntry(NamedTuple):
     """A serialized Python object at ``[offset, offset + nbytes)`` of file ``file``."""
 
-    kind = "object"
     key: str
     file: int
     offset: int
     nbytes: int
     crc32: int
+
+    @property
+    def kind(self) -> Literal["object"]:
+        return "object"
 
     def to_json(self) -> dict:
         return {"kind": "object", "key": self.key, "file": self.file, "offset": self.offset,
@@ -119,6 +126,11 @@ class ObjectEntry(NamedTuple):
 
 
 Entry = Union[TensorEntry, ObjectEntry]
+
+
+def entry_table(entries: Iterable[Entry]) -> dict[int, Entry]:
+    """``entries`` by their index, from 0 in order: the ``entries`` of a whole manifest."""
+    return dict(enumerate(entries))
 
 
 @dataclass(frozen=True)
@@ -144,7 +156,10 @@ class Manifest:
     world_size: int
     metadata: dict
     files: tuple[FileRef, ...]
-    entries: tuple[Entry, ...]
+    #: The entries by index (a tree's tensor and object nodes hold the index; JSON: a list).
+    #: A whole manifest holds every index from 0 to ``len(entries) - 1``, in order
+    #: (:func:`entry_table`); a rank's view (``view``) holds those its tree refers to.
+    entries: Mapping[int, Entry]
     ranks: tuple[RankTree, ...]
     save_id: str | None = None  #: the nonce of the save that committed it (multi-rank commits)
     #: Object stores: the directory of the checkpoint holding its shard files (None: the
@@ -153,9 +168,9 @@ class Manifest:
     #: The numbers ``save(metrics=...)`` recorded (name → finite int or float; optional field).
     metrics: dict = field(default_factory=dict)
     #: None for a whole manifest. For one rank's view of a split manifest (files._view),
-    #: that rank: ``ranks`` then holds its tree only and ``entries`` is a dict from index to
-    #: entry of the entries its tree refers to (indexed as the whole manifest's tuple is).
-    #: Only a reader restoring that rank at the saved world size is given a view.
+    #: that rank: ``ranks`` then holds its tree only and ``entries`` the entries its tree
+    #: refers to, at their indexes in the whole manifest. Only a reader restoring that rank
+    #: at the saved world size is given a view.
     view: int | None = None
 
     @functools.cached_property
@@ -164,8 +179,7 @@ class Manifest:
         (:func:`regions_by_file`), made when first asked: the manifest rank 0 merges and the
         one it checks before writing never are, and a copy with other entries
         (``dataclasses.replace``) has its own."""
-        entries = self.entries.values() if self.view is not None else self.entries
-        return regions_by_file(entries, len(self.files))
+        return regions_by_file(self.entries.values(), len(self.files))
 
     @property
     def nbytes(self) -> int:
@@ -207,7 +221,8 @@ class Manifest:
             out["metrics"] = self.metrics
         out["metadata"] = self.metadata
         out["files"] = [f.to_json() for f in self.files]
-        out["entries"] = [e.to_json() for e in self.entries] if entries else []
+        out["entries"] = [self.entries[i].to_json() for i in range(len(self.entries))] \
+            if entries else []
         out["ranks"] = self._ranks_json()
         return out
 
@@ -253,10 +268,11 @@ class ReportEntry(NamedTuple):
         if self.kind == "object":
             return {"key": self.key, "kind": "object", "offset": self.offset,
                     "nbytes": self.nbytes, "crc32": self.crc32}
-        out = {"key": self.key, "kind": "tensor", "dtype": self.dtype, "shape": list(self.shape)}
+        out: dict[str, Any] = {"key": self.key, "kind": "tensor", "dtype": self.dtype,
+                               "shape": _list_of(self.shape)}
         if self.global_shape is not None:
             out["global_shape"] = list(self.global_shape)
-            out["global_offset"] = list(self.global_offset)
+            out["global_offset"] = _list_of(self.global_offset)
         if self.replicated:
             out["replicated"] = True
         if not self.written:
@@ -306,6 +322,7 @@ class RankReport:
         if self.failed:
             out.update(error=self.error, expired=self.expired)
             return out
+        assert self.file is not None  # a report without an error names its file
         out.update(file=self.file.to_json(), entries=[e.to_json() for e in self.entries],
                    tree=self.tree, replicas=dict(self.replicas), expired=self.expired)
         return out
@@ -412,7 +429,11 @@ PUBLISHING = Verdict(ok=False, pending=True, publishing=True)
 _offset_and_size = operator.itemgetter(0, 1)
 
 
-def spans_by_file(entries: tuple[Entry, ...], nfiles: int) -> list[list[tuple[int, int]]]:
+def _list_of(dims: tuple[int, ...] | None) -> list[int] | None:
+    return None if dims is None else list(dims)
+
+
+def spans_by_file(entries: Iterable[Entry], nfiles: int) -> list[list[tuple[int, int]]]:
     """Each file's regions as (offset, nbytes), sorted: what :func:`regions_by_file` gives
     without the entries (pairs of ints, which the garbage collector stops tracking)."""
     out: list[list] = [[] for _ in range(nfiles)]
@@ -427,7 +448,7 @@ def spans_by_file(entries: tuple[Entry, ...], nfiles: int) -> list[list[tuple[in
     return out
 
 
-def regions_by_file(entries: tuple[Entry, ...], nfiles: int) -> tuple:
+def regions_by_file(entries: Iterable[Entry], nfiles: int) -> tuple:
     """One pass over the entries: each file's regions (offset, nbytes, entry, shard or None for
     an object), sorted by offset -- ``Manifest.by_file``."""
     out: list[list] = [[] for _ in range(nfiles)]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Collection, Mapping, NamedTuple
 
 from ..errors import CorruptCheckpointError
 from . import codec as fmt
@@ -76,11 +76,12 @@ def entry_converter(fields: dict) -> Callable[[Any], TensorEntry | None] | None:
     return lambda value: plain.tensor_entry(value, files, world)
 
 
-def check_written_manifest(obj: dict, entries: tuple[Entry, ...], where: str,
+def check_written_manifest(obj: dict, entries: Mapping[int, Entry], where: str,
                            encode: Callable[[list[bytes]], None]) -> Manifest:
     """The writer's check of the manifest it is about to write: :func:`parse_manifest` of the
     manifest whose JSON form is ``obj`` (every field but ``entries``, which it holds empty) with
-    the entries ``entries``, and every check it makes.
+    the entries ``entries`` (``Manifest.entries`` of a whole manifest: indexes 0, 1, ... in
+    order), and every check it makes.
 
     Each entry must read back from its JSON form as the record it came from
     (CorruptCheckpointError naming it otherwise): an ordinary tensor entry is checked on its
@@ -96,13 +97,18 @@ def check_written_manifest(obj: dict, entries: tuple[Entry, ...], where: str,
     head = _head(m, at, False)
     at_entries = at / "entries"
     files, world = head.files, head.world
-    for start in range(0, len(entries), _BATCH):
-        items = []
-        for i, e in enumerate(entries[start:start + _BATCH], start):
-            data = plain.tensor_entry_json(e, files, world)
-            items.append(data if data is not None else _written_entry(e, at_entries / i, head))
+    items: list[bytes] = []
+    for i, (index, e) in enumerate(entries.items()):
+        if index != i:
+            raise (at_entries / i).bad(f"entry {i} is missing (the next one held is {index})")
+        data = plain.tensor_entry_json(e, files, world)
+        items.append(data if data is not None else _written_entry(e, at_entries / i, head))
+        if len(items) == _BATCH:
+            encode(items)
+            items = []
+    if items:
         encode(items)
-    return _manifest(m, at, head, tuple(entries))
+    return _manifest(m, at, head, entries)
 
 
 def _written_entry(e: Entry, at: _At, head: "_Head") -> bytes:
@@ -154,18 +160,18 @@ def _head(m: dict, at: _At, version_1: bool) -> _Head:
     return _Head(version, name, step, seq, float(created), world, metadata, files)
 
 
-def _manifest(m: dict, at: _At, head: _Head, entries: tuple) -> Manifest:
+def _manifest(m: dict, at: _At, head: _Head, entries: Mapping[int, Entry]) -> Manifest:
     """The manifest of ``head`` and its checked ``entries``, once the checks across entries
     (disjoint regions, the trees' references) and the remaining fields pass."""
-    _check_regions(entries, head.files, at)
+    _check_regions(entries.values(), head.files, at)
     refs: dict = {}
-    ranks = _ranks(_get(m, "ranks", at), at / "ranks", head.world, [e.kind for e in entries],
-                   refs, head.version >= 3)
-    check_entry_keys([e.key for e in entries], refs, at / "entries")
+    ranks = _ranks(_get(m, "ranks", at), at / "ranks", head.world,
+                   [e.kind for e in entries.values()], refs, head.version >= 3)
+    check_entry_keys([e.key for e in entries.values()], refs, at / "entries")
     return _record(m, at, head, entries, ranks)
 
 
-def _check_regions(entries, files: tuple[FileRef, ...], at: _At) -> None:
+def _check_regions(entries: Collection[Entry], files: tuple[FileRef, ...], at: _At) -> None:
     """No two of ``entries`` (a sequence of records) overlap in a file (names the overlap)."""
     for file_id, spans in enumerate(spans_by_file(entries, len(files))):
         if not plain.sorted_disjoint(spans):
@@ -174,7 +180,8 @@ def _check_regions(entries, files: tuple[FileRef, ...], at: _At) -> None:
                             at / "files" / file_id, f"file {files[file_id].name}")
 
 
-def _record(m: dict, at: _At, head: _Head, entries, ranks: tuple[RankTree, ...],
+def _record(m: dict, at: _At, head: _Head, entries: Mapping[int, Entry],
+            ranks: tuple[RankTree, ...],
             view: int | None = None) -> Manifest:
     """The manifest record of checked ``head``, ``entries`` and ``ranks``, once the remaining
     fields of ``m`` validate."""
@@ -259,7 +266,7 @@ def parse_view(m: dict, where: str, rank: int, node: dict, refs: dict, items: di
         entry = plain.tensor_entry(value, head.files, head.world)
         entries[e] = entry if entry is not None else _entry(value, at / "entries" / e,
                                                             head.files, head.world)
-    _check_regions(list(entries.values()), head.files, at)
+    _check_regions(entries.values(), head.files, at)
     check_tree_refs(node, at / "ranks" / rank / "tree",
                     _Kinds(entry_count, {e: x.kind for e, x in entries.items()}), None)
     check_entry_keys({e: x.key for e, x in entries.items()}, refs, at / "entries")
@@ -404,18 +411,18 @@ def _step(value: Any, at: _At) -> int | None:
 
 
 def _entries(values: list, at: _At, files: tuple[FileRef, ...], world: int,
-             checked: bool = False) -> tuple:
+             checked: bool = False) -> dict[int, Entry]:
     """The manifest's entries: each ordinary tensor entry through ``plain.tensor_entry``, any
     other (an object, anything unusual or wrong) through :func:`_entry`; with ``checked``, a
     record among ``values`` is one :func:`entry_converter` made (JSON decodes to no record)."""
-    out: list[Entry] = []
+    out: dict[int, Entry] = {}
     for i, e in enumerate(values):
         if checked and type(e) is TensorEntry:
-            out.append(e)
+            out[i] = e
             continue
         entry = plain.tensor_entry(e, files, world)
-        out.append(entry if entry is not None else _entry(e, at / i, files, world))
-    return tuple(out)
+        out[i] = entry if entry is not None else _entry(e, at / i, files, world)
+    return out
 
 
 def _entry(value: Any, at: _At, files: tuple[FileRef, ...], world: int) -> Entry:

@@ -124,7 +124,7 @@ def verify_newest(memdir: str, ckpt_root: str, storage_root: str | None = None
         with Reader(info.path, registry=ProviderRegistry.default(), verify=True, store=LOCAL,
                     world_size=info.world_size, rank_policy="rank0") as reader:
             names = [ref.name for ref in reader.manifest.files]
-            verify_checkpoint(reader)
+            verify_checkpoint(reader.checkpoint)
     except (OSError, DatastatesError) as exc:
         log.warning("keeper: the memory checkpoint %s does not verify: %s", info.name, exc)
         return None

@@ -101,7 +101,7 @@ def copy_commit(info: CheckpointInfo, root: str, config: CheckpointConfig,
                 world_size=info.world_size, rank_policy="rank0") as reader:
         manifest = reader.manifest
         if verify:
-            verify_checkpoint(reader)
+            verify_checkpoint(reader.checkpoint)
     publisher = publisher_for(LOCAL)
     try:
         publisher.check_root(root)

@@ -3,25 +3,25 @@
 Before a byte is read, one rank's saved tree is walked against the live state through the
 providers, touching nothing live: mappings by key, sequences by position, tensors and numpy arrays
 by shape and dtype, provider objects by their own ``check`` (a refused one is rolled back out of
-the plan). What matches becomes a :class:`_Plan`: the regions to read into each live (or new)
-tensor from every saved shard overlapping it, the plain values to set and the providers to apply
-after the reads; what does not is recorded in the :class:`RestoreReport` (a strict restore raises).
-With ``cast=True`` a live floating-point tensor of the saved shape but another floating-point dtype
-matches too: it becomes a :class:`_Cast`, read as saved into a temporary, then copied into it.
+the plan). What matches becomes a :class:`~datastates.restore.plan.Plan` (:func:`plan_restore`,
+:func:`plan_load`): the regions to read into each live (or new) tensor from every saved shard
+overlapping it, the plain values to set and the providers to apply after the reads; what does not
+is recorded in its :class:`RestoreReport` (a strict restore raises). With ``cast=True`` a live
+floating-point tensor of the saved shape but another floating-point dtype matches too: it becomes
+a ``Cast``, read as saved into a temporary, then copied into it.
 
-Kept apart from the reading: ``restore.Reader`` opens and checks the files, hands itself to a plan
-and executes the plan's reads (``_Read``, also built by verify.py). The plan uses only the reader it
-is given, so restore.py imports this module, never the other way round. The plan walks the live
-state alongside the saved tree, so the recursion is its own; the node kinds, children, keys and
-the rule of ``keys=`` prefixes are format/tree.py's, shared with every reader of saved trees.
+Kept apart from the reading: matching sees the open checkpoint (opened.py: its manifest, entries
+and saved Python objects) and the providers, and builds plan records (plan.py); ``reader.Reader``
+above it carries the plan out. The walk goes over the live state alongside the saved tree, so the
+recursion is its own; the node kinds, children, keys and the rule of ``keys=`` prefixes are
+format/tree.py's, shared with every reader of saved trees.
 """
 from __future__ import annotations
 
 import os
 import sys
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -31,80 +31,10 @@ from ..format.checks import MAX_TREE_DEPTH
 from ..format.tree import key_of
 from ..format import codec as fmt
 from ..providers.tree import NUMPY_DTYPES, TensorShard, plain_cpu, sharding_of, unwritable
-from ..providers import Capture, StateProvider
+from ..providers import Capture, ProviderRegistry, StateProvider
 from ..format.records import ShardRef, TensorEntry
-
-if TYPE_CHECKING:
-    from .reader import Reader
-
-
-@dataclass
-class RestoreReport:
-    """What an in-place restore did. On a strict restore the lists other than ``restored`` are
-    empty (a mismatch raises instead)."""
-
-    name: str
-    step: int | None
-    restored: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)      #: in the live state, not in the checkpoint
-    unexpected: list[str] = field(default_factory=list)   #: in the checkpoint, not in the live state
-    #: shape, dtype, type or length differs, or a provider's check refused it (skipped)
-    mismatched: list[str] = field(default_factory=list)
-    nbytes: int = 0
-    #: damaged checkpoints newer than this one that finding the latest passed over (by name)
-    passed_over: list[str] = field(default_factory=list)
-    #: restored into a live tensor of another floating-point dtype (``cast=True``), each as
-    #: ``"model/w (float32 -> bfloat16)"``; these keys are in ``restored`` too
-    cast: list[str] = field(default_factory=list)
-    #: newer committed checkpoints a restore with ``fallback=True`` did not use, newest first
-    #: (``SkippedCheckpoint``: name, reason, where it was quarantined)
-    skipped: list = field(default_factory=list)
-    #: bytes re-read and checked before live state was touched (``fallback=True``), and seconds
-    verified_nbytes: int = 0
-    verify_s: float = 0.0
-    #: where it was read from: "storage" (the directory), or "memory" (the memory tier)
-    tier: str = "storage"
-    #: with a memory tier, why this restore read storage without asking memory (its keeper
-    #: did not answer when the Checkpointer was constructed: stopped or hung), else None
-    tier_fallback: str | None = None
-    #: True: a memory checkpoint its keeper had checked byte by byte after the last write to it
-    #: (datastates/memory/marks.py), copied without checksumming again
-    prechecked: bool = False
-    #: reads started again because another process replaced or deleted the checkpoint while
-    #: it was read (a tag overwritten, the latest deleted by retention): each as
-    #: ``"<name>: <the error it caused>"``; the checkpoint restored is the one found last
-    rereads: list[str] = field(default_factory=list)
-
-
-@dataclass
-class _Read:
-    file: int
-    offset: int
-    nbytes: int
-    #: the CPU tensor receiving the bytes: flat uint8, or any plain contiguous one (``plain_cpu``)
-    dest: torch.Tensor
-    checksums: list           # [[length, crc], ...] over [offset, offset + nbytes)
-    key: str
-    #: where these bytes start in the tensor's own bytes (a part of a larger region: see
-    #: ``reads.split_at_pieces``); error messages count from the tensor's first byte
-    base: int = 0
-
-
-@dataclass
-class _Cast:
-    """A live tensor (or the local box of a sharded one) restored from a saved tensor of another
-    floating-point dtype: the bytes are read and checked as saved, into a temporary of the saved
-    dtype (``temporary``), then copied into ``dest`` with ``dest.copy_`` (torch's rounding), so
-    ``dest`` changes only once every byte of it was verified."""
-
-    dest: torch.Tensor
-    entry: TensorEntry
-    key: str
-    box_offset: tuple | None  #: where ``dest`` lies in the global tensor (None: the whole)
-    nbytes: int               #: bytes read from the checkpoint
-
-    def temporary(self) -> torch.Tensor:
-        return torch.empty(self.dest.shape, dtype=self.entry.torch_dtype)
+from .opened import OpenCheckpoint
+from .plan import Cast, Early, Plan, Read, Rebuild, RestoreReport
 
 
 def _castable(live: Any, entry: TensorEntry) -> bool:
@@ -174,6 +104,17 @@ def _dtype_text(value: Any) -> str:
     return str(value.dtype).replace("torch.", "")
 
 
+def _copier(dest: torch.Tensor, src: torch.Tensor) -> Callable[[], Any]:
+    """A copy of ``src`` into ``dest``, to run after the reads."""
+    return lambda: dest.copy_(src)
+
+
+def _numpy_filler(array: Any, src: torch.Tensor) -> Callable[[], Any]:
+    """A copy of ``src`` into the live ndarray ``array`` (by numpy: strides torch cannot view),
+    to run after the reads."""
+    return lambda: array.__setitem__(..., src.numpy())
+
+
 def _bytes_of(t: torch.Tensor) -> torch.Tensor | None:
     """The memory of the contiguous CPU tensor ``t`` as a flat uint8 tensor on it (no copy), or
     None when its memory is not its values in row-major order (a lazy conjugate or negative
@@ -186,60 +127,62 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-class _Rebuild:
-    """A provider's ``rebuild(state)``, done once, after the reads (``_Plan.resolve``)."""
-
-    __slots__ = ("provider", "state", "done", "value")
-
-    def __init__(self, provider: StateProvider, state: Any):
-        self.provider, self.state, self.done, self.value = provider, state, False, None
-
-
-def _resolve(value: Any) -> Any:
-    if isinstance(value, _Rebuild):
-        if not value.done:
-            value.value, value.done = value.provider.rebuild(_resolve(value.state)), True
-        return value.value
-    if type(value) in (dict, OrderedDict):
-        items = [(k, v, _resolve(v)) for k, v in value.items()]
-        if all(v is r for _, v, r in items):
-            return value
-        return type(value)((k, r) for k, _, r in items)
-    if type(value) in (list, tuple):
-        items = [(v, _resolve(v)) for v in value]
-        if all(v is r for v, r in items):
-            return value
-        return type(value)(r for _, r in items)
-    return value
+def plan_restore(ckpt: OpenCheckpoint, registry: ProviderRegistry, state: Any, saved: dict, *,
+                 keys: str | Iterable[str] | None = None, strict: bool = True,
+                 cast: bool = False) -> Plan:
+    """The plan of restoring the saved tree ``saved`` of ``ckpt`` into the live ``state`` in
+    place: every check of the matcher and the providers (StateMismatchError when ``strict`` and
+    something differs); nothing live changes (the saved Python objects are read and unpickled
+    here, their checksums verified)."""
+    matcher = _Matcher(ckpt, registry, keys, strict, in_place=True, cast=cast)
+    matcher.match_root(state, saved)
+    matcher.check()
+    return matcher.plan()
 
 
-class _Plan:
-    """Matches the checkpoint tree with the live state; collects reads, errors and finalizers."""
+def plan_load(ckpt: OpenCheckpoint, registry: ProviderRegistry, saved: dict, *,
+              keys: str | Iterable[str] | None = None) -> tuple[Plan, Any]:
+    """(the plan, the structure it fills) of loading the saved tree ``saved`` of ``ckpt`` into
+    new objects: nothing is read but the Python objects; the structure holds the new tensors
+    (filled by the plan's reads) and the providers' rebuilds (``Plan.resolve``)."""
+    matcher = _Matcher(ckpt, registry, keys, strict=False, in_place=False)
+    value = matcher.match(None, saved, (), None)
+    return matcher.plan(), value
 
-    def __init__(self, reader: Reader, keys, strict: bool, in_place: bool, cast: bool = False):
-        self.reader, self.strict, self.in_place, self.cast = reader, strict, in_place, cast
+
+class _Matcher:
+    """Matches the checkpoint tree with the live state; collects reads, errors and finalizers
+    into the lists a :class:`Plan` is made of (:meth:`plan`)."""
+
+    def __init__(self, ckpt: OpenCheckpoint, registry: ProviderRegistry,
+                 keys: str | Iterable[str] | None, strict: bool, in_place: bool,
+                 cast: bool = False):
+        self.ckpt, self.registry = ckpt, registry
+        self.entries = ckpt.entries
+        self.strict, self.in_place, self.cast = strict, in_place, cast
         self.keys = tree.prefixes(keys)
-        self.reads: list[_Read] = []
-        self.post_copies: list = []
-        #: live tensors filled from a saved tensor of another floating-point dtype, after the
-        #: reads, a bounded batch of temporaries at a time (``Reader._run_casts``)
-        self.casts: list[_Cast] = []
-        self.finalizers: list = []
+        self.reads: list[Read] = []
+        self.post_copies: list[Callable[[], Any]] = []
+        self.casts: list[Cast] = []
+        self.finalizers: list[tuple[Callable[[Any, Any], Any], Any, Any]] = []
         self.fresh: dict[int, torch.Tensor] = {}
         self.filled: set[tuple[int, int]] = set()
-        #: (container, key, value): plain values of the live dicts/lists, replaced after the reads
-        #: (the key ``slice(None)``: a grown or shrunk list's whole contents)
-        self.writebacks: list = []
+        self.writebacks: list[tuple[Any, Any, Any]] = []
         #: saved Python objects read (unpickled) to tell whether a container is plain, by entry,
         #: each taken by the one node that restores it
         self.objects: dict[int, Any] = {}
-        #: (provider, state, key) of the providers overriding ``validate_values``, with the reads,
-        #: copies and casts of their own tensors: done first, then validated
-        self.early: list = []
-        #: providers' rebuilds waiting for the reads of their tensors (see ``resolve``)
+        self.early: list[Early] = []
         self.deferred = 0
-        m = reader.manifest
-        self.report = RestoreReport(name=os.path.basename(reader.dir), step=m.step)
+        self.report = RestoreReport(name=os.path.basename(ckpt.dir), step=ckpt.manifest.step)
+
+    def plan(self) -> Plan:
+        """What was matched, as a plan record."""
+        return Plan(report=self.report, early=self.early, reads=self.reads,
+                    post_copies=self.post_copies, casts=self.casts, writebacks=self.writebacks,
+                    finalizers=self.finalizers, deferred=self.deferred)
+
+    def _read_object(self, e: int) -> Any:
+        return self.ckpt.read_object(self.entries[e])
 
     def wanted(self, path: tuple) -> str | None:
         """``"all"``, ``"some"`` or None: where ``path`` stands relative to ``keys=``."""
@@ -257,7 +200,7 @@ class _Plan:
                 parts.append(f"in the checkpoint but not in the live state: {show(r.unexpected)}")
             if r.mismatched:
                 parts.append(f"do not match: {show(r.mismatched)}")
-            raise StateMismatchError(f"{self.reader.dir}: the live state does not match the "
+            raise StateMismatchError(f"{self.ckpt.dir}: the live state does not match the "
                                      f"checkpoint; {'; '.join(parts)}. Nothing was modified. "
                                      f"{_advice(r)}")
 
@@ -308,7 +251,7 @@ class _Plan:
             return self.mapping(live, node, path, provider, grows)
         if t in tree.SEQUENCES:
             return self.sequence(live, node, path, provider, grows)
-        raise CorruptCheckpointError(f"{self.reader.dir}: unknown tree node {t!r} at "
+        raise CorruptCheckpointError(f"{self.ckpt.dir}: unknown tree node {t!r} at "
                                      f"{key_of(path)!r}")
 
     def _plain_saved(self, node: dict) -> bool:
@@ -321,7 +264,7 @@ class _Plan:
         if t == "object":
             e = node["e"]
             if e not in self.objects:
-                self.objects[e] = self.reader.read_object(self.reader.entries[e])
+                self.objects[e] = self._read_object(e)
             return _plain(self.objects[e])
         if t in tree.MAPPINGS or t in tree.SEQUENCES:
             return all(self._plain_saved(child) for _, child in tree.items(node))
@@ -332,13 +275,13 @@ class _Plan:
         e = node["e"]
         if e in self.objects:
             return self.objects.pop(e)
-        return self.reader.read_object(self.reader.entries[e])
+        return self._read_object(e)
 
     def provider(self, live: Any, node: dict, path: tuple) -> Any:
-        prov = self.reader.registry.get(node["name"])
+        prov = self.registry.get(node["name"])
         if prov is None:
             raise CorruptCheckpointError(
-                f"{self.reader.dir}: {key_of(path)!r} was saved by provider {node['name']!r}, "
+                f"{self.ckpt.dir}: {key_of(path)!r} was saved by provider {node['name']!r}, "
                 "which is not registered here; register it in the ProviderRegistry you pass")
         if live is not None and self.in_place:
             if not prov.can_handle(live):
@@ -357,7 +300,7 @@ class _Plan:
             self.finalizers.append((prov.load, live, loaded))
             return live
         self.deferred += 1
-        return _Rebuild(prov, self._provider_state(prov, None, node, path))
+        return Rebuild(prov, self._provider_state(prov, None, node, path))
 
     def _provider_state(self, prov: StateProvider, live_state: Any, node: dict,
                         path: tuple) -> Any:
@@ -377,30 +320,11 @@ class _Plan:
         if type(prov).validate_values is not StateProvider.validate_values:
             mine = [c for c in self.post_copies if id(c) not in copies]
             self.post_copies = [c for c in self.post_copies if id(c) in copies]
-            self.early.append((prov, loaded, key_of(path), self.reads[reads:], mine,
-                               self.casts[casts:]))
+            self.early.append(Early(prov, loaded, key_of(path), self.reads[reads:], mine,
+                                    self.casts[casts:]))
             del self.reads[reads:]
             del self.casts[casts:]
         return loaded
-
-    def nbytes(self) -> int:
-        """Bytes the plan reads."""
-        early = [r for e in self.early for r in e[3] + e[5]]
-        return sum(r.nbytes for r in self.reads + self.casts + early)
-
-    def files(self) -> set[int]:
-        """The shard files the plan reads from (a cast counts every file of its tensor)."""
-        early_reads = [r for e in self.early for r in e[3]]
-        casts = self.casts + [c for e in self.early for c in e[5]]
-        return ({r.file for r in self.reads + early_reads} |
-                {s.file for c in casts for s in c.entry.shards})
-
-    def resolve(self, value: Any) -> Any:
-        """``value`` with every provider's rebuild done: run after the reads, so a provider
-        rebuilding an object (a numpy Generator) from its state sees the bytes read, not the
-        empty tensors planned. Containers are kept as they are unless something inside them
-        was rebuilt."""
-        return _resolve(value) if self.deferred else value
 
     def _mismatch(self, live: Any, path: tuple, why: str) -> Any:
         """Record that the live value at ``path`` is left alone (an error if strict)."""
@@ -434,7 +358,8 @@ class _Plan:
         them unexpected; keys only the live dict holds are missing all the same."""
         live_map = live if isinstance(live, dict) else None
         fill = self._fills(live_map, provider)
-        out = live_map if fill else (OrderedDict() if node["t"] == "odict" else {})
+        out: dict = live_map if fill and live_map is not None else \
+            (OrderedDict() if node["t"] == "odict" else {})
         seen = set()
         everything = self.keys is None  # no keys=: every child is wanted
         for k, child in node["items"]:  # tree.items of a mapping, without a list of pairs
@@ -475,14 +400,15 @@ class _Plan:
         fill = self._fills(live_seq, provider)
         # a live tuple of the caller's is rebuilt keeping its items that are not restored
         keep = self.in_place and provider is None and live_seq is not None
+        n_live = len(live_seq) if live_seq is not None else 0
         out = []
         for i, child in tree.items(node):
-            lv = live_seq[i] if live_seq is not None and i < len(live_seq) else None
+            lv = live_seq[i] if live_seq is not None and i < n_live else None
             if self.wanted(path + (i,)) is None:
-                if keep and i < len(live_seq):
+                if keep and i < n_live:
                     out.append(lv)
                 continue
-            if fill and i >= len(live_seq) and not grows:  # only when keys= names this item
+            if fill and i >= n_live and not grows:  # only when keys= names this item
                 self.report.unexpected.append(key_of(path + (i,)))
                 continue
             out.append(self.match(lv, child, path + (i,), provider))
@@ -502,7 +428,9 @@ class _Plan:
         temporary after the reads; a different shape or dtype is a mismatch, as for tensors; a
         read-only array is replaced by a new one); else a new tensor, or a new ``np.ndarray``
         for a node saved from numpy (``"np": true``)."""
-        entry = self.reader.entries[node["e"]]
+        entry = self.entries[node["e"]]
+        if not isinstance(entry, TensorEntry):  # the tree's checks gave tensors tensor entries
+            raise CorruptCheckpointError(f"{self.ckpt.dir}: entry {node['e']} is no tensor")
         key = key_of(path)
         if self.in_place and type(live) is torch.Tensor:  # the commonest: a plain live tensor
             self.into_live(live, None, node, entry, key)
@@ -512,7 +440,7 @@ class _Plan:
             if writable is None and _fillable(live) and tuple(live.shape) == entry.shape and \
                     live.dtype.name == entry.dtype:  # strides torch cannot view: a temporary
                 writable = torch.empty(entry.shape, dtype=entry.torch_dtype)
-                self.post_copies.append(lambda a=live, t=writable: a.__setitem__(..., t.numpy()))
+                self.post_copies.append(_numpy_filler(live, writable))
             if writable is not None or tuple(live.shape) != entry.shape or \
                     live.dtype.name != entry.dtype:
                 self.into_live(writable if writable is not None else live, None, node, entry,
@@ -526,14 +454,14 @@ class _Plan:
             self._fill(fresh, entry, key)
             self.fresh[node["e"]] = fresh
         if node.get("np") or _is_ndarray(live):
-            return _as_numpy(self.fresh[node["e"]], entry, self.reader.dir)
+            return _as_numpy(self.fresh[node["e"]], entry, self.ckpt.dir)
         return self.fresh[node["e"]]
 
     def into_live(self, live: Any, shard: TensorShard | None, node: dict, entry: TensorEntry,
                   key: str) -> None:
         """Schedule filling the live tensor (or the local box of a sharded one) in place, or
         record a shape/dtype mismatch. With ``cast``, a floating-point dtype other than the
-        saved floating-point one is no mismatch: the tensor is filled through a :class:`_Cast`."""
+        saved floating-point one is no mismatch: the tensor is filled through a ``Cast``."""
         local = shard.local if shard is not None else live
         global_shape = shard.global_shape if shard is not None else tuple(live.shape)
         live_dtype = _dtype_text(local)
@@ -567,13 +495,13 @@ class _Plan:
                 self._fill(dest, entry, key, box)
 
     def _cast_into(self, dest: torch.Tensor, entry: TensorEntry, key: str, box_offset) -> None:
-        """Schedule a :class:`_Cast` of ``dest``. Its regions are planned now on a meta tensor
+        """Schedule a ``Cast`` of ``dest``. Its regions are planned now on a meta tensor
         (no memory), so that a checkpoint whose shards do not cover it is refused before
         anything is read; they are planned again on the temporary when it is read."""
         box = tuple(box_offset) if box_offset is not None else None
         probe = torch.empty(dest.shape, dtype=entry.torch_dtype, device="meta")
-        reads, _ = self.regions(probe, entry, key, box)
-        self.casts.append(_Cast(dest, entry, key, box, sum(r.nbytes for r in reads)))
+        reads, _ = regions(probe, entry, key, box, self.ckpt.dir)
+        self.casts.append(Cast(dest, entry, key, box, sum(r.nbytes for r in reads)))
 
     def _fill(self, dest: torch.Tensor, entry: TensorEntry, key: str, box_offset=None) -> None:
         """Schedule reads filling ``dest``, the box of the global tensor at ``box_offset``
@@ -582,104 +510,111 @@ class _Plan:
                                      _bytes_of(dest) is not None)
         target = dest if direct else torch.empty(dest.shape, dtype=dest.dtype)
         if not direct:
-            self.post_copies.append(lambda d=dest, s=target: d.copy_(s))
-        reads, copies = self.regions(target, entry, key, box_offset)
+            self.post_copies.append(_copier(dest, target))
+        reads, copies = regions(target, entry, key, box_offset, self.ckpt.dir)
         self.reads.extend(reads)
         self.post_copies[:0] = copies  # they fill ``target`` before it is copied anywhere
 
-    def regions(self, target: torch.Tensor, entry: TensorEntry, key: str,
-                box_offset=None) -> tuple[list[_Read], list]:
-        """The reads filling the contiguous CPU (or meta) tensor ``target``, the box of the
-        global tensor at ``box_offset`` (the whole tensor by default), from every saved shard
-        that overlaps it, and the copies that must follow them (parts of shards read into
-        buffers). CorruptCheckpointError when the shards do not cover the box."""
-        box_offset = tuple(box_offset) if box_offset is not None else (0,) * target.dim()
-        reads: list[_Read] = []
-        copies: list = []
-        covered = 0
-        for shard in entry.shards:
-            covered += self._fill_from(target, box_offset, shard, key, reads, copies)
-        if covered != target.numel():
-            raise CorruptCheckpointError(
-                f"{self.reader.dir}: the saved shards of {key!r} cover {covered} of the "
-                f"{target.numel()} elements needed at {list(box_offset)}")
-        return reads, copies
 
-    def _fill_from(self, target: torch.Tensor, box_offset: tuple, shard: ShardRef,
-                   key: str, reads: list, copies: list) -> int:
-        """Plan reading the part of one saved shard that overlaps the target box into ``reads``
-        and ``copies``; return its elements."""
-        s_off, s_shape = shard.global_offset, shard.shape
-        if s_off == box_offset and s_shape == target.shape:  # the same box: read in place
-            numel = target.numel()
-            if not numel:  # a dimension of size 0: nothing to read
-                return 0
-            if numel * target.element_size() != shard.nbytes:
-                raise CorruptCheckpointError(
-                    f"{self.reader.dir}: shard of {key!r} at {list(s_off)} holds {shard.nbytes} "
-                    f"bytes, expected {numel * target.element_size()}")
-            # a plain CPU tensor is read into as it is (reads.py views its bytes by address)
-            reads.append(_Read(shard.file, shard.offset, shard.nbytes,
-                               target if plain_cpu(target) else _bytes_of(target),
-                               shard.checksums, key))
-            return numel
-        lo = [max(a, b) for a, b in zip(s_off, box_offset)]
-        hi = [min(a + n, b + m) for a, n, b, m in zip(s_off, s_shape, box_offset, target.shape)]
-        if any(h <= l for l, h in zip(lo, hi)) and target.dim():
+def regions(target: torch.Tensor, entry: TensorEntry, key: str, box_offset: Iterable[int] | None,
+            where: str) -> tuple[list[Read], list[Callable[[], Any]]]:
+    """The reads filling the contiguous CPU (or meta) tensor ``target``, the box of the
+    global tensor at ``box_offset`` (the whole tensor by default), from every saved shard
+    that overlaps it, and the copies that must follow them (parts of shards read into
+    buffers). CorruptCheckpointError (naming ``where``, the checkpoint) when the shards do not
+    cover the box."""
+    box = tuple(box_offset) if box_offset is not None else (0,) * target.dim()
+    reads: list[Read] = []
+    copies: list[Callable[[], Any]] = []
+    covered = 0
+    for shard in entry.shards:
+        covered += _fill_from(target, box, shard, key, reads, copies, where)
+    if covered != target.numel():
+        raise CorruptCheckpointError(
+            f"{where}: the saved shards of {key!r} cover {covered} of the "
+            f"{target.numel()} elements needed at {list(box)}")
+    return reads, copies
+
+
+def _fill_from(target: torch.Tensor, box_offset: tuple, shard: ShardRef, key: str,
+               reads: list[Read], copies: list[Callable[[], Any]], where: str) -> int:
+    """Plan reading the part of one saved shard that overlaps the target box into ``reads``
+    and ``copies``; return its elements."""
+    s_off, s_shape = shard.global_offset, shard.shape
+    if s_off == box_offset and s_shape == target.shape:  # the same box: read in place
+        numel = target.numel()
+        if not numel:  # a dimension of size 0: nothing to read
             return 0
-        elem = target.element_size()
-        numel = 1
-        for n in s_shape:
-            numel *= n
-        if numel * elem != shard.nbytes:
-            raise CorruptCheckpointError(f"{self.reader.dir}: shard of {key!r} at {list(s_off)} "
-                                         f"holds {shard.nbytes} bytes, expected {numel * elem}")
-        if s_off == box_offset and s_shape == tuple(target.shape):  # the same box: read in place
-            if numel:
-                reads.append(_Read(shard.file, shard.offset, shard.nbytes,
-                                   _bytes_of(target), shard.checksums, key))
-            return numel
-        if (target.dim() and s_shape[1:] == tuple(target.shape[1:]) and
-                s_off[1:] == box_offset[1:] and lo[0] == s_off[0] and
-                hi[0] == s_off[0] + s_shape[0]):
-            # The whole shard is a run of full rows of the target: read it straight into them.
-            row = shard.nbytes // s_shape[0] if s_shape[0] else 0
-            start = (s_off[0] - box_offset[0]) * row
-            flat = _bytes_of(target)
-            reads.append(_Read(shard.file, shard.offset, shard.nbytes,
-                               flat[start:start + shard.nbytes], shard.checksums, key))
-            return numel
-        # Rows [r0, r1) of the shard along dim 0 are one contiguous byte range: read only those,
-        # widened to whole checksum pieces so that what is read is verified.
+        if numel * target.element_size() != shard.nbytes:
+            raise CorruptCheckpointError(
+                f"{where}: shard of {key!r} at {list(s_off)} holds {shard.nbytes} "
+                f"bytes, expected {numel * target.element_size()}")
+        # a plain CPU tensor is read into as it is (reads.py views its bytes by address)
+        reads.append(Read(shard.file, shard.offset, shard.nbytes,
+                          target if plain_cpu(target) else _bytes_of(target),
+                          shard.checksums, key))
+        return numel
+    lo = [max(a, b) for a, b in zip(s_off, box_offset)]
+    hi = [min(a + n, b + m) for a, n, b, m in zip(s_off, s_shape, box_offset, target.shape)]
+    if any(h <= l for l, h in zip(lo, hi)) and target.dim():
+        return 0
+    elem = target.element_size()
+    numel = 1
+    for n in s_shape:
+        numel *= n
+    if numel * elem != shard.nbytes:
+        raise CorruptCheckpointError(f"{where}: shard of {key!r} at {list(s_off)} "
+                                     f"holds {shard.nbytes} bytes, expected {numel * elem}")
+    if s_off == box_offset and s_shape == tuple(target.shape):  # the same box: read in place
+        if numel:
+            reads.append(Read(shard.file, shard.offset, shard.nbytes,
+                              _bytes_of(target), shard.checksums, key))
+        return numel
+    if (target.dim() and s_shape[1:] == tuple(target.shape[1:]) and
+            s_off[1:] == box_offset[1:] and lo[0] == s_off[0] and
+            hi[0] == s_off[0] + s_shape[0]):
+        # The whole shard is a run of full rows of the target: read it straight into them.
         row = shard.nbytes // s_shape[0] if s_shape[0] else 0
-        r0, r1 = lo[0] - s_off[0], hi[0] - s_off[0]
-        first, last, pieces, pos = None, None, [], 0
-        for length, crc in shard.checksums:
-            if pos + length > r0 * row and pos < r1 * row:
-                first = pos if first is None else first
-                last = pos + length
-                pieces.append([length, crc])
-            pos += length
-        # A piece may start inside an element (the format bounds pieces in bytes only): the
-        # buffer starts ``lead`` bytes early, so that the rows land at an offset that is a
-        # multiple of the element size and can be viewed as elements.
-        lead = first % elem
-        buf = torch.empty(lead + last - first, dtype=torch.uint8, device=target.device)
-        reads.append(_Read(shard.file, shard.offset + first, last - first, buf[lead:], pieces,
-                           key, first))
-        start = lead + r0 * row - first
-        rows = buf[start:start + (r1 - r0) * row].view(target.dtype)
-        rows = rows.reshape((r1 - r0,) + s_shape[1:])
-        src, dst = rows, target
-        for dim in range(target.dim()):
-            if dim:
-                src = src.narrow(dim, lo[dim] - s_off[dim], hi[dim] - lo[dim])
-            dst = dst.narrow(dim, lo[dim] - box_offset[dim], hi[dim] - lo[dim])
-        copies.append(lambda d=dst, s=src: d.copy_(s))
-        count = 1
-        for l, h in zip(lo, hi):
-            count *= h - l
-        return count
+        start = (s_off[0] - box_offset[0]) * row
+        flat = _bytes_of(target)
+        assert flat is not None  # a target is contiguous: a live tensor (_fill) or a temporary
+        reads.append(Read(shard.file, shard.offset, shard.nbytes,
+                          flat[start:start + shard.nbytes], shard.checksums, key))
+        return numel
+    # Rows [r0, r1) of the shard along dim 0 are one contiguous byte range: read only those,
+    # widened to whole checksum pieces so that what is read is verified.
+    row = shard.nbytes // s_shape[0] if s_shape[0] else 0
+    r0, r1 = lo[0] - s_off[0], hi[0] - s_off[0]
+    first, last, pieces, pos = None, None, [], 0
+    for length, crc in shard.checksums:
+        if pos + length > r0 * row and pos < r1 * row:
+            first = pos if first is None else first
+            last = pos + length
+            pieces.append([length, crc])
+        pos += length
+    if first is None or last is None:
+        raise CorruptCheckpointError(f"{where}: the checksum pieces of {key!r} at {list(s_off)} "
+                                     f"do not cover its rows [{r0}, {r1})")
+    # A piece may start inside an element (the format bounds pieces in bytes only): the
+    # buffer starts ``lead`` bytes early, so that the rows land at an offset that is a
+    # multiple of the element size and can be viewed as elements.
+    lead = first % elem
+    buf = torch.empty(lead + last - first, dtype=torch.uint8, device=target.device)
+    reads.append(Read(shard.file, shard.offset + first, last - first, buf[lead:], pieces,
+                      key, first))
+    start = lead + r0 * row - first
+    rows = buf[start:start + (r1 - r0) * row].view(target.dtype)
+    rows = rows.reshape((r1 - r0,) + s_shape[1:])
+    src, dst = rows, target
+    for dim in range(target.dim()):
+        if dim:
+            src = src.narrow(dim, lo[dim] - s_off[dim], hi[dim] - lo[dim])
+        dst = dst.narrow(dim, lo[dim] - box_offset[dim], hi[dim] - lo[dim])
+    copies.append(_copier(dst, src))
+    count = 1
+    for l, h in zip(lo, hi):
+        count *= h - l
+    return count
 
 
 #: Plain values whose equal copies are interchangeable.
@@ -725,7 +660,7 @@ def _advice(report: RestoreReport) -> str:
 
 def _replaced(result: Any, live: Any, path: tuple) -> list[tuple]:
     """The paths of what an in-place restore would have to put in place of ``live``
-    (:meth:`_Plan.match_root`): nothing where ``result`` is ``live`` itself or an equal plain
+    (:meth:`_Matcher.match_root`): nothing where ``result`` is ``live`` itself or an equal plain
     value; the items of a tuple rebuilt as a tuple, one by one; else ``path`` itself."""
     if isinstance(live, Capture):  # a capture policy's wrapper: its value is what is filled
         live = live.value

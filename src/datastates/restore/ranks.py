@@ -6,7 +6,10 @@ children, keys and the rule of ``keys=`` prefixes are format/tree.py's, as for e
 """
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 from ..format import tree
+from ..format.records import Entry, ObjectEntry
 
 
 #: How a restore at another world size treats per-rank state: "strict" raises ReshardError,
@@ -15,7 +18,8 @@ from ..format import tree
 RANK_POLICIES = ("strict", "rank0", "same")
 
 
-def per_rank_keys(trees: list[dict], entries: list, keys: list[str] | None) -> list[str]:
+def per_rank_keys(trees: list[dict], entries: Mapping[int, Entry],
+                  keys: list[str] | None) -> list[str]:
     """Keys whose saved state differs between the saved ranks: Python values, objects and
     tensors kept per rank whose bytes differ, or a structure present on some ranks only.
 
@@ -29,7 +33,8 @@ def per_rank_keys(trees: list[dict], entries: list, keys: list[str] | None) -> l
     return out
 
 
-def _differ(nodes: list[dict], path: tuple, entries: list, keys, out: list[str]) -> None:
+def _differ(nodes: list[dict], path: tuple, entries: Mapping[int, Entry], keys: list[str] | None,
+            out: list[str]) -> None:
     """Append to ``out`` the keys at or below ``path`` where ``nodes`` (one per rank) differ."""
     scope = tree.scope(path, keys)
     if scope is None:
@@ -62,12 +67,12 @@ def _differ(nodes: list[dict], path: tuple, entries: list, keys, out: list[str])
         out.append(tree.key_of(path))
 
 
-def _content(node: dict, entries: list):
+def _content(node: dict, entries: Mapping[int, Entry]) -> tuple[Any, ...]:
     """What a leaf holds, comparable across ranks (``entries``: the manifest's typed entries)."""
     if node["t"] == "value":
         return ("value", type(node["v"]).__name__, repr(node["v"]))
     e = entries[node["e"]]
-    if e.kind == "object":
+    if isinstance(e, ObjectEntry):
         return ("object", e.nbytes, e.crc32)
     return ("tensor", e.dtype, tuple(e.shape),
             tuple((tuple(s.global_offset), s.nbytes, tuple(map(tuple, s.checksums)))

@@ -3,7 +3,7 @@ destination tensors, every byte checksummed right after it lands.
 
 A *region* is anything with ``file``, ``offset``, ``nbytes``, ``dest`` (a flat uint8 CPU tensor
 receiving the bytes), ``checksums`` (``[[length, crc32], ...]`` covering the region in order) and
-``key`` (matching.py's ``_Read``). Regions of one file that lie close together are coalesced into
+``key`` (plan.py's ``Read``). Regions of one file that lie close together are coalesced into
 runs; each run is read by one thread, front to back, in steps of at most ``ReadFile.step_bytes``
 bytes (1 MiB from a local file, 8 MiB per ranged GET), each step one vectored read
 (``ReadFile.read_into``: a ``preadv``, or a ranged GET) into the destinations (gaps go to scratch
@@ -214,7 +214,8 @@ def split_at_pieces(reads: list, max_read: int) -> list:
             out.append(r)
             continue
         flat = r.dest.reshape(-1).view(torch.uint8)
-        start, at, part = 0, 0, []
+        start, at = 0, 0
+        part: list = []
         for piece in pieces:
             if part and at + piece[0] - start > max_read:
                 out.append(_part(r, flat, start, at, part))

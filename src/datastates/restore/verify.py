@@ -5,7 +5,7 @@ flags and reserved bytes zero), the index (its CRC against the header and the ma
 manifest entry agreeing with an index entry), every checksum piece of every tensor and object, and
 that the bytes between regions are zero (docs/format.md). Nothing is unpickled, and memory is
 bounded: the checksum pieces are read in spans of at most ``SPAN_BYTES``, several spans at once
-(the reader's ``threads``), each thread streaming its span through one buffer of the file's
+(``threads``), each thread streaming its span through one buffer of the file's
 ``step_bytes`` (1 MiB locally, so the bytes are checksummed while still in the CPU cache); the
 zero checks read 1 MiB at a time.
 """
@@ -13,75 +13,76 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Sequence
 
+from ..errors import CorruptCheckpointError
 from ..format import codec as fmt
 from ..format import files, zipframe
 from ..format.codec import ShardHeader
-from ..errors import CorruptCheckpointError
-from .reads import COALESCE_GAP, Checker
-from .matching import _Read
-from ..storage.store import ReadFile
 from ..format.records import Manifest, ObjectEntry, ShardIndex
-
-if TYPE_CHECKING:
-    from .reader import Reader
+from ..storage.store import ReadFile
+from .opened import OpenCheckpoint
+from .plan import Read
+from .reads import COALESCE_GAP, Checker
 
 SPAN_BYTES = 64 << 20  # the longest span one thread reads (a larger piece is a span alone)
 _ZEROS = bytes(1 << 20)
 
 
-def verify_checkpoint(reader: Reader, progress: Callable[[int], None] | None = None) -> int:
-    """Verify every shard file of ``reader``'s checkpoint; return the bytes checked (the sum of
-    the file sizes). Raises CorruptCheckpointError naming the file, offset and key. ``progress``
-    is called with the bytes checked so far in increments (as each span of pieces is
-    checked, then the rest of each file); the increments add up to the returned total."""
-    if reader.manifest.view is not None:
-        raise ValueError(f"{reader.dir}: verifying needs the whole manifest, not the view of "
-                         f"rank {reader.manifest.view}")
+def verify_checkpoint(ckpt: OpenCheckpoint, progress: Callable[[int], None] | None = None,
+                      threads: int = 4) -> int:
+    """Verify every shard file of ``ckpt``; return the bytes checked (the sum of the file sizes).
+    Raises CorruptCheckpointError naming the file, offset and key. ``progress`` is called with
+    the bytes checked so far in increments (as each span of pieces is checked, then the rest of
+    each file); the increments add up to the returned total. ValueError for a rank's view
+    (``Manifest.view``): the whole manifest is checked against the files."""
+    if ckpt.manifest.view is not None:
+        raise ValueError(f"{ckpt.dir}: verifying needs the whole manifest, not the view of "
+                         f"rank {ckpt.manifest.view}")
     report = progress or (lambda n: None)
-    return sum(_verify_file(reader, file_id, report)
-               for file_id in range(len(reader.manifest.files)))
+    return sum(_verify_file(ckpt, file_id, report, threads)
+               for file_id in range(len(ckpt.manifest.files)))
 
 
-def verify_files(reader: Reader, file_ids: list[int]) -> int:
+def verify_files(ckpt: OpenCheckpoint, file_ids: Sequence[int], threads: int = 4) -> int:
     """:func:`verify_checkpoint` of the shard files ``file_ids`` only."""
-    return sum(_verify_file(reader, file_id, lambda n: None) for file_id in file_ids)
+    return sum(_verify_file(ckpt, file_id, lambda n: None, threads) for file_id in file_ids)
 
 
-def _verify_file(reader: Reader, file_id: int, report: Callable[[int], None]) -> int:
-    f, header = reader.files.open_with_header(file_id)
+def _verify_file(ckpt: OpenCheckpoint, file_id: int, report: Callable[[int], None],
+                 threads: int) -> int:
+    f, header = ckpt.files.open_with_header(file_id)
     f.advise_sequential()
-    path = reader.files.path(file_id)
+    path = ckpt.files.path(file_id)
     raw = bytearray(header.index_length)  # bounded: the header was checked against the file size
     f.read_into([memoryview(raw)], header.index_offset)
     index = files.parse_index_bytes(bytes(raw), header, path)
-    _check_index_agrees(reader.manifest, file_id, index, path)
+    _check_index_agrees(ckpt.manifest, file_id, index, path)
     pieces = []
     for e in index.entries:
         pos = 0
         for length, crc in e.checksums:
             if length:
-                pieces.append(_Read(file_id, e.offset + pos, length, None, [(length, crc)],
-                                    e.key, pos))
+                pieces.append(Read(file_id, e.offset + pos, length, None, [(length, crc)],
+                                   e.key, pos))
             pos += length
     for e in index.entries:  # a region the index names must lie before the index
         if e.offset + e.nbytes > header.index_offset:
             raise CorruptCheckpointError(f"{path}: {e.key!r} at [{e.offset}, "
                                          f"{e.offset + e.nbytes}) extends past the data ending "
                                          f"at {header.index_offset}")
-    reported = _check_spans(f, _spans(pieces), path, reader.threads, report)
+    reported = _check_spans(f, _spans(pieces), path, threads, report)
     _verify_zero_gaps(f, index, header, path)
     total = header.end
     report(total - reported)
     return total
 
 
-def _spans(pieces: list[_Read]) -> list[list[_Read]]:
+def _spans(pieces: list[Read]) -> list[list[Read]]:
     """The pieces in file order, grouped into spans read front to back by one thread: pieces
     at most ``reads.COALESCE_GAP`` apart, a span at most ``SPAN_BYTES`` long (a larger piece
     alone). An overlapping piece (a hostile index) starts a span of its own."""
-    spans: list[list[_Read]] = []
+    spans: list[list[Read]] = []
     end = -1
     for p in sorted(pieces, key=lambda p: p.offset):
         if spans and end <= p.offset <= end + COALESCE_GAP and \
@@ -93,7 +94,7 @@ def _spans(pieces: list[_Read]) -> list[list[_Read]]:
     return spans
 
 
-def _check_spans(f: ReadFile, spans: list[list[_Read]], path: str, threads: int,
+def _check_spans(f: ReadFile, spans: list[list[Read]], path: str, threads: int,
                  report: Callable[[int], None]) -> int:
     """Check every span's pieces, ``threads`` spans at once, each thread streaming its bytes
     through one reused buffer of ``f.step_bytes`` (memory: a buffer per thread, whatever the
@@ -102,7 +103,7 @@ def _check_spans(f: ReadFile, spans: list[list[_Read]], path: str, threads: int,
     spans not yet started are not read."""
     scratch = threading.local()
 
-    def check(span: list[_Read]) -> int:
+    def check(span: list[Read]) -> int:
         buf = getattr(scratch, "buf", None)
         if buf is None:
             buf = scratch.buf = memoryview(bytearray(f.step_bytes))
@@ -131,7 +132,7 @@ def _check_spans(f: ReadFile, spans: list[list[_Read]], path: str, threads: int,
     return done
 
 
-def _check_span(f: ReadFile, span: list[_Read], path: str, buf: memoryview) -> None:
+def _check_span(f: ReadFile, span: list[Read], path: str, buf: memoryview) -> None:
     """Read the bytes of ``span`` (disjoint pieces in file order) through ``buf``, window by
     window, feeding each piece's bytes to its checksum as they land."""
     pos, end = span[0].offset, max(p.offset + p.nbytes for p in span)
@@ -211,6 +212,7 @@ def _check_index_agrees(manifest: Manifest, file_id: int, index: ShardIndex, pat
             _agree(by_offset, entry.key, "object", offset, nbytes,
                    ((nbytes, entry.crc32),) if nbytes else (), None, None, path)
         else:
+            assert shard is not None  # Manifest.by_file: a tensor's region is one of its shards
             _agree(by_offset, entry.key, "tensor", offset, nbytes, shard.checksums, entry.dtype,
                    shard.shape, path)
 

@@ -239,7 +239,7 @@ def describe(info: CheckpointInfo, *, keys: list[str] | None = None,
 def _describe(info: CheckpointInfo, store) -> dict:
     m = files.read_manifest(info.path, store)
     tensors, objects = [], []
-    for e in m.entries:
+    for e in m.entries.values():
         if isinstance(e, TensorEntry):
             ranks = sorted({m.files[s.file].rank for s in e.shards})
             tensors.append({"key": e.key, "dtype": e.dtype, "shape": list(e.shape),

@@ -12,9 +12,9 @@ points one way. The bytes are read through restore's ``Reader``, the one read pa
 library: the same shard file paths (the manifest's ``data_dir`` included), file and region checks,
 checksum verification and object loading as a restore. Nothing is unpickled unless the caller
 says the checkpoint is trusted, and Python objects are only loaded when an export needs them.
-Exports stream: tensors are memory-mapped views of the shard files (``Reader.mapped``), verified
-piece by piece and written one after the other, so a state larger than RAM exports with bounded
-memory.
+Exports stream: tensors are memory-mapped views of the shard files (``OpenCheckpoint.mapped``),
+verified piece by piece and written one after the other, so a state larger than RAM exports with
+bounded memory.
 """
 from __future__ import annotations
 
@@ -271,7 +271,7 @@ class _MappedCheckpoint:
             return node["v"]
         if not self.load_objects:  # never unpickled when the export has no use for it
             return None
-        return self.reader.read_object(self.manifest.entries[node["e"]])
+        return self.reader.checkpoint.read_object(self.manifest.entries[node["e"]])
 
     def _rebuild(self, path: tuple, node: dict, state: Any) -> Any:
         provider = self.registry.get(node["name"])
@@ -303,7 +303,8 @@ class _MappedCheckpoint:
     def _view(self, shard: ShardRef, dtype: torch.dtype, key: str) -> torch.Tensor:
         if _numel(shard.shape) == 0:
             return torch.empty(shard.shape, dtype=dtype)
-        raw = self.reader.mapped(shard.file, shard.offset, shard.nbytes, shard.checksums, key)
+        raw = self.reader.checkpoint.mapped(shard.file, shard.offset, shard.nbytes,
+                                            shard.checksums, key)
         return raw.view(dtype).reshape(shard.shape)
 
 
