@@ -204,7 +204,7 @@ class Tiers:
         return self.memory
 
     @property
-    def _open(self) -> TierCheckpointer:
+    def _opened(self) -> TierCheckpointer:
         """The memory tier's TierCheckpointer, which every caller past ``unavailable`` has."""
         assert self.memory is not None, "the memory tier is not open"
         return self.memory
@@ -275,7 +275,7 @@ class Tiers:
         """The newer of ``storage`` (storage's newest) and the memory's newest; memory on a tie."""
         if self.unavailable is not None:
             return storage
-        memory = self._open.latest()
+        memory = self._opened.latest()
         return memory if memory is not None and order(memory) >= order(storage) else storage
 
     @contextlib.contextmanager
@@ -290,10 +290,10 @@ class Tiers:
             yield False
             return
         if step is None and tag is None:
-            memory = self._open.latest()
+            memory = self._opened.latest()
             mine = memory is not None and order(memory) >= order(storage)
         else:
-            mine = any(i.name == _name(step, tag) for i in self._open.list())
+            mine = any(i.name == _name(step, tag) for i in self._opened.list())
         answers = self.comm.exchange("restore-tier", [bool(mine), order(storage)],
                                      self.config.commit_timeout_s)
         chosen, floor = answers[0]
@@ -311,16 +311,16 @@ class Tiers:
         if self.nodes == 1 or step is None or self.unavailable is not None:
             return
         if self.rank == self.group[0]:  # memory.delete() works on the node's lowest rank
-            for info in self._open.list():
+            for info in self._opened.list():
                 if info.step is not None and info.step > step:
                     log.warning("datastates: the memory checkpoint %s of this node is removed: "
                                 "the job restored step %d (the other nodes do not all hold %s)",
                                 info.name, step, info.name)
-                    self._open.delete(step=info.step)
+                    self._opened.delete(step=info.step)
         # No rank of the node saves before they are gone (its save would find the name taken).
         timeout = self.config.commit_timeout_s
         try:
-            self._open.comm.exchange("memory-trimmed", {}, timeout)
+            self._opened.comm.exchange("memory-trimmed", {}, timeout)
         except TimeoutError as exc:
             raise CommitTimeoutError(f"rank {self.rank}: restored step {step}, but the "
                                      f"ranks of this node did not all return: {exc}",
@@ -333,7 +333,7 @@ class Tiers:
         no keeper took it over."""
         if self.unavailable is not None:  # the memory is the stalled keeper's, untouched
             return
-        self._open.close()
+        self._opened.close()
         self.store.close()  # the shard files' mappings
         if self.handoff is not None:  # before detaching: the keeper is writing for this trainer
             try:
