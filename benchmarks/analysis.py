@@ -9,6 +9,7 @@ Conventions:
 - ``vs_reference`` ratios are ``method / reference`` of a *time* within the same round, so a value
   above 1 means the method took that many times longer than the reference (datastates).
 """
+
 from __future__ import annotations
 
 from .common import GB, median_of, paired_ratios, safe_div, summarize
@@ -50,18 +51,22 @@ def analyze_save(phase: dict, limits: dict, reference: str) -> dict:
             "checkpoint_gbps": _per_sample(samples, lambda s: _rate(nbytes, s["blocked_s"])),
             "snapshot_gbps": _per_sample(samples, lambda s: _rate(nbytes, s["snapshot_s"])),
             "committed_gbps": _per_sample(samples, lambda s: _rate(nbytes, s["commit_s"])),
-            "frac_write_limit": summarize(safe_div(_rate(nbytes, s["commit_s"]), lim)
-                                          for s, lim in zip(samples, lims)),
+            "frac_write_limit": summarize(
+                safe_div(_rate(nbytes, s["commit_s"]), lim) for s, lim in zip(samples, lims)
+            ),
             "frac_copy_limit": _per_sample(
-                samples, lambda s: safe_div(_rate(nbytes, s["snapshot_s"]), copy_lim)),
+                samples, lambda s: safe_div(_rate(nbytes, s["snapshot_s"]), copy_lim)
+            ),
             "held_rss": held,
             "transient_rss": _per_sample(samples, lambda s: s["transient_rss"]),
             "peak_extra_rss": _per_sample(samples, lambda s: held + s["transient_rss"]),
             "files": last["files"],
             "disk_bytes": last["disk_bytes"],
             "first_save": phase["setup"].get(name, {}).get("first_save"),
-            "vs_reference": {k: summarize(paired_ratios(phase["rounds"], k, name, reference))
-                             for k in ("blocked_s", "snapshot_s", "commit_s")},
+            "vs_reference": {
+                k: summarize(paired_ratios(phase["rounds"], k, name, reference))
+                for k in ("blocked_s", "snapshot_s", "commit_s")
+            },
         }
     return out
 
@@ -82,15 +87,20 @@ def analyze_load(phase: dict, limits: dict, reference: str) -> dict:
             "cold_gbps": _per_sample(samples, lambda s: _rate(nbytes, s["cold_s"])),
             "warm_gbps": _per_sample(samples, lambda s: _rate(nbytes, s["warm_s"])),
             "frac_cold_read": _per_sample(
-                samples, lambda s: safe_div(_rate(nbytes, s["cold_s"]), cold_lim)),
+                samples, lambda s: safe_div(_rate(nbytes, s["cold_s"]), cold_lim)
+            ),
             "frac_warm_read": _per_sample(
-                samples, lambda s: safe_div(_rate(nbytes, s["warm_s"]), warm_lim)),
+                samples, lambda s: safe_div(_rate(nbytes, s["warm_s"]), warm_lim)
+            ),
             "frac_warm_copy": _per_sample(
-                samples, lambda s: safe_div(_rate(nbytes, s["warm_s"]), copy_lim)),
+                samples, lambda s: safe_div(_rate(nbytes, s["warm_s"]), copy_lim)
+            ),
             "cold_rss_extra": _per_sample(samples, lambda s: s["cold_rss_extra"]),
             "verified": all(s["verified"] for s in samples),
-            "vs_reference": {k: summarize(paired_ratios(rounds, k, name, reference))
-                             for k in ("cold_s", "warm_s")},
+            "vs_reference": {
+                k: summarize(paired_ratios(rounds, k, name, reference))
+                for k in ("cold_s", "warm_s")
+            },
         }
     return out
 
@@ -106,12 +116,17 @@ def analyze_e2e(e2e: dict, reference: str) -> dict:
     loops) and ``"<id>@<k>"`` entries.
     """
     rounds = e2e["rounds"]
-    out: dict = {"baseline_s": summarize(v["total_s"] for r in rounds for key, v in r.items()
-                                         if key.startswith("baseline")), "methods": {}}
+    out: dict = {
+        "baseline_s": summarize(
+            v["total_s"] for r in rounds for key, v in r.items() if key.startswith("baseline")
+        ),
+        "methods": {},
+    }
     order = {name: i for i, name in enumerate(e2e.get("methods", []))}
-    keys = sorted({k for r in rounds for k in r if "@" in k},
-                  key=lambda key: (order.get(key.rsplit("@", 1)[0], len(order)),
-                                   int(key.rsplit("@", 1)[1])))
+    keys = sorted(
+        {k for r in rounds for k in r if "@" in k},
+        key=lambda key: (order.get(key.rsplit("@", 1)[0], len(order)), int(key.rsplit("@", 1)[1])),
+    )
     for key in keys:
         name, k = key.rsplit("@", 1)
         base_key = f"baseline:{name}"
@@ -136,8 +151,9 @@ def analyze_e2e(e2e: dict, reference: str) -> dict:
             "slowdown_min": safe_div(min(totals), min(bases)) if bases else None,
             # Measured at the checkpoint itself: save() (with any wait for an earlier save) plus
             # the extra time of the next optimizer step. Misses CPU contention by background work.
-            "direct_stall_s": (save_call["median"] + max(0.0, upd["median"] if upd else 0.0)
-                               if save_call else None),
+            "direct_stall_s": (
+                save_call["median"] + max(0.0, upd["median"] if upd else 0.0) if save_call else None
+            ),
             "n_ckpt": loops[0][0]["n_ckpt"],
             "slowdown": summarize(paired_ratios(rounds, "total_s", key, base_key)),
             "stall_per_ckpt_s": summarize(stall(lo, b) for lo, b in loops),

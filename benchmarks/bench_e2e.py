@@ -21,6 +21,7 @@ made before the clock starts (it sizes the host cache, imports, creates the dire
 stops once every save is durable and committed. Repetitions rotate the order of the loops, so slow
 drift of a shared machine spreads over all of them; only ratios within a repetition are compared.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,18 @@ import datastates  # noqa: E402
 from benchmarks.demo import SyntheticLoader  # noqa: E402
 from benchmarks.gpt import GPT, GPTConfig  # noqa: E402
 
-MODES = ["none", "limit", "ds_module_k3", "ds_module_all", "ds_sd_k3", "ds_sd_all", "ds_mem_p10",
-         "ds_mem_p10_trainer", "torch_save", "dcp_async"]
+MODES = [
+    "none",
+    "limit",
+    "ds_module_k3",
+    "ds_module_all",
+    "ds_sd_k3",
+    "ds_sd_all",
+    "ds_mem_p10",
+    "ds_mem_p10_trainer",
+    "torch_save",
+    "dcp_async",
+]
 
 
 def demo_config() -> tuple[GPTConfig, int]:
@@ -81,8 +92,12 @@ def train_step(s: dict) -> None:
 
 
 def state_dicts(s: dict) -> dict:
-    return {"model": s["model"].state_dict(), "opt": s["opt"].state_dict(),
-            "sched": s["sched"].state_dict(), "loader": s["loader"].state_dict()}
+    return {
+        "model": s["model"].state_dict(),
+        "opt": s["opt"].state_dict(),
+        "sched": s["sched"].state_dict(),
+        "loader": s["loader"].state_dict(),
+    }
 
 
 # ------------------------------------------------------------------------------------ the savers
@@ -99,20 +114,38 @@ class DatastatesSaver:
     ``persist_every``: the memory tier (shared memory, a keeper process), every save into memory
     and every ``persist_every``-th to the directory instead."""
 
-    def __init__(self, root: str, form: str, keep_last: int | None,
-                 persist_every: int | None = None, writer: str = "keeper"):
-        tier = None if persist_every is None else datastates.MemoryTier(
-            persist_every=persist_every, log_path=os.path.join(root, "..", "keeper.log"),
-            storage_writer=writer)
-        config = datastates.CheckpointConfig(host_cache_bytes=512 << 20, keep_last=keep_last,
-                                             memory_tier=tier)
+    def __init__(
+        self,
+        root: str,
+        form: str,
+        keep_last: int | None,
+        persist_every: int | None = None,
+        writer: str = "keeper",
+    ):
+        tier = (
+            None
+            if persist_every is None
+            else datastates.MemoryTier(
+                persist_every=persist_every,
+                log_path=os.path.join(root, "..", "keeper.log"),
+                storage_writer=writer,
+            )
+        )
+        config = datastates.CheckpointConfig(
+            host_cache_bytes=512 << 20, keep_last=keep_last, memory_tier=tier
+        )
         self.ckpt = datastates.Checkpointer(root, config)
         self.form, self.handles = form, []
 
     def save(self, s: dict, step: int) -> None:
         if self.form == "module":
-            state = {"model": s["model"], "opt": s["opt"], "sched": s["sched"],
-                     "loader": s["loader"], "rng": datastates.RNGState()}
+            state = {
+                "model": s["model"],
+                "opt": s["opt"],
+                "sched": s["sched"],
+                "loader": s["loader"],
+                "rng": datastates.RNGState(),
+            }
             self.handles.append(self.ckpt.save(state, step=step))
         else:
             self.handles.append(self.ckpt.save(state_dicts(s), step=step, optimizers=[s["opt"]]))
@@ -123,9 +156,11 @@ class DatastatesSaver:
         self.handles = []
         if not stats:
             return {}
-        return {"blocked_ms": statistics.median(x.blocked_s for x in stats) * 1e3,
-                "step_wait_ms": statistics.median(x.step_wait_s for x in stats) * 1e3,
-                "commit_s": statistics.median(x.commit_s for x in stats)}
+        return {
+            "blocked_ms": statistics.median(x.blocked_s for x in stats) * 1e3,
+            "step_wait_ms": statistics.median(x.step_wait_s for x in stats) * 1e3,
+            "commit_s": statistics.median(x.commit_s for x in stats),
+        }
 
     def close(self) -> None:
         self.ckpt.close(stop_keeper=True)
@@ -161,12 +196,14 @@ class DcpAsyncSaver:
 
     def __init__(self, root: str):
         import torch.distributed as dist
+
         if not dist.is_initialized():
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         self.root, self.paths, self.future = root, [], None
 
     def save(self, s: dict, step: int) -> None:
         import torch.distributed.checkpoint as dcp
+
         self._await()
         path = os.path.join(self.root, f"step-{step}")
         self.future = dcp.async_save(state_dicts(s), checkpoint_id=path)
@@ -215,6 +252,7 @@ class LimitSaver:
             elif isinstance(x, (list, tuple)):
                 for v in x:
                     walk(v)
+
         walk(state_dicts(s))
         return out
 
@@ -232,7 +270,7 @@ class LimitSaver:
         off = 0
         for t in tensors:
             n = t.numel() * t.element_size()
-            flat[off:off + n].view(t.dtype).view(t.shape).copy_(t)
+            flat[off : off + n].view(t.dtype).view(t.shape).copy_(t)
             off += n
         self.futures[slot] = self.pool.submit(self._write, self.buffers[slot], size, step)
 
@@ -242,7 +280,7 @@ class LimitSaver:
         try:
             view = memoryview(buf)
             for off in range(0, size, self.CHUNK):
-                os.pwrite(fd, view[off:off + self.CHUNK], off)
+                os.pwrite(fd, view[off : off + self.CHUNK], off)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -274,8 +312,13 @@ def make_saver(mode: str, root: str):
     if mode == "none":
         return NoSaver()
     if mode.startswith("ds_mem_p10"):
-        return DatastatesSaver(root, "module", 3, persist_every=10,
-                               writer="trainer" if mode.endswith("_trainer") else "keeper")
+        return DatastatesSaver(
+            root,
+            "module",
+            3,
+            persist_every=10,
+            writer="trainer" if mode.endswith("_trainer") else "keeper",
+        )
     if mode.startswith("ds_"):
         _, form, keep = mode.split("_")
         return DatastatesSaver(root, form, 3 if keep == "k3" else None)
@@ -287,7 +330,9 @@ def make_saver(mode: str, root: str):
 
 
 # ------------------------------------------------------------------------------------ one loop
-def timed_loop(mode: str, steps: int, workdir: str, profile: cProfile.Profile | None = None) -> dict:
+def timed_loop(
+    mode: str, steps: int, workdir: str, profile: cProfile.Profile | None = None
+) -> dict:
     """Train ``steps`` steps saving after every one (none for "none"); seconds until all saves
     are committed."""
     cfg, batch = demo_config()
@@ -317,9 +362,15 @@ def timed_loop(mode: str, steps: int, workdir: str, profile: cProfile.Profile | 
         if hasattr(saver, "close"):
             saver.close()
         shutil.rmtree(root, ignore_errors=True)
-    return {"total_s": total, "cpu_s": cpu, "gc_ms": pauses.seconds * 1e3,
-            "full_gcs": pauses.full, "young_gcs": pauses.young,
-            "promoted_per_step": pauses.promoted / steps, **extra}
+    return {
+        "total_s": total,
+        "cpu_s": cpu,
+        "gc_ms": pauses.seconds * 1e3,
+        "full_gcs": pauses.full,
+        "young_gcs": pauses.young,
+        "promoted_per_step": pauses.promoted / steps,
+        **extra,
+    }
 
 
 class GcPauses:
@@ -363,9 +414,22 @@ def _cpu_s() -> float:
 def loop_in_subprocess(mode: str, steps: int, workdir: str, src: str) -> dict:
     """One timed loop in a fresh process importing datastates from ``src``."""
     env = {**os.environ, "BENCH_E2E_SRC": src}
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", mode, "--steps",
-                          str(steps), "--dir", workdir], env=env, check=True,
-                         stdout=subprocess.PIPE, text=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--one",
+            mode,
+            "--steps",
+            str(steps),
+            "--dir",
+            workdir,
+        ],
+        env=env,
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -376,7 +440,7 @@ def run(loops: list[tuple[str, str, str]], steps: int, reps: int, workdir: str) 
     minutes)."""
     rounds = []
     for r in range(reps):
-        order = loops[r % len(loops):] + loops[:r % len(loops)]
+        order = loops[r % len(loops) :] + loops[: r % len(loops)]
         rnd, last_none, waiting = {}, None, []
         for i, (label, mode, src) in enumerate(order + [("none", "none", SRC)]):
             if i % 2 == 0 or i == len(order):
@@ -402,26 +466,45 @@ def _pair(entry: dict, baselines: list[dict]) -> None:
 
 
 def _log(r: int, reps: int, label: str, result: dict) -> None:
-    print(f"[rep {r + 1}/{reps}] {label:<22} {result['total_s']:7.2f} s wall "
-          f"{result['cpu_s']:7.2f} s cpu", file=sys.stderr, flush=True)
+    print(
+        f"[rep {r + 1}/{reps}] {label:<22} {result['total_s']:7.2f} s wall "
+        f"{result['cpu_s']:7.2f} s cpu",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def summarize(rounds: list[dict], labels: list[str]) -> dict:
     nones = [n for rnd in rounds for n in rnd["none"]]
-    out = {"none": {"ratio": 1.0, "ratios": [], "cpu_ratio": 1.0,
-                    "total_s": statistics.median(n["total_s"] for n in nones),
-                    "range_s": [min(n["total_s"] for n in nones),
-                                max(n["total_s"] for n in nones)],
-                    "gc_ms": statistics.median(n.get("gc_ms", 0.0) for n in nones),
-                    "full_gcs": statistics.median(n.get("full_gcs", 0) for n in nones)}}
+    out = {
+        "none": {
+            "ratio": 1.0,
+            "ratios": [],
+            "cpu_ratio": 1.0,
+            "total_s": statistics.median(n["total_s"] for n in nones),
+            "range_s": [min(n["total_s"] for n in nones), max(n["total_s"] for n in nones)],
+            "gc_ms": statistics.median(n.get("gc_ms", 0.0) for n in nones),
+            "full_gcs": statistics.median(n.get("full_gcs", 0) for n in nones),
+        }
+    }
     for mode in labels:
         ratios = [rnd[mode]["total_s"] / rnd[mode]["base_total_s"] for rnd in rounds]
         cpu = [rnd[mode]["cpu_s"] / rnd[mode]["base_cpu_s"] for rnd in rounds]
-        row = {"ratio": statistics.median(ratios), "ratios": ratios,
-               "cpu_ratio": statistics.median(cpu),
-               "total_s": statistics.median(rnd[mode]["total_s"] for rnd in rounds)}
-        for key in ("blocked_ms", "step_wait_ms", "commit_s", "gc_ms", "full_gcs", "young_gcs",
-                    "promoted_per_step"):
+        row = {
+            "ratio": statistics.median(ratios),
+            "ratios": ratios,
+            "cpu_ratio": statistics.median(cpu),
+            "total_s": statistics.median(rnd[mode]["total_s"] for rnd in rounds),
+        }
+        for key in (
+            "blocked_ms",
+            "step_wait_ms",
+            "commit_s",
+            "gc_ms",
+            "full_gcs",
+            "young_gcs",
+            "promoted_per_step",
+        ):
             vals = [rnd[mode][key] for rnd in rounds if key in rnd[mode]]
             if vals:
                 row[key] = statistics.median(vals)
@@ -431,16 +514,20 @@ def summarize(rounds: list[dict], labels: list[str]) -> dict:
 
 def print_table(result: dict) -> None:
     none = result["summary"]["none"]
-    print(f"\ncheckpoint every step, {result['steps']} steps, median of {result['reps']} "
-          "interleaved repetitions; ratio = wall time / mean of the no-checkpoint loops run just "
-          "before and after; cpu ratio = the same for the process's CPU time (all threads). "
-          f"No-checkpoint loop: median {none['total_s']:.2f} s, range {none['range_s'][0]:.2f}-"
-          f"{none['range_s'][1]:.2f} s, gc {none['gc_ms']:.0f} ms ({none['full_gcs']:g} full). "
-          "gc ms: time in Python's garbage collector during the loop (it holds the GIL), "
-          "(full): how many full collections; young: the other collections; promoted: objects "
-          "moved into the oldest generation per step")
-    print(f"| {'loop':<22} | time s | ratio | ratios per repetition | cpu ratio | save() ms "
-          "| step wait ms | gc ms (full) | young gcs | promoted |")
+    print(
+        f"\ncheckpoint every step, {result['steps']} steps, median of {result['reps']} "
+        "interleaved repetitions; ratio = wall time / mean of the no-checkpoint loops run just "
+        "before and after; cpu ratio = the same for the process's CPU time (all threads). "
+        f"No-checkpoint loop: median {none['total_s']:.2f} s, range {none['range_s'][0]:.2f}-"
+        f"{none['range_s'][1]:.2f} s, gc {none['gc_ms']:.0f} ms ({none['full_gcs']:g} full). "
+        "gc ms: time in Python's garbage collector during the loop (it holds the GIL), "
+        "(full): how many full collections; young: the other collections; promoted: objects "
+        "moved into the oldest generation per step"
+    )
+    print(
+        f"| {'loop':<22} | time s | ratio | ratios per repetition | cpu ratio | save() ms "
+        "| step wait ms | gc ms (full) | young gcs | promoted |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for label, row in result["summary"].items():
         if label == "none":
@@ -451,26 +538,43 @@ def print_table(result: dict) -> None:
         gcs = f"{row['gc_ms']:.0f} ({row['full_gcs']:g})" if "gc_ms" in row else "-"
         young = f"{row['young_gcs']:g}" if "young_gcs" in row else "-"
         promoted = f"{row['promoted_per_step']:.0f}" if "promoted_per_step" in row else "-"
-        print(f"| {label:<22} | {row['total_s']:.2f} | {row['ratio']:.2f}x | {ratios} | "
-              f"{row['cpu_ratio']:.2f}x | {blocked} | {wait} | {gcs} | {young} | {promoted} |")
+        print(
+            f"| {label:<22} | {row['total_s']:.2f} | {row['ratio']:.2f}x | {ratios} | "
+            f"{row['cpu_ratio']:.2f}x | {blocked} | {wait} | {gcs} | {young} | {promoted} |"
+        )
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"comma-separated, from {MODES} ('none' is always included); "
-                        f"a mode ending in {FREEZE!r} calls gc.freeze() after building the model")
-    parser.add_argument("--dir", default=None, help="where checkpoints are written (default: "
-                        "a temporary directory under the current one)")
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated, from {MODES} ('none' is always included); "
+        f"a mode ending in {FREEZE!r} calls gc.freeze() after building the model",
+    )
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="where checkpoints are written (default: a temporary directory under the current one)",
+    )
     parser.add_argument("--json", default=None, help="write the raw results here")
-    parser.add_argument("--profile", default=None, metavar="MODE",
-                        help="profile one loop of MODE (training thread) instead")
-    parser.add_argument("--before", default=None, metavar="SRC",
-                        help="also run the datastates modes with datastates imported from SRC "
-                        "(an older source tree), labelled '<mode>@before'")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="MODE",
+        help="profile one loop of MODE (training thread) instead",
+    )
+    parser.add_argument(
+        "--before",
+        default=None,
+        metavar="SRC",
+        help="also run the datastates modes with datastates imported from SRC "
+        "(an older source tree), labelled '<mode>@before'",
+    )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # one loop, JSON out
     args = parser.parse_args(argv)
     if args.one:
@@ -487,12 +591,16 @@ def main(argv=None) -> int:
         modes = [m for m in args.modes.split(",") if m and m != "none"]
         for m in modes:
             if m.removesuffix(FREEZE) not in MODES:
-                parser.error(f"unknown mode {m!r}; expected some of {MODES}, each optionally "
-                             f"with {FREEZE!r}")
+                parser.error(
+                    f"unknown mode {m!r}; expected some of {MODES}, each optionally with {FREEZE!r}"
+                )
         loops = [(m, m, SRC) for m in modes]  # each also runs beside no-checkpoint loops
         if args.before:
-            loops += [(f"{m}@before", m, os.path.abspath(args.before)) for m in modes
-                      if m.startswith("ds_")]
+            loops += [
+                (f"{m}@before", m, os.path.abspath(args.before))
+                for m in modes
+                if m.startswith("ds_")
+            ]
         result = run(loops, args.steps, args.reps, workdir)
         print_table(result)
         if args.json:

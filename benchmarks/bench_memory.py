@@ -24,6 +24,7 @@ alternating memory and disk so drift spreads over both:
 
 Prints a table (ratios to ``memcpy`` for the restores) and writes ``--json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -113,10 +114,10 @@ def timed_read(paths: list[str], into: torch.Tensor, threads: int = 2) -> float:
 
         def run(part):
             for fd, offset, n, where in part:
-                os.preadv(fd, [view[where:where + n]], offset)
+                os.preadv(fd, [view[where : where + n]], offset)
+
         t0 = time.perf_counter()
-        workers = [threading.Thread(target=run, args=(pieces[i::threads],))
-                   for i in range(threads)]
+        workers = [threading.Thread(target=run, args=(pieces[i::threads],)) for i in range(threads)]
         for w in workers:
             w.start()
         for w in workers:
@@ -142,8 +143,7 @@ def timed_save(ck, model, opt, s: int, persist: bool) -> dict:
     step(model, opt)  # waits for the lazy capture
     stepped = time.perf_counter() - t0
     handle.wait()
-    return {"blocked_s": blocked, "step_s": stepped - blocked,
-            "commit_s": time.perf_counter() - t0}
+    return {"blocked_s": blocked, "step_s": stepped - blocked, "commit_s": time.perf_counter() - t0}
 
 
 def main(argv=None) -> int:
@@ -163,16 +163,31 @@ def main(argv=None) -> int:
     nbytes = state_bytes(model, opt)
     print(f"state: {len(model)} layers + Adam, {nbytes / 1e9:.2f} GB", flush=True)
     # The disk rows are the trainer's own saves to disk (persist=True), not the keeper's copies.
-    tier = datastates.MemoryTier(root=shm, persist_every=None, persist_on_exit=False,
-                                 log_path=os.path.join(work, "keeper.log"),
-                                 storage_writer="trainer")
-    config = datastates.CheckpointConfig(host_cache_bytes=nbytes + (64 << 20), keep_last=1,
-                                         memory_tier=tier)
-    rows: dict[str, list] = {k: [] for k in ("save_memory", "save_memory_cache", "save_disk",
-                                              "restore_memory",
-                                              "restore_memory_restart", "restore_disk_cold",
-                                              "restore_disk_warm", "memcpy", "read_crc",
-                                              "read")}
+    tier = datastates.MemoryTier(
+        root=shm,
+        persist_every=None,
+        persist_on_exit=False,
+        log_path=os.path.join(work, "keeper.log"),
+        storage_writer="trainer",
+    )
+    config = datastates.CheckpointConfig(
+        host_cache_bytes=nbytes + (64 << 20), keep_last=1, memory_tier=tier
+    )
+    rows: dict[str, list] = {
+        k: []
+        for k in (
+            "save_memory",
+            "save_memory_cache",
+            "save_disk",
+            "restore_memory",
+            "restore_memory_restart",
+            "restore_disk_cold",
+            "restore_disk_warm",
+            "memcpy",
+            "read_crc",
+            "read",
+        )
+    }
     memdir = place.memory_dir(shm, storage)
     try:
         with datastates.Checkpointer(storage, config) as ck:
@@ -190,8 +205,12 @@ def main(argv=None) -> int:
                 rows["save_memory"].append(timed_save(ck, model, opt, s + 2, persist=False))
             live = live_tensors(model, opt)
             source = [torch.empty_like(t) for t in live]
-            mem_files = [os.path.join(dp, f) for dp, _, fs in
-                         os.walk(os.path.join(memdir, place.CKPT)) for f in fs if f.endswith(".dsf")]
+            mem_files = [
+                os.path.join(dp, f)
+                for dp, _, fs in os.walk(os.path.join(memdir, place.CKPT))
+                for f in fs
+                if f.endswith(".dsf")
+            ]
             buf = bytearray(8 << 20)
             newest_disk = ck.list()[-1].step
             for rep in range(args.reps):
@@ -212,9 +231,12 @@ def main(argv=None) -> int:
                 rows["restore_disk_warm"].append(time.perf_counter() - t0)
             ck.close(stop_keeper=False)  # detached: the keeper checks and marks the newest
             with datastates.Checkpointer(storage, config) as again:  # attached once it is done
-                mem_files = [os.path.join(dp, f) for dp, _, fs in
-                             os.walk(os.path.join(memdir, place.CKPT)) for f in fs
-                             if f.endswith(".dsf")]
+                mem_files = [
+                    os.path.join(dp, f)
+                    for dp, _, fs in os.walk(os.path.join(memdir, place.CKPT))
+                    for f in fs
+                    if f.endswith(".dsf")
+                ]
                 into = torch.empty(sum(map(os.path.getsize, mem_files)), dtype=torch.uint8)
                 timed_read(mem_files, into)  # warm-up: the buffer's pages
                 for rep in range(args.reps):
@@ -240,8 +262,12 @@ def main(argv=None) -> int:
 
 def run_snapshots(work: str, shm: str, count: int) -> dict:
     storage = os.path.join(work, "snap")
-    tier = datastates.MemoryTier(root=shm, persist_every=None, persist_on_exit=False,
-                                 log_path=os.path.join(work, "keeper-snap.log"))
+    tier = datastates.MemoryTier(
+        root=shm,
+        persist_every=None,
+        persist_on_exit=False,
+        log_path=os.path.join(work, "keeper-snap.log"),
+    )
     state = {"w": torch.zeros(4 << 20), "step": 0}
     memroot = os.path.join(place.memory_dir(shm, storage), place.CKPT)
     seen = {}
@@ -252,17 +278,25 @@ def run_snapshots(work: str, shm: str, count: int) -> dict:
             ck.save(state, step=s)
             if s in (50, count):
                 ck.wait()
-                seen[s] = {"rss": rss(), "fds": len(os.listdir("/proc/self/fd")),
-                           "memory_entries": sorted(os.listdir(memroot)),
-                           "shm_bytes": sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs
-                                            in os.walk(memroot) for f in fs)}
+                seen[s] = {
+                    "rss": rss(),
+                    "fds": len(os.listdir("/proc/self/fd")),
+                    "memory_entries": sorted(os.listdir(memroot)),
+                    "shm_bytes": sum(
+                        os.path.getsize(os.path.join(dp, f))
+                        for dp, _, fs in os.walk(memroot)
+                        for f in fs
+                    ),
+                }
         ck.close(stop_keeper=True)
     return {"count": count, "at_50": seen.get(50), "at_end": seen.get(count)}
 
 
 def report_rows(rows: dict, nbytes: int, snapshots: dict) -> dict:
-    med = {k: statistics.median(v) if v and not isinstance(v[0], dict) else None
-           for k, v in rows.items()}
+    med = {
+        k: statistics.median(v) if v and not isinstance(v[0], dict) else None
+        for k, v in rows.items()
+    }
     out = {"nbytes": nbytes, "rows": rows, "median_s": med}
     print("\nsave (median)            blocked   opt.step after   committed")
     for k in ("save_memory", "save_memory_cache", "save_disk"):
@@ -272,17 +306,29 @@ def report_rows(rows: dict, nbytes: int, snapshots: dict) -> dict:
         out[k] = {"blocked_ms": b, "step_ms": st, "commit_s": c}
         print(f"  {k:<22} {b:7.1f} ms {st:10.1f} ms {c:10.2f} s")
     print("\nrestore (median)          seconds    GB/s   x memcpy")
-    for k in ("memcpy", "read", "read_crc", "restore_memory", "restore_memory_restart",
-              "restore_disk_warm", "restore_disk_cold"):
+    for k in (
+        "memcpy",
+        "read",
+        "read_crc",
+        "restore_memory",
+        "restore_memory_restart",
+        "restore_disk_warm",
+        "restore_disk_cold",
+    ):
         gbps = nbytes / med[k] / 1e9
         print(f"  {k:<22} {med[k]:8.3f} {gbps:7.2f} {med['memcpy'] / med[k]:8.2f}")
-        out.setdefault("restore", {})[k] = {"s": med[k], "gbps": gbps,
-                                            "x_memcpy": med["memcpy"] / med[k]}
+        out.setdefault("restore", {})[k] = {
+            "s": med[k],
+            "gbps": gbps,
+            "x_memcpy": med["memcpy"] / med[k],
+        }
     a, z = snapshots["at_50"], snapshots["at_end"]
-    print(f"\nsnapshots: {snapshots['count']} memory saves; after 50 / after all: RSS "
-          f"{a['rss'] / 2**20:.0f} / {z['rss'] / 2**20:.0f} MiB, descriptors {a['fds']} / "
-          f"{z['fds']}, memory {a['shm_bytes'] / 2**20:.0f} / {z['shm_bytes'] / 2**20:.0f} MiB "
-          f"in {z['memory_entries']}")
+    print(
+        f"\nsnapshots: {snapshots['count']} memory saves; after 50 / after all: RSS "
+        f"{a['rss'] / 2**20:.0f} / {z['rss'] / 2**20:.0f} MiB, descriptors {a['fds']} / "
+        f"{z['fds']}, memory {a['shm_bytes'] / 2**20:.0f} / {z['shm_bytes'] / 2**20:.0f} MiB "
+        f"in {z['memory_entries']}"
+    )
     out["snapshots"] = snapshots
     return out
 

@@ -19,6 +19,7 @@ tree (an older version), on the same directory, in the same run.
     python benchmarks/bench_scan.py --before /path/to/older/src
     python benchmarks/bench_scan.py --quick             # 4 checkpoints x 500 tensors, one rep
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,6 +39,7 @@ PHASES = ("scan", "restore", "read_crc", "parse_all")
 def write(root: str, ckpts: int, tensors: int) -> None:
     import torch
     import datastates
+
     state = {f"t{i}": torch.full((2,), float(i)) for i in range(tensors)}
     with datastates.Checkpointer(root) as ck:
         for step in range(1, ckpts + 1):
@@ -51,6 +53,7 @@ def measure(phase: str, root: str, tensors: int) -> float:
     from datastates.commit.catalog import Catalog
     from datastates.format import files
     from datastates.format.checksum import crc32
+
     names = sorted(n for n in os.listdir(root) if n.startswith("step-"))
     live = {f"t{i}": torch.zeros(2) for i in range(tensors)}
     t0 = time.perf_counter()
@@ -74,23 +77,45 @@ def measure(phase: str, root: str, tensors: int) -> float:
 
 def _child(src: str, phase: str, root: str, tensors: int) -> float:
     env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", phase,
-                          "--root", root, "--tensors", str(tensors)],
-                         env=env, check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--one",
+            phase,
+            "--root",
+            root,
+            "--tensors",
+            str(tensors),
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--ckpts", type=int, default=20)
     parser.add_argument("--tensors", type=int, default=10000)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="4 checkpoints x 500 tensors, 1 rep")
-    parser.add_argument("--before", default=None, metavar="SRC",
-                        help="also time scan and restore with datastates imported from SRC")
-    parser.add_argument("--dir", default=None, help="where the checkpoints are written (default: "
-                        "a temporary directory under the current one; removed at the end)")
+    parser.add_argument(
+        "--before",
+        default=None,
+        metavar="SRC",
+        help="also time scan and restore with datastates imported from SRC",
+    )
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="where the checkpoints are written (default: "
+        "a temporary directory under the current one; removed at the end)",
+    )
     parser.add_argument("--json", default=None, help="write the raw results here")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--root", default=None, help=argparse.SUPPRESS)
@@ -106,22 +131,34 @@ def main(argv=None) -> int:
         write(root, args.ckpts, args.tensors)
         rows = [(f"datastates {p}", SRC, p) for p in PHASES]
         if args.before:
-            rows += [(f"datastates@before {p}", os.path.abspath(args.before), p)
-                     for p in ("scan", "restore")]
+            rows += [
+                (f"datastates@before {p}", os.path.abspath(args.before), p)
+                for p in ("scan", "restore")
+            ]
         runs: dict[str, list[float]] = {label: [] for label, _, _ in rows}
         for rep in range(args.reps):  # rotated, so drift of a shared machine spreads over all
-            for label, src, phase in rows[rep % len(rows):] + rows[:rep % len(rows)]:
+            for label, src, phase in rows[rep % len(rows) :] + rows[: rep % len(rows)]:
                 runs[label].append(_child(src, phase, root, args.tensors))
-        manifest_bytes = sum(os.path.getsize(os.path.join(root, n, "manifest.json"))
-                             for n in os.listdir(root) if n.startswith("step-"))
+        manifest_bytes = sum(
+            os.path.getsize(os.path.join(root, n, "manifest.json"))
+            for n in os.listdir(root)
+            if n.startswith("step-")
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    result = {"ckpts": args.ckpts, "tensors": args.tensors, "reps": args.reps,
-              "manifest_bytes": manifest_bytes,
-              "median_s": {k: statistics.median(v) for k, v in runs.items()}, "runs": runs}
+    result = {
+        "ckpts": args.ckpts,
+        "tensors": args.tensors,
+        "reps": args.reps,
+        "manifest_bytes": manifest_bytes,
+        "median_s": {k: statistics.median(v) for k, v in runs.items()},
+        "runs": runs,
+    }
     limit = result["median_s"]["datastates read_crc"]
-    print(f"{args.ckpts} checkpoints x {args.tensors} tensors, manifests {manifest_bytes / 1e6:.1f}"
-          f" MB in all, median of {args.reps}")
+    print(
+        f"{args.ckpts} checkpoints x {args.tensors} tensors, manifests {manifest_bytes / 1e6:.1f}"
+        f" MB in all, median of {args.reps}"
+    )
     print(f"{'':34} {'seconds':>9} {'x read + CRC':>13}")
     for label, seconds in result["median_s"].items():
         print(f"{label:34} {seconds:9.3f} {seconds / limit:13.1f}")

@@ -22,6 +22,7 @@ objects every time), after one untimed warm-up save of the same state (imports, 
 the directory). Repetitions rotate the order of the methods, so slow drift of a shared machine
 spreads over all of them. The table goes to stdout, the raw results to ``--json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,12 +49,14 @@ METRICS = ("save_s", "commit_s", "restore_s")
 def make_state(count: int, numel: int) -> dict:
     """``count`` tensors of ``numel`` float32 each, from a fixed seed."""
     import torch
+
     g = torch.Generator().manual_seed(count)
     return {f"t{i}": torch.randn(numel, generator=g) for i in range(count)}
 
 
 def _same(live: dict, state: dict) -> None:
     import torch
+
     bad = [k for k in state if not torch.equal(live[k], state[k])]
     if bad:
         raise AssertionError(f"restored values differ for {len(bad)} keys, first {bad[0]!r}")
@@ -61,8 +64,10 @@ def _same(live: dict, state: dict) -> None:
 
 # ---------------------------------------------------------------- one measurement per method
 
+
 def _datastates(state: dict, root: str) -> dict:
     import datastates
+
     config = datastates.CheckpointConfig(keep_last=1)
     with datastates.Checkpointer(root, config) as ck:
         ck.save(state, step=0).wait()
@@ -99,6 +104,7 @@ def _torch_save(state: dict, root: str) -> dict:
             os.fsync(f.fileno())
         _fsync_dir(root)
         return path
+
     os.makedirs(root, exist_ok=True)
     save(0)
     t0 = time.perf_counter()
@@ -119,8 +125,10 @@ def _dcp(state: dict, root: str, asynchronous: bool) -> dict:
     from benchmarks.methods.dcp import ensure_process_group
 
     def writer(step: int):
-        return dcp.FileSystemWriter(os.path.join(root, f"step-{step}"), thread_count=2,
-                                    sync_files=True)
+        return dcp.FileSystemWriter(
+            os.path.join(root, f"step-{step}"), thread_count=2, sync_files=True
+        )
+
     created = ensure_process_group() if asynchronous else False
     try:
         with warnings.catch_warnings():
@@ -129,6 +137,7 @@ def _dcp(state: dict, root: str, asynchronous: bool) -> dict:
     finally:
         if created:
             import torch.distributed as dist
+
             dist.destroy_process_group()
     return results
 
@@ -169,33 +178,58 @@ def measure(method: str, count: int, numel: int, root: str) -> dict:
 
 # ---------------------------------------------------------------- the run
 
+
 def one_in_subprocess(method: str, count: int, numel: int, workdir: str, src: str) -> dict:
     """:func:`measure` in a fresh process importing datastates from ``src``."""
     root = tempfile.mkdtemp(prefix=f"{method}-{count}-", dir=workdir)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, ROOT])}
     try:
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", method,
-                              "--counts", str(count), "--numel", str(numel), "--dir", root],
-                             env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+        out = subprocess.run(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--one",
+                method,
+                "--counts",
+                str(count),
+                "--numel",
+                str(numel),
+                "--dir",
+                root,
+            ],
+            env=env,
+            check=True,
+            stdout=subprocess.PIPE,
+            text=True,
+        ).stdout
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run(runs: list[tuple[str, str, str]], counts: list[int], numel: int, reps: int,
-        workdir: str, one=one_in_subprocess) -> dict:
+def run(
+    runs: list[tuple[str, str, str]],
+    counts: list[int],
+    numel: int,
+    reps: int,
+    workdir: str,
+    one=one_in_subprocess,
+) -> dict:
     """``runs``: (label, method, source tree). Returns every measurement and the medians."""
     raw: dict = {}
     for rep in range(reps):
         for count in counts:
-            order = runs[rep % len(runs):] + runs[:rep % len(runs)]
+            order = runs[rep % len(runs) :] + runs[: rep % len(runs)]
             for label, method, src in order:
                 result = one(method, count, numel, workdir, src)
                 raw.setdefault(label, {}).setdefault(str(count), []).append(result)
-                print(f"[rep {rep + 1}/{reps}] {label:<20} {count:>7} tensors: " + ", ".join(
-                    f"{k} {result[k]:.3f}" for k in METRICS), file=sys.stderr, flush=True)
-    return {"numel": numel, "reps": reps, "counts": counts, "raw": raw,
-            "summary": summarize(raw)}
+                print(
+                    f"[rep {rep + 1}/{reps}] {label:<20} {count:>7} tensors: "
+                    + ", ".join(f"{k} {result[k]:.3f}" for k in METRICS),
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return {"numel": numel, "reps": reps, "counts": counts, "raw": raw, "summary": summarize(raw)}
 
 
 def summarize(raw: dict) -> dict:
@@ -210,33 +244,48 @@ def summarize(raw: dict) -> dict:
 
 
 def print_table(result: dict) -> None:
-    print(f"\n{result['numel']} float32 per tensor, median of {result['reps']} repetition(s), "
-          "each in a fresh process after one warm-up save; seconds (microseconds per tensor)")
+    print(
+        f"\n{result['numel']} float32 per tensor, median of {result['reps']} repetition(s), "
+        "each in a fresh process after one warm-up save; seconds (microseconds per tensor)"
+    )
     print("| method | tensors | save() s | commit s | restore s |")
     print("|---|---|---|---|---|")
     for label, by_count in result["summary"].items():
         for count, row in by_count.items():
-            cells = " | ".join(f"{row[m]:.3f} ({row[m[:-2] + '_us_per_tensor']:.1f})"
-                               for m in METRICS)
+            cells = " | ".join(
+                f"{row[m]:.3f} ({row[m[:-2] + '_us_per_tensor']:.1f})" for m in METRICS
+            )
             print(f"| {label} | {int(count):,} | {cells} |")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--counts", default=",".join(map(str, COUNTS)),
-                        help="comma-separated numbers of tensors")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--counts", default=",".join(map(str, COUNTS)), help="comma-separated numbers of tensors"
+    )
     parser.add_argument("--numel", type=int, default=2, help="float32 elements per tensor")
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"comma-separated, from {METHODS}")
+    parser.add_argument(
+        "--methods", default=",".join(METHODS), help=f"comma-separated, from {METHODS}"
+    )
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke test: {QUICK_COUNTS} tensors, one repetition")
-    parser.add_argument("--before", default=None, metavar="SRC",
-                        help="also run datastates imported from SRC (an older source tree), "
-                        "labelled 'datastates@before'")
-    parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a "
-                        "temporary directory under the current one; removed at the end)")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"smoke test: {QUICK_COUNTS} tensors, one repetition"
+    )
+    parser.add_argument(
+        "--before",
+        default=None,
+        metavar="SRC",
+        help="also run datastates imported from SRC (an older source tree), "
+        "labelled 'datastates@before'",
+    )
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="where checkpoints are written (default: a "
+        "temporary directory under the current one; removed at the end)",
+    )
     parser.add_argument("--json", default=None, help="write the raw results here")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # one measurement
     args = parser.parse_args(argv)

@@ -18,6 +18,7 @@ cache, then measures in the same run, best of ``--reps`` each, alternating:
 
 Prints GB/s and each row's ratio to ``memcpy``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,9 @@ def _read_crc_halves(path: str, nbytes: int, pool, into: memoryview | None = Non
         scratch = memoryview(bytearray(THREAD_STEP))
         value = 0
         for off in range(lo, hi, THREAD_STEP):
-            view = (scratch if into is None else into[off:off + THREAD_STEP])[:min(THREAD_STEP,
-                                                                                   hi - off)]
+            view = (scratch if into is None else into[off : off + THREAD_STEP])[
+                : min(THREAD_STEP, hi - off)
+            ]
             n = os.preadv(fd, [view], off)
             if n != view.nbytes:
                 raise OSError(f"{path}: read {n} of {view.nbytes} bytes at offset {off}")
@@ -112,13 +114,16 @@ def main(argv=None) -> int:
                     reader.verify_all()
 
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                rows = {"memcpy": lambda: dst.copy_(src),
-                        "read + CRC": lambda: _read_crc(shard, buf),
-                        "read + CRC, 2 threads": lambda: _read_crc_halves(shard, nbytes, pool),
-                        "read into tensors + CRC, 2 threads":
-                            lambda: _read_crc_halves(shard, nbytes, pool, into),
-                        "datastates verify": verify,
-                        "datastates restore": lambda: ckpt.restore(live)}
+                rows = {
+                    "memcpy": lambda: dst.copy_(src),
+                    "read + CRC": lambda: _read_crc(shard, buf),
+                    "read + CRC, 2 threads": lambda: _read_crc_halves(shard, nbytes, pool),
+                    "read into tensors + CRC, 2 threads": lambda: _read_crc_halves(
+                        shard, nbytes, pool, into
+                    ),
+                    "datastates verify": verify,
+                    "datastates restore": lambda: ckpt.restore(live),
+                }
                 best = {name: float("inf") for name in rows}
                 for _ in range(args.reps):
                     for name, fn in rows.items():

@@ -4,6 +4,7 @@
 cannot be imported, in which case the run still writes report.md and results.json.
 Bars are medians; error bars span min..max over the rounds.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,6 +17,7 @@ class ChartsUnavailable(RuntimeError):
 def _pyplot():
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception as e:  # noqa: BLE001 - any import problem means no charts
@@ -30,8 +32,15 @@ def _err(summary: dict | None) -> tuple[float, float, float]:
     return m, m - summary["min"], summary["max"] - m
 
 
-def _hbar_groups(ax, groups: dict[str, dict[str, dict | None]], xlabel: str, order: list[str],
-                 log: bool = False, limit: float | None = None, limit_label: str = "") -> None:
+def _hbar_groups(
+    ax,
+    groups: dict[str, dict[str, dict | None]],
+    xlabel: str,
+    order: list[str],
+    log: bool = False,
+    limit: float | None = None,
+    limit_label: str = "",
+) -> None:
     """Horizontal bars: one row per method (in ``order``), one colour per group (a state, a k)."""
     present = {m for series in groups.values() for m, v in series.items() if v}
     methods = [m for m in order if m in present] + sorted(present - set(order))
@@ -57,8 +66,13 @@ def _hbar_groups(ax, groups: dict[str, dict[str, dict | None]], xlabel: str, ord
     if limit:
         ax.axvline(limit, color="k", linestyle="--", linewidth=1, label=limit_label)
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08 - 0.3 / max(4, len(methods))),
-              ncol=min(3, len(groups) + (1 if limit else 0)), frameon=False)
+    ax.legend(
+        fontsize=8,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.08 - 0.3 / max(4, len(methods))),
+        ncol=min(3, len(groups) + (1 if limit else 0)),
+        frameon=False,
+    )
 
 
 def draw_all(results: dict, out: Path) -> list[str]:
@@ -79,38 +93,71 @@ def draw_all(results: dict, out: Path) -> list[str]:
         stall_groups = {}
         if e2e and e2e.get("methods"):
             ks = sorted({k for per in e2e["methods"].values() for k in per}, key=int)
-            stall_groups = {f"every {k} steps": {m: per.get(k, {}).get("stall_per_ckpt_s")
-                                                 for m, per in e2e["methods"].items()}
-                            for k in ks}
+            stall_groups = {
+                f"every {k} steps": {
+                    m: per.get(k, {}).get("stall_per_ckpt_s") for m, per in e2e["methods"].items()
+                }
+                for k in ks
+            }
         ncols = 3 if stall_groups else 2
         fig, axes = plt.subplots(1, ncols, figsize=(6.5 * ncols, 0.45 * _rows(phases) + 2.5))
-        _hbar_groups(axes[0], {f"{k} blocked": {m: s["blocked_s"] for m, s in v["save"].items()}
-                               for k, v in phases.items()}, "caller blocked per save (s, log)",
-                     order, log=True)
-        _hbar_groups(axes[1], {f"{k} snapshot": {m: s["snapshot_s"] for m, s in v["save"].items()}
-                               for k, v in phases.items()}, "time until captured (s, log)", order,
-                     log=True)
+        _hbar_groups(
+            axes[0],
+            {
+                f"{k} blocked": {m: s["blocked_s"] for m, s in v["save"].items()}
+                for k, v in phases.items()
+            },
+            "caller blocked per save (s, log)",
+            order,
+            log=True,
+        )
+        _hbar_groups(
+            axes[1],
+            {
+                f"{k} snapshot": {m: s["snapshot_s"] for m, s in v["save"].items()}
+                for k, v in phases.items()
+            },
+            "time until captured (s, log)",
+            order,
+            log=True,
+        )
         if stall_groups:
-            _hbar_groups(axes[2], stall_groups, "training stall per checkpoint, end to end (s)",
-                         order)
+            _hbar_groups(
+                axes[2], stall_groups, "training stall per checkpoint, end to end (s)", order
+            )
         fig.suptitle("Stall per checkpoint (save micro-benchmark; end-to-end loop)")
         save_fig(fig, "stall.png")
 
         fig, ax = plt.subplots(figsize=(9, 0.45 * _rows(phases) + 2.5))
         write = limits.get("write")
-        _hbar_groups(ax, {k: {m: s["committed_gbps"] for m, s in v["save"].items()}
-                          for k, v in phases.items()}, "committed throughput (GB/s of state)",
-                     order, limit=write["median"] if write else None, limit_label="disk write limit")
+        _hbar_groups(
+            ax,
+            {k: {m: s["committed_gbps"] for m, s in v["save"].items()} for k, v in phases.items()},
+            "committed throughput (GB/s of state)",
+            order,
+            limit=write["median"] if write else None,
+            limit_label="disk write limit",
+        )
         ax.set_title("Save until durable and committed")
         save_fig(fig, "committed_throughput.png")
 
     if e2e and e2e.get("methods"):
         ks = sorted({k for per in e2e["methods"].values() for k in per}, key=int)
-        groups = {f"every {k} steps": {m: per.get(k, {}).get("slowdown")
-                                       for m, per in e2e["methods"].items()} for k in ks}
+        groups = {
+            f"every {k} steps": {
+                m: per.get(k, {}).get("slowdown") for m, per in e2e["methods"].items()
+            }
+            for k in ks
+        }
         fig, ax = plt.subplots(figsize=(9, 0.5 * len(e2e["methods"]) * max(1, len(ks)) / 2 + 2.5))
-        _hbar_groups(ax, groups, "training time / time without checkpoints", order, limit=1.0,
-                     limit_label="no checkpoint")
+        _hbar_groups(
+            ax,
+            groups,
+            "training time / time without checkpoints",
+            order,
+            limit=1.0,
+            limit_label="no checkpoint",
+        )
         ax.set_title("End-to-end slowdown")
         save_fig(fig, "e2e_slowdown.png")
 
@@ -119,11 +166,14 @@ def draw_all(results: dict, out: Path) -> list[str]:
         rows = len({m for per in loads.values() for m in per})
         fig, axes = plt.subplots(1, 2, figsize=(13, 0.35 * rows * len(loads) + 2.5))
         for ax, temp, lim in ((axes[0], "cold", "read_cold"), (axes[1], "warm", "read_warm")):
-            _hbar_groups(ax, {k: {m: s[f"{temp}_gbps"] for m, s in per.items()}
-                              for k, per in loads.items()},
-                         f"{temp} load into the live state (GB/s)", order,
-                         limit=(limits.get(lim) or {}).get("median"),
-                         limit_label=f"{temp} read limit")
+            _hbar_groups(
+                ax,
+                {k: {m: s[f"{temp}_gbps"] for m, s in per.items()} for k, per in loads.items()},
+                f"{temp} load into the live state (GB/s)",
+                order,
+                limit=(limits.get(lim) or {}).get("median"),
+                limit_label=f"{temp} read limit",
+            )
         fig.suptitle("Restore in place (cold: files dropped from the page cache)")
         save_fig(fig, "load_throughput.png")
     return files

@@ -7,6 +7,7 @@ releases the GIL (a Python thread keeps running while it checksums).
 Every backend must give zlib's values (checked on the buffer first); the one datastates uses is
 marked. ``run.py`` includes this table in its report.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,9 +29,11 @@ def _backends() -> tuple[list, str | None]:
     try:
         from datastates.format import checksum
     except ImportError:
+
         class _Zlib:
             name = "zlib"
             crc32 = staticmethod(zlib.crc32)
+
         return [_Zlib()], None
     return checksum.available(), checksum.BACKEND
 
@@ -51,10 +54,12 @@ def _rate(fn, view: memoryview, threads: int, tries: int = 3) -> float:
 def _gil_share(fn, view: memoryview) -> float:
     """Iterations/s of a Python loop while ``fn`` runs on another thread, over the same loop's
     rate alone: near 0 if ``fn`` holds the GIL, near 1 (or more) if it releases it."""
+
     def spin(seconds: float, stop: threading.Event | None = None) -> float:
         n, t0 = 0, time.perf_counter()
-        while (stop is None and time.perf_counter() - t0 < seconds) or \
-                (stop is not None and not stop.is_set()):
+        while (stop is None and time.perf_counter() - t0 < seconds) or (
+            stop is not None and not stop.is_set()
+        ):
             n += 1
         return n / (time.perf_counter() - t0)
 
@@ -83,19 +88,28 @@ def measure(nbytes: int = 256 << 20) -> list[dict]:
     for backend in backends:
         if backend.crc32(view) != expected:
             raise AssertionError(f"{backend.name}: CRC-32 differs from zlib's")
-        rows.append({"backend": backend.name, "gbps_1t": _rate(backend.crc32, view, 1),
-                     "gbps_2t": _rate(backend.crc32, view, 2),
-                     "gil_share": _gil_share(backend.crc32, view),
-                     "in_use": backend.name == in_use})
+        rows.append(
+            {
+                "backend": backend.name,
+                "gbps_1t": _rate(backend.crc32, view, 1),
+                "gbps_2t": _rate(backend.crc32, view, 2),
+                "gil_share": _gil_share(backend.crc32, view),
+                "in_use": backend.name == in_use,
+            }
+        )
     return rows
 
 
 def main() -> int:
-    print("| backend | 1 thread | 2 threads at once | other Python thread's speed during it | used |")
+    print(
+        "| backend | 1 thread | 2 threads at once | other Python thread's speed during it | used |"
+    )
     print("|---|---|---|---|---|")
     for r in measure():
-        print(f"| {r['backend']} | {r['gbps_1t']:.2f} GB/s | {r['gbps_2t']:.2f} GB/s | "
-              f"{r['gil_share']:.0%} | {'yes' if r['in_use'] else ''} |")
+        print(
+            f"| {r['backend']} | {r['gbps_1t']:.2f} GB/s | {r['gbps_2t']:.2f} GB/s | "
+            f"{r['gil_share']:.0%} | {'yes' if r['in_use'] else ''} |"
+        )
     return 0
 
 

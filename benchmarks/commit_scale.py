@@ -22,6 +22,7 @@ Writes ``results.json`` and ``commit_scale.png`` (when matplotlib is installed) 
 prints a table. On a machine with fewer cores than ranks the processes share the CPUs, so the
 latency at large world sizes includes waiting for a core: the request counts do not.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,6 +60,7 @@ class CountingStore:
         def call(*args, **kwargs):
             self.calls += 1
             return attr(*args, **kwargs)
+
         return call
 
 
@@ -86,13 +88,17 @@ def _rank_main(rank: int, world: int, port: int, args, root: str, out_q) -> None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed import distributed_c10d as c10d
+
     box = [new_run_id() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     store = CountingStore(dist.PrefixStore(f"bench/{box[0]}/", c10d._get_default_store()))
     comm = TimedCommunicator(store, rank, world, box[0])
     torch.manual_seed(0)  # the replicated model is the same on every rank
-    state = {"model": {f"w{i}": torch.randn(64) for i in range(args.tensors)},
-             "mine": torch.full((4,), float(rank)), "rng": datastates.RNGState()}
+    state = {
+        "model": {f"w{i}": torch.randn(64) for i in range(args.tensors)},
+        "mine": torch.full((4,), float(rank)),
+        "rng": datastates.RNGState(),
+    }
     torch.manual_seed(rank)  # the RNG state is per rank
     config = datastates.CheckpointConfig(keep_last=2, fsync=False, commit_timeout_s=600)
     with datastates.Checkpointer(root, config, communicator=comm) as ckpt:
@@ -115,8 +121,11 @@ def _restart_main(rank: int, world: int, port: int, args, root: str, out_q) -> N
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed import distributed_c10d as c10d
-    state = {"model": {f"w{i}": torch.full((64,), float(i)) for i in range(args.tensors)},
-             "mine": torch.full((4,), float(rank))}
+
+    state = {
+        "model": {f"w{i}": torch.full((64,), float(i)) for i in range(args.tensors)},
+        "mine": torch.full((4,), float(rank)),
+    }
     config = datastates.CheckpointConfig(keep_last=2, fsync=False, commit_timeout_s=600)
     with datastates.Checkpointer(root, config) as ckpt:
         ckpt.save(state, step=1, replicated=["model"]).wait()
@@ -124,8 +133,10 @@ def _restart_main(rank: int, world: int, port: int, args, root: str, out_q) -> N
     dist.broadcast_object_list(box, src=0)
     store = CountingStore(dist.PrefixStore(f"bench/{box[0]}/", c10d._get_default_store()))
     comm = StoreCommunicator(store, rank, world, box[0])
-    blank = {"model": {f"w{i}": torch.zeros(64) for i in range(args.tensors)},
-             "mine": torch.zeros(4)}
+    blank = {
+        "model": {f"w{i}": torch.zeros(64) for i in range(args.tensors)},
+        "mine": torch.zeros(4),
+    }
     dist.barrier()
     with datastates.Checkpointer(root, config, communicator=comm) as ckpt:
         opened = store.calls
@@ -142,12 +153,16 @@ def _restart_main(rank: int, world: int, port: int, args, root: str, out_q) -> N
 def run_restart(world: int, args, base: str) -> dict:
     results = _spawn(world, args, os.path.join(base, f"w{world}"), _restart_main)
     others = [results[r]["calls"]["total"] for r in range(1, world)]
-    return {"world": world, "rank0_requests": results[0]["calls"]["total"],
-            "other_requests": statistics.mean(others) if others else 0.0,
-            "other_max": max(others) if others else 0,
-            "rank0_open": results[0]["calls"]["open"],
-            "other_open": statistics.mean(results[r]["calls"]["open"] for r in range(1, world))
-            if others else 0.0}
+    return {
+        "world": world,
+        "rank0_requests": results[0]["calls"]["total"],
+        "other_requests": statistics.mean(others) if others else 0.0,
+        "other_max": max(others) if others else 0,
+        "rank0_open": results[0]["calls"]["open"],
+        "other_open": statistics.mean(results[r]["calls"]["open"] for r in range(1, world))
+        if others
+        else 0.0,
+    }
 
 
 def _spawn(world: int, args, root: str, main) -> dict:
@@ -155,8 +170,9 @@ def _spawn(world: int, args, root: str, main) -> dict:
     ctx = mp.get_context("spawn")
     out_q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=main, args=(r, world, port, args, root, out_q))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=main, args=(r, world, port, args, root, out_q)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results = {}
@@ -177,15 +193,20 @@ def run_world(world: int, args, base: str) -> dict:
         verdict = max(results[r]["rounds"][i][1] for r in range(world))
         latencies.append(verdict - entered)
     others = [results[r]["calls"] for r in range(1, world)]
-    return {"world": world, "latency_s": statistics.median(latencies),
-            "latency_max_s": max(latencies), "rank0_requests": results[0]["calls"],
-            "other_requests": statistics.mean(others) if others else 0.0,
-            "manifest_bytes": results[0]["manifest"]}
+    return {
+        "world": world,
+        "latency_s": statistics.median(latencies),
+        "latency_max_s": max(latencies),
+        "rank0_requests": results[0]["calls"],
+        "other_requests": statistics.mean(others) if others else 0.0,
+        "manifest_bytes": results[0]["manifest"],
+    }
 
 
 def _chart(rows: list[dict], path: str) -> bool:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -215,8 +236,11 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--out", default="results/commit-scale")
     parser.add_argument("--dir", default=None, help="where the checkpoints go (a temp dir)")
-    parser.add_argument("--restart", action="store_true",
-                        help="count the store requests of a restart instead (restart.json)")
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="count the store requests of a restart instead (restart.json)",
+    )
     args = parser.parse_args(argv)
     base = tempfile.mkdtemp(prefix="ds-commit-scale-", dir=args.dir)
     if args.restart:
@@ -226,16 +250,22 @@ def main(argv=None) -> int:
         for world in (int(w) for w in args.worlds.split(",")):
             rows.append(run_world(world, args, base))
             r = rows[-1]
-            print(f"{r['world']:>5} ranks  report→verdict {r['latency_s'] * 1e3:8.1f} ms "
-                  f"(max {r['latency_max_s'] * 1e3:.1f})  requests/save rank 0 "
-                  f"{r['rank0_requests']:7.1f}  others {r['other_requests']:6.1f}  manifest "
-                  f"{r['manifest_bytes']:>8} B", flush=True)
+            print(
+                f"{r['world']:>5} ranks  report→verdict {r['latency_s'] * 1e3:8.1f} ms "
+                f"(max {r['latency_max_s'] * 1e3:.1f})  requests/save rank 0 "
+                f"{r['rank0_requests']:7.1f}  others {r['other_requests']:6.1f}  manifest "
+                f"{r['manifest_bytes']:>8} B",
+                flush=True,
+            )
     finally:
         shutil.rmtree(base, ignore_errors=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"rows": rows, "saves": args.saves, "tensors": args.tensors,
-                   "cpus": os.cpu_count()}, f, indent=1)
+        json.dump(
+            {"rows": rows, "saves": args.saves, "tensors": args.tensors, "cpus": os.cpu_count()},
+            f,
+            indent=1,
+        )
     if _chart(rows, os.path.join(args.out, "commit_scale.png")):
         print(f"chart: {os.path.join(args.out, 'commit_scale.png')}")
     return 0
@@ -249,10 +279,13 @@ def _restarts(args, base: str) -> int:
                 continue
             rows.append(run_restart(world, args, base))
             r = rows[-1]
-            print(f"{r['world']:>5} ranks  restart store requests: rank 0 "
-                  f"{r['rank0_requests']:6d} (constructor {r['rank0_open']})  others mean "
-                  f"{r['other_requests']:6.1f} max {r['other_max']:4d} (constructor "
-                  f"{r['other_open']:.1f})", flush=True)
+            print(
+                f"{r['world']:>5} ranks  restart store requests: rank 0 "
+                f"{r['rank0_requests']:6d} (constructor {r['rank0_open']})  others mean "
+                f"{r['other_requests']:6.1f} max {r['other_max']:4d} (constructor "
+                f"{r['other_open']:.1f})",
+                flush=True,
+            )
     finally:
         shutil.rmtree(base, ignore_errors=True)
     os.makedirs(args.out, exist_ok=True)

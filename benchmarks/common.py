@@ -2,6 +2,7 @@
 
 Everything here is pure Python (no torch) so it can be unit-tested in isolation.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,8 +36,13 @@ def summarize(values: Iterable[float | None]) -> dict | None:
     vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     if not vals:
         return None
-    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals),
-            "n": len(vals), "values": vals}
+    return {
+        "median": statistics.median(vals),
+        "min": min(vals),
+        "max": max(vals),
+        "n": len(vals),
+        "values": vals,
+    }
 
 
 def median_of(summary: dict | None) -> float | None:

@@ -9,6 +9,7 @@ optimizer step), the time from the save call until the checkpoint is durable (wi
 ``--compute-ms`` of compute in between, as in training), and the load in place at the same world
 size from a cold page cache; then the sharded checkpoint loaded by one process (N -> 1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,6 +39,7 @@ def _state(kind: str, world: int, total_bytes: int):
     if kind == "sharded":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
+
         mesh = init_device_mesh("cpu", (world,))
         params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in full]
     else:
@@ -70,17 +72,23 @@ def _rank_main(rank, world, port, args, out_q):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import torch.distributed.checkpoint as dcp
+
     results = {}
     for kind in ("replicated", "sharded"):
         params = _state(kind, world, args.bytes)
         opt = torch.optim.SGD(params.values(), lr=0.01)
         for p in params.values():
             p.grad = torch.full_like(p, 1e-3)
-        local_bytes = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4
-                          for p in params.values())
+        local_bytes = sum(
+            (p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in params.values()
+        )
         root = os.path.join(args.dir, kind)
-        ckpt = datastates.Checkpointer(os.path.join(root, "ds"), datastates.CheckpointConfig(
-            host_cache_bytes=max(64 << 20, local_bytes + (16 << 20)), keep_last=1))
+        ckpt = datastates.Checkpointer(
+            os.path.join(root, "ds"),
+            datastates.CheckpointConfig(
+                host_cache_bytes=max(64 << 20, local_bytes + (16 << 20)), keep_last=1
+            ),
+        )
         rep = ["params"] if kind == "replicated" else False
         rows = {"datastates": [], "dcp_save": [], "dcp_async_save": []}
         for r in range(args.reps):
@@ -101,8 +109,9 @@ def _rank_main(rank, world, port, args, out_q):
                     _compute(args.compute_ms)
                     opt.step()
                 else:
-                    fut = dcp.async_save({"params": dict(params)},
-                                         checkpoint_id=os.path.join(root, f"adcp{r}"))
+                    fut = dcp.async_save(
+                        {"params": dict(params)}, checkpoint_id=os.path.join(root, f"adcp{r}")
+                    )
                     stall = blocked = time.perf_counter() - t0
                     _compute(args.compute_ms)
                     opt.step()
@@ -121,8 +130,10 @@ def _rank_main(rank, world, port, args, out_q):
             if method == "datastates":
                 ckpt.restore({"params": params}, keys=["params"])
             else:
-                dcp.load({"params": dict(params)},
-                         checkpoint_id=os.path.join(root, f"dcp{args.reps - 1}"))
+                dcp.load(
+                    {"params": dict(params)},
+                    checkpoint_id=os.path.join(root, f"dcp{args.reps - 1}"),
+                )
             loads[method] = time.perf_counter() - t0
             dist.barrier()
         ckpt.close()
@@ -134,6 +145,7 @@ def _rank_main(rank, world, port, args, out_q):
 def _single_process_load(args):
     """World size N -> 1: read the sharded checkpoint back as full tensors."""
     import torch.distributed.checkpoint as dcp
+
     root = os.path.join(args.dir, "sharded")
     out = {}
     _evict(root)
@@ -160,11 +172,12 @@ def _run_world(world: int, args) -> dict:
             port = s.getsockname()[1]
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        procs = [ctx.Process(target=_rank_main, args=(r, world, port, args, q)) for r in range(world)]
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, world, port, args, q)) for r in range(world)
+        ]
         for p in procs:
             p.start()
-        per_rank = dict((rank, json.loads(v)) for rank, v in
-                        (q.get(timeout=1800) for _ in procs))
+        per_rank = dict((rank, json.loads(v)) for rank, v in (q.get(timeout=1800) for _ in procs))
         for p in procs:
             p.join()
         one = _single_process_load(args)
@@ -175,29 +188,44 @@ def _run_world(world: int, args) -> dict:
 
 def _print_world(world: int, run: dict, args) -> None:
     per_rank, one = run["per_rank"], run["load_n_to_1_s"]
-    print(f"\n{world} ranks, {args.mb} MB state, {args.reps} rounds, {args.compute_ms:.0f} ms of "
-          "compute between save and optimizer step; medians of the worst rank")
-    print(f"{'state':<11}{'method':<16}{'stall s':>9}{'committed s':>13}{'commit MB/s':>13}"
-          f"{'stall vs ds':>13}{'commit vs ds':>14}")
+    print(
+        f"\n{world} ranks, {args.mb} MB state, {args.reps} rounds, {args.compute_ms:.0f} ms of "
+        "compute between save and optimizer step; medians of the worst rank"
+    )
+    print(
+        f"{'state':<11}{'method':<16}{'stall s':>9}{'committed s':>13}{'commit MB/s':>13}"
+        f"{'stall vs ds':>13}{'commit vs ds':>14}"
+    )
     for kind in ("replicated", "sharded"):
         med = {}
         for method in ("datastates", "dcp_save", "dcp_async_save"):
-            stall = statistics.median(max(per_rank[r][kind]["rows"][method][i]["stall_s"]
-                                          for r in per_rank) for i in range(args.reps))
-            commit = statistics.median(max(per_rank[r][kind]["rows"][method][i]["commit_s"]
-                                           for r in per_rank) for i in range(args.reps))
+            stall = statistics.median(
+                max(per_rank[r][kind]["rows"][method][i]["stall_s"] for r in per_rank)
+                for i in range(args.reps)
+            )
+            commit = statistics.median(
+                max(per_rank[r][kind]["rows"][method][i]["commit_s"] for r in per_rank)
+                for i in range(args.reps)
+            )
             med[method] = (stall, commit)
         for method, (stall, commit) in med.items():
-            print(f"{kind:<11}{method:<16}{stall:>9.3f}{commit:>13.2f}{args.mb / commit:>13.0f}"
-                  f"{stall / med['datastates'][0]:>12.1f}x{commit / med['datastates'][1]:>13.2f}x")
-        loads = {m: max(per_rank[r][kind]["load_s"][m] for r in per_rank)
-                 for m in ("datastates", "dcp")}
-        print(f"{kind:<11}load in place: datastates {loads['datastates']:.2f} s "
-              f"({args.mb / loads['datastates']:.0f} MB/s), dcp {loads['dcp']:.2f} s "
-              f"({args.mb / loads['dcp']:.0f} MB/s), dcp / datastates "
-              f"{loads['dcp'] / loads['datastates']:.2f}x")
-    print(f"sharded    load {world} -> 1 process: datastates {args.mb / one['datastates']:.0f} MB/s, "
-          f"dcp {args.mb / one['dcp']:.0f} MB/s")
+            print(
+                f"{kind:<11}{method:<16}{stall:>9.3f}{commit:>13.2f}{args.mb / commit:>13.0f}"
+                f"{stall / med['datastates'][0]:>12.1f}x{commit / med['datastates'][1]:>13.2f}x"
+            )
+        loads = {
+            m: max(per_rank[r][kind]["load_s"][m] for r in per_rank) for m in ("datastates", "dcp")
+        }
+        print(
+            f"{kind:<11}load in place: datastates {loads['datastates']:.2f} s "
+            f"({args.mb / loads['datastates']:.0f} MB/s), dcp {loads['dcp']:.2f} s "
+            f"({args.mb / loads['dcp']:.0f} MB/s), dcp / datastates "
+            f"{loads['dcp'] / loads['datastates']:.2f}x"
+        )
+    print(
+        f"sharded    load {world} -> 1 process: datastates {args.mb / one['datastates']:.0f} MB/s, "
+        f"dcp {args.mb / one['dcp']:.0f} MB/s"
+    )
 
 
 def main() -> int:
@@ -207,8 +235,12 @@ def main() -> int:
     parser.add_argument("--worlds", default="2,4", help="world sizes, comma-separated")
     parser.add_argument("--dir", default=os.getcwd())
     parser.add_argument("--out", default="results/distributed.json")
-    parser.add_argument("--compute-ms", type=float, default=300,
-                        help="compute between save and the optimizer step (forward + backward)")
+    parser.add_argument(
+        "--compute-ms",
+        type=float,
+        default=300,
+        help="compute between save and the optimizer step (forward + backward)",
+    )
     args = parser.parse_args()
     args.bytes, args.base = args.mb * 1_000_000, args.dir
     worlds = [int(w) for w in args.worlds.split(",")]

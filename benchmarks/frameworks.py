@@ -15,6 +15,7 @@ Each variant runs ``--repeat`` times, interleaved; the fastest run of each is ke
 
 Numbers are from one process on one machine; compare rows of one run, not across machines.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,6 +68,7 @@ def _timed(fn: Callable[[str], None]) -> float:
 
 # ---------------------------------------------------------------- frameworks
 
+
 def bench_dcp(a) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
@@ -77,9 +79,13 @@ def bench_dcp(a) -> dict:
         def go(root):
             model = _mlp(a.hidden, a.layers)
             opt = torch.optim.AdamW(model.parameters())
-            writer = DatastatesWriter(os.path.join(root, "x")) if kind == "async-ds" else \
-                FileSystemWriter(os.path.join(root, "x"),
-                                 cache_staged_state_dict=torch.cuda.is_available())
+            writer = (
+                DatastatesWriter(os.path.join(root, "x"))
+                if kind == "async-ds"
+                else FileSystemWriter(
+                    os.path.join(root, "x"), cache_staged_state_dict=torch.cuda.is_available()
+                )
+            )
             fut = None
             for step in range(a.steps):
                 x, y = _batch(step, a.hidden)
@@ -96,11 +102,14 @@ def bench_dcp(a) -> dict:
                     else:
                         if fut is not None:
                             fut.result()
-                        fut = dcp.async_save(sd, storage_writer=writer, checkpoint_id=path,
-                                             no_dist=True)
+                        fut = dcp.async_save(
+                            sd, storage_writer=writer, checkpoint_id=path, no_dist=True
+                        )
             if fut is not None:
                 fut.result()
+
         return go
+
     return {k: run(k) for k in ("none", "sync-default", "sync-ds", "async-default", "async-ds")}
 
 
@@ -131,18 +140,29 @@ def bench_lightning(a) -> dict:
         def go(root):
             plugins, callbacks = [], []
             if kind != "none":
-                callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=a.every,
-                                                 save_top_k=-1))
+                callbacks.append(
+                    ModelCheckpoint(dirpath=root, every_n_train_steps=a.every, save_top_k=-1)
+                )
             if kind == "datastates":
                 io_ = DatastatesCheckpointIO(_config(a.state_bytes))
                 plugins.append(io_)
                 callbacks.append(io_.lazy_snapshots())
-            trainer = pl.Trainer(default_root_dir=root, max_steps=a.steps, accelerator="cpu",
-                                 devices=1, logger=False, enable_progress_bar=False,
-                                 enable_model_summary=False, enable_checkpointing=kind != "none",
-                                 plugins=plugins, callbacks=callbacks)
+            trainer = pl.Trainer(
+                default_root_dir=root,
+                max_steps=a.steps,
+                accelerator="cpu",
+                devices=1,
+                logger=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                enable_checkpointing=kind != "none",
+                plugins=plugins,
+                callbacks=callbacks,
+            )
             trainer.fit(Module(), loader())
+
         return go
+
     return {k: run(k) for k in ("none", "default", "datastates")}
 
 
@@ -160,47 +180,69 @@ def bench_hf(a) -> dict:
         def forward(self, x, labels):
             return {"loss": torch.nn.functional.mse_loss(self.net(x), labels)}
 
-    data = [{"x": x, "labels": y} for s in range(a.steps)
-            for x, y in zip(*_batch(s, a.hidden))]
+    data = [{"x": x, "labels": y} for s in range(a.steps) for x, y in zip(*_batch(s, a.hidden))]
 
     def run(kind):
         def go(root):
-            args = TrainingArguments(output_dir=root, max_steps=a.steps,
-                                     per_device_train_batch_size=32, report_to=[], use_cpu=True,
-                                     save_strategy="no" if kind == "none" else "steps",
-                                     save_steps=a.every, logging_strategy="no",
-                                     disable_tqdm=True)
+            args = TrainingArguments(
+                output_dir=root,
+                max_steps=a.steps,
+                per_device_train_batch_size=32,
+                report_to=[],
+                use_cpu=True,
+                save_strategy="no" if kind == "none" else "steps",
+                save_steps=a.every,
+                logging_strategy="no",
+                disable_tqdm=True,
+            )
             if kind == "datastates":
-                t = DatastatesTrainer(model=Wrapped(), args=args, train_dataset=data,
-                                      datastates_config=_config(a.state_bytes))
+                t = DatastatesTrainer(
+                    model=Wrapped(),
+                    args=args,
+                    train_dataset=data,
+                    datastates_config=_config(a.state_bytes),
+                )
                 t.train()
                 t.close_checkpointer()
             else:
                 Trainer(model=Wrapped(), args=args, train_dataset=data).train()
+
         return go
+
     return {k: run(k) for k in ("none", "default", "datastates")}
 
 
 def bench_deepspeed(a) -> dict:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"),
-                 ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+    for k, v in (
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29533"),
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+    ):
         os.environ.setdefault(k, v)
     import deepspeed
 
     from datastates.integrations.deepspeed import enable_lazy_snapshots
+
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 
     def run(kind):
         def go(root):
             model = _mlp(a.hidden, a.layers)
-            cfg = {"train_batch_size": 32, "steps_per_print": 10**9,
-                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+            cfg = {
+                "train_batch_size": 32,
+                "steps_per_print": 10**9,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+            }
             if kind == "datastates":
-                cfg["datastates_ckpt"] = {"host_cache_size": _config(a.state_bytes)
-                                          .host_cache_bytes / (1 << 30)}
-            eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                config=cfg)
+                cfg["datastates_ckpt"] = {
+                    "host_cache_size": _config(a.state_bytes).host_cache_bytes / (1 << 30)
+                }
+            eng, _, _, _ = deepspeed.initialize(
+                model=model, model_parameters=model.parameters(), config=cfg
+            )
             if kind == "datastates":
                 enable_lazy_snapshots(eng)
             for step in range(a.steps):
@@ -210,14 +252,18 @@ def bench_deepspeed(a) -> dict:
                 if kind != "none" and (step + 1) % a.every == 0:
                     eng.save_checkpoint(root)
             eng.destroy()
+
         return go
+
     return {k: run(k) for k in ("none", "default", "datastates")}
 
 
-FRAMEWORKS = [("torch.distributed.checkpoint", "torch", bench_dcp),
-              ("lightning", "lightning", bench_lightning),
-              ("transformers Trainer", "transformers", bench_hf),
-              ("deepspeed", "deepspeed", bench_deepspeed)]
+FRAMEWORKS = [
+    ("torch.distributed.checkpoint", "torch", bench_dcp),
+    ("lightning", "lightning", bench_lightning),
+    ("transformers Trainer", "transformers", bench_hf),
+    ("deepspeed", "deepspeed", bench_deepspeed),
+]
 
 
 def main(argv=None) -> int:
@@ -232,9 +278,11 @@ def main(argv=None) -> int:
     nparams = sum(x.numel() for x in _mlp(a.hidden, a.layers).parameters())
     a.state_bytes = nparams * 4 * 3  # fp32 weights + AdamW moments
     n_ckpt = a.steps // a.every
-    print(f"model: {nparams / 1e6:.1f} M parameters, checkpoint ~{a.state_bytes / 2**20:.0f} MiB,"
-          f" {a.steps} steps, {n_ckpt} checkpoints, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs")
+    print(
+        f"model: {nparams / 1e6:.1f} M parameters, checkpoint ~{a.state_bytes / 2**20:.0f} MiB,"
+        f" {a.steps} steps, {n_ckpt} checkpoints, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPUs"
+    )
     rows = []
     logging.disable(logging.WARNING)
     for label, module, make in FRAMEWORKS:
@@ -259,8 +307,9 @@ def main(argv=None) -> int:
         base = times.pop("none")
         for kind, t in times.items():
             rows.append((label, kind, (t - base) / max(1, n_ckpt), t, t / base))
-    print(f"\n{'framework':30} {'checkpointing':15} {'stall/ckpt s':>12} {'e2e s':>8} "
-          f"{'vs none':>8}")
+    print(
+        f"\n{'framework':30} {'checkpointing':15} {'stall/ckpt s':>12} {'e2e s':>8} {'vs none':>8}"
+    )
     for label, kind, stall, e2e, ratio in rows:
         print(f"{label:30} {kind:15} {stall:12.3f} {e2e:8.2f} {ratio:7.2f}x")
     return 0

@@ -3,6 +3,7 @@
 Nothing in the library depends on it; it exists so that the demo, the benchmarks and the tests train
 the same realistic model (embeddings, attention, MLP, LayerNorm, tied output head) on synthetic data.
 """
+
 from __future__ import annotations
 
 import math
@@ -76,8 +77,9 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def synthetic_batch(cfg: GPTConfig, batch_size: int, generator: torch.Generator,
-                    device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_batch(
+    cfg: GPTConfig, batch_size: int, generator: torch.Generator, device: str | torch.device = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A deterministic batch of random token ids (inputs, next-token targets)."""
     data = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size + 1), generator=generator)
     data = data.to(device)

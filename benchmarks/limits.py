@@ -19,6 +19,7 @@ Every checkpoint number in the report is also given as a fraction of one of thes
 
 All rates are in GB/s (1e9 bytes per second).
 """
+
 from __future__ import annotations
 
 import mmap
@@ -127,7 +128,7 @@ def _read_direct(path: Path, threads: int = 4, chunk: int = 8 * MiB) -> float | 
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     except OSError:
         return None
-    bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]     # page aligned, touched below
+    bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]  # page aligned, touched below
     for b in bufs:
         b.write(bytes(chunk))
     errors: list[BaseException] = []
@@ -170,7 +171,7 @@ def _best_copy(dst: torch.Tensor, src: torch.Tensor, tries: int = 3) -> float:
 def _copy_rates(nbytes: int) -> dict[str, float]:
     """Copy bandwidths (best of 3 each: a limit is what the machine *can* do)."""
     src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)          # touched: pages already faulted in
+    dst = torch.zeros(nbytes, dtype=torch.uint8)  # touched: pages already faulted in
     out = {}
     threads = torch.get_num_threads()
     try:
@@ -243,9 +244,11 @@ def summarize_limits(samples: dict[str, list[float]]) -> dict[str, dict | None]:
     """Summaries per limit, plus the best-of per round: ``write`` (buffered or O_DIRECT, the disk
     write limit) and ``copy`` (1 thread or all threads, the in-memory copy limit)."""
     out = {k: summarize(v) for k, v in samples.items()}
-    for name, parts in (("write", ("write_buffered", "write_direct_1t", "write_direct_2t")),
-                        ("read", ("read_cold", "read_direct")),
-                        ("copy", ("copy_1t", "copy_nt"))):
+    for name, parts in (
+        ("write", ("write_buffered", "write_direct_1t", "write_direct_2t")),
+        ("read", ("read_cold", "read_direct")),
+        ("copy", ("copy_1t", "copy_nt")),
+    ):
         columns = [samples[k] for k in parts if samples.get(k)]
         out[name] = summarize(max(vals) for vals in zip(*columns)) if columns else None
     return out

@@ -4,6 +4,7 @@ The budget check exists because a benchmark that swaps or gets OOM-killed measur
 state is built, the run compares what the selected methods may need at peak with what the machine has
 available *now*, and scales the state down (or refuses with a clear message).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -91,9 +92,10 @@ def available_bytes() -> int:
 @dataclass(frozen=True)
 class MemoryPlan:
     """What a phase needs, as multiples of the state size, plus a fixed overhead."""
+
     state_bytes: int
-    held_factor: float          # sum over methods of the memory they keep between saves
-    transient_factor: float     # the largest transient peak of any one method during a save
+    held_factor: float  # sum over methods of the memory they keep between saves
+    transient_factor: float  # the largest transient peak of any one method during a save
     overhead_bytes: int = 1 * GiB
 
     @property
@@ -107,9 +109,11 @@ class MemoryPlan:
         return max(0, int(room / (1.0 + self.held_factor + self.transient_factor)))
 
     def describe(self) -> str:
-        return (f"state {fmt_bytes(self.state_bytes)} x (1 + held {self.held_factor:.2f} + peak "
-                f"{self.transient_factor:.2f}) + {fmt_bytes(self.overhead_bytes)} = "
-                f"{fmt_bytes(self.need_bytes)}")
+        return (
+            f"state {fmt_bytes(self.state_bytes)} x (1 + held {self.held_factor:.2f} + peak "
+            f"{self.transient_factor:.2f}) + {fmt_bytes(self.overhead_bytes)} = "
+            f"{fmt_bytes(self.need_bytes)}"
+        )
 
 
 class InsufficientMemory(RuntimeError):

@@ -19,6 +19,7 @@ import (torch and datastates), attach (the Checkpointer: keeper and ranks), agre
 against the same restart reading storage, cold (its files dropped from the page cache) and warm
 (read once before the restart: the O_DIRECT writes of a save leave nothing in the page cache).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,27 +39,37 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(HERE, "..", "src")
 sys.path.insert(0, os.path.join(HERE, ".."))
 from benchmarks.common import drop_from_page_cache, read_through  # noqa: E402
+
 FLOATS = 8 << 20  # 32 MiB
 
 
 def pattern(step: int):
     import torch
+
     base = torch.arange(FLOATS, dtype=torch.float32)
     return {"w": base + step, "v": torch.full((1000,), float(step)), "step": step}
 
 
 def _tier(shm: str, log: str, persist_every):
     import datastates
-    return datastates.MemoryTier(root=shm, persist_every=persist_every, persist_on_exit=False,
-                                 log_path=log, idle_timeout_s=600)
+
+    return datastates.MemoryTier(
+        root=shm,
+        persist_every=persist_every,
+        persist_on_exit=False,
+        log_path=log,
+        idle_timeout_s=600,
+    )
 
 
 # ---------------------------------------------------------------- the children
 def child_trials(storage: str, shm: str, log: str) -> None:
     import threading
     import datastates
-    ck = datastates.Checkpointer(storage, datastates.CheckpointConfig(
-        memory_tier=_tier(shm, log, None)))
+
+    ck = datastates.Checkpointer(
+        storage, datastates.CheckpointConfig(memory_tier=_tier(shm, log, None))
+    )
     newest = ck.latest()  # the resume loop: continue after the newest checkpoint
     first = newest.step + 1 if newest is not None else 1
     state = pattern(first - 1)
@@ -68,8 +79,10 @@ def child_trials(storage: str, shm: str, log: str) -> None:
         state["step"] = s
         os.write(1, f"SAVING {s}\n".encode())
         handle = ck.save(state, step=s)
-        threading.Thread(target=lambda h=handle, s=s: (h.wait(), os.write(
-            1, f"SEALED {s}\n".encode())), daemon=True).start()
+        threading.Thread(
+            target=lambda h=handle, s=s: (h.wait(), os.write(1, f"SEALED {s}\n".encode())),
+            daemon=True,
+        ).start()
         handle.wait_snapshot()  # the loop's next change of the tensors waits for the capture
 
 
@@ -77,13 +90,16 @@ def child_train(storage: str, shm: str, log: str, gib: float, memory: bool, step
     t_first_line = time.time()
     import torch  # noqa: F401
     import datastates
+
     sys.path.insert(0, HERE)
     from bench_memory import build, step
+
     t_import = time.time()
     model, opt = build(gib)
     t_built = time.time()
-    config = datastates.CheckpointConfig(host_cache_bytes=3 << 30, keep_last=2,
-                                         memory_tier=_tier(shm, log, 5) if memory else None)
+    config = datastates.CheckpointConfig(
+        host_cache_bytes=3 << 30, keep_last=2, memory_tier=_tier(shm, log, 5) if memory else None
+    )
     ck = datastates.Checkpointer(storage, config)
     t_attach = time.time()
     first = 0
@@ -96,9 +112,21 @@ def child_train(storage: str, shm: str, log: str, gib: float, memory: bool, step
     t_restore = time.time()
     step(model, opt)
     t_step = time.time()
-    print(json.dumps({"first_line": t_first_line, "import": t_import, "built": t_built,
-                      "attach": t_attach, "restore": t_restore, "step": t_step, "tier": tier,
-                      "resumed_at": first}), flush=True)
+    print(
+        json.dumps(
+            {
+                "first_line": t_first_line,
+                "import": t_import,
+                "built": t_built,
+                "attach": t_attach,
+                "restore": t_restore,
+                "step": t_step,
+                "tier": tier,
+                "resumed_at": first,
+            }
+        ),
+        flush=True,
+    )
     for s in range(first, first + steps):
         ck.save({"model": model, "opt": opt}, step=s)
         os.write(1, f"SAVING {s}\n".encode())
@@ -114,8 +142,12 @@ def _env() -> dict:
 
 
 def _spawn(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=_env())
+    return subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--child", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=_env(),
+    )
 
 
 def forker(storage: str, shm: str, log: str) -> None:
@@ -124,6 +156,7 @@ def forker(storage: str, shm: str, log: str) -> None:
     start). It starts no thread: its forks are safe."""
     import datastates  # noqa: F401
     import torch  # noqa: F401
+
     for _ in sys.stdin:
         pid = os.fork()
         if pid == 0:
@@ -132,6 +165,7 @@ def forker(storage: str, shm: str, log: str) -> None:
                 child_trials(storage, shm, log)
             except BaseException:
                 import traceback
+
                 traceback.print_exc()
                 sys.stderr.flush()
                 code = 1
@@ -144,14 +178,19 @@ def forker(storage: str, shm: str, log: str) -> None:
 def trials(count: int, work: str, shm: str, seed: int) -> dict:
     import datastates
     import torch
+
     rng = random.Random(seed)
     storage, log = os.path.join(work, "trials"), os.path.join(work, "keeper-trials.log")
     config = datastates.CheckpointConfig(memory_tier=_tier(shm, log, None))
     outcomes, failures = [], []
     errors = open(os.path.join(work, "trainers.err"), "wb")
-    server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", "forker",
-                               storage, shm, log], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=errors, env=_env())
+    server = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--child", "forker", storage, shm, log],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=errors,
+        env=_env(),
+    )
     lines = _Lines(server.stdout)
     try:
         for trial in range(count):
@@ -175,8 +214,10 @@ def trials(count: int, work: str, shm: str, seed: int) -> dict:
                     except ProcessLookupError:  # it ended by itself: a failure, with its stderr
                         errors.flush()
                         with open(errors.name, "rb") as f:
-                            raise RuntimeError("a trainer ended before its kill:\n" +
-                                               f.read()[-4000:].decode(errors="replace"))
+                            raise RuntimeError(
+                                "a trainer ended before its kill:\n"
+                                + f.read()[-4000:].decode(errors="replace")
+                            )
                     break
             while True:  # the lines it wrote before it died, up to the forker's EXIT
                 kind, _, value = lines.next_with("").partition(" ")
@@ -190,24 +231,44 @@ def trials(count: int, work: str, shm: str, seed: int) -> dict:
                 live = {"w": torch.zeros(FLOATS), "v": torch.zeros(1000), "step": -1}
                 report = ck.restore(live)
                 want = pattern(report.step)
-                exact = (torch.equal(live["w"], want["w"]) and torch.equal(live["v"], want["v"])
-                         and live["step"] == report.step)
+                exact = (
+                    torch.equal(live["w"], want["w"])
+                    and torch.equal(live["v"], want["v"])
+                    and live["step"] == report.step
+                )
             ok = exact and report.tier == "memory" and sealed <= report.step <= saving
-            outcomes.append({"trial": trial, "delay_s": delay, "saving": saving,
-                             "sealed": sealed, "restored": report.step, "tier": report.tier,
-                             "exact": exact, "ok": ok})
+            outcomes.append(
+                {
+                    "trial": trial,
+                    "delay_s": delay,
+                    "saving": saving,
+                    "sealed": sealed,
+                    "restored": report.step,
+                    "tier": report.tier,
+                    "exact": exact,
+                    "ok": ok,
+                }
+            )
             if not ok:
                 failures.append(outcomes[-1])
-            print(f"trial {trial + 1}/{count}: killed saving {saving} (sealed {sealed}), "
-                  f"restored {report.step} from {report.tier}, exact {exact}", flush=True)
+            print(
+                f"trial {trial + 1}/{count}: killed saving {saving} (sealed {sealed}), "
+                f"restored {report.step} from {report.tier}, exact {exact}",
+                flush=True,
+            )
     finally:
         server.stdin.close()
         server.wait()
         errors.close()
     newer = sum(1 for o in outcomes if o["restored"] > o["sealed"])
-    return {"trials": count, "ok": count - len(failures), "failures": failures,
-            "restored_the_last_seen_sealed": count - newer,
-            "restored_one_sealed_after_its_last_marker": newer, "outcomes": outcomes}
+    return {
+        "trials": count,
+        "ok": count - len(failures),
+        "failures": failures,
+        "restored_the_last_seen_sealed": count - newer,
+        "restored_one_sealed_after_its_last_marker": newer,
+        "outcomes": outcomes,
+    }
 
 
 class _Lines:
@@ -219,6 +280,7 @@ class _Lines:
 
     def next(self, timeout: float) -> str | None:
         import select
+
         while not self.ready:
             if not select.select([self.fd], [], [], timeout)[0]:
                 return None
@@ -260,14 +322,19 @@ def back_to_training(work: str, shm: str, gib: float, reps: int) -> dict:
             times = json.loads(_read_until(again, b"{"))
             again.send_signal(signal.SIGKILL)
             again.wait()
-            rows[kind].append({"start_s": times["first_line"] - t_spawn,
-                               "import_s": times["import"] - times["first_line"],
-                               "build_s": times["built"] - times["import"],
-                               "attach_s": times["attach"] - times["built"],
-                               "agree_copy_s": times["restore"] - times["attach"],
-                               "step_s": times["step"] - times["restore"],
-                               "total_s": times["step"] - t_spawn, "tier": times["tier"],
-                               "resumed_at": times["resumed_at"]})
+            rows[kind].append(
+                {
+                    "start_s": times["first_line"] - t_spawn,
+                    "import_s": times["import"] - times["first_line"],
+                    "build_s": times["built"] - times["import"],
+                    "attach_s": times["attach"] - times["built"],
+                    "agree_copy_s": times["restore"] - times["attach"],
+                    "step_s": times["step"] - times["restore"],
+                    "total_s": times["step"] - t_spawn,
+                    "tier": times["tier"],
+                    "resumed_at": times["resumed_at"],
+                }
+            )
             if memory:
                 _stop_keepers(shm)
             shutil.rmtree(storage, ignore_errors=True)
@@ -287,6 +354,7 @@ def _read_until(proc: subprocess.Popen, start: bytes) -> str:
 def _stop_keepers(shm: str) -> None:
     from datastates.errors import KeeperError
     from datastates.tools.keeper import ask
+
     for entry in os.listdir(shm):
         try:
             ask(os.path.join(shm, entry), "stop", timeout=120)
@@ -321,19 +389,32 @@ def main(argv=None) -> int:
             result["trials"] = trials(args.trials, work, shm, args.seed)
             _stop_keepers(shm)
             t = result["trials"]
-            print(f"\n{t['ok']}/{t['trials']} trials restored a sealed step from memory, "
-                  f"bit-exact ({t['restored_the_last_seen_sealed']} the last step seen sealed, "
-                  f"{t['restored_one_sealed_after_its_last_marker']} a step sealed after the "
-                  "last marker the trainer could print)")
+            print(
+                f"\n{t['ok']}/{t['trials']} trials restored a sealed step from memory, "
+                f"bit-exact ({t['restored_the_last_seen_sealed']} the last step seen sealed, "
+                f"{t['restored_one_sealed_after_its_last_marker']} a step sealed after the "
+                "last marker the trainer could print)"
+            )
         if args.reps:
             rows = back_to_training(work, shm, args.gib, args.reps)
             result["back_to_training"] = rows
-            print("\nkill -9 -> first training step (median s): start, import, build, attach, "
-                  "agree+copy, step, total")
+            print(
+                "\nkill -9 -> first training step (median s): start, import, build, attach, "
+                "agree+copy, step, total"
+            )
             for kind, entries in rows.items():
-                med = {k: statistics.median(e[k] for e in entries) for k in
-                       ("start_s", "import_s", "build_s", "attach_s", "agree_copy_s", "step_s",
-                        "total_s")}
+                med = {
+                    k: statistics.median(e[k] for e in entries)
+                    for k in (
+                        "start_s",
+                        "import_s",
+                        "build_s",
+                        "attach_s",
+                        "agree_copy_s",
+                        "step_s",
+                        "total_s",
+                    )
+                }
                 print(f"  {kind:<10} " + "  ".join(f"{v:6.2f}" for v in med.values()))
                 result.setdefault("median", {})[kind] = med
     finally:

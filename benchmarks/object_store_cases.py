@@ -5,6 +5,7 @@ call (``Bench.timed``, which also records the CPU seconds of client and server),
 the bytes after the clock stops. ``CASE_FACTORIES`` lists the functions that make the cases, so
 a new client is one more factory; bench_object_store.py runs them and writes the report.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -57,14 +58,20 @@ class Bench:
         out = fn()
         seconds = time.perf_counter() - start
         cpu1, srv1 = client.cpu_times(), server.cpu_times()
-        self.cpu.append((cpu1.user + cpu1.system - cpu0.user - cpu0.system,
-                         srv1.user + srv1.system - srv0.user - srv0.system))
+        self.cpu.append(
+            (
+                cpu1.user + cpu1.system - cpu0.user - cpu0.system,
+                srv1.user + srv1.system - srv0.user - srv0.system,
+            )
+        )
         return seconds, out
 
     def boto3(self, pool: int = 16):
         from botocore.config import Config
-        return self.server.client(config=Config(max_pool_connections=pool,
-                                                s3={"addressing_style": "path"}))
+
+        return self.server.client(
+            config=Config(max_pool_connections=pool, s3={"addressing_style": "path"})
+        )
 
 
 @dataclass(frozen=True)
@@ -98,9 +105,10 @@ def check_stored(bench: Bench, key: str) -> None:
     if size != bench.size:
         raise AssertionError(f"{key}: expected {bench.size} bytes, server holds {size}")
     for off in (0, bench.size // 2 - 12345, bench.size - MiB):
-        got = client.get_object(Bucket=bench.bucket, Key=key,
-                                Range=f"bytes={off}-{off + MiB - 1}")["Body"].read()
-        if got != bench.source[off:off + MiB]:
+        got = client.get_object(Bucket=bench.bucket, Key=key, Range=f"bytes={off}-{off + MiB - 1}")[
+            "Body"
+        ].read()
+        if got != bench.source[off : off + MiB]:
             raise AssertionError(f"{key}: bytes at offset {off} differ from the source")
 
 
@@ -127,23 +135,36 @@ def boto3_put(threads: int) -> Callable[[Bench, int], float]:
         def upload(bucket_upload, number_range):
             number, (off, length) = number_range
             return number, client.upload_part(
-                Bucket=bench.bucket, Key=key, UploadId=bucket_upload, PartNumber=number,
-                Body=MemoryReader(view[off:off + length]))["ETag"]
+                Bucket=bench.bucket,
+                Key=key,
+                UploadId=bucket_upload,
+                PartNumber=number,
+                Body=MemoryReader(view[off : off + length]),
+            )["ETag"]
 
         def put():
             upload_id = client.create_multipart_upload(Bucket=bench.bucket, Key=key)["UploadId"]
             with ThreadPoolExecutor(threads) as pool:
-                etags = dict(pool.map(lambda nr: upload(upload_id, nr),
-                                      enumerate(part_ranges(bench.size), start=1)))
+                etags = dict(
+                    pool.map(
+                        lambda nr: upload(upload_id, nr),
+                        enumerate(part_ranges(bench.size), start=1),
+                    )
+                )
             client.complete_multipart_upload(
-                Bucket=bench.bucket, Key=key, UploadId=upload_id,
-                MultipartUpload={"Parts": [{"PartNumber": n, "ETag": etags[n]}
-                                           for n in sorted(etags)]})
+                Bucket=bench.bucket,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={
+                    "Parts": [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]
+                },
+            )
 
         seconds, _ = bench.timed(put)
         check_stored(bench, key)
         bench.server_module.delete_prefix(bench.server, key)
         return seconds
+
     return run
 
 
@@ -154,11 +175,12 @@ def boto3_get(threads: int) -> Callable[[Bench, int], float]:
 
         def fetch(off_len):
             off, length = off_len
-            body = client.get_object(Bucket=bench.bucket, Key=key,
-                                     Range=f"bytes={off}-{off + length - 1}")["Body"]
+            body = client.get_object(
+                Bucket=bench.bucket, Key=key, Range=f"bytes={off}-{off + length - 1}"
+            )["Body"]
             filled = 0
             while filled < length:
-                n = body.readinto(view[off + filled:off + length])
+                n = body.readinto(view[off + filled : off + length])
                 if n == 0:
                     raise AssertionError(f"{key}: range at {off} ended after {filled} bytes")
                 filled += n
@@ -172,33 +194,64 @@ def boto3_get(threads: int) -> Callable[[Bench, int], float]:
         seconds, _ = bench.timed(get)
         check_equal("boto3 GET", bench.dest, bench.source)
         return seconds
+
     return run
 
 
 def boto3_cases() -> List[Case]:
-    puts = [Case("boto3", "PUT", f"multipart, 64 MiB parts, {n} in flight", boto3_put(n),
-                 missing("boto3")) for n in (1, 4, 8)]
-    gets = [Case("boto3", "GET", f"ranged GETs of 64 MiB, {n} in flight, readinto one buffer",
-                 boto3_get(n), missing("boto3")) for n in (1, 4, 8)]
+    puts = [
+        Case(
+            "boto3",
+            "PUT",
+            f"multipart, 64 MiB parts, {n} in flight",
+            boto3_put(n),
+            missing("boto3"),
+        )
+        for n in (1, 4, 8)
+    ]
+    gets = [
+        Case(
+            "boto3",
+            "GET",
+            f"ranged GETs of 64 MiB, {n} in flight, readinto one buffer",
+            boto3_get(n),
+            missing("boto3"),
+        )
+        for n in (1, 4, 8)
+    ]
     return puts + gets
 
 
 # --------------------------------------------------------------------------------------- obstore
 def obstore_store(bench: Bench):
     from obstore.store import S3Store
+
     opts = bench.server_module.storage_options(bench.server)
-    return S3Store(bench.bucket, endpoint=opts["endpoint_url"],
-                   access_key_id=opts["aws_access_key_id"],
-                   secret_access_key=opts["aws_secret_access_key"], region=opts["region_name"],
-                   virtual_hosted_style_request=False, client_options={"allow_http": True})
+    return S3Store(
+        bench.bucket,
+        endpoint=opts["endpoint_url"],
+        access_key_id=opts["aws_access_key_id"],
+        secret_access_key=opts["aws_secret_access_key"],
+        region=opts["region_name"],
+        virtual_hosted_style_request=False,
+        client_options={"allow_http": True},
+    )
 
 
 def obstore_put(bench: Bench, rep: int) -> float:
     import obstore
+
     store, key = obstore_store(bench), bench.key(f"obstore-put-{rep}")
-    seconds, _ = bench.timed(lambda: obstore.put(store, key, memoryview(bench.source),
-                                           use_multipart=True, chunk_size=PART,
-                                           max_concurrency=8))
+    seconds, _ = bench.timed(
+        lambda: obstore.put(
+            store,
+            key,
+            memoryview(bench.source),
+            use_multipart=True,
+            chunk_size=PART,
+            max_concurrency=8,
+        )
+    )
     check_stored(bench, key)
     bench.server_module.delete_prefix(bench.server, key)
     return seconds
@@ -206,35 +259,62 @@ def obstore_put(bench: Bench, rep: int) -> float:
 
 def obstore_get(bench: Bench, rep: int) -> float:
     import obstore
+
     store, ranges = obstore_store(bench), part_ranges(bench.size)
-    seconds, chunks = bench.timed(lambda: obstore.get_ranges(
-        store, bench.key("source"), starts=[o for o, _ in ranges],
-        lengths=[n for _, n in ranges], coalesce=0))
+    seconds, chunks = bench.timed(
+        lambda: obstore.get_ranges(
+            store,
+            bench.key("source"),
+            starts=[o for o, _ in ranges],
+            lengths=[n for _, n in ranges],
+            coalesce=0,
+        )
+    )
     for (off, length), chunk in zip(ranges, chunks):
-        check_equal(f"obstore GET at {off}", chunk, memoryview(bench.source)[off:off + length])
+        check_equal(f"obstore GET at {off}", chunk, memoryview(bench.source)[off : off + length])
     return seconds
 
 
 def obstore_cases() -> List[Case]:
-    return [Case("obstore", "PUT", "put, multipart 64 MiB chunks, max_concurrency=8",
-                 obstore_put, missing("obstore")),
-            Case("obstore", "GET", "get_ranges of 64 MiB (at most 10 in flight, its limit)",
-                 obstore_get, missing("obstore"))]
+    return [
+        Case(
+            "obstore",
+            "PUT",
+            "put, multipart 64 MiB chunks, max_concurrency=8",
+            obstore_put,
+            missing("obstore"),
+        ),
+        Case(
+            "obstore",
+            "GET",
+            "get_ranges of 64 MiB (at most 10 in flight, its limit)",
+            obstore_get,
+            missing("obstore"),
+        ),
+    ]
 
 
 # ----------------------------------------------------------------------------------------- s3fs
 def s3fs_filesystem(bench: Bench):
     import s3fs
+
     opts = bench.server_module.storage_options(bench.server)
-    return s3fs.S3FileSystem(key=opts["aws_access_key_id"], secret=opts["aws_secret_access_key"],
-                             endpoint_url=opts["endpoint_url"], skip_instance_cache=True,
-                             client_kwargs={"region_name": opts["region_name"]})
+    return s3fs.S3FileSystem(
+        key=opts["aws_access_key_id"],
+        secret=opts["aws_secret_access_key"],
+        endpoint_url=opts["endpoint_url"],
+        skip_instance_cache=True,
+        client_kwargs={"region_name": opts["region_name"]},
+    )
 
 
 def s3fs_put(bench: Bench, rep: int) -> float:
     fs, key = s3fs_filesystem(bench), bench.key(f"s3fs-put-{rep}")
-    seconds, _ = bench.timed(lambda: fs.pipe_file(f"{bench.bucket}/{key}", bench.source,
-                                            chunksize=PART, max_concurrency=8))
+    seconds, _ = bench.timed(
+        lambda: fs.pipe_file(
+            f"{bench.bucket}/{key}", bench.source, chunksize=PART, max_concurrency=8
+        )
+    )
     check_stored(bench, key)
     bench.server_module.delete_prefix(bench.server, key)
     return seconds
@@ -242,17 +322,24 @@ def s3fs_put(bench: Bench, rep: int) -> float:
 
 def s3fs_get(bench: Bench, rep: int) -> float:
     fs = s3fs_filesystem(bench)
-    seconds, data = bench.timed(lambda: fs.cat_file(f"{bench.bucket}/{bench.key('source')}",
-                                              chunksize=PART, max_concurrency=8))
+    seconds, data = bench.timed(
+        lambda: fs.cat_file(
+            f"{bench.bucket}/{bench.key('source')}", chunksize=PART, max_concurrency=8
+        )
+    )
     check_equal("s3fs GET", data, bench.source)
     return seconds
 
 
 def s3fs_cases() -> List[Case]:
-    return [Case("s3fs", "PUT", "pipe_file, 64 MiB parts, max_concurrency=8", s3fs_put,
-                 missing("s3fs")),
-            Case("s3fs", "GET", "cat_file, 64 MiB ranges, max_concurrency=8", s3fs_get,
-                 missing("s3fs"))]
+    return [
+        Case(
+            "s3fs", "PUT", "pipe_file, 64 MiB parts, max_concurrency=8", s3fs_put, missing("s3fs")
+        ),
+        Case(
+            "s3fs", "GET", "cat_file, 64 MiB ranges, max_concurrency=8", s3fs_get, missing("s3fs")
+        ),
+    ]
 
 
 # -------------------------------------------------------------------- torch.distributed.checkpoint
@@ -260,15 +347,21 @@ def state_views(buffer: bytearray) -> Dict[str, torch.Tensor]:
     """A state dict of float32 tensors that are views of ``buffer`` (64 MiB each, no copy)."""
     flat = torch.frombuffer(buffer, dtype=torch.float32)
     per = PART // 4
-    return {f"layer{i:03d}.weight": flat[off:off + per]
-            for i, off in enumerate(range(0, flat.numel(), per))}
+    return {
+        f"layer{i:03d}.weight": flat[off : off + per]
+        for i, off in enumerate(range(0, flat.numel(), per))
+    }
 
 
 def dcp_kwargs(bench: Bench) -> dict:
     opts = bench.server_module.storage_options(bench.server)
-    return {"key": opts["aws_access_key_id"], "secret": opts["aws_secret_access_key"],
-            "endpoint_url": opts["endpoint_url"], "skip_instance_cache": True,
-            "client_kwargs": {"region_name": opts["region_name"]}}
+    return {
+        "key": opts["aws_access_key_id"],
+        "secret": opts["aws_secret_access_key"],
+        "endpoint_url": opts["endpoint_url"],
+        "skip_instance_cache": True,
+        "client_kwargs": {"region_name": opts["region_name"]},
+    }
 
 
 DCP_THREADS = 4
@@ -277,6 +370,7 @@ DCP_THREADS = 4
 def dcp_save(bench: Bench, rep: int) -> float:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
     url = bench.url(f"dcp-{rep}")
     writer = FsspecWriter(url, thread_count=DCP_THREADS, sync_files=False, **dcp_kwargs(bench))
     state = state_views(bench.source)
@@ -287,6 +381,7 @@ def dcp_save(bench: Bench, rep: int) -> float:
 def dcp_load(bench: Bench, rep: int) -> float:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
     url = bench.url(f"dcp-{rep}")
     scrub(bench.dest)
     state = state_views(bench.dest)
@@ -299,8 +394,10 @@ def dcp_load(bench: Bench, rep: int) -> float:
 
 def dcp_cases() -> List[Case]:
     config = f"FsspecWriter/FsspecReader over s3fs, thread_count={DCP_THREADS}, sync_files=False"
-    return [Case("torch dcp", "save", config, dcp_save, missing("s3fs")),
-            Case("torch dcp", "load", config, dcp_load, missing("s3fs"))]
+    return [
+        Case("torch dcp", "save", config, dcp_save, missing("s3fs")),
+        Case("torch dcp", "load", config, dcp_load, missing("s3fs")),
+    ]
 
 
 # ------------------------------------------------------------------------------------- datastates
@@ -310,6 +407,7 @@ def datastates_checkpointer(bench: Bench):
     ckpt = getattr(bench, "_datastates", None)
     if ckpt is None:
         import datastates
+
         options = bench.server_module.storage_options(bench.server)
         ckpt = datastates.Checkpointer(bench.url("datastates"), storage_options=options)
         ckpt.save(state_views(bench.source), step=10_000).wait()  # warm-up: sizes the cache
@@ -342,14 +440,35 @@ def datastates_restore(bench: Bench, rep: int) -> float:
 
 
 def datastates_cases() -> List[Case]:
-    return [Case("datastates", "save", "Checkpointer(s3://...).save(...).wait()",
-                 datastates_save, missing("boto3")),
-            Case("datastates", "blocked", "time save() blocked the caller (same saves)",
-                 datastates_blocked, missing("boto3")),
-            Case("datastates", "load", "Checkpointer(s3://...).restore(...)",
-                 datastates_restore, missing("boto3"))]
+    return [
+        Case(
+            "datastates",
+            "save",
+            "Checkpointer(s3://...).save(...).wait()",
+            datastates_save,
+            missing("boto3"),
+        ),
+        Case(
+            "datastates",
+            "blocked",
+            "time save() blocked the caller (same saves)",
+            datastates_blocked,
+            missing("boto3"),
+        ),
+        Case(
+            "datastates",
+            "load",
+            "Checkpointer(s3://...).restore(...)",
+            datastates_restore,
+            missing("boto3"),
+        ),
+    ]
 
 
-CASE_FACTORIES: List[Callable[[], List[Case]]] = [boto3_cases, obstore_cases, s3fs_cases,
-                                                  dcp_cases, datastates_cases]
-
+CASE_FACTORIES: List[Callable[[], List[Case]]] = [
+    boto3_cases,
+    obstore_cases,
+    s3fs_cases,
+    dcp_cases,
+    datastates_cases,
+]

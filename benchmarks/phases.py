@@ -7,6 +7,7 @@ methods alike, and ratios can be computed pair by pair inside a round (see :mod:
 Raw samples are returned; the analysis (medians, ratios, fractions of limits) is done elsewhere.
 A method that fails is recorded with its error and skipped for the rest of the phase; the others go on.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,7 @@ from typing import Callable
 
 import torch
 
-from .common import (
-    disk_usage, drop_from_page_cache, list_entries, log, now, read_through, rotated)
+from .common import disk_usage, drop_from_page_cache, list_entries, log, now, read_through, rotated
 from .memory import RssSampler, settle
 from .methods import Method, Pending
 from .states import TrainState, build_gpt_state, e2e_config, fingerprint, perturb
@@ -57,12 +57,19 @@ def _save_once(m: Method, state: TrainState) -> tuple[dict, Pending]:
     if not p.checkpoint.paths:
         p.checkpoint.paths = [m.root / e for e in sorted(list_entries(m.root) - before)]
     usage = disk_usage(p.checkpoint.paths)
-    sample = {"blocked_s": p.blocked_s, "snapshot_s": p.snapshot_s, "commit_s": p.commit_s,
-              "transient_rss": rss.extra, "files": usage.files, "disk_bytes": usage.nbytes}
+    sample = {
+        "blocked_s": p.blocked_s,
+        "snapshot_s": p.snapshot_s,
+        "commit_s": p.commit_s,
+        "transient_rss": rss.extra,
+        "files": usage.files,
+        "disk_bytes": usage.nbytes,
+    }
     lib = p.library_stats()
     if lib:
-        sample["library_stats"] = {k: v for k, v in lib.items()
-                                   if isinstance(v, (int, float, str, bool)) or v is None}
+        sample["library_stats"] = {
+            k: v for k, v in lib.items() if isinstance(v, (int, float, str, bool)) or v is None
+        }
     return sample, p
 
 
@@ -80,8 +87,14 @@ def _setup_with_warmup(m: Method, root: Path, state: TrainState) -> dict:
     return {"setup_s": setup_s, "held_rss": max(0, rss.rss() - rss0), "first_save": sample}
 
 
-def run_state_phase(state: TrainState, methods: list[Method], root: Path, reps: int,
-                    do_load: bool, write_probe: Callable[[], float | None] | None = None) -> dict:
+def run_state_phase(
+    state: TrainState,
+    methods: list[Method],
+    root: Path,
+    reps: int,
+    do_load: bool,
+    write_probe: Callable[[], float | None] | None = None,
+) -> dict:
     """Interleaved save rounds of ``state`` for every method, then (optionally) load rounds.
 
     ``write_probe`` (GB/s of a plain sequential write to the same disk) runs at the start of every
@@ -90,8 +103,15 @@ def run_state_phase(state: TrainState, methods: list[Method], root: Path, reps: 
     removed before returning.
     """
     label = f"{state.name}/{state.scope}"
-    out: dict = {"state": state.info(), "methods": [m.name for m in methods], "setup": {},
-                 "rounds": [], "round_write_gbps": [], "load_rounds": [], "errors": {}}
+    out: dict = {
+        "state": state.info(),
+        "methods": [m.name for m in methods],
+        "setup": {},
+        "rounds": [],
+        "round_write_gbps": [],
+        "load_rounds": [],
+        "errors": {},
+    }
     live: list[Method] = []
     kept: dict[str, Pending] = {}
     try:
@@ -122,8 +142,11 @@ def run_state_phase(state: TrainState, methods: list[Method], root: Path, reps: 
                 kept[m.name] = p
             out["rounds"].append(rnd)
         if do_load:
-            loadable = [m for m in live if m.supports_load and m.name in kept
-                        and m.name not in out["errors"]]
+            loadable = [
+                m
+                for m in live
+                if m.supports_load and m.name in kept and m.name not in out["errors"]
+            ]
             out["load_rounds"] = _load_rounds(state, loadable, kept, reps, out["errors"], label)
     finally:
         for m in live:
@@ -160,9 +183,15 @@ def _load_once(m: Method, state: TrainState, p: Pending, cold: bool, expected: l
     return {"s": dt, "verified": fingerprint(state) == expected, "rss_extra": rss.extra}
 
 
-def _load_rounds(state: TrainState, methods: list[Method], kept: dict[str, Pending], reps: int,
-                 errors: dict, label: str) -> list[dict]:
-    expected = fingerprint(state)          # the state has not changed since the saves
+def _load_rounds(
+    state: TrainState,
+    methods: list[Method],
+    kept: dict[str, Pending],
+    reps: int,
+    errors: dict,
+    label: str,
+) -> list[dict]:
+    expected = fingerprint(state)  # the state has not changed since the saves
     rounds = []
     for r in range(reps):
         rnd: dict = {}
@@ -175,9 +204,13 @@ def _load_rounds(state: TrainState, methods: list[Method], kept: dict[str, Pendi
                 errors[m.name] = f"load: {_error_text(e)}"
                 log(f"[{label}] {m.name} load failed: {errors[m.name]}")
                 continue
-            rnd[m.name] = {"cold_s": cold["s"], "warm_s": warm["s"],
-                           "verified": cold["verified"] and warm["verified"],
-                           "cold_rss_extra": cold["rss_extra"], "warm_rss_extra": warm["rss_extra"]}
+            rnd[m.name] = {
+                "cold_s": cold["s"],
+                "warm_s": warm["s"],
+                "verified": cold["verified"] and warm["verified"],
+                "cold_rss_extra": cold["rss_extra"],
+                "warm_rss_extra": warm["rss_extra"],
+            }
         rounds.append(rnd)
     return rounds
 
@@ -198,7 +231,7 @@ def _train_loop(state: TrainState, batches: list, m: Method | None, k: int) -> d
     for i, (x, y) in enumerate(batches):
         loss = model(x, y)
         loss.backward()
-        fresh = m is not None and i > 0 and i % k == 0          # first update after a save
+        fresh = m is not None and i > 0 and i % k == 0  # first update after a save
         if pendings:
             pendings[-1].before_update()
         t = now()
@@ -207,7 +240,7 @@ def _train_loop(state: TrainState, batches: list, m: Method | None, k: int) -> d
         opt.zero_grad(set_to_none=True)
         state.extra["step"] = state.extra.get("step", 0) + 1
         if m is not None and (i + 1) % k == 0:
-            t = now()                        # waiting for an earlier save is part of the stall
+            t = now()  # waiting for an earlier save is part of the stall
             if m.max_in_flight is not None:
                 inflight = [p for p in pendings if not p.committed]
                 while len(inflight) >= m.max_in_flight:
@@ -220,13 +253,25 @@ def _train_loop(state: TrainState, batches: list, m: Method | None, k: int) -> d
     total = now() - t_start
     for p in pendings:
         m.discard(p.checkpoint)
-    return {"total_s": total, "n_ckpt": len(pendings), "save_call_s": save_calls,
-            "update_after_ckpt_s": update_after, "update_other_s": update_other,
-            "final_loss": last_loss}
+    return {
+        "total_s": total,
+        "n_ckpt": len(pendings),
+        "save_call_s": save_calls,
+        "update_after_ckpt_s": update_after,
+        "update_other_s": update_other,
+        "final_loss": last_loss,
+    }
 
 
-def run_e2e(methods: list[Method], root: Path, preset: str, steps: int, ks: list[int],
-            rounds: int, n_layer: int | None = None) -> dict:
+def run_e2e(
+    methods: list[Method],
+    root: Path,
+    preset: str,
+    steps: int,
+    ks: list[int],
+    rounds: int,
+    n_layer: int | None = None,
+) -> dict:
     """The same training loop with no checkpoint and with each method every k steps, on the
     end-to-end model of ``preset`` (with ``n_layer`` layers, if given)."""
     cfg, batch_size = e2e_config(preset)
@@ -238,11 +283,20 @@ def run_e2e(methods: list[Method], root: Path, preset: str, steps: int, ks: list
     for _ in range(steps):
         x, y = synthetic_batch(cfg, batch_size, gen)
         batches.append((x, y.contiguous()))
-    out: dict = {"methods": [m.name for m in methods],
-                 "config": {"model": state.description, "state_bytes": state.nbytes,
-                            "batch_size": batch_size, "block_size": cfg.block_size,
-                            "steps": steps, "ks": ks, "rounds": rounds},
-                 "rounds": [], "errors": {}}
+    out: dict = {
+        "methods": [m.name for m in methods],
+        "config": {
+            "model": state.description,
+            "state_bytes": state.nbytes,
+            "batch_size": batch_size,
+            "block_size": cfg.block_size,
+            "steps": steps,
+            "ks": ks,
+            "rounds": rounds,
+        },
+        "rounds": [],
+        "errors": {},
+    }
     live: list[Method] = []
     try:
         for m in methods:
@@ -253,14 +307,15 @@ def run_e2e(methods: list[Method], root: Path, preset: str, steps: int, ks: list
             except Exception as e:  # noqa: BLE001
                 out["errors"][m.name] = f"setup/warm-up: {_error_text(e)}"
                 _close_quietly(m)
-        _train_loop(state, batches[:2], None, 1)                    # warm up the kernels
+        _train_loop(state, batches[:2], None, 1)  # warm up the kernels
         for r in range(rounds):
             rnd: dict = {}
             for m in rotated(live, r):
                 # A loop without checkpoints right before each method's loops: the slowdown is
                 # computed against this adjacent baseline, so slow drift cancels out.
-                for key, meth, k in [(f"baseline:{m.name}", None, steps + 1)] + \
-                                    [(f"{m.name}@{k}", m, k) for k in ks]:
+                for key, meth, k in [(f"baseline:{m.name}", None, steps + 1)] + [
+                    (f"{m.name}@{k}", m, k) for k in ks
+                ]:
                     if m.name in out["errors"]:
                         break
                     log(f"[e2e] round {r + 1}/{rounds}: {key}")

@@ -19,6 +19,7 @@ trees write the same manifest bytes for the same reports (``created_unix`` set t
 ``--update-inputs FILE`` replaces the ``rank0`` field of scale_inputs.py's JSON with this tree's
 measurement (noting when and how it was made), so that benchmarks/scale_model.py uses it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,6 +40,7 @@ def _child(args) -> int:
     """One repetition in this process: the review's phases for every tensor count and world
     size of the reports in ``args.reports``, and the manifest bytes' digest; JSON on stdout."""
     from benchmarks import scale_inputs as si
+
     with open(args.reports) as f:
         captured = json.load(f)
     out = {}
@@ -56,9 +58,11 @@ def _manifest_digest(raw: list[str]) -> str:
     from datastates.commit.review import build_manifest
     from datastates.format.files import manifest_record_bytes
     from datastates.format.validate import parse_rank_report
+
     reports = [parse_rank_report(json.loads(text), f"report {r}") for r, text in enumerate(raw)]
-    manifest = build_manifest(reports, name="step-1", step=1, metadata={},
-                              save_id=reports[0].save.nonce)
+    manifest = build_manifest(
+        reports, name="step-1", step=1, metadata={}, save_id=reports[0].save.nonce
+    )
     data, _ = manifest_record_bytes(dataclasses.replace(manifest, seq=1, created_unix=0.0))
     return hashlib.sha256(data).hexdigest()
 
@@ -69,9 +73,23 @@ def _ints(text: str) -> list[int]:
 
 def _run_child(src: str, reports: str, worlds: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, REPO]))
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--src", src,
-                           "--reports", reports, "--worlds", worlds],
-                          env=env, check=True, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            "--src",
+            src,
+            "--reports",
+            reports,
+            "--worlds",
+            worlds,
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(done.stdout)
 
 
@@ -90,15 +108,21 @@ def _fastest(reps: list[dict]) -> dict:
 
 def _costs(best: dict) -> dict:
     from benchmarks import scale_inputs as si
-    a, b = (si.per_rank_costs(int(t), runs) for t, runs in best.items()
-            if not t.endswith("/digest"))
+
+    a, b = (
+        si.per_rank_costs(int(t), runs) for t, runs in best.items() if not t.endswith("/digest")
+    )
     return si.rank0_fit(a, b, TP)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", default=None, metavar="SRC",
-                        help="an older source tree (its src/ directory) measured the same way")
+    parser.add_argument(
+        "--before",
+        default=None,
+        metavar="SRC",
+        help="an older source tree (its src/ directory) measured the same way",
+    )
     parser.add_argument("--worlds", default="16,64,256,1024")
     parser.add_argument("--captured", type=int, default=64)
     parser.add_argument("--tensors", default="10,200")
@@ -112,6 +136,7 @@ def main(argv=None) -> int:
     if args.child:
         return _child(args)
     from benchmarks import scale_inputs as si
+
     base = tempfile.mkdtemp(prefix="ds-review-cost-")
     trees = {"this tree": os.path.abspath(args.src)}
     if args.before:
@@ -119,8 +144,13 @@ def main(argv=None) -> int:
     try:
         reports = os.path.join(base, "reports.json")
         with open(reports, "w") as f:
-            json.dump({str(t): si.capture_reports(args.captured, t, TP, base)
-                       for t in _ints(args.tensors)}, f)
+            json.dump(
+                {
+                    str(t): si.capture_reports(args.captured, t, TP, base)
+                    for t in _ints(args.tensors)
+                },
+                f,
+            )
         load = [os.getloadavg()]
         reps = {name: [] for name in trees}
         for _ in range(args.reps):
@@ -129,16 +159,24 @@ def main(argv=None) -> int:
         load.append(os.getloadavg())
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    out = {"measured": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
-           "loadavg_before": load[0], "loadavg_after": load[1],
-           "command": " ".join(["python benchmarks/review_cost.py"] + (argv or sys.argv[1:]))}
+    out = {
+        "measured": time.strftime("%Y-%m-%d %H:%M"),
+        "cpus": os.cpu_count(),
+        "loadavg_before": load[0],
+        "loadavg_after": load[1],
+        "command": " ".join(["python benchmarks/review_cost.py"] + (argv or sys.argv[1:])),
+    }
     for name in trees:
         best = _fastest(reps[name])
-        out[name] = {"rank0": _costs(best),
-                     "manifest_sha256": {t: best[t] for t in best if t.endswith("/digest")}}
+        out[name] = {
+            "rank0": _costs(best),
+            "manifest_sha256": {t: best[t] for t in best if t.endswith("/digest")},
+        }
         r0 = out[name]["rank0"]
-        print(f"{name}: {r0['per_rank_fixed_s'] * 1e3:.3f} ms per report + "
-              f"{r0['per_entry_s'] * 1e6:.1f} us per tensor")
+        print(
+            f"{name}: {r0['per_rank_fixed_s'] * 1e3:.3f} ms per report + "
+            f"{r0['per_entry_s'] * 1e6:.1f} us per tensor"
+        )
     if args.before:
         same = out["this tree"]["manifest_sha256"] == out["before"]["manifest_sha256"]
         print(f"same manifest bytes for the same reports: {'yes' if same else 'NO'}")
@@ -152,9 +190,12 @@ def _update_inputs(path: str, out: dict) -> None:
     """Put this tree's rank-0 costs into scale_inputs.py's JSON (its other fields kept)."""
     with open(path) as f:
         inputs = json.load(f)
-    inputs["rank0"] = dict(out["this tree"]["rank0"], measured=out["measured"],
-                           command=out["command"], loadavg=[out["loadavg_before"],
-                                                            out["loadavg_after"]])
+    inputs["rank0"] = dict(
+        out["this tree"]["rank0"],
+        measured=out["measured"],
+        command=out["command"],
+        loadavg=[out["loadavg_before"], out["loadavg_after"]],
+    )
     with open(path, "w") as f:
         json.dump(inputs, f, indent=1)
 

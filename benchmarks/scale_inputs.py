@@ -27,6 +27,7 @@ Writes one JSON object (schema ``datastates-scale-inputs/1``, described in docs/
 "Inputs") and prints it. On a 2-core machine the store probe shares the cores with its
 clients: the server's CPU time per request is the number to read, not the throughput.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,6 +75,7 @@ _VALUE_BYTES, _VALUE_READS = 1 << 20, 64  # reads of a 1 MiB value: the store's 
 
 # ---------------------------------------------------------------- per tensor
 
+
 def _tensor_run(n: int, reps: int, base: str) -> dict:
     root = os.path.join(base, f"t{n}")
     state = {f"t{i}": torch.randn(2) for i in range(n)}
@@ -92,8 +94,13 @@ def _tensor_run(n: int, reps: int, base: str) -> dict:
         manifest = os.path.getsize(os.path.join(root, fmt.step_name(reps), fmt.MANIFEST))
     shutil.rmtree(root, ignore_errors=True)
     med = [statistics.median(r[i] for r in runs) for i in range(3)]
-    return {"n": n, "save_s": med[0], "commit_s": med[1], "restore_s": med[2],
-            "manifest_bytes": manifest}
+    return {
+        "n": n,
+        "save_s": med[0],
+        "commit_s": med[1],
+        "restore_s": med[2],
+        "manifest_bytes": manifest,
+    }
 
 
 def tensor_costs(sizes: tuple[int, int], reps: int, base: str) -> dict:
@@ -102,12 +109,16 @@ def tensor_costs(sizes: tuple[int, int], reps: int, base: str) -> dict:
     dn = hi["n"] - lo["n"]
     per = {k: (hi[f"{k}_s"] - lo[f"{k}_s"]) / dn for k in ("save", "commit", "restore")}
     fixed = {k: max(0.0, lo[f"{k}_s"] - per[k] * lo["n"]) for k in per}
-    return {"per_tensor_s": per, "fixed_s": fixed,
-            "manifest_bytes_per_tensor": (hi["manifest_bytes"] - lo["manifest_bytes"]) / dn,
-            "runs": [lo, hi]}
+    return {
+        "per_tensor_s": per,
+        "fixed_s": fixed,
+        "manifest_bytes_per_tensor": (hi["manifest_bytes"] - lo["manifest_bytes"]) / dn,
+        "runs": [lo, hi],
+    }
 
 
 # ---------------------------------------------------------------- store
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -116,8 +127,9 @@ def _free_port() -> int:
 
 
 def _client(port: int, cid: int, requests: int, value_reads: int, out_q) -> None:
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False,
-                                       timeout=datetime.timedelta(seconds=60))
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60)
+    )
     store.add(f"ready/{cid}", 1)
     store.wait(["go"])
     t0 = time.perf_counter()
@@ -137,8 +149,10 @@ def _store_run(clients: int, requests: int, value_reads: int) -> dict:
     server.set("value", b"x" * _VALUE_BYTES)
     ctx = mp.get_context("spawn")
     out_q = ctx.Queue()
-    procs = [ctx.Process(target=_client, args=(port, c, requests, value_reads, out_q))
-             for c in range(clients)]
+    procs = [
+        ctx.Process(target=_client, args=(port, c, requests, value_reads, out_q))
+        for c in range(clients)
+    ]
     for p in procs:
         p.start()
     server.wait([f"ready/{c}" for c in range(clients)])
@@ -150,19 +164,28 @@ def _store_run(clients: int, requests: int, value_reads: int) -> dict:
     for p in procs:
         p.join(60)
     served = clients * 2 * (requests // 2)
-    return {"clients": clients, "requests": served, "round_trip_s": statistics.median(per_request),
-            "server_cpu_s_per_request": cpu / (served + clients * value_reads),
-            "value_gbps": statistics.median(a[2] for a in answers) / 1e9, "wall_s": wall}
+    return {
+        "clients": clients,
+        "requests": served,
+        "round_trip_s": statistics.median(per_request),
+        "server_cpu_s_per_request": cpu / (served + clients * value_reads),
+        "value_gbps": statistics.median(a[2] for a in answers) / 1e9,
+        "wall_s": wall,
+    }
 
 
 def store_costs(requests: int) -> dict:
     one, several = _store_run(1, requests, _VALUE_READS), _store_run(4, requests, 0)
-    return {"round_trip_s": one["round_trip_s"],
-            "server_cpu_s_per_request": several["server_cpu_s_per_request"],
-            "value_gbps": one["value_gbps"], "runs": [one, several]}
+    return {
+        "round_trip_s": one["round_trip_s"],
+        "server_cpu_s_per_request": several["server_cpu_s_per_request"],
+        "value_gbps": one["value_gbps"],
+        "runs": [one, several],
+    }
 
 
 # ---------------------------------------------------------------- rank 0
+
 
 class _Capture(LocalCommunicator):
     """A one-process communicator that keeps the report it was given and ends the round there
@@ -181,8 +204,10 @@ def _rank_state(rank: int, tensors: int, tp: int) -> dict:
     """Rank ``rank``'s state: ``tensors`` tensor-parallel shards of its stage, its RNG state and
     one small object (what every rank of a training job holds besides its tensors)."""
     stage, part = divmod(rank, tp)
-    layer = {f"p{i}": datastates.TensorShard(torch.randn(2), (2 * tp,), (2 * part,))
-             for i in range(tensors)}
+    layer = {
+        f"p{i}": datastates.TensorShard(torch.randn(2), (2 * tp,), (2 * part,))
+        for i in range(tensors)
+    }
     return {"stage": {str(stage): layer}, "rng": datastates.RNGState(), "info": {"rank": rank}}
 
 
@@ -226,7 +251,7 @@ def relabel(raw: str, rank: int, stage_shift: int) -> str:
     stages[0][0] = new
     for e in report["entries"]:
         if e["key"].startswith(f"stage/{old}/"):
-            e["key"] = f"stage/{new}/" + e["key"][len(f"stage/{old}/"):]
+            e["key"] = f"stage/{new}/" + e["key"][len(f"stage/{old}/") :]
     report["rank"] = rank
     report["file"] = dict(report["file"], rank=rank, name=fmt.shard_file_name(rank))
     return json.dumps(report)
@@ -259,8 +284,13 @@ def _review_once(raw: list[str]) -> dict:
     with _paused():
         reports = {r: _parse_report(text, f"report {r}") for r, text in enumerate(raw)}
         t1 = time.perf_counter()
-        manifest = build_manifest([reports[r] for r in sorted(reports)], name="step-1", step=1,
-                                  metadata={}, save_id=reports[0].save.nonce)
+        manifest = build_manifest(
+            [reports[r] for r in sorted(reports)],
+            name="step-1",
+            step=1,
+            metadata={},
+            save_id=reports[0].save.nonce,
+        )
         problems = check_tiling(manifest) + check_replicas(reports)
     t2 = time.perf_counter()
     data, _ = manifest_record_bytes(dataclasses.replace(manifest, seq=1))  # as published
@@ -268,8 +298,14 @@ def _review_once(raw: list[str]) -> dict:
     t3 = time.perf_counter()
     if problems:
         raise RuntimeError(f"the probe's reports do not tile: {problems[:3]}")
-    return {"world": len(raw), "parse_s": t1 - t0, "merge_check_s": t2 - t1, "encode_s": t3 - t2,
-            "report_bytes": sum(len(x) for x in raw), "manifest_bytes": len(data)}
+    return {
+        "world": len(raw),
+        "parse_s": t1 - t0,
+        "merge_check_s": t2 - t1,
+        "encode_s": t3 - t2,
+        "report_bytes": sum(len(x) for x in raw),
+        "manifest_bytes": len(data),
+    }
 
 
 def _review_run(raw: list[str], reps: int) -> dict:
@@ -293,8 +329,9 @@ def _slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-def _per_rank(worlds: list[int], captured: int, tensors: int, tp: int, base: str,
-              reps: int) -> dict:
+def _per_rank(
+    worlds: list[int], captured: int, tensors: int, tp: int, base: str, reps: int
+) -> dict:
     """Rank 0's cost per rank report (least-squares slope over ``worlds``) for ``tensors`` per
     rank; ``captured`` reports come from real saves, the rest are relabelled copies."""
     raw = capture_reports(captured, tensors, tp, base)
@@ -307,17 +344,20 @@ def per_rank_costs(tensors: int, runs: list[dict]) -> dict:
     xs = [r["world"] for r in runs]
     for r in runs:
         r["total_s"] = r["parse_s"] + r["merge_check_s"] + r["encode_s"]
-    return {"tensors": tensors, "per_rank_s": _slope(xs, [r["total_s"] for r in runs]),
-            "report_bytes_per_rank": _slope(xs, [r["report_bytes"] for r in runs]),
-            "manifest_bytes_per_rank": _slope(xs, [r["manifest_bytes"] for r in runs]),
-            "runs": runs}
+    return {
+        "tensors": tensors,
+        "per_rank_s": _slope(xs, [r["total_s"] for r in runs]),
+        "report_bytes_per_rank": _slope(xs, [r["report_bytes"] for r in runs]),
+        "manifest_bytes_per_rank": _slope(xs, [r["manifest_bytes"] for r in runs]),
+        "runs": runs,
+    }
 
 
-def rank0_costs(worlds: list[int], captured: int, tensor_counts: tuple[int, int], tp: int,
-                base: str, reps: int) -> dict:
+def rank0_costs(
+    worlds: list[int], captured: int, tensor_counts: tuple[int, int], tp: int, base: str, reps: int
+) -> dict:
     """Rank 0's cost per report as ``fixed + per_entry x tensors``, from two tensor counts."""
-    return rank0_fit(*(_per_rank(worlds, captured, t, tp, base, reps) for t in tensor_counts),
-                     tp)
+    return rank0_fit(*(_per_rank(worlds, captured, t, tp, base, reps) for t in tensor_counts), tp)
 
 
 def rank0_fit(a: dict, b: dict, tp: int) -> dict:
@@ -328,23 +368,34 @@ def rank0_fit(a: dict, b: dict, tp: int) -> dict:
     def fit(key):
         per = (b[key] - a[key]) / dt
         return max(0.0, a[key] - per * a["tensors"]), per
+
     fixed, per_entry = fit("per_rank_s")
     report_fixed, report_per = fit("report_bytes_per_rank")
     manifest_fixed, manifest_per = fit("manifest_bytes_per_rank")
-    return {"tp": tp, "per_rank_fixed_s": fixed, "per_entry_s": per_entry,
-            "report_bytes": {"per_rank": report_fixed, "per_entry": report_per},
-            "manifest_bytes": {"per_rank": manifest_fixed, "per_entry": manifest_per},
-            "by_tensors": [a, b]}
+    return {
+        "tp": tp,
+        "per_rank_fixed_s": fixed,
+        "per_entry_s": per_entry,
+        "report_bytes": {"per_rank": report_fixed, "per_entry": report_per},
+        "manifest_bytes": {"per_rank": manifest_fixed, "per_entry": manifest_per},
+        "by_tensors": [a, b],
+    }
 
 
 # ---------------------------------------------------------------- main
+
 
 def measure(quick: bool, base: str) -> dict:
     """Every probe, with the machine's load before and after (a shared machine's load inflates
     CPU costs: compare runs made under a similar load)."""
     worlds, captured, reps = ([4, 8, 16], 8, 1) if quick else ([16, 64, 256, 1024], 256, 3)
-    out = {"schema": SCHEMA, "measured": time.strftime("%Y-%m-%d %H:%M"),
-           "cpus": os.cpu_count(), "torch": torch.__version__, "loadavg_before": os.getloadavg()}
+    out = {
+        "schema": SCHEMA,
+        "measured": time.strftime("%Y-%m-%d %H:%M"),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "loadavg_before": os.getloadavg(),
+    }
     out["tensors"] = tensor_costs((20, 200) if quick else (200, 2000), reps, base)
     out["store"] = store_costs(200 if quick else 4000)
     out["rank0"] = rank0_costs(worlds, captured, (10, 50) if quick else (10, 200), 4, base, reps)

@@ -31,6 +31,7 @@ and prints model and measurement side by side; ``--sweep`` evaluates the 70B job
 8,192 ranks; with neither, the four settings of docs/scale.md (256, 512, 1,024 and 8,192 ranks).
 ``--out`` writes the rows as JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,7 +46,15 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import scale_report  # noqa: E402
 from benchmarks.scale_settings import (  # noqa: E402
-    DEV_VM, GB, SETTINGS, SWEEP_DP, GiB, Machine, Setting, sweep)
+    DEV_VM,
+    GB,
+    SETTINGS,
+    SWEEP_DP,
+    GiB,
+    Machine,
+    Setting,
+    sweep,
+)
 
 #: Poll schedule of a rank waiting in the commit round (datastates/commit/round.py): the first
 #: poll after ``POLL_S``, each next one 1.5x later, at most ``max_poll(ranks)`` apart:
@@ -62,21 +71,23 @@ def max_poll(ranks: int) -> float:
 class Costs:
     """CPU costs of this library and of the TCPStore, measured on the development VM."""
 
-    save_per_tensor_s: float        #: save() on the training thread, per tensor
-    commit_per_tensor_s: float      #: background work until committed, per tensor (one process)
-    restore_per_tensor_s: float     #: restore in place, per tensor
-    rank0_fixed_s: float            #: rank 0: parse + merge + check + encode, per rank report...
-    rank0_per_entry_s: float        #: ... plus this per tensor of the report
-    report_bytes_fixed: float       #: bytes of one rank report in the store: fixed ...
-    report_bytes_per_entry: float   #: ... plus per tensor
-    manifest_bytes_fixed: float     #: manifest bytes per rank: fixed ...
+    save_per_tensor_s: float  #: save() on the training thread, per tensor
+    commit_per_tensor_s: float  #: background work until committed, per tensor (one process)
+    restore_per_tensor_s: float  #: restore in place, per tensor
+    rank0_fixed_s: float  #: rank 0: parse + merge + check + encode, per rank report...
+    rank0_per_entry_s: float  #: ... plus this per tensor of the report
+    report_bytes_fixed: float  #: bytes of one rank report in the store: fixed ...
+    report_bytes_per_entry: float  #: ... plus per tensor
+    manifest_bytes_fixed: float  #: manifest bytes per rank: fixed ...
     manifest_bytes_per_entry: float  #: ... plus per tensor
-    store_rtt_s: float              #: one request, client to reply, loopback, one client
-    store_server_s: float           #: server CPU per request (its service time)
-    store_value_gbps: float         #: bytes per second of large values read from the store
-    crc_gbps: float                 #: CRC-32 (ISA-L), one thread, results/bench-gpt-full
-    torch_save_gbps: float          #: torch.save + fsync of a GPT state, docs/benchmarks.md "Current numbers"
-    fresh_copy_gbps: float          #: copy into freshly allocated host memory, same run
+    store_rtt_s: float  #: one request, client to reply, loopback, one client
+    store_server_s: float  #: server CPU per request (its service time)
+    store_value_gbps: float  #: bytes per second of large values read from the store
+    crc_gbps: float  #: CRC-32 (ISA-L), one thread, results/bench-gpt-full
+    torch_save_gbps: (
+        float  #: torch.save + fsync of a GPT state, docs/benchmarks.md "Current numbers"
+    )
+    fresh_copy_gbps: float  #: copy into freshly allocated host memory, same run
 
 
 #: results/scale-model/inputs.json (benchmarks/scale_inputs.py on the 2-core VM, 2026-12-01
@@ -84,15 +95,27 @@ class Costs:
 #: load average 1.2-4.4), and the CRC-32, torch.save and fresh-copy rates of
 #: results/bench-gpt-full (2026-11-30). Used when no ``--inputs`` file is found; the file, when
 #: present, replaces all but the last three.
-MEASURED = Costs(save_per_tensor_s=45.5e-6, commit_per_tensor_s=138e-6,
-                 restore_per_tensor_s=52e-6, rank0_fixed_s=0.40e-3, rank0_per_entry_s=22.6e-6,
-                 report_bytes_fixed=1390.0, report_bytes_per_entry=235.0,
-                 manifest_bytes_fixed=1278.0, manifest_bytes_per_entry=167.0,
-                 store_rtt_s=36e-6, store_server_s=14.5e-6, store_value_gbps=0.52,
-                 crc_gbps=13.1, torch_save_gbps=0.95, fresh_copy_gbps=3.5)
+MEASURED = Costs(
+    save_per_tensor_s=45.5e-6,
+    commit_per_tensor_s=138e-6,
+    restore_per_tensor_s=52e-6,
+    rank0_fixed_s=0.40e-3,
+    rank0_per_entry_s=22.6e-6,
+    report_bytes_fixed=1390.0,
+    report_bytes_per_entry=235.0,
+    manifest_bytes_fixed=1278.0,
+    manifest_bytes_per_entry=167.0,
+    store_rtt_s=36e-6,
+    store_server_s=14.5e-6,
+    store_value_gbps=0.52,
+    crc_gbps=13.1,
+    torch_save_gbps=0.95,
+    fresh_copy_gbps=3.5,
+)
 
 
 # ---------------------------------------------------------------- the terms
+
 
 def poll_interval(elapsed_s: float, ranks: int = 1) -> float:
     """The poll interval in force ``elapsed_s`` after a rank started waiting."""
@@ -123,10 +146,12 @@ def persist_terms(s: Setting, c: Costs) -> dict:
     stripe count 1; files are spread round-robin, so an OST holds ceil(ranks / OSTs) of them)
     and its share of the file system's aggregate bandwidth."""
     m, b = s.machine, s.written_per_rank
-    bounds = {"writer CRC": b / (2 * c.crc_gbps * GB),
-              "node NIC": b * m.gpus_per_node / (m.nic_gbps * GB),
-              "OSTs, stripe count 1": math.ceil(s.ranks / m.fs_osts) * b / (m.ost_gbps * GB),
-              "FS aggregate": s.total_bytes / (m.fs_gbps * GB)}
+    bounds = {
+        "writer CRC": b / (2 * c.crc_gbps * GB),
+        "node NIC": b * m.gpus_per_node / (m.nic_gbps * GB),
+        "OSTs, stripe count 1": math.ceil(s.ranks / m.fs_osts) * b / (m.ost_gbps * GB),
+        "FS aggregate": s.total_bytes / (m.fs_gbps * GB),
+    }
     bound = max(bounds, key=bounds.get)
     return {"persist_s": bounds[bound], "write_bound": bound, "persist_bounds": bounds}
 
@@ -150,13 +175,19 @@ def snapshot_terms(s: Setting, c: Costs, persist_s: float, cache_bytes: float | 
     save_call_s = s.tensors_per_rank * c.save_per_tensor_s * m.cpu_factor
     snapshot_s = create_s + copy_s + digest_s
     wait_s = max(0.0, snapshot_s - s.fwd_bwd_s)  # the guarded optimizer step waits for the rest
-    return {"save_call_s": save_call_s, "create_s": create_s, "d2h_s": copy_s,
-            "digest_s": digest_s, "digest_on_compute_stream_s": digest_copy_s,
-            "in_host_memory_s": save_call_s + snapshot_s,
-            "durable_s": save_call_s + create_s + max(copy_s + digest_s, persist_s),
-            "overlaps_iteration": snapshot_s <= s.fwd_bwd_s, "step_wait_s": wait_s,
-            "stall_s": save_call_s + digest_copy_s + wait_s,
-            "cache_bytes_per_node": cache * m.gpus_per_node}
+    return {
+        "save_call_s": save_call_s,
+        "create_s": create_s,
+        "d2h_s": copy_s,
+        "digest_s": digest_s,
+        "digest_on_compute_stream_s": digest_copy_s,
+        "in_host_memory_s": save_call_s + snapshot_s,
+        "durable_s": save_call_s + create_s + max(copy_s + digest_s, persist_s),
+        "overlaps_iteration": snapshot_s <= s.fwd_bwd_s,
+        "step_wait_s": wait_s,
+        "stall_s": save_call_s + digest_copy_s + wait_s,
+        "cache_bytes_per_node": cache * m.gpus_per_node,
+    }
 
 
 def commit_terms(s: Setting, c: Costs, requests: tuple[float, float]) -> dict:
@@ -177,10 +208,19 @@ def commit_terms(s: Setting, c: Costs, requests: tuple[float, float]) -> dict:
     publish_s = manifest_bytes / (m.ost_gbps * GB) + 6 * m.fs_stat_s  # write, fsync, rename
     work = gather_s + review_s + files_s + publish_s
     notice = poll_interval(0.0) / 2 + poll_interval(work, R) * (R - 1) / R if R > 1 else 0.0
-    return {"store_response_s": response, "store_load": load, "gather_s": gather_s,
-            "review_s": review_s, "check_files_s": files_s, "publish_s": publish_s,
-            "notice_s": notice, "commit_s": work + notice, "manifest_bytes": manifest_bytes,
-            "report_bytes": report_bytes, "retention_s": R * m.fs_stat_s}
+    return {
+        "store_response_s": response,
+        "store_load": load,
+        "gather_s": gather_s,
+        "review_s": review_s,
+        "check_files_s": files_s,
+        "publish_s": publish_s,
+        "notice_s": notice,
+        "commit_s": work + notice,
+        "manifest_bytes": manifest_bytes,
+        "report_bytes": report_bytes,
+        "retention_s": R * m.fs_stat_s,
+    }
 
 
 def times_out(snap: dict, commit: dict) -> bool:
@@ -200,8 +240,9 @@ def overhead(s: Setting, snap: dict, commit: dict, every: int) -> float | None:
         return None
     cycle = every * s.iteration_s
     late_cache = max(0.0, snap["durable_s"] - cycle)
-    late_commit = max(0.0, snap["durable_s"] + commit["commit_s"] + commit["retention_s"]
-                      - 2 * cycle)
+    late_commit = max(
+        0.0, snap["durable_s"] + commit["commit_s"] + commit["retention_s"] - 2 * cycle
+    )
     return (snap["stall_s"] + max(late_cache, late_commit)) / cycle
 
 
@@ -215,21 +256,33 @@ def baselines(s: Setting, c: Costs, persist_s: float) -> dict:
     return {"sync_stall_s": sync_s, "async_copy_stall_s": s.written_per_rank / (fresh * GB)}
 
 
-def evaluate(s: Setting, c: Costs, requests: tuple[float, float], every: list[int],
-             cache_bytes: float | None) -> dict:
+def evaluate(
+    s: Setting, c: Costs, requests: tuple[float, float], every: list[int], cache_bytes: float | None
+) -> dict:
     persist = persist_terms(s, c)
     snap = snapshot_terms(s, c, persist["persist_s"], cache_bytes)
     commit, base = commit_terms(s, c, requests), baselines(s, c, persist["persist_s"])
-    out = {"setting": s.name, "ranks": s.ranks, "nodes": s.nodes, "machine": s.machine.name,
-           "fs": s.machine.fs_name, "total_gb": s.total_bytes / GB,
-           "per_rank_gb": s.written_per_rank / GB, "iteration_s": s.iteration_s,
-           **snap, **persist, **commit, **base}
+    out = {
+        "setting": s.name,
+        "ranks": s.ranks,
+        "nodes": s.nodes,
+        "machine": s.machine.name,
+        "fs": s.machine.fs_name,
+        "total_gb": s.total_bytes / GB,
+        "per_rank_gb": s.written_per_rank / GB,
+        "iteration_s": s.iteration_s,
+        **snap,
+        **persist,
+        **commit,
+        **base,
+    }
     out["checkpoint_gbps"] = s.total_bytes / snap["stall_s"] / GB
     out["committed_s"] = snap["durable_s"] + commit["commit_s"]
     out["committed_gbps"] = s.total_bytes / out["committed_s"] / GB
     out["overhead"] = {k: overhead(s, snap, commit, k) for k in every}
-    out["commit_over_two_iterations"] = (snap["durable_s"] + commit["commit_s"]
-                                         + commit["retention_s"]) > 2 * s.iteration_s
+    out["commit_over_two_iterations"] = (
+        snap["durable_s"] + commit["commit_s"] + commit["retention_s"]
+    ) > 2 * s.iteration_s
     out["times_out"] = times_out(snap, commit)
     for name in ("sync", "async_copy"):
         stall = base[f"{name}_stall_s"]
@@ -245,16 +298,22 @@ def evaluate(s: Setting, c: Costs, requests: tuple[float, float], every: list[in
 MAX_MANIFEST_BYTES = 256 << 20
 SPLIT_BYTES = 32 << 20
 MAX_SPLIT_BYTES = 1 << 30
-COMMIT_TIMEOUT_S = 300.0         #: CheckpointConfig.commit_timeout_s default
+COMMIT_TIMEOUT_S = 300.0  #: CheckpointConfig.commit_timeout_s default
 
 
 def dominant(row: dict) -> str:
     """The largest term of the time from save() to committed."""
-    terms = {"save() call": row["save_call_s"], "file creates": row["create_s"],
-             "device→host copy": row["d2h_s"], "replica digests": row["digest_s"],
-             f"write ({row['write_bound']})": row["persist_s"],
-             "rank 0 gathers reports": row["gather_s"], "rank 0 reviews reports": row["review_s"],
-             "rank 0 opens every file": row["check_files_s"], "manifest write": row["publish_s"]}
+    terms = {
+        "save() call": row["save_call_s"],
+        "file creates": row["create_s"],
+        "device→host copy": row["d2h_s"],
+        "replica digests": row["digest_s"],
+        f"write ({row['write_bound']})": row["persist_s"],
+        "rank 0 gathers reports": row["gather_s"],
+        "rank 0 reviews reports": row["review_s"],
+        "rank 0 opens every file": row["check_files_s"],
+        "manifest write": row["publish_s"],
+    }
     return max(terms, key=terms.get)
 
 
@@ -266,11 +325,14 @@ def breaks(row: dict, machine_mem: float) -> list[str]:
     if row["store_load"] >= 0.7:
         out.append(f"TCPStore {row['store_load']:.0%} busy with decision polls")
     if row["manifest_bytes"] > MAX_SPLIT_BYTES:
-        out.append(f"manifest {row['manifest_bytes'] / 2**20:.0f} MiB > the reader's 1 GiB "
-                   "for a split manifest")
+        out.append(
+            f"manifest {row['manifest_bytes'] / 2**20:.0f} MiB > the reader's 1 GiB "
+            "for a split manifest"
+        )
     if row["times_out"]:
-        out.append(f"rank 0 decides after commit_timeout_s ({COMMIT_TIMEOUT_S:.0f} s): every "
-                   "save fails")
+        out.append(
+            f"rank 0 decides after commit_timeout_s ({COMMIT_TIMEOUT_S:.0f} s): every save fails"
+        )
     if not row["overlaps_iteration"]:
         out.append("snapshot longer than fwd+bwd")
     if row["cache_bytes_per_node"] > machine_mem / 2:
@@ -279,6 +341,7 @@ def breaks(row: dict, machine_mem: float) -> list[str]:
 
 
 # ---------------------------------------------------------------- inputs
+
 
 def load_costs(inputs: str | None, tensors_json: str | None) -> tuple[Costs, list[str]]:
     """The measured costs: ``inputs`` (scale_inputs.py's JSON) if given, else :data:`MEASURED`;
@@ -289,23 +352,33 @@ def load_costs(inputs: str | None, tensors_json: str | None) -> tuple[Costs, lis
             d = json.load(f)
         t, st, r0 = d["tensors"]["per_tensor_s"], d["store"], d["rank0"]
         costs = dataclasses.replace(
-            costs, save_per_tensor_s=t["save"], commit_per_tensor_s=t["commit"],
-            restore_per_tensor_s=t["restore"], rank0_fixed_s=r0["per_rank_fixed_s"],
+            costs,
+            save_per_tensor_s=t["save"],
+            commit_per_tensor_s=t["commit"],
+            restore_per_tensor_s=t["restore"],
+            rank0_fixed_s=r0["per_rank_fixed_s"],
             rank0_per_entry_s=r0["per_entry_s"],
             report_bytes_fixed=r0["report_bytes"]["per_rank"],
             report_bytes_per_entry=r0["report_bytes"]["per_entry"],
             manifest_bytes_fixed=r0["manifest_bytes"]["per_rank"],
             manifest_bytes_per_entry=r0["manifest_bytes"]["per_entry"],
-            store_rtt_s=st["round_trip_s"], store_server_s=st["server_cpu_s_per_request"],
-            store_value_gbps=st["value_gbps"])
-        sources = [f"{inputs} (measured {d.get('measured', '?')}"
-                   + (f"; rank 0's review {r0['measured']})" if "measured" in r0 else ")")]
+            store_rtt_s=st["round_trip_s"],
+            store_server_s=st["server_cpu_s_per_request"],
+            store_value_gbps=st["value_gbps"],
+        )
+        sources = [
+            f"{inputs} (measured {d.get('measured', '?')}"
+            + (f"; rank 0's review {r0['measured']})" if "measured" in r0 else ")")
+        ]
     if tensors_json:
         with open(tensors_json) as f:
             t = json.load(f)["per_tensor_s"]
-        costs = dataclasses.replace(costs, save_per_tensor_s=t["save"],
-                                    commit_per_tensor_s=t["commit"],
-                                    restore_per_tensor_s=t["restore"])
+        costs = dataclasses.replace(
+            costs,
+            save_per_tensor_s=t["save"],
+            commit_per_tensor_s=t["commit"],
+            restore_per_tensor_s=t["restore"],
+        )
         sources.append(f"per-tensor costs from {tensors_json}")
     return costs, sources
 
@@ -324,6 +397,7 @@ def load_commit_scale(path: str) -> tuple[tuple[float, float], list[dict]]:
 
 # ---------------------------------------------------------------- validation
 
+
 def validate(c: Costs, requests: tuple[float, float], rows: list[dict]) -> list[dict]:
     """Model vs measurement of commit_scale.py: its state has 8 replicated tensors, one
     per-rank tensor and an RNG state per rank (9 tensors; the RNG state's entries are in the
@@ -333,13 +407,20 @@ def validate(c: Costs, requests: tuple[float, float], rows: list[dict]) -> list[
     for r in rows:
         s = Setting("commit-scale", 0.0, 1, 1, r["world"], 9, 1.0, 0.0, DEV_VM)
         model = commit_terms(s, c, requests)
-        out.append({"world": r["world"], "measured_s": r["latency_s"], **model,
-                    "rank0_requests": r["rank0_requests"],
-                    "model_rank0_requests": requests[0] + requests[1] * r["world"]})
+        out.append(
+            {
+                "world": r["world"],
+                "measured_s": r["latency_s"],
+                **model,
+                "rank0_requests": r["rank0_requests"],
+                "model_rank0_requests": requests[0] + requests[1] * r["world"],
+            }
+        )
     return out
 
 
 # ---------------------------------------------------------------- command line
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -348,20 +429,45 @@ def main(argv=None) -> int:
     parser.add_argument("--commit-scale", default="results/commit-scale/results.json")
     parser.add_argument("--validate", action="store_true")
     parser.add_argument("--every", default="1,10", help="checkpoint every k iterations")
-    parser.add_argument("--host-cache-gib", type=float, default=None,
-                        help="host cache per rank (default: sized to the rank's state)")
-    parser.add_argument("--cpu-factor", type=float, default=None,
-                        help="CPU time on the target core / here (default 1)")
-    parser.add_argument("--store-server-us", type=float, default=None,
-                        help="TCPStore server time per request, instead of the measured one")
-    parser.add_argument("--tensors-per-rank", type=int, default=None,
-                        help="tensors each rank saves, instead of each setting's own")
-    parser.add_argument("--no-replica-check", action="store_true",
-                        help="CheckpointConfig(replica_check=False): no replica digests")
-    parser.add_argument("--sweep", action="store_true",
-                        help="the 70B job at 256 to 8,192 ranks instead of the four settings")
-    parser.add_argument("--dp", default=None,
-                        help="with --sweep: the data parallel sizes (64 ranks each), e.g. 116,120")
+    parser.add_argument(
+        "--host-cache-gib",
+        type=float,
+        default=None,
+        help="host cache per rank (default: sized to the rank's state)",
+    )
+    parser.add_argument(
+        "--cpu-factor",
+        type=float,
+        default=None,
+        help="CPU time on the target core / here (default 1)",
+    )
+    parser.add_argument(
+        "--store-server-us",
+        type=float,
+        default=None,
+        help="TCPStore server time per request, instead of the measured one",
+    )
+    parser.add_argument(
+        "--tensors-per-rank",
+        type=int,
+        default=None,
+        help="tensors each rank saves, instead of each setting's own",
+    )
+    parser.add_argument(
+        "--no-replica-check",
+        action="store_true",
+        help="CheckpointConfig(replica_check=False): no replica digests",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="the 70B job at 256 to 8,192 ranks instead of the four settings",
+    )
+    parser.add_argument(
+        "--dp",
+        default=None,
+        help="with --sweep: the data parallel sizes (64 ranks each), e.g. 116,120",
+    )
     parser.add_argument("--out", default=None, help="write model.json here")
     args = parser.parse_args(argv)
     costs, sources = load_costs(args.inputs, args.tensors_json)
@@ -371,15 +477,20 @@ def main(argv=None) -> int:
     dps = tuple(int(x) for x in args.dp.split(",")) if args.dp else SWEEP_DP
     settings = sweep(dps) if args.sweep else SETTINGS
     if args.cpu_factor is not None:
-        settings = [dataclasses.replace(s, machine=dataclasses.replace(
-            s.machine, cpu_factor=args.cpu_factor)) for s in settings]
+        settings = [
+            dataclasses.replace(
+                s, machine=dataclasses.replace(s.machine, cpu_factor=args.cpu_factor)
+            )
+            for s in settings
+        ]
         sources.append(f"cpu factor {args.cpu_factor:g} (given)")
     if args.no_replica_check:
         settings = [dataclasses.replace(s, replica_check=False) for s in settings]
         sources.append("replica check off (given)")
     if args.tensors_per_rank is not None:
-        settings = [dataclasses.replace(s, tensors_per_rank=args.tensors_per_rank)
-                    for s in settings]
+        settings = [
+            dataclasses.replace(s, tensors_per_rank=args.tensors_per_rank) for s in settings
+        ]
         sources.append(f"{args.tensors_per_rank} tensors per rank (given)")
     requests, measured = load_commit_scale(args.commit_scale)
     print(f"inputs: {'; '.join(sources)}; store requests from {args.commit_scale}")
@@ -397,8 +508,17 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
         name = "validation.json" if args.validate else "sweep.json" if args.sweep else "model.json"
         with open(os.path.join(args.out, name), "w") as f:
-            json.dump({"sources": sources, "costs": dataclasses.asdict(costs),
-                       "requests": requests, "rows": rows}, f, indent=1, default=str)
+            json.dump(
+                {
+                    "sources": sources,
+                    "costs": dataclasses.asdict(costs),
+                    "requests": requests,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+                default=str,
+            )
     return 0
 
 

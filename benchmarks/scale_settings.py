@@ -4,6 +4,7 @@ as such) and the training jobs evaluated, kept apart from the model's terms
 
 Sources of every number: docs/scale.md, "Inputs".
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,33 +21,48 @@ class Machine:
 
     name: str
     gpus_per_node: int
-    d2h_pinned_gbps: float     #: per GPU, pinned, PCIe Gen4 (HPDC'24 measured on Polaris)
-    d2h_pageable_gbps: float   #: per GPU, into pageable memory (A: half the pinned rate)
-    host_mem_bytes: float      #: per node
-    host_mem_gbps: float       #: per node, DDR4, 8 channels
-    nic_gbps: float            #: per node injection, 2 x Slingshot 11 (200 Gb/s each)
+    d2h_pinned_gbps: float  #: per GPU, pinned, PCIe Gen4 (HPDC'24 measured on Polaris)
+    d2h_pageable_gbps: float  #: per GPU, into pageable memory (A: half the pinned rate)
+    host_mem_bytes: float  #: per node
+    host_mem_gbps: float  #: per node, DDR4, 8 channels
+    nic_gbps: float  #: per node injection, 2 x Slingshot 11 (200 Gb/s each)
     fs_name: str
-    fs_gbps: float             #: parallel file system, aggregate
-    fs_osts: int               #: object storage targets; a file of stripe count 1 is on one
-    fs_stat_s: float           #: one open/stat of a file, one client thread (A: MDtest figure)
-    fs_create_per_s: float     #: file creates per second in one directory, all clients (A)
-    net_rtt_s: float           #: TCP round trip between nodes (A)
-    cpu_factor: float = 1.0    #: CPU time there / CPU time here (A: equal)
+    fs_gbps: float  #: parallel file system, aggregate
+    fs_osts: int  #: object storage targets; a file of stripe count 1 is on one
+    fs_stat_s: float  #: one open/stat of a file, one client thread (A: MDtest figure)
+    fs_create_per_s: float  #: file creates per second in one directory, all clients (A)
+    net_rtt_s: float  #: TCP round trip between nodes (A)
+    cpu_factor: float = 1.0  #: CPU time there / CPU time here (A: equal)
 
     @property
     def ost_gbps(self) -> float:
         return self.fs_gbps / self.fs_osts
 
 
-POLARIS = Machine(name="Polaris (ALCF)", gpus_per_node=4, d2h_pinned_gbps=25.0,
-                  d2h_pageable_gbps=12.5, host_mem_bytes=512 * GiB, host_mem_gbps=204.8 * GiB / GB,
-                  nic_gbps=50.0, fs_name="Grand (Lustre, 160 OSTs)", fs_gbps=650.0, fs_osts=160,
-                  fs_stat_s=0.5e-3, fs_create_per_s=15e3, net_rtt_s=30e-6)
+POLARIS = Machine(
+    name="Polaris (ALCF)",
+    gpus_per_node=4,
+    d2h_pinned_gbps=25.0,
+    d2h_pageable_gbps=12.5,
+    host_mem_bytes=512 * GiB,
+    host_mem_gbps=204.8 * GiB / GB,
+    nic_gbps=50.0,
+    fs_name="Grand (Lustre, 160 OSTs)",
+    fs_gbps=650.0,
+    fs_osts=160,
+    fs_stat_s=0.5e-3,
+    fs_create_per_s=15e3,
+    net_rtt_s=30e-6,
+)
 #: Polaris nodes in larger numbers (Polaris itself has 560 nodes, 2,240 GPUs) on a file system
 #: of Perlmutter's scratch class: > 5 TB/s over 274 object servers (one OST each: A).
-POLARIS_BIG_FS = dataclasses.replace(POLARIS, name="Polaris-like nodes",
-                                     fs_name="Perlmutter-class scratch (Lustre, 274 OSS)",
-                                     fs_gbps=5000.0, fs_osts=274)
+POLARIS_BIG_FS = dataclasses.replace(
+    POLARIS,
+    name="Polaris-like nodes",
+    fs_name="Perlmutter-class scratch (Lustre, 274 OSS)",
+    fs_gbps=5000.0,
+    fs_osts=274,
+)
 
 
 @dataclass(frozen=True)
@@ -59,10 +75,10 @@ class Setting:
     pp: int
     dp: int
     tensors_per_rank: int
-    fwd_bwd_s: float           #: the window a lazy snapshot may use (HPDC'24, Fig. 4)
-    step_s: float              #: the optimizer step
+    fwd_bwd_s: float  #: the window a lazy snapshot may use (HPDC'24, Fig. 4)
+    step_s: float  #: the optimizer step
     machine: Machine = POLARIS
-    weight_bytes: int = 2      #: bf16 weights, replicated over dp (declared ``replicated``)
+    weight_bytes: int = 2  #: bf16 weights, replicated over dp (declared ``replicated``)
     optimizer_bytes: int = 12  #: fp32 master + Adam m + v, ZeRO-1: sharded over dp
     replica_check: bool = True  #: CheckpointConfig.replica_check (its default)
 
@@ -123,7 +139,18 @@ SETTINGS = [
 
 
 #: The machine of the 1-32-rank measurements: one 2-core VM, loopback store, local ext4.
-DEV_VM = Machine(name="2-core development VM", gpus_per_node=32, d2h_pinned_gbps=10.6,
-                 d2h_pageable_gbps=3.5, host_mem_bytes=23.5 * GiB, host_mem_gbps=10.6,
-                 nic_gbps=1e9, fs_name="ext4 (virtio)", fs_gbps=1.68, fs_osts=1,
-                 fs_stat_s=20e-6, fs_create_per_s=1e5, net_rtt_s=0.0)
+DEV_VM = Machine(
+    name="2-core development VM",
+    gpus_per_node=32,
+    d2h_pinned_gbps=10.6,
+    d2h_pageable_gbps=3.5,
+    host_mem_bytes=23.5 * GiB,
+    host_mem_gbps=10.6,
+    nic_gbps=1e9,
+    fs_name="ext4 (virtio)",
+    fs_gbps=1.68,
+    fs_osts=1,
+    fs_stat_s=20e-6,
+    fs_create_per_s=1e5,
+    net_rtt_s=0.0,
+)

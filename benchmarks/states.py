@@ -14,6 +14,7 @@ and would not change a single byte that matters to a checkpoint).
 This module also provides the conversions the peer methods need (a plain ``state_dict``, an in-place
 copy back into the live objects) and a cheap fingerprint used to verify every load.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,8 @@ from torch import nn
 
 from benchmarks.gpt import GPT, GPTConfig, synthetic_batch
 
-SENTINEL = 1234.5          # written over the fingerprinted elements before a load
-_FP_EDGE = 256             # elements fingerprinted at each end of every tensor
+SENTINEL = 1234.5  # written over the fingerprinted elements before a load
+_FP_EDGE = 256  # elements fingerprinted at each end of every tensor
 
 
 @dataclass
@@ -37,6 +38,7 @@ class TrainState:
 
     ``optimizer`` is ``None`` for a model-only view (safetensors-style saves).
     """
+
     name: str
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
@@ -83,14 +85,25 @@ class TrainState:
         return len(self.tensors())
 
     def model_only(self) -> "TrainState":
-        return TrainState(self.name, self.model, None, {}, self.description + " (model only)",
-                          live_optimizer=self.optimizer)
+        return TrainState(
+            self.name,
+            self.model,
+            None,
+            {},
+            self.description + " (model only)",
+            live_optimizer=self.optimizer,
+        )
 
     def info(self) -> dict:
         params = {p.data_ptr(): p.numel() for p in self.model.parameters()}
-        return {"name": self.name, "scope": self.scope, "description": self.description,
-                "nbytes": self.nbytes, "ntensors": self.ntensors,
-                "parameters": int(sum(params.values()))}
+        return {
+            "name": self.name,
+            "scope": self.scope,
+            "description": self.description,
+            "nbytes": self.nbytes,
+            "ntensors": self.ntensors,
+            "parameters": int(sum(params.values())),
+        }
 
 
 # ----------------------------------------------------------------------------------- configurations
@@ -146,14 +159,17 @@ def _extra_objects(cfg: GPTConfig, kind: str) -> dict:
         "tokens_seen": 123_456_789,
         "kind": kind,
         "config": dataclasses.asdict(cfg),
-        "loss_history": [round(4.0 * math.exp(-i / 50) + rng.random() * 0.01, 6) for i in range(200)],
+        "loss_history": [
+            round(4.0 * math.exp(-i / 50) + rng.random() * 0.01, 6) for i in range(200)
+        ],
         "data_loader": {"shard": 17, "offset": 4_096_000, "seed": 1234},
         "notes": "datastates benchmark state",
     }
 
 
-def _init_adam_state(model: nn.Module, opt: torch.optim.Optimizer, cfg: GPTConfig,
-                     real_step: bool) -> None:
+def _init_adam_state(
+    model: nn.Module, opt: torch.optim.Optimizer, cfg: GPTConfig, real_step: bool
+) -> None:
     if real_step:
         gen = torch.Generator().manual_seed(0)
         x, y = synthetic_batch(cfg, 2, gen)
@@ -164,10 +180,10 @@ def _init_adam_state(model: nn.Module, opt: torch.optim.Optimizer, cfg: GPTConfi
     gen = torch.Generator().manual_seed(1)
     for group in opt.param_groups:
         for p in group["params"]:
-            avg = torch.empty_like(p, memory_format=torch.contiguous_format).normal_(0, 1e-3,
-                                                                                      generator=gen)
-            opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": avg,
-                            "exp_avg_sq": avg.square()}
+            avg = torch.empty_like(p, memory_format=torch.contiguous_format).normal_(
+                0, 1e-3, generator=gen
+            )
+            opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": avg, "exp_avg_sq": avg.square()}
 
 
 def build_gpt_state(cfg: GPTConfig, real_step: bool | None = None, seed: int = 0) -> TrainState:
@@ -179,8 +195,10 @@ def build_gpt_state(cfg: GPTConfig, real_step: bool | None = None, seed: int = 0
         real_step = param_count(cfg) < 50_000_000
     _init_adam_state(model, opt, cfg, real_step)
     n = sum(p.numel() for p in model.parameters())
-    desc = (f"GPT {cfg.n_layer} layers x {cfg.n_embd}, vocab {cfg.vocab_size}: {n / 1e6:.1f}M params "
-            f"+ AdamW + RNG + Python objects")
+    desc = (
+        f"GPT {cfg.n_layer} layers x {cfg.n_embd}, vocab {cfg.vocab_size}: {n / 1e6:.1f}M params "
+        f"+ AdamW + RNG + Python objects"
+    )
     return TrainState("gpt", model, opt, _extra_objects(cfg, "gpt"), desc)
 
 
@@ -216,8 +234,10 @@ def build_fragmented_state(cfg: GPTConfig, target_pieces: int = 1500, seed: int 
             p.normal_(0, 0.02, generator=gen)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     _init_adam_state(model, opt, cfg, real_step=False)
-    desc = (f"{len(sizes)} small parameters (same bytes as the GPT state) + AdamW + RNG + Python "
-            f"objects")
+    desc = (
+        f"{len(sizes)} small parameters (same bytes as the GPT state) + AdamW + RNG + Python "
+        f"objects"
+    )
     return TrainState("fragmented", model, opt, _extra_objects(cfg, "fragmented"), desc)
 
 

@@ -9,6 +9,7 @@ writers free its slots (save() then also waits for the disk).
 Peak extra RSS is measured above the state + host cache + reference buffer (all allocated and
 touched first), with a sampling thread (psutil) and the kernel's high-water mark.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,7 @@ def reference_copy(state: dict, buf: torch.Tensor) -> float:
     t0, off = time.perf_counter(), 0
     for t in state.values():
         n = t.numel() * t.element_size()
-        buf[off:off + n].copy_(t.view(torch.uint8).reshape(-1))
+        buf[off : off + n].copy_(t.view(torch.uint8).reshape(-1))
         off += n
     return time.perf_counter() - t0
 
@@ -81,8 +82,12 @@ def main() -> None:
     parser.add_argument("dir")
     parser.add_argument("--gib", type=float, default=1.5)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--cache-gib", type=float, default=None,
-                        help="host cache size (default: the state plus one unit)")
+    parser.add_argument(
+        "--cache-gib",
+        type=float,
+        default=None,
+        help="host cache size (default: the state plus one unit)",
+    )
     args = parser.parse_args()
     total = int(args.gib * (1 << 30))
     state = plain_state(total)
@@ -113,15 +118,19 @@ def main() -> None:
             extra_hw.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_hw)
             ck.delete(step=r)
         mib = 1 << 20
-        print(f"state {nbytes / (1 << 30):.2f} GiB in {len(state)} tensors, host cache "
-              f"{cache / (1 << 30):.2f} GiB, {torch.get_num_threads()} torch threads")
+        print(
+            f"state {nbytes / (1 << 30):.2f} GiB in {len(state)} tensors, host cache "
+            f"{cache / (1 << 30):.2f} GiB, {torch.get_num_threads()} torch threads"
+        )
         print("reference torch copy_ s:", [f"{c:.3f}" for c in copies])
         print("reference memmove s:", [f"{c:.3f}" for c in moves])
         print("save() blocked s:", [f"{b:.3f}" for b in blocked])
         for name, ref in (("torch copy_", copies), ("memmove", moves)):
-            print(f"median blocked / median {name} = "
-                  f"{statistics.median(blocked) / statistics.median(ref):.2f}x "
-                  f"(min/min {min(blocked) / min(ref):.2f}x)")
+            print(
+                f"median blocked / median {name} = "
+                f"{statistics.median(blocked) / statistics.median(ref):.2f}x "
+                f"(min/min {min(blocked) / min(ref):.2f}x)"
+            )
         print("peak extra RSS during save (sampled) MiB:", [f"{e / mib:.0f}" for e in extra])
         print("high-water RSS growth MiB:", [f"{e / mib:.0f}" for e in extra_hw])
 

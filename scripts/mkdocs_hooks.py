@@ -1,13 +1,15 @@
 """mkdocs hooks: the version of the checkout, read from src/datastates/_version.py (no import of
 the package, so the site builds without installing it), in the site's name and for
 ``{{ version }}`` in any page."""
+
 from __future__ import annotations
 
 import os
 import re
 
-_VERSION_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                             "src", "datastates", "_version.py")
+_VERSION_FILE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "datastates", "_version.py"
+)
 
 
 def version() -> str:

@@ -13,6 +13,7 @@ to swap, and when it is unset or ``stock`` nothing is changed (the stock run):
 This replacement of a framework's names happens in this test harness only: the library itself
 plugs in through the frameworks' documented extension points and patches nothing.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,11 +24,13 @@ def pytest_configure(config) -> None:
     if swap == "lightning":
         import lightning.pytorch.strategies.strategy as strategy
         from datastates.integrations.lightning import DatastatesCheckpointIO
+
         strategy.TorchCheckpointIO = DatastatesCheckpointIO
     elif swap == "dcp":
         import torch.distributed.checkpoint as dcp
         import torch.distributed.checkpoint.filesystem as filesystem
         from datastates.integrations.dcp import DatastatesReader, DatastatesWriter
+
         for module in (dcp, filesystem):
             module.FileSystemWriter = DatastatesWriter
             module.FileSystemReader = DatastatesReader

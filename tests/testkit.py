@@ -7,6 +7,7 @@ Test modules import it by name (``from testkit import SMALL, random_tensors``): 
 The configurations are named by what the cache holds, so a test says which pipeline it exercises;
 one that needs another field takes ``SMALL.replace(keep_last=1)``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,10 @@ def random_tensors(seed: int, **shapes) -> dict:
 
 def filled_tensors(value: float, **shapes) -> dict:
     """``{name: torch.full(shape, value)}`` for each keyword, in order."""
-    return {name: torch.full(shape if isinstance(shape, tuple) else (shape,), float(value))
-            for name, shape in shapes.items()}
+    return {
+        name: torch.full(shape if isinstance(shape, tuple) else (shape,), float(value))
+        for name, shape in shapes.items()
+    }
 
 
 def step_state(step: int) -> dict:

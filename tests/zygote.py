@@ -32,6 +32,7 @@ socket pair: a request is a JSON object (``argv``, ``cwd``, ``env``, ``pass_fds`
 descriptors; the zygote answers ``{"pid": N}`` once it forked, and ``{"exit": N, "returncode":
 R}`` when it reaped that child (R as ``subprocess`` reports it).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -61,13 +62,24 @@ _MAX_FDS = 16
 #: Environment variables that count when the interpreter starts or the preloaded modules are
 #: imported (thread pools, paths, interpreter options): a command whose environment differs from
 #: a zygote's in one of them gets a zygote started with its environment.
-STARTUP_PREFIXES = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "NUMEXPR_", "TORCH",
-                    "CUDA", "LD_")
+STARTUP_PREFIXES = (
+    "PYTHON",
+    "OMP_",
+    "GOMP_",
+    "KMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "NUMEXPR_",
+    "TORCH",
+    "CUDA",
+    "LD_",
+)
 #: At most this many zygotes per session; a command needing another runs as a plain subprocess.
 MAX_ZYGOTES = 4
 
 
 # ---------------------------------------------------------------- the zygote process
+
 
 def _serve(sock: socket.socket) -> tuple[dict, list[int]]:
     """The zygote's loop: fork a child per request, report each child's exit. Returns (in the
@@ -169,6 +181,7 @@ def _zygote_main() -> None:
 
 # ---------------------------------------------------------------- the test session's side
 
+
 class Zygote:
     """The test session's handle on one zygote: ``spawn`` a command, ``wait`` for its exit.
     ``env``: the environment the zygote starts with (its STARTUP_PREFIXES variables are those of
@@ -179,8 +192,13 @@ class Zygote:
         self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=self._log, cwd=os.path.dirname(os.path.abspath(__file__)), env=env)
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self._log,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            env=env,
+        )
         theirs.close()
         self._sock = ours
         self._spawn_lock = threading.Lock()
@@ -217,17 +235,31 @@ class Zygote:
                     self._exits[message["exit"]] = message["returncode"]
                 self._cond.notify_all()
 
-    def spawn(self, argv: list[str], cwd: str, env: dict, fds: list[int],
-              pass_fds: tuple[int, ...] = (), new_session: bool = False) -> int:
+    def spawn(
+        self,
+        argv: list[str],
+        cwd: str,
+        env: dict,
+        fds: list[int],
+        pass_fds: tuple[int, ...] = (),
+        new_session: bool = False,
+    ) -> int:
         """Fork a child running ``python *argv`` with ``fds`` as its stdin, stdout and stderr,
         then the descriptors ``pass_fds`` under their own numbers; returns its pid."""
-        request = {"argv": list(argv), "cwd": cwd, "env": dict(env),
-                   "pass_fds": list(pass_fds), "new_session": new_session}
+        request = {
+            "argv": list(argv),
+            "cwd": cwd,
+            "env": dict(env),
+            "pass_fds": list(pass_fds),
+            "new_session": new_session,
+        }
         with self._spawn_lock:
             socket.send_fds(self._sock, [json.dumps(request).encode()], [*fds, *pass_fds])
             with self._cond:
-                if not self._cond.wait_for(lambda: self._started or self._closed,
-                                           START_TIMEOUT_S) or not self._started:
+                if (
+                    not self._cond.wait_for(lambda: self._started or self._closed, START_TIMEOUT_S)
+                    or not self._started
+                ):
                     raise RuntimeError(f"the zygote did not fork: {self._log_tail()}")
                 return self._started.pop(0)
 
@@ -293,8 +325,20 @@ class Process:
     ``subprocess.STDOUT`` (stderr only) or an open file. Offers ``pid``, ``returncode``,
     ``poll``, ``wait``, ``kill``, ``send_signal``, ``communicate`` and the pipes."""
 
-    def __init__(self, args, *, stdin=None, stdout=None, stderr=None, text=False, bufsize=-1,
-                 cwd=None, env=None, pass_fds=(), start_new_session=False):
+    def __init__(
+        self,
+        args,
+        *,
+        stdin=None,
+        stdout=None,
+        stderr=None,
+        text=False,
+        bufsize=-1,
+        cwd=None,
+        env=None,
+        pass_fds=(),
+        start_new_session=False,
+    ):
         args = [os.fspath(a) for a in args]
         env = dict(os.environ if env is None else env)
         self.args = args
@@ -302,13 +346,24 @@ class Process:
         self._text = text
         self._zygote = zygote(env) if _python_command(args) else None
         if self._zygote is None:
-            self._popen = subprocess.Popen(args, stdin=stdin, stdout=stdout, stderr=stderr,
-                                           text=text, bufsize=bufsize, cwd=cwd, env=env,
-                                           pass_fds=pass_fds,
-                                           start_new_session=start_new_session)
+            self._popen = subprocess.Popen(
+                args,
+                stdin=stdin,
+                stdout=stdout,
+                stderr=stderr,
+                text=text,
+                bufsize=bufsize,
+                cwd=cwd,
+                env=env,
+                pass_fds=pass_fds,
+                start_new_session=start_new_session,
+            )
             self.pid = self._popen.pid
-            self.stdin, self.stdout, self.stderr = (self._popen.stdin, self._popen.stdout,
-                                                    self._popen.stderr)
+            self.stdin, self.stdout, self.stderr = (
+                self._popen.stdin,
+                self._popen.stdout,
+                self._popen.stderr,
+            )
             return
         self._popen = None
         theirs, ours, close_after = [], [], []
@@ -334,9 +389,14 @@ class Process:
                 theirs.append(spec.fileno() if hasattr(spec, "fileno") else int(spec))
                 ours.append(None)
         try:
-            self.pid = self._zygote.spawn(args[1:], os.fspath(cwd or os.getcwd()), env, theirs,
-                                          pass_fds=tuple(pass_fds),
-                                          new_session=start_new_session)
+            self.pid = self._zygote.spawn(
+                args[1:],
+                os.fspath(cwd or os.getcwd()),
+                env,
+                theirs,
+                pass_fds=tuple(pass_fds),
+                new_session=start_new_session,
+            )
         finally:
             for fd in close_after:
                 os.close(fd)
@@ -391,8 +451,11 @@ class Process:
             results[name] = f.read()
             f.close()
 
-        readers = [threading.Thread(target=drain, args=(name, f), daemon=True)
-                   for name, f in (("stdout", self.stdout), ("stderr", self.stderr)) if f]
+        readers = [
+            threading.Thread(target=drain, args=(name, f), daemon=True)
+            for name, f in (("stdout", self.stdout), ("stderr", self.stderr))
+            if f
+        ]
         for t in readers:
             t.start()
         if self.stdin is not None:
@@ -410,8 +473,19 @@ class Process:
         return results.get("stdout"), results.get("stderr")
 
 
-def run(args, *, capture_output=False, text=False, timeout=None, cwd=None, env=None,
-        check=False, stdin=None, stdout=None, stderr=None) -> subprocess.CompletedProcess:
+def run(
+    args,
+    *,
+    capture_output=False,
+    text=False,
+    timeout=None,
+    cwd=None,
+    env=None,
+    check=False,
+    stdin=None,
+    stdout=None,
+    stderr=None,
+) -> subprocess.CompletedProcess:
     """``subprocess.run`` for a Python command, forked from a zygote (see :class:`Process`).
     On a timeout the child is killed and TimeoutExpired raised, as ``subprocess.run`` does."""
     if capture_output:

@@ -4,13 +4,17 @@
 reference every ratio is computed against; ``ref_copy_direct`` is the machine's limit (a copy into
 a reused buffer + two O_DIRECT writers), shown as a row beside the methods.
 """
+
 from __future__ import annotations
 
 from .base import Checkpoint, Method, Pending
-from .datastates_method import (Datastates, DatastatesFallback, DatastatesGuardedStateDict,
-                                DatastatesStateDict)
-from .dcp import (
-    DcpAsync, DcpAsyncStager, DcpAsyncStagerBackground, DcpSave, ensure_process_group)
+from .datastates_method import (
+    Datastates,
+    DatastatesFallback,
+    DatastatesGuardedStateDict,
+    DatastatesStateDict,
+)
+from .dcp import DcpAsync, DcpAsyncStager, DcpAsyncStagerBackground, DcpSave, ensure_process_group
 from .reference import CopyDirect
 from .safetensors_method import Safetensors
 from .torch_save import TorchSave
@@ -18,10 +22,24 @@ from .torchsnapshot_method import SnapshotAsyncTake, SnapshotTake
 
 REFERENCE = "datastates"
 
-REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (
-    Datastates, DatastatesStateDict, DatastatesGuardedStateDict, CopyDirect, TorchSave, DcpSave,
-    DcpAsync, DcpAsyncStager, DcpAsyncStagerBackground, SnapshotTake, SnapshotAsyncTake,
-    Safetensors, DatastatesFallback)}
+REGISTRY: dict[str, type[Method]] = {
+    cls.name: cls
+    for cls in (
+        Datastates,
+        DatastatesStateDict,
+        DatastatesGuardedStateDict,
+        CopyDirect,
+        TorchSave,
+        DcpSave,
+        DcpAsync,
+        DcpAsyncStager,
+        DcpAsyncStagerBackground,
+        SnapshotTake,
+        SnapshotAsyncTake,
+        Safetensors,
+        DatastatesFallback,
+    )
+}
 
 
 #: Run when --methods is not given. ``dcp_async_stager`` (persistent stager, staging on the caller)
@@ -40,6 +58,14 @@ def make_methods(names: list[str], options: dict) -> list[Method]:
     return [REGISTRY[n](options) for n in REGISTRY if n in names]
 
 
-__all__ = ["Checkpoint", "CopyDirect", "DEFAULT_METHODS", "Method", "Pending", "REFERENCE", "REGISTRY",
-           "make_methods",
-           "ensure_process_group"]
+__all__ = [
+    "Checkpoint",
+    "CopyDirect",
+    "DEFAULT_METHODS",
+    "Method",
+    "Pending",
+    "REFERENCE",
+    "REGISTRY",
+    "make_methods",
+    "ensure_process_group",
+]

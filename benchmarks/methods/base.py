@@ -16,6 +16,7 @@ Call order, all on the benchmark's (training) thread::
 Timings are taken by :class:`Pending` from the same clock for every method, from the entry of
 ``save()``; methods only say *what* to wait on. ``Pending`` is idempotent: waiting twice is free.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -30,6 +31,7 @@ from ..states import TrainState
 @dataclass
 class Checkpoint:
     """Where one saved checkpoint lives. ``paths`` may be filled in after the commit."""
+
     step: int
     paths: list[Path] = field(default_factory=list)
 
@@ -44,11 +46,16 @@ class Pending:
     because the method copied synchronously or installs its own optimizer hook).
     """
 
-    def __init__(self, t0: float, checkpoint: Checkpoint, *,
-                 snapshot_fn: Callable[[], object] | None = None,
-                 commit_fn: Callable[[], object] | None = None,
-                 guard_fn: Callable[[], object] | None = None,
-                 stats_fn: Callable[[], dict] | None = None):
+    def __init__(
+        self,
+        t0: float,
+        checkpoint: Checkpoint,
+        *,
+        snapshot_fn: Callable[[], object] | None = None,
+        commit_fn: Callable[[], object] | None = None,
+        guard_fn: Callable[[], object] | None = None,
+        stats_fn: Callable[[], dict] | None = None,
+    ):
         self.t0 = t0
         self.blocked_s = now() - t0
         self.checkpoint = checkpoint
@@ -78,7 +85,7 @@ class Pending:
         if self.commit_s is None:
             self._commit_fn()
             self.commit_s = now() - self.t0
-            if self.snapshot_s is None:      # committed implies captured
+            if self.snapshot_s is None:  # committed implies captured
                 self.snapshot_s = self.commit_s
         return self.commit_s
 
@@ -90,16 +97,16 @@ class Pending:
 class Method(ABC):
     """One checkpointing method. Subclasses set the class attributes and the four operations."""
 
-    name: str = ""                      # short id used on the command line and in the JSON
-    label: str = ""                     # human-readable name for the report
-    kind: str = "sync"                  # sync | async | lazy (for the report)
-    scopes: tuple[str, ...] = ("full",) # "full" training state and/or "model" only
+    name: str = ""  # short id used on the command line and in the JSON
+    label: str = ""  # human-readable name for the report
+    kind: str = "sync"  # sync | async | lazy (for the report)
+    scopes: tuple[str, ...] = ("full",)  # "full" training state and/or "model" only
     supports_load: bool = True
     # End-to-end loop: how many saves may be in flight (None = the method manages backpressure).
     max_in_flight: int | None = 1
     # Memory model for the budget check, as multiples of the state size.
-    held_factor: float = 0.0            # kept between saves (persistent staging buffers)
-    transient_factor: float = 0.1       # extra during one save
+    held_factor: float = 0.0  # kept between saves (persistent staging buffers)
+    transient_factor: float = 0.1  # extra during one save
 
     def __init__(self, options: dict | None = None):
         self.options = dict(options or {})
@@ -131,5 +138,10 @@ class Method(ABC):
         return self.held_factor, self.transient_factor
 
     def describe(self) -> dict:
-        return {"name": self.name, "label": self.label, "kind": self.kind,
-                "scopes": list(self.scopes), "supports_load": self.supports_load}
+        return {
+            "name": self.name,
+            "label": self.label,
+            "kind": self.kind,
+            "scopes": list(self.scopes),
+            "supports_load": self.supports_load,
+        }

@@ -8,6 +8,7 @@ Timings: ``save()`` returns after planning (blocked); ``wait_snapshot()`` return
 the host cache; ``wait()`` once it is durable and committed. The library's own ``SaveStats`` are kept
 beside the benchmark's measurements.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,12 +24,12 @@ class Datastates(Method):
     label = "datastates"
     kind = "lazy"
     scopes = ("full", "model")
-    max_in_flight = None            # the library applies backpressure through its host cache
+    max_in_flight = None  # the library applies backpressure through its host cache
     transient_factor = 0.1
 
     def __init__(self, options: dict | None = None):
         super().__init__(options)
-        self.host_cache = self.options.get("host_cache")     # bytes, or None for the default
+        self.host_cache = self.options.get("host_cache")  # bytes, or None for the default
         self.writer_threads = int(self.options.get("writer_threads", 2))
         self.ckpt = None
         self._entries: dict[int, list] = {}
@@ -39,8 +40,11 @@ class Datastates(Method):
             import datastates
         except Exception as e:  # noqa: BLE001
             return f"datastates not importable: {type(e).__name__}: {e}"
-        missing = [n for n in ("Checkpointer", "CheckpointConfig", "RNGState")
-                   if not hasattr(datastates, n)]
+        missing = [
+            n
+            for n in ("Checkpointer", "CheckpointConfig", "RNGState")
+            if not hasattr(datastates, n)
+        ]
         if missing:
             return f"datastates has no {', '.join(missing)} yet (core library not installed)"
         return None
@@ -49,7 +53,7 @@ class Datastates(Method):
         if self.host_cache:
             return int(self.host_cache)
         # the whole state plus one 64 MiB unit (its tensors are 64-byte aligned in the stream)
-        return int(min(state_bytes + 64 * 2 ** 20, 4 * GiB))
+        return int(min(state_bytes + 64 * 2**20, 4 * GiB))
 
     def memory_factors(self, state_bytes: int) -> tuple[float, float]:
         return self.cache_bytes(state_bytes) / max(1, state_bytes), self.transient_factor
@@ -57,10 +61,12 @@ class Datastates(Method):
     # ------------------------------------------------------------------ lifecycle
     def setup(self, root, state: TrainState) -> None:
         import datastates
+
         super().setup(root, state)
         self.close()
-        cfg = datastates.CheckpointConfig(host_cache_bytes=self.cache_bytes(state.nbytes),
-                                          writer_threads=self.writer_threads)
+        cfg = datastates.CheckpointConfig(
+            host_cache_bytes=self.cache_bytes(state.nbytes), writer_threads=self.writer_threads
+        )
         self.ckpt = datastates.Checkpointer(str(self.root), cfg)
         # Guard the training optimizer even for model-only saves: the model is captured lazily and
         # the next optimizer step waits for that capture, as in a real training loop.
@@ -75,10 +81,15 @@ class Datastates(Method):
     @staticmethod
     def _tree(state: TrainState) -> dict:
         import datastates
+
         if state.optimizer is None:
             return {"model": state.model}
-        return {"model": state.model, "optimizer": state.optimizer, "rng": datastates.RNGState(),
-                "extra": state.extra}
+        return {
+            "model": state.model,
+            "optimizer": state.optimizer,
+            "rng": datastates.RNGState(),
+            "extra": state.extra,
+        }
 
     # ------------------------------------------------------------------ operations
     def _save_kwargs(self, state: TrainState) -> dict:
@@ -129,8 +140,10 @@ class DatastatesFallback(Datastates):
     def load_into(self, state: TrainState, ckpt: Checkpoint) -> None:
         report = self.ckpt.restore(self._tree(state), fallback=True)
         if report.step != ckpt.step or report.skipped:
-            raise RuntimeError(f"restore(fallback=True) restored step {report.step} "
-                               f"(expected {ckpt.step}); skipped {report.skipped}")
+            raise RuntimeError(
+                f"restore(fallback=True) restored step {report.step} "
+                f"(expected {ckpt.step}); skipped {report.skipped}"
+            )
 
 
 class DatastatesStateDict(Datastates):
@@ -145,16 +158,22 @@ class DatastatesStateDict(Datastates):
 
     def setup(self, root, state: TrainState) -> None:
         import datastates
+
         Method.setup(self, root, state)
         self.close()
-        cfg = datastates.CheckpointConfig(host_cache_bytes=self.cache_bytes(state.nbytes),
-                                          writer_threads=self.writer_threads)
+        cfg = datastates.CheckpointConfig(
+            host_cache_bytes=self.cache_bytes(state.nbytes), writer_threads=self.writer_threads
+        )
         self.ckpt = datastates.Checkpointer(str(self.root), cfg)
 
     @staticmethod
     def _tree(state: TrainState) -> dict:
-        return {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(),
-                "rng": rng_snapshot(), "extra": state.extra}
+        return {
+            "model": state.model.state_dict(),
+            "optimizer": state.optimizer.state_dict(),
+            "rng": rng_snapshot(),
+            "extra": state.extra,
+        }
 
     def load_into(self, state: TrainState, ckpt: Checkpoint) -> None:
         tree = self._tree(state)

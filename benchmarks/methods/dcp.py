@@ -10,6 +10,7 @@ runs with ``use_pinned_memory=False`` (and no shared memory: the writer is a thr
 Load (one adapter is enough: every variant writes the same format): ``dcp.load`` in place into the
 live tensors of the conventional state dict.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -25,6 +26,7 @@ def ensure_process_group() -> bool:
     Returns True if this call created it (the caller then destroys it at the end of the run).
     """
     import torch.distributed as dist
+
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
     if dist.is_initialized():
@@ -58,6 +60,7 @@ class _DcpBase(Method):
 
     def _writer(self, path):
         from torch.distributed.checkpoint import FileSystemWriter
+
         return FileSystemWriter(str(path), thread_count=self.threads, sync_files=True)
 
     def _path(self, state: TrainState, step: int):
@@ -65,7 +68,8 @@ class _DcpBase(Method):
 
     def load_into(self, state: TrainState, ckpt: Checkpoint) -> None:
         import torch.distributed.checkpoint as dcp
-        sd = plain_state_dict(state)         # live tensors: dcp.load fills them in place
+
+        sd = plain_state_dict(state)  # live tensors: dcp.load fills them in place
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(sd, checkpoint_id=str(ckpt.paths[0]), no_dist=True)
@@ -81,6 +85,7 @@ class DcpSave(_DcpBase):
 
     def save(self, state: TrainState, step: int) -> Pending:
         import torch.distributed.checkpoint as dcp
+
         t0 = now()
         path = self._path(state, step)
         with warnings.catch_warnings():
@@ -92,15 +97,17 @@ class DcpSave(_DcpBase):
 class DcpAsync(_DcpBase):
     """``dcp.async_save`` as most users call it: the FileSystemWriter stages (deep-copies) the state
     on the caller's thread into fresh CPU memory, then a thread writes it."""
+
     name = "dcp_async"
     label = "dcp.async_save (default staging)"
     kind = "async"
     needs_process_group = True
-    supports_load = False           # same format as dcp_save, loaded once there
+    supports_load = False  # same format as dcp_save, loaded once there
     transient_factor = 1.1
 
     def save(self, state: TrainState, step: int) -> Pending:
         import torch.distributed.checkpoint as dcp
+
         t0 = now()
         path = self._path(state, step)
         fut = dcp.async_save(plain_state_dict(state), storage_writer=self._writer(path))
@@ -115,11 +122,12 @@ class DcpAsyncStager(_DcpBase):
     ``background=True``: staging runs on the stager's thread; the training loop must wait for it
     before the optimizer step (``before_update``), exactly what DCP's docs ask of users.
     """
+
     name = "dcp_async_stager"
     label = "dcp.async_save + persistent DefaultStager"
     kind = "async"
     needs_process_group = True
-    supports_load = False           # same format as dcp_save, loaded once there
+    supports_load = False  # same format as dcp_save, loaded once there
     held_factor = 1.0
     transient_factor = 0.1
     background = False
@@ -130,22 +138,34 @@ class DcpAsyncStager(_DcpBase):
 
     def setup(self, root, state) -> None:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
         super().setup(root, state)
         self.close()
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                   use_async_staging=self.background,
-                                                   use_non_blocking_copy=False))
+        self.stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=False,
+                use_shared_memory=False,
+                use_async_staging=self.background,
+                use_non_blocking_copy=False,
+            )
+        )
 
     def save(self, state: TrainState, step: int) -> Pending:
         import torch.distributed.checkpoint as dcp
+
         t0 = now()
         path = self._path(state, step)
-        res = dcp.async_save(plain_state_dict(state), storage_writer=self._writer(path),
-                             async_stager=self.stager)
-        if hasattr(res, "staging_completion"):          # AsyncSaveResponse (background staging)
-            return Pending(t0, Checkpoint(step, [path]), snapshot_fn=res.staging_completion.result,
-                           guard_fn=res.staging_completion.result,
-                           commit_fn=res.upload_completion.result)
+        res = dcp.async_save(
+            plain_state_dict(state), storage_writer=self._writer(path), async_stager=self.stager
+        )
+        if hasattr(res, "staging_completion"):  # AsyncSaveResponse (background staging)
+            return Pending(
+                t0,
+                Checkpoint(step, [path]),
+                snapshot_fn=res.staging_completion.result,
+                guard_fn=res.staging_completion.result,
+                commit_fn=res.upload_completion.result,
+            )
         return Pending(t0, Checkpoint(step, [path]), commit_fn=res.result)
 
     def close(self) -> None:

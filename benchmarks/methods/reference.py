@@ -7,6 +7,7 @@ system refuses it) in 16 MiB requests, ``fsync`` the file and the directory. No 
 checksums, no Python objects: what any checkpointing method pays at least on this machine.
 It does not load (nothing to compare a format-less blob with).
 """
+
 from __future__ import annotations
 
 import mmap
@@ -42,23 +43,25 @@ class CopyDirect(Method):
     def setup(self, root, state: TrainState) -> None:
         super().setup(root, state)
         self.close()
-        size = _aligned(sum(_aligned(t.numel() * t.element_size(), 64) for t in state.tensors()),
-                        CHUNK)
-        self._map = mmap.mmap(-1, max(size, CHUNK))              # page aligned: O_DIRECT-ready
+        size = _aligned(
+            sum(_aligned(t.numel() * t.element_size(), 64) for t in state.tensors()), CHUNK
+        )
+        self._map = mmap.mmap(-1, max(size, CHUNK))  # page aligned: O_DIRECT-ready
         self._buf = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._buf.fill_(0)                                        # touched once, reused after
+        self._buf.fill_(0)  # touched once, reused after
 
     def save(self, state: TrainState, step: int) -> Pending:
         t0 = now()
         end = 0
         for t in state.tensors():
             n = t.numel() * t.element_size()
-            self._buf[end:end + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+            self._buf[end : end + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
             end = _aligned(end + n, 64)
         path = self.root / f"{state.scope}-step-{step:06d}.bin"
         errors: list[BaseException] = []
-        worker = threading.Thread(target=self._write, args=(path, _aligned(end, ALIGN), errors),
-                                  name="ref-writer")
+        worker = threading.Thread(
+            target=self._write, args=(path, _aligned(end, ALIGN), errors), name="ref-writer"
+        )
         worker.start()
 
         def commit() -> None:
@@ -77,15 +80,15 @@ class CopyDirect(Method):
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             view = memoryview(self._map)
             try:
+
                 def writer(first: int) -> None:
                     try:
                         for off in range(first * CHUNK, nbytes, self.writers * CHUNK):
-                            os.pwrite(fd, view[off:min(off + CHUNK, nbytes)], off)
+                            os.pwrite(fd, view[off : min(off + CHUNK, nbytes)], off)
                     except BaseException as e:  # noqa: BLE001 - reported by commit()
                         errors.append(e)
 
-                threads = [threading.Thread(target=writer, args=(i,))
-                           for i in range(self.writers)]
+                threads = [threading.Thread(target=writer, args=(i,)) for i in range(self.writers)]
                 for t in threads:
                     t.start()
                 for t in threads:
@@ -103,7 +106,7 @@ class CopyDirect(Method):
         if self._map is not None:
             try:
                 self._map.close()
-            except BufferError:          # a view still exported: freed with the last reference
+            except BufferError:  # a view still exported: freed with the last reference
                 pass
             self._map = None
 

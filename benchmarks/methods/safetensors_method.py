@@ -3,6 +3,7 @@
 safetensors stores tensors only, so it is measured on the model-only view of the state, beside
 datastates and torch.save saving the same model.
 """
+
 from __future__ import annotations
 
 from ..common import fsync_path, now
@@ -15,7 +16,7 @@ class Safetensors(Method):
     label = "safetensors save_model + fsync"
     kind = "sync"
     scopes = ("model",)
-    transient_factor = 1.0      # save_file builds the whole file in memory first
+    transient_factor = 1.0  # save_file builds the whole file in memory first
 
     def unavailable(self) -> str | None:
         try:
@@ -26,6 +27,7 @@ class Safetensors(Method):
 
     def save(self, state: TrainState, step: int) -> Pending:
         from safetensors.torch import save_model
+
         t0 = now()
         path = self.root / f"model-step-{step:06d}.safetensors"
         save_model(state.model, str(path))
@@ -35,6 +37,7 @@ class Safetensors(Method):
 
     def load_into(self, state: TrainState, ckpt: Checkpoint) -> None:
         from safetensors.torch import load_model
+
         missing, unexpected = load_model(state.model, str(ckpt.paths[0]), strict=True)
         if unexpected:
             raise RuntimeError(f"safetensors load: unexpected keys {unexpected[:5]}")

@@ -3,6 +3,7 @@
 The caller is blocked for the whole serialization and write: snapshot = commit = blocked.
 Load: ``torch.load(mmap=True, weights_only=True)`` and an in-place copy into the live objects.
 """
+
 from __future__ import annotations
 
 import os

@@ -7,6 +7,7 @@ the benchmark fsyncs every file of the snapshot after it completes (as it does a
 the commit time is "written, manifest published and durable", comparable with the other methods.
 Load: ``Snapshot.restore`` into the same live objects.
 """
+
 from __future__ import annotations
 
 from ..common import fsync_tree, now
@@ -16,6 +17,7 @@ from .base import Checkpoint, Method, Pending
 
 def _app_state(state: TrainState) -> dict:
     from torchsnapshot import RNGState, StateDict
+
     app = {"model": state.model}
     if state.optimizer is not None:
         app.update(optimizer=state.optimizer, rng=RNGState(), extra=StateDict(**state.extra))
@@ -37,6 +39,7 @@ class _SnapshotBase(Method):
 
     def load_into(self, state: TrainState, ckpt: Checkpoint) -> None:
         from torchsnapshot import Snapshot
+
         Snapshot(str(ckpt.paths[0])).restore(_app_state(state))
 
 
@@ -48,6 +51,7 @@ class SnapshotTake(_SnapshotBase):
 
     def save(self, state: TrainState, step: int) -> Pending:
         from torchsnapshot import Snapshot
+
         t0 = now()
         path = self._path(state, step)
         Snapshot.take(str(path), _app_state(state))
@@ -59,11 +63,12 @@ class SnapshotAsyncTake(_SnapshotBase):
     name = "tsnap_async"
     label = "torchsnapshot async_take + fsync"
     kind = "async"
-    supports_load = False           # same format as tsnap_take, loaded once there
+    supports_load = False  # same format as tsnap_take, loaded once there
     transient_factor = 1.1
 
     def save(self, state: TrainState, step: int) -> Pending:
         from torchsnapshot import Snapshot
+
         t0 = now()
         path = self._path(state, step)
         pending = Snapshot.async_take(str(path), _app_state(state))
@@ -71,4 +76,5 @@ class SnapshotAsyncTake(_SnapshotBase):
         def commit() -> None:
             pending.wait()
             fsync_tree(path)
+
         return Pending(t0, Checkpoint(step, [path]), commit_fn=commit)

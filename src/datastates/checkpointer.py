@@ -1,5 +1,6 @@
 """The public entry point: a Checkpointer saves and restores training state in one directory,
 through one TierCheckpointer for storage and, with ``config.memory_tier``, one for memory."""
+
 from __future__ import annotations
 
 import atexit
@@ -68,15 +69,22 @@ class Checkpointer:
     storage: TierCheckpointer
     comm: Any
 
-    def __init__(self, directory: str | os.PathLike, config: CheckpointConfig | None = None, *,
-                 registry: ProviderRegistry | None = None, communicator=None,
-                 share: "Checkpointer | None" = None,
-                 storage_options: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        config: CheckpointConfig | None = None,
+        *,
+        registry: ProviderRegistry | None = None,
+        communicator=None,
+        share: "Checkpointer | None" = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ):
         if share is not None:
             share._check_open()
             if communicator is not None and communicator is not share.comm:
-                raise ValueError("a Checkpointer created with share= uses the shared one's "
-                                 "communicator")
+                raise ValueError(
+                    "a Checkpointer created with share= uses the shared one's communicator"
+                )
         if share is None:
             config = config if config is not None else CheckpointConfig()
         #: The memory tier's parts (node groups, keeper link, hand-off; memory/tiers.py), or
@@ -87,12 +95,17 @@ class Checkpointer:
         if share is not None or config is None or config.memory_tier is None:
             #: The tier of the directory's checkpoints (storage).
             self.storage = TierCheckpointer(
-                directory, config, registry=registry, communicator=communicator,
+                directory,
+                config,
+                registry=registry,
+                communicator=communicator,
                 share=share.storage if share is not None else None,
-                storage_options=storage_options)
+                storage_options=storage_options,
+            )
         else:
             self.storage, self.memory, self.tiers = _open_tiered(
-                directory, config, registry, communicator, storage_options)
+                directory, config, registry, communicator, storage_options
+            )
         storage = self.storage
         self.directory, self.store, self.config = storage.directory, storage.store, storage.config
         self.comm, self.registry = storage.comm, storage.registry
@@ -104,11 +117,19 @@ class Checkpointer:
         self._open_key = _close_at_exit(self)
 
     # ------------------------------------------------------------ save
-    def save(self, state: Any, step: int | None = None, *, tag: str | None = None,
-             metadata: dict | None = None, overwrite: bool = False,
-             replicated: bool | Iterable[str] = False,
-             optimizers: Iterable[Any] = (), metrics: dict | None = None,
-             persist: bool | None = None) -> SaveHandle:
+    def save(
+        self,
+        state: Any,
+        step: int | None = None,
+        *,
+        tag: str | None = None,
+        metadata: dict | None = None,
+        overwrite: bool = False,
+        replicated: bool | Iterable[str] = False,
+        optimizers: Iterable[Any] = (),
+        metrics: dict | None = None,
+        persist: bool | None = None,
+    ) -> SaveHandle:
         """Start a checkpoint of ``state`` and return its handle.
 
         ``state`` is any nesting of dicts/lists/tuples, tensors, modules, optimizers, objects
@@ -161,13 +182,23 @@ class Checkpointer:
         self._savers.add(threading.current_thread())
         where = self.tiers.route(step, tag, persist) if self.tiers is not None else "storage"
         if persist is False and self.tiers is None:
-            raise ConfigError("save(persist=False) keeps a checkpoint in the memory tier; this "
-                              "Checkpointer has none (CheckpointConfig(memory_tier="
-                              "MemoryTier()))")
+            raise ConfigError(
+                "save(persist=False) keeps a checkpoint in the memory tier; this "
+                "Checkpointer has none (CheckpointConfig(memory_tier="
+                "MemoryTier()))"
+            )
         tier = self.storage if where == "storage" or self.memory is None else self.memory
-        return tier.save(state, step, tag=tag, metadata=metadata, overwrite=overwrite,
-                         replicated=replicated, optimizers=optimizers, metrics=metrics,
-                         persist=True if where == "handoff" else None)
+        return tier.save(
+            state,
+            step,
+            tag=tag,
+            metadata=metadata,
+            overwrite=overwrite,
+            replicated=replicated,
+            optimizers=optimizers,
+            metrics=metrics,
+            persist=True if where == "handoff" else None,
+        )
 
     def guard(self, optimizer: Any) -> None:
         """Make ``optimizer.step()`` wait until in-flight snapshots are captured (idempotent).
@@ -196,11 +227,21 @@ class Checkpointer:
         return infos
 
     # ------------------------------------------------------------ restore
-    def restore(self, state: Any, step: int | None = None, *, tag: str | None = None,
-                keys=None, strict: bool = True, verify: bool | None = None,
-                trusted: bool = False, safe_globals: Iterable[Any] = (),
-                rank_policy: str = "strict", cast: bool = False,
-                fallback: bool = False) -> RestoreReport:
+    def restore(
+        self,
+        state: Any,
+        step: int | None = None,
+        *,
+        tag: str | None = None,
+        keys=None,
+        strict: bool = True,
+        verify: bool | None = None,
+        trusted: bool = False,
+        safe_globals: Iterable[Any] = (),
+        rank_policy: str = "strict",
+        cast: bool = False,
+        fallback: bool = False,
+    ) -> RestoreReport:
         """Restore a committed checkpoint (the latest if no step/tag) into the live ``state``.
 
         Tensors are filled in place on their own devices, and so are NumPy arrays (a writeable
@@ -280,27 +321,59 @@ class Checkpointer:
         self._check_open()
         report = None
         if self.tiers is not None:
-            report = self._from_memory(step, tag, lambda memory: memory.restore(
-                state, step, tag=tag, keys=keys, strict=strict, trusted=trusted,
-                safe_globals=safe_globals, rank_policy=rank_policy, cast=cast,
-                fallback=step is None and tag is None, verify=True))
+            report = self._from_memory(
+                step,
+                tag,
+                lambda memory: memory.restore(
+                    state,
+                    step,
+                    tag=tag,
+                    keys=keys,
+                    strict=strict,
+                    trusted=trusted,
+                    safe_globals=safe_globals,
+                    rank_policy=rank_policy,
+                    cast=cast,
+                    fallback=step is None and tag is None,
+                    verify=True,
+                ),
+            )
             if report is not None:
                 report.tier = "memory"
         if report is None:
-            report = self.storage.restore(state, step, tag=tag, keys=keys, strict=strict,
-                                          verify=verify, trusted=trusted,
-                                          safe_globals=safe_globals, rank_policy=rank_policy,
-                                          cast=cast, fallback=fallback)
+            report = self.storage.restore(
+                state,
+                step,
+                tag=tag,
+                keys=keys,
+                strict=strict,
+                verify=verify,
+                trusted=trusted,
+                safe_globals=safe_globals,
+                rank_policy=rank_policy,
+                cast=cast,
+                fallback=fallback,
+            )
             if self.tiers is not None:
                 report.tier_fallback = self.tiers.unavailable
         if self.tiers is not None and step is None and tag is None:
             self.tiers.after_restore(report.step)
         return report
 
-    def load(self, step: int | None = None, *, tag: str | None = None, keys=None,
-             map_location: Any = None, verify: bool | None = None, trusted: bool = False,
-             safe_globals: Iterable[Any] = (), rank_policy: str = "strict",
-             dtype: torch.dtype | None = None, fallback: bool = False) -> Any:
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        tag: str | None = None,
+        keys=None,
+        map_location: Any = None,
+        verify: bool | None = None,
+        trusted: bool = False,
+        safe_globals: Iterable[Any] = (),
+        rank_policy: str = "strict",
+        dtype: torch.dtype | None = None,
+        fallback: bool = False,
+    ) -> Any:
         """Load a committed checkpoint into new objects: the structure that was saved, with
         modules and optimizers as their state dicts (what ``torch.load`` of them would give).
         ``dtype`` (a floating-point torch dtype, else ConfigError) converts every floating-point
@@ -313,15 +386,36 @@ class Checkpointer:
         check_target("load", step, tag)
         self._check_open()
         if self.tiers is not None:
-            loaded = self._from_memory(step, tag, lambda memory: memory.load(
-                step, tag=tag, keys=keys, map_location=map_location, trusted=trusted,
-                safe_globals=safe_globals, rank_policy=rank_policy, dtype=dtype,
-                fallback=step is None and tag is None, verify=True))
+            loaded = self._from_memory(
+                step,
+                tag,
+                lambda memory: memory.load(
+                    step,
+                    tag=tag,
+                    keys=keys,
+                    map_location=map_location,
+                    trusted=trusted,
+                    safe_globals=safe_globals,
+                    rank_policy=rank_policy,
+                    dtype=dtype,
+                    fallback=step is None and tag is None,
+                    verify=True,
+                ),
+            )
             if loaded is not None:
                 return loaded
-        return self.storage.load(step, tag=tag, keys=keys, map_location=map_location,
-                                 verify=verify, trusted=trusted, safe_globals=safe_globals,
-                                 rank_policy=rank_policy, dtype=dtype, fallback=fallback)
+        return self.storage.load(
+            step,
+            tag=tag,
+            keys=keys,
+            map_location=map_location,
+            verify=verify,
+            trusted=trusted,
+            safe_globals=safe_globals,
+            rank_policy=rank_policy,
+            dtype=dtype,
+            fallback=fallback,
+        )
 
     def _from_memory(self, step, tag, read):
         """``read(memory)`` with the memory tier's Checkpointer if it holds what is asked for
@@ -335,8 +429,12 @@ class Checkpointer:
                 try:
                     return read(self.memory)
                 except CheckpointNotFoundError as exc:
-                    log.warning("no memory checkpoint is intact on every rank (%s); restoring "
-                                "from storage %s", exc, self.directory)
+                    log.warning(
+                        "no memory checkpoint is intact on every rank (%s); restoring "
+                        "from storage %s",
+                        exc,
+                        self.directory,
+                    )
         # The latest is agreed (every rank is here); a named one is read by each rank alone.
         self.tiers.quiet_storage(together=latest or not chosen)
         return None
@@ -435,8 +533,14 @@ def _open_tiered(directory, config, registry, communicator, storage_options):
     and the tier's parts: storage opens first, with the policy the tier gives it, then the tier
     beside it (memory/tiers.py: node groups, keepers, the memory TierCheckpointer)."""
     tiers = Tiers(normalize(directory), config.memory_tier, config)
-    storage = TierCheckpointer(directory, config, registry=registry, communicator=communicator,
-                               storage_options=storage_options, policy=tiers.storage_policy())
+    storage = TierCheckpointer(
+        directory,
+        config,
+        registry=registry,
+        communicator=communicator,
+        storage_options=storage_options,
+        policy=tiers.storage_policy(),
+    )
     try:
         memory = tiers.open(storage)
     except BaseException:
@@ -481,9 +585,11 @@ def _close_open_checkpointers() -> None:
     threads that saved into one have ended. Each save's wait is bounded by its
     ``commit_timeout_s`` (the pipeline's deadline thread); a save that did not commit is named in
     a WARNING; nothing is raised."""
+
     def still_open() -> list[Checkpointer]:  # a forked child has none of their threads
-        return [ck for ck in reversed(list(_OPEN.values()))
-                if not ck._closed and ck._pid == os.getpid()]
+        return [
+            ck for ck in reversed(list(_OPEN.values())) if not ck._closed and ck._pid == os.getpid()
+        ]
 
     current = threading.current_thread()
     for ck in still_open():  # a non-daemon thread still saving: the interpreter joins it next
@@ -493,9 +599,13 @@ def _close_open_checkpointers() -> None:
     for ck in still_open():
         in_flight = [h for h in ck._in_flight() if not h.done()]
         if in_flight:
-            log.info("exit: waiting for %d save(s) in flight in %s to commit (at most "
-                     "commit_timeout_s = %s s each)", len(in_flight), ck.directory,
-                     ck.config.commit_timeout_s)
+            log.info(
+                "exit: waiting for %d save(s) in flight in %s to commit (at most "
+                "commit_timeout_s = %s s each)",
+                len(in_flight),
+                ck.directory,
+                ck.config.commit_timeout_s,
+            )
         try:
             ck.close()
         except BaseException as exc:  # at exit: report, never raise
@@ -503,5 +613,9 @@ def _close_open_checkpointers() -> None:
         for handle in in_flight:
             error = handle.exception()
             if error is not None:
-                log.warning("exit: the save %r in flight in %s did not commit: %r", handle.name,
-                            ck.directory, error)
+                log.warning(
+                    "exit: the save %r in flight in %s did not commit: %r",
+                    handle.name,
+                    ck.directory,
+                    error,
+                )

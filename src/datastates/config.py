@@ -1,4 +1,5 @@
 """One frozen configuration object, passed explicitly (nothing is read from the environment here)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -87,47 +88,81 @@ class CheckpointConfig:
             if not cond:
                 raise ConfigError(f"CheckpointConfig: expected {what}")
 
-        need(isinstance(self.host_cache_bytes, int) and self.host_cache_bytes >= 2 * _ALIGN,
-             f"host_cache_bytes >= {2 * _ALIGN}, found {self.host_cache_bytes!r}")
-        need(isinstance(self.chunk_bytes, int) and self.chunk_bytes >= _ALIGN,
-             f"chunk_bytes >= {_ALIGN}, found {self.chunk_bytes!r}")
-        need(isinstance(self.writer_threads, int) and self.writer_threads >= 1,
-             f"writer_threads >= 1, found {self.writer_threads!r}")
-        need(isinstance(self.reader_threads, int) and self.reader_threads >= 1,
-             f"reader_threads >= 1, found {self.reader_threads!r}")
-        need(self.io_mode in ("auto", "direct", "buffered"),
-             f"io_mode in ('auto', 'direct', 'buffered'), found {self.io_mode!r}")
-        need(isinstance(self.max_pending_saves, int) and self.max_pending_saves >= 1,
-             f"max_pending_saves >= 1, found {self.max_pending_saves!r}")
-        need(self.keep_last is None or (isinstance(self.keep_last, int) and self.keep_last >= 1),
-             f"keep_last None or >= 1, found {self.keep_last!r}")
-        need(self.keep_every is None or (isinstance(self.keep_every, int) and self.keep_every >= 1),
-             f"keep_every None or >= 1, found {self.keep_every!r}")
+        need(
+            isinstance(self.host_cache_bytes, int) and self.host_cache_bytes >= 2 * _ALIGN,
+            f"host_cache_bytes >= {2 * _ALIGN}, found {self.host_cache_bytes!r}",
+        )
+        need(
+            isinstance(self.chunk_bytes, int) and self.chunk_bytes >= _ALIGN,
+            f"chunk_bytes >= {_ALIGN}, found {self.chunk_bytes!r}",
+        )
+        need(
+            isinstance(self.writer_threads, int) and self.writer_threads >= 1,
+            f"writer_threads >= 1, found {self.writer_threads!r}",
+        )
+        need(
+            isinstance(self.reader_threads, int) and self.reader_threads >= 1,
+            f"reader_threads >= 1, found {self.reader_threads!r}",
+        )
+        need(
+            self.io_mode in ("auto", "direct", "buffered"),
+            f"io_mode in ('auto', 'direct', 'buffered'), found {self.io_mode!r}",
+        )
+        need(
+            isinstance(self.max_pending_saves, int) and self.max_pending_saves >= 1,
+            f"max_pending_saves >= 1, found {self.max_pending_saves!r}",
+        )
+        need(
+            self.keep_last is None or (isinstance(self.keep_last, int) and self.keep_last >= 1),
+            f"keep_last None or >= 1, found {self.keep_last!r}",
+        )
+        need(
+            self.keep_every is None or (isinstance(self.keep_every, int) and self.keep_every >= 1),
+            f"keep_every None or >= 1, found {self.keep_every!r}",
+        )
         self._check_best(need)
         for name in ("commit_timeout_s", "stale_tmp_age_s"):
             value = getattr(self, name)
-            need(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
-                 f"{name} a number > 0 (seconds), found {value!r}")
-        need(isinstance(self.replica_check, bool),
-             f"replica_check True or False, found {self.replica_check!r}")
-        need(self.lazy in ("auto", "always", "never"),
-             f"lazy in ('auto', 'always', 'never'), found {self.lazy!r}")
-        need(isinstance(self.allow_unsafe_objects, bool),
-             f"allow_unsafe_objects True or False, found {self.allow_unsafe_objects!r}")
-        need(self.memory_tier is None or isinstance(self.memory_tier, MemoryTier),
-             f"memory_tier None or a MemoryTier, found {self.memory_tier!r}")
+            need(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                f"{name} a number > 0 (seconds), found {value!r}",
+            )
+        need(
+            isinstance(self.replica_check, bool),
+            f"replica_check True or False, found {self.replica_check!r}",
+        )
+        need(
+            self.lazy in ("auto", "always", "never"),
+            f"lazy in ('auto', 'always', 'never'), found {self.lazy!r}",
+        )
+        need(
+            isinstance(self.allow_unsafe_objects, bool),
+            f"allow_unsafe_objects True or False, found {self.allow_unsafe_objects!r}",
+        )
+        need(
+            self.memory_tier is None or isinstance(self.memory_tier, MemoryTier),
+            f"memory_tier None or a MemoryTier, found {self.memory_tier!r}",
+        )
 
     def _check_best(self, need) -> None:
         """The fields of retention by metric: ``keep_best`` >= 1 needs ``best_metric``."""
-        need(self.keep_best is None or (type(self.keep_best) is int and self.keep_best >= 1),
-             f"keep_best None or an int >= 1, found {self.keep_best!r}")
-        need(self.best_metric is None or (isinstance(self.best_metric, str) and self.best_metric),
-             f"best_metric None or a metric name (a non-empty str), found {self.best_metric!r}")
-        need(self.keep_best is None or self.best_metric is not None,
-             f"best_metric (the metric keep_best ranks by) with keep_best={self.keep_best}, "
-             "found None")
-        need(self.best_mode in ("min", "max"),
-             f"best_mode in ('min', 'max'), found {self.best_mode!r}")
+        need(
+            self.keep_best is None or (type(self.keep_best) is int and self.keep_best >= 1),
+            f"keep_best None or an int >= 1, found {self.keep_best!r}",
+        )
+        need(
+            self.best_metric is None or (isinstance(self.best_metric, str) and self.best_metric),
+            f"best_metric None or a metric name (a non-empty str), found {self.best_metric!r}",
+        )
+        need(
+            self.keep_best is None or self.best_metric is not None,
+            f"best_metric (the metric keep_best ranks by) with keep_best={self.keep_best}, "
+            "found None",
+        )
+        need(
+            self.best_mode in ("min", "max"),
+            f"best_mode in ('min', 'max'), found {self.best_mode!r}",
+        )
 
     @property
     def unit_bytes(self) -> int:

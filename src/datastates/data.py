@@ -10,6 +10,7 @@ rank saves the same state, so a restore at another world size needs no ``rank_po
 caller, which only the consumer side can know (a DataLoader draws indices ahead of the loop to
 prefetch). docs/data.md describes the order, the end of an epoch and the lockstep assumption.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -51,8 +52,16 @@ class ElasticSampler(Sampler[int]):
     (a DataLoader never iterates its sampler in a worker).
     """
 
-    def __init__(self, dataset: Any, *, num_replicas: int | None = None, rank: int | None = None,
-                 seed: int = 0, shuffle: bool = True, drop_last: bool = False):
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+    ):
         self.dataset_len = _length(dataset)
         self.num_replicas, self.rank = _world(num_replicas, rank)
         self.seed = _seed_like("seed", seed, "ElasticSampler")
@@ -79,10 +88,10 @@ class ElasticSampler(Sampler[int]):
         """This rank's indices of the rest of the epoch, as of the moment of the call."""
         order = _order(self.dataset_len, self.seed, self._epoch, self.shuffle)
         total = len(self) * self.num_replicas
-        rest = order[self._consumed:]
+        rest = order[self._consumed :]
         if total > rest.numel():
             rest = torch.cat([rest, _padding(order, total - rest.numel())])
-        return iter(rest[self.rank:total:self.num_replicas].tolist())
+        return iter(rest[self.rank : total : self.num_replicas].tolist())
 
     def set_epoch(self, epoch: int) -> None:
         """Move to ``epoch`` from its start, as ``DistributedSampler.set_epoch``. Setting the
@@ -97,15 +106,21 @@ class ElasticSampler(Sampler[int]):
         ``samples * num_replicas``, capped at the dataset's length (what is past it was padding).
         Call it between passes or for the pass in progress; it does not change that pass."""
         if not _is_int(samples) or samples < 0:
-            raise ConfigError(f"ElasticSampler.advance: expected a non-negative int of samples, "
-                              f"found {samples!r}")
+            raise ConfigError(
+                f"ElasticSampler.advance: expected a non-negative int of samples, found {samples!r}"
+            )
         self._consumed = min(self.dataset_len, self._consumed + samples * self.num_replicas)
 
     def state_dict(self) -> dict[str, Any]:
         """The global position: identical on every rank of a lockstep loop. Plain ints and
         bools, a new dict each call."""
-        return {"seed": self.seed, "shuffle": self.shuffle, "epoch": self._epoch,
-                "consumed": self._consumed, "dataset_len": self.dataset_len}
+        return {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "epoch": self._epoch,
+            "consumed": self._consumed,
+            "dataset_len": self.dataset_len,
+        }
 
     def check_state_dict(self, state: Any, where: str = "ElasticSampler") -> dict[str, Any]:
         """The checks of :meth:`load_state_dict`, changing nothing; returns the parsed state.
@@ -113,9 +128,11 @@ class ElasticSampler(Sampler[int]):
         state is modified, so a refused position fails the restore with the model untouched."""
         parsed = parse_state(state, where)
         if parsed["dataset_len"] != self.dataset_len:
-            raise StateMismatchError(f"{where}: the state was saved over a dataset of "
-                                     f"{parsed['dataset_len']} samples, expected the live "
-                                     f"dataset's {self.dataset_len}")
+            raise StateMismatchError(
+                f"{where}: the state was saved over a dataset of "
+                f"{parsed['dataset_len']} samples, expected the live "
+                f"dataset's {self.dataset_len}"
+            )
         return parsed
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -160,19 +177,40 @@ class ElasticLoader:
     ``drop_last`` is the sampler's; a pass's last batch may be smaller than ``batch_size``.
     """
 
-    def __init__(self, dataset: Any, *, batch_size: int, num_replicas: int | None = None,
-                 rank: int | None = None, seed: int = 0, shuffle: bool = True,
-                 drop_last: bool = False, **dataloader_kwargs: Any):
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        batch_size: int,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        **dataloader_kwargs: Any,
+    ):
         _check_loader_args(dataloader_kwargs)
         if not _is_int(batch_size) or batch_size < 1:
-            raise ConfigError(f"ElasticLoader: expected a positive int batch_size, found "
-                              f"{batch_size!r}")
+            raise ConfigError(
+                f"ElasticLoader: expected a positive int batch_size, found {batch_size!r}"
+            )
         self.batch_size = batch_size
-        self.sampler = ElasticSampler(dataset, num_replicas=num_replicas, rank=rank, seed=seed,
-                                      shuffle=shuffle, drop_last=drop_last)
+        self.sampler = ElasticSampler(
+            dataset,
+            num_replicas=num_replicas,
+            rank=rank,
+            seed=seed,
+            shuffle=shuffle,
+            drop_last=drop_last,
+        )
         self._generator = torch.Generator()  # the workers' base seed: never the global one
-        self._loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler,
-                                  generator=self._generator, **dataloader_kwargs)
+        self._loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=self.sampler,
+            generator=self._generator,
+            **dataloader_kwargs,
+        )
         self._active: weakref.ref | None = None  # the pass in progress
 
     @property
@@ -255,33 +293,41 @@ def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     if rank is None:
         rank = dist.get_rank() if joined else 0
     if not _is_int(num_replicas) or num_replicas < 1:
-        raise ConfigError(f"ElasticSampler: expected a positive int num_replicas, found "
-                          f"{num_replicas!r}")
+        raise ConfigError(
+            f"ElasticSampler: expected a positive int num_replicas, found {num_replicas!r}"
+        )
     if not _is_int(rank) or not 0 <= rank < num_replicas:
-        raise ConfigError(f"ElasticSampler: expected a rank in [0, {num_replicas}), found "
-                          f"{rank!r}")
+        raise ConfigError(f"ElasticSampler: expected a rank in [0, {num_replicas}), found {rank!r}")
     return num_replicas, rank
 
 
 def _length(dataset: Any) -> int:
     if isinstance(dataset, IterableDataset):
-        raise ConfigError("ElasticSampler: expected an indexable dataset with a length, found "
-                          f"the IterableDataset {type(dataset).__name__}")
+        raise ConfigError(
+            "ElasticSampler: expected an indexable dataset with a length, found "
+            f"the IterableDataset {type(dataset).__name__}"
+        )
     try:
         return len(dataset)
     except TypeError:
-        raise ConfigError(f"ElasticSampler: expected a dataset with a length, found "
-                          f"{type(dataset).__name__} without len()") from None
+        raise ConfigError(
+            f"ElasticSampler: expected a dataset with a length, found "
+            f"{type(dataset).__name__} without len()"
+        ) from None
 
 
 def _check_loader_args(kwargs: dict[str, Any]) -> None:
     owned = sorted(set(kwargs) & set(_OWNED_ARGS))
     if owned:
-        raise ConfigError(f"ElasticLoader: the order is the ElasticSampler's; expected no "
-                          f"{', '.join(owned)} among the DataLoader arguments")
+        raise ConfigError(
+            f"ElasticLoader: the order is the ElasticSampler's; expected no "
+            f"{', '.join(owned)} among the DataLoader arguments"
+        )
     if kwargs.get("in_order", True) is not True:
-        raise ConfigError("ElasticLoader: expected batches in order (in_order=True), found "
-                          f"in_order={kwargs['in_order']!r}: the count assumes it")
+        raise ConfigError(
+            "ElasticLoader: expected batches in order (in_order=True), found "
+            f"in_order={kwargs['in_order']!r}: the count assumes it"
+        )
 
 
 def _seed_like(name: str, value: Any, where: str) -> int:

@@ -5,6 +5,7 @@ one for the memory checkpoints (``Checkpointer.memory``), sharing one pipeline. 
 vary is given at construction, as a frozen :class:`TierPolicy`; a TierCheckpointer knows nothing
 of which tier it is.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -28,8 +29,13 @@ from .commit.publish import publisher_for
 from .commit.retention import RetentionPolicy
 from .commit.round import LocalCommunicator, StoreCommunicator
 from .config import CheckpointConfig
-from .errors import (CheckpointerClosedError, CheckpointNotFoundError, CommitTimeoutError,
-                     ConfigError, CorruptCheckpointError)
+from .errors import (
+    CheckpointerClosedError,
+    CheckpointNotFoundError,
+    CommitTimeoutError,
+    ConfigError,
+    CorruptCheckpointError,
+)
 from .format import codec as fmt
 from .format import files
 from .format.records import CheckpointInfo, info_of
@@ -101,11 +107,18 @@ class TierCheckpointer:
     comm: Any
     _pipeline: Pipeline
 
-    def __init__(self, directory: str | os.PathLike, config: CheckpointConfig | None = None, *,
-                 registry: ProviderRegistry | None = None, communicator=None,
-                 share: "TierCheckpointer | None" = None,
-                 storage_options: Mapping[str, Any] | None = None, store: Store | None = None,
-                 policy: TierPolicy | None = None):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        config: CheckpointConfig | None = None,
+        *,
+        registry: ProviderRegistry | None = None,
+        communicator=None,
+        share: "TierCheckpointer | None" = None,
+        storage_options: Mapping[str, Any] | None = None,
+        store: Store | None = None,
+        policy: TierPolicy | None = None,
+    ):
         self.directory = normalize(directory)
         #: Where the checkpoints live: the local file system, or an object store for
         #: ``s3://bucket/prefix`` (endpoint and credentials from ``storage_options`` or the
@@ -115,8 +128,10 @@ class TierCheckpointer:
         if share is not None:
             share._check_open()
             if config is not None and config != share.config:
-                raise ConfigError("a Checkpointer created with share= uses the shared one's "
-                                  f"config; found a different one: {config}")
+                raise ConfigError(
+                    "a Checkpointer created with share= uses the shared one's "
+                    f"config; found a different one: {config}"
+                )
             self.config, self._pipeline = share.config, share._pipeline
             self.comm = communicator or share.comm
         else:
@@ -138,8 +153,9 @@ class TierCheckpointer:
             self._pipeline = Pipeline(self.config, self.comm)
         self._pending: list[SaveHandle] = []
         self._dropped: list[SaveHandle] = []  # finished with a failure nobody looked at
-        self._guarded: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Any]" = \
+        self._guarded: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Any]" = (
             weakref.WeakKeyDictionary()
+        )
         self._closed = False
         #: The committed checkpoints of the directory as last listed: each commit, ``list`` and
         #: ``latest`` list the directory but read only the manifests that changed since.
@@ -147,14 +163,23 @@ class TierCheckpointer:
         cfg = self.config
         #: Which checkpoints each commit keeps (``policy.retention``, else the config's).
         self.retention = self.policy.retention or RetentionPolicy(
-            cfg.keep_last, cfg.keep_every, cfg.keep_best, cfg.best_metric, cfg.best_mode)
+            cfg.keep_last, cfg.keep_every, cfg.keep_best, cfg.best_metric, cfg.best_mode
+        )
 
     # ------------------------------------------------------------ save
-    def save(self, state: Any, step: int | None = None, *, tag: str | None = None,
-             metadata: dict | None = None, overwrite: bool = False,
-             replicated: bool | Iterable[str] = False,
-             optimizers: Iterable[Any] = (), metrics: dict | None = None,
-             persist: bool | None = None) -> SaveHandle:
+    def save(
+        self,
+        state: Any,
+        step: int | None = None,
+        *,
+        tag: str | None = None,
+        metadata: dict | None = None,
+        overwrite: bool = False,
+        replicated: bool | Iterable[str] = False,
+        optimizers: Iterable[Any] = (),
+        metrics: dict | None = None,
+        persist: bool | None = None,
+    ) -> SaveHandle:
         """Start a checkpoint of ``state`` in this tier and return its handle
         (:meth:`datastates.Checkpointer.save`). ``persist=True``: the save is due for storage
         (``policy.check_name`` before, ``policy.on_commit`` after its commit)."""
@@ -170,23 +195,49 @@ class TierCheckpointer:
         deadline = time.monotonic() + self.config.commit_timeout_s
         cfg, policy = self.config, self.policy
         target = SaveTarget(
-            sid=sid, name=name, step=step, root=self.directory, rank=self.rank,
+            sid=sid,
+            name=name,
+            step=step,
+            root=self.directory,
+            rank=self.rank,
             tmp=self._publisher.tmp_location(self.directory, name, self.comm.run_id, sid.serial),
-            store=self.store, overwrite=overwrite, deadline=deadline,
-            timeout_s=cfg.commit_timeout_s, fsync=cfg.fsync, replica_check=cfg.replica_check,
-            retention=self.retention, catalog=self._catalog, comm=self.comm,
+            store=self.store,
+            overwrite=overwrite,
+            deadline=deadline,
+            timeout_s=cfg.commit_timeout_s,
+            fsync=cfg.fsync,
+            replica_check=cfg.replica_check,
+            retention=self.retention,
+            catalog=self._catalog,
+            comm=self.comm,
             exclusive=functools.partial(policy.released, name)
-            if overwrite and policy.released is not None else policy.exclusive,
+            if overwrite and policy.released is not None
+            else policy.exclusive,
             on_commit=functools.partial(policy.on_commit, overwrite=overwrite)
-            if persist and policy.on_commit is not None else None)
+            if persist and policy.on_commit is not None
+            else None,
+        )
         try:
-            job = self._plan_job(state, metadata, replicated, optimizers,
-                                 dataclasses.replace(target, metrics=check_metrics(metrics)), t0,
-                                 persist)
+            job = self._plan_job(
+                state,
+                metadata,
+                replicated,
+                optimizers,
+                dataclasses.replace(target, metrics=check_metrics(metrics)),
+                t0,
+                persist,
+            )
         except BaseException as exc:
-            failed = Job(target, flat=Flattened(tree={"t": "value", "v": None}),
-                         layout=plan_layout([], [], cfg.unit_bytes), write_tensors=[],
-                         objects=[], metadata={}, ready=None, t0=t0)
+            failed = Job(
+                target,
+                flat=Flattened(tree={"t": "value", "v": None}),
+                layout=plan_layout([], [], cfg.unit_bytes),
+                write_tensors=[],
+                objects=[],
+                metadata={},
+                ready=None,
+                t0=t0,
+            )
             failed.error = exc
             self._pipeline.submit_failed(failed)
             raise
@@ -199,30 +250,40 @@ class TierCheckpointer:
         self._pending.append(handle)
         items = job.flat.items
         job.stats.lazy_nbytes = sum(items.nbytes[i] for i in job.write_tensors if items.lazy[i])
-        if job.reads_lazy() and (self.config.lazy == "never" or
-                     (self.config.lazy == "auto" and not self._guarded)):
+        if job.reads_lazy() and (
+            self.config.lazy == "never" or (self.config.lazy == "auto" and not self._guarded)
+        ):
             job.captured.wait()
         else:
             job.eager_captured.wait()
         job.stats.blocked_s = time.perf_counter() - t0
         return handle
 
-    def _plan_job(self, state, metadata, replicated, optimizers, target: SaveTarget,
-                  t0: float, persist: bool | None = None) -> Job:
+    def _plan_job(
+        self,
+        state,
+        metadata,
+        replicated,
+        optimizers,
+        target: SaveTarget,
+        t0: float,
+        persist: bool | None = None,
+    ) -> Job:
         """Validate, walk and plan one save on the training thread (the part that may fail)."""
         if metadata is not None and not isinstance(metadata, dict):
             raise TypeError(f"metadata must be a dict, found {type(metadata).__qualname__}")
         check_depth(metadata or {})
         decoded = json.loads(fmt.encode_json(metadata or {}))
         if decoded != (metadata or {}):  # fail now, not in background
-            raise TypeError("metadata must survive a JSON round trip unchanged (string keys; "
-                            f"lists, not tuples): {metadata!r}")
+            raise TypeError(
+                "metadata must survive a JSON round trip unchanged (string keys; "
+                f"lists, not tuples): {metadata!r}"
+            )
         metadata = decoded  # exactly what a reader of the manifest will find
         self._publisher.check_name(self.directory, target.name, target.overwrite)
         if persist and self.policy.check_name is not None:
             self.policy.check_name(target.name, target.overwrite)
-        flat = flatten(state, self.registry,
-                       allow_unsafe=self.config.allow_unsafe_objects)
+        flat = flatten(state, self.registry, allow_unsafe=self.config.allow_unsafe_objects)
         items = flat.items
         check_dtypes(items)
         if self.policy.group is not None:
@@ -235,15 +296,27 @@ class TierCheckpointer:
         eager = [i for i in writes if not lazy[i]]
         writes = eager + [i for i in writes if lazy[i]]  # eager units first
         objects = list(items.blobs)  # in item order: added as the walk found them
-        layout = plan_layout([items.nbytes[i] for i in writes],
-                             [items.nbytes[i] for i in objects], self.config.unit_bytes,
-                             framed=True)
+        layout = plan_layout(
+            [items.nbytes[i] for i in writes],
+            [items.nbytes[i] for i in objects],
+            self.config.unit_bytes,
+            framed=True,
+        )
         self._publisher.hold(self.directory, self.comm.run_id, self.config.fsync)
         ready = self._pipeline.copier.record_ready([items.tensors[i] for i in writes])
-        return Job(target, flat=flat, layout=layout, write_tensors=writes, objects=objects,
-                   metadata=metadata, ready=ready, t0=t0,
-                   eager_units=units_holding(layout, len(eager)), eager_items=len(eager),
-                   digest_replicas=self.config.replica_check and self.world_size > 1)
+        return Job(
+            target,
+            flat=flat,
+            layout=layout,
+            write_tensors=writes,
+            objects=objects,
+            metadata=metadata,
+            ready=ready,
+            t0=t0,
+            eager_units=units_holding(layout, len(eager)),
+            eager_items=len(eager),
+            digest_replicas=self.config.replica_check and self.world_size > 1,
+        )
 
     def guard(self, optimizer: Any) -> None:
         """Make ``optimizer.step()`` wait until in-flight snapshots are captured (idempotent).
@@ -257,8 +330,10 @@ class TierCheckpointer:
         """
         opt = capture.torch_optimizer(optimizer)
         if opt is None:
-            raise TypeError(f"guard(): {type(optimizer).__qualname__} is not a torch optimizer "
-                            "and has no .optimizer attribute leading to one")
+            raise TypeError(
+                f"guard(): {type(optimizer).__qualname__} is not a torch optimizer "
+                "and has no .optimizer attribute leading to one"
+            )
         if opt in self._guarded:
             return
         self._guarded[opt] = capture.add_step_waiter(opt, self._before_step)
@@ -266,8 +341,10 @@ class TierCheckpointer:
     def _decide_capture(self, flat, optimizers: Iterable[Any]) -> None:
         """Guard the optimizers part of this save and decide lazy/eager for every tensor."""
         in_save: builtins.list[torch.optim.Optimizer] = []
-        for found, given in [*((True, o) for o in flat.optimizers),
-                             *((False, o) for o in optimizers)]:
+        for found, given in [
+            *((True, o) for o in flat.optimizers),
+            *((False, o) for o in optimizers),
+        ]:
             opt = capture.torch_optimizer(given)
             if opt is None:  # an optimizer in the state that cannot be guarded: eager tensors
                 if not found:
@@ -314,11 +391,21 @@ class TierCheckpointer:
         self._publisher.check_name(self.directory, name, overwrite)
 
     # ------------------------------------------------------------ restore
-    def restore(self, state: Any, step: int | None = None, *, tag: str | None = None,
-                keys=None, strict: bool = True, verify: bool | None = None,
-                trusted: bool = False, safe_globals: Iterable[Any] = (),
-                rank_policy: str = "strict", cast: bool = False,
-                fallback: bool = False) -> RestoreReport:
+    def restore(
+        self,
+        state: Any,
+        step: int | None = None,
+        *,
+        tag: str | None = None,
+        keys=None,
+        strict: bool = True,
+        verify: bool | None = None,
+        trusted: bool = False,
+        safe_globals: Iterable[Any] = (),
+        rank_policy: str = "strict",
+        cast: bool = False,
+        fallback: bool = False,
+    ) -> RestoreReport:
         """Restore a committed checkpoint of this tier (the latest if no step/tag) into the live
         ``state`` (:meth:`datastates.Checkpointer.restore`)."""
         check_target("restore", step, tag)
@@ -326,35 +413,94 @@ class TierCheckpointer:
         passed: list[DamagedCheckpoint] = []
         if fallback:
             return self._with_fallback(
-                step, tag, trusted, safe_globals, None, rank_policy, "restore()", passed,
+                step,
+                tag,
+                trusted,
+                safe_globals,
+                None,
+                rank_policy,
+                "restore()",
+                passed,
                 lambda r: r.plan_restore(state, keys=keys, strict=strict, cast=cast),
-                lambda r, plan: r.apply(plan))
+                lambda r, plan: r.apply(plan),
+            )
         rereads: list[str] = []
-        report = self._read(step, tag, verify, trusted, safe_globals, None, rank_policy,
-                            "restore()", passed, rereads, lambda reader: reader.restore_into(
-                                state, keys=keys, strict=strict, cast=cast))
+        report = self._read(
+            step,
+            tag,
+            verify,
+            trusted,
+            safe_globals,
+            None,
+            rank_policy,
+            "restore()",
+            passed,
+            rereads,
+            lambda reader: reader.restore_into(state, keys=keys, strict=strict, cast=cast),
+        )
         report.passed_over = [d.name for d in passed]
         report.rereads = rereads
         return report
 
-    def load(self, step: int | None = None, *, tag: str | None = None, keys=None,
-             map_location: Any = None, verify: bool | None = None, trusted: bool = False,
-             safe_globals: Iterable[Any] = (), rank_policy: str = "strict",
-             dtype: torch.dtype | None = None, fallback: bool = False) -> Any:
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        tag: str | None = None,
+        keys=None,
+        map_location: Any = None,
+        verify: bool | None = None,
+        trusted: bool = False,
+        safe_globals: Iterable[Any] = (),
+        rank_policy: str = "strict",
+        dtype: torch.dtype | None = None,
+        fallback: bool = False,
+    ) -> Any:
         """Load a committed checkpoint of this tier into new objects
         (:meth:`datastates.Checkpointer.load`)."""
         check_target("load", step, tag)
         step, tag = self._target(step, tag, fallback)
         if fallback:
             return self._with_fallback(
-                step, tag, trusted, safe_globals, map_location, rank_policy, "load()", None,
+                step,
+                tag,
+                trusted,
+                safe_globals,
+                map_location,
+                rank_policy,
+                "load()",
+                None,
                 lambda r: r.plan_load(keys=keys, dtype=dtype),
-                lambda r, planned: r.finish_load(*planned))
-        return self._read(step, tag, verify, trusted, safe_globals, map_location, rank_policy,
-                          "load()", None, [], lambda reader: reader.load(keys=keys, dtype=dtype))
+                lambda r, planned: r.finish_load(*planned),
+            )
+        return self._read(
+            step,
+            tag,
+            verify,
+            trusted,
+            safe_globals,
+            map_location,
+            rank_policy,
+            "load()",
+            None,
+            [],
+            lambda reader: reader.load(keys=keys, dtype=dtype),
+        )
 
-    def _read(self, step, tag, verify, trusted, safe_globals, map_location, rank_policy,
-              caller: str, passed: list | None, rereads: list[str], read):
+    def _read(
+        self,
+        step,
+        tag,
+        verify,
+        trusted,
+        safe_globals,
+        map_location,
+        rank_policy,
+        caller: str,
+        passed: list | None,
+        rereads: list[str],
+        read,
+    ):
         """``read(reader)`` on the checkpoint asked for. Finding the latest, each damaged
         checkpoint passed over is logged as a WARNING naming ``caller``, and appended to
         ``passed``.
@@ -380,27 +526,51 @@ class TierCheckpointer:
                 log_passed_over(skipped, info, caller)
                 if passed is not None:
                     passed.extend(d for d in skipped if d not in passed)
-                with Reader(info.path, manifest=self._catalog.manifest(info) if latest else None,
-                            registry=self.registry, rank=self.rank, store=self.store,
-                            world_size=self.world_size, threads=self.config.reader_threads,
-                            verify=self.config.verify if verify is None else verify,
-                            trusted=trusted, safe_globals=safe_globals,
-                            map_location=map_location, rank_policy=rank_policy,
-                            view=True) as reader:
+                with Reader(
+                    info.path,
+                    manifest=self._catalog.manifest(info) if latest else None,
+                    registry=self.registry,
+                    rank=self.rank,
+                    store=self.store,
+                    world_size=self.world_size,
+                    threads=self.config.reader_threads,
+                    verify=self.config.verify if verify is None else verify,
+                    trusted=trusted,
+                    safe_globals=safe_globals,
+                    map_location=map_location,
+                    rank_policy=rank_policy,
+                    view=True,
+                ) as reader:
                     result = read(reader)
                 if isinstance(result, RestoreReport):  # found at another path (set_aside)
                     result.name = info.name
                 return result
             except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-                name = info.name if info is not None else fmt.check_name(tag) \
-                    if tag is not None else fmt.step_name(step) if step is not None else None
-                if len(rereads) >= _REREADS or self.world_size > 1 or name is None or \
-                        not self._replaced(name, info):
+                name = (
+                    info.name
+                    if info is not None
+                    else fmt.check_name(tag)
+                    if tag is not None
+                    else fmt.step_name(step)
+                    if step is not None
+                    else None
+                )
+                if (
+                    len(rereads) >= _REREADS
+                    or self.world_size > 1
+                    or name is None
+                    or not self._replaced(name, info)
+                ):
                     raise  # (several ranks re-reading on their own could restore two commits)
                 rereads.append(f"{name}: {type(exc).__name__}: {exc}")
-                log.warning("%s: the checkpoint %s was replaced or deleted by another process "
-                            "while it was read (%s: %s); finding and reading it again",
-                            caller, name, type(exc).__name__, exc)
+                log.warning(
+                    "%s: the checkpoint %s was replaced or deleted by another process "
+                    "while it was read (%s: %s); finding and reading it again",
+                    caller,
+                    name,
+                    type(exc).__name__,
+                    exc,
+                )
 
     def _replaced(self, name: str, info: CheckpointInfo | None) -> bool:
         """Whether the checkpoint ``name`` read as ``info`` now describes another commit or is
@@ -413,17 +583,30 @@ class TierCheckpointer:
             return False
         return info is None or (now.seq, now.created_unix) != (info.seq, info.created_unix)
 
-    def _with_fallback(self, step, tag, trusted, safe_globals, map_location, rank_policy,
-                       caller: str, passed: list | None, plan, finish):
+    def _with_fallback(
+        self,
+        step,
+        tag,
+        trusted,
+        safe_globals,
+        map_location,
+        rank_policy,
+        caller: str,
+        passed: list | None,
+        plan,
+        finish,
+    ):
         """``restore``/``load`` with ``fallback=True``: ``plan(reader)`` on each candidate,
         verified, agreed (restore/resume.py), then ``finish(reader, planned)``."""
         policy = self.policy
         self._check_open()
         try:  # a rank refused here still answers the rounds' exchange (resume.refuse)
             if step is not None or tag is not None:
-                raise ConfigError(f"{caller}: fallback=True restores the newest intact "
-                                  f"checkpoint; it takes no step= or tag= (found step={step!r}, "
-                                  f"tag={tag!r})")
+                raise ConfigError(
+                    f"{caller}: fallback=True restores the newest intact "
+                    f"checkpoint; it takes no step= or tag= (found step={step!r}, "
+                    f"tag={tag!r})"
+                )
             check_rank_policy(rank_policy)
             self._pipeline.drain()
         except Exception as exc:
@@ -433,42 +616,70 @@ class TierCheckpointer:
         def open_reader(info):
             prechecked = self.policy.prechecked is not None and self.policy.prechecked(info)
             if prechecked:
-                log.info("%s: %s was checked by the memory keeper after its last write; "
-                         "copying it without checksumming again", caller, info.name)
-            return Reader(info.path, manifest=self._catalog.manifest(info),
-                          registry=self.registry, rank=self.rank, store=self.store,
-                          world_size=self.world_size, threads=self.config.reader_threads,
-                          verify=not prechecked, trusted=trusted, safe_globals=safe_globals,
-                          map_location=map_location, rank_policy=rank_policy, view=True)
+                log.info(
+                    "%s: %s was checked by the memory keeper after its last write; "
+                    "copying it without checksumming again",
+                    caller,
+                    info.name,
+                )
+            return Reader(
+                info.path,
+                manifest=self._catalog.manifest(info),
+                registry=self.registry,
+                rank=self.rank,
+                store=self.store,
+                world_size=self.world_size,
+                threads=self.config.reader_threads,
+                verify=not prechecked,
+                trusted=trusted,
+                safe_globals=safe_globals,
+                map_location=map_location,
+                rank_policy=rank_policy,
+                view=True,
+            )
 
         def prepare(reader):
             planned = plan(reader)
             if policy.optimistic:
                 return planned, 0
-            return planned, reader.verify_planned(planned[0] if isinstance(planned, tuple)
-                                                  else planned)
+            return planned, reader.verify_planned(
+                planned[0] if isinstance(planned, tuple) else planned
+            )
 
         def quarantine(name, reason):
             read = self._catalog.info(name)
             if read is not None and self._replaced(name, read):
-                log.warning("%s: the checkpoint %s was replaced or deleted by another process "
-                            "while it was read (%s); what is there now is not moved aside",
-                            caller, name, reason)
+                log.warning(
+                    "%s: the checkpoint %s was replaced or deleted by another process "
+                    "while it was read (%s); what is there now is not moved aside",
+                    caller,
+                    name,
+                    reason,
+                )
                 return None
             try:
-                return self._publisher.quarantine(self.directory, name, reason,
-                                                  self.config.fsync)
+                return self._publisher.quarantine(self.directory, name, reason, self.config.fsync)
             except OSError as exc:  # also CheckpointNotFoundError: deleted meanwhile
-                log.warning("%s: could not move the damaged checkpoint %s aside: %s", caller,
-                            name, exc)
+                log.warning(
+                    "%s: could not move the damaged checkpoint %s aside: %s", caller, name, exc
+                )
                 return None
 
         reader, planned, skipped, nbytes, seconds = resume.choose(
-            self._catalog, policy.agree or self.comm, open_reader=open_reader, prepare=prepare,
-            quarantine=quarantine, timeout_s=self.config.commit_timeout_s, caller=caller,
-            apply=finish if policy.optimistic else None, order=policy.order,
-            eligible=policy.eligible, mover=lambda ranks: self.rank == 0 and (
-                policy.group is None or not policy.group.isdisjoint(ranks)))
+            self._catalog,
+            policy.agree or self.comm,
+            open_reader=open_reader,
+            prepare=prepare,
+            quarantine=quarantine,
+            timeout_s=self.config.commit_timeout_s,
+            caller=caller,
+            apply=finish if policy.optimistic else None,
+            order=policy.order,
+            eligible=policy.eligible,
+            mover=lambda ranks: (
+                self.rank == 0 and (policy.group is None or not policy.group.isdisjoint(ranks))
+            ),
+        )
         with reader:
             used = info_of(reader.dir, reader.manifest)
             damaged = self._catalog.passed_over(used)
@@ -571,9 +782,10 @@ class TierCheckpointer:
             self.comm.exchange("open", {}, self.config.commit_timeout_s)
         except TimeoutError as exc:
             self._publisher.close()
-            raise CommitTimeoutError(f"Checkpointer({self.directory!r}) on rank {self.rank}: "
-                                     f"every rank must construct it: {exc}") from None
-
+            raise CommitTimeoutError(
+                f"Checkpointer({self.directory!r}) on rank {self.rank}: "
+                f"every rank must construct it: {exc}"
+            ) from None
 
     def _tensors_to_write(self, items: Items, tensors: builtins.list[int]) -> builtins.list[int]:
         if items.secondary:
@@ -606,15 +818,19 @@ class TierCheckpointer:
             handle = self._dropped.pop(0)
             err = handle.exception()
             if err is not None:
-                warnings.warn(f"datastates: an earlier checkpoint {handle.name!r} failed: {err!r}",
-                              RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    f"datastates: an earlier checkpoint {handle.name!r} failed: {err!r}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
 
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointerClosedError(f"the Checkpointer of {self.directory} is closed")
         if self._pipeline.closed:
-            raise CheckpointerClosedError(f"the Checkpointer whose pipeline the one of "
-                                          f"{self.directory} shares was closed")
+            raise CheckpointerClosedError(
+                f"the Checkpointer whose pipeline the one of {self.directory} shares was closed"
+            )
 
 
 def wait_all(handles: Iterable[SaveHandle]) -> builtins.list[CheckpointInfo]:
@@ -648,15 +864,18 @@ def _check_unsharded(items: Items) -> None:
     sharded tensor (TensorShard, DTensor), whose other boxes are on other nodes."""
     sharded = [items.keys[i] for i, (shape, _) in items.boxes.items() if shape != items.shapes[i]]
     if sharded:
-        raise ConfigError(f"the memory tier on several nodes keeps per-rank and replicated "
-                          f"tensors; found {len(sharded)} sharded tensor(s) (TensorShard, "
-                          f"DTensor), first {sharded[0]!r}: save them with persist=True, or run "
-                          "the memory tier on one node (docs/memory-tier.md, Several nodes)")
+        raise ConfigError(
+            f"the memory tier on several nodes keeps per-rank and replicated "
+            f"tensors; found {len(sharded)} sharded tensor(s) (TensorShard, "
+            f"DTensor), first {sharded[0]!r}: save them with persist=True, or run "
+            "the memory tier on one node (docs/memory-tier.md, Several nodes)"
+        )
 
 
 def default_communicator():
     """The communicator of the default process group's ranks, or of this process alone."""
     import torch.distributed as dist
+
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return StoreCommunicator.from_process_group()
     return LocalCommunicator()

@@ -4,6 +4,7 @@ Every class also subclasses the matching built-in exception, so code that alread
 ``FileNotFoundError`` or ``ValueError`` keeps working. Messages say what was expected, what was found
 and where (file, offset, rank, key).
 """
+
 from __future__ import annotations
 
 

@@ -40,6 +40,7 @@ Store keys, under the Checkpointer's run's prefix::
     preemption/<n>/stop    the agreed StopPlan of the n-th one                 every rank (claim)
     preemption/<n>/done    ranks done with the n-th one; the last deletes both every rank (add)
 """
+
 from __future__ import annotations
 
 import json
@@ -64,8 +65,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("datastates")
 
 #: The signals handled by default: what schedulers send before they kill a job.
-DEFAULT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1")
-                        if hasattr(signal, name))
+DEFAULT_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)
+)
 #: Default grace period, in seconds: under the 30 s that SLURM (``KillWait``) and Kubernetes
 #: (``terminationGracePeriodSeconds``) leave by default between the signal and the kill.
 DEFAULT_GRACE_S = 25.0
@@ -86,8 +88,9 @@ class StopPlan:
     rank: int
 
     def to_json(self) -> str:
-        return json.dumps({"step": self.step, "signum": self.signum, "rank": self.rank},
-                          sort_keys=True)
+        return json.dumps(
+            {"step": self.step, "signum": self.signum, "rank": self.rank}, sort_keys=True
+        )
 
     @classmethod
     def parse(cls, raw: bytes, where: str) -> "StopPlan":
@@ -131,8 +134,12 @@ class Preemption:
     passed that of ``s``. Alone, the stop step is the step at which the signal is found.
     """
 
-    def __init__(self, checkpointer: "Checkpointer", signals: Iterable[int] = DEFAULT_SIGNALS,
-                 grace_s: float | None = DEFAULT_GRACE_S):
+    def __init__(
+        self,
+        checkpointer: "Checkpointer",
+        signals: Iterable[int] = DEFAULT_SIGNALS,
+        grace_s: float | None = DEFAULT_GRACE_S,
+    ):
         _check_main_thread("Preemption()")
         self._signals = _check_signals(signals)
         _check_no_other(self._signals)
@@ -140,11 +147,11 @@ class Preemption:
         self.grace_s = _check_grace(grace_s)
         self._ckpt = checkpointer
         self._keys = _instance_keys(checkpointer)  # (plan, done), or None: no store reached
-        self._signum: int | None = None    # the first signal this rank received
+        self._signum: int | None = None  # the first signal this rank received
         self._deadline: float | None = None
         self._plan: StopPlan | None = None
-        self._overdue = False              # set by the watcher once the grace period is over
-        self._restored = False             # the previous handlers are back
+        self._overdue = False  # set by the watcher once the grace period is over
+        self._restored = False  # the previous handlers are back
         self._closed = False
         # One-element lists popped as an atomic test-and-set: a handler can interrupt the main
         # thread between two bytecodes, never inside list.pop().
@@ -152,8 +159,9 @@ class Preemption:
         self._main = threading.get_ident()  # the main thread's (checked above)
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
-        self._watcher = threading.Thread(target=self._watch, name="datastates-preemption",
-                                         daemon=True)
+        self._watcher = threading.Thread(
+            target=self._watch, name="datastates-preemption", daemon=True
+        )
         self._watcher.start()
         self._previous: dict[int, Any] = {}
         try:
@@ -193,10 +201,15 @@ class Preemption:
         if self._plan is None:
             self._plan = self._agree(step)
             if self._plan is not None and step > self._plan.step:
-                log.warning("datastates: rank %d learned of the stop at step %d, after the agreed "
-                            "step %d (set by rank %d): the ranks are more than one step apart, so "
-                            "their last saves differ", self._ckpt.rank, step, self._plan.step,
-                            self._plan.rank)
+                log.warning(
+                    "datastates: rank %d learned of the stop at step %d, after the agreed "
+                    "step %d (set by rank %d): the ranks are more than one step apart, so "
+                    "their last saves differ",
+                    self._ckpt.rank,
+                    step,
+                    self._plan.step,
+                    self._plan.rank,
+                )
         return self._plan is not None and step >= self._plan.step
 
     def time_left(self) -> float | None:
@@ -217,8 +230,11 @@ class Preemption:
         try:
             self._ckpt.wait()
         except Exception as exc:  # the process ends anyway: say what was lost
-            log.error("datastates: a save failed before the process ends on rank %d: %r",
-                      self._ckpt.rank, exc)
+            log.error(
+                "datastates: a save failed before the process ends on rank %d: %r",
+                self._ckpt.rank,
+                exc,
+            )
         self._done()
         try:
             self._pass_on()  # a Python handler may raise here (SystemExit, KeyboardInterrupt)
@@ -257,13 +273,17 @@ class Preemption:
                     return None
             else:
                 lead = 0 if self._ckpt.world_size == 1 else 1  # alone: stop at this step
-                raw = claim(store, key, StopPlan(step + lead, signum,
-                                                 self._ckpt.rank).to_json())
+                raw = claim(store, key, StopPlan(step + lead, signum, self._ckpt.rank).to_json())
         except Exception as exc:
             if signum is None:
                 return None
-            log.warning("datastates: rank %d could not reach the coordination store (%r): it "
-                        "stops alone at step %d", self._ckpt.rank, exc, step)
+            log.warning(
+                "datastates: rank %d could not reach the coordination store (%r): it "
+                "stops alone at step %d",
+                self._ckpt.rank,
+                exc,
+                step,
+            )
             return StopPlan(step, signum, self._ckpt.rank)
         return StopPlan.parse(raw, f"the stop plan {key!r} in the coordination store")
 
@@ -290,8 +310,7 @@ class Preemption:
         try:
             self._first.pop()
         except IndexError:  # a further signal: passed on only once the grace period is over
-            if self._overdue or (self._deadline is not None
-                                 and time.monotonic() >= self._deadline):
+            if self._overdue or (self._deadline is not None and time.monotonic() >= self._deadline):
                 self._pass_on()
             return
         if self.grace_s is not None:
@@ -330,16 +349,26 @@ class Preemption:
             return  # closed before any signal
         name = _name(signum)
         limit = "no time limit" if self._deadline is None else f"within {self.grace_s:g} s"
-        log.warning("datastates: %s received on rank %d: the loop stops at its next safe point "
-                    "(Preemption.requested), %s", name, self._ckpt.rank, limit)
+        log.warning(
+            "datastates: %s received on rank %d: the loop stops at its next safe point "
+            "(Preemption.requested), %s",
+            name,
+            self._ckpt.rank,
+            limit,
+        )
         left = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
         ready, _, _ = select.select([self._read_fd], [], [], left)
         if ready or self._restored:
             return  # exit() or close() took over
         self._overdue = True
-        log.warning("datastates: the grace period of %g s after %s is over on rank %d and "
-                    "exit() has not passed the signal on: passing it on now (saves still in "
-                    "flight are not committed)", self.grace_s, name, self._ckpt.rank)
+        log.warning(
+            "datastates: the grace period of %g s after %s is over on rank %d and "
+            "exit() has not passed the signal on: passing it on now (saves still in "
+            "flight are not committed)",
+            self.grace_s,
+            name,
+            self._ckpt.rank,
+        )
         try:
             signal.pthread_kill(self._main, signum)
         except OSError:  # the main thread has ended: so does the process
@@ -370,8 +399,12 @@ def _instance_keys(checkpointer: "Checkpointer") -> tuple[str, str] | None:
     try:
         n = store.add(MADE_KEY.format(rank=rank), 1)
     except Exception as exc:  # noqa: BLE001 - a signal then stops this rank alone
-        log.warning("datastates: rank %d could not reach the coordination store (%r): a signal "
-                    "stops it alone, at the step where it is found", rank, exc)
+        log.warning(
+            "datastates: rank %d could not reach the coordination store (%r): a signal "
+            "stops it alone, at the step where it is found",
+            rank,
+            exc,
+        )
         return None
     return PLAN_KEY.format(n=n), DONE_KEY.format(n=n)
 
@@ -385,18 +418,26 @@ def _name(signum: int) -> str:
 
 def _check_main_thread(what: str) -> None:
     if threading.current_thread() is not threading.main_thread():
-        raise ConfigError(f"{what} must be called on the main thread, where Python runs signal "
-                          f"handlers; found thread {threading.current_thread().name!r}")
+        raise ConfigError(
+            f"{what} must be called on the main thread, where Python runs signal "
+            f"handlers; found thread {threading.current_thread().name!r}"
+        )
 
 
 def _check_signals(signals: Iterable[int]) -> tuple[int, ...]:
     found = tuple(signals)
     uncatchable = {getattr(signal, n) for n in ("SIGKILL", "SIGSTOP") if hasattr(signal, n)}
     for signum in found:
-        if isinstance(signum, bool) or not isinstance(signum, int) or \
-                signum not in signal.valid_signals() or signum in uncatchable:
-            raise ConfigError(f"signals must be signal numbers that can be caught (SIGKILL and "
-                              f"SIGSTOP cannot), found {signum!r} in {found!r}")
+        if (
+            isinstance(signum, bool)
+            or not isinstance(signum, int)
+            or signum not in signal.valid_signals()
+            or signum in uncatchable
+        ):
+            raise ConfigError(
+                f"signals must be signal numbers that can be caught (SIGKILL and "
+                f"SIGSTOP cannot), found {signum!r} in {found!r}"
+            )
     if not found:
         raise ConfigError("signals must name at least one signal, found none")
     return tuple(dict.fromkeys(int(s) for s in found))
@@ -405,10 +446,15 @@ def _check_signals(signals: Iterable[int]) -> tuple[int, ...]:
 def _check_grace(grace_s) -> float | None:
     if grace_s is None:
         return None
-    if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or \
-            not math.isfinite(grace_s) or grace_s <= 0:
-        raise ConfigError(f"grace_s must be a positive number of seconds or None, "
-                          f"found {grace_s!r}")
+    if (
+        isinstance(grace_s, bool)
+        or not isinstance(grace_s, (int, float))
+        or not math.isfinite(grace_s)
+        or grace_s <= 0
+    ):
+        raise ConfigError(
+            f"grace_s must be a positive number of seconds or None, found {grace_s!r}"
+        )
     return float(grace_s)
 
 
@@ -420,7 +466,8 @@ def _check_no_other(signals: Iterable[int]) -> None:
         handler = signal.getsignal(signum)
         other = getattr(handler, "__self__", None)
         if isinstance(other, Preemption) and not other._restored:
-            raise ConfigError(f"Preemption(): expected no other open Preemption handling "
-                              f"{signal.Signals(signum).name} in this process, found one on "
-                              f"{other._ckpt.directory}; close() it first")
-
+            raise ConfigError(
+                f"Preemption(): expected no other open Preemption handling "
+                f"{signal.Signals(signum).name} in this process, found one on "
+                f"{other._ckpt.directory}; close() it first"
+            )

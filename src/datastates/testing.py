@@ -23,6 +23,7 @@ that object nor anything else in the restored state; and if ``make_forged_state`
 the provider must refuse as damaged, a checkpoint holding it under the provider's name makes
 ``restore()`` and ``load()`` raise ``CorruptCheckpointError`` naming its key, with nothing changed.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -96,9 +97,11 @@ class ProviderConformance:
 
     def _checkpointer(self, tmp_path) -> Checkpointer:
         registry = self._registry()
-        return Checkpointer(tmp_path / "ckpt", CheckpointConfig(host_cache_bytes=1 << 20,
-                                                                chunk_bytes=1 << 16),
-                            registry=registry)
+        return Checkpointer(
+            tmp_path / "ckpt",
+            CheckpointConfig(host_cache_bytes=1 << 20, chunk_bytes=1 << 16),
+            registry=registry,
+        )
 
     def test_name_and_can_handle(self):
         provider = self.make_provider()
@@ -150,6 +153,7 @@ class ProviderConformance:
 
     def test_forged_state_is_refused_before_anything_changes(self, tmp_path):
         import pytest
+
         forged = self.make_forged_state()
         if forged is None:
             pytest.skip("make_forged_state() not given")
@@ -171,14 +175,16 @@ class ProviderConformance:
 
     def test_strict_restore_into_a_mismatch_changes_nothing(self, tmp_path):
         import pytest
+
         if self.make_mismatched_object() is None:
             pytest.skip("make_mismatched_object() not given")
         target, reference = self.make_mismatched_object(), self.make_mismatched_object()
         other = torch.zeros(16)
         live = {"tensor": other, "value": 0, "obj": target}
         with self._checkpointer(tmp_path) as ckpt:
-            ckpt.save({"tensor": torch.arange(16.0), "value": 1, "obj": self.make_object(9)},
-                      step=1).wait()
+            ckpt.save(
+                {"tensor": torch.arange(16.0), "value": 1, "obj": self.make_object(9)}, step=1
+            ).wait()
             with pytest.raises(StateMismatchError, match="obj"):
                 ckpt.restore(live)
         assert torch.equal(other, torch.zeros(16)) and live["value"] == 0
@@ -212,6 +218,7 @@ class StoreConformance:
     def _open(self, tmp_path):
         from .commit.publish import publisher_for
         from .storage import normalize, open_store
+
         root, options = self.make_root(tmp_path)
         root = normalize(root)
         store = open_store(root, options)
@@ -237,6 +244,7 @@ class StoreConformance:
 
     def test_write_new_refuses_an_existing_file(self, tmp_path):
         import pytest
+
         root, _, store, _ = self._open(tmp_path)
         store.makedirs(root, True)
         path = store.join(root, "once.bin")
@@ -247,12 +255,14 @@ class StoreConformance:
 
     def test_save_restores_bit_exact(self, tmp_path):
         root, options, _, _ = self._open(tmp_path)
-        saved = {"w": torch.randn(64, 33, generator=torch.Generator().manual_seed(1)),
-                 "i": torch.arange(100, dtype=torch.int64), "value": 7}
+        saved = {
+            "w": torch.randn(64, 33, generator=torch.Generator().manual_seed(1)),
+            "i": torch.arange(100, dtype=torch.int64),
+            "value": 7,
+        }
         with self._checkpointer(root, options) as ckpt:
             info = ckpt.save(saved, step=3).wait()
-            live = {"w": torch.zeros(64, 33), "i": torch.zeros(100, dtype=torch.int64),
-                    "value": 0}
+            live = {"w": torch.zeros(64, 33), "i": torch.zeros(100, dtype=torch.int64), "value": 0}
             ckpt.restore(live)
             assert [(i.name, i.seq) for i in ckpt.list()] == [(info.name, 1)]
         assert torch.equal(live["w"].view(torch.int32), saved["w"].view(torch.int32))
@@ -260,6 +270,7 @@ class StoreConformance:
 
     def test_a_temporary_location_is_never_listed_and_ages_out(self, tmp_path):
         from .commit.catalog import Catalog
+
         root, _, store, publisher = self._open(tmp_path)
         tmp = publisher.tmp_location(root, "step-0000000001", "a-run-that-died", 0)
         store.makedirs(root, True)
@@ -275,6 +286,7 @@ class StoreConformance:
     def test_a_committed_name_is_replaced_only_with_overwrite(self, tmp_path):
         import pytest
         from .errors import CheckpointExistsError
+
         root, options, store, _ = self._open(tmp_path)
         with self._checkpointer(root, options) as ckpt:
             ckpt.save({"x": torch.full((8,), 1.0)}, tag="best").wait()
@@ -293,6 +305,7 @@ class StoreConformance:
     def test_delete_removes_checkpoints_only(self, tmp_path):
         import pytest
         from .errors import CheckpointNotFoundError
+
         root, options, store, publisher = self._open(tmp_path)
         with self._checkpointer(root, options) as ckpt:
             ckpt.save({"x": torch.ones(4)}, step=1).wait()
@@ -311,6 +324,7 @@ class StoreConformance:
 
     def test_a_damaged_checkpoint_is_replaced_by_a_new_save(self, tmp_path):
         from .format import codec as fmt
+
         root, options, store, _ = self._open(tmp_path)
         with self._checkpointer(root, options) as ckpt:
             ckpt.save({"x": torch.ones(4)}, step=1).wait()
@@ -328,6 +342,7 @@ class StoreConformance:
         overwrite, is damaged without its part (and then replaced by a new save of its name),
         and is deleted with every file of it."""
         from .format import codec as fmt
+
         root, options, store, publisher = self._open(tmp_path)
         ckpt = store.join(root, "step-0000000001")
         saved = fmt.SPLIT_BYTES
@@ -343,8 +358,9 @@ class StoreConformance:
             assert len(parts) == 1, _files_under(store, ckpt)  # the old one left with its data
             store.remove(store.join(ckpt, parts[0]))
             with self._checkpointer(root, options) as ckpt_2:
-                assert ckpt_2.list() == [] and [d.name for d in ckpt_2.damaged()] == \
-                    ["step-0000000001"]
+                assert ckpt_2.list() == [] and [d.name for d in ckpt_2.damaged()] == [
+                    "step-0000000001"
+                ]
                 ckpt_2.save({"x": torch.arange(10.0) + 2}, step=1).wait()
                 assert torch.equal(ckpt_2.load(step=1)["x"], torch.arange(10.0) + 2)
         finally:

@@ -1,5 +1,6 @@
 """The pairing logic of benchmarks/bench_e2e.py: which no-checkpoint loops each checkpointing loop
 is compared with, and the summary built from them (fake loop results; no timing is asserted)."""
+
 from __future__ import annotations
 
 import sys
@@ -15,8 +16,12 @@ from benchmarks import bench_e2e  # noqa: E402
 
 def test_each_loop_is_compared_with_the_baselines_around_it(monkeypatch):
     calls = []
-    wall = {"none": iter([10.0, 20.0, 30.0]), "a": iter([15.0]), "b": iter([50.0]),
-            "c": iter([60.0])}
+    wall = {
+        "none": iter([10.0, 20.0, 30.0]),
+        "a": iter([15.0]),
+        "b": iter([50.0]),
+        "c": iter([60.0]),
+    }
 
     def fake(mode, steps, workdir, src):
         calls.append((mode, src))
@@ -61,8 +66,12 @@ def test_limit_saver_writes_each_state_and_keeps_three(tmp_path):
 
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    s = {"model": model, "opt": opt, "sched": torch.optim.lr_scheduler.StepLR(opt, 1),
-         "loader": type("L", (), {"state_dict": lambda self: {"pos": 0}})()}
+    s = {
+        "model": model,
+        "opt": opt,
+        "sched": torch.optim.lr_scheduler.StepLR(opt, 1),
+        "loader": type("L", (), {"state_dict": lambda self: {"pos": 0}})(),
+    }
     saver = bench_e2e.LimitSaver(str(tmp_path / "limit"))
     try:
         for step in range(1, 6):
@@ -109,10 +118,21 @@ def test_gc_pauses_counts_objects_promoted_to_the_oldest_generation():
 
 
 def test_summary_and_table_carry_the_gc_columns(capsys):
-    rounds = [{"none": [{"total_s": 10.0, "cpu_s": 20.0, "gc_ms": 0.0, "full_gcs": 0}],
-               "a": {"total_s": 12.0, "cpu_s": 24.0, "base_total_s": 10.0, "base_cpu_s": 20.0,
-                     "gc_ms": 150.0, "full_gcs": 1, "young_gcs": 12,
-                     "promoted_per_step": 4700.4}}]
+    rounds = [
+        {
+            "none": [{"total_s": 10.0, "cpu_s": 20.0, "gc_ms": 0.0, "full_gcs": 0}],
+            "a": {
+                "total_s": 12.0,
+                "cpu_s": 24.0,
+                "base_total_s": 10.0,
+                "base_cpu_s": 20.0,
+                "gc_ms": 150.0,
+                "full_gcs": 1,
+                "young_gcs": 12,
+                "promoted_per_step": 4700.4,
+            },
+        }
+    ]
     summary = bench_e2e.summarize(rounds, ["a"])
     assert summary["a"]["gc_ms"] == 150.0 and summary["a"]["full_gcs"] == 1
     bench_e2e.print_table({"steps": 1, "reps": 1, "summary": summary})

@@ -1,5 +1,6 @@
 """Unit tests of the benchmark suite's pure parts: statistics, pairing, memory plan, analysis,
 states, the Pending timing contract, and the run without matplotlib."""
+
 from __future__ import annotations
 
 import json
@@ -27,9 +28,11 @@ def test_summarize_ignores_missing_and_non_finite():
 
 
 def test_paired_ratios_only_within_a_round():
-    rounds = [{"a": {"t": 2.0}, "ref": {"t": 1.0}},
-              {"a": {"t": 9.0}},                        # no reference in this round: skipped
-              {"a": {"t": 3.0}, "ref": {"t": 3.0}}]
+    rounds = [
+        {"a": {"t": 2.0}, "ref": {"t": 1.0}},
+        {"a": {"t": 9.0}},  # no reference in this round: skipped
+        {"a": {"t": 3.0}, "ref": {"t": 3.0}},
+    ]
     assert common.paired_ratios(rounds, "t", "a", "ref") == [2.0, 1.0]
 
 
@@ -41,8 +44,12 @@ def test_rotated_puts_every_item_first_once():
 
 
 def test_memory_plan_and_scaling():
-    plan = MemoryPlan(state_bytes=10 * common.GiB, held_factor=2.0, transient_factor=1.0,
-                      overhead_bytes=common.GiB)
+    plan = MemoryPlan(
+        state_bytes=10 * common.GiB,
+        held_factor=2.0,
+        transient_factor=1.0,
+        overhead_bytes=common.GiB,
+    )
     assert plan.need_bytes == 41 * common.GiB
     fit = plan.max_state_bytes(available=20 * common.GiB, safety=1.0)
     assert fit == pytest.approx(19 * common.GiB / 4, rel=1e-9)
@@ -87,10 +94,15 @@ def test_fragmented_state_has_same_bytes_in_many_tensors():
 def test_fingerprint_detects_perturbation_and_copy_into_live_restores():
     st = states.build_gpt_state(states.gpt_config("quick"))
     sd = {k: v for k, v in states.plain_state_dict(st).items()}
-    saved = {"model": {k: v.clone() for k, v in sd["model"].items()},
-             "optimizer": {"state": {i: {k: v.clone() for k, v in s.items()}
-                                     for i, s in sd["optimizer"]["state"].items()},
-                           "param_groups": sd["optimizer"]["param_groups"]}}
+    saved = {
+        "model": {k: v.clone() for k, v in sd["model"].items()},
+        "optimizer": {
+            "state": {
+                i: {k: v.clone() for k, v in s.items()} for i, s in sd["optimizer"]["state"].items()
+            },
+            "param_groups": sd["optimizer"]["param_groups"],
+        },
+    }
     fp = states.fingerprint(st)
     states.perturb(st)
     assert states.fingerprint(st) != fp
@@ -100,34 +112,85 @@ def test_fingerprint_detects_perturbation_and_copy_into_live_restores():
 
 def test_pending_timing_contract():
     calls = []
-    p = Pending(common.now(), Checkpoint(1), snapshot_fn=lambda: calls.append("snap"),
-                commit_fn=lambda: calls.append("commit"))
+    p = Pending(
+        common.now(),
+        Checkpoint(1),
+        snapshot_fn=lambda: calls.append("snap"),
+        commit_fn=lambda: calls.append("commit"),
+    )
     assert p.snapshot_s is None and not p.committed
     c = p.wait()
-    assert p.wait() == c and calls == ["commit"]          # idempotent
-    assert p.snapshot_s == c                               # committed implies captured
+    assert p.wait() == c and calls == ["commit"]  # idempotent
+    assert p.snapshot_s == c  # committed implies captured
     sync = Pending(common.now(), Checkpoint(2))
     assert sync.snapshot_s == sync.commit_s == sync.blocked_s
 
 
 def _phase():
-    rounds = [{"datastates": {"blocked_s": 0.01, "snapshot_s": 0.5, "commit_s": 1.0,
-                              "transient_rss": 10, "files": 1, "disk_bytes": 100},
-               "torch_save": {"blocked_s": 2.0, "snapshot_s": 2.0, "commit_s": 2.0,
-                              "transient_rss": 0, "files": 1, "disk_bytes": 100}},
-              {"datastates": {"blocked_s": 0.02, "snapshot_s": 0.5, "commit_s": 2.0,
-                              "transient_rss": 20, "files": 1, "disk_bytes": 100},
-               "torch_save": {"blocked_s": 3.0, "snapshot_s": 3.0, "commit_s": 3.0,
-                              "transient_rss": 0, "files": 1, "disk_bytes": 100}}]
-    return {"state": {"nbytes": 2_000_000_000}, "methods": ["datastates", "torch_save"],
-            "setup": {"datastates": {"held_rss": 1000}}, "rounds": rounds,
-            "load_rounds": [{"torch_save": {"cold_s": 1.0, "warm_s": 0.5, "verified": True,
-                                            "cold_rss_extra": 0, "warm_rss_extra": 0}}]}
+    rounds = [
+        {
+            "datastates": {
+                "blocked_s": 0.01,
+                "snapshot_s": 0.5,
+                "commit_s": 1.0,
+                "transient_rss": 10,
+                "files": 1,
+                "disk_bytes": 100,
+            },
+            "torch_save": {
+                "blocked_s": 2.0,
+                "snapshot_s": 2.0,
+                "commit_s": 2.0,
+                "transient_rss": 0,
+                "files": 1,
+                "disk_bytes": 100,
+            },
+        },
+        {
+            "datastates": {
+                "blocked_s": 0.02,
+                "snapshot_s": 0.5,
+                "commit_s": 2.0,
+                "transient_rss": 20,
+                "files": 1,
+                "disk_bytes": 100,
+            },
+            "torch_save": {
+                "blocked_s": 3.0,
+                "snapshot_s": 3.0,
+                "commit_s": 3.0,
+                "transient_rss": 0,
+                "files": 1,
+                "disk_bytes": 100,
+            },
+        },
+    ]
+    return {
+        "state": {"nbytes": 2_000_000_000},
+        "methods": ["datastates", "torch_save"],
+        "setup": {"datastates": {"held_rss": 1000}},
+        "rounds": rounds,
+        "load_rounds": [
+            {
+                "torch_save": {
+                    "cold_s": 1.0,
+                    "warm_s": 0.5,
+                    "verified": True,
+                    "cold_rss_extra": 0,
+                    "warm_rss_extra": 0,
+                }
+            }
+        ],
+    }
 
 
 def test_analyze_save_ratios_and_fractions():
-    limits = {"write": common.summarize([2.0]), "copy": common.summarize([10.0]),
-              "read_cold": common.summarize([4.0]), "read_warm": common.summarize([20.0])}
+    limits = {
+        "write": common.summarize([2.0]),
+        "copy": common.summarize([10.0]),
+        "read_cold": common.summarize([4.0]),
+        "read_warm": common.summarize([20.0]),
+    }
     res = analysis.analyze_save(_phase(), limits, "datastates")
     ts = res["torch_save"]
     assert ts["vs_reference"]["commit_s"]["values"] == [2.0, 1.5]
@@ -137,7 +200,7 @@ def test_analyze_save_ratios_and_fractions():
     load = analysis.analyze_load(_phase(), limits, "datastates")
     assert load["torch_save"]["cold_gbps"]["median"] == 2.0
     assert load["torch_save"]["frac_cold_read"]["median"] == 0.5
-    assert load["torch_save"]["vs_reference"]["cold_s"] is None   # reference did not load
+    assert load["torch_save"]["vs_reference"]["cold_s"] is None  # reference did not load
 
 
 def test_write_fraction_uses_the_probe_of_the_same_round():
@@ -145,19 +208,35 @@ def test_write_fraction_uses_the_probe_of_the_same_round():
     phase = {**_phase(), "round_write_gbps": [1.0, 4.0]}
     ts = analysis.analyze_save(phase, limits, "datastates")["torch_save"]
     assert ts["frac_write_limit"]["values"] == [1.0, pytest.approx(1 / 6)]
-    phase["round_write_gbps"] = [1.0, None]             # a failed probe falls back to the limit
+    phase["round_write_gbps"] = [1.0, None]  # a failed probe falls back to the limit
     ts = analysis.analyze_save(phase, limits, "datastates")["torch_save"]
     assert ts["frac_write_limit"]["values"] == [1.0, pytest.approx(1 / 3)]
 
 
 def test_analyze_e2e_pairs_with_the_adjacent_baseline():
-    loop = {"n_ckpt": 2, "save_call_s": [0.1], "update_after_ckpt_s": [0.2],
-            "update_other_s": [0.1]}
-    e2e = {"methods": ["datastates", "torch_save"], "rounds": [
-        {"baseline:datastates": {"total_s": 10.0}, "datastates@5": {**loop, "total_s": 11.0},
-         "baseline:torch_save": {"total_s": 10.0}, "torch_save@5": {**loop, "total_s": 15.0}},
-        {"baseline:datastates": {"total_s": 20.0}, "datastates@5": {**loop, "total_s": 22.0},
-         "baseline:torch_save": {"total_s": 20.0}, "torch_save@5": {**loop, "total_s": 33.0}}]}
+    loop = {
+        "n_ckpt": 2,
+        "save_call_s": [0.1],
+        "update_after_ckpt_s": [0.2],
+        "update_other_s": [0.1],
+    }
+    e2e = {
+        "methods": ["datastates", "torch_save"],
+        "rounds": [
+            {
+                "baseline:datastates": {"total_s": 10.0},
+                "datastates@5": {**loop, "total_s": 11.0},
+                "baseline:torch_save": {"total_s": 10.0},
+                "torch_save@5": {**loop, "total_s": 15.0},
+            },
+            {
+                "baseline:datastates": {"total_s": 20.0},
+                "datastates@5": {**loop, "total_s": 22.0},
+                "baseline:torch_save": {"total_s": 20.0},
+                "torch_save@5": {**loop, "total_s": 33.0},
+            },
+        ],
+    }
     res = analysis.analyze_e2e(e2e, "datastates")
     ts = res["methods"]["torch_save"]["5"]
     assert ts["slowdown"]["values"] == [1.5, 1.65]
@@ -188,10 +267,10 @@ def test_run_without_matplotlib_still_writes_md_and_json(tmp_path):
         f"sys.argv = ['run.py', '--preset', 'smoke', '--methods', 'torch_save', '--skip-e2e', "
         f"'--skip-fragmented', '--skip-model-only', '--dir', {str(tmp_path)!r}, "
         f"'--out', {str(tmp_path / 'out')!r}]\n"
-        f"runpy.run_path({str(REPO / 'benchmarks' / 'run.py')!r}, run_name='__main__')\n")
+        f"runpy.run_path({str(REPO / 'benchmarks' / 'run.py')!r}, run_name='__main__')\n"
+    )
     # forked from the session's zygote, which has imported torch but never matplotlib
-    proc = zygote.run([sys.executable, "-c", script], capture_output=True, text=True,
-                      timeout=600)
+    proc = zygote.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "out"
     res = json.loads((out / "results.json").read_text())
@@ -202,10 +281,26 @@ def test_run_without_matplotlib_still_writes_md_and_json(tmp_path):
 
 
 def test_report_renders_with_missing_sections():
-    results = {"meta": {"started": "now", "command": "x", "preset": "quick", "reps": 1,
-                        "dir": "/", "cpus": 2, "mem_total": 1, "mem_available_start": 1,
-                        "torch": torch.__version__, "python": "3", "datastates": "0"},
-               "reference": "datastates", "methods": {}, "limits": {"summary": {}},
-               "phases": {}, "e2e": None, "charts": {"files": [], "skipped": "no matplotlib"}}
+    results = {
+        "meta": {
+            "started": "now",
+            "command": "x",
+            "preset": "quick",
+            "reps": 1,
+            "dir": "/",
+            "cpus": 2,
+            "mem_total": 1,
+            "mem_available_start": 1,
+            "torch": torch.__version__,
+            "python": "3",
+            "datastates": "0",
+        },
+        "reference": "datastates",
+        "methods": {},
+        "limits": {"summary": {}},
+        "phases": {},
+        "e2e": None,
+        "charts": {"files": [], "skipped": "no matplotlib"},
+    }
     md = report.render_markdown(results)
     assert "Charts skipped: no matplotlib" in md

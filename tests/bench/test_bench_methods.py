@@ -1,5 +1,6 @@
 """The benchmark's own rows: the copy + O_DIRECT limit writes exactly the state's bytes, the
 state-dict forms of datastates round-trip the live state, and the read limit is the best cold read."""
+
 from __future__ import annotations
 
 import sys
@@ -32,7 +33,7 @@ def test_reference_writes_every_tensor_byte_64_aligned(tmp_path):
     pos = 0
     for t in state.tensors():
         raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        assert data[pos:pos + len(raw)] == raw
+        assert data[pos : pos + len(raw)] == raw
         pos = (pos + len(raw) + 63) // 64 * 64
     assert len(data) >= pos and len(data) % 4096 == 0
     assert p.snapshot_s == p.blocked_s <= p.commit_s
@@ -61,8 +62,12 @@ def test_state_dict_forms_round_trip_into_the_live_state(tmp_path, name):
 def test_state_dict_rows_sit_next_to_the_module_form():
     names = list(REGISTRY)
     at = names.index("datastates")
-    assert names[at:at + 4] == ["datastates", "datastates_sd", "datastates_sd_guarded",
-                                "ref_copy_direct"]
+    assert names[at : at + 4] == [
+        "datastates",
+        "datastates_sd",
+        "datastates_sd_guarded",
+        "ref_copy_direct",
+    ]
 
 
 def test_read_limit_is_the_best_cold_read_of_each_round():
@@ -74,17 +79,32 @@ def test_read_limit_is_the_best_cold_read_of_each_round():
 
 def test_direct_read_limit_reads_a_file(tmp_path):
     path = tmp_path / "f.bin"
-    path.write_bytes(bytes(range(256)) * (64 << 12))          # 16 MiB
+    path.write_bytes(bytes(range(256)) * (64 << 12))  # 16 MiB
     rate = limits._read_direct(path)
-    assert rate is None or rate > 0                           # None where O_DIRECT is refused
+    assert rate is None or rate > 0  # None where O_DIRECT is refused
 
 
 def test_warm_load_is_compared_with_the_copy_limit():
-    phase = {"state": {"nbytes": 10 * 10**9}, "methods": ["datastates"],
-             "load_rounds": [{"datastates": {"cold_s": 5.0, "warm_s": 2.0, "verified": True,
-                                             "cold_rss_extra": 0, "warm_rss_extra": 0}}]}
-    lim = {"read": common.summarize([4.0]), "read_warm": common.summarize([20.0]),
-           "copy": common.summarize([10.0])}
+    phase = {
+        "state": {"nbytes": 10 * 10**9},
+        "methods": ["datastates"],
+        "load_rounds": [
+            {
+                "datastates": {
+                    "cold_s": 5.0,
+                    "warm_s": 2.0,
+                    "verified": True,
+                    "cold_rss_extra": 0,
+                    "warm_rss_extra": 0,
+                }
+            }
+        ],
+    }
+    lim = {
+        "read": common.summarize([4.0]),
+        "read_warm": common.summarize([20.0]),
+        "copy": common.summarize([10.0]),
+    }
     load = analysis.analyze_load(phase, lim, "datastates")["datastates"]
     assert load["frac_cold_read"]["median"] == 0.5
     assert load["frac_warm_copy"]["median"] == 0.5
@@ -93,6 +113,7 @@ def test_warm_load_is_compared_with_the_copy_limit():
 def test_checksum_table_lists_every_backend_and_the_one_in_use():
     from benchmarks import checksums, report
     from datastates.format import checksum
+
     rows = checksums.measure(4 << 20)
     assert [r["backend"] for r in rows] == [b.name for b in checksum.available()]
     assert [r["backend"] for r in rows if r["in_use"]] == [checksum.BACKEND]

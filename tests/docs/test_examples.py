@@ -27,6 +27,7 @@ is skipped only when a framework it imports is not installed.
 A block that cannot run alone (it needs ``torchrun``, a real signal, a module of the reader's own)
 starts with the line ``# not run: <reason>``: it is compiled, not run, and such blocks stay few.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -45,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SRC = os.path.join(ROOT, "src")
 TIMEOUT_S = 600
 
-PLAIN = '''
+PLAIN = """
 import torch
 from benchmarks.gpt import GPT, GPTConfig, synthetic_batch
 
@@ -75,9 +76,9 @@ sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100)
 loader = Loader()
 epoch = 0
 total_steps = 250
-'''
+"""
 
-DEEPSPEED = '''
+DEEPSPEED = """
 import os
 import socket
 with socket.socket() as _s:
@@ -91,9 +92,9 @@ deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 save_dir = "ds_ckpts"
-'''
+"""
 
-LIGHTNING = '''
+LIGHTNING = """
 import torch
 import lightning.pytorch as pl
 
@@ -119,9 +120,9 @@ class _Tiny(pl.LightningModule):
 
 torch.manual_seed(0)
 model = _Tiny()
-'''
+"""
 
-HF = '''
+HF = """
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -129,17 +130,17 @@ torch.manual_seed(0)
 model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16))
 _ids = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
 ds = [{"input_ids": x, "labels": x} for x in _ids]
-'''
+"""
 
-DCP = '''
+DCP = """
 import torch
 torch.manual_seed(0)
 state_dict = {"weight": torch.randn(64, 32), "bias": torch.randn(32), "step": torch.tensor(3)}
-'''
+"""
 
 # What each example must have done, appended after it. ``_RUN`` is 1 or 2 (resuming blocks run
 # twice); a check may write ``result-<run>.json`` for the test to compare the runs.
-_DIGEST = '''
+_DIGEST = """
 import hashlib as _hl, json as _json
 def _digest(*trees):
     h = _hl.sha256()
@@ -153,26 +154,35 @@ def _digest(*trees):
             else:
                 h.update(repr(v).encode())
     return h.hexdigest()
-'''
+"""
 
-_SAME_AS_SAVED = _DIGEST + '''
+_SAME_AS_SAVED = (
+    _DIGEST
+    + """
 import datastates as _ds
 _saved = _ds.Checkpointer({root!r}).load({which})["model"]
 _live = model.state_dict()
 assert _saved.keys() == _live.keys(), (sorted(_saved), sorted(_live))
 assert all(torch.equal(_saved[k], _live[k]) for k in _live), "the checkpoint differs from the model"
-'''
+"""
+)
 
-_RESUMED = _DIGEST + '''
+_RESUMED = (
+    _DIGEST
+    + """
 with open(f"result-{_RUN}.json", "w") as _f:
     _json.dump({"start": start, "position": loader.state_dict(),
                 "digest": _digest(model.state_dict(), opt.state_dict())}, _f)
-'''
+"""
+)
 
 CHECKS = [
     # the memory tier's loop: resumed as below, from memory (the first run's keeper still
     # holds it); the second run then ends the keeper, whose memory must be gone
-    ("memory_tier=tier", _RESUMED + '''
+    (
+        "memory_tier=tier",
+        _RESUMED
+        + """
 import os as _os
 from datastates.memory import place as _place
 _memdir = _place.memory_dir(tier.root, "ckpts")
@@ -186,37 +196,55 @@ if _RUN == 2:
     while _os.path.exists(_memdir) and _time.monotonic() < _deadline:
         _time.sleep(0.05)  # the keeper removes it as it ends, in its own process
     assert not _os.path.exists(_memdir), "the stopped keeper left its memory behind"
-'''),
+""",
+    ),
     # the resume loops: the second run starts after the newest checkpoint and ends bit-identical
     ("start = ckpt.restore(state", _RESUMED),
     # docs/data.md: a resumed run goes on from the saved step (a restart from step 0 would save
     # step 10 again: CheckpointExistsError) and ends after the same number of batches
-    ("for epoch in range(loader.epoch, epochs)", '''
+    (
+        "for epoch in range(loader.epoch, epochs)",
+        """
 assert step == 64, step
 assert [i.step for i in datastates.Checkpointer("ckpts").list()] == [10, 20, 30, 40, 50, 60]
-'''),
-    ("s3://ckpt/runs/gpt-small", _SAME_AS_SAVED.format(root="s3://ckpt/runs/gpt-small",
-                                                       which="step=100")),
+""",
+    ),
+    (
+        "s3://ckpt/runs/gpt-small",
+        _SAME_AS_SAVED.format(root="s3://ckpt/runs/gpt-small", which="step=100"),
+    ),
     ('datastates.Checkpointer("ckpts")', _SAME_AS_SAVED.format(root="ckpts", which="step=10")),
-    ("engine.save_checkpoint(save_dir)", '''
+    (
+        "engine.save_checkpoint(save_dir)",
+        """
 assert load_path is not None, "load_checkpoint found no checkpoint"
 assert load_path.startswith(save_dir), load_path
-'''),
-    ("DatastatesCheckpointIO", '''
+""",
+    ),
+    (
+        "DatastatesCheckpointIO",
+        """
 _loaded = DatastatesCheckpointIO().load_checkpoint("ckpts/last.ckpt")
 assert _loaded["epoch"] == 2, _loaded["epoch"]
 _live = model.state_dict()
 assert all(torch.equal(_loaded["state_dict"][k], _live[k]) for k in _live)
-'''),
-    ("DatastatesTrainer", '''
+""",
+    ),
+    (
+        "DatastatesTrainer",
+        """
 assert trainer.latest_checkpoint().endswith("checkpoint-6"), trainer.latest_checkpoint()
 assert trainer.state.global_step == 6, trainer.state.global_step
-'''),
-    ("DatastatesReader", '''
+""",
+    ),
+    (
+        "DatastatesReader",
+        """
 _fresh = {k: torch.zeros_like(v) for k, v in state_dict.items()}
 dcp.load(_fresh, storage_reader=DatastatesReader("ckpt/step-100"))
 assert all(torch.equal(_fresh[k], state_dict[k]) for k in state_dict)
-'''),
+""",
+    ),
 ]
 #: Blocks that define code for the reader to fill in and load nothing: they must only run.
 DEFINES_ONLY = ("class TestMyProvider(ProviderConformance)", "class TestMyStore(StoreConformance)")
@@ -279,8 +307,12 @@ def _examples():
 
 
 EXAMPLES = list(_examples())
-NOT_RUN_BLOCKS = [(where, code) for path in _markdown_files()
-                  for where, code in _python_blocks(path) if code.startswith(NOT_RUN)]
+NOT_RUN_BLOCKS = [
+    (where, code)
+    for path in _markdown_files()
+    for where, code in _python_blocks(path)
+    if code.startswith(NOT_RUN)
+]
 
 
 def _imports(code: str, module: str) -> bool:
@@ -299,15 +331,23 @@ def _prelude(code: str) -> str:
 
 def test_every_document_has_its_examples_collected():
     names = {where.split(":")[0] for where, _ in EXAMPLES}
-    assert {"README.md", "docs/index.md", "docs/deepspeed.md", "docs/lightning.md",
-            "docs/huggingface.md", "docs/dcp.md", "docs/data.md", "docs/storage.md",
-            "datastates.__doc__"} <= names, sorted(names)
+    assert {
+        "README.md",
+        "docs/index.md",
+        "docs/deepspeed.md",
+        "docs/lightning.md",
+        "docs/huggingface.md",
+        "docs/dcp.md",
+        "docs/data.md",
+        "docs/storage.md",
+        "datastates.__doc__",
+    } <= names, sorted(names)
 
 
 def test_blocks_that_are_not_run_are_few_compile_and_say_why():
     assert 0 < len(NOT_RUN_BLOCKS) <= MAX_NOT_RUN, [w for w, _ in NOT_RUN_BLOCKS]
     for where, code in NOT_RUN_BLOCKS:
-        reason = code.split("\n", 1)[0][len(NOT_RUN):].strip()
+        reason = code.split("\n", 1)[0][len(NOT_RUN) :].strip()
         assert len(reason) >= 10, f"{where}: say why the block is not run"
         compile(code, where, "exec")  # a SyntaxError names the block
 
@@ -317,19 +357,33 @@ def test_example_runs(where, code, tmp_path, request):
     script = tmp_path / "example.py"
     body = _prelude(code) + "\n# ---- the example: " + where + "\n" + code
     check = _check(code)
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+    )
     if "s3://" in code:  # object-storage examples run against the suite's own S3 server
         server = request.getfixturevalue("s3_server")
-        env.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID=server.access_key,
-                   AWS_SECRET_ACCESS_KEY=server.secret_key, AWS_DEFAULT_REGION=server.region)
+        env.update(
+            AWS_ENDPOINT_URL=server.endpoint,
+            AWS_ACCESS_KEY_ID=server.access_key,
+            AWS_SECRET_ACCESS_KEY=server.secret_key,
+            AWS_DEFAULT_REGION=server.region,
+        )
     runs = 2 if (".latest()" in code or ".latest_checkpoint()" in code) else 1
     for run in range(1, runs + 1):
         script.write_text(f"{body}\n# ---- its check\n_RUN = {run}\n{check}")
-        proc = zygote.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
-        assert proc.returncode == 0, (f"{where} (run {run} of {runs}) failed:\n"
-                                      f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        proc = zygote.run(
+            [sys.executable, str(script)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+        assert proc.returncode == 0, (
+            f"{where} (run {run} of {runs}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     if (tmp_path / "result-2.json").exists():  # a resumed loop: same end as the first run
         first, second = (json.loads((tmp_path / f"result-{r}.json").read_text()) for r in (1, 2))
         assert first["start"] == 0 and second["start"] > 0, (first, second)

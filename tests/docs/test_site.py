@@ -4,6 +4,7 @@ of the API reference, and the version of the package is the one the changelog an
 
 The build runs when mkdocs and mkdocstrings are installed (the ``docs`` extra; ``.ci/run``
 installs it, and there a skip fails the run)."""
+
 from __future__ import annotations
 
 import glob
@@ -34,15 +35,20 @@ def test_every_public_name_is_in_the_api_reference():
     documented = {t.split(".", 1)[1] for t in targets if t.count(".") == 1}
     # CheckpointEngine is datastates.integrations.deepspeed's, documented with its module
     missing = set(datastates.__all__) - documented - {"CheckpointEngine"}
-    assert not missing, f"names of datastates.__all__ on no page of docs/reference: {sorted(missing)}"
+    assert not missing, (
+        f"names of datastates.__all__ on no page of docs/reference: {sorted(missing)}"
+    )
     assert "datastates.integrations.deepspeed" in targets
     modules = {f"datastates.integrations.{m}" for m in ("deepspeed", "lightning", "hf", "dcp")}
     assert modules | {"datastates.testing"} <= targets
 
 
 def test_every_public_name_has_a_docstring():
-    undocumented = [n for n in datastates.__all__ if n != "CheckpointEngine"
-                    and not (getattr(datastates, n).__doc__ or "").strip()]
+    undocumented = [
+        n
+        for n in datastates.__all__
+        if n != "CheckpointEngine" and not (getattr(datastates, n).__doc__ or "").strip()
+    ]
     assert not undocumented, undocumented
 
 
@@ -53,15 +59,26 @@ def test_the_changelog_has_a_section_for_this_version():
     assert datastates.__version__ in sections, (datastates.__version__, sections)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None
-                    or importlib.util.find_spec("mkdocstrings_handlers") is None,
-                    reason="mkdocs or mkdocstrings-python not installed (the docs extra)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("mkdocs") is None
+    or importlib.util.find_spec("mkdocstrings_handlers") is None,
+    reason="mkdocs or mkdocstrings-python not installed (the docs extra)",
+)
 def test_the_site_builds_strict_and_shows_the_version(tmp_path):
     site = tmp_path / "site"
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1",
-               PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        NO_MKDOCS_2_WARNING="1",
+        PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     index = (site / "index.html").read_text(encoding="utf-8")
     assert f"datastates {datastates.__version__}" in index
@@ -71,8 +88,9 @@ def test_the_site_builds_strict_and_shows_the_version(tmp_path):
 
 def _cited_tests():
     """``test_file.py::test_name`` cited by README.md and the pages, with where."""
-    pages = [os.path.join(ROOT, "README.md")] + glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
-                                                          recursive=True)
+    pages = [os.path.join(ROOT, "README.md")] + glob.glob(
+        os.path.join(ROOT, "docs", "**", "*.md"), recursive=True
+    )
     for page in pages:
         with open(page, encoding="utf-8") as f:
             text = f.read()
@@ -103,10 +121,13 @@ UPSTREAM = {"test_async_checkpoint.py", "test_checkpoint_io_plugin.py"}
 
 
 def test_every_test_file_the_docs_cite_exists():
-    names = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"),
-                                                    recursive=True)}
-    pages = [os.path.join(ROOT, "README.md")] + glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
-                                                          recursive=True)
+    names = {
+        os.path.basename(p)
+        for p in glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True)
+    }
+    pages = [os.path.join(ROOT, "README.md")] + glob.glob(
+        os.path.join(ROOT, "docs", "**", "*.md"), recursive=True
+    )
     missing = set()
     for page in pages:
         with open(page, encoding="utf-8") as f:

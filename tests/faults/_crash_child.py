@@ -12,6 +12,7 @@ Markers on stdout (one per line, flushed): ``COMMITTED 1`` after the first check
 ``SAVING`` once the second ``save()`` returned, ``PAUSED`` when a ``gate`` kill point blocks (the
 parent then kills it from outside), ``COMMITTED 2`` at the end.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,10 @@ def make_state(seed: int, big: bool = True) -> dict:
     g = torch.Generator().manual_seed(seed)
     n = BIG_FLOATS if big else SMALL_FLOATS
     return {
-        "model": {"w": torch.randn(n, generator=g),
-                  "b": torch.randn(257, 3, generator=g).to(torch.float64)},
+        "model": {
+            "w": torch.randn(n, generator=g),
+            "b": torch.randn(257, 3, generator=g).to(torch.float64),
+        },
         "ints": torch.randint(-1000, 1000, (4097,), generator=g, dtype=torch.int64),
         # A dict with a tuple key is not JSON: an object blob, written by the commit thread.
         "extra": {(seed, "seed"): [seed, seed * 2], (0, "n"): n},
@@ -42,10 +45,12 @@ def make_state(seed: int, big: bool = True) -> dict:
 
 def config(keep_last: int | None):
     import datastates
+
     # A small host cache: the state streams through 64 KiB units (about a hundred writes, with
     # backpressure), so there are many points at which to die.
-    return datastates.CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10,
-                                       keep_last=keep_last, writer_threads=2)
+    return datastates.CheckpointConfig(
+        host_cache_bytes=256 << 10, chunk_bytes=64 << 10, keep_last=keep_last, writer_threads=2
+    )
 
 
 def _die() -> None:
@@ -92,6 +97,7 @@ def _install(mode: str, n: int) -> None:
 
     real_pwrite = datastates.storage.posix.pwrite_all
     if mode in ("pwrite", "torn", "commitwrite", "gate"):
+
         def pwrite_all(fd, data, offset):
             if mode == "commitwrite" and threading.current_thread().name != "datastates-commit":
                 return real_pwrite(fd, data, offset)
@@ -99,7 +105,7 @@ def _install(mode: str, n: int) -> None:
                 if mode == "torn":
                     view = memoryview(data).cast("B")
                     try:  # half of a 64 KiB unit is still aligned for O_DIRECT
-                        os.pwrite(fd, view[:max(1, view.nbytes // 2)], offset)
+                        os.pwrite(fd, view[: max(1, view.nbytes // 2)], offset)
                         os.fsync(fd)
                     except OSError:
                         pass
@@ -108,6 +114,7 @@ def _install(mode: str, n: int) -> None:
                     threading.Event().wait()  # until the parent's SIGKILL
                 _die()
             return real_pwrite(fd, data, offset)
+
         datastates.storage.posix.pwrite_all = pwrite_all
     elif mode == "fsync":
         real_fsync = os.fsync
@@ -116,6 +123,7 @@ def _install(mode: str, n: int) -> None:
             if hit():
                 _die()
             return real_fsync(fd)
+
         os.fsync = fsync
     elif mode == "ftruncate":
         real_ftruncate = os.ftruncate
@@ -124,6 +132,7 @@ def _install(mode: str, n: int) -> None:
             if hit():
                 _die()
             return real_ftruncate(fd, size)
+
         os.ftruncate = ftruncate
     elif mode in ("rename-before", "rename-after"):
         real_rename, real_exchange = os.rename, datastates.storage.posix.exchange
@@ -136,7 +145,9 @@ def _install(mode: str, n: int) -> None:
                 if mode == "rename-after" and hit():
                     _die()
                 return done
+
             return rename
+
         os.rename = renaming(real_rename)
         datastates.storage.posix.exchange = renaming(real_exchange)
     elif mode == "replace-latest":
@@ -146,6 +157,7 @@ def _install(mode: str, n: int) -> None:
             if os.path.basename(os.fspath(dst)) == "latest" and hit():
                 _die()
             return real_replace(src, dst, *a, **k)
+
         os.replace = replace
     elif mode == "set-latest":
         publisher = datastates.commit.publish.RenamePublisher  # what a local root commits with
@@ -155,6 +167,7 @@ def _install(mode: str, n: int) -> None:
             if hit():
                 _die()
             return real_write_latest(self, *a, **k)
+
         publisher.write_latest = write_latest
     elif mode == "claim":
         real_writer = datastates.storage.posix.ShardWriter  # what the local store opens
@@ -163,9 +176,11 @@ def _install(mode: str, n: int) -> None:
             if hit():
                 _die()
             return real_writer(*a, **k)
+
         datastates.storage.posix.ShardWriter = shard_writer
     elif mode == "fill":
         import datastates.save.pipeline as pipeline
+
         real_fill = pipeline.Pipeline._fill
 
         def fill(self, job, unit, dst, *a, **k):
@@ -175,6 +190,7 @@ def _install(mode: str, n: int) -> None:
             half = dst.numel() // 2
             dst[half:].fill_(0xA5)  # the second half not copied yet: stale bytes
             _die()
+
         pipeline.Pipeline._fill = fill
     elif mode not in ("none", "external"):
         raise SystemExit(f"unknown mode {mode!r}")
@@ -187,11 +203,12 @@ def main() -> None:
     keep_last = int(sys.argv[4]) or None
     overwrite = mode.startswith("overwrite-")
     if overwrite:
-        mode = mode[len("overwrite-"):]
+        mode = mode[len("overwrite-") :]
     if mode.startswith("split-"):  # every manifest split into a head and a part
         from datastates.format import codec
+
         codec.SPLIT_BYTES = 1
-        mode = mode[len("split-"):]
+        mode = mode[len("split-") :]
     ck = datastates.Checkpointer(directory, config(keep_last))
     ck.save(make_state(1), step=1).wait()
     marker("COMMITTED 1")

@@ -30,6 +30,7 @@ job: whether the probe finds this run's own key, which shows the probe works); `
 rank: the sha256 of its final state). ``resume`` and ``final`` name their ``run``: ``job`` or
 ``uninterrupted``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,18 +86,26 @@ def digest(state: dict) -> str:
 
 def config():
     import datastates
+
     # A long commit timeout: under torchrun no rank waits that long for a dead one (the agent
     # stops the whole group), and the test's bound on the whole run is far shorter.
-    return datastates.CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10,
-                                       keep_last=2, writer_threads=2, commit_timeout_s=600.0)
+    return datastates.CheckpointConfig(
+        host_cache_bytes=64 << 10,
+        chunk_bytes=16 << 10,
+        keep_last=2,
+        writer_threads=2,
+        commit_timeout_s=600.0,
+    )
 
 
 # ---------------------------------------------------------------- kill points
+
 
 def die_after_report(n: int) -> None:
     """SIGKILL in the n-th commit round of this rank, once its report is in the store and before
     it takes a verdict (rank 0: before it gathers the reports; another rank: before it waits)."""
     from datastates.commit.round import StoreCommunicator
+
     count = [0]
 
     def armed(real):
@@ -105,7 +114,9 @@ def die_after_report(n: int) -> None:
             if count[0] == n:
                 _crash_child._die()
             return real(self, *args, **kwargs)
+
         return call
+
     StoreCommunicator._coordinate = armed(StoreCommunicator._coordinate)
     StoreCommunicator._await = armed(StoreCommunicator._await)
 
@@ -129,6 +140,7 @@ def kills_of(specs: list[str], attempt: int, rank: int) -> dict[int, tuple[str, 
 
 # ---------------------------------------------------------------- what an attempt finds
 
+
 def temporaries(directory: str) -> list[str]:
     if not os.path.isdir(directory):
         return []
@@ -144,6 +156,7 @@ def store_holds_run(run_id: str) -> bool:
     """Whether the store of this process group holds rank 0's announcement under ``run_id``
     (set at its first save, deleted when its Checkpointer closes)."""
     from torch.distributed import distributed_c10d as c10d
+
     # the store as the Checkpointer's communicator sees it (StoreCommunicator.from_process_group)
     store = dist.PrefixStore(f"datastates/{run_id}/", c10d._get_default_store())
     return store.check(["announce/r0"])
@@ -157,11 +170,17 @@ def record_attempt(ckpt, directory: str, attempt: int, before: list[str]) -> Non
     if attempt > 0:
         with open(run_id_file(directory, attempt - 1)) as f:
             previous = f.read()
-        emit("temporaries", attempt=attempt, before=before, after=temporaries(directory),
-             old_keys=store_holds_run(previous))
+        emit(
+            "temporaries",
+            attempt=attempt,
+            before=before,
+            after=temporaries(directory),
+            old_keys=store_holds_run(previous),
+        )
 
 
 # ---------------------------------------------------------------- the job
+
 
 def train(ckpt, steps: int, attempt: int, kills: dict[int, tuple[str, int]], run: str) -> dict:
     """The job (``run``: "job" or "uninterrupted", named in the markers)."""
@@ -186,6 +205,7 @@ def train(ckpt, steps: int, attempt: int, kills: dict[int, tuple[str, int]], run
 def run_job(args, attempt: int) -> dict:
     """The job in DIR, resumed from what the earlier attempts committed; returns its state."""
     import datastates
+
     rank = dist.get_rank()
     before = temporaries(args.directory) if rank == 0 else []
     with datastates.Checkpointer(args.directory, config()) as ckpt:
@@ -201,6 +221,7 @@ def run_uninterrupted(directory: str, steps: int, attempt: int) -> dict:
     """The same job from step 0 in an empty ``directory``, with no kill point: what a run that
     was never interrupted computes and saves, on this process group."""
     import datastates
+
     with datastates.Checkpointer(directory, config()) as ckpt:
         return train(ckpt, steps, attempt, {}, "uninterrupted")
 
@@ -210,8 +231,9 @@ def main() -> None:
     parser.add_argument("directory")
     parser.add_argument("steps", type=int)
     parser.add_argument("--kill", action="append", default=[])
-    parser.add_argument("--uninterrupted", help="where to run the job again, uninterrupted, "
-                        "once it has ended")
+    parser.add_argument(
+        "--uninterrupted", help="where to run the job again, uninterrupted, once it has ended"
+    )
     args = parser.parse_args()
     faulthandler.dump_traceback_later(HANG_S, exit=True)
     torch.set_num_threads(1)

@@ -1,5 +1,6 @@
 """Helpers of the fault-injection tests (imported by name: ``from _faults_helpers import ...``):
 the crash child, bit-exact comparison, directory checks."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -25,13 +26,20 @@ def child_command(root, mode: str, n: int = 0, keep_last: int | None = None) -> 
     return [sys.executable, CHILD, os.fspath(root), mode, str(n), str(keep_last or 0)]
 
 
-def run_child(root, mode: str, n: int = 0,
-              keep_last: int | None = None) -> subprocess.CompletedProcess:
+def run_child(
+    root, mode: str, n: int = 0, keep_last: int | None = None
+) -> subprocess.CompletedProcess:
     """Run the child to its injected SIGKILL (or to its end), in a process forked from the
     session's zygote (torch already imported)."""
     import zygote  # here, not at the top: child processes import this module too, without tests/
-    return zygote.run(child_command(root, mode, n, keep_last), capture_output=True, text=True,
-                      timeout=WAIT_S, cwd=HERE)
+
+    return zygote.run(
+        child_command(root, mode, n, keep_last),
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        cwd=HERE,
+    )
 
 
 def bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -55,8 +63,9 @@ def assert_bit_exact(actual, expected, where: str = "") -> None:
         for i, (a, e) in enumerate(zip(actual, expected)):
             assert_bit_exact(a, e, f"{where}/{i}")
     else:
-        assert type(actual) is type(expected) and actual == expected, \
+        assert type(actual) is type(expected) and actual == expected, (
             f"{where}: {actual!r} != {expected!r}"
+        )
 
 
 def zeros_like_state(state):
@@ -83,6 +92,7 @@ def tmp_of(entry: str, name: str) -> bool:
     """Whether the entry name ``entry`` is the temporary directory of a save of ``name``
     (``.tmp.<run>-<serial>.<key of name>``, docs/format.md)."""
     from datastates.storage.temporaries import name_key
+
     return entry.startswith(".tmp.") and entry.endswith("." + name_key(name))
 
 
@@ -94,8 +104,11 @@ def hidden_entries(root) -> list[str]:
 def visible_entries(root) -> list[str]:
     """What a reader could take for a checkpoint: every non-reserved name but ``latest`` and the
     temporaries of ``latest`` (``latest.tmp`` or ``latest.tmp.<pid>.<uid>``, plain files)."""
-    return sorted(n for n in os.listdir(root)
-                  if not n.startswith(".") and n != "latest" and not n.startswith("latest.tmp"))
+    return sorted(
+        n
+        for n in os.listdir(root)
+        if not n.startswith(".") and n != "latest" and not n.startswith("latest.tmp")
+    )
 
 
 def latest_temporaries(root) -> list[str]:
@@ -111,4 +124,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-

@@ -1,6 +1,7 @@
 """Helpers of the manifest/index integrity tests (imported by name): a small training state saved
 once, the three readers (load, restore in place, verify) run on a damaged copy, a bound on the
 address space so that a huge allocation fails the test instead of the machine."""
+
 from __future__ import annotations
 
 import contextlib
@@ -35,9 +36,16 @@ def make_train_state() -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=0.001)
     model(torch.ones(2, 6)).sum().backward()
     opt.step()
-    return {"model": model, "optim": opt,
-            "extra": {"epoch": 3, "lr": 0.0025, "b": torch.arange(9).to(torch.bfloat16),
-                      "obj": {("a", 1): "blob"}}}
+    return {
+        "model": model,
+        "optim": opt,
+        "extra": {
+            "epoch": 3,
+            "lr": 0.0025,
+            "b": torch.arange(9).to(torch.bfloat16),
+            "obj": {("a", 1): "blob"},
+        },
+    }
 
 
 def fresh_train_state() -> dict:
@@ -47,29 +55,37 @@ def fresh_train_state() -> dict:
         for p in model.parameters():
             p.zero_()
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
-    return {"model": model, "optim": opt,
-            "extra": {"epoch": 0, "lr": 0.0, "b": torch.zeros(9, dtype=torch.bfloat16),
-                      "obj": None}}
+    return {
+        "model": model,
+        "optim": opt,
+        "extra": {"epoch": 0, "lr": 0.0, "b": torch.zeros(9, dtype=torch.bfloat16), "obj": None},
+    }
 
 
 def saved_view(state: dict) -> dict:
     """What a restore must reproduce, as plain comparable values."""
-    return {"model": {k: v.detach().clone() for k, v in state["model"].state_dict().items()},
-            "optim": _opt_tensors(state["optim"]),
-            "lr": [g["lr"] for g in state["optim"].param_groups],
-            "extra": dict(state["extra"])}
+    return {
+        "model": {k: v.detach().clone() for k, v in state["model"].state_dict().items()},
+        "optim": _opt_tensors(state["optim"]),
+        "lr": [g["lr"] for g in state["optim"].param_groups],
+        "extra": dict(state["extra"]),
+    }
 
 
 def _opt_tensors(opt) -> dict:
-    return {f"{i}/{k}": v.detach().clone() if isinstance(v, torch.Tensor) else v
-            for i, st in opt.state_dict()["state"].items() for k, v in st.items()}
+    return {
+        f"{i}/{k}": v.detach().clone() if isinstance(v, torch.Tensor) else v
+        for i, st in opt.state_dict()["state"].items()
+        for k, v in st.items()
+    }
 
 
 def save_pristine(root) -> tuple[dict, dict]:
     """Save step 6 and step 7 of the state; return (saved view, result of a pristine load)."""
     state = make_train_state()
-    with datastates.Checkpointer(root, datastates.CheckpointConfig(
-            host_cache_bytes=64 << 10, chunk_bytes=16 << 10)) as ck:
+    with datastates.Checkpointer(
+        root, datastates.CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
+    ) as ck:
         ck.save(state, step=STEP - 1).wait(60)
         ck.save(state, step=STEP).wait(60)
     return saved_view(state), load(os.path.join(root, NAME))
@@ -111,6 +127,7 @@ def assert_same_view(actual: dict, expected: dict) -> None:
 
 # ---------------------------------------------------------------- bytes of a checkpoint
 
+
 def manifest_path(ckpt_dir: str) -> str:
     return os.path.join(ckpt_dir, fmt.MANIFEST)
 
@@ -145,7 +162,7 @@ def write_sealed(ckpt_dir: str, obj) -> None:
 def index_of(shard: bytes) -> tuple[int, bytes]:
     at = 64 if shard.startswith(b"PK\x03\x04") else 0  # a version-3 file's header is at 64
     offset, length = struct.unpack_from("<QQ", shard, at + 16)
-    return offset, shard[offset:offset + length]
+    return offset, shard[offset : offset + length]
 
 
 def with_index(shard: bytes, index: bytes) -> bytes:
@@ -153,18 +170,25 @@ def with_index(shard: bytes, index: bytes) -> bytes:
     (of a version-3 file, its tail moved after the new index and its CRC made valid)."""
     offset, old = index_of(shard)
     if not shard.startswith(b"PK\x03\x04"):
-        return fmt.pack_header(offset, index) + shard[fmt.HEADER_BYTES:offset] + index
-    tail = shard[fmt.align_up(offset + len(old), 64):]
+        return fmt.pack_header(offset, index) + shard[fmt.HEADER_BYTES : offset] + index
+    tail = shard[fmt.align_up(offset + len(old), 64) :]
     tail_at = fmt.align_up(offset + len(index), 64)
     first = struct.unpack_from("<I", shard, 120)[0]  # tensor 0's local header ends the block
     slot = zipframe.local_header(zipframe.INDEX_RECORD, len(index), 64, fmt.crc32(index))
-    return (fmt.pack_header_v3(offset, index, tail_at, tail,
-                               shard[fmt.HEADER_BYTES - first:fmt.HEADER_BYTES]) +
-            shard[fmt.HEADER_BYTES:offset - 64] + slot + index +
-            bytes(tail_at - offset - len(index)) + tail)
+    return (
+        fmt.pack_header_v3(
+            offset, index, tail_at, tail, shard[fmt.HEADER_BYTES - first : fmt.HEADER_BYTES]
+        )
+        + shard[fmt.HEADER_BYTES : offset - 64]
+        + slot
+        + index
+        + bytes(tail_at - offset - len(index))
+        + tail
+    )
 
 
 # ---------------------------------------------------------------- bounded memory
+
 
 def _vm_bytes() -> int:
     with open("/proc/self/status") as f:

@@ -19,6 +19,7 @@ what this process sealed in memory.
 
 The state of step s is ``_crash_child.make_state(s, big=False)``.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,12 +33,19 @@ from _crash_child import _install, make_state, marker
 
 def open_checkpointer(storage: str, shm_root: str, log_path: str):
     import datastates
+
     persist = os.environ.get("DS_PERSIST_ON_EXIT") == "1"
     every = int(os.environ.get("DS_PERSIST_EVERY", "0")) or None
-    tier = datastates.MemoryTier(root=shm_root, persist_every=every, persist_on_exit=persist,
-                                 log_path=log_path, idle_timeout_s=120)
-    cfg = datastates.CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes=64 << 10,
-                                      writer_threads=2, memory_tier=tier)
+    tier = datastates.MemoryTier(
+        root=shm_root,
+        persist_every=every,
+        persist_on_exit=persist,
+        log_path=log_path,
+        idle_timeout_s=120,
+    )
+    cfg = datastates.CheckpointConfig(
+        host_cache_bytes=256 << 10, chunk_bytes=64 << 10, writer_threads=2, memory_tier=tier
+    )
     return datastates.Checkpointer(storage, cfg)
 
 
@@ -80,6 +88,7 @@ def main() -> None:
 def _full(ck) -> None:
     import datastates
     from _faults_helpers import assert_bit_exact
+
     try:
         ck.save(make_state(2, big=True), step=2).wait()
         marker("COMMITTED 2")

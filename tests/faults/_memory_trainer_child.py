@@ -8,6 +8,7 @@ parent tries to start a second trainer of the job), commits step 3 (``COMMITTED 
 that memory holds steps 2 and 3 and that step 3 loads back bit-exact (``INTACT 3``), then
 detaches (``close()``) and ends.
 """
+
 from __future__ import annotations
 
 import sys
@@ -18,11 +19,19 @@ from _crash_child import make_state, marker
 def main() -> None:
     import datastates
     from _faults_helpers import assert_bit_exact
+
     storage, shm_root, log_path = sys.argv[1:4]
-    tier = datastates.MemoryTier(root=shm_root, persist_every=None, persist_on_exit=False,
-                                 keep_last=2, log_path=log_path, idle_timeout_s=120)
-    config = datastates.CheckpointConfig(memory_tier=tier, host_cache_bytes=1 << 20,
-                                         chunk_bytes=256 << 10)
+    tier = datastates.MemoryTier(
+        root=shm_root,
+        persist_every=None,
+        persist_on_exit=False,
+        keep_last=2,
+        log_path=log_path,
+        idle_timeout_s=120,
+    )
+    config = datastates.CheckpointConfig(
+        memory_tier=tier, host_cache_bytes=1 << 20, chunk_bytes=256 << 10
+    )
     ck = datastates.Checkpointer(storage, config)
     for step in (1, 2):
         ck.save(make_state(step, big=False), step=step).wait()

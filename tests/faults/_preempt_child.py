@@ -26,6 +26,7 @@ flushes nothing):
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` in the environment (gloo, whose TCPStore rank
 0 hosts); every step all-reduces the gradients, so the ranks stay within one step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,6 +62,7 @@ def train_one_step(model, opt, step: int, world: int) -> None:
     torch.nn.functional.mse_loss(model(x), y).backward()
     if world > 1:
         import torch.distributed as dist
+
         for p in model.parameters():
             dist.all_reduce(p.grad)
             p.grad /= world
@@ -84,6 +86,7 @@ def held_communicator(step: int, fd: int, world: int):
     """The communicator of this rank, whose commit round of ``step`` first waits for a byte on
     ``fd`` (on the commit thread: the save stays in flight until then)."""
     import datastates
+
     base = datastates.StoreCommunicator if world > 1 else datastates.LocalCommunicator
 
     class Held(base):
@@ -92,6 +95,7 @@ def held_communicator(step: int, fd: int, world: int):
                 say("held", step)
                 os.read(fd, 1)
             return super().agree(sid, *args, **kwargs)
+
     return Held.from_process_group() if world > 1 else Held()
 
 
@@ -128,6 +132,7 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         import torch.distributed as dist
+
         dist.init_process_group("gloo")
     if args.previous:
         signal.signal(signal.SIGTERM, previous_handler)
@@ -153,7 +158,7 @@ def main() -> None:
                 train_one_step(model, opt, step, world)
                 if step % args.every == 0:
                     save(step)
-                if stop.requested(step):          # the safe point
+                if stop.requested(step):  # the safe point
                     say("stop", step)
                     if args.final and step % args.every != 0:
                         save(step)

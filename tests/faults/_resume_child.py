@@ -7,6 +7,7 @@ saving every step with ``keep_last=2``, with the kill point MODE/N of ``_crash_c
 armed from the start (N counts the events of this process only; ``none`` arms nothing). At the end
 it prints ``FINAL <sha256 of the final state>``; killed, it prints nothing more.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -54,8 +55,9 @@ def main() -> None:
     directory, mode, n, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     torch.set_num_threads(1)
     _crash_child._install(mode, n)
-    config = datastates.CheckpointConfig(host_cache_bytes=64 << 10, chunk_bytes=16 << 10,
-                                         keep_last=2, writer_threads=2)
+    config = datastates.CheckpointConfig(
+        host_cache_bytes=64 << 10, chunk_bytes=16 << 10, keep_last=2, writer_threads=2
+    )
     model, optim = build()
     with datastates.Checkpointer(directory, config) as ckpt:
         # --- the documented resume loop ---

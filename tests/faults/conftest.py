@@ -1,4 +1,5 @@
 """Fixtures of the fault-injection tests; the helpers live in _faults_helpers.py."""
+
 from __future__ import annotations
 
 import pytest

@@ -5,6 +5,7 @@ Every process here is real (forked from the session's zygote, tests/zygote.py, o
 subprocess for the read-only mount), the read-only root a real read-only bind mount in
 a private mount namespace (``unshare -m``; skipped where mounts are not permitted).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -114,8 +115,12 @@ print("READ", flush=True)
 
 def _start(code: str, *args) -> zygote.Process:
     """``python -c CODE ARGS`` forked from the session's zygote, once it printed READY."""
-    child = zygote.Process([sys.executable, "-c", code, *map(str, args)],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = zygote.Process(
+        [sys.executable, "-c", code, *map(str, args)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdout.readline() == "READY\n", "the child did not start"
     return child
 
@@ -211,11 +216,16 @@ def test_two_processes_overwriting_one_new_name_both_commit(tmp_path, rename):
 
 # ---------------------------------------------------------------- a read-only copy
 
+
 def _read_only(root, *command) -> subprocess.CompletedProcess:
     """Run ``command`` in a private mount namespace where ``root`` is mounted read-only."""
     script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" "$0" && exec "$@"'
-    return subprocess.run(["unshare", "-m", "sh", "-c", script, os.fspath(root), *command],
-                          capture_output=True, text=True, timeout=WAIT_S)
+    return subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, os.fspath(root), *command],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
 
 
 def _read_only_mounts_work(tmp_path) -> bool:
@@ -223,8 +233,9 @@ def _read_only_mounts_work(tmp_path) -> bool:
         return False
     probe = tmp_path / "probe"
     probe.mkdir()
-    done = _read_only(probe, "sh", "-c", 'touch "$0/x" 2>/dev/null && exit 1 || exit 0',
-                      os.fspath(probe))
+    done = _read_only(
+        probe, "sh", "-c", 'touch "$0/x" 2>/dev/null && exit 1 || exit 0', os.fspath(probe)
+    )
     return done.returncode == 0 and not (probe / "x").exists()
 
 
@@ -239,16 +250,23 @@ def _tree(root) -> dict:
             if stat.S_ISREG(st.st_mode):
                 with open(path, "rb") as f:
                     digest = hashlib.sha256(f.read()).hexdigest()
-            out[os.path.relpath(path, root)] = (stat.S_IFMT(st.st_mode), st.st_size,
-                                                st.st_mtime_ns, digest)
+            out[os.path.relpath(path, root)] = (
+                stat.S_IFMT(st.st_mode),
+                st.st_size,
+                st.st_mtime_ns,
+                digest,
+            )
     return out
 
 
-@pytest.mark.parametrize("mode,n,leftover", [
-    ("replace-latest", 1, "latest.tmp."),     # step 2 committed, latest not yet replaced
-    # step 1 replaced (the two exchanged), the old one at the temporary's name, not yet removed
-    ("overwrite-rename-after", 1, ".tmp."),
-])
+@pytest.mark.parametrize(
+    "mode,n,leftover",
+    [
+        ("replace-latest", 1, "latest.tmp."),  # step 2 committed, latest not yet replaced
+        # step 1 replaced (the two exchanged), the old one at the temporary's name, not yet removed
+        ("overwrite-rename-after", 1, ".tmp."),
+    ],
+)
 def test_a_read_only_copy_with_a_crashed_writers_leftovers_opens(tmp_path, mode, n, leftover):
     """A writer was killed in a commit and left a temporary; the root is then mounted
     read-only. A reader opens it, lists it and loads the latest checkpoint bit-exact, and the
@@ -280,6 +298,7 @@ def test_a_replaced_checkpoint_left_half_removed_is_never_put_back(tmp_path, mon
     """An overwrite whose removal of the replaced copy fails halfway, then a deletion of that
     name: the cleanup finishes the removal and never brings the old copy back."""
     from datastates.commit import publish, retention
+
     real = publish.posix.remove_tree
     calls = []
 

@@ -1,5 +1,6 @@
 """Damaged checkpoints: every kind of damage is detected and reported with the exact error type,
 naming what is damaged (key, file); damage to one checkpoint never hides the others."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import datastates
-from datastates import (CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError)
+from datastates import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 
 from _faults_helpers import assert_bit_exact, shard_path, tensors_of, zeros_like_state
 from testkit import SMALL
@@ -22,10 +23,14 @@ STEP1, STEP2 = "step-0000000001", "step-0000000002"
 
 def make_state(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"weights": {"w": torch.randn(64, 1000, generator=g),
-                        "b": torch.randn(33, generator=g).to(torch.bfloat16)},
-            "counts": torch.randint(0, 99, (3000,), generator=g),
-            "meta": {("tuple", "key"): f"object {seed}"}}
+    return {
+        "weights": {
+            "w": torch.randn(64, 1000, generator=g),
+            "b": torch.randn(33, generator=g).to(torch.bfloat16),
+        },
+        "counts": torch.randint(0, 99, (3000,), generator=g),
+        "meta": {("tuple", "key"): f"object {seed}"},
+    }
 
 
 def _two_steps(root) -> None:
@@ -118,8 +123,10 @@ def test_pristine_copy_round_trips(root):
 
 # ---------------------------------------------------------------- tensor and object bytes
 
-@pytest.mark.parametrize("key,where", [("weights/w", 0), ("weights/w", -1), ("counts", 0.5),
-                                       ("weights/b", 0.5)])
+
+@pytest.mark.parametrize(
+    "key,where", [("weights/w", 0), ("weights/w", -1), ("counts", 0.5), ("weights/b", 0.5)]
+)
 def test_flipped_tensor_byte_is_detected(root, key, where):
     m = manifest_of(root)
     shard = entry(m, key)["shards"][0]
@@ -160,12 +167,18 @@ def test_flipped_object_byte_is_detected(root):
 
 # ---------------------------------------------------------------- the shard file
 
+
 @pytest.mark.parametrize("size", ["half", "index", "header-only", "10-bytes", "empty"])
 def test_truncated_shard_is_detected(root, size):
     path = shard_path(step2(root))
     m = manifest_of(root)
-    cut = {"half": os.path.getsize(path) // 2, "index": os.path.getsize(path) - 1,
-           "header-only": 4096, "10-bytes": 10, "empty": 0}[size]
+    cut = {
+        "half": os.path.getsize(path) // 2,
+        "index": os.path.getsize(path) - 1,
+        "header-only": 4096,
+        "10-bytes": 10,
+        "empty": 0,
+    }[size]
     os.truncate(path, cut)
     with pytest.raises(CorruptCheckpointError) as info:
         load_step2(root, trusted=True)
@@ -230,6 +243,7 @@ def test_shard_file_replaced_by_another_checkpoints(root):
 
 # ---------------------------------------------------------------- the manifest
 
+
 def test_manifest_version_99_is_unsupported(root):
     m = manifest_of(root)
     m["version"] = 99
@@ -248,7 +262,7 @@ def test_manifest_edited_without_its_checksum_is_corrupt(root, seal):
         raw = f.read()
     if seal:
         at = raw.index(b'"step":2')
-        raw = raw[:at] + b'"step":3' + raw[at + 8:]
+        raw = raw[:at] + b'"step":3' + raw[at + 8 :]
         with open(os.path.join(step2(root), "manifest.json"), "wb") as f:
             f.write(raw)
     else:
@@ -280,8 +294,9 @@ def test_missing_shard_file(root):
     assert_others_intact(root)
 
 
-@pytest.mark.parametrize("name", ["rank-00042.dsf", "../step-0000000001/rank-00000.dsf",
-                                  "/etc/passwd", "rank-0.dsf", ""])
+@pytest.mark.parametrize(
+    "name", ["rank-00042.dsf", "../step-0000000001/rank-00000.dsf", "/etc/passwd", "rank-0.dsf", ""]
+)
 def test_manifest_file_name_must_be_the_ranks(root, name):
     m = manifest_of(root)
     m["files"][0]["name"] = name
@@ -312,9 +327,17 @@ def test_manifest_shape_inconsistent_with_bytes(root):
         load_step2(root, trusted=True)
 
 
-@pytest.mark.parametrize("garbage", [b"{not json", b"", b"\xff\xfe\x00", b"[1, 2]",
-                                     b'{"format": "something-else", "version": 1}',
-                                     b'{"format": "datastates-checkpoint", "version": 1}'])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"{not json",
+        b"",
+        b"\xff\xfe\x00",
+        b"[1, 2]",
+        b'{"format": "something-else", "version": 1}',
+        b'{"format": "datastates-checkpoint", "version": 1}',
+    ],
+)
 def test_garbage_manifest_is_not_a_checkpoint(root, garbage):
     with open(os.path.join(step2(root), "manifest.json"), "wb") as f:
         f.write(garbage)
@@ -330,8 +353,18 @@ def test_garbage_manifest_is_not_a_checkpoint(root, garbage):
         assert info.type is CorruptCheckpointError
 
 
-@pytest.mark.parametrize("content", [b"step-0000000099", b"", b"../elsewhere", b".tmp.x",
-                                     b"\xff\xfe", b"latest", b"step-0000000001\n"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"step-0000000099",
+        b"",
+        b"../elsewhere",
+        b".tmp.x",
+        b"\xff\xfe",
+        b"latest",
+        b"step-0000000001\n",
+    ],
+)
 def test_latest_file_is_only_a_hint(root, content):
     """Whatever the ``latest`` file says, the newest committed checkpoint is the latest."""
     with open(os.path.join(root, "latest"), "wb") as f:

@@ -11,6 +11,7 @@ sent by this process at a point the child reports or the file system shows. Corr
 depends on timing: whatever the moment, the directory must hold step 1, and step 2 either complete
 or invisible.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,9 +27,19 @@ import pytest
 import datastates
 from datastates.commit import catalog
 
-from _faults_helpers import (WAIT_S, tmp_of, assert_bit_exact, child_command, crash_child, hidden_entries,
-                             latest_temporaries, run_child, tensors_of, visible_entries,
-                             zeros_like_state)
+from _faults_helpers import (
+    WAIT_S,
+    tmp_of,
+    assert_bit_exact,
+    child_command,
+    crash_child,
+    hidden_entries,
+    latest_temporaries,
+    run_child,
+    tensors_of,
+    visible_entries,
+    zeros_like_state,
+)
 import zygote
 
 # slow: each test kills a child process at an injected point
@@ -119,11 +130,9 @@ INJECTED = [
     ("split-commitwrite", 5, None, "the part in place, before manifest.json.tmp is written"),
     ("split-fsync", 5, None, "manifest.json.tmp written beside the part, before its fsync"),
     ("split-fsync", 6, None, "the head and its part in place, before the next fsync"),
-    ("split-rename-before", 1, None, "the head and its part in place, before the directory "
-     "rename"),
+    ("split-rename-before", 1, None, "the head and its part in place, before the directory rename"),
     ("split-rename-after", 1, None, "right after the directory rename of a split manifest"),
 ]
-
 
 
 def _param(mode, n, keep_last, what):
@@ -135,8 +144,9 @@ def _param(mode, n, keep_last, what):
 def test_kill_at_injected_point(tmp_path, states, mode, n, keep_last):
     proc = run_child(tmp_path, mode, n, keep_last)
     assert "COMMITTED 1" in proc.stdout, proc.stderr
-    assert proc.returncode == -signal.SIGKILL, \
+    assert proc.returncode == -signal.SIGKILL, (
         f"the kill point was never reached (rc {proc.returncode}): {proc.stdout}{proc.stderr}"
+    )
     assert "COMMITTED 2" not in proc.stdout
     if mode in ("set-latest", "replace-latest"):
         # Step 2 is committed; the ``latest`` file still names step 1, but it is only a hint:
@@ -145,8 +155,9 @@ def test_kill_at_injected_point(tmp_path, states, mode, n, keep_last):
             assert f.read() == STEP1
         assert catalog.latest(tmp_path).name == STEP2
     names = check_after_crash(tmp_path, states, keep_last=keep_last)
-    after_rename = mode.removeprefix("split-") in ("rename-after", "set-latest", "replace-latest") \
-        or keep_last
+    after_rename = (
+        mode.removeprefix("split-") in ("rename-after", "set-latest", "replace-latest") or keep_last
+    )
     assert (STEP2 in names) == bool(after_rename)
 
 
@@ -158,16 +169,19 @@ def test_stale_latest_temporary_is_cleaned(tmp_path, states):
         assert latest_temporaries(tmp_path) == []
 
 
-@pytest.mark.parametrize("mode,n", [
-    # the old one and the new one about to be exchanged
-    pytest.param("rename-before", 1),
-    # exchanged: the new one in place, the old one where the new one was written
-    pytest.param("rename-after", 1),
-    # the old one about to be renamed to .trash
-    pytest.param("rename-before", 2),
-    # the old one renamed to .trash, not yet deleted
-    ("rename-after", 2),
-])
+@pytest.mark.parametrize(
+    "mode,n",
+    [
+        # the old one and the new one about to be exchanged
+        pytest.param("rename-before", 1),
+        # exchanged: the new one in place, the old one where the new one was written
+        pytest.param("rename-after", 1),
+        # the old one about to be renamed to .trash
+        pytest.param("rename-before", 2),
+        # the old one renamed to .trash, not yet deleted
+        ("rename-after", 2),
+    ],
+)
 def test_kill_while_overwriting(tmp_path, states, mode, n):
     """Replacing step 1 with ``overwrite=True`` (the two directories exchanged in one step):
     after a crash the next Checkpointer shows step 1 with either the old or the new content,
@@ -181,8 +195,7 @@ class Child:
     """The crash child run in the background, with its stdout markers read with a deadline."""
 
     def __init__(self, root, mode="external", n=0):
-        self.proc = zygote.Process(child_command(root, mode, n), stdout=subprocess.PIPE,
-                                   bufsize=0)
+        self.proc = zygote.Process(child_command(root, mode, n), stdout=subprocess.PIPE, bufsize=0)
         self._buf = b""
 
     def expect(self, marker: str) -> None:
@@ -191,7 +204,7 @@ class Child:
             lines = self._buf.split(b"\n")
             for i, line in enumerate(lines[:-1]):
                 if line.decode() == marker:
-                    self._buf = b"\n".join(lines[i + 1:])
+                    self._buf = b"\n".join(lines[i + 1 :])
                     return
             left = deadline - time.monotonic()
             if left <= 0:
@@ -199,8 +212,9 @@ class Child:
             ready, _, _ = select.select([self.proc.stdout], [], [], left)
             chunk = os.read(self.proc.stdout.fileno(), 4096) if ready else b""
             if ready and not chunk:
-                raise AssertionError(f"child ended (rc {self.proc.wait(WAIT_S)}) before "
-                                     f"printing {marker!r}")
+                raise AssertionError(
+                    f"child ended (rc {self.proc.wait(WAIT_S)}) before printing {marker!r}"
+                )
             self._buf += chunk
 
     def kill(self) -> None:

@@ -3,6 +3,7 @@ skipped in silence, and never in the way: ``latest()``/``restore()`` log a WARNI
 the checkpoint used, the documented resume loop keeps running (the next save of that name moves
 the damaged directory aside, its bytes kept), and retention removes damaged directories only
 once they are older than every checkpoint it keeps. Real files, damaged by flipping one bit."""
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,11 @@ def flip_bit(path, offset: int | None = None, keep_mtime: bool = False) -> bytes
 
 
 def warnings_of(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name == "datastates" and r.levelno == logging.WARNING]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "datastates" and r.levelno == logging.WARNING
+    ]
 
 
 def build(seed: int):
@@ -55,10 +59,13 @@ def train_step(model, opt, step: int) -> None:
 
 def snapshot(model, opt, progress: dict) -> dict:
     """What a checkpoint of this state must hold, copied."""
-    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
-            "optimizer": {i: {k: v.clone() for k, v in s.items()}
-                          for i, s in opt.state_dict()["state"].items()},
-            "progress": dict(progress)}
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optimizer": {
+            i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()
+        },
+        "progress": dict(progress),
+    }
 
 
 def holds(loaded: dict, expected: dict) -> bool:
@@ -71,7 +78,8 @@ def holds(loaded: dict, expected: dict) -> bool:
         return False
     state = loaded["optimizer"]["state"]
     return set(state) == set(expected["optimizer"]) and all(
-        torch.equal(state[i][k], v) for i, s in expected["optimizer"].items() for k, v in s.items())
+        torch.equal(state[i][k], v) for i, s in expected["optimizer"].items() for k, v in s.items()
+    )
 
 
 def run_loop(directory, seed: int, stop: int, saved: dict):
@@ -106,19 +114,30 @@ def test_readme_loop_resumes_past_a_damaged_newest_manifest(tmp_path, caplog):
     start, report, resumed = run_loop(tmp_path, 1, 9, saved)
 
     assert start == 5 and report.step == 4  # resumed from the previous good step
-    assert holds({"model": resumed["model"], "optimizer": {"state": resumed["optimizer"]},
-                  "progress": resumed["progress"]}, saved[4])
+    assert holds(
+        {
+            "model": resumed["model"],
+            "optimizer": {"state": resumed["optimizer"]},
+            "progress": resumed["progress"],
+        },
+        saved[4],
+    )
     assert report.passed_over == [fmt.step_name(5)]
     path = str(newest)
     reason = f"CorruptCheckpointError: {path}/{fmt.MANIFEST}: manifest checksum mismatch"
     warned = warnings_of(caplog)
     assert len(warned) == 3, warned
     for caller, text in zip(("latest()", "restore()"), warned[:2]):
-        assert text.startswith(f"{caller} passed over the damaged checkpoint step-0000000005 at "
-                               f"{path} and used step-0000000004: {reason}"), text
-    moved = re.fullmatch(rf"the damaged checkpoint step-0000000005 was moved to "
-                         rf"({re.escape(str(tmp_path))}/\.damaged\.step-0000000005\.[0-9a-f]{{8}}) "
-                         rf"to make room for a new save of that name: (.*)", warned[2])
+        assert text.startswith(
+            f"{caller} passed over the damaged checkpoint step-0000000005 at "
+            f"{path} and used step-0000000004: {reason}"
+        ), text
+    moved = re.fullmatch(
+        rf"the damaged checkpoint step-0000000005 was moved to "
+        rf"({re.escape(str(tmp_path))}/\.damaged\.step-0000000005\.[0-9a-f]{{8}}) "
+        rf"to make room for a new save of that name: (.*)",
+        warned[2],
+    )
     assert moved and moved.group(2).startswith(reason), warned[2]
     aside = moved.group(1)
     # the damaged bytes are still on disk, out of sight of every listing
@@ -144,13 +163,15 @@ def test_latest_and_damaged_name_a_newer_damaged_checkpoint(tmp_path, caplog):
         assert damaged.mtime == os.stat(tmp_path / fmt.step_name(3) / fmt.MANIFEST).st_mtime
         assert warnings_of(caplog) == [
             f"latest() passed over the damaged checkpoint step-0000000003 at {damaged.path} and "
-            f"used step-0000000002: {damaged.reason}"]
+            f"used step-0000000002: {damaged.reason}"
+        ]
         caplog.clear()
         loaded = ckpt.load()
         assert torch.equal(loaded["x"], torch.full((4,), 2.0))
         assert warnings_of(caplog) == [
             f"load() passed over the damaged checkpoint step-0000000003 at {damaged.path} and "
-            f"used step-0000000002: {damaged.reason}"]
+            f"used step-0000000002: {damaged.reason}"
+        ]
 
 
 def test_an_older_damaged_checkpoint_is_listed_but_not_passed_over(tmp_path, caplog):
@@ -175,12 +196,16 @@ def test_only_damaged_checkpoints(tmp_path, caplog):
         caplog.clear()
         assert ckpt.latest() is None
         [text] = warnings_of(caplog)
-        assert text.startswith("latest() passed over the damaged checkpoint step-0000000001 at "
-                               f"{tmp_path / fmt.step_name(1)} and used none (no readable "
-                               "checkpoint): CorruptCheckpointError: ")
-        with pytest.raises(CheckpointNotFoundError,
-                           match=r"no committed checkpoint in .*; step-0000000001 is damaged "
-                                 r"\(CorruptCheckpointError: "):
+        assert text.startswith(
+            "latest() passed over the damaged checkpoint step-0000000001 at "
+            f"{tmp_path / fmt.step_name(1)} and used none (no readable "
+            "checkpoint): CorruptCheckpointError: "
+        )
+        with pytest.raises(
+            CheckpointNotFoundError,
+            match=r"no committed checkpoint in .*; step-0000000001 is damaged "
+            r"\(CorruptCheckpointError: ",
+        ):
             ckpt.restore({"x": torch.zeros(4)})
 
 
@@ -192,8 +217,10 @@ def test_overwrite_of_a_damaged_checkpoint_keeps_its_bytes(tmp_path, caplog):
         assert torch.equal(ckpt.load(tag="best")["x"], torch.full((4,), 2.0))
     [aside] = [n for n in os.listdir(tmp_path) if n.startswith(".damaged.best.")]
     assert (tmp_path / aside / fmt.MANIFEST).read_bytes() == damaged
-    assert any(t.startswith(f"the damaged checkpoint best was moved to {tmp_path / aside} ")
-               for t in warnings_of(caplog))
+    assert any(
+        t.startswith(f"the damaged checkpoint best was moved to {tmp_path / aside} ")
+        for t in warnings_of(caplog)
+    )
 
 
 def test_a_directory_that_is_not_a_checkpoint_is_never_replaced(tmp_path):
@@ -202,9 +229,12 @@ def test_a_directory_that_is_not_a_checkpoint_is_never_replaced(tmp_path):
     (taken / "notes.txt").write_bytes(b"mine")
     with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ckpt:
         for overwrite in (False, True):
-            with pytest.raises(CheckpointExistsError, match=r"step-0000000003 exists and is not "
-                                                            r"a checkpoint \(it holds no "
-                                                            r"manifest.json datastates wrote\)"):
+            with pytest.raises(
+                CheckpointExistsError,
+                match=r"step-0000000003 exists and is not "
+                r"a checkpoint \(it holds no "
+                r"manifest.json datastates wrote\)",
+            ):
                 ckpt.save({"x": torch.ones(4)}, step=3, overwrite=overwrite)
         assert ckpt.list() == []
     assert sorted(os.listdir(taken)) == ["notes.txt"]
@@ -225,24 +255,33 @@ def test_retention_removes_a_damaged_checkpoint_once_older_than_every_kept_one(t
         assert [d.name for d in ckpt.damaged()] == [fmt.step_name(4)]
     names = sorted(n for n in os.listdir(tmp_path) if not n.startswith("latest"))
     assert names == [fmt.step_name(3), fmt.step_name(4), fmt.step_name(5)]
-    infos = [r.getMessage() for r in caplog.records if r.name == "datastates" and
-             r.levelno == logging.INFO and r.getMessage().startswith("retention")]
+    infos = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "datastates"
+        and r.levelno == logging.INFO
+        and r.getMessage().startswith("retention")
+    ]
     assert len(infos) == 2 and infos[0].startswith("retention deleted step-0000000002 (")
-    assert infos[1].startswith("retention deleted the damaged checkpoint step-0000000001, older "
-                               "than every checkpoint kept: CorruptCheckpointError: "
-                               f"{tmp_path / fmt.step_name(1) / fmt.MANIFEST}: manifest checksum "
-                               "mismatch"), infos[1]
+    assert infos[1].startswith(
+        "retention deleted the damaged checkpoint step-0000000001, older "
+        "than every checkpoint kept: CorruptCheckpointError: "
+        f"{tmp_path / fmt.step_name(1) / fmt.MANIFEST}: manifest checksum "
+        "mismatch"
+    ), infos[1]
 
 
 def _object_key(url: str) -> str:
     return url.split("/", 3)[3]
 
 
-def test_object_store_damaged_newest_is_reported_and_replaced(s3_server, s3_root,
-                                                              s3_storage_options, caplog):
+def test_object_store_damaged_newest_is_reported_and_replaced(
+    s3_server, s3_root, s3_storage_options, caplog
+):
     client = s3_server.client()
-    with Checkpointer(s3_root, CheckpointConfig(**SMALL),
-                      storage_options=s3_storage_options) as ckpt:
+    with Checkpointer(
+        s3_root, CheckpointConfig(**SMALL), storage_options=s3_storage_options
+    ) as ckpt:
         for step in (1, 2):
             ckpt.save({"x": torch.full((4,), float(step))}, step=step).wait(60)
         key = f"{_object_key(s3_root)}/{fmt.step_name(2)}/{fmt.MANIFEST}"
@@ -257,11 +296,14 @@ def test_object_store_damaged_newest_is_reported_and_replaced(s3_server, s3_root
         assert ckpt.damaged() == []
     warned = warnings_of(caplog)
     assert len(warned) == 2, warned
-    assert warned[0].startswith("latest() passed over the damaged checkpoint step-0000000002 at "
-                                f"{s3_root}/step-0000000002 and used step-0000000001: "
-                                "CorruptCheckpointError: ")
-    assert warned[1].startswith(f"the damaged checkpoint {s3_root}/step-0000000002 is replaced "
-                                "by a new save of that name")
+    assert warned[0].startswith(
+        "latest() passed over the damaged checkpoint step-0000000002 at "
+        f"{s3_root}/step-0000000002 and used step-0000000001: "
+        "CorruptCheckpointError: "
+    )
+    assert warned[1].startswith(
+        f"the damaged checkpoint {s3_root}/step-0000000002 is replaced by a new save of that name"
+    )
 
 
 def _newer_format(ckpt_dir) -> None:
@@ -269,7 +311,7 @@ def _newer_format(ckpt_dir) -> None:
     only unreadable to this version."""
     path = ckpt_dir / fmt.MANIFEST
     raw = path.read_bytes()
-    body = json.loads(raw[:raw.rindex(b',"manifest_crc32"')] + b"}")
+    body = json.loads(raw[: raw.rindex(b',"manifest_crc32"')] + b"}")
     body["version"] = fmt.SPLIT_VERSION + 1  # newer than any this reader reads
     path.write_bytes(fmt.seal_manifest(json.dumps(body, separators=(",", ":")).encode()))
     old = os.stat(path).st_mtime - 3600
@@ -284,7 +326,7 @@ def test_retention_never_deletes_a_kept_step_or_a_newer_format_it_cannot_read(tm
             ckpt.save({"x": torch.full((4,), float(step))}, step=step).wait(60)
         ckpt.save({"x": torch.zeros(4)}, tag="best").wait(60)
     flip_bit(tmp_path / fmt.step_name(2) / fmt.MANIFEST, keep_mtime=True)  # a kept milestone
-    flip_bit(tmp_path / "best" / fmt.MANIFEST, keep_mtime=True)            # step unknown
+    flip_bit(tmp_path / "best" / fmt.MANIFEST, keep_mtime=True)  # step unknown
     flip_bit(tmp_path / fmt.step_name(1) / fmt.MANIFEST, keep_mtime=True)  # not a milestone
     _newer_format(tmp_path / fmt.step_name(3))
     with Checkpointer(tmp_path, CheckpointConfig(keep_last=1, keep_every=2, **SMALL)) as ckpt:

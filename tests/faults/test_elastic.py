@@ -28,6 +28,7 @@ docs/elastic.md states what these tests prove. Every run is bounded (``RUN_TIMEO
 hang the test stops torchrun (which stops its workers), kills any worker left by its pid, and
 fails with the output.
 """
+
 from __future__ import annotations
 
 import json
@@ -85,19 +86,26 @@ class Kill:
 # which may commit before the agent stops it (either). Each kill's step is one its attempt
 # reaches whichever start the previous kill allowed.
 CHAINS = {
-    "w2-publish-reported-before-latest": (2, (
-        Kill(0, 0, 2, "rename-before", 1, (2,), True),  # rank 0, manifest written, not renamed
-        Kill(1, 1, 3, "reported", 1, (3, 4), False),    # rank 1 reported step 3, no verdict yet
-        Kill(2, 0, 4, "set-latest", 1, (5,), False),    # rank 0 committed step 4, latest not
-                                                        # updated
-    )),
-    "w4-shard-write": (4, (
-        Kill(0, 3, 2, "pwrite", 1, (2,), True),         # rank 3 of 4, its first write of step 2
-    )),
+    "w2-publish-reported-before-latest": (
+        2,
+        (
+            Kill(0, 0, 2, "rename-before", 1, (2,), True),  # rank 0, manifest written, not renamed
+            Kill(1, 1, 3, "reported", 1, (3, 4), False),  # rank 1 reported step 3, no verdict yet
+            Kill(2, 0, 4, "set-latest", 1, (5,), False),  # rank 0 committed step 4, latest not
+            # updated
+        ),
+    ),
+    "w4-shard-write": (
+        4,
+        (
+            Kill(0, 3, 2, "pwrite", 1, (2,), True),  # rank 3 of 4, its first write of step 2
+        ),
+    ),
 }
 
 
 # ---------------------------------------------------------------- running torchrun
+
 
 @dataclass
 class Run:
@@ -108,8 +116,11 @@ class Run:
     markers: list[tuple[str, dict]]
 
     def of(self, kind: str, **match) -> list[dict]:
-        return [f for k, f in self.markers
-                if k == kind and all(f.get(key) == v for key, v in match.items())]
+        return [
+            f
+            for k, f in self.markers
+            if k == kind and all(f.get(key) == v for key, v in match.items())
+        ]
 
     def tail(self, n: int = 6000) -> str:
         return self.output[-n:]
@@ -129,22 +140,34 @@ def torchrun(root: str, world: int, kills=()) -> Run:
     """Run the job in ``root/ckpt`` on ``world`` ranks, then (in the attempt that ended it) once
     more from scratch in ``root/uninterrupted``; fail the test, with the output, if it does not
     end within RUN_TIMEOUT_S. One restart per kill: a death no kill planned ends the job."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={world}", f"--max-restarts={len(kills)}",
-           "--monitor-interval=0.1", CHILD, os.path.join(root, "ckpt"), str(STEPS),
-           "--uninterrupted", os.path.join(root, "uninterrupted")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        f"--max-restarts={len(kills)}",
+        "--monitor-interval=0.1",
+        CHILD,
+        os.path.join(root, "ckpt"),
+        str(STEPS),
+        "--uninterrupted",
+        os.path.join(root, "uninterrupted"),
+    ]
     for kill in kills:
         cmd += ["--kill", kill.spec()]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
     env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=HERE, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=HERE, env=env
+    )
     try:
         output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         output = stop(proc)
-        pytest.fail(f"torchrun did not end within {RUN_TIMEOUT_S} s (a hang); its output:\n"
-                    f"{output[-8000:]}")
+        pytest.fail(
+            f"torchrun did not end within {RUN_TIMEOUT_S} s (a hang); its output:\n{output[-8000:]}"
+        )
     return Run(proc.returncode, output, parse_markers(output))
 
 
@@ -173,6 +196,7 @@ def _is_our_worker(pid: int) -> bool:
 
 # ---------------------------------------------------------------- what a run left
 
+
 def final_digests(run: Run, world: int, attempt: int, of: str) -> dict[int, str]:
     """{rank: sha256 of its final state} of the ``of`` run ("job" or "uninterrupted"), which
     must have ended in ``attempt``."""
@@ -188,42 +212,47 @@ def rank_views(ckpt_dir: str, world: int) -> list:
     registry = ProviderRegistry.default()
     views = []
     for rank in range(world):
-        with Reader(ckpt_dir, registry=registry, rank=rank, world_size=world,
-                    trusted=True) as reader:
+        with Reader(
+            ckpt_dir, registry=registry, rank=rank, world_size=world, trusted=True
+        ) as reader:
             views.append(reader.load())
     return views
 
 
 def leftovers(root: str) -> list[str]:
     """Every temporary and lease file in ``root``."""
-    return sorted(n for n in os.listdir(root)
-                  if parse_temporary(n) is not None or n.startswith(LEASE_PREFIX))
+    return sorted(
+        n for n in os.listdir(root) if parse_temporary(n) is not None or n.startswith(LEASE_PREFIX)
+    )
 
 
 # ---------------------------------------------------------------- the tests
+
 
 @pytest.mark.parametrize("chain", list(CHAINS))
 def test_restarted_job_ends_bit_identical_to_the_uninterrupted_one(tmp_path, chain):
     world, kills = CHAINS[chain]
     run = torchrun(str(tmp_path), world, kills)
     for kill in kills:
-        assert run.of("armed", attempt=kill.attempt, rank=kill.rank, step=kill.step), \
+        assert run.of("armed", attempt=kill.attempt, rank=kill.rank, step=kill.step), (
             f"the kill point {kill} was never armed:\n{run.tail()}"
+        )
     last = len(kills)
-    assert final_digests(run, world, last, "job") == \
-        final_digests(run, world, last, "uninterrupted")
+    assert final_digests(run, world, last, "job") == final_digests(
+        run, world, last, "uninterrupted"
+    )
     assert run.of("resume", run="uninterrupted", start=0)
     check_resumes(run, world, kills)
     check_attempts(run, kills)
-    check_directory(os.path.join(tmp_path, "ckpt"), os.path.join(tmp_path, "uninterrupted"),
-                    world)
+    check_directory(os.path.join(tmp_path, "ckpt"), os.path.join(tmp_path, "uninterrupted"), world)
 
 
 def check_resumes(run: Run, world: int, kills) -> None:
     """Every rank of each restarted attempt resumed at the same step, one the kill allows."""
     for kill in kills:
-        starts = {f["rank"]: f["start"]
-                  for f in run.of("resume", run="job", attempt=kill.attempt + 1)}
+        starts = {
+            f["rank"]: f["start"] for f in run.of("resume", run="job", attempt=kill.attempt + 1)
+        }
         assert sorted(starts) == list(range(world)), run.tail()
         assert len(set(starts.values())) == 1, f"ranks resumed at different steps: {starts}"
         assert starts[0] in kill.resumes_at, f"after {kill}: resumed at {starts[0]}"
@@ -240,9 +269,11 @@ def check_attempts(run: Run, kills) -> None:
         (seen,) = run.of("temporaries", attempt=kill.attempt + 1)
         dead = owner_token(runs[kill.attempt])
         if kill.leaves:
-            assert any(n.startswith(f".tmp.{dead}-")
-                       and n.endswith("." + name_key(f"step-{kill.step:010d}"))
-                       for n in seen["before"]), seen
+            assert any(
+                n.startswith(f".tmp.{dead}-")
+                and n.endswith("." + name_key(f"step-{kill.step:010d}"))
+                for n in seen["before"]
+            ), seen
             assert LEASE_PREFIX + dead in seen["before"], seen
         older = {owner_token(runs[a]) for a in range(kill.attempt)}
         assert not [n for n in seen["before"] if any(t in n for t in older)], seen
@@ -255,8 +286,11 @@ def check_attempts(run: Run, kills) -> None:
 def check_directory(ckpt_dir: str, ref_dir: str, world: int) -> None:
     """The uninterrupted run's checkpoints, bit-exact on every rank; nothing else."""
     names = [i.name for i in catalog.list_checkpoints(ckpt_dir)]
-    assert names == [i.name for i in catalog.list_checkpoints(ref_dir)] == \
-        [f"step-{STEPS - 2:010d}", f"step-{STEPS - 1:010d}"]
+    assert (
+        names
+        == [i.name for i in catalog.list_checkpoints(ref_dir)]
+        == [f"step-{STEPS - 2:010d}", f"step-{STEPS - 1:010d}"]
+    )
     for name in names:
         got, want = (rank_views(os.path.join(d, name), world) for d in (ckpt_dir, ref_dir))
         for rank in range(world):
@@ -266,6 +300,7 @@ def check_directory(ckpt_dir: str, ref_dir: str, world: int) -> None:
 
 
 # ---------------------------------------------------------------- an overwrite cut short
+
 
 class RanksDisagree(Exception):
     """The ranks of one job found different latest checkpoints in one directory."""
@@ -289,8 +324,10 @@ def interrupted_overwrite(root: str) -> None:
         ckpt.save({"w": torch.arange(8.0)}, step=1).wait()
     token = "0123456789abcdef"
     open(os.path.join(root, LEASE_PREFIX + token), "w").close()  # a lease nobody holds
-    os.rename(os.path.join(root, "step-0000000001"),
-              os.path.join(root, f".old.step-0000000001.{token}.89abcdef"))
+    os.rename(
+        os.path.join(root, "step-0000000001"),
+        os.path.join(root, f".old.step-0000000001.{token}.89abcdef"),
+    )
 
 
 def _latest_on_each_rank(rank: int, world: int, root: str):
@@ -313,6 +350,7 @@ def _latest_on_each_rank(rank: int, world: int, root: str):
             if topic == "open":
                 store.set("listed-or-held", "1")  # no listing before rank 0 joins it
             return real_exchange(self, topic, *args, **kwargs)
+
         StoreCommunicator.exchange = exchange
     if rank == 0:
         real = RenamePublisher.clean_stale
@@ -323,6 +361,7 @@ def _latest_on_each_rank(rank: int, world: int, root: str):
             except RuntimeError:  # DistStoreError: rank 1 did neither
                 pass
             return real(self, *args, **kwargs)
+
         RenamePublisher.clean_stale = clean_stale
     with datastates.Checkpointer(root) as ckpt:
         found = ckpt.latest()
@@ -348,4 +387,5 @@ def _load_launcher():
     if dist_tests not in sys.path:
         sys.path.append(dist_tests)
     import launcher
+
     return launcher

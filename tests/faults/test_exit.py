@@ -5,6 +5,7 @@ or ``wait()``: its loop ends, or it raises outside a ``with`` block. The interpr
 for the save (bounded by ``commit_timeout_s``) and commits it; a save that cannot commit is named in
 a WARNING; the process exits with the script's own status, never an abort.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -60,8 +61,12 @@ _SCRIPT = textwrap.dedent("""
 def _run(tmp_path, ending: str) -> subprocess.CompletedProcess:
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
-    return subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), ending],
-                          capture_output=True, text=True, timeout=WAIT_S)
+    return subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt"), ending],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
 
 
 def _assert_committed(root, steps) -> None:
@@ -132,9 +137,15 @@ def test_a_save_that_cannot_commit_at_exit_is_named_in_a_warning(tmp_path):
     script = tmp_path / "two.py"
     script.write_text(_TWO_RANKS)
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "ckpt"), str(rank),
-                               port], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "ckpt"), str(rank), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outs = [proc.communicate(timeout=WAIT_S) for proc in procs]
     for rank, (proc, (out, err)) in enumerate(zip(procs, outs)):
         assert proc.returncode == 0, err

@@ -1,6 +1,7 @@
 """Fallback resume (``restore(fallback=True)``): the newest checkpoint that verifies is restored,
 a damaged newer one is skipped, quarantined and reported, and nothing live changes before the
 checks passed. Multi-rank agreement is in tests/dist/test_fallback_dist.py."""
+
 from __future__ import annotations
 
 import glob
@@ -64,12 +65,16 @@ def test_a_damaged_payload_falls_back_and_is_quarantined(root, caplog):
         # moved aside whole, never listed, with its reason; the log names it
         assert os.path.basename(skipped.quarantined).startswith(f".damaged.{fmt.step_name(3)}.")
         assert sorted(os.listdir(skipped.quarantined)) == sorted(
-            [fmt.MANIFEST, "reason.txt", fmt.shard_file_name(0)])
+            [fmt.MANIFEST, "reason.txt", fmt.shard_file_name(0)]
+        )
         with open(os.path.join(skipped.quarantined, "reason.txt")) as f:
             assert f.read() == skipped.reason
         assert [i.step for i in ckpt.list()] == [1, 2] and ckpt.latest().step == 2
-        assert any(fmt.step_name(3) in r.getMessage() and "damaged" in r.getMessage()
-                   for r in caplog.records if r.levelno == logging.WARNING)
+        assert any(
+            fmt.step_name(3) in r.getMessage() and "damaged" in r.getMessage()
+            for r in caplog.records
+            if r.levelno == logging.WARNING
+        )
         # the resume loop goes on: step 3 is saved again without overwrite=True
         ckpt.save(step_state(3), step=3).wait()
         live = _blank()
@@ -186,6 +191,7 @@ def test_bytes_changed_after_the_check_are_an_error_not_a_fallback(root):
     """The window between the check and the reads: a reader planned and verified, then the file
     changes; applying the plan raises CorruptCheckpointError and leaves plain values alone."""
     from datastates.restore.reader import Reader
+
     with Checkpointer(root) as ckpt:
         _save_steps(ckpt, (1,))
         live = _blank()

@@ -15,6 +15,7 @@ same way (docs/format.md, "What a reader validates" and "The head"):
 
 The sharded checkpoints are saved by four ranks in threads of this process
 (tests/thread_ranks.py), once in one manifest file and once split into parts."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,12 @@ from datastates import CorruptCheckpointError, TensorShard
 from datastates.commit.review import check_tiling
 from datastates.format import codec, files, plain, validate
 from datastates.format.checks import MAX_METADATA_DEPTH, MAX_TREE_DEPTH, _At
-from datastates.format.tiling import grid as _grid, slabs as _slabs, tiled as _tiled, \
-    tiling_fault as _tiling_fault
+from datastates.format.tiling import (
+    grid as _grid,
+    slabs as _slabs,
+    tiled as _tiled,
+    tiling_fault as _tiling_fault,
+)
 from datastates.format.records import FileRef, Manifest, ShardRef, TensorEntry
 from datastates.providers import ProviderRegistry
 from datastates.restore.reader import Reader
@@ -58,24 +63,35 @@ def _state(rank: int) -> dict:
     columns), boxes of no element, and a tensor every rank holds replicated."""
     r0, c0 = rank // 2 * 2, rank % 2 * 3
     b0, width = BRICKS[rank]
-    return {"mine": torch.full((rank + 2,), float(rank)),
-            "rows": TensorShard(G[rank:rank + 1].clone(), (4, 6), (rank, 0)),
-            "cols": TensorShard(G[:, rank:rank + 1] * 2, (4, 4), (0, rank)),
-            "grid": TensorShard(G[r0:r0 + 2, c0:c0 + 3] + 100, (4, 6), (r0, c0)),
-            "pairs": TensorShard(G[r0:r0 + 2] - 5, (4, 6), (r0, 0), primary=rank % 2 == 0),
-            "bricks": TensorShard(B[rank // 2:rank // 2 + 1, b0:b0 + width], (2, 4),
-                                  (rank // 2, b0)),
-            "empty": TensorShard(torch.zeros(0, 3), (0, 3), (0, 0)),
-            "rep": torch.arange(5.0)}
+    return {
+        "mine": torch.full((rank + 2,), float(rank)),
+        "rows": TensorShard(G[rank : rank + 1].clone(), (4, 6), (rank, 0)),
+        "cols": TensorShard(G[:, rank : rank + 1] * 2, (4, 4), (0, rank)),
+        "grid": TensorShard(G[r0 : r0 + 2, c0 : c0 + 3] + 100, (4, 6), (r0, c0)),
+        "pairs": TensorShard(G[r0 : r0 + 2] - 5, (4, 6), (r0, 0), primary=rank % 2 == 0),
+        "bricks": TensorShard(
+            B[rank // 2 : rank // 2 + 1, b0 : b0 + width], (2, 4), (rank // 2, b0)
+        ),
+        "empty": TensorShard(torch.zeros(0, 3), (0, 3), (0, 0)),
+        "rep": torch.arange(5.0),
+    }
 
 
-GLOBAL = {"rows": G, "cols": G[:, :4] * 2, "grid": G + 100, "pairs": G - 5, "bricks": B,
-          "empty": torch.zeros(0, 3), "rep": torch.arange(5.0)}
+GLOBAL = {
+    "rows": G,
+    "cols": G[:, :4] * 2,
+    "grid": G + 100,
+    "pairs": G - 5,
+    "bricks": B,
+    "empty": torch.zeros(0, 3),
+    "rep": torch.arange(5.0),
+}
 
 
 def _save_ranks(root: str) -> None:
-    results = in_thread_ranks(root, WORLD, lambda ck, r: ck.save(
-        _state(r), step=1, replicated=["rep"]).wait(60))
+    results = in_thread_ranks(
+        root, WORLD, lambda ck, r: ck.save(_state(r), step=1, replicated=["rep"]).wait(60)
+    )
     errors = {r: found for r, found in results.items() if isinstance(found, BaseException)}
     assert not errors, errors
 
@@ -127,8 +143,12 @@ def _zeroed(state: dict) -> dict:
     out = dict(state)
     for key, value in state.items():
         if isinstance(value, TensorShard):
-            out[key] = TensorShard(torch.full_like(value.local, -7.0), value.global_shape,
-                                   value.global_offset, value.primary)
+            out[key] = TensorShard(
+                torch.full_like(value.local, -7.0),
+                value.global_shape,
+                value.global_offset,
+                value.primary,
+            )
         elif isinstance(value, torch.Tensor):
             out[key] = torch.full_like(value, -7.0)
     return out
@@ -144,15 +164,23 @@ def _assert_restored(live: dict, saved: dict) -> None:
 
 # ---------------------------------------------------------------- what a writer commits reads
 
+
 def test_every_layout_a_writer_commits_reads_back_bit_exactly(ck, capsys):
     root, ckpt = ck
-    layouts = {e.key: [(s.global_offset, s.shape) for s in e.shards]
-               for e in files.read_manifest(ckpt).entries.values()}
-    assert layouts["grid"] == [((0, 0), (2, 3)), ((0, 3), (2, 3)), ((2, 0), (2, 3)),
-                               ((2, 3), (2, 3))]
+    layouts = {
+        e.key: [(s.global_offset, s.shape) for s in e.shards]
+        for e in files.read_manifest(ckpt).entries.values()
+    }
+    assert layouts["grid"] == [
+        ((0, 0), (2, 3)),
+        ((0, 3), (2, 3)),
+        ((2, 0), (2, 3)),
+        ((2, 3), (2, 3)),
+    ]
     assert layouts["pairs"] == [((0, 0), (2, 6)), ((2, 0), (2, 6))]  # the replicas unwritten
-    bricks = [(e.shape, e.shards) for e in files.read_manifest(ckpt).entries.values()
-              if e.key == "bricks"][0]
+    bricks = [
+        (e.shape, e.shards) for e in files.read_manifest(ckpt).entries.values() if e.key == "bricks"
+    ][0]
     assert not _slabs(*bricks) and not _grid(*bricks)  # the general check's to judge
     assert layouts["rep"] == [((0,), (5,))] and len(layouts["empty"]) == WORLD
     with _checkpointer(root) as ckpt_:
@@ -186,12 +214,14 @@ def _restore_rank(checkpointer, rank: int) -> dict:
 
 # ---------------------------------------------------------------- boxes that do not tile
 
+
 def _forge(key: str, forgery: str):
     """A change to the JSON entry of tensor ``key`` (its shards): what ``forgery`` names."""
+
     def change(entry: dict) -> None:
         shards = entry["shards"]
         if forgery == "overlap":  # the last row's box grown over the row before (in the
-            last = shards[-1]     # slack of its 64-byte slot: no region overlaps another)
+            last = shards[-1]  # slack of its 64-byte slot: no region overlaps another)
             last["global_offset"][0] -= 1
             last["shape"][0] += 1
             last["nbytes"] *= 2
@@ -202,6 +232,7 @@ def _forge(key: str, forgery: str):
             shards[-1]["global_offset"] = [2, 2]
         else:  # "twice": the second pair's box written at the first one's place
             shards[1]["global_offset"] = [0, 0]
+
     return change
 
 
@@ -254,6 +285,7 @@ def test_boxes_that_do_not_tile_fail_every_view_that_holds_them(ck_split, key, f
 
     def change(obj: dict) -> None:
         _forge(key, forgery)(next(e for e in obj["entries"] if e["key"] == key))
+
     _forge_part(ckpt, i, change)
     message = f"shards of tensor {key!r} do not tile its shape"
     with pytest.raises(CorruptCheckpointError, match=message):
@@ -262,8 +294,10 @@ def test_boxes_that_do_not_tile_fail_every_view_that_holds_them(ck_split, key, f
         with pytest.raises(CorruptCheckpointError, match=message):
             files.read_manifest(ckpt, view=lambda saved_world, r=rank: r)
     results = in_thread_ranks(root, WORLD, lambda ck_, r: _restore_rank(ck_, r))
-    assert all(type(found) is CorruptCheckpointError and message in str(found)
-               for found in results.values()), results
+    assert all(
+        type(found) is CorruptCheckpointError and message in str(found)
+        for found in results.values()
+    ), results
 
 
 def _manifest(shape: tuple, boxes: list) -> Manifest:
@@ -272,13 +306,23 @@ def _manifest(shape: tuple, boxes: list) -> Manifest:
     shards, offset = [], codec.HEADER_BYTES
     for origin, box in boxes:
         nbytes = 4 * _volume(box)
-        shards.append(ShardRef(0, offset, nbytes, tuple(origin), tuple(box),
-                               ((nbytes, 0),) if nbytes else ()))
+        shards.append(
+            ShardRef(0, offset, nbytes, tuple(origin), tuple(box), ((nbytes, 0),) if nbytes else ())
+        )
         offset += codec.align_up(max(nbytes, 1), codec.DATA_ALIGN)
     entry = TensorEntry("w", "float32", tuple(shape), tuple(shards), False, None)
-    return Manifest(version=3, name="a", step=1, seq=1, created_unix=0.0, world_size=1,
-                    metadata={}, files=(FileRef(codec.shard_file_name(0), 0, offset, 0),),
-                    entries={0: entry}, ranks=())
+    return Manifest(
+        version=3,
+        name="a",
+        step=1,
+        seq=1,
+        created_unix=0.0,
+        world_size=1,
+        metadata={},
+        files=(FileRef(codec.shard_file_name(0), 0, offset, 0),),
+        entries={0: entry},
+        ranks=(),
+    )
 
 
 def _volume(shape) -> int:
@@ -293,8 +337,9 @@ def _layouts(rng: random.Random):
     spoiled inside the shape: a box moved, shrunk, repeated or dropped."""
     for _ in range(3000):
         shape = [rng.randint(0, 5) for _ in range(rng.randint(1, 3))]
-        cuts = [sorted({0, n, *(rng.randint(0, n) for _ in range(rng.randint(0, 2)))})
-                for n in shape]
+        cuts = [
+            sorted({0, n, *(rng.randint(0, n) for _ in range(rng.randint(0, 2)))}) for n in shape
+        ]
         boxes = [([], [])]
         for bounds in cuts:
             spans = list(zip(bounds, bounds[1:])) or [(0, 0)]
@@ -305,10 +350,10 @@ def _layouts(rng: random.Random):
             d = rng.randrange(len(shape))
             what = rng.randrange(4)
             if what == 0 and origin[d] + box[d] < shape[d]:
-                boxes.append((origin[:d] + [origin[d] + 1] + origin[d + 1:], box))
+                boxes.append((origin[:d] + [origin[d] + 1] + origin[d + 1 :], box))
                 boxes.remove((origin, box))
             elif what == 1 and box[d]:
-                boxes.append((origin, box[:d] + [box[d] - 1] + box[d + 1:]))
+                boxes.append((origin, box[:d] + [box[d] - 1] + box[d + 1 :]))
                 boxes.remove((origin, box))
             elif what == 2:
                 boxes.append((origin, box))
@@ -331,7 +376,7 @@ def test_the_review_and_every_reader_judge_a_layout_by_the_same_rule():
         assert (check_tiling(manifest) == []) == ok, (shape, boxes)
         assert ok == (_tiling_fault(entry.shape, entry.shards) is None), (shape, boxes)
         fast[0] += _slabs(entry.shape, entry.shards)  # the fast paths say "tiled" only where
-        fast[1] += _grid(entry.shape, entry.shards)   # the general check finds no fault
+        fast[1] += _grid(entry.shape, entry.shards)  # the general check finds no fault
         assert ok or not (_slabs(entry.shape, entry.shards) or _grid(entry.shape, entry.shards))
         value = entry.to_json()
         assert (plain.tensor_entry(value, manifest.files, 1) == entry) == ok, (shape, boxes)
@@ -347,6 +392,7 @@ def test_the_review_and_every_reader_judge_a_layout_by_the_same_rule():
 
 # ---------------------------------------------------------------- nesting and metadata
 
+
 def _save_one(root: str) -> None:
     with datastates.Checkpointer(root) as checkpointer:
         checkpointer.save({"w": torch.arange(3.0)}, step=1).wait(60)
@@ -360,10 +406,11 @@ def one(pristine, private_copy):
 def _with_metadata(ckpt: str, text: bytes) -> None:
     """The sealed manifest of ``ckpt`` with ``text`` (JSON) as its metadata."""
     path = os.path.join(ckpt, codec.MANIFEST)
-    body = open(path, "rb").read()[:-codec.TRAILER_BYTES] + b"}"
+    body = open(path, "rb").read()[: -codec.TRAILER_BYTES] + b"}"
     assert body.count(b'"metadata":{}') == 1
-    open(path, "wb").write(codec.seal_manifest(body.replace(b'"metadata":{}',
-                                                            b'"metadata":' + text)))
+    open(path, "wb").write(
+        codec.seal_manifest(body.replace(b'"metadata":{}', b'"metadata":' + text))
+    )
 
 
 def _deep(levels: int) -> bytes:
@@ -386,6 +433,7 @@ def _with_frames_left(frames: int, call):
 
     def down(n: int):
         return call() if n <= 0 else down(n - 1)
+
     return down(sys.getrecursionlimit() - depth - frames)
 
 
@@ -399,8 +447,7 @@ def test_json_nested_past_the_bound_is_damage_whatever_the_callers_stack(one, le
     ones (where the decoder gives up and the document's depth is counted)."""
     root, ckpt = one
     _with_metadata(ckpt, _deep(levels))
-    assert codec.nesting_depth(open(os.path.join(ckpt, codec.MANIFEST), "rb").read()) == \
-        levels + 1
+    assert codec.nesting_depth(open(os.path.join(ckpt, codec.MANIFEST), "rb").read()) == levels + 1
     for name, read in READS.items():
         for frames in (None, 400, 150, 60):
             with pytest.raises(CorruptCheckpointError, match="metadata|nests") as caught:
@@ -427,9 +474,10 @@ def test_metadata_one_level_past_its_bound_is_damage(one):
     root, ckpt = one
     _with_metadata(ckpt, _deep(MAX_METADATA_DEPTH + 1))
     for read in READS.values():
-        with pytest.raises(CorruptCheckpointError,
-                           match=f"metadata: arrays and objects nested deeper than "
-                                 f"{MAX_METADATA_DEPTH} levels"):
+        with pytest.raises(
+            CorruptCheckpointError,
+            match=f"metadata: arrays and objects nested deeper than {MAX_METADATA_DEPTH} levels",
+        ):
             read(ckpt)
     with datastates.Checkpointer(root) as checkpointer:
         assert [d.name for d in checkpointer.damaged()] == [STEP]
@@ -457,15 +505,18 @@ def test_a_caller_too_deep_to_decode_is_told_so_and_nothing_is_damaged(one, leve
                 read(ckpt)
 
 
-@pytest.mark.parametrize("text, where", [(b'{"lr":1e400}', "metadata.lr"),
-                                         (b'{"a":[1,{"b":-1e400}]}', "metadata.a[1].b")])
+@pytest.mark.parametrize(
+    "text, where",
+    [(b'{"lr":1e400}', "metadata.lr"), (b'{"a":[1,{"b":-1e400}]}', "metadata.a[1].b")],
+)
 def test_a_number_too_large_for_a_double_in_metadata_is_damage(one, text, where):
     root, ckpt = one
     _with_metadata(ckpt, text)
     for read in READS.values():
-        with pytest.raises(CorruptCheckpointError,
-                           match=re.escape(where) + ": expected a finite number, found float "
-                                 "-?inf"):
+        with pytest.raises(
+            CorruptCheckpointError,
+            match=re.escape(where) + ": expected a finite number, found float -?inf",
+        ):
             read(ckpt)
     with datastates.Checkpointer(root) as checkpointer:
         assert [d.name for d in checkpointer.damaged()] == [STEP]
@@ -474,18 +525,20 @@ def test_a_number_too_large_for_a_double_in_metadata_is_damage(one, text, where)
 def test_finite_metadata_reads_back(one):
     root, ckpt = one
     _with_metadata(ckpt, b'{"lr":1e300,"big":100000000000000000000000000000,"s":"[{"}')
-    assert files.read_manifest(ckpt).metadata == {"lr": 1e300, "big": 10 ** 29, "s": "[{"}
+    assert files.read_manifest(ckpt).metadata == {"lr": 1e300, "big": 10**29, "s": "[{"}
 
 
 def test_save_refuses_metadata_a_reader_refuses(tmp_path):
     with datastates.Checkpointer(str(tmp_path)) as checkpointer:
         with pytest.raises(datastates.ConfigError, match="metadata nests deeper"):
-            checkpointer.save({"w": torch.ones(1)}, step=1,
-                              metadata=_deep_value(MAX_METADATA_DEPTH + 1))
+            checkpointer.save(
+                {"w": torch.ones(1)}, step=1, metadata=_deep_value(MAX_METADATA_DEPTH + 1)
+            )
         with pytest.raises(ValueError, match="Out of range float"):
             checkpointer.save({"w": torch.ones(1)}, step=1, metadata={"lr": float("inf")})
-        checkpointer.save({"w": torch.ones(1)}, step=1,
-                          metadata=_deep_value(MAX_METADATA_DEPTH)).wait(60)
+        checkpointer.save(
+            {"w": torch.ones(1)}, step=1, metadata=_deep_value(MAX_METADATA_DEPTH)
+        ).wait(60)
         assert checkpointer.latest().metadata == _deep_value(MAX_METADATA_DEPTH)
         assert checkpointer.list() and not checkpointer.damaged()
 
@@ -503,10 +556,19 @@ def test_the_bound_holds_the_deepest_valid_manifest(tmp_path):
     assert codec.nesting_depth(raw) == 3 * MAX_TREE_DEPTH + 2 <= codec.MAX_JSON_DEPTH
 
 
-@pytest.mark.parametrize("text, depth", [
-    (b'{}', 1), (b'[]', 1), (b'1', 0), (b'{"a":[[1],{"b":[]}]}', 4),
-    (b'{"a":"[[[{{{","b":"\\"[[","c":[["]]]"]]}', 3), (b'"[[["', 0),
-    ('{"\u00e9[":[1]}'.encode("utf-16"), 2), (b'[[[', 3)])
+@pytest.mark.parametrize(
+    "text, depth",
+    [
+        (b"{}", 1),
+        (b"[]", 1),
+        (b"1", 0),
+        (b'{"a":[[1],{"b":[]}]}', 4),
+        (b'{"a":"[[[{{{","b":"\\"[[","c":[["]]]"]]}', 3),
+        (b'"[[["', 0),
+        ('{"\u00e9[":[1]}'.encode("utf-16"), 2),
+        (b"[[[", 3),
+    ],
+)
 def test_nesting_depth_counts_the_brackets_outside_strings(text, depth):
     assert codec.nesting_depth(text) == depth
 

@@ -13,6 +13,7 @@ Two kinds of cases:
 All cases run with the address space capped at what is mapped plus 2 GiB, so an allocation sized
 by a damaged field fails the test. Listing and ``latest()`` of the directory never raise.
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,18 +29,54 @@ from datastates.commit import catalog
 from datastates.format import codec as fmt
 
 from _faults_helpers import assert_bit_exact
-from _integrity_helpers import (NAME, assert_same_view, bounded_memory, index_of, load,
-                                manifest_path, read_bytes, restore, restore_live, save_pristine, shard_file,
-                                verify, with_index, write_bytes)
+from _integrity_helpers import (
+    NAME,
+    assert_same_view,
+    bounded_memory,
+    index_of,
+    load,
+    manifest_path,
+    read_bytes,
+    restore,
+    restore_live,
+    save_pristine,
+    shard_file,
+    verify,
+    with_index,
+    write_bytes,
+)
 
 # slow: 540 damaged copies, each read three ways
 pytestmark = pytest.mark.slow
 
 CASES = int(os.environ.get("FUZZ_CASES", "60"))  # per test below: 9 tests, 540 cases
 
-_ODD_VALUES = [None, True, False, "", "x", "../x", 1.5, -1, 0, 1, 2 ** 31, 2 ** 64, 10 ** 30,
-               -2 ** 63, 1e308, float("nan"), float("inf"), [], {}, [1, 2], {"t": "x"},
-               [[0, 0]], [-1, 64], [1e15]]
+_ODD_VALUES = [
+    None,
+    True,
+    False,
+    "",
+    "x",
+    "../x",
+    1.5,
+    -1,
+    0,
+    1,
+    2**31,
+    2**64,
+    10**30,
+    -(2**63),
+    1e308,
+    float("nan"),
+    float("inf"),
+    [],
+    {},
+    [1, 2],
+    {"t": "x"},
+    [[0, 0]],
+    [-1, 64],
+    [1e15],
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +84,14 @@ def original(pristine):
     """{root, saved view, pristine load, shard size, manifest bytes, shard bytes}."""
     root, (saved, loaded) = pristine(save_pristine)
     ckpt = os.path.join(root, NAME)
-    return {"root": root, "saved": saved, "loaded": loaded, "size": os.path.getsize(
-        shard_file(ckpt)), "manifest": read_bytes(manifest_path(ckpt)),
-            "shard": read_bytes(shard_file(ckpt))}
+    return {
+        "root": root,
+        "saved": saved,
+        "loaded": loaded,
+        "size": os.path.getsize(shard_file(ckpt)),
+        "manifest": read_bytes(manifest_path(ckpt)),
+        "shard": read_bytes(shard_file(ckpt)),
+    }
 
 
 @pytest.fixture
@@ -59,17 +101,18 @@ def work(original, private_copy):
 
 # ---------------------------------------------------------------- mutations
 
+
 def flip_byte(data: bytes, rng: random.Random, lo: int = 0, hi: int | None = None) -> bytes:
     hi = len(data) if hi is None else hi
     at = rng.randrange(lo, hi)
     value = rng.choice([b for b in range(256) if b != data[at]])
-    return data[:at] + bytes([value]) + data[at + 1:]
+    return data[:at] + bytes([value]) + data[at + 1 :]
 
 
 def flip_bit(data: bytes, rng: random.Random, lo: int = 0, hi: int | None = None) -> bytes:
     hi = len(data) if hi is None else hi
     at = rng.randrange(lo, hi)
-    return data[:at] + bytes([data[at] ^ (1 << rng.randrange(8))]) + data[at + 1:]
+    return data[:at] + bytes([data[at] ^ (1 << rng.randrange(8))]) + data[at + 1 :]
 
 
 def _paths(value, path=()):
@@ -97,8 +140,9 @@ def mutate_json(obj: dict, rng: random.Random) -> tuple[dict, str]:
         op = "retype"
         parent[key] = copy.deepcopy(rng.choice(_ODD_VALUES))
     elif op == "number":
-        parent[key] = rng.choice([value + 1, value - 1, -value, -1, value * 2 ** 40, 2 ** 63,
-                                  float(value), 10 ** 15, 0])
+        parent[key] = rng.choice(
+            [value + 1, value - 1, -value, -1, value * 2**40, 2**63, float(value), 10**15, 0]
+        )
     elif op == "swap":
         siblings = list(range(len(parent))) if isinstance(parent, list) else list(parent)
         other = rng.choice(siblings)
@@ -122,9 +166,9 @@ def encode(obj) -> bytes:
     if marker < 0:
         return raw
     end = raw.index(b'"', marker)
-    depth = int(raw[marker + len(_DEEP):end])
+    depth = int(raw[marker + len(_DEEP) : end])
     deep = b'{"t":"list","items":[' * depth + b'{"t":"value","v":1}' + b"]}" * depth
-    return raw[:marker - 1] + deep + raw[end + 1:]
+    return raw[: marker - 1] + deep + raw[end + 1 :]
 
 
 def manifest_obj(raw: bytes) -> dict:
@@ -135,14 +179,18 @@ def manifest_obj(raw: bytes) -> dict:
 
 # ---------------------------------------------------------------- running a case
 
+
 def run_case(original, ckpt: str, manifest: bytes, shard: bytes, forged: bool, what: str) -> None:
     write_bytes(manifest_path(ckpt), manifest)
     write_bytes(shard_file(ckpt), shard)
     outcomes = {}
     # A forged manifest may restore other values (keys, types) than the live state had: only
     # the absence of untyped errors is checked there, so the live state is not inspected.
-    for name, action in (("load", load), ("restore", restore_live if forged else restore),
-                         ("verify", verify)):
+    for name, action in (
+        ("load", load),
+        ("restore", restore_live if forged else restore),
+        ("verify", verify),
+    ):
         try:
             outcomes[name] = action(ckpt)
         except RecursionError as exc:  # never acceptable, even though it is a RuntimeError
@@ -175,12 +223,14 @@ def run_cases(original, ckpt: str, seed: int, make) -> None:
 
 # ---------------------------------------------------------------- the cases
 
+
 @pytest.mark.parametrize("how", ["byte", "bit"])
 def test_manifest_flips(original, work, how):
     flip = flip_byte if how == "byte" else flip_bit
 
     def make(rng):
         return flip(original["manifest"], rng), original["shard"], False, f"manifest {how} flip"
+
     run_cases(original, work, 1 if how == "byte" else 2, make)
 
 
@@ -191,8 +241,13 @@ def test_manifest_json_mutations(original, work, sealed):
     def make(rng):
         obj, what = mutate_json(base, rng)
         body = encode(obj)
-        return (fmt.seal_manifest(body) if sealed else body), original["shard"], sealed, \
-            f"manifest {what}"
+        return (
+            (fmt.seal_manifest(body) if sealed else body),
+            original["shard"],
+            sealed,
+            f"manifest {what}",
+        )
+
     run_cases(original, work, 3 if sealed else 4, make)
 
 
@@ -205,8 +260,13 @@ def test_header_flips(original, work, how):
     def make(rng):
         # mostly the fields (and a version-3 file's first local header), some reserved bytes
         hi = at + used if rng.random() < 0.8 else fmt.HEADER_BYTES
-        return original["manifest"], flip(original["shard"], rng, 0, hi), False, \
-            f"header {how} flip"
+        return (
+            original["manifest"],
+            flip(original["shard"], rng, 0, hi),
+            False,
+            f"header {how} flip",
+        )
+
     run_cases(original, work, 5 if how == "byte" else 6, make)
 
 
@@ -218,15 +278,21 @@ def test_header_fields_with_valid_crc(original, work):
         fields += [(36, "<Q"), (44, "<Q"), (52, "<I"), (56, "<I")]
 
     def make(rng):
-        head = bytearray(original["shard"][:at + used])
+        head = bytearray(original["shard"][: at + used])
         field = rng.choice(fields)
         (old,) = struct.unpack_from(field[1], head, at + field[0])
-        new = rng.choice([0, 1, 3, old + 1, old - 1 if old else 7, old + 4096, 2 ** 32 - 1])
-        struct.pack_into(field[1], head, at + field[0],
-                         new & (2 ** (8 * struct.calcsize(field[1])) - 1))
-        struct.pack_into("<I", head, at + used - 4, fmt.crc32(bytes(head[at:at + used - 4])))
-        return original["manifest"], bytes(head) + original["shard"][at + used:], False, \
-            f"header field at {at + field[0]} = {new}"
+        new = rng.choice([0, 1, 3, old + 1, old - 1 if old else 7, old + 4096, 2**32 - 1])
+        struct.pack_into(
+            field[1], head, at + field[0], new & (2 ** (8 * struct.calcsize(field[1])) - 1)
+        )
+        struct.pack_into("<I", head, at + used - 4, fmt.crc32(bytes(head[at : at + used - 4])))
+        return (
+            original["manifest"],
+            bytes(head) + original["shard"][at + used :],
+            False,
+            f"header field at {at + field[0]} = {new}",
+        )
+
     run_cases(original, work, 7, make)
 
 
@@ -242,6 +308,7 @@ def test_index_flips(original, work):
     def make(rng):
         flip = flip_byte if rng.random() < 0.5 else flip_bit
         return original["manifest"], flip(original["shard"], rng, offset), False, "index flip"
+
     run_cases(original, work, 8, make)
 
 
@@ -260,4 +327,5 @@ def test_index_json_mutations(original, work, forged):
             m["files"][0].update(nbytes=len(shard), index_crc32=fmt.crc32(encode(obj)))
             manifest = fmt.seal_manifest(encode(m))
         return manifest, shard, forged, f"index {what}"
+
     run_cases(original, work, 9 if forged else 10, make)

@@ -4,6 +4,7 @@ them with CorruptCheckpointError naming the path, never blocks and never reads w
 
 Each operation runs in a thread joined with a 30 s timeout: a hang detector (a reader blocked in
 ``open()`` of a FIFO is released by opening its write end), not synchronization."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,11 @@ STEP1, STEP2 = fmt.step_name(1), fmt.step_name(2)
 
 def make_state(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(64, 100, generator=g), "n": torch.arange(seed, seed + 50),
-            "meta": {("tuple", "key"): f"object {seed}"}}
+    return {
+        "w": torch.randn(64, 100, generator=g),
+        "n": torch.arange(seed, seed + 50),
+        "meta": {("tuple", "key"): f"object {seed}"},
+    }
 
 
 def fresh_state() -> dict:
@@ -96,6 +100,7 @@ KINDS = {"fifo": "FIFO", "devzero": "symbolic link", "outside": "symbolic link"}
 
 # ---------------------------------------------------------------- manifest.json
 
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_special_manifest_is_refused_by_every_reader(root, tmp_path, kind, capsys):
     ckpt = os.path.join(root, STEP2)
@@ -136,6 +141,7 @@ def test_manifest_over_the_format_limit_is_refused_before_reading(root):
 
 # ---------------------------------------------------------------- shard files
 
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_special_shard_file_is_refused_by_every_reader(root, tmp_path, kind, capsys):
     ckpt = os.path.join(root, STEP2)
@@ -150,8 +156,9 @@ def test_special_shard_file_is_refused_by_every_reader(root, tmp_path, kind, cap
     assert torch.equal(state["n"], torch.zeros(50, dtype=torch.int64))
     assert_refused(bounded(fmt.read_index, shard, fifos=fifos), shard, KINDS[kind])
     out = os.path.join(str(tmp_path), "export.pt")
-    assert_refused(bounded(datastates.export, ckpt, out, to="safetensors", fifos=fifos),
-                   shard, KINDS[kind])
+    assert_refused(
+        bounded(datastates.export, ckpt, out, to="safetensors", fifos=fifos), shard, KINDS[kind]
+    )
     assert not os.path.exists(out)
 
     code = bounded(cli.main, ["verify", ckpt], fifos=fifos)
@@ -175,6 +182,7 @@ def test_index_longer_than_the_format_limit_is_refused(root):
 
 # ---------------------------------------------------------------- folders and links
 
+
 def test_linked_checkpoint_folder_inside_the_root_is_refused(root, tmp_path, caplog):
     """root/step-3 -> an intact checkpoint elsewhere: never read, and no checkpoint of this
     root (datastates writes no links): named in a WARNING, left alone."""
@@ -190,8 +198,11 @@ def test_linked_checkpoint_folder_inside_the_root_is_refused(root, tmp_path, cap
     catalog = Catalog(root)
     catalog.scan()
     assert catalog.damaged() == []
-    assert any(r.getMessage().startswith(f"{link} is not a checkpoint and is left alone") and
-               "symbolic link" in r.getMessage() for r in caplog.records)
+    assert any(
+        r.getMessage().startswith(f"{link} is not a checkpoint and is left alone")
+        and "symbolic link" in r.getMessage()
+        for r in caplog.records
+    )
     assert os.path.islink(link)
     assert_refused(bounded(describe.find, root, step=3), link, "symbolic link")
 

@@ -6,6 +6,7 @@ loader does work out of proportion to the region: restore, load and export alike
 The blobs are built with ``zipfile`` and written into a real checkpoint's object region with
 every checksum made valid (region CRC, index CRC, manifest seal), so only the object checks can
 catch them."""
+
 from __future__ import annotations
 
 import io
@@ -22,16 +23,23 @@ import datastates
 from datastates.format import codec as fmt
 from datastates.format import serialization
 
-from _integrity_helpers import (index_of, manifest_json, read_bytes, shard_file, with_index,
-                                write_bytes, write_sealed)
+from _integrity_helpers import (
+    index_of,
+    manifest_json,
+    read_bytes,
+    shard_file,
+    with_index,
+    write_bytes,
+    write_sealed,
+)
 import zygote
 
 # slow: forged pickles loaded under a memory bound (the zip bombs inflate to 512 MiB)
 pytestmark = pytest.mark.slow
 
 CONFIG = datastates.CheckpointConfig(host_cache_bytes=4 << 20, chunk_bytes=1 << 20)
-REGION_PAD = 1 << 20          # the object region is a little over 1 MiB
-BOMB_BYTES = 512 << 20        # what the bomb's data.pkl inflates to
+REGION_PAD = 1 << 20  # the object region is a little over 1 MiB
+BOMB_BYTES = 512 << 20  # what the bomb's data.pkl inflates to
 NAME = fmt.step_name(1)
 
 
@@ -52,6 +60,7 @@ def ckpt(pristine, private_copy):
 
 # ---------------------------------------------------------------- forging a region
 
+
 def object_entry(manifest: dict) -> dict:
     (entry,) = [e for e in manifest["entries"] if e["kind"] == "object"]
     return entry
@@ -64,7 +73,7 @@ def replace_object(ckpt: str, blob: bytes) -> str:
     entry = object_entry(manifest)
     assert len(blob) == entry["nbytes"], (len(blob), entry["nbytes"])
     shard = bytearray(read_bytes(shard_file(ckpt)))
-    shard[entry["offset"]:entry["offset"] + len(blob)] = blob
+    shard[entry["offset"] : entry["offset"] + len(blob)] = blob
     _, raw_index = index_of(bytes(shard))
     index = json.loads(raw_index)
     for e in index["entries"]:
@@ -102,8 +111,11 @@ def torch_archive(obj, patch=lambda pkl: pkl, method=zipfile.ZIP_STORED) -> byte
         for info in source.infolist():
             data = source.read(info.filename)
             is_pickle = info.filename.endswith("/data.pkl")
-            z.writestr(info.filename, patch(data) if is_pickle else data,
-                       compress_type=method if is_pickle else zipfile.ZIP_STORED)
+            z.writestr(
+                info.filename,
+                patch(data) if is_pickle else data,
+                compress_type=method if is_pickle else zipfile.ZIP_STORED,
+            )
     return out.getvalue()
 
 
@@ -122,33 +134,40 @@ def zip_bomb() -> bytes:
 
 def set_byte(pkl: bytes, opcode_at: int, value: int) -> bytes:
     """The pickle with the one-byte operand of the opcode at ``opcode_at`` set to ``value``."""
-    assert pkl[opcode_at:opcode_at + 1] == b"K"  # BININT1
-    return pkl[:opcode_at + 1] + bytes([value]) + pkl[opcode_at + 2:]
+    assert pkl[opcode_at : opcode_at + 1] == b"K"  # BININT1
+    return pkl[: opcode_at + 1] + bytes([value]) + pkl[opcode_at + 2 :]
 
 
 def operand_positions(pkl: bytes) -> list[int]:
     """Positions of the BININT1 opcodes of ``{"t": torch.arange(4)}``'s pickle, in order:
     storage numel, storage offset, size, stride."""
     import pickletools
+
     return [pos for op, _, pos in pickletools.genops(pkl) if op.name == "BININT1"]
 
 
 def forged_tensor(which: str) -> bytes:
     """``{"t": torch.arange(4)}`` with one of its rebuild arguments forged."""
+
     def patch(pkl: bytes) -> bytes:
         numel, offset, size, stride = operand_positions(pkl)
-        return {"size": lambda: set_byte(pkl, size, 200),
-                "offset": lambda: set_byte(pkl, offset, 3),
-                "numel": lambda: set_byte(pkl, numel, 200),
-                "stride": lambda: set_byte(pkl, stride, 2)}[which]()
+        return {
+            "size": lambda: set_byte(pkl, size, 200),
+            "offset": lambda: set_byte(pkl, offset, 3),
+            "numel": lambda: set_byte(pkl, numel, 200),
+            "stride": lambda: set_byte(pkl, stride, 2),
+        }[which]()
+
     return torch_archive({"t": torch.arange(4)}, patch)
 
 
 def allocation(count: int) -> bytes:
     """An archive whose pickle calls bytearray(count) (allowed by torch's safe loader)."""
+
     class Alloc:
         def __reduce__(self):
             return (bytearray, (count,))
+
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w") as z:
         z.writestr("archive/data.pkl", pickle.dumps(Alloc(), protocol=2))
@@ -189,8 +208,12 @@ def run_readers(ckpt: str, tmp_path, trusted: bool) -> dict:
     out = os.path.join(str(tmp_path), "export.pt")
     # a process of its own, forked from the session's zygote (tests/zygote.py): torch is
     # already imported; its memory growth is measured from its own start, as in a fresh one
-    proc = zygote.run([sys.executable, "-c", _CHILD, os.path.dirname(ckpt), ckpt, out,
-                       "1" if trusted else "0"], capture_output=True, text=True, timeout=300)
+    proc = zygote.run(
+        [sys.executable, "-c", _CHILD, os.path.dirname(ckpt), ckpt, out, "1" if trusted else "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -213,10 +236,15 @@ def test_zip_bomb_is_refused_with_bounded_memory(ckpt, tmp_path, trusted):
     assert result["rss_growth"] < BOMB_BYTES // 8, result["rss_growth"]
 
 
-@pytest.mark.parametrize("which, words", [("size", ["size (200,)", "needs 1600 bytes"]),
-                                          ("offset", ["offset 3", "needs 56 bytes"]),
-                                          ("stride", ["stride (2,)", "needs 56 bytes"]),
-                                          ("numel", ["200 torch.LongStorage elements"])])
+@pytest.mark.parametrize(
+    "which, words",
+    [
+        ("size", ["size (200,)", "needs 1600 bytes"]),
+        ("offset", ["offset 3", "needs 56 bytes"]),
+        ("stride", ["stride (2,)", "needs 56 bytes"]),
+        ("numel", ["200 torch.LongStorage elements"]),
+    ],
+)
 @pytest.mark.parametrize("trusted", [False, True])
 def test_forged_tensor_rebuild_is_refused(ckpt, tmp_path, which, words, trusted):
     key = replace_object(ckpt, padded(forged_tensor(which), region_size(ckpt)))
@@ -246,18 +274,26 @@ def test_an_honest_archive_rebuilt_by_hand_passes_and_loads(ckpt, tmp_path):
 
 # ---------------------------------------------------------------- the checks on blobs alone
 
+
 class _Sub(torch.Tensor):
     pass
 
 
-@pytest.mark.parametrize("obj", [
-    [torch.arange(24.0).reshape(4, 6)[1:, 2:], torch.arange(24.0).reshape(4, 6).t()],
-    torch.arange(10)[::3], torch.zeros(0, 5), torch.ones(3).expand(4, 3),
-    torch.nn.Parameter(torch.ones(3)), torch.ones(5, dtype=torch.uint16)[2:],
-    torch.ones(3, dtype=torch.float8_e4m3fn)[1:], torch.ones(2, dtype=torch.complex128),
-    {("a", 1): "blob", "b": bytearray(b"xyz"), "s": torch.Size([3, 4])},
-], ids=["views", "step", "empty", "expanded", "parameter", "uint16", "float8", "complex",
-        "plain"])
+@pytest.mark.parametrize(
+    "obj",
+    [
+        [torch.arange(24.0).reshape(4, 6)[1:, 2:], torch.arange(24.0).reshape(4, 6).t()],
+        torch.arange(10)[::3],
+        torch.zeros(0, 5),
+        torch.ones(3).expand(4, 3),
+        torch.nn.Parameter(torch.ones(3)),
+        torch.ones(5, dtype=torch.uint16)[2:],
+        torch.ones(3, dtype=torch.float8_e4m3fn)[1:],
+        torch.ones(2, dtype=torch.complex128),
+        {("a", 1): "blob", "b": bytearray(b"xyz"), "s": torch.Size([3, 4])},
+    ],
+    ids=["views", "step", "empty", "expanded", "parameter", "uint16", "float8", "complex", "plain"],
+)
 def test_what_torch_save_writes_passes_the_checks(obj):
     blob = serialization.dumps(obj, "k")
     serialization.check_archive(blob, "k")
@@ -277,10 +313,13 @@ def test_a_tensor_subclass_archive_passes_the_checks():
     assert torch.equal(serialization.loads(blob, "k", trusted=True), torch.arange(4.0))
 
 
-@pytest.mark.parametrize("blob, words", [
-    (b"\x80\x02K\x01.", "not the zip archive"),
-    (b"PK\x05\x06" + bytes(18), "expected one data.pkl"),
-])
+@pytest.mark.parametrize(
+    "blob, words",
+    [
+        (b"\x80\x02K\x01.", "not the zip archive"),
+        (b"PK\x05\x06" + bytes(18), "expected one data.pkl"),
+    ],
+)
 def test_blobs_that_are_not_torch_archives_are_refused(blob, words):
     with pytest.raises(datastates.CorruptCheckpointError, match=words):
         serialization.loads(blob, "extra/obj")

@@ -4,6 +4,7 @@ Each test injects one failure into a library internal (by monkeypatching) or dri
 order, and asserts on what reaches the caller (the exact error type and text) and on what is left
 on disk. Every wait is bounded (``WAIT_S``), so a hang fails the test instead of the run.
 """
+
 from __future__ import annotations
 
 import errno
@@ -17,12 +18,15 @@ import torch
 import datastates
 import datastates.format.codec
 import datastates.storage.posix
-from datastates import (CheckpointerClosedError, CheckpointWriteError, DatastatesError,
-                        SerializationError)
+from datastates import (
+    CheckpointerClosedError,
+    CheckpointWriteError,
+    DatastatesError,
+    SerializationError,
+)
 from datastates.storage.posix import ShardWriter, remove_tree
 
-from _faults_helpers import (WAIT_S, hidden_entries, latest_temporaries, tmp_of,
-                             visible_entries)
+from _faults_helpers import WAIT_S, hidden_entries, latest_temporaries, tmp_of, visible_entries
 from datastates.storage.temporaries import name_key
 from testkit import ROOMY, TWO_UNITS, random_tensors
 
@@ -49,6 +53,7 @@ def _bounded(call) -> None:
             call()
         except BaseException as exc:  # reported below
             errors.append(exc)
+
     t = threading.Thread(target=run, daemon=True)
     t.start()
     t.join(WAIT_S)
@@ -65,6 +70,7 @@ def _fd_path(fd: int) -> str:
 
 
 # ------------------------------------------------------------------ shutdown order
+
 
 def test_owner_close_drains_a_sharers_queued_save(tmp_path):
     """The owner closes while a sharer's save of many units is queued behind a full cache: close
@@ -103,9 +109,12 @@ def test_use_after_close_raises_a_datastates_error(tmp_path):
     ck = datastates.Checkpointer(tmp_path, TWO_UNITS)
     ck.save(_state(1), step=1).wait(WAIT_S)
     ck.close()
-    for call in (lambda: ck.save(_state(2), step=2), lambda: ck.load(),
-                 lambda: ck.restore(_state(3)),
-                 lambda: datastates.Checkpointer(tmp_path / "x", share=ck)):
+    for call in (
+        lambda: ck.save(_state(2), step=2),
+        lambda: ck.load(),
+        lambda: ck.restore(_state(3)),
+        lambda: datastates.Checkpointer(tmp_path / "x", share=ck),
+    ):
         with pytest.raises(CheckpointerClosedError) as info:
             call()
         assert isinstance(info.value, DatastatesError) and isinstance(info.value, RuntimeError)
@@ -113,6 +122,7 @@ def test_use_after_close_raises_a_datastates_error(tmp_path):
 
 
 # ------------------------------------------------------------------ thread loops never die
+
 
 def test_writer_thread_failure_fails_the_job_and_the_threads_live_on(tmp_path, monkeypatch):
     """A checksum that raises in a writer thread fails that save with the error (no hang); the
@@ -123,6 +133,7 @@ def test_writer_thread_failure_fails_the_job_and_the_threads_live_on(tmp_path, m
         if threading.current_thread().name.startswith("datastates-writer"):
             raise RuntimeError("injected checksum failure")
         return real(data, value)
+
     with datastates.Checkpointer(tmp_path, ROOMY) as ck:
         monkeypatch.setattr(datastates.format.codec, "crc32", crc32)
         handle = ck.save(_state(1), step=1)
@@ -139,8 +150,11 @@ def test_writer_thread_failure_fails_the_job_and_the_threads_live_on(tmp_path, m
 def test_commit_thread_failure_fails_the_job_and_the_thread_lives_on(tmp_path, monkeypatch):
     """An unexpected exception while the commit thread finishes a file fails that save only."""
     with datastates.Checkpointer(tmp_path, TWO_UNITS) as ck:
-        monkeypatch.setattr(datastates.format.codec, "encode_index_items",
-                            lambda *a: (_ for _ in ()).throw(KeyError("injected index failure")))
+        monkeypatch.setattr(
+            datastates.format.codec,
+            "encode_index_items",
+            lambda *a: (_ for _ in ()).throw(KeyError("injected index failure")),
+        )
         with pytest.raises(KeyError, match="injected index failure"):
             ck.save(_state(1), step=1).wait(WAIT_S)
         monkeypatch.undo()
@@ -150,8 +164,7 @@ def test_commit_thread_failure_fails_the_job_and_the_thread_lives_on(tmp_path, m
         assert [i.name for i in ck.list()] == [STEP2]
 
 
-def test_wait_with_a_timeout_raises_timeouterror_and_the_save_still_commits(tmp_path,
-                                                                             monkeypatch):
+def test_wait_with_a_timeout_raises_timeouterror_and_the_save_still_commits(tmp_path, monkeypatch):
     """``wait(timeout)`` and ``wait_snapshot(timeout)`` on a save held up in its writer raise
     TimeoutError naming the checkpoint; the save commits once the writer goes on."""
     real, gate = datastates.format.codec.crc32, threading.Event()
@@ -160,6 +173,7 @@ def test_wait_with_a_timeout_raises_timeouterror_and_the_save_still_commits(tmp_
         if threading.current_thread().name.startswith("datastates-writer"):
             gate.wait(WAIT_S)
         return real(data, value)
+
     with datastates.Checkpointer(tmp_path, TWO_UNITS) as ck:
         monkeypatch.setattr(datastates.format.codec, "crc32", crc32)
         state = _state(1)
@@ -173,6 +187,7 @@ def test_wait_with_a_timeout_raises_timeouterror_and_the_save_still_commits(tmp_
 
 
 # ------------------------------------------------------------------ storage primitives
+
 
 def test_direct_io_fallback_keeps_the_direct_descriptor_open(tmp_path, monkeypatch):
     """EINVAL from an O_DIRECT write switches to buffered writes without closing the O_DIRECT
@@ -189,10 +204,11 @@ def test_direct_io_fallback_keeps_the_direct_descriptor_open(tmp_path, monkeypat
         if fd == direct:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return real(fd, data, offset)
+
     monkeypatch.setattr(datastates.storage.posix, "pwrite_all", pwrite_all)
     buf = torch.zeros(8192 + 4096, dtype=torch.uint8)
     start = (-buf.data_ptr()) % 4096
-    block = buf[start:start + 8192]
+    block = buf[start : start + 8192]
     block[:5000] = 7
     view = datastates.storage.posix.buffer_of(block)
     writer.write(view[:5000], 0, view)
@@ -217,6 +233,7 @@ def _failing_unlink(monkeypatch, name_part: str):
         if name_part in full:
             raise OSError(errno.EACCES, os.strerror(errno.EACCES), full)
         return real(path, *args, **kwargs)
+
     monkeypatch.setattr(os, "unlink", unlink)
 
 
@@ -267,6 +284,7 @@ def test_close_error_of_the_shard_file_fails_the_save(tmp_path, monkeypatch):
         if path.endswith(".dsf") and threading.current_thread().name == "datastates-commit":
             fired.append(path)
             raise OSError(errno.EIO, os.strerror(errno.EIO))
+
     with datastates.Checkpointer(tmp_path, TWO_UNITS.replace(io_mode="buffered")) as ck:
         monkeypatch.setattr(os, "close", close)
         handle = ck.save(_state(1), step=1)
@@ -283,6 +301,7 @@ def test_close_error_of_the_shard_file_fails_the_save(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------ temporaries
 
+
 def test_latest_update_failure_leaves_no_temporary(tmp_path, monkeypatch):
     """The checkpoint commits, writing the new ``latest`` hits ENOSPC: a warning, the save
     succeeds, and no ``latest.tmp.*`` is left."""
@@ -292,6 +311,7 @@ def test_latest_update_failure_leaves_no_temporary(tmp_path, monkeypatch):
         if os.path.basename(_fd_path(fd)).startswith("latest.tmp"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(fd, data, offset)
+
     with datastates.Checkpointer(tmp_path, TWO_UNITS) as ck:
         ck.save(_state(1), step=1).wait(WAIT_S)
         monkeypatch.setattr(datastates.storage.posix, "pwrite_all", pwrite_all)
@@ -311,6 +331,7 @@ def test_failed_rename_leaves_no_temporary_directory(tmp_path, monkeypatch):
         if tmp_of(os.path.basename(os.fspath(src)), STEP2):
             raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(src))
         return real(src, dst, *args, **kwargs)
+
     with datastates.Checkpointer(tmp_path, TWO_UNITS) as ck:
         ck.save(_state(1), step=1).wait(WAIT_S)
         monkeypatch.setattr(os, "rename", rename)
@@ -338,11 +359,15 @@ def test_undeletable_temporary_of_a_failed_save_is_removed_later(tmp_path, monke
         if tmp_of(os.path.basename(os.fspath(path)), STEP2):
             raise OSError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
         return real_rmdir(path, *args, **kwargs)
+
     with datastates.Checkpointer(tmp_path, TWO_UNITS) as ck:
         ck.save(_state(1), step=1).wait(WAIT_S)
         monkeypatch.setattr(os, "rename", rename)
         monkeypatch.setattr(os, "rmdir", rmdir)
-        with pytest.warns(RuntimeWarning, match=rf"\.tmp\.[0-9a-f]{{16}}-\d+\.{name_key(STEP2)}.*could not be removed"):
+        with pytest.warns(
+            RuntimeWarning,
+            match=rf"\.tmp\.[0-9a-f]{{16}}-\d+\.{name_key(STEP2)}.*could not be removed",
+        ):
             with pytest.raises(CheckpointWriteError):
                 ck.save(_state(2), step=2).wait(WAIT_S)
         assert [n for n in hidden_entries(ck.directory) if tmp_of(n, STEP2)]
@@ -353,8 +378,7 @@ def test_undeletable_temporary_of_a_failed_save_is_removed_later(tmp_path, monke
 
 
 @pytest.mark.parametrize("exchange", ["fails", "unsupported"])
-def test_failed_rename_of_a_replacement_keeps_the_old_checkpoint(tmp_path, monkeypatch,
-                                                                  exchange):
+def test_failed_rename_of_a_replacement_keeps_the_old_checkpoint(tmp_path, monkeypatch, exchange):
     """overwrite=True and the exchange of the two directories fails (nothing changes), or the
     file system cannot exchange them and the rename of the new directory fails: the replaced
     checkpoint stays, or is put back at once (not left as ``.old.*`` until some later
@@ -370,6 +394,7 @@ def test_failed_rename_of_a_replacement_keeps_the_old_checkpoint(tmp_path, monke
         if exchange == "unsupported":
             return False
         raise OSError(errno.EIO, os.strerror(errno.EIO), a)
+
     old = _state(1)
     with datastates.Checkpointer(tmp_path, TWO_UNITS) as ck:
         ck.save(old, step=1).wait(WAIT_S)
@@ -398,7 +423,9 @@ def test_an_overwrite_never_leaves_the_name_without_a_checkpoint(tmp_path, monke
             except AttributeError:  # examine found nothing there
                 seen.append(None)
             return done
+
         return call
+
     with datastates.Checkpointer(tmp_path, TWO_UNITS) as ck:
         ck.save(_state(1), tag="best").wait(WAIT_S)
         for exchange in (datastates.storage.posix.exchange, lambda a, b: False):
@@ -417,12 +444,14 @@ def test_an_overwrite_never_leaves_the_name_without_a_checkpoint(tmp_path, monke
 
 # ------------------------------------------------------------------ fail inside save()
 
+
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_unsupported_dtype_fails_inside_save_naming_the_key(tmp_path):
     with datastates.Checkpointer(tmp_path, TWO_UNITS) as ck:
         with pytest.raises(SerializationError) as info:
-            ck.save({"ok": torch.ones(3), "inner": {"z": torch.zeros(3, dtype=torch.complex32)}},
-                    step=1)
+            ck.save(
+                {"ok": torch.ones(3), "inner": {"z": torch.zeros(3, dtype=torch.complex32)}}, step=1
+            )
         assert "'inner/z'" in str(info.value) and "complex32" in str(info.value)
         assert isinstance(info.value, TypeError)
         assert ck.storage._pending == [] and os.listdir(ck.directory) == []

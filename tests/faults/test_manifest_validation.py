@@ -1,6 +1,7 @@
 """The manifest is verified, validated, and only then trusted (docs/format.md, "The manifest
 checksum" and "What a reader validates"): each damage or forgery found by hand gives a typed
 error from load, restore and verify, and verify re-reads every byte it claims to."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,24 @@ from datastates import CorruptCheckpointError
 from datastates.commit import catalog
 from datastates.tools.cli import main as cli_main
 
-from _integrity_helpers import (NAME, STEP, assert_same_view, bounded_memory, index_of, load,
-                                manifest_json, manifest_path, read_bytes, restore, save_pristine,
-                                shard_file, verify, with_index, write_bytes, write_sealed)
+from _integrity_helpers import (
+    NAME,
+    STEP,
+    assert_same_view,
+    bounded_memory,
+    index_of,
+    load,
+    manifest_json,
+    manifest_path,
+    read_bytes,
+    restore,
+    save_pristine,
+    shard_file,
+    verify,
+    with_index,
+    write_bytes,
+    write_sealed,
+)
 
 PREVIOUS = "step-0000000006"
 
@@ -57,6 +73,7 @@ def test_pristine_copy_loads_restores_and_verifies(saved, ckpt, capsys):
 
 # ---------------------------------------------------------------- damage: the checksum
 
+
 def flip(ckpt_dir: str, pattern: bytes, bit: int = 0) -> None:
     """Flip one bit of the last byte of the single match of ``pattern`` in the manifest."""
     raw = bytearray(read_bytes(manifest_path(ckpt_dir)))
@@ -79,8 +96,9 @@ def test_one_bit_flip_of_a_tree_index(ckpt, key):
     assert_all_refuse(ckpt, "checksum")
 
 
-@pytest.mark.parametrize("pattern", [b'["epoch",{"t":"value","v":3', b'["lr",{"t":"value","v":0.0025',
-                                     b'"step":7'])
+@pytest.mark.parametrize(
+    "pattern", [b'["epoch",{"t":"value","v":3', b'["lr",{"t":"value","v":0.0025', b'"step":7']
+)
 def test_one_digit_flip_of_a_value(ckpt, pattern):
     flip(ckpt, pattern)
     assert_all_refuse(ckpt, "checksum")
@@ -89,7 +107,7 @@ def test_one_digit_flip_of_a_value(ckpt, pattern):
 def test_lr_of_the_optimizer_is_covered(ckpt):
     raw = read_bytes(manifest_path(ckpt))
     at = raw.index(b'"v":0.001', raw.index(b'"param_groups"'))
-    write_bytes(manifest_path(ckpt), raw[:at] + b'"v":0.002' + raw[at + 9:])
+    write_bytes(manifest_path(ckpt), raw[:at] + b'"v":0.002' + raw[at + 9 :])
     assert_all_refuse(ckpt, "checksum")
 
 
@@ -101,6 +119,7 @@ def test_damaged_trailer(ckpt):
 
 
 # ---------------------------------------------------------------- forged fields: the validation
+
 
 def entry(m: dict, suffix: str) -> dict:
     return next(e for e in m["entries"] if e["key"].endswith(suffix))
@@ -122,25 +141,25 @@ def test_negative_offset(ckpt):
     assert_all_refuse(ckpt, "offset")
 
 
-@pytest.mark.parametrize("shape", [[1e15], [10 ** 15], [-1, 64], [2 ** 64], [True], ["5"],
-                                   [1] * 65])
+@pytest.mark.parametrize("shape", [[1e15], [10**15], [-1, 64], [2**64], [True], ["5"], [1] * 65])
 def test_impossible_shapes(ckpt, shape):
     def change(m):
         e = entry(m, "extra/b")
         e["shape"] = e["shards"][0]["shape"] = shape
         e["shards"][0]["global_offset"] = [0] * len(shape)
+
     forge(ckpt, change)
     assert_all_refuse(ckpt, "shape|dimensions|integer")
 
 
 def test_global_shape_larger_than_stored_bytes(ckpt):
-    forge(ckpt, lambda m: entry(m, "extra/b").update(shape=[10 ** 12]))
+    forge(ckpt, lambda m: entry(m, "extra/b").update(shape=[10**12]))
     assert_all_refuse(ckpt, "exceeds|larger")
 
 
 def test_swapped_tree_indices_of_equal_shapes(ckpt):
     """exp_avg <-> exp_avg_sq under a valid checksum: each entry must be referenced at its key."""
-    raw = read_bytes(manifest_path(ckpt))[:-len(b',"manifest_crc32":"00000000"}')] + b"}"
+    raw = read_bytes(manifest_path(ckpt))[: -len(b',"manifest_crc32":"00000000"}')] + b"}"
     a = tree_node_of(ckpt, "state/0/exp_avg")
     b = tree_node_of(ckpt, "state/0/exp_avg_sq")
     raw = raw.replace(a, b"\0").replace(b, a).replace(b"\0", b)
@@ -148,23 +167,32 @@ def test_swapped_tree_indices_of_equal_shapes(ckpt):
     assert_all_refuse(ckpt, "referenced")
 
 
-@pytest.mark.parametrize("change,match", [
-    (lambda m: m["ranks"][0]["tree"]["items"][0][1].update(t="mystery"), "node type"),
-    (lambda m: m["ranks"][0].update(tree={"t": "tensor", "e": 999}), "integer in"),
-    (lambda m: m["entries"][0].update(kind="object", file=0, offset=4096, nbytes=0, crc32=0),
-     "refers to entry|crc|overlap"),
-    (lambda m: m.update(step=-1), "step"),
-    (lambda m: m.update(step=True), "step"),
-    (lambda m: m.update(seq=0), "seq"),
-    (lambda m: m.update(world_size=2), "one file per rank"),
-    (lambda m: m.update(metadata=[1]), "metadata"),
-    (lambda m: m["files"][0].update(name="../rank-00000.dsf"), "file name"),
-    (lambda m: entry(m, "model/0.weight")["shards"][0]["checksums"].append([4, 0]), "cover"),
-    (lambda m: entry(m, "model/0.weight")["shards"][0].update(
-        offset=entry(m, "model/0.bias")["shards"][0]["offset"]), "overlap"),
-    (lambda m: entry(m, "model/0.weight").update(dtype="float128"), "dtype"),
-    (lambda m: m["entries"].clear(), "integer in|entries|none"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda m: m["ranks"][0]["tree"]["items"][0][1].update(t="mystery"), "node type"),
+        (lambda m: m["ranks"][0].update(tree={"t": "tensor", "e": 999}), "integer in"),
+        (
+            lambda m: m["entries"][0].update(kind="object", file=0, offset=4096, nbytes=0, crc32=0),
+            "refers to entry|crc|overlap",
+        ),
+        (lambda m: m.update(step=-1), "step"),
+        (lambda m: m.update(step=True), "step"),
+        (lambda m: m.update(seq=0), "seq"),
+        (lambda m: m.update(world_size=2), "one file per rank"),
+        (lambda m: m.update(metadata=[1]), "metadata"),
+        (lambda m: m["files"][0].update(name="../rank-00000.dsf"), "file name"),
+        (lambda m: entry(m, "model/0.weight")["shards"][0]["checksums"].append([4, 0]), "cover"),
+        (
+            lambda m: entry(m, "model/0.weight")["shards"][0].update(
+                offset=entry(m, "model/0.bias")["shards"][0]["offset"]
+            ),
+            "overlap",
+        ),
+        (lambda m: entry(m, "model/0.weight").update(dtype="float128"), "dtype"),
+        (lambda m: m["entries"].clear(), "integer in|entries|none"),
+    ],
+)
 def test_forged_fields(ckpt, change, match):
     forge(ckpt, change)
     assert_all_refuse(ckpt, match)
@@ -174,8 +202,9 @@ def test_deep_nesting_and_nan(ckpt):
     pristine = manifest_json(ckpt)
     sealed_body = json.dumps(pristine, separators=(",", ":")).encode()
     m = json.loads(sealed_body)
-    m["ranks"][0]["tree"] = json.loads(b'{"t":"list","items":[' * 300 + b'{"t":"value","v":1}' +
-                                       b"]}" * 300)
+    m["ranks"][0]["tree"] = json.loads(
+        b'{"t":"list","items":[' * 300 + b'{"t":"value","v":1}' + b"]}" * 300
+    )
     write_sealed(ckpt, m)
     assert_all_refuse(ckpt, "deeper")
     deep = b'{"t":"list","items":[' * 5000 + b"]}" * 5000
@@ -200,6 +229,7 @@ def test_shard_file_size_differs_from_the_manifest(ckpt):
 
 # ---------------------------------------------------------------- verify re-reads every byte
 
+
 def patch(path: str, offset: int, data: bytes) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -209,8 +239,12 @@ def patch(path: str, offset: int, data: bytes) -> None:
 def test_verify_finds_a_nonzero_padding_byte(saved, ckpt):
     """A byte between regions is no data: load does not need it, verify reports it."""
     m = manifest_json(ckpt)
-    ends = sorted(s["offset"] + s["nbytes"] for e in m["entries"] if e["kind"] == "tensor"
-                  for s in e["shards"])
+    ends = sorted(
+        s["offset"] + s["nbytes"]
+        for e in m["entries"]
+        if e["kind"] == "tensor"
+        for s in e["shards"]
+    )
     starts = {s["offset"] for e in m["entries"] if e["kind"] == "tensor" for s in e["shards"]}
     gap = next(end for end in ends if end not in starts and end % 64)
     patch(shard_file(ckpt), gap, b"\x01")
@@ -233,6 +267,7 @@ def test_verify_finds_a_nonzero_byte_before_the_index(ckpt):
 def test_header_flags_and_reserved_bytes(ckpt, offset, value):
     import struct
     import zlib
+
     patch(shard_file(ckpt), offset, value)
     if offset < 36:  # keep the header CRC valid: the flags themselves must be refused
         head = read_bytes(shard_file(ckpt))[:36]
@@ -252,9 +287,13 @@ def test_verify_checks_the_index_against_the_manifest(ckpt):
     e["dtype"] = "int32"  # same size as float32: the index alone is consistent
     new_index = json.dumps(obj, separators=(",", ":")).encode()
     write_bytes(shard_file(ckpt), with_index(shard, new_index))
-    forge(ckpt, lambda m: m["files"][0].update(
-        index_crc32=datastates.format.codec.crc32(new_index),
-        nbytes=os.path.getsize(shard_file(ckpt))))
+    forge(
+        ckpt,
+        lambda m: m["files"][0].update(
+            index_crc32=datastates.format.codec.crc32(new_index),
+            nbytes=os.path.getsize(shard_file(ckpt)),
+        ),
+    )
     assert load(ckpt)  # the manifest is the authority for loading ...
     with pytest.raises(CorruptCheckpointError, match="disagree on its dtype"):
         verify(ckpt)  # ... and verify checks that the index agrees with it

@@ -9,6 +9,7 @@
 - the trainer and the keeper both SIGKILLed: ``datastates keeper DIR --stop`` removes what the
   keeper left, and says what.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,15 +34,15 @@ MEMORY_CHILD = os.path.join(HERE, "_memory_child.py")
 
 
 # ---------------------------------------------------------------- which tier is newer
-def test_storage_s_newer_step_wins_over_memory_whatever_was_committed_after_it(shm_root,
-                                                                              tmp_path):
+def test_storage_s_newer_step_wins_over_memory_whatever_was_committed_after_it(shm_root, tmp_path):
     """Memory holds step 3; storage step 4, then a tag without a step and a tag of step 2
     (committed after step 4). A restart's latest(), restore() (with and without fallback) and
     load() take storage's step 4, and the resumed run's save of step 5 goes on; before, memory's
     step 3 was restored and the save of step 4 raised CheckpointExistsError."""
     storage = tmp_path / "ckpt"
-    tier = _tier(shm_root, tmp_path, persist_every=4, storage_writer="trainer",
-                 persist_on_exit=False)
+    tier = _tier(
+        shm_root, tmp_path, persist_every=4, storage_writer="trainer", persist_on_exit=False
+    )
     with datastates.Checkpointer(storage, _config(tier)) as ck:
         for step in (1, 2, 3, 4):
             ck.save(make_state(step, big=False), step=step)
@@ -52,8 +53,7 @@ def test_storage_s_newer_step_wins_over_memory_whatever_was_committed_after_it(s
         assert [i.step for i in ck.memory.list()] == [3]
     with datastates.Checkpointer(storage, _config(tier)) as ck:  # the restart
         newest = ck.latest()
-        assert (newest.name, newest.path) == ("step-0000000004",
-                                              str(storage / "step-0000000004"))
+        assert (newest.name, newest.path) == ("step-0000000004", str(storage / "step-0000000004"))
         for fallback in (False, True):
             live = zeros_like_state(make_state(0, big=False))
             report = ck.restore(live, fallback=fallback)
@@ -72,9 +72,13 @@ def test_a_second_trainer_of_the_job_is_refused_while_the_first_runs(shm_root, t
     memory changes: the first saves step 3, and memory holds steps 2 and 3, intact. Once the
     first has ended, a restart is accepted and restores its step 3 from memory, bit-exact."""
     storage = tmp_path / "ckpt"
-    first = subprocess.Popen([sys.executable, TRAINER, str(storage), shm_root,
-                              str(tmp_path / "keeper.log")], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE)
+    first = subprocess.Popen(
+        [sys.executable, TRAINER, str(storage), shm_root, str(tmp_path / "keeper.log")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=HERE,
+    )
     try:
         assert first.stdout.readline() == b"COMMITTED 2\n", first.stderr.read()[-3000:]
         tier = _tier(shm_root, tmp_path, persist_every=None, persist_on_exit=False, keep_last=2)
@@ -140,10 +144,23 @@ def test_stop_without_a_keeper_removes_what_a_killed_keeper_left(shm_root, tmp_p
     alone."""
     import json
     from datastates.tools import cli
+
     storage = tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, MEMORY_CHILD, str(storage), shm_root,
-                             str(tmp_path / "keeper.log"), "die", "0", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            MEMORY_CHILD,
+            str(storage),
+            shm_root,
+            str(tmp_path / "keeper.log"),
+            "die",
+            "0",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=HERE,
+    )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL and b"COMMITTED 2" in out, err[-3000:]
     memdir = place.memory_dir(shm_root, str(storage))
@@ -164,8 +181,9 @@ def test_stop_without_a_keeper_removes_what_a_killed_keeper_left(shm_root, tmp_p
     assert cli.main(args) == 0
     reply = json.loads(capsys.readouterr().out)
     assert reply["persisted"] == "step-0000000002"
-    assert sorted(reply["removed"]) == sorted(os.path.join(memdir, n) for n in (
-        "ckpt", "keeper.lock", "node.json", "spare", "verified")), reply
+    assert sorted(reply["removed"]) == sorted(
+        os.path.join(memdir, n) for n in ("ckpt", "keeper.lock", "node.json", "spare", "verified")
+    ), reply
     assert os.listdir(memdir) == ["notes.txt"] and os.path.isdir(other)
     os.unlink(left)
     assert cli.main(args) == 0  # nothing the keeper wrote is left: the directory goes

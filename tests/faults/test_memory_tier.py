@@ -15,6 +15,7 @@ trainer (docs/memory-tier.md).
 - the keeper stalled (SIGSTOP) while it copies a save into storage: its checkpoint stays in
   memory, ``wait()`` and ``close()`` give up at ``commit_timeout_s``, the keeper writes it once.
 """
+
 from __future__ import annotations
 
 import glob
@@ -46,8 +47,11 @@ def _gone(memdir: str, timeout: float = 60.0) -> bool:
     while time.monotonic() < deadline:
         if not os.path.exists(memdir) and not _serving(memdir):
             return True
-        if (not _serving(memdir) and not place.keeper_running(memdir) and
-                os.path.lexists(os.path.join(memdir, place.LOCK))):
+        if (
+            not _serving(memdir)
+            and not place.keeper_running(memdir)
+            and os.path.lexists(os.path.join(memdir, place.LOCK))
+        ):
             return False  # no keeper, its lock and memory still there: left behind
         time.sleep(0.05)
     return False
@@ -67,8 +71,9 @@ def _tier(shm_root, tmp_path, **kw):
 
 
 def _config(tier, **kw):
-    return datastates.CheckpointConfig(memory_tier=tier, host_cache_bytes=1 << 20,
-                                       chunk_bytes=256 << 10, **kw)
+    return datastates.CheckpointConfig(
+        memory_tier=tier, host_cache_bytes=1 << 20, chunk_bytes=256 << 10, **kw
+    )
 
 
 def _names(infos):
@@ -76,9 +81,13 @@ def _names(infos):
 
 
 def _child(storage, shm_root, log, mode, n=0, steps=0, env=None):
-    return subprocess.Popen([sys.executable, CHILD, str(storage), shm_root, str(log), mode,
-                             str(n), str(steps)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            cwd=HERE, env=dict(os.environ, **(env or {})))
+    return subprocess.Popen(
+        [sys.executable, CHILD, str(storage), shm_root, str(log), mode, str(n), str(steps)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=HERE,
+        env=dict(os.environ, **(env or {})),
+    )
 
 
 def _wait_idle(memdir: str, timeout: float = 60.0) -> None:
@@ -92,8 +101,15 @@ def _wait_idle(memdir: str, timeout: float = 60.0) -> None:
 
 # ---------------------------------------------------------------- settings
 def test_options_are_checked():
-    for bad in (dict(keep_last=0), dict(persist_every=0), dict(persist_every=2.0),
-                dict(idle_timeout_s=0), dict(spawn="yes"), dict(root=""), dict(log_path="")):
+    for bad in (
+        dict(keep_last=0),
+        dict(persist_every=0),
+        dict(persist_every=2.0),
+        dict(idle_timeout_s=0),
+        dict(spawn="yes"),
+        dict(root=""),
+        dict(log_path=""),
+    ):
         with pytest.raises(datastates.ConfigError, match="MemoryTier"):
             datastates.MemoryTier(**bad)
     with pytest.raises(datastates.ConfigError, match="memory_tier"):
@@ -124,6 +140,7 @@ def test_persist_false_needs_a_memory_tier(tmp_path):
 
 def test_named_checkpoints_of_frameworks_refuse_a_memory_tier(tmp_path):
     from datastates.integrations._paths import PathCheckpoints
+
     config = datastates.CheckpointConfig(memory_tier=datastates.MemoryTier(root=str(tmp_path)))
     with pytest.raises(datastates.ConfigError, match="memory_tier"):
         PathCheckpoints(config)
@@ -140,7 +157,7 @@ def test_saves_go_to_their_tier_and_the_newest_is_restored(shm_root, tmp_path):
         ck.save(make_state(step, big=False), step=step)
     ck.wait()
     assert [i.step for i in ck.list()] == [3, 6]
-    assert [i.step for i in ck.memory.list()] == [7]          # keep_last=1
+    assert [i.step for i in ck.memory.list()] == [7]  # keep_last=1
     newest = ck.latest()
     assert newest.step == 7 and newest.path.startswith(memdir)
     live = zeros_like_state(make_state(0, big=False))
@@ -154,8 +171,12 @@ def test_saves_go_to_their_tier_and_the_newest_is_restored(shm_root, tmp_path):
     ck.save(make_state(8, big=False), step=8, persist=True).wait()
     ck.save(make_state(9, big=False), step=9, persist=False).wait()
     ck.save(make_state(4, big=False), step=4, tag="best").wait()  # a name: always storage
-    assert [i.name for i in ck.list()] == ["step-0000000003", "step-0000000006",
-                                           "step-0000000008", "best"]
+    assert [i.name for i in ck.list()] == [
+        "step-0000000003",
+        "step-0000000006",
+        "step-0000000008",
+        "best",
+    ]
     ck.close(stop_keeper=True)  # the keeper writes step 9 to storage, removes the memory, ends
     assert _gone(memdir)
     with datastates.Checkpointer(storage) as plain:
@@ -164,20 +185,31 @@ def test_saves_go_to_their_tier_and_the_newest_is_restored(shm_root, tmp_path):
         assert_bit_exact(plain.load(step=8), make_state(8, big=False))
 
 
-def test_a_damaged_newest_memory_step_falls_back_to_storage_s_newer_step(shm_root, tmp_path,
-                                                                          caplog):
+def test_a_damaged_newest_memory_step_falls_back_to_storage_s_newer_step(
+    shm_root, tmp_path, caplog
+):
     """Memory holds steps 9 and 11, storage step 10 (the trainer's own save). Step 11 damaged in
     memory: the restore goes to storage's step 10, never back to memory's older step 9."""
     storage = tmp_path / "ckpt"
-    tier = _tier(shm_root, tmp_path, persist_every=None, keep_last=2, storage_writer="trainer",
-                 persist_on_exit=False)
+    tier = _tier(
+        shm_root,
+        tmp_path,
+        persist_every=None,
+        keep_last=2,
+        storage_writer="trainer",
+        persist_on_exit=False,
+    )
     with datastates.Checkpointer(storage, _config(tier)) as ck:
         for step, persist in ((9, None), (10, True), (11, None)):
             ck.save(make_state(step, big=False), step=step, persist=persist)
         ck.wait()
         assert [i.step for i in ck.memory.list()] == [9, 11]
-        shard = os.path.join(place.memory_dir(shm_root, str(storage)), place.CKPT,
-                             "step-0000000011", "rank-00000.dsf")
+        shard = os.path.join(
+            place.memory_dir(shm_root, str(storage)),
+            place.CKPT,
+            "step-0000000011",
+            "rank-00000.dsf",
+        )
         with open(shard, "r+b") as f:
             f.seek(4096 + 3)
             byte = f.read(1)
@@ -214,9 +246,19 @@ def test_a_memory_directory_someone_prepared_is_refused(shm_root, tmp_path, plan
 
 
 # ---------------------------------------------------------------- a trainer killed
-KILL_POINTS = [("fill", 1), ("fill", 9), ("pwrite", 1), ("torn", 1), ("commitwrite", 2),
-               ("commitwrite", 4), ("fsync", 2), ("rename-before", 1), ("rename-after", 1),
-               ("rename-after", 2), ("set-latest", 1)]
+KILL_POINTS = [
+    ("fill", 1),
+    ("fill", 9),
+    ("pwrite", 1),
+    ("torn", 1),
+    ("commitwrite", 2),
+    ("commitwrite", 4),
+    ("fsync", 2),
+    ("rename-before", 1),
+    ("rename-after", 1),
+    ("rename-after", 2),
+    ("set-latest", 1),
+]
 
 
 @pytest.mark.parametrize("mode,n", KILL_POINTS, ids=[f"{m}-{n}" for m, n in KILL_POINTS])
@@ -226,14 +268,17 @@ def test_a_trainer_killed_in_a_memory_save_restores_a_sealed_step(shm_root, tmp_
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, out, err[-3000:])
     markers = out.decode().split()
-    assert "COMMITTED" in markers and "2" not in markers[markers.index("COMMITTED") + 2:], out
+    assert "COMMITTED" in markers and "2" not in markers[markers.index("COMMITTED") + 2 :], out
     memdir = place.memory_dir(shm_root, str(storage))
     assert _serving(memdir), "the keeper died with the trainer"
     tier = _tier(shm_root, tmp_path, persist_every=None, persist_on_exit=False)
     with datastates.Checkpointer(storage, _config(tier)) as ck:
         # the dead save's temporaries went when this Checkpointer opened the memory
-        assert [e for e in os.listdir(os.path.join(memdir, place.CKPT))
-                if e.startswith(".") and not e.startswith(".owner.")] == []
+        assert [
+            e
+            for e in os.listdir(os.path.join(memdir, place.CKPT))
+            if e.startswith(".") and not e.startswith(".owner.")
+        ] == []
         live = zeros_like_state(make_state(0, big=False))
         report = ck.restore(live)
         assert report.tier == "memory" and report.step in (1, 2)
@@ -272,7 +317,8 @@ def test_a_dead_trainer_s_memory_is_written_to_storage(shm_root, tmp_path):
 
 
 def test_a_memory_checkpoint_written_after_the_keeper_checked_it_is_checked_again(
-        shm_root, tmp_path):
+    shm_root, tmp_path
+):
     """The keeper checks and marks the dead trainer's newest memory checkpoint; a byte of it
     is then damaged (its mtime set back): the restart's restore checksums it, finds the damage,
     and restores the same step from storage, bit-exact."""
@@ -336,12 +382,15 @@ def _save_taken(ck, step: int) -> None:
     """Save ``step`` (due for storage) and return once the handoff thread is writing it."""
     ck.save(make_state(step, big=False), step=step).wait()
     handoff, name = ck.tiers.handoff, f"step-{step:010d}"
-    _until(lambda: handoff.held() == {name} and handoff.waiting() is None,
-           f"the handoff thread did not take step {step}")
+    _until(
+        lambda: handoff.held() == {name} and handoff.waiting() is None,
+        f"the handoff thread did not take step {step}",
+    )
 
 
 def test_a_checkpoint_being_written_to_storage_stays_in_memory_and_a_waiting_one_is_replaced(
-        shm_root, tmp_path, caplog):
+    shm_root, tmp_path, caplog
+):
     """persist_every=2, keep_last=1. Step 2 is handed on and its write held back: memory keeps
     it (its shard file is not recycled) through the saves after it; step 4 waits and is
     replaced by step 6 with a WARNING. Released: storage gets steps 2 and 6, bit-exact, written
@@ -375,13 +424,19 @@ def test_a_checkpoint_being_written_to_storage_stays_in_memory_and_a_waiting_one
 
 
 def test_a_trainer_killed_while_the_keeper_copies_loses_no_step_and_doubles_none(
-        shm_root, tmp_path):
+    shm_root, tmp_path
+):
     """SIGKILL right after step 4's memory commit, steps 2 and 4 handed on (the keeper may be
     copying either): the keeper finishes what it was asked, then writes the newest if storage
     lacks it. Storage holds steps 2 and 4 once each, in order, bit-exact."""
     storage, log = tmp_path / "ckpt", tmp_path / "keeper.log"
-    proc = _child(storage, shm_root, log, "die-handing-on",
-                  env={"DS_PERSIST_ON_EXIT": "1", "DS_PERSIST_EVERY": "2"})
+    proc = _child(
+        storage,
+        shm_root,
+        log,
+        "die-handing-on",
+        env={"DS_PERSIST_ON_EXIT": "1", "DS_PERSIST_EVERY": "2"},
+    )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL and b"COMMITTED 4" in out, err[-3000:]
     _wait_idle(place.memory_dir(shm_root, str(storage)))
@@ -420,8 +475,10 @@ def test_a_save_due_for_storage_is_written_beside_a_tag_of_the_same_step(shm_roo
     ck.save(make_state(7, big=False), step=2, tag="best").wait()
     ck.save(make_state(2, big=False), step=2)
     ck.wait()
-    assert [(i.name, i.step, i.seq) for i in ck.list()] == [("best", 2, 1),
-                                                             ("step-0000000002", 2, 2)]
+    assert [(i.name, i.step, i.seq) for i in ck.list()] == [
+        ("best", 2, 1),
+        ("step-0000000002", 2, 2),
+    ]
     assert list(ck.tiers.handoff.written) == ["step-0000000002"]
     ck.close(stop_keeper=True)
     with datastates.Checkpointer(storage) as plain:
@@ -430,7 +487,8 @@ def test_a_save_due_for_storage_is_written_beside_a_tag_of_the_same_step(shm_roo
 
 
 def test_a_save_due_for_storage_under_a_name_storage_holds_is_refused_or_replaced(
-        shm_root, tmp_path, caplog):
+    shm_root, tmp_path, caplog
+):
     """Storage already holds step 2: a save of step 2 due for storage is refused by save() on
     its name (CheckpointExistsError, nothing written to memory), as a save straight to storage
     would be; with overwrite=True the keeper replaces it. When storage gets the name only after
@@ -473,8 +531,9 @@ def test_delete_and_a_restore_from_storage_wait_for_the_keeper_s_write(shm_root,
     of them returns before storage holds step 2), then run; a wait that outlasts its deadline
     raises CommitTimeoutError and removes nothing."""
     storage = tmp_path / "ckpt"
-    ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2),
-                                                  commit_timeout_s=120))
+    ck = datastates.Checkpointer(
+        storage, _config(_tier(shm_root, tmp_path, persist_every=2), commit_timeout_s=120)
+    )
     handoff = ck.tiers.handoff
     ck.save(make_state(5, big=False), tag="old").wait()
     ck.save(make_state(6, big=False), tag="older").wait()
@@ -495,10 +554,14 @@ def test_delete_and_a_restore_from_storage_wait_for_the_keeper_s_write(shm_root,
             except Exception as exc:  # noqa: BLE001 - asserted on below
                 seen[what] = exc
 
-        threads = [threading.Thread(target=run, args=args) for args in (
-            ("memory delete", lambda: ck.memory.delete(step=2)),
-            ("storage delete", lambda: ck.delete(tag="older")),
-            ("restore", lambda: ck.restore(live, tag="old")))]
+        threads = [
+            threading.Thread(target=run, args=args)
+            for args in (
+                ("memory delete", lambda: ck.memory.delete(step=2)),
+                ("storage delete", lambda: ck.delete(tag="older")),
+                ("restore", lambda: ck.restore(live, tag="old")),
+            )
+        ]
         for t in threads:
             t.start()
         _until(lambda: len(handoff._cond._waiters) == 3, "the three calls did not wait")
@@ -508,8 +571,9 @@ def test_delete_and_a_restore_from_storage_wait_for_the_keeper_s_write(shm_root,
         link.release()
     for t in threads:
         t.join(120)
-    assert seen == {what: ["step-0000000002"] for what in
-                    ("memory delete", "storage delete", "restore")}
+    assert seen == {
+        what: ["step-0000000002"] for what in ("memory delete", "storage delete", "restore")
+    }
     assert ck.memory.list() == []
     assert [i.name for i in ck.list()] == ["old", "step-0000000002"]
     assert_bit_exact(live, make_state(5, big=False))
@@ -556,8 +620,9 @@ def test_replacing_a_memory_checkpoint_the_keeper_copies_waits_for_the_copy(shm_
         assert_bit_exact(plain.load(step=2), make_state(2, big=False))
 
 
-def test_a_failed_write_to_storage_is_raised_by_wait_and_the_memory_kept(shm_root, tmp_path,
-                                                                         caplog):
+def test_a_failed_write_to_storage_is_raised_by_wait_and_the_memory_kept(
+    shm_root, tmp_path, caplog
+):
     """Storage gets a directory named like step 2 that is no checkpoint after save() checked the
     name (while the handoff is held back): the keeper's commit is refused; wait() raises
     KeeperError naming it (once), memory still holds step 2, and training saves on."""
@@ -584,15 +649,17 @@ def test_a_failed_write_to_storage_is_raised_by_wait_and_the_memory_kept(shm_roo
 
 
 def test_a_stalled_keeper_s_copy_keeps_its_checkpoint_in_memory_until_it_is_written(
-        shm_root, tmp_path):
+    shm_root, tmp_path
+):
     """The keeper is stopped (SIGSTOP) when step 2 is handed on, commit_timeout_s=5: wait()
     gives up with CommitTimeoutError (storage does not have step 2 yet; nothing failed), and
     memory keeps step 2 through the next save, so its shard file is not recycled under the
     keeper's copy. Continued (SIGCONT), the keeper writes step 2: wait() returns, storage holds
     it bit-exact, and memory is back to keep_last."""
     storage = tmp_path / "ckpt"
-    ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2),
-                                                  commit_timeout_s=5))
+    ck = datastates.Checkpointer(
+        storage, _config(_tier(shm_root, tmp_path, persist_every=2), commit_timeout_s=5)
+    )
     keeper = ck.tiers.link.keeper_pid
     ck.save(make_state(1, big=False), step=1).wait()
     os.kill(keeper, signal.SIGSTOP)
@@ -614,15 +681,15 @@ def test_a_stalled_keeper_s_copy_keeps_its_checkpoint_in_memory_until_it_is_writ
         assert_bit_exact(plain.load(step=2), make_state(2, big=False))
 
 
-def test_closing_beside_a_stalled_keeper_leaves_the_copy_to_the_keeper(shm_root, tmp_path,
-                                                                       caplog):
+def test_closing_beside_a_stalled_keeper_leaves_the_copy_to_the_keeper(shm_root, tmp_path, caplog):
     """The keeper is stopped while step 2 is handed on: close() gives up at commit_timeout_s
     with an ERROR and detaches; rank 0 does not write step 2 to storage itself beside the
     keeper. Continued, the keeper writes step 2 to storage, once."""
     storage = tmp_path / "ckpt"
     memdir = place.memory_dir(shm_root, str(storage))
-    ck = datastates.Checkpointer(storage, _config(_tier(shm_root, tmp_path, persist_every=2),
-                                                  commit_timeout_s=5))
+    ck = datastates.Checkpointer(
+        storage, _config(_tier(shm_root, tmp_path, persist_every=2), commit_timeout_s=5)
+    )
     keeper = ck.tiers.link.keeper_pid
     os.kill(keeper, signal.SIGSTOP)
     try:
@@ -697,6 +764,7 @@ def test_shard_files_are_recycled_and_hold_nothing_of_the_old_one(shm_root, tmp_
     write is zero, so the reused file verifies as a new one would, and restores exactly."""
     from datastates.memory.recycle import SPARE
     from datastates.restore.reader import Reader
+
     storage = tmp_path / "ckpt"
     tier = _tier(shm_root, tmp_path, persist_every=None)
     memdir = place.memory_dir(shm_root, str(storage))
@@ -705,9 +773,9 @@ def test_shard_files_are_recycled_and_hold_nothing_of_the_old_one(shm_root, tmp_
     with datastates.Checkpointer(storage, _config(tier)) as ck:
         ck.save(big, step=1).wait()
         first = os.stat(os.path.join(ck.memory.list()[0].path, "rank-00000.dsf")).st_ino
-        ck.save(small, step=2).wait()   # step 1 removed: its file is the spare
+        ck.save(small, step=2).wait()  # step 1 removed: its file is the spare
         assert os.stat(os.path.join(memdir, SPARE, "rank-00000.dsf")).st_ino == first
-        ck.save(small, step=3).wait()   # takes step 1's file; step 2's becomes the spare
+        ck.save(small, step=3).wait()  # takes step 1's file; step 2's becomes the spare
         newest = ck.memory.list()[-1]
         path = os.path.join(newest.path, "rank-00000.dsf")
         assert os.stat(path).st_ino == first and os.path.getsize(path) < 3 << 20
@@ -721,9 +789,19 @@ def test_shard_files_are_recycled_and_hold_nothing_of_the_old_one(shm_root, tmp_
 def _in_a_small_tmpfs(mount: str, size: str, command: list[str]) -> list[str]:
     """``command`` in a mount namespace of its own in which ``mount`` is a tmpfs of ``size``
     (the mount goes with the namespace's last process: the trainer and the keeper it starts)."""
-    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-            'mount -t tmpfs -o size="$1",mode=700 tmpfs "$2" && shift 2 && exec "$@"', "sh",
-            size, mount, *command]
+    return [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        'mount -t tmpfs -o size="$1",mode=700 tmpfs "$2" && shift 2 && exec "$@"',
+        "sh",
+        size,
+        mount,
+        *command,
+    ]
 
 
 def test_a_full_memory_root_fails_the_save_and_the_trainer_lives_on(shm_root, tmp_path):
@@ -734,28 +812,35 @@ def test_a_full_memory_root_fails_the_save_and_the_trainer_lives_on(shm_root, tm
     memory holds step 1 alone, bit-exact, and the keeper ends with its memory."""
     mount = os.path.join(shm_root, "small")
     os.mkdir(mount)
-    if shutil.which("unshare") is None or subprocess.run(
-            _in_a_small_tmpfs(mount, "1m", ["true"]), capture_output=True).returncode != 0:
-        pytest.skip("no mount namespace with a tmpfs of its own here (needs unshare and "
-                    "CAP_SYS_ADMIN)")
+    if (
+        shutil.which("unshare") is None
+        or subprocess.run(_in_a_small_tmpfs(mount, "1m", ["true"]), capture_output=True).returncode
+        != 0
+    ):
+        pytest.skip(
+            "no mount namespace with a tmpfs of its own here (needs unshare and CAP_SYS_ADMIN)"
+        )
     storage, log = tmp_path / "ckpt", tmp_path / "keeper.log"
     memdir = place.memory_dir(mount, str(storage))
     command = [sys.executable, CHILD, str(storage), mount, str(log), "full", "0", "0"]
     try:
-        proc = subprocess.run(_in_a_small_tmpfs(mount, "8m", command), capture_output=True,
-                              cwd=HERE, timeout=120)
+        proc = subprocess.run(
+            _in_a_small_tmpfs(mount, "8m", command), capture_output=True, cwd=HERE, timeout=120
+        )
     finally:
         if _serving(memdir):  # the trainer died: its keeper (in that namespace) still serves
             ask(memdir, "stop")
         assert _gone(memdir)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
-    assert b"FAILED CheckpointWriteError 28" in proc.stdout and b"RESTORED 1" in proc.stdout, \
+    assert b"FAILED CheckpointWriteError 28" in proc.stdout and b"RESTORED 1" in proc.stdout, (
         proc.stdout
+    )
     assert not os.listdir(mount)  # everything was inside the tmpfs, gone with it
 
 
 def test_a_reused_shard_file_keeps_no_old_byte(tmp_path):
     from datastates.storage.posix import ReusedShardWriter
+
     path = tmp_path / "rank-00000.dsf"
     path.write_bytes(b"\xff" * 50_000)
     writer = ReusedShardWriter(str(path), "buffered")
@@ -766,8 +851,14 @@ def test_a_reused_shard_file_keeps_no_old_byte(tmp_path):
     writer.close()
     data = path.read_bytes()
     assert len(data) == 30_000
-    assert data == (b"\x03" * 8 + bytes(4088) + b"\x01" * 100 + bytes(20_000 - 4196)
-                    + b"\x02" * 10 + bytes(30_000 - 20_010))
+    assert data == (
+        b"\x03" * 8
+        + bytes(4088)
+        + b"\x01" * 100
+        + bytes(20_000 - 4196)
+        + b"\x02" * 10
+        + bytes(30_000 - 20_010)
+    )
 
 
 def test_a_mapped_shard_file_keeps_no_old_byte_even_with_a_view_left(tmp_path):
@@ -776,6 +867,7 @@ def test_a_mapped_shard_file_keeps_no_old_byte_even_with_a_view_left(tmp_path):
     view of the mapping is still alive then (the mapping goes with it)."""
     from datastates.save.planning import plan_layout
     from datastates.memory.recycle import MappedShardWriter, Mappings
+
     path = tmp_path / "rank-00000.dsf"
     path.write_bytes(b"\xff" * 60_000)
     layout = plan_layout([100, 9000], [10], 8192)
@@ -786,7 +878,7 @@ def test_a_mapped_shard_file_keeps_no_old_byte_even_with_a_view_left(tmp_path):
         view = writer.unit_view(unit.file_offset, -(-unit.nbytes // 4096) * 4096)
         view.zero_()
         for item, _, at, nbytes in unit.pieces:
-            view[at:at + nbytes] = 1 + item
+            view[at : at + nbytes] = 1 + item
         kept = view
     writer.write(memoryview(b"\x09" * 10), layout.blob_offsets[0])
     writer.write(memoryview(b"\x03" * 8), 0)
@@ -798,8 +890,8 @@ def test_a_mapped_shard_file_keeps_no_old_byte_even_with_a_view_left(tmp_path):
     for unit in layout.units:
         for item, _, start, nbytes in unit.pieces:
             at = unit.file_offset + start
-            expected[at:at + nbytes] = bytes([1 + item]) * nbytes
-    expected[layout.blob_offsets[0]:layout.blob_offsets[0] + 10] = b"\x09" * 10
+            expected[at : at + nbytes] = bytes([1 + item]) * nbytes
+    expected[layout.blob_offsets[0] : layout.blob_offsets[0] + 10] = b"\x09" * 10
     assert path.read_bytes() == bytes(expected)
     assert len(mappings) == 1  # kept for the next save of this file
     mappings.close()
@@ -814,16 +906,24 @@ def test_memory_saves_are_captured_in_place_without_a_host_cache(shm_root, tmp_p
     bit-exact. A save to storage then allocates it and goes through it."""
     storage = tmp_path / "ckpt"
     base = torch.arange(24000, dtype=torch.float32).reshape(40, 600)
-    state = {"c": base.clone(), "t": base.t(), "s": base[:, ::7], "h": base.half()[3:, 5:],
-             "i": torch.arange(70000, dtype=torch.int64), "obj": {"k": 3}}
+    state = {
+        "c": base.clone(),
+        "t": base.t(),
+        "s": base[:, ::7],
+        "h": base.half()[3:, 5:],
+        "i": torch.arange(70000, dtype=torch.int64),
+        "obj": {"k": 3},
+    }
     tier = _tier(shm_root, tmp_path, persist_every=None)
     with datastates.Checkpointer(storage, _config(tier)) as ck:
         handles = [ck.save(state, step=s) for s in (1, 2, 3)]
         ck.wait()
         assert [h._job.in_place for h in handles] == [True, True, True]
         assert ck.storage._pipeline.cache.nslots == 0  # never sized: nothing went through it
-        live = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None)
-                for k, v in state.items()}
+        live = {
+            k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None)
+            for k, v in state.items()
+        }
         report = ck.restore(live)
         assert (report.tier, report.step) == ("memory", 3)
         assert_bit_exact(live, state)
@@ -839,6 +939,7 @@ def test_the_keeper_command(shm_root, tmp_path, capsys):
     without one, exit 1 and one line naming the directory."""
     import json
     from datastates.tools import cli
+
     storage = tmp_path / "ckpt"
     memdir = place.memory_dir(shm_root, str(storage))
     tier = _tier(shm_root, tmp_path, persist_every=None)
@@ -877,8 +978,9 @@ def test_hundreds_of_memory_snapshots_do_not_grow(shm_root, tmp_path):
                 ck.wait()
                 with open("/proc/self/maps") as f:  # the shard files captured in place
                     mapped = sum(1 for line in f if os.path.dirname(memroot) in line)
-                counts.append((len(os.listdir("/proc/self/fd")), sorted(os.listdir(memroot)),
-                               mapped))
+                counts.append(
+                    (len(os.listdir("/proc/self/fd")), sorted(os.listdir(memroot)), mapped)
+                )
         assert counts[0][0] == counts[1][0], counts  # no descriptor left open per save
         # no mapping left per save: the shard files' mappings are kept for the next save of
         # the same file (the two committed and the one written), and go with the Checkpointer
@@ -921,6 +1023,7 @@ def test_a_keeper_socket_held_by_another_user_is_refused(shm_root, tmp_path):
     no permissions): the trainer refuses to attach (KeeperError naming the uid), and writes
     nothing into the memory directory."""
     import socket
+
     storage = tmp_path / "ckpt"
     memdir = place.memory_dir(shm_root, str(storage))
 
@@ -949,6 +1052,7 @@ def test_the_keeper_refuses_a_connection_of_another_user(shm_root, tmp_path):
     """Another user connects to a running keeper and asks to attach: the keeper closes the
     connection without an answer and logs the uid; the trainer attached to it is unaffected."""
     import socket
+
     storage, log = tmp_path / "ckpt", tmp_path / "keeper.log"
     memdir = place.memory_dir(shm_root, str(storage))
     tier = _tier(shm_root, tmp_path, persist_every=None, persist_on_exit=False)

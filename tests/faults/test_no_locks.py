@@ -5,6 +5,7 @@ and the cleanup of stale temporaries falls back to age alone.
 The refusal is played at the one call that locks a lease file
 (``datastates.storage.temporaries.flock``), which raises as such a file system's ``flock(2)`` does.
 """
+
 from __future__ import annotations
 
 import errno
@@ -27,20 +28,31 @@ SMALL = dict(host_cache_bytes=256 << 10, chunk_bytes=16 << 10)
 
 def _state(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"model": {"w": torch.randn(20_000, generator=g),
-                      "b": torch.randn(33, generator=g).to(torch.float64)},
-            "ids": torch.randint(-99, 99, (500,), generator=g), "step": seed}
+    return {
+        "model": {
+            "w": torch.randn(20_000, generator=g),
+            "b": torch.randn(33, generator=g).to(torch.float64),
+        },
+        "ids": torch.randint(-99, 99, (500,), generator=g),
+        "step": seed,
+    }
 
 
 def _lock_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "datastates" and
-            r.levelno == logging.WARNING and "refused a lock" in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "datastates"
+        and r.levelno == logging.WARNING
+        and "refused a lock" in r.getMessage()
+    ]
 
 
 @pytest.mark.parametrize("code", [errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK])
 def test_a_root_without_flock_saves_and_cleans_up_by_age(tmp_path, monkeypatch, caplog, code):
     def no_flock(fd, operation):
         raise OSError(code, os.strerror(code))
+
     monkeypatch.setattr(temporaries, "flock", no_flock)
     caplog.set_level(logging.WARNING, logger="datastates")
     root = tmp_path / "root"

@@ -8,6 +8,7 @@ a known point; nothing waits on time.
 The last tests run the handler in this process (signals raised on the main thread), for what
 needs no subprocess: the agreement of one rank, a repeated signal, the arguments' checks.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -40,9 +41,15 @@ class Child:
         self.stderr = open(os.path.join(os.fspath(root) + f".stderr.{id(self)}"), "w+")
         # forked from the session's zygote (tests/zygote.py): torch is already imported
         self.proc = zygote.Process(
-            [sys.executable, CHILD, os.fspath(root), *args, *extra], cwd=HERE, text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-            env={**os.environ, **(env or {})}, pass_fds=(self.hold_r,) if hold is not None else ())
+            [sys.executable, CHILD, os.fspath(root), *args, *extra],
+            cwd=HERE,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            env={**os.environ, **(env or {})},
+            pass_fds=(self.hold_r,) if hold is not None else (),
+        )
         self.lines: list[list[str]] = []
 
     def read(self) -> list[str] | None:
@@ -109,6 +116,7 @@ def send(signum: int, go_on: bool = True):
     def action(child: Child):
         child.kill(signum)
         return go_on
+
     return action
 
 
@@ -157,6 +165,7 @@ def test_signal_while_a_save_is_in_flight(tmp_path):
             assert c.read_until("held") == ["held", "2"], c.log()
         c.kill(signal.SIGTERM)
         c.release()
+
     rc = drive(child, {("step", 3): signal_then_release})
     assert rc == -signal.SIGTERM, child.log()
     assert child.said("stop") == [3]
@@ -198,16 +207,28 @@ def test_a_second_preemption_on_the_same_checkpointer_starts_clean(tmp_path):
 
 
 # ---------------------------------------------------------------- two ranks
-def run_two_ranks(root, signals: dict[tuple[int, int], int], *args: str,
-                  hold: int | None = None) -> tuple[list[Child], list[int]]:
+def run_two_ranks(
+    root, signals: dict[tuple[int, int], int], *args: str, hold: int | None = None
+) -> tuple[list[Child], list[int]]:
     """Two gloo ranks (rank 0 hosts the TCPStore), paced step by step together;
     ``signals[(rank, step)]`` is sent to that rank in the middle of that step. With ``hold``,
     each rank's commit of that step waits until its signal was sent."""
     port = str(free_port())
-    children = [Child(root, "--final", *args, hold=hold,
-                      env={"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": port})
-                for r in range(2)]
+    children = [
+        Child(
+            root,
+            "--final",
+            *args,
+            hold=hold,
+            env={
+                "RANK": str(r),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+        )
+        for r in range(2)
+    ]
     while True:
         at = [c.read_until("step") for c in children]
         if at[0] is None or at[1] is None:
@@ -230,9 +251,9 @@ def test_two_ranks_signalled_at_different_steps_stop_at_the_same_one(tmp_path):
     """The save of step 3 is in flight on both ranks (its commit held) when rank 1 is signalled,
     in step 4, and rank 0, in step 5: both stop at step 5 (rank 1's step + 1), and the final
     save of step 5 commits, after that of step 3."""
-    children, rcs = run_two_ranks(tmp_path / "ckpt", {(1, 4): signal.SIGTERM,
-                                                      (0, 5): signal.SIGTERM},
-                                  "--every", "3", hold=3)
+    children, rcs = run_two_ranks(
+        tmp_path / "ckpt", {(1, 4): signal.SIGTERM, (0, 5): signal.SIGTERM}, "--every", "3", hold=3
+    )
     assert rcs == [-signal.SIGTERM] * 2, [c.log() for c in children]
     assert [c.said("stop") for c in children] == [[5], [5]]
     assert children[0].saved() == children[1].saved()  # the ranks hold the same state
@@ -252,8 +273,9 @@ def test_two_ranks_start_clean_with_a_second_preemption(tmp_path):
     """Rank 1 is signalled in step 3, both ranks stop at step 4 and pass SIGTERM on to their own
     handler, which returns; a second Preemption on each rank's Checkpointer sees no stop (the
     first one's plan is not its own) and both processes end with 0."""
-    children, rcs = run_two_ranks(tmp_path / "ckpt", {(1, 3): signal.SIGTERM}, "--twice",
-                                  "--every", "100", "--steps", "5")
+    children, rcs = run_two_ranks(
+        tmp_path / "ckpt", {(1, 3): signal.SIGTERM}, "--twice", "--every", "100", "--steps", "5"
+    )
     assert rcs == [0, 0], [c.log() for c in children]
     assert [c.said("stop") for c in children] == [[4], [4]]
     assert [c.said("passed") for c in children] == [[signal.SIGTERM]] * 2
@@ -329,8 +351,9 @@ def test_a_preemption_leaves_no_plan_in_the_store(tmp_path, recorded):
             assert stop.requested(2) and stop.plan_key == "preemption/1/stop"
             stop.exit()
         assert recorded == [usr1]
-        assert [k for k in ckpt.comm.store.list_keys() if k.startswith("preemption/")] == \
-            ["preemption/made/r0"]
+        assert [k for k in ckpt.comm.store.list_keys() if k.startswith("preemption/")] == [
+            "preemption/made/r0"
+        ]
         with datastates.Preemption(ckpt, signals=[signal.SIGUSR1]) as again:
             assert not again.requested(3) and again.signum is None and again.stop_step is None
             assert again.plan_key == "preemption/2/stop"
@@ -340,13 +363,19 @@ def test_a_preemption_leaves_no_plan_in_the_store(tmp_path, recorded):
 def test_a_second_open_preemption_of_the_process_is_refused(tmp_path, recorded):
     """Signals are the process's: a second open Preemption would pass a signal on to the first,
     which would take it as its own and keep training. Refused until the first is closed."""
-    with datastates.Checkpointer(tmp_path / "a") as ckpt, \
-            datastates.Checkpointer(tmp_path / "b") as other:
+    with (
+        datastates.Checkpointer(tmp_path / "a") as ckpt,
+        datastates.Checkpointer(tmp_path / "b") as other,
+    ):
         first = datastates.Preemption(ckpt, signals=[signal.SIGUSR1])
         for target in (ckpt, other):
-            with pytest.raises(datastates.ConfigError, match=re.escape(
+            with pytest.raises(
+                datastates.ConfigError,
+                match=re.escape(
                     "Preemption(): expected no other open Preemption handling SIGUSR1 in this "
-                    f"process, found one on {ckpt.directory}; close() it first")):
+                    f"process, found one on {ckpt.directory}; close() it first"
+                ),
+            ):
                 datastates.Preemption(target, signals=[signal.SIGTERM, signal.SIGUSR1])
         first.close()
         with datastates.Preemption(other, signals=[signal.SIGUSR1]) as second:
@@ -356,10 +385,17 @@ def test_a_second_open_preemption_of_the_process_is_refused(tmp_path, recorded):
         assert recorded == [int(signal.SIGUSR1)]
 
 
-@pytest.mark.parametrize("kwargs, found", [
-    ({"signals": [signal.SIGKILL]}, "found <Signals.SIGKILL"), ({"signals": []}, "none"),
-    ({"signals": ["SIGTERM"]}, "'SIGTERM'"), ({"grace_s": 0}, "0"),
-    ({"grace_s": float("nan")}, "nan"), ({"grace_s": True}, "True")])
+@pytest.mark.parametrize(
+    "kwargs, found",
+    [
+        ({"signals": [signal.SIGKILL]}, "found <Signals.SIGKILL"),
+        ({"signals": []}, "none"),
+        ({"signals": ["SIGTERM"]}, "'SIGTERM'"),
+        ({"grace_s": 0}, "0"),
+        ({"grace_s": float("nan")}, "nan"),
+        ({"grace_s": True}, "True"),
+    ],
+)
 def test_invalid_arguments_raise_config_error(tmp_path, kwargs, found):
     with datastates.Checkpointer(tmp_path / "ckpt") as ckpt:
         with pytest.raises(datastates.ConfigError, match=found):

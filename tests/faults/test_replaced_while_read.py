@@ -4,6 +4,7 @@ its manifest and its shard files, on a local disk and on an object store): ``loa
 ``restore(fallback=True)`` never moves the new checkpoint aside as damaged. Real damage is not
 taken for a replacement: it raises at once. A listing (``latest()``) during another process's
 commit or overwrite finds the old checkpoint or the new one, and names no damage."""
+
 from __future__ import annotations
 
 import logging
@@ -35,12 +36,16 @@ def _state(value: float) -> dict:
 
 
 def _warnings(caplog, text: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "datastates" and
-            r.levelno == logging.WARNING and text in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "datastates" and r.levelno == logging.WARNING and text in r.getMessage()
+    ]
 
 
-def _overwrite_on_read(monkeypatch, root, options, times: int = 1, where: str = "open",
-                       first: float = 10.0):
+def _overwrite_on_read(
+    monkeypatch, root, options, times: int = 1, where: str = "open", first: float = 10.0
+):
     """At each of the first ``times`` reads of a shard file (``where``: when it is opened, or
     at its ranged GETs on an object store), another Checkpointer overwrites ``best`` with the
     next value from ``first``; returns that Checkpointer and the values written."""
@@ -58,6 +63,7 @@ def _overwrite_on_read(monkeypatch, root, options, times: int = 1, where: str = 
         def check_size(self, file_id):
             overwrite()
             return real(self, file_id)
+
         monkeypatch.setattr(opened_module.ShardFiles, "_check_size", check_size)
     else:
         real = s3_module.S3ReadFile.read_into
@@ -65,6 +71,7 @@ def _overwrite_on_read(monkeypatch, root, options, times: int = 1, where: str = 
         def read_into(self, views, offset):
             overwrite()
             return real(self, views, offset)
+
         monkeypatch.setattr(s3_module.S3ReadFile, "read_into", read_into)
     return other, written
 
@@ -92,11 +99,11 @@ def test_a_tag_overwritten_while_read_is_read_again(tmp_path, monkeypatch, caplo
 
 
 def test_an_object_store_tag_overwritten_while_read_is_read_again(
-        s3_root, s3_storage_options, monkeypatch, caplog):
+    s3_root, s3_storage_options, monkeypatch, caplog
+):
     """The old data directory is deleted by the overwrite: the ranged GET of an opened shard
     file finds no object (CheckpointNotFoundError, not a bare FileNotFoundError)."""
-    with Checkpointer(s3_root, CheckpointConfig(**SMALL),
-                      storage_options=s3_storage_options) as ck:
+    with Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=s3_storage_options) as ck:
         _check_rereads(ck, monkeypatch, s3_root, s3_storage_options, caplog, "get")
 
 
@@ -130,29 +137,35 @@ def test_real_damage_is_not_read_again(tmp_path, caplog):
 
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_fallback_restore_never_moves_aside_a_checkpoint_replaced_while_read(
-        where, tmp_path, monkeypatch, caplog, request):
+    where, tmp_path, monkeypatch, caplog, request
+):
     """The newest checkpoint (``best``) is overwritten while a fallback restore reads it: the
     restore falls back (``best`` in ``skipped``, moved nowhere) and the new ``best`` stays
     listed and intact."""
     if where == "s3":
-        root, options = request.getfixturevalue("s3_root"), \
-            request.getfixturevalue("s3_storage_options")
+        root, options = (
+            request.getfixturevalue("s3_root"),
+            request.getfixturevalue("s3_storage_options"),
+        )
     else:
         root, options = tmp_path, None
-    with Checkpointer(root, CheckpointConfig(keep_last=None, **SMALL),
-                      storage_options=options) as ck:
+    with Checkpointer(
+        root, CheckpointConfig(keep_last=None, **SMALL), storage_options=options
+    ) as ck:
         ck.save(_state(1.0), step=1).wait(60)
         ck.save(_state(2.0), tag="best").wait(60)
-        other, written = _overwrite_on_read(monkeypatch, root, options, times=1,
-                                            where="open" if where == "local" else "get")
+        other, written = _overwrite_on_read(
+            monkeypatch, root, options, times=1, where="open" if where == "local" else "get"
+        )
         with other:
             caplog.clear()
             report = ck.restore(_state(0.0), fallback=True)
         monkeypatch.undo()
         assert [(s.name, s.quarantined) for s in report.skipped] == [("best", None)]
         assert report.name in (fmt.step_name(1), "best")
-        assert len(_warnings(caplog, "what is there now is not moved aside")) == \
-            (report.name != "best")
+        assert len(_warnings(caplog, "what is there now is not moved aside")) == (
+            report.name != "best"
+        )
         assert sorted(i.name for i in ck.list()) == ["best", fmt.step_name(1)]
         assert ck.load(tag="best")["note"] == written[0] == 10.0
         if where == "local":
@@ -164,33 +177,41 @@ def test_several_ranks_never_read_again_on_their_own(tmp_path, monkeypatch, capl
     read: the rank that meets the new files raises (a rank re-reading alone could restore
     another commit than its peers); none reads again."""
     from thread_ranks import in_thread_ranks
+
     small = CheckpointConfig(**SMALL)
-    saved = in_thread_ranks(str(tmp_path), 2, lambda ck, r: ck.save(
-        _state(1.0), tag="best", replicated=["w", "b", "note"]).wait(60), config=small)
+    saved = in_thread_ranks(
+        str(tmp_path),
+        2,
+        lambda ck, r: ck.save(_state(1.0), tag="best", replicated=["w", "b", "note"]).wait(60),
+        config=small,
+    )
     assert not [e for e in saved.values() if isinstance(e, BaseException)], saved
     other, written = _overwrite_on_read(monkeypatch, tmp_path, None)
     with other:
         caplog.clear()
-        out = in_thread_ranks(str(tmp_path), 2, lambda ck, r: ck.restore(_state(0.0),
-                                                                         tag="best"),
-                              config=small)
+        out = in_thread_ranks(
+            str(tmp_path), 2, lambda ck, r: ck.restore(_state(0.0), tag="best"), config=small
+        )
     assert written == [10.0]
     failed = [r for r, got in out.items() if isinstance(got, BaseException)]
-    assert failed and all(isinstance(out[r], (CorruptCheckpointError,
-                                              datastates.CheckpointNotFoundError))
-                          for r in failed), out
+    assert failed and all(
+        isinstance(out[r], (CorruptCheckpointError, datastates.CheckpointNotFoundError))
+        for r in failed
+    ), out
     assert all(got.rereads == [] for got in out.values() if not isinstance(got, BaseException))
     assert _warnings(caplog, "finding and reading it again") == []
 
 
 def test_a_reader_between_the_two_renames_of_an_overwrite_finds_the_old_checkpoint(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """Where the file system cannot exchange two directories (NFS, FUSE: here a C library
     without ``renameat2``), an overwrite renames the old checkpoint to ``.old.``, then the new one
     into place. A reader on another thread, with its own Checkpointer, that opens the root
     between the two renames finds the old checkpoint -- as the latest, by step, by tag --
     bit-exact; once the second rename is done, the new one."""
     from datastates.storage import posix
+
     monkeypatch.setattr(posix, "_renameat2", None)
     moved_aside, resume = threading.Event(), threading.Event()
     real_rename = os.rename
@@ -200,6 +221,7 @@ def test_a_reader_between_the_two_renames_of_an_overwrite_finds_the_old_checkpoi
         if os.path.basename(dst).startswith(".old.") and not moved_aside.is_set():
             moved_aside.set()
             assert resume.wait(60)
+
     config = CheckpointConfig(**SMALL)
     with Checkpointer(tmp_path, config) as writer, Checkpointer(tmp_path, config) as reader:
         writer.save(_state(3.0), tag="best", step=0).wait(60)  # older than step 1
@@ -252,18 +274,22 @@ with Checkpointer(root, CheckpointConfig(host_cache_bytes=256 << 10, chunk_bytes
 
 
 def test_a_checkpoint_committed_by_another_process_during_latest_is_no_damage(
-        tmp_path, monkeypatch, caplog):
+    tmp_path, monkeypatch, caplog
+):
     """Another process commits ``new`` after ``latest()`` listed the root and before it looks
     for folders without a manifest: ``latest()`` returns the checkpoint its listing found and
     names no damage (it named ``new`` as holding shard files but no manifest.json); the next
     call returns ``new``. A folder that stays without a manifest is still named."""
     from datastates.commit.catalog import Catalog
+
     real = Catalog.passed_over
 
     def passed_over(self, used):
-        subprocess.run([sys.executable, "-c", _WRITER, self.root, "new", "-"], check=True,
-                       timeout=120)
+        subprocess.run(
+            [sys.executable, "-c", _WRITER, self.root, "new", "-"], check=True, timeout=120
+        )
         return real(self, used)
+
     with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
         ck.save(_state(1.0), tag="old").wait(60)
         monkeypatch.setattr(Catalog, "passed_over", passed_over)
@@ -279,7 +305,8 @@ def test_a_checkpoint_committed_by_another_process_during_latest_is_no_damage(
 
 
 def test_a_listing_that_meets_an_overwrite_between_its_two_renames_lists_again(
-        tmp_path, monkeypatch, caplog):
+    tmp_path, monkeypatch, caplog
+):
     """Another process overwrites ``best`` (the newest) by two renames, the first one just
     after ``latest()`` listed the root and before it looked at ``best``: the listing is done
     again, finds the old ``best`` at its ``.old.`` name and returns it (it returned the older
@@ -287,9 +314,12 @@ def test_a_listing_that_meets_an_overwrite_between_its_two_renames_lists_again(
     with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck:
         ck.save(_state(1.0), step=1).wait(60)
         ck.save(_state(3.0), tag="best").wait(60)
-        writer = subprocess.Popen([sys.executable, "-c", _WRITER, ck.directory, "best",
-                                   "pause"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  text=True)
+        writer = subprocess.Popen(
+            [sys.executable, "-c", _WRITER, ck.directory, "best", "pause"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         real_listdir, armed = os.listdir, [True]
 
         def listdir(path="."):
@@ -300,6 +330,7 @@ def test_a_listing_that_meets_an_overwrite_between_its_two_renames_lists_again(
                 writer.stdin.flush()
                 assert writer.stdout.readline() == "moved\n"
             return names
+
         try:
             monkeypatch.setattr(os, "listdir", listdir)
             caplog.clear()

@@ -4,6 +4,7 @@ before a part is read, a part is read with the size the head records as its boun
 that is a link, a FIFO or a directory is refused without blocking.
 
 The checkpoint is saved by four ranks in threads of this process (tests/thread_ranks.py), with ``SPLIT_BYTES`` lowered so that its manifest splits into several parts."""
+
 from __future__ import annotations
 
 import json
@@ -27,14 +28,19 @@ STEP = codec.step_name(1)
 
 
 def _state(rank: int) -> dict:
-    return {"mine": [torch.full((rank + 2,), float(rank)) for _ in range(3)], "rank": rank,
-            "rows": TensorShard(torch.full((1, 3), float(rank)), (WORLD, 3), (rank, 0))}
+    return {
+        "mine": [torch.full((rank + 2,), float(rank)) for _ in range(3)],
+        "rank": rank,
+        "rows": TensorShard(torch.full((1, 3), float(rank)), (WORLD, 3), (rank, 0)),
+    }
 
 
 def _sharded(rank: int) -> dict:
     """Every tensor sharded over the ranks (FSDP-like): each one entry, rank 0's tree first."""
-    return {f"p{i}": TensorShard(torch.full((1, 4), float(i + rank)), (WORLD, 4), (rank, 0))
-            for i in range(40)}
+    return {
+        f"p{i}": TensorShard(torch.full((1, 4), float(i + rank)), (WORLD, 4), (rank, 0))
+        for i in range(40)
+    }
 
 
 def _save(root: str, split: int, state=_state) -> None:
@@ -102,13 +108,15 @@ def test_sharded_entries_spread_over_the_parts(tmp_path):
     assert max(sizes[:-1]) < 5000 and sizes[-1] < sum(sizes) / 2, sizes
     with datastates.Checkpointer(root, communicator=datastates.LocalCommunicator()) as ck:
         loaded = ck.load(keys=["p0", "p39"])
-    assert torch.equal(loaded["p39"], torch.arange(WORLD, dtype=torch.float32)[:, None]
-                       .expand(WORLD, 4) + 39)
+    assert torch.equal(
+        loaded["p39"], torch.arange(WORLD, dtype=torch.float32)[:, None].expand(WORLD, 4) + 39
+    )
 
 
 def test_export_leaves_the_parts_out_of_a_model_folder(ckpt, tmp_path):
     """``export --to hf`` copies a checkpoint's config files, never the format's own files."""
     from datastates.tools.export import _copy_model_files
+
     with open(os.path.join(ckpt, "config.json"), "w") as f:
         f.write('{"model_type": "gpt2"}')
     dest = tmp_path / "hf"
@@ -169,12 +177,15 @@ FORGED_TABLES = {
     "a field too many": lambda h: h["parts"][0].update(extra=1),
     "a field missing": lambda h: h["parts"][0].pop("crc32"),
     "a rank gap": lambda h: h["parts"][1].update(first_rank=h["parts"][1]["first_rank"] + 1),
-    "ranks short of the world": lambda h: h["parts"][-1].update(
-        rank_count=h["parts"][-1]["rank_count"] - 1) if h["parts"][-1]["rank_count"] > 1
-    else h["parts"].pop(),
+    "ranks short of the world": lambda h: (
+        h["parts"][-1].update(rank_count=h["parts"][-1]["rank_count"] - 1)
+        if h["parts"][-1]["rank_count"] > 1
+        else h["parts"].pop()
+    ),
     "an entry gap": lambda h: h["parts"][1].update(first_entry=h["parts"][1]["first_entry"] + 1),
     "a part over the format's limit": lambda h: h["parts"][0].update(
-        nbytes=codec.MAX_MANIFEST_BYTES + 1),
+        nbytes=codec.MAX_MANIFEST_BYTES + 1
+    ),
     "a boolean size": lambda h: h["parts"][0].update(nbytes=True),
     "a negative crc": lambda h: h["parts"][0].update(crc32=-1),
     "entries beside the parts": lambda h: h.update(entries=[]),
@@ -241,10 +252,14 @@ FORGED_PARTS = {
     "an entry too many": lambda p: p["entries"].append(p["entries"][0]),
     "a tree too few": lambda p: p["ranks"].pop(),
     "a tree of another rank": lambda p: p["ranks"][0].update(rank=p["ranks"][0]["rank"] + 1),
-    "an entry in no file": lambda p: p["entries"][0].update(file=WORLD) if "file" in
-    p["entries"][0] else p["entries"][0]["shards"][0].update(file=WORLD),
+    "an entry in no file": lambda p: (
+        p["entries"][0].update(file=WORLD)
+        if "file" in p["entries"][0]
+        else p["entries"][0]["shards"][0].update(file=WORLD)
+    ),
     "a tree naming an entry of no part": lambda p: p["ranks"][0].update(
-        tree={"t": "tensor", "e": 10 ** 6}),
+        tree={"t": "tensor", "e": 10**6}
+    ),
 }
 
 

@@ -7,6 +7,7 @@ returns is exactly its slice of the whole manifest.
 
 The checkpoint is saved by four ranks in threads of this process (``test_split_hostile._save``),
 with ``SPLIT_BYTES`` lowered so that its manifest splits into several parts."""
+
 from __future__ import annotations
 
 import bisect
@@ -54,6 +55,7 @@ def counted(monkeypatch):
     def counting_decode(self, i, raw, convert=None):
         seen["decoded"].append(i)
         return decode(self, i, raw, convert)
+
     monkeypatch.setattr(files._Parts, "read", counting_read)
     monkeypatch.setattr(files._Parts, "trees", counting_trees)
     monkeypatch.setattr(files._Parts, "decode", counting_decode)
@@ -66,8 +68,10 @@ def _needed(head: dict, rank: int, entries: set[int]) -> tuple[set[int], set[int
     parts = head["parts"]
     firsts = [p["first_rank"] for p in parts]
     starts = [p["first_entry"] for p in parts]
-    return ({bisect.bisect_right(firsts, r) - 1 for r in (0, rank)},
-            {bisect.bisect_right(starts, e) - 1 for e in entries})
+    return (
+        {bisect.bisect_right(firsts, r) - 1 for r in (0, rank)},
+        {bisect.bisect_right(starts, e) - 1 for e in entries},
+    )
 
 
 def test_each_view_is_that_ranks_slice_of_the_whole_manifest(ckpt, counted):
@@ -98,8 +102,11 @@ def test_each_view_is_that_ranks_slice_of_the_whole_manifest(ckpt, counted):
 
 def dataclasses_equal_but(a, b, *fields: str) -> bool:
     """Whether the dataclasses ``a`` and ``b`` hold the same values but for ``fields``."""
-    return all(getattr(a, f.name) == getattr(b, f.name) for f in dataclasses.fields(a)
-               if f.name not in fields)
+    return all(
+        getattr(a, f.name) == getattr(b, f.name)
+        for f in dataclasses.fields(a)
+        if f.name not in fields
+    )
 
 
 def test_parts_with_their_entries_first_read_back_the_same(ckpt, counted):
@@ -109,8 +116,13 @@ def test_parts_with_their_entries_first_read_back_the_same(ckpt, counted):
     whole = files.read_manifest(ckpt)
     views = [files.read_manifest(ckpt, view=_saved(r)) for r in range(WORLD)]
     for i in range(len(_parts(ckpt))):
-        _forge_part(ckpt, i, lambda obj: obj.update(
-            {k: obj.pop(k) for k in ("format", "version", "entries", "ranks")}))
+        _forge_part(
+            ckpt,
+            i,
+            lambda obj: obj.update(
+                {k: obj.pop(k) for k in ("format", "version", "entries", "ranks")}
+            ),
+        )
     data = open(os.path.join(ckpt, _parts(ckpt)[0]), "rb").read()
     assert data.index(b'"entries"') < data.index(b'"ranks"')
     assert files.read_manifest(ckpt) == whole
@@ -125,19 +137,36 @@ def test_a_reader_needing_every_tree_reads_the_whole_manifest(ckpt):
     assert files.read_manifest(ckpt, view=lambda saved_world: None) == whole
 
 
-@pytest.mark.parametrize("world, rank, policy, saved_rank", [
-    (2, 1, "same", 1), (2, 1, "rank0", 0), (8, 6, "same", 0), (1, 0, "rank0", 0),
-    (1, 0, "same", 0), (2, 1, "strict", None), (1, 0, "strict", None)])
+@pytest.mark.parametrize(
+    "world, rank, policy, saved_rank",
+    [
+        (2, 1, "same", 1),
+        (2, 1, "rank0", 0),
+        (8, 6, "same", 0),
+        (1, 0, "rank0", 0),
+        (1, 0, "same", 0),
+        (2, 1, "strict", None),
+        (1, 0, "strict", None),
+    ],
+)
 def test_a_reader_at_another_world_size_reads_the_view_of_the_rank_its_policy_takes(
-        ckpt, world, rank, policy, saved_rank):
+    ckpt, world, rank, policy, saved_rank
+):
     """Restoring at another world size, ``rank_policy`` 'rank0' and 'same' take one saved
     rank's state: its view is read, and loads what a whole read loads; 'strict' compares every
     saved rank's tree: the whole manifest is read."""
     keys = ["rows"] if policy == "strict" else ["mine", "rank", "rows"]  # strict: global only
 
     def opened(view: bool) -> Reader:
-        return Reader(ckpt, registry=ProviderRegistry.default(), rank=rank, world_size=world,
-                      rank_policy=policy, view=view)
+        return Reader(
+            ckpt,
+            registry=ProviderRegistry.default(),
+            rank=rank,
+            world_size=world,
+            rank_policy=policy,
+            view=view,
+        )
+
     with opened(True) as reader:
         assert reader.manifest.view == saved_rank
         if saved_rank is None:
@@ -157,13 +186,15 @@ def test_a_reader_restores_bit_exactly_from_its_view(ckpt):
     r saved; handed the view of another rank, it refuses it."""
     import torch
     from test_split_hostile import _state
+
     for rank in range(WORLD):
         live = _state(rank)
         live["mine"] = [torch.zeros_like(t) for t in live["mine"]]
         live["rows"].local.zero_()
         live["rank"] = -1
-        with Reader(ckpt, registry=ProviderRegistry.default(), rank=rank,
-                    world_size=WORLD, view=True) as reader:
+        with Reader(
+            ckpt, registry=ProviderRegistry.default(), rank=rank, world_size=WORLD, view=True
+        ) as reader:
             assert reader.manifest.view == rank
             reader.restore_into(live)
             view = reader.manifest
@@ -172,8 +203,13 @@ def test_a_reader_restores_bit_exactly_from_its_view(ckpt):
         assert all(t.equal(s) for t, s in zip(live["mine"], saved["mine"]))
         assert live["rows"].local.equal(saved["rows"].local)
         with pytest.raises(ValueError, match=f"view of saved rank {rank}"):
-            Reader(ckpt, registry=ProviderRegistry.default(), rank=(rank + 1) % WORLD,
-                   world_size=WORLD, manifest=view)
+            Reader(
+                ckpt,
+                registry=ProviderRegistry.default(),
+                rank=(rank + 1) % WORLD,
+                world_size=WORLD,
+                manifest=view,
+            )
 
 
 def test_views_are_asked_for_and_of_a_rank_of_the_job(ckpt):
@@ -183,8 +219,7 @@ def test_views_are_asked_for_and_of_a_rank_of_the_job(ckpt):
     with Reader(ckpt, registry=ProviderRegistry.default(), world_size=WORLD) as reader:
         assert reader.manifest == files.read_manifest(ckpt)
         assert reader.verify_all() > 0
-    with Reader(ckpt, registry=ProviderRegistry.default(), world_size=WORLD,
-                view=True) as reader:
+    with Reader(ckpt, registry=ProviderRegistry.default(), world_size=WORLD, view=True) as reader:
         with pytest.raises(ValueError, match="whole manifest"):
             reader.verify_all()
         with pytest.raises(ValueError, match="cannot be written"):
@@ -203,16 +238,20 @@ def test_verify_and_a_copy_to_storage_check_every_ranks_entries(ckpt, tmp_path, 
     from datastates.commit.round import new_run_id
     from datastates.memory.persist import copy_commit
     from datastates.tools.cli import main as cli_main
+
     head = _head(ckpt)
     whole = files.read_manifest(ckpt)
     last = len(head["parts"]) - 1
     first = head["parts"][last]["first_entry"]
-    place = next(e for e in range(first, len(whole.entries))
-                 if e not in _refs(whole.ranks[0].tree)) - first
+    place = (
+        next(e for e in range(first, len(whole.entries)) if e not in _refs(whole.ranks[0].tree))
+        - first
+    )
     (info,) = list_checkpoints(os.path.dirname(ckpt))
 
     def change(obj):
         obj["entries"][place]["key"] += "x"
+
     _forge_part(ckpt, last, change)
     assert cli_main(["verify", ckpt]) != 0
     shown = capsys.readouterr()
@@ -239,8 +278,7 @@ def test_damage_to_a_part_fails_the_views_that_read_it_and_every_listing(ckpt):
                 with pytest.raises(datastates.CorruptCheckpointError, match=name):
                     files.read_manifest(ckpt, view=_saved(rank))
             else:
-                assert files.read_manifest(ckpt, view=_saved(rank)).ranks == \
-                    (whole.ranks[rank],)
+                assert files.read_manifest(ckpt, view=_saved(rank)).ranks == (whole.ranks[rank],)
         job = Catalog(os.path.dirname(ckpt), world_size=WORLD)
         assert job.scan() == [] and name in job.damaged()[0].reason
         data[len(data) // 2] ^= 0x20
@@ -276,8 +314,9 @@ def _leaf(node, e: int) -> dict:
     return None
 
 
-@pytest.mark.parametrize("forgery", ["entry size", "entry key", "entry overlap", "tree kind",
-                                     "tree index"])
+@pytest.mark.parametrize(
+    "forgery", ["entry size", "entry key", "entry overlap", "tree kind", "tree index"]
+)
 def test_a_sealed_forgery_fails_the_views_that_decode_it(ckpt, forgery):
     """A part whose size and CRC the head records but whose content is wrong (a faulty or
     hostile writer): every view that validates what is wrong raises CorruptCheckpointError, as
@@ -287,20 +326,27 @@ def test_a_sealed_forgery_fails_the_views_that_decode_it(ckpt, forgery):
     part = 1
     p = head["parts"][part]
     owner = p["first_rank"]  # the rank whose tree the part holds
-    target = p["first_entry"] if forgery.startswith("entry") else \
-        min(_refs(whole.ranks[owner].tree) - _refs(whole.ranks[0].tree))
+    target = (
+        p["first_entry"]
+        if forgery.startswith("entry")
+        else min(_refs(whole.ranks[owner].tree) - _refs(whole.ranks[0].tree))
+    )
     assert p["entry_count"] and whole.entries[target].kind == "tensor"
 
     def change(obj):
         if forgery == "entry overlap":  # its bytes and checksums are another entry's of rank 0
             # (in the same file, of the same size)
-            shard = next(whole.entries[e].shards[0] for e in sorted(_refs(whole.ranks[0].tree))
-                         if e != target and whole.entries[e].kind == "tensor" and
-                         whole.entries[e].shards[0].file == whole.entries[target].shards[0].file
-                         and whole.entries[e].shards[0].nbytes ==
-                         whole.entries[target].shards[0].nbytes)
-            obj["entries"][0]["shards"][0].update(offset=shard.offset,
-                                                  checksums=[list(c) for c in shard.checksums])
+            shard = next(
+                whole.entries[e].shards[0]
+                for e in sorted(_refs(whole.ranks[0].tree))
+                if e != target
+                and whole.entries[e].kind == "tensor"
+                and whole.entries[e].shards[0].file == whole.entries[target].shards[0].file
+                and whole.entries[e].shards[0].nbytes == whole.entries[target].shards[0].nbytes
+            )
+            obj["entries"][0]["shards"][0].update(
+                offset=shard.offset, checksums=[list(c) for c in shard.checksums]
+            )
         elif forgery == "entry size":
             obj["entries"][0]["shape"] = [n * 2 for n in obj["entries"][0]["shape"]]
         elif forgery == "entry key":
@@ -308,12 +354,16 @@ def test_a_sealed_forgery_fails_the_views_that_decode_it(ckpt, forgery):
         elif forgery == "tree kind":
             _leaf(obj["ranks"][0]["tree"], target)["t"] = "object"
         else:
-            _leaf(obj["ranks"][0]["tree"], target)["e"] = 10 ** 6
+            _leaf(obj["ranks"][0]["tree"], target)["e"] = 10**6
+
     _forge_part(ckpt, part, change)
     with pytest.raises(datastates.CorruptCheckpointError):
         files.read_manifest(ckpt)
-    refused = {r for r in range(WORLD) if target in _refs(whole.ranks[r].tree)} \
-        if forgery.startswith("entry") else {owner}
+    refused = (
+        {r for r in range(WORLD) if target in _refs(whole.ranks[r].tree)}
+        if forgery.startswith("entry")
+        else {owner}
+    )
     assert 0 < len(refused) < WORLD, refused
     for rank in range(WORLD):
         if rank in refused:
@@ -332,6 +382,7 @@ def _in_ranks(root: str, action) -> dict:
 def _stepped(rank: int, step: int) -> dict:
     """Rank ``rank``'s state at ``step`` (test_split_hostile's, its values changed by step)."""
     from test_split_hostile import _state
+
     state = _state(rank)
     state["mine"] = [t + 100 * step for t in state["mine"]]
     return state
@@ -349,6 +400,7 @@ def _restored(step: int | None = None, saved_as=_stepped, **kwargs):
         saved = saved_as(r, report.step)
         same = all(a.equal(b) for a, b in zip(live["mine"], saved["mine"]))
         return report.step if same else live
+
     return action
 
 
@@ -356,6 +408,7 @@ def _restore_all(root: str, step: int) -> dict:
     """Rank -> ``restore(step=...)``'s outcome: True if rank r restored what it saved, else the
     exception."""
     from test_split_hostile import _state
+
     out = _in_ranks(root, _restored(step, saved_as=lambda r, _: _state(r)))
     return {r: found == step or found for r, found in out.items()}
 
@@ -369,21 +422,25 @@ def test_a_sealed_forgery_in_the_newest_fails_its_ranks_alone_unless_they_fall_b
     codec_saved = codec.SPLIT_BYTES
     codec.SPLIT_BYTES = 600
     try:
-        saved = _in_ranks(root, lambda ck, r: [ck.save(_stepped(r, s), step=s).wait(60)
-                                               and s for s in (1, 2)])
+        saved = _in_ranks(
+            root, lambda ck, r: [ck.save(_stepped(r, s), step=s).wait(60) and s for s in (1, 2)]
+        )
     finally:
         codec.SPLIT_BYTES = codec_saved
     assert all(not isinstance(v, Exception) for v in saved.values()), saved
     newest = os.path.join(root, codec.step_name(2))
     whole = files.read_manifest(newest)
     head = _head(newest)
-    part = next(i for i, p in enumerate(head["parts"]) if p["first_rank"] <= 1 <
-                p["first_rank"] + p["rank_count"])
+    part = next(
+        i
+        for i, p in enumerate(head["parts"])
+        if p["first_rank"] <= 1 < p["first_rank"] + p["rank_count"]
+    )
     target = min(_refs(whole.ranks[1].tree) - _refs(whole.ranks[0].tree))
 
     def change(obj):
-        _leaf(obj["ranks"][1 - head["parts"][part]["first_rank"]]["tree"], target)["t"] = \
-            "object"
+        _leaf(obj["ranks"][1 - head["parts"][part]["first_rank"]]["tree"], target)["t"] = "object"
+
     _forge_part(newest, part, change)
     plain = _in_ranks(root, _restored())
     assert isinstance(plain[1], datastates.CorruptCheckpointError), plain
@@ -399,8 +456,11 @@ def test_a_named_restore_reads_the_parts_of_each_view_only(ckpt):
     head = _head(ckpt)
     whole = files.read_manifest(ckpt)
     readers = {r: set.union(*_needed(head, r, _refs(whole.ranks[r].tree))) for r in range(WORLD)}
-    part = next(i for i in range(len(head["parts"]))
-                if 0 < sum(i in readers[r] for r in range(WORLD)) < WORLD)
+    part = next(
+        i
+        for i in range(len(head["parts"]))
+        if 0 < sum(i in readers[r] for r in range(WORLD)) < WORLD
+    )
     name = head["parts"][part]["name"]
     path = os.path.join(ckpt, name)
     data = bytearray(open(path, "rb").read())

@@ -7,6 +7,7 @@ Failures are injected by wrapping the system calls the library makes (``os.pwrit
 ``storage.pwrite_all``, ``os.fsync``, ``os.ftruncate``, ``os.open``, ``os.rename``...), keyed on
 the file they touch so the rest of the process is unaffected.
 """
+
 from __future__ import annotations
 
 import copy
@@ -58,18 +59,27 @@ class Faults:
     def _inside(self, path: str, name_part: str) -> bool:
         return path.startswith(self.root) and name_part in os.path.basename(path)
 
-    def writes(self, name_part: str, nth: int = 1, err: int = errno.ENOSPC, sticky=True,
-               thread: str | None = None):
+    def writes(
+        self,
+        name_part: str,
+        nth: int = 1,
+        err: int = errno.ENOSPC,
+        sticky=True,
+        thread: str | None = None,
+    ):
         """``pwrite_all`` on a file whose name contains ``name_part`` (data, index, manifest...),
         from threads whose name starts with ``thread`` if given."""
         real = datastates.storage.posix.pwrite_all
 
         def pwrite_all(fd, data, offset):
-            if (self._inside(_fd_path(fd), name_part)
-                    and (thread is None or threading.current_thread().name.startswith(thread))
-                    and self._should_fail(nth, sticky)):
+            if (
+                self._inside(_fd_path(fd), name_part)
+                and (thread is None or threading.current_thread().name.startswith(thread))
+                and self._should_fail(nth, sticky)
+            ):
                 raise OSError(err, os.strerror(err))
             return real(fd, data, offset)
+
         self.mp.setattr(datastates.storage.posix, "pwrite_all", pwrite_all)
 
     def fd_call(self, name: str, name_part: str, nth: int = 1, err: int = errno.EIO):
@@ -78,15 +88,20 @@ class Faults:
 
         def call(fd, *args):
             path = _fd_path(fd)
-            match = (path.rstrip("/") == self.root) if name_part == "<root>" else \
-                self._inside(path, name_part)
+            match = (
+                (path.rstrip("/") == self.root)
+                if name_part == "<root>"
+                else self._inside(path, name_part)
+            )
             if match and self._should_fail(nth, False):
                 raise OSError(err, os.strerror(err))
             return real(fd, *args)
+
         self.mp.setattr(os, name, call)
 
-    def path_call(self, name: str, name_part: str, nth: int = 1, err: int = errno.EACCES,
-                  arg: int = 0):
+    def path_call(
+        self, name: str, name_part: str, nth: int = 1, err: int = errno.EACCES, arg: int = 0
+    ):
         """``os.open`` / ``os.rename`` / ``os.replace`` / ``os.mkdir`` whose ``arg``-th path
         argument matches ``name_part``."""
         real = getattr(os, name)
@@ -96,6 +111,7 @@ class Faults:
             if self._inside(os.path.realpath(path), name_part) and self._should_fail(nth, False):
                 raise OSError(err, os.strerror(err), path)
             return real(*args, **kwargs)
+
         self.mp.setattr(os, name, call)
 
 
@@ -141,16 +157,22 @@ BEFORE_COMMIT = {
     "object-blob-write": (lambda f: f.writes(".dsf", 1, thread="datastates-commit"), errno.ENOSPC),
     "index-write": (lambda f: f.writes(".dsf", 2, thread="datastates-commit"), errno.ENOSPC),
     "header-write": (lambda f: f.writes(".dsf", 3, thread="datastates-commit"), errno.ENOSPC),
-    "shard-ftruncate": (lambda f: f.fd_call("ftruncate", ".dsf", err=errno.ENOSPC),
-                        errno.ENOSPC),
+    "shard-ftruncate": (lambda f: f.fd_call("ftruncate", ".dsf", err=errno.ENOSPC), errno.ENOSPC),
     "shard-fsync": (lambda f: f.fd_call("fsync", ".dsf"), errno.EIO),
     "manifest-write": (lambda f: f.writes("manifest.json.tmp", 1), errno.ENOSPC),
     "manifest-fsync": (lambda f: f.fd_call("fsync", "manifest.json.tmp"), errno.EIO),
     "manifest-rename": (lambda f: f.path_call("replace", "manifest.json.tmp"), errno.EACCES),
-    "directory-rename": (lambda f: f.path_call("rename", "." + name_key("step-0000000002")), errno.EACCES),
+    "directory-rename": (
+        lambda f: f.path_call("rename", "." + name_key("step-0000000002")),
+        errno.EACCES,
+    ),
     "shard-open-eacces": (lambda f: f.path_call("open", ".dsf"), errno.EACCES),
-    "tmp-mkdir-eacces": (lambda f: f.path_call("mkdir", "." + name_key("step-0000000002")), errno.EACCES),
+    "tmp-mkdir-eacces": (
+        lambda f: f.path_call("mkdir", "." + name_key("step-0000000002")),
+        errno.EACCES,
+    ),
 }
+
 
 # Failures raised as the raw OSError instead of CheckpointWriteError (see the report).
 def _before_commit_params():
@@ -232,10 +254,13 @@ def test_disk_full_is_recognizable_by_errno(ck, monkeypatch, thread):
     assert info.value.errno == errno.ENOSPC
 
 
-@pytest.mark.parametrize("name", [
-    "root-fsync-after-rename",
-    "latest-write",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "root-fsync-after-rename",
+        "latest-write",
+    ],
+)
 def test_failure_after_rename_is_consistent(ck, monkeypatch, name):
     """A handle that raises must mean the checkpoint is not there. A failure after the directory
     was renamed into place (the checkpoint is committed) is a RuntimeWarning naming it, not a
@@ -307,6 +332,7 @@ def test_every_save_fails_then_recovers(ck, monkeypatch):
 
 # ---------------------------------------------------------------- dropped handles
 
+
 def _failing_save(ck, monkeypatch, step: int):
     model, opt, extra = make_training()
     Faults(monkeypatch, ck.directory).writes(".dsf", 1)
@@ -317,8 +343,11 @@ def test_dropped_failed_handle_warns_at_close(tmp_path, monkeypatch, small_confi
     ck = datastates.Checkpointer(tmp_path, small_config)
     _failing_save(ck, monkeypatch, 1)  # the handle is dropped at once
     gc.collect()
-    with pytest.warns(RuntimeWarning, match=r"step-0000000001.*ENOSPC|ENOSPC.*step-0000000001|"
-                      r"step-0000000001.*No space left"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"step-0000000001.*ENOSPC|ENOSPC.*step-0000000001|"
+        r"step-0000000001.*No space left",
+    ):
         ck.close()
     monkeypatch.undo()
     assert os.listdir(tmp_path) == []  # nothing committed, no temporaries, no latest
@@ -353,6 +382,7 @@ def test_observed_failure_does_not_warn(tmp_path, monkeypatch, small_config):
 
 
 # ---------------------------------------------------------------- real permissions
+
 
 def _permissions_enforced(directory) -> bool:
     """False as root (or with CAP_DAC_OVERRIDE): a read-only directory stays writable."""

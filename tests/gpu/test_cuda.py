@@ -1,5 +1,6 @@
 """CUDA paths: pinned host cache, side-stream copies ordered after the compute stream, in-place
 restore on the device. Skipped without CUDA; run by scripts/gpu_check.sh on a GPU machine."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,7 +25,9 @@ def _step(model, opt):
 
 
 def test_host_cache_is_pinned(tmp_path):
-    with Checkpointer(tmp_path, CheckpointConfig(host_cache_bytes=8 << 20, chunk_bytes=1 << 20)) as ckpt:
+    with Checkpointer(
+        tmp_path, CheckpointConfig(host_cache_bytes=8 << 20, chunk_bytes=1 << 20)
+    ) as ckpt:
         ckpt.save({"x": torch.ones(10, device="cuda")}, step=1).wait()
         cache = ckpt.storage._pipeline.cache
         assert cache.pinned and cache.tensor(0).is_pinned()
@@ -38,7 +41,10 @@ def test_lazy_snapshot_on_cuda_is_exact(tmp_path, cache):
     config = CheckpointConfig(host_cache_bytes=cache, chunk_bytes=min(cache // 2, 64 << 20))
     with Checkpointer(tmp_path, config) as ckpt:
         reference = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        opt_ref = {i: {k: v.cpu().clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
+        opt_ref = {
+            i: {k: v.cpu().clone() for k, v in s.items()}
+            for i, s in opt.state_dict()["state"].items()
+        }
         handle = ckpt.save({"model": model, "opt": opt}, step=1)
         _step(model, opt)  # forward mutates BN stats, the step mutates params and moments
         _step(model, opt)
@@ -112,16 +118,19 @@ def test_copies_from_two_devices_each_follow_their_device(tmp_path, cache):
         with torch.cuda.device(index):
             xs.append(torch.zeros(2048, 2048, device=f"cuda:{index}"))
             mats.append(torch.randn(2048, 2048, device=f"cuda:{index}"))
-    config = CheckpointConfig(host_cache_bytes=cache, chunk_bytes=min(cache // 2, 64 << 20),
-                              lazy="always")
+    config = CheckpointConfig(
+        host_cache_bytes=cache, chunk_bytes=min(cache // 2, 64 << 20), lazy="always"
+    )
     with Checkpointer(tmp_path, config) as ckpt:
         for index, (x, m) in enumerate(zip(xs, mats)):
             with torch.cuda.device(index):
                 for _ in range(20):  # queue work on each device's compute stream
                     x.add_(m @ m * 0)
                 x.fill_(float(index + 1))
-        handle = ckpt.save({"x0": datastates.lazy(xs[0]), "x1": datastates.lazy(xs[1]),
-                            "e1": xs[1][:16].clone()}, step=1)
+        handle = ckpt.save(
+            {"x0": datastates.lazy(xs[0]), "x1": datastates.lazy(xs[1]), "e1": xs[1][:16].clone()},
+            step=1,
+        )
         handle.wait_snapshot()
         for index, x in enumerate(xs):
             with torch.cuda.device(index):
@@ -136,14 +145,14 @@ def test_copies_from_two_devices_each_follow_their_device(tmp_path, cache):
     assert all(s.device == d for d, s in streams.items())
 
 
-def test_memory_tier_captures_cuda_in_place_into_a_pinned_mapping_and_restores_on_device(
-        tmp_path):
+def test_memory_tier_captures_cuda_in_place_into_a_pinned_mapping_and_restores_on_device(tmp_path):
     """The memory tier's saves are the same lazy capture: CUDA tensors copied on the side stream
     straight into the memory shard file's mapping, registered with CUDA (no host cache); the
     next save reuses the registered mapping; a restore reads them back onto the device in place,
     bit-exact, while the keeper process never touches CUDA; closing unregisters and unmaps."""
     import os
     import tempfile
+
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     shm = tempfile.mkdtemp(prefix="ds-gpu-", dir=base)
     model = _model()

@@ -2,6 +2,7 @@
 (LazyWriteError), while the guarded step, which waits for the copy, never fails one. Skipped
 without CUDA; tests/unit/test_lazy_writes.py has the CPU cases and says how the capture is kept
 pending (two cache slots, shard-file writes held by the test)."""
+
 from __future__ import annotations
 
 import threading
@@ -30,6 +31,7 @@ def stall(monkeypatch):
         entered.set()
         assert release.wait(60), "the test never released the writes"
         return write(self, data, offset, padded)
+
     monkeypatch.setattr(ShardWriter, "write", stalled)
     yield entered, release
     release.set()
@@ -73,8 +75,9 @@ def test_guarded_step_on_cuda_commits_the_values_at_save(tmp_path, stall):
     opt.zero_grad()
     pending = []
     handles = []
-    opt.register_step_pre_hook(lambda *_: (pending.append(not handles[-1].snapshot_done()),
-                                           release.set()))
+    opt.register_step_pre_hook(
+        lambda *_: (pending.append(not handles[-1].snapshot_done()), release.set())
+    )
     with Checkpointer(tmp_path, SMALL) as ckpt:
         reference = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         handles.append(ckpt.save({"model": model, "opt": opt}, step=1))

@@ -4,6 +4,7 @@ python dcp_worker.py save|load DIR   with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_POR
 A world of 1 runs without a process group. The model's weights are DTensors sharded on dim 0
 when the world is larger than 1, so a load at another world size reshards through DCP.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,11 @@ RANK = int(os.environ.get("RANK", "0"))
 
 def full_state(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(6, 5, generator=g), "b": torch.randn(6, generator=g).bfloat16(),
-            "count": torch.tensor(step)}
+    return {
+        "w": torch.randn(6, 5, generator=g),
+        "b": torch.randn(6, generator=g).bfloat16(),
+        "count": torch.tensor(step),
+    }
 
 
 def local_state(full: dict) -> dict:
@@ -31,10 +35,13 @@ def local_state(full: dict) -> dict:
         return {"model": {k: v.clone() for k, v in full.items()}, "extra": {"step": 0}}
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
     mesh = init_device_mesh("cpu", (WORLD,))
-    model = {"w": distribute_tensor(full["w"], mesh, [Shard(0)]),
-             "b": distribute_tensor(full["b"], mesh, [Shard(0)]),
-             "count": distribute_tensor(full["count"], mesh, [Replicate()])}
+    model = {
+        "w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+        "b": distribute_tensor(full["b"], mesh, [Shard(0)]),
+        "count": distribute_tensor(full["count"], mesh, [Replicate()]),
+    }
     return {"model": model, "extra": {"step": 0}}
 
 
@@ -56,8 +63,9 @@ def main(mode: str, root: str) -> None:
         for step in (2, 3):  # the writer (and its staging buffers) is reused
             state = local_state(full_state(step))
             state["extra"]["step"] = step
-            fut = dcp.async_save(state, storage_writer=writer,
-                                 checkpoint_id=os.path.join(root, "async"))
+            fut = dcp.async_save(
+                state, storage_writer=writer, checkpoint_id=os.path.join(root, "async")
+            )
             for t in state["model"].values():  # mutate right away: the save staged a copy
                 (t.to_local() if hasattr(t, "to_local") else t).add_(100)
             fut.result()

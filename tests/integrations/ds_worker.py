@@ -6,6 +6,7 @@ Usage: python ds_worker.py OUT_DIR MODE   where MODE is
   "latest"      : as "fp32-default", checking when `latest` is written (latest_scenario)
 Writes OUT_DIR/result.json; any assertion failure exits non-zero with a traceback.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,11 @@ def model_for(mode: str) -> torch.nn.Module:
 
 
 def config_for(mode: str, datastates: bool) -> dict:
-    cfg = {"train_batch_size": 4, "steps_per_print": 10**9,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+    cfg = {
+        "train_batch_size": 4,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+    }
     if mode == "zero1-lazy":
         cfg["zero_optimization"] = {"stage": 1}
         cfg["bf16"] = {"enabled": True}
@@ -51,9 +55,11 @@ def batch(step: int, mode: str):
 
 def make_engine(mode: str, datastates: bool):
     import deepspeed
+
     model = model_for(mode)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=config_for(mode, datastates))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config_for(mode, datastates)
+    )
     return engine
 
 
@@ -84,6 +90,7 @@ def latest_scenario(out: str) -> dict:
 
     import deepspeed
     from datastates.integrations.deepspeed import wait_for_checkpoints
+
     mode = "fp32-default"
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     ds_dir, crash_dir = os.path.join(out, "ds"), os.path.join(out, "crash")
@@ -99,6 +106,7 @@ def latest_scenario(out: str) -> dict:
     def recording_save(state, path, **kwargs):  # the SaveHandle of each file
         handles.append(path_save(state, path, **kwargs))
         return handles[-1]
+
     ours._paths.save = recording_save
     train(eng, mode, range(STEPS_BEFORE))
     eng.save_checkpoint(ds_dir)
@@ -132,15 +140,20 @@ def resume_into(result: dict, mode: str, save_dir: str, continuous: dict) -> Non
     result["loaded"] = load_path is not None
     result["global_steps"] = eng2.global_steps
     train(eng2, mode, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
-    result["resumed_bit_exact"] = {k: bool(torch.equal(a, continuous[k]))
-                                   for k, a in params(eng2).items()}
+    result["resumed_bit_exact"] = {
+        k: bool(torch.equal(a, continuous[k])) for k, a in params(eng2).items()
+    }
     eng2.destroy()
 
 
 def main(out: str, mode: str) -> None:
     import deepspeed
-    from datastates.integrations.deepspeed import (CheckpointEngine, enable_lazy_snapshots,
-                                                   export_torch_files)
+    from datastates.integrations.deepspeed import (
+        CheckpointEngine,
+        enable_lazy_snapshots,
+        export_torch_files,
+    )
+
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     ds_dir, torch_dir = os.path.join(out, "ds"), os.path.join(out, "torch")
     result = {"mode": mode}
@@ -165,12 +178,14 @@ def main(out: str, mode: str) -> None:
         handle = path_save(state, path, **kwargs)
         lazy_bytes[os.path.basename(str(path))] = handle.stats.lazy_nbytes
         return handle
+
     ours._paths.save = recording_save
     train(eng, mode, range(STEPS_BEFORE))
     eng.save_checkpoint(ds_dir)
     result["lazy_bytes"] = lazy_bytes
-    result["trainable_bytes"] = sum(p.numel() * p.element_size()
-                                    for p in eng.module.parameters() if p.requires_grad)
+    result["trainable_bytes"] = sum(
+        p.numel() * p.element_size() for p in eng.module.parameters() if p.requires_grad
+    )
     train(eng, mode, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
     result["same_trajectory"] = all(torch.equal(a, continuous[k]) for k, a in params(eng).items())
     eng.destroy()  # DataStatesCheckpointEngine.cleanup() -> wait(persist=True)
@@ -181,14 +196,17 @@ def main(out: str, mode: str) -> None:
     result["files"] = sorted(os.listdir(os.path.join(ds_dir, tag)))
     result["files_are_checkpoints"] = all(
         os.path.isfile(os.path.join(ds_dir, tag, n, "manifest.json"))
-        for n in result["files"] if n.endswith(".pt"))
+        for n in result["files"]
+        if n.endswith(".pt")
+    )
 
     # 3. load() returns what torch.load returned for the same file.
     reader = CheckpointEngine({"host_cache_size": 0.01})
     mismatches = []
     for name in sorted(os.listdir(os.path.join(torch_dir, tag))):
-        want = torch.load(os.path.join(torch_dir, tag, name), map_location="cpu",
-                          weights_only=False)
+        want = torch.load(
+            os.path.join(torch_dir, tag, name), map_location="cpu", weights_only=False
+        )
         got = reader.load(os.path.join(ds_dir, tag, name), map_location=lambda s, loc: s)
         compare(want, got, name, mismatches)
     reader.close()
@@ -200,10 +218,12 @@ def main(out: str, mode: str) -> None:
     result["exported"] = sorted(os.path.basename(p) for p in exported)
     if mode == "zero1-lazy":  # zero_to_fp32 reads ZeRO checkpoints only
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
         want = get_fp32_state_dict_from_zero_checkpoint(torch_dir)
         got = get_fp32_state_dict_from_zero_checkpoint(ds_dir + "-torch")
         result["zero_to_fp32_same"] = list(want) == list(got) and all(
-            torch.equal(want[k], got[k]) for k in want)
+            torch.equal(want[k], got[k]) for k in want
+        )
 
     # 4. Resume in a fresh engine from `latest` and continue: bit-exact with the continuous run.
     resume_into(result, mode, ds_dir, continuous)

@@ -6,6 +6,7 @@ Trains with ``DatastatesTrainer`` and a memory tier on ``SHM_ROOT``; at the star
 (the memory save of step K committed) it prints one line, ``REPORT`` + JSON (the memory checkpoints and the
 losses so far) and blocks on stdin until the test SIGKILLs it.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,12 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import (GPT2Config, GPT2LMHeadModel, TrainerCallback,  # noqa: E402
-                          TrainingArguments)
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    TrainerCallback,  # noqa: E402
+    TrainingArguments,
+)
 
 import datastates  # noqa: E402
 from datastates.integrations.hf import DatastatesTrainer  # noqa: E402
@@ -27,8 +32,17 @@ REPORT = "MEMORY-REPORT "  # marks the report among the Trainer's own output lin
 
 def tiny_model():
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64,
-                                      n_positions=16, resid_pdrop=0.1, embd_pdrop=0.1))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2,
+            n_head=2,
+            n_embd=32,
+            vocab_size=64,
+            n_positions=16,
+            resid_pdrop=0.1,
+            embd_pdrop=0.1,
+        )
+    )
 
 
 def dataset():
@@ -38,25 +52,44 @@ def dataset():
 
 
 def args(out, **kw):
-    base = dict(output_dir=str(out), max_steps=STEPS, save_steps=SAVE_STEPS,
-                per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1,
-                report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0,
-                disable_tqdm=True, save_strategy="steps")
+    base = dict(
+        output_dir=str(out),
+        max_steps=STEPS,
+        save_steps=SAVE_STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        save_strategy="steps",
+    )
     base.update(kw)
     return TrainingArguments(**base)
 
 
 def config(shm_root, keeper_log, keep_last=1):
-    tier = datastates.MemoryTier(root=str(shm_root), persist_every=None, persist_on_exit=False,
-                                 log_path=str(keeper_log), keep_last=keep_last)
-    return datastates.CheckpointConfig(memory_tier=tier, host_cache_bytes=1 << 20,
-                                       chunk_bytes=1 << 18, writer_threads=1)
+    tier = datastates.MemoryTier(
+        root=str(shm_root),
+        persist_every=None,
+        persist_on_exit=False,
+        log_path=str(keeper_log),
+        keep_last=keep_last,
+    )
+    return datastates.CheckpointConfig(
+        memory_tier=tier, host_cache_bytes=1 << 20, chunk_bytes=1 << 18, writer_threads=1
+    )
 
 
 def losses(state) -> list:
     """(step, loss, grad_norm, learning_rate) of every logged step."""
-    return [[e["step"], e["loss"], e["grad_norm"], e["learning_rate"]]
-            for e in state.log_history if "loss" in e]
+    return [
+        [e["step"], e["loss"], e["grad_norm"], e["learning_rate"]]
+        for e in state.log_history
+        if "loss" in e
+    ]
 
 
 class HoldAt(TrainerCallback):
@@ -76,9 +109,13 @@ class HoldAt(TrainerCallback):
 
 def main(out, shm_root, keeper_log, k):
     hold = HoldAt(int(k))
-    trainer = DatastatesTrainer(model=tiny_model(), args=args(out), train_dataset=dataset(),
-                                datastates_config=config(shm_root, keeper_log),
-                                callbacks=[hold])
+    trainer = DatastatesTrainer(
+        model=tiny_model(),
+        args=args(out),
+        train_dataset=dataset(),
+        datastates_config=config(shm_root, keeper_log),
+        callbacks=[hold],
+    )
     hold.trainer = trainer
     trainer.train()
     raise AssertionError("training ended before step K")

@@ -1,5 +1,6 @@
 """Helpers shared by the framework integration tests (each test skips only when its framework
 is not installed)."""
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,9 @@ def assert_same(a, b, path: str = "") -> None:
     """Same nested structure, same types, bit-identical tensors."""
     assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} " \
-            f"!= {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        )
         assert torch.equal(a, b), f"{path}: values differ"
     elif isinstance(a, dict):
         assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
@@ -44,14 +46,15 @@ def assert_same(a, b, path: str = "") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
-
 def stored_bytes(path) -> int:
     """Tensor plus object bytes of the checkpoint at ``path``, as ``datastates.inspect`` lists
     them (what ``SaveStats.nbytes`` counts for a one-rank save)."""
     import datastates
+
     summary = datastates.inspect(path)
-    return (sum(t["nbytes"] for t in summary["tensors"]) +
-            sum(o["nbytes"] for o in summary["objects"]))
+    return sum(t["nbytes"] for t in summary["tensors"]) + sum(
+        o["nbytes"] for o in summary["objects"]
+    )
 
 
 def assert_stats_of(stats, path) -> None:

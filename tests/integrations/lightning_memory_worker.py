@@ -7,6 +7,7 @@ Trains with ``DatastatesCheckpointIO`` (a memory tier on ``SHM_ROOT``), ModelChe
 K (the saves of the steps so far committed) it prints one line, ``REPORT`` + JSON (the memory
 checkpoints and the losses so far), and blocks on stdin until the test SIGKILLs it.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,12 @@ class Tiny(pl.LightningModule):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
-                                       torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16),
+            torch.nn.BatchNorm1d(16),
+            torch.nn.ReLU(),
+            torch.nn.Linear(16, 1),
+        )
         self.losses: list[float] = []
 
     def training_step(self, batch, _):
@@ -48,31 +53,43 @@ class Tiny(pl.LightningModule):
     def train_dataloader(self):
         # resumable (state_dict/load_state_dict), which Lightning needs to resume mid-epoch
         g = torch.Generator().manual_seed(1)
-        data = torch.utils.data.TensorDataset(torch.randn(8 * BATCHES, 8, generator=g),
-                                              torch.randn(8 * BATCHES, 1, generator=g))
+        data = torch.utils.data.TensorDataset(
+            torch.randn(8 * BATCHES, 8, generator=g), torch.randn(8 * BATCHES, 1, generator=g)
+        )
         return StatefulDataLoader(data, batch_size=8, shuffle=False)
 
 
 def config(shm_root, keeper_log):
-    tier = datastates.MemoryTier(root=str(shm_root), persist_every=None, persist_on_exit=False,
-                                 log_path=str(keeper_log))
-    return datastates.CheckpointConfig(memory_tier=tier, host_cache_bytes=1 << 20,
-                                       chunk_bytes=1 << 18, writer_threads=1)
+    tier = datastates.MemoryTier(
+        root=str(shm_root), persist_every=None, persist_on_exit=False, log_path=str(keeper_log)
+    )
+    return datastates.CheckpointConfig(
+        memory_tier=tier, host_cache_bytes=1 << 20, chunk_bytes=1 << 18, writer_threads=1
+    )
 
 
 def trainer(root, callbacks=(), plugins=()):
-    return pl.Trainer(default_root_dir=str(root), max_epochs=EPOCHS, accelerator="cpu",
-                      devices=1, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, deterministic=True,
-                      callbacks=list(callbacks), plugins=list(plugins))
+    return pl.Trainer(
+        default_root_dir=str(root),
+        max_epochs=EPOCHS,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        callbacks=list(callbacks),
+        plugins=list(plugins),
+    )
 
 
 def with_memory(root, shm_root, keeper_log, hold_at=None):
     """(memory callback, Trainer) of a run saving into ``root/ckpts`` and memory."""
     io = DatastatesCheckpointIO(config(shm_root, keeper_log))
     memory = io.memory_checkpoints(os.path.join(root, "ckpts"))
-    files = ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), save_last=True,
-                            filename="{epoch}-{step}")
+    files = ModelCheckpoint(
+        dirpath=os.path.join(root, "ckpts"), save_last=True, filename="{epoch}-{step}"
+    )
     hold = [] if hold_at is None else [HoldAt(hold_at, memory)]
     return memory, trainer(root, [files, memory, *hold], [io])
 
@@ -88,8 +105,7 @@ class HoldAt(pl.Callback):
             self.memory.wait()  # the memory save of step k is committed,
             self.memory.io.wait()  # and ModelCheckpoint's files of the steps so far
             names = [i.name for i in self.memory._checkpointer().memory.list()]
-            print(REPORT + json.dumps({"memory": names, "losses": pl_module.losses}),
-                  flush=True)
+            print(REPORT + json.dumps({"memory": names, "losses": pl_module.losses}), flush=True)
             sys.stdin.read()  # the test SIGKILLs this process here
             raise AssertionError("not killed")
 

@@ -1,6 +1,7 @@
 """DatastatesWriter takes FileSystemWriter's ``thread_count`` and ``_extensions`` keywords:
 ``thread_count`` is accepted, a compression extension is refused by name (datastates does not
 compress), never a TypeError."""
+
 from __future__ import annotations
 
 import pytest

@@ -5,6 +5,7 @@ for the whole process): train, save_checkpoint, keep training at once, destroy, 
 file with what DeepSpeed's own torch.save engine wrote at the same point, resume from `latest`
 in a fresh engine, continue, and compare with the uninterrupted run bit for bit.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,10 @@ def run_worker(tmp_path, mode: str) -> dict:
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "ds_worker.py"), str(tmp_path), mode],
         env=subprocess_env(MASTER_PORT=free_port(), DS_ACCELERATOR="cpu"),
-        capture_output=True, text=True, timeout=300)
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
     with open(tmp_path / "result.json") as f:
@@ -80,14 +84,22 @@ def test_deepspeed_engine_exposes_last_save_stats(tmp_path):
 
     from datastates.integrations.deepspeed import CheckpointEngine
     from integration_helpers import assert_stats_of
+
     engine = CheckpointEngine({"host_cache_size": 0.002}, rank=0)
     assert engine.last_save_stats is None
     tag = tmp_path / "global_step1"
-    engine.save({"module": {"w": torch.randn(32, 16)}, "step": 1,
-                 "args": argparse.Namespace(lr=0.1)},  # DeepSpeed saves its own objects too
-                str(tag / "mp_rank_00_model_states.pt"))
-    engine.save({"optimizer": {"m": torch.zeros(512)}},
-                str(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    engine.save(
+        {
+            "module": {"w": torch.randn(32, 16)},
+            "step": 1,
+            "args": argparse.Namespace(lr=0.1),
+        },  # DeepSpeed saves its own objects too
+        str(tag / "mp_rank_00_model_states.pt"),
+    )
+    engine.save(
+        {"optimizer": {"m": torch.zeros(512)}},
+        str(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+    )
     engine.wait(persist=True)
     assert_stats_of(engine.last_save_stats, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     assert engine.last_save_stats.nbytes == 512 * 4

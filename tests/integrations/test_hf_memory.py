@@ -4,6 +4,7 @@ after every optimizer step beside the checkpoint-N folders; a trainer SIGKILLed 
 uninterrupted run (parameters and the logged loss sequence, dropout on); a tie goes to memory;
 a damaged memory checkpoint is raised, removed, and the next resume takes checkpoint-N; the
 configs the adapter cannot honour are refused."""
+
 from __future__ import annotations
 
 import glob
@@ -39,8 +40,9 @@ def params(model):
 
 
 def trainer(out, cfg, **kw):
-    return DatastatesTrainer(model=tiny_model(), args=args(out), train_dataset=dataset(),
-                             datastates_config=cfg, **kw)
+    return DatastatesTrainer(
+        model=tiny_model(), args=args(out), train_dataset=dataset(), datastates_config=cfg, **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,24 +58,35 @@ def uninterrupted(tmp_path_factory):
 def test_a_killed_trainer_resumes_from_memory_bit_exact(uninterrupted, shm_root, tmp_path):
     out, k = tmp_path / "run", 6
     child = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "hf_memory_worker.py"), str(out), shm_root,
-         str(tmp_path / "keeper.log"), str(k)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            os.path.join(HERE, "hf_memory_worker.py"),
+            str(out),
+            shm_root,
+            str(tmp_path / "keeper.log"),
+            str(k),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         # the same intra-op threads as this process, which runs the other two: the same sums
-        cwd=HERE, env=subprocess_env(OMP_NUM_THREADS=torch.get_num_threads()))
+        cwd=HERE,
+        env=subprocess_env(OMP_NUM_THREADS=torch.get_num_threads()),
+    )
     for line in child.stdout:
         if line.startswith(REPORT):
             break
     else:
         child.wait()
         pytest.fail(f"the training process ended early:\n{child.stderr.read()[-4000:]}")
-    report = json.loads(line[len(REPORT):])
+    report = json.loads(line[len(REPORT) :])
     os.kill(child.pid, signal.SIGKILL)
     assert child.wait() == -signal.SIGKILL
     child.stdin.close()
     child.stdout.close()
     child.stderr.close()
-    assert report["memory"] == [f"step-{k:010d}"]           # keep_last=1: the newest
+    assert report["memory"] == [f"step-{k:010d}"]  # keep_last=1: the newest
     assert report["losses"] == uninterrupted[1][:k]
     # Storage holds the Trainer's checkpoint-4 only; nothing else appeared in output_dir.
     assert sorted(n for n in os.listdir(out) if not n.startswith(".")) == ["checkpoint-4"]
@@ -93,13 +106,13 @@ def test_a_killed_trainer_resumes_from_memory_bit_exact(uninterrupted, shm_root,
         assert_same(uninterrupted[0], params(resumed.model))
         assert losses(resumed.state) == uninterrupted[1]  # 1..k from memory's trainer state
         # the folder that held trainer_state.json for Trainer is gone
-        assert set(glob.glob(os.path.join(tempfile.gettempdir(), "datastates-resume-*"))) \
-            == folders
+        assert set(glob.glob(os.path.join(tempfile.gettempdir(), "datastates-resume-*"))) == folders
         # The last step is in memory and in checkpoint-8: a tie goes to memory.
-        assert resumed.latest_checkpoint() == os.path.join(memdir, "ckpt",
-                                                           f"step-{STEPS:010d}")
-        assert sorted(n for n in os.listdir(out) if not n.startswith(".")) == \
-            ["checkpoint-4", "checkpoint-8"]
+        assert resumed.latest_checkpoint() == os.path.join(memdir, "ckpt", f"step-{STEPS:010d}")
+        assert sorted(n for n in os.listdir(out) if not n.startswith(".")) == [
+            "checkpoint-4",
+            "checkpoint-8",
+        ]
     finally:
         resumed.close_checkpointer(stop_keeper=True)
 
@@ -124,7 +137,8 @@ class StopAfter(TrainerCallback):
 
 
 def test_a_damaged_memory_checkpoint_is_removed_and_the_next_resume_takes_storage(
-        uninterrupted, shm_root, tmp_path):
+    uninterrupted, shm_root, tmp_path
+):
     out, cfg = tmp_path / "run", config(shm_root, tmp_path / "keeper.log")
     first = trainer(out, cfg, callbacks=[StopAfter(6)])
     try:
@@ -147,7 +161,7 @@ def test_a_damaged_memory_checkpoint_is_removed_and_the_next_resume_takes_storag
             damaged.train(resume_from_checkpoint=True)
     finally:
         damaged.close_checkpointer()
-    assert not os.path.exists(os.path.dirname(shard))        # removed
+    assert not os.path.exists(os.path.dirname(shard))  # removed
 
     started = StartedAt()
     again = trainer(out, cfg, callbacks=[started])
@@ -162,7 +176,8 @@ def test_a_damaged_memory_checkpoint_is_removed_and_the_next_resume_takes_storag
 
 
 def test_a_resume_from_an_older_checkpoint_n_saves_over_newer_memory_steps(
-        uninterrupted, shm_root, tmp_path):
+    uninterrupted, shm_root, tmp_path
+):
     out, cfg = tmp_path / "run", config(shm_root, tmp_path / "keeper.log", keep_last=2)
     first = trainer(out, cfg, callbacks=[StopAfter(6)])
     try:
@@ -182,10 +197,10 @@ def test_a_resume_from_an_older_checkpoint_n_saves_over_newer_memory_steps(
 
 
 def test_configs_the_adapter_cannot_honour_are_refused(shm_root, tmp_path):
-    for tier, match in ((datastates.MemoryTier(root=shm_root, persist_on_exit=False),
-                         "persist_every=10"),
-                        (datastates.MemoryTier(root=shm_root, persist_every=None),
-                         "persist_on_exit=True")):
+    for tier, match in (
+        (datastates.MemoryTier(root=shm_root, persist_on_exit=False), "persist_every=10"),
+        (datastates.MemoryTier(root=shm_root, persist_every=None), "persist_on_exit=True"),
+    ):
         with pytest.raises(datastates.ConfigError, match=match):
             trainer(tmp_path / "a", datastates.CheckpointConfig(memory_tier=tier))
     with pytest.raises(datastates.ConfigError, match="memory_every"):

@@ -1,6 +1,7 @@
 """What DatastatesTrainer leaves in ``output_dir`` when ``train()`` returns: the
 ``checkpoint-N`` folders Trainer names and nothing else (no ``latest`` hint, no lease file), and
 no datastates thread running; a second ``train()`` resumes from them."""
+
 from __future__ import annotations
 
 import os
@@ -25,13 +26,18 @@ pytestmark = pytest.mark.slow
 def ours():
     """The datastates threads started since the test began (not those of other tests)."""
     before = set(threading.enumerate())
-    return lambda: sorted(t.name for t in threading.enumerate()
-                          if t.name.startswith("datastates") and t not in before)
+    return lambda: sorted(
+        t.name for t in threading.enumerate() if t.name.startswith("datastates") and t not in before
+    )
 
 
 def test_train_leaves_only_checkpoint_folders_and_no_thread(tmp_path, ours):
-    t = DatastatesTrainer(model=tiny_model(), args=args(tmp_path, save_steps=4),
-                          train_dataset=dataset(), datastates_config=ONE_WRITER)
+    t = DatastatesTrainer(
+        model=tiny_model(),
+        args=args(tmp_path, save_steps=4),
+        train_dataset=dataset(),
+        datastates_config=ONE_WRITER,
+    )
     t.train()
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", "checkpoint-8"]
     assert not ours()

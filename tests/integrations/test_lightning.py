@@ -1,6 +1,7 @@
 """Lightning 2.x end to end: DatastatesCheckpointIO under ModelCheckpoint (top-k, last.ckpt),
 resume with fit(ckpt_path=...), bit-exact against an uninterrupted run and against the
 checkpoint Lightning's own TorchCheckpointIO writes at the same point."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,12 @@ class Tiny(pl.LightningModule):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
-                                       torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16),
+            torch.nn.BatchNorm1d(16),
+            torch.nn.ReLU(),
+            torch.nn.Linear(16, 1),
+        )
 
     def training_step(self, batch, _):
         x, y = batch
@@ -43,16 +48,25 @@ class Tiny(pl.LightningModule):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
-        data = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g),
-                                              torch.randn(32, 1, generator=g))
+        data = torch.utils.data.TensorDataset(
+            torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+        )
         return torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)
 
 
 def trainer(root, epochs, plugins=(), callbacks=()):
-    return pl.Trainer(default_root_dir=str(root), max_epochs=epochs, accelerator="cpu",
-                      devices=1, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, plugins=list(plugins),
-                      callbacks=list(callbacks), deterministic=True)
+    return pl.Trainer(
+        default_root_dir=str(root),
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=list(plugins),
+        callbacks=list(callbacks),
+        deterministic=True,
+    )
 
 
 def params(module):
@@ -68,8 +82,7 @@ def _clean(ckpt: dict) -> dict:
 @pytest.mark.parametrize("lazy", [True, False])
 def test_lightning_fit_resume_bit_exact(tmp_path, lazy):
     # Uninterrupted run: 4 epochs; its epoch-2 checkpoint written by TorchCheckpointIO.
-    ref_ckpt = ModelCheckpoint(dirpath=tmp_path / "ref", save_top_k=-1,
-                               filename="{epoch}-{step}")
+    ref_ckpt = ModelCheckpoint(dirpath=tmp_path / "ref", save_top_k=-1, filename="{epoch}-{step}")
     ref = Tiny()
     trainer(tmp_path, 4, callbacks=[ref_ckpt]).fit(ref)
     continuous = params(ref)
@@ -77,8 +90,14 @@ def test_lightning_fit_resume_bit_exact(tmp_path, lazy):
     # Interrupted run: 2 epochs through datastates, keeping the best 2 by step, plus last.
     io = DatastatesCheckpointIO(ONE_WRITER)
     extra = [io.lazy_snapshots()] if lazy else []
-    ckpt_cb = ModelCheckpoint(dirpath=tmp_path / "ds", monitor="step", mode="max",
-                              save_top_k=1, save_last=True, filename="{epoch}-{step}")
+    ckpt_cb = ModelCheckpoint(
+        dirpath=tmp_path / "ds",
+        monitor="step",
+        mode="max",
+        save_top_k=1,
+        save_last=True,
+        filename="{epoch}-{step}",
+    )
     first = Tiny()
     trainer(tmp_path, 2, plugins=[io], callbacks=[ckpt_cb, *extra]).fit(first)
     names = sorted(n for n in os.listdir(tmp_path / "ds") if not n.startswith("."))
@@ -99,18 +118,22 @@ def test_lightning_fit_resume_bit_exact(tmp_path, lazy):
         for p in resumed.parameters():
             p.add_(1.0)  # the restore must overwrite everything
     extra2 = [io2.lazy_snapshots()] if lazy else []
-    trainer(tmp_path, 4, plugins=[io2],
-            callbacks=[ModelCheckpoint(dirpath=tmp_path / "ds2"), *extra2]).fit(
-        resumed, ckpt_path=str(tmp_path / "ds" / "last.ckpt"))
+    trainer(
+        tmp_path, 4, plugins=[io2], callbacks=[ModelCheckpoint(dirpath=tmp_path / "ds2"), *extra2]
+    ).fit(resumed, ckpt_path=str(tmp_path / "ds" / "last.ckpt"))
     assert_same(continuous, params(resumed))
     assert os.path.isfile(tmp_path / "ds2" / "epoch=3-step=16.ckpt" / "manifest.json")
 
 
 def test_lightning_background_error_surfaces_at_next_save(tmp_path, monkeypatch):
     import datastates.format.codec as codec
+
     io = DatastatesCheckpointIO(ONE_WRITER)
-    monkeypatch.setattr(codec, "encode_index_items",  # fails in the background commit thread
-                        lambda *a: (_ for _ in ()).throw(KeyError("injected background failure")))
+    monkeypatch.setattr(
+        codec,
+        "encode_index_items",  # fails in the background commit thread
+        lambda *a: (_ for _ in ()).throw(KeyError("injected background failure")),
+    )
     handle = io._paths.save({"t": torch.ones(4)}, tmp_path / "bad.ckpt", snapshot=False)
     with pytest.raises(KeyError, match="injected"):
         handle.wait()
@@ -129,6 +152,7 @@ class WithHparams(Tiny):
 
 def test_load_from_checkpoint_helper_and_export(tmp_path):
     from datastates.integrations.lightning import load_from_checkpoint
+
     io = DatastatesCheckpointIO(ONE_WRITER)
     model = WithHparams(width=16, note="b")
     t = trainer(tmp_path, 2, plugins=[io])
@@ -147,6 +171,7 @@ def test_load_from_checkpoint_helper_and_export(tmp_path):
 
 def test_lightning_checkpoint_io_exposes_last_save_stats(tmp_path):
     from integration_helpers import assert_stats_of
+
     io = DatastatesCheckpointIO(ONE_WRITER)
     assert io.last_save_stats is None
     model = WithHparams(width=16, note="c")  # hyper-parameters: a framework object is saved
@@ -162,9 +187,17 @@ def test_lightning_checkpoint_io_exposes_last_save_stats(tmp_path):
 def _continuous(tmp_path, epochs):
     """The parameters of an uninterrupted run of ``epochs`` epochs (no checkpoints)."""
     module = Tiny()
-    pl.Trainer(default_root_dir=str(tmp_path / "cont"), max_epochs=epochs, accelerator="cpu",
-               devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-               enable_checkpointing=False, deterministic=True).fit(module)
+    pl.Trainer(
+        default_root_dir=str(tmp_path / "cont"),
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        deterministic=True,
+    ).fit(module)
     return params(module)
 
 
@@ -180,10 +213,15 @@ def _resume(tmp_path, ckpt_path, epochs):
 
 def test_resume_after_interrupted_replacement_of_last(tmp_path):
     from test_paths import interrupt_replacement
+
     io = DatastatesCheckpointIO(ONE_WRITER)
     folder = tmp_path / "ds"
-    trainer(tmp_path, 2, plugins=[io],
-            callbacks=[ModelCheckpoint(dirpath=folder, save_top_k=0, save_last=True)]).fit(Tiny())
+    trainer(
+        tmp_path,
+        2,
+        plugins=[io],
+        callbacks=[ModelCheckpoint(dirpath=folder, save_top_k=0, save_last=True)],
+    ).fit(Tiny())
     want = io.load_checkpoint(folder / "last.ckpt")
     interrupt_replacement(folder, "last.ckpt")  # a crash while last.ckpt was replaced
 
@@ -197,8 +235,16 @@ def test_resume_after_interrupted_replacement_of_last(tmp_path):
 def test_save_last_link_resumes_through_the_link(tmp_path):
     io = DatastatesCheckpointIO(ONE_WRITER)
     folder = tmp_path / "ds"
-    trainer(tmp_path, 2, plugins=[io], callbacks=[ModelCheckpoint(
-        dirpath=folder, save_top_k=-1, save_last="link", filename="{epoch}-{step}")]).fit(Tiny())
+    trainer(
+        tmp_path,
+        2,
+        plugins=[io],
+        callbacks=[
+            ModelCheckpoint(
+                dirpath=folder, save_top_k=-1, save_last="link", filename="{epoch}-{step}"
+            )
+        ],
+    ).fit(Tiny())
     link = folder / "last.ckpt"
     assert os.path.islink(link) and os.readlink(link) == "epoch=1-step=8.ckpt"
     assert_same(io.load_checkpoint(folder / "epoch=1-step=8.ckpt"), io.load_checkpoint(link))
@@ -209,8 +255,10 @@ def test_save_last_link_resumes_through_the_link(tmp_path):
     outside.mkdir()
     os.rename(folder / "epoch=0-step=4.ckpt", outside / "epoch=0-step=4.ckpt")
     os.symlink(outside / "epoch=0-step=4.ckpt", folder / "out.ckpt")
-    with pytest.raises(datastates.CorruptCheckpointError,
-                       match=r"out\.ckpt is a symbolic link to .*elsewhere.*outside"):
+    with pytest.raises(
+        datastates.CorruptCheckpointError,
+        match=r"out\.ckpt is a symbolic link to .*elsewhere.*outside",
+    ):
         io.load_checkpoint(folder / "out.ckpt")
     io.remove_checkpoint(folder / "out.ckpt")  # the link goes, never its target
     assert not os.path.lexists(folder / "out.ckpt")
@@ -229,8 +277,9 @@ class Scalable(Tiny):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
-        data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g),
-                                              torch.randn(64, 1, generator=g))
+        data = torch.utils.data.TensorDataset(
+            torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
+        )
         return torch.utils.data.DataLoader(data, batch_size=self.batch_size, shuffle=False)
 
 
@@ -238,6 +287,7 @@ def test_tuner_runs_with_the_plugin(tmp_path):
     """The Tuner saves and restores the trainer through a hidden ``.lr_find_<uuid>.ckpt``
     (``TorchCheckpointIO``'s): it restores the initial weights bit-exactly and leaves none."""
     from lightning.pytorch.tuner import Tuner
+
     io = DatastatesCheckpointIO(ONE_WRITER)
     module = Scalable()
     before = params(module)
@@ -259,6 +309,7 @@ class _Gate:
     def __init__(self, monkeypatch):
         import threading
         from datastates.commit.publish import RenamePublisher
+
         self.permits = threading.Semaphore(0)
         real = RenamePublisher.publish
 
@@ -266,6 +317,7 @@ class _Gate:
             if not self.permits.acquire(timeout=30):
                 raise AssertionError("a commit was held for 30 s: the test never released it")
             return real(publisher, *args, **kwargs)
+
         monkeypatch.setattr(RenamePublisher, "publish", publish)
 
     def release(self, n: int = 1) -> None:
@@ -295,9 +347,15 @@ def test_model_checkpoint_versions_a_name_whose_save_is_in_flight(tmp_path, monk
     previous save is still in flight (held). All four are kept, distinct and loadable."""
     gate = _Gate(monkeypatch)
     io = DatastatesCheckpointIO(ONE_WRITER)
-    mc = ModelCheckpoint(dirpath=tmp_path / "ds", filename="fixed", save_top_k=-1,
-                         monitor="step", mode="max", every_n_train_steps=1,
-                         save_on_train_epoch_end=False)
+    mc = ModelCheckpoint(
+        dirpath=tmp_path / "ds",
+        filename="fixed",
+        save_top_k=-1,
+        monitor="step",
+        mode="max",
+        every_n_train_steps=1,
+        save_on_train_epoch_end=False,
+    )
     trainer(tmp_path, 1, plugins=[io], callbacks=[mc, _ReleaseOnNextSave(gate)]).fit(Tiny())
     names = sorted(os.listdir(tmp_path / "ds"))
     assert names == ["fixed-v1.ckpt", "fixed-v2.ckpt", "fixed-v3.ckpt", "fixed.ckpt"]
@@ -328,6 +386,7 @@ def test_hpc_resume_lookup_while_a_save_is_in_flight(tmp_path, monkeypatch):
     it finds nothing; afterwards the newest committed number (the core's saves); through the
     plug-in, the name of the save in flight, whose load waits for its commit."""
     import datastates.commit.publish  # noqa: F401
+
     gate = _Gate(monkeypatch)
     root = tmp_path / "run"
     root.mkdir()
@@ -355,10 +414,14 @@ def test_hpc_resume_lookup_while_a_save_is_in_flight(tmp_path, monkeypatch):
 def test_storage_options_none_is_taken_anything_else_refused(tmp_path):
     io = DatastatesCheckpointIO(ONE_WRITER)
     io.save_checkpoint({"x": torch.ones(2)}, tmp_path / "a.ckpt", storage_options=None)
-    with pytest.raises(datastates.ConfigError, match=r"expected storage_options=None, found "
-                                                     r"dict \{'compress': True\}"):
-        io.save_checkpoint({"x": torch.ones(2)}, tmp_path / "b.ckpt",
-                           storage_options={"compress": True})
+    with pytest.raises(
+        datastates.ConfigError,
+        match=r"expected storage_options=None, found "
+        r"dict \{'compress': True\}",
+    ):
+        io.save_checkpoint(
+            {"x": torch.ones(2)}, tmp_path / "b.ckpt", storage_options={"compress": True}
+        )
     io.teardown()
     assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["x"], torch.ones(2))
     assert not os.path.exists(tmp_path / "b.ckpt")

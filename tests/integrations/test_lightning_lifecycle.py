@@ -2,6 +2,7 @@
 another process, ``torch.save(trainer)``), wrapped by ``AsyncCheckpointIO``, called outside ``fit``, given URLs.
 After ``fit()`` returns, ``dirpath`` lists only Lightning's checkpoints and no datastates thread
 is left running."""
+
 from __future__ import annotations
 
 import logging
@@ -36,29 +37,46 @@ pytestmark = pytest.mark.slow
 def ours():
     """The datastates threads started since the test began (not those of other tests)."""
     before = set(threading.enumerate())
-    return lambda: sorted(t.name for t in threading.enumerate()
-                          if t.name.startswith("datastates") and t not in before)
+    return lambda: sorted(
+        t.name for t in threading.enumerate() if t.name.startswith("datastates") and t not in before
+    )
 
 
 def trainer(root, plugin, epochs=2, callbacks=(), **kwargs):
-    mc = ModelCheckpoint(dirpath=str(root), save_top_k=-1, monitor="epoch", mode="max",
-                         save_last=True)
-    return pl.Trainer(default_root_dir=str(root), max_epochs=epochs, limit_train_batches=2,
-                      limit_val_batches=1, accelerator="cpu", logger=False,
-                      enable_progress_bar=False, enable_model_summary=False,
-                      plugins=[plugin], callbacks=[mc, *callbacks], **kwargs)
+    mc = ModelCheckpoint(
+        dirpath=str(root), save_top_k=-1, monitor="epoch", mode="max", save_last=True
+    )
+    return pl.Trainer(
+        default_root_dir=str(root),
+        max_epochs=epochs,
+        limit_train_batches=2,
+        limit_val_batches=1,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[plugin],
+        callbacks=[mc, *callbacks],
+        **kwargs,
+    )
 
 
 EXPECTED = ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
 
 
-@pytest.mark.parametrize("wrap,lazy", [(False, False), (False, True), (True, False)],
-                         ids=["plain", "lazy_snapshots", "AsyncCheckpointIO"])
+@pytest.mark.parametrize(
+    "wrap,lazy",
+    [(False, False), (False, True), (True, False)],
+    ids=["plain", "lazy_snapshots", "AsyncCheckpointIO"],
+)
 def test_fit_leaves_only_lightning_names_and_no_thread(tmp_path, wrap, lazy, ours):
     io = DatastatesCheckpointIO(ONE_WRITER)
     assert not ours()
-    t = trainer(tmp_path, AsyncCheckpointIO(io) if wrap else io,
-                callbacks=[io.lazy_snapshots()] if lazy else [])
+    t = trainer(
+        tmp_path,
+        AsyncCheckpointIO(io) if wrap else io,
+        callbacks=[io.lazy_snapshots()] if lazy else [],
+    )
     t.fit(BoringModel())
     assert sorted(os.listdir(tmp_path)) == EXPECTED  # no `latest`, `.owner.*`, `.tmp.*`
     assert not ours()
@@ -75,8 +93,7 @@ def test_save_outside_fit_ends_its_threads_once_committed(tmp_path, ours):
     io.wait()
     assert not ours()
     assert "after.ckpt" in os.listdir(tmp_path) and "latest" not in os.listdir(tmp_path)
-    assert_same(io.load_checkpoint(tmp_path / "after.ckpt")["state_dict"],
-                model.state_dict())
+    assert_same(io.load_checkpoint(tmp_path / "after.ckpt")["state_dict"], model.state_dict())
     assert not ours()
 
 
@@ -109,12 +126,18 @@ def test_unpickled_plugin_saves_and_loads_in_another_process(tmp_path):
     io = DatastatesCheckpointIO(ONE_WRITER)
     io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "parent.ckpt")  # threads running
     (tmp_path / "io.pkl").write_bytes(pickle.dumps(io))
-    code = ("import pickle, sys, torch; io = pickle.load(open(sys.argv[1], 'rb')); "
-            "io.save_checkpoint({'w': torch.arange(5.0), 'step': 7}, sys.argv[2]); "
-            "assert io.load_checkpoint(sys.argv[2])['step'] == 7; io.teardown()")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "io.pkl"),
-                           str(tmp_path / "child.ckpt")], env=subprocess_env(),
-                          capture_output=True, text=True, timeout=120)
+    code = (
+        "import pickle, sys, torch; io = pickle.load(open(sys.argv[1], 'rb')); "
+        "io.save_checkpoint({'w': torch.arange(5.0), 'step': 7}, sys.argv[2]); "
+        "assert io.load_checkpoint(sys.argv[2])['step'] == 7; io.teardown()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "io.pkl"), str(tmp_path / "child.ckpt")],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     io.wait()
     assert_same(io.load_checkpoint(tmp_path / "child.ckpt"), {"w": torch.arange(5.0), "step": 7})
@@ -131,6 +154,7 @@ def test_url_is_saved_by_lightnings_own_io_with_a_warning(tmp_path, monkeypatch,
     assert_same(io.load_checkpoint("memory://dsdir/x.ckpt"), state)
     io.remove_checkpoint("memory://dsdir/x.ckpt")
     import fsspec
+
     assert not fsspec.filesystem("memory").exists("/dsdir/x.ckpt")
     with pytest.raises(datastates.ConfigError, match="memory://dsdir"):
         io.last_path("memory://dsdir")

@@ -4,6 +4,7 @@ SIGKILLed after step k (a real subprocess; mid-epoch and at an epoch's end) resu
 fit(ckpt_path=memory.resume_path()) from memory, bit-identical to an uninterrupted run
 (parameters, buffers and the loss sequence); a tie goes to memory, and without memory the
 newest ModelCheckpoint file is taken; the configs the adapter cannot honour are refused."""
+
 from __future__ import annotations
 
 import json
@@ -19,13 +20,22 @@ pytest.importorskip("lightning")
 pytest.importorskip("torchdata")
 
 import datastates  # noqa: E402
-from datastates.integrations.lightning import (DatastatesCheckpointIO,  # noqa: E402
-                                               DatastatesMemoryCheckpoint)
+from datastates.integrations.lightning import (
+    DatastatesCheckpointIO,  # noqa: E402
+    DatastatesMemoryCheckpoint,
+)
 from datastates.memory import place  # noqa: E402
 
 from integration_helpers import HERE, assert_same, subprocess_env  # noqa: E402
-from lightning_memory_worker import (BATCHES, EPOCHS, REPORT, Tiny, config,  # noqa: E402
-                                     trainer, with_memory)
+from lightning_memory_worker import (
+    BATCHES,
+    EPOCHS,
+    REPORT,
+    Tiny,
+    config,  # noqa: E402
+    trainer,
+    with_memory,
+)
 
 # slow: Lightning Trainer runs with memory-tier keepers
 pytestmark = pytest.mark.slow
@@ -47,11 +57,22 @@ def uninterrupted(tmp_path_factory):
 
 def _killed_after(k, root, shm_root, keeper_log) -> dict:
     child = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "lightning_memory_worker.py"), str(root),
-         shm_root, str(keeper_log), str(k)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            os.path.join(HERE, "lightning_memory_worker.py"),
+            str(root),
+            shm_root,
+            str(keeper_log),
+            str(k),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         # the same intra-op threads as this process, which runs the other runs: the same sums
-        cwd=HERE, env=subprocess_env(OMP_NUM_THREADS=torch.get_num_threads()))
+        cwd=HERE,
+        env=subprocess_env(OMP_NUM_THREADS=torch.get_num_threads()),
+    )
     for line in child.stdout:
         if line.startswith(REPORT):
             break
@@ -62,14 +83,14 @@ def _killed_after(k, root, shm_root, keeper_log) -> dict:
     assert child.wait() == -signal.SIGKILL
     for stream in (child.stdin, child.stdout, child.stderr):
         stream.close()
-    return json.loads(line[len(REPORT):])
+    return json.loads(line[len(REPORT) :])
 
 
 @pytest.mark.parametrize("k", [6, 8])  # mid-epoch; an epoch's last step
 def test_a_killed_trainer_resumes_from_memory_bit_exact(uninterrupted, shm_root, tmp_path, k):
     root, log = tmp_path / "run", tmp_path / "keeper.log"
     report = _killed_after(k, root, shm_root, log)
-    assert report["memory"] == [f"step-{k:010d}"]           # keep_last=1: the newest
+    assert report["memory"] == [f"step-{k:010d}"]  # keep_last=1: the newest
     assert report["losses"] == uninterrupted[1][:k]
     stored = sorted(n for n in os.listdir(root / "ckpts") if not n.startswith("."))
     epochs = k // BATCHES  # ModelCheckpoint keeps the newest epoch's file, and last.ckpt
@@ -103,8 +124,10 @@ def test_without_memory_the_newest_file_is_resumed(shm_root, tmp_path):
         memory.close(stop_keeper=True)  # the job is over: the memory is gone
     # ModelCheckpoint's files record Lightning's global step, which resume_path() compares
     with datastates.Checkpointer(root / "ckpts") as files:
-        assert sorted((i.name, i.step) for i in files.list()) == \
-            [(f"epoch={EPOCHS - 1}-step={STEPS}.ckpt", STEPS), ("last.ckpt", STEPS)]
+        assert sorted((i.name, i.step) for i in files.list()) == [
+            (f"epoch={EPOCHS - 1}-step={STEPS}.ckpt", STEPS),
+            ("last.ckpt", STEPS),
+        ]
     again, _ = with_memory(root, shm_root, log)
     try:
         newest = again.resume_path()
@@ -116,10 +139,10 @@ def test_without_memory_the_newest_file_is_resumed(shm_root, tmp_path):
 
 
 def test_configs_the_adapter_cannot_honour_are_refused(shm_root, tmp_path):
-    for tier, match in ((datastates.MemoryTier(root=shm_root, persist_on_exit=False),
-                         "persist_every=10"),
-                        (datastates.MemoryTier(root=shm_root, persist_every=None),
-                         "persist_on_exit=True")):
+    for tier, match in (
+        (datastates.MemoryTier(root=shm_root, persist_on_exit=False), "persist_every=10"),
+        (datastates.MemoryTier(root=shm_root, persist_every=None), "persist_on_exit=True"),
+    ):
         with pytest.raises(datastates.ConfigError, match=match):
             DatastatesCheckpointIO(datastates.CheckpointConfig(memory_tier=tier))
     with pytest.raises(datastates.ConfigError, match="no memory tier"):
@@ -151,8 +174,9 @@ def test_a_stopped_keeper_leaves_lightning_on_its_own_files(shm_root, tmp_path, 
     os.kill(keeper, signal.SIGSTOP)
     try:
         cfg = config(shm_root, log)
-        cfg = dataclasses.replace(cfg, memory_tier=dataclasses.replace(cfg.memory_tier,
-                                                                      start_timeout_s=2))
+        cfg = dataclasses.replace(
+            cfg, memory_tier=dataclasses.replace(cfg.memory_tier, start_timeout_s=2)
+        )
         io = DatastatesCheckpointIO(cfg)
         again = io.memory_checkpoints(os.path.join(root, "ckpts"))
         with caplog.at_level(logging.WARNING, logger="datastates"):

@@ -1,6 +1,7 @@
 """A rank's shard file is also a ``torch.save`` archive (docs/format.md, "Shard file version 3"):
 ``torch.load(shard, weights_only=True, mmap=True)`` returns the rank's state, tensors
 bit-equal, while datastates' own readers keep every check."""
+
 from __future__ import annotations
 
 import collections
@@ -21,11 +22,21 @@ def _state():
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(3, 8)).sum().backward()
     opt.step()
-    extra = {"u16": torch.arange(7).to(torch.uint16), "bf": torch.randn(5).to(torch.bfloat16),
-             "f8": torch.randn(4).to(torch.float8_e4m3fn), "empty": torch.empty(0, 3),
-             "big": torch.randn(3000), "c": torch.randn(2, 2, dtype=torch.complex64),
-             "od": collections.OrderedDict(a=torch.ones(2)), "tup": (1, "x", torch.zeros(1)),
-             "obj": {1, 2}, "n": 3, "s": "text", "f": 0.5, "none": None}
+    extra = {
+        "u16": torch.arange(7).to(torch.uint16),
+        "bf": torch.randn(5).to(torch.bfloat16),
+        "f8": torch.randn(4).to(torch.float8_e4m3fn),
+        "empty": torch.empty(0, 3),
+        "big": torch.randn(3000),
+        "c": torch.randn(2, 2, dtype=torch.complex64),
+        "od": collections.OrderedDict(a=torch.ones(2)),
+        "tup": (1, "x", torch.zeros(1)),
+        "obj": {1, 2},
+        "n": 3,
+        "s": "text",
+        "f": 0.5,
+        "none": None,
+    }
     return model, opt, {"model": model, "optimizer": opt, "extra": extra}
 
 
@@ -37,9 +48,12 @@ def _shard(tmp_path, state, **config) -> str:
 
 def _equal(a, b) -> bool:
     """Bit-equal tensors (NaN-safe), by bytes."""
-    return a.dtype == b.dtype and a.shape == b.shape and bytes(
-        a.reshape(-1).contiguous().view(torch.uint8).numpy()) == bytes(
-        b.reshape(-1).contiguous().view(torch.uint8).numpy())
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and bytes(a.reshape(-1).contiguous().view(torch.uint8).numpy())
+        == bytes(b.reshape(-1).contiguous().view(torch.uint8).numpy())
+    )
 
 
 @pytest.mark.parametrize("mmap", [True, False])
@@ -111,10 +125,13 @@ def test_a_damaged_framing_byte_is_a_typed_error(tmp_path, where):
     path = _shard(tmp_path, state)
     with zipfile.ZipFile(path) as z:
         infos = {i.filename: i for i in z.infolist()}
-    offset = {"first_record": 10, "header": 90,
-              "slot": infos["archive/data/1"].header_offset + 40,
-              "index_slot": infos["archive/.datastates/index"].header_offset + 5,
-              "tail": os.path.getsize(path) - 30}[where]
+    offset = {
+        "first_record": 10,
+        "header": 90,
+        "slot": infos["archive/data/1"].header_offset + 40,
+        "index_slot": infos["archive/.datastates/index"].header_offset + 5,
+        "tail": os.path.getsize(path) - 30,
+    }[where]
     _flip(path, offset)
     ckpt_dir = os.path.dirname(path)
     with pytest.raises(CorruptCheckpointError):
@@ -126,6 +143,7 @@ def test_the_crc_of_pieces_is_the_crc_of_the_whole():
     import zlib
 
     from datastates.format import zipframe
+
     data = bytes(range(256)) * 300
     for cuts in ([], [1], [4096, 8192], [100, 101, 60000]):
         bounds = [0, *cuts, len(data)]

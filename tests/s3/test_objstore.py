@@ -2,6 +2,7 @@
 the commit marker, retention and overwrite, typed errors for bad credentials and buckets, the
 server dying in the middle of a save, the training process killed in the middle of a save, and
 the tools on s3:// paths."""
+
 import os
 import signal
 import sys
@@ -14,8 +15,13 @@ import torch.nn as nn
 import datastates
 from datastates import CheckpointConfig, Checkpointer
 from datastates.commit import retention
-from datastates.errors import (BucketNotFoundError, CheckpointExistsError, CorruptCheckpointError,
-                               StorageAccessError, StorageError)
+from datastates.errors import (
+    BucketNotFoundError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    StorageAccessError,
+    StorageError,
+)
 
 import zygote
 from server import list_multipart_uploads, storage_options
@@ -46,9 +52,10 @@ def same(a, b):
 
 def objects_under(server, url):
     client = server.client()
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=server.bucket,
-                                                              Prefix=key_of(url) + "/")
-    return sorted(o["Key"][len(key_of(url)) + 1:] for p in pages for o in p.get("Contents", []))
+    pages = client.get_paginator("list_objects_v2").paginate(
+        Bucket=server.bucket, Prefix=key_of(url) + "/"
+    )
+    return sorted(o["Key"][len(key_of(url)) + 1 :] for p in pages for o in p.get("Contents", []))
 
 
 # chunk sizes: big units uploaded straight from the cache (8 MiB), small units grouped into
@@ -67,9 +74,25 @@ def test_round_trip_is_bit_exact(s3_server, s3_root, chunk, width):
         assert ckpt.restore(state).step == 7
         assert same(model2.state_dict(), model.state_dict())
         assert state["epoch"] == 3
-        assert opt2.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
-        assert ckpt.storage._read(None, None, True, False, (), None, "strict", "verify", None, [],
-                          lambda reader: reader.verify_all()) == ckpt.latest().nbytes
+        assert opt2.state_dict()["state"][0]["exp_avg"].equal(
+            opt.state_dict()["state"][0]["exp_avg"]
+        )
+        assert (
+            ckpt.storage._read(
+                None,
+                None,
+                True,
+                False,
+                (),
+                None,
+                "strict",
+                "verify",
+                None,
+                [],
+                lambda reader: reader.verify_all(),
+            )
+            == ckpt.latest().nbytes
+        )
     files = objects_under(s3_server, s3_root)
     data_dirs = {f.split("/")[1] for f in files if f.startswith("step-0000000007/.data.")}
     assert len(data_dirs) == 1
@@ -91,13 +114,19 @@ def test_retention_and_overwrite(s3_server, s3_root):
         with torch.no_grad():
             model[0].weight.fill_(10)
         ckpt.save({"model": model}, tag="best").wait()
-        first_data = {f.split("/")[1] for f in objects_under(s3_server, s3_root)
-                      if f.startswith("best/.data.")}
+        first_data = {
+            f.split("/")[1]
+            for f in objects_under(s3_server, s3_root)
+            if f.startswith("best/.data.")
+        }
         with pytest.raises(CheckpointExistsError):
             ckpt.save({"model": model}, tag="best").wait()
         # the refused save's uploaded data is removed, the committed one untouched
-        assert {f.split("/")[1] for f in objects_under(s3_server, s3_root)
-                if f.startswith("best/.data.")} == first_data
+        assert {
+            f.split("/")[1]
+            for f in objects_under(s3_server, s3_root)
+            if f.startswith("best/.data.")
+        } == first_data
         with torch.no_grad():
             model[0].weight.fill_(11)
         ckpt.save({"model": model}, tag="best", overwrite=True).wait()
@@ -108,8 +137,11 @@ def test_retention_and_overwrite(s3_server, s3_root):
         assert ckpt.latest().name == "best"
         assert [i.name for i in ckpt.list()] == ["step-0000000003", "best"]
     # deleted checkpoints left no objects behind
-    assert {f.split("/")[0] for f in objects_under(s3_server, s3_root)} == \
-        {"step-0000000003", "best", "latest"}
+    assert {f.split("/")[0] for f in objects_under(s3_server, s3_root)} == {
+        "step-0000000003",
+        "best",
+        "latest",
+    }
 
 
 def test_a_deletion_leaves_the_data_another_save_of_the_name_is_uploading(s3_server, s3_root):
@@ -121,8 +153,11 @@ def test_a_deletion_leaves_the_data_another_save_of_the_name_is_uploading(s3_ser
     options = storage_options(s3_server)
     with Checkpointer(s3_root, CheckpointConfig(), storage_options=options) as ckpt:
         ckpt.save({"w": torch.ones(8)}, tag="x").wait()
-        named = {f.split("/")[1] for f in objects_under(s3_server, s3_root) if f.startswith("x/")
-                 and "/.data." in "/" + f}
+        named = {
+            f.split("/")[1]
+            for f in objects_under(s3_server, s3_root)
+            if f.startswith("x/") and "/.data." in "/" + f
+        }
         in_flight = f"{prefix}/x/.data.0123456789abcdef-42/rank-00000.dsf"
         client.put_object(Bucket=s3_server.bucket, Key=in_flight, Body=b"uploading")
         ckpt.delete(tag="x")
@@ -137,14 +172,19 @@ def test_commits_read_only_new_or_replaced_manifests(s3_server, s3_root, monkeyp
     options = storage_options(s3_server)
     small = dict(chunk_bytes=64 << 10, host_cache_bytes=1 * MiB)
     read: list[str] = []
-    with Checkpointer(s3_root, CheckpointConfig(keep_last=2, **small),
-                      storage_options=options) as ck1, \
-            Checkpointer(s3_root, CheckpointConfig(**small), storage_options=options) as ck2:
+    with (
+        Checkpointer(
+            s3_root, CheckpointConfig(keep_last=2, **small), storage_options=options
+        ) as ck1,
+        Checkpointer(s3_root, CheckpointConfig(**small), storage_options=options) as ck2,
+    ):
         for ck in (ck1, ck2):
+
             def counting(path, original=ck.store.read_bytes, **kwargs):
                 if path.endswith("/manifest.json"):
                     read.append(path.rsplit("/", 2)[-2])
                 return original(path, **kwargs)
+
             monkeypatch.setattr(ck.store, "read_bytes", counting)
 
         def save(ck, value, name, **kwargs):
@@ -166,13 +206,16 @@ def test_commits_read_only_new_or_replaced_manifests(s3_server, s3_root, monkeyp
         assert [(i.name, i.seq) for i in ck1.list()] == [("best", 3), ("step-0000000004", 4)]
         info, others = save(ck2, 5, "best", tag="best", step=5, overwrite=True)
         assert (info.seq, others) == (5, ["step-0000000004"])
-        assert [(i.name, i.seq, i.step) for i in ck1.list()] == [("step-0000000004", 4, 4),
-                                                                 ("best", 5, 5)]
+        assert [(i.name, i.seq, i.step) for i in ck1.list()] == [
+            ("step-0000000004", 4, 4),
+            ("best", 5, 5),
+        ]
         assert read == ["best"]
 
 
-def test_cleanup_reads_only_the_manifests_of_checkpoints_with_leftovers(s3_server, s3_root,
-                                                                       monkeypatch):
+def test_cleanup_reads_only_the_manifests_of_checkpoints_with_leftovers(
+    s3_server, s3_root, monkeypatch
+):
     """Tidying up (each Checkpointer does it at construction): a committed checkpoint with its one
     data directory costs no manifest read; a leftover data directory beside a committed one (a
     crashed overwrite) is removed after reading that checkpoint's manifest, and the directory the
@@ -188,8 +231,11 @@ def test_cleanup_reads_only_the_manifests_of_checkpoints_with_leftovers(s3_serve
             ck.save({"x": torch.full((4,), float(step))}, step=step).wait(60)
     client = s3_server.client()
     for name in ("step-0000000002", "step-0000000009"):
-        client.put_object(Bucket=s3_server.bucket, Body=b"partial",
-                          Key=f"{key_of(s3_root)}/{name}/.data.0123456789abcdef-1/rank-00000.dsf")
+        client.put_object(
+            Bucket=s3_server.bucket,
+            Body=b"partial",
+            Key=f"{key_of(s3_root)}/{name}/.data.0123456789abcdef-1/rank-00000.dsf",
+        )
     store = open_store(s3_root, options)
     read: list[str] = []
 
@@ -199,8 +245,10 @@ def test_cleanup_reads_only_the_manifests_of_checkpoints_with_leftovers(s3_serve
 
     monkeypatch.setattr(store, "read_bytes", counting)
     removed = retention.clean_stale(s3_root, 1e-6, store)
-    assert sorted(removed) == ["step-0000000002/.data.0123456789abcdef-1",
-                               "step-0000000009/.data.0123456789abcdef-1"]
+    assert sorted(removed) == [
+        "step-0000000002/.data.0123456789abcdef-1",
+        "step-0000000009/.data.0123456789abcdef-1",
+    ]
     assert read == ["step-0000000002"]
     assert not [f for f in objects_under(s3_server, s3_root) if "crashed" in f]
     with Checkpointer(s3_root, small, storage_options=options) as ck:
@@ -217,8 +265,10 @@ def test_a_name_committed_meanwhile_by_another_writer_is_refused(s3_server, s3_r
     model1, _ = make_state(seed=1, width=64)
     model2, _ = make_state(seed=2, width=64)
     options = storage_options(s3_server)
-    with Checkpointer(s3_root, storage_options=options) as first, \
-            Checkpointer(s3_root, storage_options=options) as second:
+    with (
+        Checkpointer(s3_root, storage_options=options) as first,
+        Checkpointer(s3_root, storage_options=options) as second,
+    ):
         raced = []
 
         def commit_first_now(params, **_):
@@ -226,8 +276,9 @@ def test_a_name_committed_meanwhile_by_another_writer_is_refused(s3_server, s3_r
                 raced.append(True)
                 first.save({"model": model1}, step=1).wait()
 
-        second.store.client.meta.events.register("before-parameter-build.s3.PutObject",
-                                                  commit_first_now)
+        second.store.client.meta.events.register(
+            "before-parameter-build.s3.PutObject", commit_first_now
+        )
         with pytest.raises(CheckpointExistsError, match="another writer"):
             second.save({"model": model2}, step=1).wait()
         assert raced == [True]
@@ -287,19 +338,24 @@ def test_server_killed_during_a_save(s3_server, s3_root):
         ckpt.store.client.meta.events.unregister("after-call.s3.UploadPart", kill_once)
         s3_server.restart()
     assert list_multipart_uploads(s3_server, key_of(s3_root)) == []
-    with Checkpointer(s3_root, config.replace(stale_tmp_age_s=1e-6),
-                      storage_options=storage_options(s3_server)) as ckpt:
+    with Checkpointer(
+        s3_root, config.replace(stale_tmp_age_s=1e-6), storage_options=storage_options(s3_server)
+    ) as ckpt:
         assert [i.step for i in ckpt.list()] == [1]
         assert same(ckpt.load()["model"], reference)
     assert list_multipart_uploads(s3_server, key_of(s3_root)) == []
-    assert not [f for f in objects_under(s3_server, s3_root) if f.startswith("step-0000000002")
-                and f.endswith(".dsf")]
+    assert not [
+        f
+        for f in objects_under(s3_server, s3_root)
+        if f.startswith("step-0000000002") and f.endswith(".dsf")
+    ]
 
 
 def _drop_uploads(ckpt, times):
     """Make the next ``times`` UploadPart requests of ``ckpt``'s client fail as a dropped
     connection (before they are sent); the server itself keeps running."""
     from botocore.exceptions import ConnectionClosedError
+
     left = [times]
 
     def drop(request, **_):
@@ -357,14 +413,19 @@ KILLED_SAVE = textwrap.dedent("""
 def test_training_process_killed_during_a_save(s3_server, s3_root, tmp_path):
     script = tmp_path / "killed.py"
     script.write_text(KILLED_SAVE.format(here=HERE, tests=os.path.dirname(HERE)))
-    proc = zygote.run([sys.executable, str(script), s3_root, repr(storage_options(s3_server))],
-                      capture_output=True, text=True, timeout=120)
+    proc = zygote.run(
+        [sys.executable, str(script), s3_root, repr(storage_options(s3_server))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert list_multipart_uploads(s3_server, key_of(s3_root))
     # the writer is dead; an object store has no locks to tell it, so its data and uploads go
     # by age: the next Checkpointer whose stale_tmp_age_s they exceed cleans up
-    with Checkpointer(s3_root, CheckpointConfig(stale_tmp_age_s=1e-6),
-                      storage_options=storage_options(s3_server)) as ckpt:
+    with Checkpointer(
+        s3_root, CheckpointConfig(stale_tmp_age_s=1e-6), storage_options=storage_options(s3_server)
+    ) as ckpt:
         assert [i.step for i in ckpt.list()] == [1]
         model, _ = make_state(width=1024)
         assert same(ckpt.load()["model"], model.state_dict())
@@ -375,22 +436,29 @@ def test_training_process_killed_during_a_save(s3_server, s3_root, tmp_path):
 
 def _two_ranks(rank, world, root, options):
     import torch.distributed as dist
+
     torch.manual_seed(rank)
     shard = torch.randn(1000 + rank) * (rank + 1)
     shared = torch.arange(4096, dtype=torch.float32)
     config = CheckpointConfig(chunk_bytes=64 << 10, host_cache_bytes=1 * MiB)
     with Checkpointer(root, config, storage_options=options) as ckpt:
-        ckpt.save({"mine": shard, "shared": shared, "rank": rank}, step=5,
-                  replicated=["shared"]).wait()
+        ckpt.save(
+            {"mine": shard, "shared": shared, "rank": rank}, step=5, replicated=["shared"]
+        ).wait()
         dist.barrier()
         out = ckpt.load()
-        return (torch.equal(out["mine"], shard) and torch.equal(out["shared"], shared) and
-                out["rank"] == rank, [i.step for i in ckpt.list()])
+        return (
+            torch.equal(out["mine"], shard)
+            and torch.equal(out["shared"], shared)
+            and out["rank"] == rank,
+            [i.step for i in ckpt.list()],
+        )
 
 
 def test_two_ranks_round_trip(s3_server, s3_root):
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "dist"))
     from launcher import run_ranks
+
     results = run_ranks(2, _two_ranks, s3_root, storage_options(s3_server), timeout=120)
     assert results == {0: (True, [5]), 1: (True, [5])}
     with Checkpointer(s3_root, storage_options=storage_options(s3_server)) as ckpt:
@@ -402,14 +470,22 @@ def test_cli_on_an_s3_path(s3_server, s3_root, tmp_path):
     with Checkpointer(s3_root, storage_options=storage_options(s3_server)) as ckpt:
         ckpt.save({"model": model}, step=3).wait()
     opts = storage_options(s3_server)
-    env = {**os.environ, "AWS_ENDPOINT_URL": opts["endpoint_url"],
-           "AWS_ACCESS_KEY_ID": opts["aws_access_key_id"],
-           "AWS_SECRET_ACCESS_KEY": opts["aws_secret_access_key"],
-           "AWS_DEFAULT_REGION": opts["region_name"]}
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL": opts["endpoint_url"],
+        "AWS_ACCESS_KEY_ID": opts["aws_access_key_id"],
+        "AWS_SECRET_ACCESS_KEY": opts["aws_secret_access_key"],
+        "AWS_DEFAULT_REGION": opts["region_name"],
+    }
 
     def cli(*args):  # ``python -m datastates``, forked from the session's zygote
-        return zygote.run([sys.executable, "-m", "datastates", *args], env=env,
-                          capture_output=True, text=True, timeout=60)
+        return zygote.run(
+            [sys.executable, "-m", "datastates", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     listed = cli("list", s3_root)
     assert listed.returncode == 0 and "step-0000000003" in listed.stdout, listed.stderr
@@ -429,23 +505,32 @@ def test_a_scan_never_lists_the_keys_inside_the_checkpoints(s3_server, s3_root):
     delimiter) and a HEAD per checkpoint: never a listing of every shard file of every
     checkpoint, whose number grows with the world size. Objects planted inside a checkpoint's
     prefix are not listed."""
-    with Checkpointer(s3_root, CheckpointConfig(),
-                      storage_options=storage_options(s3_server)) as ckpt:
+    with Checkpointer(
+        s3_root, CheckpointConfig(), storage_options=storage_options(s3_server)
+    ) as ckpt:
         for step in (1, 2, 3):
             ckpt.save({"w": torch.full((4,), float(step))}, step=step).wait()
         client = s3_server.client()
         for i in range(30):  # as if many ranks had written into step 1
-            client.put_object(Bucket=s3_server.bucket, Body=b"x",
-                              Key=f"{key_of(s3_root)}/step-0000000001/extra-{i}")
+            client.put_object(
+                Bucket=s3_server.bucket,
+                Body=b"x",
+                Key=f"{key_of(s3_root)}/step-0000000001/extra-{i}",
+            )
         calls = []
         ckpt.store.client.meta.events.register(
             "before-parameter-build.s3.*",
-            lambda model, params, **_: calls.append((model.name, dict(params))))
+            lambda model, params, **_: calls.append((model.name, dict(params))),
+        )
         assert [i.step for i in ckpt.list()] == [1, 2, 3]
         lists = [p for name, p in calls if name == "ListObjectsV2"]
         # a delimited listing of the names, or the one-key probe of whether the root exists
-        assert lists and all(p.get("Delimiter") == "/" or p.get("MaxKeys") == 1
-                             for p in lists), calls
+        assert lists and all(p.get("Delimiter") == "/" or p.get("MaxKeys") == 1 for p in lists), (
+            calls
+        )
         heads = [p["Key"] for name, p in calls if name == "HeadObject"]
         assert sorted(k.rsplit("/", 2)[-2] for k in heads) == [
-            "step-0000000001", "step-0000000002", "step-0000000003"]
+            "step-0000000001",
+            "step-0000000002",
+            "step-0000000003",
+        ]

@@ -1,5 +1,6 @@
 """The object store (against the real SeaweedFS server the suite starts) and its manifest
 publisher pass the shipped StoreConformance suite."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,9 @@ class TestS3Store(StoreConformance):
         return self.root, dict(self.options)
 
 
-def test_a_manifest_get_that_fails_hides_nothing_and_reuses_no_number(s3_server, s3_root,
-                                                                        s3_storage_options):
+def test_a_manifest_get_that_fails_hides_nothing_and_reuses_no_number(
+    s3_server, s3_root, s3_storage_options
+):
     """The server hangs at each GET of the newest manifest (it is stopped as that request is
     built; one try of at most a second), and only then: latest() raises StorageError instead of
     returning the older checkpoint, a commit raises CommitError instead of reusing that

@@ -2,6 +2,7 @@
 moved aside by rank 0 (``ManifestPublisher.quarantine``) and reported, the older one restored
 bit-exact; the move takes the damaged objects out of the listing and removes nothing else.
 The local-disk counterpart is tests/faults/test_fallback.py."""
+
 from __future__ import annotations
 
 import logging
@@ -36,15 +37,19 @@ def _same(a: dict, b: dict) -> bool:
 
 def objects(server, url: str) -> dict[str, str]:
     """Every object under ``url``: its key relative to ``url`` → its ETag."""
-    pages = server.client().get_paginator("list_objects_v2").paginate(
-        Bucket=server.bucket, Prefix=key_of(url) + "/")
+    pages = (
+        server.client()
+        .get_paginator("list_objects_v2")
+        .paginate(Bucket=server.bucket, Prefix=key_of(url) + "/")
+    )
     start = len(key_of(url)) + 1
     return {o["Key"][start:]: o["ETag"] for p in pages for o in p.get("Contents", [])}
 
 
 def get(server, url: str, rel: str) -> bytes:
-    return server.client().get_object(Bucket=server.bucket,
-                                      Key=f"{key_of(url)}/{rel}")["Body"].read()
+    return (
+        server.client().get_object(Bucket=server.bucket, Key=f"{key_of(url)}/{rel}")["Body"].read()
+    )
 
 
 def flip(server, url: str, rel: str, offset: int) -> None:
@@ -60,7 +65,8 @@ def shard_of(found: dict[str, str], name: str) -> str:
 
 
 def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_restored(
-        s3_server, s3_root, caplog):
+    s3_server, s3_root, caplog
+):
     """A flipped byte in the newest checkpoint's shard object: the step before is restored
     bit-exact; the report and a WARNING name the newest as skipped and where it went; its
     manifest and damaged shard, byte for byte, are under the quarantine prefix (and read as the
@@ -82,22 +88,30 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_restored(
             report = ckpt.restore(live, fallback=True)
 
         assert report.step == 2 and _same(live, step_state(2))
-        assert ckpt.storage._publisher.wait_moves(120)  # the shard files follow on a thread of their own
+        assert ckpt.storage._publisher.wait_moves(
+            120
+        )  # the shard files follow on a thread of their own
         assert [s.name for s in report.skipped] == [newest] and report.passed_over == []
         skipped = report.skipped[0]
         assert skipped.reason.startswith("rank 0:") and "checksum mismatch" in skipped.reason
         assert skipped.quarantined.startswith(f"{s3_root}/.damaged.{newest}.")
-        assert any(newest in r.getMessage() and skipped.quarantined in r.getMessage()
-                   for r in caplog.records if r.levelno == logging.WARNING)
-        aside = skipped.quarantined[len(s3_root) + 1:]
+        assert any(
+            newest in r.getMessage() and skipped.quarantined in r.getMessage()
+            for r in caplog.records
+            if r.levelno == logging.WARNING
+        )
+        aside = skipped.quarantined[len(s3_root) + 1 :]
         data_dir = shard.split("/")[1]
 
         # the damaged checkpoint, whole and as it was found, under the quarantine prefix ...
         after = objects(s3_server, s3_root)
-        moved = {f"{newest}/{fmt.MANIFEST}": f"{aside}/{fmt.MANIFEST}",
-                 shard: f"{aside}/{data_dir}/{fmt.shard_file_name(0)}"}
-        assert {k for k in after if k.startswith(aside + "/")} == \
-            set(moved.values()) | {f"{aside}/reason.txt"}
+        moved = {
+            f"{newest}/{fmt.MANIFEST}": f"{aside}/{fmt.MANIFEST}",
+            shard: f"{aside}/{data_dir}/{fmt.shard_file_name(0)}",
+        }
+        assert {k for k in after if k.startswith(aside + "/")} == set(moved.values()) | {
+            f"{aside}/reason.txt"
+        }
         assert get(s3_server, s3_root, f"{aside}/{fmt.MANIFEST}") == manifest
         assert get(s3_server, s3_root, f"{aside}/reason.txt") == skipped.reason.encode()
         assert after[moved[shard]] == damaged[shard]  # the damaged bytes, kept
@@ -105,8 +119,9 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_restored(
             with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
                 reader.verify_all()
         # ... gone from the checkpoint, and nothing else under the root moved or changed
-        assert {k: e for k, e in after.items() if not k.startswith(aside + "/")} == \
-            {k: e for k, e in damaged.items() if k not in moved}
+        assert {k: e for k, e in after.items() if not k.startswith(aside + "/")} == {
+            k: e for k, e in damaged.items() if k not in moved
+        }
         assert [i.step for i in ckpt.list()] == [1, 2] and ckpt.latest().step == 2
         assert ckpt.damaged() == []
 
@@ -118,14 +133,17 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_restored(
 
     # a later Checkpointer, its cleanup of stale data included, lists what the first one did
     # and leaves the quarantine as it was
-    quarantined = {k: e for k, e in objects(s3_server, s3_root).items()
-                   if k.startswith(aside + "/")}
-    with Checkpointer(s3_root, CheckpointConfig(stale_tmp_age_s=1e-6, **SMALL),
-                      storage_options=options) as ckpt:
+    quarantined = {
+        k: e for k, e in objects(s3_server, s3_root).items() if k.startswith(aside + "/")
+    }
+    with Checkpointer(
+        s3_root, CheckpointConfig(stale_tmp_age_s=1e-6, **SMALL), storage_options=options
+    ) as ckpt:
         assert [i.step for i in ckpt.list()] == [1, 2, 3] and ckpt.damaged() == []
         assert _same(ckpt.load(fallback=True), step_state(3))
-    assert {k: e for k, e in objects(s3_server, s3_root).items()
-            if k.startswith(aside + "/")} == quarantined
+    assert {
+        k: e for k, e in objects(s3_server, s3_root).items() if k.startswith(aside + "/")
+    } == quarantined
 
 
 def test_a_missing_shard_is_moved_aside_with_what_is_left(s3_server, s3_root):
@@ -144,18 +162,22 @@ def test_a_missing_shard_is_moved_aside_with_what_is_left(s3_server, s3_root):
         assert ckpt.storage._publisher.wait_moves(120)
         (skipped,) = report.skipped
         assert skipped.name == fmt.step_name(2) and "CheckpointNotFoundError" in skipped.reason
-        aside = skipped.quarantined[len(s3_root) + 1:]
+        aside = skipped.quarantined[len(s3_root) + 1 :]
         after = objects(s3_server, s3_root)
-        assert {k for k in after if k.startswith(aside + "/")} == \
-            {f"{aside}/{fmt.MANIFEST}", f"{aside}/reason.txt"}
+        assert {k for k in after if k.startswith(aside + "/")} == {
+            f"{aside}/{fmt.MANIFEST}",
+            f"{aside}/reason.txt",
+        }
         manifest = f"{fmt.step_name(2)}/{fmt.MANIFEST}"
-        assert {k: e for k, e in after.items() if not k.startswith(aside + "/")} == \
-            {k: e for k, e in before.items() if k not in (shard, manifest)}
+        assert {k: e for k, e in after.items() if not k.startswith(aside + "/")} == {
+            k: e for k, e in before.items() if k not in (shard, manifest)
+        }
         assert [i.step for i in ckpt.list()] == [1]
 
 
 def test_a_move_that_fails_before_the_manifest_goes_leaves_the_checkpoint_as_it_was(
-        s3_server, s3_root):
+    s3_server, s3_root
+):
     """The write of the quarantine's manifest fails: the older checkpoint is restored all the
     same, the damaged one is reported as not moved and stays as it was (listed, its objects
     unchanged, nothing copied), nothing is left of the quarantine; the next fallback restore
@@ -176,9 +198,9 @@ def test_a_move_that_fails_before_the_manifest_goes_leaves_the_checkpoint_as_it_
                 raise ConnectionClosedError(endpoint_url=request.url)
 
         ckpt.store.client.meta.events.register(
-            "after-call.s3.CopyObject", lambda **_: copied.append(True))
-        ckpt.store.client.meta.events.register("before-send.s3.PutObject",
-                                               fail_the_manifest_aside)
+            "after-call.s3.CopyObject", lambda **_: copied.append(True)
+        )
+        ckpt.store.client.meta.events.register("before-send.s3.PutObject", fail_the_manifest_aside)
         live = _blank()
         report = ckpt.restore(live, fallback=True)
         assert report.step == 1 and _same(live, step_state(1))
@@ -186,8 +208,9 @@ def test_a_move_that_fails_before_the_manifest_goes_leaves_the_checkpoint_as_it_
         assert [(s.name, s.quarantined) for s in report.skipped] == [(fmt.step_name(2), None)]
         assert objects(s3_server, s3_root) == damaged
         assert [i.step for i in ckpt.list()] == [1, 2]
-        ckpt.store.client.meta.events.unregister("before-send.s3.PutObject",
-                                                 fail_the_manifest_aside)
+        ckpt.store.client.meta.events.unregister(
+            "before-send.s3.PutObject", fail_the_manifest_aside
+        )
         report = ckpt.restore(_blank(), fallback=True)
         assert report.step == 1 and report.skipped[0].quarantined is not None
         assert ckpt.storage._publisher.wait_moves(120) and copied == [True]  # the shard file, now
@@ -207,21 +230,30 @@ def test_a_copy_is_made_by_the_server_whole_or_by_parts(s3_server, s3_root, monk
     from server import list_multipart_uploads
 
     store = open_store(s3_root, {**storage_options(s3_server), "max_attempts": 1})
-    data = torch.randint(0, 256, ((12 << 20) + 3,), generator=torch.Generator().manual_seed(5),
-                         dtype=torch.uint8).numpy().tobytes()
-    s3_server.client().put_object(Bucket=s3_server.bucket, Key=f"{key_of(s3_root)}/src",
-                                  Body=data)
+    data = (
+        torch.randint(
+            0, 256, ((12 << 20) + 3,), generator=torch.Generator().manual_seed(5), dtype=torch.uint8
+        )
+        .numpy()
+        .tobytes()
+    )
+    s3_server.client().put_object(Bucket=s3_server.bucket, Key=f"{key_of(s3_root)}/src", Body=data)
     calls: list[str] = []
-    store.client.meta.events.register("before-parameter-build.s3.*",
-                                      lambda model, **_: calls.append(model.name))
+    store.client.meta.events.register(
+        "before-parameter-build.s3.*", lambda model, **_: calls.append(model.name)
+    )
     store.copy(f"{s3_root}/src", f"{s3_root}/whole")
     assert calls == ["HeadObject", "CopyObject"] and get(s3_server, s3_root, "whole") == data
     monkeypatch.setattr(s3, "MAX_COPY", 0)
     monkeypatch.setattr(s3, "_COPY_PART", s3.MIN_PART)
     calls.clear()
     store.copy(f"{s3_root}/src", f"{s3_root}/parts")
-    assert calls == ["HeadObject", "CreateMultipartUpload", *["UploadPartCopy"] * 3,
-                     "CompleteMultipartUpload"]
+    assert calls == [
+        "HeadObject",
+        "CreateMultipartUpload",
+        *["UploadPartCopy"] * 3,
+        "CompleteMultipartUpload",
+    ]
     assert get(s3_server, s3_root, "parts") == data
     with pytest.raises(FileNotFoundError, match="missing"):
         store.copy(f"{s3_root}/missing", f"{s3_root}/never")
@@ -239,8 +271,7 @@ def test_a_copy_is_made_by_the_server_whole_or_by_parts(s3_server, s3_root, monk
     assert list_multipart_uploads(s3_server, key_of(s3_root)) == []
 
 
-def test_a_store_that_cannot_copy_moves_the_record_and_leaves_the_data(s3_server, s3_root,
-                                                                        caplog):
+def test_a_store_that_cannot_copy_moves_the_record_and_leaves_the_data(s3_server, s3_root, caplog):
     """A store without ``copy`` (the base Store's NotImplementedError, as a user's own object
     store may be): the fallback restore is the same, the quarantine holds the manifest and the
     reason, the shard file stays where it was (for the cleanup of stale data), a WARNING says
@@ -255,16 +286,19 @@ def test_a_store_that_cannot_copy_moves_the_record_and_leaves_the_data(s3_server
 
         def cannot(src, dst):
             raise NotImplementedError
+
         ckpt.store.copy = cannot
         live = _blank()
         with caplog.at_level(logging.WARNING, logger="datastates"):
             report = ckpt.restore(live, fallback=True)
             assert ckpt.storage._publisher.wait_moves(120)
         assert report.step == 1 and _same(live, step_state(1))
-        aside = report.skipped[0].quarantined[len(s3_root) + 1:]
+        aside = report.skipped[0].quarantined[len(s3_root) + 1 :]
         after = objects(s3_server, s3_root)
-        assert {k for k in after if k.startswith(aside + "/")} == \
-            {f"{aside}/{fmt.MANIFEST}", f"{aside}/reason.txt"}
+        assert {k for k in after if k.startswith(aside + "/")} == {
+            f"{aside}/{fmt.MANIFEST}",
+            f"{aside}/reason.txt",
+        }
         assert after[shard] == damaged[shard]
         assert any("cannot copy" in r.getMessage() for r in caplog.records)
 
@@ -274,6 +308,7 @@ def test_close_waits_for_the_quarantine_s_shard_files_to_move(s3_server, s3_root
     for them: ``close()`` does, so once it returns the damaged shard is under the quarantine and
     gone from its old key (without that wait the copy would still be held when close returned)."""
     import threading
+
     options = storage_options(s3_server)
     ckpt = Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=options)
     for step in (1, 2):
@@ -292,19 +327,19 @@ def test_close_waits_for_the_quarantine_s_shard_files_to_move(s3_server, s3_root
     def waiting(timeout_s=None):
         gate.set()
         return real_wait(timeout_s)
+
     store.copy, publisher.wait_moves = held_copy, waiting
     report = ckpt.restore(_blank(), fallback=True)
     assert report.step == 1 and [s.name for s in report.skipped] == [fmt.step_name(2)]
     assert not gate.is_set() and shard in objects(s3_server, s3_root)  # the copy is held
     ckpt.close()
-    aside = report.skipped[0].quarantined[len(s3_root) + 1:]
+    aside = report.skipped[0].quarantined[len(s3_root) + 1 :]
     after = objects(s3_server, s3_root)
     moved = f"{aside}/{shard.split('/')[1]}/{fmt.shard_file_name(0)}"
     assert shard not in after and after[moved] == damaged
 
 
-def test_a_damaged_split_checkpoint_is_moved_aside_with_its_parts(s3_server, s3_root,
-                                                                   monkeypatch):
+def test_a_damaged_split_checkpoint_is_moved_aside_with_its_parts(s3_server, s3_root, monkeypatch):
     """A split manifest (docs/format.md, "Split manifests"; forced by a threshold of one byte):
     the quarantine moves its part with its shard file, and reads back there as the damaged
     checkpoint it is; the older split checkpoint is restored bit-exact."""
@@ -324,21 +359,23 @@ def test_a_damaged_split_checkpoint_is_moved_aside_with_its_parts(s3_server, s3_
         report = ckpt.restore(live, fallback=True)
         assert report.step == 1 and _same(live, step_state(1))
         assert ckpt.storage._publisher.wait_moves(120)
-        aside = report.skipped[0].quarantined[len(s3_root) + 1:]
+        aside = report.skipped[0].quarantined[len(s3_root) + 1 :]
         after = objects(s3_server, s3_root)
         assert {k for k in after if k.startswith(aside + "/")} == {
-            f"{aside}/{fmt.MANIFEST}", f"{aside}/reason.txt",
+            f"{aside}/{fmt.MANIFEST}",
+            f"{aside}/reason.txt",
             f"{aside}/{data_dir}/{fmt.shard_file_name(0)}",
-            f"{aside}/{data_dir}/{fmt.part_name(0)}"}
+            f"{aside}/{data_dir}/{fmt.part_name(0)}",
+        }
         assert after[f"{aside}/{data_dir}/{fmt.part_name(0)}"] == before[part]
-        with Reader(report.skipped[0].quarantined, registry=ckpt.registry,
-                    store=ckpt.store) as reader:
+        with Reader(
+            report.skipped[0].quarantined, registry=ckpt.registry, store=ckpt.store
+        ) as reader:
             with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
                 reader.verify_all()
 
 
-def test_each_rank_restores_a_split_checkpoint_through_its_view(s3_server, s3_root,
-                                                                monkeypatch):
+def test_each_rank_restores_a_split_checkpoint_through_its_view(s3_server, s3_root, monkeypatch):
     """Two ranks (threads, one coordination store) save a split checkpoint on the server and
     restore it: each rank reads its view of the manifest (docs/format.md, "A rank's view"), its
     parts in ``data_dir``, and restores its own state bit-exact; each view is that rank's slice
@@ -346,6 +383,7 @@ def test_each_rank_restores_a_split_checkpoint_through_its_view(s3_server, s3_ro
     from datastates.commit.catalog import Catalog
     from datastates.format import files, tree
     from thread_ranks import in_thread_ranks
+
     monkeypatch.setattr(fmt, "SPLIT_BYTES", 1)
     options = storage_options(s3_server)
     world = 2
@@ -354,6 +392,7 @@ def test_each_rank_restores_a_split_checkpoint_through_its_view(s3_server, s3_ro
     def counting(self, i, raw, convert=None):
         decoded.append(i)
         return decode(self, i, raw, convert)
+
     monkeypatch.setattr(files._Parts, "decode", counting)
 
     def mine(rank: int, step: int) -> dict:
@@ -364,8 +403,10 @@ def test_each_rank_restores_a_split_checkpoint_through_its_view(s3_server, s3_ro
         live = {"w": torch.zeros(1000 + rank), "rank": -1}
         report = ck.restore(live)
         return report.step, torch.equal(live["w"], mine(rank, 1)["w"]), live["rank"]
-    results = in_thread_ranks(s3_root, world, restored, config=CheckpointConfig(**SMALL),
-                              storage_options=options)
+
+    results = in_thread_ranks(
+        s3_root, world, restored, config=CheckpointConfig(**SMALL), storage_options=options
+    )
     assert results == {r: (1, True, r) for r in range(world)}, results
     with Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=options) as ckpt:
         store = ckpt.store
@@ -374,8 +415,9 @@ def test_each_rank_restores_a_split_checkpoint_through_its_view(s3_server, s3_ro
     assert whole.version == fmt.SPLIT_VERSION and whole.data_dir is not None
     for rank in range(world):
         view = files.read_manifest(path, store, view=lambda saved, r=rank: r)
-        refs = {n["e"] for _, n in tree.leaves(whole.ranks[rank].tree)
-                if n["t"] in tree.ENTRY_LEAVES}
+        refs = {
+            n["e"] for _, n in tree.leaves(whole.ranks[rank].tree) if n["t"] in tree.ENTRY_LEAVES
+        }
         assert view.view == rank and view.ranks == (whole.ranks[rank],)
         assert view.entries == {e: whole.entries[e] for e in refs}
     decoded.clear()

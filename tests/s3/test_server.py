@@ -3,6 +3,7 @@
 Multipart uploads whose parts arrive out of order, ranged reads, rejected credentials, typed
 missing-bucket errors, aborted uploads leaving nothing behind, and data surviving a SIGKILL.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,14 @@ from botocore import UNSIGNED
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from server import (ServerStartError, delete_prefix, list_multipart_uploads, split_s3_url,
-                    start_server, storage_options)
+from server import (
+    ServerStartError,
+    delete_prefix,
+    list_multipart_uploads,
+    split_s3_url,
+    start_server,
+    storage_options,
+)
 
 MIB = 1 << 20
 DENIED = {"AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId"}
@@ -32,17 +39,24 @@ def error_code(excinfo) -> str:
 def upload_parts(client, bucket: str, key: str, parts: dict, order) -> str:
     """Multipart upload of ``parts`` (number -> bytes) sent in ``order``; returns the upload id."""
     upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
-    etags = {n: client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=n,
-                                   Body=parts[n])["ETag"] for n in order}
+    etags = {
+        n: client.upload_part(
+            Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=n, Body=parts[n]
+        )["ETag"]
+        for n in order
+    }
     client.complete_multipart_upload(
-        Bucket=bucket, Key=key, UploadId=upload_id,
-        MultipartUpload={"Parts": [{"PartNumber": n, "ETag": etags[n]} for n in sorted(parts)]})
+        Bucket=bucket,
+        Key=key,
+        UploadId=upload_id,
+        MultipartUpload={"Parts": [{"PartNumber": n, "ETag": etags[n]} for n in sorted(parts)]},
+    )
     return upload_id
 
 
 def test_multipart_parts_uploaded_out_of_order_complete_byte_identical(s3_server, s3_root):
     data = os.urandom(12 * MIB)
-    parts = {1: data[:5 * MIB], 2: data[5 * MIB:10 * MIB], 3: data[10 * MIB:]}
+    parts = {1: data[: 5 * MIB], 2: data[5 * MIB : 10 * MIB], 3: data[10 * MIB :]}
     key = key_of(s3_root, "out-of-order.bin")
     client = s3_server.client()
     upload_parts(client, s3_server.bucket, key, parts, order=(3, 1, 2))
@@ -55,32 +69,42 @@ def test_multipart_parts_uploaded_out_of_order_complete_byte_identical(s3_server
 def start_upload(client, bucket: str, key: str, parts: dict):
     """An upload of ``parts`` (number -> bytes), not completed; returns (upload id, etags)."""
     upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
-    return upload_id, {n: client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id,
-                                             PartNumber=n, Body=body)["ETag"]
-                       for n, body in parts.items()}
+    return upload_id, {
+        n: client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=n, Body=body)[
+            "ETag"
+        ]
+        for n, body in parts.items()
+    }
 
 
 def complete(client, bucket: str, key: str, upload_id: str, listed) -> None:
-    client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id,
-                                     MultipartUpload={"Parts": [{"PartNumber": n, "ETag": e}
-                                                                for n, e in listed]})
+    client.complete_multipart_upload(
+        Bucket=bucket,
+        Key=key,
+        UploadId=upload_id,
+        MultipartUpload={"Parts": [{"PartNumber": n, "ETag": e} for n, e in listed]},
+    )
 
 
 def test_part_numbers_may_have_gaps_and_a_reupload_replaces_the_part(s3_server, s3_root):
     first, stale, second = os.urandom(5 * MIB), os.urandom(5 * MIB), os.urandom(MIB)
     key, client = key_of(s3_root, "gaps.bin"), s3_server.client()
     upload_id, _ = start_upload(client, s3_server.bucket, key, {2: stale})
-    etags = {n: client.upload_part(Bucket=s3_server.bucket, Key=key, UploadId=upload_id,
-                                   PartNumber=n, Body=body)["ETag"]
-             for n, body in ((7, second), (2, first))}
+    etags = {
+        n: client.upload_part(
+            Bucket=s3_server.bucket, Key=key, UploadId=upload_id, PartNumber=n, Body=body
+        )["ETag"]
+        for n, body in ((7, second), (2, first))
+    }
     complete(client, s3_server.bucket, key, upload_id, sorted(etags.items()))
     assert client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read() == first + second
 
 
 def test_a_part_below_5_mib_that_is_not_last_fails_completion(s3_server, s3_root):
     key, client = key_of(s3_root, "small-part.bin"), s3_server.client()
-    upload_id, etags = start_upload(client, s3_server.bucket, key,
-                                    {1: os.urandom(MIB), 2: os.urandom(MIB)})
+    upload_id, etags = start_upload(
+        client, s3_server.bucket, key, {1: os.urandom(MIB), 2: os.urandom(MIB)}
+    )
     with pytest.raises(ClientError) as excinfo:
         complete(client, s3_server.bucket, key, upload_id, sorted(etags.items()))
     assert error_code(excinfo) == "EntityTooSmall"
@@ -90,8 +114,9 @@ def test_a_part_below_5_mib_that_is_not_last_fails_completion(s3_server, s3_root
 
 def test_completion_rejects_descending_lists_and_unknown_etags(s3_server, s3_root):
     key, client = key_of(s3_root, "bad-list.bin"), s3_server.client()
-    upload_id, etags = start_upload(client, s3_server.bucket, key,
-                                    {1: os.urandom(5 * MIB), 2: os.urandom(MIB)})
+    upload_id, etags = start_upload(
+        client, s3_server.bucket, key, {1: os.urandom(5 * MIB), 2: os.urandom(MIB)}
+    )
     with pytest.raises(ClientError) as excinfo:
         complete(client, s3_server.bucket, key, upload_id, [(2, etags[2]), (1, etags[1])])
     assert error_code(excinfo) == "InvalidPartOrder"
@@ -121,9 +146,10 @@ def test_ranged_get_returns_exactly_the_requested_bytes(s3_server, s3_root):
     client = s3_server.client()
     client.put_object(Bucket=s3_server.bucket, Key=key, Body=data)
     for first, last in [(0, 0), (MIB - 1, MIB), (2 * MIB + 5, len(data) - 1), (123, 4567)]:
-        body = client.get_object(Bucket=s3_server.bucket, Key=key,
-                                 Range=f"bytes={first}-{last}")["Body"].read()
-        assert body == data[first:last + 1]
+        body = client.get_object(Bucket=s3_server.bucket, Key=key, Range=f"bytes={first}-{last}")[
+            "Body"
+        ].read()
+        assert body == data[first : last + 1]
 
 
 def test_wrong_secret_key_is_rejected_with_an_access_error(s3_server, s3_root):
@@ -137,8 +163,9 @@ def test_wrong_secret_key_is_rejected_with_an_access_error(s3_server, s3_root):
     with pytest.raises(ClientError) as excinfo:
         bad.put_object(Bucket=s3_server.bucket, Key=key, Body=b"overwritten")
     assert error_code(excinfo) in DENIED
-    assert s3_server.client().get_object(Bucket=s3_server.bucket, Key=key)["Body"].read() == \
-        b"payload"
+    assert (
+        s3_server.client().get_object(Bucket=s3_server.bucket, Key=key)["Body"].read() == b"payload"
+    )
 
 
 def test_unknown_access_key_is_rejected(s3_server, s3_root):
@@ -150,8 +177,11 @@ def test_unknown_access_key_is_rejected(s3_server, s3_root):
 
 def test_anonymous_requests_are_rejected_and_write_nothing(s3_server, s3_root):
     key = key_of(s3_root, "anon.bin")
-    anonymous = s3_server.client(aws_access_key_id=None, aws_secret_access_key=None,
-                                 config=Config(signature_version=UNSIGNED))
+    anonymous = s3_server.client(
+        aws_access_key_id=None,
+        aws_secret_access_key=None,
+        config=Config(signature_version=UNSIGNED),
+    )
     with pytest.raises(ClientError) as excinfo:
         anonymous.put_object(Bucket=s3_server.bucket, Key=key, Body=b"anon")
     assert error_code(excinfo) == "AccessDenied"
@@ -180,8 +210,9 @@ def test_aborted_multipart_upload_leaves_no_upload_and_no_object(s3_server, s3_r
     key = key_of(s3_root, "aborted.bin")
     client = s3_server.client()
     upload_id = client.create_multipart_upload(Bucket=s3_server.bucket, Key=key)["UploadId"]
-    client.upload_part(Bucket=s3_server.bucket, Key=key, UploadId=upload_id, PartNumber=2,
-                       Body=os.urandom(MIB))
+    client.upload_part(
+        Bucket=s3_server.bucket, Key=key, UploadId=upload_id, PartNumber=2, Body=os.urandom(MIB)
+    )
     listed = list_multipart_uploads(s3_server, key_of(s3_root, ""))
     assert [(u["Key"], u["UploadId"]) for u in listed] == [(key, upload_id)]
     client.abort_multipart_upload(Bucket=s3_server.bucket, Key=key, UploadId=upload_id)
@@ -204,8 +235,11 @@ def test_delete_prefix_removes_objects_and_uploads_only_under_the_prefix(s3_serv
 
 
 def test_server_listens_only_on_loopback_on_its_own_ports(s3_server):
-    listening = {(c.laddr.ip, c.laddr.port) for c in psutil.Process(s3_server.pid).net_connections()
-                 if c.status == psutil.CONN_LISTEN}
+    listening = {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process(s3_server.pid).net_connections()
+        if c.status == psutil.CONN_LISTEN
+    }
     assert {ip for ip, _ in listening} == {"127.0.0.1"}
     assert {port for _, port in listening} == set(s3_server.ports.values())
     assert s3_server.endpoint == f"http://127.0.0.1:{s3_server.ports['s3.port']}"
@@ -220,9 +254,16 @@ def test_split_s3_url_returns_bucket_and_key_and_rejects_other_urls(s3_root):
 
 
 def test_storage_options_name_the_endpoint_and_identity(s3_server, s3_storage_options):
-    assert s3_storage_options == storage_options(s3_server) == {
-        "endpoint_url": s3_server.endpoint, "aws_access_key_id": s3_server.access_key,
-        "aws_secret_access_key": s3_server.secret_key, "region_name": "us-east-1"}
+    assert (
+        s3_storage_options
+        == storage_options(s3_server)
+        == {
+            "endpoint_url": s3_server.endpoint,
+            "aws_access_key_id": s3_server.access_key,
+            "aws_secret_access_key": s3_server.secret_key,
+            "region_name": "us-east-1",
+        }
+    )
 
 
 @pytest.mark.slow
@@ -230,21 +271,31 @@ def test_kill_and_restart_keep_committed_objects(s3_server, s3_root):
     client = s3_server.client()
     small, large = os.urandom(1000), os.urandom(7 * MIB)
     client.put_object(Bucket=s3_server.bucket, Key=key_of(s3_root, "small"), Body=small)
-    upload_parts(client, s3_server.bucket, key_of(s3_root, "large"),
-                 {1: large[:5 * MIB], 2: large[5 * MIB:]}, order=(2, 1))
+    upload_parts(
+        client,
+        s3_server.bucket,
+        key_of(s3_root, "large"),
+        {1: large[: 5 * MIB], 2: large[5 * MIB :]},
+        order=(2, 1),
+    )
     old_pid, endpoint = s3_server.pid, s3_server.endpoint
     s3_server.kill()
     assert s3_server.pid is None
-    assert not psutil.pid_exists(old_pid) or psutil.Process(old_pid).status() == \
-        psutil.STATUS_ZOMBIE
+    assert (
+        not psutil.pid_exists(old_pid) or psutil.Process(old_pid).status() == psutil.STATUS_ZOMBIE
+    )
     s3_server.restart()
     assert s3_server.pid not in (None, old_pid)
     assert s3_server.endpoint == endpoint
     client = s3_server.client()
-    assert client.get_object(Bucket=s3_server.bucket, Key=key_of(s3_root, "small"))["Body"].read() \
+    assert (
+        client.get_object(Bucket=s3_server.bucket, Key=key_of(s3_root, "small"))["Body"].read()
         == small
-    assert client.get_object(Bucket=s3_server.bucket, Key=key_of(s3_root, "large"))["Body"].read() \
+    )
+    assert (
+        client.get_object(Bucket=s3_server.bucket, Key=key_of(s3_root, "large"))["Body"].read()
         == large
+    )
 
 
 def test_a_server_that_cannot_start_raises_with_its_log_tail(tmp_path):
@@ -260,14 +311,16 @@ def test_a_server_that_cannot_start_raises_with_its_log_tail(tmp_path):
 
 @pytest.mark.slow
 def test_an_upload_in_progress_at_a_kill_is_listed_after_restart_and_can_be_aborted(
-        s3_server, s3_root):
+    s3_server, s3_root
+):
     key, client = key_of(s3_root, "pending.bin"), s3_server.client()
     upload_id, _ = start_upload(client, s3_server.bucket, key, {3: os.urandom(5 * MIB)})
     s3_server.kill()
     s3_server.restart()
     client = s3_server.client()
-    assert [(u["Key"], u["UploadId"]) for u in list_multipart_uploads(s3_server, key)] == \
-        [(key, upload_id)]
+    assert [(u["Key"], u["UploadId"]) for u in list_multipart_uploads(s3_server, key)] == [
+        (key, upload_id)
+    ]
     parts = client.list_parts(Bucket=s3_server.bucket, Key=key, UploadId=upload_id)["Parts"]
     assert [(p["PartNumber"], p["Size"]) for p in parts] == [(3, 5 * MIB)]
     client.abort_multipart_upload(Bucket=s3_server.bucket, Key=key, UploadId=upload_id)

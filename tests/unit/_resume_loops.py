@@ -6,6 +6,7 @@ Every loop trains a tiny model for ``run.steps`` steps, saves after the even ste
 the commit, so that which checkpoint a kill leaves is known) and hands everything it trains with
 to ``run.step_done`` -- also what its checkpoint leaves out.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,8 +55,14 @@ def _training(dropout: bool):
     model = nn.Sequential(*layers, nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-    return {"model": model, "optimizer": opt, "scheduler": sched, "loader": Batches(),
-            "rng": datastates.RNGState(), "progress": {"seen": 0}}
+    return {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": sched,
+        "loader": Batches(),
+        "rng": datastates.RNGState(),
+        "progress": {"seen": 0},
+    }
 
 
 def _step(state, x, y):
@@ -92,8 +99,9 @@ def elastic_loader(run):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(64, 8, generator=g)
     state = _training(dropout=True)
-    state["loader"] = datastates.ElasticLoader(torch.utils.data.TensorDataset(x, x.sum(1, True)),
-                                               batch_size=4, seed=3)
+    state["loader"] = datastates.ElasticLoader(
+        torch.utils.data.TensorDataset(x, x.sum(1, True)), batch_size=4, seed=3
+    )
     with datastates.Checkpointer(run.directory, CFG) as ckpt:
         start = ckpt.restore(state).step + 1 if ckpt.latest() else 0
         batches = iter(state["loader"])
@@ -123,8 +131,12 @@ def randomness_in_loader_workers(run):
     with datastates.Checkpointer(run.directory, CFG) as ckpt:
         start = ckpt.restore(state).step + 1 if ckpt.latest() else 0
         batches = [list(range(4 * s, 4 * s + 4)) for s in range(start, run.steps)]
-        loader = torch.utils.data.DataLoader(NoisyData(), batch_sampler=batches, num_workers=1,
-                                             generator=torch.Generator().manual_seed(7))
+        loader = torch.utils.data.DataLoader(
+            NoisyData(),
+            batch_sampler=batches,
+            num_workers=1,
+            generator=torch.Generator().manual_seed(7),
+        )
         for step, (x, y) in zip(range(start, run.steps), loader):
             _step(state, x, y)
             if step % 2 == 0:

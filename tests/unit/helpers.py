@@ -1,4 +1,5 @@
 """Shared builders for the unit tests."""
+
 from __future__ import annotations
 
 import torch
@@ -61,11 +62,15 @@ def assert_same(a, b, path="state"):
     """Bit-exact equality of nested structures of tensors and values."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), f"{path}: tensor vs {type(b)}"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{path}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        )
         assert torch.equal(tensor_bytes(a.cpu()), tensor_bytes(b.cpu())), path
         return
     if isinstance(a, dict):
-        assert isinstance(b, dict) and list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} vs {list(b) if isinstance(b, dict) else b}"
+        assert isinstance(b, dict) and list(a.keys()) == list(b.keys()), (
+            f"{path}: keys {list(a)} vs {list(b) if isinstance(b, dict) else b}"
+        )
         for k in a:
             assert_same(a[k], b[k], f"{path}/{k}")
         return

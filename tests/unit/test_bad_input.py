@@ -1,6 +1,7 @@
 """Bad input to the public API: each case raises its exact error type, at the call that got the
 bad input, with a message that says what is wrong, and leaves the directory and live state as
 they were."""
+
 from __future__ import annotations
 
 import copy
@@ -11,23 +12,36 @@ import pytest
 import torch
 
 import datastates
-from datastates import (CheckpointConfig, CheckpointExistsError, CheckpointNotFoundError,
-                        Checkpointer, ConfigError, RestoreReport, SerializationError,
-                        StateMismatchError, UnsafeObjectError)
+from datastates import (
+    CheckpointConfig,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    Checkpointer,
+    ConfigError,
+    RestoreReport,
+    SerializationError,
+    StateMismatchError,
+    UnsafeObjectError,
+)
 from testkit import SMALL
 
 
 @dataclasses.dataclass
 class Point:
     """A user class at module level: picklable, but not on the safe-loading allowlist."""
+
     x: int
     y: float
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and a.shape == b.shape and
-            torch.equal(a.detach().reshape(-1).view(torch.uint8),
-                        b.detach().reshape(-1).view(torch.uint8)))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8)
+        )
+    )
 
 
 def entries(directory) -> list[str]:
@@ -47,6 +61,7 @@ def mlp(out: int = 4, seed: int = 0) -> torch.nn.Module:
 
 
 # ---------------------------------------------------------------- directory and missing checkpoints
+
 
 def test_directory_is_a_file(tmp_path):
     path = tmp_path / "a-file"
@@ -83,6 +98,7 @@ def test_missing_step_or_tag(ck):
 
 
 # ---------------------------------------------------------------- restore mismatches
+
 
 def test_shape_mismatch_raises_and_modifies_nothing(ck):
     ck.save({"model": mlp(out=4), "t": torch.arange(10.0)}, step=1).wait(60)
@@ -129,20 +145,31 @@ def test_key_mismatch_strict(ck, change):
 
 
 def test_non_strict_restores_what_matches(ck):
-    saved = {"model": mlp(out=4), "a": torch.arange(4.0), "gone": torch.ones(2),
-             "t": torch.arange(3)}
+    saved = {
+        "model": mlp(out=4),
+        "a": torch.arange(4.0),
+        "gone": torch.ones(2),
+        "t": torch.arange(3),
+    }
     ck.save(saved, step=1).wait(60)
     live_model = mlp(out=5, seed=1)
     before = copy.deepcopy(live_model.state_dict())
-    live = {"model": live_model, "a": torch.zeros(4), "new": torch.zeros(7),
-            "t": torch.zeros(3, dtype=torch.int32)}
+    live = {
+        "model": live_model,
+        "a": torch.zeros(4),
+        "new": torch.zeros(7),
+        "t": torch.zeros(3, dtype=torch.int32),
+    }
     report = ck.restore(live, strict=False)
     assert isinstance(report, RestoreReport)
     assert report.name == "step-0000000001" and report.step == 1
     assert report.missing == ["new"]
     assert report.unexpected == ["gone"]
-    assert sorted(m.split(" ")[0] for m in report.mismatched) == ["model/2.bias", "model/2.weight",
-                                                                  "t"]
+    assert sorted(m.split(" ")[0] for m in report.mismatched) == [
+        "model/2.bias",
+        "model/2.weight",
+        "t",
+    ]
     assert sorted(report.restored) == ["a", "model/0.bias", "model/0.weight"]
     # Restored: bit-exact. Mismatched or missing: untouched.
     assert same_bits(live["a"], torch.arange(4.0))
@@ -162,18 +189,23 @@ def test_restore_into_wrong_kind_of_object(ck):
 
 # ---------------------------------------------------------------- Python objects
 
+
 def _local_class_instance():
     class Local:
         pass
+
     return Local()
 
 
-@pytest.mark.parametrize("obj,what", [
-    (lambda x: x, "function"),
-    (_local_class_instance(), "Local"),
-    ((i for i in range(3)), "generator"),
-    (__import__("threading").Lock(), "lock"),
-])
+@pytest.mark.parametrize(
+    "obj,what",
+    [
+        (lambda x: x, "function"),
+        (_local_class_instance(), "Local"),
+        ((i for i in range(3)), "generator"),
+        (__import__("threading").Lock(), "lock"),
+    ],
+)
 def test_unpicklable_object_fails_in_save(ck, obj, what):
     ck.save({"w": torch.ones(2)}, step=1).wait(60)
     before = entries(ck.directory)
@@ -187,15 +219,21 @@ def test_unpicklable_object_fails_in_save(ck, obj, what):
     assert [i.step for i in ck.list()] == [1, 2]
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.sparse_coo_tensor(torch.tensor([[0], [1]]), torch.ones(1), (2, 4)),
-    lambda: torch.sparse_coo_tensor(torch.zeros(2, 0, dtype=torch.long), torch.zeros(0), (0, 4)),
-    lambda: torch.eye(3).to_sparse_csr(),
-    lambda: torch.ones(3).to_mkldnn(),
-    lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
-    lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged),
-    lambda: torch.empty(3, device="meta"),
-], ids=["coo", "coo without elements", "csr", "mkldnn", "nested", "jagged", "meta"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.sparse_coo_tensor(torch.tensor([[0], [1]]), torch.ones(1), (2, 4)),
+        lambda: torch.sparse_coo_tensor(
+            torch.zeros(2, 0, dtype=torch.long), torch.zeros(0), (0, 4)
+        ),
+        lambda: torch.eye(3).to_sparse_csr(),
+        lambda: torch.ones(3).to_mkldnn(),
+        lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged),
+        lambda: torch.empty(3, device="meta"),
+    ],
+    ids=["coo", "coo without elements", "csr", "mkldnn", "nested", "jagged", "meta"],
+)
 def test_a_tensor_no_checkpoint_holds_is_refused_in_save_by_its_key(ck, make):
     """A tensor that is not strided, a nested one and a meta one with elements fail inside
     save() with SerializationError naming the key and the kind, before anything is written
@@ -235,6 +273,7 @@ def test_custom_class_needs_trust(ck, tmp_path):
 
 # ---------------------------------------------------------------- existing checkpoints
 
+
 def test_existing_step_needs_overwrite(ck):
     ck.save({"w": torch.ones(3)}, step=1).wait(60)
     with pytest.raises(CheckpointExistsError, match="overwrite=True") as info:
@@ -245,8 +284,9 @@ def test_existing_step_needs_overwrite(ck):
     assert same_bits(ck.load(step=1)["w"], torch.full((3,), 7.0))
     assert [i.name for i in ck.list()] == ["step-0000000001"]
     # no temporary is left; the open Checkpointer's lease file (.owner.*) is its only entry
-    assert [n for n in entries(ck.directory) if n.startswith(".")
-            and not n.startswith(".owner.")] == []
+    assert [
+        n for n in entries(ck.directory) if n.startswith(".") and not n.startswith(".owner.")
+    ] == []
 
 
 def test_existing_tag_needs_overwrite(ck):
@@ -259,15 +299,34 @@ def test_existing_tag_needs_overwrite(ck):
 
 # ---------------------------------------------------------------- configuration
 
-@pytest.mark.parametrize("field,value", [
-    ("host_cache_bytes", 0), ("host_cache_bytes", 8191), ("host_cache_bytes", "1GB"),
-    ("host_cache_bytes", 1.5e9), ("chunk_bytes", 100), ("chunk_bytes", None),
-    ("writer_threads", 0), ("writer_threads", 1.5), ("reader_threads", 0), ("reader_threads", -2),
-    ("io_mode", "fast"), ("io_mode", None), ("max_pending_saves", 0), ("keep_last", 0),
-    ("keep_last", -1), ("keep_last", 2.0), ("keep_every", 0), ("commit_timeout_s", 0),
-    ("commit_timeout_s", -5.0), ("commit_timeout_s", float("nan")), ("lazy", "sometimes"),
-    ("lazy", True),
-])
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("host_cache_bytes", 0),
+        ("host_cache_bytes", 8191),
+        ("host_cache_bytes", "1GB"),
+        ("host_cache_bytes", 1.5e9),
+        ("chunk_bytes", 100),
+        ("chunk_bytes", None),
+        ("writer_threads", 0),
+        ("writer_threads", 1.5),
+        ("reader_threads", 0),
+        ("reader_threads", -2),
+        ("io_mode", "fast"),
+        ("io_mode", None),
+        ("max_pending_saves", 0),
+        ("keep_last", 0),
+        ("keep_last", -1),
+        ("keep_last", 2.0),
+        ("keep_every", 0),
+        ("commit_timeout_s", 0),
+        ("commit_timeout_s", -5.0),
+        ("commit_timeout_s", float("nan")),
+        ("lazy", "sometimes"),
+        ("lazy", True),
+    ],
+)
 def test_invalid_config(field, value):
     with pytest.raises(ConfigError) as info:
         CheckpointConfig(**{field: value})
@@ -277,9 +336,14 @@ def test_invalid_config(field, value):
         SMALL.replace(**{field: value})
 
 
-@pytest.mark.parametrize("field,value", [
-    ("commit_timeout_s", "10"), ("stale_tmp_age_s", -1.0), ("stale_tmp_age_s", "1h"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("commit_timeout_s", "10"),
+        ("stale_tmp_age_s", -1.0),
+        ("stale_tmp_age_s", "1h"),
+    ],
+)
 def test_invalid_config_time_fields(field, value):
     with pytest.raises(ConfigError, match=field):
         CheckpointConfig(**{field: value})
@@ -293,6 +357,7 @@ def test_valid_config_edges():
 
 # ---------------------------------------------------------------- save arguments
 
+
 @pytest.mark.parametrize("step", [-1, True, False, "3", 1.0, None])
 def test_invalid_step(ck, step):
     with pytest.raises(ValueError, match="step") as info:
@@ -301,8 +366,20 @@ def test_invalid_step(ck, step):
     assert entries(ck.directory) == []
 
 
-@pytest.mark.parametrize("tag", ["a/b", ".hidden", "", "latest", "latest.tmp", "..", "a\\b",
-                                 "x\x00y", ".tmp.step-0000000001.x"])
+@pytest.mark.parametrize(
+    "tag",
+    [
+        "a/b",
+        ".hidden",
+        "",
+        "latest",
+        "latest.tmp",
+        "..",
+        "a\\b",
+        "x\x00y",
+        ".tmp.step-0000000001.x",
+    ],
+)
 def test_invalid_tag(ck, tag):
     with pytest.raises(ValueError, match="invalid checkpoint name"):
         ck.save({"w": torch.ones(1)}, tag=tag)
@@ -318,11 +395,17 @@ def test_invalid_step_on_load(ck, step):
         ck.load(step=step)
 
 
-@pytest.mark.parametrize("metadata,error", [
-    ({"obj": object()}, TypeError), ({"set": {1, 2}}, TypeError), ({"t": torch.ones(1)}, TypeError),
-    ({"nan": float("nan")}, ValueError), ({"inf": [float("inf")]}, ValueError),
-    (["not", "a", "dict"], TypeError),
-])
+@pytest.mark.parametrize(
+    "metadata,error",
+    [
+        ({"obj": object()}, TypeError),
+        ({"set": {1, 2}}, TypeError),
+        ({"t": torch.ones(1)}, TypeError),
+        ({"nan": float("nan")}, ValueError),
+        ({"inf": [float("inf")]}, ValueError),
+        (["not", "a", "dict"], TypeError),
+    ],
+)
 def test_metadata_not_json_fails_in_save(ck, metadata, error):
     with pytest.raises(error) as info:
         ck.save({"w": torch.ones(1)}, step=1, metadata=metadata)
@@ -337,8 +420,11 @@ def test_use_after_close(tmp_path):
     ck.save({"w": torch.ones(1)}, step=1).wait(60)
     ck.close()
     ck.close()  # idempotent
-    for call in (lambda: ck.save({"w": torch.ones(1)}, step=2), lambda: ck.load(),
-                 lambda: ck.restore({"w": torch.zeros(1)})):
+    for call in (
+        lambda: ck.save({"w": torch.ones(1)}, step=2),
+        lambda: ck.load(),
+        lambda: ck.restore({"w": torch.zeros(1)}),
+    ):
         with pytest.raises(RuntimeError, match="closed"):
             call()
     assert entries(tmp_path) == ["latest", "step-0000000001"]

@@ -4,6 +4,7 @@ Every end-to-end case mutates the live state right after ``save()`` returned and
 checkpoint holds the value at ``save()`` time. The host cache is far smaller than the state, so a
 tensor wrongly captured lazily would still be waiting for a slot when it is mutated.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -30,8 +31,12 @@ def _decisions(state, optimizers=(), others=()) -> dict[str, bool]:
     """key -> lazy, as the rule decides it for ``state``."""
     flat = flatten(state, ProviderRegistry.default())
     in_save = [capture.torch_optimizer(o) for o in [*flat.optimizers, *optimizers]]
-    capture.decide(flat.items, capture.LazyRule([o for o in in_save if o is not None],
-                                                [capture.torch_optimizer(o) for o in others]))
+    capture.decide(
+        flat.items,
+        capture.LazyRule(
+            [o for o in in_save if o is not None], [capture.torch_optimizer(o) for o in others]
+        ),
+    )
     items = flat.items
     return {items.keys[i]: items.lazy[i] for i in items.tensor_indexes()}
 
@@ -117,8 +122,10 @@ def test_second_optimizer_over_the_same_parameters_not_in_the_save(tmp_path):
         _step(model, other)
         h.wait()
         assert_same(reference, dict(ck.load()["model"]))
-    assert _decisions({"model": model, "opt": opt}, others=[other]) == \
-        {"model/weight": False, "model/bias": False}
+    assert _decisions({"model": model, "opt": opt}, others=[other]) == {
+        "model/weight": False,
+        "model/bias": False,
+    }
 
 
 def test_weight_clipping_of_a_module_no_saved_optimizer_updates(tmp_path):
@@ -161,8 +168,7 @@ def test_state_dicts_of_a_guarded_model_are_lazy_and_exact(tmp_path):
         reference = clone_state(state)
         h = ck.save(state, step=1, optimizers=[opt])
         tensors = sum(t.numel() * t.element_size() for t in model.parameters())
-        tensors += sum(v.numel() * v.element_size() for s in opt.state.values()
-                       for v in s.values())
+        tensors += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
         assert h.stats.lazy_nbytes == tensors  # no copy inside save()
         _step(model, opt)  # waits for the capture
         h.wait()
@@ -272,22 +278,26 @@ def test_accelerate_optimizer_is_unwrapped(tmp_path):
     import os
     import subprocess
     import sys
+
     pytest.importorskip("accelerate")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    subprocess.run([sys.executable, "-c", ACCELERATE, str(tmp_path)], check=True, env=env,
-                   timeout=300)
+    subprocess.run(
+        [sys.executable, "-c", ACCELERATE, str(tmp_path)], check=True, env=env, timeout=300
+    )
 
 
 def test_explicit_markers_override_the_rule(tmp_path):
     model = nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loose = torch.zeros(8)
-    lazy = _decisions({"model": datastates.eager(model), "opt": opt,
-                       "loose": datastates.lazy(loose)})
+    lazy = _decisions(
+        {"model": datastates.eager(model), "opt": opt, "loose": datastates.lazy(loose)}
+    )
     assert lazy == {"model/weight": False, "model/bias": False, "loose": True}
     # one view under two keys: eager wins
-    assert _decisions({"a": model.weight, "b": datastates.eager(model.weight), "opt": opt}) == \
-        {"a": False}
+    assert _decisions({"a": model.weight, "b": datastates.eager(model.weight), "opt": opt}) == {
+        "a": False
+    }
 
 
 # ------------------------------------------------------------------ eager straight into the cache
@@ -323,8 +333,9 @@ def test_eager_copy_makes_no_clone(tmp_path, monkeypatch):
     """Eager tensors are not cloned in save(): the only copy is into the host cache."""
     calls = []
     original = torch.Tensor.clone
-    monkeypatch.setattr(torch.Tensor, "clone", lambda self, *a, **k: calls.append(1) or
-                        original(self, *a, **k))
+    monkeypatch.setattr(
+        torch.Tensor, "clone", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    )
     t = torch.ones(4096)
     with Checkpointer(tmp_path, SMALL) as ck:
         h = ck.save({"t": t}, step=1)

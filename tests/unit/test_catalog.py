@@ -2,6 +2,7 @@
 the manifests that are new or changed since the writer's previous scan, yet sees every checkpoint
 another process committed, replaced, damaged or deleted in between (docs/format.md, "Which
 checkpoint is the latest"). Manifest reads are counted through the store's ``read_bytes``."""
+
 from __future__ import annotations
 
 import json
@@ -68,14 +69,18 @@ def test_retention_uses_the_commits_listing(tmp_path, monkeypatch):
             save(ck, step, step=step)
             assert counter.take() == ([], 1)
         assert [i.name for i in ck.list()] == ["step-0000000004", "step-0000000005"]
-    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == \
-        ["step-0000000004", "step-0000000005"]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == [
+        "step-0000000004",
+        "step-0000000005",
+    ]
 
 
 def test_a_commit_by_another_checkpointer_is_numbered_and_retained(tmp_path, monkeypatch):
     counter = Counter(monkeypatch)
-    with Checkpointer(tmp_path, CheckpointConfig(keep_last=2, **SMALL)) as ck1, \
-            Checkpointer(tmp_path, CheckpointConfig(keep_last=None, **SMALL)) as ck2:
+    with (
+        Checkpointer(tmp_path, CheckpointConfig(keep_last=2, **SMALL)) as ck1,
+        Checkpointer(tmp_path, CheckpointConfig(keep_last=None, **SMALL)) as ck2,
+    ):
         save(ck1, 1, step=1)
         save(ck1, 2, step=2)
         counter.take()
@@ -85,22 +90,28 @@ def test_a_commit_by_another_checkpointer_is_numbered_and_retained(tmp_path, mon
         # ck1 read only ck2's manifest, numbered after it and counted it in retention
         assert counter.take() == (["step-0000000003"], 1)
         assert info.seq == 4
-        assert [(i.name, i.seq) for i in ck1.list()] == [("step-0000000003", 3),
-                                                         ("step-0000000004", 4)]
+        assert [(i.name, i.seq) for i in ck1.list()] == [
+            ("step-0000000003", 3),
+            ("step-0000000004", 4),
+        ]
         assert counter.take() == ([], 1)
 
 
 def test_a_replaced_manifest_is_read_again(tmp_path, monkeypatch):
     counter = Counter(monkeypatch)
-    with Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck1, \
-            Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck2:
+    with (
+        Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck1,
+        Checkpointer(tmp_path, CheckpointConfig(**SMALL)) as ck2,
+    ):
         save(ck1, 1, tag="best", step=1)
         save(ck1, 2, step=2)
         assert ck2.latest().name == "step-0000000002"
         save(ck2, 3, tag="best", step=3, overwrite=True)  # replaces ck1's "best"
         counter.take()
-        assert [(i.name, i.seq, i.step) for i in ck1.list()] == [("step-0000000002", 2, 2),
-                                                                 ("best", 3, 3)]
+        assert [(i.name, i.seq, i.step) for i in ck1.list()] == [
+            ("step-0000000002", 2, 2),
+            ("best", 3, 3),
+        ]
         assert counter.take() == (["best"], 1)
         assert save(ck1, 4, step=4).seq == 4
         assert counter.take() == ([], 1)
@@ -139,7 +150,8 @@ def test_retention_skips_a_checkpoint_deleted_meanwhile(tmp_path):
         committed = ck.list()
     shutil.rmtree(tmp_path / "step-0000000001")  # gone since that listing
     removed = retention.RetentionPolicy(keep_last=1).apply(
-        str(tmp_path), protect="step-0000000003", fsync=False, committed=committed)
+        str(tmp_path), protect="step-0000000003", fsync=False, committed=committed
+    )
     assert removed == ["step-0000000002"]
     assert [i.name for i in catalog.list_checkpoints(str(tmp_path))] == ["step-0000000003"]
 
@@ -186,8 +198,10 @@ def test_restore_of_the_latest_reads_its_manifest_once(tmp_path, monkeypatch):
 def test_kept_manifest_is_not_used_once_the_checkpoint_changed(tmp_path):
     """Another writer replaces the newest checkpoint, or commits a newer one, after this
     Checkpointer's last scan: restore() reads what is on disk now, never the kept manifest."""
-    with Checkpointer(tmp_path, CheckpointConfig(keep_last=None, **SMALL)) as mine, \
-            Checkpointer(tmp_path, CheckpointConfig(keep_last=None, **SMALL)) as other:
+    with (
+        Checkpointer(tmp_path, CheckpointConfig(keep_last=None, **SMALL)) as mine,
+        Checkpointer(tmp_path, CheckpointConfig(keep_last=None, **SMALL)) as other,
+    ):
         save(mine, 1.0, step=1)
         assert mine.latest().step == 1
         save(other, 7.0, step=1, overwrite=True)
@@ -200,7 +214,9 @@ def test_kept_manifest_is_not_used_once_the_checkpoint_changed(tmp_path):
         save(other, 9.0, step=2)
         assert mine.restore(state).step == 2
         assert torch.equal(state["x"], torch.full((3,), 9.0))
-        shutil.rmtree(tmp_path / fmt.step_name(2))  # deleted behind its back: the previous one again
+        shutil.rmtree(
+            tmp_path / fmt.step_name(2)
+        )  # deleted behind its back: the previous one again
         assert mine.restore(state).step == 1
         assert torch.equal(state["x"], torch.full((3,), 7.0))
 
@@ -232,12 +248,12 @@ def _without_dac_override() -> list[str] | None:
     for a user other than root; ``capsh`` dropping root's override of file permissions; None if
     neither can be had."""
     import shutil as which
+
     if os.geteuid() != 0:
         return []
     if which.which("capsh") is None:
         return None
-    return ["capsh", "--drop=cap_dac_override,cap_dac_read_search", "--", "-c",
-            'exec "$0" "$@"']
+    return ["capsh", "--drop=cap_dac_override,cap_dac_read_search", "--", "-c", 'exec "$0" "$@"']
 
 
 def test_an_unreadable_manifest_is_no_damage_and_its_number_is_never_reused(tmp_path):
@@ -248,6 +264,7 @@ def test_an_unreadable_manifest_is_no_damage_and_its_number_is_never_reused(tmp_
     (nothing of the failed read was kept) and commits with the next number."""
     import subprocess
     import sys
+
     prefix = _without_dac_override()
     if prefix is None:
         pytest.skip("running as root without capsh: no process here is refused a mode-000 file")
@@ -255,13 +272,18 @@ def test_an_unreadable_manifest_is_no_damage_and_its_number_is_never_reused(tmp_
         save(ck, 1, step=1)
         save(ck, 2, step=2)
     manifest = tmp_path / fmt.step_name(2) / fmt.MANIFEST
-    child = subprocess.Popen([*prefix, sys.executable, "-c", _READER, str(tmp_path)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [*prefix, sys.executable, "-c", _READER, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
     def ask(command: str) -> str:
         child.stdin.write(command + "\n")
         child.stdin.flush()
         return child.stdout.readline().strip()
+
     try:
         assert child.stdout.readline() == "READY\n"
         os.chmod(manifest, 0)
@@ -289,8 +311,9 @@ class _LaggingStore(type(LOCAL)):
         self.hidden = hidden
 
     def file_stamps(self, path, file_name):
-        return {n: s for n, s in super().file_stamps(path, file_name).items()
-                if n not in self.hidden}
+        return {
+            n: s for n, s in super().file_stamps(path, file_name).items() if n not in self.hidden
+        }
 
 
 def test_a_recorded_commit_survives_a_listing_that_lags_behind_it(tmp_path):
@@ -336,15 +359,27 @@ def test_the_fields_a_listing_needs_come_before_the_entries(tmp_path):
     for name in ("step-0000000001", "best"):
         path = str(tmp_path / name)
         keys = list(_body(path))
-        assert keys.index("entries") > max(keys.index(k) for k in (
-            "format", "version", "name", "step", "created_unix", "world_size", "seq",
-            "metadata", "files"))
+        assert keys.index("entries") > max(
+            keys.index(k)
+            for k in (
+                "format",
+                "version",
+                "name",
+                "step",
+                "created_unix",
+                "world_size",
+                "seq",
+                "metadata",
+                "files",
+            )
+        )
         assert "metrics" not in keys or keys.index("metrics") < keys.index("entries")
         head, none = catalog.examine(path, head=True)
         whole, manifest = catalog.examine(path)
         assert none is None and manifest is not None and head == whole
-    assert whole.metrics == {} and catalog.examine(str(tmp_path / "step-0000000001"),
-                                                   head=True)[0].metrics == {"loss": 0.5}
+    assert whole.metrics == {} and catalog.examine(str(tmp_path / "step-0000000001"), head=True)[
+        0
+    ].metrics == {"loss": 0.5}
 
 
 def test_a_scan_parses_only_the_newest_manifest_whole(tmp_path):
@@ -361,7 +396,7 @@ def test_a_scan_parses_only_the_newest_manifest_whole(tmp_path):
     assert cat.manifest(infos[-1]) is not None and cat.manifest(infos[0]) is None
     with Checkpointer(tmp_path) as ck:
         live = {"x": torch.zeros(3)}
-        assert ck.restore(live, step=2).step == 2 and torch.equal(live["x"], torch.full((3,), 2.))
+        assert ck.restore(live, step=2).step == 2 and torch.equal(live["x"], torch.full((3,), 2.0))
 
 
 def _dup(path: str, tail: bytes) -> None:
@@ -392,8 +427,12 @@ def test_a_body_that_fails_behind_a_valid_head(tmp_path):
     _reseal(paths[3], {"entries": body.pop("entries"), **body})  # entries first: no head
     with Checkpointer(tmp_path) as ck:
         assert ck.latest().step == 4
-        assert [(i.step, i.metrics["loss"]) for i in ck.list()] == [(1, 1.0), (2, 2.0),
-                                                                     (3, 3.0), (4, 4.0)]
+        assert [(i.step, i.metrics["loss"]) for i in ck.list()] == [
+            (1, 1.0),
+            (2, 2.0),
+            (3, 3.0),
+            (4, 4.0),
+        ]
         assert [d.name for d in ck.damaged()] == ["step-0000000005", "step-0000000006"]
         assert "given twice" in ck.damaged()[0].reason and "offset" in ck.damaged()[1].reason
         live = {"x": torch.zeros(3)}
@@ -401,8 +440,8 @@ def test_a_body_that_fails_behind_a_valid_head(tmp_path):
             with pytest.raises(CorruptCheckpointError, match=error):
                 ck.restore(live, step=step)
             assert torch.equal(live["x"], torch.zeros(3))
-        assert ck.restore(live, step=3).step == 3 and torch.equal(live["x"], torch.full((3,), 3.))
-        assert ck.restore(live).step == 4 and torch.equal(live["x"], torch.full((3,), 4.))
+        assert ck.restore(live, step=3).step == 3 and torch.equal(live["x"], torch.full((3,), 3.0))
+        assert ck.restore(live).step == 4 and torch.equal(live["x"], torch.full((3,), 4.0))
 
 
 def test_a_manifest_replaced_after_its_head_was_read_is_no_damage(tmp_path):
@@ -446,18 +485,28 @@ def test_the_head_decoder_stops_at_its_field_only():
     """``codec.parse_json_head``: the fields before the top-level array field, as json.loads
     gives them; None (a whole parse follows) for anything else."""
     head = fmt.parse_json_head
-    assert head(b'{"a":{"entries":[1]},"b":[2],"entries":[{"x":1}],"c":3}', "entries") == \
-        {"a": {"entries": [1]}, "b": [2]}
+    assert head(b'{"a":{"entries":[1]},"b":[2],"entries":[{"x":1}],"c":3}', "entries") == {
+        "a": {"entries": [1]},
+        "b": [2],
+    }
     assert head(b' { "a" : 1 , "entries" : [ ] } ', "entries") == {"a": 1}
-    assert fmt.parse_json(b'{"a":{"b":1,"b":2},"c":1}', "m", unique=True) == \
-        {"a": {"b": 2}, "c": 1}  # only the object's own fields must be unique
+    assert fmt.parse_json(b'{"a":{"b":1,"b":2},"c":1}', "m", unique=True) == {
+        "a": {"b": 2},
+        "c": 1,
+    }  # only the object's own fields must be unique
     with pytest.raises(CorruptCheckpointError, match="given twice"):
         fmt.parse_json(b'{"a":{"b":1},"c":1,"c":1}', "m", unique=True)
-    for raw in (b'{"a":1,"a":2,"entries":[]}',  # a field twice: json.loads keeps the last
-                b'{"a":1,"c":[]}',               # never reached
-                b'{"a":1,"entries":7}',          # not an array
-                b'[{"entries":[]}]', b'{"a":NaN,"entries":[]}', b'{"a":1 "entries":[]}',
-                b'{"a":1,', b'\xff\xfe{', b''):
+    for raw in (
+        b'{"a":1,"a":2,"entries":[]}',  # a field twice: json.loads keeps the last
+        b'{"a":1,"c":[]}',  # never reached
+        b'{"a":1,"entries":7}',  # not an array
+        b'[{"entries":[]}]',
+        b'{"a":NaN,"entries":[]}',
+        b'{"a":1 "entries":[]}',
+        b'{"a":1,',
+        b"\xff\xfe{",
+        b"",
+    ):
         assert head(raw, "entries") is None, raw
 
 
@@ -488,6 +537,7 @@ def test_an_empty_directory_at_a_name_is_free_and_quiet(tmp_path, caplog):
     the checkpoint over it; a folder holding anything else is still never replaced."""
     import logging
     from datastates import CheckpointExistsError
+
     (tmp_path / "held").mkdir()
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("kept")
@@ -510,7 +560,13 @@ def test_temporaries_do_not_spell_the_checkpoint_name(name):
     is in no temporary's name; an .old. still gives back the name it is to be put back under,
     and the names of earlier versions are still recognised, with their owner."""
     from datastates.storage.temporaries import (
-        old_name, owner_token, parse_temporary, tmp_name, trash_name)
+        old_name,
+        owner_token,
+        parse_temporary,
+        tmp_name,
+        trash_name,
+    )
+
     token = owner_token("a-run")
     made = [tmp_name(name, token, 123456789), old_name(name, token), trash_name(token)]
     for entry in made:
@@ -518,10 +574,16 @@ def test_temporaries_do_not_spell_the_checkpoint_name(name):
         assert parse_temporary(entry).owner == token
     assert [parse_temporary(e).kind for e in made] == ["tmp", "old", "trash"]
     assert parse_temporary(made[1]).original == name
-    earlier = [f".tmp.{name}.{token}-7", f".old.{name}.{token}.89abcdef",
-               f".trash.{name}.{token}.89abcdef"]
-    assert [(parse_temporary(e).kind, parse_temporary(e).owner) for e in earlier] == \
-        [("tmp", token), ("old", token), ("trash", token)]
+    earlier = [
+        f".tmp.{name}.{token}-7",
+        f".old.{name}.{token}.89abcdef",
+        f".trash.{name}.{token}.89abcdef",
+    ]
+    assert [(parse_temporary(e).kind, parse_temporary(e).owner) for e in earlier] == [
+        ("tmp", token),
+        ("old", token),
+        ("trash", token),
+    ]
     assert parse_temporary(earlier[1]).original == name
     with pytest.raises(ValueError, match="at most 112 bytes.*found 113 bytes"):
         old_name("x" * 113, token)

@@ -1,4 +1,5 @@
 """CRC-32 backends: every backend gives zlib's values; the fallback works; formats interoperate."""
+
 from __future__ import annotations
 
 import importlib
@@ -13,16 +14,33 @@ from datastates.format import checksum
 from datastates.format import codec as fmt
 from datastates.storage.posix import buffer_of
 
-SIZES = [0, 1, 3, 63, 64, 65, 4095, 4096, 4097, 5 * 1024 - 1, 5 * 1024 + 1, 65_537,
-         (1 << 20) + 3, (8 << 20) + 17]
+SIZES = [
+    0,
+    1,
+    3,
+    63,
+    64,
+    65,
+    4095,
+    4096,
+    4097,
+    5 * 1024 - 1,
+    5 * 1024 + 1,
+    65_537,
+    (1 << 20) + 3,
+    (8 << 20) + 17,
+]
 OFFSETS = [0, 1, 7, 63, 4095]
 
 
 @pytest.fixture(scope="module")
 def blob() -> bytes:
     gen = torch.Generator().manual_seed(5)
-    return bytes(torch.randint(0, 256, ((8 << 20) + 4096 + 64,), dtype=torch.uint8,
-                               generator=gen).numpy().tobytes())
+    return bytes(
+        torch.randint(0, 256, ((8 << 20) + 4096 + 64,), dtype=torch.uint8, generator=gen)
+        .numpy()
+        .tobytes()
+    )
 
 
 def backends():
@@ -34,7 +52,7 @@ def test_values_equal_zlib_for_sizes_and_offsets(backend, blob):
     view = memoryview(blob)
     for size in SIZES:
         for off in OFFSETS:
-            piece = view[off:off + size]
+            piece = view[off : off + size]
             assert backend.crc32(piece) == zlib.crc32(piece), (backend.name, size, off)
 
 
@@ -62,7 +80,7 @@ def test_accepts_bytes_bytearray_memoryview_and_tensor_views(backend, blob):
     assert backend.crc32(buffer_of(t)) == expected
     assert backend.crc32(buffer_of(t)[10:20]) == zlib.crc32(data[10:20])
     # A value with the top bit set comes back unsigned, as zlib's does.
-    assert all(0 <= backend.crc32(blob[:n]) < 2 ** 32 for n in range(1, 64))
+    assert all(0 <= backend.crc32(blob[:n]) < 2**32 for n in range(1, 64))
 
 
 @pytest.mark.parametrize("backend", backends())

@@ -1,6 +1,7 @@
 """Bad input to the command line: one line on stderr starting with ``error:``, exit 1, no
 traceback, nothing written; and the output of ``inspect`` stays readable (long values
 collapsed, ``--keys``; a closed pipe ends it quietly)."""
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,7 @@ def test_import_of_a_legacy_torch_file(tmp_path, capsys):
     """The legacy (non-zip) format cannot be memory-mapped: it is read whole, bit-exact."""
     state = {"w": torch.randn(4, 3), "n": torch.arange(5)}
     torch.save(state, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
-    code, out, err = _run(capsys, "import", tmp_path / "old.pt", "--from", "torch",
-                          tmp_path / "ck")
+    code, out, err = _run(capsys, "import", tmp_path / "old.pt", "--from", "torch", tmp_path / "ck")
     assert code == EXIT_OK, err
     with Checkpointer(tmp_path / "ck") as ck:
         got = ck.load()
@@ -76,16 +76,21 @@ def test_import_from_safetensors_without_the_package(tmp_path):
     """Without safetensors importable (it is blocked in the child's module table, as Python
     does for a module that is not there), the import says what to install."""
     _, _, bad = _bad_files(tmp_path)
-    script = ("import sys; sys.modules['safetensors'] = None; sys.modules['safetensors.torch'] = "
-              "None\nfrom datastates.tools.cli import main\n"
-              f"sys.exit(main(['import', {str(bad)!r}, '--from', 'safetensors', "
-              f"{str(tmp_path / 'ck')!r}]))")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300)
+    script = (
+        "import sys; sys.modules['safetensors'] = None; sys.modules['safetensors.torch'] = "
+        "None\nfrom datastates.tools.cli import main\n"
+        f"sys.exit(main(['import', {str(bad)!r}, '--from', 'safetensors', "
+        f"{str(tmp_path / 'ck')!r}]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert (proc.returncode, proc.stdout) == (EXIT_ERROR, "")
-    assert proc.stderr == (f"error: import --from safetensors: expected the safetensors package "
-                           f"to read {bad}, found it not installed: pip install safetensors (or "
-                           "pip install '.[safetensors]' in a datastates checkout)\n")
+    assert proc.stderr == (
+        f"error: import --from safetensors: expected the safetensors package "
+        f"to read {bad}, found it not installed: pip install safetensors (or "
+        "pip install '.[safetensors]' in a datastates checkout)\n"
+    )
     assert not (tmp_path / "ck").exists()
 
 
@@ -98,8 +103,15 @@ def test_import_of_an_empty_dcp_folder_is_one_line(tmp_path, capsys):
 def test_export_safetensors_of_complex128_is_one_line(tmp_path, capsys):
     with Checkpointer(tmp_path / "ck", LARGE) as ck:
         ck.save({"z": torch.randn(3, dtype=torch.complex128), "w": torch.ones(2)}, step=1).wait()
-    code, _, err = _run(capsys, "export", tmp_path / "ck", "--to", "safetensors",
-                        tmp_path / "z.safetensors", "--no-progress")
+    code, _, err = _run(
+        capsys,
+        "export",
+        tmp_path / "ck",
+        "--to",
+        "safetensors",
+        tmp_path / "z.safetensors",
+        "--no-progress",
+    )
     _one_error(code, err, "'z'", "complex128", "safetensors cannot hold")
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # nothing written, no temporary left
 
@@ -114,8 +126,15 @@ def test_a_message_over_several_lines_is_printed_on_one(tmp_path, capsys):
 
 def _rng_checkpoint(root):
     with Checkpointer(root, LARGE) as ck:
-        ck.save({"model": {"w": torch.ones(3)}, "rng": RNGState(), "epoch": 4,
-                 "history": list(range(100))}, step=1).wait()
+        ck.save(
+            {
+                "model": {"w": torch.ones(3)},
+                "rng": RNGState(),
+                "epoch": 4,
+                "history": list(range(100)),
+            },
+            step=1,
+        ).wait()
 
 
 def test_inspect_collapses_long_values_and_takes_keys(tmp_path, capsys):
@@ -143,8 +162,11 @@ def test_inspect_json_into_a_closed_pipe_is_quiet(tmp_path):
     timing."""
     with Checkpointer(tmp_path, LARGE) as ck:
         ck.save({f"t{i:04d}": torch.ones(1) for i in range(2000)}, step=1).wait()
-    proc = subprocess.Popen([sys.executable, "-m", "datastates", "inspect", str(tmp_path),
-                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "datastates", "inspect", str(tmp_path), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     proc.stdout.close()  # the reader leaves before reading anything
     err = proc.stderr.read().decode()
     proc.stderr.close()
@@ -166,10 +188,14 @@ def test_inspect_and_export_of_the_newest_name_a_damaged_newer_checkpoint(tmp_pa
     code, out, _ = _run(capsys, "inspect", root, "--json")
     assert code == EXIT_OK and json.loads(out)["name"] == "step-0000000001"
     code, out, _ = _run(capsys, "export", root, "--to", "torch", tmp_path / "w.pt")
-    assert code == EXIT_OK and torch.equal(torch.load(tmp_path / "w.pt")["w"], torch.full((4,), 1.0))
+    assert code == EXIT_OK and torch.equal(
+        torch.load(tmp_path / "w.pt")["w"], torch.full((4,), 1.0)
+    )
     named = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(named) == 2 and all("passed over the damaged checkpoint step-0000000002" in m
-                                   and "used step-0000000001" in m for m in named), named
+    assert len(named) == 2 and all(
+        "passed over the damaged checkpoint step-0000000002" in m and "used step-0000000001" in m
+        for m in named
+    ), named
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify", "export", "import"])
@@ -178,10 +204,12 @@ def test_an_invalid_tag_is_a_usage_error_not_a_traceback(tmp_path, capsys, comma
     """``--tag`` names one checkpoint folder: anything else is refused by the argument parser
     (exit 2, its usage line), before any folder is opened."""
     torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
-    argv = {"inspect": ["inspect", tmp_path],
-            "verify": ["verify", tmp_path],
-            "export": ["export", tmp_path, tmp_path / "out.pt"],
-            "import": ["import", tmp_path / "w.pt", "--from", "torch", tmp_path / "ck"]}[command]
+    argv = {
+        "inspect": ["inspect", tmp_path],
+        "verify": ["verify", tmp_path],
+        "export": ["export", tmp_path, tmp_path / "out.pt"],
+        "import": ["import", tmp_path / "w.pt", "--from", "torch", tmp_path / "ck"],
+    }[command]
     with pytest.raises(SystemExit) as exited:
         main([str(a) for a in argv] + ["--tag", tag])
     err = capsys.readouterr().err

@@ -1,5 +1,6 @@
 """The commit protocol in one process: the pure checks rank 0 runs before a rename, the per-rank
 state diff used when resharding, and the store protocol with threads standing in for ranks."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,37 +18,79 @@ from datastates import format as fmt
 from datastates.commit.round import MemoryStore, StoreCommunicator
 from datastates.commit.review import check_replicas, check_same_save, check_tiling
 from datastates.format import validate
-from datastates.format.records import (FileRef, Manifest, RankReport, SaveRef, ShardRef,
-                                       TensorEntry, Verdict)
+from datastates.format.records import (
+    FileRef,
+    Manifest,
+    RankReport,
+    SaveRef,
+    ShardRef,
+    TensorEntry,
+    Verdict,
+)
 from datastates.restore.ranks import per_rank_keys
 from testkit import MEDIUM
 
 
 # ------------------------------------------------------------------ tiling
 
+
 def _manifest(shape, boxes):
     """One tensor of ``shape`` whose shards are ``boxes`` = [(rank, offset, box shape)]."""
-    files = tuple(FileRef(name=fmt.shard_file_name(r), rank=r, nbytes=0, index_crc32=0)
-                  for r in range(4))
-    shards = tuple(ShardRef(file=r, offset=0, nbytes=0, global_offset=tuple(off),
-                            shape=tuple(box), checksums=()) for r, off, box in boxes)
+    files = tuple(
+        FileRef(name=fmt.shard_file_name(r), rank=r, nbytes=0, index_crc32=0) for r in range(4)
+    )
+    shards = tuple(
+        ShardRef(
+            file=r, offset=0, nbytes=0, global_offset=tuple(off), shape=tuple(box), checksums=()
+        )
+        for r, off, box in boxes
+    )
     entry = TensorEntry(key="w", dtype="float32", shape=tuple(shape), shards=shards)
-    return Manifest(version=2, name="step-1", step=1, seq=1, created_unix=0.0, world_size=4,
-                    metadata={}, files=files, entries={0: entry}, ranks=())
+    return Manifest(
+        version=2,
+        name="step-1",
+        step=1,
+        seq=1,
+        created_unix=0.0,
+        world_size=4,
+        metadata={},
+        files=files,
+        entries={0: entry},
+        ranks=(),
+    )
 
 
 def _scalars_report(rank: int, keys: list[str]) -> RankReport:
     """A valid report of ``rank`` holding one float32 scalar per key, in a dict tree (parsed
     from its JSON form, as rank 0 receives the reports of the other ranks)."""
-    entries = [{"key": k, "kind": "tensor", "dtype": "float32", "shape": [],
-                "offset": 4096 * (i + 1), "nbytes": 4, "checksums": [[4, 7]]}
-               for i, k in enumerate(keys)]
+    entries = [
+        {
+            "key": k,
+            "kind": "tensor",
+            "dtype": "float32",
+            "shape": [],
+            "offset": 4096 * (i + 1),
+            "nbytes": 4,
+            "checksums": [[4, 7]],
+        }
+        for i, k in enumerate(keys)
+    ]
     tree = {"t": "dict", "items": [[k, {"t": "tensor", "e": i}] for i, k in enumerate(keys)]}
     return validate.parse_rank_report(
-        {"rank": rank, "save": {"name": "step-0000000001", "step": 1, "nonce": "n"},
-         "root": "/d", "entries": entries, "tree": tree,
-         "file": {"name": fmt.shard_file_name(rank), "nbytes": 4096 * (len(keys) + 1),
-                  "index_crc32": 1}}, f"rank {rank}")
+        {
+            "rank": rank,
+            "save": {"name": "step-0000000001", "step": 1, "nonce": "n"},
+            "root": "/d",
+            "entries": entries,
+            "tree": tree,
+            "file": {
+                "name": fmt.shard_file_name(rank),
+                "nbytes": 4096 * (len(keys) + 1),
+                "index_crc32": 1,
+            },
+        },
+        f"rank {rank}",
+    )
 
 
 def test_merged_trees_index_the_global_entries():
@@ -86,13 +129,21 @@ def test_a_report_under_another_ranks_key_aborts_the_round(new_store):
     rank aborts the round as invalid, naming the rank."""
     comms, _ = _ranks(2, new_store())
     sid = comms[0].save_id("/d", "step-1", 1)
-    liar = RankReport(rank=0, save=SaveRef(sid.name, sid.step, sid.nonce), root="/d",
-                      file=FileRef(name=fmt.shard_file_name(0), rank=0, nbytes=4096,
-                                   index_crc32=0), tree={"t": "dict", "items": []})
+    liar = RankReport(
+        rank=0,
+        save=SaveRef(sid.name, sid.step, sid.nonce),
+        root="/d",
+        file=FileRef(name=fmt.shard_file_name(0), rank=0, nbytes=4096, index_crc32=0),
+        tree={"t": "dict", "items": []},
+    )
     commits = []
     deadline = time.monotonic() + 10
-    out = _in_threads({0: lambda: _agree(comms[0], sid, deadline, commits),
-                       1: lambda: _agree(comms[1], sid, deadline, commits, report=liar)})
+    out = _in_threads(
+        {
+            0: lambda: _agree(comms[0], sid, deadline, commits),
+            1: lambda: _agree(comms[1], sid, deadline, commits, report=liar),
+        }
+    )
     assert out[0] == out[1] and out[0].kind == "invalid" and list(out[0].causes) == [1]
     assert "says rank 0" in out[0].message and commits == []
 
@@ -100,43 +151,65 @@ def test_a_report_under_another_ranks_key_aborts_the_round(new_store):
 def test_rank_report_json_round_trips():
     report = _scalars_report(1, ["a", "b"])
     assert validate.parse_rank_report(report.to_json(), "again") == report
-    failed = RankReport(rank=2, save=SaveRef("s", None, "n", True), root="/d", error="E: x",
-                        expired=True)
+    failed = RankReport(
+        rank=2, save=SaveRef("s", None, "n", True), root="/d", error="E: x", expired=True
+    )
     assert validate.parse_rank_report(failed.to_json(), "failed") == failed
 
 
 def test_verdict_json_round_trips_and_is_validated():
-    info = datastates.CheckpointInfo(name="a", path="/d/a", step=3, created_unix=1.5,
-                                     world_size=2, nbytes=9, metadata={"k": [1]}, seq=4)
-    for verdict in (Verdict.committed(info), Verdict.committed(None),
-                    Verdict.abort("timeout", "late", {1: "no report", 0: "x"})):
+    info = datastates.CheckpointInfo(
+        name="a",
+        path="/d/a",
+        step=3,
+        created_unix=1.5,
+        world_size=2,
+        nbytes=9,
+        metadata={"k": [1]},
+        seq=4,
+    )
+    for verdict in (
+        Verdict.committed(info),
+        Verdict.committed(None),
+        Verdict.abort("timeout", "late", {1: "no report", 0: "x"}),
+    ):
         assert validate.parse_verdict(verdict.to_json(), "v") == verdict
     with pytest.raises(datastates.CorruptCheckpointError, match="kind"):
         validate.parse_verdict({"ok": False, "kind": "maybe", "message": "", "causes": {}}, "v")
     with pytest.raises(datastates.CorruptCheckpointError, match="causes"):
-        validate.parse_verdict({"ok": False, "kind": "store", "message": "",
-                                "causes": {"r1": "x"}}, "v")
+        validate.parse_verdict(
+            {"ok": False, "kind": "store", "message": "", "causes": {"r1": "x"}}, "v"
+        )
 
 
-@pytest.mark.parametrize("shape,boxes", [
-    ((10, 4), [(0, (0, 0), (5, 4)), (1, (5, 0), (5, 4))]),                      # rows
-    ((10, 4), [(0, (0, 0), (10, 2)), (1, (0, 2), (10, 1)), (2, (0, 3), (10, 1))]),  # columns
-    ((4, 4), [(r, (r // 2 * 2, r % 2 * 2), (2, 2)) for r in range(4)]),          # 2x2 blocks
-    ((), [(0, (), ())]),                                                        # a scalar
-    ((0, 3), [(0, (0, 0), (0, 3)), (1, (0, 0), (0, 3))]),                      # empty
-])
+@pytest.mark.parametrize(
+    "shape,boxes",
+    [
+        ((10, 4), [(0, (0, 0), (5, 4)), (1, (5, 0), (5, 4))]),  # rows
+        ((10, 4), [(0, (0, 0), (10, 2)), (1, (0, 2), (10, 1)), (2, (0, 3), (10, 1))]),  # columns
+        ((4, 4), [(r, (r // 2 * 2, r % 2 * 2), (2, 2)) for r in range(4)]),  # 2x2 blocks
+        ((), [(0, (), ())]),  # a scalar
+        ((0, 3), [(0, (0, 0), (0, 3)), (1, (0, 0), (0, 3))]),  # empty
+    ],
+)
 def test_exact_tilings_pass(shape, boxes):
     assert check_tiling(_manifest(shape, boxes)) == []
 
 
 def test_overlap_gap_duplicate_and_outside_are_named_with_ranks():
     overlap = check_tiling(_manifest((10, 4), [(0, (0, 0), (6, 4)), (1, (5, 0), (5, 4))]))
-    assert overlap == [([0, 1], "ranks 0 and 1 both wrote 'w' boxes [0:6, 0:4] and [5:10, 0:4], "
-                                "which overlap (declare replicas with primary=False or "
-                                "replicated=...)")]
+    assert overlap == [
+        (
+            [0, 1],
+            "ranks 0 and 1 both wrote 'w' boxes [0:6, 0:4] and [5:10, 0:4], "
+            "which overlap (declare replicas with primary=False or "
+            "replicated=...)",
+        )
+    ]
     gap = check_tiling(_manifest((10, 4), [(0, (0, 0), (4, 4)), (2, (5, 0), (5, 4))]))
-    assert gap == [([0, 2], "the boxes written for 'w' cover 36 of its 40 elements (shape "
-                            "[10, 4]): a gap")]
+    assert gap == [
+        ([0, 2], "the boxes written for 'w' cover 36 of its 40 elements (shape [10, 4]): a gap")
+    ]
     twice = check_tiling(_manifest((4,), [(1, (0,), (4,)), (3, (0,), (4,))]))
     assert [p[0] for p in twice] == [[1, 3]] and "both wrote" in twice[0][1]
     outside = check_tiling(_manifest((4, 4), [(2, (2, 0), (4, 4))]))
@@ -188,10 +261,13 @@ def test_tiling_fast_path_finds_what_the_general_check_finds(monkeypatch):
     """Slabs along one dimension, exact or spoiled: the problems found are those of the general
     check alone (the fast path only ever says "tiled" where the general check finds nothing)."""
     import random
+
     rng = random.Random(9)
     cases, fast = [], 0
-    odd = [((4,), [(0, (0,), (6,)), (1, (6,), (-2,))]),        # end to end, past the end
-           ((4, 2), [(0, (0, 0), (4, 2)), (1, (4, 0), (0, 2))])]  # an empty slab after it
+    odd = [
+        ((4,), [(0, (0,), (6,)), (1, (6,), (-2,))]),  # end to end, past the end
+        ((4, 2), [(0, (0, 0), (4, 2)), (1, (4, 0), (0, 2))]),
+    ]  # an empty slab after it
     for i in range(3000):
         shape = tuple(rng.randint(0, 5) for _ in range(rng.randint(1, 3)))
         shape, boxes = odd[i] if i < len(odd) else (shape, _slab_boxes(rng, shape))
@@ -208,8 +284,12 @@ def test_regions_by_file_are_those_of_the_entries_of_each_copy():
     with other entries (``dataclasses.replace``) has the regions of those."""
     manifest = _manifest((10, 4), [(0, (0, 0), (5, 4)), (1, (5, 0), (5, 4))])
     entry = manifest.entries[0]
-    assert manifest.by_file == (((0, 0, entry, entry.shards[0]),),
-                                ((0, 0, entry, entry.shards[1]),), (), ())
+    assert manifest.by_file == (
+        ((0, 0, entry, entry.shards[0]),),
+        ((0, 0, entry, entry.shards[1]),),
+        (),
+        (),
+    )
     emptied = dataclasses.replace(manifest, entries={})
     assert emptied.by_file == ((), (), (), ()) and emptied != manifest
 
@@ -217,23 +297,38 @@ def test_regions_by_file_are_those_of_the_entries_of_each_copy():
 def test_remapped_tree_is_that_of_map_leaves():
     """The merge's copy of a rank's tree is what ``tree.map_leaves`` makes of it."""
     from datastates.format import tree
-    node = {"t": "odict", "items": [
-        ["a", {"t": "tensor", "e": 1, "param": True}], ["b", {"t": "value", "v": 3}],
-        ["c", {"t": "list", "items": [{"t": "object", "e": 0}, {"t": "tuple", "items": []}]}],
-        ["d", {"t": "provider", "name": "rng", "state": {"t": "dict", "items": [
-            ["s", {"t": "tensor", "e": 2, "np": True}]]}}]]}
+
+    node = {
+        "t": "odict",
+        "items": [
+            ["a", {"t": "tensor", "e": 1, "param": True}],
+            ["b", {"t": "value", "v": 3}],
+            ["c", {"t": "list", "items": [{"t": "object", "e": 0}, {"t": "tuple", "items": []}]}],
+            [
+                "d",
+                {
+                    "t": "provider",
+                    "name": "rng",
+                    "state": {"t": "dict", "items": [["s", {"t": "tensor", "e": 2, "np": True}]]},
+                },
+            ],
+        ],
+    }
     table = [7, 5, 6]
-    expected = tree.map_leaves(node, lambda _path, n: {**n, "e": table[n["e"]]}
-                               if n["t"] in tree.ENTRY_LEAVES else n)
+    expected = tree.map_leaves(
+        node, lambda _path, n: {**n, "e": table[n["e"]]} if n["t"] in tree.ENTRY_LEAVES else n
+    )
     assert review._remap(node, table) == expected
     assert node["items"][0][1]["e"] == 1  # not modified
 
 
 # ------------------------------------------------------------------ identity and replicas
 
+
 def _report(rank, name="step-1", step=1, nonce="n", replicas=None, overwrite=False):
-    return RankReport(rank=rank, save=SaveRef(name, step, nonce, overwrite), root="/d",
-                      replicas=replicas or {})
+    return RankReport(
+        rank=rank, save=SaveRef(name, step, nonce, overwrite), root="/d", replicas=replicas or {}
+    )
 
 
 def test_reports_of_another_save_are_named():
@@ -248,15 +343,22 @@ def test_reports_of_another_save_are_named():
 def test_diverged_replicas_name_key_and_ranks():
     ok = {r: _report(r, replicas={"m/w": "16:aa"}) for r in range(3)}
     assert check_replicas(ok) == []
-    bad = {0: _report(0, replicas={"m/w": "16:aa", "m/b": "4:01"}),
-           1: _report(1, replicas={"m/w": "16:bb", "m/b": "4:01"}),
-           2: _report(2, replicas={"m/w": "16:aa", "m/b": "4:01"})}
+    bad = {
+        0: _report(0, replicas={"m/w": "16:aa", "m/b": "4:01"}),
+        1: _report(1, replicas={"m/w": "16:bb", "m/b": "4:01"}),
+        2: _report(2, replicas={"m/w": "16:aa", "m/b": "4:01"}),
+    }
     assert check_replicas(bad) == [
-        ([0, 1, 2], "replicated tensor 'm/w' differs across ranks (ranks [0, 2] hold digest "
-                    "16:aa; ranks [1] hold digest 16:bb)")]
+        (
+            [0, 1, 2],
+            "replicated tensor 'm/w' differs across ranks (ranks [0, 2] hold digest "
+            "16:aa; ranks [1] hold digest 16:bb)",
+        )
+    ]
 
 
 # ------------------------------------------------------------------ per-rank state
+
 
 def _value(v):
     return {"t": "value", "v": v}
@@ -268,15 +370,29 @@ def _tree(**items):
 
 def test_per_rank_keys_are_the_values_that_differ():
     from datastates.format.records import ObjectEntry, TensorEntry
-    entries = [ObjectEntry(key="o", file=0, offset=0, nbytes=3, crc32=1),
-               ObjectEntry(key="o", file=0, offset=0, nbytes=3, crc32=2),
-               TensorEntry(key="w", dtype="float32", shape=(2,), shards=())]
-    t0 = _tree(pos=_value(0), epoch=_value(3), obj={"t": "object", "e": 0},
-               w={"t": "tensor", "e": 2}, seq={"t": "list", "items": [_value(1), _value(2)]},
-               flag=_value(1))
-    t1 = _tree(pos=_value(10), epoch=_value(3), obj={"t": "object", "e": 1},
-               w={"t": "tensor", "e": 2}, seq={"t": "list", "items": [_value(1), _value(5)]},
-               flag=_value(True), extra=_value(0))
+
+    entries = [
+        ObjectEntry(key="o", file=0, offset=0, nbytes=3, crc32=1),
+        ObjectEntry(key="o", file=0, offset=0, nbytes=3, crc32=2),
+        TensorEntry(key="w", dtype="float32", shape=(2,), shards=()),
+    ]
+    t0 = _tree(
+        pos=_value(0),
+        epoch=_value(3),
+        obj={"t": "object", "e": 0},
+        w={"t": "tensor", "e": 2},
+        seq={"t": "list", "items": [_value(1), _value(2)]},
+        flag=_value(1),
+    )
+    t1 = _tree(
+        pos=_value(10),
+        epoch=_value(3),
+        obj={"t": "object", "e": 1},
+        w={"t": "tensor", "e": 2},
+        seq={"t": "list", "items": [_value(1), _value(5)]},
+        flag=_value(True),
+        extra=_value(0),
+    )
     assert per_rank_keys([t0, t1], entries, None) == ["pos", "obj", "seq", "flag", "extra"]
     assert per_rank_keys([t0, t1], entries, ["epoch", "w"]) == []
     assert per_rank_keys([t0, t1], entries, ["seq/1"]) == ["seq/1"]
@@ -284,6 +400,7 @@ def test_per_rank_keys_are_the_values_that_differ():
 
 
 # ------------------------------------------------------------------ one process, end to end
+
 
 def test_unknown_rank_policy_is_a_config_error_before_anything(tmp_path):
     with Checkpointer(tmp_path / "nothing-here", MEDIUM) as ckpt:
@@ -316,6 +433,7 @@ def test_shards_leaving_a_gap_fail_the_save(tmp_path):
 
 # ------------------------------------------------------------------ the store protocol
 
+
 @pytest.fixture(params=["memory", "hash"])
 def new_store(request):
     """The in-process store, and torch's HashStore (the same semantics as a TCPStore)."""
@@ -331,14 +449,23 @@ COMMITTED = Verdict.committed(None)
 
 def _agree(comm, sid, deadline, commits, report=None, fallback=None):
     report = report or RankReport(
-        rank=comm.rank, save=SaveRef(sid.name, sid.step, sid.nonce), root="/d",
-        file=FileRef(name=fmt.shard_file_name(comm.rank), rank=comm.rank, nbytes=4096,
-                     index_crc32=0), tree={"t": "dict", "items": []})
-    return comm.agree(sid, report, deadline, 0.5,
-                      check=lambda reports: None,
-                      commit=lambda reports, fence: (fence(), commits.append(sorted(reports)))
-                      and COMMITTED,
-                      fallback=fallback or (lambda why, until: Verdict.abort("store", why, {})))
+        rank=comm.rank,
+        save=SaveRef(sid.name, sid.step, sid.nonce),
+        root="/d",
+        file=FileRef(
+            name=fmt.shard_file_name(comm.rank), rank=comm.rank, nbytes=4096, index_crc32=0
+        ),
+        tree={"t": "dict", "items": []},
+    )
+    return comm.agree(
+        sid,
+        report,
+        deadline,
+        0.5,
+        check=lambda reports: None,
+        commit=lambda reports, fence: (fence(), commits.append(sorted(reports))) and COMMITTED,
+        fallback=fallback or (lambda why, until: Verdict.abort("store", why, {})),
+    )
 
 
 def _in_threads(fns):
@@ -357,8 +484,9 @@ def test_round_commits_once_and_leaves_no_key(new_store):
     assert len({s.nonce for s in sids}) == 1  # derived independently, identical
     commits = []
     deadline = time.monotonic() + 10
-    out = _in_threads({r: (lambda r=r: _agree(comms[r], sids[r], deadline, commits))
-                       for r in range(3)})
+    out = _in_threads(
+        {r: (lambda r=r: _agree(comms[r], sids[r], deadline, commits)) for r in range(3)}
+    )
     assert out == {0: COMMITTED, 1: COMMITTED, 2: COMMITTED}
     assert commits == [[0, 1, 2]]
     assert sorted(store.list_keys()) == ["announce/r0", "announce/r1", "announce/r2"]
@@ -369,14 +497,14 @@ def test_missing_rank_is_named_and_the_round_cleaned_after_a_commit(new_store):
     sid = comms[0].save_id("/d", "step-1", 1)
     commits = []
     deadline = time.monotonic() + 0.3
-    out = _in_threads({r: (lambda r=r: _agree(comms[r], sid, deadline, commits))
-                       for r in (0, 1)})
+    out = _in_threads({r: (lambda r=r: _agree(comms[r], sid, deadline, commits)) for r in (0, 1)})
     assert out[0] == out[1] and out[0].kind == "timeout" and list(out[0].causes) == [2]
     assert commits == []
     # the next save commits and rank 0 deletes what the orphaned round left
     sid2 = comms[0].save_id("/d", "step-2", 2)
-    out = _in_threads({r: (lambda r=r: _agree(comms[r], sid2, time.monotonic() + 10, commits))
-                       for r in range(3)})
+    out = _in_threads(
+        {r: (lambda r=r: _agree(comms[r], sid2, time.monotonic() + 10, commits)) for r in range(3)}
+    )
     assert all(v == COMMITTED for v in out.values())
     assert not any(k.startswith(sid.nonce) for k in store.list_keys())
 
@@ -397,11 +525,17 @@ def test_lost_store_falls_back_to_the_verdict_on_disk():
     class Broken:
         def __getattr__(self, name):
             raise RuntimeError("Broken pipe")
+
     comm = StoreCommunicator(Broken(), 1, 2, "run")
     sid = StoreCommunicator(MemoryStore(), 1, 2, "run").save_id("/d", "step-1", 1)
     seen = []
-    verdict = _agree(comm, sid, time.monotonic() + 10, [],
-                     fallback=lambda why, until: seen.append(why) or COMMITTED)
+    verdict = _agree(
+        comm,
+        sid,
+        time.monotonic() + 10,
+        [],
+        fallback=lambda why, until: seen.append(why) or COMMITTED,
+    )
     assert verdict == COMMITTED and "unreachable" in seen[0]
 
 
@@ -436,16 +570,18 @@ def test_rank0_reads_each_report_once_however_long_the_others_take():
     sid = comms[0].save_id("/d", "step-1", 1)
     commits = []
     result = {}
-    thread = threading.Thread(target=lambda: result.update(
-        v=_agree(comms[0], sid, time.monotonic() + 60, commits)))
+    thread = threading.Thread(
+        target=lambda: result.update(v=_agree(comms[0], sid, time.monotonic() + 60, commits))
+    )
     thread.start()
     others = []
     for r in range(1, world):
         with store.polled:  # rank 0 has polled again since the previous report
             seen = store.polls
             store.polled.wait_for(lambda: store.polls > seen + 1, timeout=30)
-        others.append(threading.Thread(target=_agree, args=(comms[r], sid,
-                                                            time.monotonic() + 60, commits)))
+        others.append(
+            threading.Thread(target=_agree, args=(comms[r], sid, time.monotonic() + 60, commits))
+        )
         others[-1].start()
     thread.join(60)
     for t in others:
@@ -459,6 +595,7 @@ def test_a_manifest_larger_than_a_reader_accepts_is_never_committed(tmp_path, mo
     """The writer holds itself to the reader's size limit: past it the save fails, nothing is
     committed (the limit is lowered here to what a few tensors take)."""
     from datastates.format import files
+
     monkeypatch.setattr(files, "MAX_MANIFEST_BYTES", 2000)
     with Checkpointer(tmp_path, MEDIUM) as ckpt:
         with pytest.raises(datastates.CorruptCheckpointError, match="more than the 2000 a reader"):
@@ -484,8 +621,10 @@ def test_a_key_sharded_on_one_rank_and_whole_on_another_is_named(tmp_path):
     def save(ck, rank):
         w = TensorShard(torch.ones(2, 3), (4, 3), (0, 0)) if rank == 0 else torch.ones(2, 3)
         return ck.save({"w": w}, step=1).wait(60)
+
     out = in_thread_ranks(str(tmp_path), 2, save, config=MEDIUM)
     for rank in (0, 1):
         assert isinstance(out[rank], datastates.CommitError), out[rank]
-        assert "rank(s) [1] saved 'w' as a tensor of their own, not a TensorShard" in \
-            str(out[rank]), out[rank]
+        assert "rank(s) [1] saved 'w' as a tensor of their own, not a TensorShard" in str(
+            out[rank]
+        ), out[rank]

@@ -4,6 +4,7 @@ documented padding; the count is exact with prefetching workers; bad states are 
 
 Data parallelism is simulated in one process: W loaders, rank 0..W-1, stepped in lockstep.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -13,8 +14,7 @@ import torch
 from torch.utils.data import DistributedSampler, IterableDataset
 
 import datastates
-from datastates import (Checkpointer, ConfigError, ElasticLoader, ElasticSampler,
-                        StateMismatchError)
+from datastates import Checkpointer, ConfigError, ElasticLoader, ElasticSampler, StateMismatchError
 
 N = 37  # prime: no world size below divides it
 SEED = 11
@@ -39,8 +39,12 @@ def order(epoch=0, n=N, seed=SEED):
 
 
 def loaders(world, batch_size, n=N, **kwargs):
-    return [ElasticLoader(Ids(n), batch_size=batch_size, num_replicas=world, rank=r, seed=SEED,
-                          **kwargs) for r in range(world)]
+    return [
+        ElasticLoader(
+            Ids(n), batch_size=batch_size, num_replicas=world, rank=r, seed=SEED, **kwargs
+        )
+        for r in range(world)
+    ]
 
 
 def take(iterators, steps):
@@ -67,17 +71,31 @@ def flat(per_rank):
 
 # ------------------------------------------------------------------ the order
 
+
 @pytest.mark.parametrize("world", [1, 3, 4, 40])
 @pytest.mark.parametrize("shuffle", [True, False])
 @pytest.mark.parametrize("drop_last", [False, True])
-def test_from_the_start_of_an_epoch_the_order_is_torchs_distributed_samplers(world, shuffle,
-                                                                            drop_last):
+def test_from_the_start_of_an_epoch_the_order_is_torchs_distributed_samplers(
+    world, shuffle, drop_last
+):
     for epoch in (0, 1):
         for rank in range(world):
-            ours = ElasticSampler(Ids(), num_replicas=world, rank=rank, seed=SEED,
-                                  shuffle=shuffle, drop_last=drop_last)
-            theirs = DistributedSampler(Ids(), num_replicas=world, rank=rank, seed=SEED,
-                                        shuffle=shuffle, drop_last=drop_last)
+            ours = ElasticSampler(
+                Ids(),
+                num_replicas=world,
+                rank=rank,
+                seed=SEED,
+                shuffle=shuffle,
+                drop_last=drop_last,
+            )
+            theirs = DistributedSampler(
+                Ids(),
+                num_replicas=world,
+                rank=rank,
+                seed=SEED,
+                shuffle=shuffle,
+                drop_last=drop_last,
+            )
             ours.set_epoch(epoch)
             theirs.set_epoch(epoch)
             assert list(ours) == list(theirs) and len(ours) == len(theirs)
@@ -88,15 +106,19 @@ def test_the_consumed_samples_are_the_first_of_the_order_and_the_state_is_global
     before = take([iter(loader) for loader in group], 3)
     assert sorted(flat(before)) == sorted(order()[:24])
     states = [loader.state_dict() for loader in group]
-    assert states == [{"seed": SEED, "shuffle": True, "epoch": 0, "consumed": 24,
-                       "dataset_len": N}] * 4
+    assert (
+        states
+        == [{"seed": SEED, "shuffle": True, "epoch": 0, "consumed": 24, "dataset_len": N}] * 4
+    )
 
 
 # ------------------------------------------------------------------ resume at another size
 
+
 @pytest.mark.parametrize("new_world", [1, 2, 3, 4])
-def test_a_resume_at_another_world_size_consumes_every_id_once_apart_from_padding(tmp_path,
-                                                                                  new_world):
+def test_a_resume_at_another_world_size_consumes_every_id_once_apart_from_padding(
+    tmp_path, new_world
+):
     group = loaders(4, 2)
     before = take([iter(loader) for loader in group], 3)
     resumed = loaders(new_world, max(1, GLOBAL_BATCH // new_world))
@@ -149,6 +171,7 @@ def test_the_per_rank_batch_size_may_change_on_resume_keeping_the_global_batch(t
 
 
 # ------------------------------------------------------------------ exact counting
+
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_the_count_is_exact_with_prefetching_workers(tmp_path, persistent):
@@ -240,12 +263,25 @@ def test_without_a_process_group_the_loader_is_rank_0_of_1():
 GOOD = {"seed": SEED, "shuffle": True, "epoch": 2, "consumed": 5, "dataset_len": N}
 
 
-@pytest.mark.parametrize("state", [
-    [1, 2], None, {k: v for k, v in GOOD.items() if k != "epoch"}, {**GOOD, "rank": 0},
-    {**GOOD, "consumed": True}, {**GOOD, "consumed": N + 1}, {**GOOD, "consumed": -1},
-    {**GOOD, "epoch": 1.0}, {**GOOD, "seed": -1}, {**GOOD, "seed": 2 ** 63},
-    {**GOOD, "shuffle": 1}, {**GOOD, "dataset_len": "37"}, {**GOOD, "dataset_len": -1},
-], ids=lambda s: repr(s)[:40])
+@pytest.mark.parametrize(
+    "state",
+    [
+        [1, 2],
+        None,
+        {k: v for k, v in GOOD.items() if k != "epoch"},
+        {**GOOD, "rank": 0},
+        {**GOOD, "consumed": True},
+        {**GOOD, "consumed": N + 1},
+        {**GOOD, "consumed": -1},
+        {**GOOD, "epoch": 1.0},
+        {**GOOD, "seed": -1},
+        {**GOOD, "seed": 2**63},
+        {**GOOD, "shuffle": 1},
+        {**GOOD, "dataset_len": "37"},
+        {**GOOD, "dataset_len": -1},
+    ],
+    ids=lambda s: repr(s)[:40],
+)
 def test_a_malformed_state_is_refused_with_nothing_changed(state):
     loader = loaders(2, 2)[0]
     take([iter(loader)], 1)
@@ -276,20 +312,23 @@ class Stream(IterableDataset):
         return iter(range(3))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(num_replicas=4, rank=4), r"rank in \[0, 4\), found 4"),
-    (dict(num_replicas=0), "positive int num_replicas, found 0"),
-    (dict(batch_size=0), "positive int batch_size, found 0"),
-    (dict(batch_size=True), "positive int batch_size, found True"),
-    (dict(seed=-1), r"'seed' expected an int in \[0, 2\*\*63\), found -1"),
-    (dict(shuffle="yes"), "'shuffle' expected a bool, found 'yes'"),
-    (dict(sampler=[0, 1]), "expected no sampler"),
-    (dict(shuffle=True, batch_sampler=None), "expected no batch_sampler"),
-    (dict(in_order=False), "in_order=False"),
-    (dict(generator=torch.Generator()), "expected no generator"),
-    (dict(dataset=Stream()), "IterableDataset Stream"),
-    (dict(dataset=iter(range(3))), "without len()"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_replicas=4, rank=4), r"rank in \[0, 4\), found 4"),
+        (dict(num_replicas=0), "positive int num_replicas, found 0"),
+        (dict(batch_size=0), "positive int batch_size, found 0"),
+        (dict(batch_size=True), "positive int batch_size, found True"),
+        (dict(seed=-1), r"'seed' expected an int in \[0, 2\*\*63\), found -1"),
+        (dict(shuffle="yes"), "'shuffle' expected a bool, found 'yes'"),
+        (dict(sampler=[0, 1]), "expected no sampler"),
+        (dict(shuffle=True, batch_sampler=None), "expected no batch_sampler"),
+        (dict(in_order=False), "in_order=False"),
+        (dict(generator=torch.Generator()), "expected no generator"),
+        (dict(dataset=Stream()), "IterableDataset Stream"),
+        (dict(dataset=iter(range(3))), "without len()"),
+    ],
+)
 def test_bad_arguments_are_refused(kwargs, match):
     kwargs = {"dataset": Ids(), "batch_size": 2, **kwargs}
     with pytest.raises(ConfigError, match=match):
@@ -310,14 +349,19 @@ def test_the_names_are_exported():
 
 # ------------------------------------------------------------------ torchdata
 
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_torchdatas_stateful_dataloader_round_trips_at_the_same_world_size(tmp_path, num_workers):
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
 
     def make():
-        return stateful.StatefulDataLoader(Ids(), batch_size=4, shuffle=True,
-                                           num_workers=num_workers,
-                                           generator=torch.Generator().manual_seed(SEED))
+        return stateful.StatefulDataLoader(
+            Ids(),
+            batch_size=4,
+            shuffle=True,
+            num_workers=num_workers,
+            generator=torch.Generator().manual_seed(SEED),
+        )
 
     loader = make()
     batches = iter(loader)

@@ -2,6 +2,7 @@
 under the root -- a data set folder, a file, a symbolic link, a directory whose manifest is a
 link -- raises CheckpointNotFoundError and is left exactly as it was. Local disk and object store
 alike."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,11 @@ def tree(path) -> dict[str, bytes]:
         for name in files + [d for d in dirs if os.path.islink(os.path.join(folder, d))]:
             full = os.path.join(folder, name)
             rel = os.path.relpath(full, path)
-            out[rel] = (b"-> " + os.readlink(full).encode()) if os.path.islink(full) else \
-                open(full, "rb").read()
+            out[rel] = (
+                (b"-> " + os.readlink(full).encode())
+                if os.path.islink(full)
+                else open(full, "rb").read()
+            )
     return out
 
 
@@ -46,14 +50,17 @@ def root(tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("tag, found", [
-    ("dataset", "it holds no manifest.json (only a commit writes one)"),
-    ("notes", "expected a directory, found a regular file"),
-    ("alias", "expected a directory, found a symbolic link"),
-    ("elsewhere", "expected a directory, found a symbolic link"),
-    ("fake", "manifest.json is a symbolic link, expected a regular file"),
-    ("absent", None),
-])
+@pytest.mark.parametrize(
+    "tag, found",
+    [
+        ("dataset", "it holds no manifest.json (only a commit writes one)"),
+        ("notes", "expected a directory, found a regular file"),
+        ("alias", "expected a directory, found a symbolic link"),
+        ("elsewhere", "expected a directory, found a symbolic link"),
+        ("fake", "manifest.json is a symbolic link, expected a regular file"),
+        ("absent", None),
+    ],
+)
 def test_delete_refuses_what_is_not_a_checkpoint(root, tag, found):
     before = tree(root)
     outside = tree(str(root) + "-outside")
@@ -65,9 +72,11 @@ def test_delete_refuses_what_is_not_a_checkpoint(root, tag, found):
     if found is None:
         assert str(raised.value) == f"no checkpoint 'absent' in {str(root)!r}"
     else:
-        assert str(raised.value) == (f"{root / tag} is not a checkpoint: "
-                                     f"{'' if tag != 'fake' else str(root / tag) + '/'}"
-                                     f"{found}; nothing was removed")
+        assert str(raised.value) == (
+            f"{root / tag} is not a checkpoint: "
+            f"{'' if tag != 'fake' else str(root / tag) + '/'}"
+            f"{found}; nothing was removed"
+        )
     assert tree(root) == before and tree(str(root) + "-outside") == outside
 
 
@@ -87,17 +96,19 @@ def test_delete_removes_a_committed_and_a_damaged_checkpoint(root):
     assert left == ["alias", "dataset", "elsewhere", "fake", "latest", "notes"]
 
 
-def test_delete_on_an_object_store_refuses_a_prefix_without_manifest(s3_server, s3_root,
-                                                                      s3_storage_options):
+def test_delete_on_an_object_store_refuses_a_prefix_without_manifest(
+    s3_server, s3_root, s3_storage_options
+):
     client, bucket = s3_server.client(), s3_server.bucket
     prefix = s3_root.split("/", 3)[3]
-    with Checkpointer(s3_root, CheckpointConfig(**SMALL),
-                      storage_options=s3_storage_options) as ck:
+    with Checkpointer(s3_root, CheckpointConfig(**SMALL), storage_options=s3_storage_options) as ck:
         ck.save({"x": torch.arange(4.0)}, step=1).wait(60)
         client.put_object(Bucket=bucket, Key=f"{prefix}/dataset/train.bin", Body=b"\x01" * 100)
-        with pytest.raises(CheckpointNotFoundError,
-                           match=rf"no checkpoint 'dataset' in .*: no {s3_root}/dataset/"
-                                 r"manifest.json; nothing was removed"):
+        with pytest.raises(
+            CheckpointNotFoundError,
+            match=rf"no checkpoint 'dataset' in .*: no {s3_root}/dataset/"
+            r"manifest.json; nothing was removed",
+        ):
             ck.delete(tag="dataset")
         body = client.get_object(Bucket=bucket, Key=f"{prefix}/dataset/train.bin")["Body"].read()
         assert body == b"\x01" * 100

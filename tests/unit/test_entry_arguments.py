@@ -3,6 +3,7 @@ a bad step, tag or persist with one check (``save.arguments.check_target``), run
 tier routes anything: the same ConfigError, ``"<call>(): <expected>, found <value>"``, on the
 plain Checkpointer, on one with a memory tier, and on that tier's own Checkpointer; nothing is
 written and the live state is left as it was."""
+
 from __future__ import annotations
 
 import glob
@@ -23,22 +24,24 @@ STEP = re.escape("step must be an int in [0, 2**63 - 1], found ")
 NAME = re.escape("invalid checkpoint name ")
 
 #: (step=, tag=, the message after "<call>(): ")
-BAD = [pytest.param(step, tag, expected, id=f"step={step!r}" if tag is None else
-                    f"tag={tag!r}"[:20]) for step, tag, expected in [
-    ("4", None, STEP + re.escape("'4'")),
-    (True, None, STEP + "True"),
-    (-1, None, STEP + "-1"),
-    (2 ** 63, None, STEP + str(2 ** 63)),
-    (3.0, None, STEP + "3.0"),
-    (None, "../x", NAME + re.escape("'../x': expected a non-empty path component")),
-    (None, "", NAME + re.escape("'': expected a non-empty path component")),
-    (None, "a/b", NAME + re.escape("'a/b': expected")),
-    (None, ".hidden", NAME + re.escape("'.hidden': expected")),
-    (None, "latest", NAME + re.escape("'latest': expected")),
-    (None, 7, NAME + re.escape("7: expected")),
-    (None, "a\nb", NAME + re.escape("'a\\nb': it holds the control character '\\n'")),
-    (None, "x" * 129, NAME + ".*129 bytes in UTF-8, expected at most 128"),
-]]
+BAD = [
+    pytest.param(step, tag, expected, id=f"step={step!r}" if tag is None else f"tag={tag!r}"[:20])
+    for step, tag, expected in [
+        ("4", None, STEP + re.escape("'4'")),
+        (True, None, STEP + "True"),
+        (-1, None, STEP + "-1"),
+        (2**63, None, STEP + str(2**63)),
+        (3.0, None, STEP + "3.0"),
+        (None, "../x", NAME + re.escape("'../x': expected a non-empty path component")),
+        (None, "", NAME + re.escape("'': expected a non-empty path component")),
+        (None, "a/b", NAME + re.escape("'a/b': expected")),
+        (None, ".hidden", NAME + re.escape("'.hidden': expected")),
+        (None, "latest", NAME + re.escape("'latest': expected")),
+        (None, 7, NAME + re.escape("7: expected")),
+        (None, "a\nb", NAME + re.escape("'a\\nb': it holds the control character '\\n'")),
+        (None, "x" * 129, NAME + ".*129 bytes in UTF-8, expected at most 128"),
+    ]
+]
 
 #: Every entry point, called with step= and tag= only (and a state where it takes one).
 CALLS = {
@@ -84,20 +87,21 @@ def _listing(ck) -> list[str]:
 @pytest.mark.parametrize("call", sorted(CALLS))
 @pytest.mark.parametrize("step, tag, expected", BAD)
 def test_a_bad_step_or_tag_is_the_same_config_error_at_every_entry_point(
-        checkpointers, which, call, step, tag, expected):
+    checkpointers, which, call, step, tag, expected
+):
     ck = checkpointers[which]
     before = _listing(ck)
     with pytest.raises(ConfigError) as info:
         CALLS[call](ck, step, tag)
-    assert re.fullmatch(re.escape(f"{call}(): ") + expected + ".*", str(info.value),
-                        re.DOTALL), str(info.value)
+    assert re.fullmatch(re.escape(f"{call}(): ") + expected + ".*", str(info.value), re.DOTALL), (
+        str(info.value)
+    )
     assert _listing(ck) == before
 
 
 @pytest.mark.parametrize("which", ["plain", "tiered", "memory"])
 @pytest.mark.parametrize("persist", [0, 1, "yes", 1.0])
-def test_persist_other_than_a_bool_or_none_is_refused_before_routing(checkpointers, which,
-                                                                     persist):
+def test_persist_other_than_a_bool_or_none_is_refused_before_routing(checkpointers, which, persist):
     """With a memory tier, persist=0 would have gone to memory and persist=1 to storage by
     their truth; without one both went to storage."""
     ck = checkpointers[which]
@@ -111,19 +115,31 @@ def test_persist_other_than_a_bool_or_none_is_refused_before_routing(checkpointe
 @pytest.mark.parametrize("which", ["plain", "tiered"])
 def test_a_call_without_the_checkpoint_it_needs_is_a_config_error(checkpointers, which):
     ck = checkpointers[which]
-    with pytest.raises(ConfigError, match=re.escape(
-            "save(): a step= or a tag= (or both) names the checkpoint, found step=None, "
-            "tag=None")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "save(): a step= or a tag= (or both) names the checkpoint, found step=None, tag=None"
+        ),
+    ):
         ck.save({"w": torch.ones(2)})
     for step, tag in ((None, None), (1, "best")):
-        with pytest.raises(ConfigError, match=re.escape(
+        with pytest.raises(
+            ConfigError,
+            match=re.escape(
                 f"delete(): exactly one of step= or tag= names the checkpoint, found "
-                f"step={step!r}, tag={tag!r}")):
+                f"step={step!r}, tag={tag!r}"
+            ),
+        ):
             ck.delete(step, tag=tag)
     for call in ("restore", "load"):
-        with pytest.raises(ConfigError, match=re.escape(
+        with pytest.raises(
+            ConfigError,
+            match=re.escape(
                 f"{call}(): at most one of step= or tag= names the checkpoint, found step=1, "
-                f"tag='best'")):
-            getattr(ck, call)(*(({"w": torch.ones(2)},) if call == "restore" else ()), 1,
-                              tag="best")
+                f"tag='best'"
+            ),
+        ):
+            getattr(ck, call)(
+                *(({"w": torch.ones(2)},) if call == "restore" else ()), 1, tag="best"
+            )
     assert 1 in [i.step for i in ck.list() + (ck.memory.list() if ck.memory else [])]

@@ -1,5 +1,6 @@
 """Export reads the shard bytes through restore's Reader: it finds the files where the manifest
 says (its data directory), checks each file as a restore does, and verifies the same checksums."""
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,12 @@ DATA_DIR = ".data.test-0"
 
 def _saved(root) -> tuple[str, dict]:
     g = torch.Generator().manual_seed(5)
-    state = {"model": {"w": torch.randn(300, 70, generator=g),
-                       "b": torch.arange(70, dtype=torch.int32)},
-             "tied": {"a": torch.ones(4), "b": None}, "epoch": 4, "note": "run"}
+    state = {
+        "model": {"w": torch.randn(300, 70, generator=g), "b": torch.arange(70, dtype=torch.int32)},
+        "tied": {"a": torch.ones(4), "b": None},
+        "epoch": 4,
+        "note": "run",
+    }
     state["tied"]["b"] = state["tied"]["a"]
     with Checkpointer(root, CFG) as ck:
         info = ck.save(state, step=1).wait()
@@ -139,8 +143,12 @@ class _UnmappableStore(LocalStore):
 def test_only_a_local_file_is_mapped(tmp_path):
     ckpt, state = _saved(tmp_path / "ck")
     with Reader(ckpt, registry=ProviderRegistry.default(), store=_UnmappableStore()) as reader:
-        entry = next(e for e in reader.entries.values() if e.kind == "tensor" and e.key == "model/w")
+        entry = next(
+            e for e in reader.entries.values() if e.kind == "tensor" and e.key == "model/w"
+        )
         shard = entry.shards[0]
         with pytest.raises(ConfigError, match="local disk"):
-            reader.checkpoint.mapped(shard.file, shard.offset, shard.nbytes, shard.checksums, entry.key)
+            reader.checkpoint.mapped(
+                shard.file, shard.offset, shard.nbytes, shard.checksums, entry.key
+            )
         assert torch.equal(reader.load()["model"]["w"], state["model"]["w"])  # reads still work

@@ -1,5 +1,6 @@
 """Golden bytes pin the on-disk format of docs/format.md; the typed model accepts exactly what
 the writer writes."""
+
 from __future__ import annotations
 
 import json
@@ -44,23 +45,24 @@ def test_shard_file_matches_the_spec(tmp_path):
     raw = (cdir / manifest["files"][0]["name"]).read_bytes()
     # Version 3: an empty ZIP record's local header at 0, the header at 64, the tail last.
     assert raw[:4] == b"PK\x03\x04"
-    (magic, version, flags, ioff, ilen, icrc, toff, tlen, tcrc,
-     first) = struct.unpack_from("<8sIIQQIQQII", raw, 64)
+    (magic, version, flags, ioff, ilen, icrc, toff, tlen, tcrc, first) = struct.unpack_from(
+        "<8sIIQQIQQII", raw, 64
+    )
     assert magic == b"DSTATES\x01" and version == 3 and flags == 0 and first == 64
     assert struct.unpack_from("<I", raw, 124)[0] == zlib.crc32(raw[64:124])
     assert raw[128:4032] == bytes(3904) and raw[4032:4036] == b"PK\x03\x04"
     assert ioff % 4096 == 0
     assert toff == -(-(ioff + ilen) // 64) * 64 and toff + tlen == len(raw)
     assert zlib.crc32(raw[toff:]) == tcrc
-    assert zlib.crc32(raw[ioff:ioff + ilen]) == icrc == manifest["files"][0]["index_crc32"]
-    index = json.loads(raw[ioff:ioff + ilen])
+    assert zlib.crc32(raw[ioff : ioff + ilen]) == icrc == manifest["files"][0]["index_crc32"]
+    index = json.loads(raw[ioff : ioff + ilen])
     by_key = {e["key"]: e for e in index["entries"]}
     e = by_key["t"]
     assert e["dtype"] == "int32" and e["shape"] == [10] and e["offset"] == 4096
-    assert raw[e["offset"]:e["offset"] + e["nbytes"]] == t.numpy().tobytes()
+    assert raw[e["offset"] : e["offset"] + e["nbytes"]] == t.numpy().tobytes()
     assert e["checksums"] == [[40, zlib.crc32(t.numpy().tobytes())]]
     e = by_key["b"]
-    assert raw[e["offset"]:e["offset"] + 4] == bytes(b.view(torch.int16).numpy().tobytes())
+    assert raw[e["offset"] : e["offset"] + 4] == bytes(b.view(torch.int16).numpy().tobytes())
     assert by_key["obj"]["kind"] == "object"
     tree = manifest["ranks"][0]["tree"]
     assert tree["t"] == "dict" and [k for k, _ in tree["items"]] == ["t", "b", "obj"]
@@ -69,6 +71,7 @@ def test_shard_file_matches_the_spec(tmp_path):
 
 
 # ---------------------------------------------------------------- manifest checksum and versions
+
 
 def test_seal_manifest_golden_bytes():
     body = b'{"a":1}'
@@ -96,8 +99,11 @@ def test_read_manifest_is_typed(tmp_path):
     cdir, obj = saved_manifest(tmp_path)
     m = fmt.read_manifest(cdir)
     assert isinstance(m, records.Manifest) and m.version == 3 and m.seq == 1 and m.step == 3
-    assert m.files == (records.FileRef("rank-00000.dsf", 0, obj["files"][0]["nbytes"],
-                                      obj["files"][0]["index_crc32"]),)
+    assert m.files == (
+        records.FileRef(
+            "rank-00000.dsf", 0, obj["files"][0]["nbytes"], obj["files"][0]["index_crc32"]
+        ),
+    )
     kinds = {e.key: type(e) for e in m.entries.values()}
     assert kinds == {"t": records.TensorEntry, "o": records.ObjectEntry}
     t = next(e for e in m.entries.values() if e.key == "t")
@@ -111,6 +117,7 @@ def test_manifest_entries_map_each_index_from_zero_to_its_entry(tmp_path):
     whole manifest every one from 0, in the order of the JSON list). A writer handed entries
     with an index missing refuses them, naming the place."""
     import dataclasses
+
     cdir, obj = saved_manifest(tmp_path)
     m = fmt.read_manifest(cdir)
     assert list(m.entries) == list(range(len(obj["entries"])))
@@ -169,11 +176,16 @@ def test_legacy_version_1_with_parts_is_corrupt(tmp_path):
     assert info.type is CorruptCheckpointError
 
 
-@pytest.mark.parametrize("version,error", [(5, UnsupportedFormatError),
-                                           (4, CorruptCheckpointError),  # 4 is split: no entries
-                                           (0, CorruptCheckpointError),
-                                           (True, CorruptCheckpointError),
-                                           ("2", CorruptCheckpointError)])
+@pytest.mark.parametrize(
+    "version,error",
+    [
+        (5, UnsupportedFormatError),
+        (4, CorruptCheckpointError),  # 4 is split: no entries
+        (0, CorruptCheckpointError),
+        (True, CorruptCheckpointError),
+        ("2", CorruptCheckpointError),
+    ],
+)
 def test_manifest_version_checks(tmp_path, version, error):
     cdir, obj = saved_manifest(tmp_path)
     obj["version"] = version
@@ -239,27 +251,42 @@ def test_save_records_metadata_as_json_decodes_it(tmp_path):
 
 
 def test_parse_rank_report_validates(tmp_path):
-    report = {"rank": 1, "save": {"name": "step-1", "step": 1, "nonce": "n", "overwrite": False},
-              "root": "/d", "replicas": {"x": "8:7"},
-              "file": {"name": "rank-00001.dsf", "nbytes": 8192, "index_crc32": 5},
-              "entries": [{"key": "x", "kind": "tensor", "dtype": "float32", "shape": [2],
-                           "offset": 4096, "nbytes": 8, "checksums": [[8, 7]]}],
-              "tree": {"t": "dict", "items": [["x", {"t": "tensor", "e": 0}]]}}
+    report = {
+        "rank": 1,
+        "save": {"name": "step-1", "step": 1, "nonce": "n", "overwrite": False},
+        "root": "/d",
+        "replicas": {"x": "8:7"},
+        "file": {"name": "rank-00001.dsf", "nbytes": 8192, "index_crc32": 5},
+        "entries": [
+            {
+                "key": "x",
+                "kind": "tensor",
+                "dtype": "float32",
+                "shape": [2],
+                "offset": 4096,
+                "nbytes": 8,
+                "checksums": [[8, 7]],
+            }
+        ],
+        "tree": {"t": "dict", "items": [["x", {"t": "tensor", "e": 0}]]},
+    }
     parsed = validate.parse_rank_report(report, "rank 1")
     assert parsed.rank == 1 and parsed.entries[0].checksums == ((8, 7),)
     assert parsed.save.nonce == "n" and parsed.replicas == {"x": "8:7"} and not parsed.failed
     assert validate.parse_rank_report(parsed.to_json(), "again") == parsed
-    for mutate in (lambda r: r["file"].update(name="../x"),
-                   lambda r: r["entries"][0].update(nbytes=12),
-                   lambda r: r["tree"]["items"][0][1].update(e=1),
-                   lambda r: r["tree"]["items"][0][1].update(t="object"),
-                   lambda r: r.update(rank=True),
-                   lambda r: r["save"].update(step=-1),
-                   lambda r: r["save"].pop("nonce"),
-                   lambda r: r.update(root=None),
-                   lambda r: r["replicas"].update(x=3),
-                   lambda r: r.update(expired="yes"),
-                   lambda r: r["entries"][0].update(written=False)):  # neither replica nor shard
+    for mutate in (
+        lambda r: r["file"].update(name="../x"),
+        lambda r: r["entries"][0].update(nbytes=12),
+        lambda r: r["tree"]["items"][0][1].update(e=1),
+        lambda r: r["tree"]["items"][0][1].update(t="object"),
+        lambda r: r.update(rank=True),
+        lambda r: r["save"].update(step=-1),
+        lambda r: r["save"].pop("nonce"),
+        lambda r: r.update(root=None),
+        lambda r: r["replicas"].update(x=3),
+        lambda r: r.update(expired="yes"),
+        lambda r: r["entries"][0].update(written=False),
+    ):  # neither replica nor shard
         bad = json.loads(json.dumps(report))
         mutate(bad)
         with pytest.raises(CorruptCheckpointError):
@@ -274,26 +301,43 @@ def _tree_items(m: dict) -> list:
     return m["ranks"][0]["tree"]["items"]
 
 
-@pytest.mark.parametrize("change,where", [
-    (lambda m, i, e: e["shards"][0].update(offset=True), "entries[{i}].shards[0].offset"),
-    (lambda m, i, e: e["shards"][0].update(nbytes=10 ** 30), "entries[{i}].shards[0].nbytes"),
-    (lambda m, i, e: e["shards"][0].pop("file"), "entries[{i}].shards[0]: required field 'file'"),
-    (lambda m, i, e: e["shards"][0]["shape"].append(-1), "entries[{i}].shards[0].shape[1]"),
-    (lambda m, i, e: e["shards"][0].update(global_offset="0"),
-     "entries[{i}].shards[0].global_offset"),
-    (lambda m, i, e: e["shards"][0]["checksums"][0].__setitem__(1, 1 << 40),
-     "entries[{i}].shards[0].checksums[0][1]"),
-    (lambda m, i, e: e["shards"][0]["checksums"][0].__setitem__(0, False),
-     "entries[{i}].shards[0].checksums[0][0]"),
-    (lambda m, i, e: e.update(key=7), "entries[{i}].key"),
-    (lambda m, i, e: e.update(shape=[4.0]), "entries[{i}].shape[0]"),
-    (lambda m, i, e: e.update(replicated=1), "entries[{i}].replicated"),
-    (lambda m, i, e: e.update(rank=1), "entries[{i}].rank"),
-    (lambda m, i, e: _tree_items(m)[0][1].update(param="yes"), "ranks[0].tree.items[0][1].param"),
-    (lambda m, i, e: _tree_items(m)[0][1].update(e=True), "ranks[0].tree.items[0][1].e"),
-    (lambda m, i, e: _tree_items(m)[0].__setitem__(0, float("nan")),
-     "ranks[0].tree.items[0][0]"),
-])
+@pytest.mark.parametrize(
+    "change,where",
+    [
+        (lambda m, i, e: e["shards"][0].update(offset=True), "entries[{i}].shards[0].offset"),
+        (lambda m, i, e: e["shards"][0].update(nbytes=10**30), "entries[{i}].shards[0].nbytes"),
+        (
+            lambda m, i, e: e["shards"][0].pop("file"),
+            "entries[{i}].shards[0]: required field 'file'",
+        ),
+        (lambda m, i, e: e["shards"][0]["shape"].append(-1), "entries[{i}].shards[0].shape[1]"),
+        (
+            lambda m, i, e: e["shards"][0].update(global_offset="0"),
+            "entries[{i}].shards[0].global_offset",
+        ),
+        (
+            lambda m, i, e: e["shards"][0]["checksums"][0].__setitem__(1, 1 << 40),
+            "entries[{i}].shards[0].checksums[0][1]",
+        ),
+        (
+            lambda m, i, e: e["shards"][0]["checksums"][0].__setitem__(0, False),
+            "entries[{i}].shards[0].checksums[0][0]",
+        ),
+        (lambda m, i, e: e.update(key=7), "entries[{i}].key"),
+        (lambda m, i, e: e.update(shape=[4.0]), "entries[{i}].shape[0]"),
+        (lambda m, i, e: e.update(replicated=1), "entries[{i}].replicated"),
+        (lambda m, i, e: e.update(rank=1), "entries[{i}].rank"),
+        (
+            lambda m, i, e: _tree_items(m)[0][1].update(param="yes"),
+            "ranks[0].tree.items[0][1].param",
+        ),
+        (lambda m, i, e: _tree_items(m)[0][1].update(e=True), "ranks[0].tree.items[0][1].e"),
+        (
+            lambda m, i, e: _tree_items(m)[0].__setitem__(0, float("nan")),
+            "ranks[0].tree.items[0][0]",
+        ),
+    ],
+)
 def test_manifest_errors_name_the_field(tmp_path, change, where):
     """Each field check has a fast path for valid values; a bad value is still rejected with
     the JSON path of the field that holds it."""
@@ -307,6 +351,7 @@ def test_manifest_errors_name_the_field(tmp_path, change, where):
 
 # ---------------------------------------------------------------- the json module's public API
 
+
 def test_the_streamed_parsers_need_raw_decode_with_a_start_index():
     """codec's streamed parsers call ``JSONDecoder.raw_decode(text, idx)``: a value starting at
     ``idx`` exactly (no whitespace skipped), and the index just after it."""
@@ -318,12 +363,17 @@ def test_the_streamed_parsers_need_raw_decode_with_a_start_index():
 
 
 @pytest.mark.parametrize("text", ['{"a": "\u00e9\U0001f600"}', "[]", "1", "12", ""])
-@pytest.mark.parametrize("encoding", ["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be",
-                                      "utf-32", "utf-32-le", "utf-32-be"])
+@pytest.mark.parametrize(
+    "encoding",
+    ["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"],
+)
 def test_json_text_is_decoded_as_json_loads_decodes_it(text, encoding):
     raw = text.encode(encoding)
     assert fmt.codec.text_of(raw) == raw.decode(json.detect_encoding(raw), "surrogatepass")
     if text:
-        obj = fmt.codec.parse_json_streamed(b'{"x": %s, "e": [%s]}' % (
-            text.encode() or b"0", text.encode() or b"0"), "e", lambda _: None)
+        obj = fmt.codec.parse_json_streamed(
+            b'{"x": %s, "e": [%s]}' % (text.encode() or b"0", text.encode() or b"0"),
+            "e",
+            lambda _: None,
+        )
         assert obj == json.loads('{"x": %s, "e": [%s]}' % (text, text))

@@ -6,6 +6,7 @@ training thread without cycle collection, or enable it behind a program that kee
 tensors with the collector as the program set it, and look at it from inside every collection
 (``gc.callbacks``), whichever thread triggered it.
 """
+
 from __future__ import annotations
 
 import gc
@@ -128,16 +129,24 @@ def test_rank_zeros_review_and_publish_run_with_the_programs_collector(enabled, 
     seen, out = [], {}
 
     def rank(r):
-        report = RankReport(rank=r, save=SaveRef(sid.name, sid.step, sid.nonce), root="/d",
-                            file=FileRef(name=fmt.shard_file_name(r), rank=r, nbytes=4096,
-                                         index_crc32=0),
-                            tree={"t": "dict", "items": []})
+        report = RankReport(
+            rank=r,
+            save=SaveRef(sid.name, sid.step, sid.nonce),
+            root="/d",
+            file=FileRef(name=fmt.shard_file_name(r), rank=r, nbytes=4096, index_crc32=0),
+            tree={"t": "dict", "items": []},
+        )
         out[r] = comms[r].agree(
-            sid, report, time.monotonic() + 10, 10,
+            sid,
+            report,
+            time.monotonic() + 10,
+            10,
             check=lambda reports: seen.append(("check", gc.isenabled())),
-            commit=lambda reports, fence: seen.append(("commit", gc.isenabled()))
-            or Verdict.committed(None),
-            fallback=lambda why, until: Verdict.abort("store", why, {}))
+            commit=lambda reports, fence: (
+                seen.append(("commit", gc.isenabled())) or Verdict.committed(None)
+            ),
+            fallback=lambda why, until: Verdict.abort("store", why, {}),
+        )
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for t in threads:
@@ -150,8 +159,9 @@ def test_rank_zeros_review_and_publish_run_with_the_programs_collector(enabled, 
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-def test_a_manifest_is_encoded_and_parsed_with_the_programs_collector(tmp_path, enabled,
-                                                                      program_gc):
+def test_a_manifest_is_encoded_and_parsed_with_the_programs_collector(
+    tmp_path, enabled, program_gc
+):
     with Checkpointer(tmp_path) as ck:
         ck.save(_state(), step=1).wait()
     [path] = tmp_path.glob("*/manifest.json")

@@ -6,6 +6,7 @@ only the live dict holds is still missing); the caller's list or dict stays the 
 (nested ones too), a tuple is replaced in its parent. A container holding tensors or objects
 restored in place is structure and must match; its message says what to build, and that fix
 restores the saved data. ``load()`` is unaffected."""
+
 from __future__ import annotations
 
 import struct
@@ -75,8 +76,10 @@ def test_a_key_only_the_live_dict_holds_is_still_missing(ck):
 
 
 def test_nested_lists_of_dicts_keep_every_live_container(ck):
-    saved = [{"step": 1, "tags": ["a"], "note": None},
-             {"step": 2, "tags": ["b", "c"], "note": b"\x00\xff", "lr": float("inf")}]
+    saved = [
+        {"step": 1, "tags": ["a"], "note": None},
+        {"step": 2, "tags": ["b", "c"], "note": b"\x00\xff", "lr": float("inf")},
+    ]
     ck.save({"w": torch.ones(2), "log": saved}, step=1).wait()
     first, tags = {"step": 0, "tags": []}, []
     first["tags"] = tags
@@ -154,16 +157,30 @@ def _saved_shape(live):
     live["w"] = torch.zeros(4)
 
 
-@pytest.mark.parametrize("saved, live, advice, fix", [
-    ({"w": torch.ones(4), "best": 0.25}, {"w": torch.zeros(4), "best": "x"},
-     "set it to None, which takes whatever was saved", _set_none),
-    ({"w": torch.ones(4), "b": torch.full((3,), 2.0)}, {"w": torch.zeros(4)},
-     "add the keys only the checkpoint holds", _add_key),
-    ({"w": torch.ones(4)}, {"w": torch.zeros(5)},
-     "each tensor the saved shape and dtype", _saved_shape),
-])
-def test_the_fix_a_mismatch_message_suggests_restores_the_saved_data(ck, saved, live, advice,
-                                                                      fix):
+@pytest.mark.parametrize(
+    "saved, live, advice, fix",
+    [
+        (
+            {"w": torch.ones(4), "best": 0.25},
+            {"w": torch.zeros(4), "best": "x"},
+            "set it to None, which takes whatever was saved",
+            _set_none,
+        ),
+        (
+            {"w": torch.ones(4), "b": torch.full((3,), 2.0)},
+            {"w": torch.zeros(4)},
+            "add the keys only the checkpoint holds",
+            _add_key,
+        ),
+        (
+            {"w": torch.ones(4)},
+            {"w": torch.zeros(5)},
+            "each tensor the saved shape and dtype",
+            _saved_shape,
+        ),
+    ],
+)
+def test_the_fix_a_mismatch_message_suggests_restores_the_saved_data(ck, saved, live, advice, fix):
     ck.save(saved, step=1).wait()
     with pytest.raises(StateMismatchError) as info:
         ck.restore(live)
@@ -188,9 +205,12 @@ def test_load_returns_new_objects_as_saved(ck):
 def test_a_live_value_where_a_module_was_saved_says_to_build_the_module(ck):
     saved = torch.nn.Linear(2, 2)
     ck.save({"m": saved, "losses": [0.5]}, step=1).wait()
-    with pytest.raises(StateMismatchError, match=r"'m': the checkpoint holds a .* state, the "
-                                                 r"live object is a int; put the kind of object "
-                                                 r"it was saved from there before restoring"):
+    with pytest.raises(
+        StateMismatchError,
+        match=r"'m': the checkpoint holds a .* state, the "
+        r"live object is a int; put the kind of object "
+        r"it was saved from there before restoring",
+    ):
         ck.restore({"m": 0, "losses": []})
     built = torch.nn.Linear(2, 2)  # the fix the message names
     ck.restore({"m": built, "losses": []})

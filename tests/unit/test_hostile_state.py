@@ -7,6 +7,7 @@ checkpoints are written by the library itself, through a provider that saves a c
 the RNG provider's name, so every checksum in them is valid. A state nested deeper than a
 checkpoint may hold is refused by save() with SerializationError.
 """
+
 from __future__ import annotations
 
 import random
@@ -15,9 +16,16 @@ import numpy as np
 import pytest
 import torch
 
-from datastates import (Checkpointer, CorruptCheckpointError, ProviderRegistry,
-                        RNGState, RNGStateProvider, SerializationError, StatefulProvider,
-                        StateProvider)
+from datastates import (
+    Checkpointer,
+    CorruptCheckpointError,
+    ProviderRegistry,
+    RNGState,
+    RNGStateProvider,
+    SerializationError,
+    StatefulProvider,
+    StateProvider,
+)
 from datastates.format.checks import MAX_TREE_DEPTH
 from testkit import ROOMY
 
@@ -67,8 +75,9 @@ def _forge(tmp_path, change) -> None:
     with Checkpointer(tmp_path, ROOMY, registry=registry) as ckpt:
         sched = Scheduler()
         sched.last_epoch = 9
-        ckpt.save({"epoch": 5, "w": torch.arange(64.0), "sched": sched, "rng": Forged()},
-                  step=1).wait()
+        ckpt.save(
+            {"epoch": 5, "w": torch.arange(64.0), "sched": sched, "rng": Forged()}, step=1
+        ).wait()
 
 
 def _assert_refused_and_nothing_changed(tmp_path, match: str) -> None:
@@ -92,19 +101,23 @@ def _assert_refused_and_nothing_changed(tmp_path, match: str) -> None:
 def _python(change):
     """The Python state in the form of checkpoints written before the 625 words became a
     tensor (a tuple of ints), changed by ``change``: old checkpoints are validated as strictly."""
+
     def apply(state):
         version, internal, gauss = state["python"]
         state["python"] = change(version, internal.tolist(), gauss)
+
     return apply
 
 
 def _python_tensor(index, value):
     """The Python state as saved now (the words an int64 tensor), one word set to ``value``."""
+
     def apply(state):
         version, internal, gauss = state["python"]
         words = internal.clone()
         words[index] = value
         state["python"] = (version, words, gauss)
+
     return apply
 
 
@@ -112,37 +125,60 @@ def _word(index, value):
     def change(version, internal, gauss):
         internal[index] = value
         return (version, tuple(internal), gauss)
+
     return change
 
 
-@pytest.mark.parametrize("change, match", [
-    (_word(0, -1), r"rng/python/1/0'.*\[0, 4294967296\)"),         # setstate: OverflowError
-    (_word(3, 1 << 64), r"rng/python/1/3'"),                        # setstate: OverflowError
-    (_word(5, 1 << 32), r"rng/python/1/5'"),                        # setstate truncates it
-    (_word(7, 1.5), r"rng/python/1/7'"),                            # setstate: TypeError
-    (_word(624, 625), r"rng/python/1/624'.*\[0, 625\)"),            # setstate: ValueError
-    (lambda v, i, g: (v, tuple(i[:624]), g), r"rng/python/1'.*625 integers"),
-    (lambda v, i, g: ("3", tuple(i), g), r"rng/python/0'"),
-    (lambda v, i, g: (v, tuple(i), "x"), r"rng/python/2'.*a float"),  # setstate accepts it
-    (lambda v, i, g: (v, tuple(i)), r"rng/python'"),
-], ids=["negative-word", "word-over-64-bits", "word-over-32-bits", "float-word",
-        "position-past-end", "624-words", "version-str", "gauss-str", "two-fields"])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (_word(0, -1), r"rng/python/1/0'.*\[0, 4294967296\)"),  # setstate: OverflowError
+        (_word(3, 1 << 64), r"rng/python/1/3'"),  # setstate: OverflowError
+        (_word(5, 1 << 32), r"rng/python/1/5'"),  # setstate truncates it
+        (_word(7, 1.5), r"rng/python/1/7'"),  # setstate: TypeError
+        (_word(624, 625), r"rng/python/1/624'.*\[0, 625\)"),  # setstate: ValueError
+        (lambda v, i, g: (v, tuple(i[:624]), g), r"rng/python/1'.*625 integers"),
+        (lambda v, i, g: ("3", tuple(i), g), r"rng/python/0'"),
+        (lambda v, i, g: (v, tuple(i), "x"), r"rng/python/2'.*a float"),  # setstate accepts it
+        (lambda v, i, g: (v, tuple(i)), r"rng/python'"),
+    ],
+    ids=[
+        "negative-word",
+        "word-over-64-bits",
+        "word-over-32-bits",
+        "float-word",
+        "position-past-end",
+        "624-words",
+        "version-str",
+        "gauss-str",
+        "two-fields",
+    ],
+)
 def test_forged_python_random_state_is_refused_before_anything_changes(tmp_path, change, match):
     _forge(tmp_path, _python(change))
     _assert_refused_and_nothing_changed(tmp_path, match)
 
 
-@pytest.mark.parametrize("change, match", [
-    (_python_tensor(0, -1), r"rng/python/1/0'.*\[0, 4294967296\)"),
-    (_python_tensor(5, 1 << 32), r"rng/python/1/5'"),
-    (_python_tensor(624, 625), r"rng/python/1/624'.*\[0, 625\)"),
-    (lambda state: state.update(python=(3, state["python"][1][:600].clone(), None)),
-     r"rng/python/1'.*625 elements"),
-    (lambda state: state.update(python=(3, state["python"][1].to(torch.int32), None)),
-     r"rng/python/1'.*int64"),
-], ids=["negative-word", "word-over-32-bits", "position-past-end", "600-words", "int32"])
-def test_forged_python_random_state_tensor_is_refused_before_anything_changes(tmp_path, change,
-                                                                              match):
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (_python_tensor(0, -1), r"rng/python/1/0'.*\[0, 4294967296\)"),
+        (_python_tensor(5, 1 << 32), r"rng/python/1/5'"),
+        (_python_tensor(624, 625), r"rng/python/1/624'.*\[0, 625\)"),
+        (
+            lambda state: state.update(python=(3, state["python"][1][:600].clone(), None)),
+            r"rng/python/1'.*625 elements",
+        ),
+        (
+            lambda state: state.update(python=(3, state["python"][1].to(torch.int32), None)),
+            r"rng/python/1'.*int64",
+        ),
+    ],
+    ids=["negative-word", "word-over-32-bits", "position-past-end", "600-words", "int32"],
+)
+def test_forged_python_random_state_tensor_is_refused_before_anything_changes(
+    tmp_path, change, match
+):
     _forge(tmp_path, change)
     _assert_refused_and_nothing_changed(tmp_path, match)
 
@@ -150,6 +186,7 @@ def test_forged_python_random_state_tensor_is_refused_before_anything_changes(tm
 def test_torch_generator_bytes_torch_refuses_are_refused_before_anything_changes(tmp_path):
     def change(state):
         state["torch"] = torch.full_like(state["torch"], 255)  # torch: "Invalid mt19937 state"
+
     _forge(tmp_path, change)
     _assert_refused_and_nothing_changed(tmp_path, r"rng/torch'.*torch refuses")
 
@@ -157,9 +194,13 @@ def test_torch_generator_bytes_torch_refuses_are_refused_before_anything_changes
 def test_torch_generator_state_of_another_size_is_refused(tmp_path):
     def change(state):
         state["torch"] = state["torch"][:100].clone()
+
     _forge(tmp_path, change)
-    _assert_refused_and_nothing_changed(tmp_path, r"rng/torch'.*5056 elements, found "
-                                                  r"torch.uint8\[100\]")
+    _assert_refused_and_nothing_changed(
+        tmp_path,
+        r"rng/torch'.*5056 elements, found "
+        r"torch.uint8\[100\]",
+    )
 
 
 def _cuda_state(offset: int, nbytes: int = 16) -> torch.Tensor:
@@ -168,27 +209,36 @@ def _cuda_state(offset: int, nbytes: int = 16) -> torch.Tensor:
     return state[:nbytes].clone()
 
 
-@pytest.mark.parametrize("cuda, match", [
-    ([_cuda_state(4), _cuda_state(6)], r"rng/cuda/1'.*Philox offset 6 is not a multiple of 4"),
-    ([_cuda_state(4, 12)], r"rng/cuda/0'.*16 or 8 elements"),
-], ids=["offset", "size"])
-def test_forged_cuda_generator_states_are_refused_without_touching_a_device(tmp_path, cuda,
-                                                                           match):
+@pytest.mark.parametrize(
+    "cuda, match",
+    [
+        ([_cuda_state(4), _cuda_state(6)], r"rng/cuda/1'.*Philox offset 6 is not a multiple of 4"),
+        ([_cuda_state(4, 12)], r"rng/cuda/0'.*16 or 8 elements"),
+    ],
+    ids=["offset", "size"],
+)
+def test_forged_cuda_generator_states_are_refused_without_touching_a_device(tmp_path, cuda, match):
     def change(state):
         state["cuda"] = cuda
+
     _forge(tmp_path, change)
     _assert_refused_and_nothing_changed(tmp_path, match)
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("pos", 5000, r"rng/numpy/pos'"),           # numpy accepts it and would read past its keys
-    ("has_gauss", 7, r"rng/numpy/has_gauss'"),
-    ("kind", "PCG64", r"rng/numpy/kind'"),
-])
-def test_forged_numpy_legacy_state_is_refused_before_anything_changes(tmp_path, field, value,
-                                                                       match):
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("pos", 5000, r"rng/numpy/pos'"),  # numpy accepts it and would read past its keys
+        ("has_gauss", 7, r"rng/numpy/has_gauss'"),
+        ("kind", "PCG64", r"rng/numpy/kind'"),
+    ],
+)
+def test_forged_numpy_legacy_state_is_refused_before_anything_changes(
+    tmp_path, field, value, match
+):
     def change(state):
         state["numpy"][field] = value
+
     _forge(tmp_path, change)
     _assert_refused_and_nothing_changed(tmp_path, match)
 
@@ -197,6 +247,7 @@ def test_numpy_key_words_outside_32_bits_are_refused(tmp_path):
     def change(state):
         state["numpy"]["keys"] = state["numpy"]["keys"].clone()
         state["numpy"]["keys"][10] = 1 << 40
+
     _forge(tmp_path, change)
     _assert_refused_and_nothing_changed(tmp_path, r"rng/numpy/keys: expected 32-bit words")
 
@@ -217,6 +268,7 @@ def test_a_valid_rng_state_still_restores_every_generator(tmp_path):
 
 
 # ---------------------------------------------------------------- nesting depth at save time
+
 
 def _nested(levels: int):
     """A state tree ``levels`` deep counting the root dict (as the reader counts)."""

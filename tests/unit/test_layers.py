@@ -4,6 +4,7 @@ down only, no cycle, integrations on the public API only, no demo or benchmark c
 Every import statement counts, also one inside a function (a lazy import is still a dependency)
 and one under ``if TYPE_CHECKING:`` (an annotation names an object that flows in at run time).
 """
+
 from __future__ import annotations
 
 import ast
@@ -20,8 +21,7 @@ PACKAGE = os.path.dirname(datastates.__file__)
 #: the tiers, the public entry points, tools, integrations. A module imports modules of its own
 #: floor or lower only (within a floor, with no circle: test_no_import_cycles).
 FLOORS = [
-    ["datastates._version", "datastates.errors", "datastates.memory.options",
-     "datastates.config"],
+    ["datastates._version", "datastates.errors", "datastates.memory.options", "datastates.config"],
     ["datastates.storage", "datastates.format", "datastates.providers", "datastates.data"],
     ["datastates.commit"],
     ["datastates.save", "datastates.restore"],
@@ -33,8 +33,15 @@ FLOORS = [
 ]
 #: What code outside the core (the integrations) may import: these modules and the names in
 #: their ``__all__``.
-PUBLIC = ["datastates", "datastates.format", "datastates.storage", "datastates.providers",
-          "datastates.commit", "datastates.dcp", "datastates.testing"]
+PUBLIC = [
+    "datastates",
+    "datastates.format",
+    "datastates.storage",
+    "datastates.providers",
+    "datastates.commit",
+    "datastates.dcp",
+    "datastates.testing",
+]
 #: ``from datastates import CheckpointEngine`` is how DeepSpeed finds its engine: the package
 #: resolves that one name lazily (PEP 562) from the DeepSpeed adapter.
 ALLOWED_UP = {("datastates", "datastates.integrations.deepspeed")}
@@ -67,12 +74,15 @@ def imports(module: str) -> list[tuple[str, list[str], int]]:
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out += [(a.name, [], node.lineno) for a in node.names
-                    if a.name.split(".")[0] == "datastates"]
+            out += [
+                (a.name, [], node.lineno)
+                for a in node.names
+                if a.name.split(".")[0] == "datastates"
+            ]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module or ""
@@ -112,14 +122,18 @@ def test_imports_point_down():
                 continue
             t_level, _ = floor_of(target)
             if t_level > level:
-                wrong.append(f"{MODULES[module]}:{line}: {module} (floor {level}) imports "
-                             f"{target} (floor {t_level})")
+                wrong.append(
+                    f"{MODULES[module]}:{line}: {module} (floor {level}) imports "
+                    f"{target} (floor {t_level})"
+                )
     assert not wrong, "\n".join(wrong)
 
 
 def test_no_import_cycles():
-    graph = {m: {t for t, _, _ in imports(m) if t in MODULES and t != m
-                 and (m, t) not in ALLOWED_UP} for m in MODULES}
+    graph = {
+        m: {t for t, _, _ in imports(m) if t in MODULES and t != m and (m, t) not in ALLOWED_UP}
+        for m in MODULES
+    }
     index, low, stack, on, cycles = {}, {}, [], set(), []
 
     def visit(v):  # Tarjan's strongly connected components
@@ -157,8 +171,11 @@ def test_integrations_import_only_the_public_api():
         for target, names, line in imports(module):
             if target.startswith("datastates.integrations") or (module, target) in ALLOWED_UP:
                 continue
-            public = importlib.import_module(target).__dict__.get("__all__", []) \
-                if target in PUBLIC else []
+            public = (
+                importlib.import_module(target).__dict__.get("__all__", [])
+                if target in PUBLIC
+                else []
+            )
             if target not in PUBLIC or any(n not in public for n in names):
                 wrong.append(f"{MODULES[module]}:{line}: {target} {names}")
     assert not wrong, "\n".join(wrong)
@@ -177,8 +194,10 @@ def test_integrations_use_only_public_names_of_datastates():
                 continue
             base = node.value
             rooted = (isinstance(base, ast.Name) and base.id == "datastates") or (
-                isinstance(base, ast.Call) and isinstance(base.func, ast.Name)
-                and base.func.id == "_core")
+                isinstance(base, ast.Call)
+                and isinstance(base.func, ast.Name)
+                and base.func.id == "_core"
+            )
             if rooted and node.attr not in datastates.__all__:
                 wrong.append(f"{path}:{node.lineno}: datastates.{node.attr}")
     assert not wrong, "\n".join(wrong)
@@ -201,14 +220,21 @@ def _private_writes(path: str) -> list[str]:
     from outside through its private attributes."""
     found = []
     for node in ast.walk(ast.parse(open(path).read())):
-        targets = node.targets if isinstance(node, ast.Assign) else \
-            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+            else []
+        )
         for target in targets:
             for sub in ast.walk(target):
-                if isinstance(sub, ast.Attribute) and sub.attr.startswith("_") \
-                        and not sub.attr.startswith("__") \
-                        and not (isinstance(sub.value, ast.Name) and sub.value.id in
-                                 ("self", "cls")):
+                if (
+                    isinstance(sub, ast.Attribute)
+                    and sub.attr.startswith("_")
+                    and not sub.attr.startswith("__")
+                    and not (isinstance(sub.value, ast.Name) and sub.value.id in ("self", "cls"))
+                ):
                     found.append(f"{path}:{node.lineno}: {ast.unparse(sub)}")
     return found
 
@@ -220,15 +246,32 @@ def test_no_object_is_configured_through_its_private_attributes():
 
 #: What a Checkpointer's tier once read from slots the memory tier wrote into it; a tier's
 #: differences are its TierPolicy now (directory.py), given at construction.
-HOOK_SLOTS = ["_optimistic", "_prechecked", "_group", "_agree", "_order", "_eligible",
-              "_on_commit", "_exclusive", "_check_storage_name", "_delete_guard", "_released",
-              "_retention", "_tiers"]
+HOOK_SLOTS = [
+    "_optimistic",
+    "_prechecked",
+    "_group",
+    "_agree",
+    "_order",
+    "_eligible",
+    "_on_commit",
+    "_exclusive",
+    "_check_storage_name",
+    "_delete_guard",
+    "_released",
+    "_retention",
+    "_tiers",
+]
 
 
 def test_a_checkpointer_has_no_hook_slots():
     for module in ("datastates.checkpointer", "datastates.directory"):
         tree = ast.parse(open(MODULES[module]).read())
-        slots = {f"{MODULES[module]}:{n.lineno}: self.{n.attr}" for n in ast.walk(tree)
-                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
-                 and n.value.id == "self" and n.attr in HOOK_SLOTS}
+        slots = {
+            f"{MODULES[module]}:{n.lineno}: self.{n.attr}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name)
+            and n.value.id == "self"
+            and n.attr in HOOK_SLOTS
+        }
         assert not slots, "\n".join(sorted(slots))

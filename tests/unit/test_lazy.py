@@ -1,4 +1,5 @@
 """The lazy snapshot: values are those at save() time, whatever the loop does afterwards."""
+
 from __future__ import annotations
 
 import sys
@@ -28,7 +29,9 @@ class ConvNet(nn.Module):
         return self.head(self.bn(self.conv(x)).mean(dim=(2, 3)))
 
 
-@pytest.mark.parametrize("cache", [1 << 30, 48 << 10], ids=["big-cache", "cache-smaller-than-state"])
+@pytest.mark.parametrize(
+    "cache", [1 << 30, 48 << 10], ids=["big-cache", "cache-smaller-than-state"]
+)
 def test_step_right_after_save_does_not_leak_into_snapshot(tmp_path, cache):
     torch.manual_seed(0)
     model = ConvNet()
@@ -116,12 +119,17 @@ RESUME_SCRIPT = textwrap.dedent("""
 
 def test_resume_in_fresh_process_is_bit_identical(tmp_path):
     import os
+
     script = tmp_path / "train.py"
     script.write_text(RESUME_SCRIPT.format(unit_dir=os.path.dirname(__file__)))
     root = str(tmp_path / "ckpt")
     # each run a process of its own, forked from the session's zygote (torch already imported)
-    run = lambda mode: zygote.run([sys.executable, str(script), mode, root, "3", "6"],
-                                  check=True, capture_output=True, timeout=300)
+    run = lambda mode: zygote.run(
+        [sys.executable, str(script), mode, root, "3", "6"],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     run("uninterrupted")
     run("first")
     run("resume")

@@ -10,6 +10,7 @@ The capture is kept pending without sleeping: a host cache of two slots, and sha
 that wait for the test (``stall``), so the capture stops at its third unit and every tensor laid
 out after it is not copied yet.
 """
+
 from __future__ import annotations
 
 import threading
@@ -64,6 +65,7 @@ def stall(monkeypatch):
             gate.entered.set()
             assert gate.released.wait(60), "the test never released the writes"
         return write(self, data, offset, padded)
+
     monkeypatch.setattr(ShardWriter, "write", stalled)
     yield gate
     gate.release()
@@ -101,8 +103,12 @@ def assert_failed_and_next_save_works(ckpt, handle, model, opt, written: list[st
     message = str(error)
     keys = error.keys
     shown = keys if len(keys) <= 8 else (*keys[:8], f"and {len(keys) - 8} more")
-    for text in (*shown, "'step-0000000002' was not committed", "datastates.eager(",
-                 "wait_snapshot()"):
+    for text in (
+        *shown,
+        "'step-0000000002' was not committed",
+        "datastates.eager(",
+        "wait_snapshot()",
+    ):
         assert text in message
     assert [info.step for info in ckpt.list()] == [1] and ckpt.latest().step == 1
     expected = reference(model, opt)
@@ -121,8 +127,9 @@ def test_load_state_dict_before_the_copy_fails_the_save(tmp_path, stall):
         stall.wait_entered()
         model.load_state_dict(other)  # writes every parameter in place
         stall.release()
-        assert_failed_and_next_save_works(ckpt, handle, model, opt,
-                                          [f"model/{i}.weight" for i in range(2, 8)])
+        assert_failed_and_next_save_works(
+            ckpt, handle, model, opt, [f"model/{i}.weight" for i in range(2, 8)]
+        )
 
 
 def test_copy_under_no_grad_fails_the_save_naming_that_tensor(tmp_path, stall):
@@ -187,8 +194,9 @@ def test_sam_first_step_before_the_copy_fails_the_save(tmp_path, stall):
         stall.wait_entered()
         first_half()  # the next iteration begins: the parameters move, no step() runs
         stall.release()
-        assert_failed_and_next_save_works(ckpt, handle, model, opt,
-                                          [f"model/{i}.weight" for i in range(2, 8)])
+        assert_failed_and_next_save_works(
+            ckpt, handle, model, opt, [f"model/{i}.weight" for i in range(2, 8)]
+        )
 
 
 @pytest.mark.parametrize("stalled", [True, False], ids=["step-waits-for-capture", "free-running"])
@@ -204,6 +212,7 @@ def test_the_guarded_step_never_fails_a_save(tmp_path, stall, stalled):
         if handles:
             pending_at_step.append(not handles[-1].snapshot_done())
             stall.release()
+
     opt.register_step_pre_hook(before_step)
     train(model, opt)
     expected = {}
@@ -250,8 +259,11 @@ def test_eager_tensors_written_after_save_keep_the_values_at_save(tmp_path, stal
     with Checkpointer(tmp_path, TWO_UNITS) as ckpt:
         expected = {**reference(model, opt), "clipped": clone_state(clipped.state_dict())}
         stall.arm()
-        handle = ckpt.save({"clipped": datastates.eager(clipped), "model": model, "opt": opt},
-                           optimizers=[clipped_opt], step=1)
+        handle = ckpt.save(
+            {"clipped": datastates.eager(clipped), "model": model, "opt": opt},
+            optimizers=[clipped_opt],
+            step=1,
+        )
         stall.wait_entered()
         assert not handle.snapshot_done()
         with torch.no_grad():
@@ -291,6 +303,7 @@ def test_a_write_on_one_rank_fails_the_save_on_every_rank(tmp_path, stall):
             handle.wait(60)
         except CommitError as exc:
             return exc
+
     out = in_thread_ranks(str(tmp_path), 2, action, config=TWO_UNITS)
     for rank in (0, 1):
         error = out[rank]
@@ -302,7 +315,8 @@ def test_a_write_on_one_rank_fails_the_save_on_every_rank(tmp_path, stall):
 
 
 def test_a_checkpointer_closed_while_a_step_waits_for_another_leaves_the_step_alone(
-        tmp_path, stall):
+    tmp_path, stall
+):
     """Two Checkpointers guard one optimizer (the DeepSpeed engine's path layer keeps one per
     checkpoint directory and closes the old ones from a thread of its own). One is closed while
     ``step()``, on another thread, waits in its hooks for the other's snapshot: the step runs
@@ -326,6 +340,7 @@ def test_a_checkpointer_closed_while_a_step_waits_for_another_leaves_the_step_al
                 train(model, opt)
             except BaseException as exc:  # noqa: BLE001 - what the step raised is the result
                 failures.append(exc)
+
         stepping = threading.Thread(target=step)
         stepping.start()
         assert entered.wait(60)  # the step is inside its hooks: the guard's waits for the copy

@@ -7,6 +7,7 @@ parser takes an ordinary tensor entry in one function, the writer checks and enc
 batch at a time, the reader converts entries as they are decoded, the restore reads a plain live
 tensor in place. These tests hold each one to the general code on the inputs where they differ.
 """
+
 from __future__ import annotations
 
 import collections
@@ -42,11 +43,16 @@ def _many(n: int, seed: int = 0) -> dict:
 
 # ------------------------------------------------------------------ save: capture and layout
 
+
 def test_many_small_tensors_round_trip_and_verify(tmp_path):
     """Many tensors of a few bytes (several units of them, each zeroed whole before its copies)
     restore bit-exact, in place, and the files verify (padding zero, every checksum right)."""
-    state = {**_many(3000), "ints": torch.arange(7, dtype=torch.int16),
-             "flag": torch.tensor(True), "half": torch.ones(3, dtype=torch.float16)}
+    state = {
+        **_many(3000),
+        "ints": torch.arange(7, dtype=torch.int16),
+        "flag": torch.tensor(True),
+        "half": torch.ones(3, dtype=torch.float16),
+    }
     ref = clone_state(state)
     with Checkpointer(tmp_path, MEDIUM) as ck:
         handle = ck.save(state, step=1)
@@ -58,6 +64,7 @@ def test_many_small_tensors_round_trip_and_verify(tmp_path):
         assert len(report.restored) == len(ref)
         assert_same(live, ref)
     from datastates.tools import cli
+
     assert cli.main(["verify", str(tmp_path)]) == 0
 
 
@@ -65,8 +72,10 @@ def test_views_of_one_buffer_back_to_back_are_saved_exactly(tmp_path):
     """Views of one flat buffer laid out back to back in the file (copied as one range) and
     views with gaps between them (copied one by one) keep their own bytes."""
     flat = torch.arange(64 * 40, dtype=torch.float32)
-    state = {"dense": [flat[i * 16:(i + 1) * 16] for i in range(40)],       # 64 B each: adjacent
-             "gaps": [flat[i * 64 + 3:i * 64 + 10] for i in range(40)]}     # 28 B, apart
+    state = {
+        "dense": [flat[i * 16 : (i + 1) * 16] for i in range(40)],  # 64 B each: adjacent
+        "gaps": [flat[i * 64 + 3 : i * 64 + 10] for i in range(40)],
+    }  # 28 B, apart
     with Checkpointer(tmp_path, MEDIUM) as ck:
         ck.save(state, step=1).wait()
         loaded = ck.load()
@@ -76,9 +85,15 @@ def test_views_of_one_buffer_back_to_back_are_saved_exactly(tmp_path):
 def test_tensors_that_are_not_plain_go_through_their_bytes(tmp_path):
     """Non-contiguous, zero-dim, empty, numpy and requires-grad tensors next to plain ones."""
     base = torch.randn(6, 5)
-    state = {"t": base.t(), "step": base[1:4:2, ::2], "scalar": torch.tensor(3.5),
-             "empty": torch.empty(0, 3), "np": np.arange(5, dtype=np.int32),
-             "param": torch.nn.Parameter(torch.randn(4)), "plain": torch.randn(9)}
+    state = {
+        "t": base.t(),
+        "step": base[1:4:2, ::2],
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 3),
+        "np": np.arange(5, dtype=np.int32),
+        "param": torch.nn.Parameter(torch.randn(4)),
+        "plain": torch.randn(9),
+    }
     with Checkpointer(tmp_path, MEDIUM) as ck:
         ck.save(state, step=1).wait()
         loaded = ck.load()
@@ -125,13 +140,15 @@ def _reference_layout(sizes, unit_bytes):
 def test_layout_fast_path_places_every_piece_as_the_general_loop(seed):
     rng = random.Random(seed)
     unit = 4096 * rng.choice([1, 2, 4])
-    sizes = [rng.choice([0, 1, 8, 63, 64, 65, 500, 4095, 4096, 4097, 3 * unit + 7])
-             for _ in range(300)]
+    sizes = [
+        rng.choice([0, 1, 8, 63, 64, 65, 500, 4095, 4096, 4097, 3 * unit + 7]) for _ in range(300)
+    ]
     layout = plan_layout(sizes, [], unit)
     units, offsets = _reference_layout(sizes, unit)
     assert layout.tensor_offsets == offsets
-    assert [(u.file_offset, u.nbytes, u.pieces) for u in layout.units] == \
-        [(u.file_offset, u.nbytes, u.pieces) for u in units]
+    assert [(u.file_offset, u.nbytes, u.pieces) for u in layout.units] == [
+        (u.file_offset, u.nbytes, u.pieces) for u in units
+    ]
 
 
 def test_save_leaves_the_collector_no_object_per_tensor(tmp_path, monkeypatch):
@@ -145,6 +162,7 @@ def test_save_leaves_the_collector_no_object_per_tensor(tmp_path, monkeypatch):
     state["nested"] = {"a": [torch.ones(1), {"b": torch.ones(1)}], "c": 3}
     gate = threading.Event()
     from datastates.save import pipeline
+
     finish = pipeline.finish_file
 
     def gated(job, fsync):  # the commit thread waits here until the count is taken
@@ -159,8 +177,7 @@ def test_save_leaves_the_collector_no_object_per_tensor(tmp_path, monkeypatch):
         handle = ck.save(state, step=1)
         gc.collect(0)
         gc.collect(1)  # plain tuples of untracked items are untracked by a collection
-        new = collections.Counter(type(o).__name__ for o in gc.get_objects()
-                                  if id(o) not in before)
+        new = collections.Counter(type(o).__name__ for o in gc.get_objects() if id(o) not in before)
         gate.set()
         handle.wait()
         assert sum(new.values()) < n // 20, new.most_common(5)
@@ -171,9 +188,14 @@ def test_save_leaves_the_collector_no_object_per_tensor(tmp_path, monkeypatch):
 def test_walker_keys_are_key_of_their_paths():
     """Keys built as the walk descends are ``key_of(path)``, for every kind of dict key (the
     root's children bare, an empty key an empty part)."""
-    state = {"": {"x": torch.ones(1), 3: [torch.ones(1), {"": torch.ones(1)}]},
-             "a": {"b": torch.ones(1)}, 1.5: torch.ones(1), None: torch.ones(1),
-             True: torch.ones(1), 7: (torch.ones(1),)}
+    state = {
+        "": {"x": torch.ones(1), 3: [torch.ones(1), {"": torch.ones(1)}]},
+        "a": {"b": torch.ones(1)},
+        1.5: torch.ones(1),
+        None: torch.ones(1),
+        True: torch.ones(1),
+        7: (torch.ones(1),),
+    }
     paths = [("", "x"), ("", 3, 0), ("", 3, 1, ""), ("a", "b"), (1.5,), (None,), (True,), (7, 0)]
     items = flatten(state, ProviderRegistry.default()).items
     assert items.keys == [key_of(p) for p in paths]
@@ -182,13 +204,17 @@ def test_walker_keys_are_key_of_their_paths():
 def test_empty_dict_keys_round_trip(tmp_path):
     """An empty key at any depth: the manifest's checker derives the keys the writer did
     (``{"": {"x": t}}`` has the entry key ``/x``), so it commits and loads bit-exactly."""
-    state = {"": {"x": torch.arange(3.0), "": {"": torch.ones(2)}, 3: [torch.zeros(1)]},
-             "y": {"": torch.full((2,), 5.0)}}
+    state = {
+        "": {"x": torch.arange(3.0), "": {"": torch.ones(2)}, 3: [torch.zeros(1)]},
+        "y": {"": torch.full((2,), 5.0)},
+    }
     with datastates.Checkpointer(tmp_path) as ck:
         ck.save(state, step=1).wait()
         loaded = ck.load()
-        live = {"": {"x": torch.zeros(3), "": {"": torch.zeros(2)}, 3: [torch.ones(1)]},
-                "y": {"": torch.zeros(2)}}
+        live = {
+            "": {"x": torch.zeros(3), "": {"": torch.zeros(2)}, 3: [torch.ones(1)]},
+            "y": {"": torch.zeros(2)},
+        }
         ck.restore(live)
     for got in (loaded, live):
         assert torch.equal(got[""]["x"], state[""]["x"])
@@ -210,28 +236,103 @@ def test_the_same_view_under_two_keys_is_one_item():
 # one piece each (the commonest kinds, which the parser and the writer check in a frame of
 # their own: plain._is_box)
 SHARDS = {
-    "whole, two pieces": [{"file": 0, "offset": 4096, "nbytes": 24, "global_offset": [0, 0],
-                           "shape": [2, 3], "checksums": [[16, 5], [8, 9]]}],
-    "whole, one piece": [{"file": 0, "offset": 4096, "nbytes": 24, "global_offset": [0, 0],
-                          "shape": [2, 3], "checksums": [[24, 5]]}],
-    "two rows": [{"file": 0, "offset": 4096, "nbytes": 12, "global_offset": [0, 0],
-                  "shape": [1, 3], "checksums": [[12, 5]]},
-                 {"file": 1, "offset": 4096, "nbytes": 12, "global_offset": [1, 0],
-                  "shape": [1, 3], "checksums": [[12, 9]]}]}
+    "whole, two pieces": [
+        {
+            "file": 0,
+            "offset": 4096,
+            "nbytes": 24,
+            "global_offset": [0, 0],
+            "shape": [2, 3],
+            "checksums": [[16, 5], [8, 9]],
+        }
+    ],
+    "whole, one piece": [
+        {
+            "file": 0,
+            "offset": 4096,
+            "nbytes": 24,
+            "global_offset": [0, 0],
+            "shape": [2, 3],
+            "checksums": [[24, 5]],
+        }
+    ],
+    "two rows": [
+        {
+            "file": 0,
+            "offset": 4096,
+            "nbytes": 12,
+            "global_offset": [0, 0],
+            "shape": [1, 3],
+            "checksums": [[12, 5]],
+        },
+        {
+            "file": 1,
+            "offset": 4096,
+            "nbytes": 12,
+            "global_offset": [1, 0],
+            "shape": [1, 3],
+            "checksums": [[12, 9]],
+        },
+    ],
+}
 FORMS = pytest.mark.parametrize("form", sorted(SHARDS))
 
 
 def _entry_json(form: str = "whole, two pieces") -> dict:
-    return {"kind": "tensor", "key": "w", "dtype": "float32", "shape": [2, 3],
-            "shards": copy.deepcopy(SHARDS[form]), "rank": 0}
+    return {
+        "kind": "tensor",
+        "key": "w",
+        "dtype": "float32",
+        "shape": [2, 3],
+        "shards": copy.deepcopy(SHARDS[form]),
+        "rank": 0,
+    }
 
 
 def _mutations(rng: random.Random, form: str = "whole, two pieces"):
     """Valid and invalid variants of a tensor entry, one field changed at a time."""
-    values = [None, True, False, 0, 1, -1, 2, 3, 12, 24, 4096, 4160, 1 << 64, 1.0, "", "x", [],
-              [0], [2], [2, 3], [3, 2], [1, 3], [0, 0], [1, 0], [2, 0], [True], {}, [[24, 5]],
-              [[12, 5]], [[16, 5], [8, 9]], [[24, -1]], [[0, 0], [24, 1]], "float32",
-              "bfloat16", "int8", [2, 3, 1], [-1, 0], [0, -1], [2, 4], [-1, -3]]
+    values = [
+        None,
+        True,
+        False,
+        0,
+        1,
+        -1,
+        2,
+        3,
+        12,
+        24,
+        4096,
+        4160,
+        1 << 64,
+        1.0,
+        "",
+        "x",
+        [],
+        [0],
+        [2],
+        [2, 3],
+        [3, 2],
+        [1, 3],
+        [0, 0],
+        [1, 0],
+        [2, 0],
+        [True],
+        {},
+        [[24, 5]],
+        [[12, 5]],
+        [[16, 5], [8, 9]],
+        [[24, -1]],
+        [[0, 0], [24, 1]],
+        "float32",
+        "bfloat16",
+        "int8",
+        [2, 3, 1],
+        [-1, 0],
+        [0, -1],
+        [2, 4],
+        [-1, -3],
+    ]
     for _ in range(3000):
         e = _entry_json(form)
         shard = rng.choice(e["shards"])
@@ -252,11 +353,15 @@ def _mutations(rng: random.Random, form: str = "whole, two pieces"):
 def test_plain_entry_parser_agrees_with_the_general_one(form):
     """Wherever the one-function parser of a tensor entry accepts, the general parser accepts
     it too and makes the same record; wherever the general one refuses, the fast one refuses."""
-    files_ = (FileRef(name=fmt.shard_file_name(0), rank=0, nbytes=8192, index_crc32=0),
-              FileRef(name=fmt.shard_file_name(1), rank=1, nbytes=4096 + 64, index_crc32=0))
-    _assert_agree(_mutations(random.Random(7), form),
-                  lambda e: plain.tensor_entry(e, files_, 2),
-                  lambda e: validate._entry(e, _At("m"), files_, 2))
+    files_ = (
+        FileRef(name=fmt.shard_file_name(0), rank=0, nbytes=8192, index_crc32=0),
+        FileRef(name=fmt.shard_file_name(1), rank=1, nbytes=4096 + 64, index_crc32=0),
+    )
+    _assert_agree(
+        _mutations(random.Random(7), form),
+        lambda e: plain.tensor_entry(e, files_, 2),
+        lambda e: validate._entry(e, _At("m"), files_, 2),
+    )
 
 
 def _assert_agree(cases, fast_parse, general_parse) -> None:
@@ -277,26 +382,78 @@ def _assert_agree(cases, fast_parse, general_parse) -> None:
 
 
 def _report_json() -> dict:
-    return {"key": "w", "kind": "tensor", "dtype": "int16", "shape": [3], "offset": 4160,
-            "nbytes": 6, "checksums": [[6, 11]]}
+    return {
+        "key": "w",
+        "kind": "tensor",
+        "dtype": "int16",
+        "shape": [3],
+        "offset": 4160,
+        "nbytes": 6,
+        "checksums": [[6, 11]],
+    }
 
 
 def _shard_report_json() -> dict:
     """A rank's shard of a global tensor (what ``TensorShard`` reports)."""
-    return {"key": "w", "kind": "tensor", "dtype": "int16", "shape": [1, 3],
-            "global_shape": [4, 3], "global_offset": [2, 0], "offset": 4160, "nbytes": 6,
-            "checksums": [[6, 11]]}
+    return {
+        "key": "w",
+        "kind": "tensor",
+        "dtype": "int16",
+        "shape": [1, 3],
+        "global_shape": [4, 3],
+        "global_offset": [2, 0],
+        "offset": 4160,
+        "nbytes": 6,
+        "checksums": [[6, 11]],
+    }
 
 
 def _replica_report_json() -> dict:
     """A replica this rank holds but does not write."""
-    return {"key": "w", "kind": "tensor", "dtype": "int16", "shape": [3], "replicated": True,
-            "written": False}
+    return {
+        "key": "w",
+        "kind": "tensor",
+        "dtype": "int16",
+        "shape": [3],
+        "replicated": True,
+        "written": False,
+    }
 
 
-_REPORT_VALUES = [None, True, False, 0, 1, 2, 3, 4, 6, 64, 4160, 8192, -1, "", "w", [], [3],
-                  [6], [2, 3], [1, 3], [4, 3], [2, 0], [3, 0], [-1, 0], [0, 0, 0], [True, 0],
-                  [[6, 11]], [[3, 1], [3, 2]], [[6, -1]], "int16", "float32", "uint8"]
+_REPORT_VALUES = [
+    None,
+    True,
+    False,
+    0,
+    1,
+    2,
+    3,
+    4,
+    6,
+    64,
+    4160,
+    8192,
+    -1,
+    "",
+    "w",
+    [],
+    [3],
+    [6],
+    [2, 3],
+    [1, 3],
+    [4, 3],
+    [2, 0],
+    [3, 0],
+    [-1, 0],
+    [0, 0, 0],
+    [True, 0],
+    [[6, 11]],
+    [[3, 1], [3, 2]],
+    [[6, -1]],
+    "int16",
+    "float32",
+    "uint8",
+]
 
 
 def _report_mutations(rng: random.Random, template):
@@ -304,8 +461,9 @@ def _report_mutations(rng: random.Random, template):
     for _ in range(3000):
         e = template()
         for _ in range(rng.choice([1, 1, 2])):
-            key = rng.choice(sorted(e) + ["replicated", "written", "global_shape",
-                                          "global_offset", "extra"])
+            key = rng.choice(
+                sorted(e) + ["replicated", "written", "global_shape", "global_offset", "extra"]
+            )
             if rng.random() < 0.1:
                 e.pop(key, None)
             else:
@@ -318,9 +476,11 @@ def test_plain_report_entry_parser_agrees_with_the_general_one(template):
     """The same, for the entries of another rank's report: tensors held whole, shards of a
     global tensor, replicas not written by this rank."""
     f = FileRef(name=fmt.shard_file_name(0), rank=0, nbytes=8192, index_crc32=0)
-    _assert_agree(_report_mutations(random.Random(11), template),
-                  lambda e: plain.report_entry(e, f),
-                  lambda e: validate._report_entry(e, _At("r"), f))
+    _assert_agree(
+        _report_mutations(random.Random(11), template),
+        lambda e: plain.report_entry(e, f),
+        lambda e: validate._report_entry(e, _At("r"), f),
+    )
 
 
 def _general_only(monkeypatch):
@@ -341,19 +501,47 @@ def _outcome(fn):
 
 def _sharded_report(rank: int) -> dict:
     """The JSON report of ``rank`` holding rows ``rank`` of two global tensors and a replica."""
-    entries = [{"key": k, "kind": "tensor", "dtype": "float32", "shape": [1, 2],
-                "global_shape": [4, 2], "global_offset": [rank, 0], "offset": 4096 + 64 * i,
-                "nbytes": 8, "checksums": [[8, 100 + i]]} for i, k in enumerate(("a", "b"))]
-    entries.append({"key": "c", "kind": "tensor", "dtype": "int64", "shape": [2],
-                    "replicated": True, **({"offset": 4224, "nbytes": 16,
-                                            "checksums": [[16, 5]]} if rank == 0 else
-                                           {"written": False})})
-    tree = {"t": "dict", "items": [[k, {"t": "tensor", "e": i}] for i, k in
-                                   enumerate(("a", "b", "c"))]}
-    return {"rank": rank, "save": {"name": "step-0000000001", "step": 1, "nonce": "n"},
-            "root": "/d", "file": {"name": fmt.shard_file_name(rank), "nbytes": 8192,
-                                   "index_crc32": 1},
-            "entries": entries, "tree": tree, "replicas": {"c": "d0"}}
+    entries = [
+        {
+            "key": k,
+            "kind": "tensor",
+            "dtype": "float32",
+            "shape": [1, 2],
+            "global_shape": [4, 2],
+            "global_offset": [rank, 0],
+            "offset": 4096 + 64 * i,
+            "nbytes": 8,
+            "checksums": [[8, 100 + i]],
+        }
+        for i, k in enumerate(("a", "b"))
+    ]
+    entries.append(
+        {
+            "key": "c",
+            "kind": "tensor",
+            "dtype": "int64",
+            "shape": [2],
+            "replicated": True,
+            **(
+                {"offset": 4224, "nbytes": 16, "checksums": [[16, 5]]}
+                if rank == 0
+                else {"written": False}
+            ),
+        }
+    )
+    tree = {
+        "t": "dict",
+        "items": [[k, {"t": "tensor", "e": i}] for i, k in enumerate(("a", "b", "c"))],
+    }
+    return {
+        "rank": rank,
+        "save": {"name": "step-0000000001", "step": 1, "nonce": "n"},
+        "root": "/d",
+        "file": {"name": fmt.shard_file_name(rank), "nbytes": 8192, "index_crc32": 1},
+        "entries": entries,
+        "tree": tree,
+        "replicas": {"c": "d0"},
+    }
 
 
 def _report_mutation(rng: random.Random) -> tuple[int, dict]:
@@ -377,9 +565,11 @@ def _review_outcome(reports: dict) -> tuple:
     the problems found), or the error raised on the way."""
     from datastates.commit.review import build_manifest, check_replicas, check_tiling
     import dataclasses
+
     parsed = {r: _parse_sent(rep, f"report {r}") for r, rep in sorted(reports.items())}
-    manifest = build_manifest([parsed[r] for r in sorted(parsed)], name="step-1", step=1,
-                              metadata={}, save_id="n")
+    manifest = build_manifest(
+        [parsed[r] for r in sorted(parsed)], name="step-1", step=1, metadata={}, save_id="n"
+    )
     manifest = dataclasses.replace(manifest, created_unix=0.0, seq=1)
     problems = check_tiling(manifest) + check_replicas(parsed)
     return parsed, problems, fmt.manifest_record_bytes(manifest)
@@ -434,11 +624,48 @@ def _written_mutations(rng: random.Random, entry):
     """Records of a manifest entry with one field of it or of its shard changed (records a
     writer must refuse: a list for a tuple, a bool or a numpy int for an int, a box outside,
     a misaligned offset, pieces not covering the bytes)."""
-    values = [None, True, 0, 1, 2, 3, -1, 12, 24, 4096, 4100, 4160, 1 << 64, 1.0, "x", [2, 3],
-              (2, 3), (3, 2), (1, 3), (0, 0), (1, 0), (2, 0), (2,), (), np.int64(1), ((24, 5),),
-              ((12, 5),), ((16, 5), (8, 9)), ((0, 1), (24, 5)), [[16, 5], [8, 9]],
-              ([16, 5], [8, 9]), ((24, -1),), ((24, 1 << 32),), "float32", "int8",
-              torch.Size([2, 3]), (-1, 0), (0, -1), (2, 4), (-1, -3)]
+    values = [
+        None,
+        True,
+        0,
+        1,
+        2,
+        3,
+        -1,
+        12,
+        24,
+        4096,
+        4100,
+        4160,
+        1 << 64,
+        1.0,
+        "x",
+        [2, 3],
+        (2, 3),
+        (3, 2),
+        (1, 3),
+        (0, 0),
+        (1, 0),
+        (2, 0),
+        (2,),
+        (),
+        np.int64(1),
+        ((24, 5),),
+        ((12, 5),),
+        ((16, 5), (8, 9)),
+        ((0, 1), (24, 5)),
+        [[16, 5], [8, 9]],
+        ([16, 5], [8, 9]),
+        ((24, -1),),
+        ((24, 1 << 32),),
+        "float32",
+        "int8",
+        torch.Size([2, 3]),
+        (-1, 0),
+        (0, -1),
+        (2, 4),
+        (-1, -3),
+    ]
     for _ in range(3000):
         e = entry
         for _ in range(rng.choice([1, 1, 2])):
@@ -448,7 +675,7 @@ def _written_mutations(rng: random.Random, entry):
                 i = rng.randrange(len(entry.shards))
                 shard = entry.shards[i]
                 shard = shard._replace(**{rng.choice(shard._fields): rng.choice(values)})
-                shards = entry.shards[:i] + (shard,) + entry.shards[i + 1:]
+                shards = entry.shards[:i] + (shard,) + entry.shards[i + 1 :]
                 e = e._replace(shards=rng.choice([shards, shards + (shard,), list(shards)]))
         yield e
 
@@ -458,8 +685,10 @@ def test_written_entry_fast_path_is_the_general_check_and_encoding(form):
     """Where the writer's record check of an ordinary tensor entry accepts, its bytes are those
     of the entry's JSON form and the general check (JSON form, parse, compare) accepts it;
     so where the general check refuses, the fast one refuses."""
-    files_ = (FileRef(name=fmt.shard_file_name(0), rank=0, nbytes=8192, index_crc32=0),
-              FileRef(name=fmt.shard_file_name(1), rank=1, nbytes=4096 + 64, index_crc32=0))
+    files_ = (
+        FileRef(name=fmt.shard_file_name(0), rank=0, nbytes=8192, index_crc32=0),
+        FileRef(name=fmt.shard_file_name(1), rank=1, nbytes=4096 + 64, index_crc32=0),
+    )
     entry = validate._entry(_entry_json(form), _At("m"), files_, 2)
     head = validate._Head(3, "n", 1, 1, 0.0, 2, {}, files_)
     accepted = 0
@@ -485,8 +714,14 @@ def test_an_empty_tensor_is_checked_by_both_paths_alike(pieces):
     general = _outcome(lambda: validate._entry(e, _At("m"), files_, 1))
     assert general[0] == ("ok" if not pieces else "error")
     assert plain.tensor_entry(e, files_, 1) == (general[1] if not pieces else None)
-    record = TensorEntry("w", "float32", (0, 3), (ShardRef(
-        0, 4096, 0, (0, 0), (0, 3), tuple(map(tuple, pieces))),), False, 0)
+    record = TensorEntry(
+        "w",
+        "float32",
+        (0, 3),
+        (ShardRef(0, 4096, 0, (0, 0), (0, 3), tuple(map(tuple, pieces))),),
+        False,
+        0,
+    )
     head = validate._Head(3, "n", 1, 1, 0.0, 1, {}, files_)
     written = _outcome(lambda: validate._written_entry(record, _At("m"), head))
     assert written[0] == general[0]
@@ -502,16 +737,40 @@ def _index_mutations(rng: random.Random):
     class Small(enum.IntEnum):
         ONE = 1
 
-    base = [ReportEntry("w", "tensor", True, 4096, 24, "float32", (2, 3), ((16, 7), (8, 9))),
-            ReportEntry("a/\u00e9\"x", "tensor", True, 4160, 8, "int64", (1,), ((8, 0),), None,
-                        (4,), (3,), False),
-            ReportEntry("r", "tensor", True, 8192, 0, "uint8", (0,), (), None, None, None, True),
-            ReportEntry("r", "tensor", False, None, None, "int16", (3,), (), None, None, None,
-                        True),
-            ReportEntry("o", "object", True, 4096, 5, crc32=3)]
-    values = [None, True, False, 0, 7, Small.ONE, 2 ** 40, -1, float("nan"), 1.0, "", "w",
-              (), (2,), [2], (Small.ONE,), (True,), ((8, 1),), [(8, 1)], ((8, True),),
-              ((8, 1, 2),), ([8, 1],), "float16"]
+    base = [
+        ReportEntry("w", "tensor", True, 4096, 24, "float32", (2, 3), ((16, 7), (8, 9))),
+        ReportEntry(
+            'a/\u00e9"x', "tensor", True, 4160, 8, "int64", (1,), ((8, 0),), None, (4,), (3,), False
+        ),
+        ReportEntry("r", "tensor", True, 8192, 0, "uint8", (0,), (), None, None, None, True),
+        ReportEntry("r", "tensor", False, None, None, "int16", (3,), (), None, None, None, True),
+        ReportEntry("o", "object", True, 4096, 5, crc32=3),
+    ]
+    values = [
+        None,
+        True,
+        False,
+        0,
+        7,
+        Small.ONE,
+        2**40,
+        -1,
+        float("nan"),
+        1.0,
+        "",
+        "w",
+        (),
+        (2,),
+        [2],
+        (Small.ONE,),
+        (True,),
+        ((8, 1),),
+        [(8, 1)],
+        ((8, True),),
+        ((8, 1, 2),),
+        ([8, 1],),
+        "float16",
+    ]
     for _ in range(3000):
         e = rng.choice(base)
         for _ in range(rng.choice([0, 1, 1, 2])):
@@ -533,8 +792,11 @@ def test_index_entry_fast_path_is_the_entrys_json():
 
 def _saved_manifest(tmp_path, state=None):
     with Checkpointer(tmp_path, MEDIUM) as ck:
-        info = ck.save(state if state is not None else _many(600), step=1,
-                       metadata={"entries": [], "note": '"entries":[]'}).wait()
+        info = ck.save(
+            state if state is not None else _many(600),
+            step=1,
+            metadata={"entries": [], "note": '"entries":[]'},
+        ).wait()
     return files.read_manifest(info.path)
 
 
@@ -551,11 +813,21 @@ def test_manifest_bytes_are_those_of_its_whole_json_form(tmp_path):
 
 
 def test_index_bytes_are_those_of_its_whole_json_form():
-    entries = [{"key": f"k{i}", "kind": "object", "offset": 4096 + 64 * i, "nbytes": 1,
-                "crc32": i} for i in range(codec.ENCODE_BATCH * 2 + 3)]
+    entries = [
+        {"key": f"k{i}", "kind": "object", "offset": 4096 + 64 * i, "nbytes": 1, "crc32": i}
+        for i in range(codec.ENCODE_BATCH * 2 + 3)
+    ]
     for some in (entries, entries[:1], []):
-        expect = json.dumps({"format": codec.SHARD_FORMAT, "version": codec.PLAIN_VERSION, "rank": 3,
-                             "entries": some}, separators=(",", ":"), allow_nan=False).encode()
+        expect = json.dumps(
+            {
+                "format": codec.SHARD_FORMAT,
+                "version": codec.PLAIN_VERSION,
+                "rank": 3,
+                "entries": some,
+            },
+            separators=(",", ":"),
+            allow_nan=False,
+        ).encode()
         assert codec.encode_index(3, iter(some)) == expect
 
 
@@ -563,26 +835,48 @@ def test_written_entry_that_does_not_read_back_is_refused(tmp_path):
     """An entry record whose JSON form parses into another record (a shape held as a list) is
     refused by the writer's check, naming it: what is written is what a reader finds."""
     import dataclasses
+
     manifest = _saved_manifest(tmp_path, {"w": torch.ones(2, 3)})
     odd = manifest.entries[0]._replace(shape=[2, 3])
     with pytest.raises(CorruptCheckpointError, match=r"manifest being written: entries\[0\]"):
         fmt.manifest_record_bytes(dataclasses.replace(manifest, entries={0: odd}))
 
 
-@pytest.mark.parametrize("text", [
-    b'{"a":1,"entries":[{"x":1},{"y":[2]}],"b":{"c":null}}',
-    b' \n{ "a" : 1 ,\t"entries" : [ {"x" : 1} , 2 ] , "b" : [] }\r\n',
-    b'{"entries":[]}', b'{}', b'{"entries":{"not":"a list"}}', b'{"entries":"x"}',
-    '{"k\\u00e9":"\\ud83d\\ude00","entries":[1]}'.encode(),
-    '{"entries":["é"]}'.encode("utf-16"), b'\xef\xbb\xbf{"entries":[1]}'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        b'{"a":1,"entries":[{"x":1},{"y":[2]}],"b":{"c":null}}',
+        b' \n{ "a" : 1 ,\t"entries" : [ {"x" : 1} , 2 ] , "b" : [] }\r\n',
+        b'{"entries":[]}',
+        b"{}",
+        b'{"entries":{"not":"a list"}}',
+        b'{"entries":"x"}',
+        '{"k\\u00e9":"\\ud83d\\ude00","entries":[1]}'.encode(),
+        '{"entries":["é"]}'.encode("utf-16"),
+        b'\xef\xbb\xbf{"entries":[1]}',
+    ],
+)
 def test_streamed_decoding_gives_what_json_gives(text):
     got = codec.parse_json_streamed(text, "entries", lambda fields: lambda item: None)
     assert got == json.loads(text)
 
 
-@pytest.mark.parametrize("text", [
-    b'{"a":1,"a":2}', b'[1]', b'{"entries":[1,]}', b'{"entries":[1] "b":2}', b'{"a":NaN}',
-    b'{"entries":[1]} x', b'{"a":1', b'{"entries":[1', b'', b'\xff{}', b'{"a":1,}'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        b'{"a":1,"a":2}',
+        b"[1]",
+        b'{"entries":[1,]}',
+        b'{"entries":[1] "b":2}',
+        b'{"a":NaN}',
+        b'{"entries":[1]} x',
+        b'{"a":1',
+        b'{"entries":[1',
+        b"",
+        b"\xff{}",
+        b'{"a":1,}',
+    ],
+)
 def test_streamed_decoding_gives_up_on_anything_unusual(text):
     assert codec.parse_json_streamed(text, "entries", lambda fields: lambda item: None) is None
 
@@ -594,13 +888,17 @@ def test_streamed_decoding_converts_the_entries_it_can(tmp_path):
     data, _ = fmt.manifest_record_bytes(manifest)
     obj = codec.parse_json(data, "m")
     seen = []
-    streamed = codec.parse_json_streamed(data, "entries", lambda fields: seen.append(
-        sorted(fields)) or validate.entry_converter(fields))
+    streamed = codec.parse_json_streamed(
+        data,
+        "entries",
+        lambda fields: seen.append(sorted(fields)) or validate.entry_converter(fields),
+    )
     assert "files" in seen[0] and "ranks" not in seen[0]
     assert all(type(e) is not dict for e in streamed["entries"])
     reordered = {"entries": obj.pop("entries"), **obj}
-    again = codec.seal_manifest(codec.encode_json({k: v for k, v in reordered.items()
-                                                   if k != "manifest_crc32"}))
+    again = codec.seal_manifest(
+        codec.encode_json({k: v for k, v in reordered.items() if k != "manifest_crc32"})
+    )
     assert fmt.parse_manifest_bytes(again, "reordered") == manifest
 
 
@@ -615,22 +913,32 @@ def test_a_bad_entry_among_converted_ones_is_named(tmp_path):
 
 # ------------------------------------------------------------------ restore
 
+
 def test_restore_in_place_of_plain_and_other_live_tensors(tmp_path):
     """Plain live tensors are read into as they are; parameters, non-contiguous and numpy
     live values through the general path; the same values everywhere."""
     model = torch.nn.Linear(3, 2)
-    state = {**_many(500), "model": model.state_dict(), "np": np.arange(4.0),
-             "wide": torch.randn(4, 6)}
+    state = {
+        **_many(500),
+        "model": model.state_dict(),
+        "np": np.arange(4.0),
+        "wide": torch.randn(4, 6),
+    }
     ref = clone_state({k: v for k, v in state.items() if k != "np"})
     with Checkpointer(tmp_path, MEDIUM) as ck:
         ck.save(state, step=1).wait()
-        live = {**{k: torch.zeros_like(v) for k, v in _many(500).items()},
-                "model": torch.nn.Linear(3, 2).state_dict(), "np": np.zeros(4),
-                "wide": torch.zeros(6, 4).t()}
+        live = {
+            **{k: torch.zeros_like(v) for k, v in _many(500).items()},
+            "model": torch.nn.Linear(3, 2).state_dict(),
+            "np": np.zeros(4),
+            "wide": torch.zeros(6, 4).t(),
+        }
         params = torch.nn.Linear(3, 2)
         ck.restore({**live, "model": {"weight": params.weight, "bias": params.bias}})
-    assert_same({k: v for k, v in live.items() if k not in ("np", "model")},
-                {k: v for k, v in ref.items() if k != "model"})
+    assert_same(
+        {k: v for k, v in live.items() if k not in ("np", "model")},
+        {k: v for k, v in ref.items() if k != "model"},
+    )
     assert torch.equal(params.weight.detach(), model.weight.detach())
     assert params.weight.requires_grad
     assert live["np"].tolist() == [0.0, 1.0, 2.0, 3.0]
@@ -663,21 +971,34 @@ class _File:
     def read_into(self, views, offset):
         self.reads.append(offset)
         for view in views:
-            view[:] = self.data[offset:offset + view.nbytes]
+            view[:] = self.data[offset : offset + view.nbytes]
             offset += view.nbytes
 
 
 def test_small_regions_are_checked_at_once_with_the_checkers_messages():
     from datastates.restore.plan import Read
     from datastates.restore.reads import read_run
+
     data = bytes(range(256)) * 2
-    good = [Read(0, 64 * i, 8, torch.zeros(8, dtype=torch.uint8),
-                  [[8, codec.crc32(data[64 * i:64 * i + 8])]], f"k{i}") for i in range(4)]
+    good = [
+        Read(
+            0,
+            64 * i,
+            8,
+            torch.zeros(8, dtype=torch.uint8),
+            [[8, codec.crc32(data[64 * i : 64 * i + 8])]],
+            f"k{i}",
+        )
+        for i in range(4)
+    ]
     read_run(_File(data), good, "f", verify=True)
     assert bytes(good[2].dest.tolist()) == data[128:136]
     bad = good[:2] + [Read(0, 128, 8, torch.zeros(8, dtype=torch.uint8), [[8, 1]], "k2")]
-    with pytest.raises(CorruptCheckpointError, match=r"f: checksum mismatch for 'k2' in bytes "
-                                                     r"\[0, 8\) of the tensor \(file offset 128\)"):
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=r"f: checksum mismatch for 'k2' in bytes "
+        r"\[0, 8\) of the tensor \(file offset 128\)",
+    ):
         read_run(_File(data), bad, "f", verify=True)
     odd = Read(0, 0, 8, torch.zeros(8, dtype=torch.uint8), [[-8, 0]], "k")
     f = _File(data)

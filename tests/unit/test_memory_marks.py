@@ -1,6 +1,7 @@
 """The keeper's marks (datastates/memory/marks.py): a memory checkpoint checked after its last
 write is read back without checksums; any change to it, or any doubt about the mark, and it is
 checked again."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,9 @@ STATE = {"w": torch.arange(70_000, dtype=torch.float32), "n": torch.arange(5)}
 @pytest.fixture
 def memdir(tmp_path):
     """A memory directory's layout: ``ckpt/`` holds steps 1 and 2."""
-    with datastates.Checkpointer(tmp_path / "ckpt", datastates.CheckpointConfig(
-            chunk_bytes=64 << 10)) as ck:
+    with datastates.Checkpointer(
+        tmp_path / "ckpt", datastates.CheckpointConfig(chunk_bytes=64 << 10)
+    ) as ck:
         for step in (1, 2):
             ck.save(STATE, step=step).wait()
         infos = ck.list()
@@ -67,8 +69,9 @@ def test_a_changed_manifest_voids_the_mark(memdir):
     assert not marks.holds(root, two)
 
 
-@pytest.mark.parametrize("mark", [b"", b"{", b"[]", b'{"name": "x", "manifest": 1, "files": {}}',
-                                  b"nul\0", "link"])
+@pytest.mark.parametrize(
+    "mark", [b"", b"{", b"[]", b'{"name": "x", "manifest": 1, "files": {}}', b"nul\0", "link"]
+)
 def test_a_mark_that_is_not_one_holds_nothing(memdir, mark):
     root, (_, two) = memdir
     marks.verify_newest(root, os.path.join(root, "ckpt"))
@@ -125,8 +128,7 @@ def test_a_prechecked_restore_reads_without_checksums_and_says_so(memdir):
         report = ck.restore(live, fallback=True)
         assert report.prechecked and report.step == 2
         assert all(torch.equal(live[k], STATE[k]) for k in STATE)
-    with TierCheckpointer(os.path.join(root, "ckpt"),
-                          policy=TierPolicy(optimistic=True)) as ck:
+    with TierCheckpointer(os.path.join(root, "ckpt"), policy=TierPolicy(optimistic=True)) as ck:
         report = ck.restore(live, fallback=True)
         assert not report.prechecked and report.step == 2
 
@@ -137,13 +139,14 @@ def test_a_newest_that_storage_has_passed_is_not_checked(memdir, tmp_path):
     root, (_, two) = memdir
     with datastates.Checkpointer(tmp_path / "storage") as ck:
         ck.save(STATE, step=3).wait()
-    assert marks.verify_newest(root, os.path.join(root, "ckpt"), str(tmp_path / "storage")) \
-        is None
+    assert marks.verify_newest(root, os.path.join(root, "ckpt"), str(tmp_path / "storage")) is None
     assert not marks.holds(root, two)
     with datastates.Checkpointer(tmp_path / "older") as ck:
         ck.save(STATE, step=2).wait()  # a tie: memory is read, so it is checked
-    assert marks.verify_newest(root, os.path.join(root, "ckpt"), str(tmp_path / "older")).name \
+    assert (
+        marks.verify_newest(root, os.path.join(root, "ckpt"), str(tmp_path / "older")).name
         == two.name
+    )
 
 
 def test_a_planted_marks_link_is_refused(memdir, tmp_path):

@@ -1,5 +1,6 @@
 """The record of which ranks a memory directory holds (memory/nodes.py): read as hostile input,
 and what a job whose ranks moved to other nodes does with the memory it finds."""
+
 from __future__ import annotations
 
 import json
@@ -24,29 +25,53 @@ def _record(memdir, text: str | bytes) -> None:
 
 
 def test_groups_are_the_ranks_sharing_a_host_and_a_memory_directory():
-    answers = {0: {"host": "a", "memdir": "/m"}, 1: {"host": "b", "memdir": "/m"},
-               2: {"host": "a", "memdir": "/m"}, 3: {"host": "b", "memdir": "/m"},
-               4: {"host": "a", "memdir": "/other"}}
+    answers = {
+        0: {"host": "a", "memdir": "/m"},
+        1: {"host": "b", "memdir": "/m"},
+        2: {"host": "a", "memdir": "/m"},
+        3: {"host": "b", "memdir": "/m"},
+        4: {"host": "a", "memdir": "/other"},
+    }
     assert nodes.groups(answers) == [[0, 2], [1, 3], [4]]
 
 
-@pytest.mark.parametrize("text, where, found", [
-    ("", "top level", "expected JSON, found b''"),
-    ("{", "top level", "expected JSON, found b'{'"),
-    ("[]", "top level", "expected an object, found list []"),
-    ('{"world_size": 4}', "top level",
-     "expected the fields ['ranks', 'world_size'], found ['world_size']"),
-    ('{"world_size": 4, "ranks": [0], "x": 1}', "top level",
-     "expected the fields ['ranks', 'world_size'], found ['ranks', 'world_size', 'x']"),
-    ('{"world_size": 0, "ranks": [0]}', "world_size",
-     f"expected an integer in [1, {1 << 24}], found 0"),
-    ('{"world_size": 4, "ranks": []}', "ranks", "expected at least one rank, found none"),
-    ('{"world_size": 4, "ranks": [4]}', "ranks[0]", "expected an integer in [0, 3], found 4"),
-    ('{"world_size": 4, "ranks": [1, 1]}', "ranks", "expected distinct ranks, found [1, 1]"),
-    ('{"world_size": true, "ranks": [0]}', "world_size", "expected an integer, found bool True"),
-    ('{"world_size": 4, "ranks": [0, 0.0]}', "ranks[1]", "expected an integer, found float 0.0"),
-    ('{"world_size": 4, "ranks": "01"}', "ranks", "expected a list, found str '01'"),
-])
+@pytest.mark.parametrize(
+    "text, where, found",
+    [
+        ("", "top level", "expected JSON, found b''"),
+        ("{", "top level", "expected JSON, found b'{'"),
+        ("[]", "top level", "expected an object, found list []"),
+        (
+            '{"world_size": 4}',
+            "top level",
+            "expected the fields ['ranks', 'world_size'], found ['world_size']",
+        ),
+        (
+            '{"world_size": 4, "ranks": [0], "x": 1}',
+            "top level",
+            "expected the fields ['ranks', 'world_size'], found ['ranks', 'world_size', 'x']",
+        ),
+        (
+            '{"world_size": 0, "ranks": [0]}',
+            "world_size",
+            f"expected an integer in [1, {1 << 24}], found 0",
+        ),
+        ('{"world_size": 4, "ranks": []}', "ranks", "expected at least one rank, found none"),
+        ('{"world_size": 4, "ranks": [4]}', "ranks[0]", "expected an integer in [0, 3], found 4"),
+        ('{"world_size": 4, "ranks": [1, 1]}', "ranks", "expected distinct ranks, found [1, 1]"),
+        (
+            '{"world_size": true, "ranks": [0]}',
+            "world_size",
+            "expected an integer, found bool True",
+        ),
+        (
+            '{"world_size": 4, "ranks": [0, 0.0]}',
+            "ranks[1]",
+            "expected an integer, found float 0.0",
+        ),
+        ('{"world_size": 4, "ranks": "01"}', "ranks", "expected a list, found str '01'"),
+    ],
+)
 def test_a_record_that_does_not_describe_ranks_is_refused(tmp_path, text, where, found):
     _record(tmp_path, text)
     path = os.path.join(tmp_path, nodes.NODE_FILE)
@@ -78,8 +103,10 @@ def test_a_record_round_trips_and_says_whether_it_is_a_part(tmp_path):
     assert nodes.read(str(tmp_path)) is None and nodes.part_only(str(tmp_path)) is None
     nodes.adopt(str(tmp_path), str(tmp_path / "ckpt"), PART)
     assert nodes.read(str(tmp_path)) == PART
-    assert nodes.part_only(str(tmp_path)) == "it holds ranks [2, 3] of 4 only, one node's " \
-                                             "part of the job"
+    assert (
+        nodes.part_only(str(tmp_path)) == "it holds ranks [2, 3] of 4 only, one node's "
+        "part of the job"
+    )
     nodes.adopt(str(tmp_path), str(tmp_path / "ckpt"), WHOLE)
     assert nodes.read(str(tmp_path)) == WHOLE and nodes.part_only(str(tmp_path)) is None
 
@@ -91,17 +118,21 @@ def _memory_with_a_checkpoint(memdir) -> str:
     return ckpt
 
 
-@pytest.mark.parametrize("before, now, kept", [
-    (None, WHOLE, True),                           # a memory of an older version: one node
-    (nodes.NodeRanks(4, (0, 1, 2, 3)), WHOLE, True),  # one node, another world size: reshards
-    (PART, PART, True),                            # the same ranks on this node again
-    (PART, nodes.NodeRanks(4, (1, 3)), False),     # other ranks on this node now
-    (PART, WHOLE, False),                          # a part, and now the whole job
-    (None, PART, False),                           # the whole job, and now a part
-    ("garbage", WHOLE, False),                     # a record that does not read
-])
-def test_the_memory_of_other_ranks_is_removed_before_it_is_used(tmp_path, caplog, before, now,
-                                                                kept):
+@pytest.mark.parametrize(
+    "before, now, kept",
+    [
+        (None, WHOLE, True),  # a memory of an older version: one node
+        (nodes.NodeRanks(4, (0, 1, 2, 3)), WHOLE, True),  # one node, another world size: reshards
+        (PART, PART, True),  # the same ranks on this node again
+        (PART, nodes.NodeRanks(4, (1, 3)), False),  # other ranks on this node now
+        (PART, WHOLE, False),  # a part, and now the whole job
+        (None, PART, False),  # the whole job, and now a part
+        ("garbage", WHOLE, False),  # a record that does not read
+    ],
+)
+def test_the_memory_of_other_ranks_is_removed_before_it_is_used(
+    tmp_path, caplog, before, now, kept
+):
     memdir = str(tmp_path)
     ckpt = _memory_with_a_checkpoint(memdir)
     if isinstance(before, nodes.NodeRanks):

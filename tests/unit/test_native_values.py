@@ -9,6 +9,7 @@
 - ``save()`` refuses what a default ``restore()`` would refuse (a torch DataLoader, a class
   outside the allowlist), naming the key and writing nothing, unless the config allows it.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,17 @@ import numpy as np
 import pytest
 import torch
 
-from datastates import (CheckpointConfig, Checkpointer, ConfigError, CorruptCheckpointError,
-                        SerializationError, StateMismatchError, StateProvider, UnsafeObjectError,
-                        inspect)
+from datastates import (
+    CheckpointConfig,
+    Checkpointer,
+    ConfigError,
+    CorruptCheckpointError,
+    SerializationError,
+    StateMismatchError,
+    StateProvider,
+    UnsafeObjectError,
+    inspect,
+)
 from datastates.format import codec as fmt
 from datastates.format import serialization
 from datastates.providers.tree import flatten
@@ -30,8 +39,22 @@ from datastates.testing import ProviderConformance
 from testkit import SMALL
 
 UNSAFE = SMALL.replace(allow_unsafe_objects=True)
-NATIVE_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
-                 "uint64", "float16", "float32", "float64", "complex64", "complex128"]
+NATIVE_DTYPES = [
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+]
 BIT_GENERATORS = ["MT19937", "PCG64", "PCG64DXSM", "Philox", "SFC64"]
 
 
@@ -80,6 +103,7 @@ def draws(gen, n: int = 5) -> np.ndarray:
 
 # ---------------------------------------------------------------- 1. numpy arrays as tensors
 
+
 @pytest.mark.parametrize("dtype", NATIVE_DTYPES)
 @pytest.mark.parametrize("shape", [(), (0, 3), (7,), (3, 5, 2)])
 def test_numpy_array_round_trips_as_array(ck, dtype, shape):
@@ -89,25 +113,37 @@ def test_numpy_array_round_trips_as_array(ck, dtype, shape):
 
 
 def test_numpy_arrays_are_tensor_entries_marked_np(ck):
-    state = {"x": sample("float32", (4, 4)), "z": np.array(7, dtype=np.int16),
-             "t": torch.arange(3)}
+    state = {"x": sample("float32", (4, 4)), "z": np.array(7, dtype=np.int16), "t": torch.arange(3)}
     ck.save(state, step=1).wait(60)
     m = manifest(ck)
-    assert {e["key"]: e["kind"] for e in m["entries"]} == {"x": "tensor", "z": "tensor",
-                                                           "t": "tensor"}
+    assert {e["key"]: e["kind"] for e in m["entries"]} == {
+        "x": "tensor",
+        "z": "tensor",
+        "t": "tensor",
+    }
     assert {e["key"]: (e["dtype"], e["shape"]) for e in m["entries"]} == {
-        "x": ("float32", [4, 4]), "z": ("int16", []), "t": ("int64", [3])}
+        "x": ("float32", [4, 4]),
+        "z": ("int16", []),
+        "t": ("int64", [3]),
+    }
     nodes = {key: node for key, node in m["ranks"][0]["tree"]["items"]}
     assert nodes["x"]["np"] is True and nodes["z"]["np"] is True and "np" not in nodes["t"]
-    assert [o["key"] for o in inspect(os.path.join(ck.directory, "step-0000000001"))["objects"]] == []
+    assert [
+        o["key"] for o in inspect(os.path.join(ck.directory, "step-0000000001"))["objects"]
+    ] == []
     loaded = ck.load()
     assert type(loaded["t"]) is torch.Tensor and type(loaded["x"]) is np.ndarray
 
 
 def test_contiguous_array_is_shared_others_are_copied():
     base = sample("float64", (6, 8))
-    views = {"whole": base, "cols": base[:, ::2], "transposed": base.T, "reversed": base[::-1],
-             "readonly": base.copy()}
+    views = {
+        "whole": base,
+        "cols": base[:, ::2],
+        "transposed": base.T,
+        "reversed": base[::-1],
+        "readonly": base.copy(),
+    }
     views["readonly"].flags.writeable = False
     flat = flatten(views, ProviderRegistry.default())
     by_key = dict(zip(flat.items.keys, flat.items.tensors))
@@ -147,8 +183,11 @@ def test_same_array_under_two_keys_is_stored_once(ck):
 
 
 def test_restore_fills_live_array_in_place(ck):
-    saved = {"a": sample("float32", (3, 4)), "z": np.array(9, dtype=np.int64),
-             "b": sample("bool", (5,))}
+    saved = {
+        "a": sample("float32", (3, 4)),
+        "z": np.array(9, dtype=np.int64),
+        "b": sample("bool", (5,)),
+    }
     ck.save(saved, step=1).wait(60)
     live = {"a": np.zeros((3, 4), np.float32), "z": np.array(0), "b": np.zeros(5, bool)}
     held = dict(live)  # other references to the live arrays
@@ -178,8 +217,13 @@ def test_restore_into_torch_tensor_and_tensor_into_array(ck):
     assert_same_array(live["from_torch"], np.arange(4.0, dtype=np.float32))
 
 
-@pytest.mark.parametrize("live_array", [np.zeros((3, 5), np.float32),   # other shape
-                                        np.zeros((3, 4), np.float64)])  # other dtype
+@pytest.mark.parametrize(
+    "live_array",
+    [
+        np.zeros((3, 5), np.float32),  # other shape
+        np.zeros((3, 4), np.float64),
+    ],
+)  # other dtype
 def test_restore_mismatched_array_is_refused_and_left_alone(ck, live_array):
     ck.save({"a": sample("float32", (3, 4)), "n": 1}, step=1).wait(60)
     live = {"a": live_array, "n": 0}
@@ -202,14 +246,18 @@ def test_restore_replaces_read_only_live_array(ck):
     assert_same_array(live["a"], saved)
 
 
-@pytest.mark.parametrize("array", [
-    np.array([1, "a", None], dtype=object),
-    np.array(["x", "yz"]),
-    np.array(["2024-01-01"], dtype="datetime64[D]"),
-    np.arange(3, dtype=np.clongdouble),
-    np.arange(3, dtype=">f4"),                      # non-native byte order
-    np.ma.masked_array([1.0, 2.0], mask=[0, 1]),    # a subclass
-], ids=["object", "str", "datetime64", "clongdouble", "big-endian", "masked"])
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.array([1, "a", None], dtype=object),
+        np.array(["x", "yz"]),
+        np.array(["2024-01-01"], dtype="datetime64[D]"),
+        np.arange(3, dtype=np.clongdouble),
+        np.arange(3, dtype=">f4"),  # non-native byte order
+        np.ma.masked_array([1.0, 2.0], mask=[0, 1]),  # a subclass
+    ],
+    ids=["object", "str", "datetime64", "clongdouble", "big-endian", "masked"],
+)
 def test_arrays_torch_cannot_hold_are_pickled(tmp_path, array):
     # With the default config they are refused at save (a default restore refuses them) ...
     with Checkpointer(tmp_path / "safe", SMALL) as ck:
@@ -230,8 +278,9 @@ def test_arrays_torch_cannot_hold_are_pickled(tmp_path, array):
 
 
 def test_np_flag_is_validated(ck):
-    ck.save({"a": sample("float32", (2,)), "o": 3.5, "bf": torch.ones(2, dtype=torch.bfloat16)},
-            step=1).wait(60)
+    ck.save(
+        {"a": sample("float32", (2,)), "o": 3.5, "bf": torch.ones(2, dtype=torch.bfloat16)}, step=1
+    ).wait(60)
     path = os.path.join(ck.directory, "step-0000000001")
     m = manifest(ck)
     del m["manifest_crc32"]
@@ -261,6 +310,7 @@ def test_np_flag_is_validated(ck):
 
 
 # ---------------------------------------------------------------- 2. numpy random states
+
 
 def test_legacy_global_state_round_trips_with_safe_loading(ck):
     np.random.seed(1234)
@@ -330,12 +380,18 @@ def test_generator_objects_round_trip_by_load_and_restore(ck):
 def test_generator_restore_refuses_another_kind_or_bit_generator(ck):
     ck.save({"g": np.random.default_rng(1)}, step=1).wait(60)
     for other in (np.random.RandomState(0), np.random.Generator(np.random.MT19937(0))):
-        before = other.bit_generator.state if hasattr(other, "bit_generator") else \
-            other.get_state(legacy=False)
+        before = (
+            other.bit_generator.state
+            if hasattr(other, "bit_generator")
+            else other.get_state(legacy=False)
+        )
         with pytest.raises(StateMismatchError, match="'g'.*PCG64"):
             ck.restore({"g": other})
-        after = other.bit_generator.state if hasattr(other, "bit_generator") else \
-            other.get_state(legacy=False)
+        after = (
+            other.bit_generator.state
+            if hasattr(other, "bit_generator")
+            else other.get_state(legacy=False)
+        )
         assert json.dumps(_plain(after)) == json.dumps(_plain(before))
 
 
@@ -344,8 +400,11 @@ def test_rebuild_constructs_only_numpys_own_bit_generators():
     for name in ("system", "load", "__import__", "BitGenerator", "SeedSequence"):
         with pytest.raises(CorruptCheckpointError, match=repr(name)):
             provider.rebuild({"kind": "Generator", "state": {"bit_generator": name}})
-    for bad in ({"kind": "os.system", "state": {"bit_generator": "PCG64"}}, {"kind": "Generator"},
-                ["Generator"]):
+    for bad in (
+        {"kind": "os.system", "state": {"bit_generator": "PCG64"}},
+        {"kind": "Generator"},
+        ["Generator"],
+    ):
         with pytest.raises(CorruptCheckpointError, match="expected a saved numpy"):
             provider.rebuild(bad)
 
@@ -360,16 +419,27 @@ class _Reduce:
         return self.func, self.args
 
 
-@pytest.mark.parametrize("make", [
-    lambda tmp: _Reduce(os.mkdir, str(tmp / "pwned")),
-    lambda tmp: _Reduce(os.system, f"mkdir {tmp / 'pwned'}"),
-    lambda tmp: _Reduce(np.save, str(tmp / "pwned"), np.zeros(1)),
-    lambda tmp: _Reduce(np.load, str(tmp / "pwned.npy")),
-    lambda tmp: _Reduce(np.random.Generator, np.random.PCG64(0)),
-    lambda tmp: _Reduce(np.random.RandomState, 0),
-    lambda tmp: np.arange(3.0).astype(object),
-], ids=["os.mkdir", "os.system", "numpy.save", "numpy.load", "numpy.random.Generator",
-        "numpy.random.RandomState", "object-array"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda tmp: _Reduce(os.mkdir, str(tmp / "pwned")),
+        lambda tmp: _Reduce(os.system, f"mkdir {tmp / 'pwned'}"),
+        lambda tmp: _Reduce(np.save, str(tmp / "pwned"), np.zeros(1)),
+        lambda tmp: _Reduce(np.load, str(tmp / "pwned.npy")),
+        lambda tmp: _Reduce(np.random.Generator, np.random.PCG64(0)),
+        lambda tmp: _Reduce(np.random.RandomState, 0),
+        lambda tmp: np.arange(3.0).astype(object),
+    ],
+    ids=[
+        "os.mkdir",
+        "os.system",
+        "numpy.save",
+        "numpy.load",
+        "numpy.random.Generator",
+        "numpy.random.RandomState",
+        "object-array",
+    ],
+)
 def test_no_numpy_or_os_callable_is_allowed_by_safe_loading(tmp_path, make):
     """A checkpoint whose object calls numpy or os functions when unpickled (written by a
     trusting writer, or forged) is refused by the default load; nothing is called."""
@@ -388,8 +458,9 @@ def test_no_numpy_or_os_callable_is_allowed_by_safe_loading(tmp_path, make):
             ck.save({"x": obj}, step=1)
 
 
-@pytest.mark.parametrize("obj", [np.random.default_rng(0), np.random.RandomState(0),
-                                 np.random.get_state()])
+@pytest.mark.parametrize(
+    "obj", [np.random.default_rng(0), np.random.RandomState(0), np.random.get_state()]
+)
 def test_numpy_pickles_of_generators_stay_refused(obj):
     """No numpy reconstruction callable was added to the allowlist: numpy's own pickle of a
     generator (or of the legacy state tuple) is still refused; the provider and native arrays
@@ -424,17 +495,25 @@ class TestNumpyRandomProvider(ProviderConformance):
         return state
 
 
-@pytest.mark.parametrize("kind, bits, change, match", [
-    ("Generator", "MT19937", lambda s: s["state"].update(pos=100_000), r"state/state/pos'"),
-    ("Generator", "PCG64", lambda s: s["state"].update(inc=1 << 130), r"state/state/inc'"),
-    ("Generator", "PCG64DXSM", lambda s: s.update(has_uint32=3), r"state/has_uint32'"),
-    ("Generator", "SFC64", lambda s: s["state"].update(state=np.zeros(3, dtype="uint64")),
-     r"state/state/state'.*uint64 array of shape \[4\]"),
-    ("RandomState", "MT19937", lambda s: s.update(gauss="x"), r"state/gauss'"),
-    ("RandomState", "MT19937", lambda s: s.update(has_gauss=-1), r"state/has_gauss'"),
-])
-def test_forged_bit_generator_states_are_refused_on_restore_and_load(tmp_path, kind, bits,
-                                                                     change, match):
+@pytest.mark.parametrize(
+    "kind, bits, change, match",
+    [
+        ("Generator", "MT19937", lambda s: s["state"].update(pos=100_000), r"state/state/pos'"),
+        ("Generator", "PCG64", lambda s: s["state"].update(inc=1 << 130), r"state/state/inc'"),
+        ("Generator", "PCG64DXSM", lambda s: s.update(has_uint32=3), r"state/has_uint32'"),
+        (
+            "Generator",
+            "SFC64",
+            lambda s: s["state"].update(state=np.zeros(3, dtype="uint64")),
+            r"state/state/state'.*uint64 array of shape \[4\]",
+        ),
+        ("RandomState", "MT19937", lambda s: s.update(gauss="x"), r"state/gauss'"),
+        ("RandomState", "MT19937", lambda s: s.update(has_gauss=-1), r"state/has_gauss'"),
+    ],
+)
+def test_forged_bit_generator_states_are_refused_on_restore_and_load(
+    tmp_path, kind, bits, change, match
+):
     provider = NumpyRandomProvider()
     build = np.random.Generator if kind == "Generator" else np.random.RandomState
     state = provider.state(build(getattr(np.random, bits)(1)))
@@ -468,6 +547,7 @@ def test_forged_bit_generator_states_are_refused_on_restore_and_load(tmp_path, k
 
 
 # ---------------------------------------------------------------- 3. refused at save
+
 
 def loader():
     data = torch.utils.data.TensorDataset(torch.arange(12.0).reshape(6, 2))

@@ -1,6 +1,7 @@
 """How a shard file is cut into multipart-upload parts (objstore.plan_parts): S3's rules — every
 part but the last at least 5 MiB, at most 10,000 parts — for every unit size, and the units that
 can be uploaded straight from the host cache."""
+
 import pytest
 
 from datastates.format import codec as fmt
@@ -23,9 +24,11 @@ def check(layout, parts):
     for p in parts:
         if p.direct:  # exactly one whole unit
             assert p.units == 1
-            assert any(u.file_offset == p.start and
-                       u.file_offset + fmt.align_up(u.nbytes, fmt.UNIT_ALIGN) == p.end
-                       for u in layout.units)
+            assert any(
+                u.file_offset == p.start
+                and u.file_offset + fmt.align_up(u.nbytes, fmt.UNIT_ALIGN) == p.end
+                for u in layout.units
+            )
 
 
 @pytest.mark.parametrize("unit", [64 << 10, 1 * MiB, 5 * MiB, 8 * MiB, 64 * MiB])
@@ -48,6 +51,7 @@ def test_too_many_parts_is_refused_with_a_hint():
 
 def test_local_write_new_refuses_an_existing_file(tmp_path):
     from datastates.storage.store import LOCAL
+
     path = str(tmp_path / "f")
     LOCAL.write_new(path, b"one", fsync=True)
     with pytest.raises(FileExistsError):

@@ -1,4 +1,5 @@
 """Packaging promises: a version flag, type information shipped, a license that matches metadata."""
+
 from __future__ import annotations
 
 import pathlib
@@ -23,8 +24,13 @@ def test_version_flag_prints_the_package_version(capsys):
 
 
 def test_module_entry_point_reports_version():
-    out = subprocess.run([sys.executable, "-m", "datastates", "--version"], capture_output=True,
-                         text=True, check=True, timeout=120).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "datastates", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
     assert out.strip() == f"datastates {datastates.__version__}"
 
 
@@ -48,14 +54,15 @@ def test_numpy_and_tqdm_are_declared_dependencies():
 
 def test_the_docs_install_what_the_safetensors_import_needs():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"]
+        "optional-dependencies"
+    ]
     assert [d.split(">")[0] for d in extras["safetensors"]] == ["safetensors"]
     cli = (ROOT / "docs" / "cli.md").read_text()
     line = next(l for l in cli.splitlines() if "--from safetensors" in l)
     assert "pip install '.[safetensors]'" in line, line
     readme = (ROOT / "README.md").read_text()
     extras_line = next(l for l in readme.splitlines() if l.startswith("Extras:"))
-    assert "`.[safetensors]`" in readme[readme.index(extras_line):].split("\n\n")[0]
+    assert "`.[safetensors]`" in readme[readme.index(extras_line) :].split("\n\n")[0]
 
 
 def test_docs_install_from_the_repository_not_from_an_index_it_is_not_on():
@@ -76,13 +83,19 @@ def _run_suite(tmp_path, env_value):
         "import pytest\n"
         "def test_missing():\n    pytest.importorskip('no_such_package_datastates')\n"
         "def test_hardware():\n    pytest.skip('needs CUDA')\n"
-        "def test_ok():\n    assert True\n")
+        "def test_ok():\n    assert True\n"
+    )
     env = {k: v for k, v in __import__("os").environ.items() if k != "DATASTATES_REQUIRE_EXTRAS"}
     if env_value is not None:
         env["DATASTATES_REQUIRE_EXTRAS"] = env_value
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_skip_for_a_missing_package_fails_the_run_when_extras_are_required(tmp_path):

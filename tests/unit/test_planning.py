@@ -1,4 +1,5 @@
 """The pure planning functions: file layout and replicated-item assignment."""
+
 from __future__ import annotations
 
 import math
@@ -12,8 +13,9 @@ UNIT = 16 << 10
 
 
 def pieces_of(layout, item):
-    return sorted((begin, nbytes) for u in layout.units for it, begin, _, nbytes in u.pieces
-                  if it == item)
+    return sorted(
+        (begin, nbytes) for u in layout.units for it, begin, _, nbytes in u.pieces if it == item
+    )
 
 
 def test_small_tensors_are_packed_into_one_unit_at_64_byte_alignment():

@@ -1,4 +1,5 @@
 """Built-in and user providers pass the shipped conformance suite; registries are explicit."""
+
 from __future__ import annotations
 
 import pytest
@@ -140,6 +141,7 @@ def test_capture_markers_override_policy(tmp_path):
 def test_a_provider_whose_capture_is_none_saves_its_tensors_eagerly(tmp_path):
     """``capture = None`` (outside "auto"/"lazy"/"eager"): its tensors are still saved, captured
     eagerly, and restored bit-exact."""
+
     class NoPolicy(CounterProvider):
         name = "tests.NoPolicy"
         capture = None

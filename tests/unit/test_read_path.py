@@ -1,5 +1,6 @@
 """The restore read path: stepped, vectored reads straight into the destinations, every byte
 verified as it lands; damage anywhere (across step and checksum-piece boundaries) is caught."""
+
 from __future__ import annotations
 
 import json
@@ -22,16 +23,21 @@ from testkit import SMALL
 
 def make_state(seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"big": torch.randn(40_000, generator=g),                       # 160 KB: 10+ pieces
-            "many": [torch.randn(3, generator=g) for _ in range(1500)],    # > _MAX_IOV buffers
-            "ints": torch.randint(-9, 9, (7, 333), generator=g),
-            "half": torch.randn(1001, generator=g).to(torch.bfloat16)}
+    return {
+        "big": torch.randn(40_000, generator=g),  # 160 KB: 10+ pieces
+        "many": [torch.randn(3, generator=g) for _ in range(1500)],  # > _MAX_IOV buffers
+        "ints": torch.randint(-9, 9, (7, 333), generator=g),
+        "half": torch.randn(1001, generator=g).to(torch.bfloat16),
+    }
 
 
 def zeros_like(state: dict) -> dict:
-    return {"big": torch.zeros(40_000), "many": [torch.zeros(3) for _ in range(1500)],
-            "ints": torch.zeros(7, 333, dtype=torch.int64),
-            "half": torch.zeros(1001, dtype=torch.bfloat16)}
+    return {
+        "big": torch.zeros(40_000),
+        "many": [torch.zeros(3) for _ in range(1500)],
+        "ints": torch.zeros(7, 333, dtype=torch.int64),
+        "half": torch.zeros(1001, dtype=torch.bfloat16),
+    }
 
 
 def assert_equal(a: dict, b: dict) -> None:
@@ -68,8 +74,10 @@ def test_round_trip_with_small_steps(saved, small_steps, threads):
         loaded = ck.load(step=1)
     assert_equal(live, state)
     assert_equal(loaded, state)
-    assert report.nbytes == sum(t.numel() * t.element_size() for t in
-                                [state["big"], state["ints"], state["half"], *state["many"]])
+    assert report.nbytes == sum(
+        t.numel() * t.element_size()
+        for t in [state["big"], state["ints"], state["half"], *state["many"]]
+    )
 
 
 def test_round_trip_default_steps_subset_of_keys(saved):
@@ -104,8 +112,13 @@ def test_a_flipped_byte_anywhere_is_caught(saved, small_steps, where):
     path, entry = _tensor_entry(root, "big")
     shard = entry["shards"][0]
     first_piece = shard["checksums"][0][0]
-    pos = {"first": 0, "last": shard["nbytes"] - 1, "piece-edge": first_piece,
-           "step-edge": SMALL_STEP - 1, "middle": shard["nbytes"] // 2}[where]
+    pos = {
+        "first": 0,
+        "last": shard["nbytes"] - 1,
+        "piece-edge": first_piece,
+        "step-edge": SMALL_STEP - 1,
+        "middle": shard["nbytes"] // 2,
+    }[where]
     _flip(path, shard["offset"] + pos)
     live = zeros_like(state)
     with datastates.Checkpointer(root, SMALL) as ck:
@@ -149,8 +162,11 @@ def test_checker_refuses_pieces_that_do_not_cover_the_region():
 
 def test_checker_accepts_any_split_of_the_bytes():
     data = memoryview(bytes(range(256)) * 40)
-    pieces = [[1000, datastates.format.codec.crc32(data[:1000])], [0, 0],
-              [9240, datastates.format.codec.crc32(data[1000:])]]
+    pieces = [
+        [1000, datastates.format.codec.crc32(data[:1000])],
+        [0, 0],
+        [9240, datastates.format.codec.crc32(data[1000:])],
+    ]
     for cut in (1, 999, 1000, 1001, 5000, 10_239):
         check = Checker(_read(10_240, pieces), "f")
         check.feed(data[:cut])
@@ -175,7 +191,7 @@ def test_steps_cover_the_group_in_order_with_gaps():
 
 
 def test_group_limit_gives_every_thread_work():
-    regions = [_read(1 << 20, [], i << 20) for i in range(64)]        # 64 MiB in all
+    regions = [_read(1 << 20, [], i << 20) for i in range(64)]  # 64 MiB in all
     limit = group_limit(regions, threads=4)
     assert len(coalesce(regions, limit)) >= 4
     huge = Read(0, 0, 1 << 30, torch.zeros(1, dtype=torch.uint8), [], "k")  # only nbytes used
@@ -184,12 +200,15 @@ def test_group_limit_gives_every_thread_work():
 
 def test_cli_verify_reads_every_byte_and_names_a_damaged_one(saved, small_steps, capsys):
     from datastates.tools import cli
+
     root, state = saved
     assert cli.main(["verify", str(root)]) == 0
     # verify re-reads every byte of every shard file (header, data, padding, index)
     total = sum(p.stat().st_size for p in root.rglob("*.dsf"))
-    assert total > sum(t.numel() * t.element_size() for t in
-                       [state["big"], state["ints"], state["half"], *state["many"]])
+    assert total > sum(
+        t.numel() * t.element_size()
+        for t in [state["big"], state["ints"], state["half"], *state["many"]]
+    )
     assert f"{total} bytes verified" in capsys.readouterr().out
     path, entry = _tensor_entry(root, "ints")
     _flip(path, entry["shards"][0]["offset"] + 100)
@@ -201,6 +220,7 @@ def test_local_reads_step_by_one_mib_and_object_reads_by_eight():
     """A local step stays in the CPU cache while it is checksummed; a ranged GET is a round trip,
     so object-store reads take larger steps."""
     from datastates.storage.s3 import S3ReadFile
+
     local = LOCAL.open_read(__file__)
     try:
         assert local.step_bytes == 1 << 20
@@ -214,18 +234,22 @@ def test_a_large_region_is_cut_at_its_checksum_pieces():
     destination bytes, carries its own pieces and says where it starts in the tensor."""
     data = torch.arange(250, dtype=torch.float32)
     raw = data.view(torch.uint8)
-    pieces = [[100, datastates.format.codec.crc32(raw[i:i + 100].numpy())]
-              for i in range(0, 1000, 100)]
+    pieces = [
+        [100, datastates.format.codec.crc32(raw[i : i + 100].numpy())] for i in range(0, 1000, 100)
+    ]
     region = Read(3, 5000, 1000, data, pieces, "w")
     parts = reads.split_at_pieces([region], 250)
-    assert [(p.offset, p.nbytes, p.base) for p in parts] == \
-        [(5000 + i, 200, i) for i in range(0, 1000, 200)]
-    assert [p.checksums for p in parts] == [pieces[i:i + 2] for i in range(0, 10, 2)]
-    assert all(p.dest.data_ptr() == data.data_ptr() + p.base and p.file == 3 and p.key == "w"
-               for p in parts)
+    assert [(p.offset, p.nbytes, p.base) for p in parts] == [
+        (5000 + i, 200, i) for i in range(0, 1000, 200)
+    ]
+    assert [p.checksums for p in parts] == [pieces[i : i + 2] for i in range(0, 10, 2)]
+    assert all(
+        p.dest.data_ptr() == data.data_ptr() + p.base and p.file == 3 and p.key == "w"
+        for p in parts
+    )
     for p in parts:  # each part checks against its own pieces
         check = Checker(p, "f")
-        check.feed(memoryview(raw[p.base:p.base + p.nbytes].numpy()))
+        check.feed(memoryview(raw[p.base : p.base + p.nbytes].numpy()))
         check.finish()
     # left whole: small enough, one piece, pieces not covering it, a non-contiguous destination
     assert reads.split_at_pieces([region], 1000) == [region]
@@ -243,9 +267,9 @@ def small_runs(monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 4])
-def test_a_tensor_read_in_parts_round_trips_and_names_the_damaged_bytes(saved, small_steps,
-                                                                         small_runs, monkeypatch,
-                                                                         threads):
+def test_a_tensor_read_in_parts_round_trips_and_names_the_damaged_bytes(
+    saved, small_steps, small_runs, monkeypatch, threads
+):
     root, state = saved
     cfg = SMALL.replace(reader_threads=threads)
     live = zeros_like(state)
@@ -255,6 +279,7 @@ def test_a_tensor_read_in_parts_round_trips_and_names_the_damaged_bytes(saved, s
         out = split(regions, limit)
         parts.extend(out)
         return out
+
     monkeypatch.setattr(reads, "split_at_pieces", recording)
     with datastates.Checkpointer(root, cfg) as ck:
         ck.restore(live, step=1)
@@ -269,18 +294,22 @@ def test_a_tensor_read_in_parts_round_trips_and_names_the_damaged_bytes(saved, s
     with datastates.Checkpointer(root, cfg) as ck:
         with pytest.raises(CorruptCheckpointError) as exc:
             ck.restore(zeros_like(state), step=1)
-    assert f"checksum mismatch for 'big' in bytes [{5 * piece}, {6 * piece}) of the tensor " \
+    assert (
+        f"checksum mismatch for 'big' in bytes [{5 * piece}, {6 * piece}) of the tensor "
         f"(file offset {shard['offset'] + 5 * piece})" in str(exc.value)
+    )
 
 
 @pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize("where", ["first", "piece-edge", "middle", "last"])
-def test_verify_in_spans_finds_a_flipped_byte_anywhere(saved, small_steps, monkeypatch,
-                                                       threads, where):
+def test_verify_in_spans_finds_a_flipped_byte_anywhere(
+    saved, small_steps, monkeypatch, threads, where
+):
     """verify_all reads the pieces in spans, several at once, through one small buffer per
     thread: a flipped byte anywhere is named with its tensor bytes and file offset."""
     from datastates.restore import verify as verify_mod
     from datastates.restore.reader import Reader
+
     monkeypatch.setattr(verify_mod, "SPAN_BYTES", 40 << 10)
     root, _ = saved
     path, entry = _tensor_entry(root, "big")
@@ -289,8 +318,12 @@ def test_verify_in_spans_finds_a_flipped_byte_anywhere(saved, small_steps, monke
     ckpt = os.path.join(root, "step-0000000001")
     with Reader(ckpt, registry=datastates.ProviderRegistry.default(), threads=threads) as r:
         assert r.verify_all() == os.path.getsize(path)
-    pos = {"first": 0, "piece-edge": piece, "middle": shard["nbytes"] // 2,
-           "last": shard["nbytes"] - 1}[where]
+    pos = {
+        "first": 0,
+        "piece-edge": piece,
+        "middle": shard["nbytes"] // 2,
+        "last": shard["nbytes"] - 1,
+    }[where]
     start = pos // piece * piece
     _flip(path, shard["offset"] + pos)
     with Reader(ckpt, registry=datastates.ProviderRegistry.default(), threads=threads) as r:
@@ -302,6 +335,7 @@ def test_verify_in_spans_finds_a_flipped_byte_anywhere(saved, small_steps, monke
 
 def test_verify_of_a_truncated_file_is_corrupt(saved):
     from datastates.restore.reader import Reader
+
     root, _ = saved
     path, entry = _tensor_entry(root, "big")
     with open(path, "rb") as f:
@@ -309,7 +343,7 @@ def test_verify_of_a_truncated_file_is_corrupt(saved):
     ckpt = os.path.join(root, "step-0000000001")
     shard = entry["shards"][0]
     with open(path, "wb") as f:  # the tail (index and all) moved inside the tensor's bytes
-        f.write(data[:shard["offset"] + 100] + data[-4096:])
+        f.write(data[: shard["offset"] + 100] + data[-4096:])
     with Reader(ckpt, registry=datastates.ProviderRegistry.default()) as r:
         with pytest.raises(CorruptCheckpointError):
             r.verify_all()

@@ -16,6 +16,7 @@ CUDA, every one) go through their row-major bytes (``format.codec.tensor_bytes``
 digests of declared replicas, ``fingerprint`` and the ``torch.distributed.checkpoint`` writer; a
 one-element tensor of stride 4, which ``reshape(-1).view(torch.uint8)`` refuses, is among them.
 """
+
 from __future__ import annotations
 
 import threading
@@ -31,15 +32,36 @@ from datastates.restore.reader import Reader
 
 NAME = "step-0000000001"
 WORLDS = (1, 2, 3, 4, 8)
-DTYPES = [d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
-                      torch.uint8, torch.bool, torch.int64, torch.complex64,
-                      getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
-          if d is not None]
+DTYPES = [
+    d
+    for d in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.int64,
+        torch.complex64,
+        getattr(torch, "float8_e4m3fn", None),
+        getattr(torch, "float8_e5m2", None),
+    )
+    if d is not None
+]
 #: Global shapes: rows that 8 ranks split unevenly, a single column (boxes of one element at
 #: 8 ranks), an image batch (channels-last), and a tensor with no elements.
 SHAPES = {"m": (9, 6), "col": (8, 1), "img": (5, 3, 2, 4), "z": (4, 0)}
-LAYOUTS = ("contiguous", "transposed", "step_last", "step_first", "offset", "channels_last",
-           "size1_strides", "subclass")
+LAYOUTS = (
+    "contiguous",
+    "transposed",
+    "step_last",
+    "step_first",
+    "offset",
+    "channels_last",
+    "size1_strides",
+    "subclass",
+)
 
 
 class _Subclass(torch.Tensor):
@@ -190,8 +212,9 @@ def _live_state(layout: str, world: int, rank: int, dim: int) -> tuple[dict, dic
         base, local = _live(layout, shape, dtype, seed=10_000 + i)
         expected = base.clone()
         if not (layout == "expanded" and _overlapping(local)):
-            expected.as_strided(local.shape, local.stride(),
-                                local.storage_offset()).copy_(_part(full, offset, shape))
+            expected.as_strided(local.shape, local.stride(), local.storage_offset()).copy_(
+                _part(full, offset, shape)
+            )
         state[name] = TensorShard(local, full.shape, offset)
         checks[name] = (base, local, tuple(local.stride()), offset, expected)
     return state, checks
@@ -202,8 +225,9 @@ def _overlapping(t: torch.Tensor) -> bool:
 
 
 def _reader(ckpt_dir: str, rank: int, world: int) -> Reader:
-    return Reader(ckpt_dir, registry=ProviderRegistry.default(), rank=rank, world_size=world,
-                  threads=2)
+    return Reader(
+        ckpt_dir, registry=ProviderRegistry.default(), rank=rank, world_size=world, threads=2
+    )
 
 
 def _assert_restored(state: dict, checks: dict, names) -> None:
@@ -213,8 +237,9 @@ def _assert_restored(state: dict, checks: dict, names) -> None:
         assert shard.local is local and tuple(local.stride()) == strides, name
         assert local.untyped_storage().data_ptr() == base.untyped_storage().data_ptr(), name
         key, dtype = name.split("/")[1], local.dtype
-        assert torch.equal(_bytes(local), _bytes(_part(_full(key, dtype), offset,
-                                                       tuple(local.shape)))), name
+        assert torch.equal(
+            _bytes(local), _bytes(_part(_full(key, dtype), offset, tuple(local.shape)))
+        ), name
         assert torch.equal(_bytes(base), _bytes(expected)), f"{name}: memory around the box"
 
 
@@ -249,10 +274,14 @@ def test_an_expanded_box_is_refused_before_anything_is_read(saved, saved_world):
                         r.restore_into(state)
                     assert isinstance(info.value, datastates.DatastatesError)
                     local = checks[refused[0]][1]
-                    assert f"{refused[0]} (the live tensor overlaps itself: dimension 0 of " \
-                           f"size {local.shape[0]} has stride 0" in str(info.value)
-                    assert f"it is {refused[0].split('/')[0]}{list(local.shape)} of strides " \
-                           f"{list(local.stride())}" in str(info.value)
+                    assert (
+                        f"{refused[0]} (the live tensor overlaps itself: dimension 0 of "
+                        f"size {local.shape[0]} has stride 0" in str(info.value)
+                    )
+                    assert (
+                        f"it is {refused[0].split('/')[0]}{list(local.shape)} of strides "
+                        f"{list(local.stride())}" in str(info.value)
+                    )
                     for name, (base, *_) in checks.items():
                         assert torch.equal(_bytes(base), _bytes(before[name])), name
                 report = r.restore_into(state, strict=False)
@@ -266,8 +295,12 @@ def test_conjugate_and_negative_views_restore_their_values(saved, saved_world):
     """A box that is a lazy conjugate (complex) or negative (signed) view, whose memory holds
     the conjugate or negation of its values: after the restore its values are the saved ones,
     and its memory their conjugate or negation."""
-    views = {"complex64": torch.Tensor.conj, "float32": torch._neg_view,
-             "int64": torch._neg_view, "bfloat16": torch._neg_view}
+    views = {
+        "complex64": torch.Tensor.conj,
+        "float32": torch._neg_view,
+        "int64": torch._neg_view,
+        "bfloat16": torch._neg_view,
+    }
     for world in (2, 4):
         for rank in range(world):
             state, checks = {}, {}
@@ -292,6 +325,7 @@ def test_conjugate_and_negative_views_restore_their_values(saved, saved_world):
 
 # ---------------------------------------------------------------- the saved bytes of such tensors
 
+
 def _one_element(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(base, one element of it): a contiguous (1, 1) view of stride 4 in its last dimension,
     which ``reshape(-1).view(torch.uint8)`` refuses for elements wider than a byte."""
@@ -301,8 +335,10 @@ def _one_element(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _saved_forms(dtype: torch.dtype) -> dict:
     base, odd = _one_element(dtype)
-    forms = {"subclass": odd.as_subclass(_Subclass),
-             "box": TensorShard(odd.as_subclass(_Subclass), (1, 1), (0, 0))}
+    forms = {
+        "subclass": odd.as_subclass(_Subclass),
+        "box": TensorShard(odd.as_subclass(_Subclass), (1, 1), (0, 0)),
+    }
     if dtype.is_complex:
         forms["conj"] = base[:, 1:].conj()  # a lazy conjugate: its bytes are not its values
     return forms
@@ -319,8 +355,9 @@ def test_tensors_saved_through_their_flat_bytes_keep_their_values(tmp_path, dtyp
         loaded = ckpt.load()
     for name, value in forms.items():
         value = value.local if isinstance(value, TensorShard) else value
-        assert torch.equal(_bytes(loaded[name]), _bytes(value.resolve_conj().as_subclass(
-            torch.Tensor))), name
+        assert torch.equal(
+            _bytes(loaded[name]), _bytes(value.resolve_conj().as_subclass(torch.Tensor))
+        ), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.complex64])
@@ -334,8 +371,9 @@ def test_replicated_tensors_of_odd_strides_are_digested(tmp_path, dtype):
     def rank(r: int) -> None:
         try:
             comm = StoreCommunicator(store, r, 2, "run")
-            with Checkpointer(tmp_path, CheckpointConfig(replica_check=True),
-                              communicator=comm) as ckpt:
+            with Checkpointer(
+                tmp_path, CheckpointConfig(replica_check=True), communicator=comm
+            ) as ckpt:
                 ckpt.save(state, step=1, replicated=True).wait(60)
         except BaseException as exc:  # reported below
             errors.append(exc)
@@ -357,8 +395,10 @@ def test_fingerprints_and_dcp_writes_take_the_values_of_such_tensors(tmp_path):
     contiguous copy, a conjugate view as its resolved values), and a DatastatesWriter folder
     written by ``torch.distributed.checkpoint`` loads them back bit-exact."""
     from datastates.tools.fingerprint import fingerprint
+
     dcp = pytest.importorskip("torch.distributed.checkpoint")
     from datastates.integrations.dcp import DatastatesReader, DatastatesWriter
+
     base, odd = _one_element(torch.complex64)
     conj = base[:, 1:].conj()
     plain = {"odd": odd.clone(memory_format=torch.contiguous_format), "conj": conj.resolve_conj()}

@@ -6,6 +6,7 @@ restore reading some rows of such a shard must still land them bit-exact. A cont
 may carry any stride in a dimension of size 1, which ``Tensor.view(torch.uint8)`` refuses: a restore
 into one (a ``TensorShard`` box of a checkpoint saved at another world size) fills it all the same.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,12 +30,18 @@ NAME = "step-0000000001"
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and \
-        torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
-                    b.contiguous().reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.contiguous().reshape(-1).view(torch.uint8),
+            b.contiguous().reshape(-1).view(torch.uint8),
+        )
+    )
 
 
 # ---------------------------------------------------------------- forged checksum pieces
+
 
 def _read(path: str) -> bytes:
     return pathlib.Path(path).read_bytes()
@@ -56,27 +63,37 @@ def _split_pieces(ckpt_dir: str, key: str, cuts: list[int]) -> list[list[int]]:
     shard = entry["shards"][0]
     shard_path = os.path.join(ckpt_dir, manifest["files"][shard["file"]]["name"])
     data = _read(shard_path)
-    region = data[shard["offset"]:shard["offset"] + shard["nbytes"]]
+    region = data[shard["offset"] : shard["offset"] + shard["nbytes"]]
     bounds = [0, *cuts, len(region)]
-    pieces = [[end - start, fmt.crc32(region[start:end])]
-              for start, end in zip(bounds, bounds[1:])]
+    pieces = [[end - start, fmt.crc32(region[start:end])] for start, end in zip(bounds, bounds[1:])]
     shard["checksums"] = pieces
     v3 = data.startswith(b"PK\x03\x04")  # version 3: the header at 64, a tail after the index
     index_offset, index_length = struct.unpack_from("<QQ", data, 64 * v3 + 16)
-    index = json.loads(data[index_offset:index_offset + index_length])
+    index = json.loads(data[index_offset : index_offset + index_length])
     next(e for e in index["entries"] if e["key"] == key)["checksums"] = pieces
     raw_index = fmt.encode_json(index)
-    body = data[fmt.HEADER_BYTES:index_offset] + raw_index
+    body = data[fmt.HEADER_BYTES : index_offset] + raw_index
     if v3:  # the index record's local header, before the index, names its length and CRC
-        body = body[:index_offset - 64 - fmt.HEADER_BYTES] + zipframe.local_header(
-            zipframe.INDEX_RECORD, len(raw_index), 64, fmt.crc32(raw_index)) + \
-            body[index_offset - fmt.HEADER_BYTES:]
-        tail = data[fmt.align_up(index_offset + index_length, 64):]
+        body = (
+            body[: index_offset - 64 - fmt.HEADER_BYTES]
+            + zipframe.local_header(zipframe.INDEX_RECORD, len(raw_index), 64, fmt.crc32(raw_index))
+            + body[index_offset - fmt.HEADER_BYTES :]
+        )
+        tail = data[fmt.align_up(index_offset + index_length, 64) :]
         tail_at = fmt.align_up(index_offset + len(raw_index), 64)
         first = struct.unpack_from("<I", data, 120)[0]  # tensor 0's local header ends the block
-        data = fmt.pack_header_v3(index_offset, raw_index, tail_at, tail,
-                                  data[fmt.HEADER_BYTES - first:fmt.HEADER_BYTES]) + \
-            body + bytes(tail_at - index_offset - len(raw_index)) + tail
+        data = (
+            fmt.pack_header_v3(
+                index_offset,
+                raw_index,
+                tail_at,
+                tail,
+                data[fmt.HEADER_BYTES - first : fmt.HEADER_BYTES],
+            )
+            + body
+            + bytes(tail_at - index_offset - len(raw_index))
+            + tail
+        )
     else:
         data = fmt.pack_header(index_offset, raw_index) + body
     _write(shard_path, data)
@@ -117,7 +134,8 @@ def test_a_damaged_piece_of_split_rows_is_still_found(tmp_path):
     ckpt_dir = str(tmp_path / NAME)
     _split_pieces(ckpt_dir, "w", [5, 35])
     offset = json.loads(_read(os.path.join(ckpt_dir, fmt.MANIFEST)))["entries"][0]["shards"][0][
-        "offset"]
+        "offset"
+    ]
     shard_path = os.path.join(ckpt_dir, fmt.shard_file_name(0))
     data = bytearray(_read(shard_path))
     data[offset + 6] ^= 0xFF  # byte 6: in the piece [5, 35), before row 1 (byte 16)
@@ -130,6 +148,7 @@ def test_a_damaged_piece_of_split_rows_is_still_found(tmp_path):
 
 # ---------------------------------------------------------------- live tensors of odd strides
 
+
 def _save_two_ranks(root: str, full: torch.Tensor) -> None:
     """Two ranks (threads joined by one in-process store) save the rows of ``full`` as
     TensorShards, one row each."""
@@ -139,7 +158,7 @@ def _save_two_ranks(root: str, full: torch.Tensor) -> None:
         try:
             comm = StoreCommunicator(store, r, 2, "run")
             with Checkpointer(root, CheckpointConfig(), communicator=comm) as ckpt:
-                row = full[r:r + 1].clone()
+                row = full[r : r + 1].clone()
                 ckpt.save({"w": TensorShard(row, tuple(full.shape), (r, 0))}, step=1).wait(60)
         except BaseException as exc:  # reported by the test
             errors.append(exc)
@@ -161,7 +180,7 @@ def test_box_with_odd_strides_restored_from_another_world_size(tmp_path, dtype):
     full = torch.tensor([[1.5], [-2.25]]).to(dtype)
     _save_two_ranks(str(tmp_path), full)
     base = torch.zeros(2, 4, dtype=dtype)
-    boxes = {f"row{r}": base.t()[r + 1:r + 2, :1] for r in range(2)}
+    boxes = {f"row{r}": base.t()[r + 1 : r + 2, :1] for r in range(2)}
     assert all(b.is_contiguous() and b.stride() == (1, 4) for b in boxes.values())
     with Checkpointer(tmp_path) as ckpt:
         for r, (key, box) in enumerate(boxes.items()):

@@ -8,6 +8,7 @@ dtype difference stays a mismatch, and integer, bool and complex tensors are nev
 cast key is listed in the report. A damaged checkpoint raises the same CorruptCheckpointError as
 without ``cast``, before any cast tensor changes.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,9 +23,14 @@ from testkit import SMALL
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and \
-        torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
-                    b.contiguous().reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.contiguous().reshape(-1).view(torch.uint8),
+            b.contiguous().reshape(-1).view(torch.uint8),
+        )
+    )
 
 
 def _saved(tmp_path, state: dict) -> None:
@@ -43,10 +49,17 @@ def _randn(*shape, dtype=torch.float32, seed=0) -> torch.Tensor:
 
 # ---------------------------------------------------------------- casting when asked
 
-@pytest.mark.parametrize("saved_dtype, live_dtype", [
-    (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
-    (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
-    (torch.float64, torch.bfloat16)])
+
+@pytest.mark.parametrize(
+    "saved_dtype, live_dtype",
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.float64, torch.bfloat16),
+    ],
+)
 def test_cast_restores_saved_to_the_live_dtype_bit_for_bit(tmp_path, saved_dtype, live_dtype):
     w = _randn(64, 300, dtype=saved_dtype)
     _saved(tmp_path, {"model": {"w": w}})
@@ -78,8 +91,9 @@ def test_cast_model_matching_tensors_are_read_as_usual(tmp_path):
     extra = _randn(10, seed=5)
     _saved(tmp_path, {"model": model, "extra": extra})
     torch.manual_seed(1)
-    live_model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64),
-                               nn.Linear(64, 8)).to(torch.bfloat16)
+    live_model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.Linear(64, 8)).to(
+        torch.bfloat16
+    )
     live = {"model": live_model, "extra": torch.zeros(10)}
     report = _restore(tmp_path, live, cast=True)
     for key, saved in model.state_dict().items():
@@ -101,14 +115,15 @@ def test_cast_into_a_non_contiguous_live_tensor(tmp_path):
     assert _same_bits(base.t().contiguous(), w.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("offset, local_shape", [((4, 0), (4, 8)), ((0, 4), (12, 4)),
-                                                  ((3, 2), (5, 3))])
+@pytest.mark.parametrize(
+    "offset, local_shape", [((4, 0), (4, 8)), ((0, 4), (12, 4)), ((3, 2), (5, 3))]
+)
 def test_cast_into_a_sharded_live_tensor_reads_its_box(tmp_path, offset, local_shape):
     w = _randn(12, 8, seed=7)
     _saved(tmp_path, {"w": w})
     local = torch.zeros(local_shape, dtype=torch.bfloat16)
     report = _restore(tmp_path, {"w": TensorShard(local, (12, 8), offset)}, cast=True)
-    box = w[offset[0]:offset[0] + local_shape[0], offset[1]:offset[1] + local_shape[1]]
+    box = w[offset[0] : offset[0] + local_shape[0], offset[1] : offset[1] + local_shape[1]]
     assert _same_bits(local, box.to(torch.bfloat16))
     assert report.cast == ["w (float32 -> bfloat16)"]
 
@@ -125,12 +140,16 @@ def test_many_cast_tensors_each_get_their_own_values(tmp_path):
 
 # ---------------------------------------------------------------- refused unless asked, or not float
 
+
 def test_by_default_a_dtype_difference_is_a_mismatch(tmp_path):
     w = _randn(16)
     _saved(tmp_path, {"w": w})
     live = {"w": torch.zeros(16, dtype=torch.bfloat16)}
-    with pytest.raises(StateMismatchError, match=r"w \(checkpoint float32\[16\], live "
-                                                 r"bfloat16\[16\]\)"):
+    with pytest.raises(
+        StateMismatchError,
+        match=r"w \(checkpoint float32\[16\], live "
+        r"bfloat16\[16\]\)",
+    ):
         _restore(tmp_path, live)
     assert _same_bits(live["w"], torch.zeros(16, dtype=torch.bfloat16))
     report = _restore(tmp_path, live, strict=False)
@@ -139,13 +158,17 @@ def test_by_default_a_dtype_difference_is_a_mismatch(tmp_path):
     assert _same_bits(live["w"], torch.zeros(16, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("saved, live", [
-    (torch.arange(6, dtype=torch.int64), torch.zeros(6, dtype=torch.int32)),
-    (torch.arange(6, dtype=torch.int32), torch.zeros(6, dtype=torch.float32)),
-    (torch.ones(6), torch.zeros(6, dtype=torch.int32)),
-    (torch.ones(6, dtype=torch.bool), torch.zeros(6, dtype=torch.uint8)),
-    (torch.ones(6, dtype=torch.complex64), torch.zeros(6, dtype=torch.complex128)),
-    (torch.ones(6, dtype=torch.complex64), torch.zeros(6, dtype=torch.float32))])
+@pytest.mark.parametrize(
+    "saved, live",
+    [
+        (torch.arange(6, dtype=torch.int64), torch.zeros(6, dtype=torch.int32)),
+        (torch.arange(6, dtype=torch.int32), torch.zeros(6, dtype=torch.float32)),
+        (torch.ones(6), torch.zeros(6, dtype=torch.int32)),
+        (torch.ones(6, dtype=torch.bool), torch.zeros(6, dtype=torch.uint8)),
+        (torch.ones(6, dtype=torch.complex64), torch.zeros(6, dtype=torch.complex128)),
+        (torch.ones(6, dtype=torch.complex64), torch.zeros(6, dtype=torch.float32)),
+    ],
+)
 def test_cast_never_converts_integer_bool_or_complex(tmp_path, saved, live):
     _saved(tmp_path, {"t": saved})
     before = live.clone()
@@ -159,8 +182,11 @@ def test_cast_never_converts_integer_bool_or_complex(tmp_path, saved, live):
 def test_cast_does_not_excuse_a_shape_difference(tmp_path):
     _saved(tmp_path, {"w": _randn(16)})
     live = {"w": torch.zeros(15, dtype=torch.bfloat16)}
-    with pytest.raises(StateMismatchError, match=r"checkpoint float32\[16\], live "
-                                                 r"bfloat16\[15\]\)"):
+    with pytest.raises(
+        StateMismatchError,
+        match=r"checkpoint float32\[16\], live "
+        r"bfloat16\[15\]\)",
+    ):
         _restore(tmp_path, live, cast=True)
 
 
@@ -173,6 +199,7 @@ def test_a_strict_cast_restore_with_a_mismatch_elsewhere_modifies_nothing(tmp_pa
 
 
 # ---------------------------------------------------------------- damage
+
 
 def test_a_damaged_checkpoint_raises_the_same_error_and_leaves_cast_tensors_alone(tmp_path):
     torch.manual_seed(0)
@@ -197,10 +224,16 @@ def test_a_damaged_checkpoint_raises_the_same_error_and_leaves_cast_tensors_alon
 
 # ---------------------------------------------------------------- load(dtype=...)
 
+
 def test_load_with_a_dtype_converts_floating_tensors_only(tmp_path):
-    saved = {"w": _randn(5, 3), "h": _randn(4, dtype=torch.float16, seed=1),
-             "i": torch.arange(5), "b": torch.tensor([True, False]),
-             "c": torch.ones(2, dtype=torch.complex64), "nested": [_randn(3, seed=2), 7]}
+    saved = {
+        "w": _randn(5, 3),
+        "h": _randn(4, dtype=torch.float16, seed=1),
+        "i": torch.arange(5),
+        "b": torch.tensor([True, False]),
+        "c": torch.ones(2, dtype=torch.complex64),
+        "nested": [_randn(3, seed=2), 7],
+    }
     _saved(tmp_path, saved)
     with Checkpointer(tmp_path, SMALL) as ck:
         loaded = ck.load(dtype=torch.bfloat16)

@@ -1,5 +1,6 @@
 """restore() fills the caller's own dicts and lists in place, refuses live tensors torch cannot
 write into before any tensor is written, and logs one record per restore."""
+
 from __future__ import annotations
 
 import logging
@@ -14,12 +15,14 @@ from testkit import ROOMY
 
 # ---------------------------------------------------------------- containers keep their identity
 
+
 def test_a_kept_reference_sees_the_restore_and_every_later_save_holds_its_values(tmp_path):
     """The loop keeps its own reference to a nested dict; after a resume, each later checkpoint
     holds what the loop wrote into that reference, not the values restored."""
     with Checkpointer(tmp_path, ROOMY) as ckpt:
-        ckpt.save({"progress": {"epoch": 4, "samples": [400, 4]}, "w": torch.full((8,), 4.0)},
-                  step=4).wait()
+        ckpt.save(
+            {"progress": {"epoch": 4, "samples": [400, 4]}, "w": torch.full((8,), 4.0)}, step=4
+        ).wait()
     progress = {"epoch": 0, "samples": [0, 0]}
     samples = progress["samples"]
     state = {"progress": progress, "w": torch.zeros(8)}
@@ -42,15 +45,30 @@ def test_a_kept_reference_sees_the_restore_and_every_later_save_holds_its_values
 
 def test_dict_subclasses_and_nested_lists_keep_their_type_and_identity(tmp_path):
     saved = {"od": OrderedDict(a=1, b=[1, 2]), "dd": {"x": 3}, "nest": [[1, 2], {"k": "v"}]}
-    live = {"od": OrderedDict(a=0, b=[0, 0]), "dd": defaultdict(int, x=0),
-            "nest": [[0, 0], {"k": ""}]}
-    objects = [live["od"], live["od"]["b"], live["dd"], live["nest"], live["nest"][0],
-               live["nest"][1]]
+    live = {
+        "od": OrderedDict(a=0, b=[0, 0]),
+        "dd": defaultdict(int, x=0),
+        "nest": [[0, 0], {"k": ""}],
+    }
+    objects = [
+        live["od"],
+        live["od"]["b"],
+        live["dd"],
+        live["nest"],
+        live["nest"][0],
+        live["nest"][1],
+    ]
     with Checkpointer(tmp_path, ROOMY) as ckpt:
         ckpt.save(saved, step=1).wait()
         ckpt.restore(live)
-    after = [live["od"], live["od"]["b"], live["dd"], live["nest"], live["nest"][0],
-             live["nest"][1]]
+    after = [
+        live["od"],
+        live["od"]["b"],
+        live["dd"],
+        live["nest"],
+        live["nest"][0],
+        live["nest"][1],
+    ]
     assert all(a is b for a, b in zip(objects, after))
     assert type(live["dd"]) is defaultdict and type(live["od"]) is OrderedDict
     assert live["od"] == OrderedDict(a=1, b=[1, 2]) and live["dd"] == {"x": 3}
@@ -82,6 +100,7 @@ def test_non_strict_keeps_live_keys_the_checkpoint_lacks_in_nested_dicts(tmp_pat
 
 # ---------------------------------------------------------------- live tensors torch cannot write
 
+
 def _saved_and_live(tmp_path, bad_live: torch.Tensor, bad_saved: torch.Tensor):
     """22 tensors saved; a live state whose 21 ordinary tensors hold other values, and ``bad``
     as the live tensor of the key ``x`` (planned after all of them)."""
@@ -103,8 +122,11 @@ def test_an_expanded_live_tensor_is_refused_before_any_tensor_is_written(tmp_pat
     base = torch.zeros(1, 4)
     ckpt, saved, live = _saved_and_live(tmp_path, base.expand(3, 4), torch.arange(12.0).view(3, 4))
     with ckpt:
-        with pytest.raises(StateMismatchError, match=r"x \(the live tensor overlaps itself: "
-                                                     r"dimension 0 of size 3 has stride 0"):
+        with pytest.raises(
+            StateMismatchError,
+            match=r"x \(the live tensor overlaps itself: "
+            r"dimension 0 of size 3 has stride 0",
+        ):
             ckpt.restore(live)
         _assert_untouched(live)
         assert torch.equal(base, torch.zeros(1, 4))
@@ -151,6 +173,7 @@ def test_interleaved_strides_without_shared_elements_are_filled(tmp_path):
 
 
 # ---------------------------------------------------------------- one log record per restore
+
 
 def test_one_info_record_per_restore_names_checkpoint_bytes_seconds_and_rate(tmp_path, caplog):
     with Checkpointer(tmp_path, ROOMY) as ckpt:

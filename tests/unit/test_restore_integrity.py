@@ -6,6 +6,7 @@
   values, the providers' own checks) runs before one byte of live state changes; each test
   compares every live tensor and value bit for bit before and after the failed restore.
 """
+
 from __future__ import annotations
 
 import copy
@@ -54,11 +55,15 @@ def _training(seed: int, opt_factory=None):
     model = _model(seed)
     opt = (opt_factory or (lambda p: torch.optim.AdamW(p, lr=1e-3)))(model.parameters())
     _step(model, opt, seed)
-    return {"model": model, "opt": opt,
-            "extra": {"epoch": seed, "history": [0.5, float(seed)], "t": torch.full((5,), float(seed))}}
+    return {
+        "model": model,
+        "opt": opt,
+        "extra": {"epoch": seed, "history": [0.5, float(seed)], "t": torch.full((5,), float(seed))},
+    }
 
 
 # ------------------------------------------------------------------ restore waits for saves
+
 
 def test_restore_right_after_save_restores_the_requested_step_and_commits_the_saved_one(tmp_path):
     """save(step=1000) then at once restore(step=900), before any optimizer step: the committed
@@ -93,8 +98,9 @@ def test_load_right_after_save_sees_it(tmp_path):
         assert torch.equal(ck.load()["t"], t)
 
 
-def test_restore_waits_for_a_sharers_save_and_leaves_its_failure_on_the_handle(tmp_path,
-                                                                               monkeypatch):
+def test_restore_waits_for_a_sharers_save_and_leaves_its_failure_on_the_handle(
+    tmp_path, monkeypatch
+):
     """A failing in-flight save of a Checkpointer sharing the pipeline: restore waits for it and
     succeeds; the failure stays on that save's handle."""
     owner = Checkpointer(tmp_path / "a", SMALL)
@@ -102,8 +108,12 @@ def test_restore_waits_for_a_sharers_save_and_leaves_its_failure_on_the_handle(t
     try:
         owner.save({"t": torch.ones(10)}, step=1).wait()
         import datastates.format.codec as fmt
-        monkeypatch.setattr(fmt, "encode_index_items",
-                            lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+
+        monkeypatch.setattr(
+            fmt,
+            "encode_index_items",
+            lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")),
+        )
         failing = sharer.save({"t": torch.randn(50_000)}, step=1)
         live = {"t": torch.zeros(10)}
         owner.restore(live)
@@ -117,6 +127,7 @@ def test_restore_waits_for_a_sharers_save_and_leaves_its_failure_on_the_handle(t
 
 
 # ------------------------------------------------------------------ strict is all-or-nothing
+
 
 def _assert_refused(tmp_path, saved: dict, live: dict, *fragments: str):
     """Save ``saved``, restore strictly into ``live``: StateMismatchError naming every fragment,
@@ -140,29 +151,40 @@ def test_adamw_state_into_sgd_with_momentum(tmp_path):
 
 def test_adamw_state_into_a_fresh_sgd_without_state(tmp_path):
     model = _model(2)
-    live = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-            "extra": {"epoch": 0, "history": [0.5, 2.0], "t": torch.zeros(5)}}
+    live = {
+        "model": model,
+        "opt": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        "extra": {"epoch": 0, "history": [0.5, 2.0], "t": torch.zeros(5)},
+    }
     _assert_refused(tmp_path, _training(1), live, "opt", "AdamW", "SGD")
 
 
 def test_more_param_groups_live_than_saved(tmp_path):
     """Saved with 1 group, live AdamW with 2: refused, model and extra['epoch'] unchanged."""
     model = _model(2)
-    opt = torch.optim.AdamW([{"params": model[0].parameters()},
-                             {"params": model[2].parameters(), "lr": 1e-4}], lr=1e-3)
+    opt = torch.optim.AdamW(
+        [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 1e-4}], lr=1e-3
+    )
     _step(model, opt)
-    live = {"model": model, "opt": opt,
-            "extra": {"epoch": 2, "history": [0.5, 2.0], "t": torch.zeros(5)}}
+    live = {
+        "model": model,
+        "opt": opt,
+        "extra": {"epoch": 2, "history": [0.5, 2.0], "t": torch.zeros(5)},
+    }
     _assert_refused(tmp_path, _training(1), live, "opt", "1 parameter group(s)", "live optimizer 2")
 
 
 def test_fewer_params_in_a_group(tmp_path):
     model = _model(2)
     opt = torch.optim.AdamW(model[0].parameters(), lr=1e-3)
-    live = {"model": model, "opt": opt,
-            "extra": {"epoch": 2, "history": [0.5, 2.0], "t": torch.zeros(5)}}
-    _assert_refused(tmp_path, _training(1), live, "opt/param_groups/0", "4 parameters",
-                    "live optimizer 2")
+    live = {
+        "model": model,
+        "opt": opt,
+        "extra": {"epoch": 2, "history": [0.5, 2.0], "t": torch.zeros(5)},
+    }
+    _assert_refused(
+        tmp_path, _training(1), live, "opt/param_groups/0", "4 parameters", "live optimizer 2"
+    )
 
 
 def test_per_parameter_state_names_differ(tmp_path):
@@ -172,8 +194,11 @@ def test_per_parameter_state_names_differ(tmp_path):
     live = _training(2)
     _assert_refused(tmp_path / "a", saved, live, "opt/state/0", "max_exp_avg_sq")
     model = _model(3)
-    fresh = {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-3),
-             "extra": {"epoch": 0, "history": [0.0, 0.0], "t": torch.zeros(5)}}
+    fresh = {
+        "model": model,
+        "opt": torch.optim.AdamW(model.parameters(), lr=1e-3),
+        "extra": {"epoch": 0, "history": [0.0, 0.0], "t": torch.zeros(5)},
+    }
     with Checkpointer(tmp_path / "b", SMALL) as ck:
         ck.save(saved, step=1).wait()
         ck.restore(fresh)
@@ -201,20 +226,30 @@ def test_optimizer_class_is_saved_but_load_returns_the_plain_state_dict(tmp_path
     assert_same(loaded, state["opt"].state_dict())
 
 
-@pytest.mark.parametrize("saved_value, live_value, fragment", [
-    ([torch.ones(2)], [torch.ones(2), torch.ones(2)],
-     "extra/history (checkpoint 1 items, live 2; it holds tensors"),
-    ([1.0, 2.0], [torch.ones(2)], "extra/history (checkpoint 2 items, live 1; it holds tensors"),
-    ([1.0, 2.0], ["a"], "extra/history/0 (checkpoint float, live str)"),
-    (3, "3", "extra/history (checkpoint int, live str)"),
-    (3, 3.0, "extra/history (checkpoint int, live float)"),
-    (True, 1, "extra/history (checkpoint bool, live int)"),
-    (torch.ones(2), 1.0, "extra/history (checkpoint tensor, live float)"),
-    (1.0, torch.ones(2), "extra/history (checkpoint float, live Tensor)"),
-    ({"a": 1}, [1], "extra/history (checkpoint dict, live list)"),
-    ({1, 2}, frozenset({1, 2}), "extra/history (checkpoint set, live frozenset)"),
-    ({(1, 2): "a"}, [1], "extra/history (checkpoint dict, live list)"),
-])
+@pytest.mark.parametrize(
+    "saved_value, live_value, fragment",
+    [
+        (
+            [torch.ones(2)],
+            [torch.ones(2), torch.ones(2)],
+            "extra/history (checkpoint 1 items, live 2; it holds tensors",
+        ),
+        (
+            [1.0, 2.0],
+            [torch.ones(2)],
+            "extra/history (checkpoint 2 items, live 1; it holds tensors",
+        ),
+        ([1.0, 2.0], ["a"], "extra/history/0 (checkpoint float, live str)"),
+        (3, "3", "extra/history (checkpoint int, live str)"),
+        (3, 3.0, "extra/history (checkpoint int, live float)"),
+        (True, 1, "extra/history (checkpoint bool, live int)"),
+        (torch.ones(2), 1.0, "extra/history (checkpoint tensor, live float)"),
+        (1.0, torch.ones(2), "extra/history (checkpoint float, live Tensor)"),
+        ({"a": 1}, [1], "extra/history (checkpoint dict, live list)"),
+        ({1, 2}, frozenset({1, 2}), "extra/history (checkpoint set, live frozenset)"),
+        ({(1, 2): "a"}, [1], "extra/history (checkpoint dict, live list)"),
+    ],
+)
 def test_structure_and_type_mismatches(tmp_path, saved_value, live_value, fragment):
     saved, live = _training(1), _training(2)
     saved["extra"]["history"], live["extra"]["history"] = saved_value, live_value
@@ -285,5 +320,6 @@ def test_checksum_failure_during_restore_leaves_values_and_provider_state_alone(
 def _verify(ck) -> None:
     """What ``python -m datastates verify`` runs: every byte re-read, nothing live touched."""
     from datastates.restore.reader import Reader
+
     with Reader(ck.latest().path, registry=ck.registry) as reader:
         reader.verify_all()

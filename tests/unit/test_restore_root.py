@@ -3,6 +3,7 @@ passed is the caller's own object, so a top-level tuple's items that would have 
 (plain values, arrays that cannot be filled), or a top-level array that cannot be filled, are
 mismatches -- StateMismatchError before anything changes, or named in the report with
 strict=False. What can be filled in place (tensors, dicts, lists, modules inside the tuple) is."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,14 +24,19 @@ def _saved(tmp_path, state):
 def test_a_top_level_tuple_with_a_plain_value_is_refused_before_anything_changes(tmp_path):
     with _saved(tmp_path, (torch.ones(2), 5, {"x": 7})) as ckpt:
         live = (torch.zeros(2), 0, {"x": 0})
-        with pytest.raises(StateMismatchError, match=r"do not match: 1 \(an item of a top-level "
-                                                     r"tuple would have to be replaced"):
+        with pytest.raises(
+            StateMismatchError,
+            match=r"do not match: 1 \(an item of a top-level "
+            r"tuple would have to be replaced",
+        ):
             ckpt.restore(live)
         assert torch.equal(live[0], torch.zeros(2)) and live[2] == {"x": 0}  # nothing changed
         report = ckpt.restore(live, strict=False)
-        assert report.mismatched == ["1 (an item of a top-level tuple would have to be replaced, "
-                                     "which restore() cannot do in place: pass a list or dict, "
-                                     "or use load())"]
+        assert report.mismatched == [
+            "1 (an item of a top-level tuple would have to be replaced, "
+            "which restore() cannot do in place: pass a list or dict, "
+            "or use load())"
+        ]
         assert torch.equal(live[0], torch.ones(2)) and live[2] == {"x": 7} and live[1] == 0
         loaded = ckpt.load()
         assert torch.equal(loaded[0], torch.ones(2)) and loaded[1:] == (5, {"x": 7})
@@ -46,13 +52,17 @@ def test_nested_tuples_are_looked_into(tmp_path):
 
 def test_a_top_level_tuple_of_what_is_filled_in_place_restores(tmp_path):
     model = torch.nn.Linear(3, 2)
-    saved = (torch.arange(4.0), [torch.ones(2), 3], {"k": torch.full((2,), 2.0)}, model,
-             np.arange(3.0))
+    saved = (
+        torch.arange(4.0),
+        [torch.ones(2), 3],
+        {"k": torch.full((2,), 2.0)},
+        model,
+        np.arange(3.0),
+    )
     expected = [p.detach().clone() for p in model.parameters()]
     with _saved(tmp_path, saved) as ckpt:
         live_model = torch.nn.Linear(3, 2)
-        live = (torch.zeros(4), [torch.zeros(2), 0], {"k": torch.zeros(2)}, live_model,
-                np.zeros(3))
+        live = (torch.zeros(4), [torch.zeros(2), 0], {"k": torch.zeros(2)}, live_model, np.zeros(3))
         report = ckpt.restore(live)
         assert report.mismatched == []
         assert torch.equal(live[0], torch.arange(4.0)) and live[1][1] == 3
@@ -70,8 +80,11 @@ def _read_only():
 def test_a_top_level_array_that_cannot_be_filled_is_refused(tmp_path):
     live = _read_only()
     with _saved(tmp_path, np.ones(3)) as ckpt:
-        with pytest.raises(StateMismatchError, match=r"do not match: \(top level\) \(the state passed would "
-                                                     "have to be replaced"):
+        with pytest.raises(
+            StateMismatchError,
+            match=r"do not match: \(top level\) \(the state passed would "
+            "have to be replaced",
+        ):
             ckpt.restore(live)
         assert not live.any()
 

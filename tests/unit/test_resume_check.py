@@ -3,6 +3,7 @@ again (_resume_loops.py), a correct loop is bit-identical and each classic mista
 its first step under a key naming it; the comparison itself, on recorded fingerprints; the
 fingerprints; the argument checks; the ``check-resume`` command.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,14 @@ import datastates
 from datastates.errors import ConfigError
 from datastates.tools.cli import EXIT_ERROR, EXIT_OK, main
 from datastates.tools.fingerprint import fingerprint
-from datastates.tools.resumecheck import (Kill, ProcessRun, Record, ResumeReport, check_resume,
-                                          compare)
+from datastates.tools.resumecheck import (
+    Kill,
+    ProcessRun,
+    Record,
+    ResumeReport,
+    check_resume,
+    compare,
+)
 
 import _resume_loops as loops
 
@@ -54,12 +61,25 @@ def checked(tmp_path_factory):
     pool = ThreadPoolExecutor(max_workers=2)
     try:
         # in this folder: the command imports MODULE:FUNCTION from the current directory
-        futures = {"command": pool.submit(
-            subprocess.run, [sys.executable, "-m", "datastates", *COMMAND], cwd=HERE,
-            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=1800)}
-        futures.update({name: pool.submit(check_resume, fn, steps=STEPS, kill_at=kill_at,
-                                          workdir=root / name)
-                        for name, (fn, kill_at) in CHECKS.items()})
+        futures = {
+            "command": pool.submit(
+                subprocess.run,
+                [sys.executable, "-m", "datastates", *COMMAND],
+                cwd=HERE,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
+        }
+        futures.update(
+            {
+                name: pool.submit(
+                    check_resume, fn, steps=STEPS, kill_at=kill_at, workdir=root / name
+                )
+                for name, (fn, kill_at) in CHECKS.items()
+            }
+        )
         yield lambda name: (futures[name].result(), root / name)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -72,8 +92,17 @@ def test_a_correct_loop_resumes_bit_identical(checked):
     assert report.compared == 2 + 4 + 1  # steps 0-1, then 1-4 (1 again), then 5
     assert str(report).startswith("resume check OK: all 7 steps")
     assert sorted(os.listdir(workdir)) == [
-        "interrupted", "reference", "reference.jsonl", "reference.out", "run-0.jsonl",
-        "run-0.out", "run-1.jsonl", "run-1.out", "run-2.jsonl", "run-2.out"]
+        "interrupted",
+        "reference",
+        "reference.jsonl",
+        "reference.out",
+        "run-0.jsonl",
+        "run-0.out",
+        "run-1.jsonl",
+        "run-1.out",
+        "run-2.jsonl",
+        "run-2.out",
+    ]
 
 
 def test_the_recommended_loader_with_dropout_resumes_bit_identical(checked):
@@ -117,8 +146,9 @@ def test_randomness_in_loader_workers_shows_as_the_inputs_with_every_generator_e
     report, _ = checked("randomness_in_loader_workers")
     first = report.first
     assert (first.step, first.key) == (3, "inputs")
-    assert first.what == ("restart 1 (after the kill at step 3) has other bytes (float32 [4, 8] "
-                          "in both runs)")
+    assert first.what == (
+        "restart 1 (after the kill at step 3) has other bytes (float32 [4, 8] in both runs)"
+    )
     assert "workers" in first.hint
     assert not any(k.startswith("rng:") for k in first.keys)
 
@@ -129,7 +159,8 @@ def test_the_command_checks_a_loop_named_module_function(checked):
     assert proc.stdout == (
         "resume check OK: all 8 steps of the interrupted run are bit-identical to the "
         "uninterrupted run (6 steps)\n  kills: step 1 (checkpoint of step 0; the restart began "
-        "at step 1); step 3 (checkpoint of step 2; the restart began at step 3)\n")
+        "at step 1); step 3 (checkpoint of step 2; the restart began at step 3)\n"
+    )
 
 
 def test_the_command_refuses_bad_kill_steps(capsys):
@@ -141,14 +172,32 @@ def test_the_command_refuses_bad_kill_steps(capsys):
 
 
 def test_the_command_refuses_a_loop_that_does_not_import_before_starting_anything(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "datastates", "check-resume", "nosuchmod:fn",
-                           "--steps", "4", "--kill-at", "2", "--workdir", str(tmp_path / "w")],
-                          cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "datastates",
+            "check-resume",
+            "nosuchmod:fn",
+            "--steps",
+            "4",
+            "--kill-at",
+            "2",
+            "--workdir",
+            str(tmp_path / "w"),
+        ],
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert (proc.returncode, proc.stdout) == (EXIT_ERROR, "")
-    assert proc.stderr == (f"error: check_resume: expected an importable module 'nosuchmod' "
-                           f"(from {tmp_path} or PYTHONPATH), found that importing it raises "
-                           "ModuleNotFoundError: No module named 'nosuchmod'\n")
+    assert proc.stderr == (
+        f"error: check_resume: expected an importable module 'nosuchmod' "
+        f"(from {tmp_path} or PYTHONPATH), found that importing it raises "
+        "ModuleNotFoundError: No module named 'nosuchmod'\n"
+    )
     assert not (tmp_path / "w").exists()  # no run began
 
 
@@ -214,9 +263,11 @@ def test_a_process_past_its_timeout_and_a_run_ending_early_are_reported():
     report = compare(REFERENCE, [ProcessRun(_records(0, 1), 0)], 4)
     assert (report.first.step, report.first.key) == (2, "step")
     report = compare(ProcessRun(_records(0, 2), 0), [], 4)
-    assert str(report).startswith("resume check FAILED: before any step, key 'step'\n  what: "
-                                  "the uninterrupted run called step_done for steps 0, 2, "
-                                  "expected 0-3")
+    assert str(report).startswith(
+        "resume check FAILED: before any step, key 'step'\n  what: "
+        "the uninterrupted run called step_done for steps 0, 2, "
+        "expected 0-3"
+    )
 
 
 def test_a_key_only_one_run_has_is_a_difference():
@@ -240,9 +291,16 @@ def _state(seed=0):
     torch.manual_seed(seed)
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters())
-    return {"model": model, "optimizer": opt, "loader": loops.Batches(), "rng":
-            datastates.RNGState(), "gen": torch.Generator().manual_seed(seed),
-            "np": np.random.default_rng(seed), "epoch": 2, "t": torch.arange(4)}
+    return {
+        "model": model,
+        "optimizer": opt,
+        "loader": loops.Batches(),
+        "rng": datastates.RNGState(),
+        "gen": torch.Generator().manual_seed(seed),
+        "np": np.random.default_rng(seed),
+        "epoch": 2,
+        "t": torch.arange(4),
+    }
 
 
 def test_a_fingerprint_has_a_kind_per_key_and_reads_without_drawing():
@@ -251,12 +309,21 @@ def test_a_fingerprint_has_a_kind_per_key_and_reads_without_drawing():
     fp = fingerprint(state, inputs=torch.ones(2))
     assert torch.equal(torch_rng, torch.get_rng_state()) and py_rng == random.getstate()
     kinds = {k: v[0] for k, v in fp.items()}
-    assert kinds == {"rng:torch": "rng", "rng:python": "rng", "rng:numpy": "rng",
-                     "model/weight": "tensor", "model/bias": "tensor",
-                     "optimizer/param_groups/0/lr": "tensor",
-                     **{k: "tensor" for k in fp if k.startswith("optimizer/")},
-                     "loader/position": "state", "gen": "rng", "np": "rng", "epoch": "value",
-                     "t": "tensor", "inputs": "input"}
+    assert kinds == {
+        "rng:torch": "rng",
+        "rng:python": "rng",
+        "rng:numpy": "rng",
+        "model/weight": "tensor",
+        "model/bias": "tensor",
+        "optimizer/param_groups/0/lr": "tensor",
+        **{k: "tensor" for k in fp if k.startswith("optimizer/")},
+        "loader/position": "state",
+        "gen": "rng",
+        "np": "rng",
+        "epoch": "value",
+        "t": "tensor",
+        "inputs": "input",
+    }
     assert fp["loader/position"][2] == "0" and fp["t"][2] == "int64 [4]"
     assert fingerprint(_state(), inputs=torch.ones(2)) == fp
 
@@ -277,19 +344,22 @@ def _in_main():
     return fn
 
 
-@pytest.mark.parametrize("train_fn, steps, kill_at, match", [
-    (lambda run: None, 4, 1, "module-level function"),
-    (_in_main(), 4, 1, "__main__"),
-    ("no_colon", 4, 1, "module:function"),
-    ("no_such_module_here:train", 4, 1, "expected an importable module 'no_such_module_here'"),
-    ("_resume_loops:no_such_loop", 4, 1, "expected a function 'no_such_loop'"),
-    ("_resume_loops:CFG", 4, 1, "found CheckpointConfig"),
-    (loops.correct, 0, 0, "steps >= 1"),
-    (loops.correct, 4, 4, r"in \[0, 4\)"),
-    (loops.correct, 4, (2, 1), "increasing"),
-    (loops.correct, 4, (), "increasing"),
-    (loops.correct, 4, True, "increasing"),
-])
+@pytest.mark.parametrize(
+    "train_fn, steps, kill_at, match",
+    [
+        (lambda run: None, 4, 1, "module-level function"),
+        (_in_main(), 4, 1, "__main__"),
+        ("no_colon", 4, 1, "module:function"),
+        ("no_such_module_here:train", 4, 1, "expected an importable module 'no_such_module_here'"),
+        ("_resume_loops:no_such_loop", 4, 1, "expected a function 'no_such_loop'"),
+        ("_resume_loops:CFG", 4, 1, "found CheckpointConfig"),
+        (loops.correct, 0, 0, "steps >= 1"),
+        (loops.correct, 4, 4, r"in \[0, 4\)"),
+        (loops.correct, 4, (2, 1), "increasing"),
+        (loops.correct, 4, (), "increasing"),
+        (loops.correct, 4, True, "increasing"),
+    ],
+)
 def test_bad_arguments_are_refused_before_any_process_starts(train_fn, steps, kill_at, match):
     with pytest.raises(ConfigError, match=match):
         check_resume(train_fn, steps, kill_at)

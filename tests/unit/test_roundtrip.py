@@ -1,4 +1,5 @@
 """Bit-exact round trips of realistic training state."""
+
 from __future__ import annotations
 
 import random
@@ -21,7 +22,7 @@ def odd_tensors():
         "f32": torch.randn(3, 5),
         "bf16": torch.randn(7, 3).to(torch.bfloat16),
         "f16": torch.randn(4).to(torch.float16),
-        "i64": torch.randint(-(2 ** 40), 2 ** 40, (9,)),
+        "i64": torch.randint(-(2**40), 2**40, (9,)),
         "bool": torch.rand(11) > 0.5,
         "u8": torch.randint(0, 255, (5,), dtype=torch.uint8),
         "noncontig": base.t(),
@@ -41,26 +42,53 @@ def test_realistic_state_round_trip(tmp_path, config):
         train_step(model, opt, sched, loader)
     random.seed(7)
     np.random.seed(7)
-    extra = {"notes": {"epoch": 3, "tags": ("a", "b"), "lr_hist": [0.1, 0.05], "none": None},
-             "tensors": odd_tensors(), 7: "int key", "nested": [[1, {"x": 2.5}], ()]}
-    reference = clone_state({"model": model.state_dict(), "opt": opt.state_dict(),
-                             "sched": sched.state_dict(), "loader": loader.state_dict(),
-                             "extra": extra})
+    extra = {
+        "notes": {"epoch": 3, "tags": ("a", "b"), "lr_hist": [0.1, 0.05], "none": None},
+        "tensors": odd_tensors(),
+        7: "int key",
+        "nested": [[1, {"x": 2.5}], ()],
+    }
+    reference = clone_state(
+        {
+            "model": model.state_dict(),
+            "opt": opt.state_dict(),
+            "sched": sched.state_dict(),
+            "loader": loader.state_dict(),
+            "extra": extra,
+        }
+    )
     torch_rng, py_rng, np_rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
-    state = {"model": model, "opt": opt, "sched": sched, "loader": loader,
-             "rng": datastates.RNGState(), "extra": extra}
+    state = {
+        "model": model,
+        "opt": opt,
+        "sched": sched,
+        "loader": loader,
+        "rng": datastates.RNGState(),
+        "extra": extra,
+    }
     with Checkpointer(tmp_path, config) as ckpt:
         ckpt.save(state, step=3).wait()
         # Fresh objects: restore into them in place and compare to the reference.
         model2, opt2, sched2, loader2 = make_training(seed=99)
         torch.manual_seed(1), random.seed(1), np.random.seed(1)
-        ckpt.restore({"model": model2, "opt": opt2, "sched": sched2, "loader": loader2,
-                      "rng": datastates.RNGState(), "extra": {}}, strict=False)
+        ckpt.restore(
+            {
+                "model": model2,
+                "opt": opt2,
+                "sched": sched2,
+                "loader": loader2,
+                "rng": datastates.RNGState(),
+                "extra": {},
+            },
+            strict=False,
+        )
         loaded = ckpt.load()
     assert torch.equal(torch.get_rng_state(), torch_rng)
     assert random.getstate() == py_rng
-    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
-               for a, b in zip(np.random.get_state(), np_rng))
+    assert all(
+        np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+        for a, b in zip(np.random.get_state(), np_rng)
+    )
     assert_same(reference["model"], model2.state_dict())
     assert_same(reference["opt"], opt2.state_dict())
     assert_same(reference["sched"], sched2.state_dict())
@@ -139,7 +167,9 @@ def test_queued_saves_do_not_mix(tmp_path):
     config = CheckpointConfig(host_cache_bytes=32 << 10, chunk_bytes=8 << 10, max_pending_saves=3)
     tensors = [torch.full((20_000,), float(i)) for i in range(4)]
     with Checkpointer(tmp_path, config) as ckpt:
-        handles = [ckpt.save({"t": datastates.lazy(t), "i": i}, step=i) for i, t in enumerate(tensors)]
+        handles = [
+            ckpt.save({"t": datastates.lazy(t), "i": i}, step=i) for i, t in enumerate(tensors)
+        ]
         for h in handles:
             h.wait_snapshot()
         for t in tensors:

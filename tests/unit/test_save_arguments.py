@@ -3,6 +3,7 @@ the checkpoint would refuse or could not read; ``delete()`` needs exactly one of
 
 Each refusal is a ConfigError (a ValueError) naming the value; the folder is left as it was.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ import datastates
 from datastates import Checkpointer, ConfigError
 from testkit import SMALL
 
-MAX_STEP = 2 ** 63 - 1
+MAX_STEP = 2**63 - 1
 
 
 @pytest.fixture
@@ -37,7 +38,8 @@ def _nested(depth: int) -> dict:
 
 # ---------------------------------------------------------------- step
 
-@pytest.mark.parametrize("step", [2 ** 63, 2 ** 64 + 5, -1])
+
+@pytest.mark.parametrize("step", [2**63, 2**64 + 5, -1])
 def test_step_outside_the_format_is_refused_before_any_io(root, step):
     with Checkpointer(root, SMALL) as ckpt:
         with pytest.raises(ConfigError, match=str(step)):
@@ -58,7 +60,8 @@ def test_largest_step_commits_and_reads_back(root):
 
 # ---------------------------------------------------------------- tag
 
-@pytest.mark.parametrize("tag", ["x" * 129, "\u00e9" * 65, "\U0001F600" * 33])
+
+@pytest.mark.parametrize("tag", ["x" * 129, "\u00e9" * 65, "\U0001f600" * 33])
 def test_tag_too_long_for_its_temporaries_is_refused(root, tag):
     """More than 128 bytes in UTF-8 (65 two-byte or 33 four-byte characters are too many)."""
     with Checkpointer(root, SMALL) as ckpt:
@@ -75,8 +78,9 @@ def test_tag_of_128_bytes_commits(root, tag):
     assert _entries(root) == sorted(["latest", tag])
 
 
-@pytest.mark.parametrize("tag", ["a/b", ".x", "a\x00b", "latest", "", "bad\x01tag", "a\nb",
-                                 "a\tb", "a\x7fb"])
+@pytest.mark.parametrize(
+    "tag", ["a/b", ".x", "a\x00b", "latest", "", "bad\x01tag", "a\nb", "a\tb", "a\x7fb"]
+)
 def test_invalid_tag_is_a_config_error(root, tag):
     with Checkpointer(root, SMALL) as ckpt:
         with pytest.raises(ConfigError, match="invalid checkpoint name"):
@@ -85,6 +89,7 @@ def test_invalid_tag_is_a_config_error(root, tag):
 
 
 # ---------------------------------------------------------------- metadata
+
 
 def test_metadata_deeper_than_a_reader_decodes_is_refused(root):
     with Checkpointer(root, SMALL) as ckpt:
@@ -108,6 +113,7 @@ def test_metadata_holding_itself_is_refused(root):
 
 # ---------------------------------------------------------------- delete
 
+
 def test_delete_needs_exactly_one_of_step_and_tag(root):
     with Checkpointer(root, SMALL) as ckpt:
         ckpt.save({"w": torch.ones(2)}, step=1).wait(60)
@@ -127,6 +133,7 @@ def test_delete_needs_exactly_one_of_step_and_tag(root):
 
 
 # ---------------------------------------------------------------- lazy=
+
 
 @pytest.mark.parametrize("lazy", ["auto", "always", "never"])
 def test_lazy_setting_changes_when_save_returns_not_what_is_lazy(root, lazy):

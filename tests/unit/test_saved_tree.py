@@ -1,5 +1,6 @@
 """The one walker of saved state trees (format/tree.py): keys, the ``keys=`` prefix rule, leaves
 in tree order, and the folds that rebuild a tree (a new saved tree, or Python values)."""
+
 from __future__ import annotations
 
 import copy
@@ -29,14 +30,30 @@ def _seq(*nodes, t="list"):
 #: odict), epoch (a value), tied/a and tied/b (both tensor 0), 3 (an int key) -> a tuple.
 TREE = _dict(
     ("model", _dict(("w", {"t": "tensor", "e": 0, "param": True}), ("b", {"t": "tensor", "e": 1}))),
-    ("opt", {"t": "provider", "name": "sgd",
-             "state": _seq({"t": "object", "e": 2}, _dict(("lr", _value(0.1)), t="odict"))}),
+    (
+        "opt",
+        {
+            "t": "provider",
+            "name": "sgd",
+            "state": _seq({"t": "object", "e": 2}, _dict(("lr", _value(0.1)), t="odict")),
+        },
+    ),
     ("epoch", _value(3)),
     ("tied", _dict(("a", {"t": "tensor", "e": 0}), ("b", {"t": "tensor", "e": 0}))),
-    (3, _seq(_value(None), _value("x"), t="tuple")))
+    (3, _seq(_value(None), _value("x"), t="tuple")),
+)
 
-LEAF_PATHS = [("model", "w"), ("model", "b"), ("opt", 0), ("opt", 1, "lr"), ("epoch",),
-              ("tied", "a"), ("tied", "b"), (3, 0), (3, 1)]
+LEAF_PATHS = [
+    ("model", "w"),
+    ("model", "b"),
+    ("opt", 0),
+    ("opt", 1, "lr"),
+    ("epoch",),
+    ("tied", "a"),
+    ("tied", "b"),
+    (3, 0),
+    (3, 1),
+]
 
 
 def test_keys_join_the_parts_with_slashes():
@@ -55,19 +72,33 @@ def test_prefixes_of_a_keys_argument():
     assert tree.prefixes(k for k in ("x",)) == ["x"]
 
 
-@pytest.mark.parametrize("path,wanted,expected", [
-    ((), None, "all"), (("a",), None, "all"),
-    ((), ["a"], "some"), (("a",), ["a"], "all"), (("a", "b"), ["a"], "all"),
-    (("ab",), ["a"], None), (("a",), ["a/b"], "some"), (("a", "c"), ["a/b"], None),
-    (("x",), [""], "all"), (("m", 0), ["m/0/w", "n"], "some"), (("n", 1), ["m/0/w", "n"], "all"),
-    (("x",), [], None), ((), [], "some")])
+@pytest.mark.parametrize(
+    "path,wanted,expected",
+    [
+        ((), None, "all"),
+        (("a",), None, "all"),
+        ((), ["a"], "some"),
+        (("a",), ["a"], "all"),
+        (("a", "b"), ["a"], "all"),
+        (("ab",), ["a"], None),
+        (("a",), ["a/b"], "some"),
+        (("a", "c"), ["a/b"], None),
+        (("x",), [""], "all"),
+        (("m", 0), ["m/0/w", "n"], "some"),
+        (("n", 1), ["m/0/w", "n"], "all"),
+        (("x",), [], None),
+        ((), [], "some"),
+    ],
+)
 def test_scope_of_a_path(path, wanted, expected):
     assert tree.scope(path, wanted) == expected
 
 
 def test_items_are_keys_or_positions():
-    assert tree.items(TREE["items"][0][1]) == [("w", TREE["items"][0][1]["items"][0][1]),
-                                               ("b", TREE["items"][0][1]["items"][1][1])]
+    assert tree.items(TREE["items"][0][1]) == [
+        ("w", TREE["items"][0][1]["items"][0][1]),
+        ("b", TREE["items"][0][1]["items"][1][1]),
+    ]
     seq = _seq(_value(1), _value(2), t="tuple")
     assert tree.items(seq) == [(0, seq["items"][0]), (1, seq["items"][1])]
 
@@ -75,8 +106,17 @@ def test_items_are_keys_or_positions():
 def test_leaves_in_tree_order_with_their_paths():
     found = list(tree.leaves(TREE))
     assert [p for p, _ in found] == LEAF_PATHS
-    assert [n["t"] for _, n in found] == ["tensor", "tensor", "object", "value", "value",
-                                          "tensor", "tensor", "value", "value"]
+    assert [n["t"] for _, n in found] == [
+        "tensor",
+        "tensor",
+        "object",
+        "value",
+        "value",
+        "tensor",
+        "tensor",
+        "value",
+        "value",
+    ]
     assert found[0][1] is TREE["items"][0][1]["items"][0][1]  # the nodes themselves
 
 
@@ -92,9 +132,17 @@ def test_leaves_within_prefixes_include_those_on_the_way():
 def test_whole_containers_are_yielded_as_leaves():
     def sequences(node):
         return node["t"] in tree.SEQUENCES
+
     found = list(tree.leaves(TREE, whole=sequences))
-    assert [p for p, _ in found] == [("model", "w"), ("model", "b"), ("opt",), ("epoch",),
-                                     ("tied", "a"), ("tied", "b"), (3,)]
+    assert [p for p, _ in found] == [
+        ("model", "w"),
+        ("model", "b"),
+        ("opt",),
+        ("epoch",),
+        ("tied", "a"),
+        ("tied", "b"),
+        (3,),
+    ]
     assert found[2][1] is TREE["items"][1][1]["state"]  # the provider's state, not the provider
 
 
@@ -109,12 +157,21 @@ def test_leaves_keep_no_interpreter_stack():
 def test_map_leaves_renumbers_entries_as_the_commit_does():
     before = copy.deepcopy(TREE)
     table = [5, 6, 7]
-    out = tree.map_leaves(TREE, lambda path, n: {**n, "e": table[n["e"]]}
-                          if n["t"] in tree.ENTRY_LEAVES else n)
+    out = tree.map_leaves(
+        TREE, lambda path, n: {**n, "e": table[n["e"]]} if n["t"] in tree.ENTRY_LEAVES else n
+    )
     assert TREE == before  # the input is not modified
     assert [(p, n.get("e")) for p, n in tree.leaves(out)] == [
-        (("model", "w"), 5), (("model", "b"), 6), (("opt", 0), 7), (("opt", 1, "lr"), None),
-        (("epoch",), None), (("tied", "a"), 5), (("tied", "b"), 5), ((3, 0), None), ((3, 1), None)]
+        (("model", "w"), 5),
+        (("model", "b"), 6),
+        (("opt", 0), 7),
+        (("opt", 1, "lr"), None),
+        (("epoch",), None),
+        (("tied", "a"), 5),
+        (("tied", "b"), 5),
+        ((3, 0), None),
+        ((3, 1), None),
+    ]
     assert out["items"][0][1]["items"][0][1] == {"t": "tensor", "e": 5, "param": True}
     assert out["items"][1][1]["name"] == "sgd" and out["items"][1][1]["t"] == "provider"
     assert out["items"][1][1]["state"]["items"][1]["t"] == "odict"
@@ -138,9 +195,13 @@ def test_build_gives_python_containers_of_the_saved_types():
 
     got = tree.build(TREE, leaf, provider=provider)
     assert seen == LEAF_PATHS
-    assert got == {"model": {"w": "e0", "b": "e1"},
-                   "opt": ("rebuilt", "sgd", ("opt",), ["e2", OrderedDict(lr=0.1)]),
-                   "epoch": 3, "tied": {"a": "e0", "b": "e0"}, 3: (None, "x")}
+    assert got == {
+        "model": {"w": "e0", "b": "e1"},
+        "opt": ("rebuilt", "sgd", ("opt",), ["e2", OrderedDict(lr=0.1)]),
+        "epoch": 3,
+        "tied": {"a": "e0", "b": "e0"},
+        3: (None, "x"),
+    }
     assert type(got["opt"][3][1]) is OrderedDict and type(got[3]) is tuple
     assert type(got["model"]) is dict
     assert tree.build(TREE, leaf)["opt"] == ["e2", OrderedDict(lr=0.1)]  # default: the state
@@ -153,21 +214,27 @@ def test_build_within_prefixes():
 
 def test_fold_sees_children_before_their_parent():
     order = []
-    tree.fold(TREE, lambda path, n: order.append(tree.key_of(path)),
-              mapping=lambda node, kids: order.append(("map", [k for k, _ in kids])),
-              sequence=lambda node, kids: order.append(("seq", len(kids))),
-              provider=lambda path, node, state: order.append(("provider", path)))
+    tree.fold(
+        TREE,
+        lambda path, n: order.append(tree.key_of(path)),
+        mapping=lambda node, kids: order.append(("map", [k for k, _ in kids])),
+        sequence=lambda node, kids: order.append(("seq", len(kids))),
+        provider=lambda path, node, state: order.append(("provider", path)),
+    )
     assert order[:3] == ["model/w", "model/b", ("map", ["w", "b"])]
     assert order[3:7] == ["opt/0", "opt/1/lr", ("map", ["lr"]), ("seq", 2)]
-    assert order[7] == ("provider", ("opt",)) and order[-1] == ("map", ["model", "opt", "epoch",
-                                                                        "tied", 3])
+    assert order[7] == ("provider", ("opt",)) and order[-1] == (
+        "map",
+        ["model", "opt", "epoch", "tied", 3],
+    )
 
 
 def test_the_validator_shares_the_node_kinds_and_keys():
     assert checks._NODE_TYPES == tree.NODE_TYPES
     refs: dict = {}
-    checks.check_tree(copy.deepcopy(TREE), checks._At("manifest.json"),
-                      ["tensor", "tensor", "object"], refs)
+    checks.check_tree(
+        copy.deepcopy(TREE), checks._At("manifest.json"), ["tensor", "tensor", "object"], refs
+    )
     by_entry = {}
     for path, node in tree.leaves(TREE):
         if node["t"] in tree.ENTRY_LEAVES:
@@ -183,8 +250,13 @@ def _random_tree(rng: random.Random, depth: int = 0) -> dict:
     if kind == "provider":
         return {"t": "provider", "name": "p", "state": _random_tree(rng, depth + 1)}
     if kind in tree.MAPPINGS:
-        return _dict(*((k, _random_tree(rng, depth + 1)) for k in
-                       rng.sample(["a", "b", "c", 1, None], rng.randrange(4))), t=kind)
+        return _dict(
+            *(
+                (k, _random_tree(rng, depth + 1))
+                for k in rng.sample(["a", "b", "c", 1, None], rng.randrange(4))
+            ),
+            t=kind,
+        )
     return _seq(*(_random_tree(rng, depth + 1) for _ in range(rng.randrange(4))), t=kind)
 
 
@@ -204,6 +276,7 @@ def test_leaves_and_fold_agree_on_random_trees(seed):
 def test_the_validator_holds_a_leaf_to_the_depth_limit(container, leaf):
     """A leaf is checked where its parent meets it (no stack item for the commonest node), and
     still counts as one level: at MAX_TREE_DEPTH it is read, one deeper it is refused."""
+
     def nested(levels: int) -> dict:
         node = copy.deepcopy(leaf)
         for _ in range(levels - 1):
@@ -212,7 +285,10 @@ def test_the_validator_holds_a_leaf_to_the_depth_limit(container, leaf):
 
     refs: dict = {}
     checks.check_tree(nested(checks.MAX_TREE_DEPTH), checks._At("m"), ["tensor"], refs)
-    assert refs == ({0: {"/".join(["k" if container == "dict" else "0"] *
-                                  (checks.MAX_TREE_DEPTH - 1))}} if leaf["t"] == "tensor" else {})
+    assert refs == (
+        {0: {"/".join(["k" if container == "dict" else "0"] * (checks.MAX_TREE_DEPTH - 1))}}
+        if leaf["t"] == "tensor"
+        else {}
+    )
     with pytest.raises(CorruptCheckpointError, match=f"deeper than {checks.MAX_TREE_DEPTH}"):
         checks.check_tree(nested(checks.MAX_TREE_DEPTH + 1), checks._At("m"), ["tensor"], refs)

@@ -1,6 +1,7 @@
 """Commit order (docs/format.md, "Which checkpoint is the latest"): every manifest carries a commit
 sequence number; list(), latest() and retention follow it, for steps and tags alike, and the
 ``latest`` file is only a hint."""
+
 from __future__ import annotations
 
 import os
@@ -21,11 +22,17 @@ def test_sequence_numbers_follow_commits(tmp_path):
         save(ck, 2, tag="best")
         save(ck, 3, step=5)  # a lower step committed later is newer
         assert [(i.name, i.seq) for i in ck.list()] == [
-            ("step-0000000010", 1), ("best", 2), ("step-0000000005", 3)]
+            ("step-0000000010", 1),
+            ("best", 2),
+            ("step-0000000005", 3),
+        ]
         assert ck.latest().name == "step-0000000005"
         save(ck, 4, tag="best", overwrite=True)  # overwriting commits it again
         assert [(i.name, i.seq) for i in ck.list()] == [
-            ("step-0000000010", 1), ("step-0000000005", 3), ("best", 4)]
+            ("step-0000000010", 1),
+            ("step-0000000005", 3),
+            ("best", 4),
+        ]
         assert ck.latest().name == "best"
         assert torch.equal(ck.load()["x"], torch.full((3,), 4.0))
 
@@ -45,8 +52,9 @@ def test_latest_file_is_a_hint_only(tmp_path):
 
 def test_keep_last_counts_tags_by_commit_order(tmp_path):
     """A tag has no step: it is kept or deleted by when it was committed, not first."""
-    with Checkpointer(tmp_path, CheckpointConfig(keep_last=2, host_cache_bytes=64 << 10,
-                                                 chunk_bytes=16 << 10)) as ck:
+    with Checkpointer(
+        tmp_path, CheckpointConfig(keep_last=2, host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
+    ) as ck:
         save(ck, 1, step=1)
         save(ck, 2, step=2)
         save(ck, 3, tag="best")
@@ -58,8 +66,9 @@ def test_keep_last_counts_tags_by_commit_order(tmp_path):
 
 
 def test_keep_every_applies_to_steps(tmp_path):
-    config = CheckpointConfig(keep_last=1, keep_every=2, host_cache_bytes=64 << 10,
-                              chunk_bytes=16 << 10)
+    config = CheckpointConfig(
+        keep_last=1, keep_every=2, host_cache_bytes=64 << 10, chunk_bytes=16 << 10
+    )
     with Checkpointer(tmp_path, config) as ck:
         save(ck, 1, step=2, tag="best")  # a tag saved with its step counts by that step
         save(ck, 2, tag="other")

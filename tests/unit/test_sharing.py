@@ -1,5 +1,6 @@
 """Checkpointers sharing one pipeline (``Checkpointer(share=...)``): closing the owner while a
 sharer's ``save()`` is still planning leaves nothing waiting for that save."""
+
 from __future__ import annotations
 
 import threading
@@ -47,8 +48,11 @@ def test_owner_closed_while_a_sharer_plans_leaves_nothing_waiting(tmp_path):
     model = nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     owner = Checkpointer(tmp_path / "owner", MEDIUM)
-    sharer = Checkpointer(tmp_path / "sharer", share=owner,
-                          registry=ProviderRegistry.default().register(GateProvider()))
+    sharer = Checkpointer(
+        tmp_path / "sharer",
+        share=owner,
+        registry=ProviderRegistry.default().register(GateProvider()),
+    )
     assert sharer.save({"model": model, "opt": opt}, step=1).wait().name == "step-0000000001"
     gate, outcome = Gate(), {}
 
@@ -78,5 +82,4 @@ def test_owner_closed_while_a_sharer_plans_leaves_nothing_waiting(tmp_path):
     # only the first save was committed; the refused one left nothing behind
     with Checkpointer(tmp_path / "sharer") as reader:
         assert [i.name for i in reader.list()] == ["step-0000000001"]
-    assert sorted(p.name for p in (tmp_path / "sharer").iterdir()) == ["latest",
-                                                                       "step-0000000001"]
+    assert sorted(p.name for p in (tmp_path / "sharer").iterdir()) == ["latest", "step-0000000001"]

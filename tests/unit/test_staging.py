@@ -1,5 +1,6 @@
 """DeviceCopier bookkeeping: one side stream and one fence per CUDA device (no GPU needed: the
 CUDA calls go through an injected fake that records them)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -121,6 +122,7 @@ def test_cpu_copies_of_any_size_share_two_threads_and_land_by_the_fence():
     capture thread and the helper anywhere (inside a piece too); every byte lands by the fence,
     nothing is written outside the destinations, and cancel() forgets what was not run."""
     from datastates.save import staging
+
     gen = torch.Generator().manual_seed(0)
     sizes = [1, 4095, 4 << 20, 3, 9 << 20, 0, 4 << 20, 12345, 4 << 20]
     total = sum(sizes)
@@ -129,7 +131,7 @@ def test_cpu_copies_of_any_size_share_two_threads_and_land_by_the_fence():
     copier = DeviceCopier()
     pos = 0
     for n in sizes:
-        copier.copy(dst[1 + pos:1 + pos + n], src[pos:pos + n])
+        copier.copy(dst[1 + pos : 1 + pos + n], src[pos : pos + n])
         pos += n
     assert total >= staging._SPLIT_BYTES
     assert torch.count_nonzero(dst) == 0  # nothing runs before the fence

@@ -1,4 +1,5 @@
 """The local (POSIX) store and its rename publisher pass the shipped StoreConformance suite."""
+
 from __future__ import annotations
 
 from datastates.testing import StoreConformance

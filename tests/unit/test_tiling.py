@@ -1,6 +1,7 @@
 """The general tiling check (``format/tiling.py``): which boxes overlap, decided exactly, in
 O(n log n) where the boxes differ in at most two dimensions, and within a bounded number of
 comparisons otherwise -- a hostile manifest of irregular shards cannot stall a reader."""
+
 from __future__ import annotations
 
 import itertools
@@ -13,13 +14,21 @@ from datastates.commit.review import check_tiling
 from datastates.format import codec, plain, validate
 from datastates.format.checks import _At
 from datastates.format.records import FileRef, Manifest, ShardRef, TensorEntry
-from datastates.format.tiling import (COMPARISONS_PER_BOX, MAX_COMPARISONS, TooIrregular,
-                                      overlapping, tiled, tiling_fault, volume)
+from datastates.format.tiling import (
+    COMPARISONS_PER_BOX,
+    MAX_COMPARISONS,
+    TooIrregular,
+    overlapping,
+    tiled,
+    tiling_fault,
+    volume,
+)
 
 
 def _meet(a, b) -> bool:
-    return all(max(oa, ob) < min(oa + na, ob + nb)
-               for oa, na, ob, nb in zip(a[0], a[1], b[0], b[1]))
+    return all(
+        max(oa, ob) < min(oa + na, ob + nb) for oa, na, ob, nb in zip(a[0], a[1], b[0], b[1])
+    )
 
 
 def _pairs(found) -> set:
@@ -46,8 +55,11 @@ def test_every_overlapping_pair_is_found_and_no_other():
     overlapped = 0
     for _ in range(4000):
         boxes = _random_boxes(rng)
-        want = {frozenset((a[2], b[2])) for a, b in itertools.combinations(boxes, 2)
-                if _meet(a, b) and all(a[1]) and all(b[1])}
+        want = {
+            frozenset((a[2], b[2]))
+            for a, b in itertools.combinations(boxes, 2)
+            if _meet(a, b) and all(a[1]) and all(b[1])
+        }
         assert _pairs(overlapping(boxes)) == want, boxes
         overlapped += bool(want)
     assert overlapped > 1000
@@ -59,8 +71,9 @@ def _bricks(rows: int, per_row: int, width: int = 16) -> list:
     sweep quadratic)."""
     boxes = []
     for r in range(rows):
-        cuts = sorted({0, per_row * width,
-                       *((r * 7) % width + k * width for k in range(1, per_row))})
+        cuts = sorted(
+            {0, per_row * width, *((r * 7) % width + k * width for k in range(1, per_row))}
+        )
         boxes += [((r, a), (1, b - a), len(boxes)) for a, b in zip(cuts, cuts[1:])]
     return boxes
 
@@ -70,22 +83,40 @@ def _shards(boxes) -> tuple:
     out, ends = [], [codec.HEADER_BYTES] * 4
     for i, (off, box, *_) in enumerate(boxes):
         nbytes = 4 * volume(box)
-        out.append(ShardRef(file=i % 4, offset=ends[i % 4], nbytes=nbytes,
-                            global_offset=tuple(off), shape=tuple(box),
-                            checksums=((nbytes, 0),) if nbytes else ()))
+        out.append(
+            ShardRef(
+                file=i % 4,
+                offset=ends[i % 4],
+                nbytes=nbytes,
+                global_offset=tuple(off),
+                shape=tuple(box),
+                checksums=((nbytes, 0),) if nbytes else (),
+            )
+        )
         ends[i % 4] += codec.align_up(max(nbytes, 1), codec.DATA_ALIGN)
     return tuple(out)
 
 
 def _manifest(shape, boxes) -> Manifest:
     shards = _shards(boxes)
-    ends = [max((s.offset + s.nbytes for s in shards if s.file == r), default=0)
-            for r in range(4)]
-    files = tuple(FileRef(name=codec.shard_file_name(r), rank=r, nbytes=ends[r], index_crc32=0)
-                  for r in range(4))
+    ends = [max((s.offset + s.nbytes for s in shards if s.file == r), default=0) for r in range(4)]
+    files = tuple(
+        FileRef(name=codec.shard_file_name(r), rank=r, nbytes=ends[r], index_crc32=0)
+        for r in range(4)
+    )
     entry = TensorEntry(key="w", dtype="float32", shape=tuple(shape), shards=shards)
-    return Manifest(version=3, name="step-1", step=1, seq=1, created_unix=0.0, world_size=4,
-                    metadata={}, files=files, entries={0: entry}, ranks=())
+    return Manifest(
+        version=3,
+        name="step-1",
+        step=1,
+        seq=1,
+        created_unix=0.0,
+        world_size=4,
+        metadata={},
+        files=files,
+        entries={0: entry},
+        ranks=(),
+    )
 
 
 def test_forty_thousand_bricks_tile_and_one_moved_brick_is_named():
@@ -94,14 +125,17 @@ def test_forty_thousand_bricks_tile_and_one_moved_brick_is_named():
     one column wider: the overlap is named."""
     boxes = _bricks(200, 200)
     shape = (200, 200 * 16)
-    assert tiling_fault(shape, _shards(boxes)) is None and check_tiling(
-        _manifest(shape, boxes)) == []
+    assert (
+        tiling_fault(shape, _shards(boxes)) is None and check_tiling(_manifest(shape, boxes)) == []
+    )
     (r, a), (h, w), i = boxes[5000]
     boxes[5000] = ((r, a), (h, w + 1), i)
     fault = tiling_fault(shape, _shards(boxes))
     nxt = boxes[5001][0][1]
-    assert fault == f"boxes [{r}:{r + 1}, {a}:{a + w + 1}] and [{r}:{r + 1}, {nxt}:" \
-                    f"{boxes[5001][0][1] + boxes[5001][1][1]}] overlap"
+    assert (
+        fault == f"boxes [{r}:{r + 1}, {a}:{a + w + 1}] and [{r}:{r + 1}, {nxt}:"
+        f"{boxes[5001][0][1] + boxes[5001][1][1]}] overlap"
+    )
     problems = check_tiling(_manifest(shape, boxes))
     assert len(problems) == 1 and "which overlap" in problems[0][1]
 
@@ -111,8 +145,7 @@ def _bricks_3d(n: int, width: int = 16) -> tuple[tuple, list]:
     tiling whose boxes differ in all three dimensions."""
     boxes = []
     for r, q in itertools.product(range(n), range(n)):
-        cuts = sorted({0, n * width, *(((r * n + q) * 7) % width + k * width
-                                       for k in range(1, n))})
+        cuts = sorted({0, n * width, *(((r * n + q) * 7) % width + k * width for k in range(1, n))})
         boxes += [((r, q, a), (1, 1, b - a)) for a, b in zip(cuts, cuts[1:])]
     return (n, n, n * width), boxes
 
@@ -131,11 +164,14 @@ def test_too_irregular_a_layout_is_refused_by_the_review_and_by_both_parsers():
     with pytest.raises(TooIrregular, match=f"its 8000 boxes .* within {budget} comparisons"):
         list(overlapping(boxes))
     fault = tiling_fault(shape, _shards(boxes))
-    assert fault == f"its 8000 boxes are neither slabs nor a grid and too irregular to check " \
-                    f"within {budget} comparisons"
+    assert (
+        fault == f"its 8000 boxes are neither slabs nor a grid and too irregular to check "
+        f"within {budget} comparisons"
+    )
     manifest = _manifest(shape, boxes)
-    assert check_tiling(manifest) == [([0, 1, 2, 3], f"the shards of 'w' (shape {list(shape)}): "
-                                                     f"{fault}")]
+    assert check_tiling(manifest) == [
+        ([0, 1, 2, 3], f"the shards of 'w' (shape {list(shape)}): {fault}")
+    ]
     value = manifest.entries[0].to_json()
     assert plain.tensor_entry(value, manifest.files, 4) is None  # left to the general parser
     with pytest.raises(CorruptCheckpointError, match="do not tile its shape .* too irregular"):

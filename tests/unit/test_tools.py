@@ -1,5 +1,6 @@
 """The tools around checkpoints: list, inspect, verify, export and import, through the Python API
 and the command line (its output and exit codes)."""
+
 from __future__ import annotations
 
 import fcntl
@@ -27,8 +28,14 @@ from testkit import LARGE
 def _saved(root, steps=(1, 2), **extra):
     model, opt, sched, loader = make_training()
     tied = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    state = {"model": model, "optimizer": opt, "epoch": 3, "name": "run-a",
-             "tied": {"a": tied, "b": tied}, **extra}
+    state = {
+        "model": model,
+        "optimizer": opt,
+        "epoch": 3,
+        "name": "run-a",
+        "tied": {"a": tied, "b": tied},
+        **extra,
+    }
     with Checkpointer(root, LARGE) as ck:
         for step in steps:
             train_step(model, opt, sched, loader)
@@ -109,26 +116,34 @@ def test_cli_inspect_lists_tied_names_as_sharing_the_storage(tmp_path):
         ck.save({"model": _Tied()}, step=1).wait()
         loaded = ck.load()
     assert sorted(loaded["model"]) == ["emb.weight", "head.weight"]
-    run = lambda *extra: zygote.run([sys.executable, "-m", "datastates", "inspect",
-                                     str(tmp_path), *extra],
-                                    capture_output=True, text=True, timeout=300)
+    run = lambda *extra: zygote.run(
+        [sys.executable, "-m", "datastates", "inspect", str(tmp_path), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     proc = run()
     assert (proc.returncode, proc.stderr) == (EXIT_OK, "")
     lines = proc.stdout.splitlines()
-    assert lines[3] == ("contents    1 tensors (60 B) and 1 tied name(s) sharing their storage, "
-                        "0 objects, 0 plain values")
+    assert lines[3] == (
+        "contents    1 tensors (60 B) and 1 tied name(s) sharing their storage, "
+        "0 objects, 0 plain values"
+    )
     assert lines[-3:] == [
         "key                dtype    shape   size  where",
         "model/emb.weight   float32  [5, 3]  60 B  rank 0",
-        "model/head.weight  float32  [5, 3]  -     shares the storage of model/emb.weight"]
+        "model/head.weight  float32  [5, 3]  -     shares the storage of model/emb.weight",
+    ]
     proc = run("--json")
     assert proc.returncode == EXIT_OK
     tensors = {t["key"]: t for t in json.loads(proc.stdout)["tensors"]}
     assert set(tensors) == {f"model/{k}" for k in loaded["model"]}
     assert tensors["model/emb.weight"]["alias_of"] is None
     assert tensors["model/head.weight"]["alias_of"] == "model/emb.weight"
-    assert (tensors["model/head.weight"]["nbytes"], tensors["model/emb.weight"]["nbytes"]) == \
-        (0, 60)  # stored once: the bytes of the summary add up to what the files hold
+    assert (tensors["model/head.weight"]["nbytes"], tensors["model/emb.weight"]["nbytes"]) == (
+        0,
+        60,
+    )  # stored once: the bytes of the summary add up to what the files hold
     assert tensors["model/head.weight"]["shape"] == [5, 3]
 
 
@@ -143,20 +158,30 @@ def one_step(tmp_path_factory):
 
 #: Asking for what is not there, by step, by tag, in an empty folder: exit code 3 for every
 #: command that reads a checkpoint (the README's table), with one error line.
-NOT_FOUND = {"step": (["ck", "--step", "3"], "no checkpoint 'step-0000000003' in '{root}/ck'"),
-             "tag": (["ck", "--tag", "nope"], "no checkpoint 'nope' in '{root}/ck'"),
-             "empty": (["empty"], "no datastates checkpoint in {root}/empty (the folder is empty)")}
+NOT_FOUND = {
+    "step": (["ck", "--step", "3"], "no checkpoint 'step-0000000003' in '{root}/ck'"),
+    "tag": (["ck", "--tag", "nope"], "no checkpoint 'nope' in '{root}/ck'"),
+    "empty": (["empty"], "no datastates checkpoint in {root}/empty (the folder is empty)"),
+}
 
 
-@pytest.mark.parametrize("command, case", [("list", "empty")] + [
-    (command, case) for command in ("inspect", "verify", "export") for case in sorted(NOT_FOUND)])
+@pytest.mark.parametrize(
+    "command, case",
+    [("list", "empty")]
+    + [
+        (command, case) for command in ("inspect", "verify", "export") for case in sorted(NOT_FOUND)
+    ],
+)
 def test_cli_not_found_is_exit_code_3_for_every_command(one_step, command, case):
     which, line = NOT_FOUND[case]
     out = one_step / f"out-{command}-{case}.pt"
     extra = ["--to", "torch", str(out)] if command == "export" else []
-    proc = zygote.run([sys.executable, "-m", "datastates", command,
-                       str(one_step / which[0]), *which[1:], *extra],
-                      capture_output=True, text=True, timeout=300)
+    proc = zygote.run(
+        [sys.executable, "-m", "datastates", command, str(one_step / which[0]), *which[1:], *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert (proc.returncode, proc.stdout) == (EXIT_EMPTY, "")
     assert proc.stderr == f"error: {line.format(root=one_step)}\n"
     assert not out.exists()
@@ -168,8 +193,13 @@ def _on_a_terminal(argv, cwd) -> tuple[int, bytes, bytes]:
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
     with os.fdopen(slave, "wb") as terminal:
-        proc = zygote.run([sys.executable, "-m", "datastates", *argv], cwd=cwd,
-                          stdout=subprocess.PIPE, stderr=terminal, timeout=300)
+        proc = zygote.run(
+            [sys.executable, "-m", "datastates", *argv],
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=terminal,
+            timeout=300,
+        )
     screen = b""
     while True:
         try:
@@ -195,12 +225,20 @@ def test_cli_draws_progress_bars_on_a_terminal_unless_told_not_to(one_step):
 
 def test_the_cli_imports_tqdm_unconditionally():
     """tqdm is a dependency: the command line has no path without it."""
-    proc = subprocess.run([sys.executable, "-c", "import sys; sys.modules['tqdm'] = None\n"
-                           "import datastates.tools.cli"], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.modules['tqdm'] = None\nimport datastates.tools.cli",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1
-    assert proc.stderr.splitlines()[-1] == ("ModuleNotFoundError: import of tqdm halted; None "
-                                            "in sys.modules")
+    assert proc.stderr.splitlines()[-1] == (
+        "ModuleNotFoundError: import of tqdm halted; None in sys.modules"
+    )
 
 
 def test_cli_verify_all_summary_and_corruption(tmp_path, capsys):
@@ -222,9 +260,15 @@ def test_verify_reports_progress_inside_a_checkpoint(tmp_path):
     from datastates.restore import verify as verify_mod
     from datastates.providers import ProviderRegistry
     from datastates.restore.reader import Reader
+
     with datastates.Checkpointer(tmp_path, datastates.CheckpointConfig(chunk_bytes=1 << 20)) as ck:
-        ck.save({"big": torch.arange(40 << 20, dtype=torch.uint8).view(-1, 4096),
-                 "small": torch.ones(3)}, step=1).wait()
+        ck.save(
+            {
+                "big": torch.arange(40 << 20, dtype=torch.uint8).view(-1, 4096),
+                "small": torch.ones(3),
+            },
+            step=1,
+        ).wait()
         info = ck.latest()
     seen = []
     old_span, verify_mod.SPAN_BYTES = verify_mod.SPAN_BYTES, 8 << 20
@@ -263,6 +307,7 @@ def test_export_safetensors_model_only_and_tied_names(tmp_path):
     got = safetensors.load_file(str(out2))
     assert list(got) == ["a"] and torch.equal(got["a"], expected["tied"]["a"])
     from safetensors import safe_open
+
     with safe_open(str(out2), "pt") as f:
         assert json.loads(f.metadata()["datastates.aliases"]) == {"b": "a"}
 
@@ -292,13 +337,19 @@ def test_export_memory_stays_bounded(tmp_path):
         ".split()[1]) * 1024\n"
         "before = anon()\n"
         f"datastates.export({str(tmp_path / 'ck')!r}, {str(tmp_path / 'w.pt')!r}, 'torch')\n"
-        "print(anon() - before)\n")
+        "print(anon() - before)\n"
+    )
     # forked from the session's zygote: its anonymous memory is measured from its own start
-    grown = int(zygote.run([sys.executable, "-c", script], capture_output=True, text=True,
-                           check=True, timeout=300).stdout)
+    grown = int(
+        zygote.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300
+        ).stdout
+    )
     assert grown < (64 << 20), f"anonymous memory grew by {grown} bytes exporting 256 MiB"
-    assert torch.equal(torch.load(tmp_path / "w.pt", weights_only=True, mmap=True)["w"],
-                       datastates.Checkpointer(tmp_path / "ck").load()["w"])
+    assert torch.equal(
+        torch.load(tmp_path / "w.pt", weights_only=True, mmap=True)["w"],
+        datastates.Checkpointer(tmp_path / "ck").load()["w"],
+    )
 
 
 @pytest.mark.parametrize("source", ["torch", "torch-legacy", "safetensors", "dcp", "dcp-ours"])
@@ -320,12 +371,14 @@ def test_import_then_load_is_bit_exact(tmp_path, source):
     else:
         import torch.distributed.checkpoint as dcp
         from datastates.integrations.dcp import DatastatesWriter
+
         src = tmp_path / "dcp"
         writer = dcp.FileSystemWriter(str(src)) if source == "dcp" else DatastatesWriter(src)
         dcp.save(state, storage_writer=writer, no_dist=True)
     source = source.split("-")[0]
-    info = datastates.import_checkpoint(src, tmp_path / "ck", source=source, step=7,
-                                        trusted=trusted)
+    info = datastates.import_checkpoint(
+        src, tmp_path / "ck", source=source, step=7, trusted=trusted
+    )
     assert info.step == 7 and info.metadata["imported_format"] == source
     with Checkpointer(tmp_path / "ck") as ck:
         assert_same(dict(sorted(state.items())), dict(sorted(ck.load(step=7).items())))
@@ -333,11 +386,26 @@ def test_import_then_load_is_bit_exact(tmp_path, source):
 
 def test_cli_export_import_round_trip(tmp_path, capsys):
     expected = _saved(tmp_path / "ck")
-    code, out, _ = _run(capsys, "export", str(tmp_path / "ck"), "--to", "torch",
-                        str(tmp_path / "x.pt"), "--no-progress")
+    code, out, _ = _run(
+        capsys,
+        "export",
+        str(tmp_path / "ck"),
+        "--to",
+        "torch",
+        str(tmp_path / "x.pt"),
+        "--no-progress",
+    )
     assert code == EXIT_OK and "wrote" in out
-    code, out, _ = _run(capsys, "import", str(tmp_path / "x.pt"), "--from", "torch",
-                        str(tmp_path / "ck2"), "--tag", "imported")
+    code, out, _ = _run(
+        capsys,
+        "import",
+        str(tmp_path / "x.pt"),
+        "--from",
+        "torch",
+        str(tmp_path / "ck2"),
+        "--tag",
+        "imported",
+    )
     assert code == EXIT_OK and "committed" in out
     with Checkpointer(tmp_path / "ck2") as ck:
         assert_same(expected, ck.load(tag="imported"))
@@ -361,21 +429,28 @@ def test_cli_inspect_shows_every_checkpoint_of_a_tag_folder(tmp_path, capsys):
     os.remove(tmp_path / "latest")
     code, out, _ = _run(capsys, "inspect", str(tmp_path))
     assert code == EXIT_OK
-    assert "mp_rank_00_model_states.pt" in out and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in out
+    assert (
+        "mp_rank_00_model_states.pt" in out and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in out
+    )
     code, out, _ = _run(capsys, "inspect", str(tmp_path), "--json")
     assert code == EXIT_OK and [s["name"] for s in json.loads(out)] == [
-        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+        "mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    ]
 
 
-@pytest.mark.parametrize("to,keys", [("torch", None), ("safetensors", ["model"]),
-                                     ("torch", ["tied"])])
+@pytest.mark.parametrize(
+    "to,keys", [("torch", None), ("safetensors", ["model"]), ("torch", ["tied"])]
+)
 def test_export_progress_total_is_known_before_it_starts(tmp_path, to, keys):
     """The total of export's progress bar (planned_bytes, from the manifest alone) is what the
     progress calls add up to and what the export reports (tied tensors once)."""
     from datastates.tools import export
+
     _saved(tmp_path / "ck")
     total = export.planned_bytes(tmp_path / "ck", to, keys=keys)
     seen: list[int] = []
-    report = datastates.export(tmp_path / "ck", tmp_path / f"out.{to}", to, keys=keys,
-                               progress=seen.append)
+    report = datastates.export(
+        tmp_path / "ck", tmp_path / f"out.{to}", to, keys=keys, progress=seen.append
+    )
     assert total == sum(seen) == report.nbytes > 0

@@ -1,5 +1,6 @@
 """Per-rank subtrees equal to rank 0's are written once (format/sharing.py): the round trip gives
 the same trees, what differs stays per rank, and a forged ``same`` node is refused."""
+
 from __future__ import annotations
 
 import copy
@@ -10,12 +11,27 @@ import pytest
 from datastates.errors import CorruptCheckpointError
 from datastates.format import sharing
 
-BASE = {"t": "dict", "items": [
-    ["model", {"t": "dict", "items": [["w", {"t": "tensor", "e": 0}],
-                                      ["b", {"t": "tensor", "e": 1}]]}],
-    ["rng", {"t": "provider", "name": "datastates.RNGState",
-             "state": {"t": "dict", "items": [["torch", {"t": "tensor", "e": 2}]]}}],
-    ["steps", {"t": "list", "items": [{"t": "value", "v": 1}, {"t": "value", "v": 2}]}]]}
+BASE = {
+    "t": "dict",
+    "items": [
+        [
+            "model",
+            {
+                "t": "dict",
+                "items": [["w", {"t": "tensor", "e": 0}], ["b", {"t": "tensor", "e": 1}]],
+            },
+        ],
+        [
+            "rng",
+            {
+                "t": "provider",
+                "name": "datastates.RNGState",
+                "state": {"t": "dict", "items": [["torch", {"t": "tensor", "e": 2}]]},
+            },
+        ],
+        ["steps", {"t": "list", "items": [{"t": "value", "v": 1}, {"t": "value", "v": 2}]}],
+    ],
+}
 
 
 def _rank1():
@@ -35,14 +51,20 @@ def test_equal_subtrees_become_markers_and_come_back():
     assert sharing.share(copy.deepcopy(BASE), BASE) == {"t": "same", "r": 0}
 
 
-@pytest.mark.parametrize("mine, theirs", [(1, True), (0, False), (1, 1.0), (-0.0, 0.0),
-                                           ("1", 1), (None, False), ([1], [True])])
+@pytest.mark.parametrize(
+    "mine, theirs",
+    [(1, True), (0, False), (1, 1.0), (-0.0, 0.0), ("1", 1), (None, False), ([1], [True])],
+)
 def test_values_equal_only_to_python_stay_per_rank(mine, theirs):
     """Rank 1's value, or a key of its dict, equals rank 0's under Python's ``==`` but is other
     JSON: it is written, and reads back as its own, with its own type."""
+
     def tree(value, key):
-        return {"t": "dict", "items": [[key, {"t": "value", "v": value}],
-                                       ["w", {"t": "tensor", "e": 0}]]}
+        return {
+            "t": "dict",
+            "items": [[key, {"t": "value", "v": value}], ["w", {"t": "tensor", "e": 0}]],
+        }
+
     for node, base in ((tree(mine, "k"), tree(theirs, "k")), (tree(0, mine), tree(0, theirs))):
         written = json.loads(json.dumps(sharing.share(node, base)))
         assert written != {"t": "same", "r": 0}
@@ -59,12 +81,15 @@ def test_different_keys_or_lengths_are_written_in_full():
     assert written["items"][2][1] == other["items"][2][1]
 
 
-@pytest.mark.parametrize("marker, rank, match", [
-    ({"t": "same", "r": 1}, 2, "naming rank 0"),
-    ({"t": "same", "r": 0, "x": 1}, 1, "naming rank 0"),
-    ({"t": "same", "r": "0"}, 1, "naming rank 0"),
-    ({"t": "same", "r": 0}, 0, "naming rank 0"),  # rank 0 itself cannot refer to rank 0
-])
+@pytest.mark.parametrize(
+    "marker, rank, match",
+    [
+        ({"t": "same", "r": 1}, 2, "naming rank 0"),
+        ({"t": "same", "r": 0, "x": 1}, 1, "naming rank 0"),
+        ({"t": "same", "r": "0"}, 1, "naming rank 0"),
+        ({"t": "same", "r": 0}, 0, "naming rank 0"),  # rank 0 itself cannot refer to rank 0
+    ],
+)
 def test_a_forged_marker_is_refused(marker, rank, match):
     tree = {"t": "dict", "items": [["model", marker]]}
     with pytest.raises(CorruptCheckpointError, match=match):

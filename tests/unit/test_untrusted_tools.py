@@ -1,6 +1,7 @@
 """Folders someone handed over, through the tools: a planted pickle never runs (the marker file
 it would create never appears), a link out of the checkpoint is never copied into an export,
 and every layout the integrations write is understood by list, verify, inspect and export."""
+
 from __future__ import annotations
 
 import json
@@ -34,11 +35,19 @@ class _Touch:
 def _dotted_system(marker) -> bytes:
     """A pickle naming ``os.system`` through a module under torch.distributed.checkpoint
     (pickle resolves the dotted name ``os.system`` inside it): ``os.system("touch MARKER")``."""
+
     def text(s: str) -> bytes:  # SHORT_BINUNICODE
         return b"\x8c" + bytes([len(s.encode())]) + s.encode()
+
     # PROTO 4, module, name, STACK_GLOBAL, argument, TUPLE1, REDUCE, STOP
-    return (b"\x80\x04" + text("torch.distributed.checkpoint.filesystem") + text("os.system")
-            + b"\x93" + text(f"touch {marker}") + b"\x85R.")
+    return (
+        b"\x80\x04"
+        + text("torch.distributed.checkpoint.filesystem")
+        + text("os.system")
+        + b"\x93"
+        + text(f"touch {marker}")
+        + b"\x85R."
+    )
 
 
 def _run(capsys, *argv):
@@ -56,8 +65,11 @@ def _planted_ours(tmp_path, marker, blob=None, version=1):
     os.remove(folder / "dcp_metadata.json")
     (folder / "dcp.metadata").write_bytes(blob)
     manifest = json.loads((folder / "dcp_manifest.json").read_bytes())
-    manifest.update(version=version, metadata_bytes=len(blob),
-                    metadata_crc32=datastates.format.codec.crc32(blob))
+    manifest.update(
+        version=version,
+        metadata_bytes=len(blob),
+        metadata_crc32=datastates.format.codec.crc32(blob),
+    )
     (folder / "dcp_manifest.json").write_text(json.dumps(manifest))
     return folder
 
@@ -84,9 +96,17 @@ def test_read_metadata_of_a_planted_folder_runs_nothing(tmp_path, trick):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("command", [
-    ["inspect", "{f}"], ["inspect", "{f}", "--json"], ["export", "{f}", "--to", "torch", "{o}"],
-    ["verify", "{f}"], ["list", "{p}"], ["import", "{f}", "--from", "dcp", "{o}"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["inspect", "{f}"],
+        ["inspect", "{f}", "--json"],
+        ["export", "{f}", "--to", "torch", "{o}"],
+        ["verify", "{f}"],
+        ["list", "{p}"],
+        ["import", "{f}", "--from", "dcp", "{o}"],
+    ],
+)
 def test_cli_on_a_planted_folder_runs_nothing(tmp_path, capsys, command):
     marker = tmp_path / "MARKER"
     folder = _planted_ours(tmp_path, marker, _dotted_system(marker))
@@ -109,8 +129,9 @@ def test_import_of_a_stock_dcp_folder_needs_trusted(tmp_path, capsys):
     runs), imported with it."""
     marker = tmp_path / "MARKER"
     stock = tmp_path / "stock"
-    dcp.save({"w": torch.arange(6.0)}, storage_writer=dcp.FileSystemWriter(str(stock)),
-             no_dist=True)
+    dcp.save(
+        {"w": torch.arange(6.0)}, storage_writer=dcp.FileSystemWriter(str(stock)), no_dist=True
+    )
     good = (stock / ".metadata").read_bytes()
     (stock / ".metadata").write_bytes(_dotted_system(marker))
     code, _, err = _run(capsys, "import", stock, "--from", "dcp", tmp_path / "ck")
@@ -128,8 +149,11 @@ def test_export_of_a_dcp_value_that_needs_unpickling(tmp_path, capsys):
     weights_only=True, so a planted object is refused (marker never created) unless trusted."""
     marker = tmp_path / "MARKER"
     folder = tmp_path / "ours"
-    dcp.save({"w": torch.ones(2), "obj": _Touch(marker)},
-             storage_writer=DatastatesWriter(folder), no_dist=True)
+    dcp.save(
+        {"w": torch.ones(2), "obj": _Touch(marker)},
+        storage_writer=DatastatesWriter(folder),
+        no_dist=True,
+    )
     code, _, err = _run(capsys, "export", folder, "--to", "torch", tmp_path / "o.pt")
     assert code == EXIT_ERROR and "'obj'" in err and "--trusted" in err
     assert not marker.exists() and not (tmp_path / "o.pt").exists()
@@ -176,8 +200,9 @@ def test_verify_of_a_deepspeed_tag_folder_checks_every_file(tmp_path, capsys):
     assert code == EXIT_OK and [s["name"] for s in json.loads(out)] == list(_DS_FILES)
     code, _, err = _run(capsys, "export", tag, "--to", "torch", tmp_path / "x.pt")
     assert code == EXIT_ERROR and "holds 2 checkpoints" in err and _DS_FILES[0] in err
-    code, _, _ = _run(capsys, "export", tag, "--tag", _DS_FILES[1], "--to", "torch",
-                      tmp_path / "x.pt")
+    code, _, _ = _run(
+        capsys, "export", tag, "--tag", _DS_FILES[1], "--to", "torch", tmp_path / "x.pt"
+    )
     assert code == EXIT_OK and torch.load(tmp_path / "x.pt")["file"] == _DS_FILES[1]
 
 
@@ -200,8 +225,11 @@ def test_a_deepspeed_save_dir_is_understood(tmp_path, capsys):
 
 def test_dcp_folders_are_listed_verified_and_inspected(tmp_path, capsys):
     for step in (1, 2):
-        dcp.save({"w": torch.full((256,), float(step)), "n": step},
-                 storage_writer=DatastatesWriter(tmp_path / f"step-{step}"), no_dist=True)
+        dcp.save(
+            {"w": torch.full((256,), float(step)), "n": step},
+            storage_writer=DatastatesWriter(tmp_path / f"step-{step}"),
+            no_dist=True,
+        )
     code, out, _ = _run(capsys, "list", tmp_path)
     assert code == EXIT_OK and "step-1" in out and "step-2" in out and "2 checkpoint(s)" in out
     code, out, _ = _run(capsys, "verify", tmp_path / "step-2")
@@ -237,6 +265,7 @@ def test_damaged_newest_is_listed_and_fails_verify_all(tmp_path, capsys):
 
 # ---------------------------------------------------------------- export --to hf
 
+
 def test_export_hf_copies_no_link_out_of_the_checkpoint(tmp_path, capsys, caplog):
     """A tokenizer.json linking to a file outside the checkpoint (a key meant to stay private)
     and a FIFO are not copied: logged as WARNINGs, named in the report; the rest is copied."""
@@ -254,12 +283,15 @@ def test_export_hf_copies_no_link_out_of_the_checkpoint(tmp_path, capsys, caplog
     out = tmp_path / "hf"
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     assert (out / "config.json").read_text() == '{"model_type": "gpt2"}'
-    assert report.refused == (("tokenizer.json", "a symbolic link"),
-                              ("vocab.txt", "not a regular file"))
+    assert report.refused == (
+        ("tokenizer.json", "a symbolic link"),
+        ("vocab.txt", "not a regular file"),
+    )
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("tokenizer.json" in m for m in warned) and any("vocab.txt" in m for m in warned)
-    code, out_text, _ = _run(capsys, "export", ckpt, "--to", "hf", tmp_path / "hf2",
-                             "--no-progress")
+    code, out_text, _ = _run(
+        capsys, "export", ckpt, "--to", "hf", tmp_path / "hf2", "--no-progress"
+    )
     assert code == EXIT_OK and "not copied: tokenizer.json (a symbolic link)" in out_text
     assert not (tmp_path / "hf2" / "tokenizer.json").exists()
 
@@ -268,6 +300,7 @@ def test_a_deepspeed_save_dir_whose_latest_is_a_fifo_does_not_hang(tmp_path, cap
     """`latest` of a handed DeepSpeed save folder is read as a regular file only: a FIFO (or a
     link) there is ignored and the newest tag by step is taken, with no hang."""
     import threading
+
     root = _deepspeed_save_dir(tmp_path / "run")
     os.remove(root / "latest")
     os.mkfifo(root / "latest")

@@ -40,6 +40,7 @@ replaced checkpoint to ``.old.<name>.…`` before it renames the new one to ``<n
 missing while such an entry is there is that checkpoint, read from there (:func:`set_aside`), so
 a reader coming between the two renames finds the old checkpoint, never none.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,7 +55,11 @@ from ..format import files
 from ..format import records
 from ..format.records import CheckpointInfo, info_of
 from ..errors import (
-    CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError)
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StorageError,
+    UnsupportedFormatError,
+)
 from ..storage.store import LOCAL, Store
 from ..storage.temporaries import parse_temporary
 
@@ -93,8 +98,9 @@ def human_bytes(n: int) -> str:
     return f"{value:.1f} TiB"
 
 
-def examine(path: str, store: Store = LOCAL, head: bool = False
-            ) -> tuple[CheckpointInfo | DamagedCheckpoint | None, records.Manifest | None]:
+def examine(
+    path: str, store: Store = LOCAL, head: bool = False
+) -> tuple[CheckpointInfo | DamagedCheckpoint | None, records.Manifest | None]:
     """What the directory ``path`` holds: (info, its validated manifest) for a committed
     checkpoint, (DamagedCheckpoint, None) when its ``manifest.json`` exists but is damaged (it
     does not decode or validate, or it is no regular file), (None, None) when it has no
@@ -107,8 +113,9 @@ def examine(path: str, store: Store = LOCAL, head: bool = False
     return _examine(path, store, head)[:2]
 
 
-def _examine(path: str, store: Store, head: bool, raw: bytes | None = None,
-             split_head: bool = False) -> tuple:
+def _examine(
+    path: str, store: Store, head: bool, raw: bytes | None = None, split_head: bool = False
+) -> tuple:
     """:func:`examine`, with the manifest's bytes as a third value (None if none were read);
     ``raw``: those bytes, read before (not read again). ``split_head``: a split manifest is
     described by its head once every part's size and CRC-32 are checked
@@ -133,9 +140,17 @@ def _examine(path: str, store: Store, head: bool, raw: bytes | None = None,
         if not written_by_datastates(path, store, raw):
             _foreign(path, exc)
             return None, None, raw
-        return DamagedCheckpoint(os.path.basename(path), path, f"{type(exc).__name__}: {exc}",
-                                 _mtime(store, file),
-                                 isinstance(exc, UnsupportedFormatError)), None, raw
+        return (
+            DamagedCheckpoint(
+                os.path.basename(path),
+                path,
+                f"{type(exc).__name__}: {exc}",
+                _mtime(store, file),
+                isinstance(exc, UnsupportedFormatError),
+            ),
+            None,
+            raw,
+        )
     return info_of(path, manifest), manifest, raw
 
 
@@ -147,8 +162,9 @@ _foreign_named: set[str] = set()
 _foreign_lock = threading.Lock()
 
 
-def written_by_datastates(path: str, store: Store = LOCAL, raw: bytes | None = None,
-                          besides: str | None = None) -> bool:
+def written_by_datastates(
+    path: str, store: Store = LOCAL, raw: bytes | None = None, besides: str | None = None
+) -> bool:
     """Whether the directory ``path``, whose ``manifest.json`` does not validate, bears a mark
     of this library, so that it counts as a damaged checkpoint (listed, set aside, deleted by
     retention and ``delete()``): its manifest begins as every manifest written here begins or
@@ -160,17 +176,25 @@ def written_by_datastates(path: str, store: Store = LOCAL, raw: bytes | None = N
     ``besides``: a data directory that does not count (the one a save is committing now)."""
     if raw is None:
         raw = _first_bytes(store.join(path, fmt.MANIFEST), store)
-    if raw.startswith(_MANIFEST_START) or _SEAL in raw[-fmt.TRAILER_BYTES:]:
+    if raw.startswith(_MANIFEST_START) or _SEAL in raw[-fmt.TRAILER_BYTES :]:
         return True
     try:  # an object store keeps the shard files in a data directory of the checkpoint
-        folders = [""] + [name for name in store.listdir(path)
-                          if name.startswith(".data.") and name != besides]
+        folders = [""] + [
+            name for name in store.listdir(path) if name.startswith(".data.") and name != besides
+        ]
     except OSError:
         folders = [""]
-    return any(fmt.is_shard_start(_first_bytes(
-        store.join(path, folder, fmt.shard_file_name(0)) if folder else
-        store.join(path, fmt.shard_file_name(0)), store))
-               for folder in folders)
+    return any(
+        fmt.is_shard_start(
+            _first_bytes(
+                store.join(path, folder, fmt.shard_file_name(0))
+                if folder
+                else store.join(path, fmt.shard_file_name(0)),
+                store,
+            )
+        )
+        for folder in folders
+    )
 
 
 def _first_bytes(path: str, store: Store) -> bytes:
@@ -194,8 +218,12 @@ def _foreign(path: str, exc: Exception) -> None:
         if path in _foreign_named:
             return
         _foreign_named.add(path)
-    log.warning("%s is not a checkpoint and is left alone: its %s bears no mark of datastates "
-                "(%s)", path, fmt.MANIFEST, exc)
+    log.warning(
+        "%s is not a checkpoint and is left alone: its %s bears no mark of datastates (%s)",
+        path,
+        fmt.MANIFEST,
+        exc,
+    )
 
 
 def _mtime(store: Store, path: str) -> float | None:
@@ -216,9 +244,14 @@ def set_aside(names: Iterable[str]) -> dict[str, str]:
     found: dict[str, str] = {}
     for entry in sorted(present):
         temp = parse_temporary(entry) if entry.startswith(".old.") else None
-        if temp is not None and temp.kind == "old" and temp.original and \
-                not temp.original.startswith(".") and temp.original != fmt.LATEST and \
-                temp.original not in present:
+        if (
+            temp is not None
+            and temp.kind == "old"
+            and temp.original
+            and not temp.original.startswith(".")
+            and temp.original != fmt.LATEST
+            and temp.original not in present
+        ):
             found.setdefault(temp.original, entry)
     return found
 
@@ -286,14 +319,16 @@ class Catalog:
         try:
             stamps = self.store.file_stamps(self.root, fmt.MANIFEST)
         except (FileNotFoundError, NotADirectoryError):
-            raise CheckpointNotFoundError(f"checkpoint directory {self.root!r} does not "
-                                          "exist") from None
+            raise CheckpointNotFoundError(
+                f"checkpoint directory {self.root!r} does not exist"
+            ) from None
         seen, heads, unreadable, moved = {}, set(), [], []
         newest_raw: tuple[CheckpointInfo, bytes] | None = None  # of the newest head read
         aside = set_aside(stamps) if self.store.renames else {}
         entries = list(stamps.items()) + [  # an entry's own stamp would be its old name's
             (name, None if stamps[entry] is None else (entry, stamps[entry]))
-            for name, entry in aside.items()]
+            for name, entry in aside.items()
+        ]
         for name, stamp in entries:
             if name.startswith(".") or name == fmt.LATEST:
                 continue
@@ -305,11 +340,14 @@ class Catalog:
                 continue
             try:
                 found, manifest, raw = _examine(
-                    self.store.join(self.root, aside.get(name, name)), self.store, head=True)
+                    self.store.join(self.root, aside.get(name, name)), self.store, head=True
+                )
                 found = _as_named(found, name)
             except OSError as exc:
-                unreadable.append(f"{self.store.join(self.root, name, fmt.MANIFEST)} "
-                                  f"({type(exc).__name__}: {exc})")
+                unreadable.append(
+                    f"{self.store.join(self.root, name, fmt.MANIFEST)} "
+                    f"({type(exc).__name__}: {exc})"
+                )
                 continue
             if found is None and raw is None and self._moved(name, stamp):
                 moved.append(name)
@@ -322,19 +360,24 @@ class Catalog:
                 if newest_raw is None or commit_order(found) > commit_order(newest_raw[0]):
                     newest_raw = (found, raw)  # likely parsed whole next: not read twice
         if moved and not last:
-            log.debug("%s: %s moved while the root was listed (a commit, an overwrite "
-                      "or a deletion by another process); listing it again", self.root,
-                      ", ".join(moved))
+            log.debug(
+                "%s: %s moved while the root was listed (a commit, an overwrite "
+                "or a deletion by another process); listing it again",
+                self.root,
+                ", ".join(moved),
+            )
             return None
         self._keep_recorded(seen)
         if not unreadable:
             unreadable = self._parse_newest(seen, heads, newest_raw)
         self._seen, self._heads = seen, heads
         if unreadable:
-            raise StorageError(f"could not read the manifest of {len(unreadable)} "
-                               f"checkpoint(s) of {self.root}, so its newest checkpoint is "
-                               f"unknown (retry once the storage answers): "
-                               f"{'; '.join(unreadable)}")
+            raise StorageError(
+                f"could not read the manifest of {len(unreadable)} "
+                f"checkpoint(s) of {self.root}, so its newest checkpoint is "
+                f"unknown (retry once the storage answers): "
+                f"{'; '.join(unreadable)}"
+            )
         return self._committed()
 
     def _moved(self, name: str, stamp: Any) -> bool:
@@ -344,8 +387,9 @@ class Catalog:
         path = self.store.join(self.root, name)
         return stamp is not None or not (self.store.isdir(path) or self.store.isfile(path))
 
-    def record(self, info: CheckpointInfo, stamp: Any,
-               manifest: "records.Manifest | None" = None) -> list[CheckpointInfo]:
+    def record(
+        self, info: CheckpointInfo, stamp: Any, manifest: "records.Manifest | None" = None
+    ) -> list[CheckpointInfo]:
         """Note a checkpoint this process just committed (its manifest is not read back);
         ``stamp`` is what ``Store.write_atomic`` returned for it (None: read it at the next
         scan), ``manifest`` the validated manifest written. Returns the committed checkpoints
@@ -365,7 +409,8 @@ class Catalog:
         for name in sorted(self._recorded - seen.keys()):
             known = self._seen.get(name)
             if known is not None and self.store.isfile(
-                    self.store.join(self.root, name, fmt.MANIFEST)):
+                self.store.join(self.root, name, fmt.MANIFEST)
+            ):
                 seen[name] = known
             else:
                 self._recorded.discard(name)
@@ -380,8 +425,10 @@ class Catalog:
     def damaged(self) -> list[DamagedCheckpoint]:
         """The damaged checkpoints the last :meth:`scan` found, by name."""
         with self._lock:
-            return sorted((d for _, d in self._seen.values() if isinstance(d, DamagedCheckpoint)),
-                          key=lambda d: d.name)
+            return sorted(
+                (d for _, d in self._seen.values() if isinstance(d, DamagedCheckpoint)),
+                key=lambda d: d.name,
+            )
 
     def passed_over(self, used: CheckpointInfo | None) -> list[DamagedCheckpoint]:
         """The damaged checkpoints of the last :meth:`scan` that may be newer than ``used`` (the
@@ -398,8 +445,7 @@ class Catalog:
         if used is None or not found:
             return found
         used_mtime = _mtime(self.store, self.store.join(used.path, fmt.MANIFEST))
-        return [d for d in found if d.mtime is None or used_mtime is None or
-                d.mtime >= used_mtime]
+        return [d for d in found if d.mtime is None or used_mtime is None or d.mtime >= used_mtime]
 
     def _headless(self) -> list[DamagedCheckpoint]:
         """The folders of the root that hold no ``manifest.json`` but a shard file of this
@@ -421,14 +467,24 @@ class Catalog:
         found = []
         for name in sorted(names):
             path = self.store.join(self.root, name)
-            if name.startswith(".") or name == fmt.LATEST or name in known or \
-                    not written_by_datastates(path, self.store, raw=b"") or \
-                    self.store.isfile(self.store.join(path, fmt.MANIFEST)):
+            if (
+                name.startswith(".")
+                or name == fmt.LATEST
+                or name in known
+                or not written_by_datastates(path, self.store, raw=b"")
+                or self.store.isfile(self.store.join(path, fmt.MANIFEST))
+            ):
                 continue  # (a manifest now: committed or put in place since the scan)
-            found.append(DamagedCheckpoint(
-                name, path, f"it holds shard files of datastates but no {fmt.MANIFEST}: its "
-                "manifest was deleted, or a save or deletion of it is under way or was "
-                "interrupted", _mtime(self.store, path)))
+            found.append(
+                DamagedCheckpoint(
+                    name,
+                    path,
+                    f"it holds shard files of datastates but no {fmt.MANIFEST}: its "
+                    "manifest was deleted, or a save or deletion of it is under way or was "
+                    "interrupted",
+                    _mtime(self.store, path),
+                )
+            )
         return found
 
     def manifest(self, info: CheckpointInfo) -> "records.Manifest | None":
@@ -445,21 +501,29 @@ class Catalog:
     def _keep(self, info: CheckpointInfo, stamp: Any, manifest: "records.Manifest") -> None:
         """Keep ``manifest`` if its checkpoint is the newest read or recorded so far (a known
         stamp only)."""
-        if stamp is not None and (self._newest is None or
-                                  commit_order(info) >= commit_order(self._newest[0])):
+        if stamp is not None and (
+            self._newest is None or commit_order(info) >= commit_order(self._newest[0])
+        ):
             self._newest = (info, stamp, manifest)
 
-    def _parse_newest(self, seen: dict, heads: set[str],
-                      newest_raw: "tuple[CheckpointInfo, bytes] | None") -> list[str]:
+    def _parse_newest(
+        self, seen: dict, heads: set[str], newest_raw: "tuple[CheckpointInfo, bytes] | None"
+    ) -> list[str]:
         """Parse whole the manifest of the newest checkpoint of ``seen`` while it is known from
         its head only (``heads``, updated): a body that does not validate, or says other than
         the head, makes it damaged, and the next newest is parsed in turn. ``newest_raw``: a
         checkpoint described by a head this scan read, and those bytes. The manifests that
         could not be read (an ``OSError``: as for a scan)."""
         while True:
-            newest = max(((info, name) for name, (_, info) in seen.items()
-                          if isinstance(info, CheckpointInfo)),
-                         key=lambda pair: commit_order(pair[0]), default=None)
+            newest = max(
+                (
+                    (info, name)
+                    for name, (_, info) in seen.items()
+                    if isinstance(info, CheckpointInfo)
+                ),
+                key=lambda pair: commit_order(pair[0]),
+                default=None,
+            )
             if newest is None or newest[1] not in heads:
                 return []
             info, name = newest
@@ -468,37 +532,52 @@ class Catalog:
             # The bytes the head was read from, or the file as it is now (if it was replaced
             # since, its body is compared with its own head below, never with the old one).
             try:
-                found, manifest, raw = _examine(info.path, self.store, False, raw,
-                                                self.world_size > 1)
+                found, manifest, raw = _examine(
+                    info.path, self.store, False, raw, self.world_size > 1
+                )
             except OSError as exc:
-                return [f"{self.store.join(info.path, fmt.MANIFEST)} ({type(exc).__name__}: "
-                        f"{exc})"]
+                return [f"{self.store.join(info.path, fmt.MANIFEST)} ({type(exc).__name__}: {exc})"]
             found = _as_named(found, name)  # (read at its .old. name: set_aside)
             heads.discard(name)
             if manifest is not None:
                 head = _as_named(_examine(info.path, self.store, True, raw)[0], name)
                 if head != found:
-                    found, manifest = DamagedCheckpoint(
-                        name, info.path, f"CorruptCheckpointError: the manifest's head "
-                        f"describes {head}, its body {found}",
-                        _mtime(self.store, self.store.join(info.path, fmt.MANIFEST))), None
+                    found, manifest = (
+                        DamagedCheckpoint(
+                            name,
+                            info.path,
+                            f"CorruptCheckpointError: the manifest's head "
+                            f"describes {head}, its body {found}",
+                            _mtime(self.store, self.store.join(info.path, fmt.MANIFEST)),
+                        ),
+                        None,
+                    )
             if manifest is not None:
                 self._keep(found, stamp, manifest)
             seen[name] = (stamp, found)
 
     def _committed(self) -> list[CheckpointInfo]:
-        return sorted((info for _, info in self._seen.values()
-                       if isinstance(info, CheckpointInfo)), key=commit_order)
+        return sorted(
+            (info for _, info in self._seen.values() if isinstance(info, CheckpointInfo)),
+            key=commit_order,
+        )
 
 
-def log_passed_over(passed: list[DamagedCheckpoint], used: CheckpointInfo | None,
-                    caller: str) -> None:
+def log_passed_over(
+    passed: list[DamagedCheckpoint], used: CheckpointInfo | None, caller: str
+) -> None:
     """One WARNING on the ``datastates`` logger per damaged checkpoint ``caller`` (``latest()``,
     ``restore()``...) passed over, naming it, why it is damaged and the checkpoint used."""
     chosen = used.name if used is not None else "none (no readable checkpoint)"
     for d in passed:
-        log.warning("%s passed over the damaged checkpoint %s at %s and used %s: %s", caller,
-                    d.name, d.path, chosen, d.reason)
+        log.warning(
+            "%s passed over the damaged checkpoint %s at %s and used %s: %s",
+            caller,
+            d.name,
+            d.path,
+            chosen,
+            d.reason,
+        )
 
 
 def list_checkpoints(root: str, store: Store = LOCAL) -> list[CheckpointInfo]:
@@ -510,8 +589,9 @@ def list_checkpoints(root: str, store: Store = LOCAL) -> list[CheckpointInfo]:
 # ---------------------------------------------------------------- finding a checkpoint
 
 
-def committed_save(root: str, name: str, save_id: str,
-                   store: Store = LOCAL) -> "CheckpointInfo | None":
+def committed_save(
+    root: str, name: str, save_id: str, store: Store = LOCAL
+) -> "CheckpointInfo | None":
     """The committed checkpoint ``root/name`` if its manifest records ``save_id``, else None:
     how a rank learns the verdict from the disk when the coordination store is gone."""
     path = store.join(root, name)
@@ -522,8 +602,9 @@ def committed_save(root: str, name: str, save_id: str,
     return info_of(path, manifest) if manifest.save_id == save_id else None
 
 
-def latest(root: str, store: Store = LOCAL,
-           catalog: Catalog | None = None) -> CheckpointInfo | None:
+def latest(
+    root: str, store: Store = LOCAL, catalog: Catalog | None = None
+) -> CheckpointInfo | None:
     """The newest committed checkpoint of ``root`` (highest commit sequence number), or None.
 
     The ``latest`` file is only a hint written after each commit, for people and tools; it is
@@ -557,13 +638,23 @@ def _read_named(root: str, name: str, store: Store) -> CheckpointInfo:
     return files.read_info(path, store)
 
 
-def resolve(root: str, step: int | None = None, tag: str | None = None,
-            store: Store = LOCAL, catalog: Catalog | None = None) -> CheckpointInfo:
+def resolve(
+    root: str,
+    step: int | None = None,
+    tag: str | None = None,
+    store: Store = LOCAL,
+    catalog: Catalog | None = None,
+) -> CheckpointInfo:
     """Find a committed checkpoint by tag, by step, or the latest (``catalog``: as for
     :func:`latest`). CheckpointNotFoundError when there is none, naming the damaged
     checkpoints found instead."""
-    name = fmt.check_name(tag) if tag is not None else \
-        fmt.step_name(step) if step is not None else None
+    name = (
+        fmt.check_name(tag)
+        if tag is not None
+        else fmt.step_name(step)
+        if step is not None
+        else None
+    )
     if name is not None:
         try:  # its reader reads the manifest (or its rank's view of it)
             return _read_named(root, name, store)
@@ -577,8 +668,9 @@ def resolve(root: str, step: int | None = None, tag: str | None = None,
     try:
         found = latest(root, store, catalog)
     except CheckpointNotFoundError:  # the root does not exist
-        raise CheckpointNotFoundError(f"no committed checkpoint in {root!r}: the directory does "
-                                      "not exist") from None
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint in {root!r}: the directory does not exist"
+        ) from None
     if found is None:
         damaged = "".join(f"; {d.name} is damaged ({d.reason})" for d in catalog.damaged())
         raise CheckpointNotFoundError(f"no committed checkpoint in {root!r}{damaged}")

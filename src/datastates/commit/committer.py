@@ -8,6 +8,7 @@ catalog (so ``latest()`` agrees on every rank whatever its listing shows), rank 
 ``latest`` at it and applies the retention policy (``retention.py``). Nothing here raises: the
 outcome carries the checkpoint or the error the save's handle raises.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import (CommitError, CommitTimeoutError, CommitUnknownError, StorageError,
-                      write_error)
+from ..errors import CommitError, CommitTimeoutError, CommitUnknownError, StorageError, write_error
 from ..format import codec as fmt
 from ..format.records import CheckpointInfo, Manifest, RankReport, Verdict, info_of
 from ..storage.store import Store
@@ -39,13 +39,13 @@ class SaveTarget:
     sid: SaveId
     name: str
     step: int | None
-    root: str                     #: the checkpoint directory, as this rank spells it
-    tmp: str                      #: the save's temporary location (the same on every rank)
+    root: str  #: the checkpoint directory, as this rank spells it
+    tmp: str  #: the save's temporary location (the same on every rank)
     rank: int
     store: Store
     overwrite: bool
-    deadline: float               #: time.monotonic() by which the save must be decided
-    timeout_s: float              #: the commit timeout the deadline was computed from
+    deadline: float  #: time.monotonic() by which the save must be decided
+    timeout_s: float  #: the commit timeout the deadline was computed from
     fsync: bool
     replica_check: bool
     retention: RetentionPolicy
@@ -86,19 +86,30 @@ class Outcome:
     error: BaseException | None = None
 
 
-def commit_save(comm, target: SaveTarget, report: RankReport, metadata: dict,
-                own_error: BaseException | None) -> Outcome:
+def commit_save(
+    comm, target: SaveTarget, report: RankReport, metadata: dict, own_error: BaseException | None
+) -> Outcome:
     """Run the commit round of this save and apply its verdict (see the module docstring).
 
     ``report``: this rank's report (its failure, when ``own_error`` is set); ``metadata``: the
     checkpoint's metadata (rank 0's goes into the manifest). Never raises."""
     state = _Round(target, metadata, comm.members[target.rank])
     try:
-        verdict = comm.agree(target.sid, report, target.deadline, target.timeout_s,
-                             check=state.check, commit=state.publish, fallback=state.on_disk)
+        verdict = comm.agree(
+            target.sid,
+            report,
+            target.deadline,
+            target.timeout_s,
+            check=state.check,
+            commit=state.publish,
+            fallback=state.on_disk,
+        )
     except BaseException as exc:  # never hang or crash the commit thread
-        verdict = Verdict.abort("store", f"checkpoint {target.name!r}: coordination with the "
-                                f"other ranks failed ({exc})", {target.rank: repr(exc)})
+        verdict = Verdict.abort(
+            "store",
+            f"checkpoint {target.name!r}: coordination with the other ranks failed ({exc})",
+            {target.rank: repr(exc)},
+        )
     try:  # a group of some ranks (the memory tier of several nodes): did every group commit?
         elsewhere = comm.settle(target.sid, verdict.ok, target.timeout_s)
     except Exception as exc:  # noqa: BLE001 - then it is not known to be committed everywhere
@@ -109,23 +120,32 @@ def commit_save(comm, target: SaveTarget, report: RankReport, metadata: dict,
         except CommitError as exc:  # a committed verdict naming no checkpoint
             return Outcome(error=exc)
         if elsewhere is not None:
-            log.warning("datastates: %r is committed by the ranks %s, but not known to be "
-                        "committed by every group of the job (%s): it evicts no older "
-                        "checkpoint", target.name, comm.members, elsewhere)
+            log.warning(
+                "datastates: %r is committed by the ranks %s, but not known to be "
+                "committed by every group of the job (%s): it evicts no older "
+                "checkpoint",
+                target.name,
+                comm.members,
+                elsewhere,
+            )
         after_commit(target, info, state.published, retain=elsewhere is None)
         return Outcome(info=info)
     own_error = own_error or state.failure
     error = own_error
     if comm.world_size > 1 or own_error is None:
-        kind = {"timeout": CommitTimeoutError, "unknown": CommitUnknownError}.get(verdict.kind,
-                                                                                 CommitError)
-        causes = {comm.members[r] if 0 <= r < len(comm.members) else r: cause
-                  for r, cause in verdict.causes.items()}  # the job's ranks
+        kind = {"timeout": CommitTimeoutError, "unknown": CommitUnknownError}.get(
+            verdict.kind, CommitError
+        )
+        causes = {
+            comm.members[r] if 0 <= r < len(comm.members) else r: cause
+            for r, cause in verdict.causes.items()
+        }  # the job's ranks
         error = kind(f"{verdict.message}: {_by_cause(causes)}", causes)
         error.__cause__ = own_error
     if target.rank != 0:  # rank 0 removes the whole temporary location (the pipeline's tidy)
-        publisher_for(target.store).discard(target.tmp, target.rank,
-                                            keep_file=verdict.kind in ("store", "unknown"))
+        publisher_for(target.store).discard(
+            target.tmp, target.rank, keep_file=verdict.kind in ("store", "unknown")
+        )
     return Outcome(error=error)
 
 
@@ -147,19 +167,32 @@ class _Round:
         t = self.target
         expired = sorted(r for r, rep in reports.items() if rep.expired)
         if expired:
-            return Verdict.abort("timeout", f"checkpoint {t.name!r} was not committed: rank(s) "
-                                 f"{expired} had not written it within the commit timeout",
-                                 {r: str(reports[r].error) for r in expired})
+            return Verdict.abort(
+                "timeout",
+                f"checkpoint {t.name!r} was not committed: rank(s) "
+                f"{expired} had not written it within the commit timeout",
+                {r: str(reports[r].error) for r in expired},
+            )
         elsewhere = _elsewhere(t, reports)
         if elsewhere:
-            return Verdict.abort("mismatch", f"checkpoint {t.name!r} was not committed: same "
-                                 f"name, different directory: rank 0 saves to {t.root}, "
-                                 + ", ".join(f"rank {r} to {d}" for r, d in elsewhere.items()),
-                                 {r: f"saves {t.name!r} to {d}, rank 0 to {t.root}"
-                                  for r, d in elsewhere.items()})
+            return Verdict.abort(
+                "mismatch",
+                f"checkpoint {t.name!r} was not committed: same "
+                f"name, different directory: rank 0 saves to {t.root}, "
+                + ", ".join(f"rank {r} to {d}" for r, d in elsewhere.items()),
+                {r: f"saves {t.name!r} to {d}, rank 0 to {t.root}" for r, d in elsewhere.items()},
+            )
         verdict, self.manifest = review(
-            reports, name=t.name, step=t.step, metadata=self.metadata, save_id=t.sid.nonce,
-            tmp=t.tmp, replica_check=t.replica_check, store=t.store, metrics=t.metrics)
+            reports,
+            name=t.name,
+            step=t.step,
+            metadata=self.metadata,
+            save_id=t.sid.nonce,
+            tmp=t.tmp,
+            replica_check=t.replica_check,
+            store=t.store,
+            metrics=t.metrics,
+        )
         return verdict
 
     def publish(self, reports: dict[int, RankReport], fence: Callable[[], None]) -> Verdict:
@@ -168,8 +201,9 @@ class _Round:
         the publish raised (the round makes it an abort), FenceLost as it is."""
         t = self.target
         if self.manifest is None:
-            raise RuntimeError(f"committing {t.name!r}: publish() was called before review() "
-                               "made the manifest")
+            raise RuntimeError(
+                f"committing {t.name!r}: publish() was called before review() made the manifest"
+            )
         try:
             if t.exclusive is not None:
                 t.exclusive(t.deadline)
@@ -198,15 +232,19 @@ class _Round:
                 break
             time.sleep(min(delay, left))  # waiting for a file, with a deadline
             delay = min(delay * 2, 0.25)
-        return Verdict.abort("unknown", f"checkpoint {t.name!r}: whether it was committed is "
-                             f"unknown on rank {self.job_rank}: {why}, and no manifest of this save "
-                             f"appeared at {t.path} by the commit deadline (it may still "
-                             "appear; a restore reads what is on disk)",
-                             {t.rank: why})
+        return Verdict.abort(
+            "unknown",
+            f"checkpoint {t.name!r}: whether it was committed is "
+            f"unknown on rank {self.job_rank}: {why}, and no manifest of this save "
+            f"appeared at {t.path} by the commit deadline (it may still "
+            "appear; a restore reads what is on disk)",
+            {t.rank: why},
+        )
 
 
-def publish_numbered(target: SaveTarget, manifest: Manifest,
-                     fence: Callable[[], None] | None = None) -> Published:
+def publish_numbered(
+    target: SaveTarget, manifest: Manifest, fence: Callable[[], None] | None = None
+) -> Published:
     """Make the save's temporary location the committed checkpoint ``root/name`` atomically
     (:meth:`Publisher.publish`), the manifest numbered one more than the highest commit number of
     the root (a copy of ``manifest`` is written: the reviewed record is never changed).
@@ -227,8 +265,9 @@ def publish_numbered(target: SaveTarget, manifest: Manifest,
     t = target
     catalog = t.catalog if t.catalog is not None else Catalog(t.root, t.store)
     numbered = dataclasses.replace(manifest, seq=_next_seq(catalog, t.name))
-    final, stamp, written = publisher_for(t.store).publish(t.root, t.tmp, t.name, numbered,
-                                                           t.overwrite, t.fsync, fence=fence)
+    final, stamp, written = publisher_for(t.store).publish(
+        t.root, t.tmp, t.name, numbered, t.overwrite, t.fsync, fence=fence
+    )
     info = info_of(final, written)
     return Published(info, catalog.record(info, stamp, written))
 
@@ -239,21 +278,26 @@ def _next_seq(catalog: Catalog, name: str) -> int:
     try:
         committed = catalog.scan()
     except StorageError as exc:
-        raise CommitError(f"checkpoint {name!r} was not committed: its commit number cannot be "
-                          f"decided ({exc})", {0: str(exc)}) from exc
+        raise CommitError(
+            f"checkpoint {name!r} was not committed: its commit number cannot be decided ({exc})",
+            {0: str(exc)},
+        ) from exc
     return max((i.seq for i in committed), default=0) + 1
 
 
 def _named_here(target: SaveTarget, info: CheckpointInfo | None) -> CheckpointInfo:
     """The committed checkpoint as this rank names it (rank 0's path may be spelt otherwise)."""
     if info is None:
-        raise CommitError(f"checkpoint {target.name!r}: the verdict says committed but names no "
-                          "checkpoint", {target.rank: "a verdict without its checkpoint"})
+        raise CommitError(
+            f"checkpoint {target.name!r}: the verdict says committed but names no checkpoint",
+            {target.rank: "a verdict without its checkpoint"},
+        )
     return dataclasses.replace(info, name=target.name, path=target.path, step=target.step)
 
 
-def after_commit(target: SaveTarget, info: CheckpointInfo, published: Published | None,
-                 retain: bool = True) -> None:
+def after_commit(
+    target: SaveTarget, info: CheckpointInfo, published: Published | None, retain: bool = True
+) -> None:
     """Every rank records the checkpoint in its catalog; rank 0 then moves ``latest`` and applies
     retention (unless ``retain`` is False: a group's commit that not every group of the job
     made evicts nothing). The checkpoint is committed whatever happens here: a failure to move ``latest``
@@ -267,23 +311,38 @@ def after_commit(target: SaveTarget, info: CheckpointInfo, published: Published 
     try:
         publisher_for(t.store).write_latest(t.root, t.name, t.fsync)
     except Exception as exc:
-        warnings.warn(f"datastates: {t.name!r} is committed, but updating "
-                      f"{t.store.join(t.root, fmt.LATEST)} failed: {exc}", RuntimeWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"datastates: {t.name!r} is committed, but updating "
+            f"{t.store.join(t.root, fmt.LATEST)} failed: {exc}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     try:
         if retain:
-            t.retention.apply(t.root, protect=t.name, fsync=t.fsync, store=t.store,
-                              committed=published.committed if published else None,
-                              damaged=t.catalog.damaged() if t.catalog is not None else None)
+            t.retention.apply(
+                t.root,
+                protect=t.name,
+                fsync=t.fsync,
+                store=t.store,
+                committed=published.committed if published else None,
+                damaged=t.catalog.damaged() if t.catalog is not None else None,
+            )
     except Exception as exc:
-        warnings.warn(f"datastates: {t.name!r} is committed, but applying retention in "
-                      f"{t.root} failed: {exc}", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"datastates: {t.name!r} is committed, but applying retention in "
+            f"{t.root} failed: {exc}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     if t.on_commit is not None:
         try:
             t.on_commit(info)
         except Exception as exc:
-            warnings.warn(f"datastates: {t.name!r} is committed, but handing it on failed: "
-                          f"{exc!r}", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"datastates: {t.name!r} is committed, but handing it on failed: {exc!r}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
 
 def _elsewhere(target: SaveTarget, reports: dict[int, RankReport]) -> dict[int, str]:
@@ -304,9 +363,10 @@ def _elsewhere(target: SaveTarget, reports: dict[int, RankReport]) -> dict[int, 
 
 
 def _by_cause(causes) -> str:
-    """"rank 1: cause; ranks [0, 2]: other cause" (ranks sharing a cause are named once)."""
+    """ "rank 1: cause; ranks [0, 2]: other cause" (ranks sharing a cause are named once)."""
     groups: dict[str, list[int]] = {}
     for r, cause in sorted(causes.items()):
         groups.setdefault(cause, []).append(r)
-    return "; ".join(f"rank {rs[0]}: {c}" if len(rs) == 1 else f"ranks {rs}: {c}"
-                     for c, rs in groups.items())
+    return "; ".join(
+        f"rank {rs[0]}: {c}" if len(rs) == 1 else f"ranks {rs}: {c}" for c, rs in groups.items()
+    )

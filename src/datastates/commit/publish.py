@@ -16,6 +16,7 @@ Each publisher owns the naming of the temporary location, the publish, the delet
 existence checks and the cleanup of what dead writers left; the commit (``committer.py``)
 and retention (``retention.py``) call them and never branch on the kind of store.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,11 +35,28 @@ from ..format import records
 from ..storage import posix
 from .catalog import CheckpointInfo, DamagedCheckpoint, examine, written_by_datastates
 from ..errors import (
-    CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError)
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+)
 from ..storage.store import Store, file_kind
 from ..storage.temporaries import (
-    TAKEN_ERRNOS, Lease, damaged_name, data_dir_name, fresh_token, is_data_dir, is_data_key, old_name,
-    owner_token, parse_temporary, skipped, sweep, tmp_name, trash_name)
+    TAKEN_ERRNOS,
+    Lease,
+    damaged_name,
+    data_dir_name,
+    fresh_token,
+    is_data_dir,
+    is_data_key,
+    old_name,
+    owner_token,
+    parse_temporary,
+    skipped,
+    sweep,
+    tmp_name,
+    trash_name,
+)
 
 log = logging.getLogger("datastates")
 
@@ -74,9 +92,16 @@ class Publisher:
         """Training thread, once a save is planned and before it is queued: make this process
         the live owner of the temporaries of ``run_id`` in ``root`` (idempotent)."""
 
-    def publish(self, root: str, tmp: str, name: str, manifest: records.Manifest,
-                overwrite: bool, fsync: bool,
-                fence: Callable[[], None] | None = None) -> tuple[str, Any, records.Manifest]:
+    def publish(
+        self,
+        root: str,
+        tmp: str,
+        name: str,
+        manifest: records.Manifest,
+        overwrite: bool,
+        fsync: bool,
+        fence: Callable[[], None] | None = None,
+    ) -> tuple[str, Any, records.Manifest]:
         """Rank 0: write ``manifest`` and make ``tmp`` the checkpoint ``root/name`` atomically;
         (its path, the manifest's stamp, the manifest as written: a store may record where the
         data is, ``data_dir``). ``fence()`` is called right before the atomic step (nothing is
@@ -140,19 +165,25 @@ def placeholder(path: str) -> bool:
 
 
 def not_a_checkpoint(path: str) -> CheckpointExistsError:
-    return CheckpointExistsError(f"{path} exists and is not a checkpoint (it holds no "
-                                 f"{fmt.MANIFEST} datastates wrote); it is left alone: remove it "
-                                 "or save under another name")
+    return CheckpointExistsError(
+        f"{path} exists and is not a checkpoint (it holds no "
+        f"{fmt.MANIFEST} datastates wrote); it is left alone: remove it "
+        "or save under another name"
+    )
 
 
 def _tidy_warning(final: str, exc: OSError) -> None:
-    warnings.warn(f"datastates: {final} is committed, but tidying up after the commit failed: "
-                  f"{exc}", RuntimeWarning, stacklevel=4)
+    warnings.warn(
+        f"datastates: {final} is committed, but tidying up after the commit failed: {exc}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _taken_meanwhile(final: str) -> CheckpointExistsError:
-    return CheckpointExistsError(f"{final} was committed by another writer meanwhile; pass "
-                                 "overwrite=True to replace it")
+    return CheckpointExistsError(
+        f"{final} was committed by another writer meanwhile; pass overwrite=True to replace it"
+    )
 
 
 #: How many times an overwrite makes room and renames before it gives up: each try that fails
@@ -161,6 +192,7 @@ _SWAPS = 8
 
 
 # ---------------------------------------------------------------- stores that rename
+
 
 class RenamePublisher(Publisher):
     """A local (POSIX) root: temporary directories renamed into place. Every temporary is named
@@ -190,9 +222,12 @@ class RenamePublisher(Publisher):
         while not os.path.exists(existing) and os.path.dirname(existing) != existing:
             existing = os.path.dirname(existing)
         if not os.path.isdir(existing):
-            raise NotADirectoryError(errno.ENOTDIR, f"cannot use {root} as a checkpoint "
-                                     f"directory: {existing} is a file, expected a directory",
-                                     root)
+            raise NotADirectoryError(
+                errno.ENOTDIR,
+                f"cannot use {root} as a checkpoint "
+                f"directory: {existing} is a file, expected a directory",
+                root,
+            )
 
     def check_name(self, root: str, name: str, overwrite: bool) -> None:
         """CheckpointExistsError if ``root/name`` is a committed checkpoint and ``overwrite``
@@ -208,8 +243,9 @@ class RenamePublisher(Publisher):
             return
         found, _ = examine(path)
         if isinstance(found, CheckpointInfo):
-            raise CheckpointExistsError(f"checkpoint {name!r} already exists in {root}; pass "
-                                        "overwrite=True to replace it")
+            raise CheckpointExistsError(
+                f"checkpoint {name!r} already exists in {root}; pass overwrite=True to replace it"
+            )
 
     def hold(self, root: str, run_id: str, fsync: bool) -> None:
         """Once per run and root: create the root and hold the run's lease in it, until
@@ -221,9 +257,12 @@ class RenamePublisher(Publisher):
             self.store.makedirs(root, fsync)
             self._leases[key] = Lease.hold(*key)
         except OSError as exc:
-            raise CheckpointWriteError(exc.errno, f"cannot save into {root}: creating it or "
-                                       f"its lease file failed: {exc.strerror or exc}",
-                                       exc.filename) from exc
+            raise CheckpointWriteError(
+                exc.errno,
+                f"cannot save into {root}: creating it or "
+                f"its lease file failed: {exc.strerror or exc}",
+                exc.filename,
+            ) from exc
 
     def close(self) -> None:
         leases, self._leases = self._leases, {}
@@ -231,9 +270,16 @@ class RenamePublisher(Publisher):
             lease.release()
 
     # ---- publish
-    def publish(self, root: str, tmp: str, name: str, manifest: records.Manifest,
-                overwrite: bool, fsync: bool,
-                fence: Callable[[], None] | None = None) -> tuple[str, Any, records.Manifest]:
+    def publish(
+        self,
+        root: str,
+        tmp: str,
+        name: str,
+        manifest: records.Manifest,
+        overwrite: bool,
+        fsync: bool,
+        fence: Callable[[], None] | None = None,
+    ) -> tuple[str, Any, records.Manifest]:
         """Writes the manifest into ``tmp``, then (after ``fence()``) renames ``tmp`` into place
         (the manifest's stamp, taken before the rename, stays valid: the rename does not touch
         the file). A
@@ -262,8 +308,9 @@ class RenamePublisher(Publisher):
         if found is None:
             raise not_a_checkpoint(final)
         if not overwrite:
-            raise CheckpointExistsError(f"{final} already exists (committed meanwhile); pass "
-                                        "overwrite=True to replace it")
+            raise CheckpointExistsError(
+                f"{final} already exists (committed meanwhile); pass overwrite=True to replace it"
+            )
         return True
 
     def make_visible(self, root: str, tmp: str, name: str, replace: bool, fsync: bool) -> None:
@@ -279,8 +326,16 @@ class RenamePublisher(Publisher):
         if not self._rename_in(root, tmp, name, replace, fsync):
             raise _taken_meanwhile(os.path.join(root, name))
 
-    def _swap_in(self, root: str, tmp: str, name: str, replace: bool, overwrite: bool,
-                 fsync: bool, fence: Callable[[], None] | None = None) -> None:
+    def _swap_in(
+        self,
+        root: str,
+        tmp: str,
+        name: str,
+        replace: bool,
+        overwrite: bool,
+        fsync: bool,
+        fence: Callable[[], None] | None = None,
+    ) -> None:
         """:meth:`make_visible`, except that with ``overwrite`` a name another writer's commit
         took meanwhile (between :meth:`_make_room` and the rename: both saved a new name, or it
         came between the two renames of a replacement) is replaced in turn: room is made again
@@ -297,9 +352,11 @@ class RenamePublisher(Publisher):
             if not overwrite:
                 raise _taken_meanwhile(final)
             log.info("%s was committed by another writer meanwhile; replacing it", final)
-        raise CheckpointExistsError(f"{final}: expected to replace it (overwrite=True), found it "
-                                    f"committed anew by other writers at each of {_SWAPS} "
-                                    f"tries; {tmp} was not committed")
+        raise CheckpointExistsError(
+            f"{final}: expected to replace it (overwrite=True), found it "
+            f"committed anew by other writers at each of {_SWAPS} "
+            f"tries; {tmp} was not committed"
+        )
 
     def _rename_in(self, root: str, tmp: str, name: str, replace: bool, fsync: bool) -> bool:
         """:meth:`make_visible`; False, nothing changed, if ``root/name`` was taken meanwhile."""
@@ -310,16 +367,18 @@ class RenamePublisher(Publisher):
             if lease is not None:
                 try:
                     if posix.exchange(tmp, final):  # the replaced one is at tmp now
-                        left = self._tidy(root, final, tmp, fsync, os.path.join(
-                            root, trash_name(lease.token)))
+                        left = self._tidy(
+                            root, final, tmp, fsync, os.path.join(root, trash_name(lease.token))
+                        )
                         return True
                 except FileNotFoundError:
                     pass  # deleted meanwhile: renamed below, as when nothing is replaced
                 try:
                     old = os.path.join(root, old_name(name, lease.token))
                 except ValueError as exc:
-                    raise CheckpointWriteError(errno.ENAMETOOLONG, f"{final}: {exc}; nothing "
-                                               "was changed", final) from None
+                    raise CheckpointWriteError(
+                        errno.ENAMETOOLONG, f"{final}: {exc}; nothing was changed", final
+                    ) from None
                 try:
                     os.rename(final, old)
                 except FileNotFoundError:
@@ -351,17 +410,25 @@ class RenamePublisher(Publisher):
                     return True
                 except OSError as failed:
                     exc = failed
-            log.warning("the checkpoint %s replaced by a failed save could not be put back "
-                        "(%s); it is kept as %s", final, exc, old)
+            log.warning(
+                "the checkpoint %s replaced by a failed save could not be put back "
+                "(%s); it is kept as %s",
+                final,
+                exc,
+                old,
+            )
             return False
 
-    def _tidy(self, root: str, final: str, old: str | None, fsync: bool,
-              trash: str | None = None) -> bool:
+    def _tidy(
+        self, root: str, final: str, old: str | None, fsync: bool, trash: str | None = None
+    ) -> bool:
         """After the commit: fsync ``root``, remove ``old`` (renamed to ``trash`` first, by
         default the ``.trash.`` name matching its ``.old.`` one); True if ``old`` is left."""
         left = False
-        for step in (lambda: posix.fsync_dir(root) if fsync else None,
-                     lambda: _discard_replaced(old, trash) if old is not None else None):
+        for step in (
+            lambda: posix.fsync_dir(root) if fsync else None,
+            lambda: _discard_replaced(old, trash) if old is not None else None,
+        ):
             try:
                 step()
             except FileNotFoundError:
@@ -376,8 +443,13 @@ class RenamePublisher(Publisher):
         ``root/.damaged.<name>.<uid>`` (never listed, never removed by datastates: its bytes
         stay for inspection), with a WARNING naming the reason and the new path."""
         aside = self._move_aside(root, damaged.name, damaged.path, fsync)
-        log.warning("the damaged checkpoint %s was moved to %s to make room for a new save of "
-                    "that name: %s", damaged.name, aside, damaged.reason)
+        log.warning(
+            "the damaged checkpoint %s was moved to %s to make room for a new save of "
+            "that name: %s",
+            damaged.name,
+            aside,
+            damaged.reason,
+        )
         return aside
 
     def quarantine(self, root: str, name: str, reason: str, fsync: bool) -> str:
@@ -425,22 +497,28 @@ class RenamePublisher(Publisher):
             try:
                 os.rename(path, trash)
             except FileNotFoundError:
-                raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r} (deleted "
-                                              "meanwhile)") from None
+                raise CheckpointNotFoundError(
+                    f"no checkpoint {name!r} in {root!r} (deleted meanwhile)"
+                ) from None
             if fsync:
                 posix.fsync_dir(root)
             try:
                 self.store.remove_tree(trash)
             except OSError as exc:
                 lease.release(leftovers=True)
-                raise OSError(exc.errno, f"checkpoint {name!r} was deleted (no longer listed) "
-                                         f"but its files in {trash} could not be removed: "
-                                         f"{exc.strerror or exc}", exc.filename) from exc
+                raise OSError(
+                    exc.errno,
+                    f"checkpoint {name!r} was deleted (no longer listed) "
+                    f"but its files in {trash} could not be removed: "
+                    f"{exc.strerror or exc}",
+                    exc.filename,
+                ) from exc
 
     def write_latest(self, root: str, name: str, fsync: bool) -> None:
         with Lease.hold(root, fresh_token()) as lease:
-            posix.write_file_atomic(os.path.join(root, fmt.LATEST), name.encode(), fsync,
-                                      owner=lease.token)
+            posix.write_file_atomic(
+                os.path.join(root, fmt.LATEST), name.encode(), fsync, owner=lease.token
+            )
 
     # ---- what dead writers left
     def clean_stale(self, root: str, max_age_s: float) -> list[str]:
@@ -453,6 +531,7 @@ class RenamePublisher(Publisher):
             skipped(path, exc)
         return removed
 
+
 def _check_checkpoint_dir(root: str, name: str, path: str) -> None:
     """CheckpointNotFoundError unless ``path`` is a directory, not a link, holding a regular
     file ``manifest.json`` and bearing a mark of this library (``written_by_datastates``)."""
@@ -461,29 +540,38 @@ def _check_checkpoint_dir(root: str, name: str, path: str) -> None:
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}") from None
     if not stat.S_ISDIR(mode):
-        raise CheckpointNotFoundError(f"{path} is not a checkpoint: expected a directory, found "
-                                      f"{file_kind(mode)}; nothing was removed")
+        raise CheckpointNotFoundError(
+            f"{path} is not a checkpoint: expected a directory, found "
+            f"{file_kind(mode)}; nothing was removed"
+        )
     manifest = os.path.join(path, fmt.MANIFEST)
     try:
         mode = os.lstat(manifest).st_mode
     except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path} is not a checkpoint: it holds no {fmt.MANIFEST} "
-                                      "(only a commit writes one); nothing was removed") from None
+        raise CheckpointNotFoundError(
+            f"{path} is not a checkpoint: it holds no {fmt.MANIFEST} "
+            "(only a commit writes one); nothing was removed"
+        ) from None
     if not stat.S_ISREG(mode):
-        raise CheckpointNotFoundError(f"{path} is not a checkpoint: {manifest} is "
-                                      f"{file_kind(mode)}, expected a regular file; nothing was "
-                                      "removed")
+        raise CheckpointNotFoundError(
+            f"{path} is not a checkpoint: {manifest} is "
+            f"{file_kind(mode)}, expected a regular file; nothing was "
+            "removed"
+        )
     if not written_by_datastates(path):
         raise CheckpointNotFoundError(_foreign_text(path))
 
 
 def _foreign_text(path: str, done: str = "removed") -> str:
-    return (f"{path} is not a checkpoint: its {fmt.MANIFEST} is not one datastates wrote (it "
-            "does not begin or end as one, and no datastates shard file lies beside it); "
-            f"nothing was {done}")
+    return (
+        f"{path} is not a checkpoint: its {fmt.MANIFEST} is not one datastates wrote (it "
+        "does not begin or end as one, and no datastates shard file lies beside it); "
+        f"nothing was {done}"
+    )
 
 
 # ---------------------------------------------------------------- stores the manifest commits
+
 
 def _children(store: Store, path: str) -> list[str]:
     try:
@@ -551,9 +639,16 @@ class ManifestPublisher(Publisher):
     def tmp_location(self, root: str, name: str, run_id: str, serial: int) -> str:
         return self.store.join(root, name, data_dir_name(owner_token(run_id), serial))
 
-    def publish(self, root: str, tmp: str, name: str, manifest: records.Manifest,
-                overwrite: bool, fsync: bool,
-                fence: Callable[[], None] | None = None) -> tuple[str, Any, records.Manifest]:
+    def publish(
+        self,
+        root: str,
+        tmp: str,
+        name: str,
+        manifest: records.Manifest,
+        overwrite: bool,
+        fsync: bool,
+        fence: Callable[[], None] | None = None,
+    ) -> tuple[str, Any, records.Manifest]:
         """The shard files are already in place; writing ``manifest.json`` (one PUT, atomic,
         after ``fence()``) commits. Without ``overwrite`` the PUT is conditional, so the store
         refuses it if another writer committed meanwhile. A replaced checkpoint's data directory
@@ -565,20 +660,28 @@ class ManifestPublisher(Publisher):
         # taken for damage and overwritten without overwrite=True
         old: records.Manifest | Literal[False] | None  # False: a damaged one, to replace
         found, old = examine(final, store)
-        if isinstance(found, DamagedCheckpoint) and \
-                not written_by_datastates(final, store, besides=manifest.data_dir):
+        if isinstance(found, DamagedCheckpoint) and not written_by_datastates(
+            final, store, besides=manifest.data_dir
+        ):
             found = None  # its only mark is the data this save uploaded into that folder
-        if found is None and (store.isfile(store.join(final, fmt.MANIFEST)) or any(
-                not is_data_dir(child) for child in _children(store, final))):
+        if found is None and (
+            store.isfile(store.join(final, fmt.MANIFEST))
+            or any(not is_data_dir(child) for child in _children(store, final))
+        ):
             raise not_a_checkpoint(final)  # another program's folder: never written into
         if isinstance(found, DamagedCheckpoint):
             old = False  # a damaged manifest: replace it, leave its data for clean_stale
-            log.warning("the damaged checkpoint %s is replaced by a new save of that name (its "
-                        "data directories stay until the cleanup of stale data removes them): "
-                        "%s", final, found.reason)
+            log.warning(
+                "the damaged checkpoint %s is replaced by a new save of that name (its "
+                "data directories stay until the cleanup of stale data removes them): "
+                "%s",
+                final,
+                found.reason,
+            )
         if old and not overwrite:
-            raise CheckpointExistsError(f"{final} already exists (committed meanwhile); pass "
-                                        "overwrite=True to replace it")
+            raise CheckpointExistsError(
+                f"{final} already exists (committed meanwhile); pass overwrite=True to replace it"
+            )
         encoded = files.encode_manifest_record(manifest)
         for part, data in encoded.parts:  # a split manifest's parts, in the data directory
             store.write_atomic(store.join(tmp, part), data, True)
@@ -587,8 +690,7 @@ class ManifestPublisher(Publisher):
         if fence is not None:
             fence()
         try:
-            stamp = (store.write_atomic if replace else store.write_new)(target, encoded.data,
-                                                                         True)
+            stamp = (store.write_atomic if replace else store.write_new)(target, encoded.data, True)
         except FileExistsError:
             raise _taken_meanwhile(final) from None
         if old and old.data_dir and old.data_dir != manifest.data_dir:
@@ -618,12 +720,15 @@ class ManifestPublisher(Publisher):
         try:
             committed = store.mtime(manifest)
             named = files.manifest_data_files(
-                store.read_bytes(manifest, max_bytes=fmt.MAX_MANIFEST_BYTES), manifest)
+                store.read_bytes(manifest, max_bytes=fmt.MAX_MANIFEST_BYTES), manifest
+            )
         except CorruptCheckpointError:
             named = None
         except FileNotFoundError:
-            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}: its manifest "
-                                          "was deleted meanwhile; nothing was removed") from None
+            raise CheckpointNotFoundError(
+                f"no checkpoint {name!r} in {root!r}: its manifest "
+                "was deleted meanwhile; nothing was removed"
+            ) from None
         store.remove(manifest)
         try:
             if named is None:
@@ -631,16 +736,23 @@ class ManifestPublisher(Publisher):
                 return
             folders = {n.split("/")[0] for n in named if "/" in n}
             for child in _children(store, path):
-                if child in folders or is_data_dir(child) and \
-                        _written_by(store, store.join(path, child), committed) and \
-                        _only_data(store, store.join(path, child)):
+                if (
+                    child in folders
+                    or is_data_dir(child)
+                    and _written_by(store, store.join(path, child), committed)
+                    and _only_data(store, store.join(path, child))
+                ):
                     store.remove_tree(store.join(path, child))
             for loose in (n for n in named if "/" not in n):
                 store.remove(store.join(path, loose))
         except OSError as exc:
-            raise OSError(exc.errno, f"checkpoint {name!r} was deleted (no longer listed) but "
-                                     f"its files in {path} could not be removed: "
-                                     f"{exc.strerror or exc}", exc.filename) from exc
+            raise OSError(
+                exc.errno,
+                f"checkpoint {name!r} was deleted (no longer listed) but "
+                f"its files in {path} could not be removed: "
+                f"{exc.strerror or exc}",
+                exc.filename,
+            ) from exc
 
     def _checkpoint(self, root: str, name: str, done: str) -> tuple[str, str]:
         """(prefix, manifest key) of the checkpoint ``root/name``; CheckpointNotFoundError
@@ -648,8 +760,9 @@ class ManifestPublisher(Publisher):
         path = self.store.join(root, fmt.check_name(name))
         manifest = self.store.join(path, fmt.MANIFEST)
         if not self.store.isfile(manifest):
-            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {root!r}: no {manifest}; "
-                                          f"nothing was {done}")
+            raise CheckpointNotFoundError(
+                f"no checkpoint {name!r} in {root!r}: no {manifest}; nothing was {done}"
+            )
         if not written_by_datastates(path, self.store):
             raise CheckpointNotFoundError(_foreign_text(path, done))
         return path, manifest
@@ -680,13 +793,21 @@ class ManifestPublisher(Publisher):
             try:
                 store.remove_tree(aside)
             except OSError as exc:
-                log.warning("could not remove %s, the partial record of the damaged checkpoint "
-                            "%s: %s", aside, path, exc)
+                log.warning(
+                    "could not remove %s, the partial record of the damaged checkpoint %s: %s",
+                    aside,
+                    path,
+                    exc,
+                )
             raise
         data_files = _data_files(data, manifest)
         if data_files:
-            mover = threading.Thread(target=self._move_data, args=(path, aside, data_files),
-                                     name="datastates-quarantine", daemon=True)
+            mover = threading.Thread(
+                target=self._move_data,
+                args=(path, aside, data_files),
+                name="datastates-quarantine",
+                daemon=True,
+            )
             self._moving.append(mover)
             mover.start()
         return aside
@@ -695,6 +816,7 @@ class ManifestPublisher(Publisher):
         """Copy each of ``data_files`` (key parts under ``path``) to the same parts under
         ``aside``, then remove the originals copied. Logs, never raises."""
         from concurrent.futures import ThreadPoolExecutor
+
         store = self.store
 
         def copy(parts: tuple[str, ...]) -> bool:
@@ -703,27 +825,43 @@ class ManifestPublisher(Publisher):
             except FileNotFoundError:
                 return False
             return True
+
         try:
             with ThreadPoolExecutor(max(1, min(_COPIES, len(data_files)))) as pool:
                 copied = [p for p, done in zip(data_files, pool.map(copy, data_files)) if done]
         except NotImplementedError:
-            log.warning("the store of %s cannot copy: the shard files of the damaged checkpoint "
-                        "stay in %s, for the cleanup of stale data", aside, path)
+            log.warning(
+                "the store of %s cannot copy: the shard files of the damaged checkpoint "
+                "stay in %s, for the cleanup of stale data",
+                aside,
+                path,
+            )
             return
         except Exception as exc:  # noqa: BLE001 - logged; the originals stay where they are
-            log.warning("moving the shard files of the damaged checkpoint %s to %s failed (they "
-                        "stay there, for the cleanup of stale data): %r", path, aside, exc)
+            log.warning(
+                "moving the shard files of the damaged checkpoint %s to %s failed (they "
+                "stay there, for the cleanup of stale data): %r",
+                path,
+                aside,
+                exc,
+            )
             return
         for parts in copied:
             original = store.join(path, *parts)
             try:
                 store.remove(original)
             except OSError as exc:
-                log.warning("the damaged checkpoint %s was moved to %s, but its original %s "
-                            "could not be removed (the cleanup of stale data will): %s", path,
-                            aside, original, exc)
-        log.info("moved %d shard file(s) of the damaged checkpoint %s to %s", len(copied), path,
-                 aside)
+                log.warning(
+                    "the damaged checkpoint %s was moved to %s, but its original %s "
+                    "could not be removed (the cleanup of stale data will): %s",
+                    path,
+                    aside,
+                    original,
+                    exc,
+                )
+        log.info(
+            "moved %d shard file(s) of the damaged checkpoint %s to %s", len(copied), path, aside
+        )
 
     def wait_moves(self, timeout_s: float | None = None) -> bool:
         """Wait for the shard files of quarantined checkpoints to be moved; whether all are."""
@@ -735,9 +873,11 @@ class ManifestPublisher(Publisher):
 
     def close(self) -> None:
         if not self.wait_moves(_MOVE_WAIT_S):
-            log.warning("the shard files of a damaged checkpoint are still being moved aside "
-                        "after %.0f s; the rest stays for the cleanup of stale data",
-                        _MOVE_WAIT_S)
+            log.warning(
+                "the shard files of a damaged checkpoint are still being moved aside "
+                "after %.0f s; the rest stays for the cleanup of stale data",
+                _MOVE_WAIT_S,
+            )
         super().close()
 
     def clean_stale(self, root: str, max_age_s: float) -> list[str]:
@@ -752,8 +892,9 @@ class ManifestPublisher(Publisher):
                 continue
             removed += self._clean_checkpoint(root, name, now, max_age_s)
         removed += store.cleanup_uploads(
-            root, lambda key, started: is_data_key(key, fmt.saved_file) and
-            now - started > max_age_s)
+            root,
+            lambda key, started: is_data_key(key, fmt.saved_file) and now - started > max_age_s,
+        )
         return removed
 
     def _clean_checkpoint(self, root: str, name: str, now: float, max_age_s: float) -> list[str]:
@@ -777,8 +918,11 @@ class ManifestPublisher(Publisher):
         for child in data_dirs:
             path = store.join(ckpt, child)
             try:
-                if child == current or now - store.mtime(path) <= max_age_s or \
-                        not _only_data(store, path):
+                if (
+                    child == current
+                    or now - store.mtime(path) <= max_age_s
+                    or not _only_data(store, path)
+                ):
                     continue
                 store.remove_tree(path)
             except FileNotFoundError:

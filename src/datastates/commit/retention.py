@@ -10,6 +10,7 @@ Only checkpoints are ever removed: a directory of the root counts as one when it
 checkpoint whose name a new save needs is moved aside to ``.damaged.<name>.<uid>``, kept there
 for inspection and never removed by this module.
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,9 +55,15 @@ class RetentionPolicy:
     #: storage, ``memory/handoff.py``): kept this time, deleted by a later commit's retention.
     held: Callable[[], Collection[str]] | None = field(default=None, compare=False)
 
-    def apply(self, root: str, protect: str | None, fsync: bool, store: Store = LOCAL,
-              committed: list[CheckpointInfo] | None = None,
-              damaged: list[DamagedCheckpoint] | None = None) -> list[str]:
+    def apply(
+        self,
+        root: str,
+        protect: str | None,
+        fsync: bool,
+        store: Store = LOCAL,
+        committed: list[CheckpointInfo] | None = None,
+        damaged: list[DamagedCheckpoint] | None = None,
+    ) -> list[str]:
         """Delete committed checkpoints beyond the policy; return the deleted names.
 
         ``committed``: the committed checkpoints of ``root``, oldest first, as the commit just made
@@ -84,7 +91,7 @@ class RetentionPolicy:
             catalog = Catalog(root, store)
             committed, damaged = catalog.scan(), catalog.damaged()
         found = committed
-        keep = {i.name for i in found[-self.keep_last:]} | {protect} | set(self.best(found))
+        keep = {i.name for i in found[-self.keep_last :]} | {protect} | set(self.best(found))
         keep.discard(None)
         keep |= set(self.held()) if self.held is not None else set()
         if found:
@@ -97,18 +104,27 @@ class RetentionPolicy:
                 continue
             if _remove(root, info.name, fsync, store, failures):
                 removed.append(info.name)
-                log.info("retention deleted %s (%s of files)", info.name,
-                         human_bytes(info.nbytes))
-        aged = [] if self.keep_best else \
-            _aged_out(damaged or [], found[-self.keep_last:], store, self.keep_every)
+                log.info("retention deleted %s (%s of files)", info.name, human_bytes(info.nbytes))
+        aged = (
+            []
+            if self.keep_best
+            else _aged_out(damaged or [], found[-self.keep_last :], store, self.keep_every)
+        )
         for gone in aged:
             if _remove(root, gone.name, fsync, store, failures):
                 removed.append(gone.name)
-                log.info("retention deleted the damaged checkpoint %s, older than every checkpoint "
-                         "kept: %s", gone.name, gone.reason)
+                log.info(
+                    "retention deleted the damaged checkpoint %s, older than every checkpoint "
+                    "kept: %s",
+                    gone.name,
+                    gone.reason,
+                )
         if failures:
-            raise OSError(failures[0].errno, "retention could not remove: " +
-                          "; ".join(str(e) for e in failures), failures[0].filename)
+            raise OSError(
+                failures[0].errno,
+                "retention could not remove: " + "; ".join(str(e) for e in failures),
+                failures[0].filename,
+            )
         return removed
 
     def best(self, found: list[CheckpointInfo]) -> list[str]:
@@ -119,9 +135,12 @@ class RetentionPolicy:
         if not self.keep_best:
             return []
         sign = 1 if self.best_mode == "min" else -1
-        ranked = sorted((sign * info.metrics[self.best_metric], -order, info.name)
-                        for order, info in enumerate(found) if self.best_metric in info.metrics)
-        return [name for _, _, name in ranked[:self.keep_best]]
+        ranked = sorted(
+            (sign * info.metrics[self.best_metric], -order, info.name)
+            for order, info in enumerate(found)
+            if self.best_metric in info.metrics
+        )
+        return [name for _, _, name in ranked[: self.keep_best]]
 
 
 def _remove(root: str, name: str, fsync: bool, store: Store, failures: list) -> bool:
@@ -137,15 +156,22 @@ def _remove(root: str, name: str, fsync: bool, store: Store, failures: list) -> 
         return False
 
 
-def _aged_out(damaged: list[DamagedCheckpoint], window: list[CheckpointInfo],
-              store: Store, keep_every: int | None) -> list[DamagedCheckpoint]:
+def _aged_out(
+    damaged: list[DamagedCheckpoint],
+    window: list[CheckpointInfo],
+    store: Store,
+    keep_every: int | None,
+) -> list[DamagedCheckpoint]:
     """The damaged checkpoints whose manifest is older than the manifest of each checkpoint of
     ``window`` (a stat per checkpoint of the window, only when there is damage). Never one of a
     newer format (intact, only unreadable here), nor, with ``keep_every``, one that may be a
     kept step: its step is unreadable, so only a ``step-N`` name with N not a multiple of
     ``keep_every`` proves it is not."""
-    damaged = [d for d in damaged if not d.newer_format and
-               (not keep_every or _step_of(d.name) % keep_every != 0)]
+    damaged = [
+        d
+        for d in damaged
+        if not d.newer_format and (not keep_every or _step_of(d.name) % keep_every != 0)
+    ]
     if not damaged or not window:
         return []
     try:
@@ -158,7 +184,7 @@ def _aged_out(damaged: list[DamagedCheckpoint], window: list[CheckpointInfo],
 def _step_of(name: str) -> int:
     """The step a ``step-N`` name says (``fmt.step_name``); 0 for any other name (a multiple of
     every ``keep_every``: kept)."""
-    digits = name[len("step-"):]
+    digits = name[len("step-") :]
     return int(digits) if name.startswith("step-") and digits.isdigit() else 0
 
 

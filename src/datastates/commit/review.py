@@ -5,6 +5,7 @@ Pure except :func:`check_files` (a stat per shard file): reports in (rank 0's ow
 others already validated by the round), a verdict or a manifest record out. Each check returns
 its problems as (ranks involved, text); none means the reports form a checkpoint.
 """
+
 from __future__ import annotations
 
 import time
@@ -15,39 +16,74 @@ from ..format import codec as fmt
 from ..format import tree
 from ..format.tiling import TooIrregular, box_text, grid, overlapping, volume
 from ..format.tiling import slabs as _slabs  # (a test replaces it: the general check agrees)
-from ..format.records import (Entry, FileRef, Manifest, ObjectEntry, RankReport, RankTree,
-                              ReportEntry, ShardRef, TensorEntry, Verdict, entry_table)
+from ..format.records import (
+    Entry,
+    FileRef,
+    Manifest,
+    ObjectEntry,
+    RankReport,
+    RankTree,
+    ReportEntry,
+    ShardRef,
+    TensorEntry,
+    Verdict,
+    entry_table,
+)
 from ..storage.store import Store
 
 Problems = list[tuple[list[int], str]]
 
 
-def review(reports: dict[int, RankReport], *, name: str, step: int | None, metadata: dict,
-           save_id: str, tmp: str, replica_check: bool, store: Store,
-           metrics: dict | None = None) -> tuple[Verdict | None, Manifest | None]:
+def review(
+    reports: dict[int, RankReport],
+    *,
+    name: str,
+    step: int | None,
+    metadata: dict,
+    save_id: str,
+    tmp: str,
+    replica_check: bool,
+    store: Store,
+    metrics: dict | None = None,
+) -> tuple[Verdict | None, Manifest | None]:
     """(abort verdict, None) if the reports do not form one checkpoint of this save, else
     (None, manifest). Checks, in order: a rank's own failure, that every report belongs to this
     save, the manifest merge, exact tiling of every tensor, replica digests (optional), and a
     stat of every file the manifest will reference."""
     failed = {r: rep.error for r, rep in reports.items() if rep.error is not None}
     if failed:
-        return Verdict.abort("failed", f"checkpoint {name!r} failed on rank(s) {sorted(failed)}; "
-                             "nothing was committed", failed), None
+        return Verdict.abort(
+            "failed",
+            f"checkpoint {name!r} failed on rank(s) {sorted(failed)}; nothing was committed",
+            failed,
+        ), None
     problems = check_same_save(reports)
     if problems:
-        return _invalid("mismatch", f"the ranks made different saves; {name!r} was not "
-                        "committed", problems), None
+        return _invalid(
+            "mismatch", f"the ranks made different saves; {name!r} was not committed", problems
+        ), None
     try:
-        manifest = build_manifest([reports[r] for r in sorted(reports)], name=name, step=step,
-                                  metadata=metadata, save_id=save_id, metrics=metrics)
+        manifest = build_manifest(
+            [reports[r] for r in sorted(reports)],
+            name=name,
+            step=step,
+            metadata=metadata,
+            save_id=save_id,
+            metrics=metrics,
+        )
     except CorruptCheckpointError as exc:
-        return _invalid("invalid", f"checkpoint {name!r} was not committed",
-                        [([0], str(exc))]), None
+        return _invalid(
+            "invalid", f"checkpoint {name!r} was not committed", [([0], str(exc))]
+        ), None
     problems = check_tiling(manifest) + (check_replicas(reports) if replica_check else [])
     problems = problems or check_files(tmp, manifest, store)
     if problems:
-        return _invalid("invalid", f"checkpoint {name!r} was not committed: the ranks' reports "
-                        "do not form a consistent checkpoint", problems), None
+        return _invalid(
+            "invalid",
+            f"checkpoint {name!r} was not committed: the ranks' reports "
+            "do not form a consistent checkpoint",
+            problems,
+        ), None
     return None, manifest
 
 
@@ -61,8 +97,16 @@ def _invalid(kind: str, message: str, problems: Problems) -> Verdict:
 
 # ---------------------------------------------------------------- the merge
 
-def build_manifest(reports: list[RankReport], *, name: str, step: int | None, metadata: dict,
-                   save_id: str | None = None, metrics: dict | None = None) -> Manifest:
+
+def build_manifest(
+    reports: list[RankReport],
+    *,
+    name: str,
+    step: int | None,
+    metadata: dict,
+    save_id: str | None = None,
+    metrics: dict | None = None,
+) -> Manifest:
     """Merge every rank's report into one manifest (its commit number is set when it is
     published: ``seq`` 0 here).
 
@@ -79,19 +123,32 @@ def build_manifest(reports: list[RankReport], *, name: str, step: int | None, me
         file_id = len(files)
         f, tree = report.file, report.tree
         if f is None or tree is None:
-            raise CorruptCheckpointError(f"rank {report.rank} reported no shard file and tree "
-                                         f"to merge (its failure: {report.error})")
-        files.append(FileRef(name=f.name, rank=report.rank, nbytes=f.nbytes,
-                             index_crc32=f.index_crc32))
+            raise CorruptCheckpointError(
+                f"rank {report.rank} reported no shard file and tree "
+                f"to merge (its failure: {report.error})"
+            )
+        files.append(
+            FileRef(name=f.name, rank=report.rank, nbytes=f.nbytes, index_crc32=f.index_crc32)
+        )
         table = [merged.add(e, file_id, report.rank) for e in report.entries]
         if table != list(range(len(table))):  # else (rank 0): as it is
             tree = _remap(tree, table)
         ranks.append(RankTree(rank=report.rank, tree=tree))
     entries = merged.entries()
-    return Manifest(version=fmt.MANIFEST_VERSION, name=name, step=step, seq=0, created_unix=time.time(),
-                    world_size=len(reports), metadata=metadata, files=tuple(files),
-                    entries=entries, ranks=tuple(ranks), save_id=save_id,
-                    metrics=dict(metrics or {}))
+    return Manifest(
+        version=fmt.MANIFEST_VERSION,
+        name=name,
+        step=step,
+        seq=0,
+        created_unix=time.time(),
+        world_size=len(reports),
+        metadata=metadata,
+        files=tuple(files),
+        entries=entries,
+        ranks=tuple(ranks),
+        save_id=save_id,
+        metrics=dict(metrics or {}),
+    )
 
 
 def _remap(node: dict, table: list[int]) -> dict:
@@ -126,22 +183,29 @@ class _Merged:
         # region, and every tensor entry its dtype and shape.
         if e.kind == "object":
             assert e.offset is not None and e.nbytes is not None and e.crc32 is not None
-            self._entries.append(ObjectEntry(key=e.key, file=file_id, offset=e.offset,
-                                             nbytes=e.nbytes, crc32=e.crc32))
+            self._entries.append(
+                ObjectEntry(
+                    key=e.key, file=file_id, offset=e.offset, nbytes=e.nbytes, crc32=e.crc32
+                )
+            )
             return len(self._entries) - 1
         assert e.dtype is not None and e.shape is not None
         if e.written and e.global_shape is None and not e.replicated:  # this rank's own tensor
             assert e.offset is not None and e.nbytes is not None
-            own = ShardRef(file_id, e.offset, e.nbytes, (0,) * len(e.shape), e.shape,
-                           e.checksums)
+            own = ShardRef(file_id, e.offset, e.nbytes, (0,) * len(e.shape), e.shape, e.checksums)
             self._entries.append(TensorEntry(e.key, e.dtype, e.shape, (own,), False, rank))
             return len(self._entries) - 1
         shard = None
         if e.written:
             assert e.offset is not None and e.nbytes is not None
-            shard = ShardRef(file=file_id, offset=e.offset, nbytes=e.nbytes,
-                             global_offset=e.global_offset or (0,) * len(e.shape),
-                             shape=e.shape, checksums=e.checksums)
+            shard = ShardRef(
+                file=file_id,
+                offset=e.offset,
+                nbytes=e.nbytes,
+                global_offset=e.global_offset or (0,) * len(e.shape),
+                shape=e.shape,
+                checksums=e.checksums,
+            )
         sharded = e.global_shape is not None
         group = ("sharded", e.key) if sharded else ("replicated", e.key) if e.replicated else None
         shape = e.global_shape or e.shape
@@ -150,13 +214,21 @@ class _Merged:
             if target["dtype"] != e.dtype or target["shape"] != shape:
                 raise CorruptCheckpointError(
                     f"rank {rank} holds {e.key!r} as {e.dtype}{list(shape)} but another rank as "
-                    f"{target['dtype']}{list(target['shape'])}")
+                    f"{target['dtype']}{list(target['shape'])}"
+                )
             if shard is not None:
                 target["shards"].append(shard)
             return self._grouped[group]
-        self._entries.append({"key": e.key, "dtype": e.dtype, "shape": shape,
-                              "shards": [shard] if shard else [], "replicated": e.replicated,
-                              "rank": None if sharded or e.replicated else rank})
+        self._entries.append(
+            {
+                "key": e.key,
+                "dtype": e.dtype,
+                "shape": shape,
+                "shards": [shard] if shard else [],
+                "replicated": e.replicated,
+                "rank": None if sharded or e.replicated else rank,
+            }
+        )
         if group is not None:
             self._grouped[group] = len(self._entries) - 1
         return len(self._entries) - 1
@@ -170,15 +242,25 @@ class _Merged:
                 continue
             if not e["shards"]:
                 what = "replicated tensor" if e["replicated"] else "tensor"
-                raise CorruptCheckpointError(f"{what} {e['key']!r} was written by no rank (every "
-                                             "rank declared its copy a replica: primary=False)")
-            out.append(TensorEntry(key=e["key"], dtype=e["dtype"], shape=e["shape"],
-                                   shards=tuple(e["shards"]), replicated=e["replicated"],
-                                   rank=e["rank"]))
+                raise CorruptCheckpointError(
+                    f"{what} {e['key']!r} was written by no rank (every "
+                    "rank declared its copy a replica: primary=False)"
+                )
+            out.append(
+                TensorEntry(
+                    key=e["key"],
+                    dtype=e["dtype"],
+                    shape=e["shape"],
+                    shards=tuple(e["shards"]),
+                    replicated=e["replicated"],
+                    rank=e["rank"],
+                )
+            )
         return entry_table(out)
 
 
 # ---------------------------------------------------------------- the checks
+
 
 def check_same_save(reports: dict[int, RankReport]) -> Problems:
     """Every report belongs to rank 0's save: same name, step, nonce and overwrite flag."""
@@ -186,11 +268,20 @@ def check_same_save(reports: dict[int, RankReport]) -> Problems:
     problems = []
     for r, rep in sorted(reports.items()):
         got = rep.save
-        if (got.name, got.step, got.nonce, got.overwrite) != \
-                (want.name, want.step, want.nonce, want.overwrite):
-            problems.append(([r], f"reported save {got.name!r} step {got.step} "
-                                  f"overwrite={got.overwrite}, rank 0 saves {want.name!r} step "
-                                  f"{want.step} overwrite={want.overwrite}"))
+        if (got.name, got.step, got.nonce, got.overwrite) != (
+            want.name,
+            want.step,
+            want.nonce,
+            want.overwrite,
+        ):
+            problems.append(
+                (
+                    [r],
+                    f"reported save {got.name!r} step {got.step} "
+                    f"overwrite={got.overwrite}, rank 0 saves {want.name!r} step "
+                    f"{want.step} overwrite={want.overwrite}",
+                )
+            )
     return problems
 
 
@@ -206,36 +297,60 @@ def check_tiling(manifest: Manifest) -> Problems:
         if isinstance(e, TensorEntry) and e.rank is not None:
             own.setdefault(e.key, []).append(e.rank)
     for e in manifest.entries.values():
-        if not isinstance(e, TensorEntry) or _slabs(e.shape, e.shards) or \
-                grid(e.shape, e.shards):
+        if not isinstance(e, TensorEntry) or _slabs(e.shape, e.shards) or grid(e.shape, e.shards):
             continue  # one box of the whole tensor, slabs, or the cells of a grid: tiled
         shape = e.shape
         boxes = [(s.global_offset, s.shape, rank_of[s.file]) for s in e.shards]
-        outside = [([r], f"box {box_text(off, box)} of {e.key!r} lies outside its global "
-                         f"shape {list(shape)}") for off, box, r in boxes
-                   if len(off) != len(shape) or len(box) != len(shape) or
-                   any(o < 0 or o + n > g for o, n, g in zip(off, box, shape))]
+        outside = [
+            (
+                [r],
+                f"box {box_text(off, box)} of {e.key!r} lies outside its global "
+                f"shape {list(shape)}",
+            )
+            for off, box, r in boxes
+            if len(off) != len(shape)
+            or len(box) != len(shape)
+            or any(o < 0 or o + n > g for o, n, g in zip(off, box, shape))
+        ]
         if outside:
             problems += outside
             continue
         try:
-            overlaps = [([a[2], b[2]], f"ranks {a[2]} and {b[2]} both wrote {e.key!r} boxes "
-                         f"{box_text(*a[:2])} and {box_text(*b[:2])}, which overlap (declare "
-                         "replicas with primary=False or replicated=...)")
-                        for a, b in overlapping(boxes)]
+            overlaps = [
+                (
+                    [a[2], b[2]],
+                    f"ranks {a[2]} and {b[2]} both wrote {e.key!r} boxes "
+                    f"{box_text(*a[:2])} and {box_text(*b[:2])}, which overlap (declare "
+                    "replicas with primary=False or replicated=...)",
+                )
+                for a, b in overlapping(boxes)
+            ]
         except TooIrregular as exc:
-            problems.append((sorted({r for *_, r in boxes}), f"the shards of {e.key!r} "
-                             f"(shape {list(shape)}): {exc}"))
+            problems.append(
+                (
+                    sorted({r for *_, r in boxes}),
+                    f"the shards of {e.key!r} (shape {list(shape)}): {exc}",
+                )
+            )
             continue
         problems += overlaps
         covered = sum(volume(box) for _, box, _ in boxes)
         if not overlaps and covered != volume(shape):
             plain = sorted(own.get(e.key, ()))
-            hint = (f"; rank(s) {plain} saved {e.key!r} as a tensor of their own, not a "
-                    "TensorShard of it" if plain else "")
-            problems.append((sorted({r for *_, r in boxes} | set(plain)), f"the boxes written "
-                             f"for {e.key!r} cover {covered} of its {volume(shape)} elements "
-                             f"(shape {list(shape)}): a gap{hint}"))
+            hint = (
+                f"; rank(s) {plain} saved {e.key!r} as a tensor of their own, not a "
+                "TensorShard of it"
+                if plain
+                else ""
+            )
+            problems.append(
+                (
+                    sorted({r for *_, r in boxes} | set(plain)),
+                    f"the boxes written "
+                    f"for {e.key!r} cover {covered} of its {volume(shape)} elements "
+                    f"(shape {list(shape)}): a gap{hint}",
+                )
+            )
     return problems
 
 
@@ -249,8 +364,10 @@ def check_replicas(reports: dict[int, RankReport]) -> Problems:
     for key, groups in sorted(seen.items()):
         if len(groups) > 1:
             ranks = sorted(r for rs in groups.values() for r in rs)
-            shown = "; ".join(f"ranks {rs} hold digest {d}" for d, rs in
-                              sorted(groups.items(), key=lambda kv: kv[1]))
+            shown = "; ".join(
+                f"ranks {rs} hold digest {d}"
+                for d, rs in sorted(groups.items(), key=lambda kv: kv[1])
+            )
             problems.append((ranks, f"replicated tensor {key!r} differs across ranks ({shown})"))
     return problems
 

@@ -82,6 +82,7 @@ among its ranks, names them by their job rank in its messages, and then calls :m
 an exchange of the job tells every rank whether every group committed the save; a group's commit
 that not every group made stays committed on that group but evicts nothing (``committer.py``).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -154,12 +155,22 @@ class SaveId:
         return int(self.nonce[:12], 16)
 
     def describe(self) -> dict:
-        return {"name": self.name, "step": self.step, "nonce": self.nonce,
-                "attempt": self.attempt, "ordinal": self.ordinal}
+        return {
+            "name": self.name,
+            "step": self.step,
+            "nonce": self.nonce,
+            "attempt": self.attempt,
+            "ordinal": self.ordinal,
+        }
 
 
-def timeout_verdict(sid: SaveId, missing: list[int], timeout: float,
-                    announced: dict[int, dict | None], members: list[int] | None = None) -> Verdict:
+def timeout_verdict(
+    sid: SaveId,
+    missing: list[int],
+    timeout: float,
+    announced: dict[int, dict | None],
+    members: list[int] | None = None,
+) -> Verdict:
     """The abort verdict for reports that did not arrive, naming each missing rank (its job rank:
     ``members[r]`` in a group of some ranks; the causes stay keyed by the round's ranks)."""
     causes = {}
@@ -169,14 +180,18 @@ def timeout_verdict(sid: SaveId, missing: list[int], timeout: float,
         cause = f"no report for {sid.name!r} within {timeout:g} s of save()"
         if seen and seen.get("nonce") != sid.nonce:
             step = "" if seen.get("step") is None else f" step {seen.get('step')}"
-            cause += (f" (its latest save is {seen.get('name')!r}{step}, its save "
-                      f"#{seen.get('ordinal')})")
+            cause += (
+                f" (its latest save is {seen.get('name')!r}{step}, its save #{seen.get('ordinal')})"
+            )
         elif not seen:
             cause += " (it has reported no save yet)"
         causes[r] = cause
-    return Verdict.abort("timeout", f"checkpoint {sid.name!r} was not committed: rank(s) "
-                         f"{named} did not report in time (dead, hung, or making another save)",
-                         causes)
+    return Verdict.abort(
+        "timeout",
+        f"checkpoint {sid.name!r} was not committed: rank(s) "
+        f"{named} did not report in time (dead, hung, or making another save)",
+        causes,
+    )
 
 
 class FenceLost(Exception):
@@ -229,10 +244,12 @@ class StoreCommunicator:
         process group's store."""
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
+
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         box = [new_run_id() if rank == 0 else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0,
-                                   group=group)
+        dist.broadcast_object_list(
+            box, src=dist.get_global_rank(group, 0) if group else 0, group=group
+        )
         run_id = str(box[0])
         store = dist.PrefixStore(f"datastates/{run_id}/", c10d._get_default_store())
         return cls(store, rank, world, run_id)
@@ -242,8 +259,12 @@ class StoreCommunicator:
         this store (``name`` tells the groups apart): local rank ``i`` is ``ranks[i]``. The run
         id is this one's, so the save ids of a group are the job's (the memory tier of several
         nodes: memory/nodes.py)."""
-        group = StoreCommunicator(PrefixedStore(f"group/{name}/", self.store),
-                                  ranks.index(self.rank), len(ranks), self.run_id)
+        group = StoreCommunicator(
+            PrefixedStore(f"group/{name}/", self.store),
+            ranks.index(self.rank),
+            len(ranks),
+            self.run_id,
+        )
         group.members = [self.members[r] for r in ranks]
         group.job = self
         return group
@@ -260,9 +281,11 @@ class StoreCommunicator:
             answers = self.job.exchange("group-commit", {"nonce": sid.nonce, "ok": ok}, timeout_s)
         except TimeoutError as exc:
             return str(exc)
-        failed = sorted(r for r, a in answers.items()
-                        if not (isinstance(a, dict) and a.get("ok") is True
-                                and a.get("nonce") == sid.nonce))
+        failed = sorted(
+            r
+            for r, a in answers.items()
+            if not (isinstance(a, dict) and a.get("ok") is True and a.get("nonce") == sid.nonce)
+        )
         return f"the groups of job rank(s) {failed} did not commit it" if failed else None
 
     # ------------------------------------------------------------ identity
@@ -281,13 +304,21 @@ class StoreCommunicator:
     def round_keys(nonce: str, world_size: int) -> list[str]:
         """Every key a round may create (for cleanup and for tests)."""
         return [f"{nonce}/r{r}" for r in range(world_size)] + [
-            f"{nonce}/{key}" for key in ("n", "decision", "beat", "done")]
+            f"{nonce}/{key}" for key in ("n", "decision", "beat", "done")
+        ]
 
     # ------------------------------------------------------------ one round
-    def agree(self, sid: SaveId, report: RankReport, deadline: float, timeout_s: float, *,
-              check: Callable[[dict[int, RankReport]], Verdict | None],
-              commit: Callable[[dict[int, RankReport]], Verdict],
-              fallback: Callable[[str, float], Verdict]) -> Verdict:
+    def agree(
+        self,
+        sid: SaveId,
+        report: RankReport,
+        deadline: float,
+        timeout_s: float,
+        *,
+        check: Callable[[dict[int, RankReport]], Verdict | None],
+        commit: Callable[[dict[int, RankReport]], Verdict],
+        fallback: Callable[[str, float], Verdict],
+    ) -> Verdict:
         """Run the round of ``sid`` and return its verdict, the same on every rank.
 
         ``deadline`` is ``time.monotonic()`` at ``save()`` plus ``timeout_s``. Rank 0 calls
@@ -319,9 +350,11 @@ class StoreCommunicator:
             except Exception as exc:
                 return self._lost(sid, exc, fallback, deadline)
             if decision is None:  # rank 0 won the fence, then fell silent: the disk tells
-                decision = fallback(f"rank {self.members[0]} began making the checkpoint "
-                                    "visible, then fell silent (stopped or dead)",
-                                    time.monotonic())
+                decision = fallback(
+                    f"rank {self.members[0]} began making the checkpoint "
+                    "visible, then fell silent (stopped or dead)",
+                    time.monotonic(),
+                )
         self._finish(sid, decision)
         return decision
 
@@ -345,13 +378,18 @@ class StoreCommunicator:
             try:
                 decision, reports = self._check(sid, own, raw, check)
             except Exception as exc:  # a bug in a check: abort, never crash
-                decision = Verdict.abort("invalid", f"checkpoint {sid.name!r}: the reports "
-                                         f"could not be checked ({exc!r})", {0: repr(exc)})
+                decision = Verdict.abort(
+                    "invalid",
+                    f"checkpoint {sid.name!r}: the reports could not be checked ({exc!r})",
+                    {0: repr(exc)},
+                )
         del raw  # decoded: what the check kept is in ``reports``
         if decision is None and time.monotonic() > deadline:
-            decision = Verdict.abort("timeout", f"checkpoint {sid.name!r} was not committed "
-                                     "within the commit timeout", {0: "deadline passed before "
-                                     f"rank {self.members[0]} could commit"})
+            decision = Verdict.abort(
+                "timeout",
+                f"checkpoint {sid.name!r} was not committed within the commit timeout",
+                {0: f"deadline passed before rank {self.members[0]} could commit"},
+            )
         try:
             claimed = self._claim(sid, decision if decision is not None else PENDING)
         except Exception as exc:
@@ -368,20 +406,28 @@ class StoreCommunicator:
             try:
                 won = self._replace(sid, PENDING, PUBLISHING)
             except Exception as exc:  # the store is gone: nothing may become visible now
-                raise FenceLost(Verdict.abort(
-                    "store", f"checkpoint {sid.name!r} was not committed: the coordination "
-                    f"store failed before rank {self.members[0]} could make it visible ({exc})",
-                    {0: repr(exc)})) from exc
+                raise FenceLost(
+                    Verdict.abort(
+                        "store",
+                        f"checkpoint {sid.name!r} was not committed: the coordination "
+                        f"store failed before rank {self.members[0]} could make it visible ({exc})",
+                        {0: repr(exc)},
+                    )
+                ) from exc
             if won != PUBLISHING:
                 raise FenceLost(won)  # the others gave up on this rank: their abort stands
             fenced = True
+
         try:
             final = commit(reports, fence)
         except FenceLost as lost:
             return lost.verdict  # nothing was made visible; the key holds this verdict
         except BaseException as exc:
-            final = Verdict.abort("commit", f"committing {sid.name!r} failed on rank "
-                                  f"{self.members[0]}: {exc}", {0: repr(exc)})
+            final = Verdict.abort(
+                "commit",
+                f"committing {sid.name!r} failed on rank {self.members[0]}: {exc}",
+                {0: repr(exc)},
+            )
         finally:
             beating()
         try:
@@ -393,8 +439,9 @@ class StoreCommunicator:
             pass  # the others read the verdict from the disk (the manifest records the nonce)
         return final
 
-    def _check(self, sid, own: RankReport, raw: dict[int, tuple[Any, bool]],
-               check) -> tuple[Verdict | None, dict[int, RankReport]]:
+    def _check(
+        self, sid, own: RankReport, raw: dict[int, tuple[Any, bool]], check
+    ) -> tuple[Verdict | None, dict[int, RankReport]]:
         """Rank 0: parse the other ranks' reports (bytes from other processes, decoded by
         ``decode_rank_report``), each naming the rank whose key it was read from, and ask
         ``check``; (its verdict, the parsed reports)."""
@@ -403,15 +450,23 @@ class StoreCommunicator:
             if r == self.rank:
                 continue
             try:
-                reports[r] = parse_rank_report(obj, f"the report of rank {r} for {sid.name!r}",
-                                               checked=checked)
+                reports[r] = parse_rank_report(
+                    obj, f"the report of rank {r} for {sid.name!r}", checked=checked
+                )
             except CorruptCheckpointError as exc:
-                return Verdict.abort("invalid", f"checkpoint {sid.name!r} was not committed: "
-                                     f"rank {r}'s report does not validate", {r: str(exc)}), {}
+                return Verdict.abort(
+                    "invalid",
+                    f"checkpoint {sid.name!r} was not committed: "
+                    f"rank {r}'s report does not validate",
+                    {r: str(exc)},
+                ), {}
             if reports[r].rank != r:
-                return Verdict.abort("invalid", f"checkpoint {sid.name!r} was not committed: "
-                                     f"the report of rank {r} says rank {reports[r].rank}",
-                                     {r: f"reported as rank {reports[r].rank}"}), {}
+                return Verdict.abort(
+                    "invalid",
+                    f"checkpoint {sid.name!r} was not committed: "
+                    f"the report of rank {r} says rank {reports[r].rank}",
+                    {r: f"reported as rank {reports[r].rank}"},
+                ), {}
         return check(reports), reports
 
     def _wait_for_reports(self, sid: SaveId, deadline: float) -> None:
@@ -422,8 +477,12 @@ class StoreCommunicator:
         delay = self.poll_s
         while True:
             count = self.store.add(f"{sid.nonce}/n", 0)
-            if count // _FAILED or count % _FAILED >= self.world_size or \
-                    self.store.check([f"{sid.nonce}/decision"]) or time.monotonic() >= deadline:
+            if (
+                count // _FAILED
+                or count % _FAILED >= self.world_size
+                or self.store.check([f"{sid.nonce}/decision"])
+                or time.monotonic() >= deadline
+            ):
                 return
             time.sleep(delay)  # polling store keys, not synchronizing on time
             delay = min(delay * 1.5, self._max_poll)
@@ -456,12 +515,14 @@ class StoreCommunicator:
                     self.store.add(f"{sid.nonce}/beat", 1)
                 except Exception:
                     return  # the store is gone: the others read the verdict from the disk
+
         thread = threading.Thread(target=beat, name="datastates-heartbeat", daemon=True)
         thread.start()
 
         def halt():
             stop.set()
             thread.join()
+
         return halt
 
     def _await(self, sid: SaveId, deadline: float, timeout_s: float) -> Verdict | None:
@@ -485,25 +546,34 @@ class StoreCommunicator:
                     if decision.publishing:
                         return None
                     first, me = self.members[0], self.members[self.rank]
-                    decision = self._replace(sid, PENDING, Verdict.abort(
-                        "timeout", f"checkpoint {sid.name!r} was not committed: rank {first} "
-                        f"claimed the commit, then fell silent for {silence:g} s (stopped or "
-                        f"dead); rank {me} gave up on it", {0: f"no heartbeat for {silence:g} s "
-                                                            "while committing"}))
+                    decision = self._replace(
+                        sid,
+                        PENDING,
+                        Verdict.abort(
+                            "timeout",
+                            f"checkpoint {sid.name!r} was not committed: rank {first} "
+                            f"claimed the commit, then fell silent for {silence:g} s (stopped or "
+                            f"dead); rank {me} gave up on it",
+                            {0: f"no heartbeat for {silence:g} s while committing"},
+                        ),
+                    )
                     if not decision.pending:
                         return decision
                     heard_at = now  # rank 0 won the fence meanwhile: it is alive, wait again
             elif time.monotonic() >= deadline:
-                missing = [r for r in range(self.world_size)
-                           if not self.store.check([f"{sid.nonce}/r{r}"])]
+                missing = [
+                    r for r in range(self.world_size) if not self.store.check([f"{sid.nonce}/r{r}"])
+                ]
                 if missing:
                     announced = {r: self._get_json(f"announce/r{r}") for r in missing}
                     mine = timeout_verdict(sid, missing, timeout_s, announced, self.members)
                 else:
-                    mine = Verdict.abort("timeout", f"checkpoint {sid.name!r} was not committed: "
-                                         f"rank {self.members[0]} published no verdict in time",
-                                         {0: "no verdict within the commit timeout (stalled or "
-                                          "dead)"})
+                    mine = Verdict.abort(
+                        "timeout",
+                        f"checkpoint {sid.name!r} was not committed: "
+                        f"rank {self.members[0]} published no verdict in time",
+                        {0: "no verdict within the commit timeout (stalled or dead)"},
+                    )
                 decision = self._claim(sid, mine)
                 if not decision.pending:
                     return decision
@@ -520,9 +590,11 @@ class StoreCommunicator:
     def _replace(self, sid: SaveId, expected: Verdict, decision: Verdict) -> Verdict:
         """Compare-and-set the decision key from ``expected`` to ``decision``; return the
         decision in force (``decision`` if it replaced ``expected``)."""
-        raw = self.store.compare_set(f"{sid.nonce}/decision",
-                                     json.dumps(expected.to_json(), sort_keys=True),
-                                     json.dumps(decision.to_json(), sort_keys=True))
+        raw = self.store.compare_set(
+            f"{sid.nonce}/decision",
+            json.dumps(expected.to_json(), sort_keys=True),
+            json.dumps(decision.to_json(), sort_keys=True),
+        )
         return self._verdict(raw, f"{sid.nonce}/decision")
 
     def _finish(self, sid: SaveId, decision: Verdict) -> None:
@@ -560,10 +632,15 @@ class StoreCommunicator:
         """The verdict of a rank that lost the store. Rank 0, before the fence: nothing was
         committed. Another rank cannot know: it waits for the manifest until the deadline."""
         if self.rank == 0:
-            return Verdict.abort("store", f"checkpoint {sid.name!r}: the coordination store "
-                                 f"failed ({exc}); nothing was committed", {0: repr(exc)})
-        return fallback(f"the coordination store is unreachable ({type(exc).__name__}: {exc})",
-                        deadline)
+            return Verdict.abort(
+                "store",
+                f"checkpoint {sid.name!r}: the coordination store "
+                f"failed ({exc}); nothing was committed",
+                {0: repr(exc)},
+            )
+        return fallback(
+            f"the coordination store is unreachable ({type(exc).__name__}: {exc})", deadline
+        )
 
     # ------------------------------------------------------------ other agreements
     def claim(self, key: str, value: str) -> bytes:
@@ -604,12 +681,15 @@ class StoreCommunicator:
         except TimeoutError:
             raise
         except (RuntimeError, OSError) as exc:
-            raise TimeoutError(f"the coordination store is unreachable ({type(exc).__name__}: "
-                               f"{exc}): its host (rank 0 in the default launch) exited or "
-                               "cannot be reached") from exc
+            raise TimeoutError(
+                f"the coordination store is unreachable ({type(exc).__name__}: "
+                f"{exc}): its host (rank 0 in the default launch) exited or "
+                "cannot be reached"
+            ) from exc
 
-    def _exchange(self, topic: str, value: Any, deadline: float,
-                  timeout_s: float) -> dict[int, Any]:
+    def _exchange(
+        self, topic: str, value: Any, deadline: float, timeout_s: float
+    ) -> dict[int, Any]:
         while True:
             with self._lock:
                 count = self._exchanges.get(topic, 0)
@@ -623,27 +703,41 @@ class StoreCommunicator:
                 outcome = self._gather(prefix, value, deadline)
             else:
                 outcome = self._await_outcome(prefix, deadline)
-            if not (outcome["go"] is False and self.rank in outcome["missing"]
-                    and time.monotonic() < deadline):
+            if not (
+                outcome["go"] is False
+                and self.rank in outcome["missing"]
+                and time.monotonic() < deadline
+            ):
                 break
             # That exchange ended without this rank: it skipped it (or came after the others
             # gave up on it), so they have gone on to the next one: meet them there.
             self.store.delete_key(f"{prefix}/r{self.rank}")
-            log.warning("the exchange %r #%d had ended without rank %d (it skipped that call, "
-                        "or came after the others gave up on it); rank %d meets the other ranks "
-                        "at #%d", topic, count, self.rank, self.rank, count + 1)
+            log.warning(
+                "the exchange %r #%d had ended without rank %d (it skipped that call, "
+                "or came after the others gave up on it); rank %d meets the other ranks "
+                "at #%d",
+                topic,
+                count,
+                self.rank,
+                self.rank,
+                count + 1,
+            )
         self.store.delete_key(f"{prefix}/r{self.rank}")  # in the decision, or not needed
         if outcome["go"] is not True:  # the counter and the decision stay for late ranks
-            raise TimeoutError(f"rank(s) {outcome['missing']} did not answer the exchange "
-                               f"{topic!r} #{count} within {timeout_s:g} s (seen by rank "
-                               f"{outcome['rank']})")
+            raise TimeoutError(
+                f"rank(s) {outcome['missing']} did not answer the exchange "
+                f"{topic!r} #{count} within {timeout_s:g} s (seen by rank "
+                f"{outcome['rank']})"
+            )
         if self.store.add(f"{prefix}/done", 1) >= self.world_size:
             for key in ("n", "decision", "done"):
                 self.store.delete_key(f"{prefix}/{key}")
         values = [value for value, ranks in outcome["runs"] for _ in range(ranks)]
         if len(values) != self.world_size:
-            raise TimeoutError(f"the exchange {topic!r} #{count} decided {len(values)} values "
-                               f"for {self.world_size} ranks")
+            raise TimeoutError(
+                f"the exchange {topic!r} #{count} decided {len(values)} values "
+                f"for {self.world_size} ranks"
+            )
         return dict(enumerate(values))
 
     def _gather(self, prefix: str, own: Any, deadline: float) -> dict:
@@ -751,8 +845,12 @@ class StoreCommunicator:
         try:
             return parse_verdict(json.loads(raw), f"the verdict {key!r} in the store")
         except ValueError as exc:  # also CorruptCheckpointError: a verdict this rank cannot read
-            return Verdict.abort("store", f"the verdict {key!r} in the coordination store does "
-                                 "not validate; nothing is known to be committed", {0: str(exc)})
+            return Verdict.abort(
+                "store",
+                f"the verdict {key!r} in the coordination store does "
+                "not validate; nothing is known to be committed",
+                {0: str(exc)},
+            )
 
     def close(self) -> None:
         """Delete this rank's announcement (best effort: the store may be gone)."""

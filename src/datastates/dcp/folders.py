@@ -6,6 +6,7 @@ Behind ``datastates list|verify|inspect|export|import`` for DCP folders. Apart f
 collective protocol, in one process, on a folder someone may have handed over: nothing here
 unpickles unless the caller says the folder is trusted.
 """
+
 from __future__ import annotations
 
 import io
@@ -54,22 +55,24 @@ def load_state(path: str | os.PathLike, *, trusted: bool = False) -> dict:
             raise UnsafeObjectError(
                 f"{path}: a torch.distributed.checkpoint folder keeps its metadata and values as "
                 "pickles, and unpickling them can run code from the folder; pass trusted=True "
-                "(--trusted) only if you trust where the folder came from")
+                "(--trusted) only if you trust where the folder came from"
+            )
         reader = FileSystemReader(path)
     else:
-        raise CheckpointNotFoundError(f"{path}: not a torch.distributed.checkpoint folder (no "
-                                      f".metadata and no {MANIFEST})")
+        raise CheckpointNotFoundError(
+            f"{path}: not a torch.distributed.checkpoint folder (no .metadata and no {MANIFEST})"
+        )
     state: dict = {}
     try:
-        _load_state_dict(state, storage_reader=reader, planner=_StateLoadPlanner(trusted),
-                         no_dist=True)
+        _load_state_dict(
+            state, storage_reader=reader, planner=_StateLoadPlanner(trusted), no_dist=True
+        )
     except BaseException as exc:  # DCP wraps each rank's failure in a CheckpointException
         raise _cause(exc) from None
     return state
 
 
-def verify_folder(path: str | os.PathLike,
-                  progress: Callable[[int], None] | None = None) -> int:
+def verify_folder(path: str | os.PathLike, progress: Callable[[int], None] | None = None) -> int:
     """Re-read every byte a :class:`DatastatesReader` trusts in the folder ``path``: manifest,
     metadata (size, checksum, every field), each shard file's header and index, and every item's
     CRC-32 (the index agreeing with the metadata). Returns the bytes of the shard files;
@@ -82,8 +85,9 @@ def verify_folder(path: str | os.PathLike,
         by_file.setdefault(info["file"], []).append((_key(index), info))
     total = 0
     for name in read_manifest(path)["files"]:
-        total += _verify_file(os.path.join(path, name), by_file.get(name, []),
-                              progress or (lambda n: None))
+        total += _verify_file(
+            os.path.join(path, name), by_file.get(name, []), progress or (lambda n: None)
+        )
     return total
 
 
@@ -92,22 +96,29 @@ def _verify_file(path: str, items: list, report) -> int:
     f = LOCAL.open_read(path)
     try:
         header = fmt.read_header(f, path, f.size)
-        index = files.parse_index_bytes(bytes(f.pread(header.index_length, header.index_offset)),
-                                      header, path)
+        index = files.parse_index_bytes(
+            bytes(f.pread(header.index_length, header.index_offset)), header, path
+        )
         regions = {(e.offset, e.nbytes): e for e in index.entries}
         reported = 0
         for key, info in sorted(items, key=lambda item: item[1]["offset"]):
             offset, length = info["offset"], info["length"]
             entry = regions.get((offset, length))
-            if entry is None or entry.key != key or \
-                    tuple(entry.checksums) != (((length, info["crc32"]),) if length else ()):
-                raise CorruptCheckpointError(f"{path}: {key!r} at [{offset}, {offset + length}) "
-                                             "is not the region of the file's index that the "
-                                             "metadata names")
+            if (
+                entry is None
+                or entry.key != key
+                or tuple(entry.checksums) != (((length, info["crc32"]),) if length else ())
+            ):
+                raise CorruptCheckpointError(
+                    f"{path}: {key!r} at [{offset}, {offset + length}) "
+                    "is not the region of the file's index that the "
+                    "metadata names"
+                )
             check_span(path, offset, length, header.index_offset)
             if fmt.crc32(f.pread(length, offset)) != info["crc32"]:
-                raise CorruptCheckpointError(f"{path}: checksum mismatch for {key!r} at offset "
-                                             f"{offset} ({length} bytes)")
+                raise CorruptCheckpointError(
+                    f"{path}: checksum mismatch for {key!r} at offset {offset} ({length} bytes)"
+                )
             report(length)
             reported += length
         report(f.size - reported)
@@ -138,10 +149,11 @@ def _load_value(value: io.BytesIO, fqn: str, trusted: bool) -> Any:
     try:
         return torch.load(value, weights_only=not trusted)
     except pickle.UnpicklingError as exc:
-        raise UnsafeObjectError(f"DCP value {fqn!r} is not loadable with weights_only=True "
-                                f"({str(exc).splitlines()[0][:200]}); pass trusted=True "
-                                "(--trusted) only if you trust where the folder came from"
-                                ) from None
+        raise UnsafeObjectError(
+            f"DCP value {fqn!r} is not loadable with weights_only=True "
+            f"({str(exc).splitlines()[0][:200]}); pass trusted=True "
+            "(--trusted) only if you trust where the folder came from"
+        ) from None
 
 
 def _cause(exc: BaseException) -> BaseException:

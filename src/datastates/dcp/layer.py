@@ -33,6 +33,7 @@ What we add over ``FileSystemWriter``:
 - ``dcp.async_save``: the writer is its own ``AsyncStager``; staging copies into CPU buffers kept
   across saves (pinned on CUDA), so later saves do not allocate.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,8 +48,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.futures import Future
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan,
-                                                  SavePlanner, WriteItemType)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
@@ -59,8 +66,17 @@ from ..storage.posix import fsync_dir
 from ..storage.store import LOCAL
 
 from . import metadata as dcp_metadata
-from .metadata import (FORMAT, MANIFEST, METADATA, PICKLED_METADATA, VERSION, check_regular,
-                           check_span, read_checked, read_manifest)
+from .metadata import (
+    FORMAT,
+    MANIFEST,
+    METADATA,
+    PICKLED_METADATA,
+    VERSION,
+    check_regular,
+    check_span,
+    read_checked,
+    read_manifest,
+)
 
 if TYPE_CHECKING:
     from ..save.job import SaveStats
@@ -74,7 +90,7 @@ _PUBLISHER = RenamePublisher(LOCAL)
 
 @dataclasses.dataclass(frozen=True)
 class _PlanData:
-    tmp: str      # temporary directory shared by all ranks
+    tmp: str  # temporary directory shared by all ranks
     rank: int
 
 
@@ -100,19 +116,30 @@ class DatastatesWriter(StorageWriter, AsyncStager):
 
     _synchronize_after_execute = False
 
-    def __init__(self, path: str | os.PathLike | None = None, *, sync_files: bool = True,
-                 overwrite: bool = True, cache_staged_state_dict: bool = True,
-                 thread_count: int = 1, _extensions: Any = None):
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        sync_files: bool = True,
+        overwrite: bool = True,
+        cache_staged_state_dict: bool = True,
+        thread_count: int = 1,
+        _extensions: Any = None,
+    ):
         super().__init__()
         if type(thread_count) is not int or thread_count < 1:
-            raise ConfigError(f"DatastatesWriter: thread_count must be an int >= 1 (as for "
-                              f"FileSystemWriter), found {thread_count!r}")
+            raise ConfigError(
+                f"DatastatesWriter: thread_count must be an int >= 1 (as for "
+                f"FileSystemWriter), found {thread_count!r}"
+            )
         if _extensions:
             names = ", ".join(type(e).__name__ for e in _extensions)
-            raise ConfigError(f"DatastatesWriter: _extensions=[{names}] asks for a stream "
-                              "transform (compression) of every item; datastates writes raw "
-                              "tensor bytes with a CRC-32 each and does not compress: pass "
-                              "_extensions=None (or use FileSystemWriter for compressed files)")
+            raise ConfigError(
+                f"DatastatesWriter: _extensions=[{names}] asks for a stream "
+                "transform (compression) of every item; datastates writes raw "
+                "tensor bytes with a CRC-32 each and does not compress: pass "
+                "_extensions=None (or use FileSystemWriter for compressed files)"
+            )
         #: Accepted for FileSystemWriter's signature; each rank writes its one coalesced shard
         #: file from the thread that calls ``write_data``, whatever the count.
         self.thread_count = thread_count
@@ -139,8 +166,10 @@ class DatastatesWriter(StorageWriter, AsyncStager):
     def _root(self) -> str:
         """The checkpoint's folder; ValueError when none was given yet."""
         if self.path is None:
-            raise ValueError("DatastatesWriter: no checkpoint path (pass one to the writer or "
-                             "checkpoint_id= to dcp.save)")
+            raise ValueError(
+                "DatastatesWriter: no checkpoint path (pass one to the writer or "
+                "checkpoint_id= to dcp.save)"
+            )
         return self.path
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -170,10 +199,18 @@ class DatastatesWriter(StorageWriter, AsyncStager):
                 _pwrite(fd, blob, offset)
                 crc = fmt.crc32(blob)
                 info.update(file=fname, offset=offset, length=len(blob), crc32=crc)
-                entries.append({"key": _key(item.index), "kind": info["kind"], "offset": offset,
-                                "nbytes": len(blob), "crc32": crc})
-                results.append(WriteResult(index=item.index, size_in_bytes=len(blob),
-                                           storage_data=info))
+                entries.append(
+                    {
+                        "key": _key(item.index),
+                        "kind": info["kind"],
+                        "offset": offset,
+                        "nbytes": len(blob),
+                        "crc32": crc,
+                    }
+                )
+                results.append(
+                    WriteResult(index=item.index, size_in_bytes=len(blob), storage_data=info)
+                )
                 offset += len(blob)
             index = fmt.encode_index(data.rank, entries)
             _pwrite(fd, index, offset)
@@ -198,32 +235,39 @@ class DatastatesWriter(StorageWriter, AsyncStager):
         tmp_dir = self._tmp_dir()
         blob = dcp_metadata.encode(metadata)
         _write_file(os.path.join(tmp_dir, METADATA), blob, self.sync_files)
-        manifest = {"format": FORMAT, "version": VERSION, "save_id": self.save_id,
-                    "metadata_crc32": fmt.crc32(blob), "metadata_bytes": len(blob),
-                    "files": sorted(files)}
-        _write_file(os.path.join(tmp_dir, MANIFEST), json.dumps(manifest).encode(),
-                    self.sync_files)
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "save_id": self.save_id,
+            "metadata_crc32": fmt.crc32(blob),
+            "metadata_bytes": len(blob),
+            "files": sorted(files),
+        }
+        _write_file(os.path.join(tmp_dir, MANIFEST), json.dumps(manifest).encode(), self.sync_files)
         if self.sync_files:
             fsync_dir(tmp_dir)
         path = self._root()
         parent, name = os.path.split(path)
         if not self.overwrite and os.path.lexists(path):
             raise FileExistsError(f"{path} exists and overwrite=False")
-        _PUBLISHER.make_visible(parent, tmp_dir, name, replace=os.path.lexists(path),
-                                fsync=self.sync_files)
+        _PUBLISHER.make_visible(
+            parent, tmp_dir, name, replace=os.path.lexists(path), fsync=self.sync_files
+        )
         if self.last_save_stats is not None and self._stats_t0 is not None:
             self.last_save_stats.commit_s = time.perf_counter() - self._stats_t0
 
     def _record_stats(self, t0: float, nbytes: int) -> None:
         """This rank's SaveStats once its file is written (see the class docstring)."""
         from ..save.job import SaveStats
+
         now = time.perf_counter()
         staged, self._staged_at = self._staged_at, None
         self._stats_t0 = staged[0] if staged is not None else t0
         written = now - self._stats_t0
         captured = staged[1] if staged is not None else written
-        self.last_save_stats = SaveStats(blocked_s=captured, snapshot_s=captured,
-                                         commit_s=written, nbytes=nbytes, files=1)
+        self.last_save_stats = SaveStats(
+            blocked_s=captured, snapshot_s=captured, commit_s=written, nbytes=nbytes, files=1
+        )
 
     def _tmp_dir(self) -> str:
         parent, name = os.path.split(self._root())
@@ -246,6 +290,7 @@ class DatastatesWriter(StorageWriter, AsyncStager):
 
     def _stage(self, state_dict):
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
         pin = torch.cuda.is_available()
         if not self.cache_staged_state_dict:
             staged = _create_cpu_state_dict(state_dict, pin_memory=pin)
@@ -271,8 +316,9 @@ class DatastatesReader(StorageReader):
     The non-tensor values are handed to the planner, which decides how to load them (DCP's
     default planner uses ``torch.load(weights_only=False)``; see :func:`load_state`)."""
 
-    def __init__(self, path: str | os.PathLike | None = None, *, verify: bool = True,
-                 trusted: bool = False):
+    def __init__(
+        self, path: str | os.PathLike | None = None, *, verify: bool = True, trusted: bool = False
+    ):
         super().__init__()
         self.path = os.path.abspath(os.fspath(path)) if path is not None else None
         self.verify, self.trusted = verify, trusted
@@ -282,8 +328,10 @@ class DatastatesReader(StorageReader):
     def _root(self) -> str:
         """The checkpoint's folder; ValueError when none was given yet."""
         if self.path is None:
-            raise ValueError("DatastatesReader: no checkpoint path (pass one to the reader or "
-                             "checkpoint_id= to dcp.load)")
+            raise ValueError(
+                "DatastatesReader: no checkpoint path (pass one to the reader or "
+                "checkpoint_id= to dcp.load)"
+            )
         return self.path
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -302,8 +350,7 @@ class DatastatesReader(StorageReader):
             metadata = self._read_pickled(manifest)
         else:
             blob = read_checked(root, METADATA, manifest)
-            metadata = dcp_metadata.decode(blob, os.path.join(root, METADATA),
-                                           manifest["files"])
+            metadata = dcp_metadata.decode(blob, os.path.join(root, METADATA), manifest["files"])
         storage_meta = getattr(metadata, "storage_meta", None)
         if storage_meta is not None:
             storage_meta.load_id = self.load_id
@@ -315,14 +362,16 @@ class DatastatesReader(StorageReader):
             raise UnsafeObjectError(
                 f"{path}: the DCP metadata of this folder (datastates-dcp version 1) is a "
                 "pickle, and unpickling it can run code from the folder; pass trusted=True "
-                "(--trusted) only if you trust where the folder came from")
+                "(--trusted) only if you trust where the folder came from"
+            )
         metadata = pickle.loads(read_checked(self._root(), PICKLED_METADATA, manifest))
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(f"{path}: not DCP Metadata")
         return metadata
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
-                              **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -349,11 +398,12 @@ class DatastatesReader(StorageReader):
                     buf = f.pread(end - start, start)
                     for info, req in run:
                         lo = info["offset"] - start
-                        view = memoryview(buf)[lo:lo + info["length"]]
+                        view = memoryview(buf)[lo : lo + info["length"]]
                         if self.verify and fmt.crc32(view) != info["crc32"]:
                             raise CorruptCheckpointError(
                                 f"{path}: checksum mismatch for {_key(req.storage_index)} at "
-                                f"offset {info['offset']} ({info['length']} bytes)")
+                                f"offset {info['offset']} ({info['length']} bytes)"
+                            )
                         self._apply(req, info, view, planner)
             finally:
                 f.close()
@@ -367,15 +417,20 @@ class DatastatesReader(StorageReader):
             planner.load_bytes(req, io.BytesIO(bytes(view)))
             return
         dtype = fmt.dtype_from_name(info["dtype"], _key(req.storage_index))
-        saved = torch.frombuffer(bytearray(view), dtype=dtype) if len(view) else \
-            torch.empty(0, dtype=dtype)
+        saved = (
+            torch.frombuffer(bytearray(view), dtype=dtype)
+            if len(view)
+            else torch.empty(0, dtype=dtype)
+        )
         saved = saved.view(info["shape"])
         for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths)):
             saved = saved.narrow(dim, off, length)
         target = planner.resolve_tensor(req).detach()
         if target.size() != saved.size():
-            raise CorruptCheckpointError(f"{_key(req.storage_index)}: saved chunk region "
-                                         f"{tuple(saved.shape)} != requested {tuple(target.shape)}")
+            raise CorruptCheckpointError(
+                f"{_key(req.storage_index)}: saved chunk region "
+                f"{tuple(saved.shape)} != requested {tuple(target.shape)}"
+            )
         target.copy_(saved)
         planner.commit_tensor(req, target)
 
@@ -385,6 +440,7 @@ class DatastatesReader(StorageReader):
 
 
 # ---------------------------------------------------------------- helpers
+
 
 def _key(index: MetadataIndex) -> str:
     return index.fqn + ("" if index.offset is None else "@" + ",".join(map(str, index.offset)))
@@ -406,8 +462,9 @@ def _runs(reqs: list) -> list[list]:
     """Group requests whose byte ranges touch or are within 1 MiB of each other."""
     runs: list[list] = []
     for info, req in reqs:
-        if runs and info["offset"] <= runs[-1][-1][0]["offset"] + runs[-1][-1][0]["length"] \
-                + (1 << 20):
+        if runs and info["offset"] <= runs[-1][-1][0]["offset"] + runs[-1][-1][0]["length"] + (
+            1 << 20
+        ):
             runs[-1].append((info, req))
         else:
             runs.append([(info, req)])

@@ -12,6 +12,7 @@ shards' boxes is ``tiling.py``'s.)
 
 Pure: no I/O, and no import of records.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,6 +48,7 @@ class EntryKinds(Protocol):
 
 
 # ---------------------------------------------------------------- field checks
+
 
 class _At:
     """Where a value sits: the file and the JSON path, for error messages. The path is kept as
@@ -104,8 +106,11 @@ def _field_str(obj: dict, key: str, at: _At) -> str:
 def _field_dims(obj: dict, key: str, at: _At) -> tuple[int, ...]:
     """``obj[key]``, a list of at most MAX_NDIM non-negative integers."""
     value = obj.get(key, _MISSING)
-    if type(value) is list and len(value) <= MAX_NDIM and \
-            all(type(d) is int and 0 <= d <= MAX_DIM for d in value):
+    if (
+        type(value) is list
+        and len(value) <= MAX_NDIM
+        and all(type(d) is int and 0 <= d <= MAX_DIM for d in value)
+    ):
         return tuple(value)
     return _dims(_get(obj, key, at), at / key)
 
@@ -186,8 +191,14 @@ def _pieces(value: Any, nbytes: int, at: _At) -> tuple[tuple[int, int], ...]:
     if type(value) is list:  # fast path; anything unusual is checked (and named) below
         pieces, total = [], 0
         for p in value:
-            if type(p) is not list or len(p) != 2 or type(p[0]) is not int or \
-                    type(p[1]) is not int or not 1 <= p[0] <= nbytes or not 0 <= p[1] <= _U32:
+            if (
+                type(p) is not list
+                or len(p) != 2
+                or type(p[0]) is not int
+                or type(p[1]) is not int
+                or not 1 <= p[0] <= nbytes
+                or not 0 <= p[1] <= _U32
+            ):
                 break
             total += p[0]
             pieces.append((p[0], p[1]))
@@ -214,9 +225,11 @@ def _check_tensor_bytes(dtype: str, shape: tuple[int, ...], nbytes: int, at: _At
     itemsize = fmt.dtype_from_name(dtype, "").itemsize
     numel = _numel(shape, nbytes // itemsize if itemsize else 0)
     if numel is None or numel * itemsize != nbytes:
-        raise at.bad(f"shape {list(shape)} of {dtype} needs "
-                     f"{'more than ' + str(nbytes) if numel is None else numel * itemsize} "
-                     f"bytes, nbytes is {nbytes}")
+        raise at.bad(
+            f"shape {list(shape)} of {dtype} needs "
+            f"{'more than ' + str(nbytes) if numel is None else numel * itemsize} "
+            f"bytes, nbytes is {nbytes}"
+        )
 
 
 def _check_disjoint(regions: list[tuple[int, int, str]], at: _At, what: str) -> None:
@@ -224,8 +237,10 @@ def _check_disjoint(regions: list[tuple[int, int, str]], at: _At, what: str) -> 
     end, last = 0, None
     for offset, nbytes, key in sorted(r for r in regions if r[1]):
         if offset < end:
-            raise at.bad(f"{what}: region of {key!r} at [{offset}, {offset + nbytes}) overlaps "
-                         f"that of {last!r} ending at {end}")
+            raise at.bad(
+                f"{what}: region of {key!r} at [{offset}, {offset + nbytes}) overlaps "
+                f"that of {last!r} ending at {end}"
+            )
         end, last = offset + nbytes, key
 
 
@@ -260,15 +275,19 @@ def _version(obj: dict, at: _At, expected_format: str, newest: int = fmt.VERSION
         raise at.bad(f"format is {_show(found)}, expected {expected_format!r}")
     version = _int(_get(obj, "version", at), at / "version", 1, _U32)
     if version > newest:
-        raise UnsupportedFormatError(f"{at.file}: format version {version} is newer than this "
-                                     f"reader's {newest}; upgrade datastates")
+        raise UnsupportedFormatError(
+            f"{at.file}: format version {version} is newer than this "
+            f"reader's {newest}; upgrade datastates"
+        )
     return version
 
 
 # ---------------------------------------------------------------- state trees
 
-def check_tree(root: Any, at: _At, entry_kinds: list[str],
-               refs: dict[int, set[str]] | None = None) -> dict:
+
+def check_tree(
+    root: Any, at: _At, entry_kinds: list[str], refs: dict[int, set[str]] | None = None
+) -> dict:
     """Validate a state tree (iteratively: depth is bounded, never the interpreter's stack).
 
     ``entry_kinds[i]`` is the kind of entry ``i``; tensor/object nodes must index an entry of
@@ -301,9 +320,14 @@ def check_tree_refs(root: Any, at: _At, entry_kinds: "EntryKinds", refs: dict | 
         else -1 (the node is then pushed and checked in full)."""
         if type(node) is dict:
             t, e = node.get("t"), node.get("e")
-            if (t == "tensor" or t == "object") and type(e) is int and 0 <= e < kinds and \
-                    entry_kinds[e] == t and type(node.get("param", False)) is bool and (
-                        "np" not in node or (node["np"] is True and t == "tensor")):
+            if (
+                (t == "tensor" or t == "object")
+                and type(e) is int
+                and 0 <= e < kinds
+                and entry_kinds[e] == t
+                and type(node.get("param", False)) is bool
+                and ("np" not in node or (node["np"] is True and t == "tensor"))
+            ):
                 return e  # (np: exactly true, on a tensor)
         return -1
 
@@ -328,11 +352,16 @@ def check_tree_refs(root: Any, at: _At, entry_kinds: "EntryKinds", refs: dict | 
         if type(t) is not str or t not in _NODE_TYPES:
             raise (where / "t").bad(f"unknown node type {_show(t)}")
         if "np" in node and (t != "tensor" or node["np"] is not True):
-            raise (where / "np").bad(f"expected true on a tensor node (saved from a numpy "
-                                     f"array), found {_show(node['np'])} on a {t} node")
+            raise (where / "np").bad(
+                f"expected true on a tensor node (saved from a numpy "
+                f"array), found {_show(node['np'])} on a {t} node"
+            )
         if t in ("tensor", "object"):
-            e = _int(_get(node, "e", where), where / "e", 0, len(entry_kinds) - 1) \
-                if entry_kinds else _no_entries(where)
+            e = (
+                _int(_get(node, "e", where), where / "e", 0, len(entry_kinds) - 1)
+                if entry_kinds
+                else _no_entries(where)
+            )
             if entry_kinds[e] != t:
                 raise (where / "e").bad(f"a {t} node refers to entry {e}, a {entry_kinds[e]}")
             if refs is not None:
@@ -352,8 +381,9 @@ def check_tree_refs(root: Any, at: _At, entry_kinds: "EntryKinds", refs: dict | 
             for i, item in enumerate(items):
                 if mapping:
                     if type(item) is not list or len(item) != 2:
-                        raise (where / "items" / i).bad(f"expected a [key, node] pair, found "
-                                                        f"{_show(item)}")
+                        raise (where / "items" / i).bad(
+                            f"expected a [key, node] pair, found {_show(item)}"
+                        )
                     part, child = item
                     if type(part) is str:  # a string key is always valid
                         child_key = prefix + part
@@ -401,8 +431,10 @@ def check_entry_keys(keys: list[str] | dict[int, str], refs: dict, at: _At) -> N
         found = refs.get(i)
         if found != key and (type(found) is not set or key not in found):
             found = sorted(_ref_keys(found))[:3]
-            raise (at / i).bad(f"entry {key!r} is not referenced by the tree node at its key "
-                               f"(referenced at {found or 'no key'})")
+            raise (at / i).bad(
+                f"entry {key!r} is not referenced by the tree node at its key "
+                f"(referenced at {found or 'no key'})"
+            )
 
 
 def _no_entries(where: _At) -> int:
@@ -414,5 +446,6 @@ def _scalar(value: Any, at: _At) -> Any:
         return value
     if type(value) is float and math.isfinite(value):
         return value
-    raise at.bad(f"expected a string, integer, finite number, boolean or null, found "
-                 f"{_show(value)}")
+    raise at.bad(
+        f"expected a string, integer, finite number, boolean or null, found {_show(value)}"
+    )

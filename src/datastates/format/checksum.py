@@ -8,6 +8,7 @@ by a fixed preference measured on the target machines (docs/benchmarks.md, "Chec
 then zlib-ng, then zlib, which is always there. All three release the GIL on large buffers, so
 writer and reader threads checksum in parallel with the training thread and with each other.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -43,8 +44,9 @@ def load(name: str) -> Backend | None:
                 return Backend(name, getattr(importlib.import_module(module), attr))
             except (ImportError, AttributeError):
                 return None
-    raise ValueError(f"unknown CRC-32 backend {name!r}; expected one of "
-                     f"{', '.join(n for n, _, _ in PREFERENCE)}")
+    raise ValueError(
+        f"unknown CRC-32 backend {name!r}; expected one of {', '.join(n for n, _, _ in PREFERENCE)}"
+    )
 
 
 def available() -> list[Backend]:
@@ -81,7 +83,7 @@ def _chunked(fn: Callable[..., int], data, value: int) -> int:
         return fn(data, value) & 0xFFFFFFFF
     view = memoryview(data).cast("B")
     for start in range(0, view.nbytes, CHUNK):
-        value = fn(view[start:start + CHUNK], value)
+        value = fn(view[start : start + CHUNK], value)
     return value & 0xFFFFFFFF
 
 

@@ -4,6 +4,7 @@ index encoding, the manifest's checksum seal, the one JSON encoding.
 Functions over bytes; the only I/O is reading a header through an open file. Reading whole files
 into typed records is ``files.py``; validating decoded JSON is ``records.py``.
 """
+
 from __future__ import annotations
 
 import array
@@ -50,7 +51,7 @@ LATEST = "latest"
 SHARD_FORMAT = "datastates-shard"
 CHECKPOINT_FORMAT = "datastates-checkpoint"
 _HEADER = struct.Struct("<8sIIQQI")  # magic, version, flags, index offset, index length, index crc
-_HEADER_USED = _HEADER.size + 4        # ... and the CRC of those 36 bytes; the rest is zero
+_HEADER_USED = _HEADER.size + 4  # ... and the CRC of those 36 bytes; the rest is zero
 #: The last bytes of a manifest: its CRC-32 over every byte before them, 8 lowercase hex digits.
 #: The largest ``manifest.json`` a reader reads (about a million tensors); larger is refused
 #: before a byte is read, so a huge or endless file cannot exhaust memory.
@@ -73,9 +74,25 @@ TRAILER_BYTES = len(b',"manifest_crc32":"00000000"}')
 
 _DTYPES = {
     name: getattr(torch, name)
-    for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-                 "uint8", "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2",
-                 "uint16", "uint32", "uint64")
+    for name in (
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "complex64",
+        "complex128",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "uint16",
+        "uint32",
+        "uint64",
+    )
     if hasattr(torch, name)
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
@@ -153,10 +170,19 @@ def step_name(step: int) -> str:
 
 def check_name(name: str) -> str:
     """A checkpoint name must be one non-reserved path component."""
-    if (not isinstance(name, str) or not name or name.startswith(".") or "/" in name
-            or "\\" in name or name in (LATEST, "latest.tmp") or "\x00" in name):
-        raise ValueError(f"invalid checkpoint name {name!r}: expected a non-empty path component "
-                         "not starting with '.' and other than 'latest'")
+    if (
+        not isinstance(name, str)
+        or not name
+        or name.startswith(".")
+        or "/" in name
+        or "\\" in name
+        or name in (LATEST, "latest.tmp")
+        or "\x00" in name
+    ):
+        raise ValueError(
+            f"invalid checkpoint name {name!r}: expected a non-empty path component "
+            "not starting with '.' and other than 'latest'"
+        )
     return name
 
 
@@ -165,6 +191,7 @@ def align_up(value: int, alignment: int) -> int:
 
 
 # ---------------------------------------------------------------- shard file header and index
+
 
 class ShardHeader(NamedTuple):
     """The validated fields of a shard file header that locate its index (and, of a version-3
@@ -192,23 +219,38 @@ _HEADER3_USED = _HEADER3.size + 4
 
 def pack_header(index_offset: int, index_bytes: bytes) -> bytes:
     """The 4096-byte header of a version-2 shard file (a writer that does not frame)."""
-    head = _HEADER.pack(MAGIC, PLAIN_VERSION, 0, index_offset, len(index_bytes),
-                        crc32(index_bytes))
+    head = _HEADER.pack(MAGIC, PLAIN_VERSION, 0, index_offset, len(index_bytes), crc32(index_bytes))
     head += struct.pack("<I", crc32(head))
     return head + bytes(HEADER_BYTES - len(head))
 
 
-def pack_header_v3(index_offset: int, index_bytes: bytes, tail_offset: int, tail: bytes,
-                   first_slot: bytes = b"") -> bytes:
+def pack_header_v3(
+    index_offset: int, index_bytes: bytes, tail_offset: int, tail: bytes, first_slot: bytes = b""
+) -> bytes:
     """The first 4096 bytes of a version-3 shard file: the local header of the empty first
     record, the header, zeros, and ``first_slot``, the local header of the first tensor (which
     starts at 4096), if any (docs/format.md, "Shard file version 3")."""
     from . import zipframe
-    head = _HEADER3.pack(MAGIC, VERSION, 0, index_offset, len(index_bytes), crc32(index_bytes),
-                         tail_offset, len(tail), crc32(tail), len(first_slot))
+
+    head = _HEADER3.pack(
+        MAGIC,
+        VERSION,
+        0,
+        index_offset,
+        len(index_bytes),
+        crc32(index_bytes),
+        tail_offset,
+        len(tail),
+        crc32(tail),
+        len(first_slot),
+    )
     head += struct.pack("<I", crc32(head))
-    return zipframe.header_record_header() + head + \
-        bytes(HEADER_BYTES - zipframe.HEADER_AT - len(head) - len(first_slot)) + first_slot
+    return (
+        zipframe.header_record_header()
+        + head
+        + bytes(HEADER_BYTES - zipframe.HEADER_AT - len(head) - len(first_slot))
+        + first_slot
+    )
 
 
 def is_shard_start(raw: bytes) -> bool:
@@ -233,8 +275,9 @@ def encode_index(rank: int, entries: Iterable[dict]) -> bytes:
 
 def encode_index_items(rank: int, items: bytes) -> bytes:
     """:func:`encode_index` of entries already encoded, ``items`` (``item,item,...``)."""
-    return encode_entries({"format": SHARD_FORMAT, "version": PLAIN_VERSION, "rank": rank,
-                           "entries": []}, items)
+    return encode_entries(
+        {"format": SHARD_FORMAT, "version": PLAIN_VERSION, "rank": rank, "entries": []}, items
+    )
 
 
 #: JSON objects encoded at a time when a writer encodes many (index and manifest entries): few
@@ -249,9 +292,16 @@ def encode_entries(head: dict, entries: bytes) -> bytes:
     keys = list(head)
     cut = keys.index("entries")
     before = encode_json({k: head[k] for k in keys[:cut]})[:-1]
-    after = encode_json({k: head[k] for k in keys[cut + 1:]})[1:]
-    return (before + (b"," if cut else b"") + b'"entries":[' + entries + b"]" +
-            (b"," if cut + 1 < len(keys) else b"") + after)
+    after = encode_json({k: head[k] for k in keys[cut + 1 :]})[1:]
+    return (
+        before
+        + (b"," if cut else b"")
+        + b'"entries":['
+        + entries
+        + b"]"
+        + (b"," if cut + 1 < len(keys) else b"")
+        + after
+    )
 
 
 def read_header(f: "ReadFile", path: str, file_size: int) -> ShardHeader:
@@ -263,16 +313,19 @@ def read_header(f: "ReadFile", path: str, file_size: int) -> ShardHeader:
     except OSError as exc:
         raise CorruptCheckpointError(f"{path}: cannot read the header ({exc})") from None
     if len(raw) < HEADER_BYTES:
-        raise CorruptCheckpointError(f"{path}: truncated header ({len(raw)} bytes, expected "
-                                     f"{HEADER_BYTES})")
+        raise CorruptCheckpointError(
+            f"{path}: truncated header ({len(raw)} bytes, expected {HEADER_BYTES})"
+        )
     if raw.startswith(_ZIP_START):
         return _read_header_v3(raw, path, file_size)
     magic, version, flags, offset, length, index_crc = _HEADER.unpack_from(raw)
     if magic != MAGIC:
-        raise CorruptCheckpointError(f"{path}: wrong magic {magic!r}, expected {MAGIC!r} "
-                                     "(not a datastates shard file, or never finished)")
+        raise CorruptCheckpointError(
+            f"{path}: wrong magic {magic!r}, expected {MAGIC!r} "
+            "(not a datastates shard file, or never finished)"
+        )
     (head_crc,) = struct.unpack_from("<I", raw, _HEADER.size)
-    if head_crc != crc32(raw[:_HEADER.size]):
+    if head_crc != crc32(raw[: _HEADER.size]):
         raise CorruptCheckpointError(f"{path}: header checksum mismatch")
     _check_version(version, (1, 2), path)
     _check_rest(flags, raw, _HEADER_USED, path)
@@ -282,42 +335,68 @@ def read_header(f: "ReadFile", path: str, file_size: int) -> ShardHeader:
 
 def _read_header_v3(raw: bytes, path: str, file_size: int) -> ShardHeader:
     from . import zipframe
+
     at = zipframe.HEADER_AT
     if raw[:at] != zipframe.header_record_header():
-        raise CorruptCheckpointError(f"{path}: bytes 0-{at - 1} are not the local header of "
-                                     "the first record (damaged header)")
-    (magic, version, flags, offset, length, index_crc, tail_offset, tail_length,
-     tail_crc, first_slot) = _HEADER3.unpack_from(raw, at)
+        raise CorruptCheckpointError(
+            f"{path}: bytes 0-{at - 1} are not the local header of "
+            "the first record (damaged header)"
+        )
+    (
+        magic,
+        version,
+        flags,
+        offset,
+        length,
+        index_crc,
+        tail_offset,
+        tail_length,
+        tail_crc,
+        first_slot,
+    ) = _HEADER3.unpack_from(raw, at)
     if magic != MAGIC:
-        raise CorruptCheckpointError(f"{path}: wrong magic {magic!r} at offset {at}, expected "
-                                     f"{MAGIC!r} (not a datastates shard file)")
+        raise CorruptCheckpointError(
+            f"{path}: wrong magic {magic!r} at offset {at}, expected "
+            f"{MAGIC!r} (not a datastates shard file)"
+        )
     (head_crc,) = struct.unpack_from("<I", raw, at + _HEADER3.size)
-    if head_crc != crc32(raw[at:at + _HEADER3.size]):
+    if head_crc != crc32(raw[at : at + _HEADER3.size]):
         raise CorruptCheckpointError(f"{path}: header checksum mismatch")
     _check_version(version, (3,), path)
-    if first_slot not in (0, zipframe.SLOT, zipframe.BIG_SLOT) or \
-            (first_slot and not raw[HEADER_BYTES - first_slot:].startswith(_ZIP_START)):
-        raise CorruptCheckpointError(f"{path}: the header gives a first local header of "
-                                     f"{first_slot} bytes, expected 0, {zipframe.SLOT} or "
-                                     f"{zipframe.BIG_SLOT} bytes beginning with a signature")
-    _check_rest(flags, raw[:HEADER_BYTES - first_slot], at + _HEADER3_USED, path)
+    if first_slot not in (0, zipframe.SLOT, zipframe.BIG_SLOT) or (
+        first_slot and not raw[HEADER_BYTES - first_slot :].startswith(_ZIP_START)
+    ):
+        raise CorruptCheckpointError(
+            f"{path}: the header gives a first local header of "
+            f"{first_slot} bytes, expected 0, {zipframe.SLOT} or "
+            f"{zipframe.BIG_SLOT} bytes beginning with a signature"
+        )
+    _check_rest(flags, raw[: HEADER_BYTES - first_slot], at + _HEADER3_USED, path)
     _check_index(offset, length, file_size, path)
-    if tail_offset != align_up(offset + length, DATA_ALIGN) or tail_length > MAX_TAIL_BYTES \
-            or tail_offset + tail_length != file_size:
-        raise CorruptCheckpointError(f"{path}: tail at [{tail_offset}, "
-                                     f"{tail_offset + tail_length}) is not the end of the file "
-                                     f"of {file_size} bytes after the index at [{offset}, "
-                                     f"{offset + length}) (truncated?)")
+    if (
+        tail_offset != align_up(offset + length, DATA_ALIGN)
+        or tail_length > MAX_TAIL_BYTES
+        or tail_offset + tail_length != file_size
+    ):
+        raise CorruptCheckpointError(
+            f"{path}: tail at [{tail_offset}, "
+            f"{tail_offset + tail_length}) is not the end of the file "
+            f"of {file_size} bytes after the index at [{offset}, "
+            f"{offset + length}) (truncated?)"
+        )
     return ShardHeader(offset, length, index_crc, version, tail_offset, tail_length, tail_crc)
 
 
 def _check_version(version: int, known: tuple, path: str) -> None:
     if version > VERSION:
-        raise UnsupportedFormatError(f"{path}: format version {version} is newer than this "
-                                     f"reader's {VERSION}; upgrade datastates")
+        raise UnsupportedFormatError(
+            f"{path}: format version {version} is newer than this "
+            f"reader's {VERSION}; upgrade datastates"
+        )
     if version not in known:
-        raise CorruptCheckpointError(f"{path}: header version {version}, expected one of "
-                                     f"{list(known)}")
+        raise CorruptCheckpointError(
+            f"{path}: header version {version}, expected one of {list(known)}"
+        )
 
 
 def _check_rest(flags: int, raw: bytes, used: int, path: str) -> None:
@@ -326,20 +405,26 @@ def _check_rest(flags: int, raw: bytes, used: int, path: str) -> None:
         raise CorruptCheckpointError(f"{path}: header flags are {flags:#x}, expected 0")
     if raw[used:].count(0) != len(raw) - used:
         first = next(i for i in range(used, len(raw)) if raw[i])
-        raise CorruptCheckpointError(f"{path}: reserved header byte at offset {first} is "
-                                     f"{raw[first]:#x}, expected 0")
+        raise CorruptCheckpointError(
+            f"{path}: reserved header byte at offset {first} is {raw[first]:#x}, expected 0"
+        )
 
 
 def _check_index(offset: int, length: int, file_size: int, path: str) -> None:
     if length > MAX_INDEX_BYTES:
-        raise CorruptCheckpointError(f"{path}: the header gives an index of {length} bytes, more "
-                                     f"than the format's limit of {MAX_INDEX_BYTES}")
+        raise CorruptCheckpointError(
+            f"{path}: the header gives an index of {length} bytes, more "
+            f"than the format's limit of {MAX_INDEX_BYTES}"
+        )
     if offset < HEADER_BYTES or length == 0 or offset + length > file_size:
-        raise CorruptCheckpointError(f"{path}: index at [{offset}, {offset + length}) lies outside "
-                                     f"the file of {file_size} bytes (truncated?)")
+        raise CorruptCheckpointError(
+            f"{path}: index at [{offset}, {offset + length}) lies outside "
+            f"the file of {file_size} bytes (truncated?)"
+        )
 
 
 # ---------------------------------------------------------------- manifest and JSON
+
 
 def seal_manifest(body: bytes) -> bytes:
     """The bytes of ``manifest.json`` for the compact JSON object ``body``: the object with the
@@ -372,14 +457,17 @@ def parse_json(raw: bytes | bytearray, path: str, unique: bool = False) -> Any:
         return obj
 
     try:
-        value = json.loads(raw, parse_constant=_no_constant,
-                           object_pairs_hook=fields if unique else None)
+        value = json.loads(
+            raw, parse_constant=_no_constant, object_pairs_hook=fields if unique else None
+        )
     except (UnicodeDecodeError, ValueError) as exc:
         raise CorruptCheckpointError(f"{path}: invalid JSON ({exc})") from None
     except RecursionError:
         raise _too_deep(raw, path) from None
     if not isinstance(value, dict):
-        raise CorruptCheckpointError(f"{path}: expected a JSON object, found {type(value).__name__}")
+        raise CorruptCheckpointError(
+            f"{path}: expected a JSON object, found {type(value).__name__}"
+        )
     if unique and pairs_seen[-1]:
         raise CorruptCheckpointError(f"{path}: a field of the object is given twice")
     return value
@@ -389,12 +477,15 @@ def _too_deep(raw: bytes | bytearray, path: str) -> Exception:
     """What the decoder's RecursionError on the document ``raw`` means (see :func:`parse_json`)."""
     depth = nesting_depth(raw)
     if depth > MAX_JSON_DEPTH:
-        return CorruptCheckpointError(f"{path}: the JSON nests {depth} levels deep, more than "
-                                      f"the format's {MAX_JSON_DEPTH}")
-    return RecursionError(f"{path}: the JSON nests {depth} levels deep, within the format's "
-                          f"{MAX_JSON_DEPTH}, but the caller's stack is too deep to decode it "
-                          f"(recursion limit {sys.getrecursionlimit()}); this is no damage: "
-                          "read it from a shallower stack")
+        return CorruptCheckpointError(
+            f"{path}: the JSON nests {depth} levels deep, more than the format's {MAX_JSON_DEPTH}"
+        )
+    return RecursionError(
+        f"{path}: the JSON nests {depth} levels deep, within the format's "
+        f"{MAX_JSON_DEPTH}, but the caller's stack is too deep to decode it "
+        f"(recursion limit {sys.getrecursionlimit()}); this is no damage: "
+        "read it from a shallower stack"
+    )
 
 
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
@@ -453,8 +544,9 @@ def text_of(raw: bytes | bytearray) -> str:
     return raw.decode("utf-8", "surrogatepass")
 
 
-def parse_json_streamed(raw: bytes, field: str,
-                        start: Callable[[dict], Callable[[Any], Any] | None]) -> dict | None:
+def parse_json_streamed(
+    raw: bytes, field: str, start: Callable[[dict], Callable[[Any], Any] | None]
+) -> dict | None:
     """:func:`parse_json` of a JSON object whose ``field`` is a long array, each item handed
     to a converter as soon as it is decoded: the object holds what the converter returns for
     it (the item itself when that is None). ``start(fields)``, called when ``field`` is reached
@@ -486,6 +578,7 @@ def parse_json_head(raw: bytes, field: str) -> dict | None:
     ``raw`` is not an object reaching an array ``field`` at its top level, gives a field twice
     before it, is not valid JSON up to it, or nests too deep for the caller's stack (the caller
     then parses the whole with :func:`parse_json`, which judges each)."""
+
     def stop(fields: dict):
         raise _Reached(fields)
 

@@ -4,6 +4,7 @@ a checkpoint's manifest (docs/format.md).
 Bytes are checked first (``codec``: magic, header CRC, the manifest's checksum trailer); the
 decoded JSON is then validated completely by ``records`` before anyone uses a value.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -15,10 +16,26 @@ from typing import Callable, NamedTuple
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from ..storage import Store, open_store
 from . import codec, records, tree, validate
-from .codec import (_TRAILER, CHECKPOINT_FORMAT, MANIFEST, MANIFEST_VERSION, MAX_MANIFEST_BYTES,
-                    PART_FORMAT, SPLIT_VERSION, TRAILER_BYTES, ShardHeader, crc32, encode_entries,
-                    encode_json, parse_json, parse_json_head, parse_json_streamed, part_name,
-                    read_header, seal_manifest)
+from .codec import (
+    _TRAILER,
+    CHECKPOINT_FORMAT,
+    MANIFEST,
+    MANIFEST_VERSION,
+    MAX_MANIFEST_BYTES,
+    PART_FORMAT,
+    SPLIT_VERSION,
+    TRAILER_BYTES,
+    ShardHeader,
+    crc32,
+    encode_entries,
+    encode_json,
+    parse_json,
+    parse_json_head,
+    parse_json_streamed,
+    part_name,
+    read_header,
+    seal_manifest,
+)
 
 
 def read_index(path: str, store: "Store | None" = None) -> "records.ShardIndex":
@@ -36,19 +53,23 @@ def read_index(path: str, store: "Store | None" = None) -> "records.ShardIndex":
     return parse_index_bytes(raw, header, path)
 
 
-def parse_index_bytes(raw: bytes | bytearray, header: ShardHeader, path: str) -> "records.ShardIndex":
+def parse_index_bytes(
+    raw: bytes | bytearray, header: ShardHeader, path: str
+) -> "records.ShardIndex":
     """Check the index bytes against the header's CRC, then validate them."""
     if len(raw) != header.index_length or crc32(raw) != header.index_crc32:
-        raise CorruptCheckpointError(f"{path}: index checksum mismatch (index at "
-                                     f"{header.index_offset}, {header.index_length} bytes)")
+        raise CorruptCheckpointError(
+            f"{path}: index checksum mismatch (index at "
+            f"{header.index_offset}, {header.index_length} bytes)"
+        )
     return validate.parse_shard_index(parse_json(raw, path), path, header.index_offset)
 
 
 class EncodedManifest(NamedTuple):
     """What a publisher writes for a manifest record (:func:`encode_manifest_record`)."""
 
-    data: bytes                    #: the bytes of ``manifest.json``
-    written: records.Manifest      #: the record a reader makes of them
+    data: bytes  #: the bytes of ``manifest.json``
+    written: records.Manifest  #: the record a reader makes of them
     #: a split manifest's parts, (file name, bytes), to be written beside the shard files
     #: before ``manifest.json`` (none for a manifest of one file)
     parts: tuple[tuple[str, bytes], ...] = ()
@@ -69,8 +90,9 @@ def encode_manifest_record(manifest: records.Manifest, split: bool = True) -> En
         manifest = dataclasses.replace(manifest, version=MANIFEST_VERSION)
     head = manifest.to_json(entries=False)
     items: list[bytes] = []
-    written = validate.check_written_manifest(head, manifest.entries,
-                                              "manifest being written", items.extend)
+    written = validate.check_written_manifest(
+        head, manifest.entries, "manifest being written", items.extend
+    )
     if not split or sum(map(len, items)) < codec.SPLIT_BYTES:
         data = seal_manifest(encode_entries(head, b",".join(items)))
         if not split or len(data) <= codec.SPLIT_BYTES:
@@ -85,8 +107,9 @@ def manifest_record_bytes(manifest: records.Manifest) -> tuple[bytes, records.Ma
     return encoded.data, encoded.written
 
 
-def _split(manifest: records.Manifest, head: dict, items: list[bytes],
-           written: records.Manifest) -> EncodedManifest:
+def _split(
+    manifest: records.Manifest, head: dict, items: list[bytes], written: records.Manifest
+) -> EncodedManifest:
     """The split form of ``manifest`` (its JSON form ``head`` without entries, and ``items``,
     each entry's bytes): ranks in order, each part closed once it holds about ``SPLIT_BYTES``.
     A part takes the entries its ranks brought (an entry belongs to the first rank whose tree
@@ -111,28 +134,45 @@ def _split(manifest: records.Manifest, head: dict, items: list[bytes],
             end = len(items)
         elif end == bounds[r] and tree_bytes + ends[end] - ends[first_entry] < target:
             continue  # room for the next rank
-        data = _part_bytes(items[first_entry:end], trees[first_rank:r + 1])
-        refs.append(records.PartRef(
-            name=part_name(len(parts)), first_rank=first_rank, rank_count=r + 1 - first_rank,
-            first_entry=first_entry, entry_count=end - first_entry,
-            nbytes=len(data), crc32=crc32(data)).to_json())
+        data = _part_bytes(items[first_entry:end], trees[first_rank : r + 1])
+        refs.append(
+            records.PartRef(
+                name=part_name(len(parts)),
+                first_rank=first_rank,
+                rank_count=r + 1 - first_rank,
+                first_entry=first_entry,
+                entry_count=end - first_entry,
+                nbytes=len(data),
+                crc32=crc32(data),
+            ).to_json()
+        )
         parts.append((refs[-1]["name"], _within_limit(data)))
         first_rank, first_entry, tree_bytes = r + 1, end, 0
     if sum(len(data) for _, data in parts) > codec.MAX_SPLIT_BYTES:
-        raise CorruptCheckpointError(f"manifest being written: its parts hold more than the "
-                                     f"{codec.MAX_SPLIT_BYTES} bytes a reader accepts (fewer "
-                                     "tensors per rank, or fewer ranks per checkpoint)")
+        raise CorruptCheckpointError(
+            f"manifest being written: its parts hold more than the "
+            f"{codec.MAX_SPLIT_BYTES} bytes a reader accepts (fewer "
+            "tensors per rank, or fewer ranks per checkpoint)"
+        )
     head["version"] = SPLIT_VERSION
     head["parts"] = refs
-    return EncodedManifest(_within_limit(seal_manifest(encode_json(head))),
-                           dataclasses.replace(written, version=SPLIT_VERSION), tuple(parts))
+    return EncodedManifest(
+        _within_limit(seal_manifest(encode_json(head))),
+        dataclasses.replace(written, version=SPLIT_VERSION),
+        tuple(parts),
+    )
 
 
 def _part_bytes(entries: list[bytes], trees: list[bytes]) -> bytes:
     """A part's bytes: its trees before its entries, so that a rank's view takes the trees of a
     part without decoding its entries (:meth:`_Parts.trees`)."""
-    return (b'{"format":"%s","version":%d,"ranks":[' % (PART_FORMAT.encode(), SPLIT_VERSION) +
-            b",".join(trees) + b'],"entries":[' + b",".join(entries) + b"]}")
+    return (
+        b'{"format":"%s","version":%d,"ranks":[' % (PART_FORMAT.encode(), SPLIT_VERSION)
+        + b",".join(trees)
+        + b'],"entries":['
+        + b",".join(entries)
+        + b"]}"
+    )
 
 
 def _last_entry(root: dict) -> int:
@@ -176,9 +216,11 @@ def _within_limit(data: bytes) -> bytes:
     """``data``, a manifest about to be written, unless a reader would refuse it for its size
     (then CorruptCheckpointError: such a manifest is never committed)."""
     if len(data) > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(f"manifest being written: {len(data)} bytes, more than the "
-                                     f"{MAX_MANIFEST_BYTES} a reader accepts (fewer tensors per "
-                                     "rank, or fewer ranks per checkpoint)")
+        raise CorruptCheckpointError(
+            f"manifest being written: {len(data)} bytes, more than the "
+            f"{MAX_MANIFEST_BYTES} a reader accepts (fewer tensors per "
+            "rank, or fewer ranks per checkpoint)"
+        )
     return data
 
 
@@ -193,16 +235,18 @@ PartReader = Callable[[str, int], bytes]
 View = Callable[[int], "int | None"]
 
 
-def read_manifest(ckpt_dir: str, store: "Store | None" = None,
-                  view: View | None = None) -> "records.Manifest":
+def read_manifest(
+    ckpt_dir: str, store: "Store | None" = None, view: View | None = None
+) -> "records.Manifest":
     """Read, checksum and validate ``manifest.json`` of a checkpoint directory (and the parts
     of a split one; ``view``: see :data:`View`): regular files of at most
     ``MAX_MANIFEST_BYTES`` each in it (CorruptCheckpointError naming the path otherwise: a
     link, a FIFO, a device, a directory, a missing part)."""
     store = store or open_store(ckpt_dir)
     path, raw = _read_manifest_file(ckpt_dir, store)
-    return parse_manifest_bytes(raw, path, part_reader(ckpt_dir, store, refused_is_damage=True),
-                                view)
+    return parse_manifest_bytes(
+        raw, path, part_reader(ckpt_dir, store, refused_is_damage=True), view
+    )
 
 
 def read_info(ckpt_dir: str, store: "Store | None" = None) -> "records.CheckpointInfo":
@@ -215,8 +259,10 @@ def read_info(ckpt_dir: str, store: "Store | None" = None) -> "records.Checkpoin
     info = parse_manifest_summary(raw, path, ckpt_dir)
     if info is not None:
         return info
-    return records.info_of(ckpt_dir, parse_manifest_bytes(
-        raw, path, part_reader(ckpt_dir, store, refused_is_damage=True)))
+    return records.info_of(
+        ckpt_dir,
+        parse_manifest_bytes(raw, path, part_reader(ckpt_dir, store, refused_is_damage=True)),
+    )
 
 
 def _read_manifest_file(ckpt_dir: str, store: Store) -> tuple[str, bytes]:
@@ -226,8 +272,9 @@ def _read_manifest_file(ckpt_dir: str, store: Store) -> tuple[str, bytes]:
     try:
         return path, store.read_bytes(path, max_bytes=MAX_MANIFEST_BYTES)
     except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{ckpt_dir}: no {MANIFEST} (not a committed checkpoint)") \
-            from None
+        raise CheckpointNotFoundError(
+            f"{ckpt_dir}: no {MANIFEST} (not a committed checkpoint)"
+        ) from None
     except (IsADirectoryError, NotADirectoryError, PermissionError) as exc:
         raise CorruptCheckpointError(f"{path}: cannot read ({exc})") from None
 
@@ -237,16 +284,19 @@ def part_reader(ckpt_dir: str, store: Store, refused_is_damage: bool = False) ->
     or a directory, makes the manifest damaged (CorruptCheckpointError naming it); a read the
     storage refused (EACCES) too with ``refused_is_damage``, else it is raised as it is (it
     says nothing of the checkpoint)."""
-    damage = (FileNotFoundError, IsADirectoryError, NotADirectoryError) + \
-        ((PermissionError,) if refused_is_damage else ())
+    damage = (FileNotFoundError, IsADirectoryError, NotADirectoryError) + (
+        (PermissionError,) if refused_is_damage else ()
+    )
 
     def read(name: str, nbytes: int) -> bytes:
         path = store.join(ckpt_dir, *name.split("/"))
         try:
             return store.read_bytes(path, max_bytes=nbytes)
         except damage as exc:
-            raise CorruptCheckpointError(f"{path}: cannot read this part of the manifest "
-                                         f"({exc})") from None
+            raise CorruptCheckpointError(
+                f"{path}: cannot read this part of the manifest ({exc})"
+            ) from None
+
     return read
 
 
@@ -256,18 +306,32 @@ def _check_seal(raw: bytes, path: str) -> bool:
     sealed = _TRAILER.search(raw)
     if sealed is None:
         return False
-    covered = raw[:sealed.start()]
+    covered = raw[: sealed.start()]
     if crc32(covered) != int(sealed.group(1), 16):
-        raise CorruptCheckpointError(f"{path}: manifest checksum mismatch (CRC-32 of the "
-                                     f"first {len(covered)} bytes is {crc32(covered):08x}, "
-                                     f"the trailer says {sealed.group(1).decode()})")
+        raise CorruptCheckpointError(
+            f"{path}: manifest checksum mismatch (CRC-32 of the "
+            f"first {len(covered)} bytes is {crc32(covered):08x}, "
+            f"the trailer says {sealed.group(1).decode()})"
+        )
     return True
 
 
 #: The fields of a manifest that describe its checkpoint: a listing takes them from the head
 #: only when every one of them is there (a field left out would be taken for its default).
-HEAD_FIELDS = frozenset(("format", "version", "name", "step", "created_unix", "world_size",
-                         "seq", "metrics", "metadata", "files"))
+HEAD_FIELDS = frozenset(
+    (
+        "format",
+        "version",
+        "name",
+        "step",
+        "created_unix",
+        "world_size",
+        "seq",
+        "metrics",
+        "metadata",
+        "files",
+    )
+)
 
 
 def manifest_data_files(raw: bytes, path: str) -> list[str]:
@@ -283,8 +347,9 @@ def manifest_data_files(raw: bytes, path: str) -> list[str]:
             names = [f["name"] for f in obj["files"]] + [ref.name for ref in refs]
             return [f"{data_dir}/{name}" if data_dir else name for name in names]
     manifest = parse_manifest_bytes(raw, path)
-    return [f"{manifest.data_dir}/{f.name}" if manifest.data_dir else f.name
-            for f in manifest.files]
+    return [
+        f"{manifest.data_dir}/{f.name}" if manifest.data_dir else f.name for f in manifest.files
+    ]
 
 
 def parse_manifest_summary(raw: bytes, path: str, ckpt: str) -> "records.CheckpointInfo | None":
@@ -317,14 +382,21 @@ def _info(fields: dict, path: str, ckpt: str) -> "records.CheckpointInfo":
     validated (``validate.parse_summary``)."""
     head, metrics = validate.parse_summary(fields, path)
     return records.CheckpointInfo(
-        name=ckpt.rstrip("/").rsplit("/", 1)[-1], path=ckpt, step=head.step,
-        created_unix=head.created, world_size=head.world,
-        nbytes=sum(f.nbytes for f in head.files), metadata=dict(head.metadata), seq=head.seq,
-        metrics=dict(metrics))
+        name=ckpt.rstrip("/").rsplit("/", 1)[-1],
+        path=ckpt,
+        step=head.step,
+        created_unix=head.created,
+        world_size=head.world,
+        nbytes=sum(f.nbytes for f in head.files),
+        metadata=dict(head.metadata),
+        seq=head.seq,
+        metrics=dict(metrics),
+    )
 
 
-def parse_manifest_bytes(raw: bytes, path: str, parts: PartReader | None = None,
-                         view: View | None = None) -> "records.Manifest":
+def parse_manifest_bytes(
+    raw: bytes, path: str, parts: PartReader | None = None, view: View | None = None
+) -> "records.Manifest":
     """Check the checksum trailer of a manifest's bytes, then validate its JSON; the parts of a
     split manifest are read through ``parts`` (:func:`part_reader`; without it a split manifest
     is refused with CorruptCheckpointError), as ``view`` says (:data:`View`).
@@ -336,8 +408,9 @@ def parse_manifest_bytes(raw: bytes, path: str, parts: PartReader | None = None,
     return _parse_manifest_bytes(raw, path, parts, view)
 
 
-def _parse_manifest_bytes(raw: bytes, path: str, parts: PartReader | None,
-                          view: View | None) -> "records.Manifest":
+def _parse_manifest_bytes(
+    raw: bytes, path: str, parts: PartReader | None, view: View | None
+) -> "records.Manifest":
     if _check_seal(raw, path):
         obj, checked = _decode_manifest(raw, path)
         obj.pop("manifest_crc32", None)
@@ -346,22 +419,34 @@ def _parse_manifest_bytes(raw: bytes, path: str, parts: PartReader | None,
         return validate.parse_manifest(obj, path, checked=checked)
     obj, checked = _decode_manifest(raw, path)
     if "manifest_crc32" in obj or obj.get("version") != 1 or "seq" in obj or "parts" in obj:
-        if obj.get("format") == CHECKPOINT_FORMAT and type(obj.get("version")) is int and \
-                obj["version"] > SPLIT_VERSION and "manifest_crc32" not in obj:
-            raise UnsupportedFormatError(f"{path}: format version {obj['version']} is newer than "
-                                         f"this reader's {SPLIT_VERSION}; upgrade datastates")
-        raise CorruptCheckpointError(f"{path}: the manifest does not end with its checksum "
-                                     f"(expected the last {TRAILER_BYTES} bytes to be "
-                                     '\',"manifest_crc32":"<8 hex digits>"}\')')
+        if (
+            obj.get("format") == CHECKPOINT_FORMAT
+            and type(obj.get("version")) is int
+            and obj["version"] > SPLIT_VERSION
+            and "manifest_crc32" not in obj
+        ):
+            raise UnsupportedFormatError(
+                f"{path}: format version {obj['version']} is newer than "
+                f"this reader's {SPLIT_VERSION}; upgrade datastates"
+            )
+        raise CorruptCheckpointError(
+            f"{path}: the manifest does not end with its checksum "
+            f"(expected the last {TRAILER_BYTES} bytes to be "
+            '\',"manifest_crc32":"<8 hex digits>"}\')'
+        )
     manifest = validate.parse_manifest(obj, path, version_1=True, checked=checked)
-    warnings.warn(f"{path}: a version-1 manifest has no checksum; its fields are validated but "
-                  "a damaged value cannot be detected. Save a new checkpoint to get a checked one",
-                  RuntimeWarning, stacklevel=4)
+    warnings.warn(
+        f"{path}: a version-1 manifest has no checksum; its fields are validated but "
+        "a damaged value cannot be detected. Save a new checkpoint to get a checked one",
+        RuntimeWarning,
+        stacklevel=4,
+    )
     return manifest
 
 
-def _assemble(head: dict, path: str, read: PartReader | None,
-              view: View | None) -> "records.Manifest":
+def _assemble(
+    head: dict, path: str, read: PartReader | None, view: View | None
+) -> "records.Manifest":
     """The manifest of a split one's head (docs/format.md, "Split manifests"): the table of
     parts validated before a part is read, each part read with its recorded size as the bound,
     its size and CRC-32 checked against the head before it is decoded, then the logical
@@ -369,8 +454,10 @@ def _assemble(head: dict, path: str, read: PartReader | None,
     ``view`` of its world size, that rank's view (:func:`_view`)."""
     refs = validate.parse_parts(head, path)
     if read is None:
-        raise CorruptCheckpointError(f"{path}: a split manifest (version {SPLIT_VERSION}) is "
-                                     "read with its parts, from its checkpoint directory")
+        raise CorruptCheckpointError(
+            f"{path}: a split manifest (version {SPLIT_VERSION}) is "
+            "read with its parts, from its checkpoint directory"
+        )
     parts = _Parts(head, path, read, refs)
     saved = head["world_size"]
     rank = view(saved) if view is not None and saved > 1 else None
@@ -396,8 +483,7 @@ class _Parts:
     """Reading the parts of the split manifest ``path`` (its head ``head``, its table of parts
     ``refs``, validated) through ``read``."""
 
-    def __init__(self, head: dict, path: str, read: PartReader,
-                 refs: tuple[records.PartRef, ...]):
+    def __init__(self, head: dict, path: str, read: PartReader, refs: tuple[records.PartRef, ...]):
         self.path, self.refs, self.read_bytes = path, refs, read
         self.data_dir = validate.data_dir(head, path)
 
@@ -413,9 +499,11 @@ class _Parts:
         ref = self.refs[i]
         raw = self.read_bytes(self.name(i), ref.nbytes)
         if len(raw) != ref.nbytes or crc32(raw) != ref.crc32:
-            raise CorruptCheckpointError(f"{self.where(i)}: {len(raw)} bytes with CRC-32 "
-                                         f"{crc32(raw):08x}, the manifest records {ref.nbytes} "
-                                         f"bytes with {ref.crc32:08x} (damaged or replaced)")
+            raise CorruptCheckpointError(
+                f"{self.where(i)}: {len(raw)} bytes with CRC-32 "
+                f"{crc32(raw):08x}, the manifest records {ref.nbytes} "
+                f"bytes with {ref.crc32:08x} (damaged or replaced)"
+            )
         return raw
 
     def decode(self, i: int, raw: bytes, convert=None) -> tuple[list, list]:
@@ -482,8 +570,9 @@ def _view(head: dict, path: str, parts: _Parts, rank: int) -> "records.Manifest"
     return validate.parse_view(head, path, rank, node, wanted, found, count)
 
 
-def split_summary(raw: bytes, path: str, ckpt: str,
-                  read: PartReader) -> "records.CheckpointInfo | None":
+def split_summary(
+    raw: bytes, path: str, ckpt: str, read: PartReader
+) -> "records.CheckpointInfo | None":
     """The description of the checkpoint ``ckpt`` if its sealed manifest ``raw`` is split
     (None otherwise): its head and table of parts validated, then every part read (through
     ``read``, bounded by its recorded size) and its size and CRC-32 compared with the table's,

@@ -14,6 +14,7 @@ several times cheaper to build: a checkpoint of many small tensors builds hundre
 
 Pure: no I/O, no validation here (``validate.py`` validates, ``files.py`` reads and writes bytes).
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,18 +30,23 @@ from . import sharing
 
 # ---------------------------------------------------------------- records
 
+
 @dataclass(frozen=True)
 class FileRef:
     """One shard file of a checkpoint: ``rank-RRRRR.dsf`` written by ``rank``."""
 
     name: str
     rank: int
-    nbytes: int        #: exact size of the file
-    index_crc32: int   #: CRC-32 of its index, also stored in its header
+    nbytes: int  #: exact size of the file
+    index_crc32: int  #: CRC-32 of its index, also stored in its header
 
     def to_json(self) -> dict:
-        return {"rank": self.rank, "name": self.name, "nbytes": self.nbytes,
-                "index_crc32": self.index_crc32}
+        return {
+            "rank": self.rank,
+            "name": self.name,
+            "nbytes": self.nbytes,
+            "index_crc32": self.index_crc32,
+        }
 
 
 class PartRef(NamedTuple):
@@ -70,12 +76,17 @@ class ShardRef(NamedTuple):
     nbytes: int
     global_offset: tuple[int, ...]
     shape: tuple[int, ...]
-    checksums: tuple[tuple[int, int], ...]   #: consecutive (length, crc32) pieces
+    checksums: tuple[tuple[int, int], ...]  #: consecutive (length, crc32) pieces
 
     def to_json(self) -> dict:
-        return {"file": self.file, "offset": self.offset, "nbytes": self.nbytes,
-                "global_offset": list(self.global_offset), "shape": list(self.shape),
-                "checksums": list(map(list, self.checksums))}
+        return {
+            "file": self.file,
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "global_offset": list(self.global_offset),
+            "shape": list(self.shape),
+            "checksums": list(map(list, self.checksums)),
+        }
 
 
 class TensorEntry(NamedTuple):
@@ -86,7 +97,7 @@ class TensorEntry(NamedTuple):
     shape: tuple[int, ...]
     shards: tuple[ShardRef, ...]
     replicated: bool = False
-    rank: int | None = None    #: the rank whose per-rank tensor this is (None: shared/sharded)
+    rank: int | None = None  #: the rank whose per-rank tensor this is (None: shared/sharded)
 
     @property
     def kind(self) -> Literal["tensor"]:
@@ -97,9 +108,13 @@ class TensorEntry(NamedTuple):
         return fmt.dtype_from_name(self.dtype, self.key)
 
     def to_json(self) -> dict:
-        out: dict[str, Any] = {"kind": "tensor", "key": self.key, "dtype": self.dtype,
-                               "shape": list(self.shape),
-                               "shards": list(map(ShardRef.to_json, self.shards))}
+        out: dict[str, Any] = {
+            "kind": "tensor",
+            "key": self.key,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "shards": list(map(ShardRef.to_json, self.shards)),
+        }
         if self.replicated:
             out["replicated"] = True
         if self.rank is not None:
@@ -121,8 +136,14 @@ class ObjectEntry(NamedTuple):
         return "object"
 
     def to_json(self) -> dict:
-        return {"kind": "object", "key": self.key, "file": self.file, "offset": self.offset,
-                "nbytes": self.nbytes, "crc32": self.crc32}
+        return {
+            "kind": "object",
+            "key": self.key,
+            "file": self.file,
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "crc32": self.crc32,
+        }
 
 
 Entry = Union[TensorEntry, ObjectEntry]
@@ -151,7 +172,7 @@ class Manifest:
     version: int
     name: str
     step: int | None
-    seq: int                 #: commit sequence number (0 for version-1 manifests)
+    seq: int  #: commit sequence number (0 for version-1 manifests)
     created_unix: float
     world_size: int
     metadata: dict
@@ -196,7 +217,8 @@ class Manifest:
             return [r.to_json() for r in self.ranks]
         base = self.ranks[0].tree
         return [self.ranks[0].to_json()] + [
-            {"rank": r.rank, "tree": sharing.share(r.tree, base)} for r in self.ranks[1:]]
+            {"rank": r.rank, "tree": sharing.share(r.tree, base)} for r in self.ranks[1:]
+        ]
 
     def to_json(self, entries: bool = True) -> dict:
         """The JSON object ``manifest.json`` holds (before its checksum seal); with
@@ -204,11 +226,18 @@ class Manifest:
         JSON a batch at a time: ``validate.check_written_manifest``). ValueError for a rank's
         view, which holds part of the manifest only."""
         if self.view is not None:
-            raise ValueError(f"the view of rank {self.view} of checkpoint {self.name!r} is not "
-                             "a whole manifest: it cannot be written")
-        out = {"format": fmt.CHECKPOINT_FORMAT, "version": self.version, "name": self.name,
-               "step": self.step, "created_unix": self.created_unix,
-               "world_size": self.world_size}
+            raise ValueError(
+                f"the view of rank {self.view} of checkpoint {self.name!r} is not "
+                "a whole manifest: it cannot be written"
+            )
+        out = {
+            "format": fmt.CHECKPOINT_FORMAT,
+            "version": self.version,
+            "name": self.name,
+            "step": self.step,
+            "created_unix": self.created_unix,
+            "world_size": self.world_size,
+        }
         # Every field a listing needs comes before "entries" (docs/format.md, "The head"):
         # a catalog reads a checkpoint's description without decoding its entries.
         if self.version > 1:
@@ -221,8 +250,9 @@ class Manifest:
             out["metrics"] = self.metrics
         out["metadata"] = self.metadata
         out["files"] = [f.to_json() for f in self.files]
-        out["entries"] = [self.entries[i].to_json() for i in range(len(self.entries))] \
-            if entries else []
+        out["entries"] = (
+            [self.entries[i].to_json() for i in range(len(self.entries))] if entries else []
+        )
         out["ranks"] = self._ranks_json()
         return out
 
@@ -231,10 +261,10 @@ class IndexEntry(NamedTuple):
     """A region of a shard file as its own index describes it."""
 
     key: str
-    kind: str                                 #: "tensor" or "object"
+    kind: str  #: "tensor" or "object"
     offset: int
     nbytes: int
-    checksums: tuple[tuple[int, int], ...]    #: (length, crc32) pieces covering the region
+    checksums: tuple[tuple[int, int], ...]  #: (length, crc32) pieces covering the region
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
 
@@ -266,10 +296,19 @@ class ReportEntry(NamedTuple):
 
     def to_json(self) -> dict:
         if self.kind == "object":
-            return {"key": self.key, "kind": "object", "offset": self.offset,
-                    "nbytes": self.nbytes, "crc32": self.crc32}
-        out: dict[str, Any] = {"key": self.key, "kind": "tensor", "dtype": self.dtype,
-                               "shape": _list_of(self.shape)}
+            return {
+                "key": self.key,
+                "kind": "object",
+                "offset": self.offset,
+                "nbytes": self.nbytes,
+                "crc32": self.crc32,
+            }
+        out: dict[str, Any] = {
+            "key": self.key,
+            "kind": "tensor",
+            "dtype": self.dtype,
+            "shape": _list_of(self.shape),
+        }
         if self.global_shape is not None:
             out["global_shape"] = list(self.global_shape)
             out["global_offset"] = _list_of(self.global_offset)
@@ -289,12 +328,16 @@ class SaveRef:
 
     name: str
     step: int | None
-    nonce: str            #: names the round's keys; recorded in the manifest as ``save_id``
+    nonce: str  #: names the round's keys; recorded in the manifest as ``save_id``
     overwrite: bool = False
 
     def to_json(self) -> dict:
-        return {"name": self.name, "step": self.step, "nonce": self.nonce,
-                "overwrite": self.overwrite}
+        return {
+            "name": self.name,
+            "step": self.step,
+            "nonce": self.nonce,
+            "overwrite": self.overwrite,
+        }
 
 
 @dataclass(frozen=True)
@@ -304,14 +347,14 @@ class RankReport:
 
     rank: int
     save: SaveRef
-    root: str                         #: the directory this rank saves into, as it spells it
-    file: FileRef | None = None       #: None for a failed save
+    root: str  #: the directory this rank saves into, as it spells it
+    file: FileRef | None = None  #: None for a failed save
     entries: tuple[ReportEntry, ...] = ()
     tree: dict | None = field(default=None, repr=False)
     #: Digest of every declared-replicated tensor (key → text), compared across ranks.
     replicas: Mapping[str, str] = field(default_factory=dict)
-    error: str | None = None          #: this rank's own failure, described
-    expired: bool = False             #: its deadline passed before the round began
+    error: str | None = None  #: this rank's own failure, described
+    expired: bool = False  #: its deadline passed before the round began
 
     @property
     def failed(self) -> bool:
@@ -323,12 +366,18 @@ class RankReport:
             out.update(error=self.error, expired=self.expired)
             return out
         assert self.file is not None  # a report without an error names its file
-        out.update(file=self.file.to_json(), entries=[e.to_json() for e in self.entries],
-                   tree=self.tree, replicas=dict(self.replicas), expired=self.expired)
+        out.update(
+            file=self.file.to_json(),
+            entries=[e.to_json() for e in self.entries],
+            tree=self.tree,
+            replicas=dict(self.replicas),
+            expired=self.expired,
+        )
         return out
 
 
 # ---------------------------------------------------------------- the commit round's outcome
+
 
 @dataclass(frozen=True)
 class CheckpointInfo:
@@ -347,10 +396,17 @@ class CheckpointInfo:
     metrics: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "path": self.path, "step": self.step,
-                "created_unix": self.created_unix, "world_size": self.world_size,
-                "nbytes": self.nbytes, "metadata": self.metadata, "seq": self.seq,
-                "metrics": self.metrics}
+        return {
+            "name": self.name,
+            "path": self.path,
+            "step": self.step,
+            "created_unix": self.created_unix,
+            "world_size": self.world_size,
+            "nbytes": self.nbytes,
+            "metadata": self.metadata,
+            "seq": self.seq,
+            "metrics": self.metrics,
+        }
 
 
 @dataclass(frozen=True)
@@ -367,10 +423,17 @@ class SkippedCheckpoint:
 
 def info_of(path: str, manifest: Manifest) -> CheckpointInfo:
     """The description of the checkpoint at ``path`` with this manifest."""
-    return CheckpointInfo(name=path.rstrip("/").rsplit("/", 1)[-1], path=path, step=manifest.step,
-                          created_unix=manifest.created_unix, world_size=manifest.world_size,
-                          nbytes=manifest.nbytes, metadata=dict(manifest.metadata),
-                          seq=manifest.seq, metrics=dict(manifest.metrics))
+    return CheckpointInfo(
+        name=path.rstrip("/").rsplit("/", 1)[-1],
+        path=path,
+        step=manifest.step,
+        created_unix=manifest.created_unix,
+        world_size=manifest.world_size,
+        nbytes=manifest.nbytes,
+        metadata=dict(manifest.metadata),
+        seq=manifest.seq,
+        metrics=dict(manifest.metrics),
+    )
 
 
 #: Why a round did not commit: ``timeout`` (a rank did not report, or its deadline passed),
@@ -412,8 +475,12 @@ class Verdict:
             return {"pending": True, "publishing": True} if self.publishing else {"pending": True}
         if self.ok:
             return {"ok": True, "info": self.info.to_json() if self.info is not None else None}
-        return {"ok": False, "kind": self.kind, "message": self.message,
-                "causes": {str(r): c for r, c in self.causes.items()}}
+        return {
+            "ok": False,
+            "kind": self.kind,
+            "message": self.message,
+            "causes": {str(r): c for r, c in self.causes.items()},
+        }
 
 
 #: Rank 0's claim of a round: it reviews the reports and writes the manifest; until it moves the

@@ -17,6 +17,7 @@ allocating constructor it calls asks for no more elements than the blob has byte
 :func:`_scan_pickle`). Torch would refuse a tensor outside its storage too, but with an untyped
 ``RuntimeError``; here it is a ``CorruptCheckpointError`` naming the key.
 """
+
 from __future__ import annotations
 
 import _compat_pickle
@@ -48,8 +49,9 @@ def dumps(obj: Any, key: str) -> bytes:
     return buf.getvalue()
 
 
-def loads(data: bytes | memoryview, key: str, *, trusted: bool = False,
-          safe_globals: Iterable[Any] = ()) -> Any:
+def loads(
+    data: bytes | memoryview, key: str, *, trusted: bool = False, safe_globals: Iterable[Any] = ()
+) -> Any:
     """Load a blob written by :func:`dumps`.
 
     With ``trusted=False`` only allowlisted types load; ``safe_globals`` extends the allowlist for
@@ -71,8 +73,10 @@ def loads(data: bytes | memoryview, key: str, *, trusted: bool = False,
             "allow the specific classes with safe_globals=[...]"
         ) from exc
     except Exception as exc:  # only torch's allowlisted functions ran: the blob is at fault
-        raise CorruptCheckpointError(f"the object at {key!r} does not load ({type(exc).__name__}: "
-                                     f"{_first_line(exc)}): its blob is damaged or forged") from exc
+        raise CorruptCheckpointError(
+            f"the object at {key!r} does not load ({type(exc).__name__}: "
+            f"{_first_line(exc)}): its blob is damaged or forged"
+        ) from exc
 
 
 # ---------------------------------------------------------------- what a blob may hold
@@ -99,13 +103,17 @@ def check_archive(blob: bytes, key: str) -> None:
     members = _members(blob, key)
     pickles = [m for m in members.values() if m.name.rpartition("/")[2] == "data.pkl"]
     if len(pickles) != 1:
-        raise CorruptCheckpointError(f"the object at {key!r}: expected one data.pkl in its "
-                                     f"archive, found {len(pickles)}")
+        raise CorruptCheckpointError(
+            f"the object at {key!r}: expected one data.pkl in its archive, found {len(pickles)}"
+        )
     pkl = pickles[0]
-    prefix = pkl.name[:-len("data.pkl")]
-    records = {m.name[len(prefix) + len("data/"):]: m.size for m in members.values()
-               if m.name.startswith(prefix + "data/")}
-    _scan_pickle(memoryview(blob)[pkl.start:pkl.start + pkl.size], records, len(blob), key)
+    prefix = pkl.name[: -len("data.pkl")]
+    records = {
+        m.name[len(prefix) + len("data/") :]: m.size
+        for m in members.values()
+        if m.name.startswith(prefix + "data/")
+    }
+    _scan_pickle(memoryview(blob)[pkl.start : pkl.start + pkl.size], records, len(blob), key)
 
 
 def _members(blob: bytes, key: str) -> dict[str, _Member]:
@@ -113,8 +121,10 @@ def _members(blob: bytes, key: str) -> dict[str, _Member]:
     try:
         infos = zipfile.ZipFile(io.BytesIO(blob)).infolist()
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, struct.error) as exc:
-        raise CorruptCheckpointError(f"the object at {key!r}: its {len(blob)}-byte blob is not "
-                                     f"the zip archive torch.save writes ({exc})") from None
+        raise CorruptCheckpointError(
+            f"the object at {key!r}: its {len(blob)}-byte blob is not "
+            f"the zip archive torch.save writes ({exc})"
+        ) from None
     members: dict[str, _Member] = {}
     end = 0
     for info in sorted(infos, key=lambda i: i.header_offset):
@@ -122,14 +132,16 @@ def _members(blob: bytes, key: str) -> dict[str, _Member]:
         if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
             raise CorruptCheckpointError(
                 f"{where} is compressed (method {info.compress_type}, {info.compress_size} bytes "
-                f"declared to hold {info.file_size}); torch.save stores members uncompressed")
+                f"declared to hold {info.file_size}); torch.save stores members uncompressed"
+            )
         if info.filename in members:
             raise CorruptCheckpointError(f"{where} appears twice")
         start = _data_start(blob, info, where)
         if info.header_offset < end or start + info.file_size > len(blob):
             raise CorruptCheckpointError(
                 f"{where} at [{info.header_offset}, {start + info.file_size}) overlaps the "
-                f"member before it (ending at {end}) or runs past the {len(blob)}-byte blob")
+                f"member before it (ending at {end}) or runs past the {len(blob)}-byte blob"
+            )
         members[info.filename] = _Member(info.filename, start, info.file_size)
         end = start + info.file_size
     return members
@@ -137,8 +149,9 @@ def _members(blob: bytes, key: str) -> dict[str, _Member]:
 
 def _data_start(blob: bytes, info: zipfile.ZipInfo, where: str) -> int:
     if info.header_offset + _LOCAL_HEADER.size > len(blob):
-        raise CorruptCheckpointError(f"{where}: local header at {info.header_offset} runs past "
-                                     f"the {len(blob)}-byte blob")
+        raise CorruptCheckpointError(
+            f"{where}: local header at {info.header_offset} runs past the {len(blob)}-byte blob"
+        )
     magic, name_len, extra_len = _LOCAL_HEADER.unpack_from(blob, info.header_offset)
     if magic != _LOCAL_MAGIC:
         raise CorruptCheckpointError(f"{where}: no local header at offset {info.header_offset}")
@@ -149,11 +162,16 @@ def _data_start(blob: bytes, info: zipfile.ZipInfo, where: str) -> int:
 
 _MARK = object()
 _UNKNOWN = object()
-_TENSOR_REBUILDS = {"torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2",
-                    "torch._utils._rebuild_qtensor"}
+_TENSOR_REBUILDS = {
+    "torch._utils._rebuild_tensor",
+    "torch._utils._rebuild_tensor_v2",
+    "torch._utils._rebuild_qtensor",
+}
 #: Callables of the loader's allowlist that allocate as many elements as an argument says.
-_ALLOCATORS = re.compile(r"builtins\.bytearray|"
-                         r"torch\.(cuda\.)?(sparse\.)?(storage\.)?\w*(Storage|Tensor)")
+_ALLOCATORS = re.compile(
+    r"builtins\.bytearray|"
+    r"torch\.(cuda\.)?(sparse\.)?(storage\.)?\w*(Storage|Tensor)"
+)
 _INTS = {"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "NEWTRUE", "NEWFALSE"}
 _STRS = {"UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"}
 _TUPLES = {"EMPTY_TUPLE": 0, "TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}
@@ -170,10 +188,25 @@ class _Storage(NamedTuple):
 
 
 #: Bytes per element of the typed storage classes torch.save names (torch.<Name>Storage).
-_STORAGE_ITEMSIZE = {"Double": 8, "Float": 4, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4,
-                     "Short": 2, "Char": 1, "Byte": 1, "Bool": 1, "ComplexDouble": 16,
-                     "ComplexFloat": 8, "QInt8": 1, "QUInt8": 1, "QInt32": 4, "QUInt4x2": 1,
-                     "QUInt2x4": 1}
+_STORAGE_ITEMSIZE = {
+    "Double": 8,
+    "Float": 4,
+    "Half": 2,
+    "BFloat16": 2,
+    "Long": 8,
+    "Int": 4,
+    "Short": 2,
+    "Char": 1,
+    "Byte": 1,
+    "Bool": 1,
+    "ComplexDouble": 16,
+    "ComplexFloat": 8,
+    "QInt8": 1,
+    "QUInt8": 1,
+    "QInt32": 4,
+    "QUInt4x2": 1,
+    "QUInt2x4": 1,
+}
 
 
 def _itemsize(storage_class: str) -> int | None:
@@ -183,14 +216,14 @@ def _itemsize(storage_class: str) -> int | None:
     module, _, name = storage_class.rpartition(".")
     if module != "torch" or not name.endswith("Storage"):
         return None
-    return _STORAGE_ITEMSIZE.get(name[:-len("Storage")])
+    return _STORAGE_ITEMSIZE.get(name[: -len("Storage")])
 
 
 def _dtype_itemsize(value) -> int | None:
     """Bytes per element of a dtype named in a pickle (``torch.float8_e4m3fn``...)."""
     if not isinstance(value, _Global) or not value.name.startswith("torch."):
         return None
-    dtype = getattr(torch, value.name[len("torch."):], None)
+    dtype = getattr(torch, value.name[len("torch.") :], None)
     return dtype.itemsize if isinstance(dtype, torch.dtype) else None
 
 
@@ -218,13 +251,13 @@ def _step(op, arg, stack: list, memo: dict, records: dict, limit: int, key: str)
         stack.append(_MARK)
     elif name == "TUPLE":
         at = len(stack) - 1 - stack[::-1].index(_MARK)
-        items = tuple(stack[at + 1:])
+        items = tuple(stack[at + 1 :])
         del stack[at:]
         stack.append(items)
     elif name in _TUPLES:
         count = _TUPLES[name]
-        items = tuple(stack[len(stack) - count:]) if count else ()
-        del stack[len(stack) - count:]
+        items = tuple(stack[len(stack) - count :]) if count else ()
+        del stack[len(stack) - count :]
         stack.append(items)
     elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
         memo[arg] = stack[-1]
@@ -260,7 +293,7 @@ def _generic(op, stack: list) -> None:
         below = len(before)
     if below > len(stack):
         raise IndexError("stack underflow")
-    del stack[len(stack) - below:]
+    del stack[len(stack) - below :]
     stack.extend(_UNKNOWN for _ in op.stack_after)
 
 
@@ -277,8 +310,14 @@ def _global(module: str, name: str) -> _Global:
 def _storage(pid, records: dict, key: str):
     """A persistent id ``('storage', class, record, location, numel)``: its record must hold
     exactly ``numel`` elements."""
-    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and
-            isinstance(pid[1], _Global) and isinstance(pid[2], str) and type(pid[4]) is int):
+    if not (
+        isinstance(pid, tuple)
+        and len(pid) == 5
+        and pid[0] == "storage"
+        and isinstance(pid[1], _Global)
+        and isinstance(pid[2], str)
+        and type(pid[4]) is int
+    ):
         return _UNKNOWN
     itemsize = _itemsize(pid[1].name)
     if itemsize is None:
@@ -288,7 +327,8 @@ def _storage(pid, records: dict, key: str):
         found = "no such record" if record not in records else f"{records[record]} bytes"
         raise CorruptCheckpointError(
             f"the object at {key!r}: its pickle declares storage data/{record} of {pid[4]} "
-            f"{pid[1].name} elements ({nbytes} bytes), its archive holds {found}")
+            f"{pid[1].name} elements ({nbytes} bytes), its archive holds {found}"
+        )
     return _Storage(record, nbytes, itemsize)
 
 
@@ -309,7 +349,8 @@ def _call(func, args, limit: int, key: str):
         if abs(count) > limit:
             raise CorruptCheckpointError(
                 f"the object at {key!r}: its pickle calls {func.name} for {count} elements, more "
-                f"than its {limit}-byte blob could hold (damaged or forged)")
+                f"than its {limit}-byte blob could hold (damaged or forged)"
+            )
     return _UNKNOWN
 
 
@@ -324,21 +365,31 @@ def _ints(value):
 def _check_tensor(storage, offset, size, stride, *, itemsize: int | None, key: str) -> None:
     """A tensor ``(size, stride, offset)``, in elements of ``itemsize`` bytes, must lie inside
     its storage."""
-    if not (isinstance(storage, _Storage) and itemsize and type(offset) is int and
-            _int_tuple(size) and _int_tuple(stride)):
+    if not (
+        isinstance(storage, _Storage)
+        and itemsize
+        and type(offset) is int
+        and _int_tuple(size)
+        and _int_tuple(stride)
+    ):
         return
-    where = (f"the object at {key!r}: a tensor of size {tuple(size)}, stride {tuple(stride)} "
-             f"and offset {offset}")
+    where = (
+        f"the object at {key!r}: a tensor of size {tuple(size)}, stride {tuple(stride)} "
+        f"and offset {offset}"
+    )
     if len(size) != len(stride) or offset < 0 or min(size + stride, default=0) < 0:
-        raise CorruptCheckpointError(f"{where} is malformed (negative, or as many strides as "
-                                     "dimensions expected)")
+        raise CorruptCheckpointError(
+            f"{where} is malformed (negative, or as many strides as dimensions expected)"
+        )
     if 0 in size:
         return
     needed = (offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1) * itemsize
     if needed > storage.nbytes:
-        raise CorruptCheckpointError(f"{where} needs {needed} bytes of storage data/"
-                                     f"{storage.record}, which holds {storage.nbytes}: the blob "
-                                     "is damaged or forged")
+        raise CorruptCheckpointError(
+            f"{where} needs {needed} bytes of storage data/"
+            f"{storage.record}, which holds {storage.nbytes}: the blob "
+            "is damaged or forged"
+        )
 
 
 def _int_tuple(value) -> bool:
@@ -368,25 +419,34 @@ def refuse_unsaveable(obj: Any, key: str) -> None:
     if data is not None and isinstance(obj, data.DataLoader):
         raise UnsafeObjectError(
             f"refusing to save the object at {key!r} ({_class_name(obj)}): a plain DataLoader "
-            f"is not saved (restore() with safe loading would refuse it). {save_hint(obj)}")
+            f"is not saved (restore() with safe loading would refuse it). {save_hint(obj)}"
+        )
 
 
 def save_hint(obj: Any) -> str:
     """What to do instead of saving ``obj`` as a pickled object."""
-    allow = ("or set CheckpointConfig(allow_unsafe_objects=True) to save it pickled anyway "
-             "(restore() and load() then need trusted=True or safe_globals=[...])")
+    allow = (
+        "or set CheckpointConfig(allow_unsafe_objects=True) to save it pickled anyway "
+        "(restore() and load() then need trusted=True or safe_globals=[...])"
+    )
     data = sys.modules.get("torch.utils.data")
     if data is not None and isinstance(obj, data.DataLoader):
-        return ("Save a stateful loader instead: an object with state_dict() and "
-                "load_state_dict(), such as torchdata's StatefulDataLoader, is captured by "
-                "datastates.StatefulProvider (or save loader.state_dict() yourself); " + allow)
+        return (
+            "Save a stateful loader instead: an object with state_dict() and "
+            "load_state_dict(), such as torchdata's StatefulDataLoader, is captured by "
+            "datastates.StatefulProvider (or save loader.state_dict() yourself); " + allow
+        )
     np = sys.modules.get("numpy")
     if np is not None and isinstance(obj, np.ndarray):
-        return ("NumPy arrays are stored natively only as np.ndarray (not a subclass) of "
-                "bool, int8-64, uint8-64, float16/32/64 or complex64/128 in native byte order; "
-                f"this one is a {type(obj).__qualname__} of {obj.dtype.str}: convert it, " + allow)
-    return ("Save plain values (dicts, lists, numbers, strings, tensors, numpy arrays) instead, "
-            "register a datastates.StateProvider for its class, " + allow)
+        return (
+            "NumPy arrays are stored natively only as np.ndarray (not a subclass) of "
+            "bool, int8-64, uint8-64, float16/32/64 or complex64/128 in native byte order; "
+            f"this one is a {type(obj).__qualname__} of {obj.dtype.str}: convert it, " + allow
+        )
+    return (
+        "Save plain values (dicts, lists, numbers, strings, tensors, numpy arrays) instead, "
+        "register a datastates.StateProvider for its class, " + allow
+    )
 
 
 def _class_name(obj: Any) -> str:

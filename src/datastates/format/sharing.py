@@ -14,6 +14,7 @@ which is bounded here (depth, the rank named, the path existing in that rank's t
 anything relies on it (recursion is bounded by ``max_depth``, 256, far below the interpreter's
 limit).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -41,8 +42,10 @@ def share(node: dict, base: dict | None) -> dict:
         mine, theirs = node["items"], base["items"]
         if not same_json([k for k, _ in mine], [k for k, _ in theirs]):
             return node
-        return {**node, "items": [[k, share(child, other[1])]
-                                  for (k, child), other in zip(mine, theirs)]}
+        return {
+            **node,
+            "items": [[k, share(child, other[1])] for (k, child), other in zip(mine, theirs)],
+        }
     if t in SEQUENCES:
         if len(node["items"]) != len(base["items"]):
             return node
@@ -78,8 +81,16 @@ def resolve(node: Any, rank: int, bases: list[dict], where: str, max_depth: int)
     return _resolve(node, bases[0] if bases else None, rank, bases, where, (), 1, max_depth)
 
 
-def _resolve(node: Any, base: Any, rank: int, bases: list, where: str, path: tuple, depth: int,
-             max_depth: int) -> Any:
+def _resolve(
+    node: Any,
+    base: Any,
+    rank: int,
+    bases: list,
+    where: str,
+    path: tuple,
+    depth: int,
+    max_depth: int,
+) -> Any:
     if depth > max_depth:
         raise CorruptCheckpointError(f"{where}: state tree deeper than {max_depth}")
     if type(node) is not dict:
@@ -96,20 +107,35 @@ def _resolve(node: Any, base: Any, rank: int, bases: list, where: str, path: tup
                     out.append(item)
                     continue
                 key, child = item
-                new = _resolve(child, _child(base, t, key, i), rank, bases, where,
-                               path + (key,), depth + 1, max_depth)
+                new = _resolve(
+                    child,
+                    _child(base, t, key, i),
+                    rank,
+                    bases,
+                    where,
+                    path + (key,),
+                    depth + 1,
+                    max_depth,
+                )
                 out.append(item if new is child else [key, new])
             else:
                 child = item
-                new = _resolve(child, _child(base, t, i, i), rank, bases, where, path + (i,),
-                               depth + 1, max_depth)
+                new = _resolve(
+                    child,
+                    _child(base, t, i, i),
+                    rank,
+                    bases,
+                    where,
+                    path + (i,),
+                    depth + 1,
+                    max_depth,
+                )
                 out.append(new)
             changed = changed or new is not child
         return {**node, "items": out} if changed else node
     if t == "provider" and "state" in node:
         child_base = base.get("state") if type(base) is dict else None
-        state = _resolve(node["state"], child_base, rank, bases, where, path, depth + 1,
-                         max_depth)
+        state = _resolve(node["state"], child_base, rank, bases, where, path, depth + 1, max_depth)
         return node if state is node["state"] else {**node, "state": state}
     return node
 
@@ -120,13 +146,15 @@ def _is_same(node: Any) -> bool:
 
 def _base(marker: dict, base: Any, rank: int, bases: list[dict], where: str, path: tuple) -> Any:
     shown = "/".join(map(str, path))
-    if set(marker) != {"t", "r"} or type(marker["r"]) is not int or marker["r"] != 0 or \
-            rank < 1:
-        raise CorruptCheckpointError(f"{where}: at {shown!r}, expected a 'same' node naming rank "
-                                     f"0 (an earlier rank), found {marker!r}")
+    if set(marker) != {"t", "r"} or type(marker["r"]) is not int or marker["r"] != 0 or rank < 1:
+        raise CorruptCheckpointError(
+            f"{where}: at {shown!r}, expected a 'same' node naming rank "
+            f"0 (an earlier rank), found {marker!r}"
+        )
     if base is None:
-        raise CorruptCheckpointError(f"{where}: at {shown!r}, a 'same' node refers to rank 0's "
-                                     "tree, which has no node there")
+        raise CorruptCheckpointError(
+            f"{where}: at {shown!r}, a 'same' node refers to rank 0's tree, which has no node there"
+        )
     return base
 
 

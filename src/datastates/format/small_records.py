@@ -13,6 +13,7 @@ argument). Nothing else escapes.
 Pure: no I/O. The records' writers and users are ``preemption.py``, ``data.py`` and
 ``memory/marks.py`` / ``memory/nodes.py``.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,7 +66,7 @@ def parse_stop_plan(raw: bytes, where: str) -> tuple[int, int, int]:
 #: The fields of a saved position (``ElasticSampler.state_dict()``), identical on every rank.
 POSITION_FIELDS = ("seed", "shuffle", "epoch", "consumed", "dataset_len")
 #: seed and epoch stay below this, so seed + epoch fits ``torch.Generator.manual_seed``.
-MAX_SEED = 2 ** 63
+MAX_SEED = 2**63
 
 
 class _ArgumentAt(_At):
@@ -89,20 +90,25 @@ def parse_position(state: Any, where: str) -> dict[str, Any]:
         state = dict(state)
     obj = _dict(state, at)
     _fields(obj, POSITION_FIELDS, at)
-    out = {"seed": _int(obj["seed"], at / "seed", 0, MAX_SEED - 1),
-           "shuffle": _bool(obj["shuffle"], at / "shuffle"),
-           "epoch": _int(obj["epoch"], at / "epoch", 0, MAX_SEED - 1),
-           "consumed": 0,
-           "dataset_len": _int(obj["dataset_len"], at / "dataset_len", 0, (1 << 63) - 1)}
+    out = {
+        "seed": _int(obj["seed"], at / "seed", 0, MAX_SEED - 1),
+        "shuffle": _bool(obj["shuffle"], at / "shuffle"),
+        "epoch": _int(obj["epoch"], at / "epoch", 0, MAX_SEED - 1),
+        "consumed": 0,
+        "dataset_len": _int(obj["dataset_len"], at / "dataset_len", 0, (1 << 63) - 1),
+    }
     consumed = obj["consumed"]
     if type(consumed) is int and not 0 <= consumed <= out["dataset_len"]:
-        raise (at / "consumed").bad(f"expected at most the dataset's length "
-                                    f"{out['dataset_len']} (and at least 0), found {consumed}")
+        raise (at / "consumed").bad(
+            f"expected at most the dataset's length "
+            f"{out['dataset_len']} (and at least 0), found {consumed}"
+        )
     out["consumed"] = _int(consumed, at / "consumed", 0, out["dataset_len"])
     return out
 
 
 # ---------------------------------------------------------------- the keeper's marks
+
 
 class Mark(NamedTuple):
     """The keeper's record that it checked the memory checkpoint ``name`` (memory/marks.py):
@@ -114,8 +120,11 @@ class Mark(NamedTuple):
     files: dict[str, tuple[int, int, int, int]]
 
     def to_json(self) -> dict:
-        return {"name": self.name, "manifest": self.manifest,
-                "files": {name: list(identity) for name, identity in self.files.items()}}
+        return {
+            "name": self.name,
+            "manifest": self.manifest,
+            "files": {name: list(identity) for name, identity in self.files.items()},
+        }
 
 
 _MARK_FIELDS = ("name", "manifest", "files")
@@ -142,15 +151,16 @@ def parse_mark(raw: bytes, where: str) -> Mark:
             raise fat.bad(f"expected a file name without a path, found {_show(file)}")
         values = _list(identity, fat)
         if len(values) != 4:
-            raise fat.bad(f"expected [size, inode, mtime_ns, ctime_ns], found {len(values)} "
-                          "values")
-        size, inode, mtime, ctime = (_int(v, fat / i, 0, (1 << 64) - 1)
-                                     for i, v in enumerate(values))
+            raise fat.bad(f"expected [size, inode, mtime_ns, ctime_ns], found {len(values)} values")
+        size, inode, mtime, ctime = (
+            _int(v, fat / i, 0, (1 << 64) - 1) for i, v in enumerate(values)
+        )
         out[file] = (size, inode, mtime, ctime)
     return Mark(name, digest, out)
 
 
 # ---------------------------------------------------------------- a memory directory's ranks
+
 
 @dataclass(frozen=True)
 class NodeRanks:

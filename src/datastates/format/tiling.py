@@ -7,10 +7,12 @@ of a grid); the general check sweeps for overlaps.
 
 Pure: no I/O.
 """
+
 from __future__ import annotations
 
 import bisect
 import heapq
+
 
 def slabs(shape: tuple[int, ...], shards) -> bool:
     """Whether the boxes of ``shards`` are one box holding the whole tensor of ``shape``, or
@@ -37,8 +39,14 @@ def slabs(shape: tuple[int, ...], shards) -> bool:
     spans = []
     for s in shards:  # (slices compared whole: a frame per box costs more than the check)
         off, box = s.global_offset, s.shape
-        if len(off) != ndim or len(box) != ndim or box[after:] != hi or \
-                off[after:] != zeros_hi or dim and (box[:dim] != lo or off[:dim] != zeros_lo):
+        if (
+            len(off) != ndim
+            or len(box) != ndim
+            or box[after:] != hi
+            or off[after:] != zeros_hi
+            or dim
+            and (box[:dim] != lo or off[:dim] != zeros_lo)
+        ):
             return False
         spans.append((off[dim], box[dim]))
     spans.sort()
@@ -98,14 +106,15 @@ def tiling_fault(shape: tuple[int, ...], shards) -> str | None:
     if covered == volume(shape):
         return None
     shown = ", ".join(box_text(*b) for b in sorted(boxes)[:8])
-    return (f"its {len(boxes)} boxes {shown}{', ...' if len(boxes) > 8 else ''} cover "
-            f"{covered} of its {volume(shape)} elements: a gap")
+    return (
+        f"its {len(boxes)} boxes {shown}{', ...' if len(boxes) > 8 else ''} cover "
+        f"{covered} of its {volume(shape)} elements: a gap"
+    )
 
 
 def tiled(shape: tuple[int, ...], shards) -> bool:
     """Whether the boxes of ``shards`` (each inside the tensor of ``shape``) tile it exactly."""
-    return slabs(shape, shards) or grid(shape, shards) or \
-        tiling_fault(shape, shards) is None
+    return slabs(shape, shards) or grid(shape, shards) or tiling_fault(shape, shards) is None
 
 
 def check_tiling(key: str, shape: tuple[int, ...], shards, at) -> None:
@@ -115,8 +124,9 @@ def check_tiling(key: str, shape: tuple[int, ...], shards, at) -> None:
     if not slabs(shape, shards) and not grid(shape, shards):
         fault = tiling_fault(shape, shards)
         if fault is not None:
-            raise (at / "shards").bad(f"the shards of tensor {key!r} do not tile its shape "
-                                      f"{list(shape)}: {fault}")
+            raise (at / "shards").bad(
+                f"the shards of tensor {key!r} do not tile its shape {list(shape)}: {fault}"
+            )
 
 
 #: The general check's budget of box comparisons for one tensor, beyond :data:`COMPARISONS_PER_BOX`
@@ -195,12 +205,16 @@ def _sweep(boxes: list, dim: int, budget: int):
     for b in sorted(boxes, key=lambda b: b[0][dim]):
         spent += 2 * len(active) + 1
         if spent > budget:
-            raise TooIrregular(f"its {len(boxes)} boxes are neither slabs nor a grid and too "
-                               f"irregular to check within {budget} comparisons")
+            raise TooIrregular(
+                f"its {len(boxes)} boxes are neither slabs nor a grid and too "
+                f"irregular to check within {budget} comparisons"
+            )
         active = [a for a in active if a[0][dim] + a[1][dim] > b[0][dim]]
         for a in active:
-            if all(max(a[0][d], b[0][d]) < min(a[0][d] + a[1][d], b[0][d] + b[1][d])
-                   for d in range(ndim)):
+            if all(
+                max(a[0][d], b[0][d]) < min(a[0][d] + a[1][d], b[0][d] + b[1][d])
+                for d in range(ndim)
+            ):
                 yield a, b
         active.append(b)
 
@@ -220,9 +234,11 @@ def _first_overlap_planar(boxes: list, dim: int, other: int | None):
         at = b[0][dim]
         shifted += len(starts)  # what an insertion or a deletion below moves, at most
         if shifted > budget:
-            raise TooIrregular(f"its {len(boxes)} boxes are neither slabs nor a grid and too "
-                               f"irregular to check: more than {budget} of them crossed at "
-                               "once, summed over the sweep")
+            raise TooIrregular(
+                f"its {len(boxes)} boxes are neither slabs nor a grid and too "
+                f"irregular to check: more than {budget} of them crossed at "
+                "once, summed over the sweep"
+            )
         while ends and ends[0][0] <= at:
             lo = heapq.heappop(ends)[2]
             del starts[bisect.bisect_left(starts, lo)]
@@ -249,5 +265,3 @@ def volume(shape) -> int:
 def box_text(off, box) -> str:
     """The box at ``off`` of shape ``box`` as slices: ``[0:4, 2:3]``."""
     return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(off, box)) + "]"
-
-

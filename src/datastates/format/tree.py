@@ -18,6 +18,7 @@ Pure: no I/O. The trees walked here are validated ones (``checks.check_tree``): 
 ``MAX_TREE_DEPTH`` levels, so :func:`fold`'s recursion stays far below the interpreter's limit;
 :func:`leaves` keeps an explicit stack.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -75,8 +76,9 @@ def items(node: dict) -> list[tuple[Any, dict]]:
     return list(enumerate(node["items"]))
 
 
-def leaves(root: dict, wanted: list[str] | None = None,
-           whole: Callable[[dict], bool] | None = None) -> Iterator[tuple[Path, dict]]:
+def leaves(
+    root: dict, wanted: list[str] | None = None, whole: Callable[[dict], bool] | None = None
+) -> Iterator[tuple[Path, dict]]:
     """``(path, node)`` of every leaf, in tree order (items in order, a provider's state at the
     provider's own path). ``wanted``: only what lies within these key prefixes (see
     :func:`scope`; a leaf on the way to a prefix counts). ``whole(node)``: a container for which
@@ -94,24 +96,34 @@ def leaves(root: dict, wanted: list[str] | None = None,
             stack.extend(c for c in reversed(children) if scope(c[0], wanted) is not None)
 
 
-def fold(root: dict, leaf: Callable[[Path, dict], Any], *,
-         mapping: Callable[[dict, list], Any], sequence: Callable[[dict, list], Any],
-         provider: Callable[[Path, dict, Any], Any],
-         wanted: list[str] | None = None) -> Any:
+def fold(
+    root: dict,
+    leaf: Callable[[Path, dict], Any],
+    *,
+    mapping: Callable[[dict, list], Any],
+    sequence: Callable[[dict, list], Any],
+    provider: Callable[[Path, dict, Any], Any],
+    wanted: list[str] | None = None,
+) -> Any:
     """Rebuild the tree bottom-up, in tree order: ``leaf(path, node)`` for each leaf,
     ``mapping(node, [(key, folded child), ...])`` for a dict or odict,
     ``sequence(node, [(index, folded child), ...])`` for a list or tuple, and
     ``provider(path, node, folded state)`` for a provider. ``wanted``: children outside these key
     prefixes are left out (see :func:`scope`)."""
+
     def go(node: dict, path: Path) -> Any:
         t = node["t"]
         if t in LEAVES:
             return leaf(path, node)
         if t == "provider":
             return provider(path, node, go(node["state"], path))
-        kids = [(part, go(child, path + (part,))) for part, child in items(node)
-                if scope(path + (part,), wanted) is not None]
+        kids = [
+            (part, go(child, path + (part,)))
+            for part, child in items(node)
+            if scope(path + (part,), wanted) is not None
+        ]
         return mapping(node, kids) if t in MAPPINGS else sequence(node, kids)
+
     return go(root, ())
 
 
@@ -119,21 +131,31 @@ def map_leaves(root: dict, fn: Callable[[Path, dict], dict]) -> dict:
     """A new saved tree of the same shape, each leaf replaced by ``fn(path, leaf)`` (which may
     return the leaf itself); containers are new nodes, a provider node keeps its other fields.
     The input is not modified."""
-    return fold(root, fn,
-                mapping=lambda node, kids: {"t": node["t"], "items": [[k, c] for k, c in kids]},
-                sequence=lambda node, kids: {"t": node["t"], "items": [c for _, c in kids]},
-                provider=lambda path, node, state: {**node, "state": state})
+    return fold(
+        root,
+        fn,
+        mapping=lambda node, kids: {"t": node["t"], "items": [[k, c] for k, c in kids]},
+        sequence=lambda node, kids: {"t": node["t"], "items": [c for _, c in kids]},
+        provider=lambda path, node, state: {**node, "state": state},
+    )
 
 
-def build(root: dict, leaf: Callable[[Path, dict], Any], *,
-          provider: Callable[[Path, dict, Any], Any] | None = None,
-          wanted: list[str] | None = None) -> Any:
+def build(
+    root: dict,
+    leaf: Callable[[Path, dict], Any],
+    *,
+    provider: Callable[[Path, dict, Any], Any] | None = None,
+    wanted: list[str] | None = None,
+) -> Any:
     """The Python structure the tree describes: dicts (``OrderedDict`` for ``odict``), lists
     and tuples holding ``leaf(path, node)`` for each leaf; a provider node becomes
     ``provider(path, node, state)`` (its state as built; by default the state itself).
     ``wanted`` as for :func:`fold`."""
-    return fold(root, leaf, wanted=wanted,
-                mapping=lambda node, kids: (OrderedDict if node["t"] == "odict" else dict)(kids),
-                sequence=lambda node, kids: (tuple if node["t"] == "tuple" else list)(
-                    c for _, c in kids),
-                provider=provider or (lambda path, node, state: state))
+    return fold(
+        root,
+        leaf,
+        wanted=wanted,
+        mapping=lambda node, kids: (OrderedDict if node["t"] == "odict" else dict)(kids),
+        sequence=lambda node, kids: (tuple if node["t"] == "tuple" else list)(c for _, c in kids),
+        provider=provider or (lambda path, node, state: state),
+    )

@@ -11,6 +11,7 @@ for a newer version) naming the file and the JSON path of the bad field; nothing
 Pure: no I/O (``files.py`` reads the bytes and checks their checksums). The generic field and
 state-tree checks are in ``checks.py``.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,24 +22,66 @@ from typing import Any, Callable, Collection, Mapping, NamedTuple
 from ..errors import CorruptCheckpointError
 from . import codec as fmt
 from . import plain, sharing
-from .checks import (MAX_METADATA_DEPTH, MAX_TREE_DEPTH, _U32, _U64, _At, _bool,
-                     _check_disjoint, _check_tensor_bytes, _dict, _dims, _dtype,
-                     _field_dims, _field_int, _field_str, _finite, _get, _int, _list, _nested,
-                     _numel, _pieces, _show, _str, _version, check_entry_keys, check_tree_refs)
+from .checks import (
+    MAX_METADATA_DEPTH,
+    MAX_TREE_DEPTH,
+    _U32,
+    _U64,
+    _At,
+    _bool,
+    _check_disjoint,
+    _check_tensor_bytes,
+    _dict,
+    _dims,
+    _dtype,
+    _field_dims,
+    _field_int,
+    _field_str,
+    _finite,
+    _get,
+    _int,
+    _list,
+    _nested,
+    _numel,
+    _pieces,
+    _show,
+    _str,
+    _version,
+    check_entry_keys,
+    check_tree_refs,
+)
 from .tiling import check_tiling
-from .records import (ABORT_KINDS, PENDING, PUBLISHING, CheckpointInfo, Entry, FileRef,
-                      IndexEntry, Manifest,
-                      ObjectEntry, PartRef, RankReport, RankTree, ReportEntry, SaveRef,
-                      ShardIndex, ShardRef, TensorEntry, Verdict, regions_by_file,
-                      spans_by_file)
+from .records import (
+    ABORT_KINDS,
+    PENDING,
+    PUBLISHING,
+    CheckpointInfo,
+    Entry,
+    FileRef,
+    IndexEntry,
+    Manifest,
+    ObjectEntry,
+    PartRef,
+    RankReport,
+    RankTree,
+    ReportEntry,
+    SaveRef,
+    ShardIndex,
+    ShardRef,
+    TensorEntry,
+    Verdict,
+    regions_by_file,
+    spans_by_file,
+)
 
 # ---------------------------------------------------------------- manifest
 
 _DATA_DIR = re.compile(r"\.data\.[A-Za-z0-9._@-]+")
 
 
-def parse_manifest(obj: Any, where: str, *, version_1: bool = False,
-                   checked: bool = False) -> Manifest:
+def parse_manifest(
+    obj: Any, where: str, *, version_1: bool = False, checked: bool = False
+) -> Manifest:
     """Validate a decoded ``manifest.json`` completely and return the typed manifest.
 
     ``version_1`` says the file had no checksum trailer (only then is version 1 accepted).
@@ -47,8 +90,13 @@ def parse_manifest(obj: Any, where: str, *, version_1: bool = False,
     at = _At(where)
     m = _dict(obj, at)
     head = _head(m, at, version_1)
-    entries = _entries(_list(_get(m, "entries", at), at / "entries"), at / "entries",
-                       head.files, head.world, checked)
+    entries = _entries(
+        _list(_get(m, "entries", at), at / "entries"),
+        at / "entries",
+        head.files,
+        head.world,
+        checked,
+    )
     return _manifest(m, at, head, entries)
 
 
@@ -76,8 +124,9 @@ def entry_converter(fields: dict) -> Callable[[Any], TensorEntry | None] | None:
     return lambda value: plain.tensor_entry(value, files, world)
 
 
-def check_written_manifest(obj: dict, entries: Mapping[int, Entry], where: str,
-                           encode: Callable[[list[bytes]], None]) -> Manifest:
+def check_written_manifest(
+    obj: dict, entries: Mapping[int, Entry], where: str, encode: Callable[[list[bytes]], None]
+) -> Manifest:
     """The writer's check of the manifest it is about to write: :func:`parse_manifest` of the
     manifest whose JSON form is ``obj`` (every field but ``entries``, which it holds empty) with
     the entries ``entries`` (``Manifest.entries`` of a whole manifest: indexes 0, 1, ... in
@@ -143,7 +192,8 @@ def _head(m: dict, at: _At, version_1: bool) -> _Head:
     if (version == 1) != version_1:
         raise (at / "version").bad(
             f"version {version} {'requires' if version > 1 else 'must not have'} the checksum "
-            "trailer ('manifest_crc32')")
+            "trailer ('manifest_crc32')"
+        )
     name = _str(_get(m, "name", at), at / "name")
     try:
         fmt.check_name(name)
@@ -165,8 +215,14 @@ def _manifest(m: dict, at: _At, head: _Head, entries: Mapping[int, Entry]) -> Ma
     (disjoint regions, the trees' references) and the remaining fields pass."""
     _check_regions(entries.values(), head.files, at)
     refs: dict = {}
-    ranks = _ranks(_get(m, "ranks", at), at / "ranks", head.world,
-                   [e.kind for e in entries.values()], refs, head.version >= 3)
+    ranks = _ranks(
+        _get(m, "ranks", at),
+        at / "ranks",
+        head.world,
+        [e.kind for e in entries.values()],
+        refs,
+        head.version >= 3,
+    )
     check_entry_keys([e.key for e in entries.values()], refs, at / "entries")
     return _record(m, at, head, entries, ranks)
 
@@ -176,26 +232,46 @@ def _check_regions(entries: Collection[Entry], files: tuple[FileRef, ...], at: _
     for file_id, spans in enumerate(spans_by_file(entries, len(files))):
         if not plain.sorted_disjoint(spans):
             regions = regions_by_file(entries, len(files))[file_id]
-            _check_disjoint([(o, n, e.key) for o, n, e, _ in regions],
-                            at / "files" / file_id, f"file {files[file_id].name}")
+            _check_disjoint(
+                [(o, n, e.key) for o, n, e, _ in regions],
+                at / "files" / file_id,
+                f"file {files[file_id].name}",
+            )
 
 
-def _record(m: dict, at: _At, head: _Head, entries: Mapping[int, Entry],
-            ranks: tuple[RankTree, ...],
-            view: int | None = None) -> Manifest:
+def _record(
+    m: dict,
+    at: _At,
+    head: _Head,
+    entries: Mapping[int, Entry],
+    ranks: tuple[RankTree, ...],
+    view: int | None = None,
+) -> Manifest:
     """The manifest record of checked ``head``, ``entries`` and ``ranks``, once the remaining
     fields of ``m`` validate."""
     save_id = m.get("save_id")
     if save_id is not None:
         save_id = _str(save_id, at / "save_id")
-    return Manifest(version=head.version, name=head.name, step=head.step, seq=head.seq,
-                    created_unix=head.created, world_size=head.world, metadata=head.metadata,
-                    files=head.files, entries=entries, ranks=ranks, save_id=save_id,
-                    data_dir=data_dir(m, where=at.file),
-                    metrics=_metrics(m.get("metrics", {}), at / "metrics"), view=view)
+    return Manifest(
+        version=head.version,
+        name=head.name,
+        step=head.step,
+        seq=head.seq,
+        created_unix=head.created,
+        world_size=head.world,
+        metadata=head.metadata,
+        files=head.files,
+        entries=entries,
+        ranks=ranks,
+        save_id=save_id,
+        data_dir=data_dir(m, where=at.file),
+        metrics=_metrics(m.get("metrics", {}), at / "metrics"),
+        view=view,
+    )
 
 
 # ---------------------------------------------------------------- one rank's view
+
 
 class _AnyKind:
     """Equal to either kind of entry: the kind of an entry a view has not decoded yet."""
@@ -227,8 +303,9 @@ class _Kinds:
         return self.known.get(e, _ANY_KIND)
 
 
-def view_tree(where: str, rank: int, item: Any, base_item: Any,
-              entry_count: int) -> tuple[dict, dict]:
+def view_tree(
+    where: str, rank: int, item: Any, base_item: Any, entry_count: int
+) -> tuple[dict, dict]:
     """The first half of :func:`parse_view`: (rank ``rank``'s tree, the entries it refers to as
     ``check_tree_refs`` collects them), its ``same`` nodes resolved against rank 0's tree (a
     split manifest is version 4: its trees share), from their ``ranks`` items ``item`` and
@@ -244,15 +321,17 @@ def view_tree(where: str, rank: int, item: Any, base_item: Any,
 
     node = tree_of(item, rank)
     if rank:
-        node = sharing.resolve(node, rank, [tree_of(base_item, 0)], f"{at / rank / 'tree'}",
-                               MAX_TREE_DEPTH)
+        node = sharing.resolve(
+            node, rank, [tree_of(base_item, 0)], f"{at / rank / 'tree'}", MAX_TREE_DEPTH
+        )
     refs: dict = {}
     check_tree_refs(node, at / rank / "tree", _Kinds(entry_count, {}), refs)
     return node, refs
 
 
-def parse_view(m: dict, where: str, rank: int, node: dict, refs: dict, items: dict[int, Any],
-               entry_count: int) -> Manifest:
+def parse_view(
+    m: dict, where: str, rank: int, node: dict, refs: dict, items: dict[int, Any], entry_count: int
+) -> Manifest:
     """One rank's view of a split manifest (``Manifest.view``): the head ``m`` validated as
     :func:`parse_manifest` validates it, with the tree ``node`` of rank ``rank`` and ``refs``
     from :func:`view_tree`, and ``items`` (index -> JSON value) the entries among the
@@ -264,11 +343,18 @@ def parse_view(m: dict, where: str, rank: int, node: dict, refs: dict, items: di
     entries: dict[int, Entry] = {}
     for e, value in sorted(items.items()):
         entry = plain.tensor_entry(value, head.files, head.world)
-        entries[e] = entry if entry is not None else _entry(value, at / "entries" / e,
-                                                            head.files, head.world)
+        entries[e] = (
+            entry
+            if entry is not None
+            else _entry(value, at / "entries" / e, head.files, head.world)
+        )
     _check_regions(entries.values(), head.files, at)
-    check_tree_refs(node, at / "ranks" / rank / "tree",
-                    _Kinds(entry_count, {e: x.kind for e, x in entries.items()}), None)
+    check_tree_refs(
+        node,
+        at / "ranks" / rank / "tree",
+        _Kinds(entry_count, {e: x.kind for e, x in entries.items()}),
+        None,
+    )
     check_entry_keys({e: x.key for e, x in entries.items()}, refs, at / "entries")
     return _record(m, at, head, entries, (RankTree(rank=rank, tree=node),), view=rank)
 
@@ -294,13 +380,16 @@ def parse_parts(m: dict, where: str) -> tuple[PartRef, ...]:
     at = _At(where)
     head = _head(m, at, False)
     if head.version != fmt.SPLIT_VERSION or "entries" in m or "ranks" in m:
-        raise (at / "version").bad(f"a split manifest (with 'parts') is version "
-                                   f"{fmt.SPLIT_VERSION} and holds no 'entries' or 'ranks' "
-                                   f"(found version {head.version}, fields {sorted(m)})")
+        raise (at / "version").bad(
+            f"a split manifest (with 'parts') is version "
+            f"{fmt.SPLIT_VERSION} and holds no 'entries' or 'ranks' "
+            f"(found version {head.version}, fields {sorted(m)})"
+        )
     values = _list(_get(m, "parts", at), at / "parts")
     if not 1 <= len(values) <= head.world:
-        raise (at / "parts").bad(f"expected 1 to {head.world} parts (one or more ranks "
-                                 f"each), found {len(values)}")
+        raise (at / "parts").bad(
+            f"expected 1 to {head.world} parts (one or more ranks each), found {len(values)}"
+        )
     out, rank, entry, total = [], 0, 0, 0
     for i, value in enumerate(values):
         pat = at / "parts" / i
@@ -313,27 +402,31 @@ def parse_parts(m: dict, where: str) -> tuple[PartRef, ...]:
         nbytes = _field_int(p, "nbytes", pat, 2, fmt.MAX_MANIFEST_BYTES)
         total += nbytes
         if total > fmt.MAX_SPLIT_BYTES:
-            raise (pat / "nbytes").bad(f"the parts hold more than the {fmt.MAX_SPLIT_BYTES} "
-                                       "bytes a reader accepts")
-        part = PartRef(name=name,
-                       first_rank=_field_int(p, "first_rank", pat, rank, rank),
-                       rank_count=_field_int(p, "rank_count", pat, 1, head.world - rank),
-                       first_entry=_field_int(p, "first_entry", pat, entry, entry),
-                       entry_count=_field_int(p, "entry_count", pat, 0, nbytes),
-                       nbytes=nbytes, crc32=_field_int(p, "crc32", pat, 0, _U32))
+            raise (pat / "nbytes").bad(
+                f"the parts hold more than the {fmt.MAX_SPLIT_BYTES} bytes a reader accepts"
+            )
+        part = PartRef(
+            name=name,
+            first_rank=_field_int(p, "first_rank", pat, rank, rank),
+            rank_count=_field_int(p, "rank_count", pat, 1, head.world - rank),
+            first_entry=_field_int(p, "first_entry", pat, entry, entry),
+            entry_count=_field_int(p, "entry_count", pat, 0, nbytes),
+            nbytes=nbytes,
+            crc32=_field_int(p, "crc32", pat, 0, _U32),
+        )
         rank, entry = rank + part.rank_count, entry + part.entry_count
         out.append(part)
     if rank != head.world:
-        raise (at / "parts").bad(f"the parts hold the trees of {rank} ranks, the checkpoint "
-                                 f"has {head.world}")
+        raise (at / "parts").bad(
+            f"the parts hold the trees of {rank} ranks, the checkpoint has {head.world}"
+        )
     return tuple(out)
 
 
 _PART_OBJECT = frozenset(("format", "version", "entries", "ranks"))
 
 
-def parse_part(obj: Any, where: str, part: PartRef,
-               trees_only: bool = False) -> tuple[list, list]:
+def parse_part(obj: Any, where: str, part: PartRef, trees_only: bool = False) -> tuple[list, list]:
     """(entries, trees) of the decoded part ``part`` of a split manifest: the object
     ``{"format": "datastates-manifest-part", "version": 4, "ranks": [...], "entries": [...]}``
     (in any order) holding as many entries and trees as the head says. The entries and trees
@@ -351,12 +444,16 @@ def parse_part(obj: Any, where: str, part: PartRef,
     _int(p["version"], at / "version", fmt.SPLIT_VERSION, fmt.SPLIT_VERSION)
     ranks = _list(p["ranks"], at / "ranks")
     entries = [] if trees_only else _list(p["entries"], at / "entries")
-    if len(ranks) != part.rank_count or (
-            not trees_only and len(entries) != part.entry_count):
-        found = f"{len(ranks)} trees" if trees_only else \
-            f"{len(entries)} entries and {len(ranks)} trees"
-        raise at.bad(f"{found}, the manifest's table of parts says {part.entry_count} entries "
-                     f"and {part.rank_count} trees")
+    if len(ranks) != part.rank_count or (not trees_only and len(entries) != part.entry_count):
+        found = (
+            f"{len(ranks)} trees"
+            if trees_only
+            else f"{len(entries)} entries and {len(ranks)} trees"
+        )
+        raise at.bad(
+            f"{found}, the manifest's table of parts says {part.entry_count} entries "
+            f"and {part.rank_count} trees"
+        )
     return entries, ranks
 
 
@@ -393,16 +490,20 @@ def _file_ref(value: Any, at: _At, rank: int | None) -> FileRef:
         raise (at / "rank").bad(f"expected rank {rank}, found {r}")
     name = _str(_get(f, "name", at), at / "name")
     if name != fmt.shard_file_name(r):
-        raise (at / "name").bad(f"expected the file name {fmt.shard_file_name(r)!r}, found "
-                                f"{name!r}")
+        raise (at / "name").bad(
+            f"expected the file name {fmt.shard_file_name(r)!r}, found {name!r}"
+        )
     return _file(f, at, name, r)
 
 
 def _file(f: dict, at: _At, name: str, rank: int) -> FileRef:
     """The size and index CRC of a shard file whose name and rank are checked."""
-    return FileRef(name=name, rank=rank,
-                   nbytes=_int(_get(f, "nbytes", at), at / "nbytes", fmt.HEADER_BYTES, _U64),
-                   index_crc32=_int(_get(f, "index_crc32", at), at / "index_crc32", 0, _U32))
+    return FileRef(
+        name=name,
+        rank=rank,
+        nbytes=_int(_get(f, "nbytes", at), at / "nbytes", fmt.HEADER_BYTES, _U64),
+        index_crc32=_int(_get(f, "index_crc32", at), at / "index_crc32", 0, _U32),
+    )
 
 
 def _step(value: Any, at: _At) -> int | None:
@@ -410,8 +511,9 @@ def _step(value: Any, at: _At) -> int | None:
     return None if value is None else _int(value, at, 0, (1 << 63) - 1)
 
 
-def _entries(values: list, at: _At, files: tuple[FileRef, ...], world: int,
-             checked: bool = False) -> dict[int, Entry]:
+def _entries(
+    values: list, at: _At, files: tuple[FileRef, ...], world: int, checked: bool = False
+) -> dict[int, Entry]:
     """The manifest's entries: each ordinary tensor entry through ``plain.tensor_entry``, any
     other (an object, anything unusual or wrong) through :func:`_entry`; with ``checked``, a
     record among ``values`` is one :func:`entry_converter` made (JSON decodes to no record)."""
@@ -440,8 +542,10 @@ def _entry(value: Any, at: _At, files: tuple[FileRef, ...], world: int) -> Entry
         raise (at / "kind").bad(f"unknown entry kind {_show(kind)}")
     dtype = _dtype(_get(e, "dtype", at), at / "dtype")
     shape = _field_dims(e, "shape", at)
-    shards = tuple(_shard(s, at / "shards" / i, files, dtype, shape)
-                   for i, s in enumerate(_list(_get(e, "shards", at), at / "shards")))
+    shards = tuple(
+        _shard(s, at / "shards" / i, files, dtype, shape)
+        for i, s in enumerate(_list(_get(e, "shards", at), at / "shards"))
+    )
     if not shards:
         raise (at / "shards").bad(f"tensor {key!r} has no stored shard")
     stored = sum(s.nbytes for s in shards)
@@ -453,16 +557,18 @@ def _entry(value: Any, at: _At, files: tuple[FileRef, ...], world: int) -> Entry
     rank = e.get("rank")
     if rank is not None:
         rank = _field_int(e, "rank", at, 0, world - 1)
-    return TensorEntry(key=key, dtype=dtype, shape=shape, shards=shards, replicated=replicated,
-                       rank=rank)
+    return TensorEntry(
+        key=key, dtype=dtype, shape=shape, shards=shards, replicated=replicated, rank=rank
+    )
 
 
 def _check_tensor_size(dtype: str, shape: tuple[int, ...], stored: int, at: _At) -> None:
     """The global tensor is no bigger than its stored shards (allocation is bounded by data)."""
     itemsize = fmt.dtype_from_name(dtype, "").itemsize
     if _numel(shape, stored // itemsize) is None:
-        raise (at / "shape").bad(f"global shape {list(shape)} of {dtype} is larger than its "
-                                 f"{stored} stored bytes")
+        raise (at / "shape").bad(
+            f"global shape {list(shape)} of {dtype} is larger than its {stored} stored bytes"
+        )
 
 
 def _region(e: dict, at: _At, f: FileRef) -> tuple[int, int]:
@@ -473,27 +579,38 @@ def _region(e: dict, at: _At, f: FileRef) -> tuple[int, int]:
     return offset, nbytes
 
 
-def _shard(value: Any, at: _At, files: tuple[FileRef, ...], dtype: str,
-           shape: tuple[int, ...]) -> ShardRef:
+def _shard(
+    value: Any, at: _At, files: tuple[FileRef, ...], dtype: str, shape: tuple[int, ...]
+) -> ShardRef:
     s = _dict(value, at)
     file_id = _field_int(s, "file", at, 0, len(files) - 1)
     offset, nbytes = _region(s, at, files[file_id])
     box = _field_dims(s, "shape", at)
     origin = _field_dims(s, "global_offset", at)
     if len(box) != len(shape) or len(origin) != len(shape):
-        raise at.bad(f"box {list(origin)}+{list(box)} does not have the {len(shape)} dimensions "
-                     f"of the tensor {list(shape)}")
+        raise at.bad(
+            f"box {list(origin)}+{list(box)} does not have the {len(shape)} dimensions "
+            f"of the tensor {list(shape)}"
+        )
     for d, (o, n, g) in enumerate(zip(origin, box, shape)):
         if o + n > g:
-            raise at.bad(f"box {list(origin)}+{list(box)} exceeds the tensor {list(shape)} in "
-                         f"dimension {d}")
+            raise at.bad(
+                f"box {list(origin)}+{list(box)} exceeds the tensor {list(shape)} in dimension {d}"
+            )
     _check_tensor_bytes(dtype, box, nbytes, at)
-    return ShardRef(file=file_id, offset=offset, nbytes=nbytes, global_offset=origin, shape=box,
-                    checksums=_pieces(_get(s, "checksums", at), nbytes, at / "checksums"))
+    return ShardRef(
+        file=file_id,
+        offset=offset,
+        nbytes=nbytes,
+        global_offset=origin,
+        shape=box,
+        checksums=_pieces(_get(s, "checksums", at), nbytes, at / "checksums"),
+    )
 
 
-def _ranks(value: Any, at: _At, world: int, kinds: list[str],
-           refs: dict, shared: bool) -> tuple[RankTree, ...]:
+def _ranks(
+    value: Any, at: _At, world: int, kinds: list[str], refs: dict, shared: bool
+) -> tuple[RankTree, ...]:
     """The per-rank trees; with ``shared`` (version 3), a rank's ``same`` nodes are rank 0's
     nodes at the same path, put back before the tree is validated (format/sharing.py)."""
     ranks = _list(value, at)
@@ -505,13 +622,13 @@ def _ranks(value: Any, at: _At, world: int, kinds: list[str],
         _int(_get(r, "rank", at / i), at / i / "rank", i, i)
         tree = _get(r, "tree", at / i)
         if shared and i:
-            tree = sharing.resolve(tree, i, [out[0].tree], f"{at / i / 'tree'}",
-                                   MAX_TREE_DEPTH)
+            tree = sharing.resolve(tree, i, [out[0].tree], f"{at / i / 'tree'}", MAX_TREE_DEPTH)
         out.append(RankTree(rank=i, tree=check_tree_refs(tree, at / i / "tree", kinds, refs)))
     return tuple(out)
 
 
 # ---------------------------------------------------------------- shard index
+
 
 def parse_shard_index(obj: Any, where: str, index_offset: int) -> ShardIndex:
     """Validate the decoded index of a shard file whose index starts at ``index_offset``: every
@@ -548,11 +665,13 @@ def _index_entry(value: Any, at: _At, data_end: FileRef) -> IndexEntry:
         dtype = _dtype(_get(e, "dtype", at), at / "dtype")
         shape = _dims(_get(e, "shape", at), at / "shape")
         _check_tensor_bytes(dtype, shape, nbytes, at)
-    return IndexEntry(key=key, kind=kind, offset=offset, nbytes=nbytes, checksums=pieces,
-                      dtype=dtype, shape=shape)
+    return IndexEntry(
+        key=key, kind=kind, offset=offset, nbytes=nbytes, checksums=pieces, dtype=dtype, shape=shape
+    )
 
 
 # ---------------------------------------------------------------- rank reports
+
 
 def decode_rank_report(raw: bytes) -> tuple[Any, bool]:
     """The decoded JSON of a rank report as another rank sent it, and whether its ordinary
@@ -595,40 +714,62 @@ def parse_rank_report(obj: Any, where: str, *, checked: bool = False) -> RankRep
     root = _str(_get(d, "root", at), at / "root")
     expired = _bool(d.get("expired", False), at / "expired")
     if "error" in d:
-        return RankReport(rank=rank, save=save, root=root, error=_str(d["error"], at / "error"),
-                          expired=expired)
+        return RankReport(
+            rank=rank, save=save, root=root, error=_str(d["error"], at / "error"), expired=expired
+        )
     f = _report_file(_get(d, "file", at), at / "file", rank)
     entries_at = at / "entries"
-    entries = tuple(e if checked and type(e) is ReportEntry else
-                    plain.report_entry(e, f) or _report_entry(e, entries_at / i, f)
-                    for i, e in enumerate(_list(_get(d, "entries", at), entries_at)))
-    _check_disjoint([(e.offset, e.nbytes, e.key) for e in entries  # a written one has both
-                     if e.written and e.offset is not None and e.nbytes is not None],
-                    at, "report")
+    entries = tuple(
+        e
+        if checked and type(e) is ReportEntry
+        else plain.report_entry(e, f) or _report_entry(e, entries_at / i, f)
+        for i, e in enumerate(_list(_get(d, "entries", at), entries_at))
+    )
+    _check_disjoint(
+        [
+            (e.offset, e.nbytes, e.key)
+            for e in entries  # a written one has both
+            if e.written and e.offset is not None and e.nbytes is not None
+        ],
+        at,
+        "report",
+    )
     refs: dict = {}
     tree = check_tree_refs(_get(d, "tree", at), at / "tree", [e.kind for e in entries], refs)
     check_entry_keys([e.key for e in entries], refs, at / "entries")
     replicas = _dict(d.get("replicas", {}), at / "replicas")
     for key, digest in replicas.items():
         _str(digest, at / "replicas" / key)
-    return RankReport(rank=rank, save=save, root=root, file=f, entries=entries, tree=tree,
-                      replicas=replicas, expired=expired)
+    return RankReport(
+        rank=rank,
+        save=save,
+        root=root,
+        file=f,
+        entries=entries,
+        tree=tree,
+        replicas=replicas,
+        expired=expired,
+    )
 
 
 def _save_ref(value: Any, at: _At) -> SaveRef:
     s = _dict(value, at)
     step = _step(s.get("step"), at / "step")
-    return SaveRef(name=_str(_get(s, "name", at), at / "name"), step=step,
-                   nonce=_str(_get(s, "nonce", at), at / "nonce"),
-                   overwrite=_bool(s.get("overwrite", False), at / "overwrite"))
+    return SaveRef(
+        name=_str(_get(s, "name", at), at / "name"),
+        step=step,
+        nonce=_str(_get(s, "nonce", at), at / "nonce"),
+        overwrite=_bool(s.get("overwrite", False), at / "overwrite"),
+    )
 
 
 def _report_file(value: Any, at: _At, rank: int) -> FileRef:
     f = _dict(value, at)
     name = _str(_get(f, "name", at), at / "name")
     if name != fmt.shard_file_name(rank):
-        raise (at / "name").bad(f"rank {rank} reports the file {name!r}, expected "
-                                f"{fmt.shard_file_name(rank)!r}")
+        raise (at / "name").bad(
+            f"rank {rank} reports the file {name!r}, expected {fmt.shard_file_name(rank)!r}"
+        )
     return _file(f, at, name, rank)
 
 
@@ -641,8 +782,9 @@ def _report_entry(value: Any, at: _At, f: FileRef) -> ReportEntry:
         crc = _field_int(e, "crc32", at, 0, _U32)
         if nbytes == 0 and crc != 0:
             raise (at / "crc32").bad(f"an empty region has CRC 0, found {crc}")
-        return ReportEntry(key=key, kind=kind, written=True, offset=offset, nbytes=nbytes,
-                           crc32=crc)
+        return ReportEntry(
+            key=key, kind=kind, written=True, offset=offset, nbytes=nbytes, crc32=crc
+        )
     if kind != "tensor":
         raise (at / "kind").bad(f"unknown entry kind {_show(kind)}")
     dtype = _dtype(_get(e, "dtype", at), at / "dtype")
@@ -652,30 +794,51 @@ def _report_entry(value: Any, at: _At, f: FileRef) -> ReportEntry:
         global_shape = _dims(e["global_shape"], at / "global_shape")
         global_offset = _dims(_get(e, "global_offset", at), at / "global_offset")
         if not len(global_shape) == len(global_offset) == len(shape) or any(
-                o + n > g for o, n, g in zip(global_offset, shape, global_shape)):
-            raise at.bad(f"box {list(global_offset)}+{list(shape)} does not fit the global "
-                         f"shape {list(global_shape)}")
+            o + n > g for o, n, g in zip(global_offset, shape, global_shape)
+        ):
+            raise at.bad(
+                f"box {list(global_offset)}+{list(shape)} does not fit the global "
+                f"shape {list(global_shape)}"
+            )
     replicated, written = e.get("replicated", False), e.get("written", True)
     if type(replicated) is not bool or type(written) is not bool:
         _bool(replicated, at / "replicated")
         _bool(written, at / "written")
     if not written:
         if not replicated and global_shape is None:
-            raise (at / "written").bad(f"tensor {key!r} is neither replicated nor a shard of a "
-                                       "global tensor, so this rank must write it")
-        return ReportEntry(key=key, kind=kind, written=False, dtype=dtype, shape=shape,
-                           global_shape=global_shape, global_offset=global_offset,
-                           replicated=replicated)
+            raise (at / "written").bad(
+                f"tensor {key!r} is neither replicated nor a shard of a "
+                "global tensor, so this rank must write it"
+            )
+        return ReportEntry(
+            key=key,
+            kind=kind,
+            written=False,
+            dtype=dtype,
+            shape=shape,
+            global_shape=global_shape,
+            global_offset=global_offset,
+            replicated=replicated,
+        )
     offset, nbytes = _region(e, at, f)
     _check_tensor_bytes(dtype, shape, nbytes, at)
-    return ReportEntry(key=key, kind=kind, written=True, offset=offset, nbytes=nbytes,
-                       dtype=dtype, shape=shape,
-                       checksums=_pieces(_get(e, "checksums", at), nbytes, at / "checksums"),
-                       global_shape=global_shape, global_offset=global_offset,
-                       replicated=replicated)
+    return ReportEntry(
+        key=key,
+        kind=kind,
+        written=True,
+        offset=offset,
+        nbytes=nbytes,
+        dtype=dtype,
+        shape=shape,
+        checksums=_pieces(_get(e, "checksums", at), nbytes, at / "checksums"),
+        global_shape=global_shape,
+        global_offset=global_offset,
+        replicated=replicated,
+    )
 
 
 # ---------------------------------------------------------------- verdicts
+
 
 def parse_verdict(obj: Any, where: str) -> Verdict:
     """Validate a verdict read from the coordination store (written by another rank)."""
@@ -701,14 +864,20 @@ def _info(value: Any, at: _At) -> CheckpointInfo:
     d = _dict(value, at)
     step = _step(d.get("step"), at / "step")
     created = d.get("created_unix")
-    if not (type(created) is int or type(created) is float) or not math.isfinite(created) or \
-            created < 0:
+    if (
+        not (type(created) is int or type(created) is float)
+        or not math.isfinite(created)
+        or created < 0
+    ):
         raise (at / "created_unix").bad(f"expected a finite time, found {_show(created)}")
-    return CheckpointInfo(name=_str(_get(d, "name", at), at / "name"),
-                          path=_str(_get(d, "path", at), at / "path"), step=step,
-                          created_unix=float(created),
-                          world_size=_int(_get(d, "world_size", at), at / "world_size", 1, 1 << 24),
-                          nbytes=_int(_get(d, "nbytes", at), at / "nbytes", 0, _U64),
-                          metadata=_metadata(d.get("metadata", {}), at / "metadata"),
-                          seq=_int(_get(d, "seq", at), at / "seq", 0, (1 << 63) - 1),
-                          metrics=_metrics(d.get("metrics", {}), at / "metrics"))
+    return CheckpointInfo(
+        name=_str(_get(d, "name", at), at / "name"),
+        path=_str(_get(d, "path", at), at / "path"),
+        step=step,
+        created_unix=float(created),
+        world_size=_int(_get(d, "world_size", at), at / "world_size", 1, 1 << 24),
+        nbytes=_int(_get(d, "nbytes", at), at / "nbytes", 0, _U64),
+        metadata=_metadata(d.get("metadata", {}), at / "metadata"),
+        seq=_int(_get(d, "seq", at), at / "seq", 0, (1 << 63) - 1),
+        metrics=_metrics(d.get("metrics", {}), at / "metrics"),
+    )

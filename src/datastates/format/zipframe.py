@@ -7,6 +7,7 @@ each tensor record in the slot before the tensor (:func:`local_header`), builds 
 (:func:`tail`) and the first record's local header (:func:`header_record_header`); the
 verifier rebuilds the slots from the index (:func:`slot_bytes`).
 """
+
 from __future__ import annotations
 
 import collections
@@ -37,8 +38,12 @@ _Z64_EOCD = struct.Struct("<IQHHIIQQQQ")
 _Z64_LOC = struct.Struct("<IIQI")
 _EOCD = struct.Struct("<IHHHHIIH")
 #: Records of the tail after data.pkl: (name, data).
-_TAIL_RECORDS = ((f"{FOLDER}/.format_version", b"1"), (f"{FOLDER}/.storage_alignment", b"64"),
-                 (f"{FOLDER}/byteorder", b"little"), (f"{FOLDER}/version", b"3\n"))
+_TAIL_RECORDS = (
+    (f"{FOLDER}/.format_version", b"1"),
+    (f"{FOLDER}/.storage_alignment", b"64"),
+    (f"{FOLDER}/byteorder", b"little"),
+    (f"{FOLDER}/version", b"3\n"),
+)
 
 
 def slot_of(nbytes: int) -> int:
@@ -61,8 +66,13 @@ def local_header(name: str, nbytes: int, slot: int, crc: int = 0) -> bytes:
         raise ValueError(f"a local header for {name!r} does not fit in {slot} bytes")
     extra += struct.pack("<HH", _PAD_ID, pad) + bytes(pad)
     size = ZIP64_LIMIT if z64 else nbytes
-    return _LOCAL.pack(0x04034B50, 45 if z64 else 20, 0, 0, 0, _DATE, crc, size, size,
-                       len(raw), len(extra)) + raw + extra
+    return (
+        _LOCAL.pack(
+            0x04034B50, 45 if z64 else 20, 0, 0, 0, _DATE, crc, size, size, len(raw), len(extra)
+        )
+        + raw
+        + extra
+    )
 
 
 def header_record_header() -> bytes:
@@ -134,17 +144,20 @@ def _native_combine() -> Callable[[int, int, int], int] | None:
     microseconds where the Python one takes milliseconds."""
     try:
         from isal import isal_zlib
+
         return isal_zlib.crc32_combine
     except (ImportError, AttributeError):
         pass
     try:
         from zlib_ng import zlib_ng
+
         return zlib_ng.crc32_combine
     except (ImportError, AttributeError):
         pass
     try:
         import ctypes
         import ctypes.util
+
         name = ctypes.util.find_library("z")
         if name is None:
             return None
@@ -175,6 +188,7 @@ def crc_of_pieces(pieces: Iterable[tuple[int, int]]) -> int:
 
 # ---------------------------------------------------------------- the pickle
 
+
 class _Storage(NamedTuple):
     key: str
     dtype: torch.dtype
@@ -201,8 +215,13 @@ class _Pickler(pickle.Pickler):
         if type(obj) is _Storage:
             legacy = _legacy_storage(obj.dtype)
             if legacy is None:
-                return ("storage", torch.UntypedStorage, obj.key, "cpu",
-                        obj.numel * obj.dtype.itemsize)
+                return (
+                    "storage",
+                    torch.UntypedStorage,
+                    obj.key,
+                    "cpu",
+                    obj.numel * obj.dtype.itemsize,
+                )
             return ("storage", legacy, obj.key, "cpu", obj.numel)
         return None
 
@@ -219,11 +238,22 @@ class _Pickler(pickle.Pickler):
             numel *= size
         storage = _Storage(obj.key, obj.dtype, numel)
         if _legacy_storage(obj.dtype) is None:
-            return (torch._utils._rebuild_tensor_v3,
-                    (storage, 0, shape, tuple(reversed(stride)), False,
-                     collections.OrderedDict(), obj.dtype))
-        return (torch._utils._rebuild_tensor_v2,
-                (storage, 0, shape, tuple(reversed(stride)), False, collections.OrderedDict()))
+            return (
+                torch._utils._rebuild_tensor_v3,
+                (
+                    storage,
+                    0,
+                    shape,
+                    tuple(reversed(stride)),
+                    False,
+                    collections.OrderedDict(),
+                    obj.dtype,
+                ),
+            )
+        return (
+            torch._utils._rebuild_tensor_v2,
+            (storage, 0, shape, tuple(reversed(stride)), False, collections.OrderedDict()),
+        )
 
 
 #: Of a tensor entry of the rank's tree (its item number): (record key, dtype, shape of what
@@ -261,6 +291,7 @@ def pickle_state(state: Any) -> bytes:
 
 # ---------------------------------------------------------------- the tail
 
+
 def _padded(name: str, at: int, data: bytes, crc: int) -> bytes:
     """A tail record at ``at``: its local header, padded so that its data starts on 64."""
     base = _LOCAL.size + len(name) + 4
@@ -284,20 +315,46 @@ def tail(at: int, records: list[Record], pickled: bytes, crc32: Callable[[bytes]
     directory_size = at + len(out) - directory_at
     count = len(everything)
     z64_at = at + len(out)
-    out += _Z64_EOCD.pack(0x06064B50, 44, 45, 45, 0, 0, count, count, directory_size,
-                          directory_at)
+    out += _Z64_EOCD.pack(0x06064B50, 44, 45, 45, 0, 0, count, count, directory_size, directory_at)
     out += _Z64_LOC.pack(0x07064B50, 0, z64_at, 1)
-    out += _EOCD.pack(0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
-                      min(directory_size, ZIP64_LIMIT), min(directory_at, ZIP64_LIMIT), 0)
+    out += _EOCD.pack(
+        0x06054B50,
+        0,
+        0,
+        min(count, 0xFFFF),
+        min(count, 0xFFFF),
+        min(directory_size, ZIP64_LIMIT),
+        min(directory_at, ZIP64_LIMIT),
+        0,
+    )
     return bytes(out)
 
 
 def _central(r: Record) -> bytes:
     raw = r.name.encode("ascii")
     z64 = [v for v in (r.nbytes, r.nbytes, r.header_at) if v >= ZIP64_LIMIT]
-    extra = struct.pack("<HH", 1, 8 * len(z64)) + struct.pack(f"<{len(z64)}Q", *z64) \
-        if z64 else b""
+    extra = struct.pack("<HH", 1, 8 * len(z64)) + struct.pack(f"<{len(z64)}Q", *z64) if z64 else b""
     size = min(r.nbytes, ZIP64_LIMIT)
-    return _CENTRAL.pack(0x02014B50, 45, 45 if r.nbytes >= ZIP64_LIMIT else 20, 0, 0, 0, _DATE,
-                         r.crc, size, size, len(raw), len(extra), 0, 0, 0, 0,
-                         min(r.header_at, ZIP64_LIMIT)) + raw + extra
+    return (
+        _CENTRAL.pack(
+            0x02014B50,
+            45,
+            45 if r.nbytes >= ZIP64_LIMIT else 20,
+            0,
+            0,
+            0,
+            _DATE,
+            r.crc,
+            size,
+            size,
+            len(raw),
+            len(extra),
+            0,
+            0,
+            0,
+            0,
+            min(r.header_at, ZIP64_LIMIT),
+        )
+        + raw
+        + extra
+    )

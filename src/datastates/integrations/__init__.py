@@ -19,6 +19,7 @@ framework's default checkpointing with these.
 The names below resolve lazily (PEP 562) so that ``from datastates.integrations import
 DatastatesCheckpointIO`` imports Lightning, and nothing else does.
 """
+
 from __future__ import annotations
 
 import importlib

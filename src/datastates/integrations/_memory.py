@@ -9,6 +9,7 @@ What is shared here: which memory tiers an adapter can honour, and the bookkeepi
 saves in flight (a failed one is raised by the next memory save, or by :meth:`MemorySaves.wait`,
 never lost). Everything runs on the training thread.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 
 def _core():
     import datastates  # the public API only, imported late
+
     return datastates
 
 
@@ -33,16 +35,21 @@ def framework_memory_tier(config, who: str):
         return None
     wrong = []
     if tier.persist_every is not None:
-        wrong.append(f"persist_every={tier.persist_every!r} (storage is the framework's own "
-                     "checkpoints, at its own cadence)")
+        wrong.append(
+            f"persist_every={tier.persist_every!r} (storage is the framework's own "
+            "checkpoints, at its own cadence)"
+        )
     if tier.persist_on_exit:
-        wrong.append("persist_on_exit=True (the keeper would write a step folder the "
-                     "framework does not know into its checkpoint directory)")
+        wrong.append(
+            "persist_on_exit=True (the keeper would write a step folder the "
+            "framework does not know into its checkpoint directory)"
+        )
     if wrong:
         raise _core().ConfigError(
             f"{who}: the memory tier here keeps checkpoints in memory only, beside the "
             f"framework's own checkpoints in storage; found {'; '.join(wrong)}. Use "
-            "MemoryTier(persist_every=None, persist_on_exit=False, ...)")
+            "MemoryTier(persist_every=None, persist_on_exit=False, ...)"
+        )
     return tier
 
 

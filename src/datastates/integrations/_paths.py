@@ -21,6 +21,7 @@ namespace, Lightning's hyper-parameters), which ``torch.save`` writes whatever t
 here accept them (``CheckpointConfig.allow_unsafe_objects``), and the framework's load call
 decides whether they are trusted when read (``trusted``, Lightning's ``weights_only``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,6 +38,7 @@ log = logging.getLogger("datastates.integrations")
 
 def _core():
     import datastates  # the public API only; imported late so the module loads without it
+
     return datastates
 
 
@@ -45,8 +47,10 @@ def split_path(path) -> tuple[str, str]:
     path = os.path.abspath(os.fspath(path))
     root, name = os.path.split(path.rstrip(os.sep))
     if not name or name.startswith(".") or name == "latest":
-        raise ValueError(f"cannot checkpoint to {path!r}: the last path component must not be "
-                         "empty, start with '.', or be 'latest'")
+        raise ValueError(
+            f"cannot checkpoint to {path!r}: the last path component must not be "
+            "empty, start with '.', or be 'latest'"
+        )
     return root, name
 
 
@@ -61,7 +65,8 @@ def refuse_memory_tier(config, who: str) -> None:
             "is a named file, and named checkpoints go to storage. For checkpoints in memory "
             "use DatastatesTrainer(datastates_config=...) (Hugging Face), "
             "DatastatesCheckpointIO(config).memory_checkpoints(dirpath) (Lightning), or a "
-            "Checkpointer saving steps in the training loop")
+            "Checkpointer saving steps in the training loop"
+        )
 
 
 def is_checkpoint_dir(path) -> bool:
@@ -95,6 +100,7 @@ def aside_path(full: str) -> str:
 # load()/exists() of ``<name>`` read it: the path stays loadable through this layer at every
 # moment (plain before the commit, datastates after).
 
+
 def set_aside(full: str) -> None:
     """Move the plain file ``full`` aside (see above)."""
     os.replace(full, aside_path(full))
@@ -117,8 +123,9 @@ def drop_aside(full: str) -> None:
     except FileNotFoundError:
         pass
     except OSError as exc:
-        log.warning("could not remove %s, replaced by the checkpoint %s: %r",
-                    aside_path(full), full, exc)
+        log.warning(
+            "could not remove %s, replaced by the checkpoint %s: %r", aside_path(full), full, exc
+        )
 
 
 # The name of a save in flight exists (a framework decides on a new name, ModelCheckpoint's
@@ -128,6 +135,7 @@ def drop_aside(full: str) -> None:
 # take: docs/format.md, "Commit protocol"). A failed save removes the placeholder it made if it
 # is still that empty directory. Readers here take an empty directory for no checkpoint
 # (:func:`vacant`); a crash during the save leaves it, and the next save of the name takes it.
+
 
 def make_placeholder(full: str) -> tuple[int, int] | None:
     """Make the empty directory ``full``; its (device, inode), or None if ``full`` exists."""
@@ -151,8 +159,12 @@ def drop_placeholder(full: str, made: tuple[int, int] | None) -> None:
     except FileNotFoundError:
         pass
     except OSError as exc:
-        log.warning("could not remove %s, the placeholder of a failed save (expected an empty "
-                    "directory): %r", full, exc)
+        log.warning(
+            "could not remove %s, the placeholder of a failed save (expected an empty "
+            "directory): %r",
+            full,
+            exc,
+        )
 
 
 def vacant(full: str) -> bool:
@@ -193,8 +205,15 @@ class _Pending:
 class PathCheckpoints:
     """Saves, loads and removes checkpoints addressed by file-like paths (see module docstring)."""
 
-    def __init__(self, config=None, *, max_open: int = 2, trusted: bool = True,
-                 on_commit: Callable[[str, Any], None] | None = None, idle_close: bool = False):
+    def __init__(
+        self,
+        config=None,
+        *,
+        max_open: int = 2,
+        trusted: bool = True,
+        on_commit: Callable[[str, Any], None] | None = None,
+        idle_close: bool = False,
+    ):
         ds = _core()
         config = config if config is not None else ds.CheckpointConfig()
         refuse_memory_tier(config, "a framework's checkpoint paths")
@@ -225,8 +244,13 @@ class PathCheckpoints:
         """The configuration only: a copy (a pickle sent to a spawned process, ``torch.save``
         of a Trainer) starts with no Checkpointer, thread or save in flight; the saves in
         flight stay with this object and are committed and reported by it."""
-        return {"config": self.config, "max_open": self.max_open, "trusted": self.trusted,
-                "on_commit": self.on_commit, "idle_close": self.idle_close}
+        return {
+            "config": self.config,
+            "max_open": self.max_open,
+            "trusted": self.trusted,
+            "on_commit": self.on_commit,
+            "idle_close": self.idle_close,
+        }
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -234,8 +258,16 @@ class PathCheckpoints:
         self._start()
 
     # ------------------------------------------------------------ save / load / remove
-    def save(self, state: Any, path, *, snapshot: bool, metadata: dict | None = None,
-             optimizers: Iterable[Any] = (), step: int | None = None):
+    def save(
+        self,
+        state: Any,
+        path,
+        *,
+        snapshot: bool,
+        metadata: dict | None = None,
+        optimizers: Iterable[Any] = (),
+        step: int | None = None,
+    ):
         """Start saving ``state`` to ``path``; return its handle. ``step`` (the framework's
         global step, if it has one) is recorded as the checkpoint's step. ``path`` exists from
         here on (an empty directory until the commit, :func:`make_placeholder`).
@@ -262,8 +294,14 @@ class PathCheckpoints:
             made = make_placeholder(full)
             try:
                 ckpt = self._checkpointer(root)
-                handle = ckpt.save(state, step, tag=name, metadata=metadata or {},
-                                   overwrite=True, optimizers=optimizers)
+                handle = ckpt.save(
+                    state,
+                    step,
+                    tag=name,
+                    metadata=metadata or {},
+                    overwrite=True,
+                    optimizers=optimizers,
+                )
             except BaseException:
                 drop_placeholder(full, made)
                 put_back(full)
@@ -307,8 +345,11 @@ class PathCheckpoints:
             if full in self._pending:
                 return True
         self.repair(root)
-        return (os.path.isfile(full) or is_checkpoint_dir(full)
-                or (vacant(full) and os.path.isfile(aside_path(full))))
+        return (
+            os.path.isfile(full)
+            or is_checkpoint_dir(full)
+            or (vacant(full) and os.path.isfile(aside_path(full)))
+        )
 
     def repair(self, root) -> None:
         """Let the core repair what dead writers left in the directory ``root`` before it is
@@ -421,8 +462,7 @@ class PathCheckpoints:
         with ``idle_close``, when no save is in flight or starting and no run that will call
         :meth:`close` is :attr:`attended` (a save outside a run: nothing else would end the
         threads, release the lease or report a failure). The next save opens them again."""
-        return (self.idle_close and not self.attended and not self._pending
-                and not self._starting)
+        return self.idle_close and not self.attended and not self._pending and not self._starting
 
     # ------------------------------------------------------------ internals
     def _wait_path(self, full: str) -> None:
@@ -484,6 +524,7 @@ class _Finisher:
 
     def __init__(self, owner: PathCheckpoints):
         import queue
+
         self._owner = owner
         self._q: "queue.Queue" = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -493,8 +534,9 @@ class _Finisher:
     def _ensure(self) -> None:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="datastates-finisher",
-                                                daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="datastates-finisher", daemon=True
+                )
                 self._thread.start()
 
     def submit(self, pending: _Pending) -> None:

@@ -25,6 +25,7 @@ Config keys (all optional): ``host_cache_size`` (GB, default 1), ``parser_thread
 When a tag is complete, when ``latest`` moves, and why DeepSpeed's own commit path does not
 wait: docs/deepspeed.md.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -45,9 +46,15 @@ from ._paths import PathCheckpoints, base_optimizer
 
 log = logging.getLogger("datastates.integrations.deepspeed")
 
-__all__ = ["CheckpointEngine", "DeepSpeedCheckpointEngine", "config_from_deepspeed",
-           "enable_lazy_snapshots", "export_torch_files", "low_precision_params",
-           "wait_for_checkpoints"]
+__all__ = [
+    "CheckpointEngine",
+    "DeepSpeedCheckpointEngine",
+    "config_from_deepspeed",
+    "enable_lazy_snapshots",
+    "export_torch_files",
+    "low_precision_params",
+    "wait_for_checkpoints",
+]
 
 _GB = 1 << 30
 
@@ -59,15 +66,17 @@ MEMORY_TIER_REFUSED = (
     "itself (a glob of mp_rank_*_model_states.pt, os.path.exists of each "
     "*_optim_states.pt), with no call at the end of save_checkpoint(); a memory checkpoint is "
     "one commit per step, in a directory DeepSpeed never lists. Keep DeepSpeed's checkpoints in "
-    "storage with \"datastates_ckpt\" (no memory_tier); for a checkpoint every step in memory, "
+    'storage with "datastates_ckpt" (no memory_tier); for a checkpoint every step in memory, '
     "use the Hugging Face or Lightning integration, or a datastates.Checkpointer with "
-    "CheckpointConfig(memory_tier=...) in a plain PyTorch loop (docs/integrations.md)")
+    "CheckpointConfig(memory_tier=...) in a plain PyTorch loop (docs/integrations.md)"
+)
 
 
 def config_from_deepspeed(deepspeed_config: Any):
     """Build a :class:`datastates.CheckpointConfig` and the adapter options from what DeepSpeed
     passes: its ``DeepSpeedConfig`` (``.datastates_config.config``), or a plain dict."""
     import datastates
+
     raw = deepspeed_config
     if hasattr(raw, "datastates_config"):
         raw = raw.datastates_config.config
@@ -78,8 +87,10 @@ def config_from_deepspeed(deepspeed_config: Any):
     raw = dict(raw)
     if raw.get("memory_tier") is not None:
         raise datastates.ConfigError(MEMORY_TIER_REFUSED)
-    options = {"update_latest": bool(raw.pop("update_latest", True)),
-               "trusted_load": bool(raw.pop("trusted_load", True))}
+    options = {
+        "update_latest": bool(raw.pop("update_latest", True)),
+        "trusted_load": bool(raw.pop("trusted_load", True)),
+    }
     fields = {f.name for f in dataclasses.fields(datastates.CheckpointConfig)}
     kwargs: dict[str, Any] = {}
     if "host_cache_size" in raw:
@@ -92,22 +103,25 @@ def config_from_deepspeed(deepspeed_config: Any):
         if key in fields:
             kwargs[key] = raw.pop(key)
     if raw:
-        raise ValueError(f"datastates_ckpt: unknown option(s) {sorted(raw)}; known: "
-                         f"host_cache_size, parser_threads, update_latest, trusted_load, "
-                         f"{', '.join(sorted(fields))}")
+        raise ValueError(
+            f"datastates_ckpt: unknown option(s) {sorted(raw)}; known: "
+            f"host_cache_size, parser_threads, update_latest, trusted_load, "
+            f"{', '.join(sorted(fields))}"
+        )
     return datastates.CheckpointConfig(**kwargs), options
 
 
 class _Tag:
     """The saves of one tag folder (``save_dir/tag``) on this rank, for ``latest``."""
+
     __slots__ = ("seq", "handles", "save_latest", "sealed", "failed")
 
     def __init__(self) -> None:
-        self.seq = 0               # order in which tags were opened; `latest` never goes back
-        self.handles: list = []    # one SaveHandle per file of the tag
-        self.save_latest = True    # DeepSpeed's save_checkpoint(save_latest=...)
-        self.sealed = False        # no more save() will come for it
-        self.failed = False        # a save() of one of its files raised
+        self.seq = 0  # order in which tags were opened; `latest` never goes back
+        self.handles: list = []  # one SaveHandle per file of the tag
+        self.save_latest = True  # DeepSpeed's save_checkpoint(save_latest=...)
+        self.sealed = False  # no more save() will come for it
+        self.failed = False  # a save() of one of its files raised
 
 
 class CheckpointEngine:
@@ -125,12 +139,13 @@ class CheckpointEngine:
         config, options = config_from_deepspeed(config_params)
         self.rank = int(rank)
         self.update_latest = options["update_latest"]
-        self._paths = PathCheckpoints(config, max_open=2, trusted=options["trusted_load"],
-                                      on_commit=self._committed)
+        self._paths = PathCheckpoints(
+            config, max_open=2, trusted=options["trusted_load"], on_commit=self._committed
+        )
         self._guard_optimizers: list = []  # as given (wrappers): the core unwraps them
         self._hooks: list = []
-        self._tags: dict[str, _Tag] = {}      # tag dir -> its saves, until `latest` is decided
-        self._open_tag: str | None = None     # tag dir whose save() calls may still come
+        self._tags: dict[str, _Tag] = {}  # tag dir -> its saves, until `latest` is decided
+        self._open_tag: str | None = None  # tag dir whose save() calls may still come
         self._tag_seq = 0
         self._save_thread: int | None = None  # the thread that called save() last
         self._tag_lock = threading.Lock()
@@ -163,6 +178,7 @@ class CheckpointEngine:
         state = state_dict
         if self._guard_optimizers:
             import datastates
+
             updated = [t for opt in self._guard_optimizers for t in low_precision_params(opt)]
             state = datastates.mark_lazy(state_dict, updated)
         with self._tag_lock:
@@ -175,9 +191,13 @@ class CheckpointEngine:
             self._open_tag = tag_dir
             self._save_thread = threading.get_ident()
         try:
-            handle = self._paths.save(state, path, snapshot=not self._guard_optimizers,
-                                      optimizers=self._guard_optimizers,
-                                      metadata={"framework": "deepspeed", "rank": self.rank})
+            handle = self._paths.save(
+                state,
+                path,
+                snapshot=not self._guard_optimizers,
+                optimizers=self._guard_optimizers,
+                metadata={"framework": "deepspeed", "rank": self.rank},
+            )
         except BaseException:
             with self._tag_lock:
                 tag.failed = True  # the tag misses a file: never named by `latest`
@@ -243,8 +263,10 @@ class CheckpointEngine:
         the host cache inside ``save()``."""
         opt = base_optimizer(optimizer)
         if opt is None:
-            raise TypeError(f"guard(): {type(optimizer).__qualname__} is not a torch optimizer "
-                            "and has no .optimizer attribute that is one")
+            raise TypeError(
+                f"guard(): {type(optimizer).__qualname__} is not a torch optimizer "
+                "and has no .optimizer attribute that is one"
+            )
         self._guard_optimizers.append(optimizer)
         self._hooks.append(add_step_waiter(opt, self._before_step))
 
@@ -314,8 +336,11 @@ class CheckpointEngine:
                 if tag is None or not tag.sealed or not all(h.done() for h in tag.handles):
                     return
                 del self._tags[tag_dir]
-                committed = (bool(tag.handles) and not tag.failed
-                             and all(h.exception() is None for h in tag.handles))
+                committed = (
+                    bool(tag.handles)
+                    and not tag.failed
+                    and all(h.exception() is None for h in tag.handles)
+                )
             if not (committed and tag.save_latest and self.update_latest and self.rank == 0):
                 return
             save_dir, name = os.path.split(tag_dir)
@@ -328,10 +353,12 @@ class CheckpointEngine:
 def _step_hook(ref):
     """A global optimizer step pre-hook calling ``_at_step`` of the engine behind ``ref``
     (a weak reference: the hook does not keep the engine alive)."""
+
     def hook(_optimizer, _args, _kwargs) -> None:
         engine = ref()
         if engine is not None:
             engine._at_step()
+
     return hook
 
 
@@ -369,8 +396,10 @@ def _engine_of(engine: Any, caller: str) -> "CheckpointEngine":
     wrapper = getattr(engine, "checkpoint_engine", None)
     ours = getattr(wrapper, "ckpt_engine", wrapper)
     if not isinstance(ours, CheckpointEngine):
-        raise TypeError(f"{caller}(): this DeepSpeed engine does not checkpoint through "
-                        "datastates; add \"datastates_ckpt\": {...} to its config")
+        raise TypeError(
+            f"{caller}(): this DeepSpeed engine does not checkpoint through "
+            'datastates; add "datastates_ckpt": {...} to its config'
+        )
     return ours
 
 
@@ -403,6 +432,7 @@ def export_torch_files(tag_dir: str, out_root: str | None = None) -> list[str]:
     """
     import datastates
     from ._paths import is_checkpoint_dir
+
     tag_dir = os.path.abspath(tag_dir).rstrip(os.sep)
     save_dir, tag = os.path.split(tag_dir)
     out_root = os.path.abspath(out_root or save_dir + "-torch")
@@ -430,14 +460,18 @@ def _ignore_deepspeed_double_cleanup() -> None:
     documented ``sys.unraisablehook`` chain; every other unraisable exception reaches the hook
     that was installed before. Installed once per process."""
     import sys
+
     previous = sys.unraisablehook
     if previous in _FILTERS:
         return
 
     def hook(unraisable) -> None:
         where = getattr(unraisable.object, "__qualname__", "")
-        if (unraisable.exc_type is AttributeError and where.startswith("DataStatesCheckpointEngine")
-                and "ckpt_engine" in str(unraisable.exc_value)):
+        if (
+            unraisable.exc_type is AttributeError
+            and where.startswith("DataStatesCheckpointEngine")
+            and "ckpt_engine" in str(unraisable.exc_value)
+        ):
             return
         previous(unraisable)
 

@@ -16,6 +16,7 @@ before anything is loaded.
 
 What is saved, rotation, export, the memory tier and the limits: docs/huggingface.md.
 """
+
 from __future__ import annotations
 
 import copy
@@ -64,6 +65,7 @@ class DatastatesTrainer(Trainer):
     def __init__(self, *args, datastates_config: Any = None, memory_every: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
         import datastates
+
         self.datastates_config = datastates_config or datastates.CheckpointConfig()
         self._ds_tier = framework_memory_tier(self.datastates_config, "DatastatesTrainer")
         self._ds_memory_every = check_every(memory_every, "DatastatesTrainer(memory_every=)")
@@ -71,7 +73,8 @@ class DatastatesTrainer(Trainer):
             raise datastates.ConfigError(
                 "DatastatesTrainer: DeepSpeed and FSDP runs keep Trainer's own checkpointing, "
                 "so the memory tier cannot be used with them; drop memory_tier from "
-                "datastates_config (for DeepSpeed, see its \"datastates_ckpt\" key)")
+                'datastates_config (for DeepSpeed, see its "datastates_ckpt" key)'
+            )
         self._ds_memory = MemorySaves()
         self._ds_memory_step: int | None = None
         self._ds_resume: tuple[str, int] | None = None  # (folder given to Trainer, memory step)
@@ -97,28 +100,46 @@ class DatastatesTrainer(Trainer):
             if os.path.exists(best) or self.state.best_global_step == self.state.global_step:
                 self.state.best_model_checkpoint = best
         self._update_stateful_callbacks()
-        handle = ckpt.save(self._ds_state(), step=self.state.global_step, tag=name,
-                           overwrite=True, replicated=self._ds_replicated(),
-                           metadata={"framework": "transformers",
-                                     "global_step": self.state.global_step})
+        handle = ckpt.save(
+            self._ds_state(),
+            step=self.state.global_step,
+            tag=name,
+            overwrite=True,
+            replicated=self._ds_replicated(),
+            metadata={"framework": "transformers", "global_step": self.state.global_step},
+        )
         self._ds_last_handle = handle
-        thread = threading.Thread(target=self._ds_after_commit, name="datastates-hf-commit",
-                                  args=(handle, run_dir, _state_json(self.state),
-                                        self.state.best_model_checkpoint,
-                                        self._ds_model_files()), daemon=True)
+        thread = threading.Thread(
+            target=self._ds_after_commit,
+            name="datastates-hf-commit",
+            args=(
+                handle,
+                run_dir,
+                _state_json(self.state),
+                self.state.best_model_checkpoint,
+                self._ds_model_files(),
+            ),
+            daemon=True,
+        )
         thread.start()
         self._ds_threads.append(thread)
         if self.args.push_to_hub:
-            log.warning("push_to_hub of intermediate checkpoints is not supported; "
-                        "the final model is pushed by save_model()/push_to_hub() as usual")
+            log.warning(
+                "push_to_hub of intermediate checkpoints is not supported; "
+                "the final model is pushed by save_model()/push_to_hub() as usual"
+            )
 
     def _maybe_log_save_evaluate(self, *args, **kwargs) -> None:
         """Trainer's, then the memory save of this step when one is due: after the step's
         logging, evaluation and ``checkpoint-N``, so it holds the same trainer state."""
         super()._maybe_log_save_evaluate(*args, **kwargs)
         step = self.state.global_step
-        if (self._ds_tier is not None and step > 0 and step % self._ds_memory_every == 0
-                and step != self._ds_memory_step):
+        if (
+            self._ds_tier is not None
+            and step > 0
+            and step % self._ds_memory_every == 0
+            and step != self._ds_memory_step
+        ):
             self._ds_save_memory(step)
 
     def _ds_save_memory(self, step: int) -> None:
@@ -131,10 +152,14 @@ class DatastatesTrainer(Trainer):
         ckpt = self._datastates(self._ds_output_dir())
         if ckpt.memory is None:  # the keeper did not answer: no tier (WARNING at construction)
             return
-        handle = ckpt.save(self._ds_state(full=True, state_json=self._ds_state_json()),
-                           step=step, persist=False, replicated=self._ds_replicated(),
-                           overwrite=True,  # a step run again (after a resume) replaces it
-                           metadata={"framework": "transformers", "global_step": step})
+        handle = ckpt.save(
+            self._ds_state(full=True, state_json=self._ds_state_json()),
+            step=step,
+            persist=False,
+            replicated=self._ds_replicated(),
+            overwrite=True,  # a step run again (after a resume) replaces it
+            metadata={"framework": "transformers", "global_step": step},
+        )
         self._ds_memory.add(handle)
         self._ds_memory_step = step
 
@@ -142,19 +167,23 @@ class DatastatesTrainer(Trainer):
         """``trainer_state.json`` of now, with the state of every stateful callback, leaving
         ``self.state`` as it is."""
         from transformers.trainer_callback import ExportableState
+
         found: dict[str, list] = {}
         for cb in self.callback_handler.callbacks + [self.control]:
             if isinstance(cb, ExportableState):
                 found.setdefault(type(cb).__name__, []).append(cb.state())
         snapshot = copy.copy(self.state)
         # transformers annotates it as a list of callbacks; it holds name -> state(s)
-        snapshot.stateful_callbacks = cast(Any, {k: v[0] if len(v) == 1 else v
-                                                 for k, v in found.items()})
+        snapshot.stateful_callbacks = cast(
+            Any, {k: v[0] if len(v) == 1 else v for k, v in found.items()}
+        )
         return _state_json(snapshot)
 
-    def _ds_state(self, for_restore: bool = False, full: bool = False,
-                  state_json: str | None = None) -> dict:
+    def _ds_state(
+        self, for_restore: bool = False, full: bool = False, state_json: str | None = None
+    ) -> dict:
         import datastates
+
         state: dict[str, Any] = {"model": self.model}
         if not self.args.save_only_model or for_restore or full:
             opt = base_optimizer(self.optimizer)
@@ -167,8 +196,9 @@ class DatastatesTrainer(Trainer):
                 state["scaler"] = scaler
             state["rng"] = datastates.RNGState()
         if not for_restore:
-            state["trainer_state"] = state_json if state_json is not None else \
-                _state_json(self.state)
+            state["trainer_state"] = (
+                state_json if state_json is not None else _state_json(self.state)
+            )
         return state
 
     def _ds_replicated(self):
@@ -189,8 +219,9 @@ class DatastatesTrainer(Trainer):
             files["generation_config.json"] = generation.to_json_string()
         return files
 
-    def _ds_after_commit(self, handle, run_dir: str, state_json: str, best: str | None,
-                         model_files: dict[str, str]) -> None:
+    def _ds_after_commit(
+        self, handle, run_dir: str, state_json: str, best: str | None, model_files: dict[str, str]
+    ) -> None:
         """Own thread: after the commit, write trainer_state.json, the model's config files and
         the tokenizer/processor files (as stock checkpoints hold them), then apply
         save_total_limit."""
@@ -243,10 +274,14 @@ class DatastatesTrainer(Trainer):
 
     def _update_stateful_callbacks(self) -> None:
         from transformers.trainer_callback import ExportableState
+
         # transformers annotates it as a list of callbacks; it holds name -> state(s)
         states = cast("dict[str, Any]", self.state.stateful_callbacks)
-        for cb in [cb for cb in self.callback_handler.callbacks + [self.control]
-                   if isinstance(cb, ExportableState)]:
+        for cb in [
+            cb
+            for cb in self.callback_handler.callbacks + [self.control]
+            if isinstance(cb, ExportableState)
+        ]:
             name = cb.__class__.__name__
             if isinstance(states.get(name), list):
                 states[name].append(cb.state())
@@ -254,22 +289,25 @@ class DatastatesTrainer(Trainer):
                 states[name] = cb.state()
 
     # ------------------------------------------------------------ resuming
-    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None,
-              **kwargs):
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """Trainer.train; ``resume_from_checkpoint=True`` picks the newest committed
         checkpoint (:meth:`latest_checkpoint`), and in-flight saves are committed before this
         returns."""
         self._ds_memory_step = None
         if self._ds_tier is not None and trial is not None:
             import datastates
-            raise datastates.ConfigError("DatastatesTrainer: the memory tier is kept for one "
-                                         "run's output_dir; it cannot be used with a "
-                                         "hyper-parameter search")
+
+            raise datastates.ConfigError(
+                "DatastatesTrainer: the memory tier is kept for one "
+                "run's output_dir; it cannot be used with a "
+                "hyper-parameter search"
+            )
         if resume_from_checkpoint is True and not self._ds_unsupported():
             resume_from_checkpoint = self.latest_checkpoint()
             if resume_from_checkpoint is None:
-                raise ValueError(f"No valid checkpoint found in output directory "
-                                 f"({self.args.output_dir})")
+                raise ValueError(
+                    f"No valid checkpoint found in output directory ({self.args.output_dir})"
+                )
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
             memory = self._ds_memory_info(os.fspath(resume_from_checkpoint))
             if memory is not None:
@@ -277,8 +315,12 @@ class DatastatesTrainer(Trainer):
             elif is_checkpoint_dir(resume_from_checkpoint):
                 self._ds_materialize_state(os.fspath(resume_from_checkpoint))
         try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            return super().train(
+                resume_from_checkpoint=resume_from_checkpoint,
+                trial=trial,
+                ignore_keys_for_eval=ignore_keys_for_eval,
+                **kwargs,
+            )
         finally:
             if self._ds_resume is not None:
                 shutil.rmtree(self._ds_resume[0], ignore_errors=True)
@@ -340,9 +382,11 @@ class DatastatesTrainer(Trainer):
             if info.name == os.path.basename(path):
                 return info
         import datastates
+
         raise datastates.CheckpointNotFoundError(
             f"{path}: no such memory checkpoint (memory holds "
-            f"{[i.name for i in memory.list()] or 'none'})")
+            f"{[i.name for i in memory.list()] or 'none'})"
+        )
 
     def _ds_resume_folder(self, memory) -> str:
         """A folder holding the memory checkpoint's ``trainer_state.json``, given to Trainer
@@ -351,14 +395,18 @@ class DatastatesTrainer(Trainer):
         ckpt = self._datastates(self._ds_output_dir())
         loaded = ckpt.load(step=memory.step, keys="trainer_state")
         if not isinstance(loaded.get("trainer_state"), str):
-            _not_a_trainer_checkpoint(f"the memory checkpoint {memory.path} (step {memory.step})",
-                                      "trainer_state is missing", memory.metadata)
+            _not_a_trainer_checkpoint(
+                f"the memory checkpoint {memory.path} (step {memory.step})",
+                "trainer_state is missing",
+                memory.metadata,
+            )
         state_json = loaded["trainer_state"]
         folder = tempfile.mkdtemp(prefix=f"datastates-resume-{memory.name}-")
         _write_atomic(os.path.join(folder, TRAINER_STATE), state_json)
         self._ds_resume = (os.path.realpath(folder), memory.step)
-        log.info("resuming from the memory checkpoint %s (global step %d)", memory.path,
-                 memory.step)
+        log.info(
+            "resuming from the memory checkpoint %s (global step %d)", memory.path, memory.step
+        )
         return folder
 
     def _ds_materialize_state(self, path: str) -> None:
@@ -392,14 +440,18 @@ class DatastatesTrainer(Trainer):
         memory checkpoint is removed before the error is raised, so that the next resume
         takes the newest one left (memory or ``checkpoint-N``)."""
         import datastates
+
         step = self._ds_memory_step_of(checkpoint)
         if step is not None:
             ckpt = self._datastates(self._ds_output_dir())
             try:
                 ckpt.restore(state, step=step, keys=list(state))
             except datastates.CorruptCheckpointError:
-                log.error("the memory checkpoint of step %d is damaged; removing it (resume "
-                          "again: the newest checkpoint left is used)", step)
+                log.error(
+                    "the memory checkpoint of step %d is damaged; removing it (resume "
+                    "again: the newest checkpoint left is used)",
+                    step,
+                )
                 if ckpt.memory is not None:  # it read the step from there
                     ckpt.memory.delete(step=step)
                 raise
@@ -445,14 +497,17 @@ class DatastatesTrainer(Trainer):
         """``args.output_dir`` (TrainingArguments gives it a default: never None here)."""
         out = self.args.output_dir
         if out is None:
-            raise ValueError("DatastatesTrainer: TrainingArguments.output_dir is None; the "
-                             "checkpoints need a folder")
+            raise ValueError(
+                "DatastatesTrainer: TrainingArguments.output_dir is None; the "
+                "checkpoints need a folder"
+            )
         return out
 
     def _datastates(self, root: str) -> Checkpointer:
         """The Checkpointer of ``root``; the one of ``output_dir`` has the memory tier (its
         memory is keyed on ``output_dir``), any other one none."""
         import datastates
+
         root = os.path.abspath(root)
         if self._ds is not None and self._ds_root != root:
             self.wait_for_checkpoints()
@@ -512,29 +567,35 @@ def _require_trainer_keys(path: str) -> None:
     :data:`TRAINER_KEYS` (one written by the Lightning or DeepSpeed integration does not). Reads
     the manifest only."""
     import datastates
+
     summary = datastates.inspect(path)
     entries = summary["tensors"] + summary["objects"]
-    found = sorted({e["key"].split("/")[0] for e in entries}
-                   | {k.split("/")[0] for k in summary["values"]})
+    found = sorted(
+        {e["key"].split("/")[0] for e in entries} | {k.split("/")[0] for k in summary["values"]}
+    )
     missing = [k for k in TRAINER_KEYS if k not in found]
     if missing:
-        _not_a_trainer_checkpoint(f"the checkpoint {path}",
-                                  f"it holds the top-level keys {found}", summary["metadata"])
+        _not_a_trainer_checkpoint(
+            f"the checkpoint {path}", f"it holds the top-level keys {found}", summary["metadata"]
+        )
 
 
 def _not_a_trainer_checkpoint(where: str, found: str, metadata: dict) -> None:
     import datastates
+
     raise datastates.StateMismatchError(
         f"DatastatesTrainer cannot resume from {where}: expected a checkpoint written by "
         f"DatastatesTrainer, holding the keys {list(TRAINER_KEYS)}, but {found} (written by "
         f"framework {metadata.get('framework', 'unknown')!r}). Resume from another checkpoint-N, "
-        "or move this one out of output_dir")
+        "or move this one out of output_dir"
+    )
 
 
 def _state_json(state) -> str:
     """``trainer_state.json`` exactly as ``TrainerState.save_to_json`` writes it."""
     import dataclasses
     import json
+
     return json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
 
 

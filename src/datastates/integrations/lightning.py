@@ -21,6 +21,7 @@ The memory tier: :class:`DatastatesMemoryCheckpoint` (``io.memory_checkpoints(di
 The comparison with ``AsyncCheckpointIO``, the paths Lightning names itself (hidden Tuner
 files, ``save_last="link"``, ``ckpt_path="last"``) and the memory tier: docs/lightning.md.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,8 +39,12 @@ from ._paths import ASIDE_PREFIX, PathCheckpoints, drop_latest
 
 log = logging.getLogger("datastates.integrations")
 
-__all__ = ["DatastatesCheckpointIO", "DatastatesMemoryCheckpoint", "DatastatesSnapshotCallback",
-           "load_from_checkpoint"]
+__all__ = [
+    "DatastatesCheckpointIO",
+    "DatastatesMemoryCheckpoint",
+    "DatastatesSnapshotCallback",
+    "load_from_checkpoint",
+]
 
 
 class DatastatesCheckpointIO(CheckpointIO):
@@ -54,12 +59,14 @@ class DatastatesCheckpointIO(CheckpointIO):
 
     def __init__(self, config: Any = None, *, max_open: int = 2):
         self._config = config
-        self._tier = None if config is None else \
-            framework_memory_tier(config, "DatastatesCheckpointIO")
+        self._tier = (
+            None if config is None else framework_memory_tier(config, "DatastatesCheckpointIO")
+        )
         if self._tier is not None:
             config = config.replace(memory_tier=None)
-        self._paths = PathCheckpoints(config, max_open=max_open, trusted=False,
-                                      on_commit=drop_latest, idle_close=True)
+        self._paths = PathCheckpoints(
+            config, max_open=max_open, trusted=False, on_commit=drop_latest, idle_close=True
+        )
         self._stock = TorchCheckpointIO()  # hidden names and URLs, see the module docstring
         self._guard: Optional["DatastatesSnapshotCallback"] = None
         self._memory: Optional["DatastatesMemoryCheckpoint"] = None
@@ -94,18 +101,21 @@ class DatastatesCheckpointIO(CheckpointIO):
         self._paths.wait_snapshots()
 
     # ------------------------------------------------------------ CheckpointIO
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
-                        storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None
+    ) -> None:
         """Start saving; see the module docstring for when it returns. Raises an earlier
         background failure. ``storage_options`` must be None (ConfigError otherwise): the
         storage is configured through the io's datastates.CheckpointConfig."""
         if storage_options is not None:
             import datastates
+
             raise datastates.ConfigError(
                 f"{type(self).__name__}.save_checkpoint({os.fspath(path)!r}): expected "
                 f"storage_options=None, found {type(storage_options).__name__} "
                 f"{storage_options!r}; configure the storage through its "
-                "datastates.CheckpointConfig")
+                "datastates.CheckpointConfig"
+            )
         orig_path = path
         path = self._local(path)
         if path is None or _hidden(path):
@@ -115,21 +125,30 @@ class DatastatesCheckpointIO(CheckpointIO):
         step = step if type(step) is int and step >= 0 else None
         guard = self._guard
         if guard is not None and guard.active:
-            self._paths.save(checkpoint, path, snapshot=False, optimizers=guard.optimizers(),
-                             metadata={"framework": "lightning"}, step=step)
+            self._paths.save(
+                checkpoint,
+                path,
+                snapshot=False,
+                optimizers=guard.optimizers(),
+                metadata={"framework": "lightning"},
+                step=step,
+            )
         elif threading.current_thread() is not threading.main_thread():
             # Another thread saves for the training loop (AsyncCheckpointIO's): commit here,
             # so that its wait (its teardown) covers the commit, nothing stays running after
             # fit() and a failure reaches it; this io's own teardown is not called then.
-            self._paths.save(checkpoint, path, snapshot=True, metadata={"framework": "lightning"},
-                             step=step)
+            self._paths.save(
+                checkpoint, path, snapshot=True, metadata={"framework": "lightning"}, step=step
+            )
             self._paths.close()
         else:
-            self._paths.save(checkpoint, path, snapshot=True, metadata={"framework": "lightning"},
-                             step=step)
+            self._paths.save(
+                checkpoint, path, snapshot=True, metadata={"framework": "lightning"}, step=step
+            )
 
-    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
         """The checkpoint dict, as ``torch.load`` returned it for ``TorchCheckpointIO``.
 
         ``weights_only`` keeps its ``torch.load`` meaning: unless it is ``False``, Python objects
@@ -138,8 +157,9 @@ class DatastatesCheckpointIO(CheckpointIO):
         hidden name with ``TorchCheckpointIO``; a link as its target in the same directory."""
         local = self._local(path)
         if local is None or _hidden(local):
-            return self._stock.load_checkpoint(path, map_location=map_location,
-                                               weights_only=weights_only)
+            return self._stock.load_checkpoint(
+                path, map_location=map_location, weights_only=weights_only
+            )
         path = local
         self._check_memory()
         if callable(map_location) or isinstance(map_location, dict):
@@ -151,8 +171,7 @@ class DatastatesCheckpointIO(CheckpointIO):
             path = _resolve_link(path)
             if not self._paths.exists(path):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
-            return self._paths.load(path, map_location=map_location,
-                                    trusted=weights_only is False)
+            return self._paths.load(path, map_location=map_location, trusted=weights_only is False)
         finally:
             self._paths.close_if_idle()
 
@@ -178,23 +197,28 @@ class DatastatesCheckpointIO(CheckpointIO):
         local = self._local(dirpath, report=False)
         if local is None:
             import datastates
+
             raise datastates.ConfigError(
                 f"DatastatesCheckpointIO.last_path: expected a local directory, found the URL "
                 f"{dirpath!r} (checkpoints at URLs are Lightning's own files: use "
-                "ckpt_path='last')")
+                "ckpt_path='last')"
+            )
         folder = os.path.abspath(local)
         if not os.path.isdir(folder):
             return None
         try:
             self._paths.repair(folder)
-            names = {n[len(ASIDE_PREFIX):] if n.startswith(ASIDE_PREFIX) else n
-                     for n in os.listdir(folder)}
+            names = {
+                n[len(ASIDE_PREFIX) :] if n.startswith(ASIDE_PREFIX) else n
+                for n in os.listdir(folder)
+            }
             found = {}
             for name in names:
                 path = os.path.join(folder, name)
                 if _LAST.fullmatch(name) and self._paths.exists(_resolve_link(path)):
-                    stamp = path if os.path.lexists(path) else \
-                        os.path.join(folder, ASIDE_PREFIX + name)
+                    stamp = (
+                        path if os.path.lexists(path) else os.path.join(folder, ASIDE_PREFIX + name)
+                    )
                     found[path] = os.stat(stamp).st_mtime
             return max(found, key=lambda p: found[p], default=None)
         finally:
@@ -216,13 +240,18 @@ class DatastatesCheckpointIO(CheckpointIO):
             return text
         scheme = found.group(1).lower()
         if scheme == "file":
-            return text[len(found.group(0)):]
+            return text[len(found.group(0)) :]
         if report and scheme not in self._warned:
             self._warned.add(scheme)
-            log.warning("DatastatesCheckpointIO writes local paths only; %s is a %s:// URL, so "
-                        "it and every other %s:// path are saved, loaded and removed by "
-                        "Lightning's TorchCheckpointIO (one torch.save file, written "
-                        "synchronously)", text, scheme, scheme)
+            log.warning(
+                "DatastatesCheckpointIO writes local paths only; %s is a %s:// URL, so "
+                "it and every other %s:// path are saved, loaded and removed by "
+                "Lightning's TorchCheckpointIO (one torch.save file, written "
+                "synchronously)",
+                text,
+                scheme,
+                scheme,
+            )
         return None
 
     # ------------------------------------------------------------ extras
@@ -230,8 +259,9 @@ class DatastatesCheckpointIO(CheckpointIO):
         """The callback that makes saves lazy (add it to ``Trainer(callbacks=[...])``)."""
         return DatastatesSnapshotCallback(self)
 
-    def memory_checkpoints(self, dirpath: Any, every_n_steps: int = 1
-                           ) -> "DatastatesMemoryCheckpoint":
+    def memory_checkpoints(
+        self, dirpath: Any, every_n_steps: int = 1
+    ) -> "DatastatesMemoryCheckpoint":
         """The callback saving into this config's memory tier (add it to
         ``Trainer(callbacks=[...])``); ``dirpath`` is ModelCheckpoint's directory, on which the
         memory is keyed."""
@@ -240,10 +270,12 @@ class DatastatesCheckpointIO(CheckpointIO):
     def _check_memory(self) -> None:
         if self._tier is not None and self._memory is None:
             import datastates
+
             raise datastates.ConfigError(
                 "DatastatesCheckpointIO: its config has a memory tier, which only "
                 "io.memory_checkpoints(dirpath) uses; add that callback to "
-                "Trainer(callbacks=[...]), or drop memory_tier from the config")
+                "Trainer(callbacks=[...]), or drop memory_tier from the config"
+            )
 
     def wait(self) -> None:
         """Block until every checkpoint is committed; raise the first failure. Outside a run
@@ -289,10 +321,12 @@ def _resolve_link(path: Any) -> Any:
     target = os.path.realpath(spelled)
     if os.path.dirname(target) != os.path.realpath(folder):
         import datastates
+
         raise datastates.CorruptCheckpointError(
             f"{spelled} is a symbolic link to {target}, outside its directory {folder}; only "
             "a link to a checkpoint in the same directory is followed (as "
-            "ModelCheckpoint(save_last='link') makes them)")
+            "ModelCheckpoint(save_last='link') makes them)"
+        )
     return os.path.join(folder, os.path.basename(target))
 
 
@@ -314,8 +348,10 @@ class DatastatesSnapshotCallback(Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if trainer.strategy.checkpoint_io is not self.io:
-            raise ValueError("DatastatesSnapshotCallback: the Trainer does not use its "
-                             "DatastatesCheckpointIO; pass it in Trainer(plugins=[io])")
+            raise ValueError(
+                "DatastatesSnapshotCallback: the Trainer does not use its "
+                "DatastatesCheckpointIO; pass it in Trainer(plugins=[io])"
+            )
         self._trainer = trainer
         self.io.attach_guard(self)  # the run's teardown closes the io
 
@@ -329,8 +365,9 @@ class DatastatesSnapshotCallback(Callback):
         self._trainer = None
 
 
-def load_from_checkpoint(module_class: Any, path: Any, *, trusted: bool = False,
-                         **kwargs: Any) -> Any:
+def load_from_checkpoint(
+    module_class: Any, path: Any, *, trusted: bool = False, **kwargs: Any
+) -> Any:
     """``module_class.load_from_checkpoint(path)`` for a checkpoint written by
     :class:`DatastatesCheckpointIO` (Lightning's classmethod reads one ``torch.load`` file).
 
@@ -344,6 +381,7 @@ def load_from_checkpoint(module_class: Any, path: Any, *, trusted: bool = False,
     import tempfile
 
     import datastates
+
     folder = os.path.dirname(os.path.abspath(os.fspath(path)))
     with tempfile.TemporaryDirectory(prefix=".datastates-export-", dir=folder) as tmp:
         exported = os.path.join(tmp, "checkpoint.ckpt")
@@ -373,18 +411,23 @@ class DatastatesMemoryCheckpoint(Callback):
 
     def __init__(self, io: DatastatesCheckpointIO, dirpath: Any, every_n_steps: int = 1):
         import datastates
+
         if not isinstance(io, DatastatesCheckpointIO):
-            raise TypeError(f"DatastatesMemoryCheckpoint: expected a DatastatesCheckpointIO, "
-                            f"found {type(io).__qualname__}")
+            raise TypeError(
+                f"DatastatesMemoryCheckpoint: expected a DatastatesCheckpointIO, "
+                f"found {type(io).__qualname__}"
+            )
         if io._tier is None:
             raise datastates.ConfigError(
                 "DatastatesMemoryCheckpoint: the DatastatesCheckpointIO's config has no memory "
                 "tier; pass CheckpointConfig(memory_tier=MemoryTier(persist_every=None, "
-                "persist_on_exit=False)) to it")
+                "persist_on_exit=False)) to it"
+            )
         self.io = io
         self.dirpath = os.path.abspath(os.fspath(dirpath))
-        self.every_n_steps = check_every(every_n_steps, "DatastatesMemoryCheckpoint("
-                                                        "every_n_steps=)")
+        self.every_n_steps = check_every(
+            every_n_steps, "DatastatesMemoryCheckpoint(every_n_steps=)"
+        )
         self._config = io._config.replace(allow_unsafe_objects=True)
         self._ckpt = None
         self._saves = MemorySaves()
@@ -393,14 +436,18 @@ class DatastatesMemoryCheckpoint(Callback):
     # ------------------------------------------------------------ Lightning hooks
     def setup(self, trainer, pl_module, stage: str) -> None:
         import datastates
+
         if trainer.strategy.checkpoint_io is not self.io:
-            raise ValueError("DatastatesMemoryCheckpoint: the Trainer does not use its "
-                             "DatastatesCheckpointIO; pass it in Trainer(plugins=[io])")
+            raise ValueError(
+                "DatastatesMemoryCheckpoint: the Trainer does not use its "
+                "DatastatesCheckpointIO; pass it in Trainer(plugins=[io])"
+            )
         if trainer.world_size != 1:
             raise datastates.ConfigError(
                 f"DatastatesMemoryCheckpoint: one process only (found world_size="
                 f"{trainer.world_size}); Lightning saves on global rank 0 and loads on every "
-                "rank, and the memory tier would then be opened by every rank on its own")
+                "rank, and the memory tier would then be opened by every rank on its own"
+            )
         self.io.attach_memory(self)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -421,8 +468,7 @@ class DatastatesMemoryCheckpoint(Callback):
         ckpt = self._checkpointer()
         memory = ckpt.memory.latest() if ckpt.memory is not None else None
         found = ckpt.list()  # storage: ModelCheckpoint's datastates checkpoints, oldest first
-        storage = max(found, key=lambda i: (-1 if i.step is None else i.step, i.seq),
-                      default=None)
+        storage = max(found, key=lambda i: (-1 if i.step is None else i.step, i.seq), default=None)
         storage_step = None if storage is None else -1 if storage.step is None else storage.step
         if memory is not None and memory_wins(memory.step, storage_step):
             return memory.path
@@ -438,6 +484,7 @@ class DatastatesMemoryCheckpoint(Callback):
         """The checkpoint dict saved at the memory checkpoint ``path`` (read from memory,
         every checksum checked)."""
         import datastates
+
         ckpt = self._checkpointer()
         name = os.path.basename(os.path.realpath(os.fspath(path)))
         info = next((i for i in ckpt.memory.list() if i.name == name), None)
@@ -464,8 +511,13 @@ class DatastatesMemoryCheckpoint(Callback):
     # ------------------------------------------------------------ internals
     def _save(self, trainer) -> None:
         step = trainer.global_step
-        if (step == 0 or step % self.every_n_steps or step == self._last_step
-                or trainer.sanity_checking or not trainer.is_global_zero):
+        if (
+            step == 0
+            or step % self.every_n_steps
+            or step == self._last_step
+            or trainer.sanity_checking
+            or not trainer.is_global_zero
+        ):
             return
         self._saves.raise_failed()
         ckpt = self._checkpointer()
@@ -473,15 +525,21 @@ class DatastatesMemoryCheckpoint(Callback):
             return
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         handle = ckpt.save(
-            checkpoint, step=step, persist=False, optimizers=list(trainer.optimizers),
+            checkpoint,
+            step=step,
+            persist=False,
+            optimizers=list(trainer.optimizers),
             overwrite=True,  # a step run again (after a resume) replaces it
-            metadata={"framework": "lightning", "global_step": step})
+            metadata={"framework": "lightning", "global_step": step},
+        )
         self._saves.add(handle)
         self._last_step = step
 
     def _checkpointer(self):
         if self._ckpt is None:
             import datastates
-            self._ckpt = datastates.Checkpointer(self.dirpath, self._config,
-                                                 communicator=datastates.LocalCommunicator())
+
+            self._ckpt = datastates.Checkpointer(
+                self.dirpath, self._config, communicator=datastates.LocalCommunicator()
+            )
         return self._ckpt

@@ -42,6 +42,7 @@ These rules keep it safe:
 ``storage_writer="trainer"`` commits the saves due for storage straight into storage from the
 trainer's own pipeline, as a Checkpointer without a memory tier does.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -85,8 +86,15 @@ class Handoff:
     """Rank 0's queue of memory checkpoints to be written to storage (module docstring): one
     being written, one waiting at most."""
 
-    def __init__(self, link: KeeperLink | None, memdir: str, storage: str,
-                 config: CheckpointConfig, keep_last: int | None, store: Store):
+    def __init__(
+        self,
+        link: KeeperLink | None,
+        memdir: str,
+        storage: str,
+        config: CheckpointConfig,
+        keep_last: int | None,
+        store: Store,
+    ):
         """Hand on from the memory directory ``memdir`` (its checkpoints in ``store``) to the
         storage directory ``storage``, through the keeper at ``link``."""
         self._link, self._memdir, self._storage, self._config = link, memdir, storage, config
@@ -104,8 +112,7 @@ class Handoff:
         self.written: deque[str] = deque(maxlen=_KEPT_NAMES)
         #: The last checkpoints replaced while waiting by a newer one (storage got the newer).
         self.replaced: deque[str] = deque(maxlen=_KEPT_NAMES)
-        self._thread = threading.Thread(target=self._loop, name="datastates-handoff",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="datastates-handoff", daemon=True)
         self._thread.start()
 
     def held(self) -> set[str]:
@@ -129,13 +136,19 @@ class Handoff:
         write may replace a checkpoint of that name in storage."""
         with self._cond:
             if self._closed:
-                raise KeeperError(f"{info.name} was committed to memory after the handoff to "
-                                  "storage closed")
+                raise KeeperError(
+                    f"{info.name} was committed to memory after the handoff to storage closed"
+                )
             if self._waiting is not None:
-                log.warning("datastates: %s was still waiting to be written to storage when %s "
-                            "was saved; storage gets %s instead (writing %s takes longer than "
-                            "the saves between them)", self._waiting.name, info.name, info.name,
-                            self._writing.name if self._writing else "the one before")
+                log.warning(
+                    "datastates: %s was still waiting to be written to storage when %s "
+                    "was saved; storage gets %s instead (writing %s takes longer than "
+                    "the saves between them)",
+                    self._waiting.name,
+                    info.name,
+                    info.name,
+                    self._writing.name if self._writing else "the one before",
+                )
                 self.replaced.append(self._waiting.name)
             self._waiting = Due(info, overwrite)
             self._cond.notify_all()
@@ -148,9 +161,12 @@ class Handoff:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     busy = self._writing or self._waiting
-                    raise CommitTimeoutError(f"the memory tier was still writing "
-                                             f"{busy.name if busy else 'a checkpoint'} to "
-                                             f"storage at the commit deadline", {0: "busy"})
+                    raise CommitTimeoutError(
+                        f"the memory tier was still writing "
+                        f"{busy.name if busy else 'a checkpoint'} to "
+                        f"storage at the commit deadline",
+                        {0: "busy"},
+                    )
                 self._cond.wait(left)
 
     @contextlib.contextmanager
@@ -173,13 +189,19 @@ class Handoff:
 
     def _wait_free(self, name: str | None, deadline: float, outcome: str) -> None:
         """With the lock held: :meth:`paused`'s wait."""
-        while (self._busy or self._waiting is not None) if name is None else \
-                name in {d.name for d in (self._waiting, self._writing) if d is not None}:
+        while (
+            (self._busy or self._waiting is not None)
+            if name is None
+            else name in {d.name for d in (self._waiting, self._writing) if d is not None}
+        ):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise CommitTimeoutError(f"the memory tier was still writing "
-                                         f"{name or 'a checkpoint'} to storage at the "
-                                         f"deadline; {outcome}", {0: "busy"})
+                raise CommitTimeoutError(
+                    f"the memory tier was still writing "
+                    f"{name or 'a checkpoint'} to storage at the "
+                    f"deadline; {outcome}",
+                    {0: "busy"},
+                )
             self._cond.wait(left)
 
     def take_errors(self) -> list[KeeperError]:
@@ -198,10 +220,13 @@ class Handoff:
         with self._cond:
             self._closed = self._abandoned = True
             if self._waiting is not None:
-                log.error("datastates: closing: %s, due for storage, was not written there "
-                          "(still waiting behind %s); it stays in memory, for the keeper to "
-                          "write as the newest (persist_on_exit)", self._waiting.name,
-                          self._writing.name if self._writing else "another write")
+                log.error(
+                    "datastates: closing: %s, due for storage, was not written there "
+                    "(still waiting behind %s); it stays in memory, for the keeper to "
+                    "write as the newest (persist_on_exit)",
+                    self._waiting.name,
+                    self._writing.name if self._writing else "another write",
+                )
             self._waiting = None
             self._cond.notify_all()
 
@@ -227,15 +252,23 @@ class Handoff:
                 self._write(due)
             except Exception as exc:  # noqa: BLE001 - the thread lives on; wait() raises it
                 if self._abandoned:
-                    log.warning("datastates: closing: the write of %s to storage did not end "
-                                "here (%s)", info.name, exc)
+                    log.warning(
+                        "datastates: closing: the write of %s to storage did not end here (%s)",
+                        info.name,
+                        exc,
+                    )
                     self._end_abandoned()
                     return
-                log.error("datastates: writing the memory checkpoint %s to storage (%s) failed: "
-                          "%s; it stays in memory only", info.name, self._storage,
-                          exc)
-                error = KeeperError(f"writing the memory checkpoint {info.name} to storage "
-                                    f"failed: {exc}")
+                log.error(
+                    "datastates: writing the memory checkpoint %s to storage (%s) failed: "
+                    "%s; it stays in memory only",
+                    info.name,
+                    self._storage,
+                    exc,
+                )
+                error = KeeperError(
+                    f"writing the memory checkpoint {info.name} to storage failed: {exc}"
+                )
                 error.__cause__ = exc
             with self._cond:
                 self._writing = None  # released: the retention below may delete it
@@ -262,8 +295,7 @@ class Handoff:
         """Apply the memory tier's retention again, now that a checkpoint it kept is released
         (a commit thread's retention running meanwhile skips what this one removed)."""
         try:
-            self.retention.apply(os.path.join(self._memdir, place.CKPT), None, False,
-                                 self._store)
+            self.retention.apply(os.path.join(self._memdir, place.CKPT), None, False, self._store)
         except Exception as exc:  # noqa: BLE001 - the next memory commit's retention retries
             log.warning("datastates: applying the memory tier's retention failed: %s", exc)
 
@@ -271,18 +303,27 @@ class Handoff:
         link = self._link
         if link is not None and not link.lost:
             try:  # waited for as long as the keeper lives: see the docstring
-                reply = link.request({"op": "persist", "name": due.name,
-                                      "overwrite": due.overwrite}, None)
+                reply = link.request(
+                    {"op": "persist", "name": due.name, "overwrite": due.overwrite}, None
+                )
             except KeeperError:
                 if not link.lost or self._abandoned:
                     raise
             else:
                 if reply.get("persisted") != due.name:  # a keeper of another version?
-                    raise KeeperError(f"the keeper answered {reply} to the request to write "
-                                      f"{due.name} to storage; it was not written")
+                    raise KeeperError(
+                        f"the keeper answered {reply} to the request to write "
+                        f"{due.name} to storage; it was not written"
+                    )
                 return
-        log.warning("datastates: the memory keeper is gone; rank 0 writes %s to storage itself",
-                    due.name)
-        persist_newest(os.path.join(self._memdir, place.CKPT), self._storage, self._config,
-                       name=due.name, overwrite=due.overwrite,
-                       checked=lambda i: marks.holds(self._memdir, i))
+        log.warning(
+            "datastates: the memory keeper is gone; rank 0 writes %s to storage itself", due.name
+        )
+        persist_newest(
+            os.path.join(self._memdir, place.CKPT),
+            self._storage,
+            self._config,
+            name=due.name,
+            overwrite=due.overwrite,
+            checked=lambda i: marks.holds(self._memdir, i),
+        )

@@ -28,6 +28,7 @@ checkpoints, their marks, the spare shard files, the lock) and nothing else; if 
 still attached (the grace ran out), it leaves the directory to that trainer, whose ``close()``
 persists and removes it. It imports no CUDA state: it only copies files.
 """
+
 from __future__ import annotations
 
 import json
@@ -97,8 +98,10 @@ class Keeper:
             server.listen(16)
             self._sel.register(server, selectors.EVENT_READ, "accept")
             self._sel.register(wake_r, selectors.EVENT_READ, "signal")
-            previous = {s: signal.signal(s, lambda *_: _wake(wake_w))
-                        for s in (signal.SIGTERM, signal.SIGINT)}
+            previous = {
+                s: signal.signal(s, lambda *_: _wake(wake_w))
+                for s in (signal.SIGTERM, signal.SIGINT)
+            }
             signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the trainer's terminal closing
             try:
                 self._serve(server, wake_r)
@@ -124,17 +127,25 @@ class Keeper:
                 elif key.data == "signal":
                     os.read(wake_r, 64)
                     if self._term_at is None:
-                        log.info("keeper: SIGTERM/SIGINT; waiting up to %.0f s for %d trainer(s)"
-                                 " to detach", self.tier.grace_s, self._attached())
+                        log.info(
+                            "keeper: SIGTERM/SIGINT; waiting up to %.0f s for %d trainer(s)"
+                            " to detach",
+                            self.tier.grace_s,
+                            self._attached(),
+                        )
                         self._term_at = time.monotonic()
                 else:
                     self._read(key.data)
             now = time.monotonic()
-            if self._term_at is not None and (not self._attached() or
-                                              now - self._term_at >= self.tier.grace_s):
+            if self._term_at is not None and (
+                not self._attached() or now - self._term_at >= self.tier.grace_s
+            ):
                 self._stopping = True
-            if (self._idle_since is not None and not self._attached() and
-                    now - self._idle_since >= self.tier.idle_timeout_s):
+            if (
+                self._idle_since is not None
+                and not self._attached()
+                and now - self._idle_since >= self.tier.idle_timeout_s
+            ):
                 log.info("keeper: no trainer for %.0f s; ending", self.tier.idle_timeout_s)
                 self._stopping = True
 
@@ -148,14 +159,21 @@ class Keeper:
 
     def _finish(self) -> None:
         if self.tier.persist_on_exit and not self._persist("ending")["ok"]:
-            log.error("keeper %d: the memory in %s is kept (storage lacks its newest step); a "
-                      "trainer or keeper started for %s writes it there", os.getpid(),
-                      self.memdir, self.storage)
+            log.error(
+                "keeper %d: the memory in %s is kept (storage lacks its newest step); a "
+                "trainer or keeper started for %s writes it there",
+                os.getpid(),
+                self.memdir,
+                self.storage,
+            )
             return
         if self._attached():  # the grace ran out: a trainer still saves into the memory
-            log.warning("keeper %d: ending with %d trainer(s) attached; the memory directory is "
-                        "left to them (their close() writes it to storage and removes it)",
-                        os.getpid(), self._attached())
+            log.warning(
+                "keeper %d: ending with %d trainer(s) attached; the memory directory is "
+                "left to them (their close() writes it to storage and removes it)",
+                os.getpid(),
+                self._attached(),
+            )
             return
         self._remove_memory()
         log.info("keeper %d: memory removed, exiting", os.getpid())
@@ -181,9 +199,12 @@ class Keeper:
             os.rmdir(self.memdir)
             removed.append(self.memdir)
         except OSError as exc:
-            log.warning("keeper: the memory directory %s is left (%s): it holds %s, which no "
-                        "keeper wrote", self.memdir, exc.strerror or exc,
-                        sorted(os.listdir(self.memdir)) if os.path.isdir(self.memdir) else [])
+            log.warning(
+                "keeper: the memory directory %s is left (%s): it holds %s, which no keeper wrote",
+                self.memdir,
+                exc.strerror or exc,
+                sorted(os.listdir(self.memdir)) if os.path.isdir(self.memdir) else [],
+            )
         return removed
 
     def remove_left(self) -> dict:
@@ -200,23 +221,32 @@ class Keeper:
         lock = place.open_lock(self.memdir)
         try:
             if not place.take_lock(lock):
-                raise KeeperError(f"a keeper holds the lock of {self.memdir} but does not "
-                                  "answer (stopped or hung); nothing removed")
+                raise KeeperError(
+                    f"a keeper holds the lock of {self.memdir} but does not "
+                    "answer (stopped or hung); nothing removed"
+                )
             users = place.mapped_by(self.memdir)
             if users:
-                raise KeeperError(f"process(es) {users} map files of {self.memdir} (a trainer "
-                                  "whose keeper is gone: its close() writes the memory to "
-                                  "storage and removes it); nothing removed")
+                raise KeeperError(
+                    f"process(es) {users} map files of {self.memdir} (a trainer "
+                    "whose keeper is gone: its close() writes the memory to "
+                    "storage and removes it); nothing removed"
+                )
             persisted = None
             if self.tier.persist_on_exit:
                 reply = self._persist("stopped without a keeper")
                 if not reply["ok"]:
-                    raise KeeperError(f"the newest memory checkpoint of {self.memdir} could not "
-                                      f"be written to {self.storage} ({reply['error']}); the "
-                                      "memory is kept, nothing removed")
+                    raise KeeperError(
+                        f"the newest memory checkpoint of {self.memdir} could not "
+                        f"be written to {self.storage} ({reply['error']}); the "
+                        "memory is kept, nothing removed"
+                    )
                 persisted = reply["persisted"]
-            removed = [p for p in self._remove_memory()
-                       if had_lock or p != os.path.join(self.memdir, place.LOCK)]
+            removed = [
+                p
+                for p in self._remove_memory()
+                if had_lock or p != os.path.join(self.memdir, place.LOCK)
+            ]
         finally:
             os.close(lock)
         log.info("keeper: memory of %s removed without a keeper: %s", self.storage, removed)
@@ -308,13 +338,21 @@ class Keeper:
                 return
             other = self._other_trainer(conn)
             if other is not None:  # two trainers would recycle each other's shard files
-                self._send(conn, {"ok": False, "error": (
-                    f"trainer pid {other} is attached to {self.memdir} and still runs; a "
-                    "second trainer of the job (pid "
-                    f"{int(request.get('pid', 0))}) is refused: end pid {other} first (its "
-                    "close() detaches; if it died, the keeper notices at once)")})
-                log.warning("keeper: refused trainer %s: trainer %d is attached",
-                            request.get("pid"), other)
+                self._send(
+                    conn,
+                    {
+                        "ok": False,
+                        "error": (
+                            f"trainer pid {other} is attached to {self.memdir} and still runs; a "
+                            "second trainer of the job (pid "
+                            f"{int(request.get('pid', 0))}) is refused: end pid {other} first (its "
+                            "close() detaches; if it died, the keeper notices at once)"
+                        ),
+                    },
+                )
+                log.warning(
+                    "keeper: refused trainer %s: trainer %d is attached", request.get("pid"), other
+                )
                 return
             conn.pid, conn.detached = int(request.get("pid", 0)), False
             self._idle_since = None
@@ -332,18 +370,41 @@ class Keeper:
             # An attached trainer hands on a save due for storage (handoff.py); it holds back
             # its own commits to storage until this answer, so the two never overlap.
             if conn.pid is None or conn.detached:
-                self._send(conn, {"ok": False, "error": "only an attached trainer hands on its "
-                                  "checkpoints"})
+                self._send(
+                    conn,
+                    {"ok": False, "error": "only an attached trainer hands on its checkpoints"},
+                )
             else:
-                self._send(conn, self._persist(f"trainer {conn.pid}", str(request["name"]),
-                                               request.get("overwrite") is True))
+                self._send(
+                    conn,
+                    self._persist(
+                        f"trainer {conn.pid}",
+                        str(request["name"]),
+                        request.get("overwrite") is True,
+                    ),
+                )
         elif op == "persist":  # never beside an attached trainer's own commits to storage
-            self._send(conn, {"ok": False, "error": f"{self._attached()} trainer(s) attached: "
-                              "they write to storage themselves (save(persist=True))"}
-                       if self._attached() else self._persist("asked"))
+            self._send(
+                conn,
+                {
+                    "ok": False,
+                    "error": f"{self._attached()} trainer(s) attached: "
+                    "they write to storage themselves (save(persist=True))",
+                }
+                if self._attached()
+                else self._persist("asked"),
+            )
         elif op == "status":
-            self._send(conn, {"ok": True, "pid": os.getpid(), "attached": self._attached(),
-                              "memory": self.memdir, "storage": self.storage})
+            self._send(
+                conn,
+                {
+                    "ok": True,
+                    "pid": os.getpid(),
+                    "attached": self._attached(),
+                    "memory": self.memdir,
+                    "storage": self.storage,
+                },
+            )
         else:
             self._send(conn, {"ok": False, "error": f"unknown op {op!r}"})
 
@@ -361,12 +422,22 @@ class Keeper:
             log.info("keeper (%s): the memory is not written to storage: %s", why, part)
             return {"ok": True, "persisted": None}
         try:
-            info = persist_newest(self.ckpt, self.storage, self.config, self.run_id,
-                                  checked=lambda info: marks.holds(self.memdir, info),
-                                  name=name, overwrite=overwrite)
+            info = persist_newest(
+                self.ckpt,
+                self.storage,
+                self.config,
+                self.run_id,
+                checked=lambda info: marks.holds(self.memdir, info),
+                name=name,
+                overwrite=overwrite,
+            )
         except Exception as exc:  # noqa: BLE001 - logged and answered; the keeper keeps serving
-            log.error("keeper (%s): writing the newest memory checkpoint to %s failed: %r", why,
-                      self.storage, exc)
+            log.error(
+                "keeper (%s): writing the newest memory checkpoint to %s failed: %r",
+                why,
+                self.storage,
+                exc,
+            )
             return {"ok": False, "error": repr(exc)}
         if info is None:
             log.info("keeper (%s): storage already holds the newest step", why)

@@ -1,4 +1,5 @@
 """Rank 0's connection to the keeper: find it (or start it), attach, notice when it is gone."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,9 @@ class KeeperLink:
         self._lock = threading.Lock()
         self._count = 0
         self._closing = False
-        self._reader = threading.Thread(target=self._read, name="datastates-keeper-link",
-                                        daemon=True)
+        self._reader = threading.Thread(
+            target=self._read, name="datastates-keeper-link", daemon=True
+        )
         self._reader.start()
 
     @classmethod
@@ -55,27 +57,34 @@ class KeeperLink:
                 break
             if not place.keeper_running(memdir):
                 if not tier.spawn:
-                    raise KeeperError(f"no keeper serves the memory of {storage_dir} "
-                                      f"({memdir}); start one with `datastates keeper "
-                                      f"{storage_dir}`, or let the trainer start it "
-                                      "(MemoryTier(spawn=True))")
+                    raise KeeperError(
+                        f"no keeper serves the memory of {storage_dir} "
+                        f"({memdir}); start one with `datastates keeper "
+                        f"{storage_dir}`, or let the trainer start it "
+                        "(MemoryTier(spawn=True))"
+                    )
                 if spawned is None or spawned.poll() is not None:
                     if spawned is not None and spawned.returncode != 0:
-                        raise KeeperError(f"the keeper started for {storage_dir} ended with "
-                                          f"status {spawned.returncode}; its log: "
-                                          f"{tier.log_path or place.default_log(storage_dir)}")
+                        raise KeeperError(
+                            f"the keeper started for {storage_dir} ended with "
+                            f"status {spawned.returncode}; its log: "
+                            f"{tier.log_path or place.default_log(storage_dir)}"
+                        )
                     spawned = spawn(storage_dir, tier, config)
             if time.monotonic() > deadline:
-                raise KeeperUnresponsiveError(f"the keeper of {memdir} did not answer within "
-                                              f"{tier.start_timeout_s:g} s")
+                raise KeeperUnresponsiveError(
+                    f"the keeper of {memdir} did not answer within {tier.start_timeout_s:g} s"
+                )
             time.sleep(_RETRY_S)
         if spawned is not None:  # reaped when it ends (after this, poll() would not see it)
-            threading.Thread(target=spawned.wait, name="datastates-keeper-reaper",
-                             daemon=True).start()
+            threading.Thread(
+                target=spawned.wait, name="datastates-keeper-reaper", daemon=True
+            ).start()
         link = cls(sock, memdir)
         try:
-            reply = link.request({"op": "attach", "pid": os.getpid()},
-                                 max(1.0, deadline - time.monotonic()))
+            reply = link.request(
+                {"op": "attach", "pid": os.getpid()}, max(1.0, deadline - time.monotonic())
+            )
         except KeeperError:
             link.close(detach=False)  # a keeper that did not answer would not answer that
             raise
@@ -92,8 +101,9 @@ class KeeperLink:
         returned lock is released: a pause of the hand-off's writes to storage. TimeoutError if
         a request in progress does not end within ``timeout``."""
         if not self._lock.acquire(timeout=timeout):
-            raise TimeoutError(f"a request to the keeper of {self.memdir} did not end within "
-                               f"{timeout:g} s")
+            raise TimeoutError(
+                f"a request to the keeper of {self.memdir} did not end within {timeout:g} s"
+            )
         return self._lock
 
     def request(self, message: dict, timeout: float | None = _REPLY_TIMEOUT_S) -> dict:
@@ -103,9 +113,11 @@ class KeeperLink:
         so the late answer of a request that timed out is never taken for another's."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
-            raise KeeperUnresponsiveError(f"the keeper of {self.memdir} did not answer "
-                                          f"{message['op']!r}: still busy with an earlier "
-                                          "request")
+            raise KeeperUnresponsiveError(
+                f"the keeper of {self.memdir} did not answer "
+                f"{message['op']!r}: still busy with an earlier "
+                "request"
+            )
         try:
             if self.lost:
                 raise KeeperError(f"the keeper of {self.memdir} is gone")
@@ -119,19 +131,24 @@ class KeeperLink:
                     if reply is None or reply.get("id") in (number, None):
                         break
             except queue.Empty:
-                raise KeeperUnresponsiveError(f"the keeper of {self.memdir} did not answer "
-                                              f"{message['op']!r} within {timeout:g} s") from None
+                raise KeeperUnresponsiveError(
+                    f"the keeper of {self.memdir} did not answer "
+                    f"{message['op']!r} within {timeout:g} s"
+                ) from None
             except OSError as exc:
-                raise KeeperError(f"the keeper of {self.memdir} did not answer "
-                                  f"{message['op']!r}: {exc}") from None
+                raise KeeperError(
+                    f"the keeper of {self.memdir} did not answer {message['op']!r}: {exc}"
+                ) from None
         finally:
             self._lock.release()
         if reply is None:
-            raise KeeperError(f"the keeper of {self.memdir} ended before answering "
-                              f"{message['op']!r}")
+            raise KeeperError(
+                f"the keeper of {self.memdir} ended before answering {message['op']!r}"
+            )
         if not reply.get("ok"):
-            raise KeeperError(f"the keeper of {self.memdir} refused {message['op']!r}: "
-                              f"{reply.get('error')}")
+            raise KeeperError(
+                f"the keeper of {self.memdir} refused {message['op']!r}: {reply.get('error')}"
+            )
         return reply
 
     def close(self, stop: bool = False, detach: bool = True) -> None:
@@ -172,10 +189,13 @@ class KeeperLink:
         self.lost = True
         self._replies.put(None)
         if not self._closing:
-            log.warning("datastates: the memory keeper (pid %s) of %s is gone: training goes on "
-                        "and saves due for storage still go there, but memory checkpoints are no "
-                        "longer written to storage if this trainer dies", self.keeper_pid,
-                        self.memdir)
+            log.warning(
+                "datastates: the memory keeper (pid %s) of %s is gone: training goes on "
+                "and saves due for storage still go there, but memory checkpoints are no "
+                "longer written to storage if this trainer dies",
+                self.keeper_pid,
+                self.memdir,
+            )
 
 
 def _connect(memdir: str) -> socket.socket | None:
@@ -190,8 +210,10 @@ def _connect(memdir: str) -> socket.socket | None:
     uid = place.peer_uid(sock)
     if uid != os.getuid():
         sock.close()
-        raise KeeperError(f"the keeper's socket of {memdir} is held by uid {uid}, not by this "
-                          f"user ({os.getuid()}); refusing to attach")
+        raise KeeperError(
+            f"the keeper's socket of {memdir} is held by uid {uid}, not by this "
+            f"user ({os.getuid()}); refusing to attach"
+        )
     return sock
 
 
@@ -205,10 +227,29 @@ def spawn(storage_dir: str, tier: MemoryTier, config: CheckpointConfig) -> subpr
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "datastates", "keeper", os.path.abspath(storage_dir),
-             "--options", json.dumps(options), "--storage-config", json.dumps(storage)],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, close_fds=True,
-            start_new_session=True, env=env, cwd="/")
-    log.info("datastates: started the memory keeper (pid %d) for %s; log: %s", proc.pid,
-             storage_dir, log_path)
+            [
+                sys.executable,
+                "-m",
+                "datastates",
+                "keeper",
+                os.path.abspath(storage_dir),
+                "--options",
+                json.dumps(options),
+                "--storage-config",
+                json.dumps(storage),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            close_fds=True,
+            start_new_session=True,
+            env=env,
+            cwd="/",
+        )
+    log.info(
+        "datastates: started the memory keeper (pid %d) for %s; log: %s",
+        proc.pid,
+        storage_dir,
+        log_path,
+    )
     return proc

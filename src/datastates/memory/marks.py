@@ -20,6 +20,7 @@ The memory directory is the user's own, with no access for anyone else (``place.
 the user's processes can write to the files or to the marks. Marks of checkpoints that are gone
 are removed when the next mark is written; the memory directory goes with the keeper.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,7 +44,7 @@ from . import place
 log = logging.getLogger("datastates")
 
 MARKS = "verified"
-_MAX_MARK = 1 << 20       # a mark names a few files; anything larger is not one
+_MAX_MARK = 1 << 20  # a mark names a few files; anything larger is not one
 
 
 def _order(info: CheckpointInfo) -> int:
@@ -62,8 +63,9 @@ def _identity(path: str) -> list[int] | None:
 
 
 def _manifest_digest(ckpt: str) -> str:
-    return hashlib.sha256(read_regular(os.path.join(ckpt, fmt.MANIFEST),
-                                       fmt.MAX_MANIFEST_BYTES)).hexdigest()
+    return hashlib.sha256(
+        read_regular(os.path.join(ckpt, fmt.MANIFEST), fmt.MAX_MANIFEST_BYTES)
+    ).hexdigest()
 
 
 def record(memdir: str, info: CheckpointInfo, digest: str, identities: dict) -> None:
@@ -79,8 +81,11 @@ def record(memdir: str, info: CheckpointInfo, digest: str, identities: dict) -> 
     os.replace(tmp, os.path.join(marks, info.name))
     parent = os.path.dirname(info.path)
     for name in os.listdir(marks):
-        if name != info.name and not name.startswith(".") and \
-                not os.path.isdir(os.path.join(parent, name)):
+        if (
+            name != info.name
+            and not name.startswith(".")
+            and not os.path.isdir(os.path.join(parent, name))
+        ):
             try:
                 os.unlink(os.path.join(marks, name))
             except OSError:
@@ -95,14 +100,17 @@ def holds(memdir: str, info: CheckpointInfo) -> bool:
         mark = parse_mark(read_regular(path, _MAX_MARK), path)
         if mark.name != info.name or mark.manifest != _manifest_digest(info.path):
             return False
-        return all(_identity(os.path.join(info.path, name)) == list(identity)
-                   for name, identity in mark.files.items())
+        return all(
+            _identity(os.path.join(info.path, name)) == list(identity)
+            for name, identity in mark.files.items()
+        )
     except (OSError, CorruptCheckpointError):  # the mark, or the manifest, does not read
         return False
 
 
-def verify_newest(memdir: str, ckpt_root: str, storage_root: str | None = None
-                  ) -> CheckpointInfo | None:
+def verify_newest(
+    memdir: str, ckpt_root: str, storage_root: str | None = None
+) -> CheckpointInfo | None:
     """Check every byte of the newest committed checkpoint of ``ckpt_root`` unless its mark
     holds, and mark it; return it (None: there is none, or ``storage_root`` holds a newer step,
     which a restore of the latest reads instead). A damaged one is logged, not marked (the
@@ -121,8 +129,14 @@ def verify_newest(memdir: str, ckpt_root: str, storage_root: str | None = None
         digest = _manifest_digest(info.path)  # before the manifest is parsed and the files read
         files = [n for n in os.listdir(info.path) if n != fmt.MANIFEST]
         before = {name: _identity(os.path.join(info.path, name)) for name in files}
-        with Reader(info.path, registry=ProviderRegistry.default(), verify=True, store=LOCAL,
-                    world_size=info.world_size, rank_policy="rank0") as reader:
+        with Reader(
+            info.path,
+            registry=ProviderRegistry.default(),
+            verify=True,
+            store=LOCAL,
+            world_size=info.world_size,
+            rank_policy="rank0",
+        ) as reader:
             names = [ref.name for ref in reader.manifest.files]
             verify_checkpoint(reader.checkpoint)
     except (OSError, DatastatesError) as exc:
@@ -131,8 +145,11 @@ def verify_newest(memdir: str, ckpt_root: str, storage_root: str | None = None
     identities = {name: before.get(name) for name in names}
     after = {name: _identity(os.path.join(info.path, name)) for name in names}
     # Marked only if nothing visibly changed during the check.
-    if None not in identities.values() and after == identities and \
-            _manifest_digest(info.path) == digest:
+    if (
+        None not in identities.values()
+        and after == identities
+        and _manifest_digest(info.path) == digest
+    ):
         try:
             record(memdir, info, digest, identities)
         except (OSError, DatastatesError) as exc:  # its restore checksums, as without marks

@@ -15,6 +15,7 @@ it: the trainers write storage themselves, ``storage_writer="trainer"``), and a 
 with its ranks spread over the nodes otherwise finds the old parts useless and removes them
 (:func:`adopt`), rather than restore one rank's state into another.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,13 @@ def read(memdir: str) -> NodeRanks | None:
     parser's CorruptCheckpointError, a ValueError, naming the field, for a file that is one)."""
     path = os.path.join(memdir, NODE_FILE)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-                     | os.O_NONBLOCK)
+        fd = os.open(
+            path,
+            os.O_RDONLY
+            | getattr(os, "O_NOFOLLOW", 0)
+            | getattr(os, "O_CLOEXEC", 0)
+            | os.O_NONBLOCK,
+        )
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -86,13 +92,21 @@ def adopt(memdir: str, ckpt_root: str, now: NodeRanks) -> None:
     its memory Checkpointer."""
     try:
         before = read(memdir)
-        why = None if _compatible(before, now) else \
-            f"they hold {before.describe() if before else 'the ranks of a whole job'}"
+        why = (
+            None
+            if _compatible(before, now)
+            else f"they hold {before.describe() if before else 'the ranks of a whole job'}"
+        )
     except ValueError as exc:
         before, why = None, str(exc)
     if why is not None and os.path.isdir(ckpt_root) and os.listdir(ckpt_root):
-        log.warning("datastates: the memory checkpoints in %s are removed: %s, and this node "
-                    "runs %s now (a restore reads storage)", ckpt_root, why, now.describe())
+        log.warning(
+            "datastates: the memory checkpoints in %s are removed: %s, and this node "
+            "runs %s now (a restore reads storage)",
+            ckpt_root,
+            why,
+            now.describe(),
+        )
         remove_tree(ckpt_root)
     if before != now:
         _write(memdir, now)

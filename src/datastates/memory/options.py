@@ -1,4 +1,5 @@
 """The memory tier's settings (``CheckpointConfig(memory_tier=MemoryTier(...))``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,8 +7,16 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 
 #: the fields of CheckpointConfig a keeper needs to commit into storage (passed when it starts)
-STORAGE_FIELDS = ("keep_last", "keep_every", "keep_best", "best_metric", "best_mode", "fsync",
-                  "commit_timeout_s", "stale_tmp_age_s")
+STORAGE_FIELDS = (
+    "keep_last",
+    "keep_every",
+    "keep_best",
+    "best_metric",
+    "best_mode",
+    "fsync",
+    "commit_timeout_s",
+    "stale_tmp_age_s",
+)
 
 
 @dataclass(frozen=True)
@@ -62,24 +71,38 @@ class MemoryTier:
             if not cond:
                 raise ConfigError(f"MemoryTier: expected {what}")
 
-        need(isinstance(self.root, str) and self.root != "", f"root a directory path, found "
-             f"{self.root!r}")
-        need(type(self.keep_last) is int and self.keep_last >= 1,
-             f"keep_last an int >= 1, found {self.keep_last!r}")
-        need(self.persist_every is None or (type(self.persist_every) is int and
-                                            self.persist_every >= 1),
-             f"persist_every None or an int >= 1, found {self.persist_every!r}")
+        need(
+            isinstance(self.root, str) and self.root != "",
+            f"root a directory path, found {self.root!r}",
+        )
+        need(
+            type(self.keep_last) is int and self.keep_last >= 1,
+            f"keep_last an int >= 1, found {self.keep_last!r}",
+        )
+        need(
+            self.persist_every is None
+            or (type(self.persist_every) is int and self.persist_every >= 1),
+            f"persist_every None or an int >= 1, found {self.persist_every!r}",
+        )
         for name in ("persist_on_exit", "spawn"):
-            need(isinstance(getattr(self, name), bool),
-                 f"{name} True or False, found {getattr(self, name)!r}")
+            need(
+                isinstance(getattr(self, name), bool),
+                f"{name} True or False, found {getattr(self, name)!r}",
+            )
         for name in ("idle_timeout_s", "start_timeout_s", "grace_s"):
             value = getattr(self, name)
-            need(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
-                 f"{name} a number > 0 (seconds), found {value!r}")
-        need(self.storage_writer in (None, "keeper", "trainer"),
-             f"storage_writer None, 'keeper' or 'trainer', found {self.storage_writer!r}")
-        need(self.log_path is None or (isinstance(self.log_path, str) and self.log_path != ""),
-             f"log_path None or a file path, found {self.log_path!r}")
+            need(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                f"{name} a number > 0 (seconds), found {value!r}",
+            )
+        need(
+            self.storage_writer in (None, "keeper", "trainer"),
+            f"storage_writer None, 'keeper' or 'trainer', found {self.storage_writer!r}",
+        )
+        need(
+            self.log_path is None or (isinstance(self.log_path, str) and self.log_path != ""),
+            f"log_path None or a file path, found {self.log_path!r}",
+        )
 
     def goes_to_storage(self, step: int | None, persist: bool | None) -> bool:
         """Whether a save of ``step`` (None: a tag) with ``persist`` is written to storage."""

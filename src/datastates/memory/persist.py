@@ -9,6 +9,7 @@ process would: the manifest numbered after storage's newest, written last, the d
 renamed into place, ``latest`` moved, retention applied. A crash at any instant leaves storage
 as it was, apart from a temporary the next cleanup removes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,9 +52,15 @@ def due(memory: list[CheckpointInfo], storage: list[CheckpointInfo]) -> Checkpoi
     return newest
 
 
-def persist_newest(memory_root: str, storage_root: str, config: CheckpointConfig,
-                   run_id: str | None = None, checked=None, name: str | None = None,
-                   overwrite: bool = False) -> CheckpointInfo | None:
+def persist_newest(
+    memory_root: str,
+    storage_root: str,
+    config: CheckpointConfig,
+    run_id: str | None = None,
+    checked=None,
+    name: str | None = None,
+    overwrite: bool = False,
+) -> CheckpointInfo | None:
     """Persist the memory checkpoint :func:`due` names, or None when nothing is due.
 
     ``name``: the memory checkpoint of that name instead (a save due for storage, handed on),
@@ -67,38 +74,59 @@ def persist_newest(memory_root: str, storage_root: str, config: CheckpointConfig
     untouched, when the memory holds one node's part of the job only (nodes.py)."""
     part = nodes.part_only(os.path.dirname(memory_root))
     if part is not None:
-        raise KeeperError(f"the memory checkpoints in {memory_root} are not written to "
-                          f"storage: {part}")
+        raise KeeperError(
+            f"the memory checkpoints in {memory_root} are not written to storage: {part}"
+        )
     memory = Catalog(memory_root, LOCAL).scan() if os.path.isdir(memory_root) else []
     storage = Catalog(storage_root, LOCAL).scan() if os.path.isdir(storage_root) else []
     if name is not None:
         named = [i for i in memory if i.name == name]
         if not named:
-            raise CheckpointNotFoundError(f"the memory tier holds no committed checkpoint "
-                                          f"{name!r} (in {memory_root})")
+            raise CheckpointNotFoundError(
+                f"the memory tier holds no committed checkpoint {name!r} (in {memory_root})"
+            )
         info: CheckpointInfo | None = named[0]
         if not overwrite and any(s.name == name for s in storage):
-            raise CheckpointExistsError(f"storage {storage_root} already holds a committed "
-                                        f"checkpoint {name!r}; the save handed on under that "
-                                        "name was not written there (save(..., overwrite=True) "
-                                        "replaces it)")
+            raise CheckpointExistsError(
+                f"storage {storage_root} already holds a committed "
+                f"checkpoint {name!r}; the save handed on under that "
+                "name was not written there (save(..., overwrite=True) "
+                "replaces it)"
+            )
     else:
         info = due(memory, storage)
     if info is None:
         return None
-    return copy_commit(info, storage_root, config, run_id or new_run_id(),
-                       verify=not (checked is not None and checked(info)),
-                       overwrite=overwrite)
+    return copy_commit(
+        info,
+        storage_root,
+        config,
+        run_id or new_run_id(),
+        verify=not (checked is not None and checked(info)),
+        overwrite=overwrite,
+    )
 
 
-def copy_commit(info: CheckpointInfo, root: str, config: CheckpointConfig,
-                run_id: str, verify: bool = True, overwrite: bool = False) -> CheckpointInfo:
+def copy_commit(
+    info: CheckpointInfo,
+    root: str,
+    config: CheckpointConfig,
+    run_id: str,
+    verify: bool = True,
+    overwrite: bool = False,
+) -> CheckpointInfo:
     """Commit a copy of the committed checkpoint ``info`` into the storage root ``root``,
     after checking every byte of it (``verify=False``: it was checked since its last write);
     ``overwrite``: it replaces a committed checkpoint of its name there."""
     t0 = time.perf_counter()
-    with Reader(info.path, registry=ProviderRegistry.default(), verify=True, store=LOCAL,
-                world_size=info.world_size, rank_policy="rank0") as reader:
+    with Reader(
+        info.path,
+        registry=ProviderRegistry.default(),
+        verify=True,
+        store=LOCAL,
+        world_size=info.world_size,
+        rank_policy="rank0",
+    ) as reader:
         manifest = reader.manifest
         if verify:
             verify_checkpoint(reader.checkpoint)
@@ -111,19 +139,37 @@ def copy_commit(info: CheckpointInfo, root: str, config: CheckpointConfig,
         LOCAL.makedirs(tmp, False)
         try:
             for ref in manifest.files:
-                _copy_file(os.path.join(info.path, ref.name), os.path.join(tmp, ref.name),
-                           ref.nbytes, config.fsync)
+                _copy_file(
+                    os.path.join(info.path, ref.name),
+                    os.path.join(tmp, ref.name),
+                    ref.nbytes,
+                    config.fsync,
+                )
             if config.fsync:
                 fsync_dir(tmp)
             catalog = Catalog(root, LOCAL)
             target = SaveTarget(
-                sid=SaveId(run_id, info.name, info.step, 0, run_id[:24], 0), name=info.name,
-                step=info.step, root=root, tmp=tmp, rank=0, store=LOCAL, overwrite=overwrite,
+                sid=SaveId(run_id, info.name, info.step, 0, run_id[:24], 0),
+                name=info.name,
+                step=info.step,
+                root=root,
+                tmp=tmp,
+                rank=0,
+                store=LOCAL,
+                overwrite=overwrite,
                 deadline=time.monotonic() + config.commit_timeout_s,
-                timeout_s=config.commit_timeout_s, fsync=config.fsync, replica_check=False,
-                retention=RetentionPolicy(config.keep_last, config.keep_every, config.keep_best,
-                                          config.best_metric, config.best_mode),
-                catalog=catalog)
+                timeout_s=config.commit_timeout_s,
+                fsync=config.fsync,
+                replica_check=False,
+                retention=RetentionPolicy(
+                    config.keep_last,
+                    config.keep_every,
+                    config.keep_best,
+                    config.best_metric,
+                    config.best_mode,
+                ),
+                catalog=catalog,
+            )
             published = publish_numbered(target, dataclasses.replace(manifest))
         except BaseException:
             publisher.discard(tmp, 0, keep_file=False)
@@ -131,8 +177,13 @@ def copy_commit(info: CheckpointInfo, root: str, config: CheckpointConfig,
         after_commit(target, published.info, published)
     finally:
         publisher.close()
-    log.info("persisted the memory checkpoint %s (%d bytes) to %s in %.2f s", info.name,
-             manifest.nbytes, root, time.perf_counter() - t0)
+    log.info(
+        "persisted the memory checkpoint %s (%d bytes) to %s in %.2f s",
+        info.name,
+        manifest.nbytes,
+        root,
+        time.perf_counter() - t0,
+    )
     return published.info
 
 
@@ -152,8 +203,12 @@ def _copy_file(src: str, dst: str, nbytes: int, fsync: bool) -> None:
                     try:
                         n = os.copy_file_range(fd_in, fd_out, count, done, done)
                     except OSError as exc:  # from tmpfs to a disk: not across file systems
-                        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL,
-                                             errno.EOPNOTSUPP):
+                        if exc.errno not in (
+                            errno.EXDEV,
+                            errno.ENOSYS,
+                            errno.EINVAL,
+                            errno.EOPNOTSUPP,
+                        ):
                             raise
                         same_fs = False
                         continue
@@ -169,5 +224,3 @@ def _copy_file(src: str, dst: str, nbytes: int, fsync: bool) -> None:
             os.close(fd_out)
     finally:
         os.close(fd_in)
-
-

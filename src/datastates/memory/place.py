@@ -16,6 +16,7 @@ it (KeeperError) rather than write into or trust a directory another user prepar
 The keeper listens on a Unix socket in the abstract namespace (no file: nothing to leave
 behind, no path-length limit), named after the directory; it accepts only peers of its own uid.
 """
+
 from __future__ import annotations
 
 import errno
@@ -45,8 +46,9 @@ def memory_dir(root: str, storage_dir: str) -> str:
 
 
 def default_log(storage_dir: str) -> str:
-    return os.path.join(tempfile.gettempdir(),
-                        f"datastates-keeper-{os.getuid()}-{_digest(storage_dir)}.log")
+    return os.path.join(
+        tempfile.gettempdir(), f"datastates-keeper-{os.getuid()}-{_digest(storage_dir)}.log"
+    )
 
 
 def socket_address(memdir: str) -> bytes:
@@ -83,18 +85,26 @@ def check_private_dir(path: str) -> None:
     except OSError as exc:
         raise KeeperError(f"the memory directory {path} cannot be examined: {exc}") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise KeeperError(f"the memory directory {path} is not a directory (found a "
-                          f"{_kind(st.st_mode)}); refusing to use it")
+        raise KeeperError(
+            f"the memory directory {path} is not a directory (found a "
+            f"{_kind(st.st_mode)}); refusing to use it"
+        )
     if st.st_uid != os.getuid():
-        raise KeeperError(f"the memory directory {path} belongs to uid {st.st_uid}, not to "
-                          f"this user ({os.getuid()}); refusing to use it")
+        raise KeeperError(
+            f"the memory directory {path} belongs to uid {st.st_uid}, not to "
+            f"this user ({os.getuid()}); refusing to use it"
+        )
     if st.st_mode & 0o077:
-        raise KeeperError(f"the memory directory {path} is open to other users (mode "
-                          f"{stat.S_IMODE(st.st_mode):o}, expected 700); refusing to use it")
+        raise KeeperError(
+            f"the memory directory {path} is open to other users (mode "
+            f"{stat.S_IMODE(st.st_mode):o}, expected 700); refusing to use it"
+        )
 
 
 def _kind(mode: int) -> str:
-    return "symbolic link" if stat.S_ISLNK(mode) else "file" if stat.S_ISREG(mode) else "special file"
+    return (
+        "symbolic link" if stat.S_ISLNK(mode) else "file" if stat.S_ISREG(mode) else "special file"
+    )
 
 
 def open_lock(memdir: str) -> int:
@@ -102,8 +112,9 @@ def open_lock(memdir: str) -> int:
     try:
         return os.open(os.path.join(memdir, LOCK), _OPEN, 0o600)
     except OSError as exc:
-        raise KeeperError(f"cannot open the keeper's lock {os.path.join(memdir, LOCK)}: "
-                          f"{exc}") from None
+        raise KeeperError(
+            f"cannot open the keeper's lock {os.path.join(memdir, LOCK)}: {exc}"
+        ) from None
 
 
 def take_lock(fd: int) -> bool:
@@ -128,8 +139,9 @@ def keeper_running(memdir: str) -> bool:
     except FileNotFoundError:
         return False
     except OSError as exc:
-        raise KeeperError(f"cannot open the keeper's lock {os.path.join(memdir, LOCK)}: "
-                          f"{exc}") from None
+        raise KeeperError(
+            f"cannot open the keeper's lock {os.path.join(memdir, LOCK)}: {exc}"
+        ) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

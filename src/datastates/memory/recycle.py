@@ -11,6 +11,7 @@ spare per rank at most, which the next save consumes: with ``keep_last=1``, two 
 state, as two slots would. ``spare/`` is outside the checkpoint root, so it is never listed, and
 it goes with the memory directory.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -82,8 +83,13 @@ class RecyclingStore(LocalStore):
 
 
 def _is_shard_name(name: str) -> bool:
-    return (name.startswith("rank-") and name.endswith(".dsf") and
-            name == fmt.shard_file_name(int(name[5:-4])) if name[5:-4].isdigit() else False)
+    return (
+        name.startswith("rank-")
+        and name.endswith(".dsf")
+        and name == fmt.shard_file_name(int(name[5:-4]))
+        if name[5:-4].isdigit()
+        else False
+    )
 
 
 class _Mapping:
@@ -97,8 +103,9 @@ class _Mapping:
             # Not MAP_POPULATE: that would fault in every page inside save() (the capture of
             # the eager units waits for the file's opening); the capture's copies fault them in
             # on the capture thread instead, once per kept mapping.
-            self.map = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE,
-                                 offset=start)
+            self.map = mmap.mmap(
+                fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start
+            )
         except BaseException:
             os.close(self.fd)
             raise
@@ -119,9 +126,12 @@ class _Mapping:
         ctypes.memset(self.tensor.data_ptr(), 0, self.length)  # no OpenMP team off the main thread
         error = cudart.cudaHostRegister(self.tensor.data_ptr(), self.length, 0)
         if error != cudart.cudaError.success:
-            log.warning("datastates: cudaHostRegister of a memory shard file's mapping (%d bytes) "
-                        "failed (%s): CUDA states go through the pinned host cache instead",
-                        self.length, error)
+            log.warning(
+                "datastates: cudaHostRegister of a memory shard file's mapping (%d bytes) "
+                "failed (%s): CUDA states go through the pinned host cache instead",
+                self.length,
+                error,
+            )
             return False
         self.pinned = True
         return True
@@ -218,8 +228,7 @@ class MappedShardWriter(ReusedShardWriter):
     thread still filling a unit of a failed save never writes into unmapped memory."""
 
     def __init__(self, path: str, layout, reused: bool, mappings: Mappings):
-        flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | (0 if reused else
-                                                              os.O_CREAT | os.O_EXCL)
+        flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | (0 if reused else os.O_CREAT | os.O_EXCL)
         self.path = path
         self.fd = os.open(path, flags, 0o644)
         self.direct_fd = -1
@@ -257,9 +266,13 @@ class MappedShardWriter(ReusedShardWriter):
                 os.posix_fallocate(self.fd, self._start, length)
                 self._allocated = self._start + length
         except OSError as exc:
-            log.warning("datastates: allocating %d bytes of %s to register its mapping with CUDA "
-                        "failed (%s); this save goes through the pinned host cache", length,
-                        self.path, exc)
+            log.warning(
+                "datastates: allocating %d bytes of %s to register its mapping with CUDA "
+                "failed (%s); this save goes through the pinned host cache",
+                length,
+                self.path,
+                exc,
+            )
             return False
         pinned = self._mappings.take(self.fd, self._start, length, pin=True)
         if pinned is None:
@@ -280,8 +293,12 @@ class MappedShardWriter(ReusedShardWriter):
             if offset + nbytes > begin:
                 os.posix_fallocate(self.fd, begin, offset + nbytes - begin)
         except OSError as exc:
-            raise OSError(exc.errno, f"allocating the {nbytes} bytes at offset {offset} of "
-                          f"{self.path} for the capture: {exc.strerror}", self.path) from None
+            raise OSError(
+                exc.errno,
+                f"allocating the {nbytes} bytes at offset {offset} of "
+                f"{self.path} for the capture: {exc.strerror}",
+                self.path,
+            ) from None
         with self._lock:
             self._written.append((offset, nbytes))
         return self.mapped(offset, nbytes)
@@ -291,7 +308,7 @@ class MappedShardWriter(ReusedShardWriter):
         :meth:`unit_view` before), as a uint8 tensor on the mapping (to read them)."""
         start = offset - self._start
         assert self._tensor is not None, "mapped() before unit_view()"
-        return self._tensor[start:start + nbytes]
+        return self._tensor[start : start + nbytes]
 
     def finish(self, fsync: bool, size: int) -> None:
         self._tensor = None  # the mapping stays kept, for the next save of this file

@@ -10,6 +10,7 @@ the tier (node groups, keepers, the hand-off) and gives each TierCheckpointer it
 (nodes.py): on one node the memory checkpoints are the job's, on several each group commits its
 own among its ranks, and a restore agrees on a step every group holds.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -66,8 +67,10 @@ class Tiers:
         """The tier of the storage ``directory``, not open yet (:meth:`open`): ConfigError for a
         storage the memory tier cannot serve."""
         if is_url(directory):
-            raise ConfigError("the memory tier writes its checkpoints to a local directory; "
-                              f"found the storage {directory!r}")
+            raise ConfigError(
+                "the memory tier writes its checkpoints to a local directory; "
+                f"found the storage {directory!r}"
+            )
         self.tier, self.directory, self.config = tier, directory, config
         self.memdir = place.memory_dir(tier.root, directory)
         self.link: KeeperLink | None = None
@@ -88,8 +91,9 @@ class Tiers:
         the tiers, never a tag saved later, so that memory's older step never looks newer; on
         rank 0 with a keeper writing storage, its own commits and deletes wait while the keeper
         writes there (:meth:`_storage_quiet`)."""
-        return TierPolicy(order=step_then_commit, exclusive=self._storage_quiet,
-                          delete_guard=self._storage_delete)
+        return TierPolicy(
+            order=step_then_commit, exclusive=self._storage_quiet, delete_guard=self._storage_delete
+        )
 
     def _storage_quiet(self, deadline: float) -> None:
         if self.handoff is not None:
@@ -118,8 +122,9 @@ class Tiers:
     def _open(self, storage, tier, directory, config, comm) -> TierCheckpointer | None:
         timeout = tier.start_timeout_s + config.commit_timeout_s
         # The node groups (nodes.py): the ranks that share a host and a memory directory.
-        answers = self._exchange("memory-tier", {"host": socket.gethostname(),
-                                                 "memdir": self.memdir}, timeout)
+        answers = self._exchange(
+            "memory-tier", {"host": socket.gethostname(), "memdir": self.memdir}, timeout
+        )
         groups = nodes.groups(answers)
         #: this rank's node group (global ranks, lowest first) and how many groups the job has
         self.group = next(g for g in groups if self.rank in g)
@@ -127,17 +132,18 @@ class Tiers:
         self._group_index = groups.index(self.group)
         self.writer = tier.storage_writer or ("keeper" if self.nodes == 1 else "trainer")
         if self.writer == "keeper" and self.nodes > 1:
-            raise ConfigError(f"MemoryTier(storage_writer='keeper') needs every rank on one node "
-                              f"(a keeper holds its node's shards only); found the ranks on "
-                              f"{self.nodes} nodes {groups}: leave storage_writer None or set "
-                              "'trainer'")
+            raise ConfigError(
+                f"MemoryTier(storage_writer='keeper') needs every rank on one node "
+                f"(a keeper holds its node's shards only); found the ranks on "
+                f"{self.nodes} nodes {groups}: leave storage_writer None or set "
+                "'trainer'"
+            )
         error = stalled = None
         if self.rank == self.group[0]:  # the group's keeper, and its record of ranks
             try:
                 self.link = KeeperLink.open(directory, tier, config)
                 ckpt = os.path.join(self.memdir, place.CKPT)
-                nodes.adopt(self.memdir, ckpt,
-                            nodes.NodeRanks(comm.world_size, tuple(self.group)))
+                nodes.adopt(self.memdir, ckpt, nodes.NodeRanks(comm.world_size, tuple(self.group)))
                 # Every node lists its memory at a restore, an empty one too (a rank whose
                 # listing raised would leave the others' agreement).
                 os.makedirs(ckpt, 0o700, exist_ok=True)
@@ -145,31 +151,44 @@ class Tiers:
                 stalled = str(exc)
             except Exception as exc:  # noqa: BLE001 - every rank learns of it, then it is raised
                 error = exc
-        answers = self._exchange("memory-keeper", {"error": None if error is None else
-                                                   f"{type(error).__name__}: {error}",
-                                                   "stalled": stalled}, timeout)
+        answers = self._exchange(
+            "memory-keeper",
+            {
+                "error": None if error is None else f"{type(error).__name__}: {error}",
+                "stalled": stalled,
+            },
+            timeout,
+        )
         if error is not None:
             self.detach()
             raise error
         failed = {r: a["error"] for r, a in answers.items() if a["error"]}
         if failed:
             self.detach()
-            raise KeeperError(f"rank {self.rank}: the memory tier did not open on rank(s) "
-                              f"{sorted(failed)}: " + "; ".join(
-                                  f"rank {r}: {e}" for r, e in sorted(failed.items())))
+            raise KeeperError(
+                f"rank {self.rank}: the memory tier did not open on rank(s) "
+                f"{sorted(failed)}: "
+                + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+            )
         stalled_on = {r: a["stalled"] for r, a in answers.items() if a.get("stalled")}
         if stalled_on:
             self.detach()
-            self.unavailable = ("the memory tier is not used: " + "; ".join(
-                f"rank {r}: {e}" for r, e in sorted(stalled_on.items())) +
-                "; every save goes to storage and restores read storage")
-            log.warning("datastates: %s (a stopped or hung keeper: continue it, or end it and "
-                        "restart, to use the memory tier again)", self.unavailable)
+            self.unavailable = (
+                "the memory tier is not used: "
+                + "; ".join(f"rank {r}: {e}" for r, e in sorted(stalled_on.items()))
+                + "; every save goes to storage and restores read storage"
+            )
+            log.warning(
+                "datastates: %s (a stopped or hung keeper: continue it, or end it and "
+                "restart, to use the memory tier again)",
+                self.unavailable,
+            )
             return None
         self.store = RecyclingStore(os.path.join(self.memdir, SPARE))
         if self.rank == 0 and self.writer == "keeper":
-            self.handoff = Handoff(self.link, self.memdir, directory, config, tier.keep_last,
-                                   self.store)
+            self.handoff = Handoff(
+                self.link, self.memdir, directory, config, tier.keep_last, self.store
+            )
         return self._open_memory(storage)
 
     def _open_memory(self, storage: TierCheckpointer) -> TierCheckpointer:
@@ -179,8 +198,9 @@ class Tiers:
         policy = TierPolicy(
             # A tier of its own: the newest keep_last plus the one being written (and those
             # being written to storage).
-            retention=handoff.retention if handoff is not None else RetentionPolicy(
-                self.tier.keep_last, None, None, None, "min"),
+            retention=handoff.retention
+            if handoff is not None
+            else RetentionPolicy(self.tier.keep_last, None, None, None, "min"),
             # One pass over memory: read into the live state, checksums verified as it goes,
             # then agree; damage on any rank sends every rank to the next checkpoint.
             optimistic=True,
@@ -196,11 +216,17 @@ class Tiers:
             on_commit=handoff.submit if handoff is not None else None,
             released=handoff.released if handoff is not None else None,
             delete_guard=(lambda name: handoff.paused(name, self._deadline()))
-            if handoff is not None else None)
-        comm = self.comm if not several else self.comm.subgroup(str(self._group_index),
-                                                                self.group)
-        self.memory = TierCheckpointer(os.path.join(self.memdir, place.CKPT), share=storage,
-                                       store=self.store, communicator=comm, policy=policy)
+            if handoff is not None
+            else None,
+        )
+        comm = self.comm if not several else self.comm.subgroup(str(self._group_index), self.group)
+        self.memory = TierCheckpointer(
+            os.path.join(self.memdir, place.CKPT),
+            share=storage,
+            store=self.store,
+            communicator=comm,
+            policy=policy,
+        )
         return self.memory
 
     @property
@@ -223,8 +249,9 @@ class Tiers:
             return self.comm.exchange(topic, value, timeout)
         except TimeoutError as exc:
             self.detach()
-            raise KeeperError(f"rank {self.rank}: the ranks did not all open the memory "
-                              f"tier: {exc}") from None
+            raise KeeperError(
+                f"rank {self.rank}: the ranks did not all open the memory tier: {exc}"
+            ) from None
 
     def route(self, step: int | None, tag: str | None, persist: bool | None) -> str:
         """Where a save goes: ``"memory"``, ``"storage"``, or ``"handoff"`` (due for storage,
@@ -263,13 +290,13 @@ class Tiers:
                 error = str(exc)
         if together:
             try:
-                error = self.comm.exchange("storage-quiet", {"error": error},
-                                           2 * timeout)[0]["error"]
+                error = self.comm.exchange("storage-quiet", {"error": error}, 2 * timeout)[0][
+                    "error"
+                ]
             except TimeoutError as exc:
                 error = str(exc)
         if error is not None:
-            raise CommitTimeoutError(f"rank {self.rank}: not reading storage: {error}",
-                                     {0: "busy"})
+            raise CommitTimeoutError(f"rank {self.rank}: not reading storage: {error}", {0: "busy"})
 
     def newest(self, storage: CheckpointInfo | None) -> CheckpointInfo | None:
         """The newer of ``storage`` (storage's newest) and the memory's newest; memory on a tie."""
@@ -279,8 +306,9 @@ class Tiers:
         return memory if memory is not None and order(memory) >= order(storage) else storage
 
     @contextlib.contextmanager
-    def choosing(self, step: int | None, tag: str | None,
-                 storage: CheckpointInfo | None) -> Iterator[bool]:
+    def choosing(
+        self, step: int | None, tag: str | None, storage: CheckpointInfo | None
+    ) -> Iterator[bool]:
         """Whether a restore or load reads memory, for the body of the ``with`` (the read): when
         memory holds the checkpoint asked for, or, for the latest, a step at least as new as
         ``storage`` (storage's newest). Rank 0 decides for every rank (through the store), and
@@ -294,8 +322,9 @@ class Tiers:
             mine = memory is not None and order(memory) >= order(storage)
         else:
             mine = any(i.name == _name(step, tag) for i in self._opened.list())
-        answers = self.comm.exchange("restore-tier", [bool(mine), order(storage)],
-                                     self.config.commit_timeout_s)
+        answers = self.comm.exchange(
+            "restore-tier", [bool(mine), order(storage)], self.config.commit_timeout_s
+        )
         chosen, floor = answers[0]
         self._floor = floor if chosen else None
         try:
@@ -313,18 +342,24 @@ class Tiers:
         if self.rank == self.group[0]:  # memory.delete() works on the node's lowest rank
             for info in self._opened.list():
                 if info.step is not None and info.step > step:
-                    log.warning("datastates: the memory checkpoint %s of this node is removed: "
-                                "the job restored step %d (the other nodes do not all hold %s)",
-                                info.name, step, info.name)
+                    log.warning(
+                        "datastates: the memory checkpoint %s of this node is removed: "
+                        "the job restored step %d (the other nodes do not all hold %s)",
+                        info.name,
+                        step,
+                        info.name,
+                    )
                     self._opened.delete(step=info.step)
         # No rank of the node saves before they are gone (its save would find the name taken).
         timeout = self.config.commit_timeout_s
         try:
             self._opened.comm.exchange("memory-trimmed", {}, timeout)
         except TimeoutError as exc:
-            raise CommitTimeoutError(f"rank {self.rank}: restored step {step}, but the "
-                                     f"ranks of this node did not all return: {exc}",
-                                     {}) from None
+            raise CommitTimeoutError(
+                f"rank {self.rank}: restored step {step}, but the "
+                f"ranks of this node did not all return: {exc}",
+                {},
+            ) from None
 
     def close(self, stop: bool) -> None:
         """After the memory Checkpointer closed: detach from the keeper (each node group's
@@ -340,8 +375,11 @@ class Tiers:
                 self.handoff.idle(time.monotonic() + self.config.commit_timeout_s)
                 self.handoff.close()
             except CommitTimeoutError as exc:
-                log.error("datastates: closing: %s; detaching anyway (the keeper finishes that "
-                          "write, then writes the newest memory checkpoint to storage)", exc)
+                log.error(
+                    "datastates: closing: %s; detaching anyway (the keeper finishes that "
+                    "write, then writes the newest memory checkpoint to storage)",
+                    exc,
+                )
                 self.handoff.abandon()
             for error in self.handoff.take_errors():
                 warnings.warn(f"datastates: {error}", RuntimeWarning, stacklevel=3)
@@ -353,17 +391,25 @@ class Tiers:
             self.handoff.close()  # abandoned: its request ended with the link
         if lost and not place.keeper_running(self.memdir):
             if self.nodes > 1:  # one node's part: the trainers wrote storage (nodes.py)
-                log.warning("datastates: the memory keeper of this node is gone; its memory "
-                            "checkpoints (this node's ranks only) are removed, storage holds "
-                            "the saves written there")
+                log.warning(
+                    "datastates: the memory keeper of this node is gone; its memory "
+                    "checkpoints (this node's ranks only) are removed, storage holds "
+                    "the saves written there"
+                )
             elif self.tier.persist_on_exit:
                 try:
-                    persist_newest(os.path.join(self.memdir, place.CKPT), self.directory,
-                                   self.config,
-                                   checked=lambda info: marks.holds(self.memdir, info))
+                    persist_newest(
+                        os.path.join(self.memdir, place.CKPT),
+                        self.directory,
+                        self.config,
+                        checked=lambda info: marks.holds(self.memdir, info),
+                    )
                 except Exception as exc:  # noqa: BLE001 - reported; storage is as it was
-                    log.error("datastates: writing the newest memory checkpoint to %s failed: "
-                              "%r", self.directory, exc)
+                    log.error(
+                        "datastates: writing the newest memory checkpoint to %s failed: %r",
+                        self.directory,
+                        exc,
+                    )
                     return  # the memory is kept: a later keeper may persist it
             remove_tree(self.memdir)
 
@@ -377,6 +423,7 @@ class Tiers:
 
 def _name(step: int | None, tag: str | None) -> str:
     from ..format import codec as fmt
+
     if tag is not None:
         return tag
     assert step is not None  # a named checkpoint: a step or a tag

@@ -5,6 +5,7 @@ tensors and plain values (usually its ``state_dict()``). The save walks that sta
 tensors (lazily or eagerly: see ``datastates.save.capture`` for the rule) and serializes the rest. On restore the provider
 gets the loaded state back and applies it to the live object.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -103,8 +104,7 @@ class Capture:
 
     def __init__(self, value: Any, policy: str):
         if policy not in (LAZY, EAGER, AUTO):
-            raise ValueError(f"capture policy must be 'lazy', 'eager' or 'auto', "
-                             f"found {policy!r}")
+            raise ValueError(f"capture policy must be 'lazy', 'eager' or 'auto', found {policy!r}")
         self.value = value
         self.policy = policy
 

@@ -1,5 +1,6 @@
 """Built-in providers: modules, optimizers, RNG state, numpy generators (``nprandom``), and any
 object with state_dict()."""
+
 from __future__ import annotations
 
 import random
@@ -58,14 +59,21 @@ class OptimizerProvider(StateProvider):
         return {**obj.state_dict(), OPTIMIZER_CLASS_KEY: _class_name(obj)}
 
     def check(self, obj: torch.optim.Optimizer, state: Any, path: str) -> None:
-        if not isinstance(state, dict) or not isinstance(state.get("param_groups"), list) \
-                or not isinstance(state.get("state"), dict):
-            raise StateMismatchError(f"{path!r}: the checkpoint holds no optimizer state_dict "
-                                     "(expected a dict with 'state' and 'param_groups')")
+        if (
+            not isinstance(state, dict)
+            or not isinstance(state.get("param_groups"), list)
+            or not isinstance(state.get("state"), dict)
+        ):
+            raise StateMismatchError(
+                f"{path!r}: the checkpoint holds no optimizer state_dict "
+                "(expected a dict with 'state' and 'param_groups')"
+            )
         saved_class, live_class = state.get(OPTIMIZER_CLASS_KEY), _class_name(obj)
         if saved_class is not None and saved_class != live_class:
-            raise StateMismatchError(f"{path!r}: the checkpoint holds a {saved_class} state, the "
-                                     f"live optimizer is a {live_class}")
+            raise StateMismatchError(
+                f"{path!r}: the checkpoint holds a {saved_class} state, the "
+                f"live optimizer is a {live_class}"
+            )
         _check_param_groups(path, state["param_groups"], obj.param_groups)
         _check_param_state(path, state["state"], obj.state_dict()["state"])
 
@@ -84,31 +92,43 @@ def _class_name(obj: Any) -> str:
 
 def _check_param_groups(path: str, saved: list, live: list) -> None:
     if len(saved) != len(live):
-        raise StateMismatchError(f"{path!r}: the checkpoint has {len(saved)} parameter group(s), "
-                                 f"the live optimizer {len(live)}")
+        raise StateMismatchError(
+            f"{path!r}: the checkpoint has {len(saved)} parameter group(s), "
+            f"the live optimizer {len(live)}"
+        )
     for i, (s, g) in enumerate(zip(saved, live)):
         if not isinstance(s, dict) or not isinstance(s.get("params"), list):
-            raise StateMismatchError(f"{path}/param_groups/{i}: not a parameter group in the "
-                                     "checkpoint")
+            raise StateMismatchError(
+                f"{path}/param_groups/{i}: not a parameter group in the checkpoint"
+            )
         if len(s["params"]) != len(g["params"]):
-            raise StateMismatchError(f"{path}/param_groups/{i}: the checkpoint has "
-                                     f"{len(s['params'])} parameters in this group, the live "
-                                     f"optimizer {len(g['params'])}")
+            raise StateMismatchError(
+                f"{path}/param_groups/{i}: the checkpoint has "
+                f"{len(s['params'])} parameters in this group, the live "
+                f"optimizer {len(g['params'])}"
+            )
         saved_keys, live_keys = set(s) - {"params"}, set(g) - {"params"}
         if saved_keys != live_keys:
             raise StateMismatchError(
                 f"{path}/param_groups/{i}: hyper-parameters differ; only in the checkpoint: "
                 f"{sorted(saved_keys - live_keys)}, only in the live optimizer: "
-                f"{sorted(live_keys - saved_keys)}")
+                f"{sorted(live_keys - saved_keys)}"
+            )
 
 
 def _check_param_state(path: str, saved: dict, live: dict) -> None:
     for index, live_state in live.items():
-        if index in saved and isinstance(live_state, dict) and isinstance(saved[index], dict) \
-                and set(saved[index]) != set(live_state):
-            raise StateMismatchError(f"{path}/state/{index}: the checkpoint holds "
-                                     f"{sorted(saved[index])}, the live optimizer "
-                                     f"{sorted(live_state)}")
+        if (
+            index in saved
+            and isinstance(live_state, dict)
+            and isinstance(saved[index], dict)
+            and set(saved[index]) != set(live_state)
+        ):
+            raise StateMismatchError(
+                f"{path}/state/{index}: the checkpoint holds "
+                f"{sorted(saved[index])}, the live optimizer "
+                f"{sorted(live_state)}"
+            )
 
 
 class RNGState:
@@ -135,36 +155,48 @@ class RNGStateProvider(StateProvider):
         # Python's 625 words as one int64 tensor: as JSON values they would be 625 nodes of
         # every rank's tree in the manifest (19 KiB per rank)
         version, words, gauss = random.getstate()
-        state: dict[str, Any] = {"torch": torch.get_rng_state(),
-                                 "python": (version, torch.tensor(words, dtype=torch.int64),
-                                            gauss)}
+        state: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "python": (version, torch.tensor(words, dtype=torch.int64), gauss),
+        }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state_all()
         np = _numpy()
         if np is not None:
             kind, keys, pos, has_gauss, cached = np.random.get_state()
-            state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")),
-                              "pos": int(pos), "has_gauss": int(has_gauss),
-                              "cached_gaussian": float(cached)}
+            state["numpy"] = {
+                "kind": kind,
+                "keys": torch.from_numpy(keys.astype("int64")),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            }
         return state
 
     def validate(self, state: Any, path: str) -> None:
-        if not isinstance(state, dict) or not {"torch", "python"} <= set(state) or \
-                not set(state) <= {"torch", "python", "cuda", "numpy"}:
+        if (
+            not isinstance(state, dict)
+            or not {"torch", "python"} <= set(state)
+            or not set(state) <= {"torch", "python", "cuda", "numpy"}
+        ):
             shown = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
-            raise CorruptCheckpointError(f"{path!r}: expected an RNG state with 'torch' and "
-                                         f"'python' (and optionally 'cuda', 'numpy'), found "
-                                         f"{shown}")
-        rngcheck.check_tensor(state["torch"], f"{path}/torch", torch.uint8,
-                              (torch.get_rng_state().numel(),))
+            raise CorruptCheckpointError(
+                f"{path!r}: expected an RNG state with 'torch' and "
+                f"'python' (and optionally 'cuda', 'numpy'), found "
+                f"{shown}"
+            )
+        rngcheck.check_tensor(
+            state["torch"], f"{path}/torch", torch.uint8, (torch.get_rng_state().numel(),)
+        )
         rngcheck.check_python_state(state["python"], f"{path}/python")
         if "cuda" in state:
             if not isinstance(state["cuda"], (list, tuple)):
-                raise CorruptCheckpointError(f"{path}/cuda: expected a list of CUDA generator "
-                                             f"states, found {type(state['cuda']).__name__}")
+                raise CorruptCheckpointError(
+                    f"{path}/cuda: expected a list of CUDA generator "
+                    f"states, found {type(state['cuda']).__name__}"
+                )
             for i, s in enumerate(state["cuda"]):
-                rngcheck.check_tensor(s, f"{path}/cuda/{i}", torch.uint8,
-                                      rngcheck.CUDA_STATE_BYTES)
+                rngcheck.check_tensor(s, f"{path}/cuda/{i}", torch.uint8, rngcheck.CUDA_STATE_BYTES)
         if "numpy" in state:
             rngcheck.check_legacy_numpy(state["numpy"], f"{path}/numpy")
 
@@ -188,8 +220,15 @@ class RNGStateProvider(StateProvider):
         np = _numpy()
         if "numpy" in state and np is not None:
             s = state["numpy"]
-            np.random.set_state((s["kind"], s["keys"].numpy().astype("uint32"), s["pos"],
-                                 s["has_gauss"], s["cached_gaussian"]))
+            np.random.set_state(
+                (
+                    s["kind"],
+                    s["keys"].numpy().astype("uint32"),
+                    s["pos"],
+                    s["has_gauss"],
+                    s["cached_gaussian"],
+                )
+            )
 
 
 class StatefulProvider(StateProvider):
@@ -200,8 +239,11 @@ class StatefulProvider(StateProvider):
     name = "datastates.Stateful"
 
     def can_handle(self, obj: Any) -> bool:
-        return (not isinstance(obj, type) and callable(getattr(obj, "state_dict", None))
-                and callable(getattr(obj, "load_state_dict", None)))
+        return (
+            not isinstance(obj, type)
+            and callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None))
+        )
 
     def state(self, obj: Any) -> Any:
         return obj.state_dict()
@@ -220,8 +262,9 @@ class StatefulProvider(StateProvider):
         try:
             hook(state)
         except (ValueError, TypeError) as exc:
-            raise StateMismatchError(f"{path}: {type(obj).__name__}.check_state_dict refused "
-                                     f"the saved state: {exc}") from None
+            raise StateMismatchError(
+                f"{path}: {type(obj).__name__}.check_state_dict refused the saved state: {exc}"
+            ) from None
 
 
 def _numpy():
@@ -233,5 +276,10 @@ def _numpy():
 
 
 def builtin_providers() -> list[StateProvider]:
-    return [ModuleProvider(), OptimizerProvider(), RNGStateProvider(), NumpyRandomProvider(),
-            StatefulProvider()]
+    return [
+        ModuleProvider(),
+        OptimizerProvider(),
+        RNGStateProvider(),
+        NumpyRandomProvider(),
+        StatefulProvider(),
+    ]

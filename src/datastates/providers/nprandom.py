@@ -7,6 +7,7 @@ which the core stores as values and native numpy arrays. Rebuilding an object fr
 the constructors of NumPy's own bit generators, named in a fixed table, never a name read from
 the checkpoint.
 """
+
 from __future__ import annotations
 
 import sys
@@ -59,9 +60,11 @@ class NumpyRandomProvider(StateProvider):
         live_kind = _kind(obj)
         live_bits = self.state(obj)["state"]["bit_generator"]
         if (kind, bit_generator) != (live_kind, live_bits):
-            raise StateMismatchError(f"{path!r}: the checkpoint holds a numpy {kind} on "
-                                     f"{bit_generator}, the live object is a {live_kind} on "
-                                     f"{live_bits}")
+            raise StateMismatchError(
+                f"{path!r}: the checkpoint holds a numpy {kind} on "
+                f"{bit_generator}, the live object is a {live_kind} on "
+                f"{live_bits}"
+            )
 
     def validate(self, state: Any, path: str) -> None:
         kind, bit_generator = _parts(state, path)
@@ -75,11 +78,16 @@ class NumpyRandomProvider(StateProvider):
         np = _numpy()
         bits = getattr(np.random, bit_generator)
         if kind == "Generator":
-            rngcheck.apply_to_scratch(bits, lambda b: setattr(b, "state", saved), path,
-                                      f"numpy's {bit_generator}")
+            rngcheck.apply_to_scratch(
+                bits, lambda b: setattr(b, "state", saved), path, f"numpy's {bit_generator}"
+            )
         else:
-            rngcheck.apply_to_scratch(lambda: np.random.RandomState(bits()),
-                                      lambda r: r.set_state(saved), path, "numpy's RandomState")
+            rngcheck.apply_to_scratch(
+                lambda: np.random.RandomState(bits()),
+                lambda r: r.set_state(saved),
+                path,
+                "numpy's RandomState",
+            )
 
     def load(self, obj: Any, state: Any) -> None:
         """Set the saved state (or the state of a rebuilt generator) on the live ``obj``."""
@@ -96,7 +104,8 @@ class NumpyRandomProvider(StateProvider):
             raise CorruptCheckpointError(
                 f"a numpy {kind} on bit generator {bit_generator!r} cannot be built by load(): "
                 f"expected one of {', '.join(BIT_GENERATORS)}; restore it into a live {kind} "
-                "instead")
+                "instead"
+            )
         np = _numpy()
         bits = getattr(np.random, bit_generator)()
         obj = np.random.Generator(bits) if kind == "Generator" else np.random.RandomState(bits)
@@ -111,7 +120,9 @@ def _parts(state: Any, where: str) -> tuple[str, str]:
     kind = state.get("kind") if isinstance(state, dict) else None
     bits = inner.get("bit_generator") if isinstance(inner, dict) else None
     if kind not in _KINDS or not isinstance(bits, str):
-        raise CorruptCheckpointError(f"{where}: expected a saved numpy Generator or RandomState "
-                                     f"({{'kind', 'state': {{'bit_generator', ...}}}}), found "
-                                     f"{str(state)[:80]}")
+        raise CorruptCheckpointError(
+            f"{where}: expected a saved numpy Generator or RandomState "
+            f"({{'kind', 'state': {{'bit_generator', ...}}}}), found "
+            f"{str(state)[:80]}"
+        )
     return kind, bits

@@ -1,4 +1,5 @@
 """The registry of state providers: an ordered set, asked in order, passed explicitly."""
+
 from __future__ import annotations
 
 from typing import Any, Iterable

@@ -8,6 +8,7 @@ and value ranges checked field by field, then, where the generator has rules of 
 state applied to a scratch generator that nothing else uses. Each raises
 ``CorruptCheckpointError`` naming the key and the field.
 """
+
 from __future__ import annotations
 
 import random
@@ -48,12 +49,21 @@ def check_float(value: Any, path: str) -> float:
 
 def check_tensor(value: Any, path: str, dtype: torch.dtype, sizes: tuple[int, ...]) -> None:
     """``value`` is a 1-D tensor of ``dtype`` whose length is one of ``sizes``."""
-    if not isinstance(value, torch.Tensor) or value.dtype != dtype or value.dim() != 1 or \
-            value.numel() not in sizes:
-        found = (f"{value.dtype}{list(value.shape)}" if isinstance(value, torch.Tensor)
-                 else type(value).__qualname__)
-        raise CorruptCheckpointError(f"{path!r}: expected a 1-D {dtype} tensor of "
-                                     f"{' or '.join(map(str, sizes))} elements, found {found}")
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.dtype != dtype
+        or value.dim() != 1
+        or value.numel() not in sizes
+    ):
+        found = (
+            f"{value.dtype}{list(value.shape)}"
+            if isinstance(value, torch.Tensor)
+            else type(value).__qualname__
+        )
+        raise CorruptCheckpointError(
+            f"{path!r}: expected a 1-D {dtype} tensor of "
+            f"{' or '.join(map(str, sizes))} elements, found {found}"
+        )
 
 
 def check_python_state(state: Any, path: str) -> None:
@@ -93,8 +103,9 @@ def check_python_state_values(state: Any, path: str) -> None:
     try:
         random.Random().setstate((version, internal, gauss))
     except (TypeError, ValueError, OverflowError) as exc:
-        raise CorruptCheckpointError(f"{path!r}: random.setstate refuses the saved Python "
-                                     f"random state ({exc})") from None
+        raise CorruptCheckpointError(
+            f"{path!r}: random.setstate refuses the saved Python random state ({exc})"
+        ) from None
 
 
 def check_torch_state_values(state: torch.Tensor, path: str) -> None:
@@ -102,8 +113,9 @@ def check_torch_state_values(state: torch.Tensor, path: str) -> None:
     try:
         torch.Generator().set_state(state.detach().cpu())
     except RuntimeError as exc:
-        raise CorruptCheckpointError(f"{path!r}: torch refuses the saved CPU generator state "
-                                     f"({exc})") from None
+        raise CorruptCheckpointError(
+            f"{path!r}: torch refuses the saved CPU generator state ({exc})"
+        ) from None
 
 
 def check_cuda_state_values(state: torch.Tensor, path: str) -> None:
@@ -112,15 +124,21 @@ def check_cuda_state_values(state: torch.Tensor, path: str) -> None:
     if state.numel() == CUDA_STATE_BYTES[0]:
         offset = int(state.detach().cpu()[8:16].clone().view(torch.int64).item())
         if offset % 4:
-            raise CorruptCheckpointError(f"{path!r}: the saved Philox offset {offset} is not a "
-                                         "multiple of 4")
+            raise CorruptCheckpointError(
+                f"{path!r}: the saved Philox offset {offset} is not a multiple of 4"
+            )
 
 
 def check_legacy_numpy(state: Any, path: str) -> None:
     """The ``numpy`` part of an ``RNGState``: {"kind": "MT19937", "keys": int64[624] tensor,
     "pos": [0, 624], "has_gauss": 0 or 1, "cached_gaussian": float}."""
-    if not isinstance(state, dict) or set(state) != {"kind", "keys", "pos", "has_gauss",
-                                                     "cached_gaussian"}:
+    if not isinstance(state, dict) or set(state) != {
+        "kind",
+        "keys",
+        "pos",
+        "has_gauss",
+        "cached_gaussian",
+    }:
         raise _bad(path, "a dict of kind, keys, pos, has_gauss, cached_gaussian", state)
     if state["kind"] != "MT19937":
         raise _bad(f"{path}/kind", "'MT19937'", state["kind"])
@@ -134,8 +152,10 @@ def check_legacy_numpy_values(state: dict, path: str) -> None:
     """The saved key words fit 32 bits (they were saved from a uint32 array)."""
     keys = state["keys"]
     if keys.numel() and (int(keys.min()) < 0 or int(keys.max()) >= _U32):
-        raise CorruptCheckpointError(f"{path}/keys: expected 32-bit words, found values in "
-                                     f"[{int(keys.min())}, {int(keys.max())}]")
+        raise CorruptCheckpointError(
+            f"{path}/keys: expected 32-bit words, found values in "
+            f"[{int(keys.min())}, {int(keys.max())}]"
+        )
 
 
 def check_bit_generator(name: str, state: Any, path: str) -> None:
@@ -164,12 +184,20 @@ def check_bit_generator(name: str, state: Any, path: str) -> None:
 
 
 def _check_array(value: Any, path: str, dtype: str, shape: tuple[int, ...]) -> None:
-    if getattr(value, "dtype", None) is None or getattr(value.dtype, "name", None) != dtype or \
-            tuple(value.shape) != shape or type(value).__module__ != "numpy":
-        found = (f"{value.dtype}{list(value.shape)}" if hasattr(value, "shape")
-                 else type(value).__qualname__)
-        raise CorruptCheckpointError(f"{path!r}: expected a numpy {dtype} array of shape "
-                                     f"{list(shape)}, found {found}")
+    if (
+        getattr(value, "dtype", None) is None
+        or getattr(value.dtype, "name", None) != dtype
+        or tuple(value.shape) != shape
+        or type(value).__module__ != "numpy"
+    ):
+        found = (
+            f"{value.dtype}{list(value.shape)}"
+            if hasattr(value, "shape")
+            else type(value).__qualname__
+        )
+        raise CorruptCheckpointError(
+            f"{path!r}: expected a numpy {dtype} array of shape {list(shape)}, found {found}"
+        )
 
 
 def apply_to_scratch(make: Any, apply: Any, path: str, what: str) -> None:
@@ -178,5 +206,6 @@ def apply_to_scratch(make: Any, apply: Any, path: str, what: str) -> None:
     try:
         apply(make())
     except (TypeError, ValueError, KeyError, OverflowError, IndexError) as exc:
-        raise CorruptCheckpointError(f"{path!r}: {what} refuses the saved state "
-                                     f"({type(exc).__name__}: {exc})") from None
+        raise CorruptCheckpointError(
+            f"{path!r}: {what} refuses the saved state ({type(exc).__name__}: {exc})"
+        ) from None

@@ -15,6 +15,7 @@ The forms a tensor of the state takes (a tensor, a ``TensorShard`` or DTensor's 
 array) are defined here for both directions: ``unwritable`` says which live tensors a restore
 cannot fill in place.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,20 @@ class Items:
     (at 100k tensors, enough survivors to start a full collection inside ``save()``). Lists of
     strings, ints, bools and shape tuples leave it nothing new to scan per tensor."""
 
-    __slots__ = ("keys", "tensors", "policies", "lazy", "versions", "nbytes", "shapes",
-                 "dtypes", "replicated", "boxes", "secondary", "blobs")
+    __slots__ = (
+        "keys",
+        "tensors",
+        "policies",
+        "lazy",
+        "versions",
+        "nbytes",
+        "shapes",
+        "dtypes",
+        "replicated",
+        "boxes",
+        "secondary",
+        "blobs",
+    )
 
     def __init__(self):
         self.keys: list[str] = []
@@ -79,8 +92,14 @@ class Items:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def add_tensor(self, key: str, t: torch.Tensor, policy: str, replicated: bool,
-                   shard: TensorShard | None = None) -> None:
+    def add_tensor(
+        self,
+        key: str,
+        t: torch.Tensor,
+        policy: str,
+        replicated: bool,
+        shard: TensorShard | None = None,
+    ) -> None:
         """Append tensor ``t`` (its shape read first: a nested tensor has none and raises
         RuntimeError before anything is appended)."""
         shape = tuple(t.shape)
@@ -142,12 +161,16 @@ class TensorShard:
         self.global_offset = tuple(int(x) for x in global_offset)
         self.primary = primary
         if len(self.global_shape) != local.dim() or len(self.global_offset) != local.dim():
-            raise ValueError(f"TensorShard: local tensor has {local.dim()} dims, global_shape "
-                             f"{self.global_shape} and global_offset {self.global_offset} must too")
+            raise ValueError(
+                f"TensorShard: local tensor has {local.dim()} dims, global_shape "
+                f"{self.global_shape} and global_offset {self.global_offset} must too"
+            )
         for size, off, full in zip(local.shape, self.global_offset, self.global_shape):
             if off < 0 or off + size > full:
-                raise ValueError(f"TensorShard: local box {tuple(local.shape)} at "
-                                 f"{self.global_offset} exceeds the global shape {self.global_shape}")
+                raise ValueError(
+                    f"TensorShard: local box {tuple(local.shape)} at "
+                    f"{self.global_offset} exceeds the global shape {self.global_shape}"
+                )
 
     @property
     def requires_grad(self):
@@ -163,6 +186,7 @@ def sharding_of(t) -> TensorShard | None:
         return None
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     mesh, placements = t.device_mesh, t.placements
     _, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
     coordinate = mesh.get_coordinate() or []
@@ -171,15 +195,32 @@ def sharding_of(t) -> TensorShard | None:
         if isinstance(placement, Replicate):
             primary = primary and coordinate[dim] == 0
         elif not isinstance(placement, Shard):
-            raise TypeError(f"DTensor placement {placement} cannot be checkpointed; "
-                            "redistribute partial tensors first")
+            raise TypeError(
+                f"DTensor placement {placement} cannot be checkpointed; "
+                "redistribute partial tensors first"
+            )
     return TensorShard(t.to_local(), tuple(t.shape), offset, primary)
 
 
 #: NumPy dtypes stored as tensors (``torch.from_numpy`` accepts them; the format names them).
-NUMPY_DTYPES = frozenset(("float64", "float32", "float16", "complex64", "complex128", "int64",
-                          "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8",
-                          "bool"))
+NUMPY_DTYPES = frozenset(
+    (
+        "float64",
+        "float32",
+        "float16",
+        "complex64",
+        "complex128",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint64",
+        "uint32",
+        "uint16",
+        "uint8",
+        "bool",
+    )
+)
 
 
 def numpy_tensor(obj: Any) -> torch.Tensor | None:
@@ -202,8 +243,13 @@ def plain_cpu(t: torch.Tensor) -> bool:
     plain contiguous CPU tensor without a lazy conjugate or negative bit (whose bytes are not
     its values). Such a tensor is copied by address, as it is saved and as it is restored,
     without a tensor view made of it."""
-    return type(t) is torch.Tensor and t.is_cpu and t.is_contiguous() and \
-        not t.is_conj() and not t.is_neg()
+    return (
+        type(t) is torch.Tensor
+        and t.is_cpu
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+    )
 
 
 def unwritable(t: torch.Tensor) -> str | None:
@@ -217,17 +263,23 @@ def unwritable(t: torch.Tensor) -> str | None:
     if t.is_meta:
         return "is on the meta device (it holds no data to fill)"
     if t.is_inference() and not torch.is_inference_mode_enabled():
-        return ("is an inference tensor (made under torch.inference_mode()), which torch does "
-                "not let anything write outside inference mode")
+        return (
+            "is an inference tensor (made under torch.inference_mode()), which torch does "
+            "not let anything write outside inference mode"
+        )
     if t.numel() == 0 or t.is_contiguous():
         return None
     for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
         if stride == 0 and size > 1:
-            return (f"overlaps itself: dimension {dim} of size {size} has stride 0 (made by "
-                    "expand() or broadcasting); restore into a clone() of it")
+            return (
+                f"overlaps itself: dimension {dim} of size {size} has stride 0 (made by "
+                "expand() or broadcasting); restore into a clone() of it"
+            )
     if not _distinct_elements(t):
-        return (f"overlaps itself: strides {t.stride()} map several of its elements to one "
-                "memory location; restore into a clone() of it")
+        return (
+            f"overlaps itself: strides {t.stride()} map several of its elements to one "
+            "memory location; restore into a clone() of it"
+        )
     return None
 
 
@@ -244,7 +296,7 @@ def _distinct_elements(t: torch.Tensor) -> bool:
         return True
     offsets = torch.zeros((), dtype=torch.int64)
     for size, stride in zip(t.shape, t.stride()):
-        offsets = (offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride)
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
     return torch.unique(offsets.reshape(-1)).numel() == t.numel()
 
 
@@ -262,8 +314,15 @@ class _Walker:
         self._starts: dict[int, int] = {}
         self._views: dict[tuple, int] = {}
 
-    def node(self, obj: Any, path: tuple, key: str, policy: str | None,
-             provider: StateProvider | None, depth: int = 1) -> dict:
+    def node(
+        self,
+        obj: Any,
+        path: tuple,
+        key: str,
+        policy: str | None,
+        provider: StateProvider | None,
+        depth: int = 1,
+    ) -> dict:
         """The tree node of ``obj`` at ``path`` (whose key is ``key``), ``depth`` levels down
         (the root is 1, as the reader counts): deeper than a checkpoint may be is refused here,
         before recursing."""
@@ -292,25 +351,43 @@ class _Walker:
             # Keys and child nodes in two lists, paired by saved_tree() on the commit thread;
             # each node from its key (a mapping a provider changes under the walk fails here).
             keys = list(obj)
-            return {"t": "odict" if kind is OrderedDict else "dict", "keys": keys,
-                    "nodes": [tensor(v, f"{prefix}{k}", policy, provider)
-                              if plain and type(v) is torch.Tensor else
-                              node(v, path + (k,), f"{prefix}{k}", policy, provider, child)
-                              for k in keys for v in (obj[k],)]}
+            return {
+                "t": "odict" if kind is OrderedDict else "dict",
+                "keys": keys,
+                "nodes": [
+                    tensor(v, f"{prefix}{k}", policy, provider)
+                    if plain and type(v) is torch.Tensor
+                    else node(v, path + (k,), f"{prefix}{k}", policy, provider, child)
+                    for k in keys
+                    for v in (obj[k],)
+                ],
+            }
         if kind in (list, tuple):
-            return {"t": kind.__name__,
-                    "items": [self.node(v, path + (i,), f"{prefix}{i}", policy, provider,
-                                        depth + 1) for i, v in enumerate(obj)]}
+            return {
+                "t": kind.__name__,
+                "items": [
+                    self.node(v, path + (i,), f"{prefix}{i}", policy, provider, depth + 1)
+                    for i, v in enumerate(obj)
+                ],
+            }
         found = self.registry.find(obj)
         if found is not None:
             if isinstance(obj, torch.optim.Optimizer):
                 self.out.optimizers.append(obj)
-            return {"t": "provider", "name": found.name,
-                    "state": self.node(found.state(obj), path, key, policy, found, depth + 1)}
+            return {
+                "t": "provider",
+                "name": found.name,
+                "state": self.node(found.state(obj), path, key, policy, found, depth + 1),
+            }
         return self.object(obj, key)
 
-    def tensor(self, obj: torch.Tensor | TensorShard, key: str, policy: str | None,
-               provider: StateProvider | None) -> dict:
+    def tensor(
+        self,
+        obj: torch.Tensor | TensorShard,
+        key: str,
+        policy: str | None,
+        provider: StateProvider | None,
+    ) -> dict:
         plain = type(obj) is torch.Tensor
         param = not plain and isinstance(obj, torch.nn.Parameter)
         if policy is None and provider is not None:
@@ -374,8 +451,14 @@ class _Walker:
 def _view_of(t: torch.Tensor) -> tuple:
     """What makes two tensors the same view: their storage's address, the offset into it,
     shape, strides, dtype and device."""
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
-            t.dtype, t.device)
+    return (
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        t.stride(),
+        t.dtype,
+        t.device,
+    )
 
 
 def _address_of(t: torch.Tensor) -> int:
@@ -391,20 +474,26 @@ def _refuse(t: torch.Tensor, key: str) -> None:
     check costs nothing on the path of an ordinary tensor."""
     if t.layout != torch.strided or t.is_nested:
         kind = "a nested tensor" if t.is_nested else f"a tensor of layout {t.layout}"
-        raise SerializationError(f"{key!r}: {kind}; a checkpoint holds strided tensors (convert "
-                                 "it first: .to_dense() for a sparse or mkldnn one, .unbind() "
-                                 "for a nested one)")
+        raise SerializationError(
+            f"{key!r}: {kind}; a checkpoint holds strided tensors (convert "
+            "it first: .to_dense() for a sparse or mkldnn one, .unbind() "
+            "for a nested one)"
+        )
     if t.is_meta and t.numel():
-        raise SerializationError(f"{key!r}: a meta tensor of {t.numel()} elements holds no "
-                                 "data to save (materialize it first, for example with "
-                                 "module.to_empty(device='cpu') and its initialization)")
+        raise SerializationError(
+            f"{key!r}: a meta tensor of {t.numel()} elements holds no "
+            "data to save (materialize it first, for example with "
+            "module.to_empty(device='cpu') and its initialization)"
+        )
 
 
 def _too_deep(path: tuple) -> SerializationError:
     shown = key_of(path[:8]) + ("/..." if len(path) > 8 else "")
-    return SerializationError(f"{shown!r}: the state is nested more than {MAX_TREE_DEPTH} levels "
-                              f"deep ({len(path)} keys down to here), the most a checkpoint "
-                              "holds; a container that holds itself is nested without end")
+    return SerializationError(
+        f"{shown!r}: the state is nested more than {MAX_TREE_DEPTH} levels "
+        f"deep ({len(path)} keys down to here), the most a checkpoint "
+        "holds; a container that holds itself is nested without end"
+    )
 
 
 def _merge(a: str | None, b: str) -> str:
@@ -430,18 +519,28 @@ def saved_tree(node: dict) -> dict:
     commit thread: each pair is a list the garbage collector tracks, one per key."""
     t = node["t"]
     if "keys" in node:
-        return {"t": t, "items": [[k, child if child["t"] in LEAVES else saved_tree(child)]
-                                  for k, child in zip(node["keys"], node["nodes"])]}
+        return {
+            "t": t,
+            "items": [
+                [k, child if child["t"] in LEAVES else saved_tree(child)]
+                for k, child in zip(node["keys"], node["nodes"])
+            ],
+        }
     if t == "provider":
         return {**node, "state": saved_tree(node["state"])}
     if t in ("list", "tuple"):
-        return {"t": t, "items": [child if child["t"] in LEAVES else saved_tree(child)
-                                  for child in node["items"]]}
+        return {
+            "t": t,
+            "items": [
+                child if child["t"] in LEAVES else saved_tree(child) for child in node["items"]
+            ],
+        }
     return node
 
 
-def flatten(state: Any, registry: ProviderRegistry, *, replicated: bool = False,
-            allow_unsafe: bool = False) -> Flattened:
+def flatten(
+    state: Any, registry: ProviderRegistry, *, replicated: bool = False, allow_unsafe: bool = False
+) -> Flattened:
     """Describe ``state``: a tree whose leaves index ``items`` (a mapping's keys and nodes in
     two lists; :func:`saved_tree` gives the JSON form the manifest holds).
 

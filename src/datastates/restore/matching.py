@@ -16,6 +16,7 @@ above it carries the plan out. The walk goes over the live state alongside the s
 recursion is its own; the node kinds, children, keys and the rule of ``keys=`` prefixes are
 format/tree.py's, shared with every reader of saved trees.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,12 +41,20 @@ from .plan import Cast, Early, Plan, Read, Rebuild, RestoreReport
 def _castable(live: Any, entry: TensorEntry) -> bool:
     """Whether ``cast=True`` lets the live tensor receive the saved one of another dtype: both
     floating-point (never int, bool or complex, whose conversions lose values or meaning)."""
-    return isinstance(live, torch.Tensor) and live.dtype.is_floating_point and \
-        entry.torch_dtype.is_floating_point
+    return (
+        isinstance(live, torch.Tensor)
+        and live.dtype.is_floating_point
+        and entry.torch_dtype.is_floating_point
+    )
 
 
-_NODE_KINDS = {"tensor": "tensor", "dict": "dict", "odict": "dict", "list": "list",
-               "tuple": "tuple"}
+_NODE_KINDS = {
+    "tensor": "tensor",
+    "dict": "dict",
+    "odict": "dict",
+    "list": "list",
+    "tuple": "tuple",
+}
 
 
 def _same_kind(t: str, live: Any) -> bool:
@@ -85,8 +94,10 @@ def _fillable(array: Any) -> bool:
 def _as_numpy(tensor: torch.Tensor, entry: TensorEntry, where: str) -> Any:
     """The ndarray of a freshly read tensor whose tree node says it was saved from numpy."""
     if entry.dtype not in NUMPY_DTYPES:
-        raise CorruptCheckpointError(f"{where}: {entry.key!r} is marked as a numpy array but "
-                                     f"its dtype {entry.dtype} has no numpy equivalent")
+        raise CorruptCheckpointError(
+            f"{where}: {entry.key!r} is marked as a numpy array but "
+            f"its dtype {entry.dtype} has no numpy equivalent"
+        )
     return tensor.numpy()
 
 
@@ -127,9 +138,16 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def plan_restore(ckpt: OpenCheckpoint, registry: ProviderRegistry, state: Any, saved: dict, *,
-                 keys: str | Iterable[str] | None = None, strict: bool = True,
-                 cast: bool = False) -> Plan:
+def plan_restore(
+    ckpt: OpenCheckpoint,
+    registry: ProviderRegistry,
+    state: Any,
+    saved: dict,
+    *,
+    keys: str | Iterable[str] | None = None,
+    strict: bool = True,
+    cast: bool = False,
+) -> Plan:
     """The plan of restoring the saved tree ``saved`` of ``ckpt`` into the live ``state`` in
     place: every check of the matcher and the providers (StateMismatchError when ``strict`` and
     something differs); nothing live changes (the saved Python objects are read and unpickled
@@ -140,8 +158,13 @@ def plan_restore(ckpt: OpenCheckpoint, registry: ProviderRegistry, state: Any, s
     return matcher.plan()
 
 
-def plan_load(ckpt: OpenCheckpoint, registry: ProviderRegistry, saved: dict, *,
-              keys: str | Iterable[str] | None = None) -> tuple[Plan, Any]:
+def plan_load(
+    ckpt: OpenCheckpoint,
+    registry: ProviderRegistry,
+    saved: dict,
+    *,
+    keys: str | Iterable[str] | None = None,
+) -> tuple[Plan, Any]:
     """(the plan, the structure it fills) of loading the saved tree ``saved`` of ``ckpt`` into
     new objects: nothing is read but the Python objects; the structure holds the new tensors
     (filled by the plan's reads) and the providers' rebuilds (``Plan.resolve``)."""
@@ -154,9 +177,15 @@ class _Matcher:
     """Matches the checkpoint tree with the live state; collects reads, errors and finalizers
     into the lists a :class:`Plan` is made of (:meth:`plan`)."""
 
-    def __init__(self, ckpt: OpenCheckpoint, registry: ProviderRegistry,
-                 keys: str | Iterable[str] | None, strict: bool, in_place: bool,
-                 cast: bool = False):
+    def __init__(
+        self,
+        ckpt: OpenCheckpoint,
+        registry: ProviderRegistry,
+        keys: str | Iterable[str] | None,
+        strict: bool,
+        in_place: bool,
+        cast: bool = False,
+    ):
         self.ckpt, self.registry = ckpt, registry
         self.entries = ckpt.entries
         self.strict, self.in_place, self.cast = strict, in_place, cast
@@ -177,9 +206,16 @@ class _Matcher:
 
     def plan(self) -> Plan:
         """What was matched, as a plan record."""
-        return Plan(report=self.report, early=self.early, reads=self.reads,
-                    post_copies=self.post_copies, casts=self.casts, writebacks=self.writebacks,
-                    finalizers=self.finalizers, deferred=self.deferred)
+        return Plan(
+            report=self.report,
+            early=self.early,
+            reads=self.reads,
+            post_copies=self.post_copies,
+            casts=self.casts,
+            writebacks=self.writebacks,
+            finalizers=self.finalizers,
+            deferred=self.deferred,
+        )
 
     def _read_object(self, e: int) -> Any:
         return self.ckpt.read_object(self.entries[e])
@@ -191,8 +227,10 @@ class _Matcher:
     def check(self) -> None:
         r = self.report
         if self.strict and (r.missing or r.unexpected or r.mismatched):
+
             def show(xs):
                 return ", ".join(xs[:10]) + (f" ... ({len(xs)} in all)" if len(xs) > 10 else "")
+
             parts = []
             if r.missing:
                 parts.append(f"missing from the checkpoint: {show(r.missing)}")
@@ -200,9 +238,11 @@ class _Matcher:
                 parts.append(f"in the checkpoint but not in the live state: {show(r.unexpected)}")
             if r.mismatched:
                 parts.append(f"do not match: {show(r.mismatched)}")
-            raise StateMismatchError(f"{self.ckpt.dir}: the live state does not match the "
-                                     f"checkpoint; {'; '.join(parts)}. Nothing was modified. "
-                                     f"{_advice(r)}")
+            raise StateMismatchError(
+                f"{self.ckpt.dir}: the live state does not match the "
+                f"checkpoint; {'; '.join(parts)}. Nothing was modified. "
+                f"{_advice(r)}"
+            )
 
     def match_root(self, live: Any, node: dict) -> None:
         """:meth:`match` of the whole state. An in-place restore keeps the caller's object, so
@@ -218,7 +258,8 @@ class _Matcher:
             what = "an item of a top-level tuple" if path else "the state passed"
             self.report.mismatched.append(
                 f"{key_of(path) or '(top level)'} ({what} would have to be replaced, which "
-                "restore() cannot do in place: pass a list or dict, or use load())")
+                "restore() cannot do in place: pass a list or dict, or use load())"
+            )
 
     def match(self, live: Any, node: dict, path: tuple, provider: StateProvider | None) -> Any:
         if isinstance(live, Capture):
@@ -226,18 +267,25 @@ class _Matcher:
         t = node["t"]
         checked = self.in_place and live is not None and self._strict_here(provider)
         if checked and not _same_kind(t, live):
-            return self._mismatch(live, path, f"checkpoint {_NODE_KINDS.get(t, t)}, live "
-                                              f"{type(live).__qualname__}")
+            return self._mismatch(
+                live, path, f"checkpoint {_NODE_KINDS.get(t, t)}, live {type(live).__qualname__}"
+            )
         if t == "value":
             if checked and type(node["v"]) is not type(live):
-                return self._mismatch(live, path, f"checkpoint {type(node['v']).__qualname__}, "
-                                                  f"live {type(live).__qualname__}")
+                return self._mismatch(
+                    live,
+                    path,
+                    f"checkpoint {type(node['v']).__qualname__}, live {type(live).__qualname__}",
+                )
             return node["v"]
         if t == "object":
             loaded = self._object(node)
             if checked and type(loaded) is not type(live):
-                return self._mismatch(live, path, f"checkpoint {type(loaded).__qualname__}, "
-                                                  f"live {type(live).__qualname__}")
+                return self._mismatch(
+                    live,
+                    path,
+                    f"checkpoint {type(loaded).__qualname__}, live {type(live).__qualname__}",
+                )
             return loaded
         if t == "tensor":
             return self.tensor(live, node, path)
@@ -245,14 +293,21 @@ class _Matcher:
             return self.provider(live, node, path)
         # plain data on both sides: a value, whose saved items are restored whatever the live
         # length or keys (README, "What can be in a state")
-        grows = self.in_place and live is not None and _same_kind(t, live) and \
-            self.wanted(path) == "all" and _plain(live) and self._plain_saved(node)
+        grows = (
+            self.in_place
+            and live is not None
+            and _same_kind(t, live)
+            and self.wanted(path) == "all"
+            and _plain(live)
+            and self._plain_saved(node)
+        )
         if t in tree.MAPPINGS:
             return self.mapping(live, node, path, provider, grows)
         if t in tree.SEQUENCES:
             return self.sequence(live, node, path, provider, grows)
-        raise CorruptCheckpointError(f"{self.ckpt.dir}: unknown tree node {t!r} at "
-                                     f"{key_of(path)!r}")
+        raise CorruptCheckpointError(
+            f"{self.ckpt.dir}: unknown tree node {t!r} at {key_of(path)!r}"
+        )
 
     def _plain_saved(self, node: dict) -> bool:
         """Whether the saved subtree ``node`` holds plain data only: plain values, and saved
@@ -282,14 +337,17 @@ class _Matcher:
         if prov is None:
             raise CorruptCheckpointError(
                 f"{self.ckpt.dir}: {key_of(path)!r} was saved by provider {node['name']!r}, "
-                "which is not registered here; register it in the ProviderRegistry you pass")
+                "which is not registered here; register it in the ProviderRegistry you pass"
+            )
         if live is not None and self.in_place:
             if not prov.can_handle(live):
-                raise StateMismatchError(f"{key_of(path)!r}: the checkpoint holds a "
-                                         f"{node['name']} state, the live object is a "
-                                         f"{type(live).__qualname__}; put the kind of object "
-                                         "it was saved from there before restoring, or read "
-                                         "it with load()")
+                raise StateMismatchError(
+                    f"{key_of(path)!r}: the checkpoint holds a "
+                    f"{node['name']} state, the live object is a "
+                    f"{type(live).__qualname__}; put the kind of object "
+                    "it was saved from there before restoring, or read "
+                    "it with load()"
+                )
             mark = self._mark()
             loaded = self._provider_state(prov, prov.state(live), node, path)
             try:
@@ -302,8 +360,7 @@ class _Matcher:
         self.deferred += 1
         return Rebuild(prov, self._provider_state(prov, None, node, path))
 
-    def _provider_state(self, prov: StateProvider, live_state: Any, node: dict,
-                        path: tuple) -> Any:
+    def _provider_state(self, prov: StateProvider, live_state: Any, node: dict, path: tuple) -> Any:
         """The saved state of a provider matched against ``live_state`` (its state of the live
         object, or None) and validated by the provider; a provider checking tensor values gets
         its reads and copies moved into ``early``."""
@@ -320,8 +377,9 @@ class _Matcher:
         if type(prov).validate_values is not StateProvider.validate_values:
             mine = [c for c in self.post_copies if id(c) not in copies]
             self.post_copies = [c for c in self.post_copies if id(c) in copies]
-            self.early.append(Early(prov, loaded, key_of(path), self.reads[reads:], mine,
-                                    self.casts[casts:]))
+            self.early.append(
+                Early(prov, loaded, key_of(path), self.reads[reads:], mine, self.casts[casts:])
+            )
             del self.reads[reads:]
             del self.casts[casts:]
         return loaded
@@ -332,13 +390,32 @@ class _Matcher:
         return live
 
     def _mark(self) -> tuple:
-        return (list(self.reads), list(self.post_copies), list(self.finalizers),
-                list(self.writebacks), len(self.report.restored), set(self.filled),
-                dict(self.fresh), list(self.early), list(self.casts), len(self.report.cast))
+        return (
+            list(self.reads),
+            list(self.post_copies),
+            list(self.finalizers),
+            list(self.writebacks),
+            len(self.report.restored),
+            set(self.filled),
+            dict(self.fresh),
+            list(self.early),
+            list(self.casts),
+            len(self.report.cast),
+        )
 
     def _rollback(self, mark: tuple) -> None:
-        (self.reads, self.post_copies, self.finalizers, self.writebacks, restored, self.filled,
-         self.fresh, self.early, self.casts, cast) = mark
+        (
+            self.reads,
+            self.post_copies,
+            self.finalizers,
+            self.writebacks,
+            restored,
+            self.filled,
+            self.fresh,
+            self.early,
+            self.casts,
+            cast,
+        ) = mark
         del self.report.restored[restored:]
         del self.report.cast[cast:]
 
@@ -358,8 +435,11 @@ class _Matcher:
         them unexpected; keys only the live dict holds are missing all the same."""
         live_map = live if isinstance(live, dict) else None
         fill = self._fills(live_map, provider)
-        out: dict = live_map if fill and live_map is not None else \
-            (OrderedDict() if node["t"] == "odict" else {})
+        out: dict = (
+            live_map
+            if fill and live_map is not None
+            else (OrderedDict() if node["t"] == "odict" else {})
+        )
         seen = set()
         everything = self.keys is None  # no keys=: every child is wanted
         for k, child in node["items"]:  # tree.items of a mapping, without a list of pairs
@@ -367,14 +447,21 @@ class _Matcher:
             if not everything and self.wanted(sub) is None:
                 continue
             seen.add(k)
-            if live_map is not None and k not in live_map and self._strict_here(provider) and \
-                    not grows:
+            if (
+                live_map is not None
+                and k not in live_map
+                and self._strict_here(provider)
+                and not grows
+            ):
                 self.report.unexpected.append(key_of(sub))
                 continue
             current = live_map.get(k) if live_map is not None else None
             value = self.match(current, child, sub, provider)
-            if self.in_place and live_map is not None and (current is not value or
-                                                           k not in live_map):
+            if (
+                self.in_place
+                and live_map is not None
+                and (current is not value or k not in live_map)
+            ):
                 self.writebacks.append((live_map, k, value))  # set after the reads
             if not fill:
                 out[k] = value
@@ -391,12 +478,22 @@ class _Matcher:
         whole contents are replaced after the reads (the same list; an item both sides hold is
         matched as usual, so a nested list or dict stays the same object)."""
         live_seq = live if isinstance(live, (list, tuple)) else None
-        if (self.in_place and live_seq is not None and self._strict_here(provider) and not grows
-                and len(live_seq) != len(node["items"]) and self.wanted(path) == "all"):
+        if (
+            self.in_place
+            and live_seq is not None
+            and self._strict_here(provider)
+            and not grows
+            and len(live_seq) != len(node["items"])
+            and self.wanted(path) == "all"
+        ):
             n = len(node["items"])
-            return self._mismatch(live, path, f"checkpoint {n} items, live {len(live_seq)}; it "
-                                              "holds tensors or objects restored in place, so "
-                                              f"build it with the {n} saved items")
+            return self._mismatch(
+                live,
+                path,
+                f"checkpoint {n} items, live {len(live_seq)}; it "
+                "holds tensors or objects restored in place, so "
+                f"build it with the {n} saved items",
+            )
         fill = self._fills(live_seq, provider)
         # a live tuple of the caller's is rebuilt keeping its items that are not restored
         keep = self.in_place and provider is None and live_seq is not None
@@ -412,8 +509,13 @@ class _Matcher:
                 self.report.unexpected.append(key_of(path + (i,)))
                 continue
             out.append(self.match(lv, child, path + (i,), provider))
-            if self.in_place and isinstance(live, list) and i < len(live) and lv is not out[-1] \
-                    and not grows:
+            if (
+                self.in_place
+                and isinstance(live, list)
+                and i < len(live)
+                and lv is not out[-1]
+                and not grows
+            ):
                 self.writebacks.append((live, i, out[-1]))
         if fill:
             if grows:
@@ -437,14 +539,20 @@ class _Matcher:
             return live
         if self.in_place and _is_ndarray(live):
             writable = _writable_tensor(live)
-            if writable is None and _fillable(live) and tuple(live.shape) == entry.shape and \
-                    live.dtype.name == entry.dtype:  # strides torch cannot view: a temporary
+            if (
+                writable is None
+                and _fillable(live)
+                and tuple(live.shape) == entry.shape
+                and live.dtype.name == entry.dtype
+            ):  # strides torch cannot view: a temporary
                 writable = torch.empty(entry.shape, dtype=entry.torch_dtype)
                 self.post_copies.append(_numpy_filler(live, writable))
-            if writable is not None or tuple(live.shape) != entry.shape or \
-                    live.dtype.name != entry.dtype:
-                self.into_live(writable if writable is not None else live, None, node, entry,
-                               key)
+            if (
+                writable is not None
+                or tuple(live.shape) != entry.shape
+                or live.dtype.name != entry.dtype
+            ):
+                self.into_live(writable if writable is not None else live, None, node, entry, key)
                 return live
         elif self.in_place and isinstance(live, (torch.Tensor, TensorShard)):
             self.into_live(live, sharding_of(live), node, entry, key)
@@ -457,27 +565,38 @@ class _Matcher:
             return _as_numpy(self.fresh[node["e"]], entry, self.ckpt.dir)
         return self.fresh[node["e"]]
 
-    def into_live(self, live: Any, shard: TensorShard | None, node: dict, entry: TensorEntry,
-                  key: str) -> None:
+    def into_live(
+        self, live: Any, shard: TensorShard | None, node: dict, entry: TensorEntry, key: str
+    ) -> None:
         """Schedule filling the live tensor (or the local box of a sharded one) in place, or
         record a shape/dtype mismatch. With ``cast``, a floating-point dtype other than the
         saved floating-point one is no mismatch: the tensor is filled through a ``Cast``."""
         local = shard.local if shard is not None else live
         global_shape = shard.global_shape if shard is not None else tuple(live.shape)
         live_dtype = _dtype_text(local)
-        cast = live_dtype != entry.dtype and global_shape == entry.shape and self.cast and \
-            _castable(local, entry)
+        cast = (
+            live_dtype != entry.dtype
+            and global_shape == entry.shape
+            and self.cast
+            and _castable(local, entry)
+        )
         if (global_shape != entry.shape or live_dtype != entry.dtype) and not cast:
-            refused = "; cast=True converts between floating-point dtypes only" \
-                if self.cast and global_shape == entry.shape and \
-                isinstance(local, torch.Tensor) else ""
-            self.report.mismatched.append(f"{key} (checkpoint {entry.dtype}{list(entry.shape)}, "
-                                          f"live {live_dtype}{list(global_shape)}{refused})")
+            refused = (
+                "; cast=True converts between floating-point dtypes only"
+                if self.cast and global_shape == entry.shape and isinstance(local, torch.Tensor)
+                else ""
+            )
+            self.report.mismatched.append(
+                f"{key} (checkpoint {entry.dtype}{list(entry.shape)}, "
+                f"live {live_dtype}{list(global_shape)}{refused})"
+            )
             return
         why = unwritable(local)
         if why is not None:
-            self.report.mismatched.append(f"{key} (the live tensor {why}; it is {live_dtype}"
-                                          f"{list(local.shape)} of strides {list(local.stride())})")
+            self.report.mismatched.append(
+                f"{key} (the live tensor {why}; it is {live_dtype}"
+                f"{list(local.shape)} of strides {list(local.stride())})"
+            )
             return
         self.report.restored.append(key)
         if cast:
@@ -487,8 +606,9 @@ class _Matcher:
             self.filled.add(target)
             box = shard.global_offset if shard is not None else None
             # detached only if needed: autograd has nothing to do with bytes read into it
-            dest = local if type(local) is torch.Tensor and not local.requires_grad else \
-                local.detach()
+            dest = (
+                local if type(local) is torch.Tensor and not local.requires_grad else local.detach()
+            )
             if cast:
                 self._cast_into(dest, entry, key, box)
             else:
@@ -506,8 +626,9 @@ class _Matcher:
     def _fill(self, dest: torch.Tensor, entry: TensorEntry, key: str, box_offset=None) -> None:
         """Schedule reads filling ``dest``, the box of the global tensor at ``box_offset``
         (the whole tensor by default), from every saved shard that overlaps it."""
-        direct = plain_cpu(dest) or (dest.device.type == "cpu" and dest.is_contiguous() and
-                                     _bytes_of(dest) is not None)
+        direct = plain_cpu(dest) or (
+            dest.device.type == "cpu" and dest.is_contiguous() and _bytes_of(dest) is not None
+        )
         target = dest if direct else torch.empty(dest.shape, dtype=dest.dtype)
         if not direct:
             self.post_copies.append(_copier(dest, target))
@@ -516,8 +637,9 @@ class _Matcher:
         self.post_copies[:0] = copies  # they fill ``target`` before it is copied anywhere
 
 
-def regions(target: torch.Tensor, entry: TensorEntry, key: str, box_offset: Iterable[int] | None,
-            where: str) -> tuple[list[Read], list[Callable[[], Any]]]:
+def regions(
+    target: torch.Tensor, entry: TensorEntry, key: str, box_offset: Iterable[int] | None, where: str
+) -> tuple[list[Read], list[Callable[[], Any]]]:
     """The reads filling the contiguous CPU (or meta) tensor ``target``, the box of the
     global tensor at ``box_offset`` (the whole tensor by default), from every saved shard
     that overlaps it, and the copies that must follow them (parts of shards read into
@@ -532,12 +654,20 @@ def regions(target: torch.Tensor, entry: TensorEntry, key: str, box_offset: Iter
     if covered != target.numel():
         raise CorruptCheckpointError(
             f"{where}: the saved shards of {key!r} cover {covered} of the "
-            f"{target.numel()} elements needed at {list(box)}")
+            f"{target.numel()} elements needed at {list(box)}"
+        )
     return reads, copies
 
 
-def _fill_from(target: torch.Tensor, box_offset: tuple, shard: ShardRef, key: str,
-               reads: list[Read], copies: list[Callable[[], Any]], where: str) -> int:
+def _fill_from(
+    target: torch.Tensor,
+    box_offset: tuple,
+    shard: ShardRef,
+    key: str,
+    reads: list[Read],
+    copies: list[Callable[[], Any]],
+    where: str,
+) -> int:
     """Plan reading the part of one saved shard that overlaps the target box into ``reads``
     and ``copies``; return its elements."""
     s_off, s_shape = shard.global_offset, shard.shape
@@ -548,11 +678,19 @@ def _fill_from(target: torch.Tensor, box_offset: tuple, shard: ShardRef, key: st
         if numel * target.element_size() != shard.nbytes:
             raise CorruptCheckpointError(
                 f"{where}: shard of {key!r} at {list(s_off)} holds {shard.nbytes} "
-                f"bytes, expected {numel * target.element_size()}")
+                f"bytes, expected {numel * target.element_size()}"
+            )
         # a plain CPU tensor is read into as it is (reads.py views its bytes by address)
-        reads.append(Read(shard.file, shard.offset, shard.nbytes,
-                          target if plain_cpu(target) else _bytes_of(target),
-                          shard.checksums, key))
+        reads.append(
+            Read(
+                shard.file,
+                shard.offset,
+                shard.nbytes,
+                target if plain_cpu(target) else _bytes_of(target),
+                shard.checksums,
+                key,
+            )
+        )
         return numel
     lo = [max(a, b) for a, b in zip(s_off, box_offset)]
     hi = [min(a + n, b + m) for a, n, b, m in zip(s_off, s_shape, box_offset, target.shape)]
@@ -563,23 +701,40 @@ def _fill_from(target: torch.Tensor, box_offset: tuple, shard: ShardRef, key: st
     for n in s_shape:
         numel *= n
     if numel * elem != shard.nbytes:
-        raise CorruptCheckpointError(f"{where}: shard of {key!r} at {list(s_off)} "
-                                     f"holds {shard.nbytes} bytes, expected {numel * elem}")
+        raise CorruptCheckpointError(
+            f"{where}: shard of {key!r} at {list(s_off)} "
+            f"holds {shard.nbytes} bytes, expected {numel * elem}"
+        )
     if s_off == box_offset and s_shape == tuple(target.shape):  # the same box: read in place
         if numel:
-            reads.append(Read(shard.file, shard.offset, shard.nbytes,
-                              _bytes_of(target), shard.checksums, key))
+            reads.append(
+                Read(
+                    shard.file, shard.offset, shard.nbytes, _bytes_of(target), shard.checksums, key
+                )
+            )
         return numel
-    if (target.dim() and s_shape[1:] == tuple(target.shape[1:]) and
-            s_off[1:] == box_offset[1:] and lo[0] == s_off[0] and
-            hi[0] == s_off[0] + s_shape[0]):
+    if (
+        target.dim()
+        and s_shape[1:] == tuple(target.shape[1:])
+        and s_off[1:] == box_offset[1:]
+        and lo[0] == s_off[0]
+        and hi[0] == s_off[0] + s_shape[0]
+    ):
         # The whole shard is a run of full rows of the target: read it straight into them.
         row = shard.nbytes // s_shape[0] if s_shape[0] else 0
         start = (s_off[0] - box_offset[0]) * row
         flat = _bytes_of(target)
         assert flat is not None  # a target is contiguous: a live tensor (_fill) or a temporary
-        reads.append(Read(shard.file, shard.offset, shard.nbytes,
-                          flat[start:start + shard.nbytes], shard.checksums, key))
+        reads.append(
+            Read(
+                shard.file,
+                shard.offset,
+                shard.nbytes,
+                flat[start : start + shard.nbytes],
+                shard.checksums,
+                key,
+            )
+        )
         return numel
     # Rows [r0, r1) of the shard along dim 0 are one contiguous byte range: read only those,
     # widened to whole checksum pieces so that what is read is verified.
@@ -593,17 +748,20 @@ def _fill_from(target: torch.Tensor, box_offset: tuple, shard: ShardRef, key: st
             pieces.append([length, crc])
         pos += length
     if first is None or last is None:
-        raise CorruptCheckpointError(f"{where}: the checksum pieces of {key!r} at {list(s_off)} "
-                                     f"do not cover its rows [{r0}, {r1})")
+        raise CorruptCheckpointError(
+            f"{where}: the checksum pieces of {key!r} at {list(s_off)} "
+            f"do not cover its rows [{r0}, {r1})"
+        )
     # A piece may start inside an element (the format bounds pieces in bytes only): the
     # buffer starts ``lead`` bytes early, so that the rows land at an offset that is a
     # multiple of the element size and can be viewed as elements.
     lead = first % elem
     buf = torch.empty(lead + last - first, dtype=torch.uint8, device=target.device)
-    reads.append(Read(shard.file, shard.offset + first, last - first, buf[lead:], pieces,
-                      key, first))
+    reads.append(
+        Read(shard.file, shard.offset + first, last - first, buf[lead:], pieces, key, first)
+    )
     start = lead + r0 * row - first
-    rows = buf[start:start + (r1 - r0) * row].view(target.dtype)
+    rows = buf[start : start + (r1 - r0) * row].view(target.dtype)
     rows = rows.reshape((r1 - r0,) + s_shape[1:])
     src, dst = rows, target
     for dim in range(target.dim()):
@@ -644,18 +802,24 @@ def _advice(report: RestoreReport) -> str:
     if report.unexpected:
         steps.append("add the keys only the checkpoint holds")
     if report.mismatched:
-        steps.append("give each mismatched container that holds tensors or objects the saved "
-                     "length and keys, each tensor the saved shape and dtype (cast=True converts "
-                     "between floating-point dtypes), each object the saved type -- or, in your "
-                     "own dict or list, set it to None, which takes whatever was saved")
+        steps.append(
+            "give each mismatched container that holds tensors or objects the saved "
+            "length and keys, each tensor the saved shape and dtype (cast=True converts "
+            "between floating-point dtypes), each object the saved type -- or, in your "
+            "own dict or list, set it to None, which takes whatever was saved"
+        )
     if report.missing:
         steps.append("remove the keys the checkpoint lacks")
-    text = f"To restore the saved data, before restoring {'; '.join(steps)}. load() returns " \
+    text = (
+        f"To restore the saved data, before restoring {'; '.join(steps)}. load() returns "
         "the saved state as new objects."
+    )
     if report.unexpected or report.mismatched:
         return text + " strict=False would skip what is listed here, dropping its saved data."
-    return text + " Or pass strict=False: everything saved is restored, and the keys the " \
+    return (
+        text + " Or pass strict=False: everything saved is restored, and the keys the "
         "checkpoint lacks keep their live values."
+    )
 
 
 def _replaced(result: Any, live: Any, path: tuple) -> list[tuple]:
@@ -664,10 +828,14 @@ def _replaced(result: Any, live: Any, path: tuple) -> list[tuple]:
     value; the items of a tuple rebuilt as a tuple, one by one; else ``path`` itself."""
     if isinstance(live, Capture):  # a capture policy's wrapper: its value is what is filled
         live = live.value
-    if result is live or type(result) is type(live) and type(live) in _IMMUTABLE and \
-            result == live:  # the same value: nothing to replace
+    if (
+        result is live or type(result) is type(live) and type(live) in _IMMUTABLE and result == live
+    ):  # the same value: nothing to replace
         return []
     if type(live) is tuple and type(result) is tuple and len(result) == len(live):
-        return [found for i, (r, item) in enumerate(zip(result, live))
-                for found in _replaced(r, item, path + (i,))]
+        return [
+            found
+            for i, (r, item) in enumerate(zip(result, live))
+            for found in _replaced(r, item, path + (i,))
+        ]
     return [path]

@@ -7,6 +7,7 @@ found the same way (in the checkpoint directory, or in the data directory its ma
 checked the same way when opened, and their bytes verified by the same checksum code (reads.py).
 Which manifest it holds (the whole one, or the view of one saved rank) is the opener's choice.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -62,17 +63,20 @@ class ShardFiles:
         try:
             f = self.store.open_read(path)
         except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{path}: shard file listed in the manifest is "
-                                          "missing") from None
+            raise CheckpointNotFoundError(
+                f"{path}: shard file listed in the manifest is missing"
+            ) from None
         except StorageError:  # the service failed the request: says nothing of the checkpoint
-            raise             # (taken for damage, a fallback would move a good one aside)
+            raise  # (taken for damage, a fallback would move a good one aside)
         except OSError as exc:
             raise CorruptCheckpointError(f"{path}: cannot open the shard file ({exc})") from None
         if f.size != self.manifest.files[file_id].nbytes:
             f.close()
-            raise CorruptCheckpointError(f"{path}: {f.size} bytes, the manifest records "
-                                         f"{self.manifest.files[file_id].nbytes} (truncated or "
-                                         "replaced?)")
+            raise CorruptCheckpointError(
+                f"{path}: {f.size} bytes, the manifest records "
+                f"{self.manifest.files[file_id].nbytes} (truncated or "
+                "replaced?)"
+            )
         self._opened[file_id] = f
         return f
 
@@ -95,19 +99,23 @@ class ShardFiles:
         size = f.size
         header = fmt.read_header(f, path, size)
         if header.index_crc32 != ref.index_crc32:
-            raise CorruptCheckpointError(f"{path}: index checksum {header.index_crc32} differs "
-                                         f"from the manifest's {ref.index_crc32} (file replaced?)")
-        if header.index_offset % fmt.UNIT_ALIGN or \
-                header.end != size or size != ref.nbytes:
+            raise CorruptCheckpointError(
+                f"{path}: index checksum {header.index_crc32} differs "
+                f"from the manifest's {ref.index_crc32} (file replaced?)"
+            )
+        if header.index_offset % fmt.UNIT_ALIGN or header.end != size or size != ref.nbytes:
             raise CorruptCheckpointError(
                 f"{path}: index at [{header.index_offset}, "
                 f"{header.index_offset + header.index_length}) is not the 4096-aligned end of "
-                f"the file of {size} bytes (the manifest records {ref.nbytes})")
+                f"the file of {size} bytes (the manifest records {ref.nbytes})"
+            )
         for offset, nbytes, key in self.manifest.regions(file_id):
             if offset + nbytes > header.index_offset:
-                raise CorruptCheckpointError(f"{path}: {key!r} at [{offset}, {offset + nbytes}) "
-                                             f"extends past the data ending at "
-                                             f"{header.index_offset}")
+                raise CorruptCheckpointError(
+                    f"{path}: {key!r} at [{offset}, {offset + nbytes}) "
+                    f"extends past the data ending at "
+                    f"{header.index_offset}"
+                )
         return header
 
     def map(self, file_id: int) -> mmap.mmap:
@@ -118,8 +126,9 @@ class ShardFiles:
         with self._lock:
             if file_id not in self._maps:
                 if not isinstance(f, LocalReadFile):
-                    raise ConfigError(f"{self.path(file_id)}: only a file on a local disk can "
-                                      "be memory-mapped")
+                    raise ConfigError(
+                        f"{self.path(file_id)}: only a file on a local disk can be memory-mapped"
+                    )
                 self._maps[file_id] = mmap.mmap(f.fd, f.size, access=mmap.ACCESS_COPY)
             return self._maps[file_id]
 
@@ -154,11 +163,26 @@ class OpenCheckpoint:
     safe_globals: tuple[Any, ...] = ()
 
     @classmethod
-    def open(cls, ckpt_dir: str, manifest: Manifest, store: Store, *, verify: bool = True,
-             trusted: bool = False, safe_globals: Iterable[Any] = ()) -> OpenCheckpoint:
+    def open(
+        cls,
+        ckpt_dir: str,
+        manifest: Manifest,
+        store: Store,
+        *,
+        verify: bool = True,
+        trusted: bool = False,
+        safe_globals: Iterable[Any] = (),
+    ) -> OpenCheckpoint:
         """The checkpoint at ``ckpt_dir`` of ``manifest``; no file is opened yet."""
-        return cls(ckpt_dir, store, manifest, ShardFiles(ckpt_dir, manifest, store), verify,
-                   trusted, tuple(safe_globals))
+        return cls(
+            ckpt_dir,
+            store,
+            manifest,
+            ShardFiles(ckpt_dir, manifest, store),
+            verify,
+            trusted,
+            tuple(safe_globals),
+        )
 
     @property
     def entries(self) -> Mapping[int, Entry]:
@@ -191,13 +215,16 @@ class OpenCheckpoint:
         buf = bytearray(entry.nbytes)
         f.read_into([memoryview(buf)], entry.offset)
         if self.verify and fmt.crc32(buf) != entry.crc32:
-            raise CorruptCheckpointError(f"{path}: checksum mismatch for object {entry.key!r} "
-                                         f"at offset {entry.offset}")
-        return serialization.loads(memoryview(buf), entry.key, trusted=self.trusted,
-                                   safe_globals=list(self.safe_globals))
+            raise CorruptCheckpointError(
+                f"{path}: checksum mismatch for object {entry.key!r} at offset {entry.offset}"
+            )
+        return serialization.loads(
+            memoryview(buf), entry.key, trusted=self.trusted, safe_globals=list(self.safe_globals)
+        )
 
-    def mapped(self, file_id: int, offset: int, nbytes: int,
-               checksums: Sequence[Sequence[int]], key: str) -> torch.Tensor:
+    def mapped(
+        self, file_id: int, offset: int, nbytes: int, checksums: Sequence[Sequence[int]], key: str
+    ) -> torch.Tensor:
         """The ``nbytes`` at ``offset`` of shard file ``file_id`` (the region of ``key``, whose
         ``checksums`` are ``[[length, crc32], ...]``) as a flat uint8 tensor viewing the file's
         memory map (:meth:`ShardFiles.map`): nothing is copied, so memory stays bounded by the
@@ -208,10 +235,15 @@ class OpenCheckpoint:
         region = self.files.map(file_id)
         _, index_offset = self.files.open(file_id)
         if offset + nbytes > index_offset:
-            raise CorruptCheckpointError(f"{path}: {key!r} at [{offset}, {offset + nbytes}) "
-                                         f"extends past the data ending at {index_offset}")
-        view = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset) \
-            if nbytes else torch.empty(0, dtype=torch.uint8)
+            raise CorruptCheckpointError(
+                f"{path}: {key!r} at [{offset}, {offset + nbytes}) "
+                f"extends past the data ending at {index_offset}"
+            )
+        view = (
+            torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
+            if nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
         if self.verify:
             check_landed(Read(file_id, offset, nbytes, view, checksums, key), path)
         return view

@@ -9,6 +9,7 @@ builds :class:`Read` regions too (without destinations) to check a checkpoint's 
 
 Pure records: no I/O, nothing of the open checkpoint; every module of ``restore/`` may import them.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -29,8 +30,8 @@ class RestoreReport:
     name: str
     step: int | None
     restored: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)      #: in the live state, not in the checkpoint
-    unexpected: list[str] = field(default_factory=list)   #: in the checkpoint, not in the live state
+    missing: list[str] = field(default_factory=list)  #: in the live state, not in the checkpoint
+    unexpected: list[str] = field(default_factory=list)  #: in the checkpoint, not in the live state
     #: shape, dtype, type or length differs, or a provider's check refused it (skipped)
     mismatched: list[str] = field(default_factory=list)
     nbytes: int = 0
@@ -70,7 +71,7 @@ class Read:
     #: the CPU tensor receiving the bytes: flat uint8, or any plain contiguous one
     #: (``providers.tree.plain_cpu``); None for a region that is only checked (verify.py)
     dest: torch.Tensor | None
-    checksums: Sequence[Sequence[int]]   # [[length, crc], ...] over [offset, offset + nbytes)
+    checksums: Sequence[Sequence[int]]  # [[length, crc], ...] over [offset, offset + nbytes)
     key: str
     #: where these bytes start in the tensor's own bytes (a part of a larger region: see
     #: ``reads.split_at_pieces``); error messages count from the tensor's first byte
@@ -88,7 +89,7 @@ class Cast:
     entry: TensorEntry
     key: str
     box_offset: tuple | None  #: where ``dest`` lies in the global tensor (None: the whole)
-    nbytes: int               #: bytes read from the checkpoint
+    nbytes: int  #: bytes read from the checkpoint
 
     def temporary(self) -> torch.Tensor:
         return torch.empty(self.dest.shape, dtype=self.entry.torch_dtype)
@@ -130,7 +131,7 @@ class Early(NamedTuple):
     and cast before every other read, then validated (a refusal raises before any other read)."""
 
     provider: StateProvider
-    loaded: Any                      #: its state as loaded (tensors filled by these reads)
+    loaded: Any  #: its state as loaded (tensors filled by these reads)
     key: str
     reads: list[Read]
     copies: list[Callable[[], Any]]

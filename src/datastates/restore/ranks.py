@@ -4,6 +4,7 @@ functions over the saved trees and the manifest's entries (unit-tested directly)
 The comparison walks every rank's tree at once, so it keeps its own recursion; the node kinds,
 children, keys and the rule of ``keys=`` prefixes are format/tree.py's, as for every reader.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -18,8 +19,9 @@ from ..format.records import Entry, ObjectEntry
 RANK_POLICIES = ("strict", "rank0", "same")
 
 
-def per_rank_keys(trees: list[dict], entries: Mapping[int, Entry],
-                  keys: list[str] | None) -> list[str]:
+def per_rank_keys(
+    trees: list[dict], entries: Mapping[int, Entry], keys: list[str] | None
+) -> list[str]:
     """Keys whose saved state differs between the saved ranks: Python values, objects and
     tensors kept per rank whose bytes differ, or a structure present on some ranks only.
 
@@ -33,8 +35,13 @@ def per_rank_keys(trees: list[dict], entries: Mapping[int, Entry],
     return out
 
 
-def _differ(nodes: list[dict], path: tuple, entries: Mapping[int, Entry], keys: list[str] | None,
-            out: list[str]) -> None:
+def _differ(
+    nodes: list[dict],
+    path: tuple,
+    entries: Mapping[int, Entry],
+    keys: list[str] | None,
+    out: list[str],
+) -> None:
     """Append to ``out`` the keys at or below ``path`` where ``nodes`` (one per rank) differ."""
     scope = tree.scope(path, keys)
     if scope is None:
@@ -74,6 +81,9 @@ def _content(node: dict, entries: Mapping[int, Entry]) -> tuple[Any, ...]:
     e = entries[node["e"]]
     if isinstance(e, ObjectEntry):
         return ("object", e.nbytes, e.crc32)
-    return ("tensor", e.dtype, tuple(e.shape),
-            tuple((tuple(s.global_offset), s.nbytes, tuple(map(tuple, s.checksums)))
-                  for s in e.shards))
+    return (
+        "tensor",
+        e.dtype,
+        tuple(e.shape),
+        tuple((tuple(s.global_offset), s.nbytes, tuple(map(tuple, s.checksums))) for s in e.shards),
+    )

@@ -15,6 +15,7 @@ all read through the open checkpoint of a ``Reader``, so the shard files are fou
 verified the same way. Export takes regions as views of a memory map of the file
 (``OpenCheckpoint.mapped``) rather than reads into new memory.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,8 +48,10 @@ log = logging.getLogger("datastates")
 def check_rank_policy(rank_policy) -> None:
     """Raise ConfigError unless ``rank_policy`` is one of RANK_POLICIES."""
     if not isinstance(rank_policy, str) or rank_policy not in RANK_POLICIES:
-        raise ConfigError(f"rank_policy must be one of {', '.join(map(repr, RANK_POLICIES))}; "
-                          f"found {rank_policy!r}")
+        raise ConfigError(
+            f"rank_policy must be one of {', '.join(map(repr, RANK_POLICIES))}; "
+            f"found {rank_policy!r}"
+        )
 
 
 class Reader:
@@ -57,12 +60,23 @@ class Reader:
     (else it is read: with ``view``, a split manifest as the view of the saved rank this rank
     restores where one saved rank decides it, ``files.View``)."""
 
-    def __init__(self, ckpt_dir: str, *, registry: ProviderRegistry, rank: int = 0,
-                 world_size: int = 1, threads: int = 4, verify: bool = True,
-                 trusted: bool = False, safe_globals: Iterable[Any] = (),
-                 map_location: Any = None, rank_policy: str = "strict",
-                 store: Store | None = None, manifest: Manifest | None = None,
-                 view: bool = False):
+    def __init__(
+        self,
+        ckpt_dir: str,
+        *,
+        registry: ProviderRegistry,
+        rank: int = 0,
+        world_size: int = 1,
+        threads: int = 4,
+        verify: bool = True,
+        trusted: bool = False,
+        safe_globals: Iterable[Any] = (),
+        map_location: Any = None,
+        rank_policy: str = "strict",
+        store: Store | None = None,
+        manifest: Manifest | None = None,
+        view: bool = False,
+    ):
         check_rank_policy(rank_policy)
         store = store or open_store(ckpt_dir)
         self.registry, self.threads = registry, threads
@@ -73,14 +87,16 @@ class Reader:
             # rank this one restores where one decides it: for restoring or loading this rank's
             # state only (not for verify_all, nor for a copy of the checkpoint)
             manifest = files.read_manifest(ckpt_dir, store, self._saved_rank if view else None)
-        elif manifest.view is not None and manifest.view != self._saved_rank(
-                manifest.world_size):
-            raise ValueError(f"{ckpt_dir}: the view of saved rank {manifest.view} is no "
-                             f"manifest for rank {rank} of {world_size} "
-                             f"(rank_policy={rank_policy!r})")
+        elif manifest.view is not None and manifest.view != self._saved_rank(manifest.world_size):
+            raise ValueError(
+                f"{ckpt_dir}: the view of saved rank {manifest.view} is no "
+                f"manifest for rank {rank} of {world_size} "
+                f"(rank_policy={rank_policy!r})"
+            )
         #: the open checkpoint every read goes through (closed with this reader)
-        self.checkpoint = OpenCheckpoint.open(ckpt_dir, manifest, store, verify=verify,
-                                              trusted=trusted, safe_globals=safe_globals)
+        self.checkpoint = OpenCheckpoint.open(
+            ckpt_dir, manifest, store, verify=verify, trusted=trusted, safe_globals=safe_globals
+        )
 
     def __enter__(self) -> Reader:
         return self
@@ -142,22 +158,31 @@ class Reader:
         if chosen is not None:
             return trees[chosen]
         # the strict policy, several saved ranks, another world size
-        per_rank = per_rank_keys([trees[r] for r in sorted(trees)], self.entries,
-                                 tree.prefixes(keys))
+        per_rank = per_rank_keys(
+            [trees[r] for r in sorted(trees)], self.entries, tree.prefixes(keys)
+        )
         if per_rank:
-            shown = ", ".join(per_rank[:10]) + (f" ... ({len(per_rank)} keys in all)"
-                                                if len(per_rank) > 10 else "")
+            shown = ", ".join(per_rank[:10]) + (
+                f" ... ({len(per_rank)} keys in all)" if len(per_rank) > 10 else ""
+            )
             raise ReshardError(
                 f"{self.dir}: saved by {saved} ranks, loading on {self.world_size} (this is "
                 f"rank {rank}); per-rank state differs between the saved ranks and cannot be "
                 f"remapped ({shown}). Pass rank_policy='rank0' to give every rank rank 0's "
                 "per-rank state, 'same' to map rank r to saved rank r where it exists, or "
-                "keys=[...] to restore only global state")
+                "keys=[...] to restore only global state"
+            )
         return trees[rank if rank < saved else 0]
 
     # ------------------------------------------------------------ public operations
-    def restore_into(self, state: Any, *, keys: str | Iterable[str] | None = None,
-                     strict: bool = True, cast: bool = False) -> RestoreReport:
+    def restore_into(
+        self,
+        state: Any,
+        *,
+        keys: str | Iterable[str] | None = None,
+        strict: bool = True,
+        cast: bool = False,
+    ) -> RestoreReport:
         """Plan (every check of the matcher and the providers; nothing live changes), then read
         into the live tensors, then set plain values into the live dicts and lists (filled in
         place: the caller's containers stay the same objects), then let providers apply their
@@ -167,12 +192,25 @@ class Reader:
         start = time.perf_counter()
         return self.apply(self.plan_restore(state, keys=keys, strict=strict, cast=cast), start)
 
-    def plan_restore(self, state: Any, *, keys: str | Iterable[str] | None = None,
-                     strict: bool = True, cast: bool = False) -> Plan:
+    def plan_restore(
+        self,
+        state: Any,
+        *,
+        keys: str | Iterable[str] | None = None,
+        strict: bool = True,
+        cast: bool = False,
+    ) -> Plan:
         """The first half of :meth:`restore_into`: match and check; nothing live changes (the
         saved Python objects are read and unpickled here, their checksums verified)."""
-        return plan_restore(self.checkpoint, self.registry, state, self._tree_for(keys),
-                            keys=keys, strict=strict, cast=cast)
+        return plan_restore(
+            self.checkpoint,
+            self.registry,
+            state,
+            self._tree_for(keys),
+            keys=keys,
+            strict=strict,
+            cast=cast,
+        )
 
     def apply(self, plan: Plan, start: float | None = None) -> RestoreReport:
         """The second half of :meth:`restore_into`: read, write back, let providers apply."""
@@ -195,23 +233,34 @@ class Reader:
     def _log_restore(self, report: RestoreReport, seconds: float) -> None:
         rate = report.nbytes / seconds / 1e9 if seconds > 0 else 0.0
         step = "" if report.step is None else f" (step {report.step})"
-        log.info("restored %s%s from %s on rank %d: %s in %.3f s, %.2f GB/s, %d keys",
-                 report.name, step, self.dir, self.rank, human_bytes(report.nbytes), seconds,
-                 rate, len(report.restored))
+        log.info(
+            "restored %s%s from %s on rank %d: %s in %.3f s, %.2f GB/s, %d keys",
+            report.name,
+            step,
+            self.dir,
+            self.rank,
+            human_bytes(report.nbytes),
+            seconds,
+            rate,
+            len(report.restored),
+        )
 
-    def load(self, *, keys: str | Iterable[str] | None = None,
-             dtype: torch.dtype | None = None) -> Any:
+    def load(
+        self, *, keys: str | Iterable[str] | None = None, dtype: torch.dtype | None = None
+    ) -> Any:
         """The saved state in new objects; with ``dtype``, its floating-point tensors converted
         to that dtype (others as saved), after ``map_location`` moved them."""
         return self.finish_load(*self.plan_load(keys=keys, dtype=dtype))
 
-    def plan_load(self, *, keys: str | Iterable[str] | None = None,
-                  dtype: torch.dtype | None = None) -> tuple[Plan, Any, torch.dtype | None]:
+    def plan_load(
+        self, *, keys: str | Iterable[str] | None = None, dtype: torch.dtype | None = None
+    ) -> tuple[Plan, Any, torch.dtype | None]:
         """The first half of :meth:`load`: (plan, structure, dtype); nothing is read but the
         Python objects."""
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ConfigError(f"load(dtype=...) takes a floating-point torch.dtype; found "
-                              f"{dtype!r}")
+            raise ConfigError(
+                f"load(dtype=...) takes a floating-point torch.dtype; found {dtype!r}"
+            )
         plan, value = plan_load(self.checkpoint, self.registry, self._tree_for(keys), keys=keys)
         return plan, value, dtype
 
@@ -252,8 +301,9 @@ class Reader:
             reads: list[Read] = []
             copies: list[Callable[[], Any]] = []
             for cast, temp in zip(batch, temps):
-                more_reads, more_copies = regions(temp, cast.entry, cast.key, cast.box_offset,
-                                                  self.dir)
+                more_reads, more_copies = regions(
+                    temp, cast.entry, cast.key, cast.box_offset, self.dir
+                )
                 reads += more_reads
                 copies += more_copies
             self._run(reads, copies)
@@ -271,15 +321,16 @@ class Reader:
             for g in groups:
                 self._read_group(g)
         else:
-            with ThreadPoolExecutor(min(self.threads, len(groups)),
-                                    thread_name_prefix="datastates-reader") as pool:
+            with ThreadPoolExecutor(
+                min(self.threads, len(groups)), thread_name_prefix="datastates-reader"
+            ) as pool:
                 futures = [pool.submit(self._read_group, g) for g in groups]
                 try:
                     for f in futures:
                         f.result()
                 except BaseException:
                     for f in futures:  # runs not started never start: a failing store is not
-                        f.cancel()     # asked again for each of them
+                        f.cancel()  # asked again for each of them
                     raise
         for fix in post_copies:
             fix()
@@ -291,8 +342,10 @@ class Reader:
         path = self.files.path(group[0].file)
         end = group[-1].offset + group[-1].nbytes
         if end > index_offset:
-            raise CorruptCheckpointError(f"{path}: {group[-1].key!r} at [{group[-1].offset}, "
-                                         f"{end}) extends past the data ending at {index_offset}")
+            raise CorruptCheckpointError(
+                f"{path}: {group[-1].key!r} at [{group[-1].offset}, "
+                f"{end}) extends past the data ending at {index_offset}"
+            )
         read_run(f, group, path, self.verify)
 
 

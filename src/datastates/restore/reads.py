@@ -14,6 +14,7 @@ RAM. Several runs are read at once by the caller's threads, which keeps several 
 on the disk (and the kernel's read-ahead runs ahead of each). A region larger than a run (one big
 tensor) is first cut at its checksum pieces, so that its parts are read by several threads too.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,9 +26,9 @@ from ..errors import CorruptCheckpointError
 from ..storage.posix import buffer_of
 
 COALESCE_GAP = 256 << 10  # regions at most this far apart are read as one run
-MAX_RUN = 64 << 20        # largest run
-MIN_RUN = 8 << 20         # smallest limit on a run (group_limit)
-MAX_IOV = 512             # buffers per preadv (the kernel's limit is 1024)
+MAX_RUN = 64 << 20  # largest run
+MIN_RUN = 8 << 20  # smallest limit on a run (group_limit)
+MAX_IOV = 512  # buffers per preadv (the kernel's limit is 1024)
 
 
 def read_run(f, group: list, path: str, verify: bool) -> None:
@@ -63,9 +64,14 @@ def _check_pieces(group: list, path: str) -> None:
     integers (what :class:`Checker` refuses, it refuses here, with its message)."""
     for r in group:
         for piece in r.checksums:
-            if type(piece) not in (list, tuple) or len(piece) != 2 or \
-                    type(piece[0]) is not int or type(piece[1]) is not int or \
-                    piece[0] < 0 or piece[1] < 0:
+            if (
+                type(piece) not in (list, tuple)
+                or len(piece) != 2
+                or type(piece[0]) is not int
+                or type(piece[1]) is not int
+                or piece[0] < 0
+                or piece[1] < 0
+            ):
                 Checker(r, path)  # raises for a piece it refuses (names it)
                 break
 
@@ -76,8 +82,13 @@ def _whole_and_sound(region, view: memoryview) -> bool:
     if len(pieces) != 1 or view.nbytes != region.nbytes:
         return False
     piece = pieces[0]
-    if type(piece) not in (list, tuple) or len(piece) != 2 or type(piece[0]) is not int or \
-            type(piece[1]) is not int or piece[0] != view.nbytes:
+    if (
+        type(piece) not in (list, tuple)
+        or len(piece) != 2
+        or type(piece[0]) is not int
+        or type(piece[1]) is not int
+        or piece[0] != view.nbytes
+    ):
         return False
     return fmt.crc32(view) == piece[1]
 
@@ -107,7 +118,7 @@ def steps(group: list, step: int):
     for index, r in enumerate(group):
         view = buffer_of(r.dest)
         if view.nbytes > r.nbytes:
-            view = view[:r.nbytes]
+            view = view[: r.nbytes]
         parts = [(index, view)]
         if r.offset > pos:
             gap = r.offset - pos
@@ -140,10 +151,15 @@ class Checker:
         self.pieces = read.checksums
         self.index = self.done = self.value = self.pos = 0
         for piece in self.pieces:
-            if (not isinstance(piece, (list, tuple)) or len(piece) != 2 or
-                    not all(isinstance(x, int) and x >= 0 for x in piece)):
-                raise CorruptCheckpointError(f"{path}: invalid checksum piece {piece!r} for "
-                                             f"{read.key!r} (expected [length, crc32])")
+            if (
+                not isinstance(piece, (list, tuple))
+                or len(piece) != 2
+                or not all(isinstance(x, int) and x >= 0 for x in piece)
+            ):
+                raise CorruptCheckpointError(
+                    f"{path}: invalid checksum piece {piece!r} for "
+                    f"{read.key!r} (expected [length, crc32])"
+                )
 
     def feed(self, view: memoryview) -> None:
         while view.nbytes:
@@ -171,13 +187,16 @@ class Checker:
             r, start = self.read, self.pos - length + getattr(self.read, "base", 0)
             raise CorruptCheckpointError(
                 f"{self.path}: checksum mismatch for {r.key!r} in bytes [{start}, {start + length}) "
-                f"of the tensor (file offset {r.offset + self.pos - length})")
+                f"of the tensor (file offset {r.offset + self.pos - length})"
+            )
         self.index, self.done, self.value = self.index + 1, 0, 0
 
     def _uncovered(self) -> CorruptCheckpointError:
         covered = sum(length for length, _ in self.pieces)
-        return CorruptCheckpointError(f"{self.path}: checksums of {self.read.key!r} cover "
-                                      f"{covered} of {self.read.nbytes} bytes")
+        return CorruptCheckpointError(
+            f"{self.path}: checksums of {self.read.key!r} cover "
+            f"{covered} of {self.read.nbytes} bytes"
+        )
 
 
 def coalesce(reads: list, max_read: int = MAX_RUN) -> list[list]:
@@ -190,8 +209,12 @@ def coalesce(reads: list, max_read: int = MAX_RUN) -> list[list]:
         if r.nbytes == 0:
             continue
         last = groups[-1][-1] if groups else None
-        if (last is not None and last.file == r.file and 0 <= r.offset - (last.offset + last.nbytes)
-                <= COALESCE_GAP and r.offset + r.nbytes - groups[-1][0].offset <= max_read):
+        if (
+            last is not None
+            and last.file == r.file
+            and 0 <= r.offset - (last.offset + last.nbytes) <= COALESCE_GAP
+            and r.offset + r.nbytes - groups[-1][0].offset <= max_read
+        ):
             groups[-1].append(r)
         else:
             groups.append([r])
@@ -209,8 +232,12 @@ def split_at_pieces(reads: list, max_read: int) -> list:
     out = []
     for r in reads:
         pieces = r.checksums
-        if r.nbytes <= max_read or len(pieces) < 2 or not _pieces_cover(pieces, r.nbytes) or \
-                not r.dest.is_contiguous():
+        if (
+            r.nbytes <= max_read
+            or len(pieces) < 2
+            or not _pieces_cover(pieces, r.nbytes)
+            or not r.dest.is_contiguous()
+        ):
             out.append(r)
             continue
         flat = r.dest.reshape(-1).view(torch.uint8)
@@ -227,11 +254,26 @@ def split_at_pieces(reads: list, max_read: int) -> list:
 
 
 def _pieces_cover(pieces, nbytes: int) -> bool:
-    return all(type(p) in (list, tuple) and len(p) == 2 and type(p[0]) is int and
-               type(p[1]) is int and p[0] >= 0 and p[1] >= 0 for p in pieces) and \
-        sum(p[0] for p in pieces) == nbytes
+    return (
+        all(
+            type(p) in (list, tuple)
+            and len(p) == 2
+            and type(p[0]) is int
+            and type(p[1]) is int
+            and p[0] >= 0
+            and p[1] >= 0
+            for p in pieces
+        )
+        and sum(p[0] for p in pieces) == nbytes
+    )
 
 
 def _part(r, flat, start: int, end: int, pieces: list):
-    return dataclasses.replace(r, offset=r.offset + start, nbytes=end - start,
-                               dest=flat[start:end], checksums=pieces, base=r.base + start)
+    return dataclasses.replace(
+        r,
+        offset=r.offset + start,
+        nbytes=end - start,
+        dest=flat[start:end],
+        checksums=pieces,
+        base=r.base + start,
+    )

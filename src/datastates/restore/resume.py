@@ -25,6 +25,7 @@ been modified, so it is never turned into a fallback.
 The cost is the check: each rank reads the files of its restore twice (once to check, once into
 the live tensors; the second read is usually served by the page cache).
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,12 @@ import time
 from typing import Any, Callable
 
 from ..commit.catalog import Catalog
-from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, RestoreAbortedError,
-                      UnsupportedFormatError)
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    RestoreAbortedError,
+    UnsupportedFormatError,
+)
 from ..format.records import CheckpointInfo, SkippedCheckpoint
 from .reader import Reader
 
@@ -42,13 +47,20 @@ log = logging.getLogger("datastates")
 TOPIC = "restore-fallback"
 
 
-def choose(catalog: Catalog, comm, *, open_reader: Callable[[CheckpointInfo], Reader],
-           prepare: Callable[[Reader], Any], quarantine: Callable[[str, str], str | None],
-           timeout_s: float, caller: str, apply: Callable[[Reader, Any], Any] | None = None,
-           order: Callable[[CheckpointInfo], int] | None = None,
-           eligible: Callable[[CheckpointInfo], bool] | None = None,
-           mover: Callable[[list[int]], bool] | None = None
-           ) -> tuple[Reader, Any, list[SkippedCheckpoint], int, float]:
+def choose(
+    catalog: Catalog,
+    comm,
+    *,
+    open_reader: Callable[[CheckpointInfo], Reader],
+    prepare: Callable[[Reader], Any],
+    quarantine: Callable[[str, str], str | None],
+    timeout_s: float,
+    caller: str,
+    apply: Callable[[Reader, Any], Any] | None = None,
+    order: Callable[[CheckpointInfo], int] | None = None,
+    eligible: Callable[[CheckpointInfo], bool] | None = None,
+    mover: Callable[[list[int]], bool] | None = None,
+) -> tuple[Reader, Any, list[SkippedCheckpoint], int, float]:
     """Run the rounds (module docstring): (the open reader of the checkpoint chosen, what
     ``prepare(reader)`` returned for it, the checkpoints skipped newest first, the bytes
     verified, the seconds spent). ``prepare`` plans and verifies, returning the plan and the
@@ -70,8 +82,9 @@ def choose(catalog: Catalog, comm, *, open_reader: Callable[[CheckpointInfo], Re
     start = time.perf_counter()
     order = order or (lambda c: c.seq)
     try:
-        candidates = sorted((c for c in catalog.scan() if eligible is None or eligible(c)),
-                            key=order, reverse=True)
+        candidates = sorted(
+            (c for c in catalog.scan() if eligible is None or eligible(c)), key=order, reverse=True
+        )
     except Exception as exc:
         refuse(comm, exc, timeout_s)
         raise
@@ -91,8 +104,10 @@ def choose(catalog: Catalog, comm, *, open_reader: Callable[[CheckpointInfo], Re
                 prepared, nbytes = prepare(reader)
                 verified += nbytes
             except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-                status.update(damaged=f"{type(exc).__name__}: {exc}",
-                              quarantine=not isinstance(exc, UnsupportedFormatError))
+                status.update(
+                    damaged=f"{type(exc).__name__}: {exc}",
+                    quarantine=not isinstance(exc, UnsupportedFormatError),
+                )
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it, then it is raised
                 own_error = exc
                 status["error"] = f"{type(exc).__name__}: {exc}"
@@ -105,26 +120,28 @@ def choose(catalog: Catalog, comm, *, open_reader: Callable[[CheckpointInfo], Re
         except TimeoutError as exc:
             if reader is not None:
                 reader.files.close()
-            raise RestoreAbortedError(f"{caller}: the ranks could not agree on a checkpoint to "
-                                      f"restore: {exc}") from None
+            raise RestoreAbortedError(
+                f"{caller}: the ranks could not agree on a checkpoint to restore: {exc}"
+            ) from None
         errors = {r: a["error"] for r, a in answers.items() if "error" in a}
         if errors:
             if reader is not None:
                 reader.files.close()
             if own_error is not None:
                 raise own_error
-            raise RestoreAbortedError(f"{caller}: rank(s) {sorted(errors)} refused to restore "
-                                      f"{status['name']!r}, so no rank did; nothing was modified: "
-                                      + "; ".join(f"rank {r}: {e}" for r, e in
-                                                  sorted(errors.items())), errors)
+            raise RestoreAbortedError(
+                f"{caller}: rank(s) {sorted(errors)} refused to restore "
+                f"{status['name']!r}, so no rank did; nothing was modified: "
+                + "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items())),
+                errors,
+            )
         names = {a["name"] for a in answers.values()}
         damaged = {r: a for r, a in answers.items() if "damaged" in a}
         if len(names) == 1 and not damaged:
             if info is None or reader is None:  # (no rank chose one: none is left)
                 raise CheckpointNotFoundError(_none_left(catalog.root, rejected, caller))
             if apply is not None:
-                prepared, answers = _apply(reader, prepared, apply, status, comm, timeout_s,
-                                           caller)
+                prepared, answers = _apply(reader, prepared, apply, status, comm, timeout_s, caller)
                 damaged = {r: a for r, a in answers.items() if "damaged" in a}
             if not damaged:
                 skipped = [rejected[c.name] for c in candidates if c.name in rejected]
@@ -141,8 +158,9 @@ def refuse(comm, exc: BaseException, timeout_s: float) -> None:
     the exchanges being counted per rank, every rank's next fallback restore meets the others'.
     The caller raises ``exc`` after it; an exchange that fails is the other ranks' concern."""
     try:
-        comm.exchange(TOPIC, {"name": None, "seq": -1, "error": f"{type(exc).__name__}: {exc}"},
-                      timeout_s)
+        comm.exchange(
+            TOPIC, {"name": None, "seq": -1, "error": f"{type(exc).__name__}: {exc}"}, timeout_s
+        )
     except Exception:  # noqa: BLE001 - ``exc`` is what this rank raises
         pass
 
@@ -153,8 +171,10 @@ def _apply(reader: Reader, plan, apply, status: dict, comm, timeout_s: float, ca
     try:
         result = apply(reader, plan)
     except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-        answer.update(damaged=f"{type(exc).__name__}: {exc}",
-                      quarantine=not isinstance(exc, UnsupportedFormatError))
+        answer.update(
+            damaged=f"{type(exc).__name__}: {exc}",
+            quarantine=not isinstance(exc, UnsupportedFormatError),
+        )
     except BaseException:
         reader.files.close()
         raise  # a read error of another kind: as a restore without fallback
@@ -162,36 +182,55 @@ def _apply(reader: Reader, plan, apply, status: dict, comm, timeout_s: float, ca
         answers = comm.exchange(TOPIC + "-read", answer, timeout_s)
     except TimeoutError as exc:
         reader.files.close()
-        raise RestoreAbortedError(f"{caller}: the ranks could not agree that the checkpoint "
-                                  f"{status['name']!r} was read intact: {exc}") from None
+        raise RestoreAbortedError(
+            f"{caller}: the ranks could not agree that the checkpoint "
+            f"{status['name']!r} was read intact: {exc}"
+        ) from None
     return result, answers
 
 
-def _reject(answers: dict, damaged: dict, rejected: dict, quarantine,
-            mover: Callable[[list[int]], bool], caller: str) -> None:
+def _reject(
+    answers: dict,
+    damaged: dict,
+    rejected: dict,
+    quarantine,
+    mover: Callable[[list[int]], bool],
+    caller: str,
+) -> None:
     """Add this round's rejections to ``rejected`` (the same on every rank); a rank for which
     ``mover(the ranks that found it)`` holds quarantines a damaged checkpoint."""
     oldest = min(answers.values(), key=lambda a: (a["seq"], a["name"] or ""))
     found: dict[str, tuple[list[str], bool, list[int]]] = {}
     for r, a in sorted(damaged.items()):
         reasons, movable, ranks = found.get(a["name"], ([], False, []))
-        found[a["name"]] = (reasons + [f"rank {r}: {a['damaged']}"], movable or a["quarantine"],
-                            ranks + [r])
+        found[a["name"]] = (
+            reasons + [f"rank {r}: {a['damaged']}"],
+            movable or a["quarantine"],
+            ranks + [r],
+        )
     for name, (reasons, movable, ranks) in found.items():
         reason = "; ".join(reasons)
         where = quarantine(name, reason) if movable and mover(ranks) else None
         rejected[name] = SkippedCheckpoint(name, reason, where)
-        log.warning("%s: the checkpoint %s is damaged (%s)%s; falling back to an older one",
-                    caller, name, reason, f", moved to {where}" if where else "")
+        log.warning(
+            "%s: the checkpoint %s is damaged (%s)%s; falling back to an older one",
+            caller,
+            name,
+            reason,
+            f", moved to {where}" if where else "",
+        )
     for r, a in sorted(answers.items()):
         name = a["name"]
         if name is not None and name != oldest["name"] and name not in rejected:
             lacking = sorted(k for k, b in answers.items() if b["name"] != name)
-            reason = (f"rank(s) {lacking} do not list it (its manifest is damaged or missing "
-                      "there)")
+            reason = f"rank(s) {lacking} do not list it (its manifest is damaged or missing there)"
             rejected[name] = SkippedCheckpoint(name, reason)
-            log.warning("%s: the checkpoint %s is skipped: %s; falling back to an older one",
-                        caller, name, reason)
+            log.warning(
+                "%s: the checkpoint %s is skipped: %s; falling back to an older one",
+                caller,
+                name,
+                reason,
+            )
 
 
 def _none_left(root: str, rejected: dict[str, SkippedCheckpoint], caller: str) -> str:

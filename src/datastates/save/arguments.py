@@ -6,6 +6,7 @@ planned or written. Each raises naming the argument or the key.
 shared by ``save``, ``restore``, ``load`` and ``delete`` of every Checkpointer, with a memory tier
 or without: it runs first, before any routing to a tier, and a bad value raises the same
 ConfigError, ``"<call>(): <what was expected>, found <value>"``, whichever call got it."""
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,9 @@ MAX_TAG_BYTES = 128
 def check_step(step, where: str = "") -> None:
     """``step`` is None or what a reader accepts: an int (not a bool) in [0, MAX_STEP]
     (``where``: the call, as a prefix of the message)."""
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or
-                             not 0 <= step <= MAX_STEP):
+    if step is not None and (
+        not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP
+    ):
         raise ConfigError(f"{where}step must be an int in [0, 2**63 - 1], found {step!r}")
 
 
@@ -44,19 +46,27 @@ def check_tag(tag, where: str = "") -> str:
         raise ConfigError(f"{where}{exc}") from None
     control = next((c for c in name if c < " " or c == "\x7f"), None)
     if control is not None:  # an object store's batch DELETE (XML) cannot name them
-        raise ConfigError(f"{where}invalid checkpoint name {name!r}: it holds the control "
-                          f"character {control!r}; expected printable characters only")
+        raise ConfigError(
+            f"{where}invalid checkpoint name {name!r}: it holds the control "
+            f"character {control!r}; expected printable characters only"
+        )
     size = len(name.encode("utf-8", "surrogatepass"))
     if size > MAX_TAG_BYTES:
-        raise ConfigError(f"{where}invalid checkpoint name {name[:40] + '...'!r}: {size} bytes "
-                          f"in UTF-8, expected at most {MAX_TAG_BYTES} (its temporary names "
-                          "must fit the file system's 255-byte limit)")
+        raise ConfigError(
+            f"{where}invalid checkpoint name {name[:40] + '...'!r}: {size} bytes "
+            f"in UTF-8, expected at most {MAX_TAG_BYTES} (its temporary names "
+            "must fit the file system's 255-byte limit)"
+        )
     return name
 
 
 #: What ``check_target`` requires of step= and tag= together, by call.
-_NAMED = {"save": "a step= or a tag= (or both)", "delete": "exactly one of step= or tag=",
-          "restore": "at most one of step= or tag=", "load": "at most one of step= or tag="}
+_NAMED = {
+    "save": "a step= or a tag= (or both)",
+    "delete": "exactly one of step= or tag=",
+    "restore": "at most one of step= or tag=",
+    "load": "at most one of step= or tag=",
+}
 
 
 def check_target(call: str, step, tag, persist=None) -> str | None:
@@ -79,10 +89,15 @@ def check_target(call: str, step, tag, persist=None) -> str | None:
     if persist is not None and not isinstance(persist, bool):
         raise ConfigError(f"{where}persist must be None, True or False, found {persist!r}")
     need = _NAMED.get(call)
-    if need is not None and (step is None and tag is None and call in ("save", "delete") or
-                             call != "save" and step is not None and tag is not None):
-        raise ConfigError(f"{where}{need} names the checkpoint, found step={step!r}, "
-                          f"tag={tag!r}")
+    if need is not None and (
+        step is None
+        and tag is None
+        and call in ("save", "delete")
+        or call != "save"
+        and step is not None
+        and tag is not None
+    ):
+        raise ConfigError(f"{where}{need} names the checkpoint, found step={step!r}, tag={tag!r}")
     if name is None and step is not None:
         name = fmt.step_name(step)
     return name
@@ -93,8 +108,10 @@ def check_depth(metadata: dict) -> None:
     level, depth = [metadata], 1
     while level:
         if depth > MAX_METADATA_DEPTH:
-            raise ConfigError(f"metadata nests deeper than {MAX_METADATA_DEPTH} levels; a "
-                              "reader could not decode it")
+            raise ConfigError(
+                f"metadata nests deeper than {MAX_METADATA_DEPTH} levels; a "
+                "reader could not decode it"
+            )
         below: dict[int, Any] = {}  # each container once per level, even if it holds itself
         for value in level:
             for child in value.values() if isinstance(value, dict) else value:
@@ -110,16 +127,20 @@ def check_metrics(metrics: Any) -> dict:
     if metrics is None:
         return {}
     if not isinstance(metrics, dict):
-        raise TypeError(f"metrics must be a dict of name -> number, found "
-                        f"{type(metrics).__qualname__}")
+        raise TypeError(
+            f"metrics must be a dict of name -> number, found {type(metrics).__qualname__}"
+        )
     out = {}
     for key, value in metrics.items():
         if not isinstance(key, str):
-            raise TypeError(f"metrics: expected str names, found the key {key!r} "
-                            f"({type(key).__qualname__})")
+            raise TypeError(
+                f"metrics: expected str names, found the key {key!r} ({type(key).__qualname__})"
+            )
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"metrics[{key!r}]: expected an int or float, found "
-                            f"{type(value).__qualname__} {value!r} (convert with float())")
+            raise TypeError(
+                f"metrics[{key!r}]: expected an int or float, found "
+                f"{type(value).__qualname__} {value!r} (convert with float())"
+            )
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"metrics[{key!r}]: expected a finite number, found {value!r}")
         out[key] = int(value) if isinstance(value, int) else float(value)
@@ -134,5 +155,6 @@ def check_dtypes(items: Items) -> None:
             try:
                 fmt.dtype_name(dtype)
             except TypeError as exc:
-                raise SerializationError(f"{key!r}: {exc}; convert it first (for example "
-                                         "with .to(torch.float32))") from None
+                raise SerializationError(
+                    f"{key!r}: {exc}; convert it first (for example with .to(torch.float32))"
+                ) from None

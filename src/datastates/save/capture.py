@@ -26,6 +26,7 @@ counter, and once its copy is complete :func:`check_unwritten` fails the save
 Wrapper optimizers (accelerate, DeepSpeed, Lightning) are unwrapped through ``.optimizer`` to the
 torch optimizer whose ``step()`` runs: its step pre-hook is the guard.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -140,8 +141,11 @@ class LazyRule:
     """The rule for one save: ``in_save`` are the torch optimizers part of the save, ``others``
     the ones guarded but not part of it."""
 
-    def __init__(self, in_save: Iterable[torch.optim.Optimizer] = (),
-                 others: Iterable[torch.optim.Optimizer] = ()):
+    def __init__(
+        self,
+        in_save: Iterable[torch.optim.Optimizer] = (),
+        others: Iterable[torch.optim.Optimizer] = (),
+    ):
         self._safe = ByteRanges(t for opt in in_save for t in optimizer_tensors(opt))
         self._unsafe = ByteRanges(t for opt in others for t in optimizer_tensors(opt))
 
@@ -154,8 +158,11 @@ class LazyRule:
         if not self._safe:
             return False
         found = byte_range(t)
-        return found is not None and self._safe.covers(t, found) and \
-            not (self._unsafe and self._unsafe.touches(t, found))
+        return (
+            found is not None
+            and self._safe.covers(t, found)
+            and not (self._unsafe and self._unsafe.touches(t, found))
+        )
 
 
 def decide(items, rule: LazyRule) -> None:
@@ -167,8 +174,9 @@ def decide(items, rule: LazyRule) -> None:
     lazy, tensors, versions = items.lazy, items.tensors, items.versions
     for i, policy in enumerate(items.policies):
         if policy is not None:  # None: an object, or a provider's tensor left eager
-            lazy[i] = chosen = policy == LAZY or \
-                (ruled and policy == AUTO and rule.allows(tensors[i]))
+            lazy[i] = chosen = policy == LAZY or (
+                ruled and policy == AUTO and rule.allows(tensors[i])
+            )
             if chosen:
                 try:
                     versions[i] = tensors[i]._version
@@ -213,7 +221,9 @@ def _written_error(keys: list[str], name: str, rank: int) -> LazyWriteError:
         "as SAM's first_step(), weight clipping, nn.Embedding(max_norm=...) in forward). Save "
         "them eagerly with datastates.eager(...), "
         "or call handle.wait_snapshot() before writing them. The latest checkpoint is still the "
-        "previous one; the next save is not affected", keys)
+        "previous one; the next save is not affected",
+        keys,
+    )
 
 
 class _StepGuard:
@@ -234,8 +244,9 @@ class _StepGuard:
             waiter(*args)
 
 
-_guards: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _StepGuard]" = \
+_guards: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _StepGuard]" = (
     weakref.WeakKeyDictionary()
+)
 _guards_lock = threading.Lock()
 
 
@@ -253,6 +264,7 @@ def add_step_waiter(opt: torch.optim.Optimizer, waiter) -> Callable[[], None]:
     def remove() -> None:
         with _guards_lock:
             guard.waiters = tuple(w for w in guard.waiters if w is not waiter)
+
     return remove
 
 
@@ -271,4 +283,5 @@ def mark_lazy(state: Any, tensors: Iterable[torch.Tensor]) -> Any:
         if type(obj) in (list, tuple):
             return type(obj)(walk(v) for v in obj)
         return obj
+
     return walk(state)

@@ -7,6 +7,7 @@ yields this rank's part of the checkpoint: the shard file's index and header, an
 rank brings to the commit round (:func:`finish_file`). None of this needs the threads, so it lives
 apart from them: pipeline.py imports this module, never the other way round.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,9 +39,9 @@ class SaveStats:
     """Timings of one save, in seconds from the moment ``save()`` was entered, and what this
     rank wrote."""
 
-    blocked_s: float = 0.0   #: how long save() blocked the caller
+    blocked_s: float = 0.0  #: how long save() blocked the caller
     snapshot_s: float = 0.0  #: until the state was captured in host memory
-    commit_s: float = 0.0    #: until the checkpoint was durable and committed
+    commit_s: float = 0.0  #: until the checkpoint was durable and committed
     step_wait_s: float = 0.0  #: time guarded optimizer steps waited for this snapshot
     #: tensor and object bytes this rank writes: a tensor declared replicated counts on the one
     #: rank that writes it, a shard that another rank writes (``primary=False``) on that rank,
@@ -61,9 +62,21 @@ class SaveStats:
 class Job:
     """One save of one rank, shared by the pipeline threads."""
 
-    def __init__(self, target: SaveTarget, *, flat: Flattened, layout: Layout,
-                 write_tensors: list[int], objects: list[int], metadata: dict, ready, t0: float,
-                 eager_units: int = 0, eager_items: int = 0, digest_replicas: bool = False):
+    def __init__(
+        self,
+        target: SaveTarget,
+        *,
+        flat: Flattened,
+        layout: Layout,
+        write_tensors: list[int],
+        objects: list[int],
+        metadata: dict,
+        ready,
+        t0: float,
+        eager_units: int = 0,
+        eager_items: int = 0,
+        digest_replicas: bool = False,
+    ):
         #: Where and as what this save commits (name, directory, rank, deadline...).
         self.target = target
         #: Digest of every declared-replicated tensor (key → text), compared across ranks.
@@ -75,8 +88,10 @@ class Job:
         #: Flat item indices of the tensors this rank writes (layout order) and of the objects.
         self.write_tensors, self.objects = write_tensors, objects
         self.metadata, self.ready, self.t0 = metadata, ready, t0
-        self.stats = SaveStats(nbytes=sum(flat.items.nbytes[i] for i in write_tensors) +
-                               sum(flat.items.nbytes[i] for i in objects))
+        self.stats = SaveStats(
+            nbytes=sum(flat.items.nbytes[i] for i in write_tensors)
+            + sum(flat.items.nbytes[i] for i in objects)
+        )
         #: The leading units of the layout that hold eager tensors; once they are in the cache
         #: (or written), ``eager_captured`` is set and ``save()`` may return.
         self.eager_units = eager_units
@@ -120,16 +135,23 @@ class Job:
         lazy = self.flat.items.lazy
         if any(lazy[i] for i in self.write_tensors):
             return True
-        return self.digest_replicas and any(a and b for a, b in zip(lazy,
-                                                                    self.flat.items.replicated))
+        return self.digest_replicas and any(
+            a and b for a, b in zip(lazy, self.flat.items.replicated)
+        )
 
     def abandon(self, exc: BaseException) -> None:
         """Finish a save the pipeline refused (``save()`` raises ``exc``): nothing was
         captured or queued, and nothing may wait for it."""
         self.fail(exc)
         self.flat.items.release()
-        for event in (self.opened, self.eager_captured, self.captured, self.all_written,
-                      self.unblocked, self.finished):
+        for event in (
+            self.opened,
+            self.eager_captured,
+            self.captured,
+            self.all_written,
+            self.unblocked,
+            self.finished,
+        ):
             event.set()
 
     def fail(self, exc: BaseException) -> None:
@@ -170,7 +192,8 @@ class Job:
                     f"written it when its commit_timeout_s ran out, {elapsed:.1f} s after "
                     f"save() ({self._outstanding} unit write(s) of its shard file pending); "
                     "nothing was committed",
-                    {self.target.rank: f"writing not finished {elapsed:.1f} s after save()"})
+                    {self.target.rank: f"writing not finished {elapsed:.1f} s after save()"},
+                )
         self.cancelled.set()
         cancel = getattr(self.writer, "cancel", None)
         if cancel is not None:
@@ -223,11 +246,21 @@ def _log_outcome(job: "Job", waited: bool) -> None:
     s = job.stats
     if job.error is None:
         rate = s.nbytes / s.commit_s / 1e9 if s.commit_s > 0 else 0.0
-        log.info("committed %s (rank %d): %s, blocked %.1f ms, snapshot %.3f s, commit %.3f s, "
-                 "%.2f GB/s", job.target.name, job.target.rank, human_bytes(s.nbytes), s.blocked_s * 1e3,
-                 s.snapshot_s, s.commit_s, rate)
+        log.info(
+            "committed %s (rank %d): %s, blocked %.1f ms, snapshot %.3f s, commit %.3f s, "
+            "%.2f GB/s",
+            job.target.name,
+            job.target.rank,
+            human_bytes(s.nbytes),
+            s.blocked_s * 1e3,
+            s.snapshot_s,
+            s.commit_s,
+            rate,
+        )
     elif not waited:
-        log.warning("checkpoint %s failed on rank %d: %r", job.target.name, job.target.rank, job.error)
+        log.warning(
+            "checkpoint %s failed on rank %d: %r", job.target.name, job.target.rank, job.error
+        )
 
 
 def write_error(job: "Job", what: str, exc: BaseException) -> BaseException:
@@ -247,7 +280,7 @@ def replica_digests(items: Items, indexes: list[int]) -> dict[str, str]:
             data = fmt.tensor_bytes(t)
             crc, step = 0, 64 << 20
             for start in range(0, data.numel(), step):
-                piece = data[start:start + step]
+                piece = data[start : start + step]
                 piece = piece if piece.device.type == "cpu" else piece.cpu()
                 crc = fmt.crc32(piece.contiguous().numpy(), crc)
             out[items.keys[i]] = f"{data.numel()}:{crc:08x}"
@@ -349,16 +382,25 @@ class SaveHandle:
         except Exception:  # interpreter shutdown
             return
         if err is not None:
-            warnings.warn(f"datastates: checkpoint {self.name!r} failed and its handle was "
-                          f"dropped without wait(): {err!r}", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"datastates: checkpoint {self.name!r} failed and its handle was "
+                f"dropped without wait(): {err!r}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
 
 def failed_report(job: Job) -> RankReport:
     """This rank's report for a save that failed here (its error, described)."""
     error = job.error
     cause = f"{type(error).__name__}: {error}" if error is not None else "unknown failure"
-    return RankReport(rank=job.target.rank, save=_save_ref(job), root=job.target.root,
-                      error=cause, expired=job.expired)
+    return RankReport(
+        rank=job.target.rank,
+        save=_save_ref(job),
+        root=job.target.root,
+        error=cause,
+        expired=job.expired,
+    )
 
 
 def _save_ref(job: Job) -> SaveRef:
@@ -378,26 +420,39 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
             break
         data = items.blobs[i]  # written while the tensor units are in flight
         job.writer.write(memoryview(data), offset)
-        entries[i] = ReportEntry(key=items.keys[i], kind="object", written=True, offset=offset,
-                                 nbytes=len(data), crc32=fmt.crc32(data))
+        entries[i] = ReportEntry(
+            key=items.keys[i],
+            kind="object",
+            written=True,
+            offset=offset,
+            nbytes=len(data),
+            crc32=fmt.crc32(data),
+        )
     job.unblocked.wait()  # every unit written, or the deadline passed
     if job.error is not None:
         return None
     writer = job.writer
     if writer is None:  # opened is set without a writer only for a failed job
-        raise RuntimeError(f"the shard file of {job.target.name!r} was never opened, and the "
-                           "save recorded no error")
+        raise RuntimeError(
+            f"the shard file of {job.target.name!r} was never opened, and the "
+            "save recorded no error"
+        )
     position = {flat_i: t_i for t_i, flat_i in enumerate(job.write_tensors)}
     checksums = _checksums(job)
     offsets = job.layout.tensor_offsets
     for i in items.tensor_indexes():
         t_i = position.get(i)
-        entries[i] = _tensor_entry(items, i, None if t_i is None else offsets[t_i],
-                                   checksums[t_i] if t_i is not None else ())
+        entries[i] = _tensor_entry(
+            items,
+            i,
+            None if t_i is None else offsets[t_i],
+            checksums[t_i] if t_i is not None else (),
+        )
     assert None not in entries, "every item has its entry: objects above, tensors just now"
     done = cast("list[ReportEntry]", entries)
-    index = fmt.encode_index_items(job.target.rank, ",".join(
-        [_index_text(e) for e in done if e.written]).encode())
+    index = fmt.encode_index_items(
+        job.target.rank, ",".join([_index_text(e) for e in done if e.written]).encode()
+    )
     tree = saved_tree(job.flat.tree)
     if job.layout.framed:
         size = _write_framed(job, index, checksums, tree)
@@ -410,12 +465,18 @@ def finish_file(job: Job, fsync: bool) -> RankReport | None:
     if fsync and job.target.store.renames:  # the file's entry in the temporary directory
         fsync_dir(job.target.tmp)
     rank = job.target.rank
-    return RankReport(rank=rank, save=_save_ref(job), root=job.target.root,
-                      file=FileRef(name=fmt.shard_file_name(rank), rank=rank, nbytes=size,
-                                   index_crc32=fmt.crc32(index)),
-                      entries=tuple(done), tree=tree,
-                      replicas=dict(job.replicas),
-                      expired=job.expired)
+    return RankReport(
+        rank=rank,
+        save=_save_ref(job),
+        root=job.target.root,
+        file=FileRef(
+            name=fmt.shard_file_name(rank), rank=rank, nbytes=size, index_crc32=fmt.crc32(index)
+        ),
+        entries=tuple(done),
+        tree=tree,
+        replicas=dict(job.replicas),
+        expired=job.expired,
+    )
 
 
 def _write_framed(job: Job, index: bytes, checksums: list, tree: dict) -> int:
@@ -426,18 +487,27 @@ def _write_framed(job: Job, index: bytes, checksums: list, tree: dict) -> int:
     assert writer is not None  # opened by the capture thread before any unit
     at = layout.index_offset
     index_crc = fmt.crc32(index)
-    writer.write(memoryview(zipframe.local_header(zipframe.INDEX_RECORD, len(index),
-                                                      zipframe.SLOT, index_crc)),
-                     at - zipframe.SLOT)
+    writer.write(
+        memoryview(
+            zipframe.local_header(zipframe.INDEX_RECORD, len(index), zipframe.SLOT, index_crc)
+        ),
+        at - zipframe.SLOT,
+    )
     writer.write(memoryview(index), at)
     records = [zipframe.Record(zipframe.HEADER_RECORD, 0, 0, 0)]
     for k, i in enumerate(job.write_tensors):
         nbytes = items.nbytes[i]
-        records.append(zipframe.Record(zipframe.tensor_name(k),
-                                       layout.tensor_offsets[k] - zipframe.slot_of(nbytes),
-                                       nbytes, zipframe.crc_of_pieces(checksums[k])))
-    records.append(zipframe.Record(zipframe.INDEX_RECORD, at - zipframe.SLOT, len(index),
-                                   index_crc))
+        records.append(
+            zipframe.Record(
+                zipframe.tensor_name(k),
+                layout.tensor_offsets[k] - zipframe.slot_of(nbytes),
+                nbytes,
+                zipframe.crc_of_pieces(checksums[k]),
+            )
+        )
+    records.append(
+        zipframe.Record(zipframe.INDEX_RECORD, at - zipframe.SLOT, len(index), index_crc)
+    )
     position = {flat_i: k for k, flat_i in enumerate(job.write_tensors)}
 
     def held(i: int):
@@ -480,8 +550,17 @@ def _tensor_entry(items: Items, i: int, offset: int | None, checksums: tuple) ->
     box = items.boxes.get(i)
     dtype = items.dtypes[i]
     assert dtype is not None, "a tensor item has its dtype"
-    return ReportEntry(items.keys[i], "tensor", offset is not None, offset,
-                       items.nbytes[i] if offset is not None else None,
-                       fmt.dtype_name(dtype), items.shapes[i], checksums, None,
-                       tuple(box[0]) if box else None, tuple(box[1]) if box else None,
-                       bool(items.replicated[i]))
+    return ReportEntry(
+        items.keys[i],
+        "tensor",
+        offset is not None,
+        offset,
+        items.nbytes[i] if offset is not None else None,
+        fmt.dtype_name(dtype),
+        items.shapes[i],
+        checksums,
+        None,
+        tuple(box[0]) if box else None,
+        tuple(box[1]) if box else None,
+        bool(items.replicated[i]),
+    )

@@ -17,6 +17,7 @@ Any exception fails only its job: it reaches the handle, the process keeps runni
 loop catches what its work raises into the job's failure (a thread never dies), so every wait on a
 job's events ends, with the data or with an error.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -91,14 +92,15 @@ class Pipeline:
         self._capture_q: queue.Queue = queue.Queue()
         self._write_q: queue.Queue = queue.Queue()
         self._commit_q: queue.Queue = queue.Queue()
-        self._threads = [threading.Thread(target=self._capture_loop, name="datastates-capture",
-                                          daemon=True),
-                         threading.Thread(target=self._commit_loop, name="datastates-commit",
-                                          daemon=True),
-                         threading.Thread(target=self._deadline_loop, name="datastates-deadline",
-                                          daemon=True)]
-        self._threads += [threading.Thread(target=self._write_loop, name=f"datastates-writer-{i}",
-                                           daemon=True) for i in range(config.writer_threads)]
+        self._threads = [
+            threading.Thread(target=self._capture_loop, name="datastates-capture", daemon=True),
+            threading.Thread(target=self._commit_loop, name="datastates-commit", daemon=True),
+            threading.Thread(target=self._deadline_loop, name="datastates-deadline", daemon=True),
+        ]
+        self._threads += [
+            threading.Thread(target=self._write_loop, name=f"datastates-writer-{i}", daemon=True)
+            for i in range(config.writer_threads)
+        ]
         for t in self._threads:
             t.start()
 
@@ -188,8 +190,11 @@ class Pipeline:
         store = job.target.store
         store.makedirs(job.target.root, self.config.fsync)  # the first save creates the directory
         store.makedirs(job.target.tmp, False)  # its name says which process owns it
-        job.writer = store.shard_writer(store.join(job.target.tmp, fmt.shard_file_name(job.target.rank)),
-                                        self.config.io_mode, job.layout)
+        job.writer = store.shard_writer(
+            store.join(job.target.tmp, fmt.shard_file_name(job.target.rank)),
+            self.config.io_mode,
+            job.layout,
+        )
         if job.in_place and _has_cuda(job) and not _mapped(job).pin():
             job.in_place = False  # staged in the pinned host cache, then written, instead
             self.cache.reserve(len(job.layout.units) * self.config.unit_bytes)
@@ -202,8 +207,13 @@ class Pipeline:
         save, as its copy does)."""
         if job.digest_replicas:
             items = job.flat.items
-            todo = [i for i in items.tensor_indexes() if items.replicated[i] and
-                    items.lazy[i] == lazy and items.keys[i] not in job.replicas]
+            todo = [
+                i
+                for i in items.tensor_indexes()
+                if items.replicated[i]
+                and items.lazy[i] == lazy
+                and items.keys[i] not in job.replicas
+            ]
             job.replicas.update(replica_digests(items, todo))
             if lazy:
                 check_unwritten(items, todo, job.target.name, job.target.rank)
@@ -232,8 +242,9 @@ class Pipeline:
                 if job.cancelled.is_set():
                     return
                 slot = IN_PLACE
-                dst = _mapped(job).unit_view(unit.file_offset,
-                                             fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN))
+                dst = _mapped(job).unit_view(
+                    unit.file_offset, fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN)
+                )
             else:
                 acquired = self._acquire(job)
                 if acquired is None:
@@ -244,9 +255,12 @@ class Pipeline:
             try:
                 self._fill(job, unit, dst, last_piece if number == last_unit else -1, kept)
                 # its copies are complete: were its lazy tensors written since save()?
-                check_unwritten(job.flat.items, [write[p[0]] for p in unit.pieces
-                                                 if p[0] >= job.eager_items],
-                                target.name, target.rank)
+                check_unwritten(
+                    job.flat.items,
+                    [write[p[0]] for p in unit.pieces if p[0] >= job.eager_items],
+                    target.name,
+                    target.rank,
+                )
             except BaseException:
                 copier.cancel()
                 self._release_slot(slot)
@@ -255,8 +269,9 @@ class Pipeline:
             del dst
             self._write_q.put(WriteUnit(job, unit, slot))
 
-    def _fill(self, job: Job, unit: Unit, dst: torch.Tensor, eager_cut: int,
-              kept: dict[int, torch.Tensor]) -> None:
+    def _fill(
+        self, job: Job, unit: Unit, dst: torch.Tensor, eager_cut: int, kept: dict[int, torch.Tensor]
+    ) -> None:
         """Copy the pieces of ``unit`` into ``dst`` (a cache slot, or the unit's bytes in the
         shard file when the job captures in place), zero its gaps and padding, and wait for the
         copies (the fence). After piece number ``eager_cut``, the last piece of an eager tensor,
@@ -303,8 +318,9 @@ class Pipeline:
             fence.synchronize()
         sources.clear()
 
-    def _copy_piece(self, job: Job, piece: Piece, dst: torch.Tensor,
-                    kept: dict[int, torch.Tensor]) -> torch.Tensor:
+    def _copy_piece(
+        self, job: Job, piece: Piece, dst: torch.Tensor, kept: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
         """Copy one piece of a tensor that is not a plain CPU one into the slot ``dst``, through
         its flat bytes (made once, kept in ``kept`` while a later unit continues the tensor);
         returns them (the caller keeps them alive until the fence)."""
@@ -317,7 +333,7 @@ class Pipeline:
             src = self.copier.flat(t)
         if begin + size < items.nbytes[i]:  # the next unit continues it
             kept[number] = src
-        self.copier.copy(dst[start:start + size], src[begin:begin + size])
+        self.copier.copy(dst[start : start + size], src[begin : begin + size])
         return src
 
     def _acquire(self, job: Job) -> int | None:
@@ -354,10 +370,16 @@ class Pipeline:
                 padded = fmt.align_up(unit.nbytes, fmt.UNIT_ALIGN)
                 if job.writer is None:  # failed below like a write that failed
                     raise RuntimeError("the shard file is not open")
-                job.writer.write(view[:unit.nbytes], unit.file_offset, view[:padded])
+                job.writer.write(view[: unit.nbytes], unit.file_offset, view[:padded])
         except BaseException as exc:
-            job.fail(write_error(job, f"writing {job.writer.path if job.writer else job.target.tmp}"
-                                      f" at offset {unit.file_offset}", exc))
+            job.fail(
+                write_error(
+                    job,
+                    f"writing {job.writer.path if job.writer else job.target.tmp}"
+                    f" at offset {unit.file_offset}",
+                    exc,
+                )
+            )
         if job.cancelled.is_set() or not job.defer(unit, slot):
             self._checksum(job, unit, slot)
 
@@ -373,10 +395,16 @@ class Pipeline:
                     view = self.cache.view(slot)
                 crc32 = fmt.crc32
                 job.crcs[unit.file_offset] = [
-                    crc32(view[at:at + nbytes]) for _, _, at, nbytes in unit.pieces]
+                    crc32(view[at : at + nbytes]) for _, _, at, nbytes in unit.pieces
+                ]
         except BaseException as exc:
-            job.fail(write_error(job, f"checksumming a unit at offset {unit.file_offset} of "
-                                      f"{job.target.tmp}", exc))
+            job.fail(
+                write_error(
+                    job,
+                    f"checksumming a unit at offset {unit.file_offset} of {job.target.tmp}",
+                    exc,
+                )
+            )
         finally:
             self._release_slot(slot)
             job.unit_done()
@@ -410,8 +438,9 @@ class Pipeline:
                 self._commit(job)
             except BaseException as exc:  # last resort: the job fails, the thread lives on
                 job.fail(exc)
-            release_first = job.error is not None and (job.expired or
-                                                       _caused_by(job.error, StorageError))
+            release_first = job.error is not None and (
+                job.expired or _caused_by(job.error, StorageError)
+            )
             if release_first:
                 self._release(job)
             self._tidy(job)
@@ -435,8 +464,11 @@ class Pipeline:
                 if job.target.rank == 0:
                     self._remove_failed(job)
         except BaseException as exc:  # tidying up must never stop the commit thread
-            warnings.warn(f"datastates: cleaning up after {job.target.name!r} failed: {exc!r}",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"datastates: cleaning up after {job.target.name!r} failed: {exc!r}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _commit(self, job: Job) -> None:
         """Finish this rank's shard file, then take its report into the commit round
@@ -452,8 +484,9 @@ class Pipeline:
         job.begin_decision()
         if job.error is not None or report is None:
             report = failed_report(job)
-        outcome = commit_save(job.target.comm or self.comm, job.target, report, job.metadata,
-                              job.error)
+        outcome = commit_save(
+            job.target.comm or self.comm, job.target, report, job.metadata, job.error
+        )
         job.info, job.error = outcome.info, outcome.error
 
     @staticmethod
@@ -483,15 +516,17 @@ class Pipeline:
         try:
             store.remove_tree(tmp)
         except OSError as exc:
-            self._leave(f"the temporary directory {tmp}", lambda: store.remove_tree(tmp), job,
-                        exc)
+            self._leave(f"the temporary directory {tmp}", lambda: store.remove_tree(tmp), job, exc)
 
     def _leave(self, what: str, retry: Callable[[], None], job: Job, exc: OSError) -> None:
         """Keep a cleanup that failed for later, and warn naming what is left."""
         self._leftovers.append((what, retry))
-        warnings.warn(f"datastates: checkpoint {job.target.name!r} failed and {what} could not be "
-                      f"removed ({exc}); retrying after the next save and at close",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"datastates: checkpoint {job.target.name!r} failed and {what} could not be "
+            f"removed ({exc}); retrying after the next save and at close",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _retry_leftovers(self, warn: bool) -> None:
         left = []
@@ -501,8 +536,12 @@ class Pipeline:
             except Exception as exc:  # kept for later; the commit thread goes on
                 left.append((what, retry))
                 if warn:
-                    warnings.warn(f"datastates: {what}, left by a failed save, could still "
-                                  f"not be removed: {exc}", RuntimeWarning, stacklevel=2)
+                    warnings.warn(
+                        f"datastates: {what}, left by a failed save, could still "
+                        f"not be removed: {exc}",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
         self._leftovers = left
 
 
@@ -531,8 +570,10 @@ def _mapped(job: Job) -> MappedFileWriter:
     """The writer of a job captured in place: a mapped one (``_captures_in_place`` chose it)."""
     writer = job.writer
     if not isinstance(writer, MappedFileWriter):
-        raise RuntimeError(f"{job.target.name!r}: a unit captured in place needs a mapped shard "
-                           f"file, found the writer {type(writer).__name__}")
+        raise RuntimeError(
+            f"{job.target.name!r}: a unit captured in place needs a mapped shard "
+            f"file, found the writer {type(writer).__name__}"
+        )
     return writer
 
 

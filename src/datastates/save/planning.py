@@ -3,6 +3,7 @@ replicated tensor.
 
 No I/O, no process group: sizes, reports and trees in, answers out, so it is unit-tested directly.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -47,8 +48,9 @@ class Layout:
     framed: bool = False
 
 
-def plan_layout(tensor_sizes: list[int], blob_sizes: list[int], unit_bytes: int,
-                framed: bool = False) -> Layout:
+def plan_layout(
+    tensor_sizes: list[int], blob_sizes: list[int], unit_bytes: int, framed: bool = False
+) -> Layout:
     """Coalesce tensors into a dense stream cut into units of ``unit_bytes``.
 
     Every tensor starts at a 64-byte aligned offset right after the previous one; a tensor that
@@ -61,7 +63,9 @@ def plan_layout(tensor_sizes: list[int], blob_sizes: list[int], unit_bytes: int,
     4096) -- and the index by 64 bytes for its own.
     """
     if unit_bytes <= 0 or unit_bytes % UNIT_ALIGN:
-        raise ValueError(f"unit_bytes must be a positive multiple of {UNIT_ALIGN}, got {unit_bytes}")
+        raise ValueError(
+            f"unit_bytes must be a positive multiple of {UNIT_ALIGN}, got {unit_bytes}"
+        )
     units: list[Unit] = []
     offsets = [0] * len(tensor_sizes)
     pos = 0  # offset in the data stream, which starts at HEADER_BYTES in the file
@@ -109,12 +113,14 @@ def plan_layout(tensor_sizes: list[int], blob_sizes: list[int], unit_bytes: int,
         end = align_up(end + size, DATA_ALIGN)
     if framed:
         end += SLOT  # the index record's local header
-    return Layout(units, offsets, blob_offsets, align_up(max(end, HEADER_BYTES), UNIT_ALIGN),
-                  framed)
+    return Layout(
+        units, offsets, blob_offsets, align_up(max(end, HEADER_BYTES), UNIT_ALIGN), framed
+    )
 
 
-def assign_replicated(sizes_per_key: dict[str, int], world_size: int,
-                      preloaded: list[int] | None = None) -> dict[str, int]:
+def assign_replicated(
+    sizes_per_key: dict[str, int], world_size: int, preloaded: list[int] | None = None
+) -> dict[str, int]:
     """Spread replicated items over ranks: largest first to the least-loaded rank.
 
     Deterministic (ties broken by key, then by rank), so every rank computes the same answer from

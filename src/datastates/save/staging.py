@@ -5,6 +5,7 @@ into a slot run on a side CUDA stream per device, ordered after that device's co
 (see ``DeviceCopier``);
 on the CPU the same code copies CPU tensors (the training state keeps changing, so a copy is needed).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -58,7 +59,7 @@ class HostCache:
             total = self.nslots * self.slot_bytes
             raw = torch.empty(total + UNIT_ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
             start = (-raw.data_ptr()) % UNIT_ALIGN
-            self._buffer = raw[start:start + total]
+            self._buffer = raw[start : start + total]
             ctypes.memset(self._buffer.data_ptr(), 0, total)  # fault every page in now, once
             for slot in range(self.nslots):
                 self._free.put(slot)
@@ -73,16 +74,20 @@ class HostCache:
         self.reserve(self.limit_bytes)  # normally done by the first save already
         self._ready.wait()
         if self._error is not None:
-            raise MemoryError(f"could not allocate the host cache of "
-                              f"{self.nslots * self.slot_bytes} bytes: {self._error}")
+            raise MemoryError(
+                f"could not allocate the host cache of "
+                f"{self.nslots * self.slot_bytes} bytes: {self._error}"
+            )
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                return self._free.get(timeout=0.05 if deadline is None else
-                                      max(0.0, min(0.05, deadline - time.monotonic())))
+                return self._free.get(
+                    timeout=0.05
+                    if deadline is None
+                    else max(0.0, min(0.05, deadline - time.monotonic()))
+                )
             except queue.Empty:
-                if cancelled.is_set() or (deadline is not None and
-                                          time.monotonic() >= deadline):
+                if cancelled.is_set() or (deadline is not None and time.monotonic() >= deadline):
                     return None
 
     def try_acquire(self) -> int | None:
@@ -104,7 +109,7 @@ class HostCache:
         if buffer is None:
             raise RuntimeError("the host cache is not allocated (it was closed)")
         start = slot * self.slot_bytes
-        return buffer[start:start + self.slot_bytes]
+        return buffer[start : start + self.slot_bytes]
 
     def view(self, slot: int) -> memoryview:
         return buffer_of(self.tensor(slot))

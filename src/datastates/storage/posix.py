@@ -2,6 +2,7 @@
 
 Every function here is safe to call from any thread; none holds the GIL during I/O.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -61,7 +62,9 @@ class ShardWriter:
             except OSError as exc:
                 if io_mode == "direct":
                     os.close(self.fd)
-                    raise OSError(exc.errno, f"{path}: O_DIRECT not supported here ({exc.strerror})")
+                    raise OSError(
+                        exc.errno, f"{path}: O_DIRECT not supported here ({exc.strerror})"
+                    )
         elif io_mode == "direct":
             os.close(self.fd)
             raise OSError(errno.EINVAL, "O_DIRECT is not available on this platform")
@@ -156,8 +159,13 @@ _RENAME_EXCHANGE = 2
 _renameat2: Any
 try:
     _renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                           ctypes.c_uint]
+    _renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
 except (AttributeError, OSError):  # not Linux, or a C library without it
     _renameat2 = None
 #: errno values by which a file system says it cannot exchange two names (NFS, FUSE...)
@@ -179,8 +187,14 @@ def exchange(a: str, b: str) -> bool:
     raise OSError(code, os.strerror(code), a, None, b)
 
 
-def write_file_atomic(path: str, data: bytes | bytearray, fsync: bool = True, *,
-                      exclusive: bool = False, owner: str | None = None) -> os.stat_result:
+def write_file_atomic(
+    path: str,
+    data: bytes | bytearray,
+    fsync: bool = True,
+    *,
+    exclusive: bool = False,
+    owner: str | None = None,
+) -> os.stat_result:
     """Write ``path`` through a uniquely named temporary + fsync + rename + fsync of the directory
     (unique, so that several processes replacing the same file never share a temporary). Returns
     the written file's status, taken before the rename (the file that ``path`` names after it).
@@ -189,8 +203,11 @@ def write_file_atomic(path: str, data: bytes | bytearray, fsync: bool = True, *,
     temporary is named after, ``<path>.tmp.<owner>.<uid>`` (``datastates.storage.temporaries``), so that a
     cleaner knows whether its writer lives; without it, ``<path>.tmp.<uid>@<pid>@<host>``."""
     uid = uuid.uuid4().hex[:8]
-    tmp = (f"{path}.tmp.{owner}.{uid}" if owner is not None
-           else f"{path}.tmp.{uid}@{os.getpid()}@{socket.gethostname()}")
+    tmp = (
+        f"{path}.tmp.{owner}.{uid}"
+        if owner is not None
+        else f"{path}.tmp.{uid}@{os.getpid()}@{socket.gethostname()}"
+    )
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         try:
@@ -249,6 +266,9 @@ def remove_tree(path: str) -> None:
         shutil.rmtree(path, onerror=collect)
     if errors:
         first = errors[0]
-        raise OSError(first.errno, f"could not remove {first.filename} while deleting {path}: "
-                                   f"{first.strerror or first} ({len(errors)} error(s))",
-                      first.filename)
+        raise OSError(
+            first.errno,
+            f"could not remove {first.filename} while deleting {path}: "
+            f"{first.strerror or first} ({len(errors)} error(s))",
+            first.filename,
+        )

@@ -14,6 +14,7 @@ stall), ``read_timeout`` (the longest the reply may stall) and ``max_attempts`` 
 the first included). A service that accepts connections and never answers therefore fails a
 request after about ``max_attempts * read_timeout`` seconds instead of hanging.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -22,24 +23,43 @@ import threading
 from typing import Any, Mapping
 
 from ..errors import (
-    BucketNotFoundError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
-    StorageAccessError, StorageError)
+    BucketNotFoundError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    StorageAccessError,
+    StorageError,
+)
 from .store import ReadFile, Store, url_join
 
-MIN_PART = 5 << 20      # S3: every part but the last is at least 5 MiB ...
-MAX_PARTS = 10_000      # ... and an upload has at most 10,000 parts
-MAX_COPY = 5 << 30      # S3: one CopyObject copies at most 5 GiB; a larger object goes by parts
-_COPY_PART = 1 << 30    # ... of this size (more if 10,000 of them are too few)
-_DELETE_BATCH = 1000    # keys per DeleteObjects request
+MIN_PART = 5 << 20  # S3: every part but the last is at least 5 MiB ...
+MAX_PARTS = 10_000  # ... and an upload has at most 10,000 parts
+MAX_COPY = 5 << 30  # S3: one CopyObject copies at most 5 GiB; a larger object goes by parts
+_COPY_PART = 1 << 30  # ... of this size (more if 10,000 of them are too few)
+_DELETE_BATCH = 1000  # keys per DeleteObjects request
 #: The request limits ``storage_options`` may change. A healthy server answers a 64 MiB part within
 #: half a second of its last byte (measured on the test server, docs/storage.md): 10 s leaves a 20x
 #: margin for a loaded one while a hung server fails a request in about 30 s, and every send is a 16 KiB block, so a slow link is never a timeout.
 DEFAULT_LIMITS = {"connect_timeout": 5.0, "read_timeout": 10.0, "max_attempts": 3}
 # what storage_options takes: the first five go to the boto3 client as they are
-_OPTION_KEYS = ("endpoint_url", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
-                "region_name", "addressing_style", *DEFAULT_LIMITS)
-_ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403",
-                 "InvalidToken", "ExpiredToken", "AllAccessDisabled"}
+_OPTION_KEYS = (
+    "endpoint_url",
+    "aws_access_key_id",
+    "aws_secret_access_key",
+    "aws_session_token",
+    "region_name",
+    "addressing_style",
+    *DEFAULT_LIMITS,
+)
+_ACCESS_CODES = {
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "403",
+    "InvalidToken",
+    "ExpiredToken",
+    "AllAccessDisabled",
+}
 _MISSING_CODES = {"NoSuchKey", "NoSuchUpload", "404", "NotFound"}
 
 
@@ -82,12 +102,15 @@ def request_limits(options: Mapping[str, Any]) -> dict[str, Any]:
     for name in ("connect_timeout", "read_timeout"):
         value = limits[name]
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            raise ConfigError(f"storage_options[{name!r}]: expected a number of seconds > 0, "
-                              f"found {value!r}")
+            raise ConfigError(
+                f"storage_options[{name!r}]: expected a number of seconds > 0, found {value!r}"
+            )
     attempts = limits["max_attempts"]
     if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1:
-        raise ConfigError(f"storage_options['max_attempts']: expected an int >= 1 (tries "
-                          f"per request, the first included), found {attempts!r}")
+        raise ConfigError(
+            f"storage_options['max_attempts']: expected an int >= 1 (tries "
+            f"per request, the first included), found {attempts!r}"
+        )
     return limits
 
 
@@ -107,6 +130,7 @@ _STAMP_HEADS, _STAMP_LISTING = 8, 64
 _STAMP_KEYS = 1000 // _STAMP_HEADS
 _NO_FILE = object()
 
+
 class S3Store(Store):
     """One bucket of an S3-compatible service. Thread-safe (one boto3 client, shared).
 
@@ -115,8 +139,9 @@ class S3Store(Store):
 
     renames = False
 
-    def __init__(self, bucket: str, client: Any, endpoint: str,
-                 limits: Mapping[str, Any] | None = None):
+    def __init__(
+        self, bucket: str, client: Any, endpoint: str, limits: Mapping[str, Any] | None = None
+    ):
         self.bucket, self.client, self.endpoint = bucket, client, endpoint
         self.limits = dict(limits or DEFAULT_LIMITS)
 
@@ -128,24 +153,29 @@ class S3Store(Store):
             import boto3
             from botocore.config import Config
         except ImportError:
-            raise ImportError(f"{url}: object storage needs boto3 (pip install "
-                              "'datastates[s3]')") from None
+            raise ImportError(
+                f"{url}: object storage needs boto3 (pip install 'datastates[s3]')"
+            ) from None
         options = dict(storage_options or {})
         unknown = sorted(set(options) - set(_OPTION_KEYS))
         if unknown:
-            raise ConfigError(f"unknown storage_options {unknown}; expected some of "
-                              f"{list(_OPTION_KEYS)}")
+            raise ConfigError(
+                f"unknown storage_options {unknown}; expected some of {list(_OPTION_KEYS)}"
+            )
         bucket, _ = split_url(url)
         limits = request_limits(options)
         for name in DEFAULT_LIMITS:
             options.pop(name, None)
-        config = Config(retries={"total_max_attempts": limits["max_attempts"], "mode": "standard"},
-                        connect_timeout=limits["connect_timeout"],
-                        read_timeout=limits["read_timeout"], max_pool_connections=32,
-                        s3={"addressing_style": options.pop("addressing_style", "auto")},
-                        # every byte already carries datastates' own CRC-32 (checked on read)
-                        request_checksum_calculation="when_required",
-                        response_checksum_validation="when_required")
+        config = Config(
+            retries={"total_max_attempts": limits["max_attempts"], "mode": "standard"},
+            connect_timeout=limits["connect_timeout"],
+            read_timeout=limits["read_timeout"],
+            max_pool_connections=32,
+            s3={"addressing_style": options.pop("addressing_style", "auto")},
+            # every byte already carries datastates' own CRC-32 (checked on read)
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
         client = boto3.session.Session().client("s3", config=config, **options)
         store = cls(bucket, client, client.meta.endpoint_url, limits)
         store._check_bucket(url)
@@ -157,8 +187,9 @@ class S3Store(Store):
         except Exception as exc:
             error = self.error(exc, f"checking bucket {self.bucket!r} at {self.endpoint}", url)
             if isinstance(error, FileNotFoundError) and not isinstance(error, BucketNotFoundError):
-                error = BucketNotFoundError(f"{url}: bucket {self.bucket!r} does not exist at "
-                                            f"{self.endpoint}")
+                error = BucketNotFoundError(
+                    f"{url}: bucket {self.bucket!r} does not exist at {self.endpoint}"
+                )
             raise error from None
 
     def key(self, path: str) -> str:
@@ -175,10 +206,12 @@ class S3Store(Store):
         if not _is_timeout(exc):
             return storage_error(exc, what, path)
         limits = self.limits
-        return StorageError(f"{path}: {what} failed: {type(exc).__name__}: {exc} (no answer "
-                            f"within connect_timeout={limits['connect_timeout']:g} s / "
-                            f"read_timeout={limits['read_timeout']:g} s, "
-                            f"{limits['max_attempts']} tries; see storage_options)")
+        return StorageError(
+            f"{path}: {what} failed: {type(exc).__name__}: {exc} (no answer "
+            f"within connect_timeout={limits['connect_timeout']:g} s / "
+            f"read_timeout={limits['read_timeout']:g} s, "
+            f"{limits['max_attempts']} tries; see storage_options)"
+        )
 
     def _call(self, what: str, path: str, fn, **kwargs):
         try:
@@ -191,8 +224,10 @@ class S3Store(Store):
         response = self._call("GET", path, self.client.get_object, Key=self.key(path))
         if max_bytes is not None and response.get("ContentLength", 0) > max_bytes:
             response["Body"].close()
-            raise CorruptCheckpointError(f"{path}: {response['ContentLength']} bytes, more than "
-                                         f"the format's limit of {max_bytes} bytes for this file")
+            raise CorruptCheckpointError(
+                f"{path}: {response['ContentLength']} bytes, more than "
+                f"the format's limit of {max_bytes} bytes for this file"
+            )
         try:
             if max_bytes is None:
                 return response["Body"].read()
@@ -201,21 +236,33 @@ class S3Store(Store):
             raise self.error(exc, "GET (body)", path) from None
         if len(data) > max_bytes:
             response["Body"].close()
-            raise CorruptCheckpointError(f"{path}: more than the format's limit of {max_bytes} "
-                                         "bytes for this file")
+            raise CorruptCheckpointError(
+                f"{path}: more than the format's limit of {max_bytes} bytes for this file"
+            )
         return data
 
     def write_atomic(self, path: str, data: bytes | bytearray, fsync: bool) -> Any:
         """One PUT; returns the object's ETag (the stamp :meth:`file_stamps` lists)."""
-        reply = self._call("PUT", path, self.client.put_object, Key=self.key(path),
-                           Body=ViewReader(memoryview(data)))
+        reply = self._call(
+            "PUT",
+            path,
+            self.client.put_object,
+            Key=self.key(path),
+            Body=ViewReader(memoryview(data)),
+        )
         return reply.get("ETag")
 
     def write_new(self, path: str, data: bytes, fsync: bool) -> Any:
         """A conditional PUT (``If-None-Match: *``): the service refuses it if the key exists
         (412, FileExistsError). A service that ignores the condition overwrites (docs/storage.md)."""
-        reply = self._call("PUT (if absent)", path, self.client.put_object, Key=self.key(path),
-                           Body=ViewReader(memoryview(data)), IfNoneMatch="*")
+        reply = self._call(
+            "PUT (if absent)",
+            path,
+            self.client.put_object,
+            Key=self.key(path),
+            Body=ViewReader(memoryview(data)),
+            IfNoneMatch="*",
+        )
         return reply.get("ETag")
 
     def remove(self, path: str) -> None:
@@ -253,8 +300,10 @@ class S3Store(Store):
         have no directories to be missing)."""
         prefix, names = self._prefix(path), []
         for page in self._pages(path, Delimiter="/"):
-            names += [p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", [])]
-            names += [o["Key"][len(prefix):] for o in page.get("Contents", [])]
+            names += [
+                p["Prefix"][len(prefix) :].rstrip("/") for p in page.get("CommonPrefixes", [])
+            ]
+            names += [o["Key"][len(prefix) :] for o in page.get("Contents", [])]
         return names
 
     def file_stamps(self, path: str, file_name: str) -> dict[str, Any]:
@@ -267,11 +316,16 @@ class S3Store(Store):
         under ``path`` costs fewer round trips when the entries hold few keys (few ranks), and
         is used instead: one page of the last entry's keys tells (``_STAMP_KEYS``)."""
         prefix = self._prefix(path)
-        names = [p["Prefix"][len(prefix):].rstrip("/") for page in
-                 self._pages(path, Delimiter="/") for p in page.get("CommonPrefixes", [])]
+        names = [
+            p["Prefix"][len(prefix) :].rstrip("/")
+            for page in self._pages(path, Delimiter="/")
+            for p in page.get("CommonPrefixes", [])
+        ]
         names = [n for n in names if n and not n.startswith(".")]
-        if len(names) > _STAMP_LISTING and self._count_keys(
-                self.join(path, names[-1]), _STAMP_KEYS) < _STAMP_KEYS:
+        if (
+            len(names) > _STAMP_LISTING
+            and self._count_keys(self.join(path, names[-1]), _STAMP_KEYS) < _STAMP_KEYS
+        ):
             return self._stamps_by_listing(path, file_name)
         from concurrent.futures import ThreadPoolExecutor
 
@@ -280,6 +334,7 @@ class S3Store(Store):
                 return name, self._head(self.join(path, name, file_name)).get("ETag")
             except FileNotFoundError:  # no such file (an entry without one, or a plain object)
                 return name, _NO_FILE
+
         with ThreadPoolExecutor(min(_STAMP_HEADS, max(1, len(names)))) as pool:
             return {n: etag for n, etag in pool.map(stamp, names) if etag is not _NO_FILE}
 
@@ -292,7 +347,7 @@ class S3Store(Store):
     def _stamps_by_listing(self, path: str, file_name: str) -> dict[str, Any]:
         prefix, out = self._prefix(path), {}
         for obj in self._objects(path):
-            name, sep, rest = obj["Key"][len(prefix):].partition("/")
+            name, sep, rest = obj["Key"][len(prefix) :].partition("/")
             if sep and rest == file_name and name and not name.startswith("."):
                 out[name] = obj.get("ETag")
         return out
@@ -313,15 +368,21 @@ class S3Store(Store):
         keys = [o["Key"] for o in self._objects(path)]
         failed = []
         for start in range(0, len(keys), _DELETE_BATCH):
-            batch = [{"Key": k} for k in keys[start:start + _DELETE_BATCH]]
-            reply = self._call("DELETE (batch)", path, self.client.delete_objects,
-                               Delete={"Objects": batch, "Quiet": True})
+            batch = [{"Key": k} for k in keys[start : start + _DELETE_BATCH]]
+            reply = self._call(
+                "DELETE (batch)",
+                path,
+                self.client.delete_objects,
+                Delete={"Objects": batch, "Quiet": True},
+            )
             failed += reply.get("Errors", [])
         if failed:
             first = failed[0]
-            raise StorageError(f"could not delete s3://{self.bucket}/{first.get('Key')} while "
-                               f"deleting {path}: {first.get('Code')} {first.get('Message', '')} "
-                               f"({len(failed)} error(s))")
+            raise StorageError(
+                f"could not delete s3://{self.bucket}/{first.get('Key')} while "
+                f"deleting {path}: {first.get('Code')} {first.get('Message', '')} "
+                f"({len(failed)} error(s))"
+            )
 
     def copy(self, src: str, dst: str) -> None:
         """A copy made by the service (CopyObject; above :data:`MAX_COPY`, a multipart upload of
@@ -329,26 +390,43 @@ class S3Store(Store):
         source = {"Bucket": self.bucket, "Key": self.key(src)}
         size = self._head(src)["ContentLength"]
         if size <= MAX_COPY:
-            self._call("COPY", dst, self.client.copy_object, Key=self.key(dst),
-                       CopySource=source)
+            self._call("COPY", dst, self.client.copy_object, Key=self.key(dst), CopySource=source)
             return
         key, part = self.key(dst), max(_COPY_PART, -(-size // MAX_PARTS))
-        upload_id = self._call("CreateMultipartUpload (copy)", dst,
-                               self.client.create_multipart_upload, Key=key)["UploadId"]
+        upload_id = self._call(
+            "CreateMultipartUpload (copy)", dst, self.client.create_multipart_upload, Key=key
+        )["UploadId"]
         try:
             parts = []
             for number, start in enumerate(range(0, size, part), 1):
-                reply = self._call("UploadPartCopy", dst, self.client.upload_part_copy, Key=key,
-                                   UploadId=upload_id, PartNumber=number, CopySource=source,
-                                   CopySourceRange=f"bytes={start}-{min(start + part, size) - 1}")
+                reply = self._call(
+                    "UploadPartCopy",
+                    dst,
+                    self.client.upload_part_copy,
+                    Key=key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    CopySource=source,
+                    CopySourceRange=f"bytes={start}-{min(start + part, size) - 1}",
+                )
                 parts.append({"PartNumber": number, "ETag": reply["CopyPartResult"]["ETag"]})
-            self._call("CompleteMultipartUpload (copy)", dst,
-                       self.client.complete_multipart_upload, Key=key, UploadId=upload_id,
-                       MultipartUpload={"Parts": parts})
+            self._call(
+                "CompleteMultipartUpload (copy)",
+                dst,
+                self.client.complete_multipart_upload,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+            )
         except BaseException:
             try:
-                self._call("AbortMultipartUpload", dst, self.client.abort_multipart_upload,
-                           Key=key, UploadId=upload_id)
+                self._call(
+                    "AbortMultipartUpload",
+                    dst,
+                    self.client.abort_multipart_upload,
+                    Key=key,
+                    UploadId=upload_id,
+                )
             except OSError:
                 pass  # left to cleanup_uploads
             raise
@@ -370,10 +448,15 @@ class S3Store(Store):
         prefix = self._prefix(root)
         for page in pages:
             for upload in page.get("Uploads", []):
-                if is_stale(upload["Key"][len(prefix):], upload["Initiated"].timestamp()):
+                if is_stale(upload["Key"][len(prefix) :], upload["Initiated"].timestamp()):
                     path = f"s3://{self.bucket}/{upload['Key']}"
-                    self._call("ABORT upload", path, self.client.abort_multipart_upload,
-                               Key=upload["Key"], UploadId=upload["UploadId"])
+                    self._call(
+                        "ABORT upload",
+                        path,
+                        self.client.abort_multipart_upload,
+                        Key=upload["Key"],
+                        UploadId=upload["UploadId"],
+                    )
                     aborted.append(upload["Key"])
         return aborted
 
@@ -393,15 +476,24 @@ class S3ReadFile(ReadFile):
         if not total:
             return
         if offset + total > self.size:
-            raise CorruptCheckpointError(f"{self.path}: unexpected end of file at offset "
-                                         f"{self.size} (reading [{offset}, {offset + total}))")
+            raise CorruptCheckpointError(
+                f"{self.path}: unexpected end of file at offset "
+                f"{self.size} (reading [{offset}, {offset + total}))"
+            )
         try:
-            reply = self.store._call("GET range", self.path, self.store.client.get_object,
-                                     Key=self._key, Range=f"bytes={offset}-{offset + total - 1}")
+            reply = self.store._call(
+                "GET range",
+                self.path,
+                self.store.client.get_object,
+                Key=self._key,
+                Range=f"bytes={offset}-{offset + total - 1}",
+            )
         except FileNotFoundError:  # opened, then deleted: its checkpoint replaced or deleted
-            raise CheckpointNotFoundError(f"{self.path}: the shard file was deleted while it "
-                                          "was read (its checkpoint replaced or deleted "
-                                          "meanwhile)") from None
+            raise CheckpointNotFoundError(
+                f"{self.path}: the shard file was deleted while it "
+                "was read (its checkpoint replaced or deleted "
+                "meanwhile)"
+            ) from None
         body = reply["Body"]
         raw = getattr(body, "_raw_stream", None)  # urllib3 response: readinto without a copy
         try:
@@ -414,8 +506,10 @@ class S3ReadFile(ReadFile):
                         got = len(chunk)
                         view[:got] = chunk
                     if not got:
-                        raise CorruptCheckpointError(f"{self.path}: the object ended early while "
-                                                     f"reading [{offset}, {offset + total})")
+                        raise CorruptCheckpointError(
+                            f"{self.path}: the object ended early while "
+                            f"reading [{offset}, {offset + total})"
+                        )
                     view = view[got:]
         except CorruptCheckpointError:
             raise
@@ -442,7 +536,7 @@ class ViewReader(io.RawIOBase):
 
     def readinto(self, buf) -> int:
         n = min(len(buf), len(self._view) - self._pos)
-        buf[:n] = self._view[self._pos:self._pos + n]
+        buf[:n] = self._view[self._pos : self._pos + n]
         self._pos += n
         return n
 
@@ -488,9 +582,11 @@ def plan_parts(layout: Any) -> list[_Part]:
             start, count = span_end, 0
     parts.append(_Part(len(parts) + 1, start, None, count, False))
     if len(parts) > MAX_PARTS:
-        raise ConfigError(f"a shard of {layout.index_offset} bytes in units of "
-                          f"{layout.units[0].nbytes} bytes needs {len(parts)} upload parts; S3 "
-                          f"allows {MAX_PARTS}: raise chunk_bytes")
+        raise ConfigError(
+            f"a shard of {layout.index_offset} bytes in units of "
+            f"{layout.units[0].nbytes} bytes needs {len(parts)} upload parts; S3 "
+            f"allows {MAX_PARTS}: raise chunk_bytes"
+        )
     return parts
 
 
@@ -518,8 +614,12 @@ class S3ShardWriter:
     def write(self, data: memoryview, offset: int, padded: memoryview | None = None) -> None:
         part = self.parts[bisect.bisect_right(self._starts, offset) - 1]
         body = padded if padded is not None else data
-        if part.direct and offset == part.start and part.end is not None and \
-                body.nbytes == part.end - part.start:
+        if (
+            part.direct
+            and offset == part.start
+            and part.end is not None
+            and body.nbytes == part.end - part.start
+        ):
             self._upload(part, ViewReader(body))  # straight from the cache slot
             return
         with self._lock:
@@ -528,7 +628,7 @@ class S3ShardWriter:
                 part.buf = bytearray(part.end - part.start if part.end is not None else size)
             elif len(part.buf) < size:
                 part.buf.extend(bytes(size - len(part.buf)))
-            part.buf[offset - part.start:size] = body
+            part.buf[offset - part.start : size] = body
             part.received += 1  # parts after the first receive only whole units
             ready = part.end is not None and part.number > 1 and part.received == part.units
         if ready:
@@ -543,15 +643,21 @@ class S3ShardWriter:
 
     def _check_cancelled(self, what: str) -> None:
         if self._cancelled:
-            raise StorageError(f"{self.path}: {what} not sent: the save was cancelled (it failed "
-                               "or passed commit_timeout_s)")
+            raise StorageError(
+                f"{self.path}: {what} not sent: the save was cancelled (it failed "
+                "or passed commit_timeout_s)"
+            )
 
     def _ensure_upload(self) -> str:
         with self._lock:
             self._check_cancelled("CreateMultipartUpload")
             if self._upload_id is None:
-                reply = self.store._call("CreateMultipartUpload", self.path,
-                                         self.store.client.create_multipart_upload, Key=self.key)
+                reply = self.store._call(
+                    "CreateMultipartUpload",
+                    self.path,
+                    self.store.client.create_multipart_upload,
+                    Key=self.key,
+                )
                 self._upload_id = reply["UploadId"]
             return self._upload_id
 
@@ -560,9 +666,15 @@ class S3ShardWriter:
         self._check_cancelled(f"UploadPart {part.number}")
         if not isinstance(body, ViewReader):
             body = ViewReader(memoryview(body))
-        reply = self.store._call(f"UploadPart {part.number}", self.path,
-                                 self.store.client.upload_part, Key=self.key, UploadId=upload_id,
-                                 PartNumber=part.number, Body=body)
+        reply = self.store._call(
+            f"UploadPart {part.number}",
+            self.path,
+            self.store.client.upload_part,
+            Key=self.key,
+            UploadId=upload_id,
+            PartNumber=part.number,
+            Body=body,
+        )
         with self._lock:
             self._etags[part.number] = reply["ETag"]
 
@@ -571,7 +683,7 @@ class S3ShardWriter:
         once every write has returned."""
         last = self.parts[-1]
         tail = last.buf or bytearray()
-        del tail[size - last.start:]
+        del tail[size - last.start :]
         tail.extend(bytes(size - last.start - len(tail)))
         if len(self.parts) == 1:
             self._check_cancelled("PUT")
@@ -580,8 +692,7 @@ class S3ShardWriter:
             return
         first = self.parts[0]
         if first.buf is None:  # write() fills it, header first, before finish() is called
-            raise StorageError(f"{self.path}: part 1 of the upload (the header) was never "
-                               "written")
+            raise StorageError(f"{self.path}: part 1 of the upload (the header) was never written")
         self._upload(first, first.buf)
         first.buf = None
         self._upload(last, tail)
@@ -589,11 +700,16 @@ class S3ShardWriter:
         if missing:
             raise StorageError(f"{self.path}: parts {missing} were never uploaded (writes missing)")
         self._check_cancelled("CompleteMultipartUpload")
-        self.store._call("CompleteMultipartUpload", self.path,
-                         self.store.client.complete_multipart_upload, Key=self.key,
-                         UploadId=self._upload_id,
-                         MultipartUpload={"Parts": [{"PartNumber": n, "ETag": self._etags[n]}
-                                                    for n in sorted(self._etags)]})
+        self.store._call(
+            "CompleteMultipartUpload",
+            self.path,
+            self.store.client.complete_multipart_upload,
+            Key=self.key,
+            UploadId=self._upload_id,
+            MultipartUpload={
+                "Parts": [{"PartNumber": n, "ETag": self._etags[n]} for n in sorted(self._etags)]
+            },
+        )
         self._completed = True
 
     def close(self) -> None:
@@ -608,9 +724,13 @@ class S3ShardWriter:
         if upload_id is None or completed:
             return
         try:
-            self.store._call("AbortMultipartUpload", self.path,
-                             self.store.client.abort_multipart_upload, Key=self.key,
-                             UploadId=upload_id)
+            self.store._call(
+                "AbortMultipartUpload",
+                self.path,
+                self.store.client.abort_multipart_upload,
+                Key=self.key,
+                UploadId=upload_id,
+            )
         except FileNotFoundError:
             pass  # NoSuchUpload: an earlier abort did reach the service
         with self._lock:

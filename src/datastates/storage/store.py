@@ -7,6 +7,7 @@ every file operation through a :class:`Store`. Two implementations exist: :class
 ``datastates.storage.s3`` (S3-compatible; no rename, so the manifest written last is the commit
 marker). docs/storage.md states what each guarantees and what a reader can observe.
 """
+
 from __future__ import annotations
 
 import errno
@@ -35,13 +36,15 @@ def normalize(path: str | os.PathLike) -> str:
     dropped), or an object-store URL without a trailing slash."""
     text = os.fspath(path)
     if text.startswith("file://"):
-        text = text[len("file://"):]
+        text = text[len("file://") :]
     if is_url(text):
         return text.rstrip("/")
     if "://" in text:
         scheme = text.split("://", 1)[0]
-        raise ValueError(f"unsupported storage URL {text!r}: expected a local path, file://... or "
-                         f"{', '.join(s + '://...' for s in SCHEMES)} (found scheme {scheme!r})")
+        raise ValueError(
+            f"unsupported storage URL {text!r}: expected a local path, file://... or "
+            f"{', '.join(s + '://...' for s in SCHEMES)} (found scheme {scheme!r})"
+        )
     text = os.path.abspath(text)
     # The folder a user names may be a link (to a scratch disk...): it is resolved here, so
     # that the readers, which refuse every link inside it (open_regular), read what it names.
@@ -53,10 +56,15 @@ def normalize(path: str | os.PathLike) -> str:
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _READ_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
-_KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISLNK, "a symbolic link"),
-          (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISDIR, "a directory"))
+_KINDS = (
+    (stat.S_ISREG, "a regular file"),
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+)
 
 
 def file_kind(mode: int) -> str:
@@ -121,11 +129,15 @@ def _check_regular(path: str, st: os.stat_result, max_bytes: int | None) -> None
     """CorruptCheckpointError naming ``path`` unless ``st`` is a regular file of at most
     ``max_bytes`` bytes."""
     if not stat.S_ISREG(st.st_mode):
-        raise CorruptCheckpointError(f"{path}: is {file_kind(st.st_mode)}, expected a regular file (datastates "
-                                     "opens nothing else in a checkpoint folder)")
+        raise CorruptCheckpointError(
+            f"{path}: is {file_kind(st.st_mode)}, expected a regular file (datastates "
+            "opens nothing else in a checkpoint folder)"
+        )
     if max_bytes is not None and st.st_size > max_bytes:
-        raise CorruptCheckpointError(f"{path}: {st.st_size} bytes, more than the format's limit "
-                                     f"of {max_bytes} bytes for this file")
+        raise CorruptCheckpointError(
+            f"{path}: {st.st_size} bytes, more than the format's limit "
+            f"of {max_bytes} bytes for this file"
+        )
 
 
 def read_regular(path: str, max_bytes: int | None = None) -> bytes:
@@ -143,13 +155,15 @@ def read_regular(path: str, max_bytes: int | None = None) -> bytes:
             chunks.append(chunk)
             total += len(chunk)
             if max_bytes is not None and total > max_bytes:
-                raise CorruptCheckpointError(f"{path}: grew past the format's limit of "
-                                             f"{max_bytes} bytes while it was read")
+                raise CorruptCheckpointError(
+                    f"{path}: grew past the format's limit of {max_bytes} bytes while it was read"
+                )
     finally:
         os.close(fd)
 
 
 # ---------------------------------------------------------------- the storage interface
+
 
 class ShardFileWriter(Protocol):
     """What :meth:`Store.shard_writer` returns (``posix.ShardWriter`` is the model): the writer
@@ -307,8 +321,9 @@ class LocalReadFile(ReadFile):
         while views:
             got = os.preadv(self.fd, views, offset)
             if got <= 0:
-                raise CorruptCheckpointError(f"{self.path}: unexpected end of file at offset "
-                                             f"{offset} (file truncated)")
+                raise CorruptCheckpointError(
+                    f"{self.path}: unexpected end of file at offset {offset} (file truncated)"
+                )
             offset += got
             while got:
                 if got >= views[0].nbytes:

@@ -19,6 +19,7 @@ it finds for an unknown owner's, so every temporary of that root is removed by a
 WARNING per process and root, :func:`locks_refused`; docs/storage.md, "File systems without
 flock").
 """
+
 from __future__ import annotations
 
 import errno
@@ -52,14 +53,18 @@ _UID = r"[0-9a-f]{8}"
 #: name carries the checkpoint's name as it is spelled: a framework that lists the root and
 #: matches its own names in it (Lightning's ``hpc_ckpt_<n>``, ``last``) never takes one for a
 #: checkpoint. An ``.old.`` carries the name hex-encoded (``encoded``), to be put back under it.
-_OWNED = (("latest", re.compile(rf"latest\.tmp\.{_TOKEN}\.{_UID}")),
-          ("tmp", re.compile(rf"\.tmp\.{_TOKEN}-\d+\.[0-9a-f]{{8}}")),
-          ("old", re.compile(rf"\.old\.{_TOKEN}\.{_UID}\.(?P<encoded>(?:[0-9a-f]{{2}})+)")),
-          ("trash", re.compile(rf"\.trash\.{_TOKEN}\.{_UID}")))
+_OWNED = (
+    ("latest", re.compile(rf"latest\.tmp\.{_TOKEN}\.{_UID}")),
+    ("tmp", re.compile(rf"\.tmp\.{_TOKEN}-\d+\.[0-9a-f]{{8}}")),
+    ("old", re.compile(rf"\.old\.{_TOKEN}\.{_UID}\.(?P<encoded>(?:[0-9a-f]{{2}})+)")),
+    ("trash", re.compile(rf"\.trash\.{_TOKEN}\.{_UID}")),
+)
 #: Earlier versions' owned names, which spelled the checkpoint's name out (``original``).
-_EARLIER = (("tmp", re.compile(rf"\.tmp\.(?P<original>.+)\.{_TOKEN}-\d+")),
-            ("old", re.compile(rf"\.old\.(?P<original>.+)\.{_TOKEN}\.{_UID}")),
-            ("trash", re.compile(rf"\.trash\.(?P<original>.+)\.{_TOKEN}\.{_UID}")))
+_EARLIER = (
+    ("tmp", re.compile(rf"\.tmp\.(?P<original>.+)\.{_TOKEN}-\d+")),
+    ("old", re.compile(rf"\.old\.(?P<original>.+)\.{_TOKEN}\.{_UID}")),
+    ("trash", re.compile(rf"\.trash\.(?P<original>.+)\.{_TOKEN}\.{_UID}")),
+)
 #: The same kinds as still earlier versions named them (no owner: removed by age only).
 _UNOWNED = (("latest", "latest.tmp."), ("tmp", ".tmp."), ("old", ".old."), ("trash", ".trash."))
 #: The data directories of saves in a store without rename (:func:`data_dir_name`).
@@ -85,10 +90,14 @@ def locks_refused(root: str, exc: OSError) -> None:
         if root in _unlocked_roots:
             return
         _unlocked_roots.add(root)
-    log.warning("the file system of %s refused a lock (flock: %s); saves go on without "
-                "leases, and a temporary there is removed by the cleanup of stale temporaries "
-                "only once older than stale_tmp_age_s, which must exceed the longest save "
-                "(docs/storage.md, \"File systems without flock\")", root, exc.strerror or exc)
+    log.warning(
+        "the file system of %s refused a lock (flock: %s); saves go on without "
+        "leases, and a temporary there is removed by the cleanup of stale temporaries "
+        "only once older than stale_tmp_age_s, which must exceed the longest save "
+        '(docs/storage.md, "File systems without flock")',
+        root,
+        exc.strerror or exc,
+    )
 
 
 def owner_token(run_id: str) -> str:
@@ -119,9 +128,11 @@ def old_name(name: str, token: str) -> str:
     of more than 112 bytes), before anything is renamed."""
     entry = f".old.{token}.{uuid.uuid4().hex[:8]}.{name.encode().hex()}"
     if len(entry.encode()) > NAME_MAX:
-        raise ValueError(f"cannot set the checkpoint {name!r} aside to replace it: expected a "
-                         f"name of at most {(NAME_MAX - 31) // 2} bytes (its aside name is "
-                         f"its hex encoding), found {len(name.encode())} bytes")
+        raise ValueError(
+            f"cannot set the checkpoint {name!r} aside to replace it: expected a "
+            f"name of at most {(NAME_MAX - 31) // 2} bytes (its aside name is "
+            f"its hex encoding), found {len(name.encode())} bytes"
+        )
     return entry
 
 
@@ -202,7 +213,6 @@ class Lease:
                 raise
             os.close(fd)
 
-
     def release(self, leftovers: bool | None = None) -> None:
         """Drop the lock (idempotent). The lease file is removed when no other holder has it and
         no temporary named after the token is left (``leftovers``: whether the caller left one;
@@ -213,8 +223,10 @@ class Lease:
         try:
             flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if leftovers is None:
-                leftovers = any(self.token in name and not name.startswith(LEASE_PREFIX)
-                                for name in os.listdir(self.root))
+                leftovers = any(
+                    self.token in name and not name.startswith(LEASE_PREFIX)
+                    for name in os.listdir(self.root)
+                )
             if not leftovers and same_file(lease_path(self.root, self.token), fd):
                 os.remove(lease_path(self.root, self.token))
         except OSError:
@@ -249,7 +261,7 @@ class Owners:
 
     def __init__(self, root: str, names: list[str]):
         self.root = root
-        self._leases = {n[len(LEASE_PREFIX):] for n in names if n.startswith(LEASE_PREFIX)}
+        self._leases = {n[len(LEASE_PREFIX) :] for n in names if n.startswith(LEASE_PREFIX)}
         self._dead: dict[str, int] = {}
         self._live: set[str] = set()
         self._kept: set[str] = set()
@@ -317,14 +329,21 @@ def skipped(path: str, exc: OSError) -> None:
     changed by this process (a read-only copy: a reader never needs to write), else a
     RuntimeWarning naming the path."""
     if exc.errno in READ_ONLY_ERRNOS:
-        log.info("the cleanup of stale temporaries left %s (the root cannot be changed here: "
-                 "%s)", path, exc.strerror or exc)
+        log.info(
+            "the cleanup of stale temporaries left %s (the root cannot be changed here: %s)",
+            path,
+            exc.strerror or exc,
+        )
         return
-    warnings.warn(f"datastates: could not remove the stale temporary {path}: {exc}",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"datastates: could not remove the stale temporary {path}: {exc}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 # ---------------------------------------------------------------- the temporaries of a root
+
 
 @dataclass(frozen=True)
 class Temporary:
@@ -354,13 +373,14 @@ def parse_temporary(name: str) -> Temporary | None:
             return Temporary(kind, name, original, found["owner"])
     for kind, prefix in _UNOWNED:
         if name.startswith(prefix):
-            original = name[len(prefix):].rsplit(".", 1)[0] if kind == "old" else None
+            original = name[len(prefix) :].rsplit(".", 1)[0] if kind == "old" else None
             return Temporary(kind, name, original or None, None)
     return None
 
 
-def sweep(root: str, max_age_s: float, kinds: tuple[str, ...] | None = None
-          ) -> tuple[list[str], list[tuple[str, OSError]]]:
+def sweep(
+    root: str, max_age_s: float, kinds: tuple[str, ...] | None = None
+) -> tuple[list[str], list[tuple[str, OSError]]]:
     """Remove the temporaries of dead owners in ``root`` (whatever their age) and those of no
     known owner older than ``max_age_s``; put back a checkpoint whose replacement was interrupted
     between its two renames (its ``.old.`` while ``root/<name>`` is missing); never touch a live
@@ -393,8 +413,8 @@ def sweep(root: str, max_age_s: float, kinds: tuple[str, ...] | None = None
         owners.close()
     return removed, failures
 
-def _clean_one(root: str, temp: Temporary, owners: Owners, now: float,
-               max_age_s: float) -> bool:
+
+def _clean_one(root: str, temp: Temporary, owners: Owners, now: float, max_age_s: float) -> bool:
     """Handle one temporary; True if it was removed."""
     state = owners.state(temp.owner)
     if state == "live":
@@ -410,11 +430,15 @@ def _clean_one(root: str, temp: Temporary, owners: Owners, now: float,
         return True
     if not stat.S_ISDIR(st.st_mode):
         return False  # not a temporary of datastates: left alone
-    if temp.kind == "old" and temp.original is not None and \
-            _restore_replaced(root, path, temp.original):
+    if (
+        temp.kind == "old"
+        and temp.original is not None
+        and _restore_replaced(root, path, temp.original)
+    ):
         return False
     remove_tree(path)
     return True
+
 
 def _restore_replaced(root: str, path: str, original: str) -> bool:
     """Put the ``.old.`` directory ``path`` back as ``root/original`` if that name is free:

@@ -6,6 +6,7 @@ nothing is unpickled and no shard byte is read. Getting data out of a checkpoint
 in (``datastates.export``, ``datastates.import_checkpoint``) live in export.py and importing.py,
 which build on this module.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,21 +20,34 @@ from ..format import codec as fmt
 from ..format import files
 from ..format import tree
 from ..commit.catalog import (
-    Catalog, CheckpointInfo, DamagedCheckpoint, human_bytes, info_of, log_passed_over)
+    Catalog,
+    CheckpointInfo,
+    DamagedCheckpoint,
+    human_bytes,
+    info_of,
+    log_passed_over,
+)
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, DatastatesError
 from ..format.records import TensorEntry
 from ..storage import LOCAL, normalize, open_store, read_regular
 
 #: Files that tell another framework's checkpoint apart from an empty folder.
-_FOREIGN = (("model.safetensors", "Hugging Face / safetensors"), (".safetensors", "safetensors"),
-            (".metadata", "torch.distributed.checkpoint"), (".ckpt", "Lightning"),
-            ("_model_states.pt", "DeepSpeed"), (".pt", "torch.save"), (".bin", "torch.save"))
+_FOREIGN = (
+    ("model.safetensors", "Hugging Face / safetensors"),
+    (".safetensors", "safetensors"),
+    (".metadata", "torch.distributed.checkpoint"),
+    (".ckpt", "Lightning"),
+    ("_model_states.pt", "DeepSpeed"),
+    (".pt", "torch.save"),
+    (".bin", "torch.save"),
+)
 #: The files of one DeepSpeed tag (``save_dir/global_stepN/<file>``), each a checkpoint here.
 _DEEPSPEED_FILE = re.compile(r"(model_states|optim_states)\.pt\Z")
 DCP_LAYOUT = "torch.distributed.checkpoint"
 
 
 # ---------------------------------------------------------------- finding checkpoints
+
 
 @dataclass(frozen=True)
 class Selection:
@@ -46,19 +60,33 @@ class Selection:
     damaged: list[DamagedCheckpoint]
 
 
-def find(path: str | os.PathLike, step: int | None = None, tag: str | None = None, *,
-         every: bool = False, storage_options: dict | None = None) -> list[CheckpointInfo]:
+def find(
+    path: str | os.PathLike,
+    step: int | None = None,
+    tag: str | None = None,
+    *,
+    every: bool = False,
+    storage_options: dict | None = None,
+) -> list[CheckpointInfo]:
     """The committed checkpoints ``path`` designates, oldest first (see :func:`select`); never
     empty: CheckpointNotFoundError naming the damaged ones when only those are there."""
     found = select(path, step, tag, every=every, storage_options=storage_options)
     if not found.checkpoints:
-        raise CheckpointNotFoundError(f"no datastates checkpoint in {normalize(path)} that "
-                                      f"reads{_damaged_hint(found.damaged)}")
+        raise CheckpointNotFoundError(
+            f"no datastates checkpoint in {normalize(path)} that "
+            f"reads{_damaged_hint(found.damaged)}"
+        )
     return found.checkpoints
 
 
-def select(path: str | os.PathLike, step: int | None = None, tag: str | None = None, *,
-           every: bool = False, storage_options: dict | None = None) -> Selection:
+def select(
+    path: str | os.PathLike,
+    step: int | None = None,
+    tag: str | None = None,
+    *,
+    every: bool = False,
+    storage_options: dict | None = None,
+) -> Selection:
     """The checkpoints ``path`` designates, and the damaged ones of its folder.
 
     ``path`` may be: a checkpoint folder; a folder ``DatastatesWriter`` (DCP) wrote; a folder
@@ -74,11 +102,15 @@ def select(path: str | os.PathLike, step: int | None = None, tag: str | None = N
     path = normalize(path)
     store = open_store(path, storage_options)
     if store.renames and os.path.isfile(path):
-        raise CheckpointNotFoundError(f"{path} is a file; expected a checkpoint folder or a folder "
-                                      "of checkpoints")
+        raise CheckpointNotFoundError(
+            f"{path} is a file; expected a checkpoint folder or a folder of checkpoints"
+        )
     if not store.isdir(path):
-        raise CheckpointNotFoundError(f"{path} does not exist" if store.renames else
-                                      f"no datastates checkpoint in {path} (nothing stored there)")
+        raise CheckpointNotFoundError(
+            f"{path} does not exist"
+            if store.renames
+            else f"no datastates checkpoint in {path} (nothing stored there)"
+        )
     if store.isfile(store.join(path, fmt.MANIFEST)):
         return Selection([info_of(path, files.read_manifest(path, store))], [])
     if store.renames and _is_dcp(path):
@@ -93,8 +125,13 @@ def select(path: str | os.PathLike, step: int | None = None, tag: str | None = N
         if damaged:
             return Selection([], damaged)
         raise CheckpointNotFoundError(f"no datastates checkpoint in {path} (nothing stored there)")
-    if every or _is_tag_folder(found) or not (store.isfile(store.join(path, fmt.LATEST)) or
-                                               all(_is_step_name(i.name) for i in found)):
+    if (
+        every
+        or _is_tag_folder(found)
+        or not (
+            store.isfile(store.join(path, fmt.LATEST)) or all(_is_step_name(i.name) for i in found)
+        )
+    ):
         return Selection(found, damaged)
     log_passed_over(catalog.passed_over(found[-1]), found[-1], f"finding the newest in {path}")
     return Selection([found[-1]], damaged)
@@ -114,14 +151,18 @@ def _select_nested(path: str, every: bool) -> Selection:
         catalog = Catalog(sub, LOCAL)
         found = catalog.scan()
         if found and _is_tag_folder(found) or catalog.damaged() and not found:
-            tags[name] = ([replace(i, name=f"{name}/{i.name}") for i in found],
-                          [replace(d, name=f"{name}/{d.name}") for d in catalog.damaged()])
+            tags[name] = (
+                [replace(i, name=f"{name}/{i.name}") for i in found],
+                [replace(d, name=f"{name}/{d.name}") for d in catalog.damaged()],
+            )
     good = [d for d in dcps if isinstance(d, CheckpointInfo)]
     damaged = [d for d in dcps if isinstance(d, DamagedCheckpoint)]
     if tags:
         chosen = list(tags) if every else [_latest_tag(path, tags)]
-        return Selection([i for t in chosen for i in tags[t][0]] + good,
-                         damaged + [d for t in chosen for d in tags[t][1]])
+        return Selection(
+            [i for t in chosen for i in tags[t][0]] + good,
+            damaged + [d for t in chosen for d in tags[t][1]],
+        )
     if good or damaged:
         good.sort(key=lambda i: (i.created_unix, i.name))
         return Selection(good if every else good[-1:], damaged)
@@ -132,8 +173,9 @@ def _latest_tag(path: str, tags: dict) -> str:
     """The tag DeepSpeed's ``latest`` names, else the one of the highest step in its name (also
     when ``latest`` is no regular file of at most 4 KiB: a link, a FIFO)."""
     try:
-        named = read_regular(os.path.join(path, fmt.LATEST), 4096).decode("utf-8",
-                                                                          "replace").strip()
+        named = (
+            read_regular(os.path.join(path, fmt.LATEST), 4096).decode("utf-8", "replace").strip()
+        )
     except (OSError, CorruptCheckpointError):
         named = ""
     if named in tags:
@@ -149,12 +191,18 @@ def _is_tag_folder(found: list[CheckpointInfo]) -> bool:
 def dcp_info(path: str) -> CheckpointInfo:
     """The description of a folder ``DatastatesWriter`` wrote (its manifest validated)."""
     from ..dcp.metadata import read_manifest
+
     files = read_manifest(path)["files"]
     sizes = [os.path.getsize(os.path.join(path, f)) for f in files]
-    return CheckpointInfo(name=os.path.basename(path), path=path, step=None,
-                          created_unix=os.path.getmtime(os.path.join(path, _DCP_MANIFEST)),
-                          world_size=len(files), nbytes=sum(sizes),
-                          metadata={"layout": DCP_LAYOUT})
+    return CheckpointInfo(
+        name=os.path.basename(path),
+        path=path,
+        step=None,
+        created_unix=os.path.getmtime(os.path.join(path, _DCP_MANIFEST)),
+        world_size=len(files),
+        nbytes=sum(sizes),
+        metadata={"layout": DCP_LAYOUT},
+    )
 
 
 def _dcp_or_damaged(path: str) -> CheckpointInfo | DamagedCheckpoint:
@@ -167,7 +215,8 @@ def _dcp_or_damaged(path: str) -> CheckpointInfo | DamagedCheckpoint:
 def is_dcp_info(info: CheckpointInfo) -> bool:
     """Whether ``info`` describes a DCP folder (from :func:`dcp_info`)."""
     return info.metadata.get("layout") == DCP_LAYOUT and os.path.isfile(
-        os.path.join(info.path, _DCP_MANIFEST))
+        os.path.join(info.path, _DCP_MANIFEST)
+    )
 
 
 def _is_step_name(name: str) -> bool:
@@ -184,8 +233,10 @@ def _foreign_hint(path: str) -> str:
     for suffix, kind in _FOREIGN:
         hits = sorted(n for n in names if n.endswith(suffix))
         if hits and suffix == ".metadata":
-            return (f" (it holds {kind} files such as {hits[0]!r}: import them with `datastates "
-                    "import DIR --from dcp --trusted` if you trust where they came from)")
+            return (
+                f" (it holds {kind} files such as {hits[0]!r}: import them with `datastates "
+                "import DIR --from dcp --trusted` if you trust where they came from)"
+            )
         if hits:
             return f" (it holds {kind} files such as {hits[0]!r}, which datastates does not read)"
     return f" (it holds {len(names)} other entries)"
@@ -194,8 +245,11 @@ def _foreign_hint(path: str) -> str:
 def _damaged_hint(damaged: list[DamagedCheckpoint]) -> str:
     if not damaged:
         return ""
-    return (f": {len(damaged)} damaged ("
-            + "; ".join(f"{d.name}: {d.reason}" for d in damaged[:3]) + ")")
+    return (
+        f": {len(damaged)} damaged ("
+        + "; ".join(f"{d.name}: {d.reason}" for d in damaged[:3])
+        + ")"
+    )
 
 
 # ---------------------------------------------------------------- inspect
@@ -205,8 +259,14 @@ def _damaged_hint(damaged: list[DamagedCheckpoint]) -> str:
 COLLAPSE_ITEMS = 8
 
 
-def inspect(path: str | os.PathLike, step: int | None = None, tag: str | None = None, *,
-            keys: list[str] | None = None, storage_options: dict | None = None) -> dict:
+def inspect(
+    path: str | os.PathLike,
+    step: int | None = None,
+    tag: str | None = None,
+    *,
+    keys: list[str] | None = None,
+    storage_options: dict | None = None,
+) -> dict:
     """A JSON-ready description of one checkpoint: name, step, commit number, format version,
     time, metadata, metrics (``save(metrics=...)``; empty if none), files per rank, and every
     tensor (key, dtype, shape, bytes, shards and the ranks holding them; ``alias_of``: None, or
@@ -219,16 +279,22 @@ def inspect(path: str | os.PathLike, step: int | None = None, tag: str | None = 
     (a DeepSpeed tag) raises ``ConfigError`` asking for ``step``/``tag`` or a single folder."""
     infos = find(path, step, tag, storage_options=storage_options)
     if len(infos) > 1:
-        raise ConfigError(f"{path} holds {len(infos)} checkpoints "
-                          f"({', '.join(i.name for i in infos[:5])}); inspect one of them")
+        raise ConfigError(
+            f"{path} holds {len(infos)} checkpoints "
+            f"({', '.join(i.name for i in infos[:5])}); inspect one of them"
+        )
     return describe(infos[0], keys=keys, storage_options=storage_options)
 
 
-def describe(info: CheckpointInfo, *, keys: list[str] | None = None,
-             storage_options: dict | None = None) -> dict:
+def describe(
+    info: CheckpointInfo, *, keys: list[str] | None = None, storage_options: dict | None = None
+) -> dict:
     """:func:`inspect`'s description of the checkpoint ``info`` (from :func:`select`)."""
-    summary = _describe_dcp(info) if is_dcp_info(info) else \
-        _describe(info, open_store(info.path, storage_options))
+    summary = (
+        _describe_dcp(info)
+        if is_dcp_info(info)
+        else _describe(info, open_store(info.path, storage_options))
+    )
     if keys is not None:
         for field in ("tensors", "objects"):
             summary[field] = [e for e in summary[field] if _under(e["key"], keys)]
@@ -242,22 +308,47 @@ def _describe(info: CheckpointInfo, store) -> dict:
     for e in m.entries.values():
         if isinstance(e, TensorEntry):
             ranks = sorted({m.files[s.file].rank for s in e.shards})
-            tensors.append({"key": e.key, "dtype": e.dtype, "shape": list(e.shape),
-                            "nbytes": _numel(e.shape) * e.torch_dtype.itemsize,
-                            "shards": len(e.shards), "ranks": ranks,
-                            "replicated": e.replicated, "rank": e.rank, "alias_of": None})
+            tensors.append(
+                {
+                    "key": e.key,
+                    "dtype": e.dtype,
+                    "shape": list(e.shape),
+                    "nbytes": _numel(e.shape) * e.torch_dtype.itemsize,
+                    "shards": len(e.shards),
+                    "ranks": ranks,
+                    "replicated": e.replicated,
+                    "rank": e.rank,
+                    "alias_of": None,
+                }
+            )
         else:
             objects.append({"key": e.key, "nbytes": e.nbytes, "rank": m.files[e.file].rank})
     stored = {t["key"]: t for t in tensors}
     for key, index in _aliases(m):
-        tensors.append({**stored[m.entries[index].key], "key": key, "nbytes": 0,
-                        "alias_of": m.entries[index].key})  # it stores nothing of its own
-    return {"path": info.path, "name": m.name, "step": m.step, "seq": m.seq,
-            "format_version": m.version, "created_unix": m.created_unix,
-            "world_size": m.world_size, "metadata": m.metadata, "metrics": m.metrics,
-            "nbytes": m.nbytes,
-            "files": [{"name": f.name, "rank": f.rank, "nbytes": f.nbytes} for f in m.files],
-            "tensors": tensors, "objects": objects, "values": _values(m.ranks[0].tree)}
+        tensors.append(
+            {
+                **stored[m.entries[index].key],
+                "key": key,
+                "nbytes": 0,
+                "alias_of": m.entries[index].key,
+            }
+        )  # it stores nothing of its own
+    return {
+        "path": info.path,
+        "name": m.name,
+        "step": m.step,
+        "seq": m.seq,
+        "format_version": m.version,
+        "created_unix": m.created_unix,
+        "world_size": m.world_size,
+        "metadata": m.metadata,
+        "metrics": m.metrics,
+        "nbytes": m.nbytes,
+        "files": [{"name": f.name, "rank": f.rank, "nbytes": f.nbytes} for f in m.files],
+        "tensors": tensors,
+        "objects": objects,
+        "values": _values(m.ranks[0].tree),
+    }
 
 
 def _aliases(m) -> list[tuple[str, int]]:
@@ -275,8 +366,13 @@ def _aliases(m) -> list[tuple[str, int]]:
 
 
 def _under(key: str, prefixes: list[str]) -> bool:
-    return any(not p.strip("/") or key == p.strip("/") or key.startswith(p.strip("/") + "/")
-               or key.startswith(p.strip("/") + ".") for p in prefixes)
+    return any(
+        not p.strip("/")
+        or key == p.strip("/")
+        or key.startswith(p.strip("/") + "/")
+        or key.startswith(p.strip("/") + ".")
+        for p in prefixes
+    )
 
 
 def _values(root: dict) -> dict:
@@ -291,8 +387,11 @@ def _values(root: dict) -> dict:
 
 
 def _collapsed(node: dict) -> bool:
-    return node["t"] in tree.SEQUENCES and len(node["items"]) > COLLAPSE_ITEMS and \
-        all(c["t"] == "value" for c in node["items"])
+    return (
+        node["t"] in tree.SEQUENCES
+        and len(node["items"]) > COLLAPSE_ITEMS
+        and all(c["t"] == "value" for c in node["items"])
+    )
 
 
 def render_inspect(summary: dict) -> str:
@@ -302,13 +401,16 @@ def render_inspect(summary: dict) -> str:
     stored = [t for t in s["tensors"] if not t.get("alias_of")]
     tied = len(s["tensors"]) - len(stored)
     tensor_bytes = sum(t["nbytes"] for t in stored)
-    lines = [f"checkpoint  {s['path']}",
-             f"name        {s['name']}   step {s['step']}   commit #{s['seq']}   saved {when}",
-             f"format      datastates-checkpoint version {s['format_version']}, "
-             f"{s['world_size']} rank(s), {human_bytes(s['nbytes'])} in {len(s['files'])} file(s)",
-             f"contents    {len(stored)} tensors ({human_bytes(tensor_bytes)})"
-             + (f" and {tied} tied name(s) sharing their storage" if tied else "") + ", "
-             f"{len(s['objects'])} objects, {len(s['values'])} plain values"]
+    lines = [
+        f"checkpoint  {s['path']}",
+        f"name        {s['name']}   step {s['step']}   commit #{s['seq']}   saved {when}",
+        f"format      datastates-checkpoint version {s['format_version']}, "
+        f"{s['world_size']} rank(s), {human_bytes(s['nbytes'])} in {len(s['files'])} file(s)",
+        f"contents    {len(stored)} tensors ({human_bytes(tensor_bytes)})"
+        + (f" and {tied} tied name(s) sharing their storage" if tied else "")
+        + ", "
+        f"{len(s['objects'])} objects, {len(s['values'])} plain values",
+    ]
     if s["metadata"]:
         lines.append(f"metadata    {_cut(json.dumps(s['metadata'], sort_keys=True), 200)}")
     if s["metrics"]:
@@ -317,10 +419,15 @@ def render_inspect(summary: dict) -> str:
         lines.append(f"  rank {f['rank']:<5} {f['name']}  {human_bytes(f['nbytes'])}")
     rows = [("key", "dtype", "shape", "size", "where")]
     for t in s["tensors"]:
-        where = (f"shares the storage of {t['alias_of']}" if t.get("alias_of") else
-                 "replicated" if t["replicated"] else
-                 f"rank {t['rank']}" if t["rank"] is not None else
-                 f"{t['shards']} shards on ranks {t['ranks']}")
+        where = (
+            f"shares the storage of {t['alias_of']}"
+            if t.get("alias_of")
+            else "replicated"
+            if t["replicated"]
+            else f"rank {t['rank']}"
+            if t["rank"] is not None
+            else f"{t['shards']} shards on ranks {t['ranks']}"
+        )
         size = "-" if t.get("alias_of") else human_bytes(t["nbytes"])
         rows.append((t["key"], t["dtype"], str(t["shape"]), size, where))
     for o in s["objects"]:
@@ -337,12 +444,13 @@ def render_inspect(summary: dict) -> str:
 def render_metrics(metrics: dict) -> str:
     """``acc=0.9 val_loss=0.31``: the metrics by name, floats to 6 significant digits (the JSON
     of :func:`inspect` keeps them exact)."""
-    return " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
-                    for k, v in sorted(metrics.items()))
+    return " ".join(
+        f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(metrics.items())
+    )
 
 
 def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---------------------------------------------------------------- DCP folders
@@ -358,33 +466,54 @@ def _is_dcp(path) -> bool:
 def _describe_dcp(info: CheckpointInfo) -> dict:
     from ..dcp.layer import DatastatesReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     meta = DatastatesReader(info.path).read_metadata()  # JSON, checked: nothing is unpickled
     tensors, objects = [], []
     for key, item in sorted(meta.state_dict_metadata.items()):
         if isinstance(item, TensorStorageMetadata):
             dtype = item.properties.dtype
-            tensors.append({"key": key, "dtype": fmt.dtype_name(dtype), "shape": list(item.size),
-                            "nbytes": _numel(item.size) * dtype.itemsize,
-                            "shards": len(item.chunks), "ranks": [], "replicated": False,
-                            "rank": None, "alias_of": None})
+            tensors.append(
+                {
+                    "key": key,
+                    "dtype": fmt.dtype_name(dtype),
+                    "shape": list(item.size),
+                    "nbytes": _numel(item.size) * dtype.itemsize,
+                    "shards": len(item.chunks),
+                    "ranks": [],
+                    "replicated": False,
+                    "rank": None,
+                    "alias_of": None,
+                }
+            )
         else:
             objects.append({"key": key, "nbytes": 0, "rank": 0})
     files = sorted({d["file"] for d in meta.storage_data.values()})
     sizes = [os.path.getsize(os.path.join(info.path, f)) for f in files]
-    return {"path": info.path, "name": info.name, "step": None, "seq": 0,
-            "format_version": 1, "created_unix": info.created_unix,
-            "world_size": info.world_size, "metadata": {"layout": DCP_LAYOUT}, "metrics": {},
-            "nbytes": sum(sizes),
-            "files": [{"name": f, "rank": i, "nbytes": n} for i, (f, n) in
-                      enumerate(zip(files, sizes))],
-            "tensors": tensors, "objects": objects, "values": {}}
+    return {
+        "path": info.path,
+        "name": info.name,
+        "step": None,
+        "seq": 0,
+        "format_version": 1,
+        "created_unix": info.created_unix,
+        "world_size": info.world_size,
+        "metadata": {"layout": DCP_LAYOUT},
+        "metrics": {},
+        "nbytes": sum(sizes),
+        "files": [
+            {"name": f, "rank": i, "nbytes": n} for i, (f, n) in enumerate(zip(files, sizes))
+        ],
+        "tensors": tensors,
+        "objects": objects,
+        "values": {},
+    }
 
 
 # ---------------------------------------------------------------- shared with export.py
+
 
 def _numel(shape) -> int:
     n = 1
     for d in shape:
         n *= d
     return n
-

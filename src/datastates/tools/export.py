@@ -16,6 +16,7 @@ Exports stream: tensors are memory-mapped views of the shard files (``OpenCheckp
 verified piece by piece and written one after the other, so a state larger than RAM exports with
 bounded memory.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,14 +52,15 @@ log = logging.getLogger("datastates.tools.export")
 
 # ---------------------------------------------------------------- export
 
+
 @dataclass(frozen=True)
 class ExportReport:
     """What :func:`export` wrote."""
 
-    path: str          #: the file written
-    fmt: str           #: "torch" or "safetensors"
-    tensors: int       #: tensors written (tied tensors once)
-    nbytes: int        #: tensor bytes written
+    path: str  #: the file written
+    fmt: str  #: "torch" or "safetensors"
+    tensors: int  #: tensors written (tied tensors once)
+    nbytes: int  #: tensor bytes written
     seconds: float
     skipped: tuple = ()  #: keys not written (safetensors holds tensors only)
     aliases: dict | None = None  #: safetensors: dropped name -> the name holding the same tensor
@@ -66,10 +68,18 @@ class ExportReport:
     refused: tuple = ()
 
 
-def export(path: str | os.PathLike, out: str | os.PathLike, to: str = "torch", *,
-           keys: Iterable[str] | None = None, step: int | None = None, tag: str | None = None,
-           trusted: bool = False, registry: ProviderRegistry | None = None,
-           progress: Callable[[int], None] | None = None) -> ExportReport:
+def export(
+    path: str | os.PathLike,
+    out: str | os.PathLike,
+    to: str = "torch",
+    *,
+    keys: Iterable[str] | None = None,
+    step: int | None = None,
+    tag: str | None = None,
+    trusted: bool = False,
+    registry: ProviderRegistry | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> ExportReport:
     """Write rank 0's view of a checkpoint to one file of another format, atomically.
 
     ``to="torch"``: a ``torch.save`` file of the structure ``Checkpointer.load`` returns (modules
@@ -92,9 +102,11 @@ def export(path: str | os.PathLike, out: str | os.PathLike, to: str = "torch", *
     if to not in ("torch", "safetensors", "hf"):
         raise ConfigError(f"export: expected to='torch', 'safetensors' or 'hf', found {to!r}")
     if is_url(os.fspath(path)):
-        raise ConfigError(f"export reads local checkpoints (it memory-maps the shard files); "
-                          f"{path} is in an object store: load it with Checkpointer(...).load() "
-                          "or copy the checkpoint folder to a local disk first")
+        raise ConfigError(
+            f"export reads local checkpoints (it memory-maps the shard files); "
+            f"{path} is in an object store: load it with Checkpointer(...).load() "
+            "or copy the checkpoint folder to a local disk first"
+        )
     info = _one(path, step, tag)
     if is_dcp_info(info):
         return _export_dcp(info.path, out, to, trusted)
@@ -102,8 +114,9 @@ def export(path: str | os.PathLike, out: str | os.PathLike, to: str = "torch", *
     if to == "hf":
         return _export_hf(info.path, out, trusted, registry, progress)
     t0 = time.perf_counter()
-    with _MappedCheckpoint(info.path, trusted, registry or ProviderRegistry.default(),
-                           progress) as ckpt:
+    with _MappedCheckpoint(
+        info.path, trusted, registry or ProviderRegistry.default(), progress
+    ) as ckpt:
         if to == "safetensors":
             _check_safetensors_dtypes(ckpt, prefixes)
         state = ckpt.build(prefixes, load_objects=to == "torch")
@@ -114,23 +127,37 @@ def export(path: str | os.PathLike, out: str | os.PathLike, to: str = "torch", *
             aliases = None
         else:
             skipped, aliases = _write_safetensors(out, ckpt, prefixes)
-        return ExportReport(out, to, len(ckpt.tensors), ckpt.nbytes,
-                            time.perf_counter() - t0, tuple(skipped), aliases)
+        return ExportReport(
+            out,
+            to,
+            len(ckpt.tensors),
+            ckpt.nbytes,
+            time.perf_counter() - t0,
+            tuple(skipped),
+            aliases,
+        )
 
 
 def _one(path, step: int | None, tag: str | None) -> CheckpointInfo:
     """The single checkpoint ``path`` designates (ConfigError naming them if several)."""
     infos = find(path, step, tag)
     if len(infos) != 1:
-        raise ConfigError(f"{path} holds {len(infos)} checkpoints "
-                          f"({', '.join(i.name for i in infos[:5])}); export one of them "
-                          "(--tag NAME, or the folder of one)")
+        raise ConfigError(
+            f"{path} holds {len(infos)} checkpoints "
+            f"({', '.join(i.name for i in infos[:5])}); export one of them "
+            "(--tag NAME, or the folder of one)"
+        )
     return infos[0]
 
 
-def planned_bytes(path: str | os.PathLike, to: str = "torch", *,
-                  keys: Iterable[str] | None = None, step: int | None = None,
-                  tag: str | None = None) -> int:
+def planned_bytes(
+    path: str | os.PathLike,
+    to: str = "torch",
+    *,
+    keys: Iterable[str] | None = None,
+    step: int | None = None,
+    tag: str | None = None,
+) -> int:
     """The tensor bytes :func:`export` with the same arguments will write (what its
     ``progress`` calls add up to), from the manifest alone: the total of a progress bar."""
     info = _one(path, step, tag)
@@ -139,8 +166,10 @@ def planned_bytes(path: str | os.PathLike, to: str = "torch", *,
         return sum(t["nbytes"] for t in summary["tensors"])
     prefixes = ["model"] if to == "hf" else tree.prefixes(keys)
     manifest = files.read_manifest(info.path)
-    return sum(_numel(e.shape) * e.torch_dtype.itemsize for e in
-               (_tensor(manifest, i) for i in _tensor_indexes(manifest.ranks[0].tree, prefixes)))
+    return sum(
+        _numel(e.shape) * e.torch_dtype.itemsize
+        for e in (_tensor(manifest, i) for i in _tensor_indexes(manifest.ranks[0].tree, prefixes))
+    )
 
 
 def _tensor(manifest: Manifest, i: int) -> TensorEntry:
@@ -161,9 +190,11 @@ def _export_hf(ckpt_dir: str, out, trusted: bool, registry, progress) -> ExportR
     and tokenizer files the HF integration keeps next to the checkpoint; made in a temporary
     folder and renamed into place."""
     if not os.path.isfile(os.path.join(ckpt_dir, "config.json")):
-        raise ConfigError(f"{ckpt_dir} has no config.json: only checkpoints written by "
-                          "datastates.integrations.hf.DatastatesTrainer export to an HF folder; "
-                          "use to='safetensors' with keys=['model'] for the weights alone")
+        raise ConfigError(
+            f"{ckpt_dir} has no config.json: only checkpoints written by "
+            "datastates.integrations.hf.DatastatesTrainer export to an HF folder; "
+            "use to='safetensors' with keys=['model'] for the weights alone"
+        )
     out = os.path.abspath(os.fspath(out))
     if os.path.exists(out):
         raise CheckpointExistsError(f"export: {out} already exists")
@@ -171,8 +202,15 @@ def _export_hf(ckpt_dir: str, out, trusted: bool, registry, progress) -> ExportR
     tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp.{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     try:
-        report = export(ckpt_dir, os.path.join(tmp, "model.safetensors"), "safetensors",
-                        keys=["model"], trusted=trusted, registry=registry, progress=progress)
+        report = export(
+            ckpt_dir,
+            os.path.join(tmp, "model.safetensors"),
+            "safetensors",
+            keys=["model"],
+            trusted=trusted,
+            registry=registry,
+            progress=progress,
+        )
         refused = _copy_model_files(ckpt_dir, tmp)
         os.rename(tmp, out)
     except BaseException:
@@ -221,14 +259,19 @@ def _export_dcp(path: str, out, to: str, trusted: bool) -> ExportReport:
     if to != "torch":
         raise ConfigError(f"export: a DCP folder exports to='torch' only, found {to!r}")
     from ..dcp.folders import load_state
+
     t0 = time.perf_counter()
     state = load_state(path, trusted=trusted)
     out = os.path.abspath(os.fspath(out))
     _write_atomic(out, lambda f: torch.save(state, f))
     tensors = _tensors_in(state)
-    return ExportReport(out, "torch", len(tensors),
-                        sum(t.numel() * t.element_size() for t in tensors),
-                        time.perf_counter() - t0)
+    return ExportReport(
+        out,
+        "torch",
+        len(tensors),
+        sum(t.numel() * t.element_size() for t in tensors),
+        time.perf_counter() - t0,
+    )
 
 
 class _MappedCheckpoint:
@@ -237,8 +280,13 @@ class _MappedCheckpoint:
     the same checks of each file and region, and the same checksum verification and object
     loading as a restore."""
 
-    def __init__(self, ckpt_dir: str, trusted: bool, registry: ProviderRegistry,
-                 progress: Callable[[int], None] | None):
+    def __init__(
+        self,
+        ckpt_dir: str,
+        trusted: bool,
+        registry: ProviderRegistry,
+        progress: Callable[[int], None] | None,
+    ):
         self.dir, self.registry, self.progress = ckpt_dir, registry, progress
         self.reader = Reader(ckpt_dir, registry=registry, trusted=trusted)
         self.manifest: Manifest = self.reader.manifest
@@ -260,8 +308,9 @@ class _MappedCheckpoint:
     def build(self, prefixes: list[str] | None, load_objects: bool) -> Any:
         """The saved structure (restricted to ``prefixes``) with tensors as mapped views."""
         self.load_objects = load_objects
-        return tree.build(self.manifest.ranks[0].tree, self._leaf, provider=self._rebuild,
-                          wanted=prefixes)
+        return tree.build(
+            self.manifest.ranks[0].tree, self._leaf, provider=self._rebuild, wanted=prefixes
+        )
 
     def _leaf(self, path: tuple, node: dict) -> Any:
         if node["t"] == "tensor":
@@ -303,20 +352,20 @@ class _MappedCheckpoint:
     def _view(self, shard: ShardRef, dtype: torch.dtype, key: str) -> torch.Tensor:
         if _numel(shard.shape) == 0:
             return torch.empty(shard.shape, dtype=dtype)
-        raw = self.reader.checkpoint.mapped(shard.file, shard.offset, shard.nbytes,
-                                            shard.checksums, key)
+        raw = self.reader.checkpoint.mapped(
+            shard.file, shard.offset, shard.nbytes, shard.checksums, key
+        )
         return raw.view(dtype).reshape(shard.shape)
 
 
 def _write_safetensors(out: str, ckpt: _MappedCheckpoint, prefixes) -> tuple[list, dict]:
     """The safetensors layout (8-byte little-endian header length, JSON header, raw data),
     written tensor by tensor from the mappings."""
-    strip = prefixes[0] + "/" if prefixes is not None and len(prefixes) == 1 and prefixes[0] \
-        else ""
+    strip = prefixes[0] + "/" if prefixes is not None and len(prefixes) == 1 and prefixes[0] else ""
     names: dict[int, str] = {}
     aliases: dict[str, str] = {}
     for key, index in ckpt.named:
-        name = key[len(strip):] if strip and key.startswith(strip) else key
+        name = key[len(strip) :] if strip and key.startswith(strip) else key
         if index in names:
             aliases[name] = names[index]
         else:
@@ -326,8 +375,11 @@ def _write_safetensors(out: str, ckpt: _MappedCheckpoint, prefixes) -> tuple[lis
     for index, name in names.items():
         t = ckpt.tensors[index][1]
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [pos, pos + n]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [pos, pos + n],
+        }
         pos += n
     meta = {"format": "pt", "datastates.source": os.path.basename(ckpt.dir)}
     if aliases:
@@ -343,6 +395,7 @@ def _write_safetensors(out: str, ckpt: _MappedCheckpoint, prefixes) -> tuple[lis
             t = ckpt.tensors[index][1]
             if t.numel():
                 f.write(buffer_of(t.contiguous()))
+
     _write_atomic(out, write)
     return list(ckpt.skipped), aliases
 
@@ -353,17 +406,31 @@ def _check_safetensors_dtypes(ckpt: "_MappedCheckpoint", prefixes) -> None:
     for i in sorted(_tensor_indexes(ckpt.manifest.ranks[0].tree, prefixes)):
         entry = _tensor(ckpt.manifest, i)
         if entry.torch_dtype not in _SAFETENSORS_DTYPES:
-            raise ConfigError(f"export: tensor {entry.key!r} is {entry.dtype}, which safetensors "
-                              f"cannot hold (it holds {', '.join(sorted(_ST_NAMES))}); export "
-                              "to torch, or leave the key out with --keys")
+            raise ConfigError(
+                f"export: tensor {entry.key!r} is {entry.dtype}, which safetensors "
+                f"cannot hold (it holds {', '.join(sorted(_ST_NAMES))}); export "
+                "to torch, or leave the key out with --keys"
+            )
 
 
-_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-                       torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
-                       torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-                       torch.complex64: "C64", torch.float8_e4m3fn: "F8_E4M3",
-                       torch.float8_e5m2: "F8_E5M2", torch.uint16: "U16", torch.uint32: "U32",
-                       torch.uint64: "U64"}
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
 _ST_NAMES = {str(d).removeprefix("torch.") for d in _SAFETENSORS_DTYPES}
 
 

@@ -9,6 +9,7 @@ report names the likely cause first: random generators, then the ``state_dict()`
 samplers and schedulers, then Python values, then the step's inputs, then tensors (module
 parameters and buffers, optimizer state, plain tensors).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -68,10 +69,14 @@ def _process_rngs(out: dict) -> None:
     except ImportError:
         return
     # the legacy form (the default): the tuple, never the dict of get_state(legacy=False)
-    kind, keys, pos, has_gauss, cached = cast("tuple[str, Any, int, int, float]",
-                                              np.random.get_state())
-    out["rng:numpy"] = ["rng", _digest(keys.tobytes(), repr((kind, pos, has_gauss,
-                                                             cached)).encode()), "numpy"]
+    kind, keys, pos, has_gauss, cached = cast(
+        "tuple[str, Any, int, int, float]", np.random.get_state()
+    )
+    out["rng:numpy"] = [
+        "rng",
+        _digest(keys.tobytes(), repr((kind, pos, has_gauss, cached)).encode()),
+        "numpy",
+    ]
 
 
 def _join(path: str, key: Any) -> str:
@@ -82,9 +87,11 @@ def _walk(obj: Any, path: str, kind: str | None, out: dict) -> None:
     if isinstance(obj, RNGState):
         return  # its generators are the process's: recorded under rng:*
     if isinstance(obj, torch.Tensor):
-        out[path] = [kind or "tensor", _digest(str(obj.dtype).encode(), repr(list(obj.shape))
-                                               .encode(), _tensor_bytes(obj)),
-                     f"{str(obj.dtype).replace('torch.', '')} {list(obj.shape)}"]
+        out[path] = [
+            kind or "tensor",
+            _digest(str(obj.dtype).encode(), repr(list(obj.shape)).encode(), _tensor_bytes(obj)),
+            f"{str(obj.dtype).replace('torch.', '')} {list(obj.shape)}",
+        ]
     elif isinstance(obj, torch.Generator):
         out[path] = ["rng", _digest(_tensor_bytes(obj.get_state())), "torch.Generator"]
     elif _is_numpy_random(obj):
@@ -116,13 +123,14 @@ def _value(obj: Any) -> tuple:
 
 
 def _short(text: str) -> str:
-    return text if len(text) <= _SHOWN else text[:_SHOWN - 3] + "..."
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
 
 
 def _is_numpy_random(obj: Any) -> bool:
     if not (type(obj).__module__ or "").startswith("numpy"):
         return False
     import numpy as np
+
     return isinstance(obj, (np.random.Generator, np.random.RandomState))
 
 

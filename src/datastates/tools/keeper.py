@@ -1,4 +1,5 @@
 """``datastates keeper``: run a job's memory keeper in the foreground, or talk to a running one."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +15,11 @@ from ..memory.options import STORAGE_FIELDS, MemoryTier
 
 def _tier(args) -> MemoryTier:
     options = _json(args.options, "--options")
-    changes = {k: v for k, v in (("root", args.root), ("idle_timeout_s", args.idle_timeout))
-               if v is not None}
+    changes = {
+        k: v
+        for k, v in (("root", args.root), ("idle_timeout_s", args.idle_timeout))
+        if v is not None
+    }
     if args.no_persist:
         changes["persist_on_exit"] = False
     try:
@@ -28,8 +32,9 @@ def _config(args) -> CheckpointConfig:
     fields = _json(args.storage_config, "--storage-config")
     unknown = sorted(set(fields) - set(STORAGE_FIELDS))
     if unknown:
-        raise ConfigError(f"--storage-config: unknown fields {unknown}; expected some of "
-                          f"{list(STORAGE_FIELDS)}")
+        raise ConfigError(
+            f"--storage-config: unknown fields {unknown}; expected some of {list(STORAGE_FIELDS)}"
+        )
     return CheckpointConfig(**fields)
 
 
@@ -89,4 +94,6 @@ def run_command(args) -> int:
                 reply = keeper.Keeper(args.path, tier, _config(args)).remove_left()
             print(json.dumps(reply, indent=2))
             return 0
-    return keeper.main(args.path, tier, _config(args), tier.log_path or place.default_log(args.path))
+    return keeper.main(
+        args.path, tier, _config(args), tier.log_path or place.default_log(args.path)
+    )

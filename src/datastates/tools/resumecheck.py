@@ -15,6 +15,7 @@ runs the processes; the comparison (``resumereport.compare``) is a pure function
 fingerprints (``fingerprint``). docs/resume-check.md
 says what is compared, what the check finds, and its limits (one process, no distributed loops).
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,16 @@ from ..errors import CheckpointNotFoundError, ConfigError
 from .fingerprint import fingerprint
 from .resumereport import Difference, Kill, ProcessRun, Record, ResumeReport, compare
 
-__all__ = ["Difference", "Kill", "ProcessRun", "Record", "ResumeReport", "Run", "check_resume",
-           "compare"]
+__all__ = [
+    "Difference",
+    "Kill",
+    "ProcessRun",
+    "Record",
+    "ResumeReport",
+    "Run",
+    "check_resume",
+    "compare",
+]
 
 #: The command that runs the loop in a child process: ``python -c _CHILD <spec as JSON>``.
 _CHILD = "from datastates.tools.resumecheck import _child; _child()"
@@ -64,8 +73,9 @@ class Run:
         Checkpointer); a save still in flight at that point is interrupted where it is. Raises ConfigError for a step that is no
         int in [0, steps)."""
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < self.steps:
-            raise ConfigError(f"run.step_done: expected a step in [0, {self.steps}), found "
-                              f"{step!r}")
+            raise ConfigError(
+                f"run.step_done: expected a step in [0, {self.steps}), found {step!r}"
+            )
         line = json.dumps({"step": step, "keys": fingerprint(state, inputs)}) + "\n"
         _append(self._log, line.encode())
         if step == self._kill_at:
@@ -80,14 +90,20 @@ def _append(path: str, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
 
 
-def check_resume(train_fn: Callable | str, steps: int, kill_at: int | Iterable[int], *,
-                 workdir: str | None = None, timeout_s: float = 600.0,
-                 concurrent: bool = True) -> ResumeReport:
+def check_resume(
+    train_fn: Callable | str,
+    steps: int,
+    kill_at: int | Iterable[int],
+    *,
+    workdir: str | None = None,
+    timeout_s: float = 600.0,
+    concurrent: bool = True,
+) -> ResumeReport:
     """Run ``train_fn(run)`` uninterrupted and interrupted, and report whether the resumed run
     is bit-identical, step by step.
 
@@ -121,13 +137,17 @@ def check_resume(train_fn: Callable | str, steps: int, kill_at: int | Iterable[i
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _interrupted(folder: str, target: str, steps: int, kills: list, env: dict,
-                 timeout_s: float) -> list:
+def _interrupted(
+    folder: str, target: str, steps: int, kills: list, env: dict, timeout_s: float
+) -> list:
     runs = []
     for n in range(len(kills) + 1):
         kill = kills[n] if n < len(kills) else None
-        runs.append(_Process(folder, f"run-{n}", target, steps, kill, env,
-                             directory="interrupted").finish(timeout_s))
+        runs.append(
+            _Process(folder, f"run-{n}", target, steps, kill, env, directory="interrupted").finish(
+                timeout_s
+            )
+        )
         if not runs[-1].killed:
             break
     return runs
@@ -136,23 +156,42 @@ def _interrupted(folder: str, target: str, steps: int, kills: list, env: dict,
 class _Process:
     """One child process running the loop; ``finish`` waits for it and reads its records."""
 
-    def __init__(self, folder: str, name: str, target: str, steps: int, kill_at: int | None,
-                 env: dict, directory: str | None = None):
+    def __init__(
+        self,
+        folder: str,
+        name: str,
+        target: str,
+        steps: int,
+        kill_at: int | None,
+        env: dict,
+        directory: str | None = None,
+    ):
         self.kill_at, self.started = kill_at, time.monotonic()
         self.directory = os.path.join(folder, directory or name, "checkpoints")
         self.log, self.out = (os.path.join(folder, f"{name}.{ext}") for ext in ("jsonl", "out"))
         os.makedirs(self.directory, exist_ok=True)
-        spec = {"target": target, "directory": self.directory, "steps": steps,
-                "kill_at": kill_at, "log": self.log}
+        spec = {
+            "target": target,
+            "directory": self.directory,
+            "steps": steps,
+            "kill_at": kill_at,
+            "log": self.log,
+        }
         with open(self.out, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(spec)],
-                                         stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD, json.dumps(spec)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def finish(self, timeout_s: float) -> ProcessRun:
         """Wait for the process, at most until ``timeout_s`` after its start."""
         expired = threading.Event()
         left = max(0.0, self.started + timeout_s - time.monotonic())
+
         def expire() -> None:
             expired.set()
             self.abort()
@@ -171,9 +210,13 @@ class _Process:
             timer.cancel()
         self.abort()
         code = self.proc.wait()
-        return ProcessRun(records=_read_records(self.log), kill_at=self.kill_at,
-                          returncode=None if expired.is_set() else code,
-                          checkpoint=_newest_step(self.directory), log=_tail(self.out))
+        return ProcessRun(
+            records=_read_records(self.log),
+            kill_at=self.kill_at,
+            returncode=None if expired.is_set() else code,
+            checkpoint=_newest_step(self.directory),
+            log=_tail(self.out),
+        )
 
     def abort(self) -> None:
         """SIGKILL the process and everything in its group."""
@@ -222,8 +265,10 @@ def _target(train_fn: Callable | str) -> tuple:
     if not callable(train_fn) or where is None or "<" in name:
         raise ConfigError(f"check_resume: expected a module-level function, found {train_fn!r}")
     if where == "__main__":
-        raise ConfigError(f"check_resume: {name} is defined in __main__ (a script run "
-                          "directly), which a new process cannot import: move it to a module")
+        raise ConfigError(
+            f"check_resume: {name} is defined in __main__ (a script run "
+            "directly), which a new process cannot import: move it to a module"
+        )
     return f"{where}:{name}", _import_root(where)
 
 
@@ -231,6 +276,7 @@ def _resolve(module: str, name: str) -> Callable:
     """The function ``module:name``, imported as the child will: from the current directory,
     then ``sys.path``. ConfigError saying what failed, before any process starts."""
     import importlib
+
     here = os.getcwd()
     added = here not in sys.path and "" not in sys.path
     if added:
@@ -239,18 +285,22 @@ def _resolve(module: str, name: str) -> Callable:
         fn: Any = importlib.import_module(module)
     except Exception as exc:  # not found, or its own import raised (a SyntaxError too)
         first = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise ConfigError(f"check_resume: expected an importable module {module!r} (from {here} "
-                          f"or PYTHONPATH), found that importing it raises "
-                          f"{type(exc).__name__}: {first}") from None
+        raise ConfigError(
+            f"check_resume: expected an importable module {module!r} (from {here} "
+            f"or PYTHONPATH), found that importing it raises "
+            f"{type(exc).__name__}: {first}"
+        ) from None
     finally:
         if added:
             sys.path.remove(here)
     for part in name.split("."):
         fn = getattr(fn, part, None)
     if not callable(fn):
-        raise ConfigError(f"check_resume: expected a function {name!r} in module {module!r} "
-                          f"({getattr(sys.modules[module], '__file__', None)}), found "
-                          f"{'none' if fn is None else type(fn).__name__}")
+        raise ConfigError(
+            f"check_resume: expected a function {name!r} in module {module!r} "
+            f"({getattr(sys.modules[module], '__file__', None)}), found "
+            f"{'none' if fn is None else type(fn).__name__}"
+        )
     return fn
 
 
@@ -269,10 +319,15 @@ def _kill_steps(kill_at: int | Iterable[int], steps: int) -> list:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"check_resume: expected steps >= 1, found {steps!r}")
     kills = [kill_at] if isinstance(kill_at, int) else list(kill_at)
-    if not kills or any(isinstance(k, bool) or not isinstance(k, int) for k in kills) or \
-            kills != sorted(set(kills)) or not 0 <= kills[0] <= kills[-1] < steps:
-        raise ConfigError(f"check_resume: expected kill_at as increasing steps in [0, {steps}), "
-                          f"found {kill_at!r}")
+    if (
+        not kills
+        or any(isinstance(k, bool) or not isinstance(k, int) for k in kills)
+        or kills != sorted(set(kills))
+        or not 0 <= kills[0] <= kills[-1] < steps
+    ):
+        raise ConfigError(
+            f"check_resume: expected kill_at as increasing steps in [0, {steps}), found {kill_at!r}"
+        )
     return kills
 
 
@@ -280,8 +335,10 @@ def _workdir(workdir: str | None) -> tuple:
     if workdir is None:
         return tempfile.mkdtemp(prefix="datastates-resume-check-"), True
     if os.path.exists(workdir) and (not os.path.isdir(workdir) or os.listdir(workdir)):
-        raise ConfigError(f"check_resume: expected a new or empty workdir, found {workdir!r}, "
-                          "a file or a folder holding files (an old run would be resumed)")
+        raise ConfigError(
+            f"check_resume: expected a new or empty workdir, found {workdir!r}, "
+            "a file or a folder holding files (an old run would be resumed)"
+        )
     os.makedirs(workdir, exist_ok=True)
     return os.path.abspath(workdir), False
 
@@ -303,10 +360,12 @@ def _child() -> None:
     import random
 
     import torch
+
     torch.manual_seed(0)
     random.seed(0)
     try:
         import numpy
+
         numpy.random.seed(0)
     except ImportError:
         pass

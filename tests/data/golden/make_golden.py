@@ -5,6 +5,7 @@ datastates on PYTHONPATH (the version that writes that format):
 
 ``--split`` makes the manifest a split one (version 4) by lowering the split threshold. The
 state is built from ``golden_state()`` alone (no RNG), so a reader test rebuilds it exactly."""
+
 from __future__ import annotations
 
 import collections
@@ -20,7 +21,8 @@ def golden_state() -> dict:
     return {
         "model": collections.OrderedDict(
             w=torch.arange(24, dtype=torch.float32).reshape(4, 6) / 7,
-            b=torch.arange(6, dtype=torch.float32) - 2.5),
+            b=torch.arange(6, dtype=torch.float32) - 2.5,
+        ),
         "ints": torch.arange(10, dtype=torch.int64) * 3,
         "half": (torch.arange(8, dtype=torch.float32) / 3).to(torch.bfloat16),
         "flags": torch.tensor([True, False, True]),
@@ -36,6 +38,7 @@ def main() -> None:
     name = sys.argv[1]
     import datastates
     from datastates.format import codec
+
     if "--split" in sys.argv[2:]:
         codec.SPLIT_BYTES = 64
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
