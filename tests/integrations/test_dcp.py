@@ -112,6 +112,10 @@ def test_dcp_metadata_is_json_and_round_trips(tmp_path):
         (("storage_data", 0, 1, "file"), "../../etc/passwd", "not one of the checkpoint's shard"),
         (("storage_data", 0, 1, "length"), 5, "expected 24"),
         (("planner_data", 0, 1), [{"__reduce__": 1}], "path of strings"),
+        (("storage_data", 0, 1, "frame", "offset"), 100, "not a frame around"),
+        (("storage_data", 0, 1, "frame", "length"), 30, "not a frame around"),
+        (("storage_data", 0, 1, "frame", "crc32"), 1 << 32, "not a frame around"),
+        (("storage_data", 0, 1, "frame", "more"), 1, "the fields"),
     ],
 )
 def test_dcp_metadata_fields_are_checked(tmp_path, field, value, match):
