@@ -8,6 +8,7 @@ Pure functions over dtypes, shapes and sizes; no I/O.
 from __future__ import annotations
 
 import functools
+import struct
 from typing import NamedTuple
 
 import torch
@@ -41,12 +42,39 @@ def frame(dtype: torch.dtype, shape: list[int] | tuple[int, ...], nbytes: int, c
     """The frame of a tensor region of ``nbytes`` holding ``dtype`` ``shape`` (CRC-32 ``crc``):
     its local header, then zeros to the next 64 bytes after the region, the pickle's and torch's
     small records, the central directory and the end records, offsets counted from the head."""
+    head, tail, head_at, tail_at = _template(dtype, tuple(shape), nbytes)
+    value = struct.pack("<I", crc)
+    return Frame(
+        head[:head_at] + value + head[head_at + 4 :], tail[:tail_at] + value + tail[tail_at + 4 :]
+    )
+
+
+def _build(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, crc: int) -> Frame:
     slot = head_bytes(nbytes)
     head = zf.local_header(RECORD, nbytes, slot, crc)
-    pickled = _pickled(dtype, tuple(shape))
     at = fmt.align_up(slot + nbytes, zf.SLOT)
-    end = zf.tail(at, [zf.Record(RECORD, 0, nbytes, crc)], pickled, fmt.crc32)
+    end = zf.tail(at, [zf.Record(RECORD, 0, nbytes, crc)], _pickled(dtype, shape), fmt.crc32)
     return Frame(head, bytes(at - slot - nbytes) + end)
+
+
+def _crc_at(a: bytes, b: bytes) -> int:
+    """Where the 4-byte CRC-32 field differs between two builds (the record's CRC-32 appears
+    once in the local header and once in the central directory)."""
+    diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    if len(a) != len(b) or len(diff) != 4 or diff[3] - diff[0] != 3:
+        raise AssertionError("the frame's CRC-32 is not one 4-byte field")
+    return diff[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def _template(
+    dtype: torch.dtype, shape: tuple[int, ...], nbytes: int
+) -> tuple[bytes, bytes, int, int]:
+    """The frame of a tensor of this dtype, shape and size, with where its two CRC-32 fields
+    are: built once per kind of tensor, the CRC-32 written in per tensor."""
+    zero, ones = _build(dtype, shape, nbytes, 0), _build(dtype, shape, nbytes, 0xFFFFFFFF)
+    head_at, tail_at = _crc_at(zero.head, ones.head), _crc_at(zero.tail, ones.tail)
+    return zero.head, zero.tail, head_at, tail_at
 
 
 @functools.lru_cache(maxsize=4096)
