@@ -77,14 +77,16 @@ def test_dcp_detects_corruption(tmp_path):
 
 
 def test_dcp_metadata_is_json_and_round_trips(tmp_path):
-    """The folder holds no pickle: the metadata is JSON, and what the reader rebuilds from it is
-    the Metadata DCP planned (sizes, chunks, dtypes, the flattening map, where each item is)."""
+    """datastates' own metadata is JSON (the ``.metadata`` pickle beside it is for DCP's stock
+    reader and never unpickled by datastates), and what the reader rebuilds from it is the
+    Metadata DCP planned (sizes, chunks, dtypes, the flattening map, where each item is)."""
     import torch.distributed.checkpoint as dcp
     from datastates.dcp import metadata as dcp_metadata
 
     state = {"m": {"w": torch.ones(3, 2, dtype=torch.bfloat16)}, "n": [4, {"k": "v"}]}
     dcp.save(state, storage_writer=DatastatesWriter(tmp_path / "m"), no_dist=True)
     assert sorted(os.listdir(tmp_path / "m")) == [
+        ".metadata",
         "dcp_manifest.json",
         "dcp_metadata.json",
         "rank-00000.dsf",
@@ -110,6 +112,10 @@ def test_dcp_metadata_is_json_and_round_trips(tmp_path):
         (("storage_data", 0, 1, "file"), "../../etc/passwd", "not one of the checkpoint's shard"),
         (("storage_data", 0, 1, "length"), 5, "expected 24"),
         (("planner_data", 0, 1), [{"__reduce__": 1}], "path of strings"),
+        (("storage_data", 0, 1, "frame", "offset"), 100, "not a frame around"),
+        (("storage_data", 0, 1, "frame", "length"), 30, "not a frame around"),
+        (("storage_data", 0, 1, "frame", "crc32"), 1 << 32, "not a frame around"),
+        (("storage_data", 0, 1, "frame", "more"), 1, "the fields"),
     ],
 )
 def test_dcp_metadata_fields_are_checked(tmp_path, field, value, match):

@@ -23,10 +23,18 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeObjectError
 from ..format import codec as fmt
 from ..format import files
-from ..storage.store import LOCAL
+from ..storage.store import LOCAL, read_regular
 
 from .layer import DatastatesReader, _key
-from .metadata import MANIFEST, check_regular, check_span, read_manifest
+from .metadata import (
+    MANIFEST,
+    MAX_METADATA_BYTES,
+    METADATA,
+    PICKLE,
+    check_regular,
+    check_span,
+    read_manifest,
+)
 
 __all__ = ["is_folder", "load_state", "verify_folder"]
 
@@ -80,15 +88,56 @@ def verify_folder(path: str | os.PathLike, progress: Callable[[int], None] | Non
     naming the file, key and offset on the first mismatch."""
     path = os.path.abspath(os.fspath(path))
     metadata = DatastatesReader(path).read_metadata()
+    manifest = read_manifest(path)
+    framed = manifest["version"] >= 3
+    if framed:
+        _verify_pickle(path, manifest)
     by_file: dict[str, list] = {}
     for index, info in metadata.storage_data.items():
+        if framed and info["kind"] == "tensor" and "frame" not in info:
+            raise CorruptCheckpointError(
+                f"{os.path.join(path, METADATA)}: {_key(index)!r} has no frame "
+                f"(every tensor of a version-{manifest['version']} folder has one)"
+            )
         by_file.setdefault(info["file"], []).append((_key(index), info))
     total = 0
-    for name in read_manifest(path)["files"]:
+    for name in manifest["files"]:
         total += _verify_file(
             os.path.join(path, name), by_file.get(name, []), progress or (lambda n: None)
         )
     return total
+
+
+def _verify_pickle(path: str, manifest: dict) -> None:
+    """DCP's own ``.metadata`` (never unpickled here): of the size and CRC-32 the manifest says."""
+    where = os.path.join(path, PICKLE)
+    try:
+        blob = read_regular(where, MAX_METADATA_BYTES)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: missing (the manifest names it)") from None
+    if len(blob) != manifest["pickle_bytes"] or fmt.crc32(blob) != manifest["pickle_crc32"]:
+        raise CorruptCheckpointError(
+            f"{where}: {len(blob)} bytes with CRC-32 {fmt.crc32(blob):08x}, the manifest says "
+            f"{manifest['pickle_bytes']} bytes with {manifest['pickle_crc32']:08x}"
+        )
+
+
+def _span(info: dict) -> tuple[int, int]:
+    """The bytes an item occupies in its file: a tensor's frame, an object's region."""
+    span = info.get("frame", info)
+    return span["offset"], span["offset"] + span["length"]
+
+
+def _verify_frame(f, path: str, key: str, info: dict) -> None:
+    """The CRC-32 of a tensor's frame, the bytes around its region."""
+    start, end = _span(info)
+    region_end = info["offset"] + info["length"]
+    crc = fmt.crc32(f.pread(info["offset"] - start, start))
+    crc = fmt.crc32(f.pread(end - region_end, region_end), crc)
+    if crc != info["frame"]["crc32"]:
+        raise CorruptCheckpointError(
+            f"{path}: checksum mismatch in the frame of {key!r} at [{start}, {end})"
+        )
 
 
 def _verify_file(path: str, items: list, report) -> int:
@@ -100,8 +149,15 @@ def _verify_file(path: str, items: list, report) -> int:
             bytes(f.pread(header.index_length, header.index_offset)), header, path
         )
         regions = {(e.offset, e.nbytes): e for e in index.entries}
-        reported = 0
+        reported, previous_end = 0, fmt.HEADER_BYTES
         for key, info in sorted(items, key=lambda item: item[1]["offset"]):
+            start, end = _span(info)
+            if start < previous_end or end > header.index_offset:
+                raise CorruptCheckpointError(
+                    f"{path}: {key!r} spans [{start}, {end}), overlapping the item before it "
+                    f"(which ends at {previous_end}) or the index (at {header.index_offset})"
+                )
+            previous_end = end
             offset, length = info["offset"], info["length"]
             entry = regions.get((offset, length))
             if (
@@ -119,6 +175,8 @@ def _verify_file(path: str, items: list, report) -> int:
                 raise CorruptCheckpointError(
                     f"{path}: checksum mismatch for {key!r} at offset {offset} ({length} bytes)"
                 )
+            if "frame" in info:
+                _verify_frame(f, path, key, info)
             report(length)
             reported += length
         report(f.size - reported)

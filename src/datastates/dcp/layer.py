@@ -24,8 +24,15 @@ What we add over ``FileSystemWriter``:
   metadata and renames the directory to its final name (replacing an older checkpoint of that
   name only once the new one is complete). A crash never leaves a half-written checkpoint at
   ``path``, unlike ``FileSystemWriter(overwrite=True)`` which rewrites shards in place.
-- **No pickle in the metadata**: the DCP ``Metadata`` is written as JSON (``dcp/metadata.py``) and
-  rebuilt field by field, so reading a folder someone handed you runs no code from it. Folders of
+- **Read by DCP's own tools as well** (format version 3): each tensor region sits inside a
+  ``torch.save`` frame (``dcp/frame.py``: a local header before it, the pickle and a central
+  directory after it, in the gap before the next item), and ``finish`` also writes DCP's stock
+  ``.metadata`` pointing at the frames, so ``dcp.load(state, checkpoint_id=path)`` with the
+  default ``FileSystemReader`` and ``dcp_to_torch_save`` read the folder as it is; no tensor
+  byte is written twice. That reader checks no checksum; ours and ``datastates verify`` do.
+- **No pickle read by datastates**: the DCP ``Metadata`` is also written as JSON
+  (``dcp/metadata.py``) and rebuilt field by field, so reading a folder someone handed you with
+  :class:`DatastatesReader` runs no code from it (it never opens ``.metadata``). Folders of
   format version 1 (a pickled ``dcp.metadata``) are read only with ``trusted=True``. The
   non-tensor values of the state dict are ``torch.save`` bytes that DCP's own load planner
   unpickles; ``dcp/folders.load_state`` (behind ``datastates export`` and ``import``) loads them
@@ -47,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.futures import Future
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -66,10 +74,12 @@ from ..storage.posix import fsync_dir
 from ..storage.store import LOCAL
 
 from . import metadata as dcp_metadata
+from .frame import frame
 from .metadata import (
     FORMAT,
     MANIFEST,
     METADATA,
+    PICKLE,
     PICKLED_METADATA,
     VERSION,
     check_regular,
@@ -195,23 +205,44 @@ class DatastatesWriter(StorageWriter, AsyncStager):
             offset = fmt.HEADER_BYTES
             for item in plan.items:
                 blob, info = _encode(item, planner.resolve_data(item))
+                nbytes = memoryview(blob).nbytes
+                crc = fmt.crc32(blob)
+                framed = None
+                if info["kind"] == "tensor":
+                    # the frame that makes [head, tail) a torch.save archive of this tensor
+                    framed = frame(
+                        fmt.dtype_from_name(info["dtype"], _key(item.index)),
+                        info["shape"],
+                        nbytes,
+                        crc,
+                    )
+                    offset += len(framed.head)
                 offset = fmt.align_up(offset, fmt.DATA_ALIGN)
                 _pwrite(fd, blob, offset)
-                crc = fmt.crc32(blob)
-                info.update(file=fname, offset=offset, length=len(blob), crc32=crc)
+                info.update(file=fname, offset=offset, length=nbytes, crc32=crc)
+                if framed is not None:
+                    start = offset - len(framed.head)
+                    _pwrite(fd, framed.head, start)
+                    _pwrite(fd, framed.tail, offset + nbytes)
+                    info["frame"] = {
+                        "offset": start,
+                        "length": framed.length(nbytes),
+                        "crc32": fmt.crc32(framed.tail, fmt.crc32(framed.head)),
+                    }
+                    offset += len(framed.tail)
                 entries.append(
                     {
                         "key": _key(item.index),
                         "kind": info["kind"],
-                        "offset": offset,
-                        "nbytes": len(blob),
+                        "offset": info["offset"],
+                        "nbytes": nbytes,
                         "crc32": crc,
                     }
                 )
                 results.append(
-                    WriteResult(index=item.index, size_in_bytes=len(blob), storage_data=info)
+                    WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=info)
                 )
-                offset += len(blob)
+                offset += nbytes
             index = fmt.encode_index(data.rank, entries)
             _pwrite(fd, index, offset)
             _pwrite(fd, fmt.pack_header(offset, index), 0)
@@ -235,12 +266,23 @@ class DatastatesWriter(StorageWriter, AsyncStager):
         tmp_dir = self._tmp_dir()
         blob = dcp_metadata.encode(metadata)
         _write_file(os.path.join(tmp_dir, METADATA), blob, self.sync_files)
+        # DCP's own metadata file, pickled as FileSystemWriter pickles it, pointing at each
+        # tensor's frame and each object's bytes (read by FileSystemReader, never by us)
+        stock = pickle.dumps(
+            dataclasses.replace(
+                metadata,
+                storage_data={index: _stock_info(info) for index, info in storage.items()},
+            )
+        )
+        _write_file(os.path.join(tmp_dir, PICKLE), stock, self.sync_files)
         manifest = {
             "format": FORMAT,
             "version": VERSION,
             "save_id": self.save_id,
             "metadata_crc32": fmt.crc32(blob),
             "metadata_bytes": len(blob),
+            "pickle_crc32": fmt.crc32(stock),
+            "pickle_bytes": len(stock),
             "files": sorted(files),
         }
         _write_file(os.path.join(tmp_dir, MANIFEST), json.dumps(manifest).encode(), self.sync_files)
@@ -456,6 +498,12 @@ def _encode(item, data) -> tuple[bytes | memoryview, dict]:
     if t.numel() == 0:
         return b"", info
     return fmt.tensor_bytes(t).numpy().data.cast("B"), info
+
+
+def _stock_info(info: dict) -> _StorageInfo:
+    """Where DCP's ``FileSystemReader`` finds an item: a tensor's frame, an object's bytes."""
+    span = info.get("frame", info)
+    return _StorageInfo(relative_path=info["file"], offset=span["offset"], length=span["length"])
 
 
 def _runs(reqs: list) -> list[list]:

@@ -51,6 +51,7 @@ from ..errors import (
     UnsupportedFormatError,
 )
 from ..format import codec as fmt
+from .frame import head_bytes as frame_head_bytes
 from ..storage.store import file_kind, read_regular
 
 __all__ = ["encode", "decode", "read_manifest", "read_checked"]
@@ -60,7 +61,9 @@ METADATA = "dcp_metadata.json"
 PICKLED_METADATA = "dcp.metadata"
 MANIFEST = "dcp_manifest.json"
 FORMAT = "datastates-dcp"
-VERSION = 2
+VERSION = 3
+#: DCP's own pickled metadata, written from version 3 for its stock ``FileSystemReader``.
+PICKLE = ".metadata"
 #: Upper bound of the manifest and metadata files read (JSON of a few million items).
 MAX_METADATA_BYTES = 1 << 30
 
@@ -119,7 +122,10 @@ def read_manifest(path: str) -> dict:
             f"{mpath}: files {files!r:.80}, expected the shard file "
             "names rank-00000.dsf, rank-00001.dsf, ..."
         )
-    for field in ("metadata_bytes", "metadata_crc32"):
+    fields = ["metadata_bytes", "metadata_crc32"]
+    if manifest["version"] >= 3:
+        fields += ["pickle_bytes", "pickle_crc32"]
+    for field in fields:
         if type(manifest.get(field)) is not int or manifest[field] < 0:
             raise CorruptCheckpointError(
                 f"{mpath}: {field} {manifest.get(field)!r:.40}, expected a non-negative integer"
@@ -381,7 +387,8 @@ def _decode_storage_data(r: "_Fields", data: Any, files: set[str]) -> dict:
 def _decode_info(r: "_Fields", info: Any, where: str, files: set[str]) -> dict:
     kind = r.obj(info, where).get("kind")
     base = {"kind", "file", "offset", "length", "crc32"}
-    r.keys(info, where, base | {"dtype", "shape"} if kind == "tensor" else base)
+    tensor = {"dtype", "shape", "frame"} if "frame" in info else {"dtype", "shape"}
+    r.keys(info, where, base | tensor if kind == "tensor" else base)
     if kind not in ("tensor", "object"):
         raise CorruptCheckpointError(
             f"{r.path}: {where}: kind {kind!r}, expected 'tensor' or 'object'"
@@ -412,6 +419,26 @@ def _decode_info(r: "_Fields", info: Any, where: str, files: set[str]) -> dict:
                 f"{numel * dtype.itemsize} for {info['dtype']} {shape}"
             )
         out.update(dtype=info["dtype"], shape=shape)
+        if "frame" in info:
+            out["frame"] = _decode_frame(r, info["frame"], f"{where}.frame", out)
+    return out
+
+
+def _decode_frame(r: "_Fields", frame: Any, where: str, info: dict) -> dict:
+    """The ``torch.save`` frame around a tensor region (docs/format.md, "Version 3")."""
+    r.keys(frame, where, {"offset", "length", "crc32"})
+    out = {k: r.integer(frame[k], f"{where}.{k}") for k in ("offset", "length", "crc32")}
+    head = frame_head_bytes(info["length"])
+    if (
+        out["crc32"] >> 32
+        or out["offset"] < fmt.HEADER_BYTES
+        or out["offset"] + head != info["offset"]
+        or out["length"] < head + info["length"]
+    ):
+        raise CorruptCheckpointError(
+            f"{r.path}: {where}: {out} is not a frame around the region "
+            f"[{info['offset']}, {info['offset'] + info['length']})"
+        )
     return out
 
 
