@@ -30,40 +30,21 @@ log = logging.getLogger("datastates")
 
 
 class Checkpointer:
-    """Saves and restores training state in one directory of checkpoints.
+    """Saves and restores training state in one directory of checkpoints (docs/loop.md).
 
-    Thread model: call ``save``/``restore``/``load`` from the training thread. Background threads
-    capture and write; they never touch the training process group. Multi-rank: construct it on
-    every rank after ``torch.distributed.init_process_group`` (one collective at construction);
-    every rank then calls ``save`` with the same step/tag in the same order.
+    Call ``save``/``restore``/``load`` from the training thread; background threads capture and
+    write, and never touch the training process group. Multi-rank: construct it on every rank
+    after ``torch.distributed.init_process_group``; every rank then makes the same saves in the
+    same order (docs/distributed.md). ``directory`` is a local path or ``s3://bucket/prefix``
+    (``storage_options``: endpoint and credentials; docs/storage.md). Nothing is created before
+    the first save. ``share=other`` uses ``other``'s host cache, threads, configuration and
+    communicator. ``close()`` (or the ``with`` block, or interpreter exit) waits for the saves
+    in flight. With ``config.memory_tier`` the checkpoints of most steps are kept in memory:
+    ``memory`` and ``storage`` are the two tiers' TierCheckpointers (docs/memory-tier.md).
 
-    ``directory`` is a local path or an object-store URL, ``s3://bucket/prefix`` (``pip install
-    'datastates[s3]'``; endpoint and credentials from ``storage_options`` — ``endpoint_url``,
-    ``aws_access_key_id``, ``aws_secret_access_key``, ``region_name`` — or the standard AWS
-    environment variables). On an object store the manifest written last commits a checkpoint
-    (docs/storage.md); the bucket and credentials are checked at construction
-    (BucketNotFoundError, StorageAccessError).
-
-    The directory is created by the first save (a Checkpointer that only restores or lists
-    creates nothing, and allocates no host cache); a local path that is, or lies below, a file
-    raises NotADirectoryError at construction (on an object store an object and a prefix of
-    one name are independent: an object at the root's key is left alone).
-
-    Resources (host cache, threads) are released by ``close()`` or the ``with`` block, which first
-    waits for in-flight saves to commit. ``share=other`` makes this Checkpointer use ``other``'s
-    host cache, threads, configuration and communicator (for tools that save into many
-    directories); ``other`` owns them. Close them in any order: closing ``other`` waits for every
-    queued save of every sharer, then stops the threads; a sharer used after that raises
-    ``CheckpointerClosedError``.
-
-    ``restore`` and ``load`` first wait until every save in flight on the shared pipeline is
-    committed or failed, so ``save(); restore()`` sees the checkpoint just saved and a restore
-    never changes state that an in-flight snapshot is still reading.
-
-    ``config.memory_tier`` (docs/memory-tier.md): the lowest rank of each node attaches to
-    that node's keeper process (starting one if none runs; KeeperError if it cannot), and
-    ``memory`` is the memory tier's TierCheckpointer (of this node's ranks, when the job runs
-    on several nodes).
+    Raises NotADirectoryError (a local path that is or lies below a file), BucketNotFoundError
+    or StorageAccessError (an object store), CommitTimeoutError (a rank did not construct it
+    within ``commit_timeout_s``), KeeperError (the memory tier did not open), ConfigError.
     """
 
     storage: TierCheckpointer
@@ -130,52 +111,23 @@ class Checkpointer:
         metrics: dict | None = None,
         persist: bool | None = None,
     ) -> SaveHandle:
-        """Start a checkpoint of ``state`` and return its handle.
+        """Start a checkpoint of ``state``, named ``tag`` or ``step-<step>``; return its handle.
 
-        ``state`` is any nesting of dicts/lists/tuples, tensors, modules, optimizers, objects
-        with ``state_dict()``, :class:`RNGState` and picklable Python objects. The name is ``tag``
-        or ``step-<step>``.
+        Returns once the eager tensors are in the host cache and the Python objects serialized;
+        the tensors of guarded optimizers are captured lazily, before their next ``step()``
+        (docs/loop.md, "How a save works"). ``replicated``: tensors identical on every rank,
+        written once (True, or key prefixes). ``metrics``: numbers kept in the manifest, which
+        ``keep_best`` ranks by. ``persist`` (memory tier only): True for storage, False for
+        memory, None to let ``MemoryTier.persist_every`` decide (docs/memory-tier.md).
 
-        Capture (see ``datastates.save.capture``): the optimizers found in ``state`` and those given in
-        ``optimizers`` (when the state holds their state dicts or flat buffers instead of the
-        objects; wrappers are unwrapped to the torch optimizer whose ``step`` runs) are part of
-        this save and guarded. Tensors on the bytes of their parameters and state are lazy:
-        copied in the background, and their next ``step()`` waits for that copy. Every other
-        tensor is eager: copied straight into the host cache before this returns (no other copy
-        is made; a state larger than the cache streams through it, and this returns once every
-        eager tensor is in the cache or written). NumPy arrays of a dtype torch has are stored
-        as tensors (load gives them back as arrays). Python objects are serialized before this
-        returns; one that restore()'s safe loading would refuse (a class outside its allowlist,
-        a torch DataLoader) raises UnsafeObjectError naming its key, with nothing written,
-        unless ``config.allow_unsafe_objects``. ``replicated`` declares tensors identical on
-        every rank (True for all, or key
-        prefixes): they are written once, and (``config.replica_check``) a digest of each is
-        compared across ranks at commit.
-
-        A tensor no checkpoint holds (sparse, mkldnn, nested, or a meta tensor with elements)
-        raises SerializationError naming its key, with nothing written.
-
-        ``metrics`` (``{"val_loss": 0.31}``): numbers recorded in the manifest (rank 0's) and
-        given back as ``CheckpointInfo.metrics``, which ``config.keep_best`` ranks by. A name
-        is a str, a value a finite int or float (a bool, NaN or infinity is refused): TypeError
-        or ValueError naming the key, with nothing written.
-
-        Multi-rank: every rank must make the same saves (same name and step) in the same order;
-        a save that one rank skips, names differently, or fails (even inside this call) fails on
-        every rank within ``commit_timeout_s`` with a CommitError, and the next saves proceed.
-
-        ``persist`` (with ``config.memory_tier``): False commits the save into the memory tier,
-        True into the directory (storage); None lets ``MemoryTier.persist_every`` decide (a
-        tag goes to storage). With ``MemoryTier(storage_writer="keeper")`` (the default) a save
-        for storage without a tag is committed into memory, and the keeper then copies it into
-        storage (its handle is done with the memory commit; ``wait()`` on rank 0 waits for
-        storage too).
-        Without a memory tier every save goes to storage, and ``persist=False`` raises
-        ConfigError. ``persist`` is None, True or False: another value (0, 1) raises ConfigError.
-
-        ``step``, ``tag`` and ``persist`` are checked first, before a tier is chosen, by the one
-        check that ``restore``, ``load`` and ``delete`` share (``save.arguments.check_target``):
-        ConfigError ``"save(): <expected>, found <value>"``, with nothing written.
+        Raises, with nothing written: ConfigError for a step, tag or persist ``save()`` refuses
+        (checked first, by the check ``restore``/``load``/``delete`` share); TypeError or
+        ValueError for metadata or metrics that do not survive JSON; UnsafeObjectError for an
+        object a safe restore would refuse (unless ``config.allow_unsafe_objects``);
+        SerializationError for a tensor no checkpoint holds; CheckpointExistsError for a name
+        committed already (unless ``overwrite``). A failure after this returns, on any rank,
+        fails the save on every rank within ``commit_timeout_s``: ``handle.wait()`` raises it
+        (CommitError).
         """
         check_target("save", step, tag, persist)  # before routing: one check, every tier
         self._check_open()
@@ -242,80 +194,26 @@ class Checkpointer:
         cast: bool = False,
         fallback: bool = False,
     ) -> RestoreReport:
-        """Restore a committed checkpoint (the latest if no step/tag) into the live ``state``.
+        """Restore a committed checkpoint (the latest if no step/tag) into the live ``state``,
+        in place, and return a RestoreReport.
 
-        Tensors are filled in place on their own devices, and so are NumPy arrays (a writeable
-        live array of the saved shape and dtype; a read-only one is replaced by a new array);
-        providers apply the rest (optimizer state, RNG, schedulers); plain values (ints,
-        strings, objects) held by the live dicts and lists are replaced by the saved ones. Strict by default: keys, shapes and dtypes must match, and a
-        mismatch raises StateMismatchError before anything is modified. Strict means: the same
-        keys, lengths of the lists holding tensors or objects, tensor shapes and dtypes, the
-        same type for every plain value (a live ``None`` accepts any saved value), and every
-        check of the providers involved (for an optimizer: its class, the number of parameter
-        groups, the parameters per group, the hyper-parameter names, and the state names of
-        every parameter that has state). A dict, list or tuple of plain data only is a value: it
-        takes the saved items whatever its live length (docs/resume.md, "What a restore
-        matches"). With ``strict=False`` what does not match is left alone and listed in the
-        report. ``keys``
-        restricts the restore to key prefixes such as ``"model"``. Python objects load safely
-        unless ``trusted=True`` (or their classes are in ``safe_globals``).
+        Strict by default: keys, structure, shapes, dtypes and plain values' types must match,
+        else StateMismatchError before anything is modified (docs/resume.md, "What a restore
+        matches"); ``strict=False`` leaves what does not match alone and lists it in the report.
+        ``keys``: key prefixes to restore. ``cast=True``: a floating-point tensor restores into
+        a live one of another floating-point dtype (docs/guarantees.md). Python objects load
+        safely unless ``trusted=True`` or their classes are in ``safe_globals``. At another
+        world size, per-rank state needs ``rank_policy`` "rank0" or "same" (ReshardError
+        otherwise; docs/world-size.md). ``fallback=True``: the newest checkpoint every rank
+        verifies, damaged ones skipped and moved aside (docs/resume.md). With a memory tier the
+        newest step of either tier is read, memory on a tie (``report.tier``). First waits for
+        the saves in flight.
 
-        ``cast=True`` lets a saved floating-point tensor restore into a live floating-point
-        tensor of the same shape but another dtype (float32 into bfloat16 or float16, and back;
-        a sharded live tensor too): its bytes are read and checksummed as saved, into a
-        temporary of the saved dtype (at most 64 MiB of temporaries at a time, or one tensor
-        if larger), then copied with ``live.copy_(saved)`` (torch's rounding), so the live
-        tensor changes only once its bytes were verified. Every such key is listed in
-        ``report.cast`` (``"model/w (float32 -> bfloat16)"``) as well as in ``restored``.
-        Integer, bool and complex tensors are never cast: a dtype differing there stays a
-        mismatch, whose entry says so. By default (``cast=False``) any dtype difference is a
-        mismatch.
-
-        First waits until every in-flight save of this Checkpointer (and of those sharing its
-        pipeline) is committed or failed; their failures stay on their handles. A checksum error
-        found while reading raises CorruptCheckpointError after tensors filled in place so far
-        (parameters, buffers, optimizer state tensors) took their new values; plain values and
-        what providers apply (optimizer hyper-parameters, schedulers, RNG, loaders) change only
-        after every read was verified. Run ``verify`` first (``python -m datastates verify DIR``)
-        to rule that out without touching live state.
-
-        A split manifest (docs/format.md, "Split manifests") is read as each rank's view of it
-        where one saved rank's state decides what a rank restores (at the saved world size, or
-        with ``rank_policy`` "rank0" or "same"; "A rank's view"). A listing by several ranks
-        checks every part's checksum, so every rank finds a damaged byte and agrees on the
-        latest; a part whose checksum holds but whose content does not validate (only a faulty
-        or hostile writer makes one) raises CorruptCheckpointError on the ranks that read it
-        only. ``fallback=True`` makes the ranks agree on that too.
-
-        At another world size than the save's, state that differs between the saved ranks
-        (loader positions, RNG, any per-rank value) raises ReshardError unless ``rank_policy``
-        is ``"rank0"`` or ``"same"``; only the requested ``keys`` are considered. An unknown
-        ``rank_policy`` raises ConfigError before anything is read.
-
-        ``fallback=True`` (the latest only: with ``step`` or ``tag`` it raises ConfigError)
-        restores the newest checkpoint that verifies on every rank: each rank plans its restore
-        and re-reads and checks the files it reads (``verify`` pass) before live state is
-        touched, the ranks agree through the coordination store, and a checkpoint any rank
-        finds damaged is skipped by all of them together and moved aside by rank 0
-        (``<dir>/.damaged.<name>.<uid>``, with ``reason.txt``; never listed), with a WARNING
-        each; ``report.skipped`` says which and why, ``report.verified_nbytes`` and
-        ``report.verify_s`` what the check cost. A mismatch or another error on any rank raises
-        on every rank before anything is modified (RestoreAbortedError on the others); no
-        checkpoint left raises CheckpointNotFoundError. Damage found once live state is being
-        written (the files changed after the check) raises CorruptCheckpointError, never a
-        fallback (datastates/restore/resume.py).
-
-        With ``config.memory_tier``: the checkpoint asked for, or the newest (the highest step of
-        either tier; memory on a tie), is read from memory when memory holds it, always as with
-        ``fallback=True`` there; when no memory checkpoint is intact on every rank, every rank
-        restores from storage instead (a WARNING says so). ``report.tier`` says which, and
-        ``report.tier_fallback`` why memory was not asked (a keeper that did not answer at
-        construction: the Checkpointer then does without the memory tier, a WARNING). On
-        several nodes, a restore of the latest then removes each node's memory checkpoints of
-        later steps (docs/memory-tier.md, "Several nodes").
-
-        A step or tag that ``save()`` would refuse raises the same ConfigError as there (named
-        ``restore()``), before a tier is chosen or anything is read.
+        Raises ConfigError (a bad step/tag, ``fallback`` with step/tag, an unknown
+        ``rank_policy``), CheckpointNotFoundError, StateMismatchError, ReshardError,
+        CorruptCheckpointError (a checksum failed while reading: tensors filled so far took
+        their new values, plain values and providers did not; run ``verify`` first to rule it
+        out), RestoreAbortedError (another rank failed a fallback restore).
         """
         check_target("restore", step, tag)
         self._check_open()
@@ -447,21 +345,12 @@ class Checkpointer:
         return self.storage.list()
 
     def latest(self) -> CheckpointInfo | None:
-        """The most recently committed checkpoint (highest commit sequence number, tags and steps
-        alike), or None. The ``latest`` file in the directory is only a hint and is not read: a
-        crash after a commit but before that file was rewritten still gives the new checkpoint,
-        so the resume loop ``start = ckpt.restore(state).step + 1 if ckpt.latest() else 0``
-        never saves a committed step twice (docs/format.md, "The resume loop"). None as well
-        when the directory does not exist yet.
+        """The newest committed checkpoint, or None (nothing saved yet).
 
-        Damaged checkpoints are never chosen; each one that may be newer than the one returned
-        (:meth:`Catalog.passed_over`) is named in a WARNING on the ``datastates`` logger, with
-        why it is damaged and which checkpoint is used instead (``restore()`` and ``load()`` of
-        the latest do the same). The next save of a damaged checkpoint's name moves it aside
-        and commits, so the resume loop keeps running.
-
-        With ``config.memory_tier``: the newer of storage's and the memory tier's (the higher
-        step; memory on a tie), which is what ``restore()`` reads."""
+        The newest is the last commit (with a memory tier: the highest step of either tier,
+        memory on a tie), so the resume loop never saves a committed step twice
+        (docs/resume.md). Damaged checkpoints are never chosen; each one passed over is named
+        in a WARNING."""
         newest = self.storage.latest()
         return self.tiers.newest(newest) if self.tiers is not None else newest
 
@@ -477,21 +366,14 @@ class Checkpointer:
         return self.storage.damaged()
 
     def delete(self, step: int | None = None, *, tag: str | None = None) -> None:
-        """Delete a checkpoint, committed or damaged (rank 0 only does the work).
+        """Delete a checkpoint, committed or damaged, named by exactly one of ``step`` and
+        ``tag`` (rank 0 does the work).
 
-        Only a checkpoint is removed: a directory holding a ``manifest.json`` (on an object
-        store, a prefix holding one). A name under which there is none, or anything else (a
-        file, a symbolic link, a directory without a manifest) raises CheckpointNotFoundError
-        and nothing is removed. Exactly one of ``step`` and ``tag`` names it: neither or both
-        raise ConfigError, and so does an invalid step or tag (the rules of ``save()``, checked
-        as it checks them), before anything is removed.
-
-        With ``config.memory_tier`` whose keeper writes storage: ``self.memory.delete()`` of a
-        memory checkpoint the keeper is writing to storage (or that waits for it) first waits
-        until that write is done, and ``delete()`` in storage until no write to storage runs
-        (both first wait for the saves in flight on this pipeline, so a save just committed has
-        been handed on); CommitTimeoutError, nothing removed, if that takes over
-        ``commit_timeout_s``."""
+        Only a directory holding a ``manifest.json`` is removed. Raises ConfigError (neither or
+        both, or a name ``save()`` refuses) and CheckpointNotFoundError (nothing there is a
+        checkpoint), before anything is removed; with a memory tier whose keeper writes storage,
+        CommitTimeoutError if that write does not end within ``commit_timeout_s``
+        (docs/memory-tier.md)."""
         self.storage.delete(step, tag=tag)
 
     # ------------------------------------------------------------ lifecycle
