@@ -185,6 +185,27 @@ def test_saves_go_to_their_tier_and_the_newest_is_restored(shm_root, tmp_path):
         assert_bit_exact(plain.load(step=8), make_state(8, big=False))
 
 
+def test_a_memory_tag_saved_later_does_not_hide_a_newer_memory_step(shm_root, tmp_path):
+    """Inside the memory tier, as across the tiers, the newest is the highest step: a tag kept in
+    memory after step 4 (keep_last=2) is older than step 4 for latest(), restore() and load(),
+    and storage's step 3 is not read."""
+    storage = tmp_path / "ckpt"
+    tier = _tier(shm_root, tmp_path, persist_every=3, keep_last=2)
+    with datastates.Checkpointer(storage, _config(tier)) as ck:
+        for step in (3, 4):
+            ck.save(make_state(step, big=False), step=step)
+        ck.save(make_state(1, big=False), tag="warmup", persist=False)
+        ck.wait()
+        assert _names(ck.memory.list()) == ["step-0000000004", "warmup"]
+        assert ck.memory.latest().step == 4 and ck.latest().step == 4
+        live = zeros_like_state(make_state(0, big=False))
+        report = ck.restore(live)
+        assert (report.step, report.tier) == (4, "memory")
+        assert_bit_exact(live, make_state(4, big=False))
+        assert_bit_exact(ck.load(), make_state(4, big=False))
+        ck.close(stop_keeper=True)
+
+
 def test_a_damaged_newest_memory_step_falls_back_to_storage_s_newer_step(
     shm_root, tmp_path, caplog
 ):
