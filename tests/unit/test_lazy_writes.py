@@ -42,11 +42,19 @@ class Stall:
         self.armed = False
         self.entered = threading.Event()  # a write is waiting: the capture is stopped
         self.released = threading.Event()
+        self.waiting = threading.Semaphore(0)  # one release per write that waits
 
     def arm(self) -> None:
         self.entered.clear()
         self.released.clear()
+        self.waiting = threading.Semaphore(0)
         self.armed = True
+
+    def wait_slots_full(self, writes: int = 2) -> None:
+        """Wait until ``writes`` writes wait: both cache slots are written, so the capture has
+        copied (and checked) the first two units and copies nothing more."""
+        for _ in range(writes):
+            assert self.waiting.acquire(timeout=60), "the writes of both slots did not begin"
 
     def release(self) -> None:
         self.armed = False
@@ -63,6 +71,7 @@ def stall(monkeypatch):
     def stalled(self, data, offset, padded=None):
         if gate.armed:
             gate.entered.set()
+            gate.waiting.release()
             assert gate.released.wait(60), "the test never released the writes"
         return write(self, data, offset, padded)
 
@@ -124,7 +133,7 @@ def test_load_state_dict_before_the_copy_fails_the_save(tmp_path, stall):
         ckpt.save({"model": model, "opt": opt}, step=1).wait()
         stall.arm()
         handle = ckpt.save({"model": model, "opt": opt}, step=2)
-        stall.wait_entered()
+        stall.wait_slots_full()  # the first two units' checks are done: all six are named
         model.load_state_dict(other)  # writes every parameter in place
         stall.release()
         assert_failed_and_next_save_works(
