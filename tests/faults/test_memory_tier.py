@@ -206,6 +206,44 @@ def test_a_memory_tag_saved_later_does_not_hide_a_newer_memory_step(shm_root, tm
         ck.close(stop_keeper=True)
 
 
+class _Counter:
+    """A class without state_dict(): only a provider of its own saves it."""
+
+    def __init__(self, seed):
+        self.count = seed
+        self.history = torch.full((4,), float(seed))
+
+
+class _CounterProvider(datastates.StateProvider):
+    name = "tests.memory.Counter"
+
+    def can_handle(self, obj):
+        return isinstance(obj, _Counter)
+
+    def state(self, obj):
+        return {"count": obj.count, "history": obj.history}
+
+    def load(self, obj, state):
+        obj.count = state["count"]
+        obj.history.copy_(state["history"])
+
+
+def test_the_memory_tier_uses_the_checkpointer_s_registry(shm_root, tmp_path):
+    """A provider registered with the Checkpointer serves memory saves and restores as it serves
+    storage's."""
+    registry = datastates.ProviderRegistry.default().register(_CounterProvider())
+    tier = _tier(shm_root, tmp_path, persist_every=2)
+    with datastates.Checkpointer(tmp_path / "ckpt", _config(tier), registry=registry) as ck:
+        for step in (1, 2, 3):
+            ck.save({"c": _Counter(step)}, step=step)
+        ck.wait()  # step 2 written to storage by the keeper too
+        assert ck.memory.latest().step == 3 and [i.step for i in ck.list()] == [2]
+        live = _Counter(0)
+        assert ck.restore({"c": live}).tier == "memory"
+        assert live.count == 3 and torch.equal(live.history, torch.full((4,), 3.0))
+        ck.close(stop_keeper=True)
+
+
 def test_a_damaged_newest_memory_step_falls_back_to_storage_s_newer_step(
     shm_root, tmp_path, caplog
 ):

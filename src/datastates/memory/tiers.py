@@ -223,6 +223,7 @@ class Tiers:
         self.memory = TierCheckpointer(
             os.path.join(self.memdir, place.CKPT),
             share=storage,
+            registry=storage.registry,
             store=self.store,
             communicator=comm,
             policy=policy,
