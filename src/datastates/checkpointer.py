@@ -71,7 +71,7 @@ class Checkpointer:
         #: The memory tier's parts (node groups, keeper link, hand-off; memory/tiers.py), or
         #: None: ``config.memory_tier`` unset, or a Checkpointer made with ``share=``.
         self.tiers: Tiers | None = None
-        #: The Checkpointer of the memory tier, or None (docs/memory-tier.md).
+        #: The memory tier's TierCheckpointer, or None (docs/memory-tier.md).
         self.memory: TierCheckpointer | None = None
         if share is not None or config is None or config.memory_tier is None:
             #: The tier of the directory's checkpoints (storage).
