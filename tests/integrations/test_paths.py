@@ -58,10 +58,10 @@ def test_save_load_equals_torch_load(tmp_path):
     paths = PathCheckpoints(ONE_WRITER)
     paths.save(state, tmp_path / "x.ckpt", snapshot=True)
     paths.wait()
-    assert os.path.isfile(tmp_path / "x.ckpt" / "manifest.json")
-    assert_same(
-        torch.load(tmp_path / "ref.pt", weights_only=False), paths.load(tmp_path / "x.ckpt")
-    )
+    assert os.path.isfile(tmp_path / "x.ckpt.datastates" / "manifest.json")
+    want = torch.load(tmp_path / "ref.pt", weights_only=False)
+    assert_same(want, paths.load(tmp_path / "x.ckpt"))
+    assert_same(want["module"], torch.load(tmp_path / "x.ckpt", weights_only=True)["module"])
     paths.close()
 
 
@@ -83,6 +83,7 @@ def test_overwrite_and_remove(tmp_path):
     assert paths.load(tmp_path / "last.ckpt")["v"].tolist() == [2, 2, 2, 2]
     paths.remove(tmp_path / "last.ckpt")
     assert not os.path.exists(tmp_path / "last.ckpt")
+    assert not os.path.exists(tmp_path / "last.ckpt.datastates")
     paths.close()
     assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
 
@@ -129,16 +130,19 @@ def test_crash_never_exposes_a_partial_checkpoint(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env())
     target = tmp_path / "x.pt"
     paths = PathCheckpoints(ONE_WRITER)
-    if os.listdir(target):  # the commit won the race: then it must be complete
+    if paths.exists(target):  # the commit won the race: then it must be complete
         assert torch.equal(paths.load(target)["t"], torch.ones(8 << 20))
+        if os.path.getsize(target):  # and so is the link, if it was made
+            assert torch.equal(torch.load(target, weights_only=True)["t"], torch.ones(8 << 20))
     else:  # the placeholder the save made: no checkpoint, and the next save takes the name
+        assert os.path.getsize(target) == 0
         assert not paths.exists(target)
         paths.save({"t": torch.zeros(2)}, target, snapshot=True)
         paths.wait()
         assert torch.equal(paths.load(target)["t"], torch.zeros(2))
     paths.close()
-    visible = [n for n in os.listdir(tmp_path) if not n.startswith(".")]
-    assert visible in ([], ["x.pt"], ["latest", "x.pt"])
+    visible = sorted(n for n in os.listdir(tmp_path) if not n.startswith("."))
+    assert visible in (["x.pt", "x.pt.datastates"], ["latest", "x.pt", "x.pt.datastates"])
 
 
 def test_optimizers_make_only_their_bytes_lazy(tmp_path):
@@ -176,7 +180,10 @@ def test_a_framework_s_step_is_recorded(tmp_path):
     paths.save({"x": torch.ones(3)}, tmp_path / "b.ckpt", snapshot=True)
     paths.close()
     with datastates.Checkpointer(tmp_path) as ckpt:
-        assert sorted((i.name, i.step) for i in ckpt.list()) == [("a.ckpt", 7), ("b.ckpt", None)]
+        assert sorted((i.name, i.step) for i in ckpt.list()) == [
+            ("a.ckpt.datastates", 7),
+            ("b.ckpt.datastates", None),
+        ]
 
 
 def interrupt_replacement(root, name: str) -> str:
@@ -195,7 +202,8 @@ def test_interrupted_replacement_is_put_back_before_lookup(tmp_path):
     paths = PathCheckpoints(ONE_WRITER)
     paths.save(state, tmp_path / "last.ckpt", snapshot=True)
     paths.close()
-    old = interrupt_replacement(tmp_path, "last.ckpt")
+    old = interrupt_replacement(tmp_path, "last.ckpt.datastates")
+    os.remove(tmp_path / "last.ckpt")  # and no link: the checkpoint is found behind the path
     paths = PathCheckpoints(ONE_WRITER)  # the restarted job
     assert paths.exists(tmp_path / "last.ckpt")  # the lookup lets the core repair first
     assert not os.path.exists(old)
@@ -204,12 +212,13 @@ def test_interrupted_replacement_is_put_back_before_lookup(tmp_path):
 
 
 @pytest.mark.slow
-def test_plain_file_stays_loadable_until_its_replacement_commits(tmp_path):
+def test_plain_file_stays_in_place_until_its_replacement_commits(tmp_path):
     """Another engine's plain file replaced by a datastates checkpoint: the job dies with the
-    save in flight (its commit held back), and the path still loads the old file."""
+    save in flight (its commit held back), and the file is still at the path, untouched."""
     plain = {"v": torch.arange(6.0)}
     target = tmp_path / "last.ckpt"
     torch.save(plain, target)
+    inode = os.stat(target).st_ino
     code = textwrap.dedent(f"""
         import os, threading, torch, datastates
         import datastates.format.codec as codec
@@ -220,30 +229,46 @@ def test_plain_file_stays_loadable_until_its_replacement_commits(tmp_path):
         os._exit(0)  # die between the save's return and its commit
     """)
     subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env())
+    assert os.stat(target).st_ino == inode
+    assert_same(plain, torch.load(target))
     kept = tmp_path / "kept"
     shutil.copytree(tmp_path, kept, ignore=shutil.ignore_patterns("kept"))
     paths = PathCheckpoints(ONE_WRITER)
     assert paths.exists(target)
     assert_same(plain, paths.load(target))
-    paths.remove(kept / "last.ckpt")  # removing the path removes the file set aside too
+    paths.remove(kept / "last.ckpt")
     assert not paths.exists(kept / "last.ckpt")
-    assert not [n for n in os.listdir(kept) if n.startswith(".plain.")]
-    paths.save({"v": torch.ones(6)}, target, snapshot=True)  # the next save commits: file gone
+    paths.save({"v": torch.ones(6)}, target, snapshot=True)  # the next save commits: replaced
     paths.wait()
     assert paths.load(target)["v"].tolist() == [1.0] * 6
-    assert not [n for n in os.listdir(tmp_path) if n.startswith(".plain.")]
+    assert torch.load(target)["v"].tolist() == [1.0] * 6
     paths.close()
 
 
-def test_plain_file_is_put_back_when_its_replacement_fails(tmp_path, monkeypatch):
+def test_plain_file_set_aside_by_an_earlier_version_is_read_and_removed(tmp_path):
+    plain = {"v": torch.arange(6.0)}
+    torch.save(plain, tmp_path / ".plain.last.ckpt")  # a crash of an earlier version's save
+    os.mkdir(tmp_path / "last.ckpt")  # and its placeholder
+    paths = PathCheckpoints(ONE_WRITER)
+    assert paths.exists(tmp_path / "last.ckpt")
+    assert_same(plain, paths.load(tmp_path / "last.ckpt"))
+    paths.save({"v": torch.ones(6)}, tmp_path / "last.ckpt", snapshot=True)
+    paths.wait()
+    assert torch.load(tmp_path / "last.ckpt")["v"].tolist() == [1.0] * 6
+    assert not os.path.exists(tmp_path / ".plain.last.ckpt")
+    paths.close()
+
+
+def test_plain_file_stays_when_its_replacement_fails(tmp_path, monkeypatch):
     plain = {"v": torch.arange(6.0)}
     target = tmp_path / "last.ckpt"
     torch.save(plain, target)
+    inode = os.stat(target).st_ino
     paths = PathCheckpoints(ONE_WRITER)
     _fail_in_background(monkeypatch)
     paths.save({"v": torch.zeros(6)}, target, snapshot=False)
     with pytest.raises(KeyError, match="injected"):
         paths.wait()
-    assert os.path.isfile(target)
+    assert os.stat(target).st_ino == inode
     assert_same(plain, torch.load(target))
     paths.close()

@@ -1,12 +1,19 @@
 """Path-addressed checkpoints: what the frameworks that think in files (DeepSpeed, Lightning) need.
 
 A framework asks to save a state "to the file ``dir/name``". Here that becomes the datastates
-checkpoint ``name`` in the directory ``dir``: a directory ``dir/name/`` that appears atomically
-(temp dir + fsync + rename, done by the core), so a crash never leaves a partial checkpoint at
-that path. A later save to the same path replaces it through the core's overwrite commit.
+checkpoint ``name.datastates`` of the directory ``dir`` (one rank: one shard file, a
+``torch.save`` archive), committed atomically by the core; right after the commit ``dir/name``
+becomes a hard link to that shard file (a link made under a temporary name, then renamed over
+the path), so the framework's own loader and ``torch.load`` read the path in place, and no
+tensor byte is written twice. Until then the path keeps what it held (the previous checkpoint,
+another engine's file, or an empty placeholder file). Where the file system refuses hard links
+there is no file at the path, and the checkpoint is read through :meth:`PathCheckpoints.load`
+(one WARNING per directory). Layout, crash cases and older layouts: docs/lightning.md,
+"Files on disk".
 
 Threads and ownership:
-- every public method runs on the caller's (training) thread;
+- every public method runs on the caller's (training) thread; the link is made on the
+  finisher thread, after the commit and before ``on_commit``;
 - one :class:`datastates.Checkpointer` per directory, created on first use and owned here; the
   first one owns the host cache and threads and every other one shares them
   (``Checkpointer(share=...)``), so a new directory (a new DeepSpeed tag) allocates nothing;
@@ -24,10 +31,13 @@ decides whether they are trusted when read (``trusted``, Lightning's ``weights_o
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import re
 import shutil
 import threading
+import uuid
 from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
@@ -80,44 +90,39 @@ def base_optimizer(opt: Any) -> torch.optim.Optimizer | None:
     return _core().torch_optimizer(opt)
 
 
-#: The prefix of the name a plain file (another engine's checkpoint) is kept under while the
-#: datastates checkpoint replacing it is saved: ``dir/.plain.<name>``.
+#: The suffix of the datastates checkpoint behind the path ``dir/name``: ``dir/name.datastates/``.
+SUFFIX = ".datastates"
+#: The prefix of the name under which an earlier version kept another engine's plain file while
+#: the datastates checkpoint replacing it was saved: ``dir/.plain.<name>``. Still read (a crash
+#: may have left one) and removed with the path; saves no longer set files aside.
 ASIDE_PREFIX = ".plain."
+#: What ``os.link`` fails with where the file system has no hard links here (a FUSE or object
+#: store mount, a link count at its limit, another device): the path then gets no file.
+LINK_REFUSED_ERRNOS = (
+    errno.EPERM,
+    errno.EXDEV,
+    errno.ENOTSUP,
+    errno.EOPNOTSUPP,
+    errno.EMLINK,
+    errno.ENOSYS,
+)
+#: The temporary name of a link being put in place: ``.<name>.link-<pid>-<8 hex>``.
+_LINK_TMP = re.compile(r"\..+\.link-(?P<pid>[0-9]+)-[0-9a-f]{8}")
+
+
+def checkpoint_dir(full: str) -> str:
+    """The datastates checkpoint directory behind the path ``full``."""
+    return full + SUFFIX
 
 
 def aside_path(full: str) -> str:
-    """Where the plain file ``full`` is kept while its replacement is saved."""
+    """Where an earlier version kept the plain file ``full`` while its replacement was saved."""
     root, name = os.path.split(full)
     return os.path.join(root, ASIDE_PREFIX + name)
 
 
-# Replacing another engine's plain file (a stock Lightning ``last.ckpt`` when a run switches to
-# datastates). The core publishes a checkpoint directory only where nothing but a checkpoint
-# is, and it cannot exchange a file with a directory, so the file cannot stay at its path while
-# the new checkpoint is written in the background. Decision: the file is renamed (atomically)
-# to ``.plain.<name>`` before the save, removed once the new checkpoint is committed, and put
-# back if the save fails. A crash in between leaves no ``<name>`` but the old file aside, and
-# load()/exists() of ``<name>`` read it: the path stays loadable through this layer at every
-# moment (plain before the commit, datastates after).
-
-
-def set_aside(full: str) -> None:
-    """Move the plain file ``full`` aside (see above)."""
-    os.replace(full, aside_path(full))
-
-
-def put_back(full: str) -> None:
-    """After a failed save: the file set aside goes back to ``full`` if that is still free."""
-    aside = aside_path(full)
-    if os.path.isfile(aside) and not os.path.lexists(full):
-        try:
-            os.rename(aside, full)
-        except OSError as exc:
-            log.warning("could not put %s back as %s: %r", aside, full, exc)
-
-
 def drop_aside(full: str) -> None:
-    """After the commit of ``full``: remove the file it replaced, if one was set aside."""
+    """After the commit of ``full``, or its removal: remove a file an earlier version set aside."""
     try:
         os.remove(aside_path(full))
     except FileNotFoundError:
@@ -129,52 +134,122 @@ def drop_aside(full: str) -> None:
 
 
 # The name of a save in flight exists (a framework decides on a new name, ModelCheckpoint's
-# ``-v<n>``, by asking whether the path exists): ``save`` makes an empty directory at the path
-# before the save starts, unless something is there already, and the core's commit renames the
-# checkpoint over it in one atomic step (an empty directory at a checkpoint's name is free to
-# take: docs/format.md, "Commit protocol"). A failed save removes the placeholder it made if it
-# is still that empty directory. Readers here take an empty directory for no checkpoint
-# (:func:`vacant`); a crash during the save leaves it, and the next save of the name takes it.
+# ``-v<n>``, by asking whether the path exists): ``save`` creates an empty file at the path
+# before the save starts, unless something is there already, and the link made after the commit
+# is renamed over it. A failed save removes the placeholder it made if it is still that empty
+# file. Readers here take an empty file (no ``torch.save`` output is empty) or an empty
+# directory (an earlier version's placeholder) for no checkpoint (:func:`vacant`).
 
 
 def make_placeholder(full: str) -> tuple[int, int] | None:
-    """Make the empty directory ``full``; its (device, inode), or None if ``full`` exists."""
+    """Create the empty file ``full``; its (device, inode), or None if ``full`` exists."""
     try:
-        os.mkdir(full)
-        st = os.lstat(full)
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0))
     except FileExistsError:
         return None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
     return st.st_dev, st.st_ino
 
 
 def drop_placeholder(full: str, made: tuple[int, int] | None) -> None:
-    """After a failed save: remove the placeholder ``made`` at ``full`` if it is still that
-    empty directory (anything else there is left alone)."""
+    """Remove the placeholder ``made`` at ``full`` if it is still that empty file (anything
+    else there is left alone)."""
     if made is None:
         return
     try:
         st = os.lstat(full)
-        if (st.st_dev, st.st_ino) == made:
-            os.rmdir(full)  # refused if anything was put into it
+        if (st.st_dev, st.st_ino) == made and st.st_size == 0:
+            os.remove(full)
     except FileNotFoundError:
         pass
     except OSError as exc:
-        log.warning(
-            "could not remove %s, the placeholder of a failed save (expected an empty "
-            "directory): %r",
-            full,
-            exc,
-        )
+        log.warning("could not remove %s, the placeholder of a save: %r", full, exc)
 
 
 def vacant(full: str) -> bool:
-    """Whether no checkpoint and no file is at ``full``: missing, or an empty directory."""
+    """Whether no checkpoint and no file is at ``full``: missing, an empty file, or an empty
+    directory."""
     try:
-        return os.path.isdir(full) and not os.path.islink(full) and not os.listdir(full)
-    except FileNotFoundError:
+        st = os.stat(full)
+        if os.path.isdir(full):
+            return not os.path.islink(full) and not os.listdir(full)
+    except (FileNotFoundError, NotADirectoryError):
         return True
-    except NotADirectoryError:
+    return st.st_size == 0
+
+
+def file_at(full: str) -> bool:
+    """Whether a file a stock loader reads is at ``full`` (a link to one counts; an empty
+    placeholder does not)."""
+    return os.path.isfile(full) and os.path.getsize(full) > 0
+
+
+def file_is_newer(full: str) -> bool:
+    """Whether the file at ``full`` was written (or a symbolic link made there) after the
+    checkpoint ``full.datastates`` was committed: another engine saved to the path since, so it
+    is what the path holds. A link made by :meth:`PathCheckpoints.save`, or a file older than
+    the commit (a crash came between the commit and the link), is not."""
+    from datastates.format import MANIFEST
+
+    try:
+        written = os.lstat(full).st_mtime_ns
+        committed = os.stat(os.path.join(checkpoint_dir(full), MANIFEST)).st_mtime_ns
+    except OSError:
         return False
+    return written > committed
+
+
+def link_into_place(full: str) -> None:
+    """Make ``full`` a hard link to the shard file of the committed checkpoint
+    ``full.datastates``: linked under a temporary name in the same directory, renamed over
+    ``full`` (one atomic step: the path holds the old file or the new one), directory synced.
+    OSError from ``os.link`` as raised (the caller tells refusals apart)."""
+    from datastates.format import shard_file_name
+    from datastates.storage import fsync_dir
+
+    root, name = os.path.split(full)
+    tmp = os.path.join(root, f".{name}.link-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.link(os.path.join(checkpoint_dir(full), shard_file_name(0)), tmp)
+    try:
+        os.replace(tmp, full)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(root)
+
+
+def drop_stale_links(root: str) -> None:
+    """Remove the temporary links (:func:`link_into_place`) of processes that are gone."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        found = _LINK_TMP.fullmatch(name)
+        if found is None or int(found["pid"]) == os.getpid() or _alive(int(found["pid"])):
+            continue
+        try:
+            os.remove(os.path.join(root, name))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not remove the stale link %s: %r", os.path.join(root, name), exc)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process
+    return True
 
 
 def drop_latest(path: str, info: Any = None) -> None:
@@ -182,10 +257,11 @@ def drop_latest(path: str, info: Any = None) -> None:
     that checkpoint. A framework lists that directory itself (Lightning's ``dirpath``, Hugging
     Face's ``output_dir``) and reads no such hint; loads here never read it either."""
     latest = os.path.join(os.path.dirname(path), "latest")
+    name = os.path.basename(path)
     try:
         with open(latest, "rb") as f:
             named = f.read(4096)
-        if named == os.path.basename(path).encode():
+        if named in (name.encode(), (name + SUFFIX).encode()):
             os.remove(latest)
     except FileNotFoundError:
         pass
@@ -237,6 +313,7 @@ class PathCheckpoints:
         self._starting = 0  # saves between their start and their entry in _pending
         self._last_handle = None
         self._errors: list[BaseException] = []
+        self._unlinked: set[str] = set()  # directories whose file system refused a hard link
         self._lock = threading.RLock()
         self._finisher = _Finisher(self)
 
@@ -270,7 +347,9 @@ class PathCheckpoints:
     ):
         """Start saving ``state`` to ``path``; return its handle. ``step`` (the framework's
         global step, if it has one) is recorded as the checkpoint's step. ``path`` exists from
-        here on (an empty directory until the commit, :func:`make_placeholder`).
+        here on (what it held, or an empty file, until the link made after the commit
+        replaces it: :func:`make_placeholder`, :func:`link_into_place`). ValueError for a name
+        ending in ``.datastates`` (the suffix of the checkpoint directories).
 
         ``optimizers`` are the optimizers whose parameters and state ``state`` holds (as state
         dicts): tensors on their bytes may be captured lazily (the core's rule), every other
@@ -281,15 +360,16 @@ class PathCheckpoints:
         """
         self.raise_errors()
         root, name = split_path(path)
+        if name.endswith(SUFFIX):
+            raise ValueError(
+                f"cannot checkpoint to {os.path.join(root, name)!r}: names ending in "
+                f"{SUFFIX!r} are those of the checkpoint directories behind the paths"
+            )
         full = os.path.join(root, name)
         self._wait_path(full)
         with self._lock:
             self._starting += 1  # no idle close of the Checkpointer this save is given
         try:
-            if os.path.islink(full):
-                os.remove(full)  # a framework's link (save_last="link"): the link goes
-            elif os.path.isfile(full):
-                set_aside(full)  # another engine's file: removed once the new one is committed
             os.makedirs(root, exist_ok=True)
             made = make_placeholder(full)
             try:
@@ -297,14 +377,13 @@ class PathCheckpoints:
                 handle = ckpt.save(
                     state,
                     step,
-                    tag=name,
+                    tag=name + SUFFIX,
                     metadata=metadata or {},
                     overwrite=True,
                     optimizers=optimizers,
                 )
             except BaseException:
                 drop_placeholder(full, made)
-                put_back(full)
                 raise
             pending = _Pending(handle, full, made)
             with self._lock:
@@ -319,22 +398,27 @@ class PathCheckpoints:
         return handle
 
     def load(self, path, map_location=None, *, trusted: bool | None = None):
-        """What ``torch.load(path)`` would return for the state saved to ``path``; a plain file
-        (written by the framework's default engine, also one set aside by a save that a crash
-        interrupted) is read with ``torch.load``. The directory is repaired first
-        (:meth:`repair`)."""
+        """What ``torch.load(path)`` would return for the state saved to ``path``, after the
+        directory is repaired (:meth:`repair`). Read, in this order (:meth:`_source`): a file
+        written at the path after the checkpoint ``path.datastates`` committed (another
+        engine's, with ``torch.load``); that checkpoint (every checksum checked); a checkpoint
+        directory at ``path`` itself (the layout of earlier versions); a plain file at the
+        path, or one an earlier version set aside. CheckpointNotFoundError if none is there."""
         root, name = split_path(path)
         full = os.path.join(root, name)
         self._wait_path(full)
         self.repair(root)
         trusted = self.trusted if trusted is None else trusted
-        plain = full if os.path.isfile(full) else None
-        if plain is None and vacant(full) and os.path.isfile(aside_path(full)):
-            plain = aside_path(full)  # a crash came before the checkpoint replacing it committed
-        if plain is not None:
-            return torch.load(plain, map_location=map_location, weights_only=not trusted)
-        ckpt = self._checkpointer(root)
-        return ckpt.load(tag=name, map_location=map_location, trusted=trusted)
+        kind, where = self._source(full)
+        if kind == "plain":
+            return torch.load(where, map_location=map_location, weights_only=not trusted)
+        if kind == "datastates":
+            ckpt = self._checkpointer(root)
+            return ckpt.load(tag=where, map_location=map_location, trusted=trusted)
+        raise _core().CheckpointNotFoundError(
+            f"no checkpoint at {full}: expected a file there, the checkpoint directory "
+            f"{checkpoint_dir(full)}, or a checkpoint directory at the path itself"
+        )
 
     def exists(self, path) -> bool:
         """Whether :meth:`load` finds a checkpoint at ``path`` (a save of it in flight counts);
@@ -345,25 +429,41 @@ class PathCheckpoints:
             if full in self._pending:
                 return True
         self.repair(root)
-        return (
-            os.path.isfile(full)
-            or is_checkpoint_dir(full)
-            or (vacant(full) and os.path.isfile(aside_path(full)))
-        )
+        return self._source(full)[0] is not None
+
+    @staticmethod
+    def _source(full: str) -> tuple[str | None, str]:
+        """Where :meth:`load` reads ``full``: ("plain", file), ("datastates", tag) or
+        (None, "")."""
+        name = os.path.basename(full)
+        if is_checkpoint_dir(checkpoint_dir(full)):
+            if file_at(full) and file_is_newer(full):
+                return "plain", full
+            return "datastates", name + SUFFIX
+        if is_checkpoint_dir(full):
+            return "datastates", name  # written at the path by an earlier version
+        if file_at(full):
+            return "plain", full
+        if vacant(full) and os.path.isfile(aside_path(full)):
+            return "plain", aside_path(full)  # an earlier version's save, interrupted
+        return None, ""
 
     def repair(self, root) -> None:
         """Let the core repair what dead writers left in the directory ``root`` before it is
         looked at: opening its Checkpointer (once per directory) removes their temporaries and
         puts back a checkpoint whose replacement a crash interrupted between the core's two
-        renames (on file systems without an atomic exchange). A missing ``root`` is left alone."""
+        renames (on file systems without an atomic exchange); the temporary links of dead
+        processes go too (:func:`drop_stale_links`). A missing ``root`` is left alone."""
         root = os.path.abspath(os.fspath(root))
         if os.path.isdir(root):
             self._checkpointer(root)
+            drop_stale_links(root)
 
     def remove(self, path) -> None:
-        """Delete the checkpoint at ``path`` (waiting first for a save of it still in flight),
-        and a plain file of that name set aside by a save a crash interrupted (which
-        :meth:`load` would still read)."""
+        """Delete what is at ``path`` (waiting first for a save of it still in flight): the
+        file (or link) at the path, the checkpoint ``path.datastates`` (through the core's
+        delete), a checkpoint directory an earlier version wrote at the path, and a plain file
+        an earlier version set aside."""
         root, name = split_path(path)
         full = os.path.join(root, name)
         self._wait_path(full)
@@ -374,6 +474,8 @@ class PathCheckpoints:
             self._checkpointer(root).delete(tag=name)
         elif os.path.isdir(full):
             shutil.rmtree(full, ignore_errors=True)
+        if is_checkpoint_dir(checkpoint_dir(full)):
+            self._checkpointer(root).delete(tag=name + SUFFIX)
 
     # ------------------------------------------------------------ synchronization
     def wait_snapshots(self) -> None:
@@ -471,6 +573,41 @@ class PathCheckpoints:
         if pending is not None:
             pending.done.wait()
 
+    def _link(self, pending: _Pending) -> None:
+        """Finisher thread, after the commit of ``pending``: its path becomes a hard link to
+        the checkpoint's shard file (:func:`link_into_place`). A checkpoint directory an
+        earlier version wrote at the path is deleted first (the new checkpoint is committed).
+        Where the file system refuses hard links, the path is left without a file (its
+        placeholder, or the file of an older save, is removed) and one WARNING per directory
+        says so."""
+        full = pending.path
+        root, name = os.path.split(full)
+        if is_checkpoint_dir(full):
+            self._checkpointer(root).delete(tag=name)
+        elif os.path.isdir(full) and not os.path.islink(full) and vacant(full):
+            os.rmdir(full)  # an earlier version's placeholder
+        try:
+            link_into_place(full)
+        except OSError as exc:
+            if exc.errno not in LINK_REFUSED_ERRNOS:
+                raise
+            if os.path.isfile(full) or os.path.islink(full):
+                os.remove(full)  # older than the checkpoint just committed
+            with self._lock:
+                first = root not in self._unlinked
+                self._unlinked.add(root)
+            if first:
+                log.warning(
+                    "the file system of %s refused a hard link (%s): the checkpoints saved "
+                    "to paths there are the directories <name>%s, with no file at the path "
+                    "itself; they load through datastates (the adapter's load, "
+                    "datastates.load), not through the framework's own loader or torch.load "
+                    '(docs/lightning.md, "Files on disk")',
+                    root,
+                    exc.strerror or exc,
+                    SUFFIX,
+                )
+
     def _checkpointer(self, root: str):
         with self._lock:
             ckpt = self._ckpts.get(root)
@@ -500,10 +637,13 @@ class PathCheckpoints:
 
     def _finished(self, pending: _Pending, error: BaseException | None, info: Any) -> None:
         if error is None:
+            try:
+                self._link(pending)
+            except BaseException as exc:  # committed, but the path could not be given its file
+                error = exc
             drop_aside(pending.path)
         else:
             drop_placeholder(pending.path, pending.placeholder)
-            put_back(pending.path)
         if error is None and self.on_commit is not None:
             try:
                 self.on_commit(pending.path, info)

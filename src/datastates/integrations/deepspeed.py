@@ -14,8 +14,10 @@ every rank (``deepspeed/runtime/checkpoint_engine/datastates_checkpoint_engine.p
 (atomic per path) and returns once its state is in the host cache; :func:`enable_lazy_snapshots`
 makes it return after planning, the optimizer step waiting for the copy. Global rank 0 writes
 ``save_dir/latest`` once a tag is complete (DeepSpeed does not for this engine). A "file"
-DeepSpeed names is a datastates checkpoint directory of that name; offline tools that
-``torch.load`` the files need :func:`export_torch_files` first.
+DeepSpeed names, ``tag/<file>``, is the datastates checkpoint ``tag/<file>.datastates/``; once
+it is committed ``tag/<file>`` is a hard link to its shard file, a ``torch.save`` archive, so
+DeepSpeed's offline tools (``zero_to_fp32.py``) read the tag folder as it is. Checkpoints of
+earlier versions (a directory at the file's path) need :func:`export_torch_files` first.
 
 Config keys (all optional): ``host_cache_size`` (GB, default 1), ``parser_threads`` (alias of
 ``writer_threads``), ``update_latest`` (default true), ``trusted_load`` (default true), and any
@@ -423,7 +425,8 @@ def low_precision_params(optimizer: Any) -> list[torch.Tensor]:
 def export_torch_files(tag_dir: str, out_root: str | None = None) -> list[str]:
     """Write every datastates "file" of a DeepSpeed tag folder as a plain ``torch.save`` file, in
     the layout DeepSpeed's offline tools read: ``out_root/<tag>/<file>`` plus ``out_root/latest``
-    naming the tag. ``out_root`` defaults to the save folder's path + ``"-torch"``. Then::
+    naming the tag. For tag folders of earlier versions, whose files are directories: those of
+    this version are read in place. ``out_root`` defaults to the save folder's path + ``"-torch"``. Then::
 
         python -m deepspeed.utils.zero_to_fp32 SAVE_DIR-torch OUTPUT_DIR
 
@@ -431,7 +434,7 @@ def export_torch_files(tag_dir: str, out_root: str | None = None) -> list[str]:
     file is streamed from the checkpoint (verified) and written atomically; returns their paths.
     """
     import datastates
-    from ._paths import is_checkpoint_dir
+    from ._paths import SUFFIX, is_checkpoint_dir
 
     tag_dir = os.path.abspath(tag_dir).rstrip(os.sep)
     save_dir, tag = os.path.split(tag_dir)
@@ -441,7 +444,9 @@ def export_torch_files(tag_dir: str, out_root: str | None = None) -> list[str]:
     for name in sorted(os.listdir(tag_dir)):
         src = os.path.join(tag_dir, name)
         if is_checkpoint_dir(src):
-            dst = os.path.join(out_root, tag, name)
+            dst = os.path.join(
+                out_root, tag, name[: -len(SUFFIX)] if name.endswith(SUFFIX) else name
+            )
             datastates.export(src, dst, "torch", trusted=True)  # DeepSpeed's files hold objects
             written.append(dst)
     LOCAL.write_atomic(os.path.join(out_root, "latest"), tag.encode(), fsync=True)

@@ -11,15 +11,18 @@ Lightning calls, on global rank 0 only (``Strategy.save_checkpoint`` / ``remove_
 ``load_checkpoint(path, map_location, weights_only)`` for ``fit(ckpt_path=...)`` and
 ``teardown()`` at the end of ``fit``/``validate``/``test``.
 
-Each path is a datastates checkpoint directory that appears atomically. A background failure is
-raised by the next ``save_checkpoint`` at the latest, and by ``teardown``. With the
-:meth:`DatastatesCheckpointIO.lazy_snapshots` callback ``save_checkpoint`` returns after planning
-and the next ``optimizer.step()`` waits for the copy; without it, once the state is in the host
-cache. ``Model.load_from_checkpoint`` has no plug-in point: use :func:`load_from_checkpoint`.
-The memory tier: :class:`DatastatesMemoryCheckpoint` (``io.memory_checkpoints(dirpath)``).
+The checkpoint of ``path`` is the datastates checkpoint ``path.datastates/``, committed
+atomically; once committed, ``path`` is a hard link to its shard file, a ``torch.save`` archive,
+so ``Model.load_from_checkpoint(path)`` and ``torch.load(path)`` read it in place (``_paths``).
+A background failure is raised by the next ``save_checkpoint`` at the latest, and by
+``teardown``. With the :meth:`DatastatesCheckpointIO.lazy_snapshots` callback
+``save_checkpoint`` returns after planning and the next ``optimizer.step()`` waits for the
+copy; without it, once the state is in the host cache. The memory tier:
+:class:`DatastatesMemoryCheckpoint` (``io.memory_checkpoints(dirpath)``).
 
-The comparison with ``AsyncCheckpointIO``, the paths Lightning names itself (hidden Tuner
-files, ``save_last="link"``, ``ckpt_path="last"``) and the memory tier: docs/lightning.md.
+The files on disk, the comparison with ``AsyncCheckpointIO``, the paths Lightning names itself
+(hidden Tuner files, ``save_last="link"``, ``ckpt_path="last"``) and the memory tier:
+docs/lightning.md.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
 
 from ._memory import MemorySaves, check_every, framework_memory_tier, memory_wins
-from ._paths import ASIDE_PREFIX, PathCheckpoints, drop_latest
+from ._paths import ASIDE_PREFIX, SUFFIX, PathCheckpoints, drop_latest, is_checkpoint_dir
 
 log = logging.getLogger("datastates.integrations")
 
@@ -190,10 +193,12 @@ class DatastatesCheckpointIO(CheckpointIO):
         """``ckpt_path`` for ``fit`` in place of ``"last"``: the newest ``last.ckpt`` (or
         ``last-v<n>.ckpt``) in ModelCheckpoint's ``dirpath``, None if there is none.
 
-        Lightning resolves ``"last"`` from its own listing before calling the plug-in, so it
-        cannot see a ``last.ckpt`` that a crash left moved aside (an interrupted replacement);
-        here the core first repairs ``dirpath``, and a plain ``last.ckpt`` kept aside while
-        its datastates replacement was saved counts too (see ``load_checkpoint``)."""
+        Lightning resolves ``"last"`` from its own listing of files named ``last*.ckpt``
+        before calling the plug-in, so it cannot see a ``last.ckpt`` that is not there: a
+        crash between the commit and the link, a file system refusing hard links, a checkpoint
+        a crash left moved aside (an interrupted replacement). Here the core first repairs
+        ``dirpath``, and a ``last.ckpt.datastates`` checkpoint counts for ``last.ckpt``, as
+        does a plain ``last.ckpt`` an earlier version kept aside (see ``load_checkpoint``)."""
         local = self._local(dirpath, report=False)
         if local is None:
             import datastates
@@ -208,18 +213,13 @@ class DatastatesCheckpointIO(CheckpointIO):
             return None
         try:
             self._paths.repair(folder)
-            names = {
-                n[len(ASIDE_PREFIX) :] if n.startswith(ASIDE_PREFIX) else n
-                for n in os.listdir(folder)
-            }
+            names = {_path_name(n) for n in os.listdir(folder)}
             found = {}
             for name in names:
                 path = os.path.join(folder, name)
                 if _LAST.fullmatch(name) and self._paths.exists(_resolve_link(path)):
-                    stamp = (
-                        path if os.path.lexists(path) else os.path.join(folder, ASIDE_PREFIX + name)
-                    )
-                    found[path] = os.stat(stamp).st_mtime
+                    stamps = (path, path + SUFFIX, os.path.join(folder, ASIDE_PREFIX + name))
+                    found[path] = max(os.stat(p).st_mtime for p in stamps if os.path.exists(p))
             return max(found, key=lambda p: found[p], default=None)
         finally:
             self._paths.close_if_idle()
@@ -305,6 +305,13 @@ _LAST = re.compile(r"last(-v\d+)?\.ckpt")
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
+def _path_name(name: str) -> str:
+    """The checkpoint path an entry of ModelCheckpoint's directory stands for."""
+    if name.startswith(ASIDE_PREFIX):
+        return name[len(ASIDE_PREFIX) :]
+    return name[: -len(SUFFIX)] if name.endswith(SUFFIX) else name
+
+
 def _hidden(path: Any) -> bool:
     """Whether ``path`` is a hidden name (Lightning's temporaries, e.g. the Tuner's)."""
     return os.path.basename(os.fspath(path).rstrip(os.sep)).startswith(".")
@@ -369,7 +376,10 @@ def load_from_checkpoint(
     module_class: Any, path: Any, *, trusted: bool = False, **kwargs: Any
 ) -> Any:
     """``module_class.load_from_checkpoint(path)`` for a checkpoint written by
-    :class:`DatastatesCheckpointIO` (Lightning's classmethod reads one ``torch.load`` file).
+    :class:`DatastatesCheckpointIO`, every checksum checked first. The stock call reads a
+    checkpoint of this version as it is (``path`` is its shard file); this one reads those, a
+    checkpoint whose path has no file (a file system without hard links) and the checkpoint
+    directories of earlier versions.
 
     The checkpoint is exported (streamed, verified) to a temporary ``torch.save`` file next to it,
     which Lightning's own loader then reads, so hyper-parameters, ``on_load_checkpoint`` hooks and
@@ -385,7 +395,9 @@ def load_from_checkpoint(
     folder = os.path.dirname(os.path.abspath(os.fspath(path)))
     with tempfile.TemporaryDirectory(prefix=".datastates-export-", dir=folder) as tmp:
         exported = os.path.join(tmp, "checkpoint.ckpt")
-        datastates.export(path, exported, "torch", trusted=trusted)
+        behind = os.path.abspath(os.fspath(path)) + SUFFIX
+        source = behind if is_checkpoint_dir(behind) else path
+        datastates.export(source, exported, "torch", trusted=trusted)
         return module_class.load_from_checkpoint(exported, weights_only=not trusted, **kwargs)
 
 
@@ -472,7 +484,9 @@ class DatastatesMemoryCheckpoint(Callback):
         storage_step = None if storage is None else -1 if storage.step is None else storage.step
         if memory is not None and memory_wins(memory.step, storage_step):
             return memory.path
-        return None if storage is None else storage.path
+        if storage is None:
+            return None
+        return storage.path[: -len(SUFFIX)] if storage.path.endswith(SUFFIX) else storage.path
 
     def holds(self, path: Any) -> bool:
         """Whether ``path`` is a checkpoint of this memory tier."""
