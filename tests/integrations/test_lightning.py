@@ -102,9 +102,11 @@ def test_lightning_fit_resume_bit_exact(tmp_path, lazy):
     trainer(tmp_path, 2, plugins=[io], callbacks=[ckpt_cb, *extra]).fit(first)
     names = sorted(n for n in os.listdir(tmp_path / "ds") if not n.startswith("."))
     assert "last.ckpt" in names and "epoch=1-step=8.ckpt" in names
-    assert "epoch=0-step=4.ckpt" not in names  # top-k removed it through remove_checkpoint
+    # top-k removed it through remove_checkpoint: the file and the checkpoint behind it
+    assert "epoch=0-step=4.ckpt" not in names and "epoch=0-step=4.ckpt.datastates" not in names
     for n in ("last.ckpt", "epoch=1-step=8.ckpt"):
-        assert os.path.isfile(tmp_path / "ds" / n / "manifest.json")
+        assert os.path.isfile(tmp_path / "ds" / (n + ".datastates") / "manifest.json")
+        assert os.path.isfile(tmp_path / "ds" / n)
 
     # load_checkpoint returns what TorchCheckpointIO's torch.load returned at the same step.
     want = torch.load(tmp_path / "ref" / "epoch=1-step=8.ckpt", weights_only=False)
@@ -122,7 +124,7 @@ def test_lightning_fit_resume_bit_exact(tmp_path, lazy):
         tmp_path, 4, plugins=[io2], callbacks=[ModelCheckpoint(dirpath=tmp_path / "ds2"), *extra2]
     ).fit(resumed, ckpt_path=str(tmp_path / "ds" / "last.ckpt"))
     assert_same(continuous, params(resumed))
-    assert os.path.isfile(tmp_path / "ds2" / "epoch=3-step=16.ckpt" / "manifest.json")
+    assert os.path.isfile(tmp_path / "ds2" / "epoch=3-step=16.ckpt.datastates" / "manifest.json")
 
 
 def test_lightning_background_error_surfaces_at_next_save(tmp_path, monkeypatch):
@@ -160,12 +162,13 @@ def test_load_from_checkpoint_helper_and_export(tmp_path):
     path = tmp_path / "final.ckpt"
     t.save_checkpoint(path)
     io.wait()
-    assert os.path.isfile(path / "manifest.json")  # a datastates checkpoint folder
+    assert os.path.isfile(tmp_path / "final.ckpt.datastates" / "manifest.json")
     loaded = load_from_checkpoint(WithHparams, path)
     assert loaded.hparams.note == "b" and loaded.hparams.width == 16
     assert_same(params(model), params(loaded))
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".datastates-export-")]
-    datastates.export(path, tmp_path / "plain.ckpt", "torch")  # the documented one-off export
+    # the documented one-off export, of the checkpoint behind the path
+    datastates.export(tmp_path / "final.ckpt.datastates", tmp_path / "plain.ckpt", "torch")
     assert_same(params(model), params(WithHparams.load_from_checkpoint(tmp_path / "plain.ckpt")))
 
 
@@ -180,7 +183,7 @@ def test_lightning_checkpoint_io_exposes_last_save_stats(tmp_path):
     path = tmp_path / "final.ckpt"
     t.save_checkpoint(path)
     io.wait()
-    assert_stats_of(io.last_save_stats, path)
+    assert_stats_of(io.last_save_stats, tmp_path / "final.ckpt.datastates")
     io.teardown()
 
 
@@ -223,7 +226,9 @@ def test_resume_after_interrupted_replacement_of_last(tmp_path):
         callbacks=[ModelCheckpoint(dirpath=folder, save_top_k=0, save_last=True)],
     ).fit(Tiny())
     want = io.load_checkpoint(folder / "last.ckpt")
-    interrupt_replacement(folder, "last.ckpt")  # a crash while last.ckpt was replaced
+    # a crash while last.ckpt was replaced, before the link was made
+    interrupt_replacement(folder, "last.ckpt.datastates")
+    os.remove(folder / "last.ckpt")
 
     io2 = DatastatesCheckpointIO(ONE_WRITER)  # the restarted job: the lookup repairs the directory
     assert io2.last_path(folder) == str(folder / "last.ckpt")
@@ -262,7 +267,7 @@ def test_save_last_link_resumes_through_the_link(tmp_path):
         io.load_checkpoint(folder / "out.ckpt")
     io.remove_checkpoint(folder / "out.ckpt")  # the link goes, never its target
     assert not os.path.lexists(folder / "out.ckpt")
-    assert os.path.isfile(outside / "epoch=0-step=4.ckpt" / "manifest.json")
+    assert os.path.isfile(outside / "epoch=0-step=4.ckpt")
     io.teardown()
 
 
@@ -357,7 +362,7 @@ def test_model_checkpoint_versions_a_name_whose_save_is_in_flight(tmp_path, monk
         save_on_train_epoch_end=False,
     )
     trainer(tmp_path, 1, plugins=[io], callbacks=[mc, _ReleaseOnNextSave(gate)]).fit(Tiny())
-    names = sorted(os.listdir(tmp_path / "ds"))
+    names = sorted(n for n in os.listdir(tmp_path / "ds") if n.endswith(".ckpt"))
     assert names == ["fixed-v1.ckpt", "fixed-v2.ckpt", "fixed-v3.ckpt", "fixed.ckpt"]
     steps = [io.load_checkpoint(tmp_path / "ds" / n)["global_step"] for n in names]
     assert sorted(steps) == [1, 2, 3, 4]
@@ -425,3 +430,38 @@ def test_storage_options_none_is_taken_anything_else_refused(tmp_path):
     io.teardown()
     assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["x"], torch.ones(2))
     assert not os.path.exists(tmp_path / "b.ckpt")
+
+
+class Described(Tiny):
+    def __init__(self, width: int = 16, note: str = "a", lr: float = 1e-2):
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def test_lightning_own_loaders_read_the_checkpoints_in_place(tmp_path):
+    """torch.load(weights_only=True) and Model.load_from_checkpoint, stock calls, read the paths
+    ModelCheckpoint saved through the plug-in: equal tensors, the step and the hparams."""
+    io = DatastatesCheckpointIO(ONE_WRITER)
+    cb = ModelCheckpoint(
+        dirpath=tmp_path / "ds",
+        monitor="train_loss",
+        save_top_k=2,
+        save_last=True,
+        filename="{epoch}-{step}",
+    )
+    model = Described(width=16, note="in place", lr=0.5)
+    trainer(tmp_path, 3, plugins=[io], callbacks=[cb]).fit(model)
+    kept = sorted(n for n in os.listdir(tmp_path / "ds") if n.endswith(".ckpt"))
+    assert len(kept) == 3 and "last.ckpt" in kept  # top 2 and last, each a file
+
+    last = torch.load(cb.last_model_path, weights_only=True)
+    assert isinstance(last, dict)
+    assert_same(params(model), dict(last["state_dict"]))
+    assert (last["epoch"], last["global_step"]) == (2, 12)
+    assert dict(last["hyper_parameters"]) == {"width": 16, "note": "in place", "lr": 0.5}
+
+    best = Described.load_from_checkpoint(cb.best_model_path)
+    want = io.load_checkpoint(cb.best_model_path)["state_dict"]  # verified, through datastates
+    assert_same(dict(want), params(best))
+    assert (best.hparams.width, best.hparams.note, best.hparams.lr) == (16, "in place", 0.5)
+    io.teardown()

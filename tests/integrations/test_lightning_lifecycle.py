@@ -61,7 +61,11 @@ def trainer(root, plugin, epochs=2, callbacks=(), **kwargs):
     )
 
 
-EXPECTED = ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
+EXPECTED = sorted(
+    n + suffix
+    for n in ("epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt")
+    for suffix in ("", ".datastates")
+)
 
 
 @pytest.mark.parametrize(
@@ -160,4 +164,5 @@ def test_url_is_saved_by_lightnings_own_io_with_a_warning(tmp_path, monkeypatch,
         io.last_path("memory://dsdir")
     io.save_checkpoint(state, f"file://{tmp_path}/y.ckpt")  # a local path, written here
     io.wait()
-    assert os.path.isfile(tmp_path / "y.ckpt" / "manifest.json")
+    assert os.path.isfile(tmp_path / "y.ckpt.datastates" / "manifest.json")
+    assert_same(torch.load(tmp_path / "y.ckpt", weights_only=True), state)

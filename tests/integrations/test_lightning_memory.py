@@ -94,7 +94,8 @@ def test_a_killed_trainer_resumes_from_memory_bit_exact(uninterrupted, shm_root,
     assert report["losses"] == uninterrupted[1][:k]
     stored = sorted(n for n in os.listdir(root / "ckpts") if not n.startswith("."))
     epochs = k // BATCHES  # ModelCheckpoint keeps the newest epoch's file, and last.ckpt
-    assert stored == [f"epoch={epochs - 1}-step={epochs * BATCHES}.ckpt", "last.ckpt"]
+    kept = [f"epoch={epochs - 1}-step={epochs * BATCHES}.ckpt", "last.ckpt"]
+    assert stored == sorted(n + suffix for n in kept for suffix in ("", ".datastates"))
 
     memory, resumed_run = with_memory(root, shm_root, log)
     try:
@@ -125,8 +126,8 @@ def test_without_memory_the_newest_file_is_resumed(shm_root, tmp_path):
     # ModelCheckpoint's files record Lightning's global step, which resume_path() compares
     with datastates.Checkpointer(root / "ckpts") as files:
         assert sorted((i.name, i.step) for i in files.list()) == [
-            (f"epoch={EPOCHS - 1}-step={STEPS}.ckpt", STEPS),
-            ("last.ckpt", STEPS),
+            (f"epoch={EPOCHS - 1}-step={STEPS}.ckpt.datastates", STEPS),
+            ("last.ckpt.datastates", STEPS),
         ]
     again, _ = with_memory(root, shm_root, log)
     try:
