@@ -514,7 +514,11 @@ def _write_framed(job: Job, index: bytes, checksums: list, tree: dict) -> int:
         k = position.get(i)
         return None if k is None else (k, items.dtypes[i], items.shapes[i])
 
-    pickled = zipframe.pickle_state(zipframe.plain_state(tree, held))
+    def held_object(i: int):
+        blob = items.blobs.get(i)
+        return None if blob is None else zipframe.object_value(blob)
+
+    pickled = zipframe.pickle_state(zipframe.plain_state(tree, held, held_object))
     tail_at = fmt.align_up(at + len(index), fmt.DATA_ALIGN)
     tail = zipframe.tail(tail_at, records, pickled, fmt.crc32)
     writer.write(memoryview(tail), tail_at)
