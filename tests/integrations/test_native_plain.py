@@ -110,6 +110,24 @@ def test_objects_are_pickled_as_torch_save_pickles_them(tmp_path):
     assert found and found.group(1) == refused.search(str(theirs.value)).group(1)  # the same class
 
 
+def _explode():
+    raise RuntimeError("this object cannot be rebuilt")
+
+
+class _Unloadable:
+    def __reduce__(self):
+        return (_explode, ())
+
+
+def test_an_object_that_cannot_be_read_back_is_none_in_the_view_and_the_save_commits(
+    tmp_path, caplog
+):
+    path = _shard(tmp_path, {"bad": _Unloadable(), "t": torch.ones(3)}, allow_unsafe_objects=True)
+    got = torch.load(path, weights_only=False)
+    assert got["bad"] is None and _equal(got["t"], torch.ones(3))
+    assert "torch.load of the shard file gives None for 'bad'" in caplog.text
+
+
 def test_the_shard_file_is_a_valid_zip_archive_with_every_crc(tmp_path):
     _, _, state = _state()
     path = _shard(tmp_path, state, host_cache_bytes=16384, chunk_bytes=4096)
