@@ -4,8 +4,12 @@ bit-equal, while datastates' own readers keep every check."""
 
 from __future__ import annotations
 
+import argparse
 import collections
+import enum
 import os
+import pickle
+import re
 import zipfile
 
 import pytest
@@ -75,7 +79,53 @@ def test_torch_load_reads_a_shard_file_as_the_rank_state(tmp_path, mmap):
     assert type(extra["od"]) is collections.OrderedDict and _equal(extra["od"]["a"], torch.ones(2))
     assert extra["tup"][:2] == (1, "x") and _equal(extra["tup"][2], torch.zeros(1))
     assert (extra["n"], extra["s"], extra["f"], extra["none"]) == (3, "text", 0.5, None)
-    assert extra["obj"] is None  # a pickled object: datastates reads it, weights_only cannot
+    assert extra["obj"] == {1, 2}  # an object: as torch.save pickles it
+
+
+class _Stage(enum.IntEnum):
+    TWO = 2
+
+
+def test_objects_are_pickled_as_torch_save_pickles_them(tmp_path):
+    """An object leaf loads as it would from ``torch.save`` of the same state: a class the
+    weights-only loader allows as its value, another refused by that loader naming its class
+    (and loaded once allowed, or with ``weights_only=False``)."""
+    args = argparse.Namespace(lr=0.1, name="run")
+    state = {"shape": torch.Size([3, 4]), "stage": _Stage.TWO, "args": args, "t": torch.ones(2)}
+    path = _shard(tmp_path, state, allow_unsafe_objects=True)
+    with pytest.raises(pickle.UnpicklingError, match="Unsupported global") as ours:
+        torch.load(path, weights_only=True)
+    got = torch.load(path, weights_only=False, mmap=True)
+    assert type(got["shape"]) is torch.Size and got["shape"] == torch.Size([3, 4])
+    assert type(got["stage"]) is _Stage and got["stage"] == 2
+    assert got["args"] == args and _equal(got["t"], torch.ones(2))
+    with torch.serialization.safe_globals([argparse.Namespace, _Stage]):
+        allowed = torch.load(path, weights_only=True)
+    assert allowed["args"] == args and allowed["stage"] is _Stage.TWO
+    torch.save(state, stock := os.path.join(tmp_path, "stock.pt"))
+    with pytest.raises(pickle.UnpicklingError, match="Unsupported global") as theirs:
+        torch.load(stock, weights_only=True)
+    refused = re.compile(r"Unsupported global: GLOBAL (\S+)")
+    found = refused.search(str(ours.value))
+    assert found and found.group(1) == refused.search(str(theirs.value)).group(1)  # the same class
+
+
+def _explode():
+    raise RuntimeError("this object cannot be rebuilt")
+
+
+class _Unloadable:
+    def __reduce__(self):
+        return (_explode, ())
+
+
+def test_an_object_that_cannot_be_read_back_is_none_in_the_view_and_the_save_commits(
+    tmp_path, caplog
+):
+    path = _shard(tmp_path, {"bad": _Unloadable(), "t": torch.ones(3)}, allow_unsafe_objects=True)
+    got = torch.load(path, weights_only=False)
+    assert got["bad"] is None and _equal(got["t"], torch.ones(3))
+    assert "torch.load of the shard file gives None for 'bad'" in caplog.text
 
 
 def test_the_shard_file_is_a_valid_zip_archive_with_every_crc(tmp_path):

@@ -261,26 +261,47 @@ class _Pickler(pickle.Pickler):
 TensorOf = Callable[[int], "tuple[int, torch.dtype, tuple] | None"]
 
 
-def plain_state(node: dict, tensor_of: TensorOf) -> Any:
-    """The weights_only-loadable form of a rank's state tree (docs/format.md, "The pickle"):
-    containers and values as they are, tensors as placeholders, everything else None."""
+#: Of an object entry of the rank's tree (its item number): the object as ``torch.save`` would
+#: pickle it, or None when this file holds none of it.
+ObjectOf = Callable[[int], Any]
+
+
+def plain_state(node: dict, tensor_of: TensorOf, object_of: ObjectOf | None = None) -> Any:
+    """What ``torch.save`` of a rank's state tree would pickle (docs/format.md, "The pickle"):
+    containers and values as they are, tensors as placeholders of their records, objects as
+    ``object_of`` gives them (None without it)."""
     t = node["t"]
     if t == "dict":
-        return {k: plain_state(v, tensor_of) for k, v in node["items"]}
+        return {k: plain_state(v, tensor_of, object_of) for k, v in node["items"]}
     if t == "odict":
-        return collections.OrderedDict((k, plain_state(v, tensor_of)) for k, v in node["items"])
+        return collections.OrderedDict(
+            (k, plain_state(v, tensor_of, object_of)) for k, v in node["items"]
+        )
     if t == "list":
-        return [plain_state(v, tensor_of) for v in node["items"]]
+        return [plain_state(v, tensor_of, object_of) for v in node["items"]]
     if t == "tuple":
-        return tuple(plain_state(v, tensor_of) for v in node["items"])
+        return tuple(plain_state(v, tensor_of, object_of) for v in node["items"])
     if t == "value":
         return node["v"]
     if t == "provider":
-        return plain_state(node["state"], tensor_of)
+        return plain_state(node["state"], tensor_of, object_of)
     if t == "tensor":
         held = tensor_of(node["e"])
         return None if held is None else _Tensor(str(held[0]), held[1], tuple(held[2]))
+    if t == "object" and object_of is not None:
+        return object_of(node["e"])
     return None
+
+
+def object_value(blob: bytes) -> Any:
+    """The object a blob of this process holds (``torch.save`` bytes made by the save that
+    writes them), to be pickled again into the view: read with the weights-only loader first,
+    and only if that refuses its classes with the full one. Never used on bytes read from a
+    checkpoint."""
+    try:
+        return torch.load(io.BytesIO(blob), weights_only=True)
+    except pickle.UnpicklingError:
+        return torch.load(io.BytesIO(blob), weights_only=False)
 
 
 def pickle_state(state: Any) -> bytes:

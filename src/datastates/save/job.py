@@ -514,7 +514,32 @@ def _write_framed(job: Job, index: bytes, checksums: list, tree: dict) -> int:
         k = position.get(i)
         return None if k is None else (k, items.dtypes[i], items.shapes[i])
 
-    pickled = zipframe.pickle_state(zipframe.plain_state(tree, held))
+    def held_object(i: int):
+        blob = items.blobs.get(i)
+        if blob is None:
+            return None
+        try:
+            return zipframe.object_value(blob)
+        except Exception as exc:  # the object's own code, run again: the view goes without it
+            log.warning(
+                "%s: torch.load of the shard file gives None for %r: reading the object back "
+                "raised %r (datastates reads it from its blob as usual)",
+                job.target.name,
+                items.keys[i],
+                exc,
+            )
+            return None
+
+    try:
+        pickled = zipframe.pickle_state(zipframe.plain_state(tree, held, held_object))
+    except Exception as exc:  # an object that does not pickle again as it did
+        log.warning(
+            "%s: torch.load of the shard file gives None for every object: pickling them "
+            "again raised %r (datastates reads them from their blobs as usual)",
+            job.target.name,
+            exc,
+        )
+        pickled = zipframe.pickle_state(zipframe.plain_state(tree, held))
     tail_at = fmt.align_up(at + len(index), fmt.DATA_ALIGN)
     tail = zipframe.tail(tail_at, records, pickled, fmt.crc32)
     writer.write(memoryview(tail), tail_at)
