@@ -2,6 +2,7 @@
 
 Usage: python ds_worker.py OUT_DIR MODE   where MODE is
   "zero1-lazy"  : ZeRO-1 + bf16, datastates engine, enable_lazy_snapshots()
+  "zero2-lazy"  : the same with ZeRO-2
   "fp32-default": no ZeRO, fp32, a BatchNorm buffer, datastates engine without the step guard
   "latest"      : as "fp32-default", checking when `latest` is written (latest_scenario)
 Writes OUT_DIR/result.json; any assertion failure exits non-zero with a traceback.
@@ -22,6 +23,7 @@ os.environ.setdefault("WORLD_SIZE", "1")
 import torch  # noqa: E402
 
 STEPS_BEFORE, STEPS_AFTER = 3, 3
+ZERO = {"zero1-lazy": 1, "zero2-lazy": 2}  # mode -> ZeRO stage
 
 
 def model_for(mode: str) -> torch.nn.Module:
@@ -39,8 +41,8 @@ def config_for(mode: str, datastates: bool) -> dict:
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
     }
-    if mode == "zero1-lazy":
-        cfg["zero_optimization"] = {"stage": 1}
+    if mode in ZERO:
+        cfg["zero_optimization"] = {"stage": ZERO[mode]}
         cfg["bf16"] = {"enabled": True}
     if datastates:
         cfg["datastates_ckpt"] = {"host_cache_size": 0.01, "writer_threads": 1}
@@ -50,7 +52,7 @@ def config_for(mode: str, datastates: bool) -> dict:
 def batch(step: int, mode: str):
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(4, 16, generator=g)
-    return x.bfloat16() if mode == "zero1-lazy" else x
+    return x.bfloat16() if mode in ZERO else x
 
 
 def make_engine(mode: str, datastates: bool):
@@ -68,6 +70,16 @@ def train(engine, mode: str, steps: range) -> None:
         loss = engine(batch(step, mode)).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
+
+
+def fp32_masters(engine) -> dict:
+    """The fp32 master weights of the ZeRO optimizer, by parameter name."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return {
+        name: safe_get_full_fp32_param(p).detach().clone()
+        for name, p in engine.module.named_parameters()
+    }
 
 
 def params(engine) -> dict:
@@ -170,7 +182,7 @@ def main(out: str, mode: str) -> None:
     eng = make_engine(mode, datastates=True)
     ours = eng.checkpoint_engine.ckpt_engine
     assert isinstance(ours, CheckpointEngine), type(ours)
-    if mode == "zero1-lazy":
+    if mode in ZERO:
         enable_lazy_snapshots(eng)
     lazy_bytes, path_save = {}, ours._paths.save
 
@@ -182,6 +194,7 @@ def main(out: str, mode: str) -> None:
     ours._paths.save = recording_save
     train(eng, mode, range(STEPS_BEFORE))
     eng.save_checkpoint(ds_dir)
+    masters = fp32_masters(eng) if mode in ZERO else {}  # the optimizer's, at the save
     result["lazy_bytes"] = lazy_bytes
     result["trainable_bytes"] = sum(
         p.numel() * p.element_size() for p in eng.module.parameters() if p.requires_grad
@@ -194,11 +207,22 @@ def main(out: str, mode: str) -> None:
     with open(os.path.join(ds_dir, "latest")) as f:
         result["latest"] = f.read()
     result["files"] = sorted(os.listdir(os.path.join(ds_dir, tag)))
+    # Each file DeepSpeed named is a file (the shard of <file>.datastates/, linked in place).
     result["files_are_checkpoints"] = all(
-        os.path.isfile(os.path.join(ds_dir, tag, n, "manifest.json"))
+        os.path.isfile(os.path.join(ds_dir, tag, n))
+        and os.path.isfile(os.path.join(ds_dir, tag, n + ".datastates", "manifest.json"))
         for n in result["files"]
         if n.endswith(".pt")
     )
+    if mode in ZERO:  # DeepSpeed's own consolidation reads the tag folder as it is
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        result["recovery_script"] = os.path.isfile(os.path.join(ds_dir, "zero_to_fp32.py"))
+        fp32 = get_fp32_state_dict_from_zero_checkpoint(ds_dir, tag)
+        result["zero_to_fp32_in_place"] = {
+            k: k in fp32 and fp32[k].dtype == torch.float32 and torch.equal(fp32[k], v)
+            for k, v in masters.items()
+        }
 
     # 3. load() returns what torch.load returned for the same file.
     reader = CheckpointEngine({"host_cache_size": 0.01})
@@ -216,7 +240,7 @@ def main(out: str, mode: str) -> None:
     # --tag gives the same fp32 weights as from DeepSpeed's own files.
     exported = export_torch_files(os.path.join(ds_dir, tag))
     result["exported"] = sorted(os.path.basename(p) for p in exported)
-    if mode == "zero1-lazy":  # zero_to_fp32 reads ZeRO checkpoints only
+    if mode in ZERO:  # zero_to_fp32 reads ZeRO checkpoints only
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         want = get_fp32_state_dict_from_zero_checkpoint(torch_dir)

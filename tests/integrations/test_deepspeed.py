@@ -37,13 +37,14 @@ def run_worker(tmp_path, mode: str) -> dict:
         return json.load(f)
 
 
-@pytest.mark.parametrize("mode", ["zero1-lazy", "fp32-default"])
+@pytest.mark.parametrize("mode", ["zero1-lazy", "zero2-lazy", "fp32-default"])
 def test_deepspeed_save_resume_bit_exact(tmp_path, mode):
     r = run_worker(tmp_path, mode)
     assert r["same_trajectory"], "saving changed the training trajectory"
-    # Every file DeepSpeed asked for is a committed datastates checkpoint of that name.
+    # Every file DeepSpeed asked for is a file, the shard of a committed datastates checkpoint.
     assert "mp_rank_00_model_states.pt" in r["files"]
-    if mode == "zero1-lazy":
+    assert "mp_rank_00_model_states.pt.datastates" in r["files"]
+    if mode != "fp32-default":
         assert "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in r["files"]
         # The capture rule: the bf16 parameters (written by ZeRO's step after the guarded inner
         # step) and the fp32 partitions + moments of the inner optimizer are lazy.
@@ -57,8 +58,13 @@ def test_deepspeed_save_resume_bit_exact(tmp_path, mode):
     # load() returns what torch.load returned for DeepSpeed's own file at the same step.
     assert r["torch_equivalent_mismatches"] == []
     assert r["exported"] == sorted(n for n in r["files"] if n.endswith(".pt"))
-    if mode == "zero1-lazy":
+    if mode != "fp32-default":
         assert r["zero_to_fp32_same"]
+        # DeepSpeed's zero_to_fp32 on the tag folder as saved: the optimizer's fp32 weights
+        assert r["recovery_script"]
+        assert r["zero_to_fp32_in_place"] and all(r["zero_to_fp32_in_place"].values()), r[
+            "zero_to_fp32_in_place"
+        ]
     assert r["loaded"] and r["global_steps"] == 3
     assert r["resumed_bit_exact"] and all(r["resumed_bit_exact"].values()), r["resumed_bit_exact"]
 
@@ -101,6 +107,8 @@ def test_deepspeed_engine_exposes_last_save_stats(tmp_path):
         str(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
     )
     engine.wait(persist=True)
-    assert_stats_of(engine.last_save_stats, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert_stats_of(
+        engine.last_save_stats, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt.datastates"
+    )
     assert engine.last_save_stats.nbytes == 512 * 4
     engine.close()

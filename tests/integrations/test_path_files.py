@@ -1,0 +1,240 @@
+"""The file at a framework's checkpoint path (the layer under the DeepSpeed and Lightning
+adapters): a hard link to the shard file of ``<path>.datastates/``, put in place only after the
+commit, in one rename. No framework needed."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import datastates
+from datastates.integrations._paths import PathCheckpoints
+
+from integration_helpers import assert_same
+from testkit import ONE_WRITER
+
+
+def _state(v: float) -> dict:
+    return {"v": torch.full((64,), v), "step": int(v), "size": torch.Size([2, 3])}
+
+
+def _shard(target) -> str:
+    return os.path.join(f"{target}.datastates", "rank-00000.dsf")
+
+
+def _hold_commits(monkeypatch) -> threading.Event:
+    """Hold every save back in its commit thread (writing the shard's index) until the event
+    returned is set."""
+    import datastates.format.codec as codec
+
+    gate, encode = threading.Event(), codec.encode_index_items
+
+    def held(*args, **kwargs):
+        gate.wait()
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(codec, "encode_index_items", held)
+    return gate
+
+
+def _fail_commits(monkeypatch) -> None:
+    import datastates.format.codec as codec
+
+    def fail(*args, **kwargs):
+        raise KeyError("injected background failure")
+
+    monkeypatch.setattr(codec, "encode_index_items", fail)
+
+
+def test_the_link_is_made_after_the_commit_only(tmp_path, monkeypatch):
+    target = tmp_path / "a.ckpt"
+    paths = PathCheckpoints(ONE_WRITER)
+    gate = _hold_commits(monkeypatch)
+    try:
+        paths.save(_state(1.0), target, snapshot=True)
+        assert os.path.isfile(target) and os.path.getsize(target) == 0  # the placeholder
+        assert not os.path.exists(f"{target}.datastates")  # nothing committed yet
+    finally:
+        gate.set()
+    paths.wait()
+    st, shard = os.stat(target), os.stat(_shard(target))
+    assert (st.st_dev, st.st_ino) == (shard.st_dev, shard.st_ino) and st.st_nlink == 2
+    assert_same(_state(1.0), torch.load(target, weights_only=True, mmap=True))
+    assert_same(_state(1.0), paths.load(target))
+    assert not [n for n in os.listdir(tmp_path) if ".link-" in n]
+    paths.close()
+
+
+def test_a_failed_commit_leaves_the_previous_file_or_none(tmp_path, monkeypatch):
+    target = tmp_path / "a.ckpt"
+    paths = PathCheckpoints(ONE_WRITER)
+    _fail_commits(monkeypatch)
+    paths.save(_state(1.0), target, snapshot=True)
+    with pytest.raises(KeyError, match="injected"):
+        paths.wait()
+    assert not os.path.lexists(target) and not paths.exists(target)  # placeholder removed
+    monkeypatch.undo()
+    paths.save(_state(2.0), target, snapshot=True)
+    paths.wait()
+    inode = os.stat(target).st_ino
+    _fail_commits(monkeypatch)
+    paths.save(_state(3.0), target, snapshot=True)
+    with pytest.raises(KeyError, match="injected"):
+        paths.wait()
+    assert os.stat(target).st_ino == inode
+    assert_same(_state(2.0), torch.load(target, weights_only=True))
+    assert_same(_state(2.0), paths.load(target))
+    paths.close()
+
+
+def test_an_overwrite_keeps_the_old_file_until_the_new_link_replaces_it(tmp_path, monkeypatch):
+    target = tmp_path / "last.ckpt"
+    paths = PathCheckpoints(ONE_WRITER)
+    paths.save(_state(1.0), target, snapshot=True)
+    paths.wait()
+    old_inode = os.stat(target).st_ino
+    gate = _hold_commits(monkeypatch)
+    try:
+        paths.save(_state(2.0), target, snapshot=True)
+        assert os.stat(target).st_ino == old_inode
+        opened = torch.load(target, weights_only=True, mmap=True)  # a reader of the old file
+        assert_same(_state(1.0), opened)
+    finally:
+        gate.set()
+    paths.wait()
+    new_inode = os.stat(target).st_ino
+    assert new_inode != old_inode and new_inode == os.stat(_shard(target)).st_ino
+    assert_same(_state(2.0), torch.load(target, weights_only=True))
+    assert_same(_state(1.0), opened)  # the old inode lives on for the reader that has it
+    paths.close()
+
+
+def test_a_stock_file_stays_loadable_until_the_commit_replaces_it(tmp_path, monkeypatch):
+    target = tmp_path / "last.ckpt"
+    plain = {"w": torch.arange(5.0)}
+    torch.save(plain, target)
+    inode = os.stat(target).st_ino
+    paths = PathCheckpoints(ONE_WRITER)
+    gate = _hold_commits(monkeypatch)
+    try:
+        paths.save(_state(1.0), target, snapshot=True)
+        assert os.stat(target).st_ino == inode
+        assert_same(plain, torch.load(target, weights_only=True))
+    finally:
+        gate.set()
+    paths.wait()
+    assert os.stat(target).st_ino == os.stat(_shard(target)).st_ino
+    assert_same(_state(1.0), torch.load(target, weights_only=True))
+    paths.close()
+
+
+def test_remove_removes_the_file_and_the_checkpoint(tmp_path):
+    target = tmp_path / "a.ckpt"
+    paths = PathCheckpoints(ONE_WRITER)
+    paths.save(_state(1.0), target, snapshot=True)
+    paths.wait()
+    paths.remove(target)
+    assert not os.path.lexists(target) and not os.path.exists(f"{target}.datastates")
+    assert not paths.exists(target)
+    with pytest.raises(datastates.CheckpointNotFoundError, match="a.ckpt"):
+        paths.load(target)
+    paths.close()
+    assert [n for n in os.listdir(tmp_path) if n != "latest"] == []  # the core's hint stays
+
+
+def test_a_checkpoint_directory_at_the_path_from_earlier_versions_still_loads(tmp_path):
+    """Earlier versions wrote the checkpoint of ``dir/name`` as the directory ``dir/name/``."""
+    target = tmp_path / "old.ckpt"
+    with datastates.Checkpointer(
+        tmp_path, ONE_WRITER, communicator=datastates.LocalCommunicator()
+    ) as ckpt:
+        ckpt.save({"v": torch.arange(8.0)}, 3, tag="old.ckpt").wait()
+    assert os.path.isfile(target / "manifest.json")
+    paths = PathCheckpoints(ONE_WRITER)
+    assert paths.exists(target)
+    assert_same({"v": torch.arange(8.0)}, paths.load(target))
+    paths.save(_state(2.0), target, snapshot=True)  # replaced once the new one commits
+    paths.wait()
+    assert os.path.isfile(target) and os.stat(target).st_ino == os.stat(_shard(target)).st_ino
+    assert_same(_state(2.0), paths.load(target))
+    paths.close()
+
+
+def test_links_refused_warn_once_and_the_checkpoints_still_load(tmp_path, monkeypatch, caplog):
+    """A file system without hard links (played by refusing os.link of shard files): no file
+    at the path, one WARNING for the directory, and load() reads the checkpoint."""
+    link = os.link
+
+    def refuse(src, dst, *args, **kwargs):
+        if os.fspath(src).endswith(".dsf"):
+            raise OSError(errno.EPERM, os.strerror(errno.EPERM), src)
+        return link(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "link", refuse)
+    torch.save({"w": torch.ones(2)}, tmp_path / "c.ckpt")  # another engine's, older
+    paths = PathCheckpoints(ONE_WRITER)
+    with caplog.at_level(logging.WARNING, logger="datastates.integrations"):
+        for name, v in (("a.ckpt", 1.0), ("b.ckpt", 2.0), ("c.ckpt", 3.0)):
+            paths.save(_state(v), tmp_path / name, snapshot=True)
+        paths.wait()
+    refused = [r for r in caplog.records if "refused a hard link" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].levelno == logging.WARNING
+    for name, v in (("a.ckpt", 1.0), ("b.ckpt", 2.0), ("c.ckpt", 3.0)):
+        assert not os.path.lexists(tmp_path / name)
+        assert paths.exists(tmp_path / name)
+        assert_same(_state(v), paths.load(tmp_path / name))
+    paths.remove(tmp_path / "a.ckpt")
+    assert not paths.exists(tmp_path / "a.ckpt")
+    assert not os.path.exists(tmp_path / "a.ckpt.datastates")
+    paths.close()
+
+
+def test_a_file_written_at_the_path_after_the_commit_is_what_loads(tmp_path):
+    """Another engine saving to the path afterwards (Lightning's TorchCheckpointIO truncates
+    the file it finds, here the shard's inode): the path's newer content is what load() reads."""
+    target = tmp_path / "a.ckpt"
+    paths = PathCheckpoints(ONE_WRITER)
+    paths.save(_state(1.0), target, snapshot=True)
+    paths.wait()
+    other = {"w": torch.arange(3.0)}
+    with open(target, "wb") as f:
+        torch.save(other, f)
+    committed = os.stat(f"{target}.datastates/manifest.json").st_mtime_ns
+    later = committed + 10**9  # a second after the commit, whatever the clock's granularity
+    os.utime(target, ns=(later, later))
+    assert_same(other, paths.load(target))
+    paths.close()
+
+
+def test_stale_link_temporaries_are_removed_by_repair(tmp_path):
+    dead = int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
+    stale, ours = f".a.ckpt.link-{dead}-0123abcd", f".b.ckpt.link-{os.getpid()}-0123abcd"
+    for name in (stale, ours):
+        open(tmp_path / name, "w").close()
+    paths = PathCheckpoints(ONE_WRITER)
+    paths.repair(tmp_path)
+    assert not os.path.exists(tmp_path / stale)
+    assert os.path.exists(tmp_path / ours)  # this process's own: never removed from under it
+    paths.close()
+
+
+def test_a_name_ending_in_the_directory_suffix_is_refused(tmp_path):
+    paths = PathCheckpoints(ONE_WRITER)
+    with pytest.raises(ValueError, match="x.datastates"):
+        paths.save(_state(1.0), tmp_path / "x.datastates", snapshot=True)
+    assert os.listdir(tmp_path) == []
+    paths.close()
