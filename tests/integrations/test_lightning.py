@@ -465,3 +465,25 @@ def test_lightning_own_loaders_read_the_checkpoints_in_place(tmp_path):
     assert_same(dict(want), params(best))
     assert (best.hparams.width, best.hparams.note, best.hparams.lr) == (16, "in place", 0.5)
     io.teardown()
+
+
+def test_fit_ckpt_path_last_finds_the_file(tmp_path):
+    """Lightning resolves ckpt_path="last" from its own listing of last*.ckpt files: it finds
+    the file, never the last.ckpt.datastates directory beside it, and resumes bit-exact."""
+    folder = tmp_path / "ds"
+
+    def run(epochs, module, **fit):
+        io = DatastatesCheckpointIO(ONE_WRITER)
+        cb = ModelCheckpoint(dirpath=folder, save_top_k=0, save_last=True)
+        trainer(tmp_path, epochs, plugins=[io], callbacks=[cb]).fit(module, **fit)
+        return cb
+
+    cb = run(2, Tiny())
+    assert sorted(os.listdir(folder)) == ["last.ckpt", "last.ckpt.datastates"]
+    assert cb._find_last_checkpoints(None) == {str(folder / "last.ckpt")}
+    resumed = Tiny()
+    with torch.no_grad():
+        for p in resumed.parameters():
+            p.add_(1.0)  # the restore must overwrite everything
+    run(3, resumed, ckpt_path="last")
+    assert_same(_continuous(tmp_path, 3), params(resumed))

@@ -196,6 +196,33 @@ def test_links_refused_warn_once_and_the_checkpoints_still_load(tmp_path, monkey
     paths.close()
 
 
+def test_links_refused_deepspeed_finds_an_empty_file_and_loads_through_it(tmp_path, monkeypatch):
+    """DeepSpeed's load_checkpoint globs the files it saved, then asks the engine to load each:
+    without hard links the engine leaves an empty file at each path for it to find."""
+    import glob
+
+    from datastates.integrations.deepspeed import CheckpointEngine
+
+    link = os.link
+
+    def refuse(src, dst, *args, **kwargs):
+        if os.fspath(src).endswith(".dsf"):
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), src)
+        return link(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "link", refuse)
+    tag = tmp_path / "global_step1"
+    state = {"module": {"w": torch.arange(6.0)}, "global_steps": 1}
+    engine = CheckpointEngine({"host_cache_size": 0.002}, rank=0)
+    engine.save(state, str(tag / "mp_rank_00_model_states.pt"))
+    engine.wait(persist=True)
+    found = glob.glob(str(tag / "mp_rank_*_model_states.pt"))
+    assert found == [str(tag / "mp_rank_00_model_states.pt")]
+    assert os.path.getsize(found[0]) == 0
+    assert_same(state, engine.load(found[0]))
+    engine.close()
+
+
 def test_a_file_written_at_the_path_after_the_commit_is_what_loads(tmp_path):
     """Another engine saving to the path afterwards (Lightning's TorchCheckpointIO truncates
     the file it finds, here the shard's inode): the path's newer content is what load() reads."""

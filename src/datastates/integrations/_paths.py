@@ -289,6 +289,7 @@ class PathCheckpoints:
         trusted: bool = True,
         on_commit: Callable[[str, Any], None] | None = None,
         idle_close: bool = False,
+        mark_unlinked: bool = False,
     ):
         ds = _core()
         config = config if config is not None else ds.CheckpointConfig()
@@ -298,6 +299,10 @@ class PathCheckpoints:
         self.max_open = max(1, int(max_open))
         self.trusted = trusted
         self.on_commit = on_commit
+        #: Where the file system refuses hard links: leave an empty file at the path (a
+        #: framework that lists or tests the names it saved, DeepSpeed's load_checkpoint, then
+        #: finds it and asks :meth:`load`), instead of no file.
+        self.mark_unlinked = mark_unlinked
         #: Close every Checkpointer (its threads, its lease) once no save is in flight, unless
         #: :attr:`attended` (see :meth:`_idle`).
         self.idle_close = idle_close
@@ -327,6 +332,7 @@ class PathCheckpoints:
             "trusted": self.trusted,
             "on_commit": self.on_commit,
             "idle_close": self.idle_close,
+            "mark_unlinked": self.mark_unlinked,
         }
 
     def __setstate__(self, state: dict) -> None:
@@ -578,8 +584,8 @@ class PathCheckpoints:
         the checkpoint's shard file (:func:`link_into_place`). A checkpoint directory an
         earlier version wrote at the path is deleted first (the new checkpoint is committed).
         Where the file system refuses hard links, the path is left without a file (its
-        placeholder, or the file of an older save, is removed) and one WARNING per directory
-        says so."""
+        placeholder, or the file of an older save, is removed), or with an empty one
+        (:attr:`mark_unlinked`), and one WARNING per directory says so."""
         full = pending.path
         root, name = os.path.split(full)
         if is_checkpoint_dir(full):
@@ -591,16 +597,20 @@ class PathCheckpoints:
         except OSError as exc:
             if exc.errno not in LINK_REFUSED_ERRNOS:
                 raise
-            if os.path.isfile(full) or os.path.islink(full):
+            if (os.path.isfile(full) or os.path.islink(full)) and not (
+                self.mark_unlinked and vacant(full)
+            ):
                 os.remove(full)  # older than the checkpoint just committed
+            if self.mark_unlinked:
+                make_placeholder(full)
             with self._lock:
                 first = root not in self._unlinked
                 self._unlinked.add(root)
             if first:
                 log.warning(
                     "the file system of %s refused a hard link (%s): the checkpoints saved "
-                    "to paths there are the directories <name>%s, with no file at the path "
-                    "itself; they load through datastates (the adapter's load, "
+                    "to paths there are the directories <name>%s, with no file (or an empty "
+                    "one) at the path itself; they load through datastates (the adapter's load, "
                     "datastates.load), not through the framework's own loader or torch.load "
                     '(docs/lightning.md, "Files on disk")',
                     root,

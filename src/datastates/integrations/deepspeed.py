@@ -141,8 +141,12 @@ class CheckpointEngine:
         config, options = config_from_deepspeed(config_params)
         self.rank = int(rank)
         self.update_latest = options["update_latest"]
-        self._paths = PathCheckpoints(
-            config, max_open=2, trusted=options["trusted_load"], on_commit=self._committed
+        self._paths = PathCheckpoints(  # DeepSpeed's load globs the files it saved
+            config,
+            max_open=2,
+            trusted=options["trusted_load"],
+            on_commit=self._committed,
+            mark_unlinked=True,
         )
         self._guard_optimizers: list = []  # as given (wrappers): the core unwraps them
         self._hooks: list = []
