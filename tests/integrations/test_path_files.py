@@ -249,7 +249,7 @@ def test_stale_link_temporaries_are_removed_by_repair(tmp_path):
             text=True,
         ).stdout
     )
-    stale, ours = f".a.ckpt.link-{dead}-0123abcd", f".b.ckpt.link-{os.getpid()}-0123abcd"
+    stale, ours = f".link-{dead}-0123abcd", f".link-{os.getpid()}-0123abcd"
     for name in (stale, ours):
         open(tmp_path / name, "w").close()
     paths = PathCheckpoints(ONE_WRITER)

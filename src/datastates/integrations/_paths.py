@@ -106,8 +106,10 @@ LINK_REFUSED_ERRNOS = (
     errno.EMLINK,
     errno.ENOSYS,
 )
-#: The temporary name of a link being put in place: ``.<name>.link-<pid>-<8 hex>``.
-_LINK_TMP = re.compile(r"\..+\.link-(?P<pid>[0-9]+)-[0-9a-f]{8}")
+#: The temporary name of a link being put in place: ``.link-<pid>-<8 hex>``. It never spells the
+#: checkpoint's name, so a framework matching its names in a listing (Lightning's
+#: ``hpc_ckpt_<n>``, ``last``) never takes it for one.
+_LINK_TMP = re.compile(r"\.link-(?P<pid>[0-9]+)-[0-9a-f]{8}")
 
 
 def checkpoint_dir(full: str) -> str:
@@ -210,8 +212,8 @@ def link_into_place(full: str) -> None:
     from datastates.format import shard_file_name
     from datastates.storage import fsync_dir
 
-    root, name = os.path.split(full)
-    tmp = os.path.join(root, f".{name}.link-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    root = os.path.dirname(full)
+    tmp = os.path.join(root, f".link-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.link(os.path.join(checkpoint_dir(full), shard_file_name(0)), tmp)
     try:
         os.replace(tmp, full)
