@@ -82,6 +82,14 @@ def fp32_masters(engine) -> dict:
     }
 
 
+def same_fp32(got: dict, want: dict) -> dict:
+    """Per parameter name: whether ``got`` holds it as float32, bit-identical to ``want``."""
+    return {
+        k: k in got and got[k].dtype == torch.float32 and torch.equal(got[k], v)
+        for k, v in want.items()
+    }
+
+
 def params(engine) -> dict:
     return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
 
@@ -217,12 +225,16 @@ def main(out: str, mode: str) -> None:
     if mode in ZERO:  # DeepSpeed's own consolidation reads the tag folder as it is
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        result["recovery_script"] = os.path.isfile(os.path.join(ds_dir, "zero_to_fp32.py"))
         fp32 = get_fp32_state_dict_from_zero_checkpoint(ds_dir, tag)
-        result["zero_to_fp32_in_place"] = {
-            k: k in fp32 and fp32[k].dtype == torch.float32 and torch.equal(fp32[k], v)
-            for k, v in masters.items()
-        }
+        result["zero_to_fp32_in_place"] = same_fp32(fp32, masters)
+        # The script DeepSpeed copied into the save folder, run as a user runs it (the tag
+        # from `latest`): it writes pytorch_model.bin.
+        import subprocess
+
+        script, fp32_dir = os.path.join(ds_dir, "zero_to_fp32.py"), os.path.join(out, "fp32")
+        subprocess.run([sys.executable, script, ds_dir, fp32_dir], check=True)
+        written = torch.load(os.path.join(fp32_dir, "pytorch_model.bin"), weights_only=True)
+        result["recovery_script_in_place"] = same_fp32(written, masters)
 
     # 3. load() returns what torch.load returned for the same file.
     reader = CheckpointEngine({"host_cache_size": 0.01})
