@@ -609,8 +609,8 @@ def weights_index(path: str) -> str | None:
     with ``view="model"``: each key of the model's state dict mapped to the rank file whose view
     holds it whole (a tied weight to the file of the tensor it shares), from the manifest
     (:func:`datastates.inspect`). None, with a WARNING naming the key, when a model tensor is
-    split over several files or is a Python object: ``from_pretrained`` cannot read it in
-    place (``datastates export --to hf`` can). docs/huggingface.md, "Reading checkpoint-N"."""
+    split over several files: ``from_pretrained`` cannot read it in place (``datastates export
+    --to hf`` can). docs/huggingface.md, "Reading checkpoint-N with from_pretrained"."""
     import json
 
     import datastates
@@ -629,10 +629,9 @@ def weights_index(path: str) -> str | None:
         weight_map[t["key"][len(prefix) :]] = files[t["ranks"][0]]
         total += t["nbytes"]
         dtypes.append(t["dtype"])
-    for o in summary["objects"]:
+    for o in summary["objects"]:  # a module's extra state: in the view as torch.save has it
         if o["key"].startswith(prefix):
-            _no_index(path, o["key"], "it is a Python object, not a tensor")
-            return None
+            weight_map[o["key"][len(prefix) :]] = files[o["rank"]]
     if not weight_map:
         return None
     metadata: dict[str, Any] = {"total_size": total}
