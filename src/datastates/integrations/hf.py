@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("datastates.integrations.hf")
 
-__all__ = ["DatastatesTrainer"]
+__all__ = ["DatastatesTrainer", "weights_index"]
 
 TRAINER_STATE = "trainer_state.json"
 #: The index of a sharded ``.bin`` checkpoint (transformers' ``WEIGHTS_INDEX_NAME``): it names the
