@@ -110,6 +110,7 @@ class Checkpointer:
         optimizers: Iterable[Any] = (),
         metrics: dict | None = None,
         persist: bool | None = None,
+        view: str | None = None,
     ) -> SaveHandle:
         """Start a checkpoint of ``state``, named ``tag`` or ``step-<step>``; return its handle.
 
@@ -118,10 +119,13 @@ class Checkpointer:
         (docs/loop.md, "How a save works"). ``replicated``: tensors identical on every rank,
         written once (True, or key prefixes). ``metrics``: numbers kept in the manifest, which
         ``keep_best`` ranks by. ``persist`` (memory tier only): True for storage, False for
-        memory, None to let ``MemoryTier.persist_every`` decide (docs/memory-tier.md).
+        memory, None to let ``MemoryTier.persist_every`` decide (docs/memory-tier.md). ``view``: a
+        top-level key of a dict state whose value alone ``torch.load`` gives of each rank's shard
+        file (docs/format.md, "The pickle").
 
         Raises, with nothing written: ConfigError for a step, tag or persist ``save()`` refuses
-        (checked first, by the check ``restore``/``load``/``delete`` share); TypeError or
+        (checked first, by the check ``restore``/``load``/``delete`` share) or a ``view`` that is
+        not a top-level key of a dict state; TypeError or
         ValueError for metadata or metrics that do not survive JSON; UnsafeObjectError for an
         object a safe restore would refuse (unless ``config.allow_unsafe_objects``);
         SerializationError for a tensor no checkpoint holds; CheckpointExistsError for a name
@@ -150,6 +154,7 @@ class Checkpointer:
             optimizers=optimizers,
             metrics=metrics,
             persist=True if where == "handoff" else None,
+            view=view,
         )
 
     def guard(self, optimizer: Any) -> None:

@@ -44,7 +44,7 @@ from .providers.tree import Flattened, Items, flatten
 from .restore import resume
 from .restore.reader import Reader, RestoreReport, check_rank_policy
 from .save import capture
-from .save.arguments import check_depth, check_dtypes, check_metrics, check_target
+from .save.arguments import check_depth, check_dtypes, check_metrics, check_target, check_view
 from .save.job import Job, SaveHandle
 from .save.pipeline import Pipeline
 from .save.planning import assign_replicated, plan_layout, units_holding
@@ -179,12 +179,14 @@ class TierCheckpointer:
         optimizers: Iterable[Any] = (),
         metrics: dict | None = None,
         persist: bool | None = None,
+        view: str | None = None,
     ) -> SaveHandle:
         """Start a checkpoint of ``state`` in this tier and return its handle
         (:meth:`datastates.Checkpointer.save`). ``persist=True``: the save is due for storage
         (``policy.check_name`` before, ``policy.on_commit`` after its commit)."""
         name = check_target("save", step, tag, persist)
         assert name is not None  # save() names a checkpoint (check_target)
+        check_view(state, view)
         t0 = time.perf_counter()
         self._check_open()
         self._report_dropped_failures()
@@ -226,6 +228,7 @@ class TierCheckpointer:
                 dataclasses.replace(target, metrics=check_metrics(metrics)),
                 t0,
                 persist,
+                view,
             )
         except BaseException as exc:
             failed = Job(
@@ -268,6 +271,7 @@ class TierCheckpointer:
         target: SaveTarget,
         t0: float,
         persist: bool | None = None,
+        view: str | None = None,
     ) -> Job:
         """Validate, walk and plan one save on the training thread (the part that may fail)."""
         if metadata is not None and not isinstance(metadata, dict):
@@ -285,6 +289,12 @@ class TierCheckpointer:
             self.policy.check_name(target.name, target.overwrite)
         flat = flatten(state, self.registry, allow_unsafe=self.config.allow_unsafe_objects)
         items = flat.items
+        if view is not None and flat.tree["t"] not in ("dict", "odict"):
+            raise ConfigError(
+                f"save(): view={view!r} expected a top-level key of the state, found a state "
+                f"saved as a whole ({type(state).__qualname__} with keys that are not JSON "
+                "scalars, or a dict subclass)"
+            )
         check_dtypes(items)
         if self.policy.group is not None:
             _check_unsharded(items)
@@ -316,6 +326,7 @@ class TierCheckpointer:
             eager_units=units_holding(layout, len(eager)),
             eager_items=len(eager),
             digest_replicas=self.config.replica_check and self.world_size > 1,
+            view=view,
         )
 
     def guard(self, optimizer: Any) -> None:

@@ -28,6 +28,7 @@ import tempfile
 import threading
 from typing import TYPE_CHECKING, Any, cast
 
+import torch
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -40,9 +41,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("datastates.integrations.hf")
 
-__all__ = ["DatastatesTrainer"]
+__all__ = ["DatastatesTrainer", "weights_index"]
 
 TRAINER_STATE = "trainer_state.json"
+#: The index of a sharded ``.bin`` checkpoint (transformers' ``WEIGHTS_INDEX_NAME``): it names the
+#: rank files whose ``torch.load`` view is the model's state dict, so ``from_pretrained`` reads
+#: ``checkpoint-N`` in place.
+WEIGHTS_INDEX = "pytorch_model.bin.index.json"
+#: The key of the model in the saved state, and the view every rank file gives ``torch.load``.
+MODEL_KEY = "model"
 #: The keys every datastates ``checkpoint-N`` of this Trainer holds (``save_only_model`` too).
 TRAINER_KEYS = ("model", "trainer_state")
 _STEP = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -107,6 +114,7 @@ class DatastatesTrainer(Trainer):
             overwrite=True,
             replicated=self._ds_replicated(),
             metadata={"framework": "transformers", "global_step": self.state.global_step},
+            view=MODEL_KEY,
         )
         self._ds_last_handle = handle
         thread = threading.Thread(
@@ -159,6 +167,7 @@ class DatastatesTrainer(Trainer):
             replicated=self._ds_replicated(),
             overwrite=True,  # a step run again (after a resume) replaces it
             metadata={"framework": "transformers", "global_step": step},
+            view=MODEL_KEY,
         )
         self._ds_memory.add(handle)
         self._ds_memory_step = step
@@ -222,8 +231,9 @@ class DatastatesTrainer(Trainer):
     def _ds_after_commit(
         self, handle, run_dir: str, state_json: str, best: str | None, model_files: dict[str, str]
     ) -> None:
-        """Own thread: after the commit, write trainer_state.json, the model's config files and
-        the tokenizer/processor files (as stock checkpoints hold them), then apply
+        """Own thread: after the commit, write trainer_state.json, the model's config files,
+        the weights index that makes the rank files the model's weights (:func:`weights_index`)
+        and the tokenizer/processor files (as stock checkpoints hold them), then apply
         save_total_limit."""
         try:
             info = handle.wait()
@@ -232,6 +242,9 @@ class DatastatesTrainer(Trainer):
                 if self.args.should_save:
                     for name, text in model_files.items():
                         _write_atomic(os.path.join(info.path, name), text)
+                    index = weights_index(info.path)
+                    if index is not None:
+                        _write_atomic(os.path.join(info.path, WEIGHTS_INDEX), index)
                     if self.processing_class is not None:
                         self.processing_class.save_pretrained(info.path)
                     _write_atomic(os.path.join(info.path, TRAINER_STATE), state_json)
@@ -588,6 +601,60 @@ def _not_a_trainer_checkpoint(where: str, found: str, metadata: dict) -> None:
         f"DatastatesTrainer, holding the keys {list(TRAINER_KEYS)}, but {found} (written by "
         f"framework {metadata.get('framework', 'unknown')!r}). Resume from another checkpoint-N, "
         "or move this one out of output_dir"
+    )
+
+
+def weights_index(path: str) -> str | None:
+    """The text of ``pytorch_model.bin.index.json`` for the committed checkpoint ``path``, saved
+    with ``view="model"``: each key of the model's state dict mapped to the rank file whose view
+    holds it whole (a tied weight to the file of the tensor it shares), from the manifest
+    (:func:`datastates.inspect`). None, with a WARNING naming the key, when a model tensor is
+    split over several files: ``from_pretrained`` cannot read it in place (``datastates export
+    --to hf`` can). docs/huggingface.md, "Reading checkpoint-N with from_pretrained"."""
+    import json
+
+    import datastates
+
+    summary = datastates.inspect(path, keys=[MODEL_KEY])
+    prefix = MODEL_KEY + "/"
+    files = {f["rank"]: f["name"] for f in summary["files"]}
+    weight_map: dict[str, str] = {}
+    total, dtypes = 0, []
+    for t in summary["tensors"]:
+        if not t["key"].startswith(prefix):
+            continue
+        if t["shards"] != 1:
+            _no_index(path, t["key"], f"it is split over {t['shards']} shard files")
+            return None
+        weight_map[t["key"][len(prefix) :]] = files[t["ranks"][0]]
+        total += t["nbytes"]
+        dtypes.append(t["dtype"])
+    for o in summary["objects"]:  # a module's extra state: in the view as torch.save has it
+        if o["key"].startswith(prefix):
+            weight_map[o["key"][len(prefix) :]] = files[o["rank"]]
+    if not weight_map:
+        return None
+    metadata: dict[str, Any] = {"total_size": total}
+    # from_pretrained(dtype="auto") takes the dtype from here rather than from a
+    # torch.load(map_location="meta") of a rank file: that one computes each record's offset
+    # as if torch.save had laid the file out, and refuses a file whose first record named is
+    # not data/0 (docs/huggingface.md)
+    floating = [d for d in dtypes if getattr(getattr(torch, d, None), "is_floating_point", False)]
+    metadata["dtype"] = (floating or dtypes)[0]  # as transformers' get_state_dict_dtype
+    index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
+    return json.dumps(index, indent=2) + "\n"
+
+
+def _no_index(path: str, key: str, reason: str) -> None:
+    log.warning(
+        "%s: no %s written, so from_pretrained cannot read this checkpoint in place: the "
+        "model entry %r cannot be served from one rank file (%s); use `datastates export "
+        "%s --to hf DIR` for a folder from_pretrained loads",
+        path,
+        WEIGHTS_INDEX,
+        key,
+        reason,
+        path,
     )
 
 

@@ -103,6 +103,29 @@ def check_target(call: str, step, tag, persist=None) -> str | None:
     return name
 
 
+def check_view(state: Any, view: Any) -> None:
+    """``save(view=...)``: None, or a top-level key of a dict ``state`` (a str); ConfigError
+    otherwise, before anything is planned or written (docs/format.md, "The pickle")."""
+    if view is None:
+        return
+    if not isinstance(view, str):
+        raise ConfigError(
+            f"save(): view must be None or a str naming a top-level key of the state, "
+            f"found {type(view).__qualname__} {view!r}"
+        )
+    if not isinstance(state, dict):
+        raise ConfigError(
+            f"save(): view={view!r} expected a top-level key of the state, found a state of "
+            f"type {type(state).__qualname__} (view needs a dict state)"
+        )
+    if view not in state:
+        keys = [k for k in state if isinstance(k, str)]
+        shown = ", ".join(repr(k) for k in keys[:8]) + (", ..." if len(keys) > 8 else "")
+        raise ConfigError(
+            f"save(): view={view!r} expected a top-level key of the state, found the keys [{shown}]"
+        )
+
+
 def check_depth(metadata: dict) -> None:
     """ConfigError when ``metadata`` nests dicts and lists deeper than MAX_METADATA_DEPTH."""
     level, depth = [metadata], 1

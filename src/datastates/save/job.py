@@ -76,6 +76,7 @@ class Job:
         eager_units: int = 0,
         eager_items: int = 0,
         digest_replicas: bool = False,
+        view: str | None = None,
     ):
         #: Where and as what this save commits (name, directory, rank, deadline...).
         self.target = target
@@ -84,6 +85,9 @@ class Job:
         #: Whether this rank digests every declared-replicated tensor, the ones other ranks
         #: write included (replica check on, more than one rank).
         self.digest_replicas = digest_replicas
+        #: The top-level key whose value alone the shard file's pickle holds, or None for the
+        #: whole state (``save(view=...)``; docs/format.md, "The pickle").
+        self.view = view
         self.flat, self.layout = flat, layout
         #: Flat item indices of the tensors this rank writes (layout order) and of the objects.
         self.write_tensors, self.objects = write_tensors, objects
@@ -530,8 +534,10 @@ def _write_framed(job: Job, index: bytes, checksums: list, tree: dict) -> int:
             )
             return None
 
+    # the whole state, or the value of one top-level key (save(view=...))
+    shown = tree if job.view is None else _view_node(tree, job.view, held)
     try:
-        pickled = zipframe.pickle_state(zipframe.plain_state(tree, held, held_object))
+        pickled = zipframe.pickle_state(zipframe.plain_state(shown, held, held_object))
     except Exception as exc:  # an object that does not pickle again as it did
         log.warning(
             "%s: torch.load of the shard file gives None for every object: pickling them "
@@ -539,7 +545,7 @@ def _write_framed(job: Job, index: bytes, checksums: list, tree: dict) -> int:
             job.target.name,
             exc,
         )
-        pickled = zipframe.pickle_state(zipframe.plain_state(tree, held))
+        pickled = zipframe.pickle_state(zipframe.plain_state(shown, held))
     tail_at = fmt.align_up(at + len(index), fmt.DATA_ALIGN)
     tail = zipframe.tail(tail_at, records, pickled, fmt.crc32)
     writer.write(memoryview(tail), tail_at)
@@ -549,6 +555,38 @@ def _write_framed(job: Job, index: bytes, checksums: list, tree: dict) -> int:
         first = zipframe.local_header(zipframe.tensor_name(0), n0, zipframe.slot_of(n0))
     writer.write(memoryview(fmt.pack_header_v3(at, index, tail_at, tail, first)), 0)
     return tail_at + len(tail)
+
+
+def _view_node(tree: dict, view: str, held) -> dict:
+    """The node of the top-level key ``view`` of a rank's tree (a dict or odict: checked by
+    ``save()``), without the tensors this file does not hold (``held`` gives None) where a
+    mapping holds them: a view leaves them out instead of giving None (docs/format.md, "The
+    pickle"). A list or tuple keeps its positions (None there, as in the whole state)."""
+    for key, node in tree["items"]:
+        if key == view:
+            return _held_only(node, held)
+    raise KeyError(f"view {view!r} is not a top-level key of the saved tree")
+
+
+def _held_only(node: dict, held) -> dict:
+    t = node["t"]
+    if t in ("dict", "odict"):
+        return {
+            "t": t,
+            "items": [[k, _held_only(v, held)] for k, v in node["items"] if not _absent(v, held)],
+        }
+    if t in ("list", "tuple"):
+        return {"t": t, "items": [_held_only(v, held) for v in node["items"]]}
+    if t == "provider":
+        return {**node, "state": _held_only(node["state"], held)}
+    return node
+
+
+def _absent(node: dict, held) -> bool:
+    """A tensor (or a provider's tensor) whose bytes are in another rank's file."""
+    while node["t"] == "provider":
+        node = node["state"]
+    return node["t"] == "tensor" and held(node["e"]) is None
 
 
 def _checksums(job: Job) -> list[tuple[tuple[int, int], ...]]:
