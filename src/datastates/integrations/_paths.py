@@ -31,17 +31,30 @@ decides whether they are trusted when read (``trusted``, Lightning's ``weights_o
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import re
 import shutil
 import threading
-import uuid
 from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
 import torch
+
+from ._layout import (
+    LINK_REFUSED_ERRNOS,
+    SUFFIX,
+    aside_path,
+    checkpoint_dir,
+    drop_aside,
+    drop_placeholder,
+    drop_stale_links,
+    file_at,
+    file_is_newer,
+    is_checkpoint_dir,
+    link_into_place,
+    make_placeholder,
+    vacant,
+)
 
 log = logging.getLogger("datastates.integrations")
 
@@ -79,179 +92,10 @@ def refuse_memory_tier(config, who: str) -> None:
         )
 
 
-def is_checkpoint_dir(path) -> bool:
-    """True if ``path`` is a committed datastates checkpoint."""
-    return os.path.isfile(os.path.join(os.fspath(path), "manifest.json"))
-
-
 def base_optimizer(opt: Any) -> torch.optim.Optimizer | None:
     """The torch optimizer inside framework wrappers (accelerate's ``AcceleratedOptimizer``,
     DeepSpeed's ZeRO wrappers, ``LightningOptimizer``): the core's unwrapping rule."""
     return _core().torch_optimizer(opt)
-
-
-#: The suffix of the datastates checkpoint behind the path ``dir/name``: ``dir/name.datastates/``.
-SUFFIX = ".datastates"
-#: The prefix of the name under which an earlier version kept another engine's plain file while
-#: the datastates checkpoint replacing it was saved: ``dir/.plain.<name>``. Still read (a crash
-#: may have left one) and removed with the path; saves no longer set files aside.
-ASIDE_PREFIX = ".plain."
-#: What ``os.link`` fails with where the file system has no hard links here (a FUSE or object
-#: store mount, a link count at its limit, another device): the path then gets no file.
-LINK_REFUSED_ERRNOS = (
-    errno.EPERM,
-    errno.EXDEV,
-    errno.ENOTSUP,
-    errno.EOPNOTSUPP,
-    errno.EMLINK,
-    errno.ENOSYS,
-)
-#: The temporary name of a link being put in place: ``.link-<pid>-<8 hex>``. It never spells the
-#: checkpoint's name, so a framework matching its names in a listing (Lightning's
-#: ``hpc_ckpt_<n>``, ``last``) never takes it for one.
-_LINK_TMP = re.compile(r"\.link-(?P<pid>[0-9]+)-[0-9a-f]{8}")
-
-
-def checkpoint_dir(full: str) -> str:
-    """The datastates checkpoint directory behind the path ``full``."""
-    return full + SUFFIX
-
-
-def aside_path(full: str) -> str:
-    """Where an earlier version kept the plain file ``full`` while its replacement was saved."""
-    root, name = os.path.split(full)
-    return os.path.join(root, ASIDE_PREFIX + name)
-
-
-def drop_aside(full: str) -> None:
-    """After the commit of ``full``, or its removal: remove a file an earlier version set aside."""
-    try:
-        os.remove(aside_path(full))
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning(
-            "could not remove %s, replaced by the checkpoint %s: %r", aside_path(full), full, exc
-        )
-
-
-# The name of a save in flight exists (a framework decides on a new name, ModelCheckpoint's
-# ``-v<n>``, by asking whether the path exists): ``save`` creates an empty file at the path
-# before the save starts, unless something is there already, and the link made after the commit
-# is renamed over it. A failed save removes the placeholder it made if it is still that empty
-# file. Readers here take an empty file (no ``torch.save`` output is empty) or an empty
-# directory (an earlier version's placeholder) for no checkpoint (:func:`vacant`).
-
-
-def make_placeholder(full: str) -> tuple[int, int] | None:
-    """Create the empty file ``full``; its (device, inode), or None if ``full`` exists."""
-    try:
-        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0))
-    except FileExistsError:
-        return None
-    try:
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
-    return st.st_dev, st.st_ino
-
-
-def drop_placeholder(full: str, made: tuple[int, int] | None) -> None:
-    """Remove the placeholder ``made`` at ``full`` if it is still that empty file (anything
-    else there is left alone)."""
-    if made is None:
-        return
-    try:
-        st = os.lstat(full)
-        if (st.st_dev, st.st_ino) == made and st.st_size == 0:
-            os.remove(full)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("could not remove %s, the placeholder of a save: %r", full, exc)
-
-
-def vacant(full: str) -> bool:
-    """Whether no checkpoint and no file is at ``full``: missing, an empty file, or an empty
-    directory."""
-    try:
-        st = os.stat(full)
-        if os.path.isdir(full):
-            return not os.path.islink(full) and not os.listdir(full)
-    except (FileNotFoundError, NotADirectoryError):
-        return True
-    return st.st_size == 0
-
-
-def file_at(full: str) -> bool:
-    """Whether a file a stock loader reads is at ``full`` (a link to one counts; an empty
-    placeholder does not)."""
-    return os.path.isfile(full) and os.path.getsize(full) > 0
-
-
-def file_is_newer(full: str) -> bool:
-    """Whether the file at ``full`` was written (or a symbolic link made there) after the
-    checkpoint ``full.datastates`` was committed: another engine saved to the path since, so it
-    is what the path holds. A link made by :meth:`PathCheckpoints.save`, or a file older than
-    the commit (a crash came between the commit and the link), is not."""
-    from datastates.format import MANIFEST
-
-    try:
-        written = os.lstat(full).st_mtime_ns
-        committed = os.stat(os.path.join(checkpoint_dir(full), MANIFEST)).st_mtime_ns
-    except OSError:
-        return False
-    return written > committed
-
-
-def link_into_place(full: str) -> None:
-    """Make ``full`` a hard link to the shard file of the committed checkpoint
-    ``full.datastates``: linked under a temporary name in the same directory, renamed over
-    ``full`` (one atomic step: the path holds the old file or the new one), directory synced.
-    OSError from ``os.link`` as raised (the caller tells refusals apart)."""
-    from datastates.format import shard_file_name
-    from datastates.storage import fsync_dir
-
-    root = os.path.dirname(full)
-    tmp = os.path.join(root, f".link-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    os.link(os.path.join(checkpoint_dir(full), shard_file_name(0)), tmp)
-    try:
-        os.replace(tmp, full)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_dir(root)
-
-
-def drop_stale_links(root: str) -> None:
-    """Remove the temporary links (:func:`link_into_place`) of processes that are gone."""
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return
-    for name in names:
-        found = _LINK_TMP.fullmatch(name)
-        if found is None or int(found["pid"]) == os.getpid() or _alive(int(found["pid"])):
-            continue
-        try:
-            os.remove(os.path.join(root, name))
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("could not remove the stale link %s: %r", os.path.join(root, name), exc)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # another user's process
-    return True
 
 
 def drop_latest(path: str, info: Any = None) -> None:

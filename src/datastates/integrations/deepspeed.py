@@ -438,7 +438,7 @@ def export_torch_files(tag_dir: str, out_root: str | None = None) -> list[str]:
     file is streamed from the checkpoint (verified) and written atomically; returns their paths.
     """
     import datastates
-    from ._paths import SUFFIX, is_checkpoint_dir
+    from ._layout import SUFFIX, is_checkpoint_dir
 
     tag_dir = os.path.abspath(tag_dir).rstrip(os.sep)
     save_dir, tag = os.path.split(tag_dir)

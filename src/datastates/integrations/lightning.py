@@ -38,7 +38,8 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
 
 from ._memory import MemorySaves, check_every, framework_memory_tier, memory_wins
-from ._paths import ASIDE_PREFIX, SUFFIX, PathCheckpoints, drop_latest, is_checkpoint_dir
+from ._layout import ASIDE_PREFIX, SUFFIX, is_checkpoint_dir
+from ._paths import PathCheckpoints, drop_latest
 
 log = logging.getLogger("datastates.integrations")
 
