@@ -265,3 +265,23 @@ def test_a_name_ending_in_the_directory_suffix_is_refused(tmp_path):
         paths.save(_state(1.0), tmp_path / "x.datastates", snapshot=True)
     assert os.listdir(tmp_path) == []
     paths.close()
+
+
+def test_the_cli_given_the_file_reads_the_checkpoint_behind_it(tmp_path, capsys):
+    from datastates.tools.cli import main
+
+    target = tmp_path / "last.ckpt"
+    paths = PathCheckpoints(ONE_WRITER)
+    paths.save(_state(1.0), target, snapshot=True)
+    paths.wait()
+    paths.close()
+    assert main(["verify", str(target)]) == 0
+    assert "last.ckpt.datastates" in capsys.readouterr().out
+    out = tmp_path / "out.pt"
+    assert main(["export", str(target), "--to", "torch", str(out)]) == 0
+    assert_same(_state(1.0), torch.load(out, weights_only=True))
+    os.remove(target)
+    open(target, "wb").close()  # a file with no checkpoint behind it stays refused
+    os.rename(f"{target}.datastates", tmp_path / "elsewhere")
+    assert main(["verify", str(target)]) == 1
+    assert "is a file" in capsys.readouterr().err

@@ -12,6 +12,8 @@ import os
 import re
 import uuid
 
+from datastates.format import PATH_SUFFIX
+
 log = logging.getLogger("datastates.integrations")
 
 
@@ -21,7 +23,7 @@ def is_checkpoint_dir(path) -> bool:
 
 
 #: The suffix of the datastates checkpoint behind the path ``dir/name``: ``dir/name.datastates/``.
-SUFFIX = ".datastates"
+SUFFIX = PATH_SUFFIX
 #: The prefix of the name under which an earlier version kept another engine's plain file while
 #: the datastates checkpoint replacing it was saved: ``dir/.plain.<name>``. Still read (a crash
 #: may have left one) and removed with the path; saves no longer set files aside.

@@ -89,7 +89,9 @@ def select(
 ) -> Selection:
     """The checkpoints ``path`` designates, and the damaged ones of its folder.
 
-    ``path`` may be: a checkpoint folder; a folder ``DatastatesWriter`` (DCP) wrote; a folder
+    ``path`` may be: a checkpoint folder; a framework's checkpoint file (``last.ckpt``,
+    ``mp_rank_00_model_states.pt``): the checkpoint ``<path>.datastates`` behind it; a folder
+    ``DatastatesWriter`` (DCP) wrote; a folder
     of checkpoints (a Checkpointer's directory, a Lightning or HF output folder), where
     ``step``/``tag`` pick one, ``every=True`` takes all, and otherwise the newest committed one
     is meant; a DeepSpeed tag folder (``global_stepN``, whose checkpoints are the files DeepSpeed
@@ -101,6 +103,8 @@ def select(
     an object-store URL (``s3://bucket/prefix``; ``storage_options`` as for ``Checkpointer``)."""
     path = normalize(path)
     store = open_store(path, storage_options)
+    if store.renames and os.path.isfile(path) and os.path.isdir(path + fmt.PATH_SUFFIX):
+        path = path + fmt.PATH_SUFFIX  # a framework's file: the checkpoint behind it
     if store.renames and os.path.isfile(path):
         raise CheckpointNotFoundError(
             f"{path} is a file; expected a checkpoint folder or a folder of checkpoints"
