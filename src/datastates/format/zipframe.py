@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
+from . import pickler
+
 FOLDER = "archive"
 #: The first record: empty, its local header fills bytes 0-63 (the datastates header follows it,
 #: in no record: a record holding it would have to hold the CRC-32 of the tail, which holds the
@@ -33,6 +35,7 @@ HEADER_AT = SLOT
 _PAD_ID = 0x5344  # "DS"
 _DATE = 0x21  # 1980-01-01
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
+_U32 = struct.Struct("<I")
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
 _Z64_EOCD = struct.Struct("<IQHHIIQQQQ")
 _Z64_LOC = struct.Struct("<IIQI")
@@ -284,9 +287,174 @@ def plain_state(node: dict, tensor_of: TensorOf) -> Any:
 
 
 def pickle_state(state: Any) -> bytes:
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=2).dump(state)
-    return buf.getvalue()
+    """The protocol 2 pickle of ``state`` (what :func:`plain_state` builds), tensors written
+    as ``torch.save`` writes them: by :class:`_TreePickler` (the same bytes as
+    :class:`_Pickler`, without a Python call per object), or by :class:`_Pickler` for a
+    tree it does not write."""
+    try:
+        return _TreePickler().dumps(state)
+    except pickler.Unsupported:
+        buf = io.BytesIO()
+        _Pickler(buf, protocol=2).dump(state)
+        return buf.getvalue()
+
+
+class _TreePickler(pickler.TreePickler):
+    """Writes a tensor placeholder as :meth:`_Pickler.reducer_override` and
+    :meth:`_Pickler.persistent_id` make the C pickler write it. Once the globals of its dtype
+    are in the memo and the memo holds 256 objects (every BINPUT then 5 bytes), a placeholder
+    whose key and shape are new objects is its key and the memo indexes packed into bytes
+    fixed per dtype and shape (:meth:`_plan`); any other object by object."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: dtype -> (the rebuild function, the storage type, bytes per storage element or 1
+        #: for a typed storage, the dtype's global for ``_rebuild_tensor_v3`` or None).
+        self._kinds: dict[torch.dtype, tuple] = {}
+        #: (dtype, shape) -> what :meth:`_plan` returns.
+        self._plans: dict[tuple, tuple] = {}
+
+    def _kind(self, dtype: torch.dtype) -> tuple:
+        kind = self._kinds.get(dtype)
+        if kind is None:
+            if type(dtype) is not torch.dtype:
+                raise pickler.Unsupported("a tensor placeholder without a dtype")
+            legacy = _legacy_storage(dtype)
+            if legacy is None:
+                kind = (
+                    torch._utils._rebuild_tensor_v3,
+                    torch.UntypedStorage,
+                    dtype.itemsize,
+                    dtype,
+                )
+            else:
+                kind = (torch._utils._rebuild_tensor_v2, legacy, 1, None)
+            self._kinds[dtype] = kind
+        return kind
+
+    def _tensor(self, obj: _Tensor) -> None:
+        key, dtype, shape = obj
+        if type(shape) is not tuple:
+            raise pickler.Unsupported("a tensor placeholder's shape is not a tuple")
+        for size in shape:  # a bool equals an int as a key of _plans but is pickled otherwise
+            if type(size) is not int:
+                raise pickler.Unsupported("a tensor placeholder's shape holds a non-int")
+        memo, n = self.memo, self.n
+        plan = self._plans.get((dtype, shape))
+        if plan is None or n < 256 or type(key) is not str or id(key) in memo:
+            self._tensor_objects(obj)
+            return
+        head, first, counted, shape_bytes, rest, segments = plan
+        data = key.encode("utf-8", "surrogatepass")
+        out = self.out
+        out += head
+        out += _U32.pack(len(data))
+        out += data
+        out += first.pack(b"r", n, counted, n + 1)
+        memo[id(key)] = n
+        n += 2
+        if shape:
+            known = memo.get(id(shape))
+            if known is None:
+                out += shape_bytes
+                out += _U32.pack(n)
+                memo[id(shape)] = n
+                n += 1
+            else:
+                out += b"QK\x00" + pickler.get_bytes(known)
+            s0, s1, s2, s3 = segments
+            out += rest.pack(s0, n, s1, n + 1, s2, n + 2, s3, n + 3)
+            memo[id(obj)] = n + 3
+            self.n = n + 4
+        else:
+            s0, s1, s2 = segments
+            out += rest.pack(s0, n, s1, n + 1, s2, n + 2)
+            memo[id(obj)] = n + 2
+            self.n = n + 3
+
+    def _tensor_objects(self, obj: _Tensor) -> None:
+        """A tensor placeholder written object by object, as the C pickler walks it."""
+        key, dtype, shape = obj
+        rebuild, storage, factor, v3 = self._kind(dtype)
+        stride, numel = _contiguous(shape)
+        out = self.out
+        self.save_global(rebuild)
+        out += b"(("
+        self.save("storage")
+        self.save_global(storage)
+        self.save(key)
+        self.save("cpu")
+        self.save(numel * factor)
+        out += b"t"
+        out += self.put()
+        out += b"QK\x00"
+        self.save(shape)
+        out += _tuple_body(stride)
+        if stride:
+            out += self.put()
+        out += b"\x89"
+        self.save_global(collections.OrderedDict)
+        out += b")R"
+        out += self.put()
+        if v3 is not None:
+            self.save_global(v3)
+        out += b"t"
+        out += self.put()
+        out += b"R"
+        self.remember(obj)
+        if (dtype, shape) not in self._plans:
+            plan = self._plan(dtype, shape)
+            if plan is not None:
+                self._plans[(dtype, shape)] = plan
+
+    def _plan(self, dtype: torch.dtype, shape: tuple) -> tuple | None:
+        """The bytes of a placeholder of ``dtype`` and ``shape`` around its key and memo
+        indexes, once the globals it names are in the memo: the bytes up to the key's length,
+        the packer of the key's and the storage id's BINPUTs with the bytes between them, the
+        shape's tuple up to its BINPUT's index, the packer of the rest and its bytes."""
+        rebuild, storage, factor, v3 = self._kind(dtype)
+        named: tuple = (rebuild, "storage", storage, "cpu", collections.OrderedDict)
+        named += (v3,) if v3 is not None else ()
+        if any(id(o) not in self.memo for o in named):
+            return None
+        get = {id(o): pickler.get_bytes(self.memo[id(o)]) for o in named}
+        stride, numel = _contiguous(shape)
+        head = get[id(rebuild)] + b"((" + get[id("storage")] + get[id(storage)] + b"X"
+        end = (b"" if v3 is None else get[id(v3)]) + b"tr"
+        odict = b"\x89" + get[id(collections.OrderedDict)] + b")Rr"
+        counted = get[id("cpu")] + pickler.int_bytes(numel * factor) + b"tr"
+        first = struct.Struct(f"<1sI{len(counted)}sI")  # the key's BINPUT, the storage id's
+        if shape:  # then the shape's, the strides', the OrderedDict's, the arguments', its own
+            segments: tuple = (_tuple_body(stride) + b"r", odict, end, b"Rr")
+        else:  # no shape nor strides to memoize
+            segments = (b"QK\x00))" + odict, end, b"Rr")
+        rest = struct.Struct("<" + "".join(f"{len(s)}sI" for s in segments))
+        shape_bytes = b"QK\x00" + _tuple_body(shape) + b"r"
+        return head, first, counted, shape_bytes, rest, segments
+
+    leaves = {_Tensor: _tensor}
+
+
+def _contiguous(shape: tuple) -> tuple[tuple, int]:
+    """The contiguous strides of ``shape`` and its number of elements, as
+    :meth:`_Pickler.reducer_override` computes them."""
+    stride, acc, numel = [], 1, 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    for size in shape:
+        numel *= size
+    return tuple(reversed(stride)), numel
+
+
+def _tuple_body(values: tuple) -> bytes:
+    """A tuple of ints as protocol 2 writes it, its BINPUT left out (``)`` when empty)."""
+    items = b"".join(pickler.int_bytes(v) for v in values)
+    if not values:
+        return b")"
+    if len(values) > 3:
+        return b"(" + items + b"t"
+    return items + (b"\x85", b"\x86", b"\x87")[len(values) - 1]
 
 
 # ---------------------------------------------------------------- the tail

@@ -1,0 +1,160 @@
+"""The fast writers of a version-3 shard file's framing write the same bytes as the plain ones:
+the pickle of a state tree (``zipframe.pickle_state``) as the C pickler with ``_Pickler``'s
+hooks writes it."""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import random
+
+import pytest
+import torch
+
+from datastates.format import pickler, zipframe
+
+T = zipframe._Tensor
+
+
+def _reference(state) -> bytes:
+    buf = io.BytesIO()
+    zipframe._Pickler(buf, protocol=2).dump(state)
+    return buf.getvalue()
+
+
+def _fast(state) -> bytes:
+    return zipframe._TreePickler().dumps(state)
+
+
+def _tensors(n: int, dtype=torch.float32, shape=(2,)) -> dict:
+    return {f"t{i}": T(str(i), dtype, tuple(list(shape))) for i in range(n)}
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 255, 256, 300, 999, 1000, 1001, 2000, 2001])
+def test_containers_of_every_batch_size(n):
+    """The C pickler's batches of 1000: a dict of a multiple of 1000 items ends with an empty
+    batch, a list does not, an OrderedDict (reduced, its items from an iterator) neither, and
+    writes a last lone item as SETITEM."""
+    cases = [
+        {f"k{i}": i for i in range(n)},
+        [i * 3 for i in range(n)],
+        collections.OrderedDict((f"k{i}", [i]) for i in range(n)),
+        tuple(range(n)),
+        _tensors(n),
+        [T(str(i), torch.float16, (i % 3,) * (i % 5)) for i in range(n)],
+    ]
+    for state in cases:
+        assert _fast(state) == _reference(state)
+
+
+def test_values_of_every_encoding():
+    state = {
+        "ints": [0, 1, 255, 256, 65535, 65536, -1, -(2**31), 2**31 - 1, 2**31, -(2**31) - 1],
+        "longs": [2**63, -(2**64), 2**2100, -(2**2100)],
+        "floats": [0.0, -0.0, 1.5, 1e300, float("inf"), float("nan")],
+        "others": [None, True, False, "", "é", "\ud800", "x" * 300],
+        "tuples": [(), (1,), (1, 2), (1, 2, 3), (1, 2, 3, 4), ((), ("a",))],
+        "nested": {"a": {"b": [collections.OrderedDict(c=())]}},
+    }
+    assert _fast(state) == _reference(state)
+
+
+def test_tensor_placeholders_of_every_kind():
+    """Typed and untyped storages (``_rebuild_tensor_v2``/``_v3``), scalars, empty and long
+    shapes, before and after the memo holds 256 objects (BINPUT, then LONG_BINPUT)."""
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float8_e4m3fn]
+    dtypes += [torch.complex64, torch.uint16]
+    shapes = [(), (0,), (2,), (3, 0, 2), (2, 3, 4, 5), (70000,), (1, 2**33)]
+    state = {
+        f"{d}-{s}-{r}": T(f"{i}", d, tuple(list(s)))
+        for i, (r, d, s) in enumerate((r, d, s) for r in range(3) for d in dtypes for s in shapes)
+    }
+    assert _fast(state) == _reference(state)
+
+
+def test_shared_objects_are_memo_references():
+    """What the C pickler finds in its memo (the same object met again) is a BINGET: a shape
+    tuple shared by two placeholders, a key met as a value, a placeholder met twice, the
+    interned "storage" and "cpu" met as keys."""
+    shape = (2, 2)
+    key = "shared key"
+    one = T("9", torch.float32, (5,))
+    pad = {f"p{i}": T(f"p{i}", torch.float32, (1,)) for i in range(300)}
+    state = {
+        **pad,
+        "a": T("0", torch.float32, shape),
+        "b": T("1", torch.float32, shape),
+        key: [key, key],
+        "c": T(key, torch.float32, (3,)),
+        "one": one,
+        "again": [one, one],
+        "storage": "cpu",
+        "cpu": ("storage",),
+    }
+    assert _fast(state) == _reference(state)
+
+
+def test_random_trees():
+    rng = random.Random(7)
+    leaves = [
+        lambda: rng.randrange(-(2**40), 2**40),
+        lambda: rng.random(),
+        lambda: None,
+        lambda: rng.random() < 0.5,
+        lambda: f"s{rng.randrange(50)}",
+        lambda: T(str(rng.randrange(1000)), rng.choice([torch.float32, torch.float8_e5m2]), (3,)),
+    ]
+
+    def tree(depth: int):
+        pick = rng.randrange(8 if depth < 4 else 0, 14)
+        if pick < 2:
+            return {f"k{i}": tree(depth + 1) for i in range(rng.randrange(5))}
+        if pick < 4:
+            return [tree(depth + 1) for _ in range(rng.randrange(5))]
+        if pick < 6:
+            return tuple(tree(depth + 1) for _ in range(rng.randrange(5)))
+        if pick < 8:
+            return collections.OrderedDict(
+                (f"o{i}", tree(depth + 1)) for i in range(rng.randrange(5))
+            )
+        return rng.choice(leaves)()
+
+    for _ in range(200):
+        state = tree(0)
+        assert _fast(state) == _reference(state)
+
+
+def test_plain_state_of_a_tree_pickles_as_before():
+    """The pickle of a rank's tree through ``plain_state``, with its shapes as the items give
+    them (a tuple per tensor; a view saved twice shares its entry, so its shape)."""
+    n = 3000
+    shapes = [(2,) if i % 7 else (4, 4) for i in range(n)]
+    shapes = [tuple(list(s)) for s in shapes]
+    nodes = [(f"t{i}", {"t": "tensor", "e": i}) for i in range(n)]
+    nodes.append(("again", {"t": "tensor", "e": 5}))
+    nodes.append(("elsewhere", {"t": "tensor", "e": n + 1}))
+    nodes.append(("obj", {"t": "object", "e": n + 2}))
+    nodes.append(("v", {"t": "list", "items": [{"t": "value", "v": 3}, {"t": "value", "v": "x"}]}))
+    tree = {"t": "dict", "items": nodes}
+
+    def held(i: int):
+        return (i, torch.float32, shapes[i]) if i < n else None
+
+    state = zipframe.plain_state(tree, held)
+    assert zipframe.pickle_state(state) == _reference(state)
+
+
+def test_what_it_does_not_write_goes_to_the_pickler():
+    """A tree holding another type is written by the C pickler, unchanged."""
+
+    others = [{"a": b"bytes"}, {"a": {1, 2}}, [collections.Counter(a=1)]]
+    for state in [
+        *others,
+        {"a": T("0", torch.float32, [2])},
+        {"a": T("0", torch.float32, (True,))},
+    ]:
+        with pytest.raises(pickler.Unsupported):
+            _fast(state)
+        assert zipframe.pickle_state(state) == _reference(state)
+    assert pickle.loads(zipframe.pickle_state({"a": b"bytes"})) == {"a": b"bytes"}
