@@ -1,6 +1,8 @@
 """The fast writers of a version-3 shard file's framing write the same bytes as the plain ones:
 the pickle of a state tree (``zipframe.pickle_state``) as the C pickler with ``_Pickler``'s
-hooks writes it."""
+hooks writes it, the tensors' local headers and central directory entries as
+``local_header``/``_central`` write each record, and the tail as it was written from a list of
+records."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import collections
 import io
 import pickle
 import random
+import zlib
 
 import pytest
 import torch
@@ -158,3 +161,97 @@ def test_what_it_does_not_write_goes_to_the_pickler():
             _fast(state)
         assert zipframe.pickle_state(state) == _reference(state)
     assert pickle.loads(zipframe.pickle_state({"a": b"bytes"})) == {"a": b"bytes"}
+
+
+SIZES = [0, 1, 8, 4095, 2**31, zipframe.ZIP64_LIMIT - 1, zipframe.ZIP64_LIMIT, 2**40]
+
+
+def test_tensor_headers_are_local_headers():
+    for k in [0, 9, 10, 99, 100, 12345, 10**7]:
+        for nbytes in SIZES:
+            expected = zipframe.local_header(
+                zipframe.tensor_name(k), nbytes, zipframe.slot_of(nbytes)
+            )
+            assert zipframe.tensor_header(k, nbytes) == expected
+
+
+def _records(offsets, sizes, crcs) -> list:
+    return [
+        zipframe.Record(zipframe.tensor_name(k), offset - zipframe.slot_of(n), n, crc)
+        for k, (offset, n, crc) in enumerate(zip(offsets, sizes, crcs))
+    ]
+
+
+def test_tensor_entries_are_central_entries():
+    """Below and above 4 GiB, in size and in offset (ZIP64 extra fields)."""
+    rng = random.Random(3)
+    sizes = [rng.choice(SIZES) for _ in range(500)] + [8] * 1500
+    offsets, at = [], 4096
+    for n in sizes:
+        at += zipframe.slot_of(n)
+        offsets.append(at)
+        at += -(-max(n, 1) // 64) * 64 + rng.choice([0, 64, 2**32])
+    crcs = [rng.randrange(2**32) for _ in sizes]
+    expected = zipframe.central_entries(_records(offsets, sizes, crcs))
+    assert zipframe.tensor_entries(offsets, sizes, crcs) == expected
+    assert b"".join(zipframe._central(r) for r in _records(offsets, sizes, crcs)) == expected
+
+
+def _reference_tail(at: int, records: list, pickled: bytes, crc32) -> bytes:
+    """The tail as written from the list of all records before (one ``_central`` each)."""
+    out = bytearray()
+    everything = list(records)
+    for name, data in ((f"{zipframe.FOLDER}/data.pkl", pickled), *zipframe._TAIL_RECORDS):
+        crc = crc32(data)
+        everything.append(zipframe.Record(name, at + len(out), len(data), crc))
+        out += zipframe._padded(name, at + len(out), data, crc)
+    directory_at = at + len(out)
+    for r in everything:
+        out += zipframe._central(r)
+    directory_size = at + len(out) - directory_at
+    count = len(everything)
+    z64_at = at + len(out)
+    out += zipframe._Z64_EOCD.pack(
+        0x06064B50, 44, 45, 45, 0, 0, count, count, directory_size, directory_at
+    )
+    out += zipframe._Z64_LOC.pack(0x07064B50, 0, z64_at, 1)
+    out += zipframe._EOCD.pack(
+        0x06054B50,
+        0,
+        0,
+        min(count, 0xFFFF),
+        min(count, 0xFFFF),
+        min(directory_size, zipframe.ZIP64_LIMIT),
+        min(directory_at, zipframe.ZIP64_LIMIT),
+        0,
+    )
+    return bytes(out)
+
+
+@pytest.mark.parametrize("n", [0, 1, 70000])
+def test_the_tail_is_as_written_from_records(n):
+    sizes = [8 if k % 3 else 100 for k in range(n)]
+    offsets = [4096 + 64 + 192 * k for k in range(n)]
+    crcs = [zlib.crc32(b"%d" % k) for k in range(n)]
+    index_at = 4096 + 192 * n + 64
+    head = zipframe.Record(zipframe.HEADER_RECORD, 0, 0, 0)
+    index = zipframe.Record(zipframe.INDEX_RECORD, index_at - 64, 1000, 77)
+    pickled = zipframe.pickle_state(_tensors(n))
+    tail_at = index_at + 1024
+    directory = (
+        zipframe.central_entries([head])
+        + zipframe.tensor_entries(offsets, sizes, crcs)
+        + zipframe.central_entries([index])
+    )
+    records = [head, *_records(offsets, sizes, crcs), index]
+    expected = _reference_tail(tail_at, records, pickled, zlib.crc32)
+    assert zipframe.tail_after(tail_at, directory, n + 2, pickled, zlib.crc32) == expected
+    assert zipframe.tail(tail_at, records, pickled, zlib.crc32) == expected
+
+
+def test_one_checksum_piece_is_its_crc():
+    assert zipframe.crc_of_pieces(((8, 123),)) == 123
+    assert zipframe.crc_of_pieces([(8, 123)]) == 123
+    assert zipframe.crc_of_pieces(()) == 0
+    a, b = b"abc" * 10, b"xyz" * 7
+    assert zipframe.crc_of_pieces(((30, zlib.crc32(a)), (21, zlib.crc32(b)))) == zlib.crc32(a + b)

@@ -11,6 +11,7 @@ verifier rebuilds the slots from the index (:func:`slot_bytes`).
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import pickle
 import struct
@@ -78,6 +79,24 @@ def local_header(name: str, nbytes: int, slot: int, crc: int = 0) -> bytes:
     )
 
 
+def tensor_header(k: int, nbytes: int) -> bytes:
+    """The local header slot before tensor record ``k`` of ``nbytes``:
+    ``local_header(tensor_name(k), nbytes, slot_of(nbytes))``, from parts made once per name
+    length and size (all but the name)."""
+    name = tensor_name(k)
+    try:
+        before, after = _header_parts(len(name), nbytes)
+    except ValueError:  # too long a name: say which
+        return local_header(name, nbytes, slot_of(nbytes))
+    return before + name.encode("ascii") + after
+
+
+@functools.lru_cache(maxsize=4096)
+def _header_parts(name_length: int, nbytes: int) -> tuple[bytes, bytes]:
+    whole = local_header("_" * name_length, nbytes, slot_of(nbytes))
+    return whole[: _LOCAL.size], whole[_LOCAL.size + name_length :]
+
+
 def header_record_header() -> bytes:
     """Bytes 0-63 of a version-3 file: the local header of the empty first record."""
     return local_header(HEADER_RECORD, 0, SLOT)
@@ -97,7 +116,7 @@ def slot_bytes(offsets_sizes: Iterable[tuple[int, int]]) -> Iterable[tuple[int, 
     as (offset, nbytes) in ascending offset order (what ``verify`` compares a file against)."""
     for k, (offset, nbytes) in enumerate(offsets_sizes):
         slot = slot_of(nbytes)
-        yield offset - slot, local_header(tensor_name(k), nbytes, slot)
+        yield offset - slot, tensor_header(k, nbytes)
 
 
 # ---------------------------------------------------------------- CRC-32 combination
@@ -178,6 +197,8 @@ _COMBINE: list = []  # [the combine function], found at the first use
 def crc_of_pieces(pieces: Iterable[tuple[int, int]]) -> int:
     """The CRC-32 of a region from its checksum pieces, ``(length, crc32)`` in order (one
     piece, the common case: its CRC-32)."""
+    if type(pieces) is tuple and len(pieces) == 1:
+        return pieces[0][1]
     crc, first = 0, True
     for length, piece in pieces:
         if first:
@@ -467,21 +488,65 @@ def _padded(name: str, at: int, data: bytes, crc: int) -> bytes:
     return local_header(name, len(data), slot, crc) + data
 
 
+def central_entries(records: Iterable[Record]) -> bytes:
+    """The central directory entries of ``records``, in order."""
+    return b"".join(_central(r) for r in records)
+
+
+#: A central directory entry of a record below 4 GiB at an offset below 4 GiB: the fixed
+#: fields (signature to date), CRC-32, sizes, name length, zeros, offset (``_CENTRAL``).
+_SMALL_CENTRAL_HEAD = _CENTRAL.pack(0x02014B50, 45, 20, 0, 0, 0, _DATE, *([0] * 10))[:16]
+_TENSOR_PREFIX = f"{FOLDER}/data/".encode("ascii")
+
+
+@functools.lru_cache(maxsize=64)
+def _small_central(name_length: int) -> struct.Struct:
+    return struct.Struct(f"<16sIIIH12xI{name_length}s")
+
+
+def tensor_entries(offsets: Iterable[int], sizes: Iterable[int], crcs: Iterable[int]) -> bytes:
+    """The central directory entries of tensor records 0, 1, ... (:func:`tensor_name`) whose
+    data are at ``offsets``, of ``sizes`` bytes and these CRC-32s: ``central_entries`` of their
+    records, each of the common size (below 4 GiB, below 4 GiB into the file) packed at once."""
+    out: list[bytes] = []
+    append, head, limit = out.append, _SMALL_CENTRAL_HEAD, ZIP64_LIMIT
+    packers: dict[int, Any] = {}
+    for k, (offset, nbytes, crc) in enumerate(zip(offsets, sizes, crcs)):
+        raw = b"%b%d" % (_TENSOR_PREFIX, k)
+        at = offset - SLOT
+        if nbytes >= limit or at >= limit:
+            append(_central(Record(tensor_name(k), offset - slot_of(nbytes), nbytes, crc)))
+            continue
+        pack = packers.get(len(raw))
+        if pack is None:
+            pack = packers[len(raw)] = _small_central(len(raw)).pack
+        append(pack(head, crc, nbytes, nbytes, len(raw), at, raw))
+    return b"".join(out)
+
+
 def tail(at: int, records: list[Record], pickled: bytes, crc32: Callable[[bytes], int]) -> bytes:
     """The tail of a version-3 file starting at ``at`` (a multiple of 64): the records of the
     pickle and of torch's small files, then the central directory of ``records`` (header,
     tensors, index: those already in the file) and of these, then the end records."""
+    return tail_after(at, central_entries(records), len(records), pickled, crc32)
+
+
+def tail_after(
+    at: int, directory: bytes, count: int, pickled: bytes, crc32: Callable[[bytes], int]
+) -> bytes:
+    """:func:`tail` of ``count`` records whose central directory entries are ``directory``
+    (``central_entries``, ``tensor_entries``: the tensors' packed at once)."""
     out = bytearray()
-    everything = list(records)
+    own = []
     for name, data in ((f"{FOLDER}/data.pkl", pickled), *_TAIL_RECORDS):
         crc = crc32(data)
-        everything.append(Record(name, at + len(out), len(data), crc))
+        own.append(Record(name, at + len(out), len(data), crc))
         out += _padded(name, at + len(out), data, crc)
     directory_at = at + len(out)
-    for r in everything:
-        out += _central(r)
+    out += directory
+    out += central_entries(own)
     directory_size = at + len(out) - directory_at
-    count = len(everything)
+    count += len(own)
     z64_at = at + len(out)
     out += _Z64_EOCD.pack(0x06064B50, 44, 45, 45, 0, 0, count, count, directory_size, directory_at)
     out += _Z64_LOC.pack(0x07064B50, 0, z64_at, 1)

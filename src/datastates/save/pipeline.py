@@ -310,7 +310,7 @@ class Pipeline:
         if padded > pos and not dense:
             zero_bytes(base + pos, padded - pos)
         for at, k, nbytes in unit.slots:  # in gaps zeroed above, apart from every piece
-            data = zipframe.local_header(zipframe.tensor_name(k), nbytes, zipframe.slot_of(nbytes))
+            data = zipframe.tensor_header(k, nbytes)
             ctypes.memmove(base + at, data, len(data))
         copier.copy_addresses(copies)
         fence = copier.fence()
