@@ -175,6 +175,20 @@ def test_tensor_headers_are_local_headers():
             assert zipframe.tensor_header(k, nbytes) == expected
 
 
+def test_tensor_headers_written_in_place():
+    slots = [
+        (64 + 192 * j, k, n)
+        for j, (k, n) in enumerate((k, n) for k in [0, 7, 12, 4321] for n in SIZES)
+    ]
+    buffer = bytearray(64 + 192 * len(slots) + 64)
+    zipframe.write_tensor_headers(memoryview(buffer), slots)
+    expected = bytearray(len(buffer))
+    for at, k, n in slots:
+        data = zipframe.local_header(zipframe.tensor_name(k), n, zipframe.slot_of(n))
+        expected[at : at + len(data)] = data
+    assert buffer == expected
+
+
 def _records(offsets, sizes, crcs) -> list:
     return [
         zipframe.Record(zipframe.tensor_name(k), offset - zipframe.slot_of(n), n, crc)

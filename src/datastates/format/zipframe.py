@@ -59,6 +59,9 @@ def tensor_name(k: int) -> str:
     return f"{FOLDER}/data/{k}"
 
 
+_TENSOR_PREFIX = f"{FOLDER}/data/".encode("ascii")  # tensor_name's bytes before the number
+
+
 def local_header(name: str, nbytes: int, slot: int, crc: int = 0) -> bytes:
     """The local header of a stored record of ``nbytes`` named ``name``, exactly ``slot``
     bytes (padded with the ``DS`` extra field), so that its data starts right after it."""
@@ -83,12 +86,30 @@ def tensor_header(k: int, nbytes: int) -> bytes:
     """The local header slot before tensor record ``k`` of ``nbytes``:
     ``local_header(tensor_name(k), nbytes, slot_of(nbytes))``, from parts made once per name
     length and size (all but the name)."""
-    name = tensor_name(k)
+    raw = b"%b%d" % (_TENSOR_PREFIX, k)
     try:
-        before, after = _header_parts(len(name), nbytes)
+        before, after = _header_parts(len(raw), nbytes)
     except ValueError:  # too long a name: say which
-        return local_header(name, nbytes, slot_of(nbytes))
-    return before + name.encode("ascii") + after
+        return local_header(tensor_name(k), nbytes, slot_of(nbytes))
+    return before + raw + after
+
+
+def write_tensor_headers(buffer: memoryview, slots: Iterable[tuple[int, int, int]]) -> None:
+    """Write into ``buffer``, for each ``(at, k, nbytes)`` of ``slots``, the local header of
+    tensor record ``k`` of ``nbytes`` at ``at`` (:func:`tensor_header`, in one loop)."""
+    parts: dict[tuple[int, int], tuple[bytes, bytes]] = {}
+    prefix = _TENSOR_PREFIX
+    for at, k, nbytes in slots:
+        raw = b"%b%d" % (prefix, k)
+        known = parts.get((len(raw), nbytes))
+        if known is None:
+            try:
+                known = parts[len(raw), nbytes] = _header_parts(len(raw), nbytes)
+            except ValueError:
+                tensor_header(k, nbytes)  # raises, naming the record
+                raise
+        data = known[0] + raw + known[1]
+        buffer[at : at + len(data)] = data
 
 
 @functools.lru_cache(maxsize=4096)
@@ -496,7 +517,6 @@ def central_entries(records: Iterable[Record]) -> bytes:
 #: A central directory entry of a record below 4 GiB at an offset below 4 GiB: the fixed
 #: fields (signature to date), CRC-32, sizes, name length, zeros, offset (``_CENTRAL``).
 _SMALL_CENTRAL_HEAD = _CENTRAL.pack(0x02014B50, 45, 20, 0, 0, 0, _DATE, *([0] * 10))[:16]
-_TENSOR_PREFIX = f"{FOLDER}/data/".encode("ascii")
 
 
 @functools.lru_cache(maxsize=64)
