@@ -189,6 +189,11 @@ class TreePickler:
                 raise Unsupported(f"a {kind.__name__}")
             write(self, obj)
 
+    def save_item(self, key: Any, value: Any) -> None:
+        """An item of a dict: its key, then its value."""
+        self.save(key)
+        self.save(value)
+
     def _tuple(self, obj: tuple) -> None:
         size = len(obj)
         if not size:
@@ -225,8 +230,7 @@ class TreePickler:
             return
         if size == 1:
             for key, value in obj.items():
-                self.save(key)
-                self.save(value)
+                self.save_item(key, value)
             self.out += b"s"
             return
         items = iter(obj.items())
@@ -234,8 +238,7 @@ class TreePickler:
             self.out += b"("
             count = 0
             for key, value in itertools.islice(items, BATCH):
-                self.save(key)
-                self.save(value)
+                self.save_item(key, value)
                 count += 1
             self.out += b"u"
             if count < BATCH:
@@ -251,14 +254,12 @@ class TreePickler:
         while True:  # the batches of an iterator: none empty, a last one of one item alone
             batch = list(itertools.islice(items, BATCH))
             if len(batch) == 1:
-                self.save(batch[0][0])
-                self.save(batch[0][1])
+                self.save_item(*batch[0])
                 self.out += b"s"
             elif batch:
                 self.out += b"("
                 for key, value in batch:
-                    self.save(key)
-                    self.save(value)
+                    self.save_item(key, value)
                 self.out += b"u"
             if len(batch) < BATCH:
                 return

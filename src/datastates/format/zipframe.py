@@ -386,7 +386,7 @@ class _TreePickler(pickler.TreePickler):
         if plan is None or n < 256 or type(key) is not str or id(key) in memo:
             self._tensor_objects(obj)
             return
-        head, first, counted, shape_bytes, rest, segments = plan
+        head, first, counted, shape_bytes, rest, segments, _ = plan
         data = key.encode("utf-8", "surrogatepass")
         out = self.out
         out += head
@@ -413,6 +413,48 @@ class _TreePickler(pickler.TreePickler):
             out += rest.pack(s0, n, s1, n + 1, s2, n + 2)
             memo[id(obj)] = n + 2
             self.n = n + 3
+
+    def save_item(self, key: Any, value: Any) -> None:
+        """A dict item; a new str key before a new tensor placeholder of a known kind (its
+        name and shape new objects, the shape not empty, the memo past 256) in one pack."""
+        if type(value) is _Tensor and type(key) is str:
+            name, dtype, shape = value
+            memo, n = self.memo, self.n
+            plan = self._plans.get((dtype, shape)) if type(shape) is tuple and shape else None
+            if (
+                plan is not None
+                and n >= 256
+                and type(name) is str
+                and name is not key
+                and id(key) not in memo
+                and id(value) not in memo
+                and id(name) not in memo
+                and id(shape) not in memo
+                and all(type(size) is int for size in shape)
+            ):
+                head, _, counted, shape_bytes, _, segments, packers = plan
+                s0, s1, s2, s3 = segments
+                a = key.encode("utf-8", "surrogatepass")
+                b = name.encode("utf-8", "surrogatepass")
+                pack = packers.get((len(a), len(b)))
+                if pack is None:
+                    numbered = (b"r", counted, shape_bytes, *segments)  # each then an index
+                    pack = packers[len(a), len(b)] = struct.Struct(
+                        f"<1sI{len(a)}s1sI{len(head)}sI{len(b)}s"
+                        + "".join(f"{len(f)}sI" for f in numbered)
+                    ).pack
+                self.out += pack(
+                    b"X", len(a), a, b"r", n, head, len(b), b, b"r", n + 1, counted, n + 2,
+                    shape_bytes, n + 3, s0, n + 4, s1, n + 5, s2, n + 6, s3, n + 7,
+                )  # fmt: skip
+                memo[id(key)] = n
+                memo[id(name)] = n + 1
+                memo[id(shape)] = n + 3
+                memo[id(value)] = n + 7
+                self.n = n + 8
+                return
+        self.save(key)
+        self.save(value)
 
     def _tensor_objects(self, obj: _Tensor) -> None:
         """A tensor placeholder written object by object, as the C pickler walks it."""
@@ -453,7 +495,9 @@ class _TreePickler(pickler.TreePickler):
         """The bytes of a placeholder of ``dtype`` and ``shape`` around its key and memo
         indexes, once the globals it names are in the memo: the bytes up to the key's length,
         the packer of the key's and the storage id's BINPUTs with the bytes between them, the
-        shape's tuple up to its BINPUT's index, the packer of the rest and its bytes."""
+        shape's tuple up to its BINPUT's index, the packer of the rest and its bytes, and the
+        packers of a dict item of this kind by the lengths of its key and name
+        (:meth:`save_item`)."""
         rebuild, storage, factor, v3 = self._kind(dtype)
         named: tuple = (rebuild, "storage", storage, "cpu", collections.OrderedDict)
         named += (v3,) if v3 is not None else ()
@@ -472,7 +516,7 @@ class _TreePickler(pickler.TreePickler):
             segments = (b"QK\x00))" + odict, end, b"Rr")
         rest = struct.Struct("<" + "".join(f"{len(s)}sI" for s in segments))
         shape_bytes = b"QK\x00" + _tuple_body(shape) + b"r"
-        return head, first, counted, shape_bytes, rest, segments
+        return head, first, counted, shape_bytes, rest, segments, {}
 
     leaves = {_Tensor: _tensor}
 
