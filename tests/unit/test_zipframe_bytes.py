@@ -17,12 +17,29 @@ import torch
 
 from datastates.format import pickler, zipframe
 
-T = zipframe._Tensor
+T = zipframe._placeholder
+
+
+def _old_form(obj, done):
+    """``obj`` as the plain state held tensors before: ``_Tensor`` objects, what ``_Pickler``
+    writes (each container and placeholder converted once, so sharing stays sharing)."""
+    if type(obj) not in (dict, list, tuple, collections.OrderedDict):
+        return obj
+    if id(obj) in done:
+        return done[id(obj)][1]
+    if type(obj) is tuple and len(obj) == 4 and obj[0] is zipframe.TENSOR_MARK:
+        new = zipframe._Tensor(*obj[1:])
+    elif type(obj) in (dict, collections.OrderedDict):
+        new = type(obj)((k, _old_form(v, done)) for k, v in obj.items())
+    else:
+        new = type(obj)(_old_form(v, done) for v in obj)
+    done[id(obj)] = (obj, new)
+    return new
 
 
 def _reference(state) -> bytes:
     buf = io.BytesIO()
-    zipframe._Pickler(buf, protocol=2).dump(state)
+    zipframe._Pickler(buf, protocol=2).dump(_old_form(state, {}))
     return buf.getvalue()
 
 
@@ -146,6 +163,35 @@ def test_plain_state_of_a_tree_pickles_as_before():
 
     state = zipframe.plain_state(tree, held)
     assert zipframe.pickle_state(state) == _reference(state)
+    buf = io.BytesIO()
+    zipframe._Pickler(buf, protocol=2).dump(_old_plain_state(tree, held))
+    assert zipframe.pickle_state(state) == buf.getvalue()
+
+
+def _old_plain_state(node: dict, tensor_of):
+    """``plain_state`` as it was, with its tensors as ``_Tensor`` objects."""
+    t = node["t"]
+    if t == "dict":
+        return {k: _old_plain_state(v, tensor_of) for k, v in node["items"]}
+    if t == "list":
+        return [_old_plain_state(v, tensor_of) for v in node["items"]]
+    if t == "value":
+        return node["v"]
+    if t == "tensor":
+        held = tensor_of(node["e"])
+        return None if held is None else zipframe._Tensor(str(held[0]), held[1], tuple(held[2]))
+    assert t == "object"
+    return None
+
+
+def test_placeholders_are_not_tracked_by_the_garbage_collector():
+    """A placeholder is an exact tuple of untracked objects: the collector stops tracking it."""
+    import gc
+
+    held = (3, torch.float32, (2, 2))
+    state = zipframe.plain_state({"t": "tensor", "e": 0}, lambda e: held)
+    gc.collect()
+    assert not gc.is_tracked(state)
 
 
 def test_what_it_does_not_write_goes_to_the_pickler():
@@ -160,6 +206,10 @@ def test_what_it_does_not_write_goes_to_the_pickler():
         with pytest.raises(pickler.Unsupported):
             _fast(state)
         assert zipframe.pickle_state(state) == _reference(state)
+    shared = [T("0", torch.float32, (2,))] * 2
+    with pytest.raises(pickler.Unsupported):
+        _fast([b"", shared, shared])
+    assert zipframe.pickle_state([b"", shared, shared]) == _reference([b"", shared, shared])
     assert pickle.loads(zipframe.pickle_state({"a": b"bytes"})) == {"a": b"bytes"}
 
 

@@ -2,8 +2,8 @@
 protocol=2).dump`` (the C pickler) writes for them, without a Python call per object.
 
 The plain trees are what ``zipframe.plain_state`` builds: exact ``dict``, ``list``, ``tuple``,
-``collections.OrderedDict`` (no attributes), ``str``, ``int``, ``float``, ``bool`` and ``None``,
-and the leaf types a subclass handles itself (``TreePickler.leaves``). Anything else raises
+``collections.OrderedDict`` (no attributes), ``str``, ``int``, ``float``, ``bool`` and ``None``
+(a subclass may write some tuples otherwise: ``TreePickler.save_tuple``). Anything else raises
 :class:`Unsupported`, before a byte is returned: the caller then runs the real pickler.
 
 The C pickler's rules it follows (CPython ``Modules/_pickle.c``, protocol 2): ``None``, booleans,
@@ -30,7 +30,7 @@ import collections
 import itertools
 import pickle
 import struct
-from typing import Any, Callable
+from typing import Any
 
 #: Items per ``SETITEMS``/``APPENDS`` batch (``BATCHSIZE`` in ``_pickle.c``).
 BATCH = 1000
@@ -99,10 +99,8 @@ def global_bytes(obj: Any) -> bytes:
 
 class TreePickler:
     """One dump: :meth:`dumps` returns the bytes ``pickle.Pickler(f, protocol=2).dump(obj)``
-    writes, or raises :class:`Unsupported`. A subclass writes its own leaf types by adding
-    ``{type: method}`` to :attr:`leaves`; such a method writes the object and memoizes it."""
-
-    leaves: dict[type, Callable[[Any, Any], None]] = {}
+    writes, or raises :class:`Unsupported`. A subclass may write some tuples as something
+    else (:meth:`save_tuple`: it writes the object and memoizes it)."""
 
     def __init__(self) -> None:
         self.out = bytearray()
@@ -180,21 +178,19 @@ class TreePickler:
         elif kind is list:
             self._list(obj)
         elif kind is tuple:
-            self._tuple(obj)
+            self.save_tuple(obj)
         elif kind is collections.OrderedDict:
             self._odict(obj)
         else:
-            write = self.leaves.get(kind)
-            if write is None:
-                raise Unsupported(f"a {kind.__name__}")
-            write(self, obj)
+            raise Unsupported(f"a {kind.__name__}")
 
     def save_item(self, key: Any, value: Any) -> None:
         """An item of a dict: its key, then its value."""
         self.save(key)
         self.save(value)
 
-    def _tuple(self, obj: tuple) -> None:
+    def save_tuple(self, obj: tuple) -> None:
+        """A tuple not in the memo."""
         size = len(obj)
         if not size:
             self.out += b")"

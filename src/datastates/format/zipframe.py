@@ -246,6 +246,43 @@ class _Tensor(NamedTuple):
     shape: tuple
 
 
+#: The first item of a tensor placeholder in a plain state, ``(TENSOR_MARK, key, dtype, shape)``:
+#: an exact tuple of objects the garbage collector does not track, so that it stops tracking
+#: the placeholder at its first pass (a state of many tensors adds no objects to the full
+#: collections while it is pickled). No value of a state tree is this object.
+TENSOR_MARK = object()
+
+
+def _placeholder(key: str, dtype: torch.dtype, shape: tuple) -> tuple:
+    return (TENSOR_MARK, key, dtype, shape)
+
+
+def _is_placeholder(obj: Any) -> bool:
+    return type(obj) is tuple and len(obj) == 4 and obj[0] is TENSOR_MARK
+
+
+def _with_tensors(obj: Any, done: dict[int, tuple]) -> Any:
+    """``obj`` with its placeholders as :class:`_Tensor` (what :class:`_Pickler` writes),
+    each container and placeholder once (``done``: id -> (it, its copy))."""
+    kind = type(obj)
+    if kind not in (dict, list, tuple, collections.OrderedDict):
+        return obj
+    seen = done.get(id(obj))
+    if seen is not None:
+        return seen[1]
+    new: Any
+    if _is_placeholder(obj):
+        new = _Tensor(obj[1], obj[2], obj[3])
+    elif kind is tuple:
+        new = tuple(_with_tensors(v, done) for v in obj)
+    elif kind is list:
+        new = [_with_tensors(v, done) for v in obj]
+    else:
+        new = kind((k, _with_tensors(v, done)) for k, v in obj.items())
+    done[id(obj)] = (obj, new)
+    return new
+
+
 def _legacy_storage(dtype: torch.dtype):
     try:
         return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
@@ -324,7 +361,7 @@ def plain_state(node: dict, tensor_of: TensorOf) -> Any:
         return plain_state(node["state"], tensor_of)
     if t == "tensor":
         held = tensor_of(node["e"])
-        return None if held is None else _Tensor(str(held[0]), held[1], tuple(held[2]))
+        return None if held is None else _placeholder(str(held[0]), held[1], tuple(held[2]))
     return None
 
 
@@ -337,7 +374,7 @@ def pickle_state(state: Any) -> bytes:
         return _TreePickler().dumps(state)
     except pickler.Unsupported:
         buf = io.BytesIO()
-        _Pickler(buf, protocol=2).dump(state)
+        _Pickler(buf, protocol=2).dump(_with_tensors(state, {}))
         return buf.getvalue()
 
 
@@ -374,8 +411,14 @@ class _TreePickler(pickler.TreePickler):
             self._kinds[dtype] = kind
         return kind
 
-    def _tensor(self, obj: _Tensor) -> None:
-        key, dtype, shape = obj
+    def save_tuple(self, obj: tuple) -> None:
+        if len(obj) == 4 and obj[0] is TENSOR_MARK:
+            self._tensor(obj)
+        else:
+            super().save_tuple(obj)
+
+    def _tensor(self, obj: tuple) -> None:
+        _, key, dtype, shape = obj
         if type(shape) is not tuple:
             raise pickler.Unsupported("a tensor placeholder's shape is not a tuple")
         for size in shape:  # a bool equals an int as a key of _plans but is pickled otherwise
@@ -417,8 +460,13 @@ class _TreePickler(pickler.TreePickler):
     def save_item(self, key: Any, value: Any) -> None:
         """A dict item; a new str key before a new tensor placeholder of a known kind (its
         name and shape new objects, the shape not empty, the memo past 256) in one pack."""
-        if type(value) is _Tensor and type(key) is str:
-            name, dtype, shape = value
+        if (
+            type(value) is tuple
+            and len(value) == 4
+            and value[0] is TENSOR_MARK
+            and type(key) is str
+        ):
+            _, name, dtype, shape = value
             memo, n = self.memo, self.n
             plan = self._plans.get((dtype, shape)) if type(shape) is tuple and shape else None
             if (
@@ -456,9 +504,9 @@ class _TreePickler(pickler.TreePickler):
         self.save(key)
         self.save(value)
 
-    def _tensor_objects(self, obj: _Tensor) -> None:
+    def _tensor_objects(self, obj: tuple) -> None:
         """A tensor placeholder written object by object, as the C pickler walks it."""
-        key, dtype, shape = obj
+        _, key, dtype, shape = obj
         rebuild, storage, factor, v3 = self._kind(dtype)
         stride, numel = _contiguous(shape)
         out = self.out
@@ -517,8 +565,6 @@ class _TreePickler(pickler.TreePickler):
         rest = struct.Struct("<" + "".join(f"{len(s)}sI" for s in segments))
         shape_bytes = b"QK\x00" + _tuple_body(shape) + b"r"
         return head, first, counted, shape_bytes, rest, segments, {}
-
-    leaves = {_Tensor: _tensor}
 
 
 def _contiguous(shape: tuple) -> tuple[tuple, int]:
