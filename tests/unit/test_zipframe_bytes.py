@@ -15,9 +15,9 @@ import zlib
 import pytest
 import torch
 
-from datastates.format import pickler, zipframe
+from datastates.format import pickler, placeholders, zipframe
 
-T = zipframe._placeholder
+T = placeholders.placeholder
 
 
 def _old_form(obj, done):
@@ -27,7 +27,7 @@ def _old_form(obj, done):
         return obj
     if id(obj) in done:
         return done[id(obj)][1]
-    if type(obj) is tuple and len(obj) == 4 and obj[0] is zipframe.TENSOR_MARK:
+    if type(obj) is tuple and len(obj) == 4 and obj[0] is placeholders.TENSOR_MARK:
         new = zipframe._Tensor(*obj[1:])
     elif type(obj) in (dict, collections.OrderedDict):
         new = type(obj)((k, _old_form(v, done)) for k, v in obj.items())
@@ -44,7 +44,7 @@ def _reference(state) -> bytes:
 
 
 def _fast(state) -> bytes:
-    return zipframe._TreePickler().dumps(state)
+    return placeholders.TensorPickler().dumps(state)
 
 
 def _tensors(n: int, dtype=torch.float32, shape=(2,)) -> dict:
