@@ -11,12 +11,17 @@ verifier rebuilds the slots from the index (:func:`slot_bytes`).
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import pickle
 import struct
 from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
+
+from . import placeholders
+from .placeholders import placeholder
+from .pickler import Unsupported
 
 FOLDER = "archive"
 #: The first record: empty, its local header fills bytes 0-63 (the datastates header follows it,
@@ -55,6 +60,9 @@ def tensor_name(k: int) -> str:
     return f"{FOLDER}/data/{k}"
 
 
+_TENSOR_PREFIX = f"{FOLDER}/data/".encode("ascii")  # tensor_name's bytes before the number
+
+
 def local_header(name: str, nbytes: int, slot: int, crc: int = 0) -> bytes:
     """The local header of a stored record of ``nbytes`` named ``name``, exactly ``slot``
     bytes (padded with the ``DS`` extra field), so that its data starts right after it."""
@@ -73,6 +81,42 @@ def local_header(name: str, nbytes: int, slot: int, crc: int = 0) -> bytes:
         + raw
         + extra
     )
+
+
+def tensor_header(k: int, nbytes: int) -> bytes:
+    """The local header slot before tensor record ``k`` of ``nbytes``:
+    ``local_header(tensor_name(k), nbytes, slot_of(nbytes))``, from parts made once per name
+    length and size (all but the name)."""
+    raw = b"%b%d" % (_TENSOR_PREFIX, k)
+    try:
+        before, after = _header_parts(len(raw), nbytes)
+    except ValueError:  # too long a name: say which
+        return local_header(tensor_name(k), nbytes, slot_of(nbytes))
+    return before + raw + after
+
+
+def write_tensor_headers(buffer: memoryview, slots: Iterable[tuple[int, int, int]]) -> None:
+    """Write into ``buffer``, for each ``(at, k, nbytes)`` of ``slots``, the local header of
+    tensor record ``k`` of ``nbytes`` at ``at`` (:func:`tensor_header`, in one loop)."""
+    parts: dict[tuple[int, int], tuple[bytes, bytes]] = {}
+    prefix = _TENSOR_PREFIX
+    for at, k, nbytes in slots:
+        raw = b"%b%d" % (prefix, k)
+        known = parts.get((len(raw), nbytes))
+        if known is None:
+            try:
+                known = parts[len(raw), nbytes] = _header_parts(len(raw), nbytes)
+            except ValueError:
+                tensor_header(k, nbytes)  # raises, naming the record
+                raise
+        data = known[0] + raw + known[1]
+        buffer[at : at + len(data)] = data
+
+
+@functools.lru_cache(maxsize=4096)
+def _header_parts(name_length: int, nbytes: int) -> tuple[bytes, bytes]:
+    whole = local_header("_" * name_length, nbytes, slot_of(nbytes))
+    return whole[: _LOCAL.size], whole[_LOCAL.size + name_length :]
 
 
 def header_record_header() -> bytes:
@@ -94,7 +138,7 @@ def slot_bytes(offsets_sizes: Iterable[tuple[int, int]]) -> Iterable[tuple[int, 
     as (offset, nbytes) in ascending offset order (what ``verify`` compares a file against)."""
     for k, (offset, nbytes) in enumerate(offsets_sizes):
         slot = slot_of(nbytes)
-        yield offset - slot, local_header(tensor_name(k), nbytes, slot)
+        yield offset - slot, tensor_header(k, nbytes)
 
 
 # ---------------------------------------------------------------- CRC-32 combination
@@ -175,6 +219,8 @@ _COMBINE: list = []  # [the combine function], found at the first use
 def crc_of_pieces(pieces: Iterable[tuple[int, int]]) -> int:
     """The CRC-32 of a region from its checksum pieces, ``(length, crc32)`` in order (one
     piece, the common case: its CRC-32)."""
+    if type(pieces) is tuple and len(pieces) == 1:
+        return pieces[0][1]
     crc, first = 0, True
     for length, piece in pieces:
         if first:
@@ -201,11 +247,26 @@ class _Tensor(NamedTuple):
     shape: tuple
 
 
-def _legacy_storage(dtype: torch.dtype):
-    try:
-        return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
-    except (KeyError, AttributeError):
-        return None
+def _with_tensors(obj: Any, done: dict[int, tuple]) -> Any:
+    """``obj`` with its placeholders as :class:`_Tensor` (what :class:`_Pickler` writes),
+    each container and placeholder once (``done``: id -> (it, its copy))."""
+    kind = type(obj)
+    if kind not in (dict, list, tuple, collections.OrderedDict):
+        return obj
+    seen = done.get(id(obj))
+    if seen is not None:
+        return seen[1]
+    new: Any
+    if placeholders.is_placeholder(obj):
+        new = _Tensor(obj[1], obj[2], obj[3])
+    elif kind is tuple:
+        new = tuple(_with_tensors(v, done) for v in obj)
+    elif kind is list:
+        new = [_with_tensors(v, done) for v in obj]
+    else:
+        new = kind((k, _with_tensors(v, done)) for k, v in obj.items())
+    done[id(obj)] = (obj, new)
+    return new
 
 
 class _Pickler(pickle.Pickler):
@@ -213,7 +274,7 @@ class _Pickler(pickle.Pickler):
 
     def persistent_id(self, obj: Any):
         if type(obj) is _Storage:
-            legacy = _legacy_storage(obj.dtype)
+            legacy = placeholders.legacy_storage(obj.dtype)
             if legacy is None:
                 return (
                     "storage",
@@ -237,7 +298,7 @@ class _Pickler(pickle.Pickler):
         for size in shape:
             numel *= size
         storage = _Storage(obj.key, obj.dtype, numel)
-        if _legacy_storage(obj.dtype) is None:
+        if placeholders.legacy_storage(obj.dtype) is None:
             return (
                 torch._utils._rebuild_tensor_v3,
                 (
@@ -287,7 +348,7 @@ def plain_state(node: dict, tensor_of: TensorOf, object_of: ObjectOf | None = No
         return plain_state(node["state"], tensor_of, object_of)
     if t == "tensor":
         held = tensor_of(node["e"])
-        return None if held is None else _Tensor(str(held[0]), held[1], tuple(held[2]))
+        return None if held is None else placeholder(str(held[0]), held[1], tuple(held[2]))
     if t == "object" and object_of is not None:
         return object_of(node["e"])
     return None
@@ -305,9 +366,16 @@ def object_value(blob: bytes) -> Any:
 
 
 def pickle_state(state: Any) -> bytes:
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=2).dump(state)
-    return buf.getvalue()
+    """The protocol 2 pickle of ``state`` (what :func:`plain_state` builds), tensors written
+    as ``torch.save`` writes them: by :class:`placeholders.TensorPickler` (the same bytes as
+    :class:`_Pickler`, without a Python call per object), or by :class:`_Pickler` for a
+    tree it does not write."""
+    try:
+        return placeholders.TensorPickler().dumps(state)
+    except Unsupported:
+        buf = io.BytesIO()
+        _Pickler(buf, protocol=2).dump(_with_tensors(state, {}))
+        return buf.getvalue()
 
 
 # ---------------------------------------------------------------- the tail
@@ -320,21 +388,64 @@ def _padded(name: str, at: int, data: bytes, crc: int) -> bytes:
     return local_header(name, len(data), slot, crc) + data
 
 
+def central_entries(records: Iterable[Record]) -> bytes:
+    """The central directory entries of ``records``, in order."""
+    return b"".join(_central(r) for r in records)
+
+
+#: A central directory entry of a record below 4 GiB at an offset below 4 GiB: the fixed
+#: fields (signature to date), CRC-32, sizes, name length, zeros, offset (``_CENTRAL``).
+_SMALL_CENTRAL_HEAD = _CENTRAL.pack(0x02014B50, 45, 20, 0, 0, 0, _DATE, *([0] * 10))[:16]
+
+
+@functools.lru_cache(maxsize=64)
+def _small_central(name_length: int) -> struct.Struct:
+    return struct.Struct(f"<16sIIIH12xI{name_length}s")
+
+
+def tensor_entries(offsets: Iterable[int], sizes: Iterable[int], crcs: Iterable[int]) -> bytes:
+    """The central directory entries of tensor records 0, 1, ... (:func:`tensor_name`) whose
+    data are at ``offsets``, of ``sizes`` bytes and these CRC-32s: ``central_entries`` of their
+    records, each of the common size (below 4 GiB, below 4 GiB into the file) packed at once."""
+    out: list[bytes] = []
+    append, head, limit = out.append, _SMALL_CENTRAL_HEAD, ZIP64_LIMIT
+    packers: dict[int, Any] = {}
+    for k, (offset, nbytes, crc) in enumerate(zip(offsets, sizes, crcs)):
+        raw = b"%b%d" % (_TENSOR_PREFIX, k)
+        at = offset - SLOT
+        if nbytes >= limit or at >= limit:
+            append(_central(Record(tensor_name(k), offset - slot_of(nbytes), nbytes, crc)))
+            continue
+        pack = packers.get(len(raw))
+        if pack is None:
+            pack = packers[len(raw)] = _small_central(len(raw)).pack
+        append(pack(head, crc, nbytes, nbytes, len(raw), at, raw))
+    return b"".join(out)
+
+
 def tail(at: int, records: list[Record], pickled: bytes, crc32: Callable[[bytes], int]) -> bytes:
     """The tail of a version-3 file starting at ``at`` (a multiple of 64): the records of the
     pickle and of torch's small files, then the central directory of ``records`` (header,
     tensors, index: those already in the file) and of these, then the end records."""
+    return tail_after(at, central_entries(records), len(records), pickled, crc32)
+
+
+def tail_after(
+    at: int, directory: bytes, count: int, pickled: bytes, crc32: Callable[[bytes], int]
+) -> bytes:
+    """:func:`tail` of ``count`` records whose central directory entries are ``directory``
+    (``central_entries``, ``tensor_entries``: the tensors' packed at once)."""
     out = bytearray()
-    everything = list(records)
+    own = []
     for name, data in ((f"{FOLDER}/data.pkl", pickled), *_TAIL_RECORDS):
         crc = crc32(data)
-        everything.append(Record(name, at + len(out), len(data), crc))
+        own.append(Record(name, at + len(out), len(data), crc))
         out += _padded(name, at + len(out), data, crc)
     directory_at = at + len(out)
-    for r in everything:
-        out += _central(r)
+    out += directory
+    out += central_entries(own)
     directory_size = at + len(out) - directory_at
-    count = len(everything)
+    count += len(own)
     z64_at = at + len(out)
     out += _Z64_EOCD.pack(0x06064B50, 44, 45, 45, 0, 0, count, count, directory_size, directory_at)
     out += _Z64_LOC.pack(0x07064B50, 0, z64_at, 1)

@@ -498,19 +498,17 @@ def _write_framed(job: Job, index: bytes, checksums: list, tree: dict) -> int:
         at - zipframe.SLOT,
     )
     writer.write(memoryview(index), at)
-    records = [zipframe.Record(zipframe.HEADER_RECORD, 0, 0, 0)]
-    for k, i in enumerate(job.write_tensors):
-        nbytes = items.nbytes[i]
-        records.append(
-            zipframe.Record(
-                zipframe.tensor_name(k),
-                layout.tensor_offsets[k] - zipframe.slot_of(nbytes),
-                nbytes,
-                zipframe.crc_of_pieces(checksums[k]),
-            )
+    sizes = items.nbytes
+    directory = (
+        zipframe.central_entries([zipframe.Record(zipframe.HEADER_RECORD, 0, 0, 0)])
+        + zipframe.tensor_entries(
+            layout.tensor_offsets,
+            [sizes[i] for i in job.write_tensors],
+            [zipframe.crc_of_pieces(pieces) for pieces in checksums],
         )
-    records.append(
-        zipframe.Record(zipframe.INDEX_RECORD, at - zipframe.SLOT, len(index), index_crc)
+        + zipframe.central_entries(
+            [zipframe.Record(zipframe.INDEX_RECORD, at - zipframe.SLOT, len(index), index_crc)]
+        )
     )
     position = {flat_i: k for k, flat_i in enumerate(job.write_tensors)}
 
@@ -547,12 +545,12 @@ def _write_framed(job: Job, index: bytes, checksums: list, tree: dict) -> int:
         )
         pickled = zipframe.pickle_state(zipframe.plain_state(shown, held))
     tail_at = fmt.align_up(at + len(index), fmt.DATA_ALIGN)
-    tail = zipframe.tail(tail_at, records, pickled, fmt.crc32)
+    tail = zipframe.tail_after(tail_at, directory, len(job.write_tensors) + 2, pickled, fmt.crc32)
     writer.write(memoryview(tail), tail_at)
     first = b""
     if job.write_tensors:
         n0 = items.nbytes[job.write_tensors[0]]
-        first = zipframe.local_header(zipframe.tensor_name(0), n0, zipframe.slot_of(n0))
+        first = zipframe.tensor_header(0, n0)
     writer.write(memoryview(fmt.pack_header_v3(at, index, tail_at, tail, first)), 0)
     return tail_at + len(tail)
 

@@ -309,9 +309,9 @@ class Pipeline:
                 self._eager_done(job)
         if padded > pos and not dense:
             zero_bytes(base + pos, padded - pos)
-        for at, k, nbytes in unit.slots:  # in gaps zeroed above, apart from every piece
-            data = zipframe.local_header(zipframe.tensor_name(k), nbytes, zipframe.slot_of(nbytes))
-            ctypes.memmove(base + at, data, len(data))
+        if unit.slots:  # in gaps zeroed above, apart from every piece
+            slots = memoryview((ctypes.c_char * padded).from_address(base)).cast("B")
+            zipframe.write_tensor_headers(slots, unit.slots)
         copier.copy_addresses(copies)
         fence = copier.fence()
         if fence is not None:
