@@ -128,6 +128,25 @@ def test_an_object_that_cannot_be_read_back_is_none_in_the_view_and_the_save_com
     assert "torch.load of the shard file gives None for 'bad'" in caplog.text
 
 
+def test_torch_load_finds_each_record_by_its_own_header(tmp_path):
+    """torch.load on the meta device (``from_pretrained``'s dtype probe, fake-tensor loading) and
+    with ``calculate_storage_offsets`` takes each record's offset from the archive itself: the
+    tail says nothing of torch's own layout (no ``.format_version``), which these records, named
+    in file order and not pickle order, do not follow."""
+    model, _, state = _state()
+    path = _shard(tmp_path, state, host_cache_bytes=16384, chunk_bytes=4096)
+    meta = torch.load(path, weights_only=True, map_location="meta")
+    for key, value in model.state_dict().items():
+        got = meta["model"][key]
+        assert got.is_meta and (got.shape, got.dtype) == (value.shape, value.dtype), key
+    with torch.utils.serialization.config.patch({"load.calculate_storage_offsets": True}):
+        got = torch.load(path, weights_only=True, mmap=True)
+    for key, value in model.state_dict().items():
+        assert _equal(got["model"][key], value), key
+    for key in ("u16", "bf", "f8", "big", "c"):
+        assert _equal(got["extra"][key], state["extra"][key]), key
+
+
 def test_the_shard_file_is_a_valid_zip_archive_with_every_crc(tmp_path):
     _, _, state = _state()
     path = _shard(tmp_path, state, host_cache_bytes=16384, chunk_bytes=4096)

@@ -265,7 +265,7 @@ def _reference_tail(at: int, records: list, pickled: bytes, crc32) -> bytes:
     """The tail as written from the list of all records before (one ``_central`` each)."""
     out = bytearray()
     everything = list(records)
-    for name, data in ((f"{zipframe.FOLDER}/data.pkl", pickled), *zipframe._TAIL_RECORDS):
+    for name, data in ((f"{zipframe.FOLDER}/data.pkl", pickled), *zipframe.TAIL_RECORDS):
         crc = crc32(data)
         everything.append(zipframe.Record(name, at + len(out), len(data), crc))
         out += zipframe._padded(name, at + len(out), data, crc)

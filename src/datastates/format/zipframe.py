@@ -42,13 +42,19 @@ _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
 _Z64_EOCD = struct.Struct("<IQHHIIQQQQ")
 _Z64_LOC = struct.Struct("<IIQI")
 _EOCD = struct.Struct("<IHHHHIIH")
-#: Records of the tail after data.pkl: (name, data).
-_TAIL_RECORDS = (
+#: Records of the tail after data.pkl: (name, data). ``.format_version`` 1 tells torch.load that
+#: the archive is laid out as ``torch.save`` lays it out (records in the order the pickle first
+#: names them, each followed by a data descriptor), so that it may compute a record's offset
+#: from the one before (on the meta device, or with ``calculate_storage_offsets``): true of a
+#: DCP frame (one record), not of a shard file, whose tail leaves it out so that torch finds
+#: each record by its own header (``SHARD_TAIL_RECORDS``).
+TAIL_RECORDS = (
     (f"{FOLDER}/.format_version", b"1"),
     (f"{FOLDER}/.storage_alignment", b"64"),
     (f"{FOLDER}/byteorder", b"little"),
     (f"{FOLDER}/version", b"3\n"),
 )
+SHARD_TAIL_RECORDS = TAIL_RECORDS[1:]
 
 
 def slot_of(nbytes: int) -> int:
@@ -423,21 +429,32 @@ def tensor_entries(offsets: Iterable[int], sizes: Iterable[int], crcs: Iterable[
     return b"".join(out)
 
 
-def tail(at: int, records: list[Record], pickled: bytes, crc32: Callable[[bytes], int]) -> bytes:
+def tail(
+    at: int,
+    records: list[Record],
+    pickled: bytes,
+    crc32: Callable[[bytes], int],
+    small: tuple = TAIL_RECORDS,
+) -> bytes:
     """The tail of a version-3 file starting at ``at`` (a multiple of 64): the records of the
-    pickle and of torch's small files, then the central directory of ``records`` (header,
+    pickle and of torch's ``small`` files, then the central directory of ``records`` (header,
     tensors, index: those already in the file) and of these, then the end records."""
-    return tail_after(at, central_entries(records), len(records), pickled, crc32)
+    return tail_after(at, central_entries(records), len(records), pickled, crc32, small)
 
 
 def tail_after(
-    at: int, directory: bytes, count: int, pickled: bytes, crc32: Callable[[bytes], int]
+    at: int,
+    directory: bytes,
+    count: int,
+    pickled: bytes,
+    crc32: Callable[[bytes], int],
+    small: tuple = TAIL_RECORDS,
 ) -> bytes:
     """:func:`tail` of ``count`` records whose central directory entries are ``directory``
     (``central_entries``, ``tensor_entries``: the tensors' packed at once)."""
     out = bytearray()
     own = []
-    for name, data in ((f"{FOLDER}/data.pkl", pickled), *_TAIL_RECORDS):
+    for name, data in ((f"{FOLDER}/data.pkl", pickled), *small):
         crc = crc32(data)
         own.append(Record(name, at + len(out), len(data), crc))
         out += _padded(name, at + len(out), data, crc)

@@ -635,10 +635,8 @@ def weights_index(path: str) -> str | None:
     if not weight_map:
         return None
     metadata: dict[str, Any] = {"total_size": total}
-    # from_pretrained(dtype="auto") takes the dtype from here rather than from a
-    # torch.load(map_location="meta") of a rank file: that one computes each record's offset
-    # as if torch.save had laid the file out, and refuses a file whose first record named is
-    # not data/0 (docs/huggingface.md)
+    # from_pretrained(dtype="auto") takes the dtype from here instead of opening a rank file on
+    # the meta device
     floating = [d for d in dtypes if getattr(getattr(torch, d, None), "is_floating_point", False)]
     metadata["dtype"] = (floating or dtypes)[0]  # as transformers' get_state_dict_dtype
     index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}

@@ -545,7 +545,14 @@ def _write_framed(job: Job, index: bytes, checksums: list, tree: dict) -> int:
         )
         pickled = zipframe.pickle_state(zipframe.plain_state(shown, held))
     tail_at = fmt.align_up(at + len(index), fmt.DATA_ALIGN)
-    tail = zipframe.tail_after(tail_at, directory, len(job.write_tensors) + 2, pickled, fmt.crc32)
+    tail = zipframe.tail_after(
+        tail_at,
+        directory,
+        len(job.write_tensors) + 2,
+        pickled,
+        fmt.crc32,
+        zipframe.SHARD_TAIL_RECORDS,
+    )
     writer.write(memoryview(tail), tail_at)
     first = b""
     if job.write_tensors:
