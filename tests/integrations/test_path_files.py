@@ -321,6 +321,10 @@ def test_the_cli_given_the_file_reads_the_checkpoint_behind_it(tmp_path, capsys)
     paths.close()
     assert main(["verify", str(target)]) == 0
     assert capsys.readouterr().out.startswith("last.ckpt: OK")
+    assert main(["verify", str(tmp_path)]) == 0  # the folder: its checkpoints, behind the files
+    assert capsys.readouterr().out.startswith("last.ckpt: OK")
+    assert main(["list", str(tmp_path)]) == 0
+    assert "last.ckpt" in capsys.readouterr().out
     out = tmp_path / "out.pt"
     assert main(["export", str(target), "--to", "torch", str(out)]) == 0
     assert_same(_state(1.0), torch.load(out, weights_only=True))
