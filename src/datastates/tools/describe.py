@@ -90,7 +90,8 @@ def select(
     """The checkpoints ``path`` designates, and the damaged ones of its folder.
 
     ``path`` may be: a checkpoint folder; a framework's checkpoint file (``last.ckpt``,
-    ``mp_rank_00_model_states.pt``): the checkpoint ``.datastates/<name>`` beside it, behind it; a folder
+    ``mp_rank_00_model_states.pt``): the checkpoint behind it, ``.datastates/<name>`` in its
+    folder; a folder
     ``DatastatesWriter`` (DCP) wrote; a folder
     of checkpoints (a Checkpointer's directory, a Lightning or HF output folder, whose
     checkpoints may be those behind a framework's files, in its ``.datastates`` folder), where
