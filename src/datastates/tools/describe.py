@@ -91,10 +91,9 @@ def select(
 
     ``path`` may be: a checkpoint folder; a framework's checkpoint file (``last.ckpt``,
     ``mp_rank_00_model_states.pt``): the checkpoint behind it, ``.datastates/<name>`` in its
-    folder; a folder
-    ``DatastatesWriter`` (DCP) wrote; a folder
-    of checkpoints (a Checkpointer's directory, a Lightning or HF output folder, whose
-    checkpoints may be those behind a framework's files, in its ``.datastates`` folder), where
+    folder; a folder ``DatastatesWriter`` (DCP) wrote; a folder of checkpoints (a
+    Checkpointer's directory, a Lightning or HF output folder; for a folder of a framework's
+    files, the checkpoints behind them, in its ``.datastates`` folder), where
     ``step``/``tag`` pick one, ``every=True`` takes all, and otherwise the newest committed one
     is meant; a DeepSpeed tag folder (``global_stepN``, whose checkpoints are the files DeepSpeed
     names, ``mp_rank_00_model_states.pt`` ...): all of them, as they make one checkpoint
