@@ -104,8 +104,10 @@ def base_optimizer(opt: Any) -> torch.optim.Optimizer | None:
 
 def drop_latest(path: str, info: Any = None) -> None:
     """After the commit of ``path``: remove the core's ``latest`` hint beside it if it names
-    that checkpoint. A framework lists that directory itself (Lightning's ``dirpath``, Hugging
-    Face's ``output_dir``) and reads no such hint; loads here never read it either."""
+    that checkpoint. A framework lists that directory itself (Hugging Face's ``output_dir``)
+    and reads no such hint; loads here never read it either. (The checkpoints behind a
+    framework's paths keep their hint in the hidden folder, where no one lists it; a checkpoint
+    directory an earlier version wrote at a path has its hint beside it.)"""
     latest = os.path.join(os.path.dirname(path), "latest")
     name = os.path.basename(path)
     try:
