@@ -215,10 +215,11 @@ def main(out: str, mode: str) -> None:
     with open(os.path.join(ds_dir, "latest")) as f:
         result["latest"] = f.read()
     result["files"] = sorted(os.listdir(os.path.join(ds_dir, tag)))
-    # Each file DeepSpeed named is a file (the shard of <file>.datastates/, linked in place).
+    result["torch_files"] = sorted(os.listdir(os.path.join(torch_dir, tag)))  # stock DeepSpeed's
+    # Each file DeepSpeed named is a file (the shard of .datastates/<file>/, linked in place).
     result["files_are_checkpoints"] = all(
         os.path.isfile(os.path.join(ds_dir, tag, n))
-        and os.path.isfile(os.path.join(ds_dir, tag, n + ".datastates", "manifest.json"))
+        and os.path.isfile(os.path.join(ds_dir, tag, ".datastates", n, "manifest.json"))
         for n in result["files"]
         if n.endswith(".pt")
     )

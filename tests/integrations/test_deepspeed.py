@@ -41,9 +41,10 @@ def run_worker(tmp_path, mode: str) -> dict:
 def test_deepspeed_save_resume_bit_exact(tmp_path, mode):
     r = run_worker(tmp_path, mode)
     assert r["same_trajectory"], "saving changed the training trajectory"
-    # Every file DeepSpeed asked for is a file, the shard of a committed datastates checkpoint.
+    # Every file DeepSpeed asked for is a file, the shard of a committed datastates checkpoint;
+    # the tag folder lists as stock DeepSpeed's of the same run, plus the hidden folder only.
     assert "mp_rank_00_model_states.pt" in r["files"]
-    assert "mp_rank_00_model_states.pt.datastates" in r["files"]
+    assert r["files"] == sorted([*r["torch_files"], ".datastates"])
     if mode != "fp32-default":
         assert "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in r["files"]
         # The capture rule: the bf16 parameters (written by ZeRO's step after the guarded inner
@@ -106,7 +107,37 @@ def test_deepspeed_engine_exposes_last_save_stats(tmp_path):
     )
     engine.wait(persist=True)
     assert_stats_of(
-        engine.last_save_stats, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt.datastates"
+        engine.last_save_stats, tag / ".datastates" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     )
     assert engine.last_save_stats.nbytes == 512 * 4
     engine.close()
+
+
+def test_export_torch_files_reads_both_layouts(tmp_path):
+    """export_torch_files writes every file of a tag folder, whether its checkpoints are those
+    behind the files (``tag/.datastates/<file>/``, this version) or directories at the files'
+    paths (earlier versions)."""
+    import torch
+
+    import datastates
+    from datastates.integrations.deepspeed import CheckpointEngine, export_torch_files
+
+    names = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    engine = CheckpointEngine({"host_cache_size": 0.002}, rank=0)
+    for i, name in enumerate(names):
+        engine.save(
+            {"w": torch.full((8,), float(i))}, str(tmp_path / "new" / "global_step1" / name)
+        )
+    engine.close()
+    assert sorted(os.listdir(tmp_path / "new" / "global_step1")) == [".datastates", *names]
+    with datastates.Checkpointer(tmp_path / "old" / "global_step1") as ckpt:
+        for i, name in enumerate(names):
+            ckpt.save({"w": torch.full((8,), float(i))}, tag=name).wait()
+    for layout in ("new", "old"):
+        out = tmp_path / f"{layout}-torch"
+        written = export_torch_files(str(tmp_path / layout / "global_step1"), str(out))
+        assert [os.path.basename(p) for p in written] == list(names)
+        for i, name in enumerate(names):
+            got = torch.load(out / "global_step1" / name, weights_only=True)
+            assert torch.equal(got["w"], torch.full((8,), float(i)))
+        assert (out / "latest").read_text() == "global_step1"

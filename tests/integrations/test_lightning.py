@@ -100,12 +100,12 @@ def test_lightning_fit_resume_bit_exact(tmp_path, lazy):
     )
     first = Tiny()
     trainer(tmp_path, 2, plugins=[io], callbacks=[ckpt_cb, *extra]).fit(first)
-    names = sorted(n for n in os.listdir(tmp_path / "ds") if not n.startswith("."))
-    assert "last.ckpt" in names and "epoch=1-step=8.ckpt" in names
+    names = sorted(os.listdir(tmp_path / "ds"))
+    assert names == [".datastates", "epoch=1-step=8.ckpt", "last.ckpt"]
     # top-k removed it through remove_checkpoint: the file and the checkpoint behind it
-    assert "epoch=0-step=4.ckpt" not in names and "epoch=0-step=4.ckpt.datastates" not in names
+    assert not os.path.exists(tmp_path / "ds" / ".datastates" / "epoch=0-step=4.ckpt")
     for n in ("last.ckpt", "epoch=1-step=8.ckpt"):
-        assert os.path.isfile(tmp_path / "ds" / (n + ".datastates") / "manifest.json")
+        assert os.path.isfile(tmp_path / "ds" / ".datastates" / n / "manifest.json")
         assert os.path.isfile(tmp_path / "ds" / n)
 
     # load_checkpoint returns what TorchCheckpointIO's torch.load returned at the same step.
@@ -124,7 +124,9 @@ def test_lightning_fit_resume_bit_exact(tmp_path, lazy):
         tmp_path, 4, plugins=[io2], callbacks=[ModelCheckpoint(dirpath=tmp_path / "ds2"), *extra2]
     ).fit(resumed, ckpt_path=str(tmp_path / "ds" / "last.ckpt"))
     assert_same(continuous, params(resumed))
-    assert os.path.isfile(tmp_path / "ds2" / "epoch=3-step=16.ckpt.datastates" / "manifest.json")
+    assert os.path.isfile(
+        tmp_path / "ds2" / ".datastates" / "epoch=3-step=16.ckpt" / "manifest.json"
+    )
 
 
 def test_lightning_background_error_surfaces_at_next_save(tmp_path, monkeypatch):
@@ -162,13 +164,13 @@ def test_load_from_checkpoint_helper_and_export(tmp_path):
     path = tmp_path / "final.ckpt"
     t.save_checkpoint(path)
     io.wait()
-    assert os.path.isfile(tmp_path / "final.ckpt.datastates" / "manifest.json")
+    assert os.path.isfile(tmp_path / ".datastates" / "final.ckpt" / "manifest.json")
     loaded = load_from_checkpoint(WithHparams, path)
     assert loaded.hparams.note == "b" and loaded.hparams.width == 16
     assert_same(params(model), params(loaded))
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".datastates-export-")]
     # the documented one-off export, of the checkpoint behind the path
-    datastates.export(tmp_path / "final.ckpt.datastates", tmp_path / "plain.ckpt", "torch")
+    datastates.export(tmp_path / ".datastates" / "final.ckpt", tmp_path / "plain.ckpt", "torch")
     assert_same(params(model), params(WithHparams.load_from_checkpoint(tmp_path / "plain.ckpt")))
 
 
@@ -183,7 +185,7 @@ def test_lightning_checkpoint_io_exposes_last_save_stats(tmp_path):
     path = tmp_path / "final.ckpt"
     t.save_checkpoint(path)
     io.wait()
-    assert_stats_of(io.last_save_stats, tmp_path / "final.ckpt.datastates")
+    assert_stats_of(io.last_save_stats, tmp_path / ".datastates" / "final.ckpt")
     io.teardown()
 
 
@@ -227,7 +229,7 @@ def test_resume_after_interrupted_replacement_of_last(tmp_path):
     ).fit(Tiny())
     want = io.load_checkpoint(folder / "last.ckpt")
     # a crash while last.ckpt was replaced, before the link was made
-    interrupt_replacement(folder, "last.ckpt.datastates")
+    interrupt_replacement(folder / ".datastates", "last.ckpt")
     os.remove(folder / "last.ckpt")
 
     io2 = DatastatesCheckpointIO(ONE_WRITER)  # the restarted job: the lookup repairs the directory
@@ -252,6 +254,7 @@ def test_save_last_link_resumes_through_the_link(tmp_path):
     ).fit(Tiny())
     link = folder / "last.ckpt"
     assert os.path.islink(link) and os.readlink(link) == "epoch=1-step=8.ckpt"
+    assert not os.path.exists(folder / ".datastates" / "last.ckpt")  # never a save of its own
     assert_same(io.load_checkpoint(folder / "epoch=1-step=8.ckpt"), io.load_checkpoint(link))
     assert io.last_path(folder) == str(link)
     assert_same(_continuous(tmp_path, 3), _resume(tmp_path, str(link), 3))
@@ -409,7 +412,7 @@ def test_hpc_resume_lookup_while_a_save_is_in_flight(tmp_path, monkeypatch):
         assert lookup._hpc_resume_path == str(root / "hpc_ckpt_12.ckpt")
     io = DatastatesCheckpointIO(ONE_WRITER)
     io.save_checkpoint({"x": torch.full((2,), 3.0)}, root / "hpc_ckpt_13.ckpt")
-    assert any(n.startswith(".tmp.") for n in os.listdir(root))
+    assert any(n.startswith(".tmp.") for n in os.listdir(root / ".datastates"))
     assert lookup._hpc_resume_path == str(root / "hpc_ckpt_13.ckpt")
     gate.release()
     assert torch.equal(io.load_checkpoint(lookup._hpc_resume_path)["x"], torch.full((2,), 3.0))
@@ -467,9 +470,34 @@ def test_lightning_own_loaders_read_the_checkpoints_in_place(tmp_path):
     io.teardown()
 
 
+def test_model_checkpoint_s_folder_lists_as_with_stock_lightning(tmp_path):
+    """After the same run, ModelCheckpoint's dirpath holds the names stock Lightning's
+    TorchCheckpointIO leaves there (top 2 and last.ckpt), plus the hidden folder only."""
+
+    def run(folder, plugins):
+        cb = ModelCheckpoint(
+            dirpath=folder,
+            monitor="train_loss",
+            save_top_k=2,
+            save_last=True,
+            filename="{epoch}-{step}",
+        )
+        trainer(tmp_path, 4, plugins=plugins, callbacks=[cb]).fit(Tiny())
+
+    run(tmp_path / "stock", [])
+    io = DatastatesCheckpointIO(ONE_WRITER)
+    run(tmp_path / "ds", [io])
+    stock = sorted(os.listdir(tmp_path / "stock"))
+    assert len(stock) == 3 and "last.ckpt" in stock
+    assert sorted(os.listdir(tmp_path / "ds")) == sorted([*stock, ".datastates"])
+    behind = os.listdir(tmp_path / "ds" / ".datastates")
+    assert sorted(n for n in behind if n[0] != "." and n != "latest") == stock
+
+
 def test_fit_ckpt_path_last_finds_the_file(tmp_path):
     """Lightning resolves ckpt_path="last" from its own listing of last*.ckpt files: it finds
-    the file, never the last.ckpt.datastates directory beside it, and resumes bit-exact."""
+    the file (the checkpoint behind it is in the hidden .datastates folder), and resumes
+    bit-exact."""
     folder = tmp_path / "ds"
 
     def run(epochs, module, **fit):
@@ -479,7 +507,7 @@ def test_fit_ckpt_path_last_finds_the_file(tmp_path):
         return cb
 
     cb = run(2, Tiny())
-    assert sorted(os.listdir(folder)) == ["last.ckpt", "last.ckpt.datastates"]
+    assert sorted(os.listdir(folder)) == [".datastates", "last.ckpt"]
     assert cb._find_last_checkpoints(None) == {str(folder / "last.ckpt")}
     resumed = Tiny()
     with torch.no_grad():

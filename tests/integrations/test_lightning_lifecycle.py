@@ -61,11 +61,7 @@ def trainer(root, plugin, epochs=2, callbacks=(), **kwargs):
     )
 
 
-EXPECTED = sorted(
-    n + suffix
-    for n in ("epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt")
-    for suffix in ("", ".datastates")
-)
+NAMES = ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
 
 
 @pytest.mark.parametrize(
@@ -82,7 +78,9 @@ def test_fit_leaves_only_lightning_names_and_no_thread(tmp_path, wrap, lazy, our
         callbacks=[io.lazy_snapshots()] if lazy else [],
     )
     t.fit(BoringModel())
-    assert sorted(os.listdir(tmp_path)) == EXPECTED  # no `latest`, `.owner.*`, `.tmp.*`
+    assert sorted(os.listdir(tmp_path)) == [".datastates", *NAMES]
+    # the checkpoints behind them, the core's hint at most: no `.owner.*`, `.tmp.*`
+    assert sorted(os.listdir(tmp_path / ".datastates")) in (NAMES, sorted([*NAMES, "latest"]))
     assert not ours()
     loaded = io.load_checkpoint(tmp_path / "last.ckpt")
     assert loaded["global_step"] == 4
@@ -97,6 +95,7 @@ def test_save_outside_fit_ends_its_threads_once_committed(tmp_path, ours):
     io.wait()
     assert not ours()
     assert "after.ckpt" in os.listdir(tmp_path) and "latest" not in os.listdir(tmp_path)
+    assert not [n for n in os.listdir(tmp_path / ".datastates") if n.startswith(".")]
     assert_same(io.load_checkpoint(tmp_path / "after.ckpt")["state_dict"], model.state_dict())
     assert not ours()
 
@@ -164,5 +163,5 @@ def test_url_is_saved_by_lightnings_own_io_with_a_warning(tmp_path, monkeypatch,
         io.last_path("memory://dsdir")
     io.save_checkpoint(state, f"file://{tmp_path}/y.ckpt")  # a local path, written here
     io.wait()
-    assert os.path.isfile(tmp_path / "y.ckpt.datastates" / "manifest.json")
+    assert os.path.isfile(tmp_path / ".datastates" / "y.ckpt" / "manifest.json")
     assert_same(torch.load(tmp_path / "y.ckpt", weights_only=True), state)

@@ -1,6 +1,6 @@
 """The file at a framework's checkpoint path (the layer under the DeepSpeed and Lightning
-adapters): a hard link to the shard file of ``<path>.datastates/``, put in place only after the
-commit, in one rename. No framework needed."""
+adapters): a hard link to the shard file of ``dir/.datastates/<name>/``, put in place only after
+the commit, in one rename. No framework needed."""
 
 from __future__ import annotations
 
@@ -25,8 +25,13 @@ def _state(v: float) -> dict:
     return {"v": torch.full((64,), v), "step": int(v), "size": torch.Size([2, 3])}
 
 
+def _behind(target) -> str:
+    """The checkpoint behind the path ``target``."""
+    return os.path.join(os.path.dirname(target), ".datastates", os.path.basename(target))
+
+
 def _shard(target) -> str:
-    return os.path.join(f"{target}.datastates", "rank-00000.dsf")
+    return os.path.join(_behind(target), "rank-00000.dsf")
 
 
 def _hold_commits(monkeypatch) -> threading.Event:
@@ -60,7 +65,7 @@ def test_the_link_is_made_after_the_commit_only(tmp_path, monkeypatch):
     try:
         paths.save(_state(1.0), target, snapshot=True)
         assert os.path.isfile(target) and os.path.getsize(target) == 0  # the placeholder
-        assert not os.path.exists(f"{target}.datastates")  # nothing committed yet
+        assert not os.path.exists(_behind(target))  # nothing committed yet
     finally:
         gate.set()
     paths.wait()
@@ -141,12 +146,12 @@ def test_remove_removes_the_file_and_the_checkpoint(tmp_path):
     paths.save(_state(1.0), target, snapshot=True)
     paths.wait()
     paths.remove(target)
-    assert not os.path.lexists(target) and not os.path.exists(f"{target}.datastates")
+    assert not os.path.lexists(target) and not os.path.exists(_behind(target))
     assert not paths.exists(target)
     with pytest.raises(datastates.CheckpointNotFoundError, match="a.ckpt"):
         paths.load(target)
     paths.close()
-    assert [n for n in os.listdir(tmp_path) if n != "latest"] == []  # the core's hint stays
+    assert os.listdir(tmp_path) == [".datastates"]  # the core's hint, if any, is in there
 
 
 def test_a_checkpoint_directory_at_the_path_from_earlier_versions_still_loads(tmp_path):
@@ -165,6 +170,7 @@ def test_a_checkpoint_directory_at_the_path_from_earlier_versions_still_loads(tm
     assert os.path.isfile(target) and os.stat(target).st_ino == os.stat(_shard(target)).st_ino
     assert_same(_state(2.0), paths.load(target))
     paths.close()
+    assert sorted(os.listdir(tmp_path)) == [".datastates", "old.ckpt"]
 
 
 def test_links_refused_warn_once_and_the_checkpoints_still_load(tmp_path, monkeypatch, caplog):
@@ -192,7 +198,8 @@ def test_links_refused_warn_once_and_the_checkpoints_still_load(tmp_path, monkey
         assert_same(_state(v), paths.load(tmp_path / name))
     paths.remove(tmp_path / "a.ckpt")
     assert not paths.exists(tmp_path / "a.ckpt")
-    assert not os.path.exists(tmp_path / "a.ckpt.datastates")
+    assert not os.path.exists(_behind(tmp_path / "a.ckpt"))
+    assert sorted(os.listdir(tmp_path)) == [".datastates"]  # no file at the paths
     paths.close()
 
 
@@ -233,7 +240,7 @@ def test_a_file_written_at_the_path_after_the_commit_is_what_loads(tmp_path):
     other = {"w": torch.arange(3.0)}
     with open(target, "wb") as f:
         torch.save(other, f)
-    committed = os.stat(f"{target}.datastates/manifest.json").st_mtime_ns
+    committed = os.stat(os.path.join(_behind(target), "manifest.json")).st_mtime_ns
     later = committed + 10**9  # a second after the commit, whatever the clock's granularity
     os.utime(target, ns=(later, later))
     assert_same(other, paths.load(target))
@@ -259,11 +266,48 @@ def test_stale_link_temporaries_are_removed_by_repair(tmp_path):
     paths.close()
 
 
-def test_a_name_ending_in_the_directory_suffix_is_refused(tmp_path):
+def test_a_listing_of_the_directory_shows_the_paths_and_the_hidden_folder_only(tmp_path):
+    """Every file of the checkpoints' Checkpointer (the checkpoints, ``latest``, leases,
+    temporaries) is in ``.datastates``; a name ending in ``.datastates`` is a path like any
+    other; the hidden folder itself is refused as a path (a name starting with '.')."""
     paths = PathCheckpoints(ONE_WRITER)
-    with pytest.raises(ValueError, match="x.datastates"):
-        paths.save(_state(1.0), tmp_path / "x.datastates", snapshot=True)
+    for name, v in (("a.ckpt", 1.0), ("x.datastates", 2.0), ("a.ckpt", 3.0)):
+        paths.save(_state(v), tmp_path / name, snapshot=True)
+    paths.wait()
+    assert sorted(os.listdir(tmp_path)) == [".datastates", "a.ckpt", "x.datastates"]
+    assert os.path.isfile(tmp_path / "x.datastates")
+    assert_same(_state(2.0), torch.load(tmp_path / "x.datastates", weights_only=True))
+    assert_same(_state(3.0), paths.load(tmp_path / "a.ckpt"))
+    with pytest.raises(ValueError, match="must not"):
+        paths.save(_state(1.0), tmp_path / ".datastates", snapshot=True)
+    paths.close()
+    assert sorted(os.listdir(tmp_path)) == [".datastates", "a.ckpt", "x.datastates"]
+
+
+def test_nothing_is_created_before_the_first_save(tmp_path):
+    paths = PathCheckpoints(ONE_WRITER)
+    paths.repair(tmp_path)
+    assert not paths.exists(tmp_path / "a.ckpt")
+    assert paths.committed(tmp_path) == []
+    paths.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_checkpoint_superseded_by_a_symbolic_link_is_removed(tmp_path):
+    """ModelCheckpoint(save_last="link") removes last.ckpt and links it to another path: the
+    checkpoint behind the earlier real last.ckpt goes at the next save or removal."""
+    paths = PathCheckpoints(ONE_WRITER)
+    paths.save(_state(1.0), tmp_path / "last.ckpt", snapshot=True)
+    paths.save(_state(2.0), tmp_path / "a.ckpt", snapshot=True)
+    paths.wait()
+    os.remove(tmp_path / "last.ckpt")
+    os.symlink("a.ckpt", tmp_path / "last.ckpt")
+    assert_same(_state(2.0), torch.load(tmp_path / "last.ckpt", weights_only=True))
+    paths.save(_state(3.0), tmp_path / "b.ckpt", snapshot=True)
+    paths.wait()
+    behind = os.listdir(tmp_path / ".datastates")
+    assert sorted(n for n in behind if n[0] != "." and n != "latest") == ["a.ckpt", "b.ckpt"]
+    assert os.path.islink(tmp_path / "last.ckpt")  # the link itself is Lightning's
     paths.close()
 
 
@@ -276,12 +320,16 @@ def test_the_cli_given_the_file_reads_the_checkpoint_behind_it(tmp_path, capsys)
     paths.wait()
     paths.close()
     assert main(["verify", str(target)]) == 0
-    assert "last.ckpt.datastates" in capsys.readouterr().out
+    assert capsys.readouterr().out.startswith("last.ckpt: OK")
+    assert main(["verify", str(tmp_path)]) == 0  # the folder: its checkpoints, behind the files
+    assert capsys.readouterr().out.startswith("last.ckpt: OK")
+    assert main(["list", str(tmp_path)]) == 0
+    assert "last.ckpt" in capsys.readouterr().out
     out = tmp_path / "out.pt"
     assert main(["export", str(target), "--to", "torch", str(out)]) == 0
     assert_same(_state(1.0), torch.load(out, weights_only=True))
     os.remove(target)
     open(target, "wb").close()  # a file with no checkpoint behind it stays refused
-    os.rename(f"{target}.datastates", tmp_path / "elsewhere")
+    os.rename(_behind(target), tmp_path / "elsewhere")
     assert main(["verify", str(target)]) == 1
     assert "is a file" in capsys.readouterr().err

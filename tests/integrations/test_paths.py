@@ -58,7 +58,7 @@ def test_save_load_equals_torch_load(tmp_path):
     paths = PathCheckpoints(ONE_WRITER)
     paths.save(state, tmp_path / "x.ckpt", snapshot=True)
     paths.wait()
-    assert os.path.isfile(tmp_path / "x.ckpt.datastates" / "manifest.json")
+    assert os.path.isfile(tmp_path / ".datastates" / "x.ckpt" / "manifest.json")
     want = torch.load(tmp_path / "ref.pt", weights_only=False)
     assert_same(want, paths.load(tmp_path / "x.ckpt"))
     assert_same(want["module"], torch.load(tmp_path / "x.ckpt", weights_only=True)["module"])
@@ -83,9 +83,10 @@ def test_overwrite_and_remove(tmp_path):
     assert paths.load(tmp_path / "last.ckpt")["v"].tolist() == [2, 2, 2, 2]
     paths.remove(tmp_path / "last.ckpt")
     assert not os.path.exists(tmp_path / "last.ckpt")
-    assert not os.path.exists(tmp_path / "last.ckpt.datastates")
+    assert not os.path.exists(tmp_path / ".datastates" / "last.ckpt")
     paths.close()
-    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
+    assert os.listdir(tmp_path) == [".datastates"]
+    assert [n for n in os.listdir(tmp_path / ".datastates") if n.startswith(".")] == []
 
 
 def _fail_in_background(monkeypatch):
@@ -141,8 +142,9 @@ def test_crash_never_exposes_a_partial_checkpoint(tmp_path):
         paths.wait()
         assert torch.equal(paths.load(target)["t"], torch.zeros(2))
     paths.close()
-    visible = sorted(n for n in os.listdir(tmp_path) if not n.startswith("."))
-    assert visible in (["x.pt", "x.pt.datastates"], ["latest", "x.pt", "x.pt.datastates"])
+    assert sorted(os.listdir(tmp_path)) == [".datastates", "x.pt"]
+    behind = sorted(n for n in os.listdir(tmp_path / ".datastates") if not n.startswith("."))
+    assert behind in (["x.pt"], ["latest", "x.pt"])
 
 
 def test_optimizers_make_only_their_bytes_lazy(tmp_path):
@@ -179,11 +181,8 @@ def test_a_framework_s_step_is_recorded(tmp_path):
     paths.save({"x": torch.ones(3)}, tmp_path / "a.ckpt", snapshot=True, step=7)
     paths.save({"x": torch.ones(3)}, tmp_path / "b.ckpt", snapshot=True)
     paths.close()
-    with datastates.Checkpointer(tmp_path) as ckpt:
-        assert sorted((i.name, i.step) for i in ckpt.list()) == [
-            ("a.ckpt.datastates", 7),
-            ("b.ckpt.datastates", None),
-        ]
+    with datastates.Checkpointer(tmp_path / ".datastates") as ckpt:
+        assert sorted((i.name, i.step) for i in ckpt.list()) == [("a.ckpt", 7), ("b.ckpt", None)]
 
 
 def interrupt_replacement(root, name: str) -> str:
@@ -202,7 +201,7 @@ def test_interrupted_replacement_is_put_back_before_lookup(tmp_path):
     paths = PathCheckpoints(ONE_WRITER)
     paths.save(state, tmp_path / "last.ckpt", snapshot=True)
     paths.close()
-    old = interrupt_replacement(tmp_path, "last.ckpt.datastates")
+    old = interrupt_replacement(tmp_path / ".datastates", "last.ckpt")
     os.remove(tmp_path / "last.ckpt")  # and no link: the checkpoint is found behind the path
     paths = PathCheckpoints(ONE_WRITER)  # the restarted job
     assert paths.exists(tmp_path / "last.ckpt")  # the lookup lets the core repair first

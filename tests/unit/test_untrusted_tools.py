@@ -168,16 +168,31 @@ def test_export_of_a_dcp_value_that_needs_unpickling(tmp_path, capsys):
 _DS_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
 
 
-def _deepspeed_save_dir(root, tags=("global_step1", "global_step2")):
-    """The layout DeepSpeed's engine writes through datastates: ``root/<tag>/<file>`` (each
-    file a checkpoint, the tag folder's own ``latest`` naming the last one written) and
-    ``root/latest`` naming the newest tag."""
+def _deepspeed_save_dir(root, tags=("global_step1", "global_step2"), layout="files"):
+    """The layout DeepSpeed's engine writes through datastates, ``root/<tag>/<file>`` and
+    ``root/latest`` naming the newest tag, where each file is: ``"files"``, a hard link to the
+    shard of the checkpoint ``root/<tag>/.datastates/<file>/`` behind it (this version);
+    ``"directories"``, the checkpoint directory itself, the tag folder's own ``latest`` naming
+    the last one written (earlier versions)."""
+    from datastates.integrations._paths import PathCheckpoints
+
     for step, tag in enumerate(tags, 1):
         for name in _DS_FILES:
-            with Checkpointer(root / tag, LARGE) as ck:
-                ck.save({"x": torch.full((64,), float(step)), "file": name}, tag=name).wait()
+            state = {"x": torch.full((64,), float(step)), "file": name}
+            if layout == "files":
+                paths = PathCheckpoints(LARGE)
+                paths.save(state, root / tag / name, snapshot=True)
+                paths.close()
+            else:
+                with Checkpointer(root / tag, LARGE) as ck:
+                    ck.save(state, tag=name).wait()
     (root / "latest").write_text(tags[-1])
     return root
+
+
+def _ds_shard(tag_folder, name, layout):
+    behind = tag_folder / ".datastates" / name if layout == "files" else tag_folder / name
+    return behind / "rank-00000.dsf"
 
 
 def _flip(path, offset=4096 + 10):
@@ -186,13 +201,18 @@ def _flip(path, offset=4096 + 10):
     path.write_bytes(bytes(data))
 
 
-def test_verify_of_a_deepspeed_tag_folder_checks_every_file(tmp_path, capsys):
-    """The tag folder's own `latest` names the optimizer file; the model file is checked too."""
-    tag = _deepspeed_save_dir(tmp_path) / "global_step2"
-    assert (tag / "latest").read_text() == _DS_FILES[1]
+@pytest.mark.parametrize("layout", ["files", "directories"])
+def test_verify_of_a_deepspeed_tag_folder_checks_every_file(tmp_path, capsys, layout):
+    """The tag folder's checkpoints' `latest` names the optimizer file; the model file is
+    checked too."""
+    tag = _deepspeed_save_dir(tmp_path, layout=layout) / "global_step2"
+    hint = tag / ".datastates" / "latest" if layout == "files" else tag / "latest"
+    assert hint.read_text() == _DS_FILES[1]
+    if layout == "files":
+        assert sorted(os.listdir(tag)) == sorted([".datastates", *_DS_FILES])
     code, out, _ = _run(capsys, "verify", tag)
     assert code == EXIT_OK and "verified 2 checkpoint(s)" in out and _DS_FILES[0] in out
-    _flip(tag / _DS_FILES[0] / "rank-00000.dsf")
+    _flip(_ds_shard(tag, _DS_FILES[0], layout))
     code, out, err = _run(capsys, "verify", tag)
     assert code == EXIT_ERROR and _DS_FILES[0] in err and "checksum" in err
     assert "1 failed" in out
@@ -206,8 +226,9 @@ def test_verify_of_a_deepspeed_tag_folder_checks_every_file(tmp_path, capsys):
     assert code == EXIT_OK and torch.load(tmp_path / "x.pt")["file"] == _DS_FILES[1]
 
 
-def test_a_deepspeed_save_dir_is_understood(tmp_path, capsys):
-    root = _deepspeed_save_dir(tmp_path / "run")
+@pytest.mark.parametrize("layout", ["files", "directories"])
+def test_a_deepspeed_save_dir_is_understood(tmp_path, capsys, layout):
+    root = _deepspeed_save_dir(tmp_path / "run", layout=layout)
     code, out, _ = _run(capsys, "list", root)
     assert code == EXIT_OK and "4 checkpoint(s)" in out
     for tag in ("global_step1", "global_step2"):
@@ -217,7 +238,7 @@ def test_a_deepspeed_save_dir_is_understood(tmp_path, capsys):
     code, out, _ = _run(capsys, "inspect", root, "--json")
     summaries = json.loads(out)
     assert [s["values"]["file"] for s in summaries] == list(_DS_FILES)
-    _flip(root / "global_step1" / _DS_FILES[0] / "rank-00000.dsf")
+    _flip(_ds_shard(root / "global_step1", _DS_FILES[0], layout))
     code, out, err = _run(capsys, "verify", root, "--all")
     assert code == EXIT_ERROR and "verified 4 checkpoint(s)" in out
     assert f"global_step1/{_DS_FILES[0]}" in err and "global_step2" not in err

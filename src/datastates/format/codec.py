@@ -48,10 +48,11 @@ DATA_ALIGN = 64
 UNIT_ALIGN = 4096
 MANIFEST = "manifest.json"
 LATEST = "latest"
-#: The checkpoint behind a framework's file path ``dir/name`` is the folder ``dir/name`` + this;
-#: the file at the path is a hard link to its shard file (docs/format.md, "Frameworks' own
-#: loaders").
-PATH_SUFFIX = ".datastates"
+#: The hidden folder beside a framework's checkpoint files: the checkpoint behind the file path
+#: ``dir/name`` is ``dir/.datastates/name/`` (a checkpoint of the directory ``dir/.datastates``,
+#: tag ``name``), and the file at the path is a hard link to its shard file (docs/format.md,
+#: "Frameworks' own loaders").
+PATH_FOLDER = ".datastates"
 SHARD_FORMAT = "datastates-shard"
 CHECKPOINT_FORMAT = "datastates-checkpoint"
 _HEADER = struct.Struct("<8sIIQQI")  # magic, version, flags, index offset, index length, index crc

@@ -1,8 +1,11 @@
 """The files at a framework's checkpoint path ``dir/name`` (docs/lightning.md, "Files on disk"):
-the checkpoint directory ``dir/name.datastates/`` behind it, the hard link to its shard file put
-at the path after the commit, the empty placeholder standing there while a save is in flight,
-and the files earlier versions left (a checkpoint directory at the path, a ``.plain.<name>``
-file set aside). Functions of the file system only; :mod:`._paths` decides when each runs."""
+the checkpoint ``dir/.datastates/name/`` behind it (a checkpoint of the hidden directory
+``dir/.datastates``, whose every other file, ``latest`` hint, leases and temporaries, stays in
+there too, so a listing of ``dir`` shows the framework's names only), the hard link to its shard
+file put at the path after the commit, the empty placeholder standing there while a save is in
+flight, and the files earlier versions left (a checkpoint directory at the path, a
+``.plain.<name>`` file set aside). Functions of the file system only; :mod:`._paths` decides
+when each runs."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import os
 import re
 import uuid
 
-from datastates.format import PATH_SUFFIX
+from datastates.format import PATH_FOLDER
 
 log = logging.getLogger("datastates.integrations")
 
@@ -22,8 +25,8 @@ def is_checkpoint_dir(path) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), "manifest.json"))
 
 
-#: The suffix of the datastates checkpoint behind the path ``dir/name``: ``dir/name.datastates/``.
-SUFFIX = PATH_SUFFIX
+#: The hidden directory of ``dir`` holding the checkpoints behind its paths: ``dir/.datastates``.
+FOLDER = PATH_FOLDER
 #: The prefix of the name under which an earlier version kept another engine's plain file while
 #: the datastates checkpoint replacing it was saved: ``dir/.plain.<name>``. Still read (a crash
 #: may have left one) and removed with the path; saves no longer set files aside.
@@ -44,9 +47,14 @@ LINK_REFUSED_ERRNOS = (
 _LINK_TMP = re.compile(r"\.link-(?P<pid>[0-9]+)-[0-9a-f]{8}")
 
 
+def hidden_root(root: str) -> str:
+    """The root of the Checkpointer whose checkpoints are those behind the paths in ``root``."""
+    return os.path.join(root, FOLDER)
+
+
 def checkpoint_dir(full: str) -> str:
-    """The datastates checkpoint directory behind the path ``full``."""
-    return full + SUFFIX
+    """The datastates checkpoint directory behind the path ``full``: ``dir/.datastates/name``."""
+    return os.path.join(hidden_root(os.path.dirname(full)), os.path.basename(full))
 
 
 def aside_path(full: str) -> str:
@@ -123,7 +131,7 @@ def file_at(full: str) -> bool:
 
 def file_is_newer(full: str) -> bool:
     """Whether the file at ``full`` was written (or a symbolic link made there) after the
-    checkpoint ``full.datastates`` was committed: another engine saved to the path since, so it
+    checkpoint behind it (:func:`checkpoint_dir`) was committed: another engine saved to the path since, so it
     is what the path holds. A link made by :meth:`PathCheckpoints.save`, or a file older than
     the commit (a crash came between the commit and the link), is not."""
     from datastates.format import MANIFEST
@@ -137,8 +145,9 @@ def file_is_newer(full: str) -> bool:
 
 
 def link_into_place(full: str) -> None:
-    """Make ``full`` a hard link to the shard file of the committed checkpoint
-    ``full.datastates``: linked under a temporary name in the same directory, renamed over
+    """Make ``full`` a hard link to the shard file of the committed checkpoint behind it
+    (:func:`checkpoint_dir`, in the same directory tree): linked under a temporary name in
+    the directory of ``full``, renamed over
     ``full`` (one atomic step: the path holds the old file or the new one), directory synced.
     OSError from ``os.link`` as raised (the caller tells refusals apart)."""
     from datastates.format import shard_file_name

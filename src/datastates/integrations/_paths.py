@@ -1,11 +1,12 @@
 """Path-addressed checkpoints: what the frameworks that think in files (DeepSpeed, Lightning) need.
 
 A framework asks to save a state "to the file ``dir/name``". Here that becomes the datastates
-checkpoint ``name.datastates`` of the directory ``dir`` (one rank: one shard file, a
+checkpoint ``name`` of the hidden directory ``dir/.datastates`` (one rank: one shard file, a
 ``torch.save`` archive), committed atomically by the core; right after the commit ``dir/name``
 becomes a hard link to that shard file (a link made under a temporary name, then renamed over
-the path), so the framework's own loader and ``torch.load`` read the path in place, and no
-tensor byte is written twice. Until then the path keeps what it held (the previous checkpoint,
+the path), so the framework's own loader and ``torch.load`` read the path in place, no tensor
+byte is written twice, and a listing of ``dir`` shows the framework's names plus
+``.datastates`` only. Until then the path keeps what it held (the previous checkpoint,
 another engine's file, or an empty placeholder file). Where the file system refuses hard links
 there is no file at the path, and the checkpoint is read through :meth:`PathCheckpoints.load`
 (one WARNING per directory). Layout, crash cases and older layouts: docs/lightning.md,
@@ -14,7 +15,9 @@ there is no file at the path, and the checkpoint is read through :meth:`PathChec
 Threads and ownership:
 - every public method runs on the caller's (training) thread; the link is made on the
   finisher thread, after the commit and before ``on_commit``;
-- one :class:`datastates.Checkpointer` per directory, created on first use and owned here; the
+- one :class:`datastates.Checkpointer` per directory (``dir/.datastates``; ``dir`` itself only
+  for the checkpoint directories earlier versions wrote at the paths), created on first use
+  and owned here; the
   first one owns the host cache and threads and every other one shares them
   (``Checkpointer(share=...)``), so a new directory (a new DeepSpeed tag) allocates nothing;
   at most ``max_open`` stay open (the least recently used sharer is closed once its saves are
@@ -41,8 +44,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ._layout import (
+    FOLDER,
     LINK_REFUSED_ERRNOS,
-    SUFFIX,
     aside_path,
     checkpoint_dir,
     drop_aside,
@@ -50,6 +53,7 @@ from ._layout import (
     drop_stale_links,
     file_at,
     file_is_newer,
+    hidden_root,
     is_checkpoint_dir,
     link_into_place,
     make_placeholder,
@@ -100,14 +104,16 @@ def base_optimizer(opt: Any) -> torch.optim.Optimizer | None:
 
 def drop_latest(path: str, info: Any = None) -> None:
     """After the commit of ``path``: remove the core's ``latest`` hint beside it if it names
-    that checkpoint. A framework lists that directory itself (Lightning's ``dirpath``, Hugging
-    Face's ``output_dir``) and reads no such hint; loads here never read it either."""
+    that checkpoint. A framework lists that directory itself (Hugging Face's ``output_dir``)
+    and reads no such hint; loads here never read it either. (The checkpoints behind a
+    framework's paths keep their hint in the hidden folder, where no one lists it; a checkpoint
+    directory an earlier version wrote at a path has its hint beside it.)"""
     latest = os.path.join(os.path.dirname(path), "latest")
     name = os.path.basename(path)
     try:
         with open(latest, "rb") as f:
             named = f.read(4096)
-        if named in (name.encode(), (name + SUFFIX).encode()):
+        if named == name.encode():
             os.remove(latest)
     except FileNotFoundError:
         pass
@@ -200,8 +206,9 @@ class PathCheckpoints:
         """Start saving ``state`` to ``path``; return its handle. ``step`` (the framework's
         global step, if it has one) is recorded as the checkpoint's step. ``path`` exists from
         here on (what it held, or an empty file, until the link made after the commit
-        replaces it: :func:`make_placeholder`, :func:`link_into_place`). ValueError for a name
-        ending in ``.datastates`` (the suffix of the checkpoint directories).
+        replaces it: :func:`make_placeholder`, :func:`link_into_place`). The checkpoint of an
+        earlier save superseded by a symbolic link at its path is deleted first
+        (:meth:`_drop_superseded`).
 
         ``optimizers`` are the optimizers whose parameters and state ``state`` holds (as state
         dicts): tensors on their bytes may be captured lazily (the core's rule), every other
@@ -212,24 +219,20 @@ class PathCheckpoints:
         """
         self.raise_errors()
         root, name = split_path(path)
-        if name.endswith(SUFFIX):
-            raise ValueError(
-                f"cannot checkpoint to {os.path.join(root, name)!r}: names ending in "
-                f"{SUFFIX!r} are those of the checkpoint directories behind the paths"
-            )
         full = os.path.join(root, name)
         self._wait_path(full)
+        self._drop_superseded(root)
         with self._lock:
             self._starting += 1  # no idle close of the Checkpointer this save is given
         try:
             os.makedirs(root, exist_ok=True)
             made = make_placeholder(full)
             try:
-                ckpt = self._checkpointer(root)
+                ckpt = self._checkpointer(hidden_root(root))  # the first save creates it
                 handle = ckpt.save(
                     state,
                     step,
-                    tag=name + SUFFIX,
+                    tag=name,
                     metadata=metadata or {},
                     overwrite=True,
                     optimizers=optimizers,
@@ -252,8 +255,9 @@ class PathCheckpoints:
     def load(self, path, map_location=None, *, trusted: bool | None = None):
         """What ``torch.load(path)`` would return for the state saved to ``path``, after the
         directory is repaired (:meth:`repair`). Read, in this order (:meth:`_source`): a file
-        written at the path after the checkpoint ``path.datastates`` committed (another
-        engine's, with ``torch.load``); that checkpoint (every checksum checked); a checkpoint
+        written at the path after the checkpoint ``dir/.datastates/name`` behind it committed
+        (another engine's, with ``torch.load``); that checkpoint (every checksum checked); a
+        checkpoint
         directory at ``path`` itself (the layout of earlier versions); a plain file at the
         path, or one an earlier version set aside. CheckpointNotFoundError if none is there."""
         root, name = split_path(path)
@@ -265,8 +269,10 @@ class PathCheckpoints:
         if kind == "plain":
             return torch.load(where, map_location=map_location, weights_only=not trusted)
         if kind == "datastates":
-            ckpt = self._checkpointer(root)
-            return ckpt.load(tag=where, map_location=map_location, trusted=trusted)
+            ckpt = self._checkpointer(os.path.dirname(where))
+            return ckpt.load(
+                tag=os.path.basename(where), map_location=map_location, trusted=trusted
+            )
         raise _core().CheckpointNotFoundError(
             f"no checkpoint at {full}: expected a file there, the checkpoint directory "
             f"{checkpoint_dir(full)}, or a checkpoint directory at the path itself"
@@ -285,15 +291,15 @@ class PathCheckpoints:
 
     @staticmethod
     def _source(full: str) -> tuple[str | None, str]:
-        """Where :meth:`load` reads ``full``: ("plain", file), ("datastates", tag) or
-        (None, "")."""
-        name = os.path.basename(full)
-        if is_checkpoint_dir(checkpoint_dir(full)):
+        """Where :meth:`load` reads ``full``: ("plain", file), ("datastates", checkpoint
+        directory) or (None, "")."""
+        behind = checkpoint_dir(full)
+        if is_checkpoint_dir(behind):
             if file_at(full) and file_is_newer(full):
                 return "plain", full
-            return "datastates", name + SUFFIX
+            return "datastates", behind
         if is_checkpoint_dir(full):
-            return "datastates", name  # written at the path by an earlier version
+            return "datastates", full  # written at the path by an earlier version
         if file_at(full):
             return "plain", full
         if vacant(full) and os.path.isfile(aside_path(full)):
@@ -302,20 +308,31 @@ class PathCheckpoints:
 
     def repair(self, root) -> None:
         """Let the core repair what dead writers left in the directory ``root`` before it is
-        looked at: opening its Checkpointer (once per directory) removes their temporaries and
-        puts back a checkpoint whose replacement a crash interrupted between the core's two
-        renames (on file systems without an atomic exchange); the temporary links of dead
-        processes go too (:func:`drop_stale_links`). A missing ``root`` is left alone."""
+        looked at: opening the Checkpointer of ``root/.datastates`` (once per directory)
+        removes their temporaries and puts back a checkpoint whose replacement a crash
+        interrupted between the core's two renames (on file systems without an atomic
+        exchange); the temporary links of dead processes in ``root`` go too
+        (:func:`drop_stale_links`). Nothing is created: a missing ``root`` or
+        ``root/.datastates`` is left alone."""
         root = os.path.abspath(os.fspath(root))
+        if os.path.isdir(hidden_root(root)):
+            self._checkpointer(hidden_root(root))
         if os.path.isdir(root):
-            self._checkpointer(root)
             drop_stale_links(root)
+
+    def committed(self, root) -> list:
+        """The :class:`datastates.CheckpointInfo` of every checkpoint behind a path in the
+        directory ``root`` (oldest first; each one's ``name`` is the path's file name); empty
+        before the first save there."""
+        hidden = hidden_root(os.path.abspath(os.fspath(root)))
+        return self._checkpointer(hidden).list() if os.path.isdir(hidden) else []
 
     def remove(self, path) -> None:
         """Delete what is at ``path`` (waiting first for a save of it still in flight): the
-        file (or link) at the path, the checkpoint ``path.datastates`` (through the core's
-        delete), a checkpoint directory an earlier version wrote at the path, and a plain file
-        an earlier version set aside."""
+        file (or link) at the path, the checkpoint ``dir/.datastates/name`` behind it (through
+        the core's delete), a checkpoint directory an earlier version wrote at the path, and a
+        plain file an earlier version set aside; then the checkpoints of the directory
+        superseded by a symbolic link (:meth:`_drop_superseded`)."""
         root, name = split_path(path)
         full = os.path.join(root, name)
         self._wait_path(full)
@@ -327,7 +344,28 @@ class PathCheckpoints:
         elif os.path.isdir(full):
             shutil.rmtree(full, ignore_errors=True)
         if is_checkpoint_dir(checkpoint_dir(full)):
-            self._checkpointer(root).delete(tag=name + SUFFIX)
+            self._checkpointer(hidden_root(root)).delete(tag=name)
+        self._drop_superseded(root)
+
+    def _drop_superseded(self, root: str) -> None:
+        """Caller's thread: delete each checkpoint of ``root/.datastates`` whose path is now a
+        symbolic link (``ModelCheckpoint(save_last="link")`` removes ``last.ckpt`` and links
+        it to another checkpoint: the checkpoint of the earlier real save behind it is read by
+        no one). A path with a save in flight is left alone."""
+        hidden = hidden_root(root)
+        try:
+            names = os.listdir(hidden)
+        except OSError:
+            return
+        for name in names:
+            full = os.path.join(root, name)
+            if name.startswith(".") or not os.path.islink(full):
+                continue
+            with self._lock:
+                if full in self._pending:
+                    continue
+            if is_checkpoint_dir(os.path.join(hidden, name)):
+                self._checkpointer(hidden).delete(tag=name)
 
     # ------------------------------------------------------------ synchronization
     def wait_snapshots(self) -> None:
@@ -428,7 +466,8 @@ class PathCheckpoints:
     def _link(self, pending: _Pending) -> None:
         """Finisher thread, after the commit of ``pending``: its path becomes a hard link to
         the checkpoint's shard file (:func:`link_into_place`). A checkpoint directory an
-        earlier version wrote at the path is deleted first (the new checkpoint is committed).
+        earlier version wrote at the path is deleted first (the new checkpoint is committed),
+        with the ``latest`` hint beside it if it names it.
         Where the file system refuses hard links, the path is left without a file (its
         placeholder, or the file of an older save, is removed), or with an empty one
         (:attr:`mark_unlinked`), and one WARNING per directory says so."""
@@ -436,6 +475,7 @@ class PathCheckpoints:
         root, name = os.path.split(full)
         if is_checkpoint_dir(full):
             self._checkpointer(root).delete(tag=name)
+            drop_latest(full)  # the hint of that earlier version's checkpoint, if it names it
         elif os.path.isdir(full) and not os.path.islink(full) and vacant(full):
             os.rmdir(full)  # an earlier version's placeholder
         try:
@@ -455,13 +495,13 @@ class PathCheckpoints:
             if first:
                 log.warning(
                     "the file system of %s refused a hard link (%s): the checkpoints saved "
-                    "to paths there are the directories <name>%s, with no file (or an empty "
+                    "to paths there are the directories %s/<name>, with no file (or an empty "
                     "one) at the path itself; they load through datastates (the adapter's load, "
                     "datastates.load), not through the framework's own loader or torch.load "
                     '(docs/lightning.md, "Files on disk")',
                     root,
                     exc.strerror or exc,
-                    SUFFIX,
+                    FOLDER,
                 )
 
     def _checkpointer(self, root: str):

@@ -14,9 +14,10 @@ every rank (``deepspeed/runtime/checkpoint_engine/datastates_checkpoint_engine.p
 (atomic per path) and returns once its state is in the host cache; :func:`enable_lazy_snapshots`
 makes it return after planning, the optimizer step waiting for the copy. Global rank 0 writes
 ``save_dir/latest`` once a tag is complete (DeepSpeed does not for this engine). A "file"
-DeepSpeed names, ``tag/<file>``, is the datastates checkpoint ``tag/<file>.datastates/``; once
+DeepSpeed names, ``tag/<file>``, is the datastates checkpoint ``tag/.datastates/<file>/``; once
 it is committed ``tag/<file>`` is a hard link to its shard file, a ``torch.save`` archive, so
-DeepSpeed's offline tools (``zero_to_fp32.py``) read the tag folder as it is. Checkpoints of
+DeepSpeed's offline tools (``zero_to_fp32.py``) read the tag folder as it is, and a listing of
+the tag folder shows DeepSpeed's file names plus ``.datastates``. Checkpoints of
 earlier versions (a directory at the file's path) need :func:`export_torch_files` first.
 
 Config keys (all optional): ``host_cache_size`` (GB, default 1), ``parser_threads`` (alias of
@@ -436,21 +437,26 @@ def export_torch_files(tag_dir: str, out_root: str | None = None) -> list[str]:
 
     consolidates the fp32 weights exactly as for DeepSpeed's own files (no ``--tag`` needed). Each
     file is streamed from the checkpoint (verified) and written atomically; returns their paths.
+    A file's checkpoint is the directory at its path (earlier versions) or the one behind it in
+    ``tag/.datastates/``; where both are there, the one behind it (saved later).
     """
     import datastates
-    from ._layout import SUFFIX, is_checkpoint_dir
+    from ._layout import checkpoint_dir, hidden_root, is_checkpoint_dir
 
     tag_dir = os.path.abspath(tag_dir).rstrip(os.sep)
     save_dir, tag = os.path.split(tag_dir)
     out_root = os.path.abspath(out_root or save_dir + "-torch")
     os.makedirs(os.path.join(out_root, tag), exist_ok=True)
+    names = set(os.listdir(tag_dir))
+    if os.path.isdir(hidden_root(tag_dir)):
+        names.update(os.listdir(hidden_root(tag_dir)))
     written = []
-    for name in sorted(os.listdir(tag_dir)):
-        src = os.path.join(tag_dir, name)
+    for name in sorted(n for n in names if not n.startswith(".")):
+        src = checkpoint_dir(os.path.join(tag_dir, name))
+        if not is_checkpoint_dir(src):
+            src = os.path.join(tag_dir, name)
         if is_checkpoint_dir(src):
-            dst = os.path.join(
-                out_root, tag, name[: -len(SUFFIX)] if name.endswith(SUFFIX) else name
-            )
+            dst = os.path.join(out_root, tag, name)
             datastates.export(src, dst, "torch", trusted=True)  # DeepSpeed's files hold objects
             written.append(dst)
     LOCAL.write_atomic(os.path.join(out_root, "latest"), tag.encode(), fsync=True)

@@ -11,9 +11,10 @@ Lightning calls, on global rank 0 only (``Strategy.save_checkpoint`` / ``remove_
 ``load_checkpoint(path, map_location, weights_only)`` for ``fit(ckpt_path=...)`` and
 ``teardown()`` at the end of ``fit``/``validate``/``test``.
 
-The checkpoint of ``path`` is the datastates checkpoint ``path.datastates/``, committed
-atomically; once committed, ``path`` is a hard link to its shard file, a ``torch.save`` archive,
-so ``Model.load_from_checkpoint(path)`` and ``torch.load(path)`` read it in place (``_paths``).
+The checkpoint of ``dirpath/name`` is the datastates checkpoint ``dirpath/.datastates/name/``,
+committed atomically; once committed, ``dirpath/name`` is a hard link to its shard file, a
+``torch.save`` archive, so ``Model.load_from_checkpoint(path)`` and ``torch.load(path)`` read it
+in place, and a listing of ``dirpath`` shows Lightning's names plus ``.datastates`` (``_paths``).
 A background failure is raised by the next ``save_checkpoint`` at the latest, and by
 ``teardown``. With the :meth:`DatastatesCheckpointIO.lazy_snapshots` callback
 ``save_checkpoint`` returns after planning and the next ``optimizer.step()`` waits for the
@@ -38,8 +39,8 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
 
 from ._memory import MemorySaves, check_every, framework_memory_tier, memory_wins
-from ._layout import ASIDE_PREFIX, SUFFIX, is_checkpoint_dir
-from ._paths import PathCheckpoints, drop_latest
+from ._layout import ASIDE_PREFIX, checkpoint_dir, hidden_root, is_checkpoint_dir
+from ._paths import PathCheckpoints
 
 log = logging.getLogger("datastates.integrations")
 
@@ -68,9 +69,7 @@ class DatastatesCheckpointIO(CheckpointIO):
         )
         if self._tier is not None:
             config = config.replace(memory_tier=None)
-        self._paths = PathCheckpoints(
-            config, max_open=max_open, trusted=False, on_commit=drop_latest, idle_close=True
-        )
+        self._paths = PathCheckpoints(config, max_open=max_open, trusted=False, idle_close=True)
         self._stock = TorchCheckpointIO()  # hidden names and URLs, see the module docstring
         self._guard: Optional["DatastatesSnapshotCallback"] = None
         self._memory: Optional["DatastatesMemoryCheckpoint"] = None
@@ -198,7 +197,7 @@ class DatastatesCheckpointIO(CheckpointIO):
         before calling the plug-in, so it cannot see a ``last.ckpt`` that is not there: a
         crash between the commit and the link, a file system refusing hard links, a checkpoint
         a crash left moved aside (an interrupted replacement). Here the core first repairs
-        ``dirpath``, and a ``last.ckpt.datastates`` checkpoint counts for ``last.ckpt``, as
+        ``dirpath``, and a checkpoint ``.datastates/last.ckpt`` counts for ``last.ckpt``, as
         does a plain ``last.ckpt`` an earlier version kept aside (see ``load_checkpoint``)."""
         local = self._local(dirpath, report=False)
         if local is None:
@@ -215,11 +214,13 @@ class DatastatesCheckpointIO(CheckpointIO):
         try:
             self._paths.repair(folder)
             names = {_path_name(n) for n in os.listdir(folder)}
+            if os.path.isdir(hidden_root(folder)):
+                names.update(os.listdir(hidden_root(folder)))
             found = {}
             for name in names:
                 path = os.path.join(folder, name)
                 if _LAST.fullmatch(name) and self._paths.exists(_resolve_link(path)):
-                    stamps = (path, path + SUFFIX, os.path.join(folder, ASIDE_PREFIX + name))
+                    stamps = (path, checkpoint_dir(path), os.path.join(folder, ASIDE_PREFIX + name))
                     found[path] = max(os.stat(p).st_mtime for p in stamps if os.path.exists(p))
             return max(found, key=lambda p: found[p], default=None)
         finally:
@@ -308,9 +309,7 @@ _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
 def _path_name(name: str) -> str:
     """The checkpoint path an entry of ModelCheckpoint's directory stands for."""
-    if name.startswith(ASIDE_PREFIX):
-        return name[len(ASIDE_PREFIX) :]
-    return name[: -len(SUFFIX)] if name.endswith(SUFFIX) else name
+    return name[len(ASIDE_PREFIX) :] if name.startswith(ASIDE_PREFIX) else name
 
 
 def _hidden(path: Any) -> bool:
@@ -396,7 +395,7 @@ def load_from_checkpoint(
     folder = os.path.dirname(os.path.abspath(os.fspath(path)))
     with tempfile.TemporaryDirectory(prefix=".datastates-export-", dir=folder) as tmp:
         exported = os.path.join(tmp, "checkpoint.ckpt")
-        behind = os.path.abspath(os.fspath(path)) + SUFFIX
+        behind = checkpoint_dir(os.path.abspath(os.fspath(path)))
         source = behind if is_checkpoint_dir(behind) else path
         datastates.export(source, exported, "torch", trusted=trusted)
         return module_class.load_from_checkpoint(exported, weights_only=not trusted, **kwargs)
@@ -480,14 +479,17 @@ class DatastatesMemoryCheckpoint(Callback):
         that checkpoint's path; None when there is neither. The io reads either path."""
         ckpt = self._checkpointer()
         memory = ckpt.memory.latest() if ckpt.memory is not None else None
-        found = ckpt.list()  # storage: ModelCheckpoint's datastates checkpoints, oldest first
+        try:
+            found = self.io._paths.committed(self.dirpath)  # ModelCheckpoint's, oldest first
+        finally:
+            self.io._paths.close_if_idle()
         storage = max(found, key=lambda i: (-1 if i.step is None else i.step, i.seq), default=None)
         storage_step = None if storage is None else -1 if storage.step is None else storage.step
         if memory is not None and memory_wins(memory.step, storage_step):
             return memory.path
         if storage is None:
             return None
-        return storage.path[: -len(SUFFIX)] if storage.path.endswith(SUFFIX) else storage.path
+        return os.path.join(self.dirpath, storage.name)
 
     def holds(self, path: Any) -> bool:
         """Whether ``path`` is a checkpoint of this memory tier."""

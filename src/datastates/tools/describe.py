@@ -90,9 +90,10 @@ def select(
     """The checkpoints ``path`` designates, and the damaged ones of its folder.
 
     ``path`` may be: a checkpoint folder; a framework's checkpoint file (``last.ckpt``,
-    ``mp_rank_00_model_states.pt``): the checkpoint ``<path>.datastates`` behind it; a folder
-    ``DatastatesWriter`` (DCP) wrote; a folder
-    of checkpoints (a Checkpointer's directory, a Lightning or HF output folder), where
+    ``mp_rank_00_model_states.pt``): the checkpoint behind it, ``.datastates/<name>`` in its
+    folder; a folder ``DatastatesWriter`` (DCP) wrote; a folder of checkpoints (a
+    Checkpointer's directory, a Lightning or HF output folder; for a folder of a framework's
+    files, the checkpoints behind them, in its ``.datastates`` folder), where
     ``step``/``tag`` pick one, ``every=True`` takes all, and otherwise the newest committed one
     is meant; a DeepSpeed tag folder (``global_stepN``, whose checkpoints are the files DeepSpeed
     names, ``mp_rank_00_model_states.pt`` ...): all of them, as they make one checkpoint
@@ -103,8 +104,10 @@ def select(
     an object-store URL (``s3://bucket/prefix``; ``storage_options`` as for ``Checkpointer``)."""
     path = normalize(path)
     store = open_store(path, storage_options)
-    if store.renames and os.path.isfile(path) and os.path.isdir(path + fmt.PATH_SUFFIX):
-        path = path + fmt.PATH_SUFFIX  # a framework's file: the checkpoint behind it
+    if store.renames and os.path.isfile(path):
+        behind = os.path.join(os.path.dirname(path), fmt.PATH_FOLDER, os.path.basename(path))
+        if os.path.isdir(behind):
+            path = behind  # a framework's file: the checkpoint behind it
     if store.renames and os.path.isfile(path):
         raise CheckpointNotFoundError(
             f"{path} is a file; expected a checkpoint folder or a folder of checkpoints"
@@ -119,6 +122,8 @@ def select(
         return Selection([info_of(path, files.read_manifest(path, store))], [])
     if store.renames and _is_dcp(path):
         return Selection([dcp_info(path)], [])
+    if store.renames:
+        path = _behind_files(path)
     if step is not None or tag is not None:
         return Selection([resolve(path, step, tag, store)], [])
     catalog = Catalog(path, store)
@@ -152,7 +157,7 @@ def _select_nested(path: str, every: bool) -> Selection:
         if _is_dcp(sub):
             dcps.append(_dcp_or_damaged(sub))
             continue
-        catalog = Catalog(sub, LOCAL)
+        catalog = Catalog(_behind_files(sub), LOCAL)
         found = catalog.scan()
         if found and _is_tag_folder(found) or catalog.damaged() and not found:
             tags[name] = (
@@ -171,6 +176,17 @@ def _select_nested(path: str, every: bool) -> Selection:
         good.sort(key=lambda i: (i.created_unix, i.name))
         return Selection(good if every else good[-1:], damaged)
     raise CheckpointNotFoundError(f"no datastates checkpoint in {path}{_foreign_hint(path)}")
+
+
+def _behind_files(path: str) -> str:
+    """The folder of checkpoints meant by the local folder ``path``: its hidden folder
+    ``.datastates``, holding the checkpoints behind a framework's files there (Lightning's
+    ``dirpath``, a DeepSpeed tag folder), unless ``path`` holds committed checkpoints itself
+    (a Checkpointer's directory, a tag folder of an earlier version)."""
+    hidden = os.path.join(path, fmt.PATH_FOLDER)
+    if not os.path.isdir(hidden) or os.path.islink(hidden):
+        return path
+    return path if Catalog(path, LOCAL).scan() else hidden
 
 
 def _latest_tag(path: str, tags: dict) -> str:
