@@ -515,3 +515,38 @@ def test_fit_ckpt_path_last_finds_the_file(tmp_path):
             p.add_(1.0)  # the restore must overwrite everything
     run(3, resumed, ckpt_path="last")
     assert_same(_continuous(tmp_path, 3), params(resumed))
+
+
+class _Weight(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1, bias=False)
+
+
+def _weight_checkpoint(value: float) -> dict:
+    module = _Weight()
+    torch.nn.init.constant_(module.layer.weight, value)
+    return {
+        "state_dict": module.state_dict(),
+        "pytorch-lightning_version": pl.__version__,
+        "global_step": int(value),
+        "epoch": 0,
+    }
+
+
+def test_load_from_checkpoint_reads_what_another_engine_wrote_at_the_path_later(tmp_path):
+    """A stock save to the path after the datastates one (a file renamed over it): every load,
+    datastates' ``load_from_checkpoint`` included, reads the newer file."""
+    from datastates.integrations.lightning import load_from_checkpoint
+
+    path = str(tmp_path / "best.ckpt")
+    io = DatastatesCheckpointIO(ONE_WRITER)
+    io.save_checkpoint(_weight_checkpoint(1.0), path)
+    io.teardown()
+    torch.save(_weight_checkpoint(2.0), tmp := str(tmp_path / "stock.tmp"))
+    os.replace(tmp, path)
+    expected = torch.full((1, 2), 2.0)
+    assert torch.equal(io.load_checkpoint(path)["state_dict"]["layer.weight"], expected)
+    assert torch.equal(_Weight.load_from_checkpoint(path).layer.weight.data, expected)
+    assert torch.equal(load_from_checkpoint(_Weight, path).layer.weight.data, expected)
+    io.teardown()

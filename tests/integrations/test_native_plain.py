@@ -147,6 +147,36 @@ def test_torch_load_finds_each_record_by_its_own_header(tmp_path):
         assert _equal(got["extra"][key], state["extra"][key]), key
 
 
+def test_an_object_holding_tensors_is_none_in_the_view_and_the_file_stays_weights_only(
+    tmp_path, caplog
+):
+    """Pickled again, an object's tensors would carry their bytes inside the pickle through a
+    function the weights-only loader refuses, and the whole file would be refused."""
+    state = {"w": torch.ones(3), "obj": {(1, 2): torch.arange(4.0)}, "ok": {5, 6}}
+    path = _shard(tmp_path, state, allow_unsafe_objects=True)
+    got = torch.load(path, weights_only=True)
+    assert got["obj"] is None and got["ok"] == {5, 6} and _equal(got["w"], torch.ones(3))
+    assert "gives None for 'obj'" in caplog.text and "holds tensors" in caplog.text
+
+
+def test_an_object_that_does_not_pickle_again_leaves_the_other_objects_in_the_view(
+    tmp_path, caplog
+):
+    cyclic: list = []
+    cyclic.append((cyclic,))  # a cycle through a tuple, inside a dict saved as an object
+    deep: dict = {}
+    inner = deep
+    for _ in range(400):  # deeper than the pickler of plain trees goes
+        inner[0] = {}
+        inner = inner[0]
+    state = {"cyc": {(1,): cyclic}, "deep": {(2,): deep}, "ok": {7}, "t": torch.ones(2)}
+    path = _shard(tmp_path, state, allow_unsafe_objects=True)
+    got = torch.load(path, weights_only=False)
+    assert got["ok"] == {7} and _equal(got["t"], torch.ones(2))
+    assert got["cyc"][(1,)][0][0] is got["cyc"][(1,)]  # the cycle kept
+    assert "gives None for every object" not in caplog.text
+
+
 def test_the_shard_file_is_a_valid_zip_archive_with_every_crc(tmp_path):
     _, _, state = _state()
     path = _shard(tmp_path, state, host_cache_bytes=16384, chunk_bytes=4096)

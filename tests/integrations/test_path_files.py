@@ -311,6 +311,24 @@ def test_a_checkpoint_superseded_by_a_symbolic_link_is_removed(tmp_path):
     paths.close()
 
 
+def test_a_symbolic_link_at_the_path_is_read_as_its_target_never_as_an_older_checkpoint(tmp_path):
+    """last.ckpt saved for real, then made a link to a save still in flight (its placeholder
+    empty) by save_last="link", then the process dies: the path has no checkpoint, not the
+    one saved at last.ckpt before."""
+    paths = PathCheckpoints(ONE_WRITER)
+    paths.save(_state(1.0), tmp_path / "last.ckpt", snapshot=True)
+    paths.wait()
+    open(tmp_path / "b.ckpt", "wb").close()  # the placeholder of a save that never committed
+    os.remove(tmp_path / "last.ckpt")
+    os.symlink("b.ckpt", tmp_path / "last.ckpt")
+    assert paths.source(str(tmp_path / "last.ckpt")) == (None, "")
+    assert not paths.exists(tmp_path / "last.ckpt")
+    paths.save(_state(2.0), tmp_path / "b.ckpt", snapshot=True)
+    paths.wait()
+    assert_same(_state(2.0), paths.load(tmp_path / "last.ckpt"))
+    paths.close()
+
+
 def test_the_cli_given_the_file_reads_the_checkpoint_behind_it(tmp_path, capsys):
     from datastates.tools.cli import main
 

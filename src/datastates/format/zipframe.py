@@ -15,6 +15,7 @@ import functools
 import io
 import pickle
 import struct
+import zipfile
 from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
@@ -265,12 +266,17 @@ def _with_tensors(obj: Any, done: dict[int, tuple]) -> Any:
     new: Any
     if placeholders.is_placeholder(obj):
         new = _Tensor(obj[1], obj[2], obj[3])
-    elif kind is tuple:
+    elif kind is tuple:  # a cycle through a tuple passes a list or dict, known before its items
         new = tuple(_with_tensors(v, done) for v in obj)
     elif kind is list:
-        new = [_with_tensors(v, done) for v in obj]
+        new = []
+        done[id(obj)] = (obj, new)
+        new.extend(_with_tensors(v, done) for v in obj)
     else:
-        new = kind((k, _with_tensors(v, done)) for k, v in obj.items())
+        new = kind()
+        done[id(obj)] = (obj, new)
+        for k, v in obj.items():
+            new[k] = _with_tensors(v, done)
     done[id(obj)] = (obj, new)
     return new
 
@@ -364,7 +370,12 @@ def object_value(blob: bytes) -> Any:
     """The object a blob of this process holds (``torch.save`` bytes made by the save that
     writes them), to be pickled again into the view: read with the weights-only loader first,
     and only if that refuses its classes with the full one. Never used on bytes read from a
-    checkpoint."""
+    checkpoint. ValueError for an object holding tensors: pickled again, their storages would
+    be copied into the pickle (``torch.storage._load_from_bytes``, which the weights-only
+    loader refuses, so that the whole file would be refused)."""
+    with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+        if any("/data/" in name for name in archive.namelist()):
+            raise ValueError("it holds tensors, which the view cannot name as records")
     try:
         return torch.load(io.BytesIO(blob), weights_only=True)
     except pickle.UnpicklingError:
@@ -378,7 +389,7 @@ def pickle_state(state: Any) -> bytes:
     tree it does not write."""
     try:
         return placeholders.TensorPickler().dumps(state)
-    except Unsupported:
+    except (Unsupported, RecursionError):  # the C pickler goes deeper
         buf = io.BytesIO()
         _Pickler(buf, protocol=2).dump(_with_tensors(state, {}))
         return buf.getvalue()

@@ -254,7 +254,7 @@ class PathCheckpoints:
 
     def load(self, path, map_location=None, *, trusted: bool | None = None):
         """What ``torch.load(path)`` would return for the state saved to ``path``, after the
-        directory is repaired (:meth:`repair`). Read, in this order (:meth:`_source`): a file
+        directory is repaired (:meth:`repair`). Read, in this order (:meth:`source`): a file
         written at the path after the checkpoint ``dir/.datastates/name`` behind it committed
         (another engine's, with ``torch.load``); that checkpoint (every checksum checked); a
         checkpoint
@@ -265,7 +265,7 @@ class PathCheckpoints:
         self._wait_path(full)
         self.repair(root)
         trusted = self.trusted if trusted is None else trusted
-        kind, where = self._source(full)
+        kind, where = self.source(full)
         if kind == "plain":
             return torch.load(where, map_location=map_location, weights_only=not trusted)
         if kind == "datastates":
@@ -287,12 +287,16 @@ class PathCheckpoints:
             if full in self._pending:
                 return True
         self.repair(root)
-        return self._source(full)[0] is not None
+        return self.source(full)[0] is not None
 
     @staticmethod
-    def _source(full: str) -> tuple[str | None, str]:
+    def source(full: str) -> tuple[str | None, str]:
         """Where :meth:`load` reads ``full``: ("plain", file), ("datastates", checkpoint
-        directory) or (None, "")."""
+        directory) or (None, ""). A symbolic link at ``full`` (Lightning's ``save_last="link"``)
+        is read as its target is, never as a checkpoint saved at ``full`` before it."""
+        if os.path.islink(full):
+            target = os.path.realpath(full)
+            return (None, "") if os.path.islink(target) else PathCheckpoints.source(target)
         behind = checkpoint_dir(full)
         if is_checkpoint_dir(behind):
             if file_at(full) and file_is_newer(full):

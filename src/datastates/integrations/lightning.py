@@ -39,7 +39,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
 
 from ._memory import MemorySaves, check_every, framework_memory_tier, memory_wins
-from ._layout import ASIDE_PREFIX, checkpoint_dir, hidden_root, is_checkpoint_dir
+from ._layout import ASIDE_PREFIX, checkpoint_dir, hidden_root
 from ._paths import PathCheckpoints
 
 log = logging.getLogger("datastates.integrations")
@@ -379,7 +379,8 @@ def load_from_checkpoint(
     :class:`DatastatesCheckpointIO`, every checksum checked first. The stock call reads a
     checkpoint of this version as it is (``path`` is its shard file); this one reads those, a
     checkpoint whose path has no file (a file system without hard links) and the checkpoint
-    directories of earlier versions.
+    directories of earlier versions. What another engine wrote at ``path`` after the checkpoint
+    (the file is newer) is read by the stock call, as every load here reads it.
 
     The checkpoint is exported (streamed, verified) to a temporary ``torch.save`` file next to it,
     which Lightning's own loader then reads, so hyper-parameters, ``on_load_checkpoint`` hooks and
@@ -395,9 +396,10 @@ def load_from_checkpoint(
     folder = os.path.dirname(os.path.abspath(os.fspath(path)))
     with tempfile.TemporaryDirectory(prefix=".datastates-export-", dir=folder) as tmp:
         exported = os.path.join(tmp, "checkpoint.ckpt")
-        behind = checkpoint_dir(os.path.abspath(os.fspath(path)))
-        source = behind if is_checkpoint_dir(behind) else path
-        datastates.export(source, exported, "torch", trusted=trusted)
+        kind, source = PathCheckpoints.source(os.path.abspath(os.fspath(path)))
+        if kind == "plain":  # another engine's file (written after the checkpoint behind it)
+            return module_class.load_from_checkpoint(source, weights_only=not trusted, **kwargs)
+        datastates.export(source or path, exported, "torch", trusted=trusted)
         return module_class.load_from_checkpoint(exported, weights_only=not trusted, **kwargs)
 
 
