@@ -256,13 +256,17 @@ def test_stale_link_temporaries_are_removed_by_repair(tmp_path):
             text=True,
         ).stdout
     )
-    stale, ours = f".link-{dead}-0123abcd", f".link-{os.getpid()}-0123abcd"
-    for name in (stale, ours):
+    from datastates.integrations._layout import HOST
+
+    stale, ours = f".link-{HOST}-{dead}-0123abcd", f".link-{HOST}-{os.getpid()}-0123abcd"
+    other = f".link-{'0' * 8 if HOST != '0' * 8 else '1' * 8}-{dead}-0123abcd"  # another node's
+    for name in (stale, ours, other):
         open(tmp_path / name, "w").close()
     paths = PathCheckpoints(ONE_WRITER)
     paths.repair(tmp_path)
     assert not os.path.exists(tmp_path / stale)
     assert os.path.exists(tmp_path / ours)  # this process's own: never removed from under it
+    assert os.path.exists(tmp_path / other)  # its process may be alive on its own node
     paths.close()
 
 

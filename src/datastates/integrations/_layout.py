@@ -10,9 +10,11 @@ when each runs."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import re
+import socket
 import uuid
 
 from datastates.format import PATH_FOLDER
@@ -41,10 +43,12 @@ LINK_REFUSED_ERRNOS = (
     errno.EMLINK,
     errno.ENOSYS,
 )
-#: The temporary name of a link being put in place: ``.link-<pid>-<8 hex>``. It never spells the
-#: checkpoint's name, so a framework matching its names in a listing (Lightning's
-#: ``hpc_ckpt_<n>``, ``last``) never takes it for one.
-_LINK_TMP = re.compile(r"\.link-(?P<pid>[0-9]+)-[0-9a-f]{8}")
+#: The temporary name of a link being put in place: ``.link-<host>-<pid>-<8 hex>``, ``<host>``
+#: 8 hex digits of this machine's name (a folder shared by several nodes: a process is judged
+#: gone only by its own node). It never spells the checkpoint's name, so a framework matching
+#: its names in a listing (Lightning's ``hpc_ckpt_<n>``, ``last``) never takes it for one.
+_LINK_TMP = re.compile(r"\.link-(?P<host>[0-9a-f]{8})-(?P<pid>[0-9]+)-[0-9a-f]{8}")
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
 def hidden_root(root: str) -> str:
@@ -154,7 +158,7 @@ def link_into_place(full: str) -> None:
     from datastates.storage import fsync_dir
 
     root = os.path.dirname(full)
-    tmp = os.path.join(root, f".link-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(root, f".link-{HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.link(os.path.join(checkpoint_dir(full), shard_file_name(0)), tmp)
     try:
         os.replace(tmp, full)
@@ -175,7 +179,9 @@ def drop_stale_links(root: str) -> None:
         return
     for name in names:
         found = _LINK_TMP.fullmatch(name)
-        if found is None or int(found["pid"]) == os.getpid() or _alive(int(found["pid"])):
+        if found is None or found["host"] != HOST:  # another node's: it judges its own
+            continue
+        if int(found["pid"]) == os.getpid() or _alive(int(found["pid"])):
             continue
         try:
             os.remove(os.path.join(root, name))
