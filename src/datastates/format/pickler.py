@@ -29,8 +29,9 @@ from __future__ import annotations
 import collections
 import itertools
 import pickle
+import pickletools
 import struct
-from typing import Any
+from typing import Any, cast
 
 #: Items per ``SETITEMS``/``APPENDS`` batch (``BATCHSIZE`` in ``_pickle.c``).
 BATCH = 1000
@@ -46,6 +47,17 @@ _TUPLE_END = {1: b"\x85", 2: b"\x86", 3: b"\x87"}
 
 class Unsupported(Exception):
     """The tree holds something this writer does not write as the C pickler would."""
+
+
+class Pickled(bytes):
+    """A complete protocol 2 pickle of one object (``PROTO`` ... ``STOP``, no persistent id),
+    written into the tree's pickle in its place, as it is (:meth:`TreePickler.splice`): the
+    object is never built here."""
+
+
+#: The opcodes of a spliced pickle that name memo entries, by their protocol 2 form.
+_MEMO_PUT = {"PUT", "BINPUT", "LONG_BINPUT"}
+_MEMO_GET = {"GET", "BINGET", "LONG_BINGET"}
 
 
 def put_bytes(n: int) -> bytes:
@@ -181,8 +193,32 @@ class TreePickler:
             self.save_tuple(obj)
         elif kind is collections.OrderedDict:
             self._odict(obj)
+        elif kind is Pickled:
+            self.splice(obj)
         else:
             raise Unsupported(f"a {kind.__name__}")
+
+    def splice(self, data: Pickled) -> None:
+        """Write the object pickled in ``data`` here: its opcodes between ``PROTO`` and
+        ``STOP``, its memo indexes moved past this pickle's (the unpickler's memo then holds
+        its objects under indexes nothing else uses)."""
+        ops = list(pickletools.genops(data))
+        base, top, out = self.n, -1, self.out
+        for (op, arg, at), (_, _, end) in zip(ops, ops[1:] + [(None, None, len(data))]):
+            name = op.name
+            if name in ("PROTO", "STOP"):
+                continue
+            if name in _MEMO_PUT:
+                index = int(cast(int, arg))
+                out += put_bytes(base + index)
+                top = max(top, index)
+            elif name in _MEMO_GET:
+                out += get_bytes(base + int(cast(int, arg)))
+            elif name in ("MEMOIZE", "PERSID", "BINPERSID", "FRAME"):
+                raise Unsupported(f"a pickled object with {name}")
+            else:
+                out += data[at:end]
+        self.n = base + top + 1
 
     def save_item(self, key: Any, value: Any) -> None:
         """An item of a dict: its key, then its value."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import functools
 import io
+import logging
 import pickle
 import struct
 import zipfile
@@ -22,7 +23,9 @@ import torch
 
 from . import placeholders
 from .placeholders import placeholder
-from .pickler import Unsupported
+from .pickler import Pickled, Unsupported
+
+log = logging.getLogger("datastates")
 
 FOLDER = "archive"
 #: The first record: empty, its local header fills bytes 0-63 (the datastates header follows it,
@@ -254,10 +257,14 @@ class _Tensor(NamedTuple):
     shape: tuple
 
 
-def _with_tensors(obj: Any, done: dict[int, tuple]) -> Any:
-    """``obj`` with its placeholders as :class:`_Tensor` (what :class:`_Pickler` writes),
-    each container and placeholder once (``done``: id -> (it, its copy))."""
+def _with_tensors(obj: Any, done: dict[int, tuple], dropped: list[int]) -> Any:
+    """``obj`` with its placeholders as :class:`_Tensor` (what :class:`_Pickler` writes) and its
+    objects' pickles as None (counted in ``dropped``), each container and placeholder once
+    (``done``: id -> (it, its copy))."""
     kind = type(obj)
+    if kind is Pickled:
+        dropped.append(1)
+        return None
     if kind not in (dict, list, tuple, collections.OrderedDict):
         return obj
     seen = done.get(id(obj))
@@ -267,16 +274,16 @@ def _with_tensors(obj: Any, done: dict[int, tuple]) -> Any:
     if placeholders.is_placeholder(obj):
         new = _Tensor(obj[1], obj[2], obj[3])
     elif kind is tuple:  # a cycle through a tuple passes a list or dict, known before its items
-        new = tuple(_with_tensors(v, done) for v in obj)
+        new = tuple(_with_tensors(v, done, dropped) for v in obj)
     elif kind is list:
         new = []
         done[id(obj)] = (obj, new)
-        new.extend(_with_tensors(v, done) for v in obj)
+        new.extend(_with_tensors(v, done, dropped) for v in obj)
     else:
         new = kind()
         done[id(obj)] = (obj, new)
         for k, v in obj.items():
-            new[k] = _with_tensors(v, done)
+            new[k] = _with_tensors(v, done, dropped)
     done[id(obj)] = (obj, new)
     return new
 
@@ -366,20 +373,19 @@ def plain_state(node: dict, tensor_of: TensorOf, object_of: ObjectOf | None = No
     return None
 
 
-def object_value(blob: bytes) -> Any:
-    """The object a blob of this process holds (``torch.save`` bytes made by the save that
-    writes them), to be pickled again into the view: read with the weights-only loader first,
-    and only if that refuses its classes with the full one. Never used on bytes read from a
-    checkpoint. ValueError for an object holding tensors: pickled again, their storages would
-    be copied into the pickle (``torch.storage._load_from_bytes``, which the weights-only
-    loader refuses, so that the whole file would be refused)."""
+def object_pickle(blob: bytes) -> Pickled:
+    """The pickle ``torch.save`` wrote for the object of a blob this process made (its
+    ``data.pkl``), to be written into the view as it is (:class:`pickler.TreePickler`): the
+    object is never unpickled here. ValueError for an object holding tensors (their storages
+    are records of the blob, which the view does not have)."""
     with zipfile.ZipFile(io.BytesIO(blob)) as archive:
-        if any("/data/" in name for name in archive.namelist()):
-            raise ValueError("it holds tensors, which the view cannot name as records")
-    try:
-        return torch.load(io.BytesIO(blob), weights_only=True)
-    except pickle.UnpicklingError:
-        return torch.load(io.BytesIO(blob), weights_only=False)
+        names = archive.namelist()
+        if any("/data/" in name for name in names):
+            raise ValueError("the object holds tensors, which the view cannot name as records")
+        found = [name for name in names if name.endswith("/data.pkl")]
+        if len(found) != 1:
+            raise ValueError(f"expected one data.pkl in the object's blob, found {found}")
+        return Pickled(archive.read(found[0]))
 
 
 def pickle_state(state: Any) -> bytes:
@@ -390,8 +396,15 @@ def pickle_state(state: Any) -> bytes:
     try:
         return placeholders.TensorPickler().dumps(state)
     except (Unsupported, RecursionError):  # the C pickler goes deeper
+        dropped: list[int] = []
         buf = io.BytesIO()
-        _Pickler(buf, protocol=2).dump(_with_tensors(state, {}))
+        _Pickler(buf, protocol=2).dump(_with_tensors(state, {}, dropped))
+        if dropped:
+            log.warning(
+                "torch.load of the shard file gives None for its %d objects: the state is "
+                "written by the C pickler, which cannot insert their pickles",
+                len(dropped),
+            )
         return buf.getvalue()
 
 

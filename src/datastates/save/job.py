@@ -521,11 +521,11 @@ def _write_framed(job: Job, index: bytes, checksums: list, tree: dict) -> int:
         if blob is None:
             return None
         try:
-            return zipframe.object_value(blob)
-        except Exception as exc:  # the object's own code, run again: the view goes without it
+            return zipframe.object_pickle(blob)
+        except ValueError as exc:
             log.warning(
-                "%s: torch.load of the shard file gives None for %r: reading the object back "
-                "raised %r (datastates reads it from its blob as usual)",
+                "%s: torch.load of the shard file gives None for %r: %s (datastates reads "
+                "it from its blob as usual)",
                 job.target.name,
                 items.keys[i],
                 exc,
@@ -534,26 +534,7 @@ def _write_framed(job: Job, index: bytes, checksums: list, tree: dict) -> int:
 
     # the whole state, or the value of one top-level key (save(view=...))
     shown = tree if job.view is None else _view_node(tree, job.view, held)
-
-    def pickled_alone(i: int):
-        value = held_object(i)
-        try:
-            zipframe.pickle_state(value)
-        except Exception as exc:  # an object that does not pickle again as it did
-            log.warning(
-                "%s: torch.load of the shard file gives None for %r: pickling it again "
-                "raised %r (datastates reads it from its blob as usual)",
-                job.target.name,
-                items.keys[i],
-                exc,
-            )
-            return None
-        return value
-
-    try:
-        pickled = zipframe.pickle_state(zipframe.plain_state(shown, held, held_object))
-    except Exception:  # some object does not pickle again: find it, the others stay
-        pickled = zipframe.pickle_state(zipframe.plain_state(shown, held, pickled_alone))
+    pickled = zipframe.pickle_state(zipframe.plain_state(shown, held, held_object))
     tail_at = fmt.align_up(at + len(index), fmt.DATA_ALIGN)
     tail = zipframe.tail_after(
         tail_at,
