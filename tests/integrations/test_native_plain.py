@@ -238,3 +238,19 @@ def test_the_crc_of_pieces_is_the_crc_of_the_whole():
         for length, piece in pieces[1:]:  # the Python fallback agrees
             crc = zipframe.crc32_combine(crc, piece, length)
         assert crc == zlib.crc32(data)
+
+
+def test_objects_after_many_memo_entries_keep_their_shared_parts(tmp_path):
+    """Each object's pickle goes in with its memo indexes moved past the enclosing pickle's
+    (past 256: the long forms): shared parts inside an object stay shared, objects stay apart."""
+    shared = [1, 2]
+    state: dict = {f"k{i}": torch.full((2,), float(i)) for i in range(300)}
+    state["a"] = {(1,): shared, (2,): shared}  # non-str keys: saved as an object
+    state["b"] = {(3,): [shared, shared]}
+    state["c"] = {"n": torch.Size([4, 5])}
+    got = torch.load(_shard(tmp_path, state, allow_unsafe_objects=True), weights_only=False)
+    assert got["a"][(1,)] is got["a"][(2,)] and got["a"][(1,)] == [1, 2]
+    assert got["b"][(3,)][0] is got["b"][(3,)][1] and got["b"][(3,)][0] is not got["a"][(1,)]
+    assert got["c"]["n"] == torch.Size([4, 5])
+    for i in range(300):
+        assert _equal(got[f"k{i}"], torch.full((2,), float(i)))
