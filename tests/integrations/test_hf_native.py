@@ -20,58 +20,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
-    GPT2Config,
     GPT2LMHeadModel,
     TrainerCallback,
-    TrainingArguments,
 )
 
 import datastates  # noqa: E402
 from datastates.integrations.hf import WEIGHTS_INDEX, DatastatesTrainer  # noqa: E402
 from datastates.tools import cli  # noqa: E402
 
+from test_hf import args, dataset, tiny_model  # noqa: E402  (the same tiny run)
+
 # slow: Hugging Face Trainer runs
 pytestmark = pytest.mark.slow
-
-
-def tiny_model():
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(
-        GPT2Config(
-            n_layer=2,
-            n_head=2,
-            n_embd=32,
-            vocab_size=64,
-            n_positions=16,
-            resid_pdrop=0.1,
-            embd_pdrop=0.1,
-        )
-    )
-
-
-def dataset():
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 64, (24, 16), generator=g)
-    return [{"input_ids": x, "labels": x} for x in ids]
-
-
-def args(out, **kw):
-    base = dict(
-        output_dir=str(out),
-        max_steps=8,
-        save_steps=4,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        logging_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        save_strategy="steps",
-    )
-    base.update(kw)
-    return TrainingArguments(**base)
 
 
 class Snapshot(TrainerCallback):
