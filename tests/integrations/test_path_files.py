@@ -355,3 +355,20 @@ def test_the_cli_given_the_file_reads_the_checkpoint_behind_it(tmp_path, capsys)
     os.rename(_behind(target), tmp_path / "elsewhere")
     assert main(["verify", str(target)]) == 1
     assert "is a file" in capsys.readouterr().err
+
+
+def test_the_cli_follows_no_link_from_a_file_to_a_checkpoint_elsewhere(tmp_path, capsys):
+    """A handed folder whose ``.datastates`` is a symbolic link to a checkpoint elsewhere: the
+    CLI given the file there does not read what the link points at."""
+    from datastates.tools.cli import main
+
+    paths = PathCheckpoints(ONE_WRITER)
+    paths.save(_state(1.0), tmp_path / "real" / "last.ckpt", snapshot=True)
+    paths.wait()
+    paths.close()
+    handed = tmp_path / "handed"
+    handed.mkdir()
+    open(handed / "last.ckpt", "wb").write(b"x")
+    os.symlink(tmp_path / "real" / ".datastates", handed / ".datastates")
+    assert main(["verify", str(handed / "last.ckpt")]) == 1
+    assert "is a file" in capsys.readouterr().err

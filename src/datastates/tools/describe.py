@@ -105,9 +105,10 @@ def select(
     path = normalize(path)
     store = open_store(path, storage_options)
     if store.renames and os.path.isfile(path):
-        behind = os.path.join(os.path.dirname(path), fmt.PATH_FOLDER, os.path.basename(path))
-        if os.path.isdir(behind):
-            path = behind  # a framework's file: the checkpoint behind it
+        hidden = os.path.join(os.path.dirname(path), fmt.PATH_FOLDER)
+        behind = os.path.join(hidden, os.path.basename(path))
+        if not os.path.islink(hidden) and not os.path.islink(behind) and os.path.isdir(behind):
+            path = behind  # a framework's file: the checkpoint behind it (no link followed)
     if store.renames and os.path.isfile(path):
         raise CheckpointNotFoundError(
             f"{path} is a file; expected a checkpoint folder or a folder of checkpoints"
